@@ -1,0 +1,249 @@
+//! An attempt: one try at satisfying a job.
+//!
+//! Attempts accumulate under a job. Each one holds a lease renewed by the
+//! gateway instance running it; a lapsed lease means that instance died and
+//! the attempt's outcome is unknown.
+
+use std::fmt;
+use std::time::SystemTime;
+
+use uuid::Uuid;
+
+use crate::job::JobId;
+
+/// The identity of one attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct AttemptId(pub Uuid);
+
+impl AttemptId {
+    /// A new, time-ordered id.
+    pub fn new() -> Self {
+        AttemptId(Uuid::now_v7())
+    }
+}
+
+impl Default for AttemptId {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl fmt::Display for AttemptId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// Where an attempt stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AttemptState {
+    /// Sent or about to be sent; its gateway holds the lease.
+    Started,
+    /// Its response was committed as the job's result.
+    Succeeded,
+    /// Provably had no effect (refused before send, or a retryable status).
+    Failed,
+    /// Sent, and no answer is known: timeout, reset after send, lease lapsed.
+    Unknown,
+    /// Resolved out of band by an operator.
+    Cancelled,
+    /// Finished after another attempt had already won; its payload was discarded.
+    Superseded,
+    /// Answered, but the answer broke the route's response contract.
+    Rejected,
+}
+
+impl AttemptState {
+    /// The name used in storage and in the admin API.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AttemptState::Started => "started",
+            AttemptState::Succeeded => "succeeded",
+            AttemptState::Failed => "failed",
+            AttemptState::Unknown => "unknown",
+            AttemptState::Cancelled => "cancelled",
+            AttemptState::Superseded => "superseded",
+            AttemptState::Rejected => "rejected",
+        }
+    }
+
+    /// Parses a stored name.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "started" => AttemptState::Started,
+            "succeeded" => AttemptState::Succeeded,
+            "failed" => AttemptState::Failed,
+            "unknown" => AttemptState::Unknown,
+            "cancelled" => AttemptState::Cancelled,
+            "superseded" => AttemptState::Superseded,
+            "rejected" => AttemptState::Rejected,
+            _ => return None,
+        })
+    }
+
+    /// Still able to produce a result: in flight, or sent with the outcome not known.
+    pub fn is_unsettled(self) -> bool {
+        matches!(self, AttemptState::Started | AttemptState::Unknown)
+    }
+
+    /// Whether an attempt in this state may move to `next`.
+    ///
+    /// Only unsettled attempts move. An unknown attempt may still succeed (its
+    /// late answer) or be superseded, or be resolved by an operator; it never
+    /// goes back to started.
+    pub fn can_become(self, next: AttemptState) -> bool {
+        use AttemptState::*;
+        match self {
+            Started => next != Started,
+            Unknown => matches!(next, Succeeded | Failed | Cancelled | Superseded | Rejected),
+            _ => false,
+        }
+    }
+}
+
+impl fmt::Display for AttemptState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What a gateway asks the store to create when it starts an attempt.
+#[derive(Debug, Clone)]
+pub struct NewAttempt {
+    /// The attempt's id, chosen by the caller.
+    pub id: AttemptId,
+    /// The name of the upstream it goes to.
+    pub upstream: String,
+    /// The gateway instance that runs it and renews its lease.
+    pub instance: Uuid,
+    /// How long the lease lasts without renewal.
+    pub lease: std::time::Duration,
+    /// After this long the attempt is abandoned even if the upstream never answers.
+    pub deadline: std::time::Duration,
+}
+
+/// An attempt as read from the store.
+#[derive(Debug, Clone)]
+pub struct Attempt {
+    /// Its id.
+    pub id: AttemptId,
+    /// The job it belongs to.
+    pub job_id: JobId,
+    /// 1, 2, … in the order they were made.
+    pub number: i32,
+    /// The name of the upstream it went to.
+    pub upstream: String,
+    /// Where it stands.
+    pub state: AttemptState,
+    /// The job version it was started under; its commit is a CAS on it.
+    pub job_version: i64,
+    /// When it started.
+    pub started_at: SystemTime,
+    /// When it reached a final state.
+    pub finished_at: Option<SystemTime>,
+    /// When its lease lapses unless renewed.
+    pub lease_expires_at: SystemTime,
+    /// The status the upstream answered with, if it did.
+    pub upstream_status: Option<u16>,
+    /// Why it ended the way it did, for the operator.
+    pub detail: Option<String>,
+}
+
+/// How an attempt ended without a committed result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AttemptFailure {
+    /// Provably had no effect: safe to retry.
+    Failed {
+        /// The upstream status, when it answered with a retryable one.
+        status: Option<u16>,
+        /// Why.
+        detail: String,
+    },
+    /// Sent, and whether it took effect is not known.
+    Unknown {
+        /// Why.
+        detail: String,
+    },
+    /// Answered, but broke the route's contract.
+    Rejected {
+        /// The status it answered with.
+        status: u16,
+        /// Why.
+        detail: String,
+    },
+}
+
+impl AttemptFailure {
+    /// The attempt state this failure leads to.
+    pub fn state(&self) -> AttemptState {
+        match self {
+            AttemptFailure::Failed { .. } => AttemptState::Failed,
+            AttemptFailure::Unknown { .. } => AttemptState::Unknown,
+            AttemptFailure::Rejected { .. } => AttemptState::Rejected,
+        }
+    }
+
+    /// The upstream status, if any.
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            AttemptFailure::Failed { status, .. } => *status,
+            AttemptFailure::Unknown { .. } => None,
+            AttemptFailure::Rejected { status, .. } => Some(*status),
+        }
+    }
+
+    /// The operator-facing reason.
+    pub fn detail(&self) -> &str {
+        match self {
+            AttemptFailure::Failed { detail, .. }
+            | AttemptFailure::Unknown { detail }
+            | AttemptFailure::Rejected { detail, .. } => detail,
+        }
+    }
+}
+
+/// An operator's out-of-band decision about an unsettled attempt.
+#[derive(Debug, Clone)]
+pub enum Resolution {
+    /// It had no effect: the job may be retried.
+    Failed,
+    /// It is abandoned: the job may be retried.
+    Cancelled,
+    /// It took effect, with this response, which is committed through the same CAS.
+    Succeeded(crate::job::StoredResponse),
+}
+
+impl Resolution {
+    /// The attempt state this resolution leads to.
+    pub fn state(&self) -> AttemptState {
+        match self {
+            Resolution::Failed => AttemptState::Failed,
+            Resolution::Cancelled => AttemptState::Cancelled,
+            Resolution::Succeeded(_) => AttemptState::Succeeded,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use AttemptState::*;
+
+    #[test]
+    fn only_unsettled_attempts_move() {
+        assert!(Started.can_become(Unknown));
+        assert!(Unknown.can_become(Succeeded));
+        assert!(!Unknown.can_become(Started));
+        for settled in [Succeeded, Failed, Cancelled, Superseded, Rejected] {
+            assert!(!settled.is_unsettled());
+            assert!(!settled.can_become(Succeeded));
+        }
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for s in [Started, Succeeded, Failed, Unknown, Cancelled, Superseded, Rejected] {
+            assert_eq!(AttemptState::parse(s.as_str()), Some(s));
+        }
+    }
+}

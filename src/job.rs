@@ -1,0 +1,230 @@
+//! A job: the durable record of one client intent.
+//!
+//! A job is created by the first request carrying an `(owner, key)` pair and
+//! never changes identity afterwards. Its state is not set by hand: it is
+//! [derived](JobState::derive) from the states of its attempts, except for
+//! `Completed`, which only a commit can reach.
+//!
+//! ```text
+//!            claim (CAS on version)
+//!     ┌────────────────────────────────┐
+//!     ▼                                │
+//!  running ──attempt failed safely──▶ open
+//!     │  ╲                             ▲
+//!     │   ╲ timeout / lease lapsed     │ resolved failed|cancelled
+//!     │    ▼                           │
+//!     │  unknown ──────────────────────┘
+//!     │    │ late answer / resolved succeeded
+//!     ▼    ▼
+//!    completed  (terminal; every later request replays it)
+//! ```
+
+use std::fmt;
+use std::time::SystemTime;
+
+use bytes::Bytes;
+use uuid::Uuid;
+
+use crate::attempt::{Attempt, AttemptState};
+use crate::fingerprint::Fingerprint;
+use crate::key::{IdempotencyKey, Owner};
+
+/// The stable identity of a job; forwarded upstream as its idempotency key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct JobId(pub Uuid);
+
+impl JobId {
+    /// A new, time-ordered id (UUIDv7 keeps the primary-key index append-mostly).
+    pub fn new() -> Self {
+        JobId(Uuid::now_v7())
+    }
+}
+
+impl Default for JobId {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl fmt::Display for JobId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// Where a job stands. See the module docs for the transitions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum JobState {
+    /// An attempt is in flight.
+    Running,
+    /// An attempt's outcome is unknown; no new attempt until it is resolved.
+    Unknown,
+    /// No winner yet, and every attempt so far failed in a way that is safe to retry.
+    Open,
+    /// A result is committed; it is replayed to every later request.
+    Completed,
+}
+
+impl JobState {
+    /// The name used in storage and in the admin API.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobState::Running => "running",
+            JobState::Unknown => "unknown",
+            JobState::Open => "open",
+            JobState::Completed => "completed",
+        }
+    }
+
+    /// Parses a stored name.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "running" => JobState::Running,
+            "unknown" => JobState::Unknown,
+            "open" => JobState::Open,
+            "completed" => JobState::Completed,
+            _ => return None,
+        })
+    }
+
+    /// The state of a job that has no committed result, from its attempts.
+    ///
+    /// One rule, shared by every store, so that a hedged attempt failing next
+    /// to an unknown one can never reopen the job: unknown dominates, then
+    /// in-flight, and only a job whose every attempt provably failed is open.
+    pub fn derive<I: IntoIterator<Item = AttemptState>>(attempts: I) -> JobState {
+        let mut running = false;
+        for state in attempts {
+            match state {
+                AttemptState::Unknown => return JobState::Unknown,
+                AttemptState::Started => running = true,
+                _ => {}
+            }
+        }
+        if running {
+            JobState::Running
+        } else {
+            JobState::Open
+        }
+    }
+
+    /// Whether a job in this state may move to `next`.
+    pub fn can_become(self, next: JobState) -> bool {
+        use JobState::*;
+        matches!(
+            (self, next),
+            (Running, Unknown | Open | Completed)
+                | (Unknown, Open | Completed | Running)
+                | (Open, Running | Completed)
+        ) || self == next && self != Completed
+    }
+
+    /// Completed is the only state nothing leaves.
+    pub fn is_terminal(self) -> bool {
+        self == JobState::Completed
+    }
+}
+
+impl fmt::Display for JobState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A response as it is committed and replayed: status, end-to-end headers
+/// (hop-by-hop ones already removed) and the whole body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredResponse {
+    /// HTTP status code.
+    pub status: u16,
+    /// Header names (lower case) and raw values, in upstream order.
+    pub headers: Vec<(String, Bytes)>,
+    /// The body bytes, exactly as the upstream sent them.
+    pub body: Bytes,
+}
+
+/// What a request asks the store to create when its key is new.
+#[derive(Debug, Clone)]
+pub struct NewJob {
+    /// The job's id, chosen by the caller.
+    pub id: JobId,
+    /// Who the key belongs to.
+    pub owner: Owner,
+    /// The client's key.
+    pub key: IdempotencyKey,
+    /// The request fingerprint every duplicate must match.
+    pub fingerprint: Fingerprint,
+    /// The route that matched, for the operator.
+    pub route: String,
+    /// How long the key is remembered.
+    pub ttl: std::time::Duration,
+}
+
+/// A job as read from the store.
+#[derive(Debug, Clone)]
+pub struct Job {
+    /// Its id.
+    pub id: JobId,
+    /// Who the key belongs to.
+    pub owner: Owner,
+    /// The client's key.
+    pub key: IdempotencyKey,
+    /// The fingerprint of the request that created it.
+    pub fingerprint: Fingerprint,
+    /// The route that matched.
+    pub route: String,
+    /// Where it stands.
+    pub state: JobState,
+    /// Moves on every change that decides who may commit.
+    pub version: i64,
+    /// How many attempts were made.
+    pub attempt_count: i32,
+    /// The attempt whose result was committed.
+    pub completed_by: Option<crate::attempt::AttemptId>,
+    /// The committed response, once completed.
+    pub response: Option<StoredResponse>,
+    /// When the first request arrived.
+    pub created_at: SystemTime,
+    /// When the key is forgotten.
+    pub expires_at: SystemTime,
+}
+
+/// A job together with its attempts, for the admin API.
+#[derive(Debug, Clone)]
+pub struct JobDetail {
+    /// The job.
+    pub job: Job,
+    /// Its attempts, by number.
+    pub attempts: Vec<Attempt>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use AttemptState::*;
+
+    #[test]
+    fn derive_prefers_unknown_then_running_then_open() {
+        assert_eq!(JobState::derive([Failed, Unknown, Started]), JobState::Unknown);
+        assert_eq!(JobState::derive([Failed, Started]), JobState::Running);
+        assert_eq!(JobState::derive([Failed, Cancelled, Rejected]), JobState::Open);
+        assert_eq!(JobState::derive([]), JobState::Open);
+    }
+
+    #[test]
+    fn completed_is_terminal() {
+        for next in [JobState::Running, JobState::Open, JobState::Unknown, JobState::Completed] {
+            assert!(!JobState::Completed.can_become(next));
+        }
+        assert!(JobState::Unknown.can_become(JobState::Completed));
+        assert!(JobState::Open.can_become(JobState::Running));
+        assert!(!JobState::Open.can_become(JobState::Unknown));
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for s in [JobState::Running, JobState::Unknown, JobState::Open, JobState::Completed] {
+            assert_eq!(JobState::parse(s.as_str()), Some(s));
+        }
+    }
+}

@@ -1,0 +1,198 @@
+//! The client's `Idempotency-Key` and the owner it belongs to.
+
+use std::fmt;
+
+use sha2::{Digest, Sha256};
+
+/// A validated idempotency key: 1–255 visible ASCII characters.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct IdempotencyKey(String);
+
+/// Why a key header was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    /// The header was present but empty.
+    #[error("the idempotency key is empty")]
+    Empty,
+    /// Longer than 255 characters.
+    #[error("the idempotency key is longer than 255 characters")]
+    TooLong,
+    /// A character outside visible ASCII (0x21–0x7E).
+    #[error("the idempotency key may only hold visible ASCII characters")]
+    InvalidCharacter,
+    /// A structured-field string that does not parse.
+    #[error("the idempotency key is a malformed structured-field string")]
+    MalformedString,
+}
+
+impl IdempotencyKey {
+    /// The longest key accepted.
+    pub const MAX_LEN: usize = 255;
+
+    /// Parses a header value in either form the contract accepts: the IETF
+    /// structured-field string (`"abc"`, RFC 8941 §3.3.3) or the bare token
+    /// (`abc`). Both forms of the same characters name the same key.
+    pub fn parse(raw: &[u8]) -> Result<Self, KeyError> {
+        let raw = trim_ows(raw);
+        let key = match raw {
+            [b'"', rest @ ..] => unquote_sf_string(rest)?,
+            _ => raw.to_vec(),
+        };
+        Self::from_bytes(key)
+    }
+
+    /// Builds a key from its characters (already unquoted).
+    pub fn new(key: impl Into<String>) -> Result<Self, KeyError> {
+        Self::from_bytes(key.into().into_bytes())
+    }
+
+    fn from_bytes(key: Vec<u8>) -> Result<Self, KeyError> {
+        if key.is_empty() {
+            return Err(KeyError::Empty);
+        }
+        if key.len() > Self::MAX_LEN {
+            return Err(KeyError::TooLong);
+        }
+        if !key.iter().all(|b| (0x21..=0x7e).contains(b)) {
+            return Err(KeyError::InvalidCharacter);
+        }
+        // Checked just above: every byte is ASCII.
+        String::from_utf8(key)
+            .map(IdempotencyKey)
+            .map_err(|_| KeyError::InvalidCharacter)
+    }
+
+    /// The key's characters.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+fn trim_ows(mut s: &[u8]) -> &[u8] {
+    while let [b' ' | b'\t', rest @ ..] = s {
+        s = rest;
+    }
+    while let [rest @ .., b' ' | b'\t'] = s {
+        s = rest;
+    }
+    s
+}
+
+/// The body of an sf-string after its opening quote: `\"` and `\\` are the
+/// only escapes, and the closing quote must end the value.
+fn unquote_sf_string(rest: &[u8]) -> Result<Vec<u8>, KeyError> {
+    let mut out = Vec::with_capacity(rest.len());
+    let mut bytes = rest.iter();
+    while let Some(&b) = bytes.next() {
+        match b {
+            b'\\' => match bytes.next() {
+                Some(&c @ (b'"' | b'\\')) => out.push(c),
+                _ => return Err(KeyError::MalformedString),
+            },
+            b'"' => {
+                return if bytes.as_slice().is_empty() {
+                    Ok(out)
+                } else {
+                    Err(KeyError::MalformedString)
+                };
+            }
+            0x20..=0x7e => out.push(b),
+            _ => return Err(KeyError::InvalidCharacter),
+        }
+    }
+    Err(KeyError::MalformedString)
+}
+
+/// Who a key belongs to: `anonymous`, or `sha256:<hex>` of the owner header.
+///
+/// The raw header (often a bearer token) is never stored; only its digest is.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Owner(String);
+
+impl Owner {
+    /// The owner of requests that carry no owner header.
+    pub const ANONYMOUS: &'static str = "anonymous";
+
+    /// The owner for a raw owner-header value, or anonymous when there is none.
+    pub fn from_header(value: Option<&[u8]>) -> Self {
+        match value {
+            None => Owner(Self::ANONYMOUS.to_owned()),
+            Some(raw) => Owner(format!("sha256:{}", hex::encode(Sha256::digest(raw)))),
+        }
+    }
+
+    /// Accepts the stored form (`anonymous` or `sha256:<64 hex>`) as given by
+    /// an operator, or hashes anything else as a raw header value.
+    pub fn from_admin_query(value: &str) -> Self {
+        if value == Self::ANONYMOUS {
+            return Owner(value.to_owned());
+        }
+        match value.strip_prefix("sha256:") {
+            Some(h) if h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()) => {
+                Owner(format!("sha256:{}", h.to_ascii_lowercase()))
+            }
+            _ => Self::from_header(Some(value.as_bytes())),
+        }
+    }
+
+    /// Rebuilds an owner read back from storage.
+    pub fn from_stored(value: String) -> Self {
+        Owner(value)
+    }
+
+    /// The stored form.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for Owner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bare_and_sf_string_name_the_same_key() {
+        let bare = IdempotencyKey::parse(b"order-42").unwrap();
+        let quoted = IdempotencyKey::parse(br#""order-42""#).unwrap();
+        assert_eq!(bare, quoted);
+        assert_eq!(
+            IdempotencyKey::parse(br#""a\"b\\c""#).unwrap().as_str(),
+            r#"a"b\c"#
+        );
+    }
+
+    #[test]
+    fn refuses_bad_keys() {
+        assert_eq!(IdempotencyKey::parse(b""), Err(KeyError::Empty));
+        assert_eq!(IdempotencyKey::parse(b"\"\""), Err(KeyError::Empty));
+        assert_eq!(IdempotencyKey::parse(b"a b"), Err(KeyError::InvalidCharacter));
+        assert_eq!(IdempotencyKey::parse("é".as_bytes()), Err(KeyError::InvalidCharacter));
+        assert_eq!(IdempotencyKey::parse(b"\"abc"), Err(KeyError::MalformedString));
+        assert_eq!(IdempotencyKey::parse(b"\"a\"b"), Err(KeyError::MalformedString));
+        assert_eq!(IdempotencyKey::parse(b"\"a\\nb\""), Err(KeyError::MalformedString));
+        assert!(IdempotencyKey::parse(&[b'k'; 255]).is_ok());
+        assert_eq!(IdempotencyKey::parse(&[b'k'; 256]), Err(KeyError::TooLong));
+    }
+
+    #[test]
+    fn owner_is_hashed_never_raw() {
+        let owner = Owner::from_header(Some(b"Bearer secret"));
+        assert!(owner.as_str().starts_with("sha256:"));
+        assert!(!owner.as_str().contains("secret"));
+        assert_eq!(Owner::from_admin_query("Bearer secret"), owner);
+        assert_eq!(Owner::from_admin_query(owner.as_str()), owner);
+        assert_eq!(Owner::from_header(None).as_str(), "anonymous");
+    }
+}
