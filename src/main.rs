@@ -1,1 +1,97 @@
-fn main(){}
+//! The `idemgate` binary: parse, load settings, run.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use idemgate::app::{self, Listeners};
+use idemgate::config::{Cli, Command, Settings};
+use idemgate::store::postgres::PgStore;
+use idemgate::telemetry;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    telemetry::init_logs();
+    match cli.command {
+        Command::Serve(flags) => {
+            let settings = match Settings::load(cli.config.as_deref(), flags) {
+                Ok(settings) => settings,
+                Err(e) => return fail(e),
+            };
+            serve(settings).await
+        }
+        Command::Migrate(flags) => match Settings::load_database(cli.config.as_deref(), flags) {
+            Ok(Some(pg)) => match PgStore::new(&pg, Default::default()) {
+                Ok(store) => match store.migrate().await {
+                    Ok(()) => {
+                        println!("migrations applied");
+                        ExitCode::SUCCESS
+                    }
+                    Err(e) => fail(e),
+                },
+                Err(e) => fail(e),
+            },
+            Ok(None) => fail("no database to migrate: set --database-url or IDEMGATE_DATABASE_URL"),
+            Err(e) => fail(e),
+        },
+    }
+}
+
+async fn serve(settings: Settings) -> ExitCode {
+    let proxy = match TcpListener::bind(settings.listen).await {
+        Ok(l) => l,
+        Err(e) => return fail(format!("cannot listen on {} (`listen`): {e}", settings.listen)),
+    };
+    let admin = match TcpListener::bind(settings.admin_listen).await {
+        Ok(l) => l,
+        Err(e) => {
+            return fail(format!(
+                "cannot listen on {} (`admin_listen`): {e}",
+                settings.admin_listen
+            ))
+        }
+    };
+    let (Ok(proxy_addr), Ok(admin_addr)) = (proxy.local_addr(), admin.local_addr()) else {
+        return fail("cannot read the listeners' addresses");
+    };
+    let shutdown = CancellationToken::new();
+    tokio::spawn(on_signal(shutdown.clone()));
+    // Tests and scripts read this line to learn OS-assigned ports.
+    println!("idemgate listening on http://{proxy_addr} (admin on http://{admin_addr})");
+    match app::run(settings, Listeners { proxy, admin }, shutdown).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => fail(e),
+    }
+}
+
+async fn on_signal(shutdown: CancellationToken) {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(term) => term,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    shutdown.cancel();
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+    tracing::info!("shutting down");
+    shutdown.cancel();
+}
+
+fn fail(e: impl std::fmt::Display) -> ExitCode {
+    eprintln!("idemgate: {e}");
+    ExitCode::from(2)
+}

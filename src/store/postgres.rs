@@ -740,8 +740,13 @@ fn attempt_from_row(row: &Row, at: usize) -> Result<Attempt, StoreError> {
 fn map_pg(e: tokio_postgres::Error) -> StoreError {
     if let Some(db) = e.as_db_error() {
         let code = db.code().code();
-        // Class 08 (connection), 57P0x (shutdown), 53 (resources).
-        if code.starts_with("08") || code.starts_with("57P") || code.starts_with("53") {
+        // Class 08 (connection), 57P0x (shutdown), 53 (resources), and
+        // 42P01 (no such table: migrations not applied yet).
+        if code.starts_with("08")
+            || code.starts_with("57P")
+            || code.starts_with("53")
+            || code == "42P01"
+        {
             return StoreError::Unavailable(db.to_string());
         }
         return StoreError::Internal(db.to_string());

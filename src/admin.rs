@@ -1,0 +1,290 @@
+//! The admin listener: job inspection and out-of-band resolution (behind a
+//! bearer token), plus `/healthz`, `/readyz` and `/metrics` (open, for probes
+//! and scrapers).
+//!
+//! | method | path | |
+//! |---|---|---|
+//! | GET | `/admin/v1/jobs/{id}` | a job and its attempts |
+//! | GET | `/admin/v1/jobs?owner=…&key=…` | the same, by owner (raw header value, `sha256:<hex>` or `anonymous`) and key |
+//! | POST | `/admin/v1/attempts/{id}/resolve` | `{"outcome": "failed" \| "cancelled"}` or `{"outcome": "succeeded", "response": {…}}` |
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use base64::Engine;
+use bytes::Bytes;
+use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+
+use hyper::body::Incoming;
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use uuid::Uuid;
+
+use crate::attempt::{Attempt, AttemptId, Resolution};
+use crate::error::problem_response;
+use crate::http::{collect_limited, full, Body};
+use crate::job::{JobDetail, JobId, StoredResponse};
+use crate::key::{IdempotencyKey, Owner};
+use crate::store::{Store, StoreError};
+
+/// What the admin listener needs.
+pub struct Admin {
+    /// The store.
+    pub store: Arc<dyn Store>,
+    /// The bearer token; `None` turns the job endpoints off.
+    pub token: Option<String>,
+    /// Rendered on `/metrics`.
+    pub metrics: PrometheusHandle,
+}
+
+/// Largest resolution body accepted.
+const MAX_BODY: usize = 16 * 1024 * 1024;
+
+impl Admin {
+    /// Answers one admin request.
+    pub async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+        Ok(self.route(req).await.unwrap_or_else(|p| p))
+    }
+
+    async fn route(&self, req: Request<Incoming>) -> Result<Response<Body>, Response<Body>> {
+        let path = req.uri().path().to_owned();
+        let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
+        match (req.method(), segments.as_slice()) {
+            (&Method::GET, ["healthz"]) => Ok(json_response(StatusCode::OK, &json!({"status": "ok"}))),
+            (&Method::GET, ["readyz"]) => match self.store.ping().await {
+                Ok(()) => Ok(json_response(StatusCode::OK, &json!({"status": "ready"}))),
+                Err(e) => Err(problem(StatusCode::SERVICE_UNAVAILABLE, "not-ready", "Store unreachable", &e.to_string())),
+            },
+            (&Method::GET, ["metrics"]) => {
+                let mut response = Response::new(full(self.metrics.render()));
+                response.headers_mut().insert(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("text/plain; version=0.0.4"),
+                );
+                Ok(response)
+            }
+            (_, ["admin", "v1", ..]) => {
+                self.authorize(&req)?;
+                self.api(req, &segments[2..]).await
+            }
+            _ => Err(problem(StatusCode::NOT_FOUND, "not-found", "Not found", "no such admin endpoint")),
+        }
+    }
+
+    fn authorize<B>(&self, req: &Request<B>) -> Result<(), Response<Body>> {
+        let Some(token) = &self.token else {
+            return Err(problem(
+                StatusCode::FORBIDDEN,
+                "admin-disabled",
+                "Admin API disabled",
+                "no admin token is configured; set admin_token (--admin-token, IDEMGATE_ADMIN_TOKEN)",
+            ));
+        };
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        if constant_time_eq(given.as_bytes(), token.as_bytes()) {
+            Ok(())
+        } else {
+            let mut response = problem(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "Unauthorized",
+                "a valid `Authorization: Bearer <admin token>` header is required",
+            );
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            Err(response)
+        }
+    }
+
+    async fn api(&self, req: Request<Incoming>, rest: &[&str]) -> Result<Response<Body>, Response<Body>> {
+        match (req.method().clone(), rest) {
+            (Method::GET, ["jobs", id]) => {
+                let id = parse_uuid(id)?;
+                let detail = self.store.job_detail(JobId(id)).await.map_err(store_problem)?;
+                detail
+                    .map(|d| json_response(StatusCode::OK, &job_json(&d)))
+                    .ok_or_else(|| problem(StatusCode::NOT_FOUND, "job-not-found", "Job not found", "no job with this id"))
+            }
+            (Method::GET, ["jobs"]) => {
+                let query = req.uri().query().unwrap_or("");
+                let mut owner = None;
+                let mut key = None;
+                for (k, v) in form_urlencoded::parse(query.as_bytes()) {
+                    match k.as_ref() {
+                        "owner" => owner = Some(v.into_owned()),
+                        "key" => key = Some(v.into_owned()),
+                        _ => {}
+                    }
+                }
+                let owner = Owner::from_admin_query(owner.as_deref().unwrap_or(Owner::ANONYMOUS));
+                let key = key.ok_or_else(|| bad_request("the `key` query parameter is required"))?;
+                let key = IdempotencyKey::parse(key.as_bytes()).map_err(|e| bad_request(&e.to_string()))?;
+                let detail = self.store.find_job(&owner, &key).await.map_err(store_problem)?;
+                detail
+                    .map(|d| json_response(StatusCode::OK, &job_json(&d)))
+                    .ok_or_else(|| problem(StatusCode::NOT_FOUND, "job-not-found", "Job not found", "no job for this owner and key"))
+            }
+            (Method::POST, ["attempts", id, "resolve"]) => {
+                let id = AttemptId(parse_uuid(id)?);
+                let body = collect_limited(req.into_body(), MAX_BODY)
+                    .await
+                    .map_err(|e| bad_request(&e.to_string()))?;
+                let resolution = parse_resolution(&body)?;
+                let detail = self.store.resolve_attempt(id, resolution).await.map_err(store_problem)?;
+                tracing::info!(attempt = %id, job = %detail.job.id, state = %detail.job.state, "attempt resolved by an operator");
+                Ok(json_response(StatusCode::OK, &job_json(&detail)))
+            }
+            _ => Err(problem(StatusCode::NOT_FOUND, "not-found", "Not found", "no such admin endpoint")),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ResolveRequest {
+    outcome: String,
+    response: Option<ResponseInput>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ResponseInput {
+    status: u16,
+    #[serde(default)]
+    headers: Vec<(String, String)>,
+    body: Option<String>,
+    body_base64: Option<String>,
+}
+
+fn parse_resolution(body: &[u8]) -> Result<Resolution, Response<Body>> {
+    let request: ResolveRequest =
+        serde_json::from_slice(body).map_err(|e| bad_request(&format!("invalid resolution: {e}")))?;
+    match (request.outcome.as_str(), request.response) {
+        ("failed", None) => Ok(Resolution::Failed),
+        ("cancelled", None) => Ok(Resolution::Cancelled),
+        ("succeeded", Some(r)) => {
+            if !(100..=599).contains(&r.status) {
+                return Err(bad_request("response.status must be an HTTP status"));
+            }
+            let body = match (r.body, r.body_base64) {
+                (Some(text), None) => Bytes::from(text),
+                (None, Some(b64)) => Bytes::from(
+                    base64::engine::general_purpose::STANDARD
+                        .decode(b64)
+                        .map_err(|e| bad_request(&format!("response.body_base64: {e}")))?,
+                ),
+                (None, None) => Bytes::new(),
+                (Some(_), Some(_)) => return Err(bad_request("give response.body or response.body_base64, not both")),
+            };
+            let mut headers = Vec::with_capacity(r.headers.len());
+            for (name, value) in r.headers {
+                let name = http::HeaderName::from_bytes(name.as_bytes())
+                    .map_err(|_| bad_request(&format!("response header {name:?} is not a header name")))?;
+                HeaderValue::from_str(&value)
+                    .map_err(|_| bad_request(&format!("response header {name} has an invalid value")))?;
+                headers.push((name.as_str().to_owned(), Bytes::from(value)));
+            }
+            Ok(Resolution::Succeeded(StoredResponse { status: r.status, headers, body }))
+        }
+        ("succeeded", None) => Err(bad_request("outcome `succeeded` needs a `response` with the status, headers and body to commit")),
+        ("failed" | "cancelled", Some(_)) => Err(bad_request("only outcome `succeeded` takes a response")),
+        (other, _) => Err(bad_request(&format!("unknown outcome {other:?}; use failed, cancelled or succeeded"))),
+    }
+}
+
+fn job_json(detail: &JobDetail) -> Value {
+    let job = &detail.job;
+    json!({
+        "id": job.id.to_string(),
+        "owner": job.owner.as_str(),
+        "key": job.key.as_str(),
+        "fingerprint": job.fingerprint.to_string(),
+        "route": job.route,
+        "state": job.state.as_str(),
+        "version": job.version,
+        "attempt_count": job.attempt_count,
+        "completed_by": job.completed_by.map(|a| a.to_string()),
+        "created_at": time(job.created_at),
+        "expires_at": time(job.expires_at),
+        "response": job.response.as_ref().map(response_json),
+        "attempts": detail.attempts.iter().map(attempt_json).collect::<Vec<_>>(),
+    })
+}
+
+fn attempt_json(a: &Attempt) -> Value {
+    json!({
+        "id": a.id.to_string(),
+        "number": a.number,
+        "upstream": a.upstream,
+        "state": a.state.as_str(),
+        "job_version": a.job_version,
+        "started_at": time(a.started_at),
+        "finished_at": a.finished_at.map(time),
+        "lease_expires_at": time(a.lease_expires_at),
+        "upstream_status": a.upstream_status,
+        "detail": a.detail,
+    })
+}
+
+fn response_json(r: &StoredResponse) -> Value {
+    let headers: Vec<Value> = r
+        .headers
+        .iter()
+        .map(|(n, v)| json!([n, String::from_utf8_lossy(v)]))
+        .collect();
+    let mut out = json!({"status": r.status, "headers": headers});
+    match std::str::from_utf8(&r.body) {
+        Ok(text) => out["body"] = json!(text),
+        Err(_) => out["body_base64"] = json!(base64::engine::general_purpose::STANDARD.encode(&r.body)),
+    }
+    out
+}
+
+fn time(t: SystemTime) -> String {
+    humantime::format_rfc3339_millis(t).to_string()
+}
+
+fn parse_uuid(s: &str) -> Result<Uuid, Response<Body>> {
+    s.parse().map_err(|_| bad_request(&format!("{s:?} is not an id")))
+}
+
+fn store_problem(e: StoreError) -> Response<Body> {
+    match &e {
+        StoreError::NotFound(what) => problem(StatusCode::NOT_FOUND, "not-found", "Not found", &format!("{what} not found")),
+        StoreError::Conflict(_) => problem(StatusCode::CONFLICT, "resolution-conflict", "Cannot resolve", &e.to_string()),
+        StoreError::Unavailable(_) => problem(StatusCode::SERVICE_UNAVAILABLE, "store-unavailable", "Store unavailable", &e.to_string()),
+        StoreError::Internal(_) => problem(StatusCode::INTERNAL_SERVER_ERROR, "internal-error", "Internal error", &e.to_string()),
+    }
+}
+
+fn bad_request(detail: &str) -> Response<Body> {
+    problem(StatusCode::BAD_REQUEST, "invalid-admin-request", "Invalid admin request", detail)
+}
+
+fn problem(status: StatusCode, slug: &str, title: &str, detail: &str) -> Response<Body> {
+    problem_response(status, slug, title, detail, None)
+}
+
+fn json_response(status: StatusCode, value: &Value) -> Response<Body> {
+    let mut response = Response::new(full(value.to_string()));
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+}
+
+/// Compares without stopping at the first difference, so response time does
+/// not leak how much of a guessed token was right.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+

@@ -1,0 +1,157 @@
+//! Assembling the gateway: runtime handles, background tasks and THE stack.
+
+use std::sync::Arc;
+
+use http::Request;
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tower::ServiceBuilder;
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::trace::TraceLayer;
+use uuid::Uuid;
+
+use crate::admin::Admin;
+use crate::config::Settings;
+use crate::http::BodyError;
+use crate::idempotency::{IdempotencyLayer, Shared};
+use crate::lease::Leases;
+use crate::store::postgres::PgStore;
+use crate::store::{Doorbell, Store, StoreError};
+use crate::upstream::Upstream;
+use crate::{server, sweeper, telemetry};
+
+/// The two listeners a gateway serves on; bound by the caller, so tests can
+/// use OS-assigned ports.
+pub struct Listeners {
+    /// The proxy.
+    pub proxy: TcpListener,
+    /// The admin API, health and metrics.
+    pub admin: TcpListener,
+}
+
+/// Why the gateway could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// No store is configured.
+    #[error("no store configured: set database_url (--database-url, IDEMGATE_DATABASE_URL) to a PostgreSQL URL")]
+    NoStore,
+    /// The store refused to start.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Runs a gateway until `shutdown` is cancelled, then drains and returns.
+pub async fn run(
+    settings: Settings,
+    listeners: Listeners,
+    shutdown: CancellationToken,
+) -> Result<(), StartError> {
+    let settings = Arc::new(settings);
+    let doorbell = Arc::new(Doorbell::default());
+    let store = open_store(&settings, &doorbell, &shutdown).await?;
+    let leases = Arc::new(Leases::default());
+    let instance = Uuid::new_v4();
+    tracing::info!(%instance, upstreams = ?settings.upstreams.iter().map(|u| u.base.to_string()).collect::<Vec<_>>(), "gateway starting");
+    if settings.redis_url.is_some() {
+        tracing::warn!("redis_url is set but the Redis fast path is not built yet; running on the database alone");
+    }
+
+    tokio::spawn(
+        leases
+            .clone()
+            .renew(store.clone(), settings.lease_ttl, shutdown.clone().cancelled_owned()),
+    );
+    tokio::spawn(sweeper::run(
+        store.clone(),
+        settings.sweep_interval,
+        shutdown.clone().cancelled_owned(),
+    ));
+
+    let shared = Arc::new(Shared {
+        settings: settings.clone(),
+        store: store.clone(),
+        doorbell,
+        leases,
+        instance,
+    });
+    let upstream = Upstream::new(
+        settings.upstreams[0].clone(),
+        settings.upstream_timeout.min(std::time::Duration::from_secs(10)),
+    );
+
+    // The request path, outermost first.
+    let proxy = ServiceBuilder::new()
+        // Every request gets an id (kept if the client sent one)…
+        .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
+        // …which the request span carries, so all its logs can be joined…
+        .layer(TraceLayer::new_for_http().make_span_with(|req: &Request<Incoming>| {
+            let id = req
+                .headers()
+                .get("x-request-id")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default();
+            tracing::info_span!("request", method = %req.method(), path = %req.uri().path(), request_id = %id)
+        }))
+        // …and the response echoes.
+        .layer(PropagateRequestIdLayer::x_request_id())
+        .map_request(|req: Request<Incoming>| req.map(|b| b.map_err(BodyError::new).boxed()))
+        // Opted-in requests become jobs and attempts; the rest stream through.
+        .layer(IdempotencyLayer::new(shared))
+        .service(upstream);
+
+    let admin = Arc::new(Admin {
+        store,
+        token: settings.admin_token.clone(),
+        metrics: telemetry::metrics(),
+    });
+    let admin = tower::service_fn(move |req| admin.clone().handle(req));
+
+    tokio::join!(
+        server::serve(listeners.proxy, proxy, shutdown.clone().cancelled_owned()),
+        server::serve(listeners.admin, admin, shutdown.clone().cancelled_owned()),
+    );
+    tracing::info!("gateway stopped");
+    Ok(())
+}
+
+/// Opens the configured store, applies its migrations and starts its
+/// notification listener. A database that is down at start-up does not stop
+/// the gateway: requests answer 503 and migrations are retried until it is up.
+async fn open_store(
+    settings: &Settings,
+    doorbell: &Arc<Doorbell>,
+    shutdown: &CancellationToken,
+) -> Result<Arc<dyn Store>, StartError> {
+    let Some(pg) = &settings.database else {
+        return Err(StartError::NoStore);
+    };
+    let store = PgStore::new(pg, doorbell.clone())?;
+    match store.migrate().await {
+        Ok(()) => {}
+        Err(StoreError::Unavailable(e)) => {
+            tracing::warn!(error = %e, "database unreachable at start-up; opted-in requests answer 503 until it is up");
+            let store = store.clone();
+            let shutdown = shutdown.clone();
+            tokio::spawn(async move {
+                loop {
+                    tokio::select! {
+                        () = shutdown.cancelled() => return,
+                        () = tokio::time::sleep(std::time::Duration::from_secs(2)) => {}
+                    }
+                    match store.migrate().await {
+                        Ok(()) => {
+                            tracing::info!("database reachable; migrations applied");
+                            return;
+                        }
+                        Err(e) => tracing::debug!(error = %e, "database still unreachable"),
+                    }
+                }
+            });
+        }
+        Err(e) => return Err(e.into()),
+    }
+    tokio::spawn(store.clone().listen(shutdown.clone().cancelled_owned()));
+    Ok(Arc::new(store))
+}

@@ -1,0 +1,229 @@
+//! Errors by who caused them, and the one place they become HTTP answers.
+//!
+//! Every answer the gateway makes up itself is `application/problem+json`
+//! (RFC 9457) with a stable `type` under [`PROBLEM_BASE`]. Logging happens at
+//! the edge (the request span), not here.
+
+use std::time::Duration;
+
+use http::{header, HeaderValue, Response, StatusCode};
+
+use crate::http::{full, Body, CollectError};
+use crate::key::KeyError;
+use crate::store::StoreError;
+use crate::upstream::UpstreamError;
+
+/// Problem types are this base followed by a slug.
+pub const PROBLEM_BASE: &str = "https://idemgate.dev/problems/";
+
+/// Something the client did.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The route requires a key and there was none.
+    #[error("this route requires an Idempotency-Key header")]
+    MissingKey,
+    /// The key header is malformed.
+    #[error("invalid Idempotency-Key: {0}")]
+    InvalidKey(#[from] KeyError),
+    /// The body is larger than the route allows.
+    #[error("the request body is larger than {limit} bytes")]
+    BodyTooLarge {
+        /// The route's limit.
+        limit: usize,
+    },
+    /// The body could not be read.
+    #[error("the request body could not be read: {0}")]
+    BodyUnreadable(String),
+    /// The key was used before with a different request.
+    #[error("this Idempotency-Key was already used with a different request (method, path, significant headers or body)")]
+    KeyMismatch {
+        /// 409 or 422, as configured.
+        status: StatusCode,
+    },
+    /// A duplicate waited longer than the hold timeout.
+    #[error("a request with this Idempotency-Key is still in progress")]
+    InProgress {
+        /// When to try again.
+        retry_after: Duration,
+    },
+    /// The job's last attempt has an unknown outcome.
+    #[error("the outcome of an earlier attempt with this Idempotency-Key is unknown; it must be resolved before the request can be retried")]
+    OutcomeUnknown {
+        /// When to try again.
+        retry_after: Duration,
+    },
+}
+
+impl From<CollectError> for ClientError {
+    fn from(e: CollectError) -> Self {
+        match e {
+            CollectError::TooLarge { limit } => ClientError::BodyTooLarge { limit },
+            CollectError::Read(e) => ClientError::BodyUnreadable(e.to_string()),
+        }
+    }
+}
+
+/// Everything that can stop a request, grouped by source.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    /// The client's request.
+    #[error(transparent)]
+    Client(#[from] ClientError),
+    /// The upstream.
+    #[error(transparent)]
+    Upstream(#[from] UpstreamError),
+    /// The store.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The gateway itself.
+    #[error("internal gateway error: {0}")]
+    Internal(String),
+}
+
+/// A problem answer before it is rendered.
+#[derive(Debug)]
+struct Problem {
+    status: StatusCode,
+    slug: &'static str,
+    title: &'static str,
+    retry_after: Option<Duration>,
+}
+
+impl GatewayError {
+    fn problem(&self) -> Problem {
+        let p = |status, slug, title| Problem {
+            status,
+            slug,
+            title,
+            retry_after: None,
+        };
+        match self {
+            GatewayError::Client(e) => match e {
+                ClientError::MissingKey => p(
+                    StatusCode::BAD_REQUEST,
+                    "idempotency-key-missing",
+                    "Idempotency-Key missing",
+                ),
+                ClientError::InvalidKey(_) => p(
+                    StatusCode::BAD_REQUEST,
+                    "invalid-idempotency-key",
+                    "Invalid Idempotency-Key",
+                ),
+                ClientError::BodyTooLarge { .. } => p(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "request-too-large",
+                    "Request body too large",
+                ),
+                ClientError::BodyUnreadable(_) => p(
+                    StatusCode::BAD_REQUEST,
+                    "request-body-unreadable",
+                    "Request body could not be read",
+                ),
+                ClientError::KeyMismatch { status } => p(
+                    *status,
+                    "idempotency-key-mismatch",
+                    "Idempotency-Key reused with a different request",
+                ),
+                ClientError::InProgress { retry_after } => Problem {
+                    retry_after: Some(*retry_after),
+                    ..p(
+                        StatusCode::CONFLICT,
+                        "request-in-progress",
+                        "A request with this Idempotency-Key is in progress",
+                    )
+                },
+                ClientError::OutcomeUnknown { retry_after } => Problem {
+                    retry_after: Some(*retry_after),
+                    ..p(
+                        StatusCode::CONFLICT,
+                        "attempt-outcome-unknown",
+                        "Outcome of an earlier attempt unknown",
+                    )
+                },
+            },
+            GatewayError::Upstream(e) => match e {
+                UpstreamError::Refused(_) => p(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream-unreachable",
+                    "Upstream unreachable; the request was not sent",
+                ),
+                UpstreamError::Broken(_) => p(
+                    StatusCode::BAD_GATEWAY,
+                    "attempt-outcome-unknown",
+                    "Upstream connection failed after the request was sent; outcome unknown",
+                ),
+                UpstreamError::TimedOut(_) => p(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    "attempt-outcome-unknown",
+                    "Upstream did not answer in time; outcome unknown",
+                ),
+                UpstreamError::ResponseTooLarge { .. } => p(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream-response-too-large",
+                    "Upstream response too large to record; outcome unknown",
+                ),
+            },
+            GatewayError::Store(StoreError::Unavailable(_)) => p(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store-unavailable",
+                "Idempotency store unavailable; the request was not proxied",
+            ),
+            GatewayError::Store(StoreError::Conflict(_)) => p(
+                StatusCode::CONFLICT,
+                "request-in-progress",
+                "A request with this Idempotency-Key is in progress",
+            ),
+            GatewayError::Store(_) | GatewayError::Internal(_) => p(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal-error",
+                "Internal gateway error",
+            ),
+        }
+    }
+
+    /// A low-cardinality label for metrics.
+    pub fn metric_label(&self) -> &'static str {
+        self.problem().slug
+    }
+
+    /// The problem+json answer for this error.
+    pub fn into_response(self) -> Response<Body> {
+        let problem = self.problem();
+        problem_response(
+            problem.status,
+            problem.slug,
+            problem.title,
+            &self.to_string(),
+            problem.retry_after,
+        )
+    }
+}
+
+/// Renders a problem+json answer.
+pub fn problem_response(
+    status: StatusCode,
+    slug: &str,
+    title: &str,
+    detail: &str,
+    retry_after: Option<Duration>,
+) -> Response<Body> {
+    let body = serde_json::json!({
+        "type": format!("{PROBLEM_BASE}{slug}"),
+        "title": title,
+        "status": status.as_u16(),
+        "detail": detail,
+    });
+    let mut response = Response::new(full(body.to_string()));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    if let Some(after) = retry_after {
+        let secs = after.as_secs_f64().ceil().max(1.0) as u64;
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    }
+    response
+}

@@ -1,0 +1,83 @@
+//! HTTP plumbing shared by the proxy and admin listeners: the body type,
+//! bounded body collection, hop-by-hop headers and the header names of the
+//! contract.
+
+pub mod hop;
+
+use bytes::Bytes;
+use http::HeaderName;
+use http_body_util::{combinators::BoxBody, BodyExt, Full, Limited};
+
+/// Any error a body can fail with.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The one body type of the request path: streamed or buffered, boxed.
+pub type Body = BoxBody<Bytes, BodyError>;
+
+/// A body that failed mid-stream. A named type rather than a bare boxed
+/// error, which keeps request types free of trait-object lifetimes (those
+/// defeat `Send` inference across the attempt task's awaits).
+#[derive(Debug)]
+pub struct BodyError(BoxError);
+
+impl BodyError {
+    /// Wraps any body error.
+    pub fn new(e: impl Into<BoxError>) -> Self {
+        BodyError(e.into())
+    }
+}
+
+impl std::fmt::Display for BodyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for BodyError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.0)
+    }
+}
+
+/// `Idempotency-Key`: the client's key.
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+/// `Idempotency-Job`: the job id, on every answer once the job exists.
+pub const IDEMPOTENCY_JOB: HeaderName = HeaderName::from_static("idempotency-job");
+/// `Idempotent-Replayed: true` on replays.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// A body holding `bytes`.
+pub fn full(bytes: impl Into<Bytes>) -> Body {
+    Full::new(bytes.into()).map_err(|never| match never {}).boxed()
+}
+
+/// Why a body could not be collected.
+#[derive(Debug, thiserror::Error)]
+pub enum CollectError {
+    /// It was larger than allowed.
+    #[error("body larger than {limit} bytes")]
+    TooLarge {
+        /// The limit.
+        limit: usize,
+    },
+    /// The peer failed while sending it.
+    #[error("body could not be read: {0}")]
+    Read(BoxError),
+}
+
+/// Reads a whole body, refusing it as soon as it passes `limit` bytes (a
+/// declared length past the limit is refused before reading anything).
+pub async fn collect_limited<B>(body: B, limit: usize) -> Result<Bytes, CollectError>
+where
+    B: http_body::Body<Data = Bytes> + Send,
+    B::Error: Into<BoxError>,
+{
+    if body.size_hint().lower() > limit as u64 {
+        return Err(CollectError::TooLarge { limit });
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(CollectError::TooLarge { limit }),
+        Err(e) => Err(CollectError::Read(e)),
+    }
+}

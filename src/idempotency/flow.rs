@@ -1,0 +1,275 @@
+//! The decision for one opted-in request.
+//!
+//! A request either owns a new job or meets an existing one. An existing job
+//! is decided on by its state, in a small loop because a held duplicate may
+//! find the job open (its attempt failed safely) and claim the next attempt:
+//!
+//! | job state | answer |
+//! |---|---|
+//! | fingerprint differs | 409 (or 422) key mismatch |
+//! | completed | replay the committed response |
+//! | running | hold until it changes, then decide again |
+//! | unknown | 409 attempt outcome unknown, `Retry-After` |
+//! | open | claim the next attempt by CAS on version, run it |
+
+use std::sync::Arc;
+
+use http::{HeaderValue, Request, Response};
+use tokio::time::Instant;
+
+use super::{execute, Shared, UpstreamService};
+use crate::attempt::{Attempt, AttemptId, NewAttempt};
+use crate::config::Route;
+use crate::error::{ClientError, GatewayError};
+use crate::fingerprint::{fingerprint, Fingerprint, RequestParts};
+use crate::http::{collect_limited, full, Body, IDEMPOTENCY_KEY};
+use crate::job::{Job, JobId, JobState, NewJob};
+use crate::key::{IdempotencyKey, Owner};
+use crate::replay;
+use crate::store::{Begin, StoreError};
+
+/// How many times one request re-decides before giving up with 409; each
+/// round follows a real state change, so this is never reached in practice.
+const MAX_ROUNDS: usize = 16;
+
+/// What a request turned out to be once its headers and body were read.
+pub(super) enum Prepared {
+    /// Not opted in: forward it untouched.
+    PassThrough(Request<Body>),
+    /// Opted in, but refused before touching the store.
+    Refused(GatewayError),
+    /// Opted in and ready for the store.
+    Guarded(Box<Flow>),
+}
+
+/// One opted-in request, buffered and fingerprinted.
+pub(super) struct Flow {
+    shared: Arc<Shared>,
+    route: Route,
+    owner: Owner,
+    key: IdempotencyKey,
+    fingerprint: Fingerprint,
+    parts: http::request::Parts,
+    body: bytes::Bytes,
+}
+
+impl Flow {
+    /// Reads what the decision needs: route, key, owner, body, fingerprint.
+    pub(super) async fn prepare(shared: &Arc<Shared>, req: Request<Body>) -> Prepared {
+        let settings = &shared.settings;
+        let Some(route) = settings.route_for(req.method(), req.uri().path()) else {
+            return Prepared::PassThrough(req);
+        };
+        let key = match req.headers().get(IDEMPOTENCY_KEY) {
+            None if route.require_key => return Prepared::Refused(ClientError::MissingKey.into()),
+            None => return Prepared::PassThrough(req),
+            Some(raw) => match IdempotencyKey::parse(raw.as_bytes()) {
+                Ok(key) => key,
+                Err(e) => return Prepared::Refused(ClientError::from(e).into()),
+            },
+        };
+        let route = route.clone();
+        let owner = Owner::from_header(
+            req.headers()
+                .get(&settings.owner_header)
+                .map(HeaderValue::as_bytes),
+        );
+        let (parts, body) = req.into_parts();
+        let body = match collect_limited(body, route.body_limit).await {
+            Ok(body) => body,
+            Err(e) => return Prepared::Refused(ClientError::from(e).into()),
+        };
+        let path_and_query = parts
+            .uri
+            .path_and_query()
+            .map(|pq| pq.as_str())
+            .unwrap_or("/");
+        let fingerprint = fingerprint(
+            &RequestParts {
+                method: parts.method.as_str(),
+                path_and_query,
+                headers: route
+                    .significant_headers
+                    .iter()
+                    .map(|name| {
+                        (
+                            name.as_str(),
+                            parts.headers.get(name).map(HeaderValue::as_bytes),
+                        )
+                    })
+                    .collect(),
+                body: &body,
+            },
+            &route.body,
+        );
+        Prepared::Guarded(Box::new(Flow {
+            shared: shared.clone(),
+            route,
+            owner,
+            key,
+            fingerprint,
+            parts,
+            body,
+        }))
+    }
+
+    /// Decides and answers; every answer names the job once it exists.
+    pub(super) async fn run(self, upstream: UpstreamService) -> Response<Body> {
+        let mut job_id = None;
+        let result = self.decide(upstream, &mut job_id).await;
+        let mut response = result.unwrap_or_else(|e| {
+            metrics::counter!("idemgate_requests_refused_total", "problem" => e.metric_label())
+                .increment(1);
+            tracing::info!(error = %e, job = ?job_id.map(|j: JobId| j.to_string()), "request refused");
+            e.into_response()
+        });
+        if let Some(job) = job_id {
+            replay::set_job(&mut response, job);
+        }
+        response
+    }
+
+    async fn decide(
+        &self,
+        upstream: UpstreamService,
+        job_id: &mut Option<JobId>,
+    ) -> Result<Response<Body>, GatewayError> {
+        let store = &self.shared.store;
+        let mut job = match store.begin_job(self.new_job(), self.new_attempt()).await? {
+            Begin::Created(job, attempt) => {
+                *job_id = Some(job.id);
+                metrics::counter!("idemgate_jobs_created_total").increment(1);
+                return self.execute(upstream, attempt).await;
+            }
+            Begin::Existing(job) => job,
+        };
+        *job_id = Some(job.id);
+        if job.fingerprint != self.fingerprint {
+            return Err(ClientError::KeyMismatch {
+                status: self.shared.settings.mismatch_status,
+            }
+            .into());
+        }
+        for _ in 0..MAX_ROUNDS {
+            match job.state {
+                JobState::Completed => return self.replay(&job),
+                JobState::Unknown => {
+                    return Err(ClientError::OutcomeUnknown {
+                        retry_after: self.shared.settings.retry_after,
+                    }
+                    .into())
+                }
+                JobState::Running => job = self.hold(job.id).await?,
+                JobState::Open => {
+                    match store
+                        .claim_attempt(job.id, job.version, self.new_attempt())
+                        .await?
+                    {
+                        Some(attempt) => return self.execute(upstream, attempt).await,
+                        None => job = self.reread(job.id).await?,
+                    }
+                }
+            }
+        }
+        Err(self.in_progress())
+    }
+
+    /// Waits until the job is no longer running, or the hold timeout passes.
+    /// No polling: the doorbell rings on every state change, and the job is
+    /// read again after each ring (and once after subscribing, so a change
+    /// between the first read and the subscription is not missed).
+    async fn hold(&self, job: JobId) -> Result<Job, GatewayError> {
+        let bell = self.shared.doorbell.bell(job);
+        let deadline = Instant::now() + self.shared.settings.hold_timeout;
+        metrics::counter!("idemgate_requests_held_total").increment(1);
+        loop {
+            let rung = bell.notified();
+            tokio::pin!(rung);
+            rung.as_mut().enable();
+            let current = self.reread(job).await?;
+            if current.state != JobState::Running {
+                return Ok(current);
+            }
+            tokio::select! {
+                () = &mut rung => {}
+                () = tokio::time::sleep_until(deadline) => return Err(self.in_progress()),
+            }
+        }
+    }
+
+    async fn reread(&self, job: JobId) -> Result<Job, GatewayError> {
+        self.shared.store.job(job).await?.ok_or_else(|| {
+            // Purged under our feet (expired): the client may simply retry.
+            GatewayError::Store(StoreError::Conflict("the job expired while in use".into()))
+        })
+    }
+
+    fn in_progress(&self) -> GatewayError {
+        ClientError::InProgress {
+            retry_after: self.shared.settings.retry_after,
+        }
+        .into()
+    }
+
+    fn replay(&self, job: &Job) -> Result<Response<Body>, GatewayError> {
+        let stored = job
+            .response
+            .as_ref()
+            .ok_or_else(|| GatewayError::Internal(format!("completed job {} has no response", job.id)))?;
+        metrics::counter!("idemgate_replays_total").increment(1);
+        Ok(replay::response(stored, job.id, true))
+    }
+
+    async fn execute(
+        &self,
+        upstream: UpstreamService,
+        attempt: Attempt,
+    ) -> Result<Response<Body>, GatewayError> {
+        let request = self.upstream_request(&attempt);
+        let job = attempt.job_id;
+        match execute::spawn(self.shared.clone(), upstream, &self.route, attempt, request).await? {
+            execute::Reply::Committed(stored) => Ok(replay::response(&stored, job, false)),
+            execute::Reply::Uncommitted(response) => Ok(response),
+            execute::Reply::Superseded => {
+                // Another attempt won: answer with the job's one result.
+                let job = self.reread(job).await?;
+                self.replay(&job)
+            }
+        }
+    }
+
+    fn upstream_request(&self, attempt: &Attempt) -> Request<Body> {
+        let mut parts = self.parts.clone();
+        let settings = &self.shared.settings;
+        parts.headers.remove(IDEMPOTENCY_KEY);
+        if let Ok(v) = HeaderValue::from_str(&attempt.job_id.to_string()) {
+            parts.headers.insert(settings.forward_key_header.clone(), v);
+        }
+        parts
+            .headers
+            .insert(settings.forward_attempt_header.clone(), HeaderValue::from(attempt.number));
+        Request::from_parts(parts, full(self.body.clone()))
+    }
+
+    fn new_job(&self) -> NewJob {
+        NewJob {
+            id: JobId::new(),
+            owner: self.owner.clone(),
+            key: self.key.clone(),
+            fingerprint: self.fingerprint,
+            route: self.route.name.clone(),
+            ttl: self.shared.settings.key_ttl,
+        }
+    }
+
+    fn new_attempt(&self) -> NewAttempt {
+        let settings = &self.shared.settings;
+        NewAttempt {
+            id: AttemptId::new(),
+            upstream: settings.upstreams[0].name.clone(),
+            instance: self.shared.instance,
+            lease: settings.lease_ttl,
+            deadline: settings.attempt_deadline,
+        }
+    }
+}

@@ -1,0 +1,76 @@
+//! Leases on running attempts.
+//!
+//! Each attempt this instance runs is registered here for as long as its task
+//! lives; one background task renews all of them in a single statement every
+//! third of the lease. If the instance dies, renewals stop and the sweeper of
+//! any surviving instance turns the attempt `unknown`.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::attempt::AttemptId;
+use crate::store::Store;
+
+/// The attempts this instance holds leases on.
+#[derive(Debug, Default)]
+pub struct Leases {
+    held: Mutex<HashSet<AttemptId>>,
+}
+
+/// Releases the lease registration when the attempt's task ends.
+#[derive(Debug)]
+pub struct LeaseGuard {
+    leases: Arc<Leases>,
+    attempt: AttemptId,
+}
+
+impl Leases {
+    /// Registers `attempt` until the guard is dropped.
+    pub fn hold(self: &Arc<Self>, attempt: AttemptId) -> LeaseGuard {
+        self.lock().insert(attempt);
+        LeaseGuard {
+            leases: self.clone(),
+            attempt,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashSet<AttemptId>> {
+        self.held.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn snapshot(&self) -> Vec<AttemptId> {
+        self.lock().iter().copied().collect()
+    }
+
+    /// Renews every held lease each `lease / 3` until `shutdown`.
+    pub async fn renew(
+        self: Arc<Self>,
+        store: Arc<dyn Store>,
+        lease: Duration,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) {
+        tokio::pin!(shutdown);
+        let mut tick = tokio::time::interval(lease / 3);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                () = &mut shutdown => return,
+                _ = tick.tick() => {}
+            }
+            let held = self.snapshot();
+            if held.is_empty() {
+                continue;
+            }
+            if let Err(e) = store.renew_leases(&held, lease).await {
+                tracing::warn!(error = %e, attempts = held.len(), "could not renew attempt leases");
+            }
+        }
+    }
+}
+
+impl Drop for LeaseGuard {
+    fn drop(&mut self) {
+        self.leases.lock().remove(&self.attempt);
+    }
+}

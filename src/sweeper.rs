@@ -1,0 +1,61 @@
+//! Background upkeep: lapsed leases become `unknown`, expired jobs are purged.
+//!
+//! Both run in bounded batches so one sweep never holds the database for
+//! long; a full batch is followed at once by another, up to a cap per tick.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::store::Store;
+
+const BATCH: u32 = 500;
+const BATCHES_PER_TICK: usize = 20;
+
+/// Sweeps every `interval` until `shutdown`.
+pub async fn run(
+    store: Arc<dyn Store>,
+    interval: Duration,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    tokio::pin!(shutdown);
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = &mut shutdown => return,
+            _ = tick.tick() => {}
+        }
+        sweep_once(store.as_ref()).await;
+    }
+}
+
+/// One sweep: expire lapsed leases, then purge expired jobs.
+pub async fn sweep_once(store: &dyn Store) {
+    for _ in 0..BATCHES_PER_TICK {
+        match store.expire_leases(BATCH).await {
+            Ok(n) if n < u64::from(BATCH) => break,
+            Ok(_) => continue,
+            Err(e) => {
+                tracing::warn!(error = %e, "sweeper could not expire leases");
+                return;
+            }
+        }
+    }
+    for _ in 0..BATCHES_PER_TICK {
+        match store.purge_expired(BATCH).await {
+            Ok(n) => {
+                if n > 0 {
+                    metrics::counter!("idemgate_jobs_purged_total").increment(n);
+                    tracing::debug!(purged = n, "purged expired jobs");
+                }
+                if n < u64::from(BATCH) {
+                    break;
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "sweeper could not purge expired jobs");
+                return;
+            }
+        }
+    }
+}

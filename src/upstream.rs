@@ -1,0 +1,193 @@
+//! The upstream: a pooled HTTP client that forwards a request to one
+//! configured origin, as a Tower service.
+//!
+//! It rewrites the URI onto the upstream's base, removes hop-by-hop headers
+//! both ways, and adds `X-Forwarded-For`/`-Proto`/`-Host`. The `Host` header
+//! becomes the upstream's own authority, as most reverse proxies do. Its
+//! errors say whether the request may have reached the upstream, which
+//! decides between `failed` (safe to retry) and `unknown`.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Request, Response, Uri};
+use http_body_util::BodyExt;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use tokio::sync::watch;
+
+use crate::config::UpstreamSettings;
+use crate::http::{hop, Body, BodyError};
+
+/// The client's address, put into request extensions by the server.
+#[derive(Debug, Clone, Copy)]
+pub struct ClientAddr(pub SocketAddr);
+
+/// How forwarding failed, by whether the request may have had an effect.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    /// The connection could not be made: the request was never sent.
+    #[error("the upstream refused the connection; the request was not sent: {0}")]
+    Refused(String),
+    /// Failed after the request may have been sent (reset, protocol error).
+    #[error("the upstream connection failed after the request was sent: {0}")]
+    Broken(String),
+    /// No answer within the upstream timeout.
+    #[error("the upstream did not answer within {0:?}")]
+    TimedOut(Duration),
+    /// It answered with more than can be recorded.
+    #[error("the upstream response is larger than {limit} bytes and cannot be recorded")]
+    ResponseTooLarge {
+        /// The limit.
+        limit: usize,
+    },
+}
+
+/// A pooled client bound to one upstream.
+#[derive(Clone)]
+pub struct Upstream {
+    client: Client<HttpConnector, Body>,
+    target: Arc<UpstreamSettings>,
+}
+
+impl Upstream {
+    /// A client for `target`; connecting gives up after `connect_timeout`
+    /// (still a safe failure: nothing was sent).
+    pub fn new(target: UpstreamSettings, connect_timeout: Duration) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(connect_timeout));
+        connector.set_nodelay(true);
+        connector.enforce_http(true);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .build(connector);
+        Upstream {
+            client,
+            target: Arc::new(target),
+        }
+    }
+
+    /// The upstream's name in attempts and logs.
+    pub fn name(&self) -> &str {
+        &self.target.name
+    }
+
+    fn rewrite(&self, req: &mut Request<Body>) {
+        let base = &self.target.base;
+        let path_and_query = req
+            .uri()
+            .path_and_query()
+            .map(|pq| pq.as_str())
+            .unwrap_or("/");
+        let prefix = base.path().trim_end_matches('/');
+        let mut parts = base.clone().into_parts();
+        parts.path_and_query = format!("{prefix}{path_and_query}").parse().ok();
+        if let Ok(uri) = Uri::from_parts(parts) {
+            *req.uri_mut() = uri;
+        }
+        let client = req.extensions().get::<ClientAddr>().map(|c| c.0.ip());
+        let headers = req.headers_mut();
+        hop::strip(headers);
+        if let Some(host) = headers.remove(header::HOST) {
+            headers.insert("x-forwarded-host", host);
+        }
+        if let Some(ip) = client {
+            let forwarded = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
+                Some(prior) => format!("{prior}, {ip}"),
+                None => ip.to_string(),
+            };
+            if let Ok(v) = HeaderValue::from_str(&forwarded) {
+                headers.insert("x-forwarded-for", v);
+            }
+        }
+        headers.insert("x-forwarded-proto", HeaderValue::from_static("http"));
+        // HTTP/2 clients arrive with version 2; the upstream speaks HTTP/1.1.
+        *req.version_mut() = http::Version::HTTP_11;
+    }
+}
+
+impl tower::Service<Request<Body>> for Upstream {
+    type Response = Response<Body>;
+    type Error = UpstreamError;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, UpstreamError>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // The pooled client is always ready; it queues connections itself.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, mut req: Request<Body>) -> Self::Future {
+        self.rewrite(&mut req);
+        let request = self.client.request(req);
+        Box::pin(async move {
+            let mut response = request.await.map_err(|e| {
+                if e.is_connect() {
+                    UpstreamError::Refused(error_chain(&e))
+                } else {
+                    UpstreamError::Broken(error_chain(&e))
+                }
+            })?;
+            hop::strip(response.headers_mut());
+            Ok(response.map(|b| b.map_err(BodyError::new).boxed()))
+        })
+    }
+}
+
+/// A fully read upstream answer.
+#[derive(Debug)]
+pub struct Fetched {
+    /// Status and headers.
+    pub parts: http::response::Parts,
+    /// The whole body.
+    pub body: Bytes,
+}
+
+/// Sends `req` and reads the whole answer, at most `limit` bytes of body,
+/// counting every received frame on `progress` so the caller can tell
+/// silence from a slow but live answer.
+pub async fn fetch<S>(
+    upstream: S,
+    req: Request<Body>,
+    limit: usize,
+    progress: watch::Sender<u64>,
+) -> Result<Fetched, UpstreamError>
+where
+    S: tower::Service<Request<Body>, Response = Response<Body>, Error = UpstreamError>,
+{
+    use tower::ServiceExt;
+    let response = upstream.oneshot(req).await?;
+    progress.send_modify(|n| *n += 1);
+    let (parts, mut body) = response.into_parts();
+    let mut buf = bytes::BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| UpstreamError::Broken(e.to_string()))?;
+        if let Some(data) = frame.data_ref() {
+            if buf.len() + data.len() > limit {
+                return Err(UpstreamError::ResponseTooLarge { limit });
+            }
+            buf.extend_from_slice(data);
+            progress.send_modify(|n| *n += 1);
+        }
+    }
+    Ok(Fetched {
+        parts,
+        body: buf.freeze(),
+    })
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
