@@ -44,7 +44,10 @@ const MAX_BODY: usize = 16 * 1024 * 1024;
 
 impl Admin {
     /// Answers one admin request.
-    pub async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+    pub async fn handle(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+    ) -> Result<Response<Body>, Infallible> {
         Ok(self.route(req).await.unwrap_or_else(|p| p))
     }
 
@@ -52,10 +55,17 @@ impl Admin {
         let path = req.uri().path().to_owned();
         let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
         match (req.method(), segments.as_slice()) {
-            (&Method::GET, ["healthz"]) => Ok(json_response(StatusCode::OK, &json!({"status": "ok"}))),
+            (&Method::GET, ["healthz"]) => {
+                Ok(json_response(StatusCode::OK, &json!({"status": "ok"})))
+            }
             (&Method::GET, ["readyz"]) => match self.store.ping().await {
                 Ok(()) => Ok(json_response(StatusCode::OK, &json!({"status": "ready"}))),
-                Err(e) => Err(problem(StatusCode::SERVICE_UNAVAILABLE, "not-ready", "Store unreachable", &e.to_string())),
+                Err(e) => Err(problem(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "not-ready",
+                    "Store unreachable",
+                    &e.to_string(),
+                )),
             },
             (&Method::GET, ["metrics"]) => {
                 let mut response = Response::new(full(self.metrics.render()));
@@ -69,7 +79,12 @@ impl Admin {
                 self.authorize(&req)?;
                 self.api(req, &segments[2..]).await
             }
-            _ => Err(problem(StatusCode::NOT_FOUND, "not-found", "Not found", "no such admin endpoint")),
+            _ => Err(problem(
+                StatusCode::NOT_FOUND,
+                "not-found",
+                "Not found",
+                "no such admin endpoint",
+            )),
         }
     }
 
@@ -104,14 +119,29 @@ impl Admin {
         }
     }
 
-    async fn api(&self, req: Request<Incoming>, rest: &[&str]) -> Result<Response<Body>, Response<Body>> {
+    async fn api(
+        &self,
+        req: Request<Incoming>,
+        rest: &[&str],
+    ) -> Result<Response<Body>, Response<Body>> {
         match (req.method().clone(), rest) {
             (Method::GET, ["jobs", id]) => {
                 let id = parse_uuid(id)?;
-                let detail = self.store.job_detail(JobId(id)).await.map_err(store_problem)?;
+                let detail = self
+                    .store
+                    .job_detail(JobId(id))
+                    .await
+                    .map_err(store_problem)?;
                 detail
                     .map(|d| json_response(StatusCode::OK, &job_json(&d)))
-                    .ok_or_else(|| problem(StatusCode::NOT_FOUND, "job-not-found", "Job not found", "no job with this id"))
+                    .ok_or_else(|| {
+                        problem(
+                            StatusCode::NOT_FOUND,
+                            "job-not-found",
+                            "Job not found",
+                            "no job with this id",
+                        )
+                    })
             }
             (Method::GET, ["jobs"]) => {
                 let query = req.uri().query().unwrap_or("");
@@ -125,12 +155,25 @@ impl Admin {
                     }
                 }
                 let owner = Owner::from_admin_query(owner.as_deref().unwrap_or(Owner::ANONYMOUS));
-                let key = key.ok_or_else(|| bad_request("the `key` query parameter is required"))?;
-                let key = IdempotencyKey::parse(key.as_bytes()).map_err(|e| bad_request(&e.to_string()))?;
-                let detail = self.store.find_job(&owner, &key).await.map_err(store_problem)?;
+                let key =
+                    key.ok_or_else(|| bad_request("the `key` query parameter is required"))?;
+                let key = IdempotencyKey::parse(key.as_bytes())
+                    .map_err(|e| bad_request(&e.to_string()))?;
+                let detail = self
+                    .store
+                    .find_job(&owner, &key)
+                    .await
+                    .map_err(store_problem)?;
                 detail
                     .map(|d| json_response(StatusCode::OK, &job_json(&d)))
-                    .ok_or_else(|| problem(StatusCode::NOT_FOUND, "job-not-found", "Job not found", "no job for this owner and key"))
+                    .ok_or_else(|| {
+                        problem(
+                            StatusCode::NOT_FOUND,
+                            "job-not-found",
+                            "Job not found",
+                            "no job for this owner and key",
+                        )
+                    })
             }
             (Method::POST, ["attempts", id, "resolve"]) => {
                 let id = AttemptId(parse_uuid(id)?);
@@ -138,11 +181,20 @@ impl Admin {
                     .await
                     .map_err(|e| bad_request(&e.to_string()))?;
                 let resolution = parse_resolution(&body)?;
-                let detail = self.store.resolve_attempt(id, resolution).await.map_err(store_problem)?;
+                let detail = self
+                    .store
+                    .resolve_attempt(id, resolution)
+                    .await
+                    .map_err(store_problem)?;
                 tracing::info!(attempt = %id, job = %detail.job.id, state = %detail.job.state, "attempt resolved by an operator");
                 Ok(json_response(StatusCode::OK, &job_json(&detail)))
             }
-            _ => Err(problem(StatusCode::NOT_FOUND, "not-found", "Not found", "no such admin endpoint")),
+            _ => Err(problem(
+                StatusCode::NOT_FOUND,
+                "not-found",
+                "Not found",
+                "no such admin endpoint",
+            )),
         }
     }
 }
@@ -165,8 +217,8 @@ struct ResponseInput {
 }
 
 fn parse_resolution(body: &[u8]) -> Result<Resolution, Response<Body>> {
-    let request: ResolveRequest =
-        serde_json::from_slice(body).map_err(|e| bad_request(&format!("invalid resolution: {e}")))?;
+    let request: ResolveRequest = serde_json::from_slice(body)
+        .map_err(|e| bad_request(&format!("invalid resolution: {e}")))?;
     match (request.outcome.as_str(), request.response) {
         ("failed", None) => Ok(Resolution::Failed),
         ("cancelled", None) => Ok(Resolution::Cancelled),
@@ -182,21 +234,37 @@ fn parse_resolution(body: &[u8]) -> Result<Resolution, Response<Body>> {
                         .map_err(|e| bad_request(&format!("response.body_base64: {e}")))?,
                 ),
                 (None, None) => Bytes::new(),
-                (Some(_), Some(_)) => return Err(bad_request("give response.body or response.body_base64, not both")),
+                (Some(_), Some(_)) => {
+                    return Err(bad_request(
+                        "give response.body or response.body_base64, not both",
+                    ))
+                }
             };
             let mut headers = Vec::with_capacity(r.headers.len());
             for (name, value) in r.headers {
-                let name = http::HeaderName::from_bytes(name.as_bytes())
-                    .map_err(|_| bad_request(&format!("response header {name:?} is not a header name")))?;
-                HeaderValue::from_str(&value)
-                    .map_err(|_| bad_request(&format!("response header {name} has an invalid value")))?;
+                let name = http::HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
+                    bad_request(&format!("response header {name:?} is not a header name"))
+                })?;
+                HeaderValue::from_str(&value).map_err(|_| {
+                    bad_request(&format!("response header {name} has an invalid value"))
+                })?;
                 headers.push((name.as_str().to_owned(), Bytes::from(value)));
             }
-            Ok(Resolution::Succeeded(StoredResponse { status: r.status, headers, body }))
+            Ok(Resolution::Succeeded(StoredResponse {
+                status: r.status,
+                headers,
+                body,
+            }))
         }
-        ("succeeded", None) => Err(bad_request("outcome `succeeded` needs a `response` with the status, headers and body to commit")),
-        ("failed" | "cancelled", Some(_)) => Err(bad_request("only outcome `succeeded` takes a response")),
-        (other, _) => Err(bad_request(&format!("unknown outcome {other:?}; use failed, cancelled or succeeded"))),
+        ("succeeded", None) => Err(bad_request(
+            "outcome `succeeded` needs a `response` with the status, headers and body to commit",
+        )),
+        ("failed" | "cancelled", Some(_)) => {
+            Err(bad_request("only outcome `succeeded` takes a response"))
+        }
+        (other, _) => Err(bad_request(&format!(
+            "unknown outcome {other:?}; use failed, cancelled or succeeded"
+        ))),
     }
 }
 
@@ -243,7 +311,9 @@ fn response_json(r: &StoredResponse) -> Value {
     let mut out = json!({"status": r.status, "headers": headers});
     match std::str::from_utf8(&r.body) {
         Ok(text) => out["body"] = json!(text),
-        Err(_) => out["body_base64"] = json!(base64::engine::general_purpose::STANDARD.encode(&r.body)),
+        Err(_) => {
+            out["body_base64"] = json!(base64::engine::general_purpose::STANDARD.encode(&r.body))
+        }
     }
     out
 }
@@ -253,20 +323,46 @@ fn time(t: SystemTime) -> String {
 }
 
 fn parse_uuid(s: &str) -> Result<Uuid, Response<Body>> {
-    s.parse().map_err(|_| bad_request(&format!("{s:?} is not an id")))
+    s.parse()
+        .map_err(|_| bad_request(&format!("{s:?} is not an id")))
 }
 
 fn store_problem(e: StoreError) -> Response<Body> {
     match &e {
-        StoreError::NotFound(what) => problem(StatusCode::NOT_FOUND, "not-found", "Not found", &format!("{what} not found")),
-        StoreError::Conflict(_) => problem(StatusCode::CONFLICT, "resolution-conflict", "Cannot resolve", &e.to_string()),
-        StoreError::Unavailable(_) => problem(StatusCode::SERVICE_UNAVAILABLE, "store-unavailable", "Store unavailable", &e.to_string()),
-        StoreError::Internal(_) => problem(StatusCode::INTERNAL_SERVER_ERROR, "internal-error", "Internal error", &e.to_string()),
+        StoreError::NotFound(what) => problem(
+            StatusCode::NOT_FOUND,
+            "not-found",
+            "Not found",
+            &format!("{what} not found"),
+        ),
+        StoreError::Conflict(_) => problem(
+            StatusCode::CONFLICT,
+            "resolution-conflict",
+            "Cannot resolve",
+            &e.to_string(),
+        ),
+        StoreError::Unavailable(_) => problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store-unavailable",
+            "Store unavailable",
+            &e.to_string(),
+        ),
+        StoreError::Internal(_) => problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal-error",
+            "Internal error",
+            &e.to_string(),
+        ),
     }
 }
 
 fn bad_request(detail: &str) -> Response<Body> {
-    problem(StatusCode::BAD_REQUEST, "invalid-admin-request", "Invalid admin request", detail)
+    problem(
+        StatusCode::BAD_REQUEST,
+        "invalid-admin-request",
+        "Invalid admin request",
+        detail,
+    )
 }
 
 fn problem(status: StatusCode, slug: &str, title: &str, detail: &str) -> Response<Body> {
@@ -276,9 +372,10 @@ fn problem(status: StatusCode, slug: &str, title: &str, detail: &str) -> Respons
 fn json_response(status: StatusCode, value: &Value) -> Response<Body> {
     let mut response = Response::new(full(value.to_string()));
     *response.status_mut() = status;
-    response
-        .headers_mut()
-        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     response
 }
 
@@ -287,4 +384,3 @@ fn json_response(status: StatusCode, value: &Value) -> Response<Body> {
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
-

@@ -58,11 +58,11 @@ pub async fn run(
         tracing::warn!("redis_url is set but the Redis fast path is not built yet; running on the database alone");
     }
 
-    tokio::spawn(
-        leases
-            .clone()
-            .renew(store.clone(), settings.lease_ttl, shutdown.clone().cancelled_owned()),
-    );
+    tokio::spawn(leases.clone().renew(
+        store.clone(),
+        settings.lease_ttl,
+        shutdown.clone().cancelled_owned(),
+    ));
     tokio::spawn(sweeper::run(
         store.clone(),
         settings.sweep_interval,
@@ -78,7 +78,9 @@ pub async fn run(
     });
     let upstream = Upstream::new(
         settings.upstreams[0].clone(),
-        settings.upstream_timeout.min(std::time::Duration::from_secs(10)),
+        settings
+            .upstream_timeout
+            .min(std::time::Duration::from_secs(10)),
     );
 
     // The request path, outermost first.

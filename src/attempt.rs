@@ -242,7 +242,9 @@ mod tests {
 
     #[test]
     fn names_round_trip() {
-        for s in [Started, Succeeded, Failed, Unknown, Cancelled, Superseded, Rejected] {
+        for s in [
+            Started, Succeeded, Failed, Unknown, Cancelled, Superseded, Rejected,
+        ] {
             assert_eq!(AttemptState::parse(s.as_str()), Some(s));
         }
     }

@@ -18,7 +18,11 @@ use crate::store::postgres::PgSettings;
 
 /// The command line.
 #[derive(Debug, Parser)]
-#[command(name = "idemgate", version, about = "A reverse proxy that makes retries safe")]
+#[command(
+    name = "idemgate",
+    version,
+    about = "A reverse proxy that makes retries safe"
+)]
 pub struct Cli {
     /// TOML configuration file (see config/idemgate.example.toml).
     #[arg(long, global = true, env = "IDEMGATE_CONFIG", value_name = "FILE")]
@@ -47,17 +51,37 @@ pub struct Flags {
     #[arg(long, env = "IDEMGATE_ADMIN_LISTEN", value_name = "ADDR")]
     pub admin_listen: Option<SocketAddr>,
     /// Bearer token for the admin API; without one the job endpoints are off.
-    #[arg(long, env = "IDEMGATE_ADMIN_TOKEN", value_name = "TOKEN", hide_env_values = true)]
+    #[arg(
+        long,
+        env = "IDEMGATE_ADMIN_TOKEN",
+        value_name = "TOKEN",
+        hide_env_values = true
+    )]
     pub admin_token: Option<String>,
     /// Upstream base URL; repeat it (or separate with commas in the variable):
     /// the first is the primary, the rest are fallbacks in order.
-    #[arg(long = "upstream", env = "IDEMGATE_UPSTREAM", value_name = "URL", value_delimiter = ',')]
+    #[arg(
+        long = "upstream",
+        env = "IDEMGATE_UPSTREAM",
+        value_name = "URL",
+        value_delimiter = ','
+    )]
     pub upstreams: Vec<String>,
     /// PostgreSQL URL, e.g. postgres://user@host/db.
-    #[arg(long, env = "IDEMGATE_DATABASE_URL", value_name = "URL", hide_env_values = true)]
+    #[arg(
+        long,
+        env = "IDEMGATE_DATABASE_URL",
+        value_name = "URL",
+        hide_env_values = true
+    )]
     pub database_url: Option<String>,
     /// Redis URL for the replay fast path.
-    #[arg(long, env = "IDEMGATE_REDIS_URL", value_name = "URL", hide_env_values = true)]
+    #[arg(
+        long,
+        env = "IDEMGATE_REDIS_URL",
+        value_name = "URL",
+        hide_env_values = true
+    )]
     pub redis_url: Option<String>,
     /// Silence after which an attempt's outcome is unknown (e.g. 30s).
     #[arg(long, env = "IDEMGATE_UPSTREAM_TIMEOUT", value_name = "DURATION", value_parser = humantime::parse_duration)]
@@ -185,7 +209,10 @@ impl std::fmt::Debug for Settings {
         f.debug_struct("Settings")
             .field("listen", &self.listen)
             .field("admin_listen", &self.admin_listen)
-            .field("admin_token", &self.admin_token.as_ref().map(|_| "<redacted>"))
+            .field(
+                "admin_token",
+                &self.admin_token.as_ref().map(|_| "<redacted>"),
+            )
             .field("upstreams", &self.upstreams)
             .field("database", &self.database.as_ref().map(|_| "<redacted>"))
             .field("upstream_timeout", &self.upstream_timeout)
@@ -252,9 +279,8 @@ impl Settings {
     pub fn load(config: Option<&Path>, flags: Flags) -> Result<Settings, ConfigError> {
         let file = match config {
             Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|e| {
-                    bad("--config", format!("cannot read {}: {e}", path.display()))
-                })?;
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| bad("--config", format!("cannot read {}: {e}", path.display())))?;
                 Self::parse_file(&text)?
             }
             None => FileConfig::default(),
@@ -267,12 +293,13 @@ impl Settings {
         config: Option<&Path>,
         flags: Flags,
     ) -> Result<Option<PgSettings>, ConfigError> {
-        let file = match config {
-            Some(path) => Self::parse_file(&std::fs::read_to_string(path).map_err(|e| {
-                bad("--config", format!("cannot read {}: {e}", path.display()))
-            })?)?,
-            None => FileConfig::default(),
-        };
+        let file =
+            match config {
+                Some(path) => Self::parse_file(&std::fs::read_to_string(path).map_err(|e| {
+                    bad("--config", format!("cannot read {}: {e}", path.display()))
+                })?)?,
+                None => FileConfig::default(),
+            };
         database(&file, flags.database_url)
     }
 
@@ -280,14 +307,17 @@ impl Settings {
     pub fn parse_file(text: &str) -> Result<FileConfig, ConfigError> {
         toml::from_str(text).map_err(|e| {
             let message = e.message().to_owned();
+            // Unknown keys are named in the message; bad values by the
+            // line their span points at.
             let key = message
                 .split('`')
                 .nth(1)
-                .unwrap_or("config file")
-                .to_owned();
+                .map(str::to_owned)
+                .or_else(|| e.span().and_then(|span| key_at(text, span.start)))
+                .unwrap_or_else(|| "config file".to_owned());
             bad(
                 key,
-                format!("{message} (check the spelling against config/idemgate.example.toml)"),
+                format!("{message} (see config/idemgate.example.toml for every key)"),
             )
         })
     }
@@ -467,9 +497,21 @@ fn database(file: &FileConfig, flag: Option<String>) -> Result<Option<PgSettings
     }))
 }
 
+/// The key written on the line holding byte `at`, if that line is `key = …`.
+fn key_at(text: &str, at: usize) -> Option<String> {
+    let start = text[..at.min(text.len())].rfind('\n').map_or(0, |i| i + 1);
+    let line = text[start..].lines().next()?;
+    let (key, _) = line.split_once('=')?;
+    let key = key.trim();
+    (!key.is_empty() && !key.starts_with('[')).then(|| key.to_owned())
+}
+
 fn positive(key: &str, d: Duration) -> Result<Duration, ConfigError> {
     if d.is_zero() {
-        return Err(bad(key, "must be greater than zero (write it like `250ms`, `10s` or `24h`)"));
+        return Err(bad(
+            key,
+            "must be greater than zero (write it like `250ms`, `10s` or `24h`)",
+        ));
     }
     Ok(d)
 }
@@ -492,7 +534,9 @@ fn parse_upstream(i: usize, url: &str) -> Result<UpstreamSettings, ConfigError> 
         Some(other) => {
             return Err(bad(
                 &key,
-                format!("scheme {other:?} is not supported; use http:// (terminate TLS in a sidecar)"),
+                format!(
+                    "scheme {other:?} is not supported; use http:// (terminate TLS in a sidecar)"
+                ),
             ))
         }
         None => {
@@ -521,7 +565,10 @@ fn parse_route(i: usize, r: RouteFile) -> Result<Route, ConfigError> {
     let default = Route::default_route();
     let path_prefix = r.path_prefix.unwrap_or_else(|| "/".into());
     if !path_prefix.starts_with('/') {
-        return Err(bad(key("path_prefix"), format!("{path_prefix:?} must start with `/`")));
+        return Err(bad(
+            key("path_prefix"),
+            format!("{path_prefix:?} must start with `/`"),
+        ));
     }
     let methods = match r.methods {
         None => default.methods,
@@ -551,8 +598,14 @@ fn parse_route(i: usize, r: RouteFile) -> Result<Route, ConfigError> {
             .collect::<Result<Vec<_>, _>>()?,
     };
     let retryable_statuses = r.retryable_statuses.unwrap_or(default.retryable_statuses);
-    if let Some(s) = retryable_statuses.iter().find(|s| !(100..=599).contains(*s)) {
-        return Err(bad(key("retryable_statuses"), format!("{s} is not an HTTP status")));
+    if let Some(s) = retryable_statuses
+        .iter()
+        .find(|s| !(100..=599).contains(*s))
+    {
+        return Err(bad(
+            key("retryable_statuses"),
+            format!("{s} is not an HTTP status"),
+        ));
     }
     let ignore = r.ignore_fields.unwrap_or_default();
     if let Some(p) = ignore.iter().find(|p| !p.starts_with('/')) {
@@ -617,6 +670,13 @@ mod tests {
     }
 
     #[test]
+    fn unparsable_values_are_named() {
+        let err = Settings::parse_file("listen = \"127.0.0.1:1\"\nhold_timeout = \"soon\"\n")
+            .unwrap_err();
+        assert_eq!(err.key, "hold_timeout");
+    }
+
+    #[test]
     fn bad_values_name_their_key() {
         let err = Settings::from_sources(
             Settings::parse_file("mismatch_status = 400").unwrap(),
@@ -660,7 +720,12 @@ mod tests {
         )
         .unwrap();
         let s = Settings::from_sources(file, flags_with_upstream()).unwrap();
-        assert_eq!(s.route_for(&Method::POST, "/v1/chat/completions").unwrap().name, "chat");
+        assert_eq!(
+            s.route_for(&Method::POST, "/v1/chat/completions")
+                .unwrap()
+                .name,
+            "chat"
+        );
         assert_eq!(s.route_for(&Method::POST, "/v1/other").unwrap().name, "all");
     }
 }

@@ -205,15 +205,26 @@ mod tests {
 
     #[test]
     fn derive_prefers_unknown_then_running_then_open() {
-        assert_eq!(JobState::derive([Failed, Unknown, Started]), JobState::Unknown);
+        assert_eq!(
+            JobState::derive([Failed, Unknown, Started]),
+            JobState::Unknown
+        );
         assert_eq!(JobState::derive([Failed, Started]), JobState::Running);
-        assert_eq!(JobState::derive([Failed, Cancelled, Rejected]), JobState::Open);
+        assert_eq!(
+            JobState::derive([Failed, Cancelled, Rejected]),
+            JobState::Open
+        );
         assert_eq!(JobState::derive([]), JobState::Open);
     }
 
     #[test]
     fn completed_is_terminal() {
-        for next in [JobState::Running, JobState::Open, JobState::Unknown, JobState::Completed] {
+        for next in [
+            JobState::Running,
+            JobState::Open,
+            JobState::Unknown,
+            JobState::Completed,
+        ] {
             assert!(!JobState::Completed.can_become(next));
         }
         assert!(JobState::Unknown.can_become(JobState::Completed));
@@ -223,7 +234,12 @@ mod tests {
 
     #[test]
     fn names_round_trip() {
-        for s in [JobState::Running, JobState::Unknown, JobState::Open, JobState::Completed] {
+        for s in [
+            JobState::Running,
+            JobState::Unknown,
+            JobState::Open,
+            JobState::Completed,
+        ] {
             assert_eq!(JobState::parse(s.as_str()), Some(s));
         }
     }

@@ -177,11 +177,26 @@ mod tests {
     fn refuses_bad_keys() {
         assert_eq!(IdempotencyKey::parse(b""), Err(KeyError::Empty));
         assert_eq!(IdempotencyKey::parse(b"\"\""), Err(KeyError::Empty));
-        assert_eq!(IdempotencyKey::parse(b"a b"), Err(KeyError::InvalidCharacter));
-        assert_eq!(IdempotencyKey::parse("é".as_bytes()), Err(KeyError::InvalidCharacter));
-        assert_eq!(IdempotencyKey::parse(b"\"abc"), Err(KeyError::MalformedString));
-        assert_eq!(IdempotencyKey::parse(b"\"a\"b"), Err(KeyError::MalformedString));
-        assert_eq!(IdempotencyKey::parse(b"\"a\\nb\""), Err(KeyError::MalformedString));
+        assert_eq!(
+            IdempotencyKey::parse(b"a b"),
+            Err(KeyError::InvalidCharacter)
+        );
+        assert_eq!(
+            IdempotencyKey::parse("é".as_bytes()),
+            Err(KeyError::InvalidCharacter)
+        );
+        assert_eq!(
+            IdempotencyKey::parse(b"\"abc"),
+            Err(KeyError::MalformedString)
+        );
+        assert_eq!(
+            IdempotencyKey::parse(b"\"a\"b"),
+            Err(KeyError::MalformedString)
+        );
+        assert_eq!(
+            IdempotencyKey::parse(b"\"a\\nb\""),
+            Err(KeyError::MalformedString)
+        );
         assert!(IdempotencyKey::parse(&[b'k'; 255]).is_ok());
         assert_eq!(IdempotencyKey::parse(&[b'k'; 256]), Err(KeyError::TooLong));
     }

@@ -43,7 +43,12 @@ async fn main() -> ExitCode {
 async fn serve(settings: Settings) -> ExitCode {
     let proxy = match TcpListener::bind(settings.listen).await {
         Ok(l) => l,
-        Err(e) => return fail(format!("cannot listen on {} (`listen`): {e}", settings.listen)),
+        Err(e) => {
+            return fail(format!(
+                "cannot listen on {} (`listen`): {e}",
+                settings.listen
+            ))
+        }
     };
     let admin = match TcpListener::bind(settings.admin_listen).await {
         Ok(l) => l,

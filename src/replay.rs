@@ -17,7 +17,12 @@ pub fn capture(fetched: &Fetched) -> StoredResponse {
         .headers
         .iter()
         .filter(|(name, _)| **name != header::CONTENT_LENGTH)
-        .map(|(name, value)| (name.as_str().to_owned(), Bytes::copy_from_slice(value.as_bytes())))
+        .map(|(name, value)| {
+            (
+                name.as_str().to_owned(),
+                Bytes::copy_from_slice(value.as_bytes()),
+            )
+        })
         .collect();
     StoredResponse {
         status: fetched.parts.status.as_u16(),

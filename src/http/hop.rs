@@ -40,7 +40,10 @@ mod tests {
     #[test]
     fn strips_listed_and_named_headers() {
         let mut h = HeaderMap::new();
-        h.insert(header::CONNECTION, "keep-alive, X-Secret-Hop".parse().unwrap());
+        h.insert(
+            header::CONNECTION,
+            "keep-alive, X-Secret-Hop".parse().unwrap(),
+        );
         h.insert("keep-alive", "timeout=5".parse().unwrap());
         h.insert("x-secret-hop", "1".parse().unwrap());
         h.insert(header::TRANSFER_ENCODING, "chunked".parse().unwrap());

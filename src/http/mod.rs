@@ -48,7 +48,9 @@ pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-
 
 /// A body holding `bytes`.
 pub fn full(bytes: impl Into<Bytes>) -> Body {
-    Full::new(bytes.into()).map_err(|never| match never {}).boxed()
+    Full::new(bytes.into())
+        .map_err(|never| match never {})
+        .boxed()
 }
 
 /// Why a body could not be collected.
@@ -77,7 +79,9 @@ where
     }
     match Limited::new(body, limit).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(CollectError::TooLarge { limit }),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(CollectError::TooLarge { limit })
+        }
         Err(e) => Err(CollectError::Read(e)),
     }
 }

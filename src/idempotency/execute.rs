@@ -50,8 +50,11 @@ pub(super) async fn spawn(
     let (tx, rx) = oneshot::channel();
     let retryable = route.retryable_statuses.clone();
     tokio::spawn(run(shared, upstream, retryable, attempt, request, tx));
-    rx.await
-        .unwrap_or_else(|_| Err(GatewayError::Internal("the attempt task ended without an answer".into())))
+    rx.await.unwrap_or_else(|_| {
+        Err(GatewayError::Internal(
+            "the attempt task ended without an answer".into(),
+        ))
+    })
 }
 
 type ReplyTx = oneshot::Sender<Result<Reply, GatewayError>>;
@@ -101,7 +104,10 @@ async fn run(
             detail: "attempt deadline passed without an answer".into(),
         };
         settle(&shared, &attempt, failure).await;
-        send(&mut reply, Err(UpstreamError::TimedOut(settings.upstream_timeout).into()));
+        send(
+            &mut reply,
+            Err(UpstreamError::TimedOut(settings.upstream_timeout).into()),
+        );
         return;
     };
 

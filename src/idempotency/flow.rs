@@ -182,6 +182,7 @@ impl Flow {
         let bell = self.shared.doorbell.bell(job);
         let deadline = Instant::now() + self.shared.settings.hold_timeout;
         metrics::counter!("idemgate_requests_held_total").increment(1);
+        let _held = HeldGauge::new();
         loop {
             let rung = bell.notified();
             tokio::pin!(rung);
@@ -212,10 +213,9 @@ impl Flow {
     }
 
     fn replay(&self, job: &Job) -> Result<Response<Body>, GatewayError> {
-        let stored = job
-            .response
-            .as_ref()
-            .ok_or_else(|| GatewayError::Internal(format!("completed job {} has no response", job.id)))?;
+        let stored = job.response.as_ref().ok_or_else(|| {
+            GatewayError::Internal(format!("completed job {} has no response", job.id))
+        })?;
         metrics::counter!("idemgate_replays_total").increment(1);
         Ok(replay::response(stored, job.id, true))
     }
@@ -245,9 +245,10 @@ impl Flow {
         if let Ok(v) = HeaderValue::from_str(&attempt.job_id.to_string()) {
             parts.headers.insert(settings.forward_key_header.clone(), v);
         }
-        parts
-            .headers
-            .insert(settings.forward_attempt_header.clone(), HeaderValue::from(attempt.number));
+        parts.headers.insert(
+            settings.forward_attempt_header.clone(),
+            HeaderValue::from(attempt.number),
+        );
         Request::from_parts(parts, full(self.body.clone()))
     }
 
@@ -271,5 +272,21 @@ impl Flow {
             lease: settings.lease_ttl,
             deadline: settings.attempt_deadline,
         }
+    }
+}
+
+/// Counts the duplicates held right now (`idemgate_held_requests`).
+struct HeldGauge;
+
+impl HeldGauge {
+    fn new() -> Self {
+        metrics::gauge!("idemgate_held_requests").increment(1.0);
+        HeldGauge
+    }
+}
+
+impl Drop for HeldGauge {
+    fn drop(&mut self) {
+        metrics::gauge!("idemgate_held_requests").decrement(1.0);
     }
 }

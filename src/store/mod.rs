@@ -79,6 +79,16 @@ pub trait Store: Send + Sync + 'static {
         attempt: NewAttempt,
     ) -> Result<Option<Attempt>, StoreError>;
 
+    /// Adds an attempt beside a running one without moving the version (a
+    /// hedge): both race fairly, and `completed_by IS NULL` picks the first
+    /// to commit. `None` when the job is no longer running at `version`.
+    async fn hedge_attempt(
+        &self,
+        job: JobId,
+        version: i64,
+        attempt: NewAttempt,
+    ) -> Result<Option<Attempt>, StoreError>;
+
     /// Commits the attempt's response as the job's result: one CAS on the
     /// version the attempt started under, with `completed_by IS NULL`.
     async fn commit(
@@ -117,8 +127,11 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<Option<JobDetail>, StoreError>;
 
     /// Extends the leases of attempts this instance is running.
-    async fn renew_leases(&self, attempts: &[AttemptId], lease: Duration)
-        -> Result<u64, StoreError>;
+    async fn renew_leases(
+        &self,
+        attempts: &[AttemptId],
+        lease: Duration,
+    ) -> Result<u64, StoreError>;
 
     /// Turns started attempts whose lease lapsed into `unknown` (their
     /// gateway died holding them). Returns how many, at most `batch`.

@@ -17,9 +17,7 @@ use tokio_postgres::{AsyncMessage, NoTls, Row};
 use uuid::Uuid;
 
 use super::{Begin, CommitOutcome, Doorbell, Store, StoreError};
-use crate::attempt::{
-    Attempt, AttemptFailure, AttemptId, AttemptState, NewAttempt, Resolution,
-};
+use crate::attempt::{Attempt, AttemptFailure, AttemptId, AttemptState, NewAttempt, Resolution};
 use crate::fingerprint::Fingerprint;
 use crate::job::{Job, JobDetail, JobId, JobState, NewJob, StoredResponse};
 use crate::key::{IdempotencyKey, Owner};
@@ -266,10 +264,7 @@ impl PgStore {
     }
 }
 
-async fn derive_job_state(
-    client: &impl GenericClient,
-    job: JobId,
-) -> Result<JobState, StoreError> {
+async fn derive_job_state(client: &impl GenericClient, job: JobId) -> Result<JobState, StoreError> {
     let rows = client
         .query("SELECT state FROM attempts WHERE job_id = $1", &[&job.0])
         .await
@@ -407,6 +402,46 @@ impl Store for PgStore {
         row.map(|r| attempt_from_row(&r, 0)).transpose()
     }
 
+    async fn hedge_attempt(
+        &self,
+        job: JobId,
+        version: i64,
+        attempt: NewAttempt,
+    ) -> Result<Option<Attempt>, StoreError> {
+        let client = self.client().await?;
+        let row = client
+            .query_opt(
+                &format!(
+                    "WITH j AS ( \
+                       UPDATE jobs SET attempt_count = attempt_count + 1, updated_at = now() \
+                       WHERE id = $1 AND version = $2 AND state = 'running' \
+                       RETURNING id, version, attempt_count \
+                     ), a AS ( \
+                       INSERT INTO attempts (id, job_id, number, upstream, state, job_version, instance, \
+                                             lease_expires_at, deadline_at) \
+                       SELECT $3, j.id, j.attempt_count, $4, 'started', j.version, $5, \
+                              now() + $6::bigint * interval '1 millisecond', \
+                              now() + $7::bigint * interval '1 millisecond' \
+                       FROM j \
+                       RETURNING * \
+                     ) \
+                     SELECT {ATTEMPT_COLUMNS} FROM a"
+                ),
+                &[
+                    &job.0,
+                    &version,
+                    &attempt.id.0,
+                    &attempt.upstream,
+                    &attempt.instance,
+                    &millis(attempt.lease),
+                    &millis(attempt.deadline),
+                ],
+            )
+            .await
+            .map_err(map_pg)?;
+        row.map(|r| attempt_from_row(&r, 0)).transpose()
+    }
+
     async fn commit(
         &self,
         attempt: &Attempt,
@@ -463,9 +498,15 @@ impl Store for PgStore {
             AttemptFailure::Unknown { .. } => &[AttemptState::Started],
             _ => &[AttemptState::Started, AttemptState::Unknown],
         };
-        self.settle(attempt, failure.state(), failure.status(), failure.detail(), from)
-            .await
-            .map(|_| ())
+        self.settle(
+            attempt,
+            failure.state(),
+            failure.status(),
+            failure.detail(),
+            from,
+        )
+        .await
+        .map(|_| ())
     }
 
     async fn resolve_attempt(

@@ -1,0 +1,550 @@
+//! The HTTP contract: replays, mismatches, bad input, pass-through, admin
+//! auth, and a store that cannot be reached.
+
+use bytes::Bytes;
+use http::Method;
+use http_body_util::Full;
+
+use crate::support::upstream::echo_response;
+use crate::support::{post, send, FakeUpstream, Gateway, TestDb};
+
+#[tokio::test]
+async fn replay_is_faithful_to_status_end_to_end_headers_and_body_bytes() {
+    let db = TestDb::new().await;
+    let upstream = FakeUpstream::start(|_| async move {
+        http::Response::builder()
+            .status(202)
+            .header("content-type", "application/octet-stream")
+            .header("x-request-cost", "0.42")
+            .header("set-cookie", "a=1")
+            .header("set-cookie", "b=2")
+            .header("connection", "x-hop-secret")
+            .header("x-hop-secret", "never forwarded")
+            .header("keep-alive", "timeout=5")
+            .body(Full::new(Bytes::from_static(&[
+                0, 159, 146, 150, 255, b'\n',
+            ])))
+            .unwrap()
+    })
+    .await;
+    let gateway = Gateway::start(&db.url, &upstream.url()).await;
+    let url = gateway.path("/v1/blobs?kind=raw");
+    let first = post(&url, "fidelity", "{}").await;
+    let replay = post(&url, "fidelity", "{}").await;
+    assert_eq!(upstream.hits(), 1);
+    for r in [&first, &replay] {
+        assert_eq!(r.status, 202);
+        assert_eq!(r.body.as_ref(), &[0, 159, 146, 150, 255, b'\n']);
+        assert_eq!(r.header("content-type"), Some("application/octet-stream"));
+        assert_eq!(r.header("x-request-cost"), Some("0.42"));
+        let cookies: Vec<_> = r
+            .headers
+            .get_all("set-cookie")
+            .iter()
+            .map(|v| v.to_str().unwrap())
+            .collect();
+        assert_eq!(cookies, ["a=1", "b=2"]);
+        assert!(
+            r.headers.get("x-hop-secret").is_none(),
+            "headers named in Connection are hop-by-hop"
+        );
+        assert!(r.headers.get("keep-alive").is_none());
+    }
+    assert_eq!(first.header("idempotent-replayed"), None);
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(first.job(), replay.job());
+}
+
+#[tokio::test]
+async fn same_key_with_another_body_or_path_is_a_409_mismatch_and_never_proxied() {
+    let db = TestDb::new().await;
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::start(&db.url, &upstream.url()).await;
+    let first = post(&gateway.path("/v1/charges"), "reused", r#"{"amount": 1}"#).await;
+    assert_eq!(first.status, 200);
+
+    let other_body = post(&gateway.path("/v1/charges"), "reused", r#"{"amount": 2}"#).await;
+    assert_eq!(other_body.status, 409);
+    assert_eq!(other_body.problem(), "idempotency-key-mismatch");
+    assert_eq!(other_body.job(), first.job());
+
+    let other_path = post(&gateway.path("/v1/refunds"), "reused", r#"{"amount": 1}"#).await;
+    assert_eq!(other_path.status, 409);
+    assert_eq!(other_path.problem(), "idempotency-key-mismatch");
+    assert_eq!(upstream.hits(), 1);
+}
+
+#[tokio::test]
+async fn mismatch_status_can_be_the_ietf_422() {
+    let db = TestDb::new().await;
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::builder(&db.url, &upstream.url())
+        .set("mismatch_status", "422")
+        .start()
+        .await;
+    post(&gateway.path("/a"), "k", "1").await;
+    let reply = post(&gateway.path("/a"), "k", "2").await;
+    assert_eq!(reply.status, 422);
+    assert_eq!(reply.problem(), "idempotency-key-mismatch");
+}
+
+#[tokio::test]
+async fn canonical_json_routes_ignore_key_order_and_excluded_fields() {
+    let db = TestDb::new().await;
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::builder(&db.url, &upstream.url())
+        .routes("[[routes]]\nname = \"chat\"\npath_prefix = \"/v1/chat\"\ncanonical_json = true\nignore_fields = [\"/metadata/sent_at\"]\n")
+        .start()
+        .await;
+    let url = gateway.path("/v1/chat/completions");
+    let a = post(
+        &url,
+        "canon",
+        r#"{"model":"m","metadata":{"sent_at":1},"temperature":0}"#,
+    )
+    .await;
+    let b = post(
+        &url,
+        "canon",
+        r#"{ "temperature": 0, "metadata": {"sent_at": 2}, "model": "m" }"#,
+    )
+    .await;
+    assert_eq!(a.status, 200);
+    assert_eq!(b.status, 200);
+    assert_eq!(b.header("idempotent-replayed"), Some("true"));
+    let c = post(
+        &url,
+        "canon",
+        r#"{"model":"other","metadata":{"sent_at":1},"temperature":0}"#,
+    )
+    .await;
+    assert_eq!(c.status, 409);
+    assert_eq!(upstream.hits(), 1);
+}
+
+#[tokio::test]
+async fn owners_are_isolated_and_stored_only_as_hashes() {
+    let db = TestDb::new().await;
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::start(&db.url, &upstream.url()).await;
+    let url = gateway.path("/v1/charges");
+    let as_alice = |key: &'static str| {
+        let url = url.clone();
+        async move {
+            send(
+                Method::POST,
+                &url,
+                &[
+                    ("idempotency-key", key),
+                    ("authorization", "Bearer alice-secret"),
+                ],
+                "{}",
+            )
+            .await
+        }
+    };
+    let alice = as_alice("shared-key").await;
+    let bob = send(
+        Method::POST,
+        &url,
+        &[
+            ("idempotency-key", "shared-key"),
+            ("authorization", "Bearer bob-secret"),
+        ],
+        "{}",
+    )
+    .await;
+    let anonymous = post(&url, "shared-key", "{}").await;
+    assert_eq!(upstream.hits(), 3, "one job per owner");
+    assert_ne!(alice.job(), bob.job());
+    assert_ne!(alice.job(), anonymous.job());
+    assert_eq!(
+        as_alice("shared-key").await.header("idempotent-replayed"),
+        Some("true")
+    );
+
+    let client = db.connect().await;
+    let owners: Vec<String> = client
+        .query("SELECT owner FROM jobs", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(owners.len(), 3);
+    assert!(owners.iter().all(|o| !o.contains("secret")));
+    assert!(owners.iter().filter(|o| o.starts_with("sha256:")).count() == 2);
+
+    // The admin API finds a job by the raw owner value, hashing it itself.
+    let found = gateway
+        .admin(
+            Method::GET,
+            "/admin/v1/jobs?owner=Bearer%20alice-secret&key=shared-key",
+            "",
+        )
+        .await;
+    assert_eq!(found.status, 200);
+    assert_eq!(found.json()["id"].as_str(), alice.job().as_deref());
+}
+
+#[tokio::test]
+async fn malformed_keys_are_refused_with_400_and_never_proxied() {
+    let db = TestDb::new().await;
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::start(&db.url, &upstream.url()).await;
+    let url = gateway.path("/v1/x");
+    let long = "k".repeat(256);
+    for key in [
+        "",
+        "\"\"",
+        "has space",
+        "\"unterminated",
+        "\"a\"b",
+        long.as_str(),
+    ] {
+        let reply = send(Method::POST, &url, &[("idempotency-key", key)], "{}").await;
+        assert_eq!(reply.status, 400, "key {key:?}");
+        assert_eq!(reply.problem(), "invalid-idempotency-key");
+        assert_eq!(reply.job(), None);
+    }
+    let non_ascii = http::Request::post(&url)
+        .header(
+            "idempotency-key",
+            http::HeaderValue::from_bytes("clé".as_bytes()).unwrap(),
+        )
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let status = crate::support::client()
+        .request(non_ascii)
+        .await
+        .unwrap()
+        .status();
+    assert_eq!(status, 400);
+    assert_eq!(upstream.hits(), 0);
+}
+
+#[tokio::test]
+async fn quoted_and_bare_forms_name_the_same_key() {
+    let db = TestDb::new().await;
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::start(&db.url, &upstream.url()).await;
+    let url = gateway.path("/v1/x");
+    let bare = post(&url, "order-7", "{}").await;
+    let quoted = post(&url, "\"order-7\"", "{}").await;
+    assert_eq!(quoted.header("idempotent-replayed"), Some("true"));
+    assert_eq!(bare.job(), quoted.job());
+    assert_eq!(upstream.hits(), 1);
+}
+
+#[tokio::test]
+async fn a_route_that_requires_a_key_refuses_requests_without_one() {
+    let db = TestDb::new().await;
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::builder(&db.url, &upstream.url())
+        .routes(
+            "[[routes]]\nname = \"payments\"\npath_prefix = \"/v1/payments\"\nrequire_key = true\n",
+        )
+        .start()
+        .await;
+    let refused = send(Method::POST, &gateway.path("/v1/payments"), &[], "{}").await;
+    assert_eq!(refused.status, 400);
+    assert_eq!(refused.problem(), "idempotency-key-missing");
+    // Outside that route, POST without a key is not opted in: passed through.
+    let passed = send(Method::POST, &gateway.path("/v1/other"), &[], "{}").await;
+    assert_eq!(passed.status, 200);
+    assert_eq!(passed.job(), None);
+    assert_eq!(upstream.hits(), 1);
+}
+
+#[tokio::test]
+async fn bodies_past_the_limit_get_413_and_nothing_is_stored() {
+    let db = TestDb::new().await;
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::builder(&db.url, &upstream.url())
+        .routes("[[routes]]\nbody_limit = \"1KiB\"\n")
+        .start()
+        .await;
+    let url = gateway.path("/v1/x");
+    let big = "x".repeat(2048);
+    let declared = post(&url, "big", &big).await;
+    assert_eq!(declared.status, 413);
+    assert_eq!(declared.problem(), "request-too-large");
+
+    // Without a declared length the limit still holds, mid-stream.
+    let (tx, rx) =
+        tokio::sync::mpsc::channel::<Result<http_body::Frame<Bytes>, std::convert::Infallible>>(4);
+    let body = http_body_util::StreamBody::new(tokio_stream_from(rx));
+    let req = http::Request::post(&url)
+        .header("idempotency-key", "big-chunked")
+        .body(body)
+        .unwrap();
+    let sender = tokio::spawn(async move {
+        for _ in 0..4 {
+            if tx
+                .send(Ok(http_body::Frame::data(Bytes::from(vec![b'y'; 700]))))
+                .await
+                .is_err()
+            {
+                break;
+            }
+        }
+    });
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http();
+    let status = client.request(req).await.unwrap().status();
+    let _ = sender.await;
+    assert_eq!(status, 413);
+
+    assert_eq!(upstream.hits(), 0);
+    let jobs: i64 = db
+        .connect()
+        .await
+        .query_one("SELECT count(*) FROM jobs", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(jobs, 0, "nothing is stored for a refused body");
+    let small = post(&url, "big", "small enough").await;
+    assert_eq!(
+        small.status, 200,
+        "the key was not burnt by the refused request"
+    );
+}
+
+fn tokio_stream_from<T: Send + 'static>(
+    mut rx: tokio::sync::mpsc::Receiver<T>,
+) -> impl futures_util::Stream<Item = T> + Send {
+    futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
+}
+
+#[tokio::test]
+async fn requests_that_do_not_opt_in_pass_through_untouched() {
+    let db = TestDb::new().await;
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::start(&db.url, &upstream.url()).await;
+    let get = send(
+        Method::GET,
+        &gateway.path("/v1/models?x=1"),
+        &[("idempotency-key", "ignored-on-get")],
+        "",
+    )
+    .await;
+    assert_eq!(get.status, 200);
+    assert_eq!(get.job(), None, "GET is not opted in, even with a key");
+    let put = send(
+        Method::PUT,
+        &gateway.path("/v1/thing"),
+        &[("idempotency-key", "k")],
+        "body",
+    )
+    .await;
+    assert_eq!(put.job(), None);
+    let post_without_key = send(Method::POST, &gateway.path("/v1/thing"), &[], "body").await;
+    assert_eq!(post_without_key.job(), None);
+    assert_eq!(upstream.hits(), 3);
+    let seen = upstream.recorded();
+    assert_eq!(seen[0].path, "/v1/models?x=1");
+    assert_eq!(
+        seen[0].header("idempotency-key"),
+        Some("ignored-on-get"),
+        "untouched"
+    );
+    let jobs: i64 = db
+        .connect()
+        .await
+        .query_one("SELECT count(*) FROM jobs", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(jobs, 0);
+}
+
+#[tokio::test]
+async fn hop_by_hop_headers_are_not_forwarded_and_forwarding_headers_are_added() {
+    let db = TestDb::new().await;
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::start(&db.url, &upstream.url()).await;
+    let reply = send(
+        Method::POST,
+        &gateway.path("/v1/x"),
+        &[
+            ("idempotency-key", "hops"),
+            ("connection", "x-private-hop"),
+            ("x-private-hop", "secret"),
+            ("proxy-authorization", "Basic abc"),
+            ("x-end-to-end", "kept"),
+        ],
+        "{}",
+    )
+    .await;
+    assert_eq!(reply.status, 200);
+    let seen = &upstream.recorded()[0];
+    assert!(seen.headers.get("x-private-hop").is_none());
+    assert!(seen.headers.get("proxy-authorization").is_none());
+    assert_eq!(seen.header("x-end-to-end"), Some("kept"));
+    assert_eq!(seen.header("x-forwarded-for"), Some("127.0.0.1"));
+    assert_eq!(seen.header("x-forwarded-proto"), Some("http"));
+    assert_eq!(
+        seen.header("idempotency-key"),
+        reply.job().as_deref(),
+        "the job id replaces the client's key"
+    );
+    assert_eq!(seen.header("idempotency-attempt"), Some("1"));
+    assert_eq!(
+        seen.header("host"),
+        Some(upstream.addr.to_string().as_str())
+    );
+}
+
+#[tokio::test]
+async fn forwarded_identity_header_names_are_configurable() {
+    let db = TestDb::new().await;
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::builder(&db.url, &upstream.url())
+        .set("forward_key_header", "\"x-job-id\"")
+        .set("forward_attempt_header", "\"x-attempt\"")
+        .start()
+        .await;
+    let reply = post(&gateway.path("/v1/x"), "names", "{}").await;
+    let seen = &upstream.recorded()[0];
+    assert_eq!(seen.header("x-job-id"), reply.job().as_deref());
+    assert_eq!(seen.header("x-attempt"), Some("1"));
+}
+
+#[tokio::test]
+async fn admin_api_needs_the_bearer_token_and_probes_do_not() {
+    let db = TestDb::new().await;
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::start(&db.url, &upstream.url()).await;
+    let job = post(&gateway.path("/v1/x"), "admin-auth", "{}")
+        .await
+        .job()
+        .unwrap();
+    let path = format!("{}/admin/v1/jobs/{job}", gateway.admin_url);
+    let none = send(Method::GET, &path, &[], "").await;
+    assert_eq!(none.status, 401);
+    assert_eq!(none.problem(), "unauthorized");
+    let wrong = send(Method::GET, &path, &[("authorization", "Bearer nope")], "").await;
+    assert_eq!(wrong.status, 401);
+    let right = gateway.job(&job).await;
+    assert_eq!(right["state"], "completed");
+    assert_eq!(right["attempts"][0]["upstream"], "primary");
+    for probe in ["/healthz", "/readyz", "/metrics"] {
+        let r = send(
+            Method::GET,
+            &format!("{}{probe}", gateway.admin_url),
+            &[],
+            "",
+        )
+        .await;
+        assert_eq!(r.status, 200, "{probe}");
+    }
+    assert!(gateway.metric("idemgate_commits_total").await >= 1.0);
+
+    let without_token = Gateway::builder(&db.url, &upstream.url())
+        .unset("admin_token")
+        .start()
+        .await;
+    let r = send(
+        Method::GET,
+        &format!("{}/admin/v1/jobs/{job}", without_token.admin_url),
+        &[("authorization", "Bearer ")],
+        "",
+    )
+    .await;
+    assert_eq!(r.status, 403);
+    assert_eq!(r.problem(), "admin-disabled");
+}
+
+#[tokio::test]
+async fn store_unreachable_means_503_and_nothing_proxied() {
+    let upstream = FakeUpstream::echo().await;
+    let closed = {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        l.local_addr().unwrap()
+    };
+    let gateway = Gateway::builder(
+        &format!("postgres://postgres@{closed}/nowhere"),
+        &upstream.url(),
+    )
+    .set("database_timeout", "\"500ms\"")
+    .start()
+    .await;
+    let reply = post(&gateway.path("/v1/charges"), "no-store", "{}").await;
+    assert_eq!(reply.status, 503);
+    assert_eq!(reply.problem(), "store-unavailable");
+    assert_eq!(
+        upstream.hits(),
+        0,
+        "an opted-in request that cannot be recorded is never proxied"
+    );
+
+    let ready = send(
+        Method::GET,
+        &format!("{}/readyz", gateway.admin_url),
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(ready.status, 503);
+    // Traffic that does not opt in does not need the store.
+    let get = send(Method::GET, &gateway.path("/v1/models"), &[], "").await;
+    assert_eq!(get.status, 200);
+    assert_eq!(upstream.hits(), 1);
+}
+
+#[tokio::test]
+async fn bad_configuration_stops_start_up_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bad.toml");
+    std::fs::write(
+        &path,
+        "upstreams = [\"http://127.0.0.1:1\"]\nupstream_timeout = \"soon\"\n",
+    )
+    .unwrap();
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .arg("--config")
+        .arg(&path)
+        .arg("serve")
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("upstream_timeout"), "{err}");
+
+    std::fs::write(
+        &path,
+        "upstreams = [\"http://127.0.0.1:1\"]\nmismatch_status = 400\n",
+    )
+    .unwrap();
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .arg("--config")
+        .arg(&path)
+        .arg("serve")
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("mismatch_status") && err.contains("422"),
+        "{err}"
+    );
+
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .args([
+            "serve",
+            "--upstream",
+            "http://127.0.0.1:1",
+            "--hold-timeout",
+            "0s",
+        ])
+        .env_remove("IDEMGATE_DATABASE_URL")
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("hold_timeout"));
+    let _ = echo_response;
+}

@@ -1,0 +1,9 @@
+//! Integration tests: the real binary over real sockets, against a real
+//! PostgreSQL (one database per test) and a fake upstream.
+
+mod support;
+
+mod core_answers;
+mod core_outcomes;
+mod core_races;
+mod store_conformance;

@@ -1,0 +1,454 @@
+//! One behavioural suite for every store: the same functions run against
+//! each implementation (instantiated at the bottom), and drive the races the
+//! gateway relies on directly, with barriers rather than timing.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::future::join_all;
+use tokio::sync::Barrier;
+
+use idemgate::attempt::{AttemptFailure, AttemptId, AttemptState, NewAttempt, Resolution};
+use idemgate::fingerprint::Fingerprint;
+use idemgate::job::{JobId, JobState, NewJob, StoredResponse};
+use idemgate::key::{IdempotencyKey, Owner};
+use idemgate::store::{Begin, CommitOutcome, Store, StoreError};
+
+fn new_job(key: &str) -> NewJob {
+    NewJob {
+        id: JobId::new(),
+        owner: Owner::from_header(Some(b"Bearer conformance")),
+        key: IdempotencyKey::new(key).unwrap(),
+        fingerprint: Fingerprint([7; 32]),
+        route: "default".into(),
+        ttl: Duration::from_secs(3600),
+    }
+}
+
+fn new_attempt() -> NewAttempt {
+    NewAttempt {
+        id: AttemptId::new(),
+        upstream: "primary".into(),
+        instance: uuid::Uuid::new_v4(),
+        lease: Duration::from_secs(30),
+        deadline: Duration::from_secs(300),
+    }
+}
+
+fn response(tag: &str) -> StoredResponse {
+    StoredResponse {
+        status: 200,
+        headers: vec![
+            (
+                "content-type".into(),
+                Bytes::from_static(b"application/json"),
+            ),
+            ("x-tag".into(), Bytes::from(tag.to_owned())),
+        ],
+        body: Bytes::from(format!("{{\"winner\":\"{tag}\"}}")),
+    }
+}
+
+async fn created(store: &dyn Store, key: &str) -> (idemgate::job::Job, idemgate::attempt::Attempt) {
+    match store.begin_job(new_job(key), new_attempt()).await.unwrap() {
+        Begin::Created(job, attempt) => (job, attempt),
+        Begin::Existing(_) => panic!("key {key} already existed"),
+    }
+}
+
+pub async fn begin_creates_once_then_finds(store: Arc<dyn Store>) {
+    let (job, attempt) = created(store.as_ref(), "once").await;
+    assert_eq!(job.state, JobState::Running);
+    assert_eq!(attempt.number, 1);
+    assert_eq!(attempt.state, AttemptState::Started);
+    assert_eq!(attempt.job_version, job.version);
+    match store
+        .begin_job(new_job("once"), new_attempt())
+        .await
+        .unwrap()
+    {
+        Begin::Existing(existing) => {
+            assert_eq!(existing.id, job.id);
+            assert_eq!(existing.fingerprint, Fingerprint([7; 32]));
+        }
+        Begin::Created(..) => panic!("created twice"),
+    }
+    let found = store
+        .find_job(
+            &Owner::from_header(Some(b"Bearer conformance")),
+            &IdempotencyKey::new("once").unwrap(),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(found.job.id, job.id);
+    assert_eq!(found.attempts.len(), 1);
+    // Another owner, same key: another job.
+    let mut other = new_job("once");
+    other.owner = Owner::from_header(None);
+    assert!(matches!(
+        store.begin_job(other, new_attempt()).await.unwrap(),
+        Begin::Created(..)
+    ));
+}
+
+pub async fn concurrent_begins_create_exactly_one_job(store: Arc<dyn Store>) {
+    let n = 16;
+    let barrier = Arc::new(Barrier::new(n));
+    let results = join_all((0..n).map(|_| {
+        let store = store.clone();
+        let barrier = barrier.clone();
+        tokio::spawn(async move {
+            barrier.wait().await;
+            store
+                .begin_job(new_job("contended"), new_attempt())
+                .await
+                .unwrap()
+        })
+    }))
+    .await;
+    let mut created = 0;
+    let mut ids = std::collections::HashSet::new();
+    for r in results {
+        match r.unwrap() {
+            Begin::Created(job, _) => {
+                created += 1;
+                ids.insert(job.id);
+            }
+            Begin::Existing(job) => {
+                ids.insert(job.id);
+            }
+        }
+    }
+    assert_eq!(created, 1);
+    assert_eq!(ids.len(), 1, "everyone sees the one job");
+}
+
+pub async fn concurrent_commits_have_exactly_one_winner(store: Arc<dyn Store>) {
+    for round in 0..25 {
+        let (job, a) = created(store.as_ref(), &format!("race-{round}")).await;
+        let b = store
+            .hedge_attempt(job.id, job.version, new_attempt())
+            .await
+            .unwrap()
+            .expect("hedge on a running job");
+        assert_eq!(b.number, 2);
+        assert_eq!(
+            b.job_version, a.job_version,
+            "a hedge does not move the version"
+        );
+        let barrier = Arc::new(Barrier::new(2));
+        let commit = |attempt: idemgate::attempt::Attempt, tag: &'static str| {
+            let store = store.clone();
+            let barrier = barrier.clone();
+            tokio::spawn(async move {
+                barrier.wait().await;
+                store.commit(&attempt, &response(tag)).await.unwrap()
+            })
+        };
+        let (ra, rb) = tokio::join!(commit(a.clone(), "a"), commit(b.clone(), "b"));
+        let (ra, rb) = (ra.unwrap(), rb.unwrap());
+        assert_ne!(ra, rb, "exactly one winner (round {round})");
+        let (winner, loser, tag) = if ra == CommitOutcome::Committed {
+            (&a, &b, "a")
+        } else {
+            (&b, &a, "b")
+        };
+        let detail = store.job_detail(job.id).await.unwrap().unwrap();
+        assert_eq!(detail.job.state, JobState::Completed);
+        assert_eq!(detail.job.completed_by, Some(winner.id));
+        assert_eq!(
+            detail.job.response,
+            Some(response(tag)),
+            "the job's result is the winner's"
+        );
+        let state_of = |id| detail.attempts.iter().find(|x| x.id == id).unwrap().state;
+        assert_eq!(state_of(winner.id), AttemptState::Succeeded);
+        assert_eq!(state_of(loser.id), AttemptState::Superseded);
+    }
+}
+
+pub async fn concurrent_claims_of_an_open_job_make_one_attempt(store: Arc<dyn Store>) {
+    let (job, first) = created(store.as_ref(), "claimed").await;
+    store
+        .fail_attempt(
+            first.id,
+            AttemptFailure::Failed {
+                status: None,
+                detail: "refused".into(),
+            },
+        )
+        .await
+        .unwrap();
+    let open = store.job(job.id).await.unwrap().unwrap();
+    assert_eq!(open.state, JobState::Open);
+    let n = 8;
+    let barrier = Arc::new(Barrier::new(n));
+    let claims = join_all((0..n).map(|_| {
+        let store = store.clone();
+        let barrier = barrier.clone();
+        let version = open.version;
+        tokio::spawn(async move {
+            barrier.wait().await;
+            store
+                .claim_attempt(job.id, version, new_attempt())
+                .await
+                .unwrap()
+        })
+    }))
+    .await;
+    let won: Vec<_> = claims.into_iter().filter_map(|c| c.unwrap()).collect();
+    assert_eq!(won.len(), 1, "one claim wins the CAS");
+    assert_eq!(won[0].number, 2);
+    let after = store.job(job.id).await.unwrap().unwrap();
+    assert_eq!(after.state, JobState::Running);
+    assert_eq!(after.version, open.version + 1, "a claim moves the version");
+    assert_eq!(won[0].job_version, after.version);
+    // A stale version claims nothing.
+    assert!(store
+        .claim_attempt(job.id, open.version, new_attempt())
+        .await
+        .unwrap()
+        .is_none());
+}
+
+pub async fn unknown_blocks_but_a_late_answer_still_commits(store: Arc<dyn Store>) {
+    let (job, attempt) = created(store.as_ref(), "late").await;
+    store
+        .fail_attempt(
+            attempt.id,
+            AttemptFailure::Unknown {
+                detail: "timeout".into(),
+            },
+        )
+        .await
+        .unwrap();
+    let unknown = store.job(job.id).await.unwrap().unwrap();
+    assert_eq!(unknown.state, JobState::Unknown);
+    assert!(store
+        .claim_attempt(job.id, unknown.version, new_attempt())
+        .await
+        .unwrap()
+        .is_none());
+    assert_eq!(
+        store.commit(&attempt, &response("late")).await.unwrap(),
+        CommitOutcome::Committed
+    );
+    let done = store.job(job.id).await.unwrap().unwrap();
+    assert_eq!(done.state, JobState::Completed);
+    assert_eq!(done.response, Some(response("late")));
+}
+
+pub async fn resolution_moves_the_version_so_the_late_answer_is_superseded(store: Arc<dyn Store>) {
+    let (job, attempt) = created(store.as_ref(), "resolved").await;
+    store
+        .fail_attempt(
+            attempt.id,
+            AttemptFailure::Unknown {
+                detail: "timeout".into(),
+            },
+        )
+        .await
+        .unwrap();
+    let detail = store
+        .resolve_attempt(attempt.id, Resolution::Failed)
+        .await
+        .unwrap();
+    assert_eq!(detail.job.state, JobState::Open);
+    assert_eq!(detail.job.version, job.version + 1);
+    assert_eq!(detail.attempts[0].state, AttemptState::Failed);
+    assert_eq!(
+        store.commit(&attempt, &response("late")).await.unwrap(),
+        CommitOutcome::Superseded
+    );
+    let after = store.job(job.id).await.unwrap().unwrap();
+    assert_eq!(after.state, JobState::Open);
+    assert_eq!(after.response, None);
+    // Settled attempts cannot be resolved again.
+    assert!(matches!(
+        store
+            .resolve_attempt(attempt.id, Resolution::Cancelled)
+            .await,
+        Err(StoreError::Conflict(_))
+    ));
+    assert!(matches!(
+        store
+            .resolve_attempt(AttemptId::new(), Resolution::Cancelled)
+            .await,
+        Err(StoreError::NotFound(_))
+    ));
+}
+
+pub async fn resolution_as_succeeded_commits_through_the_cas(store: Arc<dyn Store>) {
+    let (job, attempt) = created(store.as_ref(), "manual").await;
+    let detail = store
+        .resolve_attempt(attempt.id, Resolution::Succeeded(response("operator")))
+        .await
+        .unwrap();
+    assert_eq!(detail.job.state, JobState::Completed);
+    assert_eq!(detail.job.completed_by, Some(attempt.id));
+    assert_eq!(detail.job.response, Some(response("operator")));
+    // The attempt's own answer arriving afterwards is discarded.
+    assert_eq!(
+        store.commit(&attempt, &response("late")).await.unwrap(),
+        CommitOutcome::Superseded
+    );
+    assert_eq!(
+        store.job(job.id).await.unwrap().unwrap().response,
+        Some(response("operator"))
+    );
+}
+
+pub async fn a_hedge_failing_next_to_an_unknown_attempt_keeps_the_job_blocked(
+    store: Arc<dyn Store>,
+) {
+    let (job, a) = created(store.as_ref(), "mixed").await;
+    let b = store
+        .hedge_attempt(job.id, job.version, new_attempt())
+        .await
+        .unwrap()
+        .unwrap();
+    store
+        .fail_attempt(
+            a.id,
+            AttemptFailure::Unknown {
+                detail: "timeout".into(),
+            },
+        )
+        .await
+        .unwrap();
+    store
+        .fail_attempt(
+            b.id,
+            AttemptFailure::Failed {
+                status: Some(503),
+                detail: "busy".into(),
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        store.job(job.id).await.unwrap().unwrap().state,
+        JobState::Unknown
+    );
+}
+
+pub async fn lapsed_leases_turn_attempts_unknown(store: Arc<dyn Store>) {
+    let mut short = new_attempt();
+    short.lease = Duration::from_millis(50);
+    let (job, attempt) = match store.begin_job(new_job("lapsing"), short).await.unwrap() {
+        Begin::Created(job, attempt) => (job, attempt),
+        Begin::Existing(_) => unreachable!(),
+    };
+    let mut renewed = new_attempt();
+    renewed.lease = Duration::from_millis(50);
+    let (kept_job, kept) = match store.begin_job(new_job("renewed"), renewed).await.unwrap() {
+        Begin::Created(job, attempt) => (job, attempt),
+        Begin::Existing(_) => unreachable!(),
+    };
+    assert_eq!(
+        store
+            .renew_leases(&[kept.id], Duration::from_secs(60))
+            .await
+            .unwrap(),
+        1
+    );
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    assert_eq!(store.expire_leases(100).await.unwrap(), 1);
+    let detail = store.job_detail(job.id).await.unwrap().unwrap();
+    assert_eq!(detail.job.state, JobState::Unknown);
+    assert_eq!(detail.attempts[0].state, AttemptState::Unknown);
+    assert!(detail.attempts[0]
+        .detail
+        .as_deref()
+        .unwrap()
+        .contains("lease"));
+    assert_eq!(
+        store.job(kept_job.id).await.unwrap().unwrap().state,
+        JobState::Running
+    );
+    let _ = attempt;
+    assert_eq!(store.expire_leases(100).await.unwrap(), 0, "only once");
+}
+
+pub async fn expired_jobs_are_purged_and_their_keys_start_afresh(store: Arc<dyn Store>) {
+    let mut short = new_job("expiring");
+    short.ttl = Duration::from_millis(50);
+    let first = match store.begin_job(short, new_attempt()).await.unwrap() {
+        Begin::Created(job, _) => job,
+        Begin::Existing(_) => unreachable!(),
+    };
+    let mut kept = new_job("kept");
+    kept.ttl = Duration::from_secs(3600);
+    store.begin_job(kept, new_attempt()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    // Before any purge, the expired key is already forgotten on use.
+    match store
+        .begin_job(new_job("expiring"), new_attempt())
+        .await
+        .unwrap()
+    {
+        Begin::Created(job, _) => assert_ne!(job.id, first.id),
+        Begin::Existing(_) => panic!("an expired key must start afresh"),
+    }
+    let mut again = new_job("expiring-2");
+    again.ttl = Duration::from_millis(50);
+    let gone = match store.begin_job(again, new_attempt()).await.unwrap() {
+        Begin::Created(job, _) => job,
+        Begin::Existing(_) => unreachable!(),
+    };
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    assert_eq!(store.purge_expired(100).await.unwrap(), 1);
+    assert!(store.job(gone.id).await.unwrap().is_none());
+    assert!(store.job_detail(gone.id).await.unwrap().is_none());
+    assert_eq!(store.purge_expired(100).await.unwrap(), 0);
+}
+
+/// Instantiates every conformance test for one store. `$make` is an async
+/// expression giving `(Arc<dyn Store>, guard)`; the guard lives as long as the test.
+macro_rules! conformance_suite {
+    ($module:ident, $make:path) => {
+        mod $module {
+            use super::*;
+            conformance_suite!(@tests $make;
+                begin_creates_once_then_finds,
+                concurrent_begins_create_exactly_one_job,
+                concurrent_commits_have_exactly_one_winner,
+                concurrent_claims_of_an_open_job_make_one_attempt,
+                unknown_blocks_but_a_late_answer_still_commits,
+                resolution_moves_the_version_so_the_late_answer_is_superseded,
+                resolution_as_succeeded_commits_through_the_cas,
+                a_hedge_failing_next_to_an_unknown_attempt_keeps_the_job_blocked,
+                lapsed_leases_turn_attempts_unknown,
+                expired_jobs_are_purged_and_their_keys_start_afresh,
+            );
+        }
+    };
+    (@tests $make:path; $($test:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $test() {
+                let (store, _guard) = $make().await;
+                super::$test(store).await;
+            }
+        )*
+    };
+}
+
+async fn postgres_store() -> (Arc<dyn Store>, crate::support::TestDb) {
+    let db = crate::support::TestDb::new().await;
+    let store = idemgate::store::postgres::PgStore::new(
+        &idemgate::store::postgres::PgSettings {
+            url: db.url.clone(),
+            pool_size: 20,
+            connect_timeout: Duration::from_secs(5),
+        },
+        Default::default(),
+    )
+    .unwrap();
+    store.migrate().await.unwrap();
+    (Arc::new(store), db)
+}
+
+conformance_suite!(postgres, postgres_store);

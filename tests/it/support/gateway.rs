@@ -1,0 +1,185 @@
+//! The real `idemgate` binary, started on OS-assigned ports with a config
+//! file of the test's making, and killed (SIGKILL) when the test is done.
+
+use std::collections::BTreeMap;
+use std::process::Stdio;
+use std::time::Duration;
+
+use http::Method;
+use serde_json::Value;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+use super::{send, Reply};
+
+pub const ADMIN_TOKEN: &str = "test-admin-token";
+
+pub struct Gateway {
+    child: Child,
+    pub url: String,
+    pub admin_url: String,
+    _dir: tempfile::TempDir,
+}
+
+pub struct Builder {
+    settings: BTreeMap<String, String>,
+    routes: String,
+}
+
+impl Gateway {
+    /// A gateway in front of `upstream` on the database at `db`, with short
+    /// sweeps so lease tests run fast.
+    pub fn builder(db: &str, upstream: &str) -> Builder {
+        let mut settings = BTreeMap::new();
+        for (k, v) in [
+            ("listen", "\"127.0.0.1:0\"".to_owned()),
+            ("admin_listen", "\"127.0.0.1:0\"".to_owned()),
+            ("admin_token", format!("{ADMIN_TOKEN:?}")),
+            ("upstreams", format!("[{upstream:?}]")),
+            ("database_url", format!("{db:?}")),
+            ("sweep_interval", "\"200ms\"".to_owned()),
+        ] {
+            settings.insert(k.to_owned(), v);
+        }
+        Builder {
+            settings,
+            routes: String::new(),
+        }
+    }
+
+    pub async fn start(db: &str, upstream: &str) -> Gateway {
+        Self::builder(db, upstream).start().await
+    }
+
+    /// Kills the process at once (SIGKILL): no drain, no clean-up.
+    pub async fn kill(&mut self) {
+        let _ = self.child.start_kill();
+        let _ = self.child.wait().await;
+    }
+
+    pub fn path(&self, path: &str) -> String {
+        format!("{}{}", self.url, path)
+    }
+
+    pub async fn admin(&self, method: Method, path: &str, body: &str) -> Reply {
+        let auth = format!("Bearer {ADMIN_TOKEN}");
+        send(
+            method,
+            &format!("{}{}", self.admin_url, path),
+            &[
+                ("authorization", &auth),
+                ("content-type", "application/json"),
+            ],
+            body.to_owned(),
+        )
+        .await
+    }
+
+    /// The admin view of a job, by id.
+    pub async fn job(&self, id: &str) -> Value {
+        let reply = self
+            .admin(Method::GET, &format!("/admin/v1/jobs/{id}"), "")
+            .await;
+        assert_eq!(
+            reply.status,
+            200,
+            "job {id}: {:?}",
+            String::from_utf8_lossy(&reply.body)
+        );
+        reply.json()
+    }
+
+    /// Resolves an attempt through the admin API.
+    pub async fn resolve(&self, attempt: &str, body: &str) -> Reply {
+        self.admin(
+            Method::POST,
+            &format!("/admin/v1/attempts/{attempt}/resolve"),
+            body,
+        )
+        .await
+    }
+
+    /// A metric's value from `/metrics` (0 when not yet recorded).
+    pub async fn metric(&self, name: &str) -> f64 {
+        let reply = send(Method::GET, &format!("{}/metrics", self.admin_url), &[], "").await;
+        let text = String::from_utf8_lossy(&reply.body).into_owned();
+        text.lines()
+            .find_map(|line| {
+                let (key, value) = line.split_once(' ')?;
+                (key == name).then(|| value.trim().parse().ok())?
+            })
+            .unwrap_or(0.0)
+    }
+}
+
+impl Builder {
+    /// Sets a top-level key; `value` is TOML (`"\"300ms\""`, `422`).
+    pub fn set(mut self, key: &str, value: &str) -> Self {
+        self.settings.insert(key.to_owned(), value.to_owned());
+        self
+    }
+
+    pub fn unset(mut self, key: &str) -> Self {
+        self.settings.remove(key);
+        self
+    }
+
+    /// Appends `[[routes]]` tables.
+    pub fn routes(mut self, toml: &str) -> Self {
+        self.routes.push_str(toml);
+        self
+    }
+
+    pub async fn start(self) -> Gateway {
+        let dir = tempfile::tempdir().unwrap();
+        let mut toml = String::new();
+        for (k, v) in &self.settings {
+            toml.push_str(&format!("{k} = {v}\n"));
+        }
+        toml.push_str(&self.routes);
+        let path = dir.path().join("idemgate.toml");
+        std::fs::write(&path, toml).unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_idemgate"))
+            .arg("--config")
+            .arg(&path)
+            .arg("serve")
+            .env(
+                "RUST_LOG",
+                std::env::var("IDEMGATE_TEST_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .env_remove("IDEMGATE_DATABASE_URL")
+            .env_remove("IDEMGATE_UPSTREAM")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start the idemgate binary");
+        let stdout = child.stdout.take().unwrap();
+        let mut lines = BufReader::new(stdout).lines();
+        let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+            .await
+            .expect("the gateway did not report its address within 30 s")
+            .unwrap()
+            .expect("the gateway exited before listening");
+        // "idemgate listening on http://A (admin on http://B)"
+        let url = line
+            .split_whitespace()
+            .nth(3)
+            .expect("listening line")
+            .to_owned();
+        let admin_url = line
+            .rsplit(' ')
+            .next()
+            .unwrap()
+            .trim_end_matches(')')
+            .to_owned();
+        // Keep draining stdout so the child never blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        Gateway {
+            child,
+            url,
+            admin_url,
+            _dir: dir,
+        }
+    }
+}

@@ -1,0 +1,123 @@
+//! Test harness: per-test databases, a scriptable fake upstream, the real
+//! gateway binary on OS-assigned ports, and a small HTTP client.
+
+#![allow(dead_code)]
+
+pub mod db;
+pub mod gateway;
+pub mod upstream;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, Method, Request};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use serde_json::Value;
+
+pub use db::TestDb;
+pub use gateway::Gateway;
+pub use upstream::{FakeUpstream, Gate, Recorded};
+
+/// An answer, fully read.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Reply {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", String::from_utf8_lossy(&self.body)))
+    }
+
+    /// The problem type's slug, asserting the answer is problem+json.
+    pub fn problem(&self) -> String {
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json"),
+            "expected a problem answer, got {} {:?}",
+            self.status,
+            String::from_utf8_lossy(&self.body)
+        );
+        let ty = self.json()["type"].as_str().unwrap().to_owned();
+        ty.rsplit('/').next().unwrap().to_owned()
+    }
+
+    pub fn job(&self) -> Option<String> {
+        self.header("idempotency-job").map(str::to_owned)
+    }
+}
+
+/// A fresh client (each test has its own runtime, so no shared pool).
+pub fn client() -> Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>> {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+/// Sends one request and reads the whole answer (10 s at most).
+pub async fn send(
+    method: Method,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: impl Into<Bytes>,
+) -> Reply {
+    let mut req = Request::builder().method(method).uri(url);
+    for (name, value) in headers {
+        req = req.header(*name, *value);
+    }
+    let req = req.body(Full::new(body.into())).unwrap();
+    let fut = async {
+        let response = client().request(req).await.expect("request failed");
+        let (parts, body) = response.into_parts();
+        let body = body.collect().await.expect("body failed").to_bytes();
+        Reply {
+            status: parts.status.as_u16(),
+            headers: parts.headers,
+            body,
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), fut)
+        .await
+        .unwrap_or_else(|_| panic!("no answer from {url} within 20 s"))
+}
+
+/// POST with an idempotency key.
+pub async fn post(url: &str, key: &str, body: &str) -> Reply {
+    send(
+        Method::POST,
+        url,
+        &[
+            ("idempotency-key", key),
+            ("content-type", "application/json"),
+        ],
+        body.to_owned(),
+    )
+    .await
+}
+
+/// Waits until `check` holds, re-checking every 20 ms, for at most `limit`.
+/// For conditions only observable from outside (a state in the store, a
+/// gauge), never as a stand-in for ordering that a barrier can give.
+pub async fn eventually<F, Fut>(limit: Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if check().await {
+            return;
+        }
+        if tokio::time::Instant::now() > deadline {
+            panic!("timed out after {limit:?} waiting for: {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
