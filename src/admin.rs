@@ -48,10 +48,13 @@ impl Admin {
         self: Arc<Self>,
         req: Request<Incoming>,
     ) -> Result<Response<Body>, Infallible> {
-        Ok(self.route(req).await.unwrap_or_else(|p| p))
+        Ok(self
+            .route(req)
+            .await
+            .unwrap_or_else(AdminProblem::into_response))
     }
 
-    async fn route(&self, req: Request<Incoming>) -> Result<Response<Body>, Response<Body>> {
+    async fn route(&self, req: Request<Incoming>) -> Result<Response<Body>, AdminProblem> {
         let path = req.uri().path().to_owned();
         let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
         match (req.method(), segments.as_slice()) {
@@ -88,7 +91,7 @@ impl Admin {
         }
     }
 
-    fn authorize<B>(&self, req: &Request<B>) -> Result<(), Response<Body>> {
+    fn authorize<B>(&self, req: &Request<B>) -> Result<(), AdminProblem> {
         let Some(token) = &self.token else {
             return Err(problem(
                 StatusCode::FORBIDDEN,
@@ -106,16 +109,12 @@ impl Admin {
         if constant_time_eq(given.as_bytes(), token.as_bytes()) {
             Ok(())
         } else {
-            let mut response = problem(
+            Err(problem(
                 StatusCode::UNAUTHORIZED,
                 "unauthorized",
                 "Unauthorized",
                 "a valid `Authorization: Bearer <admin token>` header is required",
-            );
-            response
-                .headers_mut()
-                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-            Err(response)
+            ))
         }
     }
 
@@ -123,7 +122,7 @@ impl Admin {
         &self,
         req: Request<Incoming>,
         rest: &[&str],
-    ) -> Result<Response<Body>, Response<Body>> {
+    ) -> Result<Response<Body>, AdminProblem> {
         match (req.method().clone(), rest) {
             (Method::GET, ["jobs", id]) => {
                 let id = parse_uuid(id)?;
@@ -216,7 +215,7 @@ struct ResponseInput {
     body_base64: Option<String>,
 }
 
-fn parse_resolution(body: &[u8]) -> Result<Resolution, Response<Body>> {
+fn parse_resolution(body: &[u8]) -> Result<Resolution, AdminProblem> {
     let request: ResolveRequest = serde_json::from_slice(body)
         .map_err(|e| bad_request(&format!("invalid resolution: {e}")))?;
     match (request.outcome.as_str(), request.response) {
@@ -322,12 +321,12 @@ fn time(t: SystemTime) -> String {
     humantime::format_rfc3339_millis(t).to_string()
 }
 
-fn parse_uuid(s: &str) -> Result<Uuid, Response<Body>> {
+fn parse_uuid(s: &str) -> Result<Uuid, AdminProblem> {
     s.parse()
         .map_err(|_| bad_request(&format!("{s:?} is not an id")))
 }
 
-fn store_problem(e: StoreError) -> Response<Body> {
+fn store_problem(e: StoreError) -> AdminProblem {
     match &e {
         StoreError::NotFound(what) => problem(
             StatusCode::NOT_FOUND,
@@ -356,7 +355,7 @@ fn store_problem(e: StoreError) -> Response<Body> {
     }
 }
 
-fn bad_request(detail: &str) -> Response<Body> {
+fn bad_request(detail: &str) -> AdminProblem {
     problem(
         StatusCode::BAD_REQUEST,
         "invalid-admin-request",
@@ -365,8 +364,39 @@ fn bad_request(detail: &str) -> Response<Body> {
     )
 }
 
-fn problem(status: StatusCode, slug: &str, title: &str, detail: &str) -> Response<Body> {
-    problem_response(status, slug, title, detail, None)
+/// An admin answer that is not a success, rendered as problem+json.
+#[derive(Debug)]
+struct AdminProblem {
+    status: StatusCode,
+    slug: &'static str,
+    title: &'static str,
+    detail: String,
+}
+
+impl AdminProblem {
+    fn into_response(self) -> Response<Body> {
+        let mut response = problem_response(self.status, self.slug, self.title, &self.detail, None);
+        if self.status == StatusCode::UNAUTHORIZED {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        response
+    }
+}
+
+fn problem(
+    status: StatusCode,
+    slug: &'static str,
+    title: &'static str,
+    detail: &str,
+) -> AdminProblem {
+    AdminProblem {
+        status,
+        slug,
+        title,
+        detail: detail.to_owned(),
+    }
 }
 
 fn json_response(status: StatusCode, value: &Value) -> Response<Body> {

@@ -395,7 +395,7 @@ impl Settings {
                 .collect::<Result<Vec<_>, _>>()?
         };
         // Longest prefix first, so the most specific route wins.
-        routes.sort_by(|a, b| b.path_prefix.len().cmp(&a.path_prefix.len()));
+        routes.sort_by_key(|r| std::cmp::Reverse(r.path_prefix.len()));
 
         let settings = Settings {
             listen: flags
@@ -701,6 +701,15 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(err.key, "upstreams[0]");
+    }
+
+    #[test]
+    fn the_example_file_is_valid() {
+        let text = include_str!("../config/idemgate.example.toml");
+        let s =
+            Settings::from_sources(Settings::parse_file(text).unwrap(), Flags::default()).unwrap();
+        assert_eq!(s.routes.len(), 2);
+        assert_eq!(s.routes[0].name, "chat", "most specific first");
     }
 
     #[test]

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Makes sure the services the tests use are up on their standard ports:
+# PostgreSQL on 127.0.0.1:5432 (user postgres, trust auth on loopback) and
+# Redis on 127.0.0.1:6379. Starts them when they are installed but stopped,
+# installs the Debian packages when they are missing. Idempotent.
+set -euo pipefail
+
+log() { printf 'services: %s\n' "$*" >&2; }
+
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+wait_for() { # port name
+  for _ in $(seq 1 60); do
+    port_open "$1" && return 0
+    sleep 0.5
+  done
+  log "$2 did not come up on port $1"
+  return 1
+}
+
+apt_install() {
+  log "installing $*"
+  if [ -z "${APT_UPDATED:-}" ]; then
+    apt-get update -qq
+    APT_UPDATED=1
+  fi
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+ensure_postgres() {
+  if port_open 5432; then
+    return 0
+  fi
+  if ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then
+    apt_install postgresql
+  fi
+  local version cluster
+  version=$(ls /usr/lib/postgresql | sort -V | tail -n 1)
+  if [ -z "$(pg_lsclusters -h 2>/dev/null)" ]; then
+    pg_createcluster "$version" main >/dev/null
+  fi
+  read -r version cluster _ < <(pg_lsclusters -h | head -n 1)
+  local hba="/etc/postgresql/$version/$cluster/pg_hba.conf"
+  # The tests connect as postgres over loopback without a password.
+  if ! grep -q '^host all all 127.0.0.1/32 trust' "$hba"; then
+    sed -i '1i host all all 127.0.0.1/32 trust\nhost all all ::1/128 trust' "$hba"
+  fi
+  log "starting PostgreSQL $version/$cluster"
+  pg_ctlcluster --skip-systemctl-redirect "$version" "$cluster" start
+  wait_for 5432 PostgreSQL
+}
+
+ensure_redis() {
+  if port_open 6379; then
+    return 0
+  fi
+  if ! command -v redis-server >/dev/null 2>&1; then
+    apt_install redis-server
+  fi
+  log "starting Redis"
+  mkdir -p /var/lib/redis
+  redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no \
+    --dir /var/lib/redis --logfile /tmp/idemgate-redis.log
+  wait_for 6379 Redis
+}
+
+ensure_postgres
+ensure_redis
+log "PostgreSQL on 127.0.0.1:5432 and Redis on 127.0.0.1:6379 are up"

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Runs every test against real PostgreSQL and Redis. This is the README's
+# test command; it starts (and if need be installs) the services first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/services.sh
+# Tests mostly wait on sockets and timers, so more threads than cores pays.
+cargo test --locked -- --test-threads "${IDEMGATE_TEST_THREADS:-6}"
