@@ -13,11 +13,12 @@ use tower_http::trace::TraceLayer;
 use uuid::Uuid;
 
 use crate::admin::Admin;
-use crate::config::Settings;
+use crate::config::{Settings, StoreSettings};
 use crate::http::BodyError;
 use crate::idempotency::{IdempotencyLayer, Shared};
 use crate::lease::Leases;
 use crate::store::postgres::PgStore;
+use crate::store::sqlite::SqliteStore;
 use crate::store::{Doorbell, Store, StoreError};
 use crate::upstream::Upstream;
 use crate::{server, sweeper, telemetry};
@@ -34,9 +35,6 @@ pub struct Listeners {
 /// Why the gateway could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    /// No store is configured.
-    #[error("no store configured: set database_url (--database-url, IDEMGATE_DATABASE_URL) to a PostgreSQL URL")]
-    NoStore,
     /// The store refused to start.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -118,16 +116,21 @@ pub async fn run(
     Ok(())
 }
 
-/// Opens the configured store, applies its migrations and starts its
-/// notification listener. A database that is down at start-up does not stop
-/// the gateway: requests answer 503 and migrations are retried until it is up.
+/// Opens the configured store and applies its migrations. PostgreSQL also
+/// gets its notification listener; a PostgreSQL that is down at start-up
+/// does not stop the gateway: requests answer 503 and migrations are retried
+/// until it is up. An embedded store that cannot be opened stops start-up.
 async fn open_store(
     settings: &Settings,
     doorbell: &Arc<Doorbell>,
     shutdown: &CancellationToken,
 ) -> Result<Arc<dyn Store>, StartError> {
-    let Some(pg) = &settings.database else {
-        return Err(StartError::NoStore);
+    let pg = match &settings.store {
+        StoreSettings::Postgres(pg) => pg,
+        StoreSettings::Embedded { path } => {
+            tracing::info!(path = %path.display(), "using the embedded store");
+            return Ok(Arc::new(SqliteStore::open(path, doorbell.clone()).await?));
+        }
     };
     let store = PgStore::new(pg, doorbell.clone())?;
     match store.migrate().await {

@@ -75,6 +75,9 @@ pub struct Flags {
         hide_env_values = true
     )]
     pub database_url: Option<String>,
+    /// Embedded store file, used when no database URL is given.
+    #[arg(long, env = "IDEMGATE_EMBEDDED_PATH", value_name = "FILE")]
+    pub embedded_path: Option<PathBuf>,
     /// Redis URL for the replay fast path.
     #[arg(
         long,
@@ -106,6 +109,7 @@ pub struct FileConfig {
     database_pool_size: Option<usize>,
     #[serde(default, with = "humantime_serde")]
     database_timeout: Option<Duration>,
+    embedded_path: Option<PathBuf>,
     redis_url: Option<String>,
     #[serde(default, with = "humantime_serde")]
     upstream_timeout: Option<Duration>,
@@ -172,8 +176,8 @@ pub struct Settings {
     pub admin_token: Option<String>,
     /// Upstreams, the primary first.
     pub upstreams: Vec<UpstreamSettings>,
-    /// PostgreSQL.
-    pub database: Option<PgSettings>,
+    /// Where jobs and attempts are kept.
+    pub store: StoreSettings,
     /// Redis, for the fast path (not used yet; accepted so deployments can set it).
     pub redis_url: Option<String>,
     /// Silence after which an attempt's outcome is unknown.
@@ -214,13 +218,31 @@ impl std::fmt::Debug for Settings {
                 &self.admin_token.as_ref().map(|_| "<redacted>"),
             )
             .field("upstreams", &self.upstreams)
-            .field("database", &self.database.as_ref().map(|_| "<redacted>"))
+            .field(
+                "store",
+                &match &self.store {
+                    StoreSettings::Postgres(_) => "postgres <redacted>".to_owned(),
+                    StoreSettings::Embedded { path } => format!("embedded {}", path.display()),
+                },
+            )
             .field("upstream_timeout", &self.upstream_timeout)
             .field("hold_timeout", &self.hold_timeout)
             .field("key_ttl", &self.key_ttl)
             .field("routes", &self.routes)
             .finish_non_exhaustive()
     }
+}
+
+/// Which store to use.
+#[derive(Debug, Clone)]
+pub enum StoreSettings {
+    /// PostgreSQL: the production store, shared by any number of replicas.
+    Postgres(PgSettings),
+    /// SQLite in a local file: zero set-up, one gateway.
+    Embedded {
+        /// The database file.
+        path: PathBuf,
+    },
 }
 
 /// One upstream.
@@ -288,11 +310,8 @@ impl Settings {
         Self::from_sources(file, flags)
     }
 
-    /// Only the database settings, for `idemgate migrate`.
-    pub fn load_database(
-        config: Option<&Path>,
-        flags: Flags,
-    ) -> Result<Option<PgSettings>, ConfigError> {
+    /// Only the store settings, for `idemgate migrate`.
+    pub fn load_store(config: Option<&Path>, flags: Flags) -> Result<StoreSettings, ConfigError> {
         let file =
             match config {
                 Some(path) => Self::parse_file(&std::fs::read_to_string(path).map_err(|e| {
@@ -300,7 +319,7 @@ impl Settings {
                 })?)?,
                 None => FileConfig::default(),
             };
-        database(&file, flags.database_url)
+        store_settings(&file, &flags)
     }
 
     /// Parses TOML text; unknown keys are errors.
@@ -327,7 +346,7 @@ impl Settings {
         let upstream_urls = if flags.upstreams.is_empty() {
             file.upstreams.clone().unwrap_or_default()
         } else {
-            flags.upstreams
+            flags.upstreams.clone()
         };
         if upstream_urls.is_empty() {
             return Err(bad(
@@ -342,7 +361,7 @@ impl Settings {
             .map(|(i, url)| parse_upstream(i, url))
             .collect::<Result<Vec<_>, _>>()?;
 
-        let database = database(&file, flags.database_url.clone())?;
+        let store = store_settings(&file, &flags)?;
 
         let upstream_timeout = positive(
             "upstream_timeout",
@@ -411,7 +430,7 @@ impl Settings {
                 .or(file.admin_token)
                 .filter(|t| !t.is_empty()),
             upstreams,
-            database,
+            store,
             redis_url: flags.redis_url.or(file.redis_url),
             upstream_timeout,
             attempt_deadline,
@@ -472,9 +491,19 @@ impl Settings {
     }
 }
 
-fn database(file: &FileConfig, flag: Option<String>) -> Result<Option<PgSettings>, ConfigError> {
-    let Some(url) = flag.or_else(|| file.database_url.clone()) else {
-        return Ok(None);
+/// PostgreSQL when a database URL is given, the embedded store otherwise.
+fn store_settings(file: &FileConfig, flags: &Flags) -> Result<StoreSettings, ConfigError> {
+    let Some(url) = flags
+        .database_url
+        .clone()
+        .or_else(|| file.database_url.clone())
+    else {
+        let path = flags
+            .embedded_path
+            .clone()
+            .or_else(|| file.embedded_path.clone())
+            .unwrap_or_else(|| PathBuf::from("idemgate.db"));
+        return Ok(StoreSettings::Embedded { path });
     };
     url.parse::<tokio_postgres::Config>().map_err(|e| {
         bad(
@@ -490,7 +519,7 @@ fn database(file: &FileConfig, flag: Option<String>) -> Result<Option<PgSettings
         "database_timeout",
         file.database_timeout.unwrap_or(Duration::from_secs(2)),
     )?;
-    Ok(Some(PgSettings {
+    Ok(StoreSettings::Postgres(PgSettings {
         url,
         pool_size,
         connect_timeout,

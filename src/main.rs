@@ -7,8 +7,10 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use idemgate::app::{self, Listeners};
-use idemgate::config::{Cli, Command, Settings};
+use idemgate::config::{Cli, Command, Settings, StoreSettings};
 use idemgate::store::postgres::PgStore;
+use idemgate::store::sqlite::SqliteStore;
+use idemgate::store::StoreError;
 use idemgate::telemetry;
 
 #[tokio::main]
@@ -23,20 +25,26 @@ async fn main() -> ExitCode {
             };
             serve(settings).await
         }
-        Command::Migrate(flags) => match Settings::load_database(cli.config.as_deref(), flags) {
-            Ok(Some(pg)) => match PgStore::new(&pg, Default::default()) {
-                Ok(store) => match store.migrate().await {
-                    Ok(()) => {
-                        println!("migrations applied");
-                        ExitCode::SUCCESS
-                    }
-                    Err(e) => fail(e),
-                },
+        Command::Migrate(flags) => match Settings::load_store(cli.config.as_deref(), flags) {
+            Ok(store) => match migrate(store).await {
+                Ok(()) => {
+                    println!("migrations applied");
+                    ExitCode::SUCCESS
+                }
                 Err(e) => fail(e),
             },
-            Ok(None) => fail("no database to migrate: set --database-url or IDEMGATE_DATABASE_URL"),
             Err(e) => fail(e),
         },
+    }
+}
+
+async fn migrate(store: StoreSettings) -> Result<(), StoreError> {
+    match store {
+        StoreSettings::Postgres(pg) => PgStore::new(&pg, Default::default())?.migrate().await,
+        // Opening the embedded store applies its migrations.
+        StoreSettings::Embedded { path } => {
+            SqliteStore::open(&path, Default::default()).await.map(drop)
+        }
     }
 }
 

@@ -14,6 +14,7 @@
 
 mod doorbell;
 pub mod postgres;
+pub mod sqlite;
 
 use std::time::Duration;
 

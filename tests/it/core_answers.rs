@@ -6,11 +6,9 @@ use http::Method;
 use http_body_util::Full;
 
 use crate::support::upstream::echo_response;
-use crate::support::{post, send, FakeUpstream, Gateway, TestDb};
+use crate::support::{post, send, FakeUpstream, Gateway, TestStore};
 
-#[tokio::test]
-async fn replay_is_faithful_to_status_end_to_end_headers_and_body_bytes() {
-    let db = TestDb::new().await;
+async fn replay_is_faithful_to_status_end_to_end_headers_and_body_bytes(store: TestStore) {
     let upstream = FakeUpstream::start(|_| async move {
         http::Response::builder()
             .status(202)
@@ -27,7 +25,7 @@ async fn replay_is_faithful_to_status_end_to_end_headers_and_body_bytes() {
             .unwrap()
     })
     .await;
-    let gateway = Gateway::start(&db.url, &upstream.url()).await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
     let url = gateway.path("/v1/blobs?kind=raw");
     let first = post(&url, "fidelity", "{}").await;
     let replay = post(&url, "fidelity", "{}").await;
@@ -55,11 +53,9 @@ async fn replay_is_faithful_to_status_end_to_end_headers_and_body_bytes() {
     assert_eq!(first.job(), replay.job());
 }
 
-#[tokio::test]
-async fn same_key_with_another_body_or_path_is_a_409_mismatch_and_never_proxied() {
-    let db = TestDb::new().await;
+async fn same_key_with_another_body_or_path_is_a_409_mismatch_and_never_proxied(store: TestStore) {
     let upstream = FakeUpstream::echo().await;
-    let gateway = Gateway::start(&db.url, &upstream.url()).await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
     let first = post(&gateway.path("/v1/charges"), "reused", r#"{"amount": 1}"#).await;
     assert_eq!(first.status, 200);
 
@@ -74,11 +70,9 @@ async fn same_key_with_another_body_or_path_is_a_409_mismatch_and_never_proxied(
     assert_eq!(upstream.hits(), 1);
 }
 
-#[tokio::test]
-async fn mismatch_status_can_be_the_ietf_422() {
-    let db = TestDb::new().await;
+async fn mismatch_status_can_be_the_ietf_422(store: TestStore) {
     let upstream = FakeUpstream::echo().await;
-    let gateway = Gateway::builder(&db.url, &upstream.url())
+    let gateway = Gateway::builder(&store, &upstream.url())
         .set("mismatch_status", "422")
         .start()
         .await;
@@ -88,11 +82,9 @@ async fn mismatch_status_can_be_the_ietf_422() {
     assert_eq!(reply.problem(), "idempotency-key-mismatch");
 }
 
-#[tokio::test]
-async fn canonical_json_routes_ignore_key_order_and_excluded_fields() {
-    let db = TestDb::new().await;
+async fn canonical_json_routes_ignore_key_order_and_excluded_fields(store: TestStore) {
     let upstream = FakeUpstream::echo().await;
-    let gateway = Gateway::builder(&db.url, &upstream.url())
+    let gateway = Gateway::builder(&store, &upstream.url())
         .routes("[[routes]]\nname = \"chat\"\npath_prefix = \"/v1/chat\"\ncanonical_json = true\nignore_fields = [\"/metadata/sent_at\"]\n")
         .start()
         .await;
@@ -122,11 +114,9 @@ async fn canonical_json_routes_ignore_key_order_and_excluded_fields() {
     assert_eq!(upstream.hits(), 1);
 }
 
-#[tokio::test]
-async fn owners_are_isolated_and_stored_only_as_hashes() {
-    let db = TestDb::new().await;
+async fn owners_are_isolated_and_stored_only_as_hashes(store: TestStore) {
     let upstream = FakeUpstream::echo().await;
-    let gateway = Gateway::start(&db.url, &upstream.url()).await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
     let url = gateway.path("/v1/charges");
     let as_alice = |key: &'static str| {
         let url = url.clone();
@@ -163,14 +153,7 @@ async fn owners_are_isolated_and_stored_only_as_hashes() {
         Some("true")
     );
 
-    let client = db.connect().await;
-    let owners: Vec<String> = client
-        .query("SELECT owner FROM jobs", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let owners = store.column("SELECT owner FROM jobs").await;
     assert_eq!(owners.len(), 3);
     assert!(owners.iter().all(|o| !o.contains("secret")));
     assert!(owners.iter().filter(|o| o.starts_with("sha256:")).count() == 2);
@@ -187,11 +170,9 @@ async fn owners_are_isolated_and_stored_only_as_hashes() {
     assert_eq!(found.json()["id"].as_str(), alice.job().as_deref());
 }
 
-#[tokio::test]
-async fn malformed_keys_are_refused_with_400_and_never_proxied() {
-    let db = TestDb::new().await;
+async fn malformed_keys_are_refused_with_400_and_never_proxied(store: TestStore) {
     let upstream = FakeUpstream::echo().await;
-    let gateway = Gateway::start(&db.url, &upstream.url()).await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
     let url = gateway.path("/v1/x");
     let long = "k".repeat(256);
     for key in [
@@ -223,11 +204,9 @@ async fn malformed_keys_are_refused_with_400_and_never_proxied() {
     assert_eq!(upstream.hits(), 0);
 }
 
-#[tokio::test]
-async fn quoted_and_bare_forms_name_the_same_key() {
-    let db = TestDb::new().await;
+async fn quoted_and_bare_forms_name_the_same_key(store: TestStore) {
     let upstream = FakeUpstream::echo().await;
-    let gateway = Gateway::start(&db.url, &upstream.url()).await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
     let url = gateway.path("/v1/x");
     let bare = post(&url, "order-7", "{}").await;
     let quoted = post(&url, "\"order-7\"", "{}").await;
@@ -236,11 +215,9 @@ async fn quoted_and_bare_forms_name_the_same_key() {
     assert_eq!(upstream.hits(), 1);
 }
 
-#[tokio::test]
-async fn a_route_that_requires_a_key_refuses_requests_without_one() {
-    let db = TestDb::new().await;
+async fn a_route_that_requires_a_key_refuses_requests_without_one(store: TestStore) {
     let upstream = FakeUpstream::echo().await;
-    let gateway = Gateway::builder(&db.url, &upstream.url())
+    let gateway = Gateway::builder(&store, &upstream.url())
         .routes(
             "[[routes]]\nname = \"payments\"\npath_prefix = \"/v1/payments\"\nrequire_key = true\n",
         )
@@ -256,11 +233,9 @@ async fn a_route_that_requires_a_key_refuses_requests_without_one() {
     assert_eq!(upstream.hits(), 1);
 }
 
-#[tokio::test]
-async fn bodies_past_the_limit_get_413_and_nothing_is_stored() {
-    let db = TestDb::new().await;
+async fn bodies_past_the_limit_get_413_and_nothing_is_stored(store: TestStore) {
     let upstream = FakeUpstream::echo().await;
-    let gateway = Gateway::builder(&db.url, &upstream.url())
+    let gateway = Gateway::builder(&store, &upstream.url())
         .routes("[[routes]]\nbody_limit = \"1KiB\"\n")
         .start()
         .await;
@@ -296,13 +271,7 @@ async fn bodies_past_the_limit_get_413_and_nothing_is_stored() {
     assert_eq!(status, 413);
 
     assert_eq!(upstream.hits(), 0);
-    let jobs: i64 = db
-        .connect()
-        .await
-        .query_one("SELECT count(*) FROM jobs", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let jobs = store.job_count().await;
     assert_eq!(jobs, 0, "nothing is stored for a refused body");
     let small = post(&url, "big", "small enough").await;
     assert_eq!(
@@ -317,11 +286,9 @@ fn tokio_stream_from<T: Send + 'static>(
     futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
 }
 
-#[tokio::test]
-async fn requests_that_do_not_opt_in_pass_through_untouched() {
-    let db = TestDb::new().await;
+async fn requests_that_do_not_opt_in_pass_through_untouched(store: TestStore) {
     let upstream = FakeUpstream::echo().await;
-    let gateway = Gateway::start(&db.url, &upstream.url()).await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
     let get = send(
         Method::GET,
         &gateway.path("/v1/models?x=1"),
@@ -349,21 +316,13 @@ async fn requests_that_do_not_opt_in_pass_through_untouched() {
         Some("ignored-on-get"),
         "untouched"
     );
-    let jobs: i64 = db
-        .connect()
-        .await
-        .query_one("SELECT count(*) FROM jobs", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let jobs = store.job_count().await;
     assert_eq!(jobs, 0);
 }
 
-#[tokio::test]
-async fn hop_by_hop_headers_are_not_forwarded_and_forwarding_headers_are_added() {
-    let db = TestDb::new().await;
+async fn hop_by_hop_headers_are_not_forwarded_and_forwarding_headers_are_added(store: TestStore) {
     let upstream = FakeUpstream::echo().await;
-    let gateway = Gateway::start(&db.url, &upstream.url()).await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
     let reply = send(
         Method::POST,
         &gateway.path("/v1/x"),
@@ -396,11 +355,9 @@ async fn hop_by_hop_headers_are_not_forwarded_and_forwarding_headers_are_added()
     );
 }
 
-#[tokio::test]
-async fn forwarded_identity_header_names_are_configurable() {
-    let db = TestDb::new().await;
+async fn forwarded_identity_header_names_are_configurable(store: TestStore) {
     let upstream = FakeUpstream::echo().await;
-    let gateway = Gateway::builder(&db.url, &upstream.url())
+    let gateway = Gateway::builder(&store, &upstream.url())
         .set("forward_key_header", "\"x-job-id\"")
         .set("forward_attempt_header", "\"x-attempt\"")
         .start()
@@ -411,11 +368,9 @@ async fn forwarded_identity_header_names_are_configurable() {
     assert_eq!(seen.header("x-attempt"), Some("1"));
 }
 
-#[tokio::test]
-async fn admin_api_needs_the_bearer_token_and_probes_do_not() {
-    let db = TestDb::new().await;
+async fn admin_api_needs_the_bearer_token_and_probes_do_not(store: TestStore) {
     let upstream = FakeUpstream::echo().await;
-    let gateway = Gateway::start(&db.url, &upstream.url()).await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
     let job = post(&gateway.path("/v1/x"), "admin-auth", "{}")
         .await
         .job()
@@ -441,7 +396,7 @@ async fn admin_api_needs_the_bearer_token_and_probes_do_not() {
     }
     assert!(gateway.metric("idemgate_commits_total").await >= 1.0);
 
-    let without_token = Gateway::builder(&db.url, &upstream.url())
+    let without_token = Gateway::builder(&TestStore::embedded(), &upstream.url())
         .unset("admin_token")
         .start()
         .await;
@@ -463,13 +418,15 @@ async fn store_unreachable_means_503_and_nothing_proxied() {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         l.local_addr().unwrap()
     };
-    let gateway = Gateway::builder(
-        &format!("postgres://postgres@{closed}/nowhere"),
-        &upstream.url(),
-    )
-    .set("database_timeout", "\"500ms\"")
-    .start()
-    .await;
+    let gateway = Gateway::builder(&TestStore::embedded(), &upstream.url())
+        .unset("embedded_path")
+        .set(
+            "database_url",
+            &format!("\"postgres://postgres@{closed}/nowhere\""),
+        )
+        .set("database_timeout", "\"500ms\"")
+        .start()
+        .await;
     let reply = post(&gateway.path("/v1/charges"), "no-store", "{}").await;
     assert_eq!(reply.status, 503);
     assert_eq!(reply.problem(), "store-unavailable");
@@ -548,3 +505,19 @@ async fn bad_configuration_stops_start_up_naming_the_key() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("hold_timeout"));
     let _ = echo_response;
 }
+
+crate::on_both_stores!(
+    replay_is_faithful_to_status_end_to_end_headers_and_body_bytes,
+    same_key_with_another_body_or_path_is_a_409_mismatch_and_never_proxied,
+    mismatch_status_can_be_the_ietf_422,
+    canonical_json_routes_ignore_key_order_and_excluded_fields,
+    owners_are_isolated_and_stored_only_as_hashes,
+    malformed_keys_are_refused_with_400_and_never_proxied,
+    quoted_and_bare_forms_name_the_same_key,
+    a_route_that_requires_a_key_refuses_requests_without_one,
+    bodies_past_the_limit_get_413_and_nothing_is_stored,
+    requests_that_do_not_opt_in_pass_through_untouched,
+    hop_by_hop_headers_are_not_forwarded_and_forwarding_headers_are_added,
+    forwarded_identity_header_names_are_configurable,
+    admin_api_needs_the_bearer_token_and_probes_do_not,
+);

@@ -7,7 +7,7 @@ use http::Method;
 use serde_json::Value;
 
 use crate::support::upstream::{echo_response, json_response};
-use crate::support::{eventually, post, send, FakeUpstream, Gate, Gateway, TestDb};
+use crate::support::{eventually, post, send, FakeUpstream, Gate, Gateway, TestStore};
 
 /// An upstream whose first answer waits for `gate`; later ones are immediate.
 async fn first_answer_gated(gate: &Gate) -> FakeUpstream {
@@ -28,12 +28,10 @@ fn attempts(job: &Value) -> &Vec<Value> {
     job["attempts"].as_array().unwrap()
 }
 
-#[tokio::test]
-async fn timeout_makes_the_job_unknown_until_resolved_then_attempt_two_runs() {
-    let db = TestDb::new().await;
+async fn timeout_makes_the_job_unknown_until_resolved_then_attempt_two_runs(store: TestStore) {
     let gate = Gate::new();
     let upstream = first_answer_gated(&gate).await;
-    let gateway = Gateway::builder(&db.url, &upstream.url())
+    let gateway = Gateway::builder(&store, &upstream.url())
         .set("upstream_timeout", "\"300ms\"")
         .set("attempt_deadline", "\"30s\"")
         .start()
@@ -88,12 +86,10 @@ async fn timeout_makes_the_job_unknown_until_resolved_then_attempt_two_runs() {
     assert_eq!(job["completed_by"], attempts(&job)[1]["id"]);
 }
 
-#[tokio::test]
-async fn late_answer_before_the_deadline_is_committed_and_replayed() {
-    let db = TestDb::new().await;
+async fn late_answer_before_the_deadline_is_committed_and_replayed(store: TestStore) {
     let gate = Gate::new();
     let upstream = first_answer_gated(&gate).await;
-    let gateway = Gateway::builder(&db.url, &upstream.url())
+    let gateway = Gateway::builder(&store, &upstream.url())
         .set("upstream_timeout", "\"300ms\"")
         .set("attempt_deadline", "\"30s\"")
         .start()
@@ -122,14 +118,12 @@ async fn late_answer_before_the_deadline_is_committed_and_replayed() {
     assert_eq!(attempts(&job)[0]["state"], "succeeded");
 }
 
-#[tokio::test]
-async fn refused_connection_fails_the_attempt_and_the_retry_makes_attempt_two() {
-    let db = TestDb::new().await;
+async fn refused_connection_fails_the_attempt_and_the_retry_makes_attempt_two(store: TestStore) {
     // Reserve a port, then free it: nothing listens there yet.
     let reserved = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = reserved.local_addr().unwrap();
     drop(reserved);
-    let gateway = Gateway::start(&db.url, &format!("http://{addr}")).await;
+    let gateway = Gateway::start(&store, &format!("http://{addr}")).await;
     let url = gateway.path("/v1/jobs");
 
     let first = post(&url, "refused-1", "{}").await;
@@ -152,9 +146,7 @@ async fn refused_connection_fails_the_attempt_and_the_retry_makes_attempt_two() 
     assert_eq!(upstream.hits(), 1);
 }
 
-#[tokio::test]
-async fn retryable_status_is_passed_on_uncommitted_and_the_retry_runs_again() {
-    let db = TestDb::new().await;
+async fn retryable_status_is_passed_on_uncommitted_and_the_retry_runs_again(store: TestStore) {
     let upstream = FakeUpstream::start(|r| async move {
         if r.hit == 1 {
             json_response(503, serde_json::json!({"error": "overloaded"}))
@@ -163,7 +155,7 @@ async fn retryable_status_is_passed_on_uncommitted_and_the_retry_runs_again() {
         }
     })
     .await;
-    let gateway = Gateway::start(&db.url, &upstream.url()).await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
     let url = gateway.path("/v1/jobs");
 
     let first = post(&url, "busy-1", "{}").await;
@@ -184,14 +176,12 @@ async fn retryable_status_is_passed_on_uncommitted_and_the_retry_runs_again() {
     assert_eq!(attempts(&job)[0]["upstream_status"], 503);
 }
 
-#[tokio::test]
-async fn error_answers_that_are_not_retryable_are_committed() {
-    let db = TestDb::new().await;
+async fn error_answers_that_are_not_retryable_are_committed(store: TestStore) {
     let upstream = FakeUpstream::start(|_| async move {
         json_response(400, serde_json::json!({"error": "card declined"}))
     })
     .await;
-    let gateway = Gateway::start(&db.url, &upstream.url()).await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
     let url = gateway.path("/v1/charges");
     let first = post(&url, "declined", "{}").await;
     assert_eq!(first.status, 400);
@@ -202,12 +192,10 @@ async fn error_answers_that_are_not_retryable_are_committed() {
     assert_eq!(upstream.hits(), 1);
 }
 
-#[tokio::test]
-async fn a_held_duplicate_past_the_hold_timeout_gets_409_in_progress() {
-    let db = TestDb::new().await;
+async fn a_held_duplicate_past_the_hold_timeout_gets_409_in_progress(store: TestStore) {
     let gate = Gate::new();
     let upstream = first_answer_gated(&gate).await;
-    let gateway = Gateway::builder(&db.url, &upstream.url())
+    let gateway = Gateway::builder(&store, &upstream.url())
         .set("hold_timeout", "\"300ms\"")
         .start()
         .await;
@@ -228,14 +216,14 @@ async fn a_held_duplicate_past_the_hold_timeout_gets_409_in_progress() {
 
 #[tokio::test]
 async fn a_gateway_killed_mid_attempt_leaves_the_attempt_unknown_once_its_lease_lapses() {
-    let db = TestDb::new().await;
+    let store = TestStore::postgres().await;
     let gate = Gate::new();
     let upstream = first_answer_gated(&gate).await;
-    let mut doomed = Gateway::builder(&db.url, &upstream.url())
+    let mut doomed = Gateway::builder(&store, &upstream.url())
         .set("lease_ttl", "\"600ms\"")
         .start()
         .await;
-    let survivor = Gateway::builder(&db.url, &upstream.url())
+    let survivor = Gateway::builder(&store, &upstream.url())
         .set("lease_ttl", "\"600ms\"")
         .set("hold_timeout", "\"20s\"")
         .start()
@@ -288,12 +276,10 @@ async fn a_gateway_killed_mid_attempt_leaves_the_attempt_unknown_once_its_lease_
     assert_eq!(upstream.hits(), 1);
 }
 
-#[tokio::test]
-async fn resolving_an_unknown_attempt_as_succeeded_commits_the_given_response() {
-    let db = TestDb::new().await;
+async fn resolving_an_unknown_attempt_as_succeeded_commits_the_given_response(store: TestStore) {
     let gate = Gate::new();
     let upstream = first_answer_gated(&gate).await;
-    let gateway = Gateway::builder(&db.url, &upstream.url())
+    let gateway = Gateway::builder(&store, &upstream.url())
         .set("upstream_timeout", "\"300ms\"")
         .start()
         .await;
@@ -323,11 +309,9 @@ async fn resolving_an_unknown_attempt_as_succeeded_commits_the_given_response() 
     gate.open(1);
 }
 
-#[tokio::test]
-async fn admin_rejects_malformed_resolutions() {
-    let db = TestDb::new().await;
+async fn admin_rejects_malformed_resolutions(store: TestStore) {
     let upstream = FakeUpstream::echo().await;
-    let gateway = Gateway::start(&db.url, &upstream.url()).await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
     let missing = gateway
         .resolve(
             &uuid::Uuid::new_v4().to_string(),
@@ -356,3 +340,14 @@ async fn admin_rejects_malformed_resolutions() {
     .await;
     assert_eq!(not_json.status, 401, "auth is checked before anything else");
 }
+
+crate::on_both_stores!(
+    timeout_makes_the_job_unknown_until_resolved_then_attempt_two_runs,
+    late_answer_before_the_deadline_is_committed_and_replayed,
+    refused_connection_fails_the_attempt_and_the_retry_makes_attempt_two,
+    retryable_status_is_passed_on_uncommitted_and_the_retry_runs_again,
+    error_answers_that_are_not_retryable_are_committed,
+    a_held_duplicate_past_the_hold_timeout_gets_409_in_progress,
+    resolving_an_unknown_attempt_as_succeeded_commits_the_given_response,
+    admin_rejects_malformed_resolutions,
+);

@@ -5,7 +5,7 @@ use std::time::Duration;
 use futures_util::future::join_all;
 
 use crate::support::upstream::echo_response;
-use crate::support::{eventually, post, FakeUpstream, Gate, Gateway, Reply, TestDb};
+use crate::support::{eventually, post, FakeUpstream, Gate, Gateway, Reply, TestStore};
 
 /// Sends `n` duplicates at once, holds the upstream until all the rest are
 /// held by the gateways, then lets it answer.
@@ -104,33 +104,29 @@ fn assert_one_result(replies: &[Reply], upstream: &FakeUpstream) {
     );
 }
 
-#[tokio::test]
-async fn two_simultaneous_duplicates_make_one_upstream_call() {
-    let db = TestDb::new().await;
+async fn two_simultaneous_duplicates_make_one_upstream_call(store: TestStore) {
     let gate = Gate::new();
     let upstream = FakeUpstream::start(gated_echo(gate.clone())).await;
-    let gateway = Gateway::start(&db.url, &upstream.url()).await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
     let replies = double_click(2, &[&gateway], &upstream, &gate).await;
     assert_one_result(&replies, &upstream);
 }
 
-#[tokio::test]
-async fn fifty_simultaneous_duplicates_make_one_upstream_call() {
-    let db = TestDb::new().await;
+async fn fifty_simultaneous_duplicates_make_one_upstream_call(store: TestStore) {
     let gate = Gate::new();
     let upstream = FakeUpstream::start(gated_echo(gate.clone())).await;
-    let gateway = Gateway::start(&db.url, &upstream.url()).await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
     let replies = double_click(50, &[&gateway], &upstream, &gate).await;
     assert_one_result(&replies, &upstream);
 }
 
 #[tokio::test]
 async fn duplicates_across_two_processes_on_one_database() {
-    let db = TestDb::new().await;
+    let store = TestStore::postgres().await;
     let gate = Gate::new();
     let upstream = FakeUpstream::start(gated_echo(gate.clone())).await;
-    let a = Gateway::start(&db.url, &upstream.url()).await;
-    let b = Gateway::start(&db.url, &upstream.url()).await;
+    let a = Gateway::start(&store, &upstream.url()).await;
+    let b = Gateway::start(&store, &upstream.url()).await;
     // Duplicates held on b are released by a's commit: the wake-up crosses processes.
     let replies = double_click(20, &[&a, &b], &upstream, &gate).await;
     assert_one_result(&replies, &upstream);
@@ -140,10 +136,10 @@ async fn duplicates_across_two_processes_on_one_database() {
 async fn simultaneous_first_requests_race_to_the_arbiter() {
     // No head start: all requests leave together and the database's unique
     // constraint alone decides which one owns the job.
-    let db = TestDb::new().await;
+    let store = TestStore::postgres().await;
     let upstream = FakeUpstream::echo().await;
-    let a = Gateway::start(&db.url, &upstream.url()).await;
-    let b = Gateway::start(&db.url, &upstream.url()).await;
+    let a = Gateway::start(&store, &upstream.url()).await;
+    let b = Gateway::start(&store, &upstream.url()).await;
     let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(30));
     let tasks: Vec<_> = (0..30)
         .map(|i| {
@@ -180,3 +176,8 @@ async fn simultaneous_first_requests_race_to_the_arbiter() {
         "exactly one request ran the job"
     );
 }
+
+crate::on_both_stores!(
+    two_simultaneous_duplicates_make_one_upstream_call,
+    fifty_simultaneous_duplicates_make_one_upstream_call,
+);

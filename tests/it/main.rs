@@ -6,4 +6,5 @@ mod support;
 mod core_answers;
 mod core_outcomes;
 mod core_races;
+mod embedded;
 mod store_conformance;

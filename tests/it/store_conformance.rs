@@ -452,3 +452,16 @@ async fn postgres_store() -> (Arc<dyn Store>, crate::support::TestDb) {
 }
 
 conformance_suite!(postgres, postgres_store);
+
+async fn embedded_store() -> (Arc<dyn Store>, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = idemgate::store::sqlite::SqliteStore::open(
+        &dir.path().join("idemgate.db"),
+        Default::default(),
+    )
+    .await
+    .unwrap();
+    (Arc::new(store), dir)
+}
+
+conformance_suite!(embedded, embedded_store);

@@ -10,7 +10,7 @@ use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
-use super::{send, Reply};
+use super::{send, Reply, TestStore};
 
 pub const ADMIN_TOKEN: &str = "test-admin-token";
 
@@ -29,14 +29,15 @@ pub struct Builder {
 impl Gateway {
     /// A gateway in front of `upstream` on the database at `db`, with short
     /// sweeps so lease tests run fast.
-    pub fn builder(db: &str, upstream: &str) -> Builder {
+    pub fn builder(store: &TestStore, upstream: &str) -> Builder {
         let mut settings = BTreeMap::new();
+        let (key, value) = store.setting();
+        settings.insert(key.to_owned(), value);
         for (k, v) in [
             ("listen", "\"127.0.0.1:0\"".to_owned()),
             ("admin_listen", "\"127.0.0.1:0\"".to_owned()),
             ("admin_token", format!("{ADMIN_TOKEN:?}")),
             ("upstreams", format!("[{upstream:?}]")),
-            ("database_url", format!("{db:?}")),
             ("sweep_interval", "\"200ms\"".to_owned()),
         ] {
             settings.insert(k.to_owned(), v);
@@ -47,8 +48,8 @@ impl Gateway {
         }
     }
 
-    pub async fn start(db: &str, upstream: &str) -> Gateway {
-        Self::builder(db, upstream).start().await
+    pub async fn start(store: &TestStore, upstream: &str) -> Gateway {
+        Self::builder(store, upstream).start().await
     }
 
     /// Kills the process at once (SIGKILL): no drain, no clean-up.
@@ -130,7 +131,27 @@ impl Builder {
         self
     }
 
-    pub async fn start(self) -> Gateway {
+    /// Starts the gateway and expects it to refuse: returns its stderr.
+    pub async fn start_and_fail(self) -> String {
+        let (dir, path) = self.write();
+        let out = Command::new(env!("CARGO_BIN_EXE_idemgate"))
+            .arg("--config")
+            .arg(&path)
+            .arg("serve")
+            .env_remove("IDEMGATE_DATABASE_URL")
+            .env_remove("IDEMGATE_EMBEDDED_PATH")
+            .output()
+            .await
+            .unwrap();
+        drop(dir);
+        assert!(
+            !out.status.success(),
+            "the gateway was expected to refuse to start"
+        );
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    }
+
+    fn write(&self) -> (tempfile::TempDir, std::path::PathBuf) {
         let dir = tempfile::tempdir().unwrap();
         let mut toml = String::new();
         for (k, v) in &self.settings {
@@ -139,6 +160,11 @@ impl Builder {
         toml.push_str(&self.routes);
         let path = dir.path().join("idemgate.toml");
         std::fs::write(&path, toml).unwrap();
+        (dir, path)
+    }
+
+    pub async fn start(self) -> Gateway {
+        let (dir, path) = self.write();
         let mut child = Command::new(env!("CARGO_BIN_EXE_idemgate"))
             .arg("--config")
             .arg(&path)
@@ -148,6 +174,7 @@ impl Builder {
                 std::env::var("IDEMGATE_TEST_LOG").unwrap_or_else(|_| "warn".into()),
             )
             .env_remove("IDEMGATE_DATABASE_URL")
+            .env_remove("IDEMGATE_EMBEDDED_PATH")
             .env_remove("IDEMGATE_UPSTREAM")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

@@ -5,6 +5,7 @@
 
 pub mod db;
 pub mod gateway;
+pub mod store;
 pub mod upstream;
 
 use std::time::Duration;
@@ -18,6 +19,7 @@ use serde_json::Value;
 
 pub use db::TestDb;
 pub use gateway::Gateway;
+pub use store::TestStore;
 pub use upstream::{FakeUpstream, Gate, Recorded};
 
 /// An answer, fully read.
