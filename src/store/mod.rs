@@ -20,8 +20,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use crate::attempt::{Attempt, AttemptFailure, AttemptId, NewAttempt, Resolution};
-use crate::job::{Job, JobDetail, JobId, NewJob, StoredResponse};
+use crate::attempt::{Attempt, AttemptFailure, AttemptId, AttemptState, NewAttempt, Resolution};
+use crate::job::{Job, JobDetail, JobId, JobState, NewJob, StoredResponse};
 use crate::key::{IdempotencyKey, Owner};
 
 pub use doorbell::Doorbell;
@@ -43,6 +43,24 @@ pub enum CommitOutcome {
     /// Another attempt won, or the job moved on (a resolution): this
     /// attempt is `superseded` and its payload discarded.
     Superseded,
+}
+
+/// How a new attempt joins its job (for the stores' shared attempt insert).
+#[derive(Debug, Clone, Copy)]
+enum Joining {
+    /// The next try of an `open` job: moves the version.
+    Claim,
+    /// Beside a running attempt: keeps the version, so both race fairly.
+    Hedge,
+}
+
+fn parse_job_state(s: &str) -> Result<JobState, StoreError> {
+    JobState::parse(s).ok_or_else(|| StoreError::Internal(format!("unknown job state {s:?}")))
+}
+
+fn parse_attempt_state(s: &str) -> Result<AttemptState, StoreError> {
+    AttemptState::parse(s)
+        .ok_or_else(|| StoreError::Internal(format!("unknown attempt state {s:?}")))
 }
 
 /// Why a store operation failed.

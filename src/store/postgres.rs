@@ -16,7 +16,10 @@ use futures_util::StreamExt;
 use tokio_postgres::{AsyncMessage, NoTls, Row};
 use uuid::Uuid;
 
-use super::{Begin, CommitOutcome, Doorbell, Store, StoreError};
+use super::{
+    parse_attempt_state, parse_job_state, Begin, CommitOutcome, Doorbell, Joining, Store,
+    StoreError,
+};
 use crate::attempt::{Attempt, AttemptFailure, AttemptId, AttemptState, NewAttempt, Resolution};
 use crate::fingerprint::Fingerprint;
 use crate::job::{Job, JobDetail, JobId, JobState, NewJob, StoredResponse};
@@ -248,6 +251,58 @@ impl PgStore {
         Ok(Some(job))
     }
 
+    /// Adds the next attempt to a job, if the job is still at `version` and
+    /// in the state `how` needs: one statement, so the check and the insert
+    /// cannot be split by another writer.
+    async fn start_attempt(
+        &self,
+        job: JobId,
+        version: i64,
+        attempt: NewAttempt,
+        how: Joining,
+    ) -> Result<Option<Attempt>, StoreError> {
+        let update = match how {
+            Joining::Claim => {
+                "UPDATE jobs SET state = 'running', version = version + 1, \
+                        attempt_count = attempt_count + 1, updated_at = now() \
+                 WHERE id = $1 AND version = $2 AND state = 'open'"
+            }
+            Joining::Hedge => {
+                "UPDATE jobs SET attempt_count = attempt_count + 1, updated_at = now() \
+                 WHERE id = $1 AND version = $2 AND state = 'running'"
+            }
+        };
+        let client = self.client().await?;
+        let row = client
+            .query_opt(
+                &format!(
+                    "WITH j AS ({update} RETURNING id, version, attempt_count), \
+                     a AS ( \
+                       INSERT INTO attempts (id, job_id, number, upstream, state, job_version, instance, \
+                                             lease_expires_at, deadline_at) \
+                       SELECT $3, j.id, j.attempt_count, $4, 'started', j.version, $5, \
+                              now() + $6::bigint * interval '1 millisecond', \
+                              now() + $7::bigint * interval '1 millisecond' \
+                       FROM j \
+                       RETURNING * \
+                     ) \
+                     SELECT {ATTEMPT_COLUMNS} FROM a"
+                ),
+                &[
+                    &job.0,
+                    &version,
+                    &attempt.id.0,
+                    &attempt.upstream,
+                    &attempt.instance,
+                    &millis(attempt.lease),
+                    &millis(attempt.deadline),
+                ],
+            )
+            .await
+            .map_err(map_pg)?;
+        row.map(|r| attempt_from_row(&r, 0)).transpose()
+    }
+
     async fn attempts_of(
         &self,
         client: &deadpool_postgres::Client,
@@ -367,39 +422,8 @@ impl Store for PgStore {
         version: i64,
         attempt: NewAttempt,
     ) -> Result<Option<Attempt>, StoreError> {
-        let client = self.client().await?;
-        let row = client
-            .query_opt(
-                &format!(
-                    "WITH j AS ( \
-                       UPDATE jobs SET state = 'running', version = version + 1, \
-                              attempt_count = attempt_count + 1, updated_at = now() \
-                       WHERE id = $1 AND version = $2 AND state = 'open' \
-                       RETURNING id, version, attempt_count \
-                     ), a AS ( \
-                       INSERT INTO attempts (id, job_id, number, upstream, state, job_version, instance, \
-                                             lease_expires_at, deadline_at) \
-                       SELECT $3, j.id, j.attempt_count, $4, 'started', j.version, $5, \
-                              now() + $6::bigint * interval '1 millisecond', \
-                              now() + $7::bigint * interval '1 millisecond' \
-                       FROM j \
-                       RETURNING * \
-                     ) \
-                     SELECT {ATTEMPT_COLUMNS} FROM a"
-                ),
-                &[
-                    &job.0,
-                    &version,
-                    &attempt.id.0,
-                    &attempt.upstream,
-                    &attempt.instance,
-                    &millis(attempt.lease),
-                    &millis(attempt.deadline),
-                ],
-            )
+        self.start_attempt(job, version, attempt, Joining::Claim)
             .await
-            .map_err(map_pg)?;
-        row.map(|r| attempt_from_row(&r, 0)).transpose()
     }
 
     async fn hedge_attempt(
@@ -408,38 +432,8 @@ impl Store for PgStore {
         version: i64,
         attempt: NewAttempt,
     ) -> Result<Option<Attempt>, StoreError> {
-        let client = self.client().await?;
-        let row = client
-            .query_opt(
-                &format!(
-                    "WITH j AS ( \
-                       UPDATE jobs SET attempt_count = attempt_count + 1, updated_at = now() \
-                       WHERE id = $1 AND version = $2 AND state = 'running' \
-                       RETURNING id, version, attempt_count \
-                     ), a AS ( \
-                       INSERT INTO attempts (id, job_id, number, upstream, state, job_version, instance, \
-                                             lease_expires_at, deadline_at) \
-                       SELECT $3, j.id, j.attempt_count, $4, 'started', j.version, $5, \
-                              now() + $6::bigint * interval '1 millisecond', \
-                              now() + $7::bigint * interval '1 millisecond' \
-                       FROM j \
-                       RETURNING * \
-                     ) \
-                     SELECT {ATTEMPT_COLUMNS} FROM a"
-                ),
-                &[
-                    &job.0,
-                    &version,
-                    &attempt.id.0,
-                    &attempt.upstream,
-                    &attempt.instance,
-                    &millis(attempt.lease),
-                    &millis(attempt.deadline),
-                ],
-            )
+        self.start_attempt(job, version, attempt, Joining::Hedge)
             .await
-            .map_err(map_pg)?;
-        row.map(|r| attempt_from_row(&r, 0)).transpose()
     }
 
     async fn commit(
@@ -713,15 +707,6 @@ fn split_headers(response: &StoredResponse) -> (Vec<&str>, Vec<&[u8]>) {
         .iter()
         .map(|(n, v)| (n.as_str(), v.as_ref()))
         .unzip()
-}
-
-fn parse_job_state(s: &str) -> Result<JobState, StoreError> {
-    JobState::parse(s).ok_or_else(|| StoreError::Internal(format!("unknown job state {s:?}")))
-}
-
-fn parse_attempt_state(s: &str) -> Result<AttemptState, StoreError> {
-    AttemptState::parse(s)
-        .ok_or_else(|| StoreError::Internal(format!("unknown attempt state {s:?}")))
 }
 
 fn job_from_row(row: &Row) -> Result<Job, StoreError> {

@@ -25,7 +25,10 @@ use bytes::Bytes;
 use rusqlite::{params, Connection, OptionalExtension, Row, Transaction, TransactionBehavior};
 use uuid::Uuid;
 
-use super::{Begin, CommitOutcome, Doorbell, Store, StoreError};
+use super::{
+    parse_attempt_state, parse_job_state, Begin, CommitOutcome, Doorbell, Joining, Store,
+    StoreError,
+};
 use crate::attempt::{Attempt, AttemptFailure, AttemptId, AttemptState, NewAttempt, Resolution};
 use crate::fingerprint::Fingerprint;
 use crate::job::{Job, JobDetail, JobId, JobState, NewJob, StoredResponse};
@@ -148,6 +151,51 @@ impl SqliteStore {
             tracing::warn!(attempt = %id, "attempt left in flight by a previous run; outcome unknown");
         }
         Ok(())
+    }
+
+    /// Adds the next attempt to a job, if the job is still at `version` and
+    /// in the state `how` needs.
+    async fn start_attempt(
+        &self,
+        job: JobId,
+        version: i64,
+        attempt: NewAttempt,
+        how: Joining,
+    ) -> Result<Option<Attempt>, StoreError> {
+        let update = match how {
+            Joining::Claim => {
+                "UPDATE jobs SET state = 'running', version = version + 1, \
+                        attempt_count = attempt_count + 1, updated_at = ?3 \
+                 WHERE id = ?1 AND version = ?2 AND state = 'open'"
+            }
+            Joining::Hedge => {
+                "UPDATE jobs SET attempt_count = attempt_count + 1, updated_at = ?3 \
+                 WHERE id = ?1 AND version = ?2 AND state = 'running'"
+            }
+        };
+        self.call(move |conn| {
+            let now = now_ms();
+            let tx = immediate(conn)?;
+            let id = job.0.to_string();
+            if tx
+                .execute(update, params![id, version, now])
+                .map_err(map_sqlite)?
+                == 0
+            {
+                return Ok(None);
+            }
+            let (number, version): (i64, i64) = tx
+                .query_row(
+                    "SELECT attempt_count, version FROM jobs WHERE id = ?1",
+                    [&id],
+                    |r| Ok((r.get(0)?, r.get(1)?)),
+                )
+                .map_err(map_sqlite)?;
+            let attempt = insert_attempt(&tx, &id, number, version, &attempt, now)?;
+            tx.commit().map_err(map_sqlite)?;
+            Ok(Some(attempt))
+        })
+        .await
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Connection> {
@@ -411,32 +459,7 @@ impl Store for SqliteStore {
         attempt: NewAttempt,
     ) -> Result<Option<Attempt>, StoreError> {
         let claimed = self
-            .call(move |conn| {
-                let now = now_ms();
-                let tx = immediate(conn)?;
-                let id = job.0.to_string();
-                let changed = tx
-                    .execute(
-                        "UPDATE jobs SET state = 'running', version = version + 1, \
-                                attempt_count = attempt_count + 1, updated_at = ?3 \
-                         WHERE id = ?1 AND version = ?2 AND state = 'open'",
-                        params![id, version, now],
-                    )
-                    .map_err(map_sqlite)?;
-                if changed == 0 {
-                    return Ok(None);
-                }
-                let (number, version): (i64, i64) = tx
-                    .query_row(
-                        "SELECT attempt_count, version FROM jobs WHERE id = ?1",
-                        [&id],
-                        |r| Ok((r.get(0)?, r.get(1)?)),
-                    )
-                    .map_err(map_sqlite)?;
-                let attempt = insert_attempt(&tx, &id, number, version, &attempt, now)?;
-                tx.commit().map_err(map_sqlite)?;
-                Ok(Some(attempt))
-            })
+            .start_attempt(job, version, attempt, Joining::Claim)
             .await?;
         if claimed.is_some() {
             self.doorbell.ring(job);
@@ -450,30 +473,8 @@ impl Store for SqliteStore {
         version: i64,
         attempt: NewAttempt,
     ) -> Result<Option<Attempt>, StoreError> {
-        self.call(move |conn| {
-            let now = now_ms();
-            let tx = immediate(conn)?;
-            let id = job.0.to_string();
-            let changed = tx
-                .execute(
-                    "UPDATE jobs SET attempt_count = attempt_count + 1, updated_at = ?3 \
-                     WHERE id = ?1 AND version = ?2 AND state = 'running'",
-                    params![id, version, now],
-                )
-                .map_err(map_sqlite)?;
-            if changed == 0 {
-                return Ok(None);
-            }
-            let number: i64 = tx
-                .query_row("SELECT attempt_count FROM jobs WHERE id = ?1", [&id], |r| {
-                    r.get(0)
-                })
-                .map_err(map_sqlite)?;
-            let attempt = insert_attempt(&tx, &id, number, version, &attempt, now)?;
-            tx.commit().map_err(map_sqlite)?;
-            Ok(Some(attempt))
-        })
-        .await
+        self.start_attempt(job, version, attempt, Joining::Hedge)
+            .await
     }
 
     async fn commit(
@@ -772,15 +773,6 @@ fn decode_headers(mut blob: &[u8]) -> Option<Vec<(String, Bytes)>> {
 fn parse_uuid(s: &str) -> Result<Uuid, StoreError> {
     s.parse()
         .map_err(|_| StoreError::Internal(format!("stored id {s:?} is not a UUID")))
-}
-
-fn parse_job_state(s: &str) -> Result<JobState, StoreError> {
-    JobState::parse(s).ok_or_else(|| StoreError::Internal(format!("unknown job state {s:?}")))
-}
-
-fn parse_attempt_state(s: &str) -> Result<AttemptState, StoreError> {
-    AttemptState::parse(s)
-        .ok_or_else(|| StoreError::Internal(format!("unknown attempt state {s:?}")))
 }
 
 /// Reads a job row; the outer `Result` is rusqlite's, the inner ours.

@@ -5,7 +5,6 @@ use bytes::Bytes;
 use http::Method;
 use http_body_util::Full;
 
-use crate::support::upstream::echo_response;
 use crate::support::{post, send, FakeUpstream, Gateway, TestStore};
 
 async fn replay_is_faithful_to_status_end_to_end_headers_and_body_bytes(store: TestStore) {
@@ -452,42 +451,26 @@ async fn store_unreachable_means_503_and_nothing_proxied() {
 
 #[tokio::test]
 async fn bad_configuration_stops_start_up_naming_the_key() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("bad.toml");
-    std::fs::write(
-        &path,
-        "upstreams = [\"http://127.0.0.1:1\"]\nupstream_timeout = \"soon\"\n",
-    )
-    .unwrap();
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
-        .arg("--config")
-        .arg(&path)
-        .arg("serve")
-        .output()
-        .await
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("upstream_timeout"), "{err}");
-
-    std::fs::write(
-        &path,
-        "upstreams = [\"http://127.0.0.1:1\"]\nmismatch_status = 400\n",
-    )
-    .unwrap();
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
-        .arg("--config")
-        .arg(&path)
-        .arg("serve")
-        .output()
-        .await
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("mismatch_status") && err.contains("422"),
-        "{err}"
-    );
+    let store = TestStore::embedded();
+    let cases = [
+        ("upstream_timeout", "\"soon\"", "upstream_timeout"),
+        ("mismatch_status", "400", "422"),
+        ("upstreams", "[\"https://api.example\"]", "upstreams[0]"),
+        ("upstream_timout", "\"1s\"", "upstream_timout"),
+        ("lease_ttl", "\"10ms\"", "lease_ttl"),
+    ];
+    for (key, value, named) in cases {
+        let err = Gateway::builder(&store, "http://127.0.0.1:1")
+            .set(key, value)
+            .start_and_fail()
+            .await;
+        assert!(err.contains(named), "{key} = {value}: {err}");
+    }
+    let err = Gateway::builder(&store, "http://127.0.0.1:1")
+        .routes("[[routes]]\nmethods = [\"GET\"]\n")
+        .start_and_fail()
+        .await;
+    assert!(err.contains("routes[0].methods"), "{err}");
 
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
         .args([
@@ -503,7 +486,6 @@ async fn bad_configuration_stops_start_up_naming_the_key() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("hold_timeout"));
-    let _ = echo_response;
 }
 
 crate::on_both_stores!(

@@ -229,20 +229,7 @@ async fn a_gateway_killed_mid_attempt_leaves_the_attempt_unknown_once_its_lease_
         .start()
         .await;
 
-    let in_flight = tokio::spawn({
-        let url = doomed.path("/v1/jobs");
-        async move {
-            let req = http::Request::post(url)
-                .header("idempotency-key", "killed-1")
-                .header("content-type", "application/json")
-                .body(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")))
-                .unwrap();
-            crate::support::client()
-                .request(req)
-                .await
-                .map(|r| r.status())
-        }
-    });
+    let in_flight = crate::support::post_detached(doomed.path("/v1/jobs"), "killed-1");
     let arrived = upstream.arrival().await;
     let job_id = arrived.header("idempotency-key").unwrap().to_owned();
     doomed.kill().await;

@@ -25,20 +25,7 @@ async fn a_gateway_killed_and_restarted_on_its_file_replays_and_reports_unfinish
     let done = post(&first.path("/v1/jobs"), "finished", "{}").await;
     assert_eq!(done.status, 200);
 
-    let in_flight = tokio::spawn({
-        let url = first.path("/v1/jobs");
-        async move {
-            let req = http::Request::post(url)
-                .header("idempotency-key", "unfinished")
-                .header("content-type", "application/json")
-                .body(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")))
-                .unwrap();
-            crate::support::client()
-                .request(req)
-                .await
-                .map(|r| r.status())
-        }
-    });
+    let in_flight = crate::support::post_detached(first.path("/v1/jobs"), "unfinished");
     upstream.arrival().await;
     let unfinished_job = upstream
         .arrival()

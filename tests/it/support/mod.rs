@@ -104,6 +104,22 @@ pub async fn post(url: &str, key: &str, body: &str) -> Reply {
     .await
 }
 
+/// Starts a keyed JSON POST and leaves it running; resolves to the status,
+/// or an error when the connection dies (as when the gateway is killed).
+pub fn post_detached(
+    url: String,
+    key: &'static str,
+) -> tokio::task::JoinHandle<Result<http::StatusCode, hyper_util::client::legacy::Error>> {
+    tokio::spawn(async move {
+        let req = Request::post(url)
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap();
+        client().request(req).await.map(|r| r.status())
+    })
+}
+
 /// Waits until `check` holds, re-checking every 20 ms, for at most `limit`.
 /// For conditions only observable from outside (a state in the store, a
 /// gauge), never as a stand-in for ordering that a barrier can give.
