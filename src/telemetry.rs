@@ -4,11 +4,11 @@ use std::sync::OnceLock;
 
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
-/// Installs the log subscriber: `RUST_LOG` filters (default `info`),
+/// Installs the log subscriber: `RUST_LOG` filters (default `info`, migrations quiet),
 /// `IDEMGATE_LOG_FORMAT=json` switches to JSON lines.
 pub fn init_logs() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,refinery_core=warn"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
