@@ -14,6 +14,7 @@ use uuid::Uuid;
 
 use crate::admin::Admin;
 use crate::config::{Settings, StoreSettings};
+use crate::fastpath::FastPath;
 use crate::http::BodyError;
 use crate::idempotency::{IdempotencyLayer, Shared};
 use crate::lease::Leases;
@@ -38,6 +39,9 @@ pub enum StartError {
     /// The store refused to start.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The Redis client could not be set up.
+    #[error("redis_url: {0}")]
+    Redis(String),
 }
 
 /// Runs a gateway until `shutdown` is cancelled, then drains and returns.
@@ -52,9 +56,18 @@ pub async fn run(
     let leases = Arc::new(Leases::default());
     let instance = Uuid::new_v4();
     tracing::info!(%instance, upstreams = ?settings.upstreams.iter().map(|u| u.base.to_string()).collect::<Vec<_>>(), "gateway starting");
-    if settings.redis_url.is_some() {
-        tracing::warn!("redis_url is set but the Redis fast path is not built yet; running on the database alone");
-    }
+    let fastpath = match &settings.fastpath {
+        None => None,
+        Some(fast) => {
+            let fast = Arc::new(FastPath::new(fast.clone()).map_err(|e| StartError::Redis(e.to_string()))?);
+            let (changes, announced) = tokio::sync::mpsc::unbounded_channel();
+            doorbell.announce_to(changes);
+            tokio::spawn(fast.clone().announce(announced, shutdown.clone().cancelled_owned()));
+            tokio::spawn(fast.clone().listen(doorbell.clone(), shutdown.clone().cancelled_owned()));
+            tracing::info!("Redis fast path on");
+            Some(fast)
+        }
+    };
 
     tokio::spawn(leases.clone().renew(
         store.clone(),
@@ -71,6 +84,7 @@ pub async fn run(
         settings: settings.clone(),
         store: store.clone(),
         doorbell,
+        fastpath,
         leases,
         instance,
     });

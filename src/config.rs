@@ -13,6 +13,7 @@ use clap::{Args, Parser, Subcommand};
 use http::{HeaderName, Method, StatusCode, Uri};
 use serde::Deserialize;
 
+use crate::fastpath::FastPathSettings;
 use crate::fingerprint::BodyRule;
 use crate::store::postgres::PgSettings;
 
@@ -112,6 +113,9 @@ pub struct FileConfig {
     embedded_path: Option<PathBuf>,
     redis_url: Option<String>,
     #[serde(default, with = "humantime_serde")]
+    redis_timeout: Option<Duration>,
+    redis_inline_max: Option<bytesize::ByteSize>,
+    #[serde(default, with = "humantime_serde")]
     upstream_timeout: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
     attempt_deadline: Option<Duration>,
@@ -178,8 +182,8 @@ pub struct Settings {
     pub upstreams: Vec<UpstreamSettings>,
     /// Where jobs and attempts are kept.
     pub store: StoreSettings,
-    /// Redis, for the fast path (not used yet; accepted so deployments can set it).
-    pub redis_url: Option<String>,
+    /// The Redis fast path, when configured.
+    pub fastpath: Option<FastPathSettings>,
     /// Silence after which an attempt's outcome is unknown.
     pub upstream_timeout: Duration,
     /// After this long an attempt is abandoned, answer or not.
@@ -431,7 +435,28 @@ impl Settings {
                 .filter(|t| !t.is_empty()),
             upstreams,
             store,
-            redis_url: flags.redis_url.or(file.redis_url),
+            fastpath: match flags.redis_url.clone().or(file.redis_url.clone()) {
+                None => None,
+                Some(url) => {
+                    redis::Client::open(url.as_str()).map_err(|e| {
+                        bad(
+                            "redis_url",
+                            format!("not a Redis URL ({e}); use redis://host:6379/0"),
+                        )
+                    })?;
+                    Some(FastPathSettings {
+                        url,
+                        timeout: positive(
+                            "redis_timeout",
+                            file.redis_timeout.unwrap_or(Duration::from_millis(50)),
+                        )?,
+                        inline_max: file
+                            .redis_inline_max
+                            .map(|b| b.as_u64() as usize)
+                            .unwrap_or(64 * 1024),
+                    })
+                }
+            },
             upstream_timeout,
             attempt_deadline,
             hold_timeout: positive(

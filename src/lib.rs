@@ -29,6 +29,7 @@ pub mod sweeper;
 pub mod admin;
 pub mod app;
 pub mod config;
+pub mod fastpath;
 pub mod error;
 pub mod http;
 pub mod idempotency;

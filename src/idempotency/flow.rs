@@ -23,7 +23,8 @@ use crate::config::Route;
 use crate::error::{ClientError, GatewayError};
 use crate::fingerprint::{fingerprint, Fingerprint, RequestParts};
 use crate::http::{collect_limited, full, Body, IDEMPOTENCY_KEY};
-use crate::job::{Job, JobId, JobState, NewJob};
+use crate::fastpath::Lookup;
+use crate::job::{Job, JobId, JobState, NewJob, StoredResponse};
 use crate::key::{IdempotencyKey, Owner};
 use crate::replay;
 use crate::store::{Begin, StoreError};
@@ -134,12 +135,15 @@ impl Flow {
         upstream: UpstreamService,
         job_id: &mut Option<JobId>,
     ) -> Result<Response<Body>, GatewayError> {
+        if let Some(response) = self.fast_replay(job_id).await {
+            return Ok(response);
+        }
         let store = &self.shared.store;
         let mut job = match store.begin_job(self.new_job(), self.new_attempt()).await? {
             Begin::Created(job, attempt) => {
                 *job_id = Some(job.id);
                 metrics::counter!("idemgate_jobs_created_total").increment(1);
-                return self.execute(upstream, attempt).await;
+                return self.execute(upstream, attempt, job.expires_at).await;
             }
             Begin::Existing(job) => job,
         };
@@ -165,13 +169,63 @@ impl Flow {
                         .claim_attempt(job.id, job.version, self.new_attempt())
                         .await?
                     {
-                        Some(attempt) => return self.execute(upstream, attempt).await,
+                        Some(attempt) => {
+                            return self.execute(upstream, attempt, job.expires_at).await
+                        }
                         None => job = self.reread(job.id).await?,
                     }
                 }
             }
         }
         Err(self.in_progress())
+    }
+
+    /// A replay straight from the Redis fast path, when it has a valid entry
+    /// for this very request. Anything else (a miss, Redis down, an entry with
+    /// another fingerprint) goes on to the store, which is the arbiter.
+    async fn fast_replay(&self, job_id: &mut Option<JobId>) -> Option<Response<Body>> {
+        let fast = self.shared.fastpath.as_ref()?;
+        let Lookup::Hit(entry) = fast.lookup(&self.owner, &self.key).await else {
+            return None;
+        };
+        if entry.fingerprint != self.fingerprint {
+            return None;
+        }
+        let stored = match entry.response {
+            Some(stored) => stored,
+            // Kept by reference: one read by primary key instead of the
+            // insert-or-select; it must still be this request's job.
+            None => match self.shared.store.job(entry.job).await {
+                Ok(Some(job))
+                    if job.owner == self.owner
+                        && job.key == self.key
+                        && job.fingerprint == self.fingerprint =>
+                {
+                    job.response?
+                }
+                _ => return None,
+            },
+        };
+        *job_id = Some(entry.job);
+        metrics::counter!("idemgate_replays_total", "source" => "redis").increment(1);
+        Some(replay::response(&stored, entry.job, true))
+    }
+
+    /// Caches a committed response on the fast path, off the request path.
+    fn remember(&self, job: JobId, expires_at: std::time::SystemTime, stored: &StoredResponse) {
+        let Some(fast) = self.shared.fastpath.clone() else {
+            return;
+        };
+        let (owner, key, fingerprint, stored) = (
+            self.owner.clone(),
+            self.key.clone(),
+            self.fingerprint,
+            stored.clone(),
+        );
+        tokio::spawn(async move {
+            fast.remember(&owner, &key, job, fingerprint, expires_at, &stored)
+                .await
+        });
     }
 
     /// Waits until the job is no longer running, or the hold timeout passes.
@@ -216,7 +270,9 @@ impl Flow {
         let stored = job.response.as_ref().ok_or_else(|| {
             GatewayError::Internal(format!("completed job {} has no response", job.id))
         })?;
-        metrics::counter!("idemgate_replays_total").increment(1);
+        metrics::counter!("idemgate_replays_total", "source" => "store").increment(1);
+        // Populates the fast path, and repairs an entry that was lost or unusable.
+        self.remember(job.id, job.expires_at, stored);
         Ok(replay::response(stored, job.id, true))
     }
 
@@ -224,11 +280,15 @@ impl Flow {
         &self,
         upstream: UpstreamService,
         attempt: Attempt,
+        expires_at: std::time::SystemTime,
     ) -> Result<Response<Body>, GatewayError> {
         let request = self.upstream_request(&attempt);
         let job = attempt.job_id;
         match execute::spawn(self.shared.clone(), upstream, &self.route, attempt, request).await? {
-            execute::Reply::Committed(stored) => Ok(replay::response(&stored, job, false)),
+            execute::Reply::Committed(stored) => {
+                self.remember(job, expires_at, &stored);
+                Ok(replay::response(&stored, job, false))
+            }
             execute::Reply::Uncommitted(response) => Ok(response),
             execute::Reply::Superseded => {
                 // Another attempt won: answer with the job's one result.

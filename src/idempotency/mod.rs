@@ -30,6 +30,7 @@ use uuid::Uuid;
 
 use crate::config::Settings;
 use crate::error::GatewayError;
+use crate::fastpath::FastPath;
 use crate::http::Body;
 use crate::lease::Leases;
 use crate::store::{Doorbell, Store};
@@ -43,6 +44,8 @@ pub struct Shared {
     pub store: Arc<dyn Store>,
     /// Wake-ups for held duplicates.
     pub doorbell: Arc<Doorbell>,
+    /// The Redis fast path, when configured.
+    pub fastpath: Option<Arc<FastPath>>,
     /// Leases of the attempts this instance runs.
     pub leases: Arc<Leases>,
     /// This gateway instance, recorded on the attempts it runs.

@@ -1,15 +1,17 @@
 //! Wake-ups for held duplicates.
 //!
-//! A duplicate of a running job does not poll: it waits on the job's bell,
-//! which the store rings whenever the job's state changes (its own writes at
-//! once, other replicas' through the store's notification channel). When the
-//! channel was interrupted and notifications may have been missed, every bell
-//! rings so each waiter reads its job again.
+//! A duplicate of a running job does not poll: it waits on the job's bell.
+//! The store [rings](Doorbell::ring) it whenever it changes a job's state;
+//! that also announces the change to other replicas when an announcer is
+//! attached (the Redis fast path). Announcements heard from other replicas
+//! (PostgreSQL `NOTIFY`, Redis pub/sub) ring only [locally](Doorbell::ring_local).
+//! When a channel was interrupted and announcements may have been missed,
+//! every bell rings so each waiter reads its job again.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-use tokio::sync::Notify;
+use tokio::sync::{mpsc, Notify};
 
 use crate::job::JobId;
 
@@ -17,6 +19,7 @@ use crate::job::JobId;
 #[derive(Debug, Default)]
 pub struct Doorbell {
     bells: Mutex<HashMap<JobId, Weak<Notify>>>,
+    announcer: OnceLock<mpsc::UnboundedSender<JobId>>,
 }
 
 impl Doorbell {
@@ -35,8 +38,21 @@ impl Doorbell {
         bell
     }
 
-    /// Wakes everyone waiting on `job`.
+    /// Sends every local change on to `announcer` too (set once, at start-up).
+    pub fn announce_to(&self, announcer: mpsc::UnboundedSender<JobId>) {
+        let _ = self.announcer.set(announcer);
+    }
+
+    /// A job changed here: wakes its local waiters and announces the change.
     pub fn ring(&self, job: JobId) {
+        self.ring_local(job);
+        if let Some(announcer) = self.announcer.get() {
+            let _ = announcer.send(job);
+        }
+    }
+
+    /// A job changed elsewhere: wakes its local waiters.
+    pub fn ring_local(&self, job: JobId) {
         let bell = {
             let mut bells = self.bells.lock().unwrap_or_else(|e| e.into_inner());
             match bells.get(&job).map(Weak::upgrade) {

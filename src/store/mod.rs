@@ -12,6 +12,7 @@
 //!   ([`Store::claim_attempt`]), so two simultaneous retries make one attempt;
 //! - every change of a job's state rings the [`Doorbell`], on every replica.
 
+pub(crate) mod codec;
 mod doorbell;
 pub mod postgres;
 pub mod sqlite;

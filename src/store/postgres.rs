@@ -162,7 +162,9 @@ impl PgStore {
                 match message {
                     Ok(AsyncMessage::Notification(n)) => {
                         if let Ok(id) = n.payload().parse::<Uuid>() {
-                            doorbell.ring(JobId(id));
+                            metrics::counter!("idemgate_wakeups_total", "source" => "postgres")
+                                .increment(1);
+                            doorbell.ring_local(JobId(id));
                         }
                     }
                     Ok(_) => {}

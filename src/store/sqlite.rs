@@ -25,6 +25,7 @@ use bytes::Bytes;
 use rusqlite::{params, Connection, OptionalExtension, Row, Transaction, TransactionBehavior};
 use uuid::Uuid;
 
+use super::codec::{decode_headers, encode_headers};
 use super::{
     parse_attempt_state, parse_job_state, Begin, CommitOutcome, Doorbell, Joining, Store,
     StoreError,
@@ -741,35 +742,6 @@ impl Store for SqliteStore {
     }
 }
 
-/// Headers as a blob: for each, a u32 name length, the name, a u32 value
-/// length, the value (big-endian lengths). Values are opaque bytes.
-fn encode_headers(headers: &[(String, Bytes)]) -> Vec<u8> {
-    let mut out = Vec::new();
-    for (name, value) in headers {
-        out.extend_from_slice(&(name.len() as u32).to_be_bytes());
-        out.extend_from_slice(name.as_bytes());
-        out.extend_from_slice(&(value.len() as u32).to_be_bytes());
-        out.extend_from_slice(value);
-    }
-    out
-}
-
-fn decode_headers(mut blob: &[u8]) -> Option<Vec<(String, Bytes)>> {
-    fn take<'a>(blob: &mut &'a [u8]) -> Option<&'a [u8]> {
-        let len = u32::from_be_bytes(blob.get(..4)?.try_into().ok()?) as usize;
-        let item = blob.get(4..4 + len)?;
-        *blob = &blob[4 + len..];
-        Some(item)
-    }
-    let mut headers = Vec::new();
-    while !blob.is_empty() {
-        let name = String::from_utf8(take(&mut blob)?.to_vec()).ok()?;
-        let value = Bytes::copy_from_slice(take(&mut blob)?);
-        headers.push((name, value));
-    }
-    Some(headers)
-}
-
 fn parse_uuid(s: &str) -> Result<Uuid, StoreError> {
     s.parse()
         .map_err(|_| StoreError::Internal(format!("stored id {s:?} is not a UUID")))
@@ -871,21 +843,5 @@ fn map_sqlite(e: rusqlite::Error) -> StoreError {
             StoreError::Unavailable(e.to_string())
         }
         _ => StoreError::Internal(e.to_string()),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn headers_round_trip_including_opaque_bytes() {
-        let headers = vec![
-            ("content-type".to_owned(), Bytes::from_static(b"text/plain")),
-            ("x-raw".to_owned(), Bytes::from_static(&[0xff, 0x00, b'a'])),
-            ("x-empty".to_owned(), Bytes::new()),
-        ];
-        assert_eq!(decode_headers(&encode_headers(&headers)), Some(headers));
-        assert_eq!(decode_headers(&[0, 0, 0, 9, b'a']), None);
     }
 }
