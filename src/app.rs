@@ -59,11 +59,19 @@ pub async fn run(
     let fastpath = match &settings.fastpath {
         None => None,
         Some(fast) => {
-            let fast = Arc::new(FastPath::new(fast.clone()).map_err(|e| StartError::Redis(e.to_string()))?);
+            let fast = Arc::new(
+                FastPath::new(fast.clone()).map_err(|e| StartError::Redis(e.to_string()))?,
+            );
             let (changes, announced) = tokio::sync::mpsc::unbounded_channel();
             doorbell.announce_to(changes);
-            tokio::spawn(fast.clone().announce(announced, shutdown.clone().cancelled_owned()));
-            tokio::spawn(fast.clone().listen(doorbell.clone(), shutdown.clone().cancelled_owned()));
+            tokio::spawn(
+                fast.clone()
+                    .announce(announced, shutdown.clone().cancelled_owned()),
+            );
+            tokio::spawn(
+                fast.clone()
+                    .listen(doorbell.clone(), shutdown.clone().cancelled_owned()),
+            );
             tracing::info!("Redis fast path on");
             Some(fast)
         }

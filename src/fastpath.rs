@@ -172,7 +172,10 @@ impl FastPath {
 
     /// Runs a Redis call under the configured timeout; `None` on error or
     /// timeout (counted, and logged once per outage).
-    async fn call<T>(&self, fut: impl std::future::Future<Output = redis::RedisResult<T>>) -> Option<T> {
+    async fn call<T>(
+        &self,
+        fut: impl std::future::Future<Output = redis::RedisResult<T>>,
+    ) -> Option<T> {
         let result = match tokio::time::timeout(self.settings.timeout, fut).await {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(e)) => Err(e.to_string()),
@@ -211,7 +214,10 @@ impl FastPath {
                 },
             };
             let mut conn = self.conn.clone();
-            let cmd = redis::cmd("PUBLISH").arg(CHANNEL).arg(job.to_string()).clone();
+            let cmd = redis::cmd("PUBLISH")
+                .arg(CHANNEL)
+                .arg(job.to_string())
+                .clone();
             let _ = self.call(cmd.query_async::<i64>(&mut conn)).await;
         }
     }
@@ -219,7 +225,11 @@ impl FastPath {
     /// Rings the local doorbell for changes announced by other replicas;
     /// resubscribes after losing Redis, ringing every bell then, since
     /// announcements made meanwhile were lost.
-    pub async fn listen(self: Arc<Self>, doorbell: Arc<Doorbell>, shutdown: impl std::future::Future<Output = ()>) {
+    pub async fn listen(
+        self: Arc<Self>,
+        doorbell: Arc<Doorbell>,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) {
         tokio::pin!(shutdown);
         let mut backoff = Duration::from_millis(100);
         loop {
@@ -366,7 +376,11 @@ mod tests {
             // Whole milliseconds, as stored.
             expires_at: UNIX_EPOCH
                 + Duration::from_millis(
-                    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64 + 3_600_000,
+                    SystemTime::now()
+                        .duration_since(UNIX_EPOCH)
+                        .unwrap()
+                        .as_millis() as u64
+                        + 3_600_000,
                 ),
             response,
         }
@@ -384,9 +398,15 @@ mod tests {
             headers: vec![("x-a".into(), Bytes::from_static(b"1"))],
             body: Bytes::from_static(b"\x00body\xff"),
         }));
-        assert_eq!(decode(&encode(&inline, &o, &k), &o, &k, SystemTime::now()), Some(inline));
+        assert_eq!(
+            decode(&encode(&inline, &o, &k), &o, &k, SystemTime::now()),
+            Some(inline)
+        );
         let reference = entry(None);
-        assert_eq!(decode(&encode(&reference, &o, &k), &o, &k, SystemTime::now()), Some(reference));
+        assert_eq!(
+            decode(&encode(&reference, &o, &k), &o, &k, SystemTime::now()),
+            Some(reference)
+        );
     }
 
     #[test]
@@ -396,12 +416,18 @@ mod tests {
         let e = entry(None);
         let mut bytes = encode(&e, &o, &k);
         let other = IdempotencyKey::new("other").unwrap();
-        assert!(decode(&bytes, &o, &other, now).is_none(), "another key's entry");
+        assert!(
+            decode(&bytes, &o, &other, now).is_none(),
+            "another key's entry"
+        );
         bytes[40] ^= 1;
         assert!(decode(&bytes, &o, &k, now).is_none(), "flipped bit");
         assert!(decode(b"garbage", &o, &k, now).is_none());
         assert!(decode(b"", &o, &k, now).is_none());
         let later = now + Duration::from_secs(3600);
-        assert!(decode(&encode(&e, &o, &k), &o, &k, later).is_none(), "past its expiry margin");
+        assert!(
+            decode(&encode(&e, &o, &k), &o, &k, later).is_none(),
+            "past its expiry margin"
+        );
     }
 }

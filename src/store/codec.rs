@@ -32,7 +32,6 @@ pub(crate) fn decode_headers(mut blob: &[u8]) -> Option<Vec<(String, Bytes)>> {
     Some(headers)
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

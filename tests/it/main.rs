@@ -7,4 +7,5 @@ mod core_answers;
 mod core_outcomes;
 mod core_races;
 mod embedded;
+mod fastpath;
 mod store_conformance;

@@ -5,6 +5,7 @@
 
 pub mod db;
 pub mod gateway;
+pub mod redis;
 pub mod store;
 pub mod upstream;
 
@@ -19,6 +20,7 @@ use serde_json::Value;
 
 pub use db::TestDb;
 pub use gateway::Gateway;
+pub use redis::ThrowawayRedis;
 pub use store::TestStore;
 pub use upstream::{FakeUpstream, Gate, Recorded};
 

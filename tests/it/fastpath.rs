@@ -1,0 +1,360 @@
+//! The Redis fast path against real Redis servers that the tests start,
+//! kill, restart and flush: replays without the database, and correctness
+//! that never depends on Redis being up, empty, stale or restarted.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use futures_util::future::join_all;
+use idemgate::fastpath::{self, Entry};
+use idemgate::fingerprint::Fingerprint;
+use idemgate::job::JobId;
+use idemgate::key::{IdempotencyKey, Owner};
+
+use crate::support::upstream::echo_response;
+use crate::support::{eventually, post, FakeUpstream, Gate, Gateway, TestStore, ThrowawayRedis};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn redis_key(key: &str) -> String {
+    fastpath::redis_key(
+        &Owner::from_header(None),
+        &IdempotencyKey::new(key).unwrap(),
+    )
+}
+
+fn decode(bytes: &[u8], key: &str) -> Option<Entry> {
+    fastpath::decode(
+        bytes,
+        &Owner::from_header(None),
+        &IdempotencyKey::new(key).unwrap(),
+        SystemTime::now(),
+    )
+}
+
+async fn cached(redis: &ThrowawayRedis, key: &str) -> Entry {
+    let rkey = redis_key(key);
+    eventually(WAIT, "the committed response to reach Redis", || async {
+        redis
+            .get(&rkey)
+            .await
+            .is_some_and(|b| decode(&b, key).is_some())
+    })
+    .await;
+    decode(&redis.get(&rkey).await.unwrap(), key).unwrap()
+}
+
+async fn gateway(store: &TestStore, upstream: &FakeUpstream, redis_url: &str) -> Gateway {
+    Gateway::builder(store, &upstream.url())
+        .set("redis_url", &format!("{redis_url:?}"))
+        .set("redis_timeout", "\"200ms\"")
+        .start()
+        .await
+}
+
+#[tokio::test]
+async fn replays_are_served_from_redis_without_the_database() {
+    let store = TestStore::postgres().await;
+    let redis = ThrowawayRedis::start().await;
+    let upstream = FakeUpstream::echo().await;
+    let gateway = gateway(&store, &upstream, &redis.url()).await;
+    let url = gateway.path("/v1/charges");
+    let first = post(&url, "fast-1", "{}").await;
+    let entry = cached(&redis, "fast-1").await;
+    assert_eq!(Some(entry.job.to_string()), first.job());
+    assert!(entry.response.is_some(), "small responses are inline");
+
+    // Take the job out of the database: only Redis can answer now.
+    let TestStore::Postgres(db) = &store else {
+        unreachable!()
+    };
+    db.connect()
+        .await
+        .execute("DELETE FROM jobs", &[])
+        .await
+        .unwrap();
+    let replay = post(&url, "fast-1", "{}").await;
+    assert_eq!(replay.status, 200);
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.body, first.body);
+    assert_eq!(replay.job(), first.job());
+    assert_eq!(upstream.hits(), 1);
+    assert!(
+        gateway
+            .metric("idemgate_fastpath_lookups_total{result=\"hit\"}")
+            .await
+            >= 1.0
+    );
+}
+
+#[tokio::test]
+async fn a_hit_with_another_fingerprint_is_a_409_confirmed_by_the_store() {
+    let store = TestStore::postgres().await;
+    let redis = ThrowawayRedis::start().await;
+    let upstream = FakeUpstream::echo().await;
+    let gateway = gateway(&store, &upstream, &redis.url()).await;
+    let url = gateway.path("/v1/charges");
+    post(&url, "fp", r#"{"amount": 1}"#).await;
+    cached(&redis, "fp").await;
+    let other = post(&url, "fp", r#"{"amount": 2}"#).await;
+    assert_eq!(other.status, 409);
+    assert_eq!(other.problem(), "idempotency-key-mismatch");
+    assert_eq!(upstream.hits(), 1);
+}
+
+#[tokio::test]
+async fn large_responses_are_cached_by_reference() {
+    let store = TestStore::postgres().await;
+    let redis = ThrowawayRedis::start().await;
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("redis_url", &format!("{:?}", redis.url()))
+        .set("redis_inline_max", "\"16B\"")
+        .start()
+        .await;
+    let url = gateway.path("/v1/big");
+    let first = post(&url, "big", "a body long enough to be stored by reference").await;
+    let entry = cached(&redis, "big").await;
+    assert!(entry.response.is_none(), "kept by reference");
+    let replay = post(&url, "big", "a body long enough to be stored by reference").await;
+    assert_eq!(replay.body, first.body);
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert!(
+        gateway
+            .metric("idemgate_replays_total{source=\"redis\"}")
+            .await
+            >= 1.0
+    );
+    assert_eq!(upstream.hits(), 1);
+}
+
+#[tokio::test]
+async fn redis_down_at_start_up_means_the_database_alone_until_it_comes_up() {
+    let store = TestStore::postgres().await;
+    let port = crate::support::redis::free_port().await;
+    let upstream = FakeUpstream::echo().await;
+    let gateway = gateway(&store, &upstream, &format!("redis://127.0.0.1:{port}")).await;
+    let url = gateway.path("/v1/charges");
+    let first = post(&url, "no-redis", "{}").await;
+    let replay = post(&url, "no-redis", "{}").await;
+    assert_eq!((first.status, replay.status), (200, 200));
+    assert_eq!(replay.body, first.body);
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(upstream.hits(), 1);
+    assert!(gateway.metric("idemgate_fastpath_errors_total").await >= 1.0);
+
+    // Redis comes up on its port: the next replays repopulate it.
+    let mut late = ThrowawayRedis::start_on(port).await;
+    eventually(
+        WAIT,
+        "the fast path to reconnect and cache the job",
+        || async {
+            post(&url, "no-redis", "{}").await;
+            late.get(&redis_key("no-redis")).await.is_some()
+        },
+    )
+    .await;
+    late.kill().await;
+}
+
+#[tokio::test]
+async fn redis_killed_under_load_costs_no_errors_and_no_duplicate_calls() {
+    let store = TestStore::postgres().await;
+    let mut redis = ThrowawayRedis::start().await;
+    let upstream = FakeUpstream::echo().await;
+    let gateway = gateway(&store, &upstream, &redis.url()).await;
+    let url = gateway.path("/v1/charges");
+    let done = Arc::new(AtomicUsize::new(0));
+    let (clients, rounds) = (8, 12);
+    let workers = (0..clients).map(|c| {
+        let url = url.clone();
+        let done = done.clone();
+        tokio::spawn(async move {
+            for r in 0..rounds {
+                let key = format!("load-{c}-{r}");
+                let first = crate::support::send(
+                    http::Method::POST,
+                    &url,
+                    &[("idempotency-key", &key)],
+                    "{}",
+                )
+                .await;
+                let again = crate::support::send(
+                    http::Method::POST,
+                    &url,
+                    &[("idempotency-key", &key)],
+                    "{}",
+                )
+                .await;
+                assert_eq!(first.status, 200, "{key}");
+                assert_eq!(again.status, 200, "{key}");
+                assert_eq!(again.body, first.body, "{key}");
+                assert_eq!(again.header("idempotent-replayed"), Some("true"));
+                done.fetch_add(1, Ordering::SeqCst);
+            }
+        })
+    });
+    let workers: Vec<_> = workers.collect();
+    eventually(WAIT, "half the load to be done", || async {
+        done.load(Ordering::SeqCst) >= clients * rounds / 2
+    })
+    .await;
+    redis.kill().await;
+    for w in join_all(workers).await {
+        w.unwrap();
+    }
+    assert_eq!(
+        upstream.hits(),
+        clients * rounds,
+        "one upstream call per key, Redis or not"
+    );
+
+    // And it recovers when Redis is back.
+    redis.restart().await;
+    eventually(WAIT, "the fast path to recover", || async {
+        post(&url, "after-restart", "{}").await;
+        redis.get(&redis_key("after-restart")).await.is_some()
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_flushed_redis_falls_back_and_is_repopulated() {
+    let store = TestStore::postgres().await;
+    let redis = ThrowawayRedis::start().await;
+    let upstream = FakeUpstream::echo().await;
+    let gateway = gateway(&store, &upstream, &redis.url()).await;
+    let url = gateway.path("/v1/charges");
+    let first = post(&url, "flushed", "{}").await;
+    cached(&redis, "flushed").await;
+    redis.flush().await;
+    let replay = post(&url, "flushed", "{}").await;
+    assert_eq!(replay.body, first.body);
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    cached(&redis, "flushed").await;
+    assert_eq!(upstream.hits(), 1);
+}
+
+#[tokio::test]
+async fn corrupt_and_stale_entries_are_ignored_and_repaired() {
+    let store = TestStore::postgres().await;
+    let redis = ThrowawayRedis::start().await;
+    let upstream = FakeUpstream::echo().await;
+    let gateway = gateway(&store, &upstream, &redis.url()).await;
+    let url = gateway.path("/v1/charges");
+
+    // Corrupt: garbage under the key.
+    let first = post(&url, "corrupt", "{}").await;
+    cached(&redis, "corrupt").await;
+    redis.set(&redis_key("corrupt"), b"\x00not an entry").await;
+    let replay = post(&url, "corrupt", "{}").await;
+    assert_eq!(replay.status, 200);
+    assert_eq!(replay.body, first.body);
+    let repaired = cached(&redis, "corrupt").await;
+    assert_eq!(Some(repaired.job.to_string()), first.job());
+
+    // Stale: a well-formed entry naming another job and fingerprint must not
+    // turn the real request into a 409; the store answers and it is rewritten.
+    let real = post(&url, "stale", "{}").await;
+    cached(&redis, "stale").await;
+    let stale = Entry {
+        job: JobId::new(),
+        fingerprint: Fingerprint([1; 32]),
+        expires_at: SystemTime::now() + Duration::from_secs(3600),
+        response: Some(idemgate::job::StoredResponse {
+            status: 200,
+            headers: vec![],
+            body: bytes::Bytes::from_static(b"stale"),
+        }),
+    };
+    let bytes = fastpath::encode(
+        &stale,
+        &Owner::from_header(None),
+        &IdempotencyKey::new("stale").unwrap(),
+    );
+    redis.set(&redis_key("stale"), &bytes).await;
+    let replay = post(&url, "stale", "{}").await;
+    assert_eq!(replay.status, 200);
+    assert_eq!(replay.body, real.body);
+    eventually(WAIT, "the stale entry to be repaired", || async {
+        let entry = redis
+            .get(&redis_key("stale"))
+            .await
+            .and_then(|b| decode(&b, "stale"));
+        entry.is_some_and(|e| Some(e.job.to_string()) == real.job())
+    })
+    .await;
+    assert_eq!(upstream.hits(), 2);
+}
+
+#[tokio::test]
+async fn held_duplicates_on_another_replica_are_woken_through_redis() {
+    let store = TestStore::postgres().await;
+    let redis = ThrowawayRedis::start().await;
+    let gate = Gate::new();
+    let upstream = {
+        let gate = gate.clone();
+        FakeUpstream::start(move |r| {
+            let gate = gate.clone();
+            async move {
+                gate.pass().await;
+                echo_response(&r)
+            }
+        })
+        .await
+    };
+    let a = gateway(&store, &upstream, &redis.url()).await;
+    let b = gateway(&store, &upstream, &redis.url()).await;
+    let first = tokio::spawn({
+        let url = a.path("/v1/x");
+        async move { post(&url, "wake", "{}").await }
+    });
+    upstream.arrival().await;
+    let held = tokio::spawn({
+        let url = b.path("/v1/x");
+        async move { post(&url, "wake", "{}").await }
+    });
+    eventually(WAIT, "the duplicate to be held on b", || async {
+        b.metric("idemgate_held_requests").await == 1.0
+    })
+    .await;
+    gate.open(1);
+    let (first, held) = (first.await.unwrap(), held.await.unwrap());
+    assert_eq!(held.body, first.body);
+    assert_eq!(held.header("idempotent-replayed"), Some("true"));
+    assert!(b.metric("idemgate_wakeups_total{source=\"redis\"}").await >= 1.0);
+    assert_eq!(upstream.hits(), 1);
+}
+
+#[tokio::test]
+async fn a_redis_that_never_answers_cannot_stall_requests() {
+    // Accepts connections and never says a word.
+    let blackhole = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = blackhole.local_addr().unwrap();
+    let _hold = tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((socket, _)) = blackhole.accept().await {
+            open.push(socket);
+        }
+    });
+    let store = TestStore::embedded();
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("redis_url", &format!("\"redis://{addr}\""))
+        .set("redis_timeout", "\"50ms\"")
+        .start()
+        .await;
+    let url = gateway.path("/v1/x");
+    let both = async {
+        let first = post(&url, "silent-redis", "{}").await;
+        let replay = post(&url, "silent-redis", "{}").await;
+        (first, replay)
+    };
+    // Far beyond 50 ms, far below a hang.
+    let (first, replay) = tokio::time::timeout(Duration::from_secs(5), both)
+        .await
+        .expect("requests stalled behind a silent Redis");
+    assert_eq!(first.status, 200);
+    assert_eq!(replay.body, first.body);
+}
