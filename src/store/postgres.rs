@@ -358,9 +358,40 @@ impl Store for PgStore {
              ) \
              SELECT {JOB_COLUMNS}, {ATTEMPT_COLUMNS} FROM j, a"
         );
-        // An expired job that was not purged yet is forgotten and the key
-        // starts afresh; bounded, since each round deletes what blocked it.
+        let insert = client.prepare_cached(&insert).await.map_err(map_pg)?;
+        let select = client
+            .prepare_cached(&format!(
+                "SELECT {JOB_COLUMNS}, j.expires_at <= now() FROM jobs j \
+                 WHERE j.owner = $1 AND j.key = $2"
+            ))
+            .await
+            .map_err(map_pg)?;
+        // Bounded: each round either answers, deletes the expired job that
+        // blocked the key, or lost an insert race whose winner the next read finds.
         for _ in 0..3 {
+            // Most requests that reach the store are duplicates: a plain read
+            // answers them without a write transaction. The insert below stays
+            // the only arbiter of creation.
+            let existing = client
+                .query_opt(&select, &[&job.owner.as_str(), &job.key.as_str()])
+                .await
+                .map_err(map_pg)?;
+            match existing {
+                Some(row) if !row.get::<_, bool>(JOB_WIDTH) => {
+                    return Ok(Begin::Existing(job_from_row(&row)?))
+                }
+                // Expired but not purged yet: forgotten, the key starts afresh.
+                Some(row) => {
+                    client
+                        .execute(
+                            "DELETE FROM jobs WHERE id = $1 AND expires_at <= now()",
+                            &[&row.get::<_, Uuid>(0)],
+                        )
+                        .await
+                        .map_err(map_pg)?;
+                }
+                None => {}
+            }
             let rows = client
                 .query(
                     &insert,
@@ -385,32 +416,6 @@ impl Store for PgStore {
                     job_from_row(row)?,
                     attempt_from_row(row, JOB_WIDTH)?,
                 ));
-            }
-            let existing = client
-                .query_opt(
-                    &format!(
-                        "SELECT {JOB_COLUMNS}, j.expires_at <= now() FROM jobs j \
-                         WHERE j.owner = $1 AND j.key = $2"
-                    ),
-                    &[&job.owner.as_str(), &job.key.as_str()],
-                )
-                .await
-                .map_err(map_pg)?;
-            match existing {
-                Some(row) if !row.get::<_, bool>(JOB_WIDTH) => {
-                    return Ok(Begin::Existing(job_from_row(&row)?))
-                }
-                Some(row) => {
-                    client
-                        .execute(
-                            "DELETE FROM jobs WHERE id = $1 AND expires_at <= now()",
-                            &[&row.get::<_, Uuid>(0)],
-                        )
-                        .await
-                        .map_err(map_pg)?;
-                }
-                // Purged between the two statements: try again.
-                None => {}
             }
         }
         Err(StoreError::Conflict(
@@ -448,8 +453,8 @@ impl Store for PgStore {
         let status = response.status as i16;
         // The CAS of DESIGN §2: zero rows from `won` means another attempt
         // won or the job moved on; the attempt is then superseded.
-        let row = client
-            .query_one(
+        let commit = client
+            .prepare_cached(
                 "WITH won AS ( \
                    UPDATE jobs SET state = 'completed', completed_by = $2, response_status = $3, \
                           response_header_names = $4, response_header_values = $5, \
@@ -464,6 +469,12 @@ impl Store for PgStore {
                    RETURNING id \
                  ) \
                  SELECT EXISTS (SELECT 1 FROM won)",
+            )
+            .await
+            .map_err(map_pg)?;
+        let row = client
+            .query_one(
+                &commit,
                 &[
                     &attempt.job_id.0,
                     &attempt.id.0,
@@ -594,13 +605,11 @@ impl Store for PgStore {
 
     async fn job(&self, id: JobId) -> Result<Option<Job>, StoreError> {
         let client = self.client().await?;
-        let row = client
-            .query_opt(
-                &format!("SELECT {JOB_COLUMNS} FROM jobs j WHERE j.id = $1"),
-                &[&id.0],
-            )
+        let select = client
+            .prepare_cached(&format!("SELECT {JOB_COLUMNS} FROM jobs j WHERE j.id = $1"))
             .await
             .map_err(map_pg)?;
+        let row = client.query_opt(&select, &[&id.0]).await.map_err(map_pg)?;
         row.map(|r| job_from_row(&r)).transpose()
     }
 

@@ -1,0 +1,357 @@
+//! Replay benchmark: how fast idemgate answers duplicates of finished jobs,
+//! with and without the Redis fast path, side by side in one run.
+//!
+//! It starts one local upstream, then for each configuration a real
+//! `idemgate` process (the release binary) on a fresh PostgreSQL database,
+//! primes `--keys` jobs, and fires `--requests` replays over `--concurrency`
+//! connections. Rounds alternate between configurations so that drift on the
+//! machine hits them alike. Loopback only; bounded in requests.
+//!
+//! ```sh
+//! scripts/bench.sh            # builds, starts services, runs this
+//! ```
+
+use std::process::Stdio;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::net::TcpListener;
+use tokio::process::{Child, Command};
+use tokio::time::Instant;
+
+struct Args {
+    binary: String,
+    database: String,
+    redis: String,
+    keys: usize,
+    requests: usize,
+    concurrency: usize,
+    rounds: usize,
+}
+
+fn args() -> Args {
+    let mut a = Args {
+        binary: "target/release/idemgate".into(),
+        database: "postgres://postgres@127.0.0.1:5432/postgres".into(),
+        redis: "redis://127.0.0.1:6379/15".into(),
+        keys: 200,
+        requests: 20_000,
+        concurrency: 32,
+        rounds: 2,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let value = it.next().unwrap_or_default();
+        match flag.as_str() {
+            "--binary" => a.binary = value,
+            "--database" => a.database = value,
+            "--redis" => a.redis = value,
+            "--keys" => a.keys = value.parse().expect("--keys N"),
+            "--requests" => a.requests = value.parse().expect("--requests N"),
+            "--concurrency" => a.concurrency = value.parse().expect("--concurrency N"),
+            "--rounds" => a.rounds = value.parse().expect("--rounds N"),
+            other => panic!("unknown flag {other}"),
+        }
+    }
+    a
+}
+
+#[tokio::main]
+async fn main() {
+    let args = args();
+    let upstream = start_upstream().await;
+    let db = create_database(&args.database).await;
+    // The bench's own Redis database starts empty: entries from an earlier
+    // run name jobs of a database that no longer exists.
+    let mut redis = redis::Client::open(args.redis.as_str())
+        .expect("Redis URL")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("Redis is not reachable; run scripts/bench.sh, which starts it");
+    redis::cmd("FLUSHDB")
+        .query_async::<()>(&mut redis)
+        .await
+        .expect("flush the bench's Redis database");
+
+    let direct = format!("http://{upstream}");
+    let without = Gateway::start(&args, &upstream, &db, None).await;
+    let with = Gateway::start(&args, &upstream, &db, Some(&args.redis)).await;
+    for g in [&without, &with] {
+        prime(&g.url, args.keys).await;
+    }
+    // Let the fast path fill: every key replayed once through it.
+    run(&with.url, args.keys, args.keys, 4).await;
+
+    let configs: [(&str, &str, bool); 3] = [
+        ("upstream alone (no idemgate)", &direct, false),
+        ("replay, PostgreSQL only", &without.url, true),
+        ("replay, PostgreSQL + Redis", &with.url, true),
+    ];
+    let mut results: Vec<Vec<Stats>> = vec![Vec::new(); configs.len()];
+    for _ in 0..args.rounds {
+        for (i, (_, url, _)) in configs.iter().enumerate() {
+            results[i].push(run(url, args.keys, args.requests, args.concurrency).await);
+        }
+    }
+
+    println!();
+    println!(
+        "replays of {} finished jobs, {} requests per round, {} connections, {} rounds (mean of rounds)",
+        args.keys, args.requests, args.concurrency, args.rounds
+    );
+    println!();
+    println!("| configuration | req/s | p50 ms | p90 ms | p99 ms | errors |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    for (i, (name, _, _)) in configs.iter().enumerate() {
+        let n = results[i].len() as f64;
+        let mean = |f: fn(&Stats) -> f64| results[i].iter().map(f).sum::<f64>() / n;
+        println!(
+            "| {name} | {:.0} | {:.2} | {:.2} | {:.2} | {} |",
+            mean(|s| s.throughput),
+            mean(|s| s.p50),
+            mean(|s| s.p90),
+            mean(|s| s.p99),
+            results[i].iter().map(|s| s.errors).sum::<usize>(),
+        );
+    }
+    let redis_hits = with
+        .metric("idemgate_fastpath_lookups_total{result=\"hit\"}")
+        .await;
+    println!();
+    println!("fast-path hits on the Redis gateway: {redis_hits:.0}");
+    drop((without, with));
+    drop_database(&args.database, &db).await;
+}
+
+#[derive(Clone, Default)]
+struct Stats {
+    throughput: f64,
+    p50: f64,
+    p90: f64,
+    p99: f64,
+    errors: usize,
+}
+
+fn client() -> Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>> {
+    Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(256)
+        .build_http()
+}
+
+fn request(url: &str, key: usize) -> Request<Full<Bytes>> {
+    Request::post(format!("{url}/v1/charges"))
+        .header("idempotency-key", format!("bench-{key}"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from_static(br#"{"amount": 1000}"#)))
+        .expect("request")
+}
+
+async fn prime(url: &str, keys: usize) {
+    let c = client();
+    for k in 0..keys {
+        let r = c.request(request(url, k)).await.expect("prime");
+        assert!(r.status().is_success(), "priming failed: {}", r.status());
+        r.into_body().collect().await.expect("prime body");
+    }
+}
+
+/// `requests` POSTs spread over `keys` keys by `concurrency` workers.
+async fn run(url: &str, keys: usize, requests: usize, concurrency: usize) -> Stats {
+    let c = client();
+    let next = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let workers: Vec<_> = (0..concurrency)
+        .map(|_| {
+            let (c, next, url) = (c.clone(), next.clone(), url.to_owned());
+            tokio::spawn(async move {
+                let mut latencies = Vec::new();
+                let mut errors = 0;
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= requests {
+                        return (latencies, errors);
+                    }
+                    let t = Instant::now();
+                    match c.request(request(&url, i % keys)).await {
+                        Ok(r) if r.status().is_success() => {
+                            let _ = r.into_body().collect().await;
+                            latencies.push(t.elapsed());
+                        }
+                        _ => errors += 1,
+                    }
+                }
+            })
+        })
+        .collect();
+    let mut latencies = Vec::with_capacity(requests);
+    let mut errors = 0;
+    for w in workers {
+        let (l, e) = w.await.expect("worker");
+        latencies.extend(l);
+        errors += e;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    latencies.sort();
+    let pct = |p: f64| {
+        latencies
+            .get(((latencies.len() as f64 * p) as usize).min(latencies.len().saturating_sub(1)))
+            .map_or(0.0, |d| d.as_secs_f64() * 1000.0)
+    };
+    Stats {
+        throughput: latencies.len() as f64 / elapsed,
+        p50: pct(0.50),
+        p90: pct(0.90),
+        p99: pct(0.99),
+        errors,
+    }
+}
+
+/// A minimal upstream that answers every request at once.
+async fn start_upstream() -> std::net::SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        let counter = Arc::new(AtomicUsize::new(0));
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            let counter = counter.clone();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |_req| {
+                    let n = counter.fetch_add(1, Ordering::Relaxed);
+                    async move {
+                        Ok::<_, std::convert::Infallible>(
+                            Response::builder()
+                                .header("content-type", "application/json")
+                                .body(Full::new(Bytes::from(format!(
+                                    "{{\"charge\":{n},\"status\":\"succeeded\",\"amount\":1000}}"
+                                ))))
+                                .expect("response"),
+                        )
+                    }
+                });
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+async fn create_database(server: &str) -> String {
+    let name = format!("idemgate_bench_{}", std::process::id());
+    let (client, conn) = tokio_postgres::connect(server, tokio_postgres::NoTls)
+        .await
+        .expect("PostgreSQL is not reachable; run scripts/bench.sh, which starts it");
+    tokio::spawn(conn);
+    for sql in [
+        format!("DROP DATABASE IF EXISTS {name}"),
+        format!("CREATE DATABASE {name}"),
+    ] {
+        client.batch_execute(&sql).await.expect("create database");
+    }
+    let mut config: tokio_postgres::Config = server.parse().expect("database URL");
+    config.dbname(&name);
+    let host = match config.get_hosts().first() {
+        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+        _ => "127.0.0.1".into(),
+    };
+    format!(
+        "postgres://{}@{host}:{}/{name}",
+        config.get_user().unwrap_or("postgres"),
+        config.get_ports().first().copied().unwrap_or(5432)
+    )
+}
+
+async fn drop_database(server: &str, url: &str) {
+    let name = url.rsplit('/').next().unwrap_or_default().to_owned();
+    if let Ok((client, conn)) = tokio_postgres::connect(server, tokio_postgres::NoTls).await {
+        tokio::spawn(conn);
+        let _ = client
+            .batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+            .await;
+    }
+}
+
+struct Gateway {
+    url: String,
+    admin: String,
+    _child: Child,
+}
+
+impl Gateway {
+    async fn start(
+        args: &Args,
+        upstream: &std::net::SocketAddr,
+        db: &str,
+        redis: Option<&str>,
+    ) -> Gateway {
+        let mut cmd = Command::new(&args.binary);
+        cmd.args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+        ])
+        .args(["--upstream", &format!("http://{upstream}")])
+        .args(["--database-url", db])
+        .env("RUST_LOG", "warn")
+        .env_remove("IDEMGATE_REDIS_URL")
+        .stdout(Stdio::piped())
+        .kill_on_drop(true);
+        if let Some(redis) = redis {
+            cmd.args(["--redis-url", redis]);
+        }
+        let mut child = cmd
+            .spawn()
+            .expect("start idemgate (build it with --release first)");
+        let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+        let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+            .await
+            .expect("gateway start")
+            .expect("stdout")
+            .expect("listening line");
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let url = words[3].to_owned();
+        let admin = words[6].trim_end_matches(')').to_owned();
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        Gateway {
+            url,
+            admin,
+            _child: child,
+        }
+    }
+
+    async fn metric(&self, name: &str) -> f64 {
+        let Ok(r) = client()
+            .request(
+                Request::get(format!("{}/metrics", self.admin))
+                    .body(Full::new(Bytes::new()))
+                    .expect("req"),
+            )
+            .await
+        else {
+            return 0.0;
+        };
+        let body = r
+            .into_body()
+            .collect()
+            .await
+            .map(|c| c.to_bytes())
+            .unwrap_or_default();
+        String::from_utf8_lossy(&body)
+            .lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
+            .unwrap_or(0.0)
+    }
+}
