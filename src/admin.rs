@@ -6,6 +6,7 @@
 //! |---|---|---|
 //! | GET | `/admin/v1/jobs/{id}` | a job and its attempts |
 //! | GET | `/admin/v1/jobs?owner=…&key=…` | the same, by owner (raw header value, `sha256:<hex>` or `anonymous`) and key |
+//! | GET | `/admin/v1/upstreams` | upstreams and whether they pass their contracts' probes |
 //! | POST | `/admin/v1/attempts/{id}/resolve` | `{"outcome": "failed" \| "cancelled"}` or `{"outcome": "succeeded", "response": {…}}` |
 
 use std::convert::Infallible;
@@ -27,6 +28,7 @@ use crate::error::problem_response;
 use crate::http::{collect_limited, full, Body};
 use crate::job::{JobDetail, JobId, StoredResponse};
 use crate::key::{IdempotencyKey, Owner};
+use crate::probe::ProbeBoard;
 use crate::store::{Store, StoreError};
 
 /// What the admin listener needs.
@@ -37,6 +39,10 @@ pub struct Admin {
     pub token: Option<String>,
     /// Rendered on `/metrics`.
     pub metrics: PrometheusHandle,
+    /// The upstreams and their contracts' probe verdicts.
+    pub upstreams: Vec<crate::config::UpstreamSettings>,
+    /// Probe verdicts.
+    pub probes: Arc<ProbeBoard>,
 }
 
 /// Largest resolution body accepted.
@@ -174,6 +180,9 @@ impl Admin {
                         )
                     })
             }
+            (Method::GET, ["upstreams"]) => {
+                Ok(json_response(StatusCode::OK, &self.upstreams_json()))
+            }
             (Method::POST, ["attempts", id, "resolve"]) => {
                 let id = AttemptId(parse_uuid(id)?);
                 let body = collect_limited(req.into_body(), MAX_BODY)
@@ -195,6 +204,33 @@ impl Admin {
                 "no such admin endpoint",
             )),
         }
+    }
+}
+
+impl Admin {
+    /// Every upstream, with its verdict under each contract it is probed for.
+    fn upstreams_json(&self) -> Value {
+        let verdicts = self.probes.snapshot();
+        let list: Vec<Value> = self
+            .upstreams
+            .iter()
+            .map(|u| {
+                let contracts: Vec<Value> = verdicts
+                    .iter()
+                    .filter(|((name, _), _)| *name == u.name)
+                    .map(|((_, contract), v)| {
+                        json!({
+                            "contract": contract,
+                            "passed": v.passed,
+                            "checked_at": time(v.checked_at),
+                            "failures": v.failures.iter().map(|(probe, why)| json!({"probe": probe, "why": why})).collect::<Vec<_>>(),
+                        })
+                    })
+                    .collect();
+                json!({"name": u.name, "url": u.base.to_string(), "contracts": contracts})
+            })
+            .collect();
+        json!({ "upstreams": list })
     }
 }
 

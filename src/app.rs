@@ -18,10 +18,11 @@ use crate::fastpath::FastPath;
 use crate::http::BodyError;
 use crate::idempotency::{IdempotencyLayer, Shared};
 use crate::lease::Leases;
+use crate::probe::{self, ProbeBoard};
 use crate::store::postgres::PgStore;
 use crate::store::sqlite::SqliteStore;
 use crate::store::{Doorbell, Store, StoreError};
-use crate::upstream::Upstream;
+use crate::upstream::Upstreams;
 use crate::{server, sweeper, telemetry};
 
 /// The two listeners a gateway serves on; bound by the caller, so tests can
@@ -45,10 +46,14 @@ pub enum StartError {
 }
 
 /// Runs a gateway until `shutdown` is cancelled, then drains and returns.
+/// `ready` is called once the store is open and the gateway is about to
+/// serve (the binary announces its addresses then, so whoever waits for that
+/// line knows the gateway holds its store).
 pub async fn run(
     settings: Settings,
     listeners: Listeners,
     shutdown: CancellationToken,
+    ready: impl FnOnce(),
 ) -> Result<(), StartError> {
     let settings = Arc::new(settings);
     let doorbell = Arc::new(Doorbell::default());
@@ -88,7 +93,10 @@ pub async fn run(
         shutdown.clone().cancelled_owned(),
     ));
 
+    let probes = Arc::new(ProbeBoard::default());
+    let probes_for_admin = probes.clone();
     let shared = Arc::new(Shared {
+        probes: probes.clone(),
         settings: settings.clone(),
         store: store.clone(),
         doorbell,
@@ -96,12 +104,13 @@ pub async fn run(
         leases,
         instance,
     });
-    let upstream = Upstream::new(
-        settings.upstreams[0].clone(),
-        settings
-            .upstream_timeout
-            .min(std::time::Duration::from_secs(10)),
-    );
+    let upstreams = Upstreams::new(&settings.upstreams);
+    tokio::spawn(probe::run(
+        settings.clone(),
+        upstreams.clone(),
+        probes,
+        shutdown.clone().cancelled_owned(),
+    ));
 
     // The request path, outermost first.
     let proxy = ServiceBuilder::new()
@@ -121,15 +130,19 @@ pub async fn run(
         .map_request(|req: Request<Incoming>| req.map(|b| b.map_err(BodyError::new).boxed()))
         // Opted-in requests become jobs and attempts; the rest stream through.
         .layer(IdempotencyLayer::new(shared))
-        .service(upstream);
+        // Each request goes to the upstream its attempt chose, or the primary.
+        .service(upstreams);
 
     let admin = Arc::new(Admin {
         store,
         token: settings.admin_token.clone(),
         metrics: telemetry::metrics(),
+        upstreams: settings.upstreams.clone(),
+        probes: probes_for_admin,
     });
     let admin = tower::service_fn(move |req| admin.clone().handle(req));
 
+    ready();
     tokio::join!(
         server::serve(listeners.proxy, proxy, shutdown.clone().cancelled_owned()),
         server::serve(listeners.admin, admin, shutdown.clone().cancelled_owned()),

@@ -171,6 +171,11 @@ pub enum AttemptFailure {
         /// Why.
         detail: String,
     },
+    /// Abandoned because another attempt of the job won.
+    Superseded {
+        /// Why.
+        detail: String,
+    },
 }
 
 impl AttemptFailure {
@@ -180,6 +185,7 @@ impl AttemptFailure {
             AttemptFailure::Failed { .. } => AttemptState::Failed,
             AttemptFailure::Unknown { .. } => AttemptState::Unknown,
             AttemptFailure::Rejected { .. } => AttemptState::Rejected,
+            AttemptFailure::Superseded { .. } => AttemptState::Superseded,
         }
     }
 
@@ -187,7 +193,7 @@ impl AttemptFailure {
     pub fn status(&self) -> Option<u16> {
         match self {
             AttemptFailure::Failed { status, .. } => *status,
-            AttemptFailure::Unknown { .. } => None,
+            AttemptFailure::Unknown { .. } | AttemptFailure::Superseded { .. } => None,
             AttemptFailure::Rejected { status, .. } => Some(*status),
         }
     }
@@ -197,6 +203,7 @@ impl AttemptFailure {
         match self {
             AttemptFailure::Failed { detail, .. }
             | AttemptFailure::Unknown { detail }
+            | AttemptFailure::Superseded { detail }
             | AttemptFailure::Rejected { detail, .. } => detail,
         }
     }

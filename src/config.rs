@@ -5,14 +5,17 @@
 //! by `--config`, then the defaults below. Every problem is reported with the
 //! key that caused it and how to fix it, before anything starts.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use http::{HeaderName, Method, StatusCode, Uri};
 use serde::Deserialize;
 
+use crate::contract::{Contract, ContractFile};
 use crate::fastpath::FastPathSettings;
 use crate::fingerprint::BodyRule;
 use crate::store::postgres::PgSettings;
@@ -40,6 +43,9 @@ pub enum Command {
     Serve(Flags),
     /// Apply the database migrations and exit.
     Migrate(Flags),
+    /// Run every contract's probes against every upstream, print a table,
+    /// and exit non-zero if any fails.
+    VerifyProviders(Flags),
 }
 
 /// The flags of DESIGN §7; each overrides the file and has an `IDEMGATE_*` twin.
@@ -105,7 +111,7 @@ pub struct FileConfig {
     listen: Option<SocketAddr>,
     admin_listen: Option<SocketAddr>,
     admin_token: Option<String>,
-    upstreams: Option<Vec<String>>,
+    upstreams: Option<Vec<UpstreamFile>>,
     database_url: Option<String>,
     database_pool_size: Option<usize>,
     #[serde(default, with = "humantime_serde")]
@@ -134,8 +140,48 @@ pub struct FileConfig {
     forward_attempt_header: Option<String>,
     mismatch_status: Option<u16>,
     max_response_size: Option<bytesize::ByteSize>,
+    #[serde(default, with = "humantime_serde")]
+    probe_interval: Option<Duration>,
     #[serde(default)]
     routes: Vec<RouteFile>,
+    #[serde(default)]
+    contracts: BTreeMap<String, ContractFile>,
+    /// The folder contract files are read from (the config file's own).
+    #[serde(skip)]
+    base_dir: PathBuf,
+}
+
+/// An upstream: a bare URL, or a table with its own settings.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+enum UpstreamFile {
+    Url(String),
+    Table(UpstreamTable),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UpstreamTable {
+    name: Option<String>,
+    url: String,
+    #[serde(default, with = "humantime_serde")]
+    timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    connect_timeout: Option<Duration>,
+    #[serde(default)]
+    headers: BTreeMap<String, HeaderSource>,
+}
+
+/// A header an upstream gets on every request: a fixed value, or one read
+/// from an environment variable at start-up (a provider's API key, which
+/// clients then never hold), with an optional prefix such as `Bearer `.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HeaderSource {
+    value: Option<String>,
+    env: Option<String>,
+    #[serde(default)]
+    prefix: String,
 }
 
 #[derive(Debug, Deserialize)]
@@ -150,6 +196,14 @@ struct RouteFile {
     retryable_statuses: Option<Vec<u16>>,
     canonical_json: Option<bool>,
     ignore_fields: Option<Vec<String>>,
+    upstreams: Option<Vec<String>>,
+    max_attempts: Option<usize>,
+    #[serde(default, with = "humantime_serde")]
+    failover_deadline: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    hedge_after: Option<Duration>,
+    side_effect_free: Option<bool>,
+    contract: Option<String>,
 }
 
 /// A start-up configuration problem, naming the key and the fix.
@@ -162,11 +216,18 @@ pub struct ConfigError {
     pub message: String,
 }
 
-fn bad(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
-    ConfigError {
-        key: key.into(),
-        message: message.into(),
+impl ConfigError {
+    /// A problem with `key`, and how to fix it.
+    pub fn new(key: impl Into<String>, message: impl Into<String>) -> Self {
+        ConfigError {
+            key: key.into(),
+            message: message.into(),
+        }
     }
+}
+
+fn bad(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError::new(key, message)
 }
 
 /// The validated settings the gateway runs with.
@@ -210,6 +271,10 @@ pub struct Settings {
     pub max_response_size: usize,
     /// Opt-in routes, most specific prefix first.
     pub routes: Vec<Route>,
+    /// Response contracts, by name.
+    pub contracts: BTreeMap<String, Arc<Contract>>,
+    /// How often upstreams are probed against the contracts of their routes.
+    pub probe_interval: Duration,
 }
 
 impl std::fmt::Debug for Settings {
@@ -252,10 +317,16 @@ pub enum StoreSettings {
 /// One upstream.
 #[derive(Debug, Clone)]
 pub struct UpstreamSettings {
-    /// Its name in attempts and logs (`primary`, `fallback-1`, …).
+    /// Its name in attempts and logs (`primary`, `fallback-1`, … unless named).
     pub name: String,
     /// Its base URL: scheme, authority and an optional path prefix.
     pub base: Uri,
+    /// Silence after which an attempt on it is unknown.
+    pub timeout: Duration,
+    /// How long connecting may take (a safe failure: nothing was sent).
+    pub connect_timeout: Duration,
+    /// Headers set on every request to it (values may be secrets).
+    pub headers: Vec<(HeaderName, http::HeaderValue)>,
 }
 
 /// Which requests opt in, and how they are treated.
@@ -277,6 +348,19 @@ pub struct Route {
     pub retryable_statuses: Vec<u16>,
     /// How bodies are fingerprinted.
     pub body: BodyRule,
+    /// The upstreams it may use, as indices into `Settings::upstreams`,
+    /// primary first.
+    pub upstreams: Vec<usize>,
+    /// Most attempts the gateway makes within one client request (failover).
+    pub max_attempts: usize,
+    /// Overall time the gateway may spend on one client request's attempts.
+    pub failover_deadline: Duration,
+    /// Silence after which a second attempt races the first (side-effect-free routes only).
+    pub hedge_after: Option<Duration>,
+    /// The route's answers have no external side effects, so hedging is allowed.
+    pub side_effect_free: bool,
+    /// The contract every answer must honour.
+    pub contract: Option<Arc<Contract>>,
 }
 
 impl Route {
@@ -291,6 +375,12 @@ impl Route {
             significant_headers: vec![http::header::CONTENT_TYPE],
             retryable_statuses: vec![429, 502, 503],
             body: BodyRule::default(),
+            upstreams: vec![0],
+            max_attempts: 1,
+            failover_deadline: Duration::from_secs(60),
+            hedge_after: None,
+            side_effect_free: false,
+            contract: None,
         }
     }
 
@@ -347,24 +437,23 @@ impl Settings {
 
     /// Merges parsed sources, flags winning, and validates.
     pub fn from_sources(file: FileConfig, flags: Flags) -> Result<Settings, ConfigError> {
-        let upstream_urls = if flags.upstreams.is_empty() {
+        let upstream_files = if flags.upstreams.is_empty() {
             file.upstreams.clone().unwrap_or_default()
         } else {
-            flags.upstreams.clone()
+            flags
+                .upstreams
+                .iter()
+                .cloned()
+                .map(UpstreamFile::Url)
+                .collect()
         };
-        if upstream_urls.is_empty() {
+        if upstream_files.is_empty() {
             return Err(bad(
                 "upstreams",
                 "no upstream configured; pass --upstream http://host:port, set IDEMGATE_UPSTREAM, \
                  or list `upstreams = [\"http://host:port\"]` in the config file",
             ));
         }
-        let upstreams = upstream_urls
-            .iter()
-            .enumerate()
-            .map(|(i, url)| parse_upstream(i, url))
-            .collect::<Result<Vec<_>, _>>()?;
-
         let store = store_settings(&file, &flags)?;
 
         let upstream_timeout = positive(
@@ -374,6 +463,24 @@ impl Settings {
                 .or(file.upstream_timeout)
                 .unwrap_or(Duration::from_secs(30)),
         )?;
+        let upstreams = upstream_files
+            .iter()
+            .enumerate()
+            .map(|(i, u)| parse_upstream(i, u, upstream_timeout))
+            .collect::<Result<Vec<_>, _>>()?;
+        for (i, u) in upstreams.iter().enumerate() {
+            if upstreams[..i].iter().any(|other| other.name == u.name) {
+                return Err(bad(
+                    format!("upstreams[{i}].name"),
+                    format!("{:?} is used twice; upstream names must be unique", u.name),
+                ));
+            }
+        }
+        let mut loaded = BTreeMap::new();
+        for (name, contract_file) in file.contracts {
+            let contract = Contract::load(&name, contract_file, &file.base_dir)?;
+            loaded.insert(name, Arc::new(contract));
+        }
         let attempt_deadline = positive(
             "attempt_deadline",
             file.attempt_deadline.unwrap_or(upstream_timeout * 10),
@@ -409,12 +516,16 @@ impl Settings {
         };
 
         let mut routes = if file.routes.is_empty() {
-            vec![Route::default_route()]
+            vec![Route {
+                upstreams: (0..upstreams.len()).collect(),
+                max_attempts: upstreams.len(),
+                ..Route::default_route()
+            }]
         } else {
             file.routes
                 .into_iter()
                 .enumerate()
-                .map(|(i, r)| parse_route(i, r))
+                .map(|(i, r)| parse_route(i, r, &upstreams, &loaded))
                 .collect::<Result<Vec<_>, _>>()?
         };
         // Longest prefix first, so the most specific route wins.
@@ -496,6 +607,11 @@ impl Settings {
                     .unwrap_or("idempotency-attempt"),
             )?,
             mismatch_status,
+            contracts: loaded,
+            probe_interval: positive(
+                "probe_interval",
+                file.probe_interval.unwrap_or(Duration::from_secs(60)),
+            )?,
             max_response_size: file
                 .max_response_size
                 .map(|b| b.as_u64() as usize)
@@ -575,8 +691,16 @@ fn header_name(key: &str, name: &str) -> Result<HeaderName, ConfigError> {
         .map_err(|_| bad(key, format!("{name:?} is not a valid HTTP header name")))
 }
 
-fn parse_upstream(i: usize, url: &str) -> Result<UpstreamSettings, ConfigError> {
+fn parse_upstream(
+    i: usize,
+    file: &UpstreamFile,
+    default_timeout: Duration,
+) -> Result<UpstreamSettings, ConfigError> {
     let key = format!("upstreams[{i}]");
+    let (url, table) = match file {
+        UpstreamFile::Url(url) => (url.as_str(), None),
+        UpstreamFile::Table(t) => (t.url.as_str(), Some(t)),
+    };
     let base: Uri = url.parse().map_err(|e| {
         bad(
             &key,
@@ -606,15 +730,50 @@ fn parse_upstream(i: usize, url: &str) -> Result<UpstreamSettings, ConfigError> 
     if base.query().is_some() {
         return Err(bad(&key, "an upstream base URL cannot carry a query"));
     }
-    let name = if i == 0 {
+    let default_name = if i == 0 {
         "primary".to_owned()
     } else {
         format!("fallback-{i}")
     };
-    Ok(UpstreamSettings { name, base })
+    let timeout = table.and_then(|t| t.timeout).unwrap_or(default_timeout);
+    let mut headers = Vec::new();
+    for (name, source) in table.map(|t| &t.headers).into_iter().flatten() {
+        let hkey = format!("{key}.headers.{name}");
+        let name = header_name(&hkey, name)?;
+        let raw = match (&source.value, &source.env) {
+            (Some(v), None) => v.clone(),
+            (None, Some(var)) => std::env::var(var).map_err(|_| {
+                bad(
+                    &hkey,
+                    format!("environment variable {var} is not set; export it, it holds this upstream's credential"),
+                )
+            })?,
+            _ => return Err(bad(&hkey, "give exactly one of `value` or `env`")),
+        };
+        let value = http::HeaderValue::from_str(&format!("{}{raw}", source.prefix))
+            .map_err(|_| bad(&hkey, "not a valid header value"))?;
+        headers.push((name, value));
+    }
+    Ok(UpstreamSettings {
+        name: table.and_then(|t| t.name.clone()).unwrap_or(default_name),
+        base,
+        timeout: positive(&format!("{key}.timeout"), timeout)?,
+        connect_timeout: positive(
+            &format!("{key}.connect_timeout"),
+            table
+                .and_then(|t| t.connect_timeout)
+                .unwrap_or(timeout.min(Duration::from_secs(10))),
+        )?,
+        headers,
+    })
 }
 
-fn parse_route(i: usize, r: RouteFile) -> Result<Route, ConfigError> {
+fn parse_route(
+    i: usize,
+    r: RouteFile,
+    upstreams: &[UpstreamSettings],
+    contracts: &BTreeMap<String, Arc<Contract>>,
+) -> Result<Route, ConfigError> {
     let key = |field: &str| format!("routes[{i}].{field}");
     let default = Route::default_route();
     let path_prefix = r.path_prefix.unwrap_or_else(|| "/".into());
@@ -675,7 +834,64 @@ fn parse_route(i: usize, r: RouteFile) -> Result<Route, ConfigError> {
     if body_limit == 0 {
         return Err(bad(key("body_limit"), "must be greater than zero"));
     }
+    let route_upstreams = match &r.upstreams {
+        None => (0..upstreams.len()).collect::<Vec<_>>(),
+        Some(names) if names.is_empty() => {
+            return Err(bad(key("upstreams"), "list at least one upstream name"))
+        }
+        Some(names) => names
+            .iter()
+            .map(|n| {
+                upstreams.iter().position(|u| &u.name == n).ok_or_else(|| {
+                    bad(
+                        key("upstreams"),
+                        format!(
+                            "no upstream is named {n:?}; known: {}",
+                            upstreams
+                                .iter()
+                                .map(|u| u.name.as_str())
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ),
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?,
+    };
+    let max_attempts = r.max_attempts.unwrap_or(route_upstreams.len());
+    if max_attempts == 0 {
+        return Err(bad(key("max_attempts"), "must be at least 1"));
+    }
+    let side_effect_free = r.side_effect_free.unwrap_or(false);
+    if r.hedge_after.is_some() && !side_effect_free {
+        return Err(bad(
+            key("hedge_after"),
+            "hedging sends the same request twice at once; allow it only on a route declared \
+             `side_effect_free = true`",
+        ));
+    }
+    if let Some(h) = r.hedge_after {
+        positive(&key("hedge_after"), h)?;
+    }
+    let contract = match &r.contract {
+        None => None,
+        Some(name) => Some(contracts.get(name).cloned().ok_or_else(|| {
+            bad(
+                key("contract"),
+                format!("no [contracts.{name}] section defines this contract"),
+            )
+        })?),
+    };
     Ok(Route {
+        upstreams: route_upstreams,
+        max_attempts,
+        failover_deadline: positive(
+            &key("failover_deadline"),
+            r.failover_deadline.unwrap_or(Duration::from_secs(60)),
+        )?,
+        hedge_after: r.hedge_after,
+        side_effect_free,
+        contract,
         name: r.name.unwrap_or_else(|| format!("route-{i}")),
         path_prefix,
         methods,

@@ -152,6 +152,11 @@ impl GatewayError {
                     "attempt-outcome-unknown",
                     "Upstream connection failed after the request was sent; outcome unknown",
                 ),
+                UpstreamError::ContractViolation(_) => p(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream-contract-violation",
+                    "Upstream answer broke the route's contract",
+                ),
                 UpstreamError::TimedOut(_) => p(
                     StatusCode::GATEWAY_TIMEOUT,
                     "attempt-outcome-unknown",

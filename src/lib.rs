@@ -22,6 +22,7 @@ pub mod key;
 
 // Persistence.
 pub mod lease;
+pub mod probe;
 pub mod store;
 pub mod sweeper;
 
@@ -29,6 +30,7 @@ pub mod sweeper;
 pub mod admin;
 pub mod app;
 pub mod config;
+pub mod contract;
 pub mod error;
 pub mod fastpath;
 pub mod http;

@@ -11,7 +11,7 @@ use idemgate::config::{Cli, Command, Settings, StoreSettings};
 use idemgate::store::postgres::PgStore;
 use idemgate::store::sqlite::SqliteStore;
 use idemgate::store::StoreError;
-use idemgate::telemetry;
+use idemgate::{probe, telemetry};
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -25,6 +25,16 @@ async fn main() -> ExitCode {
             };
             serve(settings).await
         }
+        Command::VerifyProviders(flags) => match Settings::load(cli.config.as_deref(), flags) {
+            Ok(settings) => {
+                if probe::verify(&settings).await {
+                    ExitCode::SUCCESS
+                } else {
+                    ExitCode::FAILURE
+                }
+            }
+            Err(e) => fail(e),
+        },
         Command::Migrate(flags) => match Settings::load_store(cli.config.as_deref(), flags) {
             Ok(store) => match migrate(store).await {
                 Ok(()) => {
@@ -72,9 +82,12 @@ async fn serve(settings: Settings) -> ExitCode {
     };
     let shutdown = CancellationToken::new();
     tokio::spawn(on_signal(shutdown.clone()));
-    // Tests and scripts read this line to learn OS-assigned ports.
-    println!("idemgate listening on http://{proxy_addr} (admin on http://{admin_addr})");
-    match app::run(settings, Listeners { proxy, admin }, shutdown).await {
+    // Tests and scripts read this line to learn OS-assigned ports, and that
+    // the gateway is ready.
+    let ready = || {
+        println!("idemgate listening on http://{proxy_addr} (admin on http://{admin_addr})");
+    };
+    match app::run(settings, Listeners { proxy, admin }, shutdown, ready).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(e),
     }

@@ -1,5 +1,5 @@
-//! The upstream: a pooled HTTP client that forwards a request to one
-//! configured origin, as a Tower service.
+//! The upstreams: pooled HTTP clients that forward a request to one of the
+//! configured origins, as a Tower service.
 //!
 //! It rewrites the URI onto the upstream's base, removes hop-by-hop headers
 //! both ways, and adds `X-Forwarded-For`/`-Proto`/`-Host`. The `Host` header
@@ -25,6 +25,12 @@ use tokio::sync::watch;
 use crate::config::UpstreamSettings;
 use crate::http::{hop, Body, BodyError};
 
+/// Which upstream a request goes to: an index into the configured
+/// upstreams, put into request extensions by the idempotency layer (the
+/// primary when absent).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Target(pub usize);
+
 /// The client's address, put into request extensions by the server.
 #[derive(Debug, Clone, Copy)]
 pub struct ClientAddr(pub SocketAddr);
@@ -38,6 +44,9 @@ pub enum UpstreamError {
     /// Failed after the request may have been sent (reset, protocol error).
     #[error("the upstream connection failed after the request was sent: {0}")]
     Broken(String),
+    /// It answered, but the answer broke the route's contract.
+    #[error("the upstream's answer broke the route's contract: {0}")]
+    ContractViolation(String),
     /// No answer within the upstream timeout.
     #[error("the upstream did not answer within {0:?}")]
     TimedOut(Duration),
@@ -57,11 +66,11 @@ pub struct Upstream {
 }
 
 impl Upstream {
-    /// A client for `target`; connecting gives up after `connect_timeout`
+    /// A client for `target`; connecting gives up after its connect timeout
     /// (still a safe failure: nothing was sent).
-    pub fn new(target: UpstreamSettings, connect_timeout: Duration) -> Self {
+    pub fn new(target: UpstreamSettings) -> Self {
         let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(connect_timeout));
+        connector.set_connect_timeout(Some(target.connect_timeout));
         connector.set_nodelay(true);
         connector.enforce_http(true);
         let client = Client::builder(TokioExecutor::new())
@@ -73,9 +82,9 @@ impl Upstream {
         }
     }
 
-    /// The upstream's name in attempts and logs.
-    pub fn name(&self) -> &str {
-        &self.target.name
+    /// Its settings.
+    pub fn settings(&self) -> &UpstreamSettings {
+        &self.target
     }
 
     fn rewrite(&self, req: &mut Request<Body>) {
@@ -107,6 +116,10 @@ impl Upstream {
             }
         }
         headers.insert("x-forwarded-proto", HeaderValue::from_static("http"));
+        // The upstream's own credentials, which clients never hold.
+        for (name, value) in &self.target.headers {
+            headers.insert(name.clone(), value.clone());
+        }
         // HTTP/2 clients arrive with version 2; the upstream speaks HTTP/1.1.
         *req.version_mut() = http::Version::HTTP_11;
     }
@@ -136,6 +149,48 @@ impl tower::Service<Request<Body>> for Upstream {
             hop::strip(response.headers_mut());
             Ok(response.map(|b| b.map_err(BodyError::new).boxed()))
         })
+    }
+}
+
+/// Every configured upstream, as one service: each request goes to its
+/// [`Target`], each upstream keeping its own connection pool.
+#[derive(Clone)]
+pub struct Upstreams {
+    all: Arc<[Upstream]>,
+}
+
+impl Upstreams {
+    /// Clients for every configured upstream, in order.
+    pub fn new(settings: &[UpstreamSettings]) -> Self {
+        Upstreams {
+            all: settings.iter().cloned().map(Upstream::new).collect(),
+        }
+    }
+
+    /// The upstream at `index`.
+    pub fn get(&self, index: usize) -> &Upstream {
+        &self.all[index.min(self.all.len() - 1)]
+    }
+
+    /// All of them, in configured order.
+    pub fn iter(&self) -> impl Iterator<Item = &Upstream> {
+        self.all.iter()
+    }
+}
+
+impl tower::Service<Request<Body>> for Upstreams {
+    type Response = Response<Body>;
+    type Error = UpstreamError;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, UpstreamError>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Body>) -> Self::Future {
+        let index = req.extensions().get::<Target>().map_or(0, |t| t.0);
+        let mut upstream = self.get(index).clone();
+        tower::Service::call(&mut upstream, req)
     }
 }
 

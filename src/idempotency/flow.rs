@@ -17,7 +17,11 @@ use std::sync::Arc;
 use http::{HeaderValue, Request, Response};
 use tokio::time::Instant;
 
-use super::{execute, Shared, UpstreamService};
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use tokio_util::sync::CancellationToken;
+
+use super::execute::{self, Answer, Reply};
+use super::{Shared, UpstreamService};
 use crate::attempt::{Attempt, AttemptId, NewAttempt};
 use crate::config::Route;
 use crate::error::{ClientError, GatewayError};
@@ -28,6 +32,7 @@ use crate::job::{Job, JobId, JobState, NewJob, StoredResponse};
 use crate::key::{IdempotencyKey, Owner};
 use crate::replay;
 use crate::store::{Begin, StoreError};
+use crate::upstream::Target;
 
 /// How many times one request re-decides before giving up with 409; each
 /// round follows a real state change, so this is never reached in practice.
@@ -63,7 +68,12 @@ impl Flow {
         };
         let key = match req.headers().get(IDEMPOTENCY_KEY) {
             None if route.require_key => return Prepared::Refused(ClientError::MissingKey.into()),
-            None => return Prepared::PassThrough(req),
+            None => {
+                let primary = Target(route.upstreams[0]);
+                let mut req = req;
+                req.extensions_mut().insert(primary);
+                return Prepared::PassThrough(req);
+            }
             Some(raw) => match IdempotencyKey::parse(raw.as_bytes()) {
                 Ok(key) => key,
                 Err(e) => return Prepared::Refused(ClientError::from(e).into()),
@@ -139,11 +149,14 @@ impl Flow {
             return Ok(response);
         }
         let store = &self.shared.store;
-        let mut job = match store.begin_job(self.new_job(), self.new_attempt()).await? {
+        let mut job = match store
+            .begin_job(self.new_job(), self.new_attempt(self.route.upstreams[0]))
+            .await?
+        {
             Begin::Created(job, attempt) => {
                 *job_id = Some(job.id);
                 metrics::counter!("idemgate_jobs_created_total").increment(1);
-                return self.execute(upstream, attempt, job.expires_at).await;
+                return self.dispatch(upstream, attempt, job.expires_at).await;
             }
             Begin::Existing(job) => job,
         };
@@ -166,11 +179,15 @@ impl Flow {
                 JobState::Running => job = self.hold(job.id).await?,
                 JobState::Open => {
                     match store
-                        .claim_attempt(job.id, job.version, self.new_attempt())
+                        .claim_attempt(
+                            job.id,
+                            job.version,
+                            self.new_attempt(self.route.upstreams[0]),
+                        )
                         .await?
                     {
                         Some(attempt) => {
-                            return self.execute(upstream, attempt, job.expires_at).await
+                            return self.dispatch(upstream, attempt, job.expires_at).await
                         }
                         None => job = self.reread(job.id).await?,
                     }
@@ -276,26 +293,164 @@ impl Flow {
         Ok(replay::response(stored, job.id, true))
     }
 
-    async fn execute(
+    /// Runs the attempts one request may make, starting with `first` on the
+    /// route's primary, and answers with the job's result.
+    ///
+    /// - After a safe failure (refused before send, retryable status,
+    ///   contract broken) the next eligible upstream gets the next attempt,
+    ///   claimed by CAS, up to `max_attempts` and `failover_deadline`; each
+    ///   upstream at most once per request.
+    /// - On side-effect-free routes, after `hedge_after` without an answer,
+    ///   a second attempt races the first under the same version; the first
+    ///   to commit wins and the others are cancelled and `superseded`. Only
+    ///   there may an unknown outcome be followed by another attempt.
+    /// - Eligible means: the route has no contract, or the upstream passes
+    ///   its probes. The primary is always tried.
+    async fn dispatch(
         &self,
         upstream: UpstreamService,
-        attempt: Attempt,
+        first: Attempt,
         expires_at: std::time::SystemTime,
     ) -> Result<Response<Body>, GatewayError> {
-        let request = self.upstream_request(&attempt);
-        let job = attempt.job_id;
-        match execute::spawn(self.shared.clone(), upstream, &self.route, attempt, request).await? {
-            execute::Reply::Committed(stored) => {
-                self.remember(job, expires_at, &stored);
-                Ok(replay::response(&stored, job, false))
+        let route = &self.route;
+        let job = first.job_id;
+        let deadline = Instant::now() + route.failover_deadline;
+        let mut version = first.job_version;
+        let mut next_position = 1;
+        let mut made = 1;
+        let mut running = FuturesUnordered::new();
+        let mut cancels = Vec::new();
+        let start = |attempt: Attempt, target: usize, cancels: &mut Vec<_>| {
+            let request = self.upstream_request(&attempt);
+            let run = execute::start(
+                self.shared.clone(),
+                upstream.clone(),
+                route,
+                target,
+                attempt,
+                request,
+            );
+            cancels.push((run.attempt.id, run.cancel.clone()));
+            let id = run.attempt.id;
+            async move { (id, run.reply.await) }
+        };
+        running.push(start(first, route.upstreams[0], &mut cancels));
+        let hedge = tokio::time::sleep(route.hedge_after.unwrap_or_default());
+        tokio::pin!(hedge);
+        let mut hedge_armed = route.hedge_after.is_some();
+        let mut last: Option<Answer> = None;
+        let mut unknown: Option<GatewayError> = None;
+
+        loop {
+            let (id, reply) = tokio::select! {
+                Some(done) = running.next() => done,
+                () = &mut hedge, if hedge_armed => {
+                    hedge_armed = false;
+                    if made < route.max_attempts && running.len() == 1 {
+                        if let Some(target) = self.next_eligible(&mut next_position) {
+                            let next = self.new_attempt(target);
+                            if let Some(attempt) = self.shared.store.hedge_attempt(job, version, next).await? {
+                                metrics::counter!("idemgate_hedges_total").increment(1);
+                                tracing::info!(job = %job, attempt = %attempt.id, upstream = %attempt.upstream, "hedging: a second attempt races the first");
+                                made += 1;
+                                running.push(start(attempt, target, &mut cancels));
+                            }
+                        }
+                    }
+                    continue;
+                }
+            };
+            let reply = reply.unwrap_or_else(|_| {
+                Reply::Unknown(GatewayError::Internal(
+                    "the attempt task ended without an answer".into(),
+                ))
+            });
+            match reply {
+                Reply::Committed(stored) => {
+                    self.cancel_losers(&cancels, id);
+                    self.remember(job, expires_at, &stored);
+                    return Ok(replay::response(&stored, job, false));
+                }
+                Reply::Superseded => {
+                    // Another attempt won: answer with the job's one result.
+                    let current = self.reread(job).await?;
+                    if let Some(winner) = current.completed_by {
+                        tracing::warn!(%job, loser = %id, %winner, "attempt lost the commit race; its answer is discarded");
+                        self.cancel_losers(&cancels, winner);
+                        return self.replay(&current);
+                    }
+                    if running.is_empty() {
+                        // Resolved by an operator meanwhile: decide afresh.
+                        return Err(ClientError::OutcomeUnknown {
+                            retry_after: self.shared.settings.retry_after,
+                        }
+                        .into());
+                    }
+                    continue;
+                }
+                Reply::Failed(answer) => last = Some(answer),
+                Reply::Unknown(error) => unknown = Some(error),
             }
-            execute::Reply::Uncommitted(response) => Ok(response),
-            execute::Reply::Superseded => {
-                // Another attempt won: answer with the job's one result.
-                let job = self.reread(job).await?;
-                self.replay(&job)
+            if !running.is_empty() {
+                continue;
+            }
+            // Nothing in flight. An unknown outcome blocks, unless the route
+            // may hedge (its requests have no external side effects).
+            let blocked = unknown.is_some() && !route.side_effect_free;
+            if blocked || made >= route.max_attempts || Instant::now() >= deadline {
+                return finish(last, unknown);
+            }
+            let Some(target) = self.next_eligible(&mut next_position) else {
+                return finish(last, unknown);
+            };
+            let next = self.new_attempt(target);
+            let claimed = if unknown.is_some() {
+                self.shared.store.hedge_attempt(job, version, next).await?
+            } else {
+                self.shared.store.claim_attempt(job, version, next).await?
+            };
+            let Some(attempt) = claimed else {
+                // Someone else (a retry, a held duplicate) moved the job on:
+                // wait for it like any duplicate.
+                let current = self.hold(job).await?;
+                return match current.state {
+                    JobState::Completed => self.replay(&current),
+                    _ => finish(last, unknown),
+                };
+            };
+            metrics::counter!("idemgate_failovers_total").increment(1);
+            tracing::info!(%job, attempt = %attempt.id, number = attempt.number, upstream = %attempt.upstream, "failing over to the next upstream");
+            version = attempt.job_version;
+            made += 1;
+            running.push(start(attempt, target, &mut cancels));
+        }
+    }
+
+    /// Cancels every attempt of this request but the winner.
+    fn cancel_losers(&self, cancels: &[(AttemptId, CancellationToken)], winner: AttemptId) {
+        for (id, cancel) in cancels {
+            if *id != winner && !cancel.is_cancelled() {
+                tracing::info!(winner = %winner, loser = %id, "race decided; cancelling the losing attempt");
+                cancel.cancel();
             }
         }
+    }
+
+    /// The next upstream of the route, in order, that may take an attempt.
+    fn next_eligible(&self, position: &mut usize) -> Option<usize> {
+        while let Some(&target) = self.route.upstreams.get(*position) {
+            *position += 1;
+            let name = &self.shared.settings.upstreams[target].name;
+            if self
+                .shared
+                .probes
+                .eligible(name, self.route.contract.as_deref())
+            {
+                return Some(target);
+            }
+            tracing::debug!(upstream = %name, "skipping an upstream that does not pass its contract's probes");
+        }
+        None
     }
 
     fn upstream_request(&self, attempt: &Attempt) -> Request<Body> {
@@ -323,15 +478,30 @@ impl Flow {
         }
     }
 
-    fn new_attempt(&self) -> NewAttempt {
+    fn new_attempt(&self, target: usize) -> NewAttempt {
         let settings = &self.shared.settings;
         NewAttempt {
             id: AttemptId::new(),
-            upstream: settings.upstreams[0].name.clone(),
+            upstream: settings.upstreams[target].name.clone(),
             instance: self.shared.instance,
             lease: settings.lease_ttl,
             deadline: settings.attempt_deadline,
         }
+    }
+}
+
+/// The answer when no attempt of this request produced the job's result.
+fn finish(
+    last: Option<Answer>,
+    unknown: Option<GatewayError>,
+) -> Result<Response<Body>, GatewayError> {
+    if let Some(error) = unknown {
+        return Err(error);
+    }
+    match last {
+        Some(Answer::Response(response)) => Ok(response),
+        Some(Answer::Error(error)) => Err(error),
+        None => Err(GatewayError::Internal("no attempt was made".into())),
     }
 }
 

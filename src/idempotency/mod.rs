@@ -33,6 +33,7 @@ use crate::error::GatewayError;
 use crate::fastpath::FastPath;
 use crate::http::Body;
 use crate::lease::Leases;
+use crate::probe::ProbeBoard;
 use crate::store::{Doorbell, Store};
 use crate::upstream::UpstreamError;
 
@@ -46,6 +47,8 @@ pub struct Shared {
     pub doorbell: Arc<Doorbell>,
     /// The Redis fast path, when configured.
     pub fastpath: Option<Arc<FastPath>>,
+    /// Which upstreams pass their contracts' probes.
+    pub probes: Arc<ProbeBoard>,
     /// Leases of the attempts this instance runs.
     pub leases: Arc<Leases>,
     /// This gateway instance, recorded on the attempts it runs.

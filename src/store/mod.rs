@@ -99,9 +99,10 @@ pub trait Store: Send + Sync + 'static {
         attempt: NewAttempt,
     ) -> Result<Option<Attempt>, StoreError>;
 
-    /// Adds an attempt beside a running one without moving the version (a
-    /// hedge): both race fairly, and `completed_by IS NULL` picks the first
-    /// to commit. `None` when the job is no longer running at `version`.
+    /// Adds an attempt beside a running (or unknown) one without moving the
+    /// version (a hedge): both race fairly, and `completed_by IS NULL` picks
+    /// the first to commit. `None` when the job moved on from `version`, or
+    /// is open or completed. Only side-effect-free routes hedge.
     async fn hedge_attempt(
         &self,
         job: JobId,

@@ -271,7 +271,7 @@ impl PgStore {
             }
             Joining::Hedge => {
                 "UPDATE jobs SET attempt_count = attempt_count + 1, updated_at = now() \
-                 WHERE id = $1 AND version = $2 AND state = 'running'"
+                 WHERE id = $1 AND version = $2 AND state IN ('running', 'unknown')"
             }
         };
         let client = self.client().await?;

@@ -171,7 +171,7 @@ impl SqliteStore {
             }
             Joining::Hedge => {
                 "UPDATE jobs SET attempt_count = attempt_count + 1, updated_at = ?3 \
-                 WHERE id = ?1 AND version = ?2 AND state = 'running'"
+                 WHERE id = ?1 AND version = ?2 AND state IN ('running', 'unknown')"
             }
         };
         self.call(move |conn| {

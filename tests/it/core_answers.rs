@@ -395,7 +395,8 @@ async fn admin_api_needs_the_bearer_token_and_probes_do_not(store: TestStore) {
     }
     assert!(gateway.metric("idemgate_commits_total").await >= 1.0);
 
-    let without_token = Gateway::builder(&TestStore::embedded(), &upstream.url())
+    let other_store = TestStore::embedded();
+    let without_token = Gateway::builder(&other_store, &upstream.url())
         .unset("admin_token")
         .start()
         .await;

@@ -140,8 +140,11 @@ impl Builder {
             .arg("serve")
             .env_remove("IDEMGATE_DATABASE_URL")
             .env_remove("IDEMGATE_EMBEDDED_PATH")
-            .output()
+            .kill_on_drop(true)
+            .output();
+        let out = tokio::time::timeout(Duration::from_secs(30), out)
             .await
+            .expect("the gateway was expected to refuse to start, but it kept running")
             .unwrap();
         drop(dir);
         assert!(
