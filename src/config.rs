@@ -393,27 +393,25 @@ impl Route {
 impl Settings {
     /// Reads the file (if any), lays the flags over it and validates the lot.
     pub fn load(config: Option<&Path>, flags: Flags) -> Result<Settings, ConfigError> {
-        let file = match config {
-            Some(path) => {
-                let text = std::fs::read_to_string(path)
-                    .map_err(|e| bad("--config", format!("cannot read {}: {e}", path.display())))?;
-                Self::parse_file(&text)?
-            }
-            None => FileConfig::default(),
-        };
-        Self::from_sources(file, flags)
+        Self::from_sources(Self::read_file(config)?, flags)
     }
 
     /// Only the store settings, for `idemgate migrate`.
     pub fn load_store(config: Option<&Path>, flags: Flags) -> Result<StoreSettings, ConfigError> {
-        let file =
-            match config {
-                Some(path) => Self::parse_file(&std::fs::read_to_string(path).map_err(|e| {
-                    bad("--config", format!("cannot read {}: {e}", path.display()))
-                })?)?,
-                None => FileConfig::default(),
-            };
-        store_settings(&file, &flags)
+        store_settings(&Self::read_file(config)?, &flags)
+    }
+
+    /// The config file, parsed, remembering its folder (contract files are
+    /// relative to it); no file is an empty one.
+    fn read_file(config: Option<&Path>) -> Result<FileConfig, ConfigError> {
+        let Some(path) = config else {
+            return Ok(FileConfig::default());
+        };
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| bad("--config", format!("cannot read {}: {e}", path.display())))?;
+        let mut file = Self::parse_file(&text)?;
+        file.base_dir = path.parent().map(Path::to_owned).unwrap_or_default();
+        Ok(file)
     }
 
     /// Parses TOML text; unknown keys are errors.
@@ -971,6 +969,29 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(err.key, "upstreams[0]");
+    }
+
+    #[test]
+    fn the_chat_example_is_valid() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/chat");
+        let mut file =
+            Settings::parse_file(&std::fs::read_to_string(dir.join("idemgate.toml")).unwrap())
+                .unwrap();
+        file.base_dir = dir;
+        // Credentials come from the environment; stand in fixed values here.
+        for u in file.upstreams.iter_mut().flatten() {
+            if let UpstreamFile::Table(t) = u {
+                for source in t.headers.values_mut() {
+                    source.value = Some("test".into());
+                    source.env = None;
+                }
+            }
+        }
+        let s = Settings::from_sources(file, Flags::default()).unwrap();
+        let chat = &s.routes[0];
+        assert_eq!(chat.upstreams, vec![0, 1]);
+        assert!(chat.side_effect_free && chat.hedge_after.is_some());
+        assert_eq!(chat.contract.as_ref().unwrap().probes.len(), 1);
     }
 
     #[test]

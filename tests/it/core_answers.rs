@@ -84,7 +84,7 @@ async fn mismatch_status_can_be_the_ietf_422(store: TestStore) {
 async fn canonical_json_routes_ignore_key_order_and_excluded_fields(store: TestStore) {
     let upstream = FakeUpstream::echo().await;
     let gateway = Gateway::builder(&store, &upstream.url())
-        .routes("[[routes]]\nname = \"chat\"\npath_prefix = \"/v1/chat\"\ncanonical_json = true\nignore_fields = [\"/metadata/sent_at\"]\n")
+        .tables("[[routes]]\nname = \"chat\"\npath_prefix = \"/v1/chat\"\ncanonical_json = true\nignore_fields = [\"/metadata/sent_at\"]\n")
         .start()
         .await;
     let url = gateway.path("/v1/chat/completions");
@@ -217,7 +217,7 @@ async fn quoted_and_bare_forms_name_the_same_key(store: TestStore) {
 async fn a_route_that_requires_a_key_refuses_requests_without_one(store: TestStore) {
     let upstream = FakeUpstream::echo().await;
     let gateway = Gateway::builder(&store, &upstream.url())
-        .routes(
+        .tables(
             "[[routes]]\nname = \"payments\"\npath_prefix = \"/v1/payments\"\nrequire_key = true\n",
         )
         .start()
@@ -235,7 +235,7 @@ async fn a_route_that_requires_a_key_refuses_requests_without_one(store: TestSto
 async fn bodies_past_the_limit_get_413_and_nothing_is_stored(store: TestStore) {
     let upstream = FakeUpstream::echo().await;
     let gateway = Gateway::builder(&store, &upstream.url())
-        .routes("[[routes]]\nbody_limit = \"1KiB\"\n")
+        .tables("[[routes]]\nbody_limit = \"1KiB\"\n")
         .start()
         .await;
     let url = gateway.path("/v1/x");
@@ -468,7 +468,7 @@ async fn bad_configuration_stops_start_up_naming_the_key() {
         assert!(err.contains(named), "{key} = {value}: {err}");
     }
     let err = Gateway::builder(&store, "http://127.0.0.1:1")
-        .routes("[[routes]]\nmethods = [\"GET\"]\n")
+        .tables("[[routes]]\nmethods = [\"GET\"]\n")
         .start_and_fail()
         .await;
     assert!(err.contains("routes[0].methods"), "{err}");

@@ -7,5 +7,6 @@ mod core_answers;
 mod core_outcomes;
 mod core_races;
 mod embedded;
+mod failover;
 mod fastpath;
 mod store_conformance;

@@ -23,7 +23,9 @@ pub struct Gateway {
 
 pub struct Builder {
     settings: BTreeMap<String, String>,
-    routes: String,
+    tables: String,
+    env: Vec<(String, String)>,
+    files_from: Option<std::path::PathBuf>,
 }
 
 impl Gateway {
@@ -44,7 +46,9 @@ impl Gateway {
         }
         Builder {
             settings,
-            routes: String::new(),
+            tables: String::new(),
+            env: Vec::new(),
+            files_from: None,
         }
     }
 
@@ -125,28 +129,29 @@ impl Builder {
         self
     }
 
-    /// Appends `[[routes]]` tables.
-    pub fn routes(mut self, toml: &str) -> Self {
-        self.routes.push_str(toml);
+    /// Appends tables (`[[routes]]`, `[[upstreams]]`, `[contracts.x]`).
+    pub fn tables(mut self, toml: &str) -> Self {
+        self.tables.push_str(toml);
+        self.tables.push('\n');
+        self
+    }
+
+    /// Sets an environment variable for the gateway process.
+    pub fn env(mut self, key: &str, value: &str) -> Self {
+        self.env.push((key.to_owned(), value.to_owned()));
+        self
+    }
+
+    /// Copies every file of `dir` beside the config (contract schemas,
+    /// probe bodies), so relative paths in the config resolve.
+    pub fn files_from(mut self, dir: &std::path::Path) -> Self {
+        self.files_from = Some(dir.to_owned());
         self
     }
 
     /// Starts the gateway and expects it to refuse: returns its stderr.
     pub async fn start_and_fail(self) -> String {
-        let (dir, path) = self.write();
-        let out = Command::new(env!("CARGO_BIN_EXE_idemgate"))
-            .arg("--config")
-            .arg(&path)
-            .arg("serve")
-            .env_remove("IDEMGATE_DATABASE_URL")
-            .env_remove("IDEMGATE_EMBEDDED_PATH")
-            .kill_on_drop(true)
-            .output();
-        let out = tokio::time::timeout(Duration::from_secs(30), out)
-            .await
-            .expect("the gateway was expected to refuse to start, but it kept running")
-            .unwrap();
-        drop(dir);
+        let out = self.run("serve").await;
         assert!(
             !out.status.success(),
             "the gateway was expected to refuse to start"
@@ -154,13 +159,40 @@ impl Builder {
         String::from_utf8_lossy(&out.stderr).into_owned()
     }
 
+    /// Runs another subcommand (`verify-providers`, `migrate`) on this
+    /// configuration, to completion (30 s at most).
+    pub async fn run(self, subcommand: &str) -> std::process::Output {
+        let (dir, path) = self.write();
+        let out = Command::new(env!("CARGO_BIN_EXE_idemgate"))
+            .arg("--config")
+            .arg(&path)
+            .arg(subcommand)
+            .env_remove("IDEMGATE_DATABASE_URL")
+            .env_remove("IDEMGATE_EMBEDDED_PATH")
+            .envs(self.env.iter().cloned())
+            .kill_on_drop(true)
+            .output();
+        let out = tokio::time::timeout(Duration::from_secs(30), out)
+            .await
+            .unwrap_or_else(|_| panic!("`idemgate {subcommand}` did not finish within 30 s"))
+            .unwrap();
+        drop(dir);
+        out
+    }
+
     fn write(&self) -> (tempfile::TempDir, std::path::PathBuf) {
         let dir = tempfile::tempdir().unwrap();
+        if let Some(from) = &self.files_from {
+            for entry in std::fs::read_dir(from).unwrap() {
+                let entry = entry.unwrap();
+                std::fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
+            }
+        }
         let mut toml = String::new();
         for (k, v) in &self.settings {
             toml.push_str(&format!("{k} = {v}\n"));
         }
-        toml.push_str(&self.routes);
+        toml.push_str(&self.tables);
         let path = dir.path().join("idemgate.toml");
         std::fs::write(&path, toml).unwrap();
         (dir, path)
@@ -179,6 +211,7 @@ impl Builder {
             .env_remove("IDEMGATE_DATABASE_URL")
             .env_remove("IDEMGATE_EMBEDDED_PATH")
             .env_remove("IDEMGATE_UPSTREAM")
+            .envs(self.env.iter().cloned())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .kill_on_drop(true)

@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod chat;
 pub mod db;
 pub mod gateway;
 pub mod redis;

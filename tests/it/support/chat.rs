@@ -1,0 +1,118 @@
+//! Fake OpenAI-compatible chat providers: each answers a chat completion in
+//! JSON mode, or drifts from the contract in a chosen way, optionally after
+//! waiting at a gate or a barrier.
+
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use http::Response;
+use http_body_util::Full;
+use tokio::sync::Barrier;
+
+use super::upstream::{json_response, FakeUpstream, Gate, Recorded};
+
+/// How a provider answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Drift {
+    /// Honours the contract.
+    None,
+    /// An extra top-level key.
+    ExtraKey,
+    /// `choices` is missing.
+    MissingField,
+    /// Prose instead of the JSON-mode answer.
+    Prose,
+}
+
+/// When a provider answers.
+#[derive(Clone)]
+pub enum Timing {
+    Now,
+    /// After the gate opens (only chat requests; probes answer at once).
+    Gate(Gate),
+    /// When every party of the barrier has a request in hand.
+    Barrier(Arc<Barrier>),
+}
+
+pub struct Provider {
+    pub upstream: FakeUpstream,
+    drift: Arc<Mutex<Drift>>,
+}
+
+impl Provider {
+    pub async fn start(name: &'static str, drift: Drift, timing: Timing) -> Provider {
+        let drift = Arc::new(Mutex::new(drift));
+        let upstream = {
+            let drift = drift.clone();
+            FakeUpstream::start(move |r: Recorded| {
+                let drift = drift.clone();
+                let timing = timing.clone();
+                async move {
+                    // Probes carry no idempotency key; they are answered at once.
+                    if r.header("idempotency-key").is_some() {
+                        match timing {
+                            Timing::Now => {}
+                            Timing::Gate(gate) => gate.pass().await,
+                            Timing::Barrier(barrier) => {
+                                barrier.wait().await;
+                            }
+                        }
+                    }
+                    let drift = *drift.lock().unwrap();
+                    completion(name, &r, drift)
+                }
+            })
+            .await
+        };
+        Provider { upstream, drift }
+    }
+
+    pub fn set(&self, drift: Drift) {
+        *self.drift.lock().unwrap() = drift;
+    }
+
+    pub fn url(&self) -> String {
+        self.upstream.url()
+    }
+
+    /// Chat requests received (probes not counted).
+    pub fn calls(&self) -> Vec<Recorded> {
+        self.upstream
+            .recorded()
+            .into_iter()
+            .filter(|r| r.header("idempotency-key").is_some())
+            .collect()
+    }
+
+    /// Probe requests received.
+    pub fn probes(&self) -> usize {
+        self.upstream.recorded().len() - self.calls().len()
+    }
+}
+
+fn completion(name: &str, r: &Recorded, drift: Drift) -> Response<Full<Bytes>> {
+    let content = match drift {
+        Drift::Prose => "The capital of France is Paris.".to_owned(),
+        _ => serde_json::json!({"answer": format!("Paris, says {name}")}).to_string(),
+    };
+    let mut body = serde_json::json!({
+        "id": format!("chatcmpl-{name}-{}", r.hit),
+        "object": "chat.completion",
+        "created": 1_764_000_000,
+        "model": name,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": content},
+            "finish_reason": "stop"
+        }],
+        "usage": {"prompt_tokens": 20, "completion_tokens": 5, "total_tokens": 25}
+    });
+    match drift {
+        Drift::ExtraKey => body["provider_debug"] = serde_json::json!({"region": "x"}),
+        Drift::MissingField => {
+            body.as_object_mut().unwrap().remove("choices");
+        }
+        _ => {}
+    }
+    json_response(200, body)
+}
