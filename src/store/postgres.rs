@@ -205,20 +205,7 @@ impl PgStore {
     ) -> Result<Option<JobId>, StoreError> {
         let mut client = self.client().await?;
         let tx = client.transaction().await.map_err(map_pg)?;
-        let Some(row) = tx
-            .query_opt(
-                "SELECT j.id, j.state, a.state FROM jobs j JOIN attempts a ON a.job_id = j.id \
-                 WHERE a.id = $1 FOR UPDATE OF j, a",
-                &[&attempt.0],
-            )
-            .await
-            .map_err(map_pg)?
-        else {
-            return Err(StoreError::NotFound("attempt"));
-        };
-        let job = JobId(row.get(0));
-        let job_state = parse_job_state(row.get(1))?;
-        let current = parse_attempt_state(row.get(2))?;
+        let (job, job_state, current) = lock_attempt(&tx, attempt).await?;
         if !from.contains(&current) || !current.can_become(to) {
             // Already settled by someone else (a commit, an operator): leave it.
             return Ok(None);
@@ -319,6 +306,29 @@ impl PgStore {
             .map_err(map_pg)?;
         rows.iter().map(|r| attempt_from_row(r, 0)).collect()
     }
+}
+
+/// Locks an attempt and its job for the rest of the transaction, so that
+/// two attempts settling at once see each other's writes; returns the job's
+/// id and state and the attempt's state.
+async fn lock_attempt(
+    tx: &deadpool_postgres::Transaction<'_>,
+    attempt: AttemptId,
+) -> Result<(JobId, JobState, AttemptState), StoreError> {
+    let row = tx
+        .query_opt(
+            "SELECT j.id, j.state, a.state FROM jobs j JOIN attempts a ON a.job_id = j.id \
+             WHERE a.id = $1 FOR UPDATE OF j, a",
+            &[&attempt.0],
+        )
+        .await
+        .map_err(map_pg)?
+        .ok_or(StoreError::NotFound("attempt"))?;
+    Ok((
+        JobId(row.get(0)),
+        parse_job_state(row.get(1))?,
+        parse_attempt_state(row.get(2))?,
+    ))
 }
 
 async fn derive_job_state(client: &impl GenericClient, job: JobId) -> Result<JobState, StoreError> {
@@ -523,20 +533,7 @@ impl Store for PgStore {
     ) -> Result<JobDetail, StoreError> {
         let mut client = self.client().await?;
         let tx = client.transaction().await.map_err(map_pg)?;
-        let Some(row) = tx
-            .query_opt(
-                "SELECT j.id, j.state, a.state FROM jobs j JOIN attempts a ON a.job_id = j.id \
-                 WHERE a.id = $1 FOR UPDATE OF j, a",
-                &[&attempt.0],
-            )
-            .await
-            .map_err(map_pg)?
-        else {
-            return Err(StoreError::NotFound("attempt"));
-        };
-        let job = JobId(row.get(0));
-        let job_state = parse_job_state(row.get(1))?;
-        let current = parse_attempt_state(row.get(2))?;
+        let (job, job_state, current) = lock_attempt(&tx, attempt).await?;
         if !current.is_unsettled() {
             return Err(StoreError::Conflict(format!(
                 "attempt {attempt} is already {current}; only started or unknown attempts can be resolved"

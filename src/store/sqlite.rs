@@ -319,17 +319,13 @@ fn derive_job_state(conn: &Connection, job: &str) -> Result<JobState, StoreError
     Ok(JobState::derive(states))
 }
 
-/// Settles one attempt and derives its job's state again, inside `tx`.
-/// Returns the job's id when the attempt moved.
-fn settle_tx(
+/// An attempt's job id and state and its own state (the caller's immediate
+/// transaction already holds the write lock).
+fn read_attempt_and_job(
     tx: &Transaction<'_>,
     attempt: &str,
-    to: AttemptState,
-    status: Option<u16>,
-    detail: &str,
-    from: &[AttemptState],
-) -> Result<Option<String>, StoreError> {
-    let Some((job, job_state, current)) = tx
+) -> Result<(String, JobState, AttemptState), StoreError> {
+    let (job, job_state, state) = tx
         .query_row(
             "SELECT j.id, j.state, a.state FROM jobs j JOIN attempts a ON a.job_id = j.id \
              WHERE a.id = ?1",
@@ -344,11 +340,25 @@ fn settle_tx(
         )
         .optional()
         .map_err(map_sqlite)?
-    else {
-        return Err(StoreError::NotFound("attempt"));
-    };
-    let job_state = parse_job_state(&job_state)?;
-    let current = parse_attempt_state(&current)?;
+        .ok_or(StoreError::NotFound("attempt"))?;
+    Ok((
+        job,
+        parse_job_state(&job_state)?,
+        parse_attempt_state(&state)?,
+    ))
+}
+
+/// Settles one attempt and derives its job's state again, inside `tx`.
+/// Returns the job's id when the attempt moved.
+fn settle_tx(
+    tx: &Transaction<'_>,
+    attempt: &str,
+    to: AttemptState,
+    status: Option<u16>,
+    detail: &str,
+    from: &[AttemptState],
+) -> Result<Option<String>, StoreError> {
+    let (job, job_state, current) = read_attempt_and_job(tx, attempt)?;
     if !from.contains(&current) || !current.can_become(to) {
         return Ok(None);
     }
@@ -556,20 +566,7 @@ impl Store for SqliteStore {
             .call(move |conn| {
                 let id = attempt.0.to_string();
                 let tx = immediate(conn)?;
-                let Some((job, job_state, current)) = tx
-                    .query_row(
-                        "SELECT j.id, j.state, a.state FROM jobs j JOIN attempts a ON a.job_id = j.id \
-                         WHERE a.id = ?1",
-                        [&id],
-                        |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?)),
-                    )
-                    .optional()
-                    .map_err(map_sqlite)?
-                else {
-                    return Err(StoreError::NotFound("attempt"));
-                };
-                let job_state = parse_job_state(&job_state)?;
-                let current = parse_attempt_state(&current)?;
+                let (job, job_state, current) = read_attempt_and_job(&tx, &id)?;
                 if !current.is_unsettled() {
                     return Err(StoreError::Conflict(format!(
                         "attempt {attempt} is already {current}; only started or unknown attempts can be resolved"
