@@ -9,4 +9,5 @@ mod core_races;
 mod embedded;
 mod failover;
 mod fastpath;
+mod postgres_restart;
 mod store_conformance;

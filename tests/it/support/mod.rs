@@ -6,6 +6,7 @@
 pub mod chat;
 pub mod db;
 pub mod gateway;
+pub mod postgres;
 pub mod redis;
 pub mod store;
 pub mod upstream;

@@ -1,0 +1,149 @@
+//! A throwaway PostgreSQL server in a temporary folder on a free port, for
+//! tests that stop and restart it (never the shared one on 5432). As root,
+//! the server runs as the `postgres` user, as PostgreSQL requires.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+pub struct ThrowawayPostgres {
+    pub port: u16,
+    dir: tempfile::TempDir,
+    bin: PathBuf,
+    as_postgres: bool,
+}
+
+impl ThrowawayPostgres {
+    pub async fn start() -> ThrowawayPostgres {
+        let port = super::redis::free_port().await;
+        let bin = binaries();
+        let dir = tempfile::tempdir().unwrap();
+        let as_postgres = is_root();
+        if as_postgres {
+            assert!(
+                Command::new("chown")
+                    .args(["-R", "postgres:postgres"])
+                    .arg(dir.path())
+                    .status()
+                    .unwrap()
+                    .success(),
+                "chown the throwaway cluster's folder"
+            );
+        }
+        let pg = ThrowawayPostgres {
+            port,
+            dir,
+            bin,
+            as_postgres,
+        };
+        pg.run(
+            "initdb",
+            &[
+                "-D",
+                &pg.data(),
+                "-A",
+                "trust",
+                "-U",
+                "postgres",
+                "--no-sync",
+            ],
+        );
+        pg.start_again();
+        pg
+    }
+
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    fn data(&self) -> String {
+        self.dir.path().join("data").display().to_string()
+    }
+
+    /// Starts the server and waits until it accepts connections.
+    pub fn start_again(&self) {
+        let options = format!(
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off",
+            self.port,
+            self.dir.path().display()
+        );
+        let log = self.dir.path().join("log").display().to_string();
+        self.run(
+            "pg_ctl",
+            &[
+                "-D",
+                &self.data(),
+                "-o",
+                &options,
+                "-l",
+                &log,
+                "-w",
+                "start",
+            ],
+        );
+    }
+
+    /// Stops the server at once, as a crash would (`-m immediate`).
+    pub fn stop(&self) {
+        self.run(
+            "pg_ctl",
+            &["-D", &self.data(), "-m", "immediate", "-w", "stop"],
+        );
+    }
+
+    fn run(&self, tool: &str, args: &[&str]) {
+        let exe = self.bin.join(tool);
+        let status = if self.as_postgres {
+            Command::new("runuser")
+                .args(["-u", "postgres", "--"])
+                .arg(&exe)
+                .args(args)
+                .stdout(std::process::Stdio::null())
+                .status()
+        } else {
+            Command::new(&exe)
+                .args(args)
+                .stdout(std::process::Stdio::null())
+                .status()
+        }
+        .unwrap_or_else(|e| panic!("run {}: {e}", exe.display()));
+        assert!(status.success(), "{tool} {args:?} failed");
+    }
+}
+
+impl Drop for ThrowawayPostgres {
+    fn drop(&mut self) {
+        let data = self.data();
+        let _ = Command::new(if self.as_postgres { "runuser" } else { "sh" })
+            .args(if self.as_postgres {
+                vec!["-u", "postgres", "--"]
+            } else {
+                vec!["-c", "exec \"$0\" \"$@\""]
+            })
+            .arg(self.bin.join("pg_ctl"))
+            .args(["-D", &data, "-m", "immediate", "stop"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status();
+    }
+}
+
+/// The newest installed PostgreSQL's binaries.
+fn binaries() -> PathBuf {
+    let root = Path::new("/usr/lib/postgresql");
+    let mut versions: Vec<_> = std::fs::read_dir(root)
+        .expect("PostgreSQL is not installed; scripts/test.sh installs it")
+        .filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str().and_then(|v| v.parse::<u32>().ok()))
+        .collect();
+    versions.sort_unstable();
+    root.join(versions.last().expect("a PostgreSQL version").to_string())
+        .join("bin")
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
