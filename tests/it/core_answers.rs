@@ -411,6 +411,53 @@ async fn admin_api_needs_the_bearer_token_and_probes_do_not(store: TestStore) {
     assert_eq!(r.problem(), "admin-disabled");
 }
 
+async fn pass_through_bodies_stream_past_the_opt_in_limit(store: TestStore) {
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .tables("[[routes]]\nbody_limit = \"1KiB\"\n")
+        .start()
+        .await;
+    // No key: not opted in, so not buffered and not limited.
+    let big = "z".repeat(256 * 1024);
+    let reply = send(Method::POST, &gateway.path("/v1/upload"), &[], big.clone()).await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(upstream.recorded()[0].body.len(), big.len());
+    assert_eq!(reply.job(), None);
+}
+
+#[tokio::test]
+async fn variables_override_the_file_and_flags_override_variables() {
+    let store = TestStore::embedded();
+    let upstream = FakeUpstream::echo().await;
+    // The file's value alone would stop start-up; the variable wins over it.
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("hold_timeout", "\"0s\"")
+        .env("IDEMGATE_HOLD_TIMEOUT", "2s")
+        .start()
+        .await;
+    assert_eq!(
+        post(&gateway.path("/x"), "precedence", "{}").await.status,
+        200
+    );
+    drop(gateway);
+
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .args([
+            "serve",
+            "--upstream",
+            "http://127.0.0.1:1",
+            "--hold-timeout",
+            "0s",
+        ])
+        .env("IDEMGATE_HOLD_TIMEOUT", "2s")
+        .env("IDEMGATE_EMBEDDED_PATH", "/nonexistent/never-opened.db")
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success(), "the flag wins over the variable");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("hold_timeout"));
+}
+
 #[tokio::test]
 async fn store_unreachable_means_503_and_nothing_proxied() {
     let upstream = FakeUpstream::echo().await;
@@ -490,6 +537,7 @@ async fn bad_configuration_stops_start_up_naming_the_key() {
 }
 
 crate::on_both_stores!(
+    pass_through_bodies_stream_past_the_opt_in_limit,
     replay_is_faithful_to_status_end_to_end_headers_and_body_bytes,
     same_key_with_another_body_or_path_is_a_409_mismatch_and_never_proxied,
     mismatch_status_can_be_the_ietf_422,

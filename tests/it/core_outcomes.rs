@@ -214,6 +214,76 @@ async fn a_held_duplicate_past_the_hold_timeout_gets_409_in_progress(store: Test
     assert_eq!(upstream.hits(), 1);
 }
 
+async fn a_running_attempt_keeps_renewing_its_lease(store: TestStore) {
+    let gate = Gate::new();
+    let upstream = first_answer_gated(&gate).await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("lease_ttl", "\"600ms\"")
+        .start()
+        .await;
+    let first = tokio::spawn({
+        let url = gateway.path("/v1/jobs");
+        async move { post(&url, "long-1", "{}").await }
+    });
+    let job_id = upstream
+        .arrival()
+        .await
+        .header("idempotency-key")
+        .unwrap()
+        .to_owned();
+    let lease = |job: &Value| {
+        attempts(job)[0]["lease_expires_at"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let initial = lease(&gateway.job(&job_id).await);
+    // Several lease lengths pass with the sweeper running every 200 ms: the
+    // lease moves forward and the attempt stays started.
+    for _ in 0..3 {
+        let before = lease(&gateway.job(&job_id).await);
+        eventually(
+            Duration::from_secs(10),
+            "the lease to be renewed",
+            || async { lease(&gateway.job(&job_id).await) > before },
+        )
+        .await;
+    }
+    let job = gateway.job(&job_id).await;
+    assert!(lease(&job) > initial);
+    assert_eq!(attempts(&job)[0]["state"], "started");
+    assert_eq!(job["state"], "running");
+    gate.open(1);
+    assert_eq!(first.await.unwrap().status, 200);
+}
+
+async fn expired_jobs_are_purged_in_the_background(store: TestStore) {
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("key_ttl", "\"1s\"")
+        .start()
+        .await;
+    let url = gateway.path("/v1/jobs");
+    let first = post(&url, "short-lived", "{}").await;
+    let job_id = first.job().unwrap();
+    eventually(
+        Duration::from_secs(10),
+        "the expired job to be purged",
+        || async {
+            gateway
+                .admin(Method::GET, &format!("/admin/v1/jobs/{job_id}"), "")
+                .await
+                .status
+                == 404
+        },
+    )
+    .await;
+    // The key is free again: a new job, a new upstream call.
+    let again = post(&url, "short-lived", "{}").await;
+    assert_ne!(again.job(), first.job());
+    assert_eq!(upstream.hits(), 2);
+}
+
 #[tokio::test]
 async fn a_gateway_killed_mid_attempt_leaves_the_attempt_unknown_once_its_lease_lapses() {
     let store = TestStore::postgres().await;
@@ -329,6 +399,8 @@ async fn admin_rejects_malformed_resolutions(store: TestStore) {
 }
 
 crate::on_both_stores!(
+    a_running_attempt_keeps_renewing_its_lease,
+    expired_jobs_are_purged_in_the_background,
     timeout_makes_the_job_unknown_until_resolved_then_attempt_two_runs,
     late_answer_before_the_deadline_is_committed_and_replayed,
     refused_connection_fails_the_attempt_and_the_retry_makes_attempt_two,
