@@ -317,6 +317,39 @@ async fn no_hedging_on_a_route_not_declared_side_effect_free() {
 }
 
 #[tokio::test]
+async fn on_a_side_effect_free_route_an_unknown_attempt_may_be_followed_by_another() {
+    let store = TestStore::postgres().await;
+    let silent = Gate::new();
+    let a = Provider::start("a", Drift::None, Timing::Gate(silent.clone())).await;
+    let b = Provider::start("b", Drift::None, Timing::Now).await;
+    // The hedge timer is far off: what moves on to b is a's timeout.
+    let gateway = chat_gateway(
+        &store,
+        &a.url(),
+        &b.url(),
+        "side_effect_free = true\nhedge_after = \"30s\"\n",
+    )
+    .set("upstream_timeout", "\"300ms\"")
+    .start()
+    .await;
+    probed(&gateway, "b", true).await;
+    let reply = chat(&gateway, "unknown-then-b").await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(model(&reply), "b");
+    let job = gateway.job(&reply.job().unwrap()).await;
+    assert_eq!(job["state"], "completed");
+    let list = attempts(&job);
+    assert_eq!(list[1]["state"], "succeeded");
+    assert_eq!(job["completed_by"], list[1]["id"]);
+    eventually(WAIT, "the silent primary to be superseded", || async {
+        let job = gateway.job(&reply.job().unwrap()).await;
+        attempts(&job)[0]["state"] == "superseded"
+    })
+    .await;
+    silent.open(1);
+}
+
+#[tokio::test]
 async fn failover_within_one_request_on_refusal_and_retryable_status() {
     let store = TestStore::embedded();
     let closed = crate::support::redis::free_port().await;
