@@ -137,16 +137,7 @@ impl Admin {
                     .job_detail(JobId(id))
                     .await
                     .map_err(store_problem)?;
-                detail
-                    .map(|d| json_response(StatusCode::OK, &job_json(&d)))
-                    .ok_or_else(|| {
-                        problem(
-                            StatusCode::NOT_FOUND,
-                            "job-not-found",
-                            "Job not found",
-                            "no job with this id",
-                        )
-                    })
+                found(detail, "no job with this id")
             }
             (Method::GET, ["jobs"]) => {
                 let query = req.uri().query().unwrap_or("");
@@ -169,16 +160,7 @@ impl Admin {
                     .find_job(&owner, &key)
                     .await
                     .map_err(store_problem)?;
-                detail
-                    .map(|d| json_response(StatusCode::OK, &job_json(&d)))
-                    .ok_or_else(|| {
-                        problem(
-                            StatusCode::NOT_FOUND,
-                            "job-not-found",
-                            "Job not found",
-                            "no job for this owner and key",
-                        )
-                    })
+                found(detail, "no job for this owner and key")
             }
             (Method::GET, ["upstreams"]) => {
                 Ok(json_response(StatusCode::OK, &self.upstreams_json()))
@@ -301,6 +283,20 @@ fn parse_resolution(body: &[u8]) -> Result<Resolution, AdminProblem> {
             "unknown outcome {other:?}; use failed, cancelled or succeeded"
         ))),
     }
+}
+
+/// A job's view, or 404 saying what was looked for.
+fn found(detail: Option<JobDetail>, missing: &str) -> Result<Response<Body>, AdminProblem> {
+    detail
+        .map(|d| json_response(StatusCode::OK, &job_json(&d)))
+        .ok_or_else(|| {
+            problem(
+                StatusCode::NOT_FOUND,
+                "job-not-found",
+                "Job not found",
+                missing,
+            )
+        })
 }
 
 fn job_json(detail: &JobDetail) -> Value {

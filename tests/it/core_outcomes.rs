@@ -24,6 +24,16 @@ async fn first_answer_gated(gate: &Gate) -> FakeUpstream {
     .await
 }
 
+/// A gateway that calls an attempt unknown after 300 ms of silence, and lets
+/// its late answer commit for 30 s.
+async fn impatient_gateway(store: &TestStore, upstream: &FakeUpstream) -> Gateway {
+    Gateway::builder(store, &upstream.url())
+        .set("upstream_timeout", "\"300ms\"")
+        .set("attempt_deadline", "\"30s\"")
+        .start()
+        .await
+}
+
 fn attempts(job: &Value) -> &Vec<Value> {
     job["attempts"].as_array().unwrap()
 }
@@ -31,11 +41,7 @@ fn attempts(job: &Value) -> &Vec<Value> {
 async fn timeout_makes_the_job_unknown_until_resolved_then_attempt_two_runs(store: TestStore) {
     let gate = Gate::new();
     let upstream = first_answer_gated(&gate).await;
-    let gateway = Gateway::builder(&store, &upstream.url())
-        .set("upstream_timeout", "\"300ms\"")
-        .set("attempt_deadline", "\"30s\"")
-        .start()
-        .await;
+    let gateway = impatient_gateway(&store, &upstream).await;
     let url = gateway.path("/v1/jobs");
 
     let first = post(&url, "slow-1", "{}").await;
@@ -89,11 +95,7 @@ async fn timeout_makes_the_job_unknown_until_resolved_then_attempt_two_runs(stor
 async fn late_answer_before_the_deadline_is_committed_and_replayed(store: TestStore) {
     let gate = Gate::new();
     let upstream = first_answer_gated(&gate).await;
-    let gateway = Gateway::builder(&store, &upstream.url())
-        .set("upstream_timeout", "\"300ms\"")
-        .set("attempt_deadline", "\"30s\"")
-        .start()
-        .await;
+    let gateway = impatient_gateway(&store, &upstream).await;
     let url = gateway.path("/v1/jobs");
 
     let first = post(&url, "late-1", "{}").await;
