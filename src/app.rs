@@ -95,6 +95,7 @@ pub async fn run(
 
     let probes = Arc::new(ProbeBoard::default());
     let probes_for_admin = probes.clone();
+    let (leases_at_exit, store_at_exit) = (leases.clone(), store.clone());
     let shared = Arc::new(Shared {
         probes: probes.clone(),
         settings: settings.clone(),
@@ -143,10 +144,25 @@ pub async fn run(
     let admin = tower::service_fn(move |req| admin.clone().handle(req));
 
     ready();
+    let grace = settings.shutdown_grace;
     tokio::join!(
-        server::serve(listeners.proxy, proxy, shutdown.clone().cancelled_owned()),
-        server::serve(listeners.admin, admin, shutdown.clone().cancelled_owned()),
+        server::serve(
+            listeners.proxy,
+            proxy,
+            shutdown.clone().cancelled_owned(),
+            grace
+        ),
+        server::serve(
+            listeners.admin,
+            admin,
+            shutdown.clone().cancelled_owned(),
+            grace
+        ),
     );
+    // Attempts still in flight die with this process; say so now rather
+    // than leave duplicates waiting for their leases to lapse. A late answer
+    // that still arrives before exit commits as usual.
+    leases_at_exit.abandon(store_at_exit.as_ref()).await;
     tracing::info!("gateway stopped");
     Ok(())
 }

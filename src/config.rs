@@ -135,6 +135,8 @@ pub struct FileConfig {
     sweep_interval: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
     retry_after: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    shutdown_grace: Option<Duration>,
     owner_header: Option<String>,
     forward_key_header: Option<String>,
     forward_attempt_header: Option<String>,
@@ -259,6 +261,8 @@ pub struct Settings {
     pub sweep_interval: Duration,
     /// `Retry-After` on 409 answers.
     pub retry_after: Duration,
+    /// How long open connections may finish after SIGTERM.
+    pub shutdown_grace: Duration,
     /// The request header the owner is derived from.
     pub owner_header: HeaderName,
     /// The header carrying the job id upstream.
@@ -588,6 +592,7 @@ impl Settings {
                 file.sweep_interval.unwrap_or(Duration::from_secs(5)),
             )?,
             retry_after: file.retry_after.unwrap_or(Duration::from_secs(1)),
+            shutdown_grace: file.shutdown_grace.unwrap_or(Duration::from_secs(10)),
             owner_header: header_name(
                 "owner_header",
                 file.owner_header.as_deref().unwrap_or("authorization"),

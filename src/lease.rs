@@ -9,7 +9,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::attempt::AttemptId;
+use crate::attempt::{AttemptFailure, AttemptId};
 use crate::store::Store;
 
 /// The attempts this instance holds leases on.
@@ -41,6 +41,24 @@ impl Leases {
 
     fn snapshot(&self) -> Vec<AttemptId> {
         self.lock().iter().copied().collect()
+    }
+
+    /// Records every attempt still held as `unknown`: this instance is going
+    /// away and can no longer tell how they end.
+    pub async fn abandon(&self, store: &dyn Store) {
+        for attempt in self.snapshot() {
+            let failure = AttemptFailure::Unknown {
+                detail: "the gateway shut down while this attempt was in flight".into(),
+            };
+            match store.fail_attempt(attempt, failure).await {
+                Ok(()) => {
+                    tracing::warn!(%attempt, "attempt in flight at shutdown; outcome unknown")
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, %attempt, "could not record an attempt abandoned at shutdown; its lease will lapse")
+                }
+            }
+        }
     }
 
     /// Renews every held lease each `lease / 3` until `shutdown`.

@@ -16,14 +16,16 @@ use tower::{Service, ServiceExt};
 use crate::http::BoxError;
 use crate::upstream::ClientAddr;
 
-/// How long open connections may take to finish after shutdown begins.
-const DRAIN: Duration = Duration::from_secs(10);
-
 /// Serves `service` on every connection `listener` accepts (HTTP/1.1 and
 /// HTTP/2), tagging each request with the peer's address, until `shutdown`
-/// resolves; then stops accepting and lets open connections finish.
-pub async fn serve<S, B>(listener: TcpListener, service: S, shutdown: impl Future<Output = ()>)
-where
+/// resolves; then stops accepting and lets open connections finish, for
+/// `grace` at most.
+pub async fn serve<S, B>(
+    listener: TcpListener,
+    service: S,
+    shutdown: impl Future<Output = ()>,
+    grace: Duration,
+) where
     S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
         + Clone
         + Send
@@ -69,6 +71,6 @@ where
     drop(listener);
     tokio::select! {
         () = graceful.shutdown() => {}
-        () = tokio::time::sleep(DRAIN) => tracing::warn!("connections still open after the drain period; closing"),
+        () = tokio::time::sleep(grace) => tracing::warn!("connections still open after shutdown_grace; closing"),
     }
 }

@@ -286,6 +286,40 @@ async fn expired_jobs_are_purged_in_the_background(store: TestStore) {
     assert_eq!(upstream.hits(), 2);
 }
 
+async fn a_gateway_stopped_mid_attempt_records_it_unknown_at_once(store: TestStore) {
+    let gate = Gate::new();
+    let upstream = first_answer_gated(&gate).await;
+    // A lease far longer than the test: only the shutdown can explain `unknown`.
+    let builder = || {
+        Gateway::builder(&store, &upstream.url())
+            .set("lease_ttl", "\"10m\"")
+            .set("shutdown_grace", "\"300ms\"")
+    };
+    let mut stopping = builder().start().await;
+    let in_flight = crate::support::post_detached(stopping.path("/v1/jobs"), "stopped-1");
+    let job_id = upstream
+        .arrival()
+        .await
+        .header("idempotency-key")
+        .unwrap()
+        .to_owned();
+    assert!(
+        stopping.terminate().await.success(),
+        "a clean exit on SIGTERM"
+    );
+    let _ = in_flight.await;
+
+    let next = builder().start().await;
+    let job = next.job(&job_id).await;
+    assert_eq!(job["state"], "unknown");
+    let detail = attempts(&job)[0]["detail"].as_str().unwrap().to_owned();
+    assert!(detail.contains("shut down"), "{detail}");
+    let retry = post(&next.path("/v1/jobs"), "stopped-1", "{}").await;
+    assert_eq!(retry.status, 409);
+    assert_eq!(upstream.hits(), 1);
+    gate.open(1);
+}
+
 #[tokio::test]
 async fn a_gateway_killed_mid_attempt_leaves_the_attempt_unknown_once_its_lease_lapses() {
     let store = TestStore::postgres().await;
@@ -401,6 +435,7 @@ async fn admin_rejects_malformed_resolutions(store: TestStore) {
 }
 
 crate::on_both_stores!(
+    a_gateway_stopped_mid_attempt_records_it_unknown_at_once,
     a_running_attempt_keeps_renewing_its_lease,
     expired_jobs_are_purged_in_the_background,
     timeout_makes_the_job_unknown_until_resolved_then_attempt_two_runs,

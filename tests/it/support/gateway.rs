@@ -62,6 +62,21 @@ impl Gateway {
         let _ = self.child.wait().await;
     }
 
+    /// Asks the process to stop (SIGTERM) and waits until it has exited.
+    pub async fn terminate(&mut self) -> std::process::ExitStatus {
+        let pid = self.child.id().expect("running").to_string();
+        let sent = Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .await
+            .unwrap();
+        assert!(sent.success());
+        tokio::time::timeout(Duration::from_secs(30), self.child.wait())
+            .await
+            .expect("the gateway did not stop within 30 s of SIGTERM")
+            .unwrap()
+    }
+
     pub fn path(&self, path: &str) -> String {
         format!("{}{}", self.url, path)
     }
