@@ -273,8 +273,9 @@ pub struct Settings {
     pub mismatch_status: StatusCode,
     /// Largest upstream response that can be committed.
     pub max_response_size: usize,
-    /// Opt-in routes, most specific prefix first.
-    pub routes: Vec<Route>,
+    /// Opt-in routes, most specific prefix first (shared, not copied, by
+    /// the requests that match them).
+    pub routes: Vec<Arc<Route>>,
     /// Response contracts, by name.
     pub contracts: BTreeMap<String, Arc<Contract>>,
     /// How often upstreams are probed against the contracts of their routes.
@@ -532,6 +533,7 @@ impl Settings {
         };
         // Longest prefix first, so the most specific route wins.
         routes.sort_by_key(|r| std::cmp::Reverse(r.path_prefix.len()));
+        let routes = routes.into_iter().map(Arc::new).collect();
 
         let settings = Settings {
             listen: flags
@@ -628,7 +630,7 @@ impl Settings {
     }
 
     /// The route an opted-in request falls under, if any.
-    pub fn route_for(&self, method: &Method, path: &str) -> Option<&Route> {
+    pub fn route_for(&self, method: &Method, path: &str) -> Option<&Arc<Route>> {
         self.routes
             .iter()
             .find(|r| r.matches_path(path) && r.methods.contains(method))

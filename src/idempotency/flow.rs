@@ -51,7 +51,7 @@ pub(super) enum Prepared {
 /// One opted-in request, buffered and fingerprinted.
 pub(super) struct Flow {
     shared: Arc<Shared>,
-    route: Route,
+    route: Arc<Route>,
     owner: Owner,
     key: IdempotencyKey,
     fingerprint: Fingerprint,
