@@ -9,7 +9,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tower::ServiceBuilder;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
-use tower_http::trace::TraceLayer;
+use tower_http::trace::{DefaultOnFailure, TraceLayer};
 use uuid::Uuid;
 
 use crate::admin::Admin;
@@ -125,7 +125,10 @@ pub async fn run(
                 .and_then(|v| v.to_str().ok())
                 .unwrap_or_default();
             tracing::info_span!("request", method = %req.method(), path = %req.uri().path(), request_id = %id)
-        }))
+        })
+        // A 5xx here is usually the upstream's, already explained by the
+        // attempt's own log line: a warning, not an error of the gateway.
+        .on_failure(DefaultOnFailure::new().level(tracing::Level::WARN)))
         // …and the response echoes.
         .layer(PropagateRequestIdLayer::x_request_id())
         .map_request(|req: Request<Incoming>| req.map(|b| b.map_err(BodyError::new).boxed()))
