@@ -45,8 +45,14 @@ ensure_postgres() {
   if ! grep -q '^host all all 127.0.0.1/32 trust' "$hba"; then
     sed -i '1i host all all 127.0.0.1/32 trust\nhost all all ::1/128 trust' "$hba"
   fi
-  log "starting PostgreSQL $version/$cluster"
-  pg_ctlcluster --skip-systemctl-redirect "$version" "$cluster" start
+  # The package may have started the cluster itself (then it only needs to
+  # re-read pg_hba.conf), or not.
+  if port_open 5432; then
+    pg_ctlcluster --skip-systemctl-redirect "$version" "$cluster" reload
+  else
+    log "starting PostgreSQL $version/$cluster"
+    pg_ctlcluster --skip-systemctl-redirect "$version" "$cluster" start
+  fi
   wait_for 5432 PostgreSQL
 }
 
@@ -56,6 +62,9 @@ ensure_redis() {
   fi
   if ! command -v redis-server >/dev/null 2>&1; then
     apt_install redis-server
+    # The package may have started its own server already.
+    sleep 1
+    port_open 6379 && return 0
   fi
   log "starting Redis"
   mkdir -p /var/lib/redis
