@@ -170,6 +170,7 @@ struct UpstreamTable {
     timeout: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
     connect_timeout: Option<Duration>,
+    ca_file: Option<PathBuf>,
     #[serde(default)]
     headers: BTreeMap<String, HeaderSource>,
 }
@@ -332,6 +333,9 @@ pub struct UpstreamSettings {
     pub connect_timeout: Duration,
     /// Headers set on every request to it (values may be secrets).
     pub headers: Vec<(HeaderName, http::HeaderValue)>,
+    /// Certificate authorities trusted for `https://` besides the public
+    /// web PKI roots (a private CA, a self-signed provider).
+    pub extra_roots: Vec<rustls::pki_types::CertificateDer<'static>>,
 }
 
 /// Which requests opt in, and how they are treated.
@@ -469,7 +473,7 @@ impl Settings {
         let upstreams = upstream_files
             .iter()
             .enumerate()
-            .map(|(i, u)| parse_upstream(i, u, upstream_timeout))
+            .map(|(i, u)| parse_upstream(i, u, upstream_timeout, &file.base_dir))
             .collect::<Result<Vec<_>, _>>()?;
         for (i, u) in upstreams.iter().enumerate() {
             if upstreams[..i].iter().any(|other| other.name == u.name) {
@@ -700,6 +704,7 @@ fn parse_upstream(
     i: usize,
     file: &UpstreamFile,
     default_timeout: Duration,
+    base_dir: &Path,
 ) -> Result<UpstreamSettings, ConfigError> {
     let key = format!("upstreams[{i}]");
     let (url, table) = match file {
@@ -713,13 +718,11 @@ fn parse_upstream(
         )
     })?;
     match base.scheme_str() {
-        Some("http") => {}
+        Some("http" | "https") => {}
         Some(other) => {
             return Err(bad(
                 &key,
-                format!(
-                    "scheme {other:?} is not supported; use http:// (terminate TLS in a sidecar)"
-                ),
+                format!("scheme {other:?} is not supported; use http:// or https://"),
             ))
         }
         None => {
@@ -759,7 +762,31 @@ fn parse_upstream(
             .map_err(|_| bad(&hkey, "not a valid header value"))?;
         headers.push((name, value));
     }
+    let extra_roots = match table.and_then(|t| t.ca_file.as_ref()) {
+        None => Vec::new(),
+        Some(path) => {
+            use rustls::pki_types::pem::PemObject;
+            let full = base_dir.join(path);
+            let ckey = format!("{key}.ca_file");
+            let certs = rustls::pki_types::CertificateDer::pem_file_iter(&full)
+                .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+                .map_err(|e| {
+                    bad(
+                        &ckey,
+                        format!("cannot read PEM certificates from {}: {e}", full.display()),
+                    )
+                })?;
+            if certs.is_empty() {
+                return Err(bad(
+                    &ckey,
+                    format!("{} holds no certificate", full.display()),
+                ));
+            }
+            certs
+        }
+    };
     Ok(UpstreamSettings {
+        extra_roots,
         name: table.and_then(|t| t.name.clone()).unwrap_or(default_name),
         base,
         timeout: positive(&format!("{key}.timeout"), timeout)?,
@@ -970,7 +997,7 @@ mod tests {
         let err = Settings::from_sources(
             FileConfig::default(),
             Flags {
-                upstreams: vec!["https://x".into()],
+                upstreams: vec!["ftp://x".into()],
                 ..Flags::default()
             },
         )

@@ -17,6 +17,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{header, HeaderValue, Request, Response, Uri};
 use http_body_util::BodyExt;
+use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
@@ -61,7 +62,7 @@ pub enum UpstreamError {
 /// A pooled client bound to one upstream.
 #[derive(Clone)]
 pub struct Upstream {
-    client: Client<HttpConnector, Body>,
+    client: Client<HttpsConnector<HttpConnector>, Body>,
     target: Arc<UpstreamSettings>,
 }
 
@@ -69,10 +70,15 @@ impl Upstream {
     /// A client for `target`; connecting gives up after its connect timeout
     /// (still a safe failure: nothing was sent).
     pub fn new(target: UpstreamSettings) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(target.connect_timeout));
-        connector.set_nodelay(true);
-        connector.enforce_http(true);
+        let mut tcp = HttpConnector::new();
+        tcp.set_connect_timeout(Some(target.connect_timeout));
+        tcp.set_nodelay(true);
+        tcp.enforce_http(false);
+        let connector = HttpsConnectorBuilder::new()
+            .with_tls_config(tls_config(&target.extra_roots))
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(tcp);
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(60))
             .build(connector);
@@ -115,6 +121,7 @@ impl Upstream {
                 headers.insert("x-forwarded-for", v);
             }
         }
+        // The scheme the client used to reach the gateway (plain HTTP).
         headers.insert("x-forwarded-proto", HeaderValue::from_static("http"));
         // The upstream's own credentials, which clients never hold.
         for (name, value) in &self.target.headers {
@@ -150,6 +157,25 @@ impl tower::Service<Request<Body>> for Upstream {
             Ok(response.map(|b| b.map_err(BodyError::new).boxed()))
         })
     }
+}
+
+/// TLS for `https://` upstreams: the public web PKI roots plus any CA the
+/// upstream's `ca_file` adds. A failed handshake happens before anything is
+/// sent, so it is a safe failure like a refused connection.
+fn tls_config(extra_roots: &[rustls::pki_types::CertificateDer<'static>]) -> rustls::ClientConfig {
+    let mut roots = rustls::RootCertStore {
+        roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
+    };
+    for cert in extra_roots {
+        if let Err(e) = roots.add(cert.clone()) {
+            tracing::warn!(error = %e, "ignoring an unusable certificate from ca_file");
+        }
+    }
+    rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .expect("ring supports the default protocol versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth()
 }
 
 /// Every configured upstream, as one service: each request goes to its

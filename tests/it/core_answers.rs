@@ -503,7 +503,7 @@ async fn bad_configuration_stops_start_up_naming_the_key() {
     let cases = [
         ("upstream_timeout", "\"soon\"", "upstream_timeout"),
         ("mismatch_status", "400", "422"),
-        ("upstreams", "[\"https://api.example\"]", "upstreams[0]"),
+        ("upstreams", "[\"ftp://api.example\"]", "upstreams[0]"),
         ("upstream_timout", "\"1s\"", "upstream_timout"),
         ("lease_ttl", "\"10ms\"", "lease_ttl"),
     ];

@@ -11,3 +11,4 @@ mod failover;
 mod fastpath;
 mod postgres_restart;
 mod store_conformance;
+mod tls;
