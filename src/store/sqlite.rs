@@ -418,6 +418,22 @@ impl Store for SqliteStore {
     async fn begin_job(&self, job: NewJob, attempt: NewAttempt) -> Result<Begin, StoreError> {
         self.call(move |conn| {
             let now = now_ms();
+            // Most requests that reach the store are duplicates: a plain read
+            // answers them without a write transaction. One connection serves
+            // the whole gateway, so nothing can come between this read and
+            // the insert below.
+            let existing = conn
+                .query_row(
+                    &format!("SELECT {JOB_COLUMNS} FROM jobs j WHERE j.owner = ?1 AND j.key = ?2"),
+                    params![job.owner.as_str(), job.key.as_str()],
+                    job_from_row,
+                )
+                .optional()
+                .map_err(map_sqlite)?
+                .transpose()?;
+            if let Some(existing) = existing.filter(|j| to_ms(j.expires_at) > now) {
+                return Ok(Begin::Existing(existing));
+            }
             let tx = immediate(conn)?;
             // An expired job that was not purged yet is forgotten: the key starts afresh.
             tx.execute(
