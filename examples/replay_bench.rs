@@ -1,5 +1,6 @@
 //! Replay benchmark: how fast idemgate answers duplicates of finished jobs,
-//! with and without the Redis fast path, side by side in one run.
+//! with and without the Redis fast path (and on the embedded store), side by
+//! side in one run.
 //!
 //! It starts one local upstream, then for each configuration a real
 //! `idemgate` process (the release binary) on a fresh PostgreSQL database,
@@ -81,18 +82,23 @@ async fn main() {
         .expect("flush the bench's Redis database");
 
     let direct = format!("http://{upstream}");
-    let without = Gateway::start(&args, &upstream, &db, None).await;
-    let with = Gateway::start(&args, &upstream, &db, Some(&args.redis)).await;
-    for g in [&without, &with] {
+    let without = Gateway::start(&args, &upstream, Store::Postgres(&db), None).await;
+    let with = Gateway::start(&args, &upstream, Store::Postgres(&db), Some(&args.redis)).await;
+    let scratch = std::env::temp_dir().join(format!("idemgate-bench-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    let embedded_file = scratch.join("bench.db");
+    let embedded = Gateway::start(&args, &upstream, Store::Embedded(&embedded_file), None).await;
+    for g in [&without, &with, &embedded] {
         prime(&g.url, args.keys).await;
     }
     // Let the fast path fill: every key replayed once through it.
     run(&with.url, args.keys, args.keys, 4).await;
 
-    let configs: [(&str, &str, bool); 3] = [
+    let configs: [(&str, &str, bool); 4] = [
         ("upstream alone (no idemgate)", &direct, false),
         ("replay, PostgreSQL only", &without.url, true),
         ("replay, PostgreSQL + Redis", &with.url, true),
+        ("replay, embedded store (SQLite)", &embedded.url, true),
     ];
     let mut results: Vec<Vec<Stats>> = vec![Vec::new(); configs.len()];
     for _ in 0..args.rounds {
@@ -126,8 +132,9 @@ async fn main() {
         .await;
     println!();
     println!("fast-path hits on the Redis gateway: {redis_hits:.0}");
-    drop((without, with));
+    drop((without, with, embedded));
     drop_database(&args.database, &db).await;
+    let _ = std::fs::remove_dir_all(&scratch);
 }
 
 #[derive(Clone, Default)]
@@ -282,6 +289,11 @@ async fn drop_database(server: &str, url: &str) {
     }
 }
 
+enum Store<'a> {
+    Postgres(&'a str),
+    Embedded(&'a std::path::Path),
+}
+
 struct Gateway {
     url: String,
     admin: String,
@@ -292,7 +304,7 @@ impl Gateway {
     async fn start(
         args: &Args,
         upstream: &std::net::SocketAddr,
-        db: &str,
+        store: Store<'_>,
         redis: Option<&str>,
     ) -> Gateway {
         let mut cmd = Command::new(&args.binary);
@@ -304,11 +316,14 @@ impl Gateway {
             "127.0.0.1:0",
         ])
         .args(["--upstream", &format!("http://{upstream}")])
-        .args(["--database-url", db])
         .env("RUST_LOG", "warn")
         .env_remove("IDEMGATE_REDIS_URL")
         .stdout(Stdio::piped())
         .kill_on_drop(true);
+        match store {
+            Store::Postgres(url) => cmd.args(["--database-url", url]),
+            Store::Embedded(path) => cmd.arg("--embedded-path").arg(path),
+        };
         if let Some(redis) = redis {
             cmd.args(["--redis-url", redis]);
         }
