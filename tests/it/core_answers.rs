@@ -465,12 +465,8 @@ async fn store_unreachable_means_503_and_nothing_proxied() {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         l.local_addr().unwrap()
     };
-    let gateway = Gateway::builder(&TestStore::embedded(), &upstream.url())
-        .unset("embedded_path")
-        .set(
-            "database_url",
-            &format!("\"postgres://postgres@{closed}/nowhere\""),
-        )
+    let nowhere = TestStore::external(format!("postgres://postgres@{closed}/nowhere"));
+    let gateway = Gateway::builder(&nowhere, &upstream.url())
         .set("database_timeout", "\"500ms\"")
         .start()
         .await;

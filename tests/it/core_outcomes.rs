@@ -11,17 +11,7 @@ use crate::support::{eventually, post, send, FakeUpstream, Gate, Gateway, TestSt
 
 /// An upstream whose first answer waits for `gate`; later ones are immediate.
 async fn first_answer_gated(gate: &Gate) -> FakeUpstream {
-    let gate = gate.clone();
-    FakeUpstream::start(move |r| {
-        let gate = gate.clone();
-        async move {
-            if r.hit == 1 {
-                gate.pass().await;
-            }
-            echo_response(&r)
-        }
-    })
-    .await
+    FakeUpstream::gated_echo(gate, |r| r.hit == 1).await
 }
 
 /// A gateway that calls an attempt unknown after 300 ms of silence, and lets

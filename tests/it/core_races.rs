@@ -4,7 +4,6 @@ use std::time::Duration;
 
 use futures_util::future::join_all;
 
-use crate::support::upstream::echo_response;
 use crate::support::{eventually, post, FakeUpstream, Gate, Gateway, Reply, TestStore};
 
 /// Sends `n` duplicates at once, holds the upstream until all the rest are
@@ -52,26 +51,6 @@ async fn post_owned(url: String, body: &'static str) -> Reply {
     post(&url, "double-click", body).await
 }
 
-fn gated_echo(
-    gate: Gate,
-) -> impl Fn(
-    crate::support::Recorded,
-) -> std::pin::Pin<
-    Box<
-        dyn std::future::Future<Output = http::Response<http_body_util::Full<bytes::Bytes>>> + Send,
-    >,
-> + Send
-       + Sync
-       + 'static {
-    move |r| {
-        let gate = gate.clone();
-        Box::pin(async move {
-            gate.pass().await;
-            echo_response(&r)
-        })
-    }
-}
-
 fn assert_one_result(replies: &[Reply], upstream: &FakeUpstream) {
     assert_eq!(upstream.hits(), 1, "exactly one upstream call");
     let job = replies[0].job().expect("job header");
@@ -106,7 +85,7 @@ fn assert_one_result(replies: &[Reply], upstream: &FakeUpstream) {
 
 async fn two_simultaneous_duplicates_make_one_upstream_call(store: TestStore) {
     let gate = Gate::new();
-    let upstream = FakeUpstream::start(gated_echo(gate.clone())).await;
+    let upstream = FakeUpstream::gated_echo(&gate, |_| true).await;
     let gateway = Gateway::start(&store, &upstream.url()).await;
     let replies = double_click(2, &[&gateway], &upstream, &gate).await;
     assert_one_result(&replies, &upstream);
@@ -114,7 +93,7 @@ async fn two_simultaneous_duplicates_make_one_upstream_call(store: TestStore) {
 
 async fn fifty_simultaneous_duplicates_make_one_upstream_call(store: TestStore) {
     let gate = Gate::new();
-    let upstream = FakeUpstream::start(gated_echo(gate.clone())).await;
+    let upstream = FakeUpstream::gated_echo(&gate, |_| true).await;
     let gateway = Gateway::start(&store, &upstream.url()).await;
     let replies = double_click(50, &[&gateway], &upstream, &gate).await;
     assert_one_result(&replies, &upstream);
@@ -124,7 +103,7 @@ async fn fifty_simultaneous_duplicates_make_one_upstream_call(store: TestStore) 
 async fn duplicates_across_two_processes_on_one_database() {
     let store = TestStore::postgres().await;
     let gate = Gate::new();
-    let upstream = FakeUpstream::start(gated_echo(gate.clone())).await;
+    let upstream = FakeUpstream::gated_echo(&gate, |_| true).await;
     let a = Gateway::start(&store, &upstream.url()).await;
     let b = Gateway::start(&store, &upstream.url()).await;
     // Duplicates held on b are released by a's commit: the wake-up crosses processes.

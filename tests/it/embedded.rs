@@ -1,26 +1,13 @@
 //! The embedded store end to end: restarts keep their promises, and one
 //! file serves one gateway.
 
-use crate::support::upstream::echo_response;
 use crate::support::{post, FakeUpstream, Gate, Gateway, TestStore};
 
 #[tokio::test]
 async fn a_gateway_killed_and_restarted_on_its_file_replays_and_reports_unfinished_as_unknown() {
     let store = TestStore::embedded();
     let gate = Gate::new();
-    let upstream = {
-        let gate = gate.clone();
-        FakeUpstream::start(move |r| {
-            let gate = gate.clone();
-            async move {
-                if r.hit == 2 {
-                    gate.pass().await;
-                }
-                echo_response(&r)
-            }
-        })
-        .await
-    };
+    let upstream = FakeUpstream::gated_echo(&gate, |r| r.hit == 2).await;
     let mut first = Gateway::start(&store, &upstream.url()).await;
     let done = post(&first.path("/v1/jobs"), "finished", "{}").await;
     assert_eq!(done.status, 200);

@@ -12,7 +12,6 @@ use idemgate::fingerprint::Fingerprint;
 use idemgate::job::JobId;
 use idemgate::key::{IdempotencyKey, Owner};
 
-use crate::support::upstream::echo_response;
 use crate::support::{eventually, post, FakeUpstream, Gate, Gateway, TestStore, ThrowawayRedis};
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -293,17 +292,7 @@ async fn held_duplicates_on_another_replica_are_woken_through_redis() {
     let store = TestStore::postgres().await;
     let redis = ThrowawayRedis::start().await;
     let gate = Gate::new();
-    let upstream = {
-        let gate = gate.clone();
-        FakeUpstream::start(move |r| {
-            let gate = gate.clone();
-            async move {
-                gate.pass().await;
-                echo_response(&r)
-            }
-        })
-        .await
-    };
+    let upstream = FakeUpstream::gated_echo(&gate, |_| true).await;
     let a = gateway(&store, &upstream, &redis.url()).await;
     let b = gateway(&store, &upstream, &redis.url()).await;
     let first = tokio::spawn({

@@ -5,30 +5,17 @@ use std::time::Duration;
 use http::Method;
 
 use crate::support::postgres::ThrowawayPostgres;
-use crate::support::upstream::echo_response;
 use crate::support::{eventually, post, send, FakeUpstream, Gate, Gateway, TestStore};
 
 #[tokio::test]
 async fn postgres_restarted_under_a_running_gateway() {
     let pg = ThrowawayPostgres::start().await;
     let gate = Gate::new();
-    let upstream = {
-        let gate = gate.clone();
-        FakeUpstream::start(move |r| {
-            let gate = gate.clone();
-            async move {
-                if r.header("idempotency-key").is_some() && r.hit == 2 {
-                    gate.pass().await;
-                }
-                echo_response(&r)
-            }
-        })
-        .await
-    };
-    let store = TestStore::embedded(); // placeholder; the URL below wins
-    let gateway = Gateway::builder(&store, &upstream.url())
-        .unset("embedded_path")
-        .set("database_url", &format!("{:?}", pg.url()))
+    let upstream = FakeUpstream::gated_echo(&gate, |r| {
+        r.header("idempotency-key").is_some() && r.hit == 2
+    })
+    .await;
+    let gateway = Gateway::builder(&TestStore::external(pg.url()), &upstream.url())
         .set("database_timeout", "\"500ms\"")
         .set("hold_timeout", "\"30s\"")
         .start()

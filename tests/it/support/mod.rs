@@ -24,7 +24,7 @@ pub use db::TestDb;
 pub use gateway::Gateway;
 pub use redis::ThrowawayRedis;
 pub use store::TestStore;
-pub use upstream::{FakeUpstream, Gate, Recorded};
+pub use upstream::{FakeUpstream, Gate};
 
 /// An answer, fully read.
 #[derive(Debug, Clone)]

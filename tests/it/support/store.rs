@@ -7,11 +7,18 @@ use super::TestDb;
 pub enum TestStore {
     Postgres(TestDb),
     Embedded(tempfile::TempDir),
+    /// A database the test owns itself (a throwaway server, an unreachable
+    /// address): only its URL is known here.
+    External(String),
 }
 
 impl TestStore {
     pub async fn postgres() -> TestStore {
         TestStore::Postgres(TestDb::new().await)
+    }
+
+    pub fn external(url: impl Into<String>) -> TestStore {
+        TestStore::External(url.into())
     }
 
     pub fn embedded() -> TestStore {
@@ -23,6 +30,7 @@ impl TestStore {
         match self {
             TestStore::Postgres(db) => ("database_url", format!("{:?}", db.url)),
             TestStore::Embedded(dir) => ("embedded_path", format!("{:?}", self.embedded_file(dir))),
+            TestStore::External(url) => ("database_url", format!("{url:?}")),
         }
     }
 
@@ -64,6 +72,9 @@ impl TestStore {
                 })
                 .await
                 .unwrap()
+            }
+            TestStore::External(_) => {
+                panic!("an external store's rows are the test's own business")
             }
         }
     }

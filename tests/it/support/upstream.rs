@@ -147,6 +147,26 @@ impl FakeUpstream {
         Self::start(|r| async move { echo_response(&r) }).await
     }
 
+    /// Echoes every request, but answers those `held` picks only once
+    /// `gate` lets them through.
+    pub async fn gated_echo(
+        gate: &Gate,
+        held: impl Fn(&Recorded) -> bool + Send + Sync + 'static,
+    ) -> FakeUpstream {
+        let gate = gate.clone();
+        let held = Arc::new(held);
+        Self::start(move |r| {
+            let (gate, held) = (gate.clone(), held.clone());
+            async move {
+                if held(&r) {
+                    gate.pass().await;
+                }
+                echo_response(&r)
+            }
+        })
+        .await
+    }
+
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
     }
