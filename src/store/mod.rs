@@ -55,6 +55,20 @@ enum Joining {
     Hedge,
 }
 
+/// The state a job moves to once one of its attempts settled: derived from
+/// all its attempts, and refused (rolling the change back) if the domain does
+/// not allow the move.
+fn next_job_state(current: JobState, attempts: Vec<AttemptState>) -> Result<JobState, StoreError> {
+    let next = JobState::derive(attempts);
+    if current.can_become(next) {
+        Ok(next)
+    } else {
+        Err(StoreError::Internal(format!(
+            "a job cannot move from {current} to {next}"
+        )))
+    }
+}
+
 fn parse_job_state(s: &str) -> Result<JobState, StoreError> {
     JobState::parse(s).ok_or_else(|| StoreError::Internal(format!("unknown job state {s:?}")))
 }
@@ -163,4 +177,26 @@ pub trait Store: Send + Sync + 'static {
 
     /// Checks that the store answers.
     async fn ping(&self) -> Result<(), StoreError>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_settled_attempt_moves_its_job_only_along_allowed_transitions() {
+        use AttemptState::*;
+        assert_eq!(
+            next_job_state(JobState::Running, vec![Failed]).unwrap(),
+            JobState::Open
+        );
+        assert_eq!(
+            next_job_state(JobState::Unknown, vec![Unknown, Failed]).unwrap(),
+            JobState::Unknown
+        );
+        // An open job has nothing in flight; an attempt turning unknown under
+        // it would be a bug, refused rather than written.
+        assert!(next_job_state(JobState::Open, vec![Unknown]).is_err());
+        assert!(next_job_state(JobState::Completed, vec![Failed]).is_err());
+    }
 }

@@ -17,8 +17,8 @@ use tokio_postgres::{AsyncMessage, NoTls, Row};
 use uuid::Uuid;
 
 use super::{
-    parse_attempt_state, parse_job_state, Begin, CommitOutcome, Doorbell, Joining, Store,
-    StoreError,
+    next_job_state, parse_attempt_state, parse_job_state, Begin, CommitOutcome, Doorbell, Joining,
+    Store, StoreError,
 };
 use crate::attempt::{Attempt, AttemptFailure, AttemptId, AttemptState, NewAttempt, Resolution};
 use crate::fingerprint::Fingerprint;
@@ -225,7 +225,7 @@ impl PgStore {
         .await
         .map_err(map_pg)?;
         if !job_state.is_terminal() {
-            let derived = derive_job_state(&tx, job).await?;
+            let derived = derive_job_state(&tx, job, job_state).await?;
             if derived != job_state {
                 tx.execute(
                     "UPDATE jobs SET state = $2, updated_at = now() WHERE id = $1",
@@ -331,7 +331,11 @@ async fn lock_attempt(
     ))
 }
 
-async fn derive_job_state(client: &impl GenericClient, job: JobId) -> Result<JobState, StoreError> {
+async fn derive_job_state(
+    client: &impl GenericClient,
+    job: JobId,
+    current: JobState,
+) -> Result<JobState, StoreError> {
     let rows = client
         .query("SELECT state FROM attempts WHERE job_id = $1", &[&job.0])
         .await
@@ -340,7 +344,7 @@ async fn derive_job_state(client: &impl GenericClient, job: JobId) -> Result<Job
         .iter()
         .map(|r| parse_attempt_state(r.get(0)))
         .collect::<Result<Vec<_>, _>>()?;
-    Ok(JobState::derive(states))
+    next_job_state(current, states)
 }
 
 fn millis(d: Duration) -> i64 {
@@ -580,7 +584,7 @@ impl Store for PgStore {
                 .await
                 .map_err(map_pg)?;
                 if !job_state.is_terminal() {
-                    let derived = derive_job_state(&tx, job).await?;
+                    let derived = derive_job_state(&tx, job, job_state).await?;
                     // The version moves: the attempt's own late answer must
                     // no longer be able to commit.
                     tx.execute(

@@ -27,8 +27,8 @@ use uuid::Uuid;
 
 use super::codec::{decode_headers, encode_headers};
 use super::{
-    parse_attempt_state, parse_job_state, Begin, CommitOutcome, Doorbell, Joining, Store,
-    StoreError,
+    next_job_state, parse_attempt_state, parse_job_state, Begin, CommitOutcome, Doorbell, Joining,
+    Store, StoreError,
 };
 use crate::attempt::{Attempt, AttemptFailure, AttemptId, AttemptState, NewAttempt, Resolution};
 use crate::fingerprint::Fingerprint;
@@ -307,7 +307,11 @@ fn read_detail(conn: &Connection, id: &str) -> Result<Option<JobDetail>, StoreEr
     Ok(Some(JobDetail { job, attempts }))
 }
 
-fn derive_job_state(conn: &Connection, job: &str) -> Result<JobState, StoreError> {
+fn derive_job_state(
+    conn: &Connection,
+    job: &str,
+    current: JobState,
+) -> Result<JobState, StoreError> {
     let mut stmt = conn
         .prepare("SELECT state FROM attempts WHERE job_id = ?1")
         .map_err(map_sqlite)?;
@@ -316,7 +320,7 @@ fn derive_job_state(conn: &Connection, job: &str) -> Result<JobState, StoreError
         .map_err(map_sqlite)?
         .map(|s| parse_attempt_state(&s.map_err(map_sqlite)?))
         .collect::<Result<Vec<_>, _>>()?;
-    Ok(JobState::derive(states))
+    next_job_state(current, states)
 }
 
 /// An attempt's job id and state and its own state (the caller's immediate
@@ -370,7 +374,7 @@ fn settle_tx(
     )
     .map_err(map_sqlite)?;
     if !job_state.is_terminal() {
-        let derived = derive_job_state(tx, &job)?;
+        let derived = derive_job_state(tx, &job, job_state)?;
         if derived != job_state {
             tx.execute(
                 "UPDATE jobs SET state = ?2, updated_at = ?3 WHERE id = ?1",
@@ -610,7 +614,7 @@ impl Store for SqliteStore {
                         )
                         .map_err(map_sqlite)?;
                         if !job_state.is_terminal() {
-                            let derived = derive_job_state(&tx, &job)?;
+                            let derived = derive_job_state(&tx, &job, job_state)?;
                             // The version moves: the attempt's own late answer
                             // must no longer be able to commit.
                             tx.execute(
