@@ -99,9 +99,16 @@ impl ThrowawayRedis {
     }
 }
 
-/// A port nothing listens on (bound, then released).
+/// A port nothing listens on, for a server the test starts (or leaves
+/// down) later. Picked below the kernel's ephemeral range (32768 and up), so
+/// that neither an OS-assigned listener nor the local end of an outgoing
+/// connection can take it in the meantime.
 pub async fn free_port() -> u16 {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr: SocketAddr = listener.local_addr().unwrap();
-    addr.port()
+    loop {
+        let candidate = 20_000 + (uuid::Uuid::new_v4().as_u128() % 12_000) as u16;
+        if let Ok(listener) = tokio::net::TcpListener::bind(("127.0.0.1", candidate)).await {
+            let addr: SocketAddr = listener.local_addr().unwrap();
+            return addr.port();
+        }
+    }
 }
