@@ -17,19 +17,22 @@ use base64::Engine;
 use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 
-use hyper::body::Incoming;
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
 use crate::attempt::{Attempt, AttemptId, Resolution};
+use crate::config::UpstreamSettings;
 use crate::error::problem_response;
 use crate::http::{collect_limited, full, Body};
 use crate::job::{JobDetail, JobId, StoredResponse};
 use crate::key::{IdempotencyKey, Owner};
 use crate::probe::ProbeBoard;
-use crate::store::{Store, StoreError};
+use crate::store::{Store, StoreError, StoreErrorKind};
+use crate::supervise::{Status, Supervisor};
+use crate::telemetry::Chain;
+use crate::BoxError;
 
 /// What the admin listener needs.
 pub struct Admin {
@@ -40,9 +43,11 @@ pub struct Admin {
     /// Rendered on `/metrics`.
     pub metrics: PrometheusHandle,
     /// The upstreams and their contracts' probe verdicts.
-    pub upstreams: Vec<crate::config::UpstreamSettings>,
+    pub upstreams: Vec<Arc<UpstreamSettings>>,
     /// Probe verdicts.
     pub probes: Arc<ProbeBoard>,
+    /// The background tasks, whose health `/readyz` reports.
+    pub tasks: Supervisor,
 }
 
 /// Largest resolution body accepted.
@@ -50,32 +55,29 @@ const MAX_BODY: usize = 16 * 1024 * 1024;
 
 impl Admin {
     /// Answers one admin request.
-    pub async fn handle(
-        self: Arc<Self>,
-        req: Request<Incoming>,
-    ) -> Result<Response<Body>, Infallible> {
+    pub async fn handle<B>(self: Arc<Self>, req: Request<B>) -> Result<Response<Body>, Infallible>
+    where
+        B: http_body::Body<Data = Bytes> + Send,
+        B::Error: Into<BoxError>,
+    {
         Ok(self
             .route(req)
             .await
             .unwrap_or_else(AdminProblem::into_response))
     }
 
-    async fn route(&self, req: Request<Incoming>) -> Result<Response<Body>, AdminProblem> {
+    async fn route<B>(&self, req: Request<B>) -> Result<Response<Body>, AdminProblem>
+    where
+        B: http_body::Body<Data = Bytes> + Send,
+        B::Error: Into<BoxError>,
+    {
         let path = req.uri().path().to_owned();
         let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
         match (req.method(), segments.as_slice()) {
             (&Method::GET, ["healthz"]) => {
                 Ok(json_response(StatusCode::OK, &json!({"status": "ok"})))
             }
-            (&Method::GET, ["readyz"]) => match self.store.ping().await {
-                Ok(()) => Ok(json_response(StatusCode::OK, &json!({"status": "ready"}))),
-                Err(e) => Err(problem(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "not-ready",
-                    "Store unreachable",
-                    &e.to_string(),
-                )),
-            },
+            (&Method::GET, ["readyz"]) => self.readiness().await,
             (&Method::GET, ["metrics"]) => {
                 let mut response = Response::new(full(self.metrics.render()));
                 response.headers_mut().insert(
@@ -124,11 +126,70 @@ impl Admin {
         }
     }
 
-    async fn api(
-        &self,
-        req: Request<Incoming>,
-        rest: &[&str],
-    ) -> Result<Response<Body>, AdminProblem> {
+    /// Ready when the store answers and no background task is dead or
+    /// stuck; the body lists every task either way.
+    async fn readiness(&self) -> Result<Response<Body>, AdminProblem> {
+        let tasks = self.tasks.report();
+        let failing: Vec<String> = tasks
+            .iter()
+            .filter(|t| t.blocks_readiness())
+            .map(|t| match (t.status, &t.last_failure) {
+                (Status::Dead, Some(why)) => format!("{} is dead ({why})", t.name),
+                _ => format!("{} is stuck", t.name),
+            })
+            .collect();
+        let store = self.store.ping().await;
+        let listed: Vec<Value> = tasks
+            .iter()
+            .map(|t| {
+                json!({
+                    "name": t.name,
+                    "status": match t.status {
+                        Status::Running if t.stuck => "stuck",
+                        Status::Running => "running",
+                        Status::Reconnecting => "reconnecting",
+                        Status::Dead => "dead",
+                    },
+                    "restarts": t.restarts,
+                    "last_failure": t.last_failure,
+                })
+            })
+            .collect();
+        let problem_detail = match (&store, failing.is_empty()) {
+            (Ok(()), true) => {
+                return Ok(json_response(
+                    StatusCode::OK,
+                    &json!({"status": "ready", "tasks": listed}),
+                ))
+            }
+            (Err(e), _) => format!("the store is unreachable: {}", Chain(e)),
+            (Ok(()), false) => format!("background tasks failing: {}", failing.join("; ")),
+        };
+        let mut response = problem_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not-ready",
+            "Not ready",
+            &problem_detail,
+            None,
+        );
+        *response.body_mut() = full(
+            json!({
+                "type": format!("{}not-ready", crate::error::PROBLEM_BASE),
+                "title": "Not ready",
+                "status": 503,
+                "detail": problem_detail,
+                "tasks": listed,
+            })
+            .to_string(),
+        );
+        Ok(response)
+    }
+
+    async fn api<B>(&self, req: Request<B>, rest: &[&str]) -> Result<Response<Body>, AdminProblem>
+    where
+        B: http_body::Body<Data = Bytes> + Send,
+        B::Error: Into<BoxError>,
+    {
         match (req.method().clone(), rest) {
             (Method::GET, ["jobs", id]) => {
                 let id = parse_uuid(id)?;
@@ -199,7 +260,7 @@ impl Admin {
             .map(|u| {
                 let contracts: Vec<Value> = verdicts
                     .iter()
-                    .filter(|((name, _), _)| *name == u.name)
+                    .filter(|((name, _), _)| name == u.name())
                     .map(|((_, contract), v)| {
                         json!({
                             "contract": contract,
@@ -209,18 +270,21 @@ impl Admin {
                         })
                     })
                     .collect();
-                json!({"name": u.name, "url": u.base.to_string(), "contracts": contracts})
+                json!({"name": u.name(), "url": u.base.to_string(), "contracts": contracts})
             })
             .collect();
         json!({ "upstreams": list })
     }
 }
 
+/// A resolution as posted: `{"outcome": "failed"}`, `{"outcome":
+/// "cancelled"}` or `{"outcome": "succeeded", "response": {…}}`.
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ResolveRequest {
-    outcome: String,
-    response: Option<ResponseInput>,
+#[serde(tag = "outcome", rename_all = "lowercase", deny_unknown_fields)]
+enum ResolveRequest {
+    Failed,
+    Cancelled,
+    Succeeded { response: ResponseInput },
 }
 
 #[derive(Deserialize)]
@@ -234,54 +298,53 @@ struct ResponseInput {
 }
 
 fn parse_resolution(body: &[u8]) -> Result<Resolution, AdminProblem> {
-    let request: ResolveRequest = serde_json::from_slice(body)
-        .map_err(|e| bad_request(&format!("invalid resolution: {e}")))?;
-    match (request.outcome.as_str(), request.response) {
-        ("failed", None) => Ok(Resolution::Failed),
-        ("cancelled", None) => Ok(Resolution::Cancelled),
-        ("succeeded", Some(r)) => {
-            if !(100..=599).contains(&r.status) {
-                return Err(bad_request("response.status must be an HTTP status"));
-            }
-            let body = match (r.body, r.body_base64) {
-                (Some(text), None) => Bytes::from(text),
-                (None, Some(b64)) => Bytes::from(
-                    base64::engine::general_purpose::STANDARD
-                        .decode(b64)
-                        .map_err(|e| bad_request(&format!("response.body_base64: {e}")))?,
-                ),
-                (None, None) => Bytes::new(),
-                (Some(_), Some(_)) => {
-                    return Err(bad_request(
-                        "give response.body or response.body_base64, not both",
-                    ))
-                }
-            };
-            let mut headers = Vec::with_capacity(r.headers.len());
-            for (name, value) in r.headers {
-                let name = http::HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
-                    bad_request(&format!("response header {name:?} is not a header name"))
-                })?;
-                HeaderValue::from_str(&value).map_err(|_| {
-                    bad_request(&format!("response header {name} has an invalid value"))
-                })?;
-                headers.push((name.as_str().to_owned(), Bytes::from(value)));
-            }
-            Ok(Resolution::Succeeded(StoredResponse {
-                status: r.status,
-                headers,
-                body,
-            }))
+    let request: ResolveRequest = serde_json::from_slice(body).map_err(|e| {
+        bad_request(&format!(
+            "invalid resolution ({e}); send {{\"outcome\": \"failed\"}}, {{\"outcome\": \"cancelled\"}} \
+             or {{\"outcome\": \"succeeded\", \"response\": {{\"status\": 200, \"headers\": [], \"body\": \"…\"}}}}"
+        ))
+    })?;
+    match request {
+        ResolveRequest::Failed => Ok(Resolution::Failed),
+        ResolveRequest::Cancelled => Ok(Resolution::Cancelled),
+        ResolveRequest::Succeeded { response } => response.into_stored().map(Resolution::Succeeded),
+    }
+}
+
+impl ResponseInput {
+    fn into_stored(self) -> Result<StoredResponse, AdminProblem> {
+        if !(100..=599).contains(&self.status) {
+            return Err(bad_request("response.status must be an HTTP status"));
         }
-        ("succeeded", None) => Err(bad_request(
-            "outcome `succeeded` needs a `response` with the status, headers and body to commit",
-        )),
-        ("failed" | "cancelled", Some(_)) => {
-            Err(bad_request("only outcome `succeeded` takes a response"))
+        let body = match (self.body, self.body_base64) {
+            (Some(text), None) => Bytes::from(text),
+            (None, Some(b64)) => Bytes::from(
+                base64::engine::general_purpose::STANDARD
+                    .decode(b64)
+                    .map_err(|e| bad_request(&format!("response.body_base64: {e}")))?,
+            ),
+            (None, None) => Bytes::new(),
+            (Some(_), Some(_)) => {
+                return Err(bad_request(
+                    "give response.body or response.body_base64, not both",
+                ))
+            }
+        };
+        let mut headers = Vec::with_capacity(self.headers.len());
+        for (name, value) in self.headers {
+            let name = http::HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
+                bad_request(&format!("response header {name:?} is not a header name"))
+            })?;
+            HeaderValue::from_str(&value).map_err(|_| {
+                bad_request(&format!("response header {name} has an invalid value"))
+            })?;
+            headers.push((name.as_str().to_owned(), Bytes::from(value)));
         }
-        (other, _) => Err(bad_request(&format!(
-            "unknown outcome {other:?}; use failed, cancelled or succeeded"
-        ))),
+        Ok(StoredResponse {
+            status: self.status,
+            headers,
+            body,
+        })
     }
 }
 
@@ -359,30 +422,28 @@ fn parse_uuid(s: &str) -> Result<Uuid, AdminProblem> {
 }
 
 fn store_problem(e: StoreError) -> AdminProblem {
-    match &e {
-        StoreError::NotFound(what) => problem(
-            StatusCode::NOT_FOUND,
-            "not-found",
-            "Not found",
-            &format!("{what} not found"),
-        ),
-        StoreError::Conflict(_) => problem(
+    let detail = Chain(&e).to_string();
+    match e.kind() {
+        StoreErrorKind::NotFound => {
+            problem(StatusCode::NOT_FOUND, "not-found", "Not found", &detail)
+        }
+        StoreErrorKind::Conflict => problem(
             StatusCode::CONFLICT,
             "resolution-conflict",
             "Cannot resolve",
-            &e.to_string(),
+            &detail,
         ),
-        StoreError::Unavailable(_) => problem(
+        StoreErrorKind::Unavailable => problem(
             StatusCode::SERVICE_UNAVAILABLE,
             "store-unavailable",
             "Store unavailable",
-            &e.to_string(),
+            &detail,
         ),
-        StoreError::Internal(_) => problem(
+        StoreErrorKind::Internal => problem(
             StatusCode::INTERNAL_SERVER_ERROR,
             "internal-error",
             "Internal error",
-            &e.to_string(),
+            &detail,
         ),
     }
 }

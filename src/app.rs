@@ -1,6 +1,7 @@
 //! Assembling the gateway: runtime handles, background tasks and THE stack.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use http::Request;
 use http_body_util::BodyExt;
@@ -19,9 +20,10 @@ use crate::http::BodyError;
 use crate::idempotency::{IdempotencyLayer, Shared};
 use crate::lease::Leases;
 use crate::probe::{self, ProbeBoard};
-use crate::store::postgres::PgStore;
-use crate::store::sqlite::SqliteStore;
-use crate::store::{Doorbell, Store, StoreError};
+use crate::store::postgres::Postgres;
+use crate::store::sqlite::Sqlite;
+use crate::store::{Doorbell, Machine, Store, StoreError};
+use crate::supervise::{Beats, Supervisor};
 use crate::upstream::Upstreams;
 use crate::{server, sweeper, telemetry};
 
@@ -41,8 +43,8 @@ pub enum StartError {
     #[error(transparent)]
     Store(#[from] StoreError),
     /// The Redis client could not be set up.
-    #[error("redis_url: {0}")]
-    Redis(String),
+    #[error("redis_url: the Redis client cannot be set up")]
+    Redis(#[source] redis::RedisError),
 }
 
 /// Runs a gateway until `shutdown` is cancelled, then drains and returns.
@@ -56,62 +58,34 @@ pub async fn run(
     ready: impl FnOnce(),
 ) -> Result<(), StartError> {
     let settings = Arc::new(settings);
-    let doorbell = Arc::new(Doorbell::default());
-    let store = open_store(&settings, &doorbell, &shutdown).await?;
-    let leases = Arc::new(Leases::default());
     let instance = Uuid::new_v4();
+    let doorbell = Arc::new(Doorbell::default());
+    // Background tasks outlive the drain (leases are renewed while open
+    // requests finish) and stop once the gateway is done.
+    let stop_tasks = CancellationToken::new();
+    let tasks = Supervisor::new(stop_tasks.clone());
+    let store = open_store(&settings, instance, &doorbell, &tasks).await?;
+    let leases = Arc::new(Leases::default());
     tracing::info!(%instance, upstreams = ?settings.upstreams.iter().map(|u| u.base.to_string()).collect::<Vec<_>>(), "gateway starting");
     let fastpath = match &settings.fastpath {
         None => None,
-        Some(fast) => {
-            let fast = Arc::new(
-                FastPath::new(fast.clone()).map_err(|e| StartError::Redis(e.to_string()))?,
-            );
-            let (changes, announced) = tokio::sync::mpsc::unbounded_channel();
-            doorbell.announce_to(changes);
-            tokio::spawn(
-                fast.clone()
-                    .announce(announced, shutdown.clone().cancelled_owned()),
-            );
-            tokio::spawn(
-                fast.clone()
-                    .listen(doorbell.clone(), shutdown.clone().cancelled_owned()),
-            );
-            tracing::info!("Redis fast path on");
-            Some(fast)
-        }
+        Some(fast) => Some(start_fastpath(fast, instance, &doorbell, &tasks)?),
     };
-
-    tokio::spawn(leases.clone().renew(
-        store.clone(),
-        settings.lease_ttl,
-        shutdown.clone().cancelled_owned(),
-    ));
-    tokio::spawn(sweeper::run(
-        store.clone(),
-        settings.sweep_interval,
-        shutdown.clone().cancelled_owned(),
-    ));
-
+    let Some(upstreams) = Upstreams::new(&settings.upstreams) else {
+        return Err(StoreError::internal("no upstream configured").into());
+    };
     let probes = Arc::new(ProbeBoard::default());
-    let probes_for_admin = probes.clone();
-    let (leases_at_exit, store_at_exit) = (leases.clone(), store.clone());
+    spawn_upkeep(&settings, &tasks, &store, &leases, &upstreams, &probes);
+
     let shared = Arc::new(Shared {
         probes: probes.clone(),
         settings: settings.clone(),
         store: store.clone(),
         doorbell,
         fastpath,
-        leases,
+        leases: leases.clone(),
         instance,
     });
-    let upstreams = Upstreams::new(&settings.upstreams);
-    tokio::spawn(probe::run(
-        settings.clone(),
-        upstreams.clone(),
-        probes,
-        shutdown.clone().cancelled_owned(),
-    ));
 
     // The request path, outermost first.
     let proxy = ServiceBuilder::new()
@@ -134,15 +108,16 @@ pub async fn run(
         .map_request(|req: Request<Incoming>| req.map(|b| b.map_err(BodyError::new).boxed()))
         // Opted-in requests become jobs and attempts; the rest stream through.
         .layer(IdempotencyLayer::new(shared))
-        // Each request goes to the upstream its attempt chose, or the primary.
+        // Each request goes to the upstream its attempt chose, or the first.
         .service(upstreams);
 
     let admin = Arc::new(Admin {
-        store,
+        store: store.clone(),
         token: settings.admin_token.clone(),
         metrics: telemetry::metrics(),
         upstreams: settings.upstreams.clone(),
-        probes: probes_for_admin,
+        probes,
+        tasks,
     });
     let admin = tower::service_fn(move |req| admin.clone().handle(req));
 
@@ -165,52 +140,105 @@ pub async fn run(
     // Attempts still in flight die with this process; say so now rather
     // than leave duplicates waiting for their leases to lapse. A late answer
     // that still arrives before exit commits as usual.
-    leases_at_exit.abandon(store_at_exit.as_ref()).await;
+    leases.abandon(store.as_ref()).await;
+    stop_tasks.cancel();
     tracing::info!("gateway stopped");
     Ok(())
 }
 
-/// Opens the configured store and applies its migrations. PostgreSQL also
-/// gets its notification listener; a PostgreSQL that is down at start-up
-/// does not stop the gateway: requests answer 503 and migrations are retried
-/// until it is up. An embedded store that cannot be opened stops start-up.
+/// The Redis fast path, with its announcer and listener.
+fn start_fastpath(
+    settings: &crate::fastpath::FastPathSettings,
+    instance: Uuid,
+    doorbell: &Arc<Doorbell>,
+    tasks: &Supervisor,
+) -> Result<Arc<FastPath>, StartError> {
+    let fast = Arc::new(FastPath::new(settings.clone(), instance).map_err(StartError::Redis)?);
+    let (changes, announced) = tokio::sync::mpsc::unbounded_channel();
+    doorbell.announce_to(changes);
+    let announced = Arc::new(tokio::sync::Mutex::new(announced));
+    let announcer = fast.clone();
+    tasks.spawn("redis-announcer", Beats::Never, move |_| {
+        announcer.clone().announce(announced.clone())
+    });
+    let (listener, doorbell) = (fast.clone(), doorbell.clone());
+    tasks.spawn("redis-listener", Beats::Never, move |_| {
+        listener.clone().listen(doorbell.clone())
+    });
+    tracing::info!("Redis fast path on");
+    Ok(fast)
+}
+
+/// Lease renewal, the sweeper and the probes, under supervision.
+fn spawn_upkeep(
+    settings: &Arc<Settings>,
+    tasks: &Supervisor,
+    store: &Arc<dyn Store>,
+    leases: &Arc<Leases>,
+    upstreams: &Upstreams,
+    probes: &Arc<ProbeBoard>,
+) {
+    let (renewing, lease) = (store.clone(), settings.lease_ttl);
+    let held = leases.clone();
+    tasks.spawn("lease-renewal", Beats::Every(lease), move |beat| {
+        held.clone().renew(renewing.clone(), lease, beat)
+    });
+    let (sweeping, interval) = (store.clone(), settings.sweep_interval);
+    let stuck_after = (interval * 4).max(Duration::from_secs(60));
+    tasks.spawn("sweeper", Beats::Every(stuck_after), move |beat| {
+        sweeper::run(sweeping.clone(), interval, beat)
+    });
+    if probe::needed(settings) {
+        let (settings, upstreams, board) = (settings.clone(), upstreams.clone(), probes.clone());
+        let stuck_after = settings.probe_interval * 3 + Duration::from_secs(300);
+        tasks.spawn("probes", Beats::Every(stuck_after), move |beat| {
+            probe::run(settings.clone(), upstreams.clone(), board.clone(), beat)
+        });
+    }
+}
+
+/// Opens the configured store. PostgreSQL also gets its migrations and its
+/// notification listener as supervised tasks: a PostgreSQL that is down at
+/// start-up does not stop the gateway (requests answer 503 and `/readyz`
+/// fails until the migrations are in). An embedded store that cannot be
+/// opened stops start-up.
 async fn open_store(
     settings: &Settings,
+    instance: Uuid,
     doorbell: &Arc<Doorbell>,
-    shutdown: &CancellationToken,
+    tasks: &Supervisor,
 ) -> Result<Arc<dyn Store>, StartError> {
     let pg = match &settings.store {
         StoreSettings::Postgres(pg) => pg,
         StoreSettings::Embedded { path } => {
             tracing::info!(path = %path.display(), "using the embedded store");
-            return Ok(Arc::new(SqliteStore::open(path, doorbell.clone()).await?));
+            let backend = Sqlite::open(path).await?;
+            return Ok(Arc::new(Machine::new(backend, doorbell.clone())));
         }
     };
-    let store = PgStore::new(pg, doorbell.clone())?;
-    match store.migrate().await {
+    let backend = Postgres::new(pg, instance)?;
+    match backend.migrate().await {
         Ok(()) => {}
-        Err(StoreError::Unavailable(e)) => {
-            tracing::warn!(error = %e, "database unreachable at start-up; opted-in requests answer 503 until it is up");
-            let store = store.clone();
-            let shutdown = shutdown.clone();
-            tokio::spawn(async move {
-                loop {
-                    tokio::select! {
-                        () = shutdown.cancelled() => return,
-                        () = tokio::time::sleep(std::time::Duration::from_secs(2)) => {}
-                    }
-                    match store.migrate().await {
-                        Ok(()) => {
-                            tracing::info!("database reachable; migrations applied");
-                            return;
-                        }
-                        Err(e) => tracing::debug!(error = %e, "database still unreachable"),
-                    }
+        Err(e) if e.is_transient() => {
+            tracing::warn!(error = %telemetry::Chain(&e), "database unreachable at start-up; opted-in requests answer 503 until it is up");
+            let migrating = backend.clone();
+            tasks.spawn("migrations", Beats::Never, move |_| {
+                let backend = migrating.clone();
+                async move {
+                    backend.migrate().await?;
+                    tracing::info!("database reachable; migrations applied");
+                    // Done: nothing more to do until the gateway stops.
+                    std::future::pending::<()>().await;
+                    Ok(())
                 }
             });
         }
         Err(e) => return Err(e.into()),
     }
-    tokio::spawn(store.clone().listen(shutdown.clone().cancelled_owned()));
-    Ok(Arc::new(store))
+    let (listening, bell) = (backend.clone(), doorbell.clone());
+    tasks.spawn("postgres-listener", Beats::Never, move |_| {
+        let (backend, doorbell) = (listening.clone(), bell.clone());
+        async move { Ok(backend.listen(&doorbell).await?) }
+    });
+    Ok(Arc::new(Machine::new(backend, doorbell.clone())))
 }

@@ -108,7 +108,7 @@ impl fmt::Display for AttemptState {
 }
 
 /// What a gateway asks the store to create when it starts an attempt.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NewAttempt {
     /// The attempt's id, chosen by the caller.
     pub id: AttemptId,

@@ -10,8 +10,9 @@ use http::{header, HeaderValue, Response, StatusCode};
 
 use crate::http::{full, Body, CollectError};
 use crate::key::KeyError;
-use crate::store::StoreError;
+use crate::store::{StoreError, StoreErrorKind};
 use crate::upstream::UpstreamError;
+use crate::BoxError;
 
 /// Problem types are this base followed by a slug.
 pub const PROBLEM_BASE: &str = "https://idemgate.dev/problems/";
@@ -32,8 +33,8 @@ pub enum ClientError {
         limit: usize,
     },
     /// The body could not be read.
-    #[error("the request body could not be read: {0}")]
-    BodyUnreadable(String),
+    #[error("the request body could not be read")]
+    BodyUnreadable(#[source] BoxError),
     /// The key was used before with a different request.
     #[error("this Idempotency-Key was already used with a different request (method, path, significant headers or body)")]
     KeyMismatch {
@@ -58,7 +59,7 @@ impl From<CollectError> for ClientError {
     fn from(e: CollectError) -> Self {
         match e {
             CollectError::TooLarge { limit } => ClientError::BodyTooLarge { limit },
-            CollectError::Read(e) => ClientError::BodyUnreadable(e.to_string()),
+            CollectError::Read(e) => ClientError::BodyUnreadable(e),
         }
     }
 }
@@ -76,8 +77,15 @@ pub enum GatewayError {
     #[error(transparent)]
     Store(#[from] StoreError),
     /// The gateway itself.
-    #[error("internal gateway error: {0}")]
-    Internal(String),
+    #[error("internal gateway error")]
+    Internal(#[source] BoxError),
+}
+
+impl GatewayError {
+    /// A defect of the gateway's own, described by `message`.
+    pub fn internal(message: impl Into<String>) -> Self {
+        GatewayError::Internal(message.into().into())
+    }
 }
 
 /// A problem answer before it is rendered.
@@ -167,23 +175,40 @@ impl GatewayError {
                     "upstream-response-too-large",
                     "Upstream response too large to record; outcome unknown",
                 ),
+                UpstreamError::Unconfigured(_) => p(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal-error",
+                    "Internal gateway error",
+                ),
             },
-            GatewayError::Store(StoreError::Unavailable(_)) => p(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "store-unavailable",
-                "Idempotency store unavailable; the request was not proxied",
-            ),
-            GatewayError::Store(StoreError::Conflict(_)) => p(
-                StatusCode::CONFLICT,
-                "request-in-progress",
-                "A request with this Idempotency-Key is in progress",
-            ),
-            GatewayError::Store(_) | GatewayError::Internal(_) => p(
+            GatewayError::Store(e) => match e.kind() {
+                StoreErrorKind::Unavailable => p(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "store-unavailable",
+                    "Idempotency store unavailable; the request was not proxied",
+                ),
+                StoreErrorKind::Conflict | StoreErrorKind::NotFound => p(
+                    StatusCode::CONFLICT,
+                    "request-in-progress",
+                    "A request with this Idempotency-Key is in progress",
+                ),
+                StoreErrorKind::Internal => p(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal-error",
+                    "Internal gateway error",
+                ),
+            },
+            GatewayError::Internal(_) => p(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "internal-error",
                 "Internal gateway error",
             ),
         }
+    }
+
+    /// The status the answer for this error has.
+    pub fn status(&self) -> StatusCode {
+        self.problem().status
     }
 
     /// A low-cardinality label for metrics.

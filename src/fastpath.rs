@@ -35,6 +35,8 @@ use crate::job::{JobId, StoredResponse};
 use crate::key::{IdempotencyKey, Owner};
 use crate::store::codec::{decode_headers, encode_headers};
 use crate::store::Doorbell;
+use crate::BoxError;
+use uuid::Uuid;
 
 /// The pub/sub channel job changes are announced on; the payload is the job id.
 pub const CHANNEL: &str = "idemgate:jobs";
@@ -85,12 +87,14 @@ pub struct FastPath {
     conn: ConnectionManager,
     settings: FastPathSettings,
     healthy: AtomicBool,
+    /// This gateway: announcements carry it, so a replica ignores its own.
+    instance: Uuid,
 }
 
 impl FastPath {
     /// Prepares the connection without making it: a Redis that is down at
     /// start-up only means misses until it is up.
-    pub fn new(settings: FastPathSettings) -> Result<Self, redis::RedisError> {
+    pub fn new(settings: FastPathSettings, instance: Uuid) -> Result<Self, redis::RedisError> {
         let client = redis::Client::open(settings.url.as_str())?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(settings.timeout.max(Duration::from_millis(100))))
@@ -103,6 +107,7 @@ impl FastPath {
             conn,
             settings,
             healthy: AtomicBool::new(true),
+            instance,
         })
     }
 
@@ -198,77 +203,52 @@ impl FastPath {
         }
     }
 
-    /// Publishes the job changes rung on this replica, until `shutdown`.
+    /// Publishes the job changes rung on this replica (`<job> <instance>`),
+    /// for as long as it runs (a supervised task, stopped at shutdown).
     pub async fn announce(
         self: Arc<Self>,
-        mut changes: mpsc::UnboundedReceiver<JobId>,
-        shutdown: impl std::future::Future<Output = ()>,
-    ) {
-        tokio::pin!(shutdown);
-        loop {
-            let job = tokio::select! {
-                () = &mut shutdown => return,
-                job = changes.recv() => match job {
-                    Some(job) => job,
-                    None => return,
-                },
-            };
+        changes: Arc<tokio::sync::Mutex<mpsc::UnboundedReceiver<JobId>>>,
+    ) -> Result<(), BoxError> {
+        let mut changes = changes.lock().await;
+        while let Some(job) = changes.recv().await {
             let mut conn = self.conn.clone();
             let cmd = redis::cmd("PUBLISH")
                 .arg(CHANNEL)
-                .arg(job.to_string())
+                .arg(format!("{job} {}", self.instance))
                 .clone();
             let _ = self.call(cmd.query_async::<i64>(&mut conn)).await;
         }
+        Ok(())
     }
 
-    /// Rings the local doorbell for changes announced by other replicas;
-    /// resubscribes after losing Redis, ringing every bell then, since
-    /// announcements made meanwhile were lost.
-    pub async fn listen(
-        self: Arc<Self>,
-        doorbell: Arc<Doorbell>,
-        shutdown: impl std::future::Future<Output = ()>,
-    ) {
-        tokio::pin!(shutdown);
-        let mut backoff = Duration::from_millis(100);
-        loop {
-            tokio::select! {
-                () = &mut shutdown => return,
-                result = self.listen_once(&doorbell) => {
-                    match result {
-                        Ok(()) => backoff = Duration::from_millis(100),
-                        Err(e) => tracing::debug!(error = %e, "Redis subscription lost; resubscribing"),
-                    }
-                }
-            }
-            tokio::select! {
-                () = &mut shutdown => return,
-                () = tokio::time::sleep(backoff) => {}
-            }
-            backoff = (backoff * 2).min(Duration::from_secs(2));
-        }
-    }
-
-    async fn listen_once(&self, doorbell: &Doorbell) -> redis::RedisResult<()> {
+    /// Rings the local doorbell for changes announced by other replicas,
+    /// until the subscription is lost (the supervisor subscribes again);
+    /// rings every bell once subscribed, since announcements made while
+    /// nobody listened were lost.
+    pub async fn listen(self: Arc<Self>, doorbell: Arc<Doorbell>) -> Result<(), BoxError> {
         let connect = tokio::time::timeout(
             self.settings.timeout.max(Duration::from_millis(500)),
             self.client.get_async_pubsub(),
         );
         let mut pubsub = connect
             .await
-            .map_err(|_| redis::RedisError::from((redis::ErrorKind::Io, "connect timed out")))??;
+            .map_err(|_| "connecting to Redis timed out")??;
         pubsub.subscribe(CHANNEL).await?;
         doorbell.ring_all();
         let mut messages = pubsub.into_on_message();
         while let Some(message) = messages.next().await {
             let payload: String = message.get_payload()?;
-            if let Ok(id) = payload.parse() {
-                metrics::counter!("idemgate_wakeups_total", "source" => "redis").increment(1);
-                doorbell.ring_local(JobId(id));
+            let mut parts = payload.split(' ');
+            let job = parts.next().and_then(|j| j.parse().ok());
+            let origin = parts.next().and_then(|i| i.parse::<Uuid>().ok());
+            if let Some(job) = job {
+                if origin != Some(self.instance) {
+                    metrics::counter!("idemgate_wakeups_total", "source" => "redis").increment(1);
+                    doorbell.ring_local(JobId(job));
+                }
             }
         }
-        Ok(())
+        Err("the Redis subscription ended".into())
     }
 }
 

@@ -11,6 +11,9 @@ use std::time::Duration;
 
 use crate::attempt::{AttemptFailure, AttemptId};
 use crate::store::Store;
+use crate::supervise::Heartbeat;
+use crate::telemetry::Chain;
+use crate::BoxError;
 
 /// The attempts this instance holds leases on.
 #[derive(Debug, Default)]
@@ -55,33 +58,31 @@ impl Leases {
                     tracing::warn!(%attempt, "attempt in flight at shutdown; outcome unknown")
                 }
                 Err(e) => {
-                    tracing::error!(error = %e, %attempt, "could not record an attempt abandoned at shutdown; its lease will lapse")
+                    tracing::error!(error = %Chain(&e), %attempt, "could not record an attempt abandoned at shutdown; its lease will lapse")
                 }
             }
         }
     }
 
-    /// Renews every held lease each `lease / 3` until `shutdown`.
+    /// Renews every held lease each `lease / 3`, for as long as it runs (a
+    /// supervised task, stopped at shutdown).
     pub async fn renew(
         self: Arc<Self>,
         store: Arc<dyn Store>,
         lease: Duration,
-        shutdown: impl std::future::Future<Output = ()>,
-    ) {
-        tokio::pin!(shutdown);
+        beat: Heartbeat,
+    ) -> Result<(), BoxError> {
         let mut tick = tokio::time::interval(lease / 3);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            tokio::select! {
-                () = &mut shutdown => return,
-                _ = tick.tick() => {}
-            }
+            tick.tick().await;
+            beat.beat();
             let held = self.snapshot();
             if held.is_empty() {
                 continue;
             }
             if let Err(e) = store.renew_leases(&held, lease).await {
-                tracing::warn!(error = %e, attempts = held.len(), "could not renew attempt leases");
+                tracing::warn!(error = %Chain(&e), attempts = held.len(), "could not renew attempt leases");
             }
         }
     }

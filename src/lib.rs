@@ -14,16 +14,21 @@
 //! - [`app`] assembles the runtime and the one Tower stack; [`config`] holds
 //!   the settings, apart from those runtime handles.
 
+/// Any error, boxed, as kept for its `source()` by the typed errors.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
 // The domain.
 pub mod attempt;
 pub mod fingerprint;
 pub mod job;
 pub mod key;
+pub mod transition;
 
 // Persistence.
 pub mod lease;
 pub mod probe;
 pub mod store;
+pub mod supervise;
 pub mod sweeper;
 
 // HTTP and assembly.

@@ -8,9 +8,10 @@ use tokio_util::sync::CancellationToken;
 
 use idemgate::app::{self, Listeners};
 use idemgate::config::{Cli, Command, Settings, StoreSettings};
-use idemgate::store::postgres::PgStore;
-use idemgate::store::sqlite::SqliteStore;
+use idemgate::store::postgres::Postgres;
+use idemgate::store::sqlite::Sqlite;
 use idemgate::store::StoreError;
+use idemgate::telemetry::Chain;
 use idemgate::{probe, telemetry};
 
 #[tokio::main]
@@ -41,7 +42,7 @@ async fn main() -> ExitCode {
                     println!("migrations applied");
                     ExitCode::SUCCESS
                 }
-                Err(e) => fail(e),
+                Err(e) => fail(Chain(&e)),
             },
             Err(e) => fail(e),
         },
@@ -50,11 +51,9 @@ async fn main() -> ExitCode {
 
 async fn migrate(store: StoreSettings) -> Result<(), StoreError> {
     match store {
-        StoreSettings::Postgres(pg) => PgStore::new(&pg, Default::default())?.migrate().await,
+        StoreSettings::Postgres(pg) => Postgres::new(&pg, uuid::Uuid::nil())?.migrate().await,
         // Opening the embedded store applies its migrations.
-        StoreSettings::Embedded { path } => {
-            SqliteStore::open(&path, Default::default()).await.map(drop)
-        }
+        StoreSettings::Embedded { path } => Sqlite::open(&path).await.map(drop),
     }
 }
 
@@ -89,7 +88,7 @@ async fn serve(settings: Settings) -> ExitCode {
     };
     match app::run(settings, Listeners { proxy, admin }, shutdown, ready).await {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => fail(e),
+        Err(e) => fail(Chain(&e)),
     }
 }
 

@@ -11,10 +11,12 @@ use std::time::{Duration, SystemTime};
 use http::Request;
 use tokio::sync::watch;
 
-use crate::config::Settings;
+use crate::config::{Settings, UpstreamId};
 use crate::contract::{excerpt, Contract, Probe};
 use crate::http::full;
+use crate::supervise::Heartbeat;
 use crate::upstream::{fetch, Upstream, Upstreams};
+use crate::BoxError;
 
 /// One probe's result.
 #[derive(Debug, Clone)]
@@ -103,12 +105,12 @@ impl ProbeBoard {
 }
 
 /// Which (upstream, contract) pairs routes rely on.
-fn pairs(settings: &Settings) -> BTreeSet<(usize, String)> {
+fn pairs(settings: &Settings) -> BTreeSet<(UpstreamId, String)> {
     settings
         .routes
         .iter()
         .filter_map(|r| r.contract.as_ref().map(|c| (r, c)))
-        .flat_map(|(r, c)| r.upstreams.iter().map(|u| (*u, c.name.clone())))
+        .flat_map(|(r, c)| r.upstreams().map(|u| (u.id.clone(), c.name.clone())))
         .collect()
 }
 
@@ -117,7 +119,7 @@ pub async fn probe(upstream: &Upstream, contract: &Contract) -> Vec<ProbeResult>
     let mut results = Vec::with_capacity(contract.probes.len());
     for probe in &contract.probes {
         results.push(ProbeResult {
-            upstream: upstream.settings().name.clone(),
+            upstream: upstream.settings().name().to_owned(),
             contract: contract.name.clone(),
             probe: probe.name.clone(),
             failure: run_one(upstream, probe).await.err(),
@@ -154,33 +156,35 @@ pub async fn probe_all(
     board: &ProbeBoard,
 ) -> Vec<ProbeResult> {
     let mut results = Vec::new();
-    for (index, contract) in pairs(settings) {
-        if let Some(contract) = settings.contracts.get(&contract) {
-            results.extend(probe(upstreams.get(index), contract).await);
+    for (id, contract) in pairs(settings) {
+        if let (Some(upstream), Some(contract)) =
+            (upstreams.get(&id), settings.contracts.get(&contract))
+        {
+            results.extend(probe(upstream, contract).await);
         }
     }
     board.record(&results);
     results
 }
 
-/// Probes at once, then every `interval`, until `shutdown`.
+/// Whether any route relies on probes (otherwise there is nothing to run).
+pub fn needed(settings: &Settings) -> bool {
+    !pairs(settings).is_empty()
+}
+
+/// Probes at once, then every `interval`, for as long as it runs (a
+/// supervised task, stopped at shutdown).
 pub async fn run(
     settings: std::sync::Arc<Settings>,
     upstreams: Upstreams,
     board: std::sync::Arc<ProbeBoard>,
-    shutdown: impl std::future::Future<Output = ()>,
-) {
-    if pairs(&settings).is_empty() {
-        return;
-    }
-    tokio::pin!(shutdown);
+    beat: Heartbeat,
+) -> Result<(), BoxError> {
     let mut tick = tokio::time::interval(settings.probe_interval.max(Duration::from_millis(50)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        tokio::select! {
-            () = &mut shutdown => return,
-            _ = tick.tick() => {}
-        }
+        tick.tick().await;
+        beat.beat();
         probe_all(&settings, &upstreams, &board).await;
     }
 }
@@ -188,7 +192,10 @@ pub async fn run(
 /// `idemgate verify-providers`: every contract's probes against every
 /// upstream, as a table. True when everything passed.
 pub async fn verify(settings: &Settings) -> bool {
-    let upstreams = Upstreams::new(&settings.upstreams);
+    let Some(upstreams) = Upstreams::new(&settings.upstreams) else {
+        println!("no upstreams configured: nothing to verify");
+        return false;
+    };
     if settings.contracts.is_empty() {
         println!("no contracts configured: nothing to verify");
         return true;

@@ -7,24 +7,25 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::store::Store;
+use crate::supervise::Heartbeat;
+use crate::telemetry::Chain;
+use crate::BoxError;
 
 const BATCH: u32 = 500;
 const BATCHES_PER_TICK: usize = 20;
 
-/// Sweeps every `interval` until `shutdown`.
+/// Sweeps every `interval`, for as long as it runs (a supervised task,
+/// stopped at shutdown).
 pub async fn run(
     store: Arc<dyn Store>,
     interval: Duration,
-    shutdown: impl std::future::Future<Output = ()>,
-) {
-    tokio::pin!(shutdown);
+    beat: Heartbeat,
+) -> Result<(), BoxError> {
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        tokio::select! {
-            () = &mut shutdown => return,
-            _ = tick.tick() => {}
-        }
+        tick.tick().await;
+        beat.beat();
         sweep_once(store.as_ref()).await;
     }
 }
@@ -36,7 +37,7 @@ pub async fn sweep_once(store: &dyn Store) {
             Ok(n) if n < u64::from(BATCH) => break,
             Ok(_) => continue,
             Err(e) => {
-                tracing::warn!(error = %e, "sweeper could not expire leases");
+                tracing::warn!(error = %Chain(&e), "sweeper could not expire leases");
                 return;
             }
         }
@@ -53,7 +54,7 @@ pub async fn sweep_once(store: &dyn Store) {
                 }
             }
             Err(e) => {
-                tracing::warn!(error = %e, "sweeper could not purge expired jobs");
+                tracing::warn!(error = %Chain(&e), "sweeper could not purge expired jobs");
                 return;
             }
         }

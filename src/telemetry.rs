@@ -33,3 +33,19 @@ pub fn metrics() -> PrometheusHandle {
         })
         .clone()
 }
+
+/// Shows an error with its whole chain of causes (`a: b: c`), for log lines:
+/// typed errors keep their causes as `source()`, not in their own message.
+pub struct Chain<'a>(pub &'a (dyn std::error::Error + 'static));
+
+impl std::fmt::Display for Chain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(s) = source {
+            write!(f, ": {s}")?;
+            source = s.source();
+        }
+        Ok(())
+    }
+}

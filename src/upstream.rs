@@ -23,14 +23,15 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tokio::sync::watch;
 
-use crate::config::UpstreamSettings;
+use crate::config::{UpstreamId, UpstreamSettings};
 use crate::http::{hop, Body, BodyError};
+use crate::BoxError;
 
-/// Which upstream a request goes to: an index into the configured
-/// upstreams, put into request extensions by the idempotency layer (the
-/// primary when absent).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Target(pub usize);
+/// Which upstream a request goes to, put into request extensions by the
+/// idempotency layer; a request without one goes to the first configured
+/// upstream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target(pub UpstreamId);
 
 /// The client's address, put into request extensions by the server.
 #[derive(Debug, Clone, Copy)]
@@ -40,11 +41,11 @@ pub struct ClientAddr(pub SocketAddr);
 #[derive(Debug, thiserror::Error)]
 pub enum UpstreamError {
     /// The connection could not be made: the request was never sent.
-    #[error("the upstream refused the connection; the request was not sent: {0}")]
-    Refused(String),
+    #[error("the upstream refused the connection; the request was not sent")]
+    Refused(#[source] BoxError),
     /// Failed after the request may have been sent (reset, protocol error).
-    #[error("the upstream connection failed after the request was sent: {0}")]
-    Broken(String),
+    #[error("the upstream connection failed after the request was sent")]
+    Broken(#[source] BoxError),
     /// It answered, but the answer broke the route's contract.
     #[error("the upstream's answer broke the route's contract: {0}")]
     ContractViolation(String),
@@ -57,6 +58,36 @@ pub enum UpstreamError {
         /// The limit.
         limit: usize,
     },
+    /// The request named an upstream this gateway does not have (a defect:
+    /// configuration makes every [`UpstreamId`]); nothing was sent.
+    #[error("no upstream {0} is configured")]
+    Unconfigured(UpstreamId),
+}
+
+/// [`UpstreamError`]s by what they mean for the attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UpstreamErrorKind {
+    /// Nothing was sent: safe to retry.
+    NotSent,
+    /// It may have acted: the outcome is unknown.
+    MayHaveActed,
+    /// It answered, but the answer cannot be used.
+    Unusable,
+}
+
+impl UpstreamError {
+    /// What the error means for the attempt.
+    pub fn kind(&self) -> UpstreamErrorKind {
+        match self {
+            UpstreamError::Refused(_) | UpstreamError::Unconfigured(_) => {
+                UpstreamErrorKind::NotSent
+            }
+            UpstreamError::Broken(_)
+            | UpstreamError::TimedOut(_)
+            | UpstreamError::ResponseTooLarge { .. } => UpstreamErrorKind::MayHaveActed,
+            UpstreamError::ContractViolation(_) => UpstreamErrorKind::Unusable,
+        }
+    }
 }
 
 /// A pooled client bound to one upstream.
@@ -69,7 +100,7 @@ pub struct Upstream {
 impl Upstream {
     /// A client for `target`; connecting gives up after its connect timeout
     /// (still a safe failure: nothing was sent).
-    pub fn new(target: UpstreamSettings) -> Self {
+    pub fn new(target: Arc<UpstreamSettings>) -> Self {
         let mut tcp = HttpConnector::new();
         tcp.set_connect_timeout(Some(target.connect_timeout));
         tcp.set_nodelay(true);
@@ -82,10 +113,7 @@ impl Upstream {
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(60))
             .build(connector);
-        Upstream {
-            client,
-            target: Arc::new(target),
-        }
+        Upstream { client, target }
     }
 
     /// Its settings.
@@ -148,9 +176,9 @@ impl tower::Service<Request<Body>> for Upstream {
         Box::pin(async move {
             let mut response = request.await.map_err(|e| {
                 if e.is_connect() {
-                    UpstreamError::Refused(error_chain(&e))
+                    UpstreamError::Refused(Box::new(e))
                 } else {
-                    UpstreamError::Broken(error_chain(&e))
+                    UpstreamError::Broken(Box::new(e))
                 }
             })?;
             hop::strip(response.headers_mut());
@@ -182,20 +210,23 @@ fn tls_config(extra_roots: &[rustls::pki_types::CertificateDer<'static>]) -> rus
 /// [`Target`], each upstream keeping its own connection pool.
 #[derive(Clone)]
 pub struct Upstreams {
+    first: Upstream,
     all: Arc<[Upstream]>,
 }
 
 impl Upstreams {
-    /// Clients for every configured upstream, in order.
-    pub fn new(settings: &[UpstreamSettings]) -> Self {
-        Upstreams {
-            all: settings.iter().cloned().map(Upstream::new).collect(),
-        }
+    /// Clients for every configured upstream, in order; `None` without any.
+    pub fn new(settings: &[Arc<UpstreamSettings>]) -> Option<Self> {
+        let all: Arc<[Upstream]> = settings.iter().map(|s| Upstream::new(s.clone())).collect();
+        Some(Upstreams {
+            first: all.first()?.clone(),
+            all,
+        })
     }
 
-    /// The upstream at `index`.
-    pub fn get(&self, index: usize) -> &Upstream {
-        &self.all[index.min(self.all.len() - 1)]
+    /// The client of upstream `id`.
+    pub fn get(&self, id: &UpstreamId) -> Option<&Upstream> {
+        self.all.get(id.index()).filter(|u| u.settings().id == *id)
     }
 
     /// All of them, in configured order.
@@ -214,8 +245,16 @@ impl tower::Service<Request<Body>> for Upstreams {
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
-        let index = req.extensions().get::<Target>().map_or(0, |t| t.0);
-        let mut upstream = self.get(index).clone();
+        let mut upstream = match req.extensions().get::<Target>() {
+            None => self.first.clone(),
+            Some(Target(id)) => match self.get(id) {
+                Some(upstream) => upstream.clone(),
+                None => {
+                    let error = UpstreamError::Unconfigured(id.clone());
+                    return Box::pin(async move { Err(error) });
+                }
+            },
+        };
         tower::Service::call(&mut upstream, req)
     }
 }
@@ -247,7 +286,7 @@ where
     let (parts, mut body) = response.into_parts();
     let mut buf = bytes::BytesMut::new();
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| UpstreamError::Broken(e.to_string()))?;
+        let frame = frame.map_err(|e| UpstreamError::Broken(Box::new(e)))?;
         if let Some(data) = frame.data_ref() {
             if buf.len() + data.len() > limit {
                 return Err(UpstreamError::ResponseTooLarge { limit });
@@ -260,15 +299,4 @@ where
         parts,
         body: buf.freeze(),
     })
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        source = s.source();
-    }
-    out
 }

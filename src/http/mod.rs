@@ -8,8 +8,7 @@ use bytes::Bytes;
 use http::HeaderName;
 use http_body_util::{combinators::BoxBody, BodyExt, Full, Limited};
 
-/// Any error a body can fail with.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub use crate::BoxError;
 
 /// The one body type of the request path: streamed or buffered, boxed.
 pub type Body = BoxBody<Bytes, BodyError>;

@@ -2,20 +2,26 @@
 //!
 //! The task, not the client's request, owns the attempt: a client that hangs
 //! up does not cancel it, and it still commits if the upstream answers late.
+//! It does three things, each its own function:
 //!
-//! - Silence for the upstream's timeout (no headers, no body bytes) makes the
-//!   attempt and its job `unknown` at once and tells the request so; the call
-//!   goes on until `attempt_deadline` and may still commit.
-//! - Refused before sending → `failed` (safe).
-//! - Broken after sending, or an answer too large to record → `unknown`.
-//! - A configured retryable status → `failed` (safe); the answer is handed
-//!   back, not stored.
-//! - A 2xx answer that breaks the route's contract → `rejected` (safe); the
-//!   answer is kept in the attempt's detail for inspection, never replayed.
-//! - Any other answer is committed by CAS before it is handed back.
-//! - Cancelled because another attempt of the job won → `superseded`; the
-//!   upstream call is dropped.
+//! 1. [`Task::call`]: sends the request and watches the clock. Silence for
+//!    the upstream's timeout (no headers, no body bytes) makes the attempt
+//!    `unknown` at once and tells the request so; the call goes on until
+//!    `attempt_deadline` and may still commit. Cancelled because another
+//!    attempt of the job won: `superseded`, and the call is dropped.
+//! 2. [`classify`]: decides, from the answer alone, what it means (pure):
+//!    refused before sending → `failed`; broken after sending, or too large
+//!    to record → `unknown`; a retryable status → `failed`, handed back
+//!    uncommitted; a 2xx that breaks the route's contract → `rejected`;
+//!    anything else → commit.
+//! 3. [`Task::record`]: writes the outcome. What the gateway learned is
+//!    never dropped by a transient fault: the write is retried with backoff
+//!    until the store takes it or the attempt's deadline passes, holding the
+//!    attempt's lease meanwhile. The request is answered once the write is
+//!    in, or after [`PATIENCE`] at most (then with `503` for an answer not yet
+//!    committed: the client's retry is held until it is, and replays it).
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -26,16 +32,25 @@ use tokio_util::sync::CancellationToken;
 
 use super::{Shared, UpstreamService};
 use crate::attempt::{Attempt, AttemptFailure};
-use crate::config::Route;
+use crate::config::{Route, UpstreamSettings};
 use crate::contract::excerpt;
 use crate::error::GatewayError;
 use crate::http::{full, Body};
 use crate::job::StoredResponse;
+use crate::lease::LeaseGuard;
 use crate::replay;
 use crate::store::{CommitOutcome, StoreError};
-use crate::upstream::{self, Target, UpstreamError};
+use crate::telemetry::Chain;
+use crate::upstream::{self, Fetched, Target, UpstreamError, UpstreamErrorKind};
+
+/// How long a request waits for its attempt's outcome to be recorded before
+/// it is answered anyway (the write goes on in the background).
+pub(super) const PATIENCE: Duration = Duration::from_secs(2);
+const FIRST_BACKOFF: Duration = Duration::from_millis(50);
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
 
 /// How an attempt ended, as far as the request that started it is concerned.
+#[derive(Debug)]
 pub(super) enum Reply {
     /// Its answer is the job's result.
     Committed(StoredResponse),
@@ -43,16 +58,28 @@ pub(super) enum Reply {
     Superseded,
     /// Provably had no effect; what the client gets if nothing else is tried.
     Failed(Answer),
-    /// Sent, and its outcome is unknown (or could not be recorded).
+    /// Sent, and its outcome is unknown (or not recorded yet).
     Unknown(GatewayError),
 }
 
 /// A client-facing answer that is not the job's result.
+#[derive(Debug)]
 pub(super) enum Answer {
     /// The upstream's own answer (a retryable status), passed on uncommitted.
     Response(Response<Body>),
     /// A problem answer.
     Error(GatewayError),
+}
+
+/// What an upstream's answer means for its attempt.
+#[derive(Debug)]
+pub(super) enum Verdict {
+    /// Commit it.
+    Commit(StoredResponse),
+    /// Provably no effect (refused, retryable status, contract broken).
+    Fail(AttemptFailure, Answer),
+    /// It may have acted; nobody can tell how.
+    Unknown(AttemptFailure, GatewayError),
 }
 
 /// An attempt in flight.
@@ -65,22 +92,23 @@ pub(super) struct Running {
     pub reply: oneshot::Receiver<Reply>,
 }
 
-/// Starts the attempt's task against the upstream at `target`.
+/// Starts the attempt's task against `target`.
 pub(super) fn start(
     shared: Arc<Shared>,
     upstream: UpstreamService,
-    route: &Route,
-    target: usize,
+    route: Arc<Route>,
+    target: &UpstreamSettings,
     attempt: Attempt,
     mut request: Request<Body>,
 ) -> Running {
     let (tx, rx) = oneshot::channel();
     let cancel = CancellationToken::new();
-    request.extensions_mut().insert(Target(target));
+    request.extensions_mut().insert(Target(target.id.clone()));
     let task = Task {
-        timeout: shared.settings.upstreams[target].timeout,
-        retryable: route.retryable_statuses.clone(),
-        contract: route.contract.clone(),
+        lease: Arc::new(shared.leases.hold(attempt.id)),
+        deadline: Instant::now() + shared.settings.attempt_deadline,
+        timeout: target.timeout,
+        route,
         shared,
         attempt: attempt.clone(),
         reply: Some(tx),
@@ -93,12 +121,71 @@ pub(super) fn start(
     }
 }
 
+/// Decides what an upstream's answer (or failure) means for its attempt.
+pub(super) fn classify(result: Result<Fetched, UpstreamError>, route: &Route) -> Verdict {
+    let fetched = match result {
+        Ok(fetched) => fetched,
+        Err(error) => {
+            let detail = Chain(&error).to_string();
+            return match error.kind() {
+                UpstreamErrorKind::NotSent => Verdict::Fail(
+                    AttemptFailure::Failed {
+                        status: None,
+                        detail,
+                    },
+                    Answer::Error(error.into()),
+                ),
+                UpstreamErrorKind::MayHaveActed | UpstreamErrorKind::Unusable => {
+                    Verdict::Unknown(AttemptFailure::Unknown { detail }, error.into())
+                }
+            };
+        }
+    };
+    let status = fetched.parts.status.as_u16();
+    if route.retryable_statuses.contains(&status) {
+        let failure = AttemptFailure::Failed {
+            status: Some(status),
+            detail: format!("upstream answered {status}, configured as retryable"),
+        };
+        let response = Response::from_parts(fetched.parts, full(fetched.body));
+        return Verdict::Fail(failure, Answer::Response(response));
+    }
+    if let Some(contract) = route
+        .contract
+        .as_ref()
+        .filter(|_| fetched.parts.status.is_success())
+    {
+        if let Err(why) = contract.check(&fetched.body) {
+            let failure = AttemptFailure::Rejected {
+                status,
+                detail: format!(
+                    "broke contract {}: {why}; answer: {}",
+                    contract.name,
+                    excerpt(&fetched.body)
+                ),
+            };
+            let error = UpstreamError::ContractViolation(why);
+            return Verdict::Fail(failure, Answer::Error(error.into()));
+        }
+    }
+    Verdict::Commit(replay::capture(&fetched))
+}
+
+/// How the upstream call ended.
+enum Call {
+    Answered(Result<Fetched, UpstreamError>),
+    Cancelled,
+    DeadlinePassed,
+}
+
 struct Task {
     shared: Arc<Shared>,
+    route: Arc<Route>,
     attempt: Attempt,
+    /// Held until every write about the attempt is in.
+    lease: Arc<LeaseGuard>,
     timeout: Duration,
-    retryable: Vec<u16>,
-    contract: Option<Arc<crate::contract::Contract>>,
+    deadline: Instant,
     reply: Option<oneshot::Sender<Reply>>,
 }
 
@@ -109,162 +196,153 @@ impl Task {
         request: Request<Body>,
         cancel: CancellationToken,
     ) {
-        let _lease = self.shared.leases.hold(self.attempt.id);
-        let settings = self.shared.settings.clone();
-        let deadline = Instant::now() + settings.attempt_deadline;
+        match self.call(upstream, request, &cancel).await {
+            Call::Cancelled => {
+                let failure = AttemptFailure::Superseded {
+                    detail: "cancelled: another attempt of the job won".into(),
+                };
+                self.record(failure).await;
+                self.send(Reply::Superseded);
+            }
+            Call::DeadlinePassed => {
+                let failure = AttemptFailure::Unknown {
+                    detail: "attempt deadline passed without an answer".into(),
+                };
+                self.record(failure).await;
+                self.send(Reply::Unknown(UpstreamError::TimedOut(self.timeout).into()));
+            }
+            Call::Answered(result) => match classify(result, &self.route) {
+                Verdict::Commit(stored) => self.commit(stored).await,
+                Verdict::Fail(failure, answer) => {
+                    if matches!(failure, AttemptFailure::Rejected { .. }) {
+                        metrics::counter!("idemgate_attempts_rejected_total").increment(1);
+                    }
+                    self.record(failure).await;
+                    self.send(Reply::Failed(answer));
+                }
+                Verdict::Unknown(failure, error) => {
+                    self.record(failure).await;
+                    self.send(Reply::Unknown(error));
+                }
+            },
+        }
+    }
+
+    /// Sends the request and waits for the whole answer, watching for
+    /// silence (then `unknown` at once, the call going on), cancellation and
+    /// the attempt's deadline.
+    async fn call(
+        &mut self,
+        upstream: UpstreamService,
+        request: Request<Body>,
+        cancel: &CancellationToken,
+    ) -> Call {
         let (progress_tx, mut progress) = watch::channel(0u64);
-        let fetch = upstream::fetch(upstream, request, settings.max_response_size, progress_tx);
+        let limit = self.shared.settings.max_response_size;
+        let fetch = upstream::fetch(upstream, request, limit, progress_tx);
         tokio::pin!(fetch);
         let silence = tokio::time::sleep(self.timeout);
         tokio::pin!(silence);
         let mut timed_out = false;
         let mut live = true;
-
-        let fetched = loop {
+        loop {
             tokio::select! {
-                result = &mut fetch => break Some(result),
+                result = &mut fetch => return Call::Answered(result),
                 changed = progress.changed(), if live && !timed_out => match changed {
                     Ok(()) => silence.as_mut().reset(Instant::now() + self.timeout),
                     Err(_) => live = false,
                 },
                 () = &mut silence, if !timed_out => {
                     timed_out = true;
-                    self.settle(AttemptFailure::Unknown {
+                    let failure = AttemptFailure::Unknown {
                         detail: format!("no answer within {}", humantime::format_duration(self.timeout)),
-                    })
-                    .await;
+                    };
+                    // The job is unknown before anyone is told so; the call
+                    // goes on, and its late answer may still settle or
+                    // commit the attempt.
+                    self.record(failure).await;
                     self.send(Reply::Unknown(UpstreamError::TimedOut(self.timeout).into()));
                 }
-                () = cancel.cancelled() => {
-                    // Dropping the call below cancels it upstream.
-                    self.settle(AttemptFailure::Superseded {
-                        detail: "cancelled: another attempt of the job won".into(),
-                    })
-                    .await;
-                    self.send(Reply::Superseded);
-                    return;
-                }
-                () = tokio::time::sleep_until(deadline) => break None,
-            }
-        };
-
-        let Some(fetched) = fetched else {
-            self.settle(AttemptFailure::Unknown {
-                detail: "attempt deadline passed without an answer".into(),
-            })
-            .await;
-            self.send(Reply::Unknown(UpstreamError::TimedOut(self.timeout).into()));
-            return;
-        };
-
-        let fetched = match fetched {
-            Ok(fetched) => fetched,
-            Err(UpstreamError::Refused(detail)) => {
-                self.settle(AttemptFailure::Failed {
-                    status: None,
-                    detail: detail.clone(),
-                })
-                .await;
-                self.send(Reply::Failed(Answer::Error(
-                    UpstreamError::Refused(detail).into(),
-                )));
-                return;
-            }
-            Err(error) => {
-                self.settle(AttemptFailure::Unknown {
-                    detail: error.to_string(),
-                })
-                .await;
-                self.send(Reply::Unknown(error.into()));
-                return;
-            }
-        };
-
-        let status = fetched.parts.status.as_u16();
-        if self.retryable.contains(&status) {
-            self.settle(AttemptFailure::Failed {
-                status: Some(status),
-                detail: format!("upstream answered {status}, configured as retryable"),
-            })
-            .await;
-            let response = Response::from_parts(fetched.parts, full(fetched.body));
-            self.send(Reply::Failed(Answer::Response(response)));
-            return;
-        }
-
-        if let Some(contract) = &self.contract {
-            if fetched.parts.status.is_success() {
-                if let Err(why) = contract.check(&fetched.body) {
-                    metrics::counter!("idemgate_attempts_rejected_total").increment(1);
-                    self.settle(AttemptFailure::Rejected {
-                        status,
-                        detail: format!(
-                            "broke contract {}: {why}; answer: {}",
-                            contract.name,
-                            excerpt(&fetched.body)
-                        ),
-                    })
-                    .await;
-                    let error = UpstreamError::ContractViolation(why);
-                    self.send(Reply::Failed(Answer::Error(error.into())));
-                    return;
-                }
+                () = cancel.cancelled() => return Call::Cancelled,
+                () = tokio::time::sleep_until(self.deadline) => return Call::DeadlinePassed,
             }
         }
+    }
 
-        let stored = replay::capture(&fetched);
-        match self.commit(&stored).await {
-            Ok(CommitOutcome::Committed) => {
+    /// Commits the answer, then tells the request how that went.
+    async fn commit(&mut self, stored: StoredResponse) {
+        let (store, attempt) = (self.shared.store.clone(), self.attempt.clone());
+        let response = stored.clone();
+        let lease = self.lease.clone();
+        let mut write = tokio::spawn(retrying("commit", attempt.id, self.deadline, move || {
+            let (store, attempt, response, _lease) = (
+                store.clone(),
+                attempt.clone(),
+                response.clone(),
+                lease.clone(),
+            );
+            async move { store.commit(&attempt, &response).await }
+        }));
+        let reply = match tokio::time::timeout(PATIENCE, &mut write).await {
+            Ok(Ok(Ok(CommitOutcome::Committed))) => {
                 metrics::counter!("idemgate_commits_total").increment(1);
-                self.send(Reply::Committed(stored));
+                Reply::Committed(stored)
             }
-            Ok(CommitOutcome::Superseded) => {
+            Ok(Ok(Ok(CommitOutcome::Superseded))) => {
                 metrics::counter!("idemgate_commits_superseded_total").increment(1);
-                self.send(Reply::Superseded);
+                Reply::Superseded
             }
-            Err(e) => {
-                // Not recorded, so not sent. The attempt stays started and its
-                // lease lapses into `unknown`: the upstream did act.
-                tracing::error!(error = %e, attempt = %self.attempt.id, "could not commit an upstream answer");
-                self.send(Reply::Unknown(e.into()));
+            Ok(Ok(Err(e))) => Reply::Unknown(e.into()),
+            Ok(Err(e)) => Reply::Unknown(GatewayError::Internal(Box::new(e))),
+            // Not recorded yet, so not sent: the write goes on, and the
+            // client's retry is held until it lands, then replays it.
+            Err(_) => {
+                tracing::warn!(attempt = %self.attempt.id, "the upstream answered but the store is not taking the commit yet; still trying");
+                Reply::Unknown(
+                    StoreError::Unavailable("the answer is not recorded yet".into()).into(),
+                )
             }
-        }
+        };
+        self.send(reply);
     }
 
-    /// Commits, retrying briefly when the store is unreachable: the upstream
-    /// has already acted, and a lost commit leaves the job blocked until resolved.
-    async fn commit(&self, stored: &StoredResponse) -> Result<CommitOutcome, StoreError> {
-        let mut backoff = Duration::from_millis(50);
-        let mut tries = 0;
-        loop {
-            match self.shared.store.commit(&self.attempt, stored).await {
-                Err(StoreError::Unavailable(e)) if tries < 5 => {
-                    tracing::warn!(error = %e, attempt = %self.attempt.id, "commit failed; retrying");
-                    tokio::time::sleep(backoff).await;
-                    backoff *= 2;
-                    tries += 1;
-                }
-                other => return other,
-            }
-        }
+    /// Records how the attempt ended without a result, waiting at most
+    /// [`PATIENCE`] for the write (which goes on after that).
+    async fn record(&self, failure: AttemptFailure) {
+        self.log_end(&failure);
+        let write = self.spawn_write(failure);
+        let _ = tokio::time::timeout(PATIENCE, write).await;
     }
 
-    async fn settle(&self, failure: AttemptFailure) {
+    fn log_end(&self, failure: &AttemptFailure) {
         metrics::counter!("idemgate_attempts_ended_total", "state" => failure.state().as_str())
             .increment(1);
         tracing::info!(
             attempt = %self.attempt.id, job = %self.attempt.job_id, upstream = %self.attempt.upstream,
             state = %failure.state(), detail = failure.detail(), "attempt ended without a result"
         );
-        if let Err(e) = self
-            .shared
-            .store
-            .fail_attempt(self.attempt.id, failure)
-            .await
-        {
-            // The lease will lapse and the sweeper records the attempt as unknown.
-            tracing::error!(error = %e, attempt = %self.attempt.id, "could not record the attempt's end");
-        }
+    }
+
+    /// Writes `failure` in the background, retrying while the store is
+    /// unreachable, holding the lease until it is in.
+    fn spawn_write(
+        &self,
+        failure: AttemptFailure,
+    ) -> tokio::task::JoinHandle<Result<(), StoreError>> {
+        let (store, attempt, lease) = (
+            self.shared.store.clone(),
+            self.attempt.id,
+            self.lease.clone(),
+        );
+        tokio::spawn(retrying(
+            "record the end of",
+            attempt,
+            self.deadline,
+            move || {
+                let (store, failure, _lease) = (store.clone(), failure.clone(), lease.clone());
+                async move { store.fail_attempt(attempt, failure).await }
+            },
+        ))
     }
 
     fn send(&mut self, reply: Reply) {
@@ -274,3 +352,46 @@ impl Task {
         }
     }
 }
+
+/// Runs `write` until it succeeds, fails for good, or `deadline` passes,
+/// backing off while the store is unreachable. A write that never got in
+/// is logged as an error: the attempt's lease will lapse into `unknown`.
+async fn retrying<T, F, Fut>(
+    what: &'static str,
+    attempt: crate::attempt::AttemptId,
+    deadline: Instant,
+    mut write: F,
+) -> Result<T, StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, StoreError>>,
+{
+    let mut backoff = FIRST_BACKOFF;
+    let mut failures = 0u32;
+    loop {
+        match write().await {
+            Ok(value) => {
+                if failures > 0 {
+                    tracing::info!(%attempt, failures, "recorded after the store came back: {what} the attempt");
+                }
+                return Ok(value);
+            }
+            Err(e) if e.is_transient() && Instant::now() + backoff < deadline => {
+                if failures == 0 {
+                    tracing::warn!(error = %Chain(&e), %attempt, "could not {what} the attempt; retrying until the store answers");
+                }
+                failures += 1;
+                metrics::counter!("idemgate_record_retries_total").increment(1);
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+            }
+            Err(e) => {
+                tracing::error!(error = %Chain(&e), %attempt, failures, "could not {what} the attempt before its deadline; its lease will lapse into unknown");
+                return Err(e);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

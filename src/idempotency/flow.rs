@@ -1,4 +1,4 @@
-//! The decision for one opted-in request.
+//! One opted-in request, from its headers to its answer.
 //!
 //! A request either owns a new job or meets an existing one. An existing job
 //! is decided on by its state, in a small loop because a held duplicate may
@@ -11,19 +11,29 @@
 //! | running | hold until it changes, then decide again |
 //! | unknown | 409 attempt outcome unknown, `Retry-After` |
 //! | open | claim the next attempt by CAS on version, run it |
+//!
+//! A request that owns a job runs its attempts through the [`Dispatch`]
+//! state machine; [`Flow::drive`] is the small driver that does its I/O.
+//! Beginning a job and claiming an attempt each run in a task of their own
+//! together with starting the attempt: once an attempt is recorded, it runs
+//! whatever the client does (a hang-up cannot leave a key blocked by an
+//! attempt that never left the gateway).
 
+use std::collections::VecDeque;
 use std::sync::Arc;
-
-use http::{HeaderValue, Request, Response};
-use tokio::time::Instant;
+use std::time::SystemTime;
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
+use http::{HeaderValue, Request, Response};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::execute::{self, Answer, Reply};
+use super::dispatch::{Dispatch, Event, Joining, Step};
+use super::execute::{self, Reply, Running};
 use super::{Shared, UpstreamService};
 use crate::attempt::{Attempt, AttemptId, NewAttempt};
-use crate::config::Route;
+use crate::config::{Route, UpstreamSettings};
 use crate::error::{ClientError, GatewayError};
 use crate::fastpath::Lookup;
 use crate::fingerprint::{fingerprint, Fingerprint, RequestParts};
@@ -32,6 +42,7 @@ use crate::job::{Job, JobId, JobState, NewJob, StoredResponse};
 use crate::key::{IdempotencyKey, Owner};
 use crate::replay;
 use crate::store::{Begin, StoreError};
+use crate::telemetry::Chain;
 use crate::upstream::Target;
 
 /// How many times one request re-decides before giving up with 409; each
@@ -69,7 +80,7 @@ impl Flow {
         let key = match req.headers().get(IDEMPOTENCY_KEY) {
             None if route.require_key => return Prepared::Refused(ClientError::MissingKey.into()),
             None => {
-                let primary = Target(route.upstreams[0]);
+                let primary = Target(route.primary.id.clone());
                 let mut req = req;
                 req.extensions_mut().insert(primary);
                 return Prepared::PassThrough(req);
@@ -126,12 +137,13 @@ impl Flow {
 
     /// Decides and answers; every answer names the job once it exists.
     pub(super) async fn run(self, upstream: UpstreamService) -> Response<Body> {
+        let flow = Arc::new(self);
         let mut job_id = None;
-        let result = self.decide(upstream, &mut job_id).await;
+        let result = flow.decide(&upstream, &mut job_id).await;
         let mut response = result.unwrap_or_else(|e| {
             metrics::counter!("idemgate_requests_refused_total", "problem" => e.metric_label())
                 .increment(1);
-            tracing::info!(error = %e, job = ?job_id.map(|j: JobId| j.to_string()), "request refused");
+            tracing::info!(error = %Chain(&e), job = ?job_id.map(|j: JobId| j.to_string()), "request refused");
             e.into_response()
         });
         if let Some(job) = job_id {
@@ -141,24 +153,20 @@ impl Flow {
     }
 
     async fn decide(
-        &self,
-        upstream: UpstreamService,
+        self: &Arc<Self>,
+        upstream: &UpstreamService,
         job_id: &mut Option<JobId>,
     ) -> Result<Response<Body>, GatewayError> {
         if let Some(response) = self.fast_replay(job_id).await {
             return Ok(response);
         }
-        let store = &self.shared.store;
-        let mut job = match store
-            .begin_job(self.new_job(), self.new_attempt(self.route.upstreams[0]))
-            .await?
-        {
-            Begin::Created(job, attempt) => {
-                *job_id = Some(job.id);
+        let mut job = match joined(self.begin(upstream)).await? {
+            Begun::Created(first, expires_at) => {
+                *job_id = Some(first.attempt.job_id);
                 metrics::counter!("idemgate_jobs_created_total").increment(1);
-                return self.dispatch(upstream, attempt, job.expires_at).await;
+                return self.drive(upstream, first, expires_at).await;
             }
-            Begin::Existing(job) => job,
+            Begun::Existing(job) => job,
         };
         *job_id = Some(job.id);
         if job.fingerprint != self.fingerprint {
@@ -170,31 +178,143 @@ impl Flow {
         for _ in 0..MAX_ROUNDS {
             match job.state {
                 JobState::Completed => return self.replay(&job),
-                JobState::Unknown => {
-                    return Err(ClientError::OutcomeUnknown {
-                        retry_after: self.shared.settings.retry_after,
-                    }
-                    .into())
-                }
+                JobState::Unknown => return Err(self.outcome_unknown()),
                 JobState::Running => job = self.hold(job.id).await?,
                 JobState::Open => {
-                    match store
-                        .claim_attempt(
-                            job.id,
-                            job.version,
-                            self.new_attempt(self.route.upstreams[0]),
-                        )
-                        .await?
-                    {
-                        Some(attempt) => {
-                            return self.dispatch(upstream, attempt, job.expires_at).await
-                        }
+                    let primary = self.route.primary.clone();
+                    let claim = self.claim(upstream, job.id, job.version, &primary, Joining::Claim);
+                    match joined(claim).await? {
+                        Some(first) => return self.drive(upstream, first, job.expires_at).await,
                         None => job = self.reread(job.id).await?,
                     }
                 }
             }
         }
         Err(self.in_progress())
+    }
+
+    /// Begins the job and, when it is new, starts its first attempt, in a
+    /// task of its own (see the module docs).
+    fn begin(
+        self: &Arc<Self>,
+        upstream: &UpstreamService,
+    ) -> JoinHandle<Result<Begun, StoreError>> {
+        let (flow, upstream) = (self.clone(), upstream.clone());
+        tokio::spawn(async move {
+            let primary = flow.route.primary.clone();
+            let begun = flow
+                .shared
+                .store
+                .begin_job(flow.new_job(), flow.new_attempt(&primary))
+                .await?;
+            Ok(match begun {
+                Begin::Created(job, attempt) => {
+                    Begun::Created(flow.start(&upstream, &primary, attempt), job.expires_at)
+                }
+                Begin::Existing(job) => Begun::Existing(job),
+            })
+        })
+    }
+
+    /// Claims (or hedges) the job's next attempt on `target` and starts it,
+    /// in a task of its own (see the module docs); `None` when the job moved on.
+    fn claim(
+        self: &Arc<Self>,
+        upstream: &UpstreamService,
+        job: JobId,
+        version: i64,
+        target: &Arc<UpstreamSettings>,
+        how: Joining,
+    ) -> JoinHandle<Result<Option<Running>, StoreError>> {
+        let (flow, upstream, target) = (self.clone(), upstream.clone(), target.clone());
+        tokio::spawn(async move {
+            let store = &flow.shared.store;
+            let next = flow.new_attempt(&target);
+            let claimed = match how {
+                Joining::Claim => store.claim_attempt(job, version, next).await?,
+                Joining::Hedge => store.hedge_attempt(job, version, next).await?,
+            };
+            Ok(claimed.map(|attempt| flow.start(&upstream, &target, attempt)))
+        })
+    }
+
+    fn start(
+        &self,
+        upstream: &UpstreamService,
+        target: &UpstreamSettings,
+        attempt: Attempt,
+    ) -> Running {
+        let request = self.upstream_request(&attempt);
+        execute::start(
+            self.shared.clone(),
+            upstream.clone(),
+            self.route.clone(),
+            target,
+            attempt,
+            request,
+        )
+    }
+
+    /// Runs the request's attempts, starting with `first` on the route's
+    /// primary, as [`Dispatch`] decides, and answers with the job's result.
+    async fn drive(
+        self: &Arc<Self>,
+        upstream: &UpstreamService,
+        first: Running,
+        expires_at: SystemTime,
+    ) -> Result<Response<Body>, GatewayError> {
+        let job = first.attempt.job_id;
+        let settings = &self.shared.settings;
+        let mut dispatch = Dispatch::new(
+            self.route.clone(),
+            &first.attempt,
+            Instant::now(),
+            settings.retry_after,
+        );
+        let mut attempts = Attempts::default();
+        attempts.watch(first);
+        let mut claims = FuturesUnordered::new();
+        let hedge = tokio::time::sleep(self.route.hedge_after.unwrap_or_default());
+        tokio::pin!(hedge);
+        let mut queued = VecDeque::new();
+        let eligible = |u: &UpstreamSettings| {
+            self.shared
+                .probes
+                .eligible(u.name(), self.route.contract.as_deref())
+        };
+        loop {
+            let event = match queued.pop_front() {
+                Some(event) => event,
+                None => tokio::select! {
+                    Some((id, reply)) = attempts.replies.next() => Event::Replied(id, reply),
+                    Some((how, target, claimed)) = claims.next() => {
+                        Event::Claimed(how, target, attempts.started(claimed))
+                    }
+                    () = &mut hedge, if dispatch.hedge_armed() => Event::HedgeDue,
+                },
+            };
+            for step in dispatch.on(event, Instant::now(), &eligible) {
+                match step {
+                    Step::Claim {
+                        target,
+                        how,
+                        version,
+                    } => {
+                        let claim = self.claim(upstream, job, version, &target, how);
+                        claims.push(async move { (how, target, joined(claim).await) });
+                    }
+                    Step::CancelAllBut(winner) => attempts.cancel_all_but(winner),
+                    Step::Reread => queued.push_back(Event::Reread(self.reread(job).await)),
+                    Step::Hold => queued.push_back(Event::Held(self.hold(job).await)),
+                    Step::Committed(stored) => {
+                        self.remember(job, expires_at, &stored);
+                        return Ok(replay::response(&stored, job, false));
+                    }
+                    Step::Replay(current) => return self.replay(&current),
+                    Step::Answer(answer) => return answer,
+                }
+            }
+        }
     }
 
     /// A replay straight from the Redis fast path, when it has a valid entry
@@ -229,7 +349,7 @@ impl Flow {
     }
 
     /// Caches a committed response on the fast path, off the request path.
-    fn remember(&self, job: JobId, expires_at: std::time::SystemTime, stored: &StoredResponse) {
+    fn remember(&self, job: JobId, expires_at: SystemTime, stored: &StoredResponse) {
         let Some(fast) = self.shared.fastpath.clone() else {
             return;
         };
@@ -270,10 +390,12 @@ impl Flow {
     }
 
     async fn reread(&self, job: JobId) -> Result<Job, GatewayError> {
-        self.shared.store.job(job).await?.ok_or_else(|| {
-            // Purged under our feet (expired): the client may simply retry.
-            GatewayError::Store(StoreError::Conflict("the job expired while in use".into()))
-        })
+        // Purged under our feet (expired): the client may simply retry.
+        self.shared
+            .store
+            .job(job)
+            .await?
+            .ok_or_else(|| self.in_progress())
     }
 
     fn in_progress(&self) -> GatewayError {
@@ -283,174 +405,21 @@ impl Flow {
         .into()
     }
 
+    fn outcome_unknown(&self) -> GatewayError {
+        ClientError::OutcomeUnknown {
+            retry_after: self.shared.settings.retry_after,
+        }
+        .into()
+    }
+
     fn replay(&self, job: &Job) -> Result<Response<Body>, GatewayError> {
         let stored = job.response.as_ref().ok_or_else(|| {
-            GatewayError::Internal(format!("completed job {} has no response", job.id))
+            GatewayError::internal(format!("completed job {} has no response", job.id))
         })?;
         metrics::counter!("idemgate_replays_total", "source" => "store").increment(1);
         // Populates the fast path, and repairs an entry that was lost or unusable.
         self.remember(job.id, job.expires_at, stored);
         Ok(replay::response(stored, job.id, true))
-    }
-
-    /// Runs the attempts one request may make, starting with `first` on the
-    /// route's primary, and answers with the job's result.
-    ///
-    /// - After a safe failure (refused before send, retryable status,
-    ///   contract broken) the next eligible upstream gets the next attempt,
-    ///   claimed by CAS, up to `max_attempts` and `failover_deadline`; each
-    ///   upstream at most once per request.
-    /// - On side-effect-free routes, after `hedge_after` without an answer,
-    ///   a second attempt races the first under the same version; the first
-    ///   to commit wins and the others are cancelled and `superseded`. Only
-    ///   there may an unknown outcome be followed by another attempt.
-    /// - Eligible means: the route has no contract, or the upstream passes
-    ///   its probes. The primary is always tried.
-    async fn dispatch(
-        &self,
-        upstream: UpstreamService,
-        first: Attempt,
-        expires_at: std::time::SystemTime,
-    ) -> Result<Response<Body>, GatewayError> {
-        let route = &self.route;
-        let job = first.job_id;
-        let deadline = Instant::now() + route.failover_deadline;
-        let mut version = first.job_version;
-        let mut next_position = 1;
-        let mut made = 1;
-        let mut running = FuturesUnordered::new();
-        let mut cancels = Vec::new();
-        let start = |attempt: Attempt, target: usize, cancels: &mut Vec<_>| {
-            let request = self.upstream_request(&attempt);
-            let run = execute::start(
-                self.shared.clone(),
-                upstream.clone(),
-                route,
-                target,
-                attempt,
-                request,
-            );
-            cancels.push((run.attempt.id, run.cancel.clone()));
-            let id = run.attempt.id;
-            async move { (id, run.reply.await) }
-        };
-        running.push(start(first, route.upstreams[0], &mut cancels));
-        let hedge = tokio::time::sleep(route.hedge_after.unwrap_or_default());
-        tokio::pin!(hedge);
-        let mut hedge_armed = route.hedge_after.is_some();
-        let mut last: Option<Answer> = None;
-        let mut unknown: Option<GatewayError> = None;
-
-        loop {
-            let (id, reply) = tokio::select! {
-                Some(done) = running.next() => done,
-                () = &mut hedge, if hedge_armed => {
-                    hedge_armed = false;
-                    if made < route.max_attempts && running.len() == 1 {
-                        if let Some(target) = self.next_eligible(&mut next_position) {
-                            let next = self.new_attempt(target);
-                            if let Some(attempt) = self.shared.store.hedge_attempt(job, version, next).await? {
-                                metrics::counter!("idemgate_hedges_total").increment(1);
-                                tracing::info!(job = %job, attempt = %attempt.id, upstream = %attempt.upstream, "hedging: a second attempt races the first");
-                                made += 1;
-                                running.push(start(attempt, target, &mut cancels));
-                            }
-                        }
-                    }
-                    continue;
-                }
-            };
-            let reply = reply.unwrap_or_else(|_| {
-                Reply::Unknown(GatewayError::Internal(
-                    "the attempt task ended without an answer".into(),
-                ))
-            });
-            match reply {
-                Reply::Committed(stored) => {
-                    self.cancel_losers(&cancels, id);
-                    self.remember(job, expires_at, &stored);
-                    return Ok(replay::response(&stored, job, false));
-                }
-                Reply::Superseded => {
-                    // Another attempt won: answer with the job's one result.
-                    let current = self.reread(job).await?;
-                    if let Some(winner) = current.completed_by {
-                        tracing::warn!(%job, loser = %id, %winner, "attempt lost the commit race; its answer is discarded");
-                        self.cancel_losers(&cancels, winner);
-                        return self.replay(&current);
-                    }
-                    if running.is_empty() {
-                        // Resolved by an operator meanwhile: decide afresh.
-                        return Err(ClientError::OutcomeUnknown {
-                            retry_after: self.shared.settings.retry_after,
-                        }
-                        .into());
-                    }
-                    continue;
-                }
-                Reply::Failed(answer) => last = Some(answer),
-                Reply::Unknown(error) => unknown = Some(error),
-            }
-            if !running.is_empty() {
-                continue;
-            }
-            // Nothing in flight. An unknown outcome blocks, unless the route
-            // may hedge (its requests have no external side effects).
-            let blocked = unknown.is_some() && !route.side_effect_free;
-            if blocked || made >= route.max_attempts || Instant::now() >= deadline {
-                return finish(last, unknown);
-            }
-            let Some(target) = self.next_eligible(&mut next_position) else {
-                return finish(last, unknown);
-            };
-            let next = self.new_attempt(target);
-            let claimed = if unknown.is_some() {
-                self.shared.store.hedge_attempt(job, version, next).await?
-            } else {
-                self.shared.store.claim_attempt(job, version, next).await?
-            };
-            let Some(attempt) = claimed else {
-                // Someone else (a retry, a held duplicate) moved the job on:
-                // wait for it like any duplicate.
-                let current = self.hold(job).await?;
-                return match current.state {
-                    JobState::Completed => self.replay(&current),
-                    _ => finish(last, unknown),
-                };
-            };
-            metrics::counter!("idemgate_failovers_total").increment(1);
-            tracing::info!(%job, attempt = %attempt.id, number = attempt.number, upstream = %attempt.upstream, "failing over to the next upstream");
-            version = attempt.job_version;
-            made += 1;
-            running.push(start(attempt, target, &mut cancels));
-        }
-    }
-
-    /// Cancels every attempt of this request but the winner.
-    fn cancel_losers(&self, cancels: &[(AttemptId, CancellationToken)], winner: AttemptId) {
-        for (id, cancel) in cancels {
-            if *id != winner && !cancel.is_cancelled() {
-                tracing::info!(winner = %winner, loser = %id, "race decided; cancelling the losing attempt");
-                cancel.cancel();
-            }
-        }
-    }
-
-    /// The next upstream of the route, in order, that may take an attempt.
-    fn next_eligible(&self, position: &mut usize) -> Option<usize> {
-        while let Some(&target) = self.route.upstreams.get(*position) {
-            *position += 1;
-            let name = &self.shared.settings.upstreams[target].name;
-            if self
-                .shared
-                .probes
-                .eligible(name, self.route.contract.as_deref())
-            {
-                return Some(target);
-            }
-            tracing::debug!(upstream = %name, "skipping an upstream that does not pass its contract's probes");
-        }
-        None
     }
 
     fn upstream_request(&self, attempt: &Attempt) -> Request<Body> {
@@ -478,11 +447,11 @@ impl Flow {
         }
     }
 
-    fn new_attempt(&self, target: usize) -> NewAttempt {
+    fn new_attempt(&self, target: &UpstreamSettings) -> NewAttempt {
         let settings = &self.shared.settings;
         NewAttempt {
             id: AttemptId::new(),
-            upstream: settings.upstreams[target].name.clone(),
+            upstream: target.name().to_owned(),
             instance: self.shared.instance,
             lease: settings.lease_ttl,
             deadline: settings.attempt_deadline,
@@ -490,19 +459,66 @@ impl Flow {
     }
 }
 
-/// The answer when no attempt of this request produced the job's result.
-fn finish(
-    last: Option<Answer>,
-    unknown: Option<GatewayError>,
-) -> Result<Response<Body>, GatewayError> {
-    if let Some(error) = unknown {
-        return Err(error);
+/// What beginning a job found.
+enum Begun {
+    /// A new job, its first attempt running; and when the job expires.
+    Created(Running, SystemTime),
+    /// The key was seen before.
+    Existing(Job),
+}
+
+/// The attempts one request runs: their replies, and how to cancel them.
+#[derive(Default)]
+struct Attempts {
+    replies: FuturesUnordered<futures_util::future::BoxFuture<'static, (AttemptId, Reply)>>,
+    cancels: Vec<(AttemptId, CancellationToken)>,
+}
+
+impl Attempts {
+    fn watch(&mut self, running: Running) {
+        let id = running.attempt.id;
+        self.cancels.push((id, running.cancel));
+        let reply = running.reply;
+        self.replies.push(Box::pin(async move {
+            let reply = reply.await.unwrap_or_else(|_| {
+                Reply::Unknown(GatewayError::internal(
+                    "the attempt task ended without an answer",
+                ))
+            });
+            (id, reply)
+        }));
     }
-    match last {
-        Some(Answer::Response(response)) => Ok(response),
-        Some(Answer::Error(error)) => Err(error),
-        None => Err(GatewayError::Internal("no attempt was made".into())),
+
+    /// Watches an attempt a claim started; hands the attempt to the dispatch.
+    fn started(
+        &mut self,
+        claimed: Result<Option<Running>, StoreError>,
+    ) -> Result<Option<Attempt>, StoreError> {
+        claimed.map(|running| {
+            running.map(|running| {
+                let attempt = running.attempt.clone();
+                tracing::info!(job = %attempt.job_id, attempt = %attempt.id, number = attempt.number, upstream = %attempt.upstream, "another attempt started (failover or hedge)");
+                self.watch(running);
+                attempt
+            })
+        })
     }
+
+    /// Cancels every attempt but the winner.
+    fn cancel_all_but(&self, winner: AttemptId) {
+        for (id, cancel) in &self.cancels {
+            if *id != winner && !cancel.is_cancelled() {
+                tracing::info!(winner = %winner, loser = %id, "race decided; cancelling the losing attempt");
+                cancel.cancel();
+            }
+        }
+    }
+}
+
+/// The result of a task begun for this request.
+async fn joined<T>(task: JoinHandle<Result<T, StoreError>>) -> Result<T, StoreError> {
+    task.await
+        .unwrap_or_else(|e| Err(StoreError::Internal(Box::new(e))))
 }
 
 /// Counts the duplicates held right now (`idemgate_held_requests`).

@@ -8,12 +8,15 @@
 //!    uniqueness constraint decides whether this request owns a new job;
 //! 3. a new job runs its first attempt; an existing one is [decided
 //!    on](flow) by its state: replay, hold, refuse, or claim the next attempt;
-//! 4. the attempt runs in [its own task](execute), so a client that hangs up
+//! 4. the attempts of a request that owns its job are run as the
+//!    [dispatch] state machine decides (failover, hedging);
+//! 5. each attempt runs in [its own task](execute), so a client that hangs up
 //!    cannot cut it short; its answer is committed by CAS before anyone sees it.
 //!
 //! Everything else (no key on a route that does not require one, methods or
 //! paths that do not opt in) goes to the inner service untouched, streamed.
 
+mod dispatch;
 mod execute;
 mod flow;
 

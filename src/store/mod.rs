@@ -1,31 +1,47 @@
 //! Persistence of jobs and attempts.
 //!
-//! [`Store`] has one method per domain operation and nothing else. Every
-//! implementation keeps the same guarantees, held to one conformance suite
-//! (`tests/it/store_conformance.rs`):
+//! Two interfaces, one above the other:
+//!
+//! - [`Store`]: one method per domain operation (`begin_job`,
+//!   `claim_attempt`, `commit`, …). The gateway holds an `Arc<dyn Store>`.
+//! - [`Backend`]: what a database must do to carry the domain: the arbiter
+//!   insert, the compare-and-swap commit, "lock a job with its attempts, let
+//!   the domain decide, write the change back", reads and upkeep. PostgreSQL
+//!   ([`postgres`]), SQLite ([`sqlite`]) and an in-memory reference
+//!   ([`memory`]) implement it.
+//!
+//! [`Machine`] joins the two: it runs every transition of
+//! [`crate::transition`] on a backend and rings the [`Doorbell`] once per
+//! change of a job's state. No backend decides anything; the same
+//! conformance suite (`tests/it/store_conformance.rs`) holds all of them to:
 //!
 //! - a uniqueness constraint on `(owner, key)` is the only arbiter of "seen
 //!   before" ([`Store::begin_job`]);
 //! - the commit is one compare-and-swap on the job's `version` with
-//!   `completed_by IS NULL` ([`Store::commit`]); the loser is `superseded`;
-//! - the next attempt of an open job is claimed by a CAS on `version`
-//!   ([`Store::claim_attempt`]), so two simultaneous retries make one attempt;
-//! - every change of a job's state rings the [`Doorbell`], on every replica.
+//!   `completed_by IS NULL` ([`transition::may_commit`]); the loser is
+//!   `superseded`;
+//! - the next attempt of an open job is claimed by a CAS on `version`, so two
+//!   simultaneous retries make one attempt.
 
 pub(crate) mod codec;
 mod doorbell;
+mod machine;
+pub mod memory;
 pub mod postgres;
 pub mod sqlite;
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 
-use crate::attempt::{Attempt, AttemptFailure, AttemptId, AttemptState, NewAttempt, Resolution};
-use crate::job::{Job, JobDetail, JobId, JobState, NewJob, StoredResponse};
+use crate::attempt::{Attempt, AttemptFailure, AttemptId, NewAttempt, Resolution};
+use crate::job::{Job, JobDetail, JobId, NewJob, StoredResponse};
 use crate::key::{IdempotencyKey, Owner};
+use crate::transition::{self, Change, Refusal, Snapshot};
+use crate::BoxError;
 
 pub use doorbell::Doorbell;
+pub use machine::Machine;
 
 /// What [`Store::begin_job`] found.
 #[derive(Debug)]
@@ -46,54 +62,63 @@ pub enum CommitOutcome {
     Superseded,
 }
 
-/// How a new attempt joins its job (for the stores' shared attempt insert).
-#[derive(Debug, Clone, Copy)]
-enum Joining {
-    /// The next try of an `open` job: moves the version.
-    Claim,
-    /// Beside a running attempt: keeps the version, so both race fairly.
-    Hedge,
-}
-
-/// The state a job moves to once one of its attempts settled: derived from
-/// all its attempts, and refused (rolling the change back) if the domain does
-/// not allow the move.
-fn next_job_state(current: JobState, attempts: Vec<AttemptState>) -> Result<JobState, StoreError> {
-    let next = JobState::derive(attempts);
-    if current.can_become(next) {
-        Ok(next)
-    } else {
-        Err(StoreError::Internal(format!(
-            "a job cannot move from {current} to {next}"
-        )))
-    }
-}
-
-fn parse_job_state(s: &str) -> Result<JobState, StoreError> {
-    JobState::parse(s).ok_or_else(|| StoreError::Internal(format!("unknown job state {s:?}")))
-}
-
-fn parse_attempt_state(s: &str) -> Result<AttemptState, StoreError> {
-    AttemptState::parse(s)
-        .ok_or_else(|| StoreError::Internal(format!("unknown attempt state {s:?}")))
-}
-
 /// Why a store operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     /// The store could not be reached (connection refused, pool exhausted,
     /// timed out). Nothing was recorded.
-    #[error("the store is unavailable: {0}")]
-    Unavailable(String),
+    #[error("the store is unavailable")]
+    Unavailable(#[source] BoxError),
     /// No such job or attempt.
     #[error("{0} not found")]
     NotFound(&'static str),
-    /// The operation does not apply to the record in its current state.
-    #[error("conflict: {0}")]
-    Conflict(String),
-    /// The store answered with something the gateway cannot read.
-    #[error("store error: {0}")]
-    Internal(String),
+    /// The domain does not allow the operation on the record as it stands.
+    #[error(transparent)]
+    Refused(#[from] Refusal),
+    /// Others kept changing the key while this request tried to begin it.
+    #[error("the key kept changing under the request")]
+    Contended,
+    /// Something stored cannot be read back.
+    #[error("stored {0} cannot be read")]
+    Corrupt(&'static str),
+    /// The store answered with an error the gateway cannot act on.
+    #[error("the store failed")]
+    Internal(#[source] BoxError),
+}
+
+/// [`StoreError`]s grouped by what the caller can do about them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreErrorKind {
+    /// Transient: nothing was recorded; trying again later may work.
+    Unavailable,
+    /// The record does not exist.
+    NotFound,
+    /// The record is not in a state the operation applies to.
+    Conflict,
+    /// A defect or corruption; trying again will not help.
+    Internal,
+}
+
+impl StoreError {
+    /// What kind of failure this is.
+    pub fn kind(&self) -> StoreErrorKind {
+        match self {
+            StoreError::Unavailable(_) => StoreErrorKind::Unavailable,
+            StoreError::NotFound(_) => StoreErrorKind::NotFound,
+            StoreError::Refused(_) | StoreError::Contended => StoreErrorKind::Conflict,
+            StoreError::Corrupt(_) | StoreError::Internal(_) => StoreErrorKind::Internal,
+        }
+    }
+
+    /// Whether the same call may succeed later (the store was unreachable).
+    pub fn is_transient(&self) -> bool {
+        self.kind() == StoreErrorKind::Unavailable
+    }
+
+    /// An error with only a message for its cause.
+    pub fn internal(message: impl Into<String>) -> Self {
+        StoreError::Internal(message.into().into())
+    }
 }
 
 /// One method per domain operation. See the module docs for the guarantees.
@@ -133,7 +158,8 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<CommitOutcome, StoreError>;
 
     /// Records how an attempt ended without a result; the job's state is
-    /// derived again from all its attempts.
+    /// derived again from all its attempts. An attempt that was settled
+    /// meanwhile (a commit, an operator) is left as it is.
     async fn fail_attempt(
         &self,
         attempt: AttemptId,
@@ -151,10 +177,10 @@ pub trait Store: Send + Sync + 'static {
     /// Reads a job.
     async fn job(&self, id: JobId) -> Result<Option<Job>, StoreError>;
 
-    /// Reads a job with its attempts.
+    /// Reads a job with its attempts, as of one moment.
     async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError>;
 
-    /// Finds the job of an `(owner, key)` pair.
+    /// Finds the job of an `(owner, key)` pair, with its attempts.
     async fn find_job(
         &self,
         owner: &Owner,
@@ -169,7 +195,8 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<u64, StoreError>;
 
     /// Turns started attempts whose lease lapsed into `unknown` (their
-    /// gateway died holding them). Returns how many, at most `batch`.
+    /// gateway died holding them), in one transaction. Returns how many
+    /// jobs changed, at most `batch`.
     async fn expire_leases(&self, batch: u32) -> Result<u64, StoreError>;
 
     /// Deletes up to `batch` jobs (and their attempts) past their expiry.
@@ -179,24 +206,101 @@ pub trait Store: Send + Sync + 'static {
     async fn ping(&self) -> Result<(), StoreError>;
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// Which job a [`Backend::change`] locks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lock {
+    /// The job with this id.
+    Job(JobId),
+    /// The job this attempt belongs to.
+    JobOf(AttemptId),
+}
 
-    #[test]
-    fn a_settled_attempt_moves_its_job_only_along_allowed_transitions() {
-        use AttemptState::*;
-        assert_eq!(
-            next_job_state(JobState::Running, vec![Failed]).unwrap(),
-            JobState::Open
-        );
-        assert_eq!(
-            next_job_state(JobState::Unknown, vec![Unknown, Failed]).unwrap(),
-            JobState::Unknown
-        );
-        // An open job has nothing in flight; an attempt turning unknown under
-        // it would be a bug, refused rather than written.
-        assert!(next_job_state(JobState::Open, vec![Unknown]).is_err());
-        assert!(next_job_state(JobState::Completed, vec![Failed]).is_err());
-    }
+/// The decision a [`Backend::change`] asks for: given the locked job and the
+/// backend's clock, the writes to make (see [`crate::transition`]).
+pub type Decide = Box<dyn FnOnce(&Snapshot, SystemTime) -> Result<Change, Refusal> + Send>;
+
+/// A change as written.
+#[derive(Debug)]
+pub struct Applied {
+    /// What was written.
+    pub change: Change,
+    /// The attempt the change started, as stored.
+    pub started: Option<Attempt>,
+}
+
+/// What a database does to carry the domain. Every method is atomic; none
+/// decides a transition itself.
+#[async_trait]
+pub trait Backend: Send + Sync + 'static {
+    /// The arbiter: creates the job and its first attempt unless `(owner,
+    /// key)` exists (an expired job is deleted first: the key starts afresh).
+    async fn begin(&self, job: NewJob, attempt: NewAttempt) -> Result<Begin, StoreError>;
+
+    /// The commit: applies [`transition::commit`] in one compare-and-swap.
+    /// True when `attempt` won.
+    async fn commit(
+        &self,
+        attempt: &Attempt,
+        response: &StoredResponse,
+    ) -> Result<bool, StoreError>;
+
+    /// Locks a job with all its attempts, asks `decide` for the change, and
+    /// writes it, in one transaction. A refusal writes nothing.
+    async fn change(
+        &self,
+        lock: Lock,
+        decide: Decide,
+    ) -> Result<Result<Applied, Refusal>, StoreError>;
+
+    /// Applies [`transition::expire`] to up to `batch` jobs with a lapsed
+    /// lease, in one transaction; jobs another writer holds are left for the
+    /// next sweep. Returns the changes written.
+    async fn expire_lapsed(&self, batch: u32) -> Result<Vec<Change>, StoreError>;
+
+    /// Reads a job.
+    async fn job(&self, id: JobId) -> Result<Option<Job>, StoreError>;
+
+    /// Reads a job with its attempts in one consistent read.
+    async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError>;
+
+    /// Reads the job of an `(owner, key)` pair with its attempts, consistently.
+    async fn find_job(
+        &self,
+        owner: &Owner,
+        key: &IdempotencyKey,
+    ) -> Result<Option<JobDetail>, StoreError>;
+
+    /// Extends the leases of started attempts.
+    async fn renew_leases(
+        &self,
+        attempts: &[AttemptId],
+        lease: Duration,
+    ) -> Result<u64, StoreError>;
+
+    /// Deletes up to `batch` expired jobs with their attempts.
+    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError>;
+
+    /// Checks that the database answers.
+    async fn ping(&self) -> Result<(), StoreError>;
+}
+
+/// Applies [`transition::expire`] to each snapshot, skipping (and logging)
+/// any job whose change the domain refuses: one bad row must not stop the
+/// sweep of the others.
+pub(crate) fn expire_each(snapshots: &[Snapshot], now: SystemTime) -> Vec<Change> {
+    snapshots
+        .iter()
+        .filter_map(|s| match transition::expire(s, now)? {
+            Ok(change) => Some(change),
+            Err(refusal) => {
+                tracing::error!(job = %s.job.id, %refusal, "lapsed leases left alone: the domain refuses the change");
+                None
+            }
+        })
+        .collect()
+}
+
+/// Whole milliseconds, saturating.
+pub(crate) fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }

@@ -1,12 +1,16 @@
-//! The PostgreSQL store: the source of truth in production.
+//! The PostgreSQL backend: the source of truth in production.
 //!
 //! SQL lives next to the method that runs it. The hot path is two single
-//! statements: [`Store::begin_job`] (`INSERT … ON CONFLICT DO NOTHING` of the
-//! job and its first attempt) and [`Store::commit`] (the CAS). Paths that
-//! settle an attempt lock the job row, so that two attempts settling at once
-//! derive the job's state from each other's writes.
+//! statements: [`Backend::begin`] (a read, then `INSERT … ON CONFLICT DO
+//! NOTHING` of the job and its first attempt) and [`Backend::commit`] (the
+//! CAS). Every other change locks the job row (`FOR UPDATE`), reads its
+//! attempts, and writes what the domain decided, in one transaction; all
+//! writers of a job take its row lock first, so they never interleave.
+//!
+//! Job-state changes are announced with `NOTIFY` (a trigger, see
+//! `migrations/postgres`), tagged with the instance that made them, so a
+//! replica ignores its own announcements: it has already rung its doorbell.
 
-use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
@@ -16,14 +20,12 @@ use futures_util::StreamExt;
 use tokio_postgres::{AsyncMessage, NoTls, Row};
 use uuid::Uuid;
 
-use super::{
-    next_job_state, parse_attempt_state, parse_job_state, Begin, CommitOutcome, Doorbell, Joining,
-    Store, StoreError,
-};
-use crate::attempt::{Attempt, AttemptFailure, AttemptId, AttemptState, NewAttempt, Resolution};
+use super::{expire_each, millis, Applied, Backend, Begin, Decide, Doorbell, Lock, StoreError};
+use crate::attempt::{Attempt, AttemptId, AttemptState, NewAttempt};
 use crate::fingerprint::Fingerprint;
 use crate::job::{Job, JobDetail, JobId, JobState, NewJob, StoredResponse};
 use crate::key::{IdempotencyKey, Owner};
+use crate::transition::{self, AttemptHead, Change, JobHead, Refusal, Snapshot};
 
 mod embedded {
     refinery::embed_migrations!("migrations/postgres");
@@ -40,8 +42,11 @@ const JOB_COLUMNS: &str = "j.id, j.owner, j.key, j.fingerprint, j.route, j.state
 const JOB_WIDTH: usize = 15;
 const ATTEMPT_COLUMNS: &str = "a.id, a.job_id, a.number, a.upstream, a.state, a.job_version, \
      a.started_at, a.finished_at, a.lease_expires_at, a.upstream_status, a.detail";
+/// A job's head, the database's clock, and each attempt's head: one row per attempt.
+const SNAPSHOT_COLUMNS: &str = "j.id, j.state, j.version, j.attempt_count, j.completed_by, now(), \
+     a.id, a.number, a.state, a.job_version, a.lease_expires_at";
 
-/// Connection settings for [`PgStore`].
+/// Connection settings for [`Postgres`].
 #[derive(Debug, Clone)]
 pub struct PgSettings {
     /// A libpq-style URL or key=value string.
@@ -52,29 +57,29 @@ pub struct PgSettings {
     pub connect_timeout: Duration,
 }
 
-/// The PostgreSQL implementation of [`Store`].
+/// The PostgreSQL [`Backend`].
 #[derive(Clone)]
-pub struct PgStore {
+pub struct Postgres {
     pool: Pool,
     config: tokio_postgres::Config,
-    doorbell: Arc<Doorbell>,
+    instance: Uuid,
 }
 
-impl std::fmt::Debug for PgStore {
+impl std::fmt::Debug for Postgres {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PgStore").finish_non_exhaustive()
+        f.debug_struct("Postgres").finish_non_exhaustive()
     }
 }
 
-impl PgStore {
-    /// Builds the pool. Connections are made lazily, so a database that is
-    /// down at start-up makes requests answer 503 rather than the gateway
-    /// refuse to start.
-    pub fn new(settings: &PgSettings, doorbell: Arc<Doorbell>) -> Result<Self, StoreError> {
+impl Postgres {
+    /// Builds the pool for gateway `instance`. Connections are made lazily,
+    /// so a database that is down at start-up makes requests answer 503
+    /// rather than the gateway refuse to start.
+    pub fn new(settings: &PgSettings, instance: Uuid) -> Result<Self, StoreError> {
         let mut config: tokio_postgres::Config = settings
             .url
             .parse()
-            .map_err(|e| StoreError::Internal(format!("database URL: {e}")))?;
+            .map_err(|e| StoreError::Internal(Box::new(e)))?;
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(settings.connect_timeout);
         }
@@ -82,6 +87,12 @@ impl PgStore {
         if config.get_application_name().is_none() {
             config.application_name("idemgate");
         }
+        // Read by the NOTIFY trigger, so announcements name their origin.
+        let options = format!(
+            "{} -c idemgate.instance={instance}",
+            config.get_options().unwrap_or_default()
+        );
+        config.options(options.trim_start());
         let manager = Manager::from_config(
             config.clone(),
             NoTls,
@@ -96,11 +107,11 @@ impl PgStore {
             .create_timeout(Some(settings.connect_timeout))
             .recycle_timeout(Some(settings.connect_timeout))
             .build()
-            .map_err(|e| StoreError::Internal(format!("database pool: {e}")))?;
-        Ok(PgStore {
+            .map_err(|e| StoreError::Internal(Box::new(e)))?;
+        Ok(Postgres {
             pool,
             config,
-            doorbell,
+            instance,
         })
     }
 
@@ -122,50 +133,26 @@ impl PgStore {
             .await;
         drop(client);
         let _ = driver.await;
-        let report = report.map_err(|e| StoreError::Internal(format!("migrations: {e}")))?;
+        let report = report.map_err(|e| StoreError::Internal(Box::new(e)))?;
         for m in report.applied_migrations() {
             tracing::info!(migration = %m, "applied migration");
         }
         Ok(())
     }
 
-    /// Listens for job-state changes made by any replica and rings the
-    /// doorbell; reconnects after losing the database, ringing every bell
-    /// then, since announcements made meanwhile were lost.
-    pub async fn listen(self, shutdown: impl std::future::Future<Output = ()>) {
-        tokio::pin!(shutdown);
-        let mut backoff = Duration::from_millis(100);
-        loop {
-            tokio::select! {
-                () = &mut shutdown => return,
-                result = self.listen_once() => {
-                    match result {
-                        Ok(()) => backoff = Duration::from_millis(100),
-                        Err(e) => tracing::warn!(error = %e, "job notifications interrupted; reconnecting"),
-                    }
-                }
-            }
-            tokio::select! {
-                () = &mut shutdown => return,
-                () = tokio::time::sleep(backoff) => {}
-            }
-            backoff = (backoff * 2).min(Duration::from_secs(5));
-        }
-    }
-
-    async fn listen_once(&self) -> Result<(), StoreError> {
+    /// Listens for job-state changes announced by other replicas and rings
+    /// `doorbell` for each. Returns when the connection is lost (the caller
+    /// reconnects); rings every bell once listening, since announcements
+    /// made while nobody listened were lost.
+    pub async fn listen(&self, doorbell: &Doorbell) -> Result<(), StoreError> {
         let (client, mut connection) = self.config.connect(NoTls).await.map_err(map_pg)?;
         let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
-        let doorbell = self.doorbell.clone();
+        let (heard, mut announcements) = tokio::sync::mpsc::unbounded_channel();
         let mut driver = tokio::spawn(async move {
             while let Some(message) = messages.next().await {
                 match message {
                     Ok(AsyncMessage::Notification(n)) => {
-                        if let Ok(id) = n.payload().parse::<Uuid>() {
-                            metrics::counter!("idemgate_wakeups_total", "source" => "postgres")
-                                .increment(1);
-                            doorbell.ring_local(JobId(id));
-                        }
+                        let _ = heard.send(n.payload().to_owned());
                     }
                     Ok(_) => {}
                     Err(e) => return Err(map_pg(e)),
@@ -177,194 +164,177 @@ impl PgStore {
             .batch_execute(&format!("LISTEN {CHANNEL}"))
             .await
             .map_err(map_pg)?;
-        // Whatever changed while we were not listening went unannounced.
-        self.doorbell.ring_all();
-        let result = (&mut driver)
-            .await
-            .unwrap_or_else(|e| Err(StoreError::Internal(e.to_string())));
-        drop(client);
-        result
+        doorbell.ring_all();
+        loop {
+            tokio::select! {
+                ended = &mut driver => {
+                    return ended.unwrap_or_else(|e| Err(StoreError::Internal(Box::new(e))));
+                }
+                Some(payload) = announcements.recv() => {
+                    // `<job id> <instance>`; an untagged payload rings too.
+                    let mut parts = payload.split(' ');
+                    let job = parts.next().and_then(|j| j.parse().ok());
+                    let origin = parts.next().and_then(|i| i.parse::<Uuid>().ok());
+                    if let Some(job) = job {
+                        if origin != Some(self.instance) {
+                            metrics::counter!("idemgate_wakeups_total", "source" => "postgres").increment(1);
+                            doorbell.ring_local(JobId(job));
+                        }
+                    }
+                }
+            }
+        }
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Client, StoreError> {
         self.pool
             .get()
             .await
-            .map_err(|e| StoreError::Unavailable(e.to_string()))
+            .map_err(|e| StoreError::Unavailable(Box::new(e)))
     }
+}
 
-    /// Settles one attempt and derives its job's state again, in one
-    /// transaction holding the job row.
-    async fn settle(
-        &self,
-        attempt: AttemptId,
-        to: AttemptState,
-        status: Option<u16>,
-        detail: &str,
-        from: &[AttemptState],
-    ) -> Result<Option<JobId>, StoreError> {
-        let mut client = self.client().await?;
-        let tx = client.transaction().await.map_err(map_pg)?;
-        let (job, job_state, current) = lock_attempt(&tx, attempt).await?;
-        if !from.contains(&current) || !current.can_become(to) {
-            // Already settled by someone else (a commit, an operator): leave it.
-            return Ok(None);
-        }
-        let finished = (to != AttemptState::Unknown).then(SystemTime::now);
-        tx.execute(
-            "UPDATE attempts SET state = $2, finished_at = $3, \
-             upstream_status = COALESCE($4, upstream_status), detail = $5 WHERE id = $1",
-            &[
-                &attempt.0,
-                &to.as_str(),
-                &finished,
-                &status.map(|s| s as i16),
-                &detail,
-            ],
-        )
-        .await
-        .map_err(map_pg)?;
-        if !job_state.is_terminal() {
-            let derived = derive_job_state(&tx, job, job_state).await?;
-            if derived != job_state {
-                tx.execute(
-                    "UPDATE jobs SET state = $2, updated_at = now() WHERE id = $1",
-                    &[&job.0, &derived.as_str()],
-                )
-                .await
-                .map_err(map_pg)?;
-            }
-        }
-        tx.commit().await.map_err(map_pg)?;
-        self.doorbell.ring(job);
-        Ok(Some(job))
-    }
-
-    /// Adds the next attempt to a job, if the job is still at `version` and
-    /// in the state `how` needs: one statement, so the check and the insert
-    /// cannot be split by another writer.
-    async fn start_attempt(
-        &self,
-        job: JobId,
-        version: i64,
-        attempt: NewAttempt,
-        how: Joining,
-    ) -> Result<Option<Attempt>, StoreError> {
-        let update = match how {
-            Joining::Claim => {
-                "UPDATE jobs SET state = 'running', version = version + 1, \
-                        attempt_count = attempt_count + 1, updated_at = now() \
-                 WHERE id = $1 AND version = $2 AND state = 'open'"
-            }
-            Joining::Hedge => {
-                "UPDATE jobs SET attempt_count = attempt_count + 1, updated_at = now() \
-                 WHERE id = $1 AND version = $2 AND state IN ('running', 'unknown')"
-            }
+/// Reads the snapshots in `rows` (of [`SNAPSHOT_COLUMNS`], ordered by job),
+/// with the database's clock.
+fn snapshots(rows: &[Row]) -> Result<(Vec<Snapshot>, SystemTime), StoreError> {
+    let mut out: Vec<Snapshot> = Vec::new();
+    let mut now = SystemTime::now();
+    for row in rows {
+        let id = JobId(row.get(0));
+        now = row.get(5);
+        let attempt = AttemptHead {
+            id: AttemptId(row.get(6)),
+            number: row.get(7),
+            state: attempt_state(row.get(8))?,
+            job_version: row.get(9),
+            lease_expires_at: row.get(10),
         };
-        let client = self.client().await?;
-        let row = client
-            .query_opt(
-                &format!(
-                    "WITH j AS ({update} RETURNING id, version, attempt_count), \
-                     a AS ( \
-                       INSERT INTO attempts (id, job_id, number, upstream, state, job_version, instance, \
-                                             lease_expires_at, deadline_at) \
-                       SELECT $3, j.id, j.attempt_count, $4, 'started', j.version, $5, \
-                              now() + $6::bigint * interval '1 millisecond', \
-                              now() + $7::bigint * interval '1 millisecond' \
-                       FROM j \
-                       RETURNING * \
-                     ) \
-                     SELECT {ATTEMPT_COLUMNS} FROM a"
-                ),
+        match out.last_mut() {
+            Some(s) if s.job.id == id => s.attempts.push(attempt),
+            _ => out.push(Snapshot {
+                job: JobHead {
+                    id,
+                    state: job_state(row.get(1))?,
+                    version: row.get(2),
+                    attempt_count: row.get(3),
+                    completed_by: row.get::<_, Option<Uuid>>(4).map(AttemptId),
+                },
+                attempts: vec![attempt],
+            }),
+        }
+    }
+    Ok((out, now))
+}
+
+/// Writes a change inside the transaction holding its job's lock; returns
+/// the attempt it started, as stored.
+async fn write(
+    tx: &deadpool_postgres::Transaction<'_>,
+    change: &Change,
+) -> Result<Option<Attempt>, StoreError> {
+    let head = &change.job;
+    let completed_by = head.completed_by.map(|a| a.0);
+    match &change.response {
+        None => {
+            tx.execute(
+                "UPDATE jobs SET state = $2, version = $3, attempt_count = $4, completed_by = $5, \
+                        updated_at = now() WHERE id = $1",
                 &[
-                    &job.0,
-                    &version,
-                    &attempt.id.0,
-                    &attempt.upstream,
-                    &attempt.instance,
-                    &millis(attempt.lease),
-                    &millis(attempt.deadline),
+                    &head.id.0,
+                    &head.state.as_str(),
+                    &head.version,
+                    &head.attempt_count,
+                    &completed_by,
                 ],
             )
             .await
             .map_err(map_pg)?;
-        row.map(|r| attempt_from_row(&r, 0)).transpose()
-    }
-
-    async fn attempts_of(
-        &self,
-        client: &deadpool_postgres::Client,
-        job: JobId,
-    ) -> Result<Vec<Attempt>, StoreError> {
-        let rows = client
-            .query(
-                &format!("SELECT {ATTEMPT_COLUMNS} FROM attempts a WHERE a.job_id = $1 ORDER BY a.number"),
-                &[&job.0],
+        }
+        Some(response) => {
+            let (names, values) = split_headers(response);
+            tx.execute(
+                "UPDATE jobs SET state = $2, version = $3, attempt_count = $4, completed_by = $5, \
+                        response_status = $6, response_header_names = $7, \
+                        response_header_values = $8, response_body = $9, updated_at = now() \
+                 WHERE id = $1",
+                &[
+                    &head.id.0,
+                    &head.state.as_str(),
+                    &head.version,
+                    &head.attempt_count,
+                    &completed_by,
+                    &(response.status as i16),
+                    &names,
+                    &values,
+                    &response.body.as_ref(),
+                ],
             )
             .await
             .map_err(map_pg)?;
-        rows.iter().map(|r| attempt_from_row(r, 0)).collect()
+        }
     }
-}
-
-/// Locks an attempt and its job for the rest of the transaction, so that
-/// two attempts settling at once see each other's writes; returns the job's
-/// id and state and the attempt's state.
-async fn lock_attempt(
-    tx: &deadpool_postgres::Transaction<'_>,
-    attempt: AttemptId,
-) -> Result<(JobId, JobState, AttemptState), StoreError> {
-    let row = tx
-        .query_opt(
-            "SELECT j.id, j.state, a.state FROM jobs j JOIN attempts a ON a.job_id = j.id \
-             WHERE a.id = $1 FOR UPDATE OF j, a",
-            &[&attempt.0],
+    for settled in &change.settled {
+        tx.execute(
+            "UPDATE attempts SET state = $2, \
+                    finished_at = CASE WHEN $3 THEN now() ELSE finished_at END, \
+                    upstream_status = COALESCE($4, upstream_status), \
+                    detail = COALESCE($5, detail) \
+             WHERE id = $1",
+            &[
+                &settled.attempt.0,
+                &settled.state.as_str(),
+                &settled.finishes(),
+                &settled.status.map(|s| s as i16),
+                &settled.detail,
+            ],
         )
         .await
-        .map_err(map_pg)?
-        .ok_or(StoreError::NotFound("attempt"))?;
-    Ok((
-        JobId(row.get(0)),
-        parse_job_state(row.get(1))?,
-        parse_attempt_state(row.get(2))?,
-    ))
-}
-
-async fn derive_job_state(
-    client: &impl GenericClient,
-    job: JobId,
-    current: JobState,
-) -> Result<JobState, StoreError> {
-    let rows = client
-        .query("SELECT state FROM attempts WHERE job_id = $1", &[&job.0])
+        .map_err(map_pg)?;
+    }
+    let Some(start) = &change.started else {
+        return Ok(None);
+    };
+    let row = tx
+        .query_one(
+            &format!(
+                "INSERT INTO attempts AS a (id, job_id, number, upstream, state, job_version, \
+                                            instance, lease_expires_at, deadline_at) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, \
+                         now() + $8::bigint * interval '1 millisecond', \
+                         now() + $9::bigint * interval '1 millisecond') \
+                 RETURNING {ATTEMPT_COLUMNS}"
+            ),
+            &[
+                &start.attempt.id.0,
+                &head.id.0,
+                &start.number,
+                &start.attempt.upstream,
+                &AttemptState::Started.as_str(),
+                &start.job_version,
+                &start.attempt.instance,
+                &millis(start.attempt.lease),
+                &millis(start.attempt.deadline),
+            ],
+        )
         .await
         .map_err(map_pg)?;
-    let states = rows
-        .iter()
-        .map(|r| parse_attempt_state(r.get(0)))
-        .collect::<Result<Vec<_>, _>>()?;
-    next_job_state(current, states)
-}
-
-fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+    attempt_from_row(&row, 0).map(Some)
 }
 
 #[async_trait]
-impl Store for PgStore {
-    async fn begin_job(&self, job: NewJob, attempt: NewAttempt) -> Result<Begin, StoreError> {
+impl Backend for Postgres {
+    async fn begin(&self, job: NewJob, attempt: NewAttempt) -> Result<Begin, StoreError> {
         let client = self.client().await?;
         let insert = format!(
             "WITH j AS ( \
                INSERT INTO jobs (id, owner, key, fingerprint, route, state, version, attempt_count, expires_at) \
-               VALUES ($1, $2, $3, $4, $5, 'running', 1, 1, now() + $6::bigint * interval '1 millisecond') \
+               VALUES ($1, $2, $3, $4, $5, $12, 1, 1, now() + $6::bigint * interval '1 millisecond') \
                ON CONFLICT (owner, key) DO NOTHING \
                RETURNING * \
              ), a AS ( \
                INSERT INTO attempts (id, job_id, number, upstream, state, job_version, instance, \
                                      lease_expires_at, deadline_at) \
-               SELECT $7, j.id, 1, $8, 'started', j.version, $9, \
+               SELECT $7, j.id, 1, $8, $13, j.version, $9, \
                       now() + $10::bigint * interval '1 millisecond', \
                       now() + $11::bigint * interval '1 millisecond' \
                FROM j \
@@ -421,6 +391,8 @@ impl Store for PgStore {
                         &attempt.instance,
                         &millis(attempt.lease),
                         &millis(attempt.deadline),
+                        &JobState::Running.as_str(),
+                        &AttemptState::Started.as_str(),
                     ],
                 )
                 .await
@@ -432,54 +404,39 @@ impl Store for PgStore {
                 ));
             }
         }
-        Err(StoreError::Conflict(
-            "the key kept changing under the request; try again".into(),
-        ))
-    }
-
-    async fn claim_attempt(
-        &self,
-        job: JobId,
-        version: i64,
-        attempt: NewAttempt,
-    ) -> Result<Option<Attempt>, StoreError> {
-        self.start_attempt(job, version, attempt, Joining::Claim)
-            .await
-    }
-
-    async fn hedge_attempt(
-        &self,
-        job: JobId,
-        version: i64,
-        attempt: NewAttempt,
-    ) -> Result<Option<Attempt>, StoreError> {
-        self.start_attempt(job, version, attempt, Joining::Hedge)
-            .await
+        Err(StoreError::Contended)
     }
 
     async fn commit(
         &self,
         attempt: &Attempt,
         response: &StoredResponse,
-    ) -> Result<CommitOutcome, StoreError> {
+    ) -> Result<bool, StoreError> {
         let client = self.client().await?;
         let (names, values) = split_headers(response);
         let status = response.status as i16;
-        // The CAS of DESIGN §2: zero rows from `won` means another attempt
-        // won or the job moved on; the attempt is then superseded.
+        let unsettled = [
+            AttemptState::Started.as_str(),
+            AttemptState::Unknown.as_str(),
+        ];
+        // `transition::may_commit` in one statement: zero rows from `won`
+        // means another attempt won or the job moved on, and the attempt is
+        // then superseded.
         let commit = client
             .prepare_cached(
                 "WITH won AS ( \
-                   UPDATE jobs SET state = 'completed', completed_by = $2, response_status = $3, \
+                   UPDATE jobs SET state = $8, completed_by = $2, response_status = $3, \
                           response_header_names = $4, response_header_values = $5, \
                           response_body = $6, version = version + 1, updated_at = now() \
                    WHERE id = $1 AND version = $7 AND completed_by IS NULL \
+                     AND EXISTS (SELECT 1 FROM attempts WHERE id = $2 AND state = ANY($9)) \
                    RETURNING id \
                  ), settled AS ( \
                    UPDATE attempts SET \
-                          state = CASE WHEN EXISTS (SELECT 1 FROM won) THEN 'succeeded' ELSE 'superseded' END, \
+                          state = CASE WHEN EXISTS (SELECT 1 FROM won) THEN $10 ELSE $11 END, \
+                          detail = CASE WHEN EXISTS (SELECT 1 FROM won) THEN detail ELSE $12 END, \
                           finished_at = now(), upstream_status = $3 \
-                   WHERE id = $2 AND state IN ('started', 'unknown') \
+                   WHERE id = $2 AND state = ANY($9) \
                    RETURNING id \
                  ) \
                  SELECT EXISTS (SELECT 1 FROM won)",
@@ -497,111 +454,84 @@ impl Store for PgStore {
                     &values,
                     &response.body.as_ref(),
                     &attempt.job_version,
+                    &JobState::Completed.as_str(),
+                    &unsettled.as_slice(),
+                    &AttemptState::Succeeded.as_str(),
+                    &AttemptState::Superseded.as_str(),
+                    &transition::SUPERSEDED,
                 ],
             )
             .await
             .map_err(map_pg)?;
-        let won: bool = row.get(0);
-        if won {
-            self.doorbell.ring(attempt.job_id);
-            Ok(CommitOutcome::Committed)
-        } else {
-            Ok(CommitOutcome::Superseded)
-        }
+        Ok(row.get(0))
     }
 
-    async fn fail_attempt(
+    async fn change(
         &self,
-        attempt: AttemptId,
-        failure: AttemptFailure,
-    ) -> Result<(), StoreError> {
-        let from: &[AttemptState] = match failure {
-            AttemptFailure::Unknown { .. } => &[AttemptState::Started],
-            _ => &[AttemptState::Started, AttemptState::Unknown],
-        };
-        self.settle(
-            attempt,
-            failure.state(),
-            failure.status(),
-            failure.detail(),
-            from,
-        )
-        .await
-        .map(|_| ())
-    }
-
-    async fn resolve_attempt(
-        &self,
-        attempt: AttemptId,
-        resolution: Resolution,
-    ) -> Result<JobDetail, StoreError> {
+        lock: Lock,
+        decide: Decide,
+    ) -> Result<Result<Applied, Refusal>, StoreError> {
         let mut client = self.client().await?;
         let tx = client.transaction().await.map_err(map_pg)?;
-        let (job, job_state, current) = lock_attempt(&tx, attempt).await?;
-        if !current.is_unsettled() {
-            return Err(StoreError::Conflict(format!(
-                "attempt {attempt} is already {current}; only started or unknown attempts can be resolved"
-            )));
-        }
-        match &resolution {
-            Resolution::Succeeded(response) => {
-                if job_state.is_terminal() {
-                    return Err(StoreError::Conflict(format!(
-                        "job {job} is already completed by another attempt"
-                    )));
-                }
-                let (names, values) = split_headers(response);
-                tx.execute(
-                    "UPDATE jobs SET state = 'completed', completed_by = $2, response_status = $3, \
-                            response_header_names = $4, response_header_values = $5, \
-                            response_body = $6, version = version + 1, updated_at = now() \
-                     WHERE id = $1",
-                    &[
-                        &job.0,
-                        &attempt.0,
-                        &(response.status as i16),
-                        &names,
-                        &values,
-                        &response.body.as_ref(),
-                    ],
-                )
-                .await
-                .map_err(map_pg)?;
-                tx.execute(
-                    "UPDATE attempts SET state = 'succeeded', finished_at = now(), \
-                            upstream_status = $2, detail = 'resolved by an operator' WHERE id = $1",
-                    &[&attempt.0, &(response.status as i16)],
-                )
-                .await
-                .map_err(map_pg)?;
-            }
-            Resolution::Failed | Resolution::Cancelled => {
-                tx.execute(
-                    "UPDATE attempts SET state = $2, finished_at = now(), \
-                            detail = 'resolved by an operator' WHERE id = $1",
-                    &[&attempt.0, &resolution.state().as_str()],
-                )
-                .await
-                .map_err(map_pg)?;
-                if !job_state.is_terminal() {
-                    let derived = derive_job_state(&tx, job, job_state).await?;
-                    // The version moves: the attempt's own late answer must
-                    // no longer be able to commit.
-                    tx.execute(
-                        "UPDATE jobs SET state = $2, version = version + 1, updated_at = now() \
-                         WHERE id = $1",
-                        &[&job.0, &derived.as_str()],
-                    )
-                    .await
-                    .map_err(map_pg)?;
-                }
-            }
+        let (filter, id) = match lock {
+            Lock::Job(job) => ("j.id = $1", job.0),
+            Lock::JobOf(attempt) => (
+                "j.id = (SELECT job_id FROM attempts WHERE id = $1)",
+                attempt.0,
+            ),
+        };
+        let rows = tx
+            .query(
+                &format!(
+                    "SELECT {SNAPSHOT_COLUMNS} FROM jobs j JOIN attempts a ON a.job_id = j.id \
+                     WHERE {filter} ORDER BY a.number FOR UPDATE OF j"
+                ),
+                &[&id],
+            )
+            .await
+            .map_err(map_pg)?;
+        let (snapshots, now) = snapshots(&rows)?;
+        let Some(snapshot) = snapshots.first() else {
+            return Err(StoreError::NotFound(match lock {
+                Lock::Job(_) => "job",
+                Lock::JobOf(_) => "attempt",
+            }));
+        };
+        let change = match decide(snapshot, now) {
+            Ok(change) => change,
+            Err(refusal) => return Ok(Err(refusal)),
+        };
+        let started = write(&tx, &change).await?;
+        tx.commit().await.map_err(map_pg)?;
+        Ok(Ok(Applied { change, started }))
+    }
+
+    async fn expire_lapsed(&self, batch: u32) -> Result<Vec<Change>, StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(map_pg)?;
+        // Jobs another writer holds are skipped, not waited for: the next
+        // sweep (of this replica or another) takes them.
+        let rows = tx
+            .query(
+                &format!(
+                    "SELECT {SNAPSHOT_COLUMNS} FROM jobs j JOIN attempts a ON a.job_id = j.id \
+                     WHERE j.id IN ( \
+                       SELECT job_id FROM attempts \
+                       WHERE state = $2 AND lease_expires_at < now() \
+                       ORDER BY lease_expires_at LIMIT $1) \
+                     ORDER BY j.id, a.number FOR UPDATE OF j SKIP LOCKED"
+                ),
+                &[&i64::from(batch), &AttemptState::Started.as_str()],
+            )
+            .await
+            .map_err(map_pg)?;
+        let (snapshots, now) = snapshots(&rows)?;
+        let changes = expire_each(&snapshots, now);
+        for change in &changes {
+            write(&tx, change).await?;
         }
         tx.commit().await.map_err(map_pg)?;
-        self.doorbell.ring(job);
-        self.job_detail(job)
-            .await?
-            .ok_or(StoreError::NotFound("job"))
+        Ok(changes)
     }
 
     async fn job(&self, id: JobId) -> Result<Option<Job>, StoreError> {
@@ -615,12 +545,8 @@ impl Store for PgStore {
     }
 
     async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError> {
-        let Some(job) = self.job(id).await? else {
-            return Ok(None);
-        };
         let client = self.client().await?;
-        let attempts = self.attempts_of(&client, id).await?;
-        Ok(Some(JobDetail { job, attempts }))
+        detail(&client, "j.id = $1", &[&id.0]).await
     }
 
     async fn find_job(
@@ -629,17 +555,12 @@ impl Store for PgStore {
         key: &IdempotencyKey,
     ) -> Result<Option<JobDetail>, StoreError> {
         let client = self.client().await?;
-        let row = client
-            .query_opt(
-                &format!("SELECT {JOB_COLUMNS} FROM jobs j WHERE j.owner = $1 AND j.key = $2"),
-                &[&owner.as_str(), &key.as_str()],
-            )
-            .await
-            .map_err(map_pg)?;
-        let Some(row) = row else { return Ok(None) };
-        let job = job_from_row(&row)?;
-        let attempts = self.attempts_of(&client, job.id).await?;
-        Ok(Some(JobDetail { job, attempts }))
+        detail(
+            &client,
+            "j.owner = $1 AND j.key = $2",
+            &[&owner.as_str(), &key.as_str()],
+        )
+        .await
     }
 
     async fn renew_leases(
@@ -647,51 +568,16 @@ impl Store for PgStore {
         attempts: &[AttemptId],
         lease: Duration,
     ) -> Result<u64, StoreError> {
-        if attempts.is_empty() {
-            return Ok(0);
-        }
         let ids: Vec<Uuid> = attempts.iter().map(|a| a.0).collect();
         let client = self.client().await?;
         client
             .execute(
                 "UPDATE attempts SET lease_expires_at = now() + $2::bigint * interval '1 millisecond' \
-                 WHERE id = ANY($1) AND state = 'started'",
-                &[&ids, &millis(lease)],
+                 WHERE id = ANY($1) AND state = $3",
+                &[&ids, &millis(lease), &AttemptState::Started.as_str()],
             )
             .await
             .map_err(map_pg)
-    }
-
-    async fn expire_leases(&self, batch: u32) -> Result<u64, StoreError> {
-        let lapsed = {
-            let client = self.client().await?;
-            client
-                .query(
-                    "SELECT id FROM attempts WHERE state = 'started' AND lease_expires_at < now() \
-                     ORDER BY lease_expires_at LIMIT $1",
-                    &[&i64::from(batch)],
-                )
-                .await
-                .map_err(map_pg)?
-        };
-        let mut expired = 0;
-        for row in lapsed {
-            let attempt = AttemptId(row.get(0));
-            let settled = self
-                .settle(
-                    attempt,
-                    AttemptState::Unknown,
-                    None,
-                    "lease lapsed: the gateway running this attempt stopped renewing it",
-                    &[AttemptState::Started],
-                )
-                .await?;
-            if let Some(job) = settled {
-                tracing::warn!(%attempt, %job, "attempt lease lapsed; outcome unknown");
-                expired += 1;
-            }
-        }
-        Ok(expired)
     }
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
@@ -708,9 +594,43 @@ impl Store for PgStore {
 
     async fn ping(&self) -> Result<(), StoreError> {
         let client = self.client().await?;
-        client.simple_query("SELECT 1").await.map_err(map_pg)?;
+        // Our own table: a database that answers but was never migrated
+        // is not ready either.
+        client
+            .simple_query("SELECT 1 FROM jobs LIMIT 1")
+            .await
+            .map_err(map_pg)?;
         Ok(())
     }
+}
+
+/// A job and its attempts in one statement, so they are read as of one
+/// moment.
+async fn detail(
+    client: &deadpool_postgres::Client,
+    filter: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> Result<Option<JobDetail>, StoreError> {
+    let rows = client
+        .query(
+            &format!(
+                "SELECT {JOB_COLUMNS}, {ATTEMPT_COLUMNS} FROM jobs j \
+                 LEFT JOIN attempts a ON a.job_id = j.id WHERE {filter} ORDER BY a.number"
+            ),
+            params,
+        )
+        .await
+        .map_err(map_pg)?;
+    let Some(first) = rows.first() else {
+        return Ok(None);
+    };
+    let job = job_from_row(first)?;
+    let attempts = rows
+        .iter()
+        .filter(|r| r.get::<_, Option<Uuid>>(JOB_WIDTH).is_some())
+        .map(|r| attempt_from_row(r, JOB_WIDTH))
+        .collect::<Result<_, _>>()?;
+    Ok(Some(JobDetail { job, attempts }))
 }
 
 fn split_headers(response: &StoredResponse) -> (Vec<&str>, Vec<&[u8]>) {
@@ -719,6 +639,14 @@ fn split_headers(response: &StoredResponse) -> (Vec<&str>, Vec<&[u8]>) {
         .iter()
         .map(|(n, v)| (n.as_str(), v.as_ref()))
         .unzip()
+}
+
+fn job_state(s: &str) -> Result<JobState, StoreError> {
+    JobState::parse(s).ok_or(StoreError::Corrupt("job state"))
+}
+
+fn attempt_state(s: &str) -> Result<AttemptState, StoreError> {
+    AttemptState::parse(s).ok_or(StoreError::Corrupt("attempt state"))
 }
 
 fn job_from_row(row: &Row) -> Result<Job, StoreError> {
@@ -743,11 +671,11 @@ fn job_from_row(row: &Row) -> Result<Job, StoreError> {
         id: JobId(row.get(0)),
         owner: Owner::from_stored(row.get(1)),
         key: IdempotencyKey::new(row.get::<_, String>(2))
-            .map_err(|e| StoreError::Internal(format!("stored key: {e}")))?,
+            .map_err(|_| StoreError::Corrupt("idempotency key"))?,
         fingerprint: Fingerprint::from_slice(fingerprint)
-            .ok_or_else(|| StoreError::Internal("stored fingerprint is not 32 bytes".into()))?,
+            .ok_or(StoreError::Corrupt("fingerprint"))?,
         route: row.get(4),
-        state: parse_job_state(row.get(5))?,
+        state: job_state(row.get(5))?,
         version: row.get(6),
         attempt_count: row.get(7),
         completed_by: row.get::<_, Option<Uuid>>(8).map(AttemptId),
@@ -763,7 +691,7 @@ fn attempt_from_row(row: &Row, at: usize) -> Result<Attempt, StoreError> {
         job_id: JobId(row.get(at + 1)),
         number: row.get(at + 2),
         upstream: row.get(at + 3),
-        state: parse_attempt_state(row.get(at + 4))?,
+        state: attempt_state(row.get(at + 4))?,
         job_version: row.get(at + 5),
         started_at: row.get(at + 6),
         finished_at: row.get(at + 7),
@@ -778,16 +706,18 @@ fn attempt_from_row(row: &Row, at: usize) -> Result<Attempt, StoreError> {
 fn map_pg(e: tokio_postgres::Error) -> StoreError {
     if let Some(db) = e.as_db_error() {
         let code = db.code().code();
-        // Class 08 (connection), 57P0x (shutdown), 53 (resources), and
-        // 42P01 (no such table: migrations not applied yet).
+        // Class 08 (connection), 57P0x (shutdown), 53 (resources), 40001/40P01
+        // (serialisation, deadlock: try again) and 42P01 (no such table:
+        // migrations not applied yet).
         if code.starts_with("08")
             || code.starts_with("57P")
             || code.starts_with("53")
+            || code.starts_with("40")
             || code == "42P01"
         {
-            return StoreError::Unavailable(db.to_string());
+            return StoreError::Unavailable(Box::new(e));
         }
-        return StoreError::Internal(db.to_string());
+        return StoreError::Internal(Box::new(e));
     }
-    StoreError::Unavailable(e.to_string())
+    StoreError::Unavailable(Box::new(e))
 }

@@ -1,8 +1,9 @@
-//! The embedded store: SQLite in one local file, for single-node use and
+//! The embedded backend: SQLite in one local file, for single-node use and
 //! demos, with the same guarantees as PostgreSQL.
 //!
-//! - `UNIQUE (owner, key)` is the arbiter; the commit is a CAS on `version`
-//!   with `completed_by IS NULL`, exactly as in PostgreSQL.
+//! - `UNIQUE (owner, key)` is the arbiter; every change, the commit
+//!   included, runs the domain's transition on the locked job inside one
+//!   `BEGIN IMMEDIATE` transaction (SQLite's single writer lock).
 //! - Every operation runs on a blocking thread (`spawn_blocking`), never on
 //!   the async runtime, over one connection: SQLite has one writer at a time
 //!   anyway, and serialising here makes each operation trivially atomic.
@@ -14,6 +15,9 @@
 //!   PostgreSQL.
 //! - At start-up every attempt still `started` belonged to a gateway that
 //!   stopped (the lock proves none is running): it becomes `unknown`.
+//!
+//! Ids are stored as UUID text and times as milliseconds since the epoch;
+//! both are converted at this boundary, never passed around as strings.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -26,14 +30,12 @@ use rusqlite::{params, Connection, OptionalExtension, Row, Transaction, Transact
 use uuid::Uuid;
 
 use super::codec::{decode_headers, encode_headers};
-use super::{
-    next_job_state, parse_attempt_state, parse_job_state, Begin, CommitOutcome, Doorbell, Joining,
-    Store, StoreError,
-};
-use crate::attempt::{Attempt, AttemptFailure, AttemptId, AttemptState, NewAttempt, Resolution};
+use super::{expire_each, millis, Applied, Backend, Begin, Decide, Lock, StoreError};
+use crate::attempt::{Attempt, AttemptFailure, AttemptId, AttemptState, NewAttempt};
 use crate::fingerprint::Fingerprint;
 use crate::job::{Job, JobDetail, JobId, JobState, NewJob, StoredResponse};
 use crate::key::{IdempotencyKey, Owner};
+use crate::transition::{self, AttemptHead, Change, JobHead, Refusal, Snapshot};
 
 mod embedded {
     refinery::embed_migrations!("migrations/sqlite");
@@ -45,38 +47,37 @@ const JOB_COLUMNS: &str = "j.id, j.owner, j.key, j.fingerprint, j.route, j.state
 const ATTEMPT_COLUMNS: &str = "a.id, a.job_id, a.number, a.upstream, a.state, a.job_version, \
      a.started_at, a.finished_at, a.lease_expires_at, a.upstream_status, a.detail";
 
-/// The SQLite implementation of [`Store`].
+/// The SQLite [`Backend`].
 #[derive(Clone)]
-pub struct SqliteStore {
+pub struct Sqlite {
     conn: Arc<Mutex<Connection>>,
-    doorbell: Arc<Doorbell>,
     path: PathBuf,
     _lock: Arc<File>,
 }
 
-impl std::fmt::Debug for SqliteStore {
+impl std::fmt::Debug for Sqlite {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SqliteStore")
-            .field("path", &self.path)
-            .finish()
+        f.debug_struct("Sqlite").field("path", &self.path).finish()
     }
 }
 
-impl SqliteStore {
+impl Sqlite {
     /// Opens (creating if need be) the store at `path`, applies migrations,
     /// and records attempts left `started` by a previous run as `unknown`.
-    pub async fn open(path: &Path, doorbell: Arc<Doorbell>) -> Result<Self, StoreError> {
+    pub async fn open(path: &Path) -> Result<Self, StoreError> {
         let path = path.to_owned();
-        tokio::task::spawn_blocking(move || Self::open_blocking(path, doorbell))
+        tokio::task::spawn_blocking(move || Self::open_blocking(path))
             .await
-            .map_err(|e| StoreError::Internal(e.to_string()))?
+            .map_err(|e| StoreError::Internal(Box::new(e)))?
     }
 
-    fn open_blocking(path: PathBuf, doorbell: Arc<Doorbell>) -> Result<Self, StoreError> {
+    fn open_blocking(path: PathBuf) -> Result<Self, StoreError> {
+        let unavailable = |what: String, e: std::io::Error| {
+            StoreError::Unavailable(format!("{what}: {e}").into())
+        };
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(|e| {
-                StoreError::Unavailable(format!("cannot create {}: {e}", dir.display()))
-            })?;
+            std::fs::create_dir_all(dir)
+                .map_err(|e| unavailable(format!("cannot create {}", dir.display()), e))?;
         }
         let lock_path = {
             let mut p = path.clone().into_os_string();
@@ -88,15 +89,16 @@ impl SqliteStore {
             .truncate(false)
             .write(true)
             .open(&lock_path)
-            .map_err(|e| {
-                StoreError::Unavailable(format!("cannot open {}: {e}", lock_path.display()))
-            })?;
+            .map_err(|e| unavailable(format!("cannot open {}", lock_path.display()), e))?;
         lock.try_lock().map_err(|_| {
-            StoreError::Unavailable(format!(
-                "another idemgate is using {}; the embedded store serves one gateway \
-                 (use PostgreSQL, database_url, to run several replicas)",
-                path.display()
-            ))
+            StoreError::Unavailable(
+                format!(
+                    "another idemgate is using {}; the embedded store serves one gateway \
+                     (use PostgreSQL, database_url, to run several replicas)",
+                    path.display()
+                )
+                .into(),
+            )
         })?;
         let mut conn = Connection::open(&path).map_err(map_sqlite)?;
         conn.execute_batch(
@@ -109,98 +111,16 @@ impl SqliteStore {
         let report = embedded::migrations::runner()
             .set_abort_divergent(true)
             .run(&mut conn)
-            .map_err(|e| StoreError::Internal(format!("migrations: {e}")))?;
+            .map_err(|e| StoreError::Internal(Box::new(e)))?;
         for m in report.applied_migrations() {
             tracing::info!(migration = %m, "applied migration");
         }
-        let store = SqliteStore {
+        abandon_orphans(&mut conn)?;
+        Ok(Sqlite {
             conn: Arc::new(Mutex::new(conn)),
-            doorbell,
             path,
             _lock: Arc::new(lock),
-        };
-        store.abandon_orphans()?;
-        Ok(store)
-    }
-
-    fn abandon_orphans(&self) -> Result<(), StoreError> {
-        let mut conn = self.lock();
-        let orphans: Vec<String> = {
-            let mut stmt = conn
-                .prepare("SELECT id FROM attempts WHERE state = 'started'")
-                .map_err(map_sqlite)?;
-            let rows = stmt
-                .query_map([], |r| r.get(0))
-                .map_err(map_sqlite)?
-                .collect::<Result<_, _>>()
-                .map_err(map_sqlite)?;
-            rows
-        };
-        for id in orphans {
-            let tx = conn
-                .transaction_with_behavior(TransactionBehavior::Immediate)
-                .map_err(map_sqlite)?;
-            settle_tx(
-                &tx,
-                &id,
-                AttemptState::Unknown,
-                None,
-                "the gateway stopped while this attempt was in flight",
-                &[AttemptState::Started],
-            )?;
-            tx.commit().map_err(map_sqlite)?;
-            tracing::warn!(attempt = %id, "attempt left in flight by a previous run; outcome unknown");
-        }
-        Ok(())
-    }
-
-    /// Adds the next attempt to a job, if the job is still at `version` and
-    /// in the state `how` needs.
-    async fn start_attempt(
-        &self,
-        job: JobId,
-        version: i64,
-        attempt: NewAttempt,
-        how: Joining,
-    ) -> Result<Option<Attempt>, StoreError> {
-        let update = match how {
-            Joining::Claim => {
-                "UPDATE jobs SET state = 'running', version = version + 1, \
-                        attempt_count = attempt_count + 1, updated_at = ?3 \
-                 WHERE id = ?1 AND version = ?2 AND state = 'open'"
-            }
-            Joining::Hedge => {
-                "UPDATE jobs SET attempt_count = attempt_count + 1, updated_at = ?3 \
-                 WHERE id = ?1 AND version = ?2 AND state IN ('running', 'unknown')"
-            }
-        };
-        self.call(move |conn| {
-            let now = now_ms();
-            let tx = immediate(conn)?;
-            let id = job.0.to_string();
-            if tx
-                .execute(update, params![id, version, now])
-                .map_err(map_sqlite)?
-                == 0
-            {
-                return Ok(None);
-            }
-            let (number, version): (i64, i64) = tx
-                .query_row(
-                    "SELECT attempt_count, version FROM jobs WHERE id = ?1",
-                    [&id],
-                    |r| Ok((r.get(0)?, r.get(1)?)),
-                )
-                .map_err(map_sqlite)?;
-            let attempt = insert_attempt(&tx, &id, number, version, &attempt, now)?;
-            tx.commit().map_err(map_sqlite)?;
-            Ok(Some(attempt))
         })
-        .await
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Connection> {
-        self.conn.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Runs `f` on the connection, on a blocking thread.
@@ -215,8 +135,36 @@ impl SqliteStore {
             f(&mut conn)
         })
         .await
-        .map_err(|e| StoreError::Internal(e.to_string()))?
+        .map_err(|e| StoreError::Internal(Box::new(e)))?
     }
+}
+
+/// Attempts a previous run left `started` can no longer be told apart from
+/// ones that acted: each becomes `unknown`.
+fn abandon_orphans(conn: &mut Connection) -> Result<(), StoreError> {
+    let orphans: Vec<AttemptId> = {
+        let mut stmt = conn
+            .prepare("SELECT id FROM attempts WHERE state = ?1")
+            .map_err(map_sqlite)?;
+        let ids = stmt
+            .query_map([AttemptState::Started.as_str()], |r| r.get::<_, String>(0))
+            .map_err(map_sqlite)?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(map_sqlite)?;
+        ids.iter()
+            .map(|id| uuid(id).map(AttemptId))
+            .collect::<Result<_, _>>()?
+    };
+    for attempt in orphans {
+        let failure = AttemptFailure::Unknown {
+            detail: "the gateway stopped while this attempt was in flight".into(),
+        };
+        let decide: Decide = Box::new(move |s, _| transition::settle(s, attempt, &failure));
+        if change_blocking(conn, Lock::JobOf(attempt), decide)?.is_ok() {
+            tracing::warn!(%attempt, "attempt left in flight by a previous run; outcome unknown");
+        }
+    }
+    Ok(())
 }
 
 fn now_ms() -> i64 {
@@ -224,192 +172,15 @@ fn now_ms() -> i64 {
 }
 
 fn to_ms(t: SystemTime) -> i64 {
-    t.duration_since(UNIX_EPOCH)
-        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-        .unwrap_or(0)
+    t.duration_since(UNIX_EPOCH).map(millis).unwrap_or(0)
 }
 
 fn from_ms(ms: i64) -> SystemTime {
     UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)
 }
 
-fn ms(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
-}
-
-fn insert_attempt(
-    tx: &Transaction<'_>,
-    job: &str,
-    number: i64,
-    version: i64,
-    attempt: &NewAttempt,
-    now: i64,
-) -> Result<Attempt, StoreError> {
-    tx.execute(
-        "INSERT INTO attempts (id, job_id, number, upstream, state, job_version, instance, \
-                               started_at, lease_expires_at, deadline_at) \
-         VALUES (?1, ?2, ?3, ?4, 'started', ?5, ?6, ?7, ?8, ?9)",
-        params![
-            attempt.id.0.to_string(),
-            job,
-            number,
-            attempt.upstream,
-            version,
-            attempt.instance.to_string(),
-            now,
-            now + ms(attempt.lease),
-            now + ms(attempt.deadline),
-        ],
-    )
-    .map_err(map_sqlite)?;
-    read_attempt(tx, &attempt.id.0.to_string())?.ok_or(StoreError::NotFound("attempt"))
-}
-
-fn read_job(conn: &Connection, id: &str) -> Result<Option<Job>, StoreError> {
-    conn.query_row(
-        &format!("SELECT {JOB_COLUMNS} FROM jobs j WHERE j.id = ?1"),
-        [id],
-        job_from_row,
-    )
-    .optional()
-    .map_err(map_sqlite)?
-    .transpose()
-}
-
-fn read_attempt(conn: &Connection, id: &str) -> Result<Option<Attempt>, StoreError> {
-    conn.query_row(
-        &format!("SELECT {ATTEMPT_COLUMNS} FROM attempts a WHERE a.id = ?1"),
-        [id],
-        attempt_from_row,
-    )
-    .optional()
-    .map_err(map_sqlite)?
-    .transpose()
-}
-
-fn read_attempts(conn: &Connection, job: &str) -> Result<Vec<Attempt>, StoreError> {
-    let mut stmt = conn
-        .prepare(&format!(
-            "SELECT {ATTEMPT_COLUMNS} FROM attempts a WHERE a.job_id = ?1 ORDER BY a.number"
-        ))
-        .map_err(map_sqlite)?;
-    let rows = stmt
-        .query_map([job], attempt_from_row)
-        .map_err(map_sqlite)?;
-    rows.map(|r| r.map_err(map_sqlite)?).collect()
-}
-
-fn read_detail(conn: &Connection, id: &str) -> Result<Option<JobDetail>, StoreError> {
-    let Some(job) = read_job(conn, id)? else {
-        return Ok(None);
-    };
-    let attempts = read_attempts(conn, id)?;
-    Ok(Some(JobDetail { job, attempts }))
-}
-
-fn derive_job_state(
-    conn: &Connection,
-    job: &str,
-    current: JobState,
-) -> Result<JobState, StoreError> {
-    let mut stmt = conn
-        .prepare("SELECT state FROM attempts WHERE job_id = ?1")
-        .map_err(map_sqlite)?;
-    let states = stmt
-        .query_map([job], |r| r.get::<_, String>(0))
-        .map_err(map_sqlite)?
-        .map(|s| parse_attempt_state(&s.map_err(map_sqlite)?))
-        .collect::<Result<Vec<_>, _>>()?;
-    next_job_state(current, states)
-}
-
-/// An attempt's job id and state and its own state (the caller's immediate
-/// transaction already holds the write lock).
-fn read_attempt_and_job(
-    tx: &Transaction<'_>,
-    attempt: &str,
-) -> Result<(String, JobState, AttemptState), StoreError> {
-    let (job, job_state, state) = tx
-        .query_row(
-            "SELECT j.id, j.state, a.state FROM jobs j JOIN attempts a ON a.job_id = j.id \
-             WHERE a.id = ?1",
-            [attempt],
-            |r| {
-                Ok((
-                    r.get::<_, String>(0)?,
-                    r.get::<_, String>(1)?,
-                    r.get::<_, String>(2)?,
-                ))
-            },
-        )
-        .optional()
-        .map_err(map_sqlite)?
-        .ok_or(StoreError::NotFound("attempt"))?;
-    Ok((
-        job,
-        parse_job_state(&job_state)?,
-        parse_attempt_state(&state)?,
-    ))
-}
-
-/// Settles one attempt and derives its job's state again, inside `tx`.
-/// Returns the job's id when the attempt moved.
-fn settle_tx(
-    tx: &Transaction<'_>,
-    attempt: &str,
-    to: AttemptState,
-    status: Option<u16>,
-    detail: &str,
-    from: &[AttemptState],
-) -> Result<Option<String>, StoreError> {
-    let (job, job_state, current) = read_attempt_and_job(tx, attempt)?;
-    if !from.contains(&current) || !current.can_become(to) {
-        return Ok(None);
-    }
-    let finished = (to != AttemptState::Unknown).then(now_ms);
-    tx.execute(
-        "UPDATE attempts SET state = ?2, finished_at = ?3, \
-         upstream_status = COALESCE(?4, upstream_status), detail = ?5 WHERE id = ?1",
-        params![attempt, to.as_str(), finished, status, detail],
-    )
-    .map_err(map_sqlite)?;
-    if !job_state.is_terminal() {
-        let derived = derive_job_state(tx, &job, job_state)?;
-        if derived != job_state {
-            tx.execute(
-                "UPDATE jobs SET state = ?2, updated_at = ?3 WHERE id = ?1",
-                params![job, derived.as_str(), now_ms()],
-            )
-            .map_err(map_sqlite)?;
-        }
-    }
-    Ok(Some(job))
-}
-
-fn complete_tx(
-    tx: &Transaction<'_>,
-    job: &str,
-    attempt: &str,
-    version: Option<i64>,
-    response: &StoredResponse,
-) -> Result<bool, StoreError> {
-    let changed = tx
-        .execute(
-            "UPDATE jobs SET state = 'completed', completed_by = ?2, response_status = ?3, \
-                    response_headers = ?4, response_body = ?5, version = version + 1, updated_at = ?6 \
-             WHERE id = ?1 AND (?7 IS NULL OR version = ?7) AND completed_by IS NULL",
-            params![
-                job,
-                attempt,
-                response.status,
-                encode_headers(&response.headers),
-                response.body.as_ref(),
-                now_ms(),
-                version,
-            ],
-        )
-        .map_err(map_sqlite)?;
-    Ok(changed == 1)
+fn uuid(s: &str) -> Result<Uuid, StoreError> {
+    s.parse().map_err(|_| StoreError::Corrupt("id"))
 }
 
 fn immediate(conn: &mut Connection) -> Result<Transaction<'_>, StoreError> {
@@ -417,24 +188,267 @@ fn immediate(conn: &mut Connection) -> Result<Transaction<'_>, StoreError> {
         .map_err(map_sqlite)
 }
 
+/// Reads a job's head and its attempts' heads.
+fn snapshot(conn: &Connection, job: JobId) -> Result<Option<Snapshot>, StoreError> {
+    let head = conn
+        .query_row(
+            "SELECT state, version, attempt_count, completed_by FROM jobs WHERE id = ?1",
+            [job.0.to_string()],
+            |r| {
+                Ok((
+                    r.get::<_, String>(0)?,
+                    r.get::<_, i64>(1)?,
+                    r.get::<_, i32>(2)?,
+                    r.get::<_, Option<String>>(3)?,
+                ))
+            },
+        )
+        .optional()
+        .map_err(map_sqlite)?;
+    let Some((state, version, attempt_count, completed_by)) = head else {
+        return Ok(None);
+    };
+    let mut stmt = conn
+        .prepare_cached(
+            "SELECT id, number, state, job_version, lease_expires_at FROM attempts \
+             WHERE job_id = ?1 ORDER BY number",
+        )
+        .map_err(map_sqlite)?;
+    let attempts = stmt
+        .query_map([job.0.to_string()], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, i32>(1)?,
+                r.get::<_, String>(2)?,
+                r.get::<_, i64>(3)?,
+                r.get::<_, i64>(4)?,
+            ))
+        })
+        .map_err(map_sqlite)?
+        .map(|row| {
+            let (id, number, state, job_version, lease) = row.map_err(map_sqlite)?;
+            Ok(AttemptHead {
+                id: AttemptId(uuid(&id)?),
+                number,
+                state: attempt_state(&state)?,
+                job_version,
+                lease_expires_at: from_ms(lease),
+            })
+        })
+        .collect::<Result<Vec<_>, StoreError>>()?;
+    Ok(Some(Snapshot {
+        job: JobHead {
+            id: job,
+            state: job_state(&state)?,
+            version,
+            attempt_count,
+            completed_by: completed_by
+                .as_deref()
+                .map(uuid)
+                .transpose()?
+                .map(AttemptId),
+        },
+        attempts,
+    }))
+}
+
+fn job_of(conn: &Connection, lock: Lock) -> Result<JobId, StoreError> {
+    match lock {
+        Lock::Job(job) => Ok(job),
+        Lock::JobOf(attempt) => {
+            let job: Option<String> = conn
+                .query_row(
+                    "SELECT job_id FROM attempts WHERE id = ?1",
+                    [attempt.0.to_string()],
+                    |r| r.get(0),
+                )
+                .optional()
+                .map_err(map_sqlite)?;
+            Ok(JobId(uuid(&job.ok_or(StoreError::NotFound("attempt"))?)?))
+        }
+    }
+}
+
+/// Locks, decides and writes one change (see [`Backend::change`]).
+fn change_blocking(
+    conn: &mut Connection,
+    lock: Lock,
+    decide: Decide,
+) -> Result<Result<Applied, Refusal>, StoreError> {
+    let now = SystemTime::now();
+    let tx = immediate(conn)?;
+    let job = job_of(&tx, lock)?;
+    let snapshot = snapshot(&tx, job)?.ok_or(StoreError::NotFound("job"))?;
+    let change = match decide(&snapshot, now) {
+        Ok(change) => change,
+        Err(refusal) => return Ok(Err(refusal)),
+    };
+    let started = write(&tx, &change, now)?;
+    tx.commit().map_err(map_sqlite)?;
+    Ok(Ok(Applied { change, started }))
+}
+
+/// Writes a change inside the caller's immediate transaction.
+fn write(
+    tx: &Transaction<'_>,
+    change: &Change,
+    now: SystemTime,
+) -> Result<Option<Attempt>, StoreError> {
+    let now = to_ms(now);
+    let head = &change.job;
+    let id = head.id.0.to_string();
+    let completed_by = head.completed_by.map(|a| a.0.to_string());
+    match &change.response {
+        None => tx.execute(
+            "UPDATE jobs SET state = ?2, version = ?3, attempt_count = ?4, completed_by = ?5, \
+                    updated_at = ?6 WHERE id = ?1",
+            params![
+                id,
+                head.state.as_str(),
+                head.version,
+                head.attempt_count,
+                completed_by,
+                now,
+            ],
+        ),
+        Some(response) => tx.execute(
+            "UPDATE jobs SET state = ?2, version = ?3, attempt_count = ?4, completed_by = ?5, \
+                    updated_at = ?6, response_status = ?7, response_headers = ?8, \
+                    response_body = ?9 WHERE id = ?1",
+            params![
+                id,
+                head.state.as_str(),
+                head.version,
+                head.attempt_count,
+                completed_by,
+                now,
+                response.status,
+                encode_headers(&response.headers),
+                response.body.as_ref(),
+            ],
+        ),
+    }
+    .map_err(map_sqlite)?;
+    for settled in &change.settled {
+        tx.execute(
+            "UPDATE attempts SET state = ?2, \
+                    finished_at = CASE WHEN ?3 THEN ?4 ELSE finished_at END, \
+                    upstream_status = COALESCE(?5, upstream_status), \
+                    detail = COALESCE(?6, detail) \
+             WHERE id = ?1",
+            params![
+                settled.attempt.0.to_string(),
+                settled.state.as_str(),
+                settled.finishes(),
+                now,
+                settled.status,
+                settled.detail,
+            ],
+        )
+        .map_err(map_sqlite)?;
+    }
+    let Some(start) = &change.started else {
+        return Ok(None);
+    };
+    insert_attempt(
+        tx,
+        head.id,
+        start.number,
+        start.job_version,
+        &start.attempt,
+        now,
+    )
+    .map(Some)
+}
+
+fn insert_attempt(
+    tx: &Transaction<'_>,
+    job: JobId,
+    number: i32,
+    version: i64,
+    attempt: &NewAttempt,
+    now: i64,
+) -> Result<Attempt, StoreError> {
+    tx.execute(
+        "INSERT INTO attempts (id, job_id, number, upstream, state, job_version, instance, \
+                               started_at, lease_expires_at, deadline_at) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+        params![
+            attempt.id.0.to_string(),
+            job.0.to_string(),
+            number,
+            attempt.upstream,
+            AttemptState::Started.as_str(),
+            version,
+            attempt.instance.to_string(),
+            now,
+            now + millis(attempt.lease),
+            now + millis(attempt.deadline),
+        ],
+    )
+    .map_err(map_sqlite)?;
+    read_attempt(tx, attempt.id)?.ok_or(StoreError::NotFound("attempt"))
+}
+
+fn read_job(
+    conn: &Connection,
+    filter: &str,
+    params: impl rusqlite::Params,
+) -> Result<Option<Job>, StoreError> {
+    conn.query_row(
+        &format!("SELECT {JOB_COLUMNS} FROM jobs j WHERE {filter}"),
+        params,
+        job_from_row,
+    )
+    .optional()
+    .map_err(map_sqlite)?
+    .transpose()
+}
+
+fn read_attempt(conn: &Connection, id: AttemptId) -> Result<Option<Attempt>, StoreError> {
+    conn.query_row(
+        &format!("SELECT {ATTEMPT_COLUMNS} FROM attempts a WHERE a.id = ?1"),
+        [id.0.to_string()],
+        attempt_from_row,
+    )
+    .optional()
+    .map_err(map_sqlite)?
+    .transpose()
+}
+
+/// A job with its attempts; the caller's single connection makes the two
+/// reads one consistent view (no writer can come between them).
+fn read_detail(conn: &Connection, job: Option<Job>) -> Result<Option<JobDetail>, StoreError> {
+    let Some(job) = job else {
+        return Ok(None);
+    };
+    let mut stmt = conn
+        .prepare_cached(&format!(
+            "SELECT {ATTEMPT_COLUMNS} FROM attempts a WHERE a.job_id = ?1 ORDER BY a.number"
+        ))
+        .map_err(map_sqlite)?;
+    let attempts = stmt
+        .query_map([job.id.0.to_string()], attempt_from_row)
+        .map_err(map_sqlite)?
+        .map(|r| r.map_err(map_sqlite)?)
+        .collect::<Result<_, _>>()?;
+    Ok(Some(JobDetail { job, attempts }))
+}
+
 #[async_trait]
-impl Store for SqliteStore {
-    async fn begin_job(&self, job: NewJob, attempt: NewAttempt) -> Result<Begin, StoreError> {
+impl Backend for Sqlite {
+    async fn begin(&self, job: NewJob, attempt: NewAttempt) -> Result<Begin, StoreError> {
         self.call(move |conn| {
             let now = now_ms();
             // Most requests that reach the store are duplicates: a plain read
             // answers them without a write transaction. One connection serves
             // the whole gateway, so nothing can come between this read and
             // the insert below.
-            let existing = conn
-                .query_row(
-                    &format!("SELECT {JOB_COLUMNS} FROM jobs j WHERE j.owner = ?1 AND j.key = ?2"),
-                    params![job.owner.as_str(), job.key.as_str()],
-                    job_from_row,
-                )
-                .optional()
-                .map_err(map_sqlite)?
-                .transpose()?;
+            let existing = read_job(
+                conn,
+                "j.owner = ?1 AND j.key = ?2",
+                params![job.owner.as_str(), job.key.as_str()],
+            )?;
             if let Some(existing) = existing.filter(|j| to_ms(j.expires_at) > now) {
                 return Ok(Begin::Existing(existing));
             }
@@ -445,36 +459,36 @@ impl Store for SqliteStore {
                 params![job.owner.as_str(), job.key.as_str(), now],
             )
             .map_err(map_sqlite)?;
-            let id = job.id.0.to_string();
             let inserted = tx
                 .execute(
                     "INSERT INTO jobs (id, owner, key, fingerprint, route, state, version, attempt_count, \
                                        created_at, updated_at, expires_at) \
-                     VALUES (?1, ?2, ?3, ?4, ?5, 'running', 1, 1, ?6, ?6, ?7) \
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, 1, 1, ?7, ?7, ?8) \
                      ON CONFLICT (owner, key) DO NOTHING",
                     params![
-                        id,
+                        job.id.0.to_string(),
                         job.owner.as_str(),
                         job.key.as_str(),
                         job.fingerprint.0.as_slice(),
                         job.route,
+                        JobState::Running.as_str(),
                         now,
-                        now + ms(job.ttl),
+                        now + millis(job.ttl),
                     ],
                 )
                 .map_err(map_sqlite)?;
             let begin = if inserted == 1 {
-                let attempt = insert_attempt(&tx, &id, 1, 1, &attempt, now)?;
-                let job = read_job(&tx, &id)?.ok_or(StoreError::NotFound("job"))?;
-                Begin::Created(job, attempt)
+                let attempt = insert_attempt(&tx, job.id, 1, 1, &attempt, now)?;
+                let created = read_job(&tx, "j.id = ?1", [job.id.0.to_string()])?
+                    .ok_or(StoreError::NotFound("job"))?;
+                Begin::Created(created, attempt)
             } else {
-                let existing = tx
-                    .query_row(
-                        &format!("SELECT {JOB_COLUMNS} FROM jobs j WHERE j.owner = ?1 AND j.key = ?2"),
-                        params![job.owner.as_str(), job.key.as_str()],
-                        job_from_row,
-                    )
-                    .map_err(map_sqlite)??;
+                let existing = read_job(
+                    &tx,
+                    "j.owner = ?1 AND j.key = ?2",
+                    params![job.owner.as_str(), job.key.as_str()],
+                )?
+                .ok_or(StoreError::Contended)?;
                 Begin::Existing(existing)
             };
             tx.commit().map_err(map_sqlite)?;
@@ -483,166 +497,74 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn claim_attempt(
-        &self,
-        job: JobId,
-        version: i64,
-        attempt: NewAttempt,
-    ) -> Result<Option<Attempt>, StoreError> {
-        let claimed = self
-            .start_attempt(job, version, attempt, Joining::Claim)
-            .await?;
-        if claimed.is_some() {
-            self.doorbell.ring(job);
-        }
-        Ok(claimed)
-    }
-
-    async fn hedge_attempt(
-        &self,
-        job: JobId,
-        version: i64,
-        attempt: NewAttempt,
-    ) -> Result<Option<Attempt>, StoreError> {
-        self.start_attempt(job, version, attempt, Joining::Hedge)
-            .await
-    }
-
     async fn commit(
         &self,
         attempt: &Attempt,
         response: &StoredResponse,
-    ) -> Result<CommitOutcome, StoreError> {
-        let (job, id, version, response) = (
-            attempt.job_id.0.to_string(),
-            attempt.id.0.to_string(),
-            attempt.job_version,
-            response.clone(),
-        );
-        let won = self
-            .call(move |conn| {
-                let tx = immediate(conn)?;
-                // The CAS of DESIGN §2; zero rows: superseded.
-                let won = complete_tx(&tx, &job, &id, Some(version), &response)?;
-                tx.execute(
-                    "UPDATE attempts SET state = ?2, finished_at = ?3, upstream_status = ?4 \
-                     WHERE id = ?1 AND state IN ('started', 'unknown')",
-                    params![
-                        id,
-                        if won { "succeeded" } else { "superseded" },
-                        now_ms(),
-                        response.status
-                    ],
-                )
-                .map_err(map_sqlite)?;
-                tx.commit().map_err(map_sqlite)?;
-                Ok(won)
-            })
-            .await?;
-        if won {
-            self.doorbell.ring(attempt.job_id);
-            Ok(CommitOutcome::Committed)
-        } else {
-            Ok(CommitOutcome::Superseded)
-        }
+    ) -> Result<bool, StoreError> {
+        let (id, response) = (attempt.id, response.clone());
+        let decide: Decide = Box::new(move |s, _| transition::commit(s, id, &response));
+        let applied = self.change(Lock::JobOf(id), decide).await??;
+        Ok(applied.change.commits(id))
     }
 
-    async fn fail_attempt(
+    async fn change(
         &self,
-        attempt: AttemptId,
-        failure: AttemptFailure,
-    ) -> Result<(), StoreError> {
-        let settled = self
-            .call(move |conn| {
-                let from: &[AttemptState] = match failure {
-                    AttemptFailure::Unknown { .. } => &[AttemptState::Started],
-                    _ => &[AttemptState::Started, AttemptState::Unknown],
-                };
-                let tx = immediate(conn)?;
-                let job = settle_tx(
-                    &tx,
-                    &attempt.0.to_string(),
-                    failure.state(),
-                    failure.status(),
-                    failure.detail(),
-                    from,
-                )?;
-                tx.commit().map_err(map_sqlite)?;
-                Ok(job)
-            })
-            .await?;
-        if let Some(job) = settled.and_then(|j| j.parse().ok()) {
-            self.doorbell.ring(JobId(job));
-        }
-        Ok(())
+        lock: Lock,
+        decide: Decide,
+    ) -> Result<Result<Applied, Refusal>, StoreError> {
+        self.call(move |conn| change_blocking(conn, lock, decide))
+            .await
     }
 
-    async fn resolve_attempt(
-        &self,
-        attempt: AttemptId,
-        resolution: Resolution,
-    ) -> Result<JobDetail, StoreError> {
-        let detail = self
-            .call(move |conn| {
-                let id = attempt.0.to_string();
-                let tx = immediate(conn)?;
-                let (job, job_state, current) = read_attempt_and_job(&tx, &id)?;
-                if !current.is_unsettled() {
-                    return Err(StoreError::Conflict(format!(
-                        "attempt {attempt} is already {current}; only started or unknown attempts can be resolved"
-                    )));
-                }
-                match &resolution {
-                    Resolution::Succeeded(response) => {
-                        if job_state.is_terminal() || !complete_tx(&tx, &job, &id, None, response)? {
-                            return Err(StoreError::Conflict(format!(
-                                "job {job} is already completed by another attempt"
-                            )));
-                        }
-                        tx.execute(
-                            "UPDATE attempts SET state = 'succeeded', finished_at = ?2, upstream_status = ?3, \
-                                    detail = 'resolved by an operator' WHERE id = ?1",
-                            params![id, now_ms(), response.status],
-                        )
-                        .map_err(map_sqlite)?;
-                    }
-                    Resolution::Failed | Resolution::Cancelled => {
-                        tx.execute(
-                            "UPDATE attempts SET state = ?2, finished_at = ?3, \
-                                    detail = 'resolved by an operator' WHERE id = ?1",
-                            params![id, resolution.state().as_str(), now_ms()],
-                        )
-                        .map_err(map_sqlite)?;
-                        if !job_state.is_terminal() {
-                            let derived = derive_job_state(&tx, &job, job_state)?;
-                            // The version moves: the attempt's own late answer
-                            // must no longer be able to commit.
-                            tx.execute(
-                                "UPDATE jobs SET state = ?2, version = version + 1, updated_at = ?3 \
-                                 WHERE id = ?1",
-                                params![job, derived.as_str(), now_ms()],
-                            )
-                            .map_err(map_sqlite)?;
-                        }
-                    }
-                }
-                let detail = read_detail(&tx, &job)?.ok_or(StoreError::NotFound("job"))?;
-                tx.commit().map_err(map_sqlite)?;
-                Ok(detail)
-            })
-            .await?;
-        self.doorbell.ring(detail.job.id);
-        Ok(detail)
+    async fn expire_lapsed(&self, batch: u32) -> Result<Vec<Change>, StoreError> {
+        self.call(move |conn| {
+            let now = SystemTime::now();
+            let tx = immediate(conn)?;
+            let jobs: Vec<JobId> = {
+                let mut stmt = tx
+                    .prepare(
+                        "SELECT DISTINCT job_id FROM attempts \
+                         WHERE state = ?1 AND lease_expires_at < ?2 LIMIT ?3",
+                    )
+                    .map_err(map_sqlite)?;
+                let ids = stmt
+                    .query_map(
+                        params![AttemptState::Started.as_str(), to_ms(now), batch],
+                        |r| r.get::<_, String>(0),
+                    )
+                    .map_err(map_sqlite)?
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(map_sqlite)?;
+                ids.iter()
+                    .map(|id| uuid(id).map(JobId))
+                    .collect::<Result<_, _>>()?
+            };
+            let mut snapshots = Vec::with_capacity(jobs.len());
+            for job in jobs {
+                snapshots.extend(snapshot(&tx, job)?);
+            }
+            let changes = expire_each(&snapshots, now);
+            for change in &changes {
+                write(&tx, change, now)?;
+            }
+            tx.commit().map_err(map_sqlite)?;
+            Ok(changes)
+        })
+        .await
     }
 
     async fn job(&self, id: JobId) -> Result<Option<Job>, StoreError> {
-        self.call(move |conn| read_job(conn, &id.0.to_string()))
+        self.call(move |conn| read_job(conn, "j.id = ?1", [id.0.to_string()]))
             .await
     }
 
     async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError> {
-        self.call(move |conn| read_detail(conn, &id.0.to_string()))
-            .await
+        self.call(move |conn| {
+            let job = read_job(conn, "j.id = ?1", [id.0.to_string()])?;
+            read_detail(conn, job)
+        })
+        .await
     }
 
     async fn find_job(
@@ -652,18 +574,12 @@ impl Store for SqliteStore {
     ) -> Result<Option<JobDetail>, StoreError> {
         let (owner, key) = (owner.clone(), key.clone());
         self.call(move |conn| {
-            let id: Option<String> = conn
-                .query_row(
-                    "SELECT id FROM jobs WHERE owner = ?1 AND key = ?2",
-                    params![owner.as_str(), key.as_str()],
-                    |r| r.get(0),
-                )
-                .optional()
-                .map_err(map_sqlite)?;
-            match id {
-                Some(id) => read_detail(conn, &id),
-                None => Ok(None),
-            }
+            let job = read_job(
+                conn,
+                "j.owner = ?1 AND j.key = ?2",
+                params![owner.as_str(), key.as_str()],
+            )?;
+            read_detail(conn, job)
         })
         .await
     }
@@ -675,14 +591,14 @@ impl Store for SqliteStore {
     ) -> Result<u64, StoreError> {
         let ids: Vec<String> = attempts.iter().map(|a| a.0.to_string()).collect();
         self.call(move |conn| {
-            let until = now_ms() + ms(lease);
+            let until = now_ms() + millis(lease);
             let tx = immediate(conn)?;
             let mut renewed = 0;
             for id in &ids {
                 renewed += tx
                     .execute(
-                        "UPDATE attempts SET lease_expires_at = ?2 WHERE id = ?1 AND state = 'started'",
-                        params![id, until],
+                        "UPDATE attempts SET lease_expires_at = ?2 WHERE id = ?1 AND state = ?3",
+                        params![id, until, AttemptState::Started.as_str()],
                     )
                     .map_err(map_sqlite)? as u64;
             }
@@ -690,51 +606,6 @@ impl Store for SqliteStore {
             Ok(renewed)
         })
         .await
-    }
-
-    async fn expire_leases(&self, batch: u32) -> Result<u64, StoreError> {
-        let jobs = self
-            .call(move |conn| {
-                let now = now_ms();
-                let lapsed: Vec<String> = {
-                    let mut stmt = conn
-                        .prepare(
-                            "SELECT id FROM attempts WHERE state = 'started' AND lease_expires_at < ?1 \
-                             ORDER BY lease_expires_at LIMIT ?2",
-                        )
-                        .map_err(map_sqlite)?;
-                    let rows = stmt
-                        .query_map(params![now, batch], |r| r.get(0))
-                        .map_err(map_sqlite)?
-                        .collect::<Result<_, _>>()
-                        .map_err(map_sqlite)?;
-                    rows
-                };
-                let tx = immediate(conn)?;
-                let mut jobs = Vec::new();
-                for id in lapsed {
-                    if let Some(job) = settle_tx(
-                        &tx,
-                        &id,
-                        AttemptState::Unknown,
-                        None,
-                        "lease lapsed: the gateway running this attempt stopped renewing it",
-                        &[AttemptState::Started],
-                    )? {
-                        tracing::warn!(attempt = %id, %job, "attempt lease lapsed; outcome unknown");
-                        jobs.push(job);
-                    }
-                }
-                tx.commit().map_err(map_sqlite)?;
-                Ok(jobs)
-            })
-            .await?;
-        for job in &jobs {
-            if let Ok(id) = job.parse() {
-                self.doorbell.ring(JobId(id));
-            }
-        }
-        Ok(jobs.len() as u64)
     }
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
@@ -759,25 +630,28 @@ impl Store for SqliteStore {
     }
 }
 
-fn parse_uuid(s: &str) -> Result<Uuid, StoreError> {
-    s.parse()
-        .map_err(|_| StoreError::Internal(format!("stored id {s:?} is not a UUID")))
+fn job_state(s: &str) -> Result<JobState, StoreError> {
+    JobState::parse(s).ok_or(StoreError::Corrupt("job state"))
+}
+
+fn attempt_state(s: &str) -> Result<AttemptState, StoreError> {
+    AttemptState::parse(s).ok_or(StoreError::Corrupt("attempt state"))
 }
 
 /// Reads a job row; the outer `Result` is rusqlite's, the inner ours.
 fn job_from_row(row: &Row<'_>) -> rusqlite::Result<Result<Job, StoreError>> {
     let id: String = row.get(0)?;
+    let owner: String = row.get(1)?;
     let key: String = row.get(2)?;
     let fingerprint: Vec<u8> = row.get(3)?;
+    let route: String = row.get(4)?;
     let state: String = row.get(5)?;
+    let version: i64 = row.get(6)?;
+    let attempt_count: i32 = row.get(7)?;
     let completed_by: Option<String> = row.get(8)?;
     let status: Option<u16> = row.get(9)?;
     let headers: Option<Vec<u8>> = row.get(10)?;
     let body: Option<Vec<u8>> = row.get(11)?;
-    let owner: String = row.get(1)?;
-    let route: String = row.get(4)?;
-    let version: i64 = row.get(6)?;
-    let attempt_count: i32 = row.get(7)?;
     let created_at: i64 = row.get(12)?;
     let expires_at: i64 = row.get(13)?;
     Ok((|| {
@@ -786,24 +660,23 @@ fn job_from_row(row: &Row<'_>) -> rusqlite::Result<Result<Job, StoreError>> {
             Some(status) => Some(StoredResponse {
                 status,
                 headers: decode_headers(headers.as_deref().unwrap_or_default())
-                    .ok_or_else(|| StoreError::Internal("stored headers are corrupt".into()))?,
+                    .ok_or(StoreError::Corrupt("response headers"))?,
                 body: Bytes::from(body.unwrap_or_default()),
             }),
         };
         Ok(Job {
-            id: JobId(parse_uuid(&id)?),
+            id: JobId(uuid(&id)?),
             owner: Owner::from_stored(owner),
-            key: IdempotencyKey::new(key)
-                .map_err(|e| StoreError::Internal(format!("stored key: {e}")))?,
+            key: IdempotencyKey::new(key).map_err(|_| StoreError::Corrupt("idempotency key"))?,
             fingerprint: Fingerprint::from_slice(&fingerprint)
-                .ok_or_else(|| StoreError::Internal("stored fingerprint is not 32 bytes".into()))?,
+                .ok_or(StoreError::Corrupt("fingerprint"))?,
             route,
-            state: parse_job_state(&state)?,
+            state: job_state(&state)?,
             version,
             attempt_count,
             completed_by: completed_by
                 .as_deref()
-                .map(parse_uuid)
+                .map(uuid)
                 .transpose()?
                 .map(AttemptId),
             response,
@@ -827,11 +700,11 @@ fn attempt_from_row(row: &Row<'_>) -> rusqlite::Result<Result<Attempt, StoreErro
     let detail: Option<String> = row.get(10)?;
     Ok((|| {
         Ok(Attempt {
-            id: AttemptId(parse_uuid(&id)?),
-            job_id: JobId(parse_uuid(&job_id)?),
+            id: AttemptId(uuid(&id)?),
+            job_id: JobId(uuid(&job_id)?),
             number,
             upstream,
-            state: parse_attempt_state(&state)?,
+            state: attempt_state(&state)?,
             job_version,
             started_at: from_ms(started_at),
             finished_at: finished_at.map(from_ms),
@@ -857,8 +730,8 @@ fn map_sqlite(e: rusqlite::Error) -> StoreError {
                     | ErrorCode::SystemIoFailure
             ) =>
         {
-            StoreError::Unavailable(e.to_string())
+            StoreError::Unavailable(Box::new(e))
         }
-        _ => StoreError::Internal(e.to_string()),
+        _ => StoreError::Internal(Box::new(e)),
     }
 }

@@ -13,7 +13,7 @@ use idemgate::attempt::{AttemptFailure, AttemptId, AttemptState, NewAttempt, Res
 use idemgate::fingerprint::Fingerprint;
 use idemgate::job::{JobId, JobState, NewJob, StoredResponse};
 use idemgate::key::{IdempotencyKey, Owner};
-use idemgate::store::{Begin, CommitOutcome, Store, StoreError};
+use idemgate::store::{Begin, CommitOutcome, Doorbell, Store, StoreError};
 
 fn new_job(key: &str) -> NewJob {
     NewJob {
@@ -270,7 +270,7 @@ pub async fn resolution_moves_the_version_so_the_late_answer_is_superseded(store
         store
             .resolve_attempt(attempt.id, Resolution::Cancelled)
             .await,
-        Err(StoreError::Conflict(_))
+        Err(StoreError::Refused(_))
     ));
     assert!(matches!(
         store
@@ -405,8 +405,147 @@ pub async fn expired_jobs_are_purged_and_their_keys_start_afresh(store: Arc<dyn 
     assert_eq!(store.purge_expired(100).await.unwrap(), 0);
 }
 
+pub async fn every_change_of_a_jobs_state_rings_once(
+    store: Arc<dyn Store>,
+    doorbell: Arc<Doorbell>,
+) {
+    let (rung, mut rings) = tokio::sync::mpsc::unbounded_channel();
+    doorbell.announce_to(rung);
+    let mut drain = || {
+        let mut seen = Vec::new();
+        while let Ok(job) = rings.try_recv() {
+            seen.push(job);
+        }
+        seen
+    };
+    let (job, a) = created(store.as_ref(), "rings").await;
+    assert_eq!(drain(), vec![], "a new job has nobody to wake");
+    let b = store
+        .hedge_attempt(job.id, job.version, new_attempt())
+        .await
+        .unwrap()
+        .unwrap();
+    let failed = AttemptFailure::Failed {
+        status: Some(503),
+        detail: "busy".into(),
+    };
+    store.fail_attempt(b.id, failed.clone()).await.unwrap();
+    assert_eq!(
+        drain(),
+        vec![],
+        "a hedge and its failure leave the job running"
+    );
+    let unknown = AttemptFailure::Unknown {
+        detail: "timeout".into(),
+    };
+    store.fail_attempt(a.id, unknown).await.unwrap();
+    assert_eq!(drain(), vec![job.id], "running -> unknown");
+    let open = store
+        .resolve_attempt(a.id, Resolution::Failed)
+        .await
+        .unwrap();
+    assert_eq!(drain(), vec![job.id], "unknown -> open");
+    let c = store
+        .claim_attempt(job.id, open.job.version, new_attempt())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(drain(), vec![job.id], "open -> running");
+    assert_eq!(
+        store.commit(&c, &response("c")).await.unwrap(),
+        CommitOutcome::Committed
+    );
+    assert_eq!(drain(), vec![job.id], "running -> completed");
+    store.fail_attempt(c.id, failed).await.unwrap();
+    assert_eq!(drain(), vec![], "a settled attempt changes nothing");
+}
+
+pub async fn job_detail_is_one_consistent_read(store: Arc<dyn Store>) {
+    for round in 0..20 {
+        let (job, attempt) = created(store.as_ref(), &format!("detail-{round}")).await;
+        let barrier = Arc::new(Barrier::new(5));
+        let readers = (0..4).map(|_| {
+            let (store, barrier) = (store.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                let mut views = Vec::new();
+                for _ in 0..10 {
+                    views.push(store.job_detail(job.id).await.unwrap().unwrap());
+                }
+                views
+            })
+        });
+        let readers: Vec<_> = readers.collect();
+        barrier.wait().await;
+        store.commit(&attempt, &response("r")).await.unwrap();
+        for reader in readers {
+            for view in reader.await.unwrap() {
+                let completed = view.job.state == JobState::Completed;
+                let succeeded = view.attempts[0].state == AttemptState::Succeeded;
+                assert_eq!(
+                    completed, succeeded,
+                    "a job and its attempts are read as of one moment (round {round})"
+                );
+            }
+        }
+    }
+}
+
+pub async fn one_sweep_expires_a_batch_of_jobs(store: Arc<dyn Store>) {
+    for i in 0..3 {
+        let mut short = new_attempt();
+        short.lease = Duration::from_millis(50);
+        store
+            .begin_job(new_job(&format!("sweep-{i}")), short)
+            .await
+            .unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    assert_eq!(store.expire_leases(2).await.unwrap(), 2, "at most a batch");
+    assert_eq!(store.expire_leases(100).await.unwrap(), 1, "the rest");
+    assert_eq!(store.expire_leases(100).await.unwrap(), 0, "each once");
+}
+
+pub async fn evidence_of_a_safe_failure_settles_an_attempt_its_lapsed_lease_made_unknown(
+    store: Arc<dyn Store>,
+) {
+    let mut short = new_attempt();
+    short.lease = Duration::from_millis(50);
+    let (job, attempt) = match store.begin_job(new_job("evidence"), short).await.unwrap() {
+        Begin::Created(job, attempt) => (job, attempt),
+        Begin::Existing(_) => unreachable!(),
+    };
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    assert_eq!(store.expire_leases(100).await.unwrap(), 1);
+    assert_eq!(
+        store.job(job.id).await.unwrap().unwrap().state,
+        JobState::Unknown
+    );
+    // The gateway that ran it was only cut off from the store: it knows the
+    // upstream answered a retryable 503, and says so once it can.
+    store
+        .fail_attempt(
+            attempt.id,
+            AttemptFailure::Failed {
+                status: Some(503),
+                detail: "busy".into(),
+            },
+        )
+        .await
+        .unwrap();
+    let open = store.job(job.id).await.unwrap().unwrap();
+    assert_eq!(open.state, JobState::Open, "the retry may make attempt 2");
+    let next = store
+        .claim_attempt(job.id, open.version, new_attempt())
+        .await
+        .unwrap()
+        .expect("attempt 2");
+    assert_eq!(next.number, 2);
+}
+
 /// Instantiates every conformance test for one store. `$make` is an async
-/// expression giving `(Arc<dyn Store>, guard)`; the guard lives as long as the test.
+/// expression giving `(Arc<dyn Store>, Arc<Doorbell>, guard)`; the guard
+/// lives as long as the test.
 macro_rules! conformance_suite {
     ($module:ident, $make:path) => {
         mod $module {
@@ -422,46 +561,68 @@ macro_rules! conformance_suite {
                 a_hedge_failing_next_to_an_unknown_attempt_keeps_the_job_blocked,
                 lapsed_leases_turn_attempts_unknown,
                 expired_jobs_are_purged_and_their_keys_start_afresh,
+                job_detail_is_one_consistent_read,
+                one_sweep_expires_a_batch_of_jobs,
+                evidence_of_a_safe_failure_settles_an_attempt_its_lapsed_lease_made_unknown,
             );
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn every_change_of_a_jobs_state_rings_once() {
+                let (store, doorbell, _guard) = $make().await;
+                super::every_change_of_a_jobs_state_rings_once(store, doorbell).await;
+            }
         }
     };
     (@tests $make:path; $($test:ident),* $(,)?) => {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $test() {
-                let (store, _guard) = $make().await;
+                let (store, _doorbell, _guard) = $make().await;
                 super::$test(store).await;
             }
         )*
     };
 }
 
-async fn postgres_store() -> (Arc<dyn Store>, crate::support::TestDb) {
+fn machine<B: idemgate::store::Backend>(backend: B) -> (Arc<dyn Store>, Arc<Doorbell>) {
+    let doorbell = Arc::new(Doorbell::default());
+    (
+        Arc::new(idemgate::store::Machine::new(backend, doorbell.clone())),
+        doorbell,
+    )
+}
+
+async fn postgres_store() -> (Arc<dyn Store>, Arc<Doorbell>, crate::support::TestDb) {
     let db = crate::support::TestDb::new().await;
-    let store = idemgate::store::postgres::PgStore::new(
+    let backend = idemgate::store::postgres::Postgres::new(
         &idemgate::store::postgres::PgSettings {
             url: db.url.clone(),
             pool_size: 20,
             connect_timeout: Duration::from_secs(5),
         },
-        Default::default(),
+        uuid::Uuid::new_v4(),
     )
     .unwrap();
-    store.migrate().await.unwrap();
-    (Arc::new(store), db)
+    backend.migrate().await.unwrap();
+    let (store, doorbell) = machine(backend);
+    (store, doorbell, db)
 }
 
 conformance_suite!(postgres, postgres_store);
 
-async fn embedded_store() -> (Arc<dyn Store>, tempfile::TempDir) {
+async fn embedded_store() -> (Arc<dyn Store>, Arc<Doorbell>, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
-    let store = idemgate::store::sqlite::SqliteStore::open(
-        &dir.path().join("idemgate.db"),
-        Default::default(),
-    )
-    .await
-    .unwrap();
-    (Arc::new(store), dir)
+    let backend = idemgate::store::sqlite::Sqlite::open(&dir.path().join("idemgate.db"))
+        .await
+        .unwrap();
+    let (store, doorbell) = machine(backend);
+    (store, doorbell, dir)
 }
 
 conformance_suite!(embedded, embedded_store);
+
+async fn memory_store() -> (Arc<dyn Store>, Arc<Doorbell>, ()) {
+    let (store, doorbell) = machine(idemgate::store::memory::Memory::default());
+    (store, doorbell, ())
+}
+
+conformance_suite!(memory, memory_store);

@@ -1,0 +1,171 @@
+//! The TOML file, as written: every field optional, unknown keys refused.
+//! Defaults and validation live with the settings they make.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::{bad, ConfigError};
+use crate::contract::ContractFile;
+
+/// The TOML file. See `config/idemgate.example.toml` for every key.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub(super) listen: Option<SocketAddr>,
+    pub(super) admin_listen: Option<SocketAddr>,
+    pub(super) admin_token: Option<String>,
+    pub(super) upstreams: Option<Vec<UpstreamFile>>,
+    pub(super) database_url: Option<String>,
+    pub(super) database_pool_size: Option<usize>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) database_timeout: Option<Duration>,
+    pub(super) embedded_path: Option<PathBuf>,
+    pub(super) redis_url: Option<String>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) redis_timeout: Option<Duration>,
+    pub(super) redis_inline_max: Option<bytesize::ByteSize>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) upstream_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) attempt_deadline: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) hold_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) key_ttl: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) lease_ttl: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) sweep_interval: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) retry_after: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) shutdown_grace: Option<Duration>,
+    pub(super) owner_header: Option<String>,
+    pub(super) forward_key_header: Option<String>,
+    pub(super) forward_attempt_header: Option<String>,
+    pub(super) mismatch_status: Option<u16>,
+    pub(super) max_response_size: Option<bytesize::ByteSize>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) probe_interval: Option<Duration>,
+    #[serde(default)]
+    pub(super) routes: Vec<RouteFile>,
+    #[serde(default)]
+    pub(super) contracts: BTreeMap<String, ContractFile>,
+    /// The folder contract and certificate files are read from (the config
+    /// file's own).
+    #[serde(skip)]
+    pub(super) base_dir: PathBuf,
+}
+
+/// An upstream: a bare URL, or a table with its own settings.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub(super) enum UpstreamFile {
+    Url(String),
+    Table(UpstreamTable),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct UpstreamTable {
+    pub(super) name: Option<String>,
+    pub(super) url: String,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) connect_timeout: Option<Duration>,
+    pub(super) ca_file: Option<PathBuf>,
+    #[serde(default)]
+    pub(super) headers: BTreeMap<String, HeaderSource>,
+}
+
+/// A header an upstream gets on every request: a fixed value, or one read
+/// from an environment variable at start-up (a provider's API key, which
+/// clients then never hold), with an optional prefix such as `Bearer `.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct HeaderSource {
+    pub(super) value: Option<String>,
+    pub(super) env: Option<String>,
+    #[serde(default)]
+    pub(super) prefix: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RouteFile {
+    pub(super) name: Option<String>,
+    pub(super) path_prefix: Option<String>,
+    pub(super) methods: Option<Vec<String>>,
+    pub(super) require_key: Option<bool>,
+    pub(super) body_limit: Option<bytesize::ByteSize>,
+    pub(super) significant_headers: Option<Vec<String>>,
+    pub(super) retryable_statuses: Option<Vec<u16>>,
+    pub(super) canonical_json: Option<bool>,
+    pub(super) ignore_fields: Option<Vec<String>>,
+    pub(super) upstreams: Option<Vec<String>>,
+    pub(super) max_attempts: Option<usize>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) failover_deadline: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) hedge_after: Option<Duration>,
+    pub(super) side_effect_free: Option<bool>,
+    pub(super) contract: Option<String>,
+}
+
+impl FileConfig {
+    /// The file at `path`, parsed, remembering its folder; no file is an
+    /// empty one.
+    pub fn read(path: Option<&Path>) -> Result<FileConfig, ConfigError> {
+        let Some(path) = path else {
+            return Ok(FileConfig::default());
+        };
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| bad("--config", format!("cannot read {}: {e}", path.display())))?;
+        let mut file = Self::parse(&text)?;
+        file.base_dir = path.parent().map(Path::to_owned).unwrap_or_default();
+        Ok(file)
+    }
+
+    /// Reads the files it names (contracts, certificates) relative to `dir`.
+    pub fn relative_to(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.base_dir = dir.into();
+        self
+    }
+
+    /// Parses TOML text; unknown keys are errors that name the key.
+    pub fn parse(text: &str) -> Result<FileConfig, ConfigError> {
+        toml::from_str(text).map_err(|e| {
+            let message = e.message().to_owned();
+            // Unknown keys are named in the message; bad values by the
+            // line their span points at.
+            let key = message
+                .split('`')
+                .nth(1)
+                .map(str::to_owned)
+                .or_else(|| e.span().and_then(|span| key_at(text, span.start)))
+                .unwrap_or_else(|| "config file".to_owned());
+            bad(
+                key,
+                format!("{message} (see config/idemgate.example.toml for every key)"),
+            )
+        })
+    }
+}
+
+/// The key written on the line holding byte `at`, if that line is `key = …`.
+fn key_at(text: &str, at: usize) -> Option<String> {
+    // A span may point inside a multi-byte character: step back to a boundary.
+    let at = (0..=at.min(text.len()))
+        .rev()
+        .find(|&i| text.is_char_boundary(i))?;
+    let start = text[..at].rfind('\n').map_or(0, |i| i + 1);
+    let line = text[start..].lines().next()?;
+    let (key, _) = line.split_once('=')?;
+    let key = key.trim();
+    (!key.is_empty() && !key.starts_with('[')).then(|| key.to_owned())
+}

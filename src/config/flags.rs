@@ -1,0 +1,93 @@
+//! The command line and its `IDEMGATE_*` environment twins (clap reads
+//! both, the flag winning over the variable).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+/// The command line.
+#[derive(Debug, Parser)]
+#[command(
+    name = "idemgate",
+    version,
+    about = "A reverse proxy that makes retries safe"
+)]
+pub struct Cli {
+    /// TOML configuration file (see config/idemgate.example.toml).
+    #[arg(long, global = true, env = "IDEMGATE_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the gateway (applies migrations first).
+    Serve(Flags),
+    /// Apply the database migrations and exit.
+    Migrate(Flags),
+    /// Run every contract's probes against every upstream, print a table,
+    /// and exit non-zero if any fails.
+    VerifyProviders(Flags),
+}
+
+/// The flags of `docs/design.md` ("Operating it"); each overrides the file
+/// and has an `IDEMGATE_*` twin.
+#[derive(Debug, Default, Args)]
+pub struct Flags {
+    /// Address of the proxy listener.
+    #[arg(long, env = "IDEMGATE_LISTEN", value_name = "ADDR")]
+    pub listen: Option<SocketAddr>,
+    /// Address of the admin listener (jobs, resolution, health, metrics).
+    #[arg(long, env = "IDEMGATE_ADMIN_LISTEN", value_name = "ADDR")]
+    pub admin_listen: Option<SocketAddr>,
+    /// Bearer token for the admin API; without one the job endpoints are off.
+    #[arg(
+        long,
+        env = "IDEMGATE_ADMIN_TOKEN",
+        value_name = "TOKEN",
+        hide_env_values = true
+    )]
+    pub admin_token: Option<String>,
+    /// Upstream base URL; repeat it (or separate with commas in the variable):
+    /// the first is the primary, the rest are fallbacks in order.
+    #[arg(
+        long = "upstream",
+        env = "IDEMGATE_UPSTREAM",
+        value_name = "URL",
+        value_delimiter = ','
+    )]
+    pub upstreams: Vec<String>,
+    /// PostgreSQL URL, e.g. postgres://user@host/db.
+    #[arg(
+        long,
+        env = "IDEMGATE_DATABASE_URL",
+        value_name = "URL",
+        hide_env_values = true
+    )]
+    pub database_url: Option<String>,
+    /// Embedded store file, used when no database URL is given.
+    #[arg(long, env = "IDEMGATE_EMBEDDED_PATH", value_name = "FILE")]
+    pub embedded_path: Option<PathBuf>,
+    /// Redis URL for the replay fast path.
+    #[arg(
+        long,
+        env = "IDEMGATE_REDIS_URL",
+        value_name = "URL",
+        hide_env_values = true
+    )]
+    pub redis_url: Option<String>,
+    /// Silence after which an attempt's outcome is unknown (e.g. 30s).
+    #[arg(long, env = "IDEMGATE_UPSTREAM_TIMEOUT", value_name = "DURATION", value_parser = humantime::parse_duration)]
+    pub upstream_timeout: Option<Duration>,
+    /// How long a duplicate of a running job is held before 409.
+    #[arg(long, env = "IDEMGATE_HOLD_TIMEOUT", value_name = "DURATION", value_parser = humantime::parse_duration)]
+    pub hold_timeout: Option<Duration>,
+    /// How long a key is remembered after its first request.
+    #[arg(long, env = "IDEMGATE_KEY_TTL", value_name = "DURATION", value_parser = humantime::parse_duration)]
+    pub key_ttl: Option<Duration>,
+}

@@ -1,0 +1,577 @@
+//! Settings: plain data, read once at start-up and validated as a whole.
+//!
+//! Sources, strongest first: command-line flags, `IDEMGATE_*` environment
+//! variables (clap reads both, flag over variable), then the TOML file named
+//! by `--config`, then the defaults below. Every problem is reported with the
+//! key that caused it and how to fix it, before anything starts.
+//!
+//! - [`flags`]: the command line;
+//! - [`file`]: the TOML format;
+//! - [`upstreams`] and [`routes`]: where requests go and which opt in;
+//! - this module: the settings as a whole, their defaults and validation.
+
+pub mod file;
+pub mod flags;
+pub mod routes;
+pub mod upstreams;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{HeaderName, Method, StatusCode};
+
+use crate::contract::Contract;
+use crate::fastpath::FastPathSettings;
+use crate::store::postgres::PgSettings;
+
+pub use file::FileConfig;
+pub use flags::{Cli, Command, Flags};
+pub use routes::Route;
+pub use upstreams::{UpstreamId, UpstreamSettings};
+
+use file::UpstreamFile;
+
+/// A start-up configuration problem, naming the key and the fix.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid configuration: `{key}`: {message}")]
+pub struct ConfigError {
+    /// The offending key (as written in the file; flags and variables named in the message).
+    pub key: String,
+    /// What is wrong and how to fix it.
+    pub message: String,
+}
+
+impl ConfigError {
+    /// A problem with `key`, and how to fix it.
+    pub fn new(key: impl Into<String>, message: impl Into<String>) -> Self {
+        ConfigError {
+            key: key.into(),
+            message: message.into(),
+        }
+    }
+}
+
+fn bad(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError::new(key, message)
+}
+
+/// The validated settings the gateway runs with.
+#[derive(Clone)]
+pub struct Settings {
+    /// Proxy listener.
+    pub listen: SocketAddr,
+    /// Admin listener.
+    pub admin_listen: SocketAddr,
+    /// Admin bearer token; `None` turns the job endpoints off.
+    pub admin_token: Option<String>,
+    /// Upstreams in configured order; never empty. Requests on no route
+    /// pass through to the first.
+    pub upstreams: Vec<Arc<UpstreamSettings>>,
+    /// Where jobs and attempts are kept.
+    pub store: StoreSettings,
+    /// The Redis fast path, when configured.
+    pub fastpath: Option<FastPathSettings>,
+    /// Silence after which an attempt's outcome is unknown.
+    pub upstream_timeout: Duration,
+    /// After this long an attempt is abandoned, answer or not.
+    pub attempt_deadline: Duration,
+    /// How long a duplicate waits for a running job.
+    pub hold_timeout: Duration,
+    /// How long a key is remembered.
+    pub key_ttl: Duration,
+    /// Lease length; renewed every third of it.
+    pub lease_ttl: Duration,
+    /// How often lapsed leases and expired jobs are swept.
+    pub sweep_interval: Duration,
+    /// `Retry-After` on 409 answers.
+    pub retry_after: Duration,
+    /// How long open connections may finish after SIGTERM.
+    pub shutdown_grace: Duration,
+    /// The request header the owner is derived from.
+    pub owner_header: HeaderName,
+    /// The header carrying the job id upstream.
+    pub forward_key_header: HeaderName,
+    /// The header carrying the attempt number upstream.
+    pub forward_attempt_header: HeaderName,
+    /// 409 (default) or 422 (the IETF draft) for a key reused with another request.
+    pub mismatch_status: StatusCode,
+    /// Largest upstream response that can be committed.
+    pub max_response_size: usize,
+    /// Opt-in routes, most specific prefix first (shared, not copied, by
+    /// the requests that match them).
+    pub routes: Vec<Arc<Route>>,
+    /// Response contracts, by name.
+    pub contracts: BTreeMap<String, Arc<Contract>>,
+    /// How often upstreams are probed against the contracts of their routes.
+    pub probe_interval: Duration,
+}
+
+impl std::fmt::Debug for Settings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Settings")
+            .field("listen", &self.listen)
+            .field("admin_listen", &self.admin_listen)
+            .field(
+                "admin_token",
+                &self.admin_token.as_ref().map(|_| "<redacted>"),
+            )
+            .field("upstreams", &self.upstreams)
+            .field(
+                "store",
+                &match &self.store {
+                    StoreSettings::Postgres(_) => "postgres <redacted>".to_owned(),
+                    StoreSettings::Embedded { path } => format!("embedded {}", path.display()),
+                },
+            )
+            .field("upstream_timeout", &self.upstream_timeout)
+            .field("hold_timeout", &self.hold_timeout)
+            .field("key_ttl", &self.key_ttl)
+            .field("routes", &self.routes)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Which store to use.
+#[derive(Debug, Clone)]
+pub enum StoreSettings {
+    /// PostgreSQL: the production store, shared by any number of replicas.
+    Postgres(PgSettings),
+    /// SQLite in a local file: zero set-up, one gateway.
+    Embedded {
+        /// The database file.
+        path: PathBuf,
+    },
+}
+
+/// Timings that are checked against one another.
+struct Timings {
+    upstream_timeout: Duration,
+    attempt_deadline: Duration,
+    lease_ttl: Duration,
+}
+
+impl Settings {
+    /// Reads the file (if any), lays the flags over it and validates the lot.
+    pub fn load(config: Option<&Path>, flags: Flags) -> Result<Settings, ConfigError> {
+        Self::from_sources(FileConfig::read(config)?, flags)
+    }
+
+    /// Only the store settings, for `idemgate migrate`.
+    pub fn load_store(config: Option<&Path>, flags: Flags) -> Result<StoreSettings, ConfigError> {
+        store_settings(&FileConfig::read(config)?, &flags)
+    }
+
+    /// Parses TOML text; unknown keys are errors.
+    pub fn parse_file(text: &str) -> Result<FileConfig, ConfigError> {
+        FileConfig::parse(text)
+    }
+
+    /// Merges parsed sources, flags winning, and validates.
+    pub fn from_sources(mut file: FileConfig, flags: Flags) -> Result<Settings, ConfigError> {
+        let store = store_settings(&file, &flags)?;
+        let timings = timings(&file, &flags)?;
+        let upstream_files = if flags.upstreams.is_empty() {
+            file.upstreams.take().unwrap_or_default()
+        } else {
+            flags
+                .upstreams
+                .iter()
+                .cloned()
+                .map(UpstreamFile::Url)
+                .collect()
+        };
+        let upstreams =
+            upstreams::parse_all(&upstream_files, timings.upstream_timeout, &file.base_dir)?;
+        let mut contracts = BTreeMap::new();
+        for (name, contract_file) in std::mem::take(&mut file.contracts) {
+            let contract = Contract::load(&name, contract_file, &file.base_dir)?;
+            contracts.insert(name, Arc::new(contract));
+        }
+        let routes = routes::parse_all(std::mem::take(&mut file.routes), &upstreams, &contracts)?;
+        Ok(Settings {
+            listen: flags
+                .listen
+                .or(file.listen)
+                .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 8080))),
+            admin_listen: flags
+                .admin_listen
+                .or(file.admin_listen)
+                .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 9090))),
+            admin_token: flags
+                .admin_token
+                .clone()
+                .or(file.admin_token.clone())
+                .filter(|t| !t.is_empty()),
+            upstreams,
+            store,
+            fastpath: fastpath_settings(&file, &flags)?,
+            upstream_timeout: timings.upstream_timeout,
+            attempt_deadline: timings.attempt_deadline,
+            hold_timeout: positive(
+                "hold_timeout",
+                flags
+                    .hold_timeout
+                    .or(file.hold_timeout)
+                    .unwrap_or(timings.upstream_timeout + Duration::from_secs(5)),
+            )?,
+            key_ttl: positive(
+                "key_ttl",
+                flags
+                    .key_ttl
+                    .or(file.key_ttl)
+                    .unwrap_or(Duration::from_secs(24 * 3600)),
+            )?,
+            lease_ttl: timings.lease_ttl,
+            sweep_interval: positive(
+                "sweep_interval",
+                file.sweep_interval.unwrap_or(Duration::from_secs(5)),
+            )?,
+            retry_after: file.retry_after.unwrap_or(Duration::from_secs(1)),
+            shutdown_grace: file.shutdown_grace.unwrap_or(Duration::from_secs(10)),
+            owner_header: header_name(
+                "owner_header",
+                file.owner_header.as_deref().unwrap_or("authorization"),
+            )?,
+            forward_key_header: header_name(
+                "forward_key_header",
+                file.forward_key_header
+                    .as_deref()
+                    .unwrap_or("idempotency-key"),
+            )?,
+            forward_attempt_header: header_name(
+                "forward_attempt_header",
+                file.forward_attempt_header
+                    .as_deref()
+                    .unwrap_or("idempotency-attempt"),
+            )?,
+            mismatch_status: mismatch_status(file.mismatch_status)?,
+            max_response_size: size("max_response_size", file.max_response_size, 10 << 20)?,
+            routes,
+            contracts,
+            probe_interval: positive(
+                "probe_interval",
+                file.probe_interval.unwrap_or(Duration::from_secs(60)),
+            )?,
+        })
+    }
+
+    /// The route an opted-in request falls under, if any.
+    pub fn route_for(&self, method: &Method, path: &str) -> Option<&Arc<Route>> {
+        self.routes
+            .iter()
+            .find(|r| r.matches_path(path) && r.methods.contains(method))
+    }
+}
+
+/// The upstream timeout and the timings that must agree with it.
+fn timings(file: &FileConfig, flags: &Flags) -> Result<Timings, ConfigError> {
+    let upstream_timeout = positive(
+        "upstream_timeout",
+        flags
+            .upstream_timeout
+            .or(file.upstream_timeout)
+            .unwrap_or(Duration::from_secs(30)),
+    )?;
+    let attempt_deadline = positive(
+        "attempt_deadline",
+        file.attempt_deadline.unwrap_or(upstream_timeout * 10),
+    )?;
+    if attempt_deadline < upstream_timeout {
+        return Err(bad(
+            "attempt_deadline",
+            format!(
+                "must be at least upstream_timeout ({}); it is how long a late answer may still commit",
+                humantime::format_duration(upstream_timeout)
+            ),
+        ));
+    }
+    let lease_ttl = positive(
+        "lease_ttl",
+        file.lease_ttl.unwrap_or(Duration::from_secs(30)),
+    )?;
+    if lease_ttl < Duration::from_millis(300) {
+        return Err(bad(
+            "lease_ttl",
+            "must be at least 300ms: leases are renewed every third of it",
+        ));
+    }
+    Ok(Timings {
+        upstream_timeout,
+        attempt_deadline,
+        lease_ttl,
+    })
+}
+
+/// PostgreSQL when a database URL is given, the embedded store otherwise.
+fn store_settings(file: &FileConfig, flags: &Flags) -> Result<StoreSettings, ConfigError> {
+    let Some(url) = flags
+        .database_url
+        .clone()
+        .or_else(|| file.database_url.clone())
+    else {
+        let path = flags
+            .embedded_path
+            .clone()
+            .or_else(|| file.embedded_path.clone())
+            .unwrap_or_else(|| PathBuf::from("idemgate.db"));
+        return Ok(StoreSettings::Embedded { path });
+    };
+    url.parse::<tokio_postgres::Config>().map_err(|e| {
+        bad(
+            "database_url",
+            format!("not a PostgreSQL URL ({e}); use postgres://user@host:5432/dbname"),
+        )
+    })?;
+    let pool_size = file.database_pool_size.unwrap_or(16);
+    if pool_size == 0 {
+        return Err(bad("database_pool_size", "must be at least 1"));
+    }
+    let connect_timeout = positive(
+        "database_timeout",
+        file.database_timeout.unwrap_or(Duration::from_secs(2)),
+    )?;
+    Ok(StoreSettings::Postgres(PgSettings {
+        url,
+        pool_size,
+        connect_timeout,
+    }))
+}
+
+/// The Redis fast path, when a Redis URL is given.
+fn fastpath_settings(
+    file: &FileConfig,
+    flags: &Flags,
+) -> Result<Option<FastPathSettings>, ConfigError> {
+    let Some(url) = flags.redis_url.clone().or(file.redis_url.clone()) else {
+        return Ok(None);
+    };
+    redis::Client::open(url.as_str()).map_err(|e| {
+        bad(
+            "redis_url",
+            format!("not a Redis URL ({e}); use redis://host:6379/0"),
+        )
+    })?;
+    Ok(Some(FastPathSettings {
+        url,
+        timeout: positive(
+            "redis_timeout",
+            file.redis_timeout.unwrap_or(Duration::from_millis(50)),
+        )?,
+        inline_max: file
+            .redis_inline_max
+            .map_or(64 * 1024, |b| b.as_u64() as usize),
+    }))
+}
+
+fn mismatch_status(configured: Option<u16>) -> Result<StatusCode, ConfigError> {
+    match configured.unwrap_or(409) {
+        409 => Ok(StatusCode::CONFLICT),
+        422 => Ok(StatusCode::UNPROCESSABLE_ENTITY),
+        other => Err(bad(
+            "mismatch_status",
+            format!("{other} is not allowed; use 409 (default) or 422 (IETF draft)"),
+        )),
+    }
+}
+
+fn size(
+    key: &str,
+    configured: Option<bytesize::ByteSize>,
+    default: usize,
+) -> Result<usize, ConfigError> {
+    let size = configured.map_or(default, |b| b.as_u64() as usize);
+    if size == 0 {
+        return Err(bad(key, "must be greater than zero"));
+    }
+    Ok(size)
+}
+
+fn positive(key: &str, d: Duration) -> Result<Duration, ConfigError> {
+    if d.is_zero() {
+        return Err(bad(
+            key,
+            "must be greater than zero (write it like `250ms`, `10s` or `24h`)",
+        ));
+    }
+    Ok(d)
+}
+
+fn header_name(key: &str, name: &str) -> Result<HeaderName, ConfigError> {
+    HeaderName::from_bytes(name.as_bytes())
+        .map_err(|_| bad(key, format!("{name:?} is not a valid HTTP header name")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flags_with_upstream() -> Flags {
+        Flags {
+            upstreams: vec!["http://127.0.0.1:8000".into()],
+            ..Flags::default()
+        }
+    }
+
+    #[test]
+    fn flags_override_the_file() {
+        let file = Settings::parse_file(
+            "upstream_timeout = \"5s\"\nhold_timeout = \"7s\"\nupstreams = [\"http://a:1\"]",
+        )
+        .unwrap();
+        let flags = Flags {
+            upstream_timeout: Some(Duration::from_secs(2)),
+            ..flags_with_upstream()
+        };
+        let s = Settings::from_sources(file, flags).unwrap();
+        assert_eq!(s.upstream_timeout, Duration::from_secs(2));
+        assert_eq!(s.hold_timeout, Duration::from_secs(7));
+        assert_eq!(s.upstreams[0].base, "http://127.0.0.1:8000");
+    }
+
+    #[test]
+    fn unknown_keys_are_named() {
+        let err = Settings::parse_file("upstream_timout = \"5s\"").unwrap_err();
+        assert_eq!(err.key, "upstream_timout");
+    }
+
+    #[test]
+    fn unparsable_values_are_named() {
+        let err = Settings::parse_file("listen = \"127.0.0.1:1\"\nhold_timeout = \"soon\"\n")
+            .unwrap_err();
+        assert_eq!(err.key, "hold_timeout");
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        let err = Settings::from_sources(
+            Settings::parse_file("mismatch_status = 400").unwrap(),
+            flags_with_upstream(),
+        )
+        .unwrap_err();
+        assert_eq!(err.key, "mismatch_status");
+        let err = Settings::from_sources(
+            Settings::parse_file("[[routes]]\nmethods = [\"GET\"]").unwrap(),
+            flags_with_upstream(),
+        )
+        .unwrap_err();
+        assert_eq!(err.key, "routes[0].methods");
+        let err = Settings::from_sources(FileConfig::default(), Flags::default()).unwrap_err();
+        assert_eq!(err.key, "upstreams");
+        let err = Settings::from_sources(
+            FileConfig::default(),
+            Flags {
+                upstreams: vec!["ftp://x".into()],
+                ..Flags::default()
+            },
+        )
+        .unwrap_err();
+        assert_eq!(err.key, "upstreams[0]");
+    }
+
+    #[test]
+    fn the_chat_example_is_valid() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/chat");
+        let mut file =
+            Settings::parse_file(&std::fs::read_to_string(dir.join("idemgate.toml")).unwrap())
+                .unwrap();
+        file.base_dir = dir;
+        // Credentials come from the environment; stand in fixed values here.
+        for u in file.upstreams.iter_mut().flatten() {
+            if let UpstreamFile::Table(t) = u {
+                for source in t.headers.values_mut() {
+                    source.value = Some("test".into());
+                    source.env = None;
+                }
+            }
+        }
+        let s = Settings::from_sources(file, Flags::default()).unwrap();
+        let chat = &s.routes[0];
+        assert_eq!(
+            chat.upstreams().map(|u| u.id.index()).collect::<Vec<_>>(),
+            vec![0, 1]
+        );
+        assert!(chat.side_effect_free && chat.hedge_after.is_some());
+        assert_eq!(chat.contract.as_ref().unwrap().probes.len(), 1);
+    }
+
+    #[test]
+    fn the_example_file_is_valid() {
+        let text = include_str!("../../config/idemgate.example.toml");
+        let s =
+            Settings::from_sources(Settings::parse_file(text).unwrap(), Flags::default()).unwrap();
+        assert_eq!(s.routes.len(), 2);
+        assert_eq!(s.routes[0].name, "chat", "most specific first");
+    }
+
+    #[test]
+    fn default_route_opts_in_post_and_patch_everywhere() {
+        let s = Settings::from_sources(FileConfig::default(), flags_with_upstream()).unwrap();
+        assert!(s.route_for(&Method::POST, "/anything").is_some());
+        assert!(s.route_for(&Method::PATCH, "/").is_some());
+        assert!(s.route_for(&Method::PUT, "/anything").is_none());
+        assert!(s.route_for(&Method::GET, "/anything").is_none());
+    }
+
+    #[test]
+    fn most_specific_route_wins() {
+        let file = Settings::parse_file(
+            "[[routes]]\nname = \"all\"\npath_prefix = \"/\"\n\
+             [[routes]]\nname = \"chat\"\npath_prefix = \"/v1/chat\"\nrequire_key = true\n",
+        )
+        .unwrap();
+        let s = Settings::from_sources(file, flags_with_upstream()).unwrap();
+        assert_eq!(
+            s.route_for(&Method::POST, "/v1/chat/completions")
+                .unwrap()
+                .name,
+            "chat"
+        );
+        assert_eq!(s.route_for(&Method::POST, "/v1/other").unwrap().name, "all");
+    }
+
+    #[test]
+    fn routes_match_whole_path_segments() {
+        let file = Settings::parse_file(
+            "[[routes]]\nname = \"chat\"\npath_prefix = \"/v1/chat\"\n\
+             [[routes]]\nname = \"slash\"\npath_prefix = \"/v2/jobs/\"\n",
+        )
+        .unwrap();
+        let s = Settings::from_sources(file, flags_with_upstream()).unwrap();
+        let name = |path| s.route_for(&Method::POST, path).map(|r| r.name.as_str());
+        assert_eq!(name("/v1/chat"), Some("chat"));
+        assert_eq!(name("/v1/chat/completions"), Some("chat"));
+        assert_eq!(
+            name("/v1/chatty"),
+            None,
+            "a prefix matches whole segments only"
+        );
+        assert_eq!(name("/v1/chat-old/x"), None);
+        assert_eq!(
+            name("/v2/jobs"),
+            Some("slash"),
+            "a trailing slash is not required"
+        );
+        assert_eq!(name("/v2/jobs/7"), Some("slash"));
+        assert_eq!(name("/v2/jobsx"), None);
+    }
+
+    #[test]
+    fn a_probeless_contract_on_a_route_with_fallbacks_is_refused() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/chat");
+        let text = "upstreams = [\"http://a:1\", \"http://b:1\"]\n\
+                    [contracts.bare]\nschema = \"response.schema.json\"\n\
+                    [[routes]]\npath_prefix = \"/v1\"\ncontract = \"bare\"\n";
+        let mut file = Settings::parse_file(text).unwrap();
+        file.base_dir = dir.clone();
+        let err = Settings::from_sources(file, Flags::default()).unwrap_err();
+        assert_eq!(err.key, "routes[0].contract");
+        assert!(err.message.contains("no probes"), "{}", err.message);
+        // With a single upstream there is nothing to fail over to: allowed.
+        let mut file = Settings::parse_file(&text.replace(", \"http://b:1\"", "")).unwrap();
+        file.base_dir = dir;
+        assert!(Settings::from_sources(file, Flags::default()).is_ok());
+    }
+}

@@ -1,0 +1,212 @@
+//! Upstreams: where attempts go, each with its own identity, timeouts,
+//! credentials and trusted certificate authorities.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{HeaderName, HeaderValue, Uri};
+
+use super::file::{HeaderSource, UpstreamFile};
+use super::{bad, header_name, positive, ConfigError};
+
+/// An upstream's identity: its place among the configured upstreams (which
+/// picks its connection pool) and its name (what attempts, logs and probe
+/// verdicts call it). Only configuration makes one, so it always names an
+/// upstream that exists.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct UpstreamId {
+    index: usize,
+    name: Arc<str>,
+}
+
+impl UpstreamId {
+    /// Its place in the configured order (0 is the default upstream).
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// Its name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+impl std::fmt::Display for UpstreamId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.name)
+    }
+}
+
+/// One upstream.
+#[derive(Debug, Clone)]
+pub struct UpstreamSettings {
+    /// Who it is.
+    pub id: UpstreamId,
+    /// Its base URL: scheme, authority and an optional path prefix.
+    pub base: Uri,
+    /// Silence after which an attempt on it is unknown.
+    pub timeout: Duration,
+    /// How long connecting may take (a safe failure: nothing was sent).
+    pub connect_timeout: Duration,
+    /// Headers set on every request to it (values may be secrets).
+    pub headers: Vec<(HeaderName, HeaderValue)>,
+    /// Certificate authorities trusted for `https://` besides the public
+    /// web PKI roots (a private CA, a self-signed provider).
+    pub extra_roots: Vec<rustls::pki_types::CertificateDer<'static>>,
+}
+
+impl UpstreamSettings {
+    /// Its name.
+    pub fn name(&self) -> &str {
+        self.id.name()
+    }
+}
+
+/// Every upstream, in configured order, names unique.
+pub(super) fn parse_all(
+    files: &[UpstreamFile],
+    default_timeout: Duration,
+    base_dir: &Path,
+) -> Result<Vec<Arc<UpstreamSettings>>, ConfigError> {
+    if files.is_empty() {
+        return Err(bad(
+            "upstreams",
+            "no upstream configured; pass --upstream http://host:port, set IDEMGATE_UPSTREAM, \
+             or list `upstreams = [\"http://host:port\"]` in the config file",
+        ));
+    }
+    let mut all: Vec<Arc<UpstreamSettings>> = Vec::with_capacity(files.len());
+    for (i, file) in files.iter().enumerate() {
+        let upstream = parse(i, file, default_timeout, base_dir)?;
+        if all.iter().any(|other| other.name() == upstream.name()) {
+            return Err(bad(
+                format!("upstreams[{i}].name"),
+                format!(
+                    "{:?} is used twice; upstream names must be unique",
+                    upstream.name()
+                ),
+            ));
+        }
+        all.push(Arc::new(upstream));
+    }
+    Ok(all)
+}
+
+fn parse(
+    i: usize,
+    file: &UpstreamFile,
+    default_timeout: Duration,
+    base_dir: &Path,
+) -> Result<UpstreamSettings, ConfigError> {
+    let key = format!("upstreams[{i}]");
+    let (url, table) = match file {
+        UpstreamFile::Url(url) => (url.as_str(), None),
+        UpstreamFile::Table(t) => (t.url.as_str(), Some(t)),
+    };
+    let base = base_url(&key, url)?;
+    let default_name = if i == 0 {
+        "primary".to_owned()
+    } else {
+        format!("fallback-{i}")
+    };
+    let timeout = table.and_then(|t| t.timeout).unwrap_or(default_timeout);
+    let mut headers = Vec::new();
+    for (name, source) in table.map(|t| &t.headers).into_iter().flatten() {
+        headers.push(header(&format!("{key}.headers.{name}"), name, source)?);
+    }
+    let extra_roots = match table.and_then(|t| t.ca_file.as_ref()) {
+        None => Vec::new(),
+        Some(path) => certificates(&format!("{key}.ca_file"), &base_dir.join(path))?,
+    };
+    Ok(UpstreamSettings {
+        id: UpstreamId {
+            index: i,
+            name: table
+                .and_then(|t| t.name.clone())
+                .unwrap_or(default_name)
+                .into(),
+        },
+        base,
+        timeout: positive(&format!("{key}.timeout"), timeout)?,
+        connect_timeout: positive(
+            &format!("{key}.connect_timeout"),
+            table
+                .and_then(|t| t.connect_timeout)
+                .unwrap_or(timeout.min(Duration::from_secs(10))),
+        )?,
+        headers,
+        extra_roots,
+    })
+}
+
+fn base_url(key: &str, url: &str) -> Result<Uri, ConfigError> {
+    let base: Uri = url.parse().map_err(|e| {
+        bad(
+            key,
+            format!("{url:?} is not a URL ({e}); write it like http://127.0.0.1:8000"),
+        )
+    })?;
+    match base.scheme_str() {
+        Some("http" | "https") => {}
+        Some(other) => {
+            return Err(bad(
+                key,
+                format!("scheme {other:?} is not supported; use http:// or https://"),
+            ))
+        }
+        None => {
+            return Err(bad(
+                key,
+                format!("{url:?} has no scheme; write it like http://{url}"),
+            ))
+        }
+    }
+    if base.authority().is_none() {
+        return Err(bad(key, format!("{url:?} has no host")));
+    }
+    if base.query().is_some() {
+        return Err(bad(key, "an upstream base URL cannot carry a query"));
+    }
+    Ok(base)
+}
+
+fn header(
+    key: &str,
+    name: &str,
+    source: &HeaderSource,
+) -> Result<(HeaderName, HeaderValue), ConfigError> {
+    let name = header_name(key, name)?;
+    let raw = match (&source.value, &source.env) {
+        (Some(v), None) => v.clone(),
+        (None, Some(var)) => std::env::var(var).map_err(|_| {
+            bad(
+                key,
+                format!("environment variable {var} is not set; export it, it holds this upstream's credential"),
+            )
+        })?,
+        _ => return Err(bad(key, "give exactly one of `value` or `env`")),
+    };
+    let value = HeaderValue::from_str(&format!("{}{raw}", source.prefix))
+        .map_err(|_| bad(key, "not a valid header value"))?;
+    Ok((name, value))
+}
+
+fn certificates(
+    key: &str,
+    path: &Path,
+) -> Result<Vec<rustls::pki_types::CertificateDer<'static>>, ConfigError> {
+    use rustls::pki_types::pem::PemObject;
+    let certs = rustls::pki_types::CertificateDer::pem_file_iter(path)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| {
+            bad(
+                key,
+                format!("cannot read PEM certificates from {}: {e}", path.display()),
+            )
+        })?;
+    if certs.is_empty() {
+        return Err(bad(key, format!("{} holds no certificate", path.display())));
+    }
+    Ok(certs)
+}

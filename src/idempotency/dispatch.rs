@@ -1,0 +1,288 @@
+//! The decisions of one request that runs attempts, as a state machine.
+//!
+//! A request that owns a job (it created it, or claimed its next attempt)
+//! runs attempts until one produces the job's result or nothing more may be
+//! tried. [`Dispatch`] decides; it does no I/O. The driver in
+//! [`super::flow`] feeds it [`Event`]s (an attempt replied, the hedge timer
+//! fired, a claim came back from the store, the job was read) and carries
+//! out the [`Step`]s it returns.
+//!
+//! - After a safe failure (refused before send, retryable status, contract
+//!   broken) the next eligible upstream gets the next attempt, claimed by
+//!   CAS, up to `max_attempts` and `failover_deadline`; each upstream at most
+//!   once per request.
+//! - On side-effect-free routes, after `hedge_after` without an answer, a
+//!   second attempt races the first under the same version; the first to
+//!   commit wins and the others are cancelled and `superseded`. Only there
+//!   may an unknown outcome be followed by another attempt.
+//! - A store error while claiming never abandons attempts still running: the
+//!   request goes on waiting for them, and answers with their outcome.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::execute::{Answer, Reply};
+use crate::attempt::{Attempt, AttemptId};
+use crate::config::{Route, UpstreamSettings};
+use crate::error::{ClientError, GatewayError};
+use crate::job::{Job, JobState, StoredResponse};
+use crate::store::StoreError;
+use crate::telemetry::Chain;
+
+/// How a new attempt joins the job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Joining {
+    /// The next try of an `open` job (moves the version).
+    Claim,
+    /// Beside a running or unknown attempt (keeps the version).
+    Hedge,
+}
+
+/// What happened.
+#[derive(Debug)]
+pub(super) enum Event {
+    /// An attempt of this request replied.
+    Replied(AttemptId, Reply),
+    /// `hedge_after` passed since the first attempt started.
+    HedgeDue,
+    /// A claim or hedge asked for by [`Step::Claim`] came back.
+    Claimed(
+        Joining,
+        Arc<UpstreamSettings>,
+        Result<Option<Attempt>, StoreError>,
+    ),
+    /// The job, read as asked by [`Step::Reread`].
+    Reread(Result<Job, GatewayError>),
+    /// The job, once no longer running, after [`Step::Hold`].
+    Held(Result<Job, GatewayError>),
+}
+
+/// What to do next.
+#[derive(Debug)]
+pub(super) enum Step {
+    /// Ask the store for a new attempt on `target` and start it; the result
+    /// comes back as [`Event::Claimed`].
+    Claim {
+        /// Where the attempt goes.
+        target: Arc<UpstreamSettings>,
+        /// How it joins the job.
+        how: Joining,
+        /// The version the store must still be at.
+        version: i64,
+    },
+    /// Cancel every attempt of this request but this one.
+    CancelAllBut(AttemptId),
+    /// Read the job (an attempt lost the race; who won?).
+    Reread,
+    /// Someone else moved the job on: wait for it like any duplicate; the
+    /// job comes back as [`Event::Held`].
+    Hold,
+    /// Answer with this attempt's committed response.
+    Committed(StoredResponse),
+    /// Answer with the job's committed response, as a replay.
+    Replay(Job),
+    /// Answer without a result.
+    Answer(Result<http::Response<crate::http::Body>, GatewayError>),
+}
+
+/// The state of one request's attempts.
+pub(super) struct Dispatch {
+    route: Arc<Route>,
+    retry_after: Duration,
+    deadline: Instant,
+    /// Fallbacks not tried yet, in order.
+    untried: VecDeque<Arc<UpstreamSettings>>,
+    /// The version claims must find.
+    version: i64,
+    made: usize,
+    running: usize,
+    claiming: bool,
+    hedge_pending: bool,
+    last: Option<Answer>,
+    unknown: Option<GatewayError>,
+    store_error: Option<StoreError>,
+}
+
+impl Dispatch {
+    /// A request whose first attempt, on the route's primary, is `first`.
+    pub(super) fn new(
+        route: Arc<Route>,
+        first: &Attempt,
+        now: Instant,
+        retry_after: Duration,
+    ) -> Self {
+        Dispatch {
+            retry_after,
+            deadline: now + route.failover_deadline,
+            untried: route.fallbacks.iter().cloned().collect(),
+            version: first.job_version,
+            made: 1,
+            running: 1,
+            claiming: false,
+            hedge_pending: route.hedge_after.is_some(),
+            last: None,
+            unknown: None,
+            store_error: None,
+            route,
+        }
+    }
+
+    /// Whether the hedge timer still matters.
+    pub(super) fn hedge_armed(&self) -> bool {
+        self.hedge_pending
+    }
+
+    /// Takes in one event and says what to do. `eligible` tells whether an
+    /// upstream may take a failover or hedged attempt now (its probes pass).
+    pub(super) fn on(
+        &mut self,
+        event: Event,
+        now: Instant,
+        eligible: &dyn Fn(&UpstreamSettings) -> bool,
+    ) -> Vec<Step> {
+        match event {
+            Event::Replied(id, reply) => self.replied(id, reply, now, eligible),
+            Event::HedgeDue => {
+                self.hedge_pending = false;
+                if self.made >= self.route.max_attempts || self.running != 1 || self.claiming {
+                    return Vec::new();
+                }
+                self.claim(Joining::Hedge, eligible).into_iter().collect()
+            }
+            Event::Claimed(how, target, result) => self.claimed(how, target, result, now, eligible),
+            Event::Reread(Ok(job)) | Event::Held(Ok(job)) if job.state == JobState::Completed => {
+                vec![Step::Replay(job)]
+            }
+            // Resolved by an operator meanwhile: the client decides afresh.
+            Event::Reread(Ok(_)) => vec![Step::Answer(Err(ClientError::OutcomeUnknown {
+                retry_after: self.retry_after,
+            }
+            .into()))],
+            Event::Held(Ok(_)) => vec![Step::Answer(self.finish())],
+            Event::Reread(Err(e)) | Event::Held(Err(e)) => vec![Step::Answer(Err(e))],
+        }
+    }
+
+    fn replied(
+        &mut self,
+        id: AttemptId,
+        reply: Reply,
+        now: Instant,
+        eligible: &dyn Fn(&UpstreamSettings) -> bool,
+    ) -> Vec<Step> {
+        self.running = self.running.saturating_sub(1);
+        match reply {
+            Reply::Committed(stored) => {
+                return vec![Step::CancelAllBut(id), Step::Committed(stored)];
+            }
+            // Another attempt won. If it is one of ours, its own reply says
+            // so; with none of ours left, read who did.
+            Reply::Superseded if self.running == 0 && !self.claiming => return vec![Step::Reread],
+            Reply::Superseded => return Vec::new(),
+            Reply::Failed(answer) => self.last = Some(answer),
+            Reply::Unknown(error) => self.unknown = Some(error),
+        }
+        self.next(now, eligible)
+    }
+
+    fn claimed(
+        &mut self,
+        how: Joining,
+        target: Arc<UpstreamSettings>,
+        result: Result<Option<Attempt>, StoreError>,
+        now: Instant,
+        eligible: &dyn Fn(&UpstreamSettings) -> bool,
+    ) -> Vec<Step> {
+        self.claiming = false;
+        match result {
+            Ok(Some(attempt)) => {
+                self.made += 1;
+                self.running += 1;
+                if how == Joining::Claim {
+                    self.version = attempt.job_version;
+                }
+                Vec::new()
+            }
+            // A hedge the job no longer takes (the attempt it would race
+            // has ended meanwhile): the target was not tried after all.
+            Ok(None) if how == Joining::Hedge => {
+                self.untried.push_front(target);
+                self.next(now, eligible)
+            }
+            Ok(None) if self.running > 0 => Vec::new(),
+            // Someone else (a retry, a held duplicate) moved the job on.
+            Ok(None) => vec![Step::Hold],
+            Err(e) => {
+                tracing::warn!(error = %Chain(&e), "could not start another attempt; waiting for the ones running");
+                self.store_error = Some(e);
+                if self.running > 0 {
+                    Vec::new()
+                } else {
+                    vec![Step::Answer(self.finish())]
+                }
+            }
+        }
+    }
+
+    /// With nothing in flight: fail over, or answer.
+    fn next(&mut self, now: Instant, eligible: &dyn Fn(&UpstreamSettings) -> bool) -> Vec<Step> {
+        if self.running > 0 || self.claiming {
+            return Vec::new();
+        }
+        // An unknown outcome blocks, unless the route may hedge (its
+        // requests have no external side effects).
+        let blocked = self.unknown.is_some() && !self.route.side_effect_free;
+        if blocked || self.made >= self.route.max_attempts || now >= self.deadline {
+            return vec![Step::Answer(self.finish())];
+        }
+        let how = if self.unknown.is_some() {
+            Joining::Hedge
+        } else {
+            Joining::Claim
+        };
+        match self.claim(how, eligible) {
+            Some(step) => vec![step],
+            None => vec![Step::Answer(self.finish())],
+        }
+    }
+
+    fn claim(
+        &mut self,
+        how: Joining,
+        eligible: &dyn Fn(&UpstreamSettings) -> bool,
+    ) -> Option<Step> {
+        while let Some(target) = self.untried.pop_front() {
+            if eligible(&target) {
+                self.claiming = true;
+                return Some(Step::Claim {
+                    target,
+                    how,
+                    version: self.version,
+                });
+            }
+            tracing::debug!(upstream = %target.id, "skipping an upstream that does not pass its contract's probes");
+        }
+        None
+    }
+
+    /// The answer when no attempt of this request produced the job's result.
+    fn finish(&mut self) -> Result<http::Response<crate::http::Body>, GatewayError> {
+        if let Some(error) = self.unknown.take() {
+            return Err(error);
+        }
+        match self.last.take() {
+            Some(Answer::Response(response)) => Ok(response),
+            Some(Answer::Error(error)) => Err(error),
+            None => Err(match self.store_error.take() {
+                Some(e) => e.into(),
+                None => GatewayError::internal("no attempt was made"),
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,282 @@
+//! The dispatch decisions, one event at a time, with paused time: no store,
+//! no sockets.
+
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use uuid::Uuid;
+
+use super::*;
+use crate::attempt::AttemptState;
+use crate::config::{Flags, Settings};
+use crate::job::JobId;
+use crate::upstream::UpstreamError;
+
+const THREE_UPSTREAMS: &str = r#"
+upstreams = ["http://a:1", "http://b:1", "http://c:1"]
+[[routes]]
+path_prefix = "/"
+"#;
+
+const HEDGED: &str = r#"
+upstreams = ["http://a:1", "http://b:1"]
+[[routes]]
+path_prefix = "/"
+side_effect_free = true
+hedge_after = "500ms"
+"#;
+
+fn route(toml: &str) -> Arc<Route> {
+    let file = Settings::parse_file(toml).unwrap();
+    Settings::from_sources(file, Flags::default())
+        .unwrap()
+        .routes[0]
+        .clone()
+}
+
+fn attempt(number: i32, version: i64) -> Attempt {
+    Attempt {
+        id: AttemptId::new(),
+        job_id: JobId(Uuid::nil()),
+        number,
+        upstream: "a".into(),
+        state: AttemptState::Started,
+        job_version: version,
+        started_at: SystemTime::now(),
+        finished_at: None,
+        lease_expires_at: SystemTime::now(),
+        upstream_status: None,
+        detail: None,
+    }
+}
+
+fn refused() -> Reply {
+    Reply::Failed(Answer::Error(
+        UpstreamError::Refused("connection refused".into()).into(),
+    ))
+}
+
+fn timed_out() -> Reply {
+    Reply::Unknown(UpstreamError::TimedOut(Duration::from_secs(1)).into())
+}
+
+fn stored(tag: &str) -> StoredResponse {
+    StoredResponse {
+        status: 200,
+        headers: vec![],
+        body: Bytes::from(tag.to_owned()),
+    }
+}
+
+fn all(_: &UpstreamSettings) -> bool {
+    true
+}
+
+fn dispatch(toml: &str) -> (Dispatch, Attempt) {
+    let first = attempt(1, 1);
+    let d = Dispatch::new(route(toml), &first, Instant::now(), Duration::from_secs(1));
+    (d, first)
+}
+
+fn claim_target(steps: &[Step]) -> (String, Joining, i64) {
+    match steps {
+        [Step::Claim {
+            target,
+            how,
+            version,
+        }] => (target.name().to_owned(), *how, *version),
+        other => panic!("expected one claim, got {other:?}"),
+    }
+}
+
+fn answer_status(steps: Vec<Step>) -> u16 {
+    match steps.as_slice() {
+        [Step::Answer(Ok(response))] => response.status().as_u16(),
+        [Step::Answer(Err(e))] => e.status().as_u16(),
+        other => panic!("expected an answer, got {other:?}"),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_safe_failure_fails_over_to_the_next_upstream_in_order() {
+    let (mut d, first) = dispatch(THREE_UPSTREAMS);
+    let steps = d.on(Event::Replied(first.id, refused()), Instant::now(), &all);
+    assert_eq!(
+        claim_target(&steps),
+        ("fallback-1".into(), Joining::Claim, 1)
+    );
+    let second = attempt(2, 2);
+    let steps = d.on(
+        Event::Claimed(
+            Joining::Claim,
+            route(THREE_UPSTREAMS).fallbacks[0].clone(),
+            Ok(Some(second.clone())),
+        ),
+        Instant::now(),
+        &all,
+    );
+    assert!(steps.is_empty(), "wait for the new attempt");
+    let steps = d.on(Event::Replied(second.id, refused()), Instant::now(), &all);
+    assert_eq!(
+        claim_target(&steps),
+        ("fallback-2".into(), Joining::Claim, 2),
+        "the next claim is a CAS on the version the last claim made"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn ineligible_upstreams_are_skipped_and_running_out_answers_the_last_failure() {
+    let (mut d, first) = dispatch(THREE_UPSTREAMS);
+    let none = |_: &UpstreamSettings| false;
+    let steps = d.on(Event::Replied(first.id, refused()), Instant::now(), &none);
+    assert_eq!(answer_status(steps), 502);
+}
+
+#[tokio::test(start_paused = true)]
+async fn max_attempts_and_the_failover_deadline_stop_failover() {
+    let one = THREE_UPSTREAMS.replace(
+        "path_prefix = \"/\"",
+        "path_prefix = \"/\"\nmax_attempts = 1",
+    );
+    let (mut d, first) = dispatch(&one);
+    let steps = d.on(Event::Replied(first.id, refused()), Instant::now(), &all);
+    assert_eq!(answer_status(steps), 502);
+
+    let (mut d, first) = dispatch(THREE_UPSTREAMS);
+    tokio::time::advance(Duration::from_secs(61)).await;
+    let steps = d.on(Event::Replied(first.id, refused()), Instant::now(), &all);
+    assert_eq!(answer_status(steps), 502, "past failover_deadline (60s)");
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_unknown_outcome_never_fails_over_on_a_route_with_side_effects() {
+    let (mut d, first) = dispatch(THREE_UPSTREAMS);
+    let steps = d.on(Event::Replied(first.id, timed_out()), Instant::now(), &all);
+    assert_eq!(answer_status(steps), 504);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_unknown_outcome_on_a_side_effect_free_route_is_followed_by_a_hedged_attempt() {
+    let (mut d, first) = dispatch(HEDGED);
+    let steps = d.on(Event::Replied(first.id, timed_out()), Instant::now(), &all);
+    assert_eq!(
+        claim_target(&steps),
+        ("fallback-1".into(), Joining::Hedge, 1),
+        "joins beside the unknown attempt, keeping its version"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn hedging_starts_a_second_attempt_once_and_the_first_commit_wins() {
+    let (mut d, first) = dispatch(HEDGED);
+    assert!(d.hedge_armed());
+    let steps = d.on(Event::HedgeDue, Instant::now(), &all);
+    let (name, how, _) = claim_target(&steps);
+    assert_eq!((name.as_str(), how), ("fallback-1", Joining::Hedge));
+    assert!(!d.hedge_armed(), "one hedge per request");
+    let hedge = attempt(2, 1);
+    let target = route(HEDGED).fallbacks[0].clone();
+    assert!(d
+        .on(
+            Event::Claimed(Joining::Hedge, target, Ok(Some(hedge.clone()))),
+            Instant::now(),
+            &all
+        )
+        .is_empty());
+    let steps = d.on(
+        Event::Replied(hedge.id, Reply::Committed(stored("hedge"))),
+        Instant::now(),
+        &all,
+    );
+    match steps.as_slice() {
+        [Step::CancelAllBut(winner), Step::Committed(s)] => {
+            assert_eq!(*winner, hedge.id);
+            assert_eq!(s.body, "hedge");
+        }
+        other => panic!("{other:?}"),
+    }
+    let _ = first;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_store_error_claiming_a_hedge_keeps_waiting_for_the_running_attempt() {
+    let (mut d, first) = dispatch(HEDGED);
+    let steps = d.on(Event::HedgeDue, Instant::now(), &all);
+    let (_, how, _) = claim_target(&steps);
+    let target = route(HEDGED).fallbacks[0].clone();
+    let steps = d.on(
+        Event::Claimed(how, target, Err(StoreError::Unavailable("down".into()))),
+        Instant::now(),
+        &all,
+    );
+    assert!(
+        steps.is_empty(),
+        "the primary is still running: wait for it"
+    );
+    let steps = d.on(
+        Event::Replied(first.id, Reply::Committed(stored("primary"))),
+        Instant::now(),
+        &all,
+    );
+    assert!(
+        matches!(steps.as_slice(), [Step::CancelAllBut(_), Step::Committed(s)] if s.body == "primary")
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_store_error_claiming_a_failover_answers_with_what_the_upstream_said() {
+    let (mut d, first) = dispatch(THREE_UPSTREAMS);
+    let steps = d.on(Event::Replied(first.id, refused()), Instant::now(), &all);
+    let (_, how, _) = claim_target(&steps);
+    let target = route(THREE_UPSTREAMS).fallbacks[0].clone();
+    let steps = d.on(
+        Event::Claimed(how, target, Err(StoreError::Unavailable("down".into()))),
+        Instant::now(),
+        &all,
+    );
+    assert_eq!(
+        answer_status(steps),
+        502,
+        "the safe failure, which a retry may follow"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failover_claim_someone_else_beat_waits_like_a_duplicate() {
+    let (mut d, first) = dispatch(THREE_UPSTREAMS);
+    let steps = d.on(Event::Replied(first.id, refused()), Instant::now(), &all);
+    let (_, how, _) = claim_target(&steps);
+    let target = route(THREE_UPSTREAMS).fallbacks[0].clone();
+    let steps = d.on(Event::Claimed(how, target, Ok(None)), Instant::now(), &all);
+    assert!(matches!(steps.as_slice(), [Step::Hold]));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hedge_refused_after_the_primary_failed_fails_over_to_the_same_upstream() {
+    let (mut d, first) = dispatch(HEDGED);
+    let steps = d.on(Event::HedgeDue, Instant::now(), &all);
+    let (hedge_target, _, _) = claim_target(&steps);
+    // The primary fails while the hedge is being claimed…
+    assert!(d
+        .on(Event::Replied(first.id, refused()), Instant::now(), &all)
+        .is_empty());
+    // …so the job reopened and no longer takes a hedge: claim it instead.
+    let target = route(HEDGED).fallbacks[0].clone();
+    let steps = d.on(
+        Event::Claimed(Joining::Hedge, target, Ok(None)),
+        Instant::now(),
+        &all,
+    );
+    assert_eq!(claim_target(&steps), (hedge_target, Joining::Claim, 1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lost_race_with_nothing_else_running_reads_the_winner() {
+    let (mut d, first) = dispatch(THREE_UPSTREAMS);
+    let steps = d.on(
+        Event::Replied(first.id, Reply::Superseded),
+        Instant::now(),
+        &all,
+    );
+    assert!(matches!(steps.as_slice(), [Step::Reread]));
+}

@@ -1,0 +1,186 @@
+//! The domain's transitions, run on a backend: the one implementation of
+//! [`Store`].
+//!
+//! Each operation asks the backend to lock the job, hands the snapshot to a
+//! function of [`crate::transition`], and lets the backend write what it
+//! returns. A change that moves a job's state rings the doorbell here, and
+//! only here, once.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use super::{Backend, Begin, CommitOutcome, Decide, Doorbell, Lock, Store, StoreError};
+use crate::attempt::{Attempt, AttemptFailure, AttemptId, NewAttempt, Resolution};
+use crate::job::{Job, JobDetail, JobId, NewJob, StoredResponse};
+use crate::key::{IdempotencyKey, Owner};
+use crate::transition::{self, Change, Refusal};
+
+/// A [`Store`] over a [`Backend`].
+pub struct Machine<B> {
+    backend: B,
+    doorbell: Arc<Doorbell>,
+}
+
+impl<B: Backend> Machine<B> {
+    /// The store over `backend`, ringing `doorbell` on every change of a
+    /// job's state.
+    pub fn new(backend: B, doorbell: Arc<Doorbell>) -> Self {
+        Machine { backend, doorbell }
+    }
+
+    /// The backend underneath.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    fn ring(&self, change: &Change) {
+        if change.moves_job() {
+            self.doorbell.ring(change.job.id);
+        }
+    }
+
+    /// Runs one transition; rings when it moved the job.
+    async fn apply(&self, lock: Lock, decide: Decide) -> Result<super::Applied, StoreError> {
+        let applied = self.backend.change(lock, decide).await??;
+        self.ring(&applied.change);
+        Ok(applied)
+    }
+
+    /// Starts an attempt by `transition` (claim or hedge); `None` when the
+    /// job moved on or is in a state that does not take one.
+    async fn start(&self, job: JobId, decide: Decide) -> Result<Option<Attempt>, StoreError> {
+        match self.apply(Lock::Job(job), decide).await {
+            Ok(applied) => applied
+                .started
+                .map(Some)
+                .ok_or_else(|| StoreError::internal("a start wrote no attempt")),
+            Err(StoreError::Refused(Refusal::Stale { .. } | Refusal::JobIs { .. })) => Ok(None),
+            Err(StoreError::NotFound(_)) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+#[async_trait]
+impl<B: Backend> Store for Machine<B> {
+    async fn begin_job(&self, job: NewJob, attempt: NewAttempt) -> Result<Begin, StoreError> {
+        // A new job has no one waiting on it yet: nothing to ring.
+        self.backend.begin(job, attempt).await
+    }
+
+    async fn claim_attempt(
+        &self,
+        job: JobId,
+        version: i64,
+        attempt: NewAttempt,
+    ) -> Result<Option<Attempt>, StoreError> {
+        self.start(
+            job,
+            Box::new(move |s, _| transition::claim(s, version, attempt)),
+        )
+        .await
+    }
+
+    async fn hedge_attempt(
+        &self,
+        job: JobId,
+        version: i64,
+        attempt: NewAttempt,
+    ) -> Result<Option<Attempt>, StoreError> {
+        self.start(
+            job,
+            Box::new(move |s, _| transition::hedge(s, version, attempt)),
+        )
+        .await
+    }
+
+    async fn commit(
+        &self,
+        attempt: &Attempt,
+        response: &StoredResponse,
+    ) -> Result<CommitOutcome, StoreError> {
+        if self.backend.commit(attempt, response).await? {
+            self.doorbell.ring(attempt.job_id);
+            Ok(CommitOutcome::Committed)
+        } else {
+            Ok(CommitOutcome::Superseded)
+        }
+    }
+
+    async fn fail_attempt(
+        &self,
+        attempt: AttemptId,
+        failure: AttemptFailure,
+    ) -> Result<(), StoreError> {
+        let decide: Decide = Box::new(move |s, _| transition::settle(s, attempt, &failure));
+        match self.apply(Lock::JobOf(attempt), decide).await {
+            Ok(_) => Ok(()),
+            Err(StoreError::Refused(Refusal::AttemptIs { state, .. })) => {
+                tracing::debug!(%attempt, %state, "attempt already settled; its end is not recorded again");
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn resolve_attempt(
+        &self,
+        attempt: AttemptId,
+        resolution: Resolution,
+    ) -> Result<JobDetail, StoreError> {
+        let decide: Decide = Box::new(move |s, _| transition::resolve(s, attempt, &resolution));
+        let applied = self.apply(Lock::JobOf(attempt), decide).await?;
+        self.backend
+            .job_detail(applied.change.job.id)
+            .await?
+            .ok_or(StoreError::NotFound("job"))
+    }
+
+    async fn job(&self, id: JobId) -> Result<Option<Job>, StoreError> {
+        self.backend.job(id).await
+    }
+
+    async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError> {
+        self.backend.job_detail(id).await
+    }
+
+    async fn find_job(
+        &self,
+        owner: &Owner,
+        key: &IdempotencyKey,
+    ) -> Result<Option<JobDetail>, StoreError> {
+        self.backend.find_job(owner, key).await
+    }
+
+    async fn renew_leases(
+        &self,
+        attempts: &[AttemptId],
+        lease: Duration,
+    ) -> Result<u64, StoreError> {
+        if attempts.is_empty() {
+            return Ok(0);
+        }
+        self.backend.renew_leases(attempts, lease).await
+    }
+
+    async fn expire_leases(&self, batch: u32) -> Result<u64, StoreError> {
+        let changes = self.backend.expire_lapsed(batch).await?;
+        for change in &changes {
+            for settled in &change.settled {
+                tracing::warn!(attempt = %settled.attempt, job = %change.job.id, "attempt lease lapsed; outcome unknown");
+            }
+            self.ring(change);
+        }
+        Ok(changes.len() as u64)
+    }
+
+    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        self.backend.purge_expired(batch).await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.backend.ping().await
+    }
+}

@@ -1,0 +1,312 @@
+//! The in-memory backend: the reference the database backends are held to.
+//!
+//! Nothing survives the process, so the gateway never runs on it; it exists
+//! so the dispatch logic can be unit-tested without sockets, and so the
+//! conformance suite and the property tests have a plain implementation of
+//! [`Backend`] to compare the databases with. Every method takes one lock,
+//! which makes each trivially atomic.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+
+use super::{expire_each, Applied, Backend, Begin, Decide, Lock, StoreError};
+use crate::attempt::{Attempt, AttemptId, AttemptState, NewAttempt};
+use crate::job::{Job, JobDetail, JobId, JobState, NewJob, StoredResponse};
+use crate::key::{IdempotencyKey, Owner};
+use crate::transition::{self, AttemptHead, Change, JobHead, Refusal, Snapshot};
+
+/// Jobs and attempts in a map.
+#[derive(Debug, Default)]
+pub struct Memory {
+    records: Mutex<Records>,
+}
+
+#[derive(Debug, Default)]
+struct Records {
+    jobs: HashMap<JobId, Entry>,
+    keys: HashMap<(Owner, IdempotencyKey), JobId>,
+    attempts: HashMap<AttemptId, JobId>,
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    job: Job,
+    attempts: Vec<Attempt>,
+}
+
+impl Memory {
+    fn records(&self) -> std::sync::MutexGuard<'_, Records> {
+        self.records.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Entry {
+    fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            job: JobHead::of(&self.job),
+            attempts: self.attempts.iter().map(AttemptHead::of).collect(),
+        }
+    }
+
+    fn detail(&self) -> JobDetail {
+        JobDetail {
+            job: self.job.clone(),
+            attempts: self.attempts.clone(),
+        }
+    }
+
+    /// Writes a change, as the database backends do in SQL.
+    fn apply(&mut self, change: &Change, now: SystemTime) -> Option<Attempt> {
+        let job = &mut self.job;
+        job.state = change.job.state;
+        job.version = change.job.version;
+        job.attempt_count = change.job.attempt_count;
+        job.completed_by = change.job.completed_by;
+        if let Some(response) = &change.response {
+            job.response = Some(response.clone());
+        }
+        for settled in &change.settled {
+            if let Some(a) = self.attempts.iter_mut().find(|a| a.id == settled.attempt) {
+                a.state = settled.state;
+                if settled.finishes() {
+                    a.finished_at = Some(now);
+                }
+                a.upstream_status = settled.status.or(a.upstream_status);
+                a.detail = settled.detail.clone().or(a.detail.take());
+            }
+        }
+        let start = change.started.as_ref()?;
+        let attempt = new_attempt(job.id, start.number, start.job_version, &start.attempt, now);
+        self.attempts.push(attempt.clone());
+        Some(attempt)
+    }
+}
+
+fn new_attempt(
+    job: JobId,
+    number: i32,
+    job_version: i64,
+    new: &NewAttempt,
+    now: SystemTime,
+) -> Attempt {
+    Attempt {
+        id: new.id,
+        job_id: job,
+        number,
+        upstream: new.upstream.clone(),
+        state: AttemptState::Started,
+        job_version,
+        started_at: now,
+        finished_at: None,
+        lease_expires_at: now + new.lease,
+        upstream_status: None,
+        detail: None,
+    }
+}
+
+impl Records {
+    fn job_of(&self, lock: Lock) -> Result<JobId, StoreError> {
+        match lock {
+            Lock::Job(id) => Ok(id),
+            Lock::JobOf(attempt) => self
+                .attempts
+                .get(&attempt)
+                .copied()
+                .ok_or(StoreError::NotFound("attempt")),
+        }
+    }
+
+    fn remove(&mut self, id: JobId) {
+        if let Some(entry) = self.jobs.remove(&id) {
+            self.keys
+                .remove(&(entry.job.owner.clone(), entry.job.key.clone()));
+            for a in &entry.attempts {
+                self.attempts.remove(&a.id);
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Backend for Memory {
+    async fn begin(&self, new: NewJob, attempt: NewAttempt) -> Result<Begin, StoreError> {
+        let now = SystemTime::now();
+        let mut records = self.records();
+        let slot = (new.owner.clone(), new.key.clone());
+        if let Some(&id) = records.keys.get(&slot) {
+            match records.jobs.get(&id) {
+                Some(entry) if entry.job.expires_at > now => {
+                    return Ok(Begin::Existing(entry.job.clone()))
+                }
+                _ => records.remove(id),
+            }
+        }
+        let job = Job {
+            id: new.id,
+            owner: new.owner,
+            key: new.key,
+            fingerprint: new.fingerprint,
+            route: new.route,
+            state: JobState::Running,
+            version: 1,
+            attempt_count: 1,
+            completed_by: None,
+            response: None,
+            created_at: now,
+            expires_at: now + new.ttl,
+        };
+        let first = new_attempt(job.id, 1, 1, &attempt, now);
+        records.keys.insert(slot, job.id);
+        records.attempts.insert(first.id, job.id);
+        records.jobs.insert(
+            job.id,
+            Entry {
+                job: job.clone(),
+                attempts: vec![first.clone()],
+            },
+        );
+        Ok(Begin::Created(job, first))
+    }
+
+    async fn commit(
+        &self,
+        attempt: &Attempt,
+        response: &StoredResponse,
+    ) -> Result<bool, StoreError> {
+        let id = attempt.id;
+        let response = response.clone();
+        let decide: Decide = Box::new(move |s, _| transition::commit(s, id, &response));
+        let applied = self.change(Lock::JobOf(id), decide).await??;
+        Ok(applied.change.commits(id))
+    }
+
+    async fn change(
+        &self,
+        lock: Lock,
+        decide: Decide,
+    ) -> Result<Result<Applied, Refusal>, StoreError> {
+        let now = SystemTime::now();
+        let mut records = self.records();
+        let id = records.job_of(lock)?;
+        let entry = records
+            .jobs
+            .get_mut(&id)
+            .ok_or(StoreError::NotFound("job"))?;
+        let change = match decide(&entry.snapshot(), now) {
+            Ok(change) => change,
+            Err(refusal) => return Ok(Err(refusal)),
+        };
+        let started = entry.apply(&change, now);
+        if let Some(a) = &started {
+            records.attempts.insert(a.id, id);
+        }
+        Ok(Ok(Applied { change, started }))
+    }
+
+    async fn expire_lapsed(&self, batch: u32) -> Result<Vec<Change>, StoreError> {
+        let now = SystemTime::now();
+        let mut records = self.records();
+        let snapshots: Vec<Snapshot> = records
+            .jobs
+            .values()
+            .filter(|e| {
+                e.attempts
+                    .iter()
+                    .any(|a| a.state == AttemptState::Started && a.lease_expires_at < now)
+            })
+            .take(batch as usize)
+            .map(Entry::snapshot)
+            .collect();
+        let changes = expire_each(&snapshots, now);
+        for change in &changes {
+            if let Some(entry) = records.jobs.get_mut(&change.job.id) {
+                entry.apply(change, now);
+            }
+        }
+        Ok(changes)
+    }
+
+    async fn job(&self, id: JobId) -> Result<Option<Job>, StoreError> {
+        Ok(self.records().jobs.get(&id).map(|e| e.job.clone()))
+    }
+
+    async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError> {
+        Ok(self.records().jobs.get(&id).map(Entry::detail))
+    }
+
+    async fn find_job(
+        &self,
+        owner: &Owner,
+        key: &IdempotencyKey,
+    ) -> Result<Option<JobDetail>, StoreError> {
+        let records = self.records();
+        Ok(records
+            .keys
+            .get(&(owner.clone(), key.clone()))
+            .and_then(|id| records.jobs.get(id))
+            .map(Entry::detail))
+    }
+
+    async fn renew_leases(
+        &self,
+        attempts: &[AttemptId],
+        lease: Duration,
+    ) -> Result<u64, StoreError> {
+        let now = SystemTime::now();
+        let mut records = self.records();
+        let mut renewed = 0;
+        for id in attempts {
+            let Some(job) = records.attempts.get(id).copied() else {
+                continue;
+            };
+            if let Some(entry) = records.jobs.get_mut(&job) {
+                for a in entry.attempts.iter_mut() {
+                    if a.id == *id && a.state == AttemptState::Started {
+                        a.lease_expires_at = now + lease;
+                        renewed += 1;
+                    }
+                }
+            }
+        }
+        Ok(renewed)
+    }
+
+    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        let now = SystemTime::now();
+        let mut records = self.records();
+        let expired: Vec<JobId> = records
+            .jobs
+            .values()
+            .filter(|e| e.job.expires_at < now)
+            .map(|e| e.job.id)
+            .take(batch as usize)
+            .collect();
+        for id in &expired {
+            records.remove(*id);
+        }
+        Ok(expired.len() as u64)
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
+/// Test hooks: tests that need a lapsed lease or an expired job age one.
+impl Memory {
+    /// Moves an attempt's lease into the past.
+    pub fn lapse_lease(&self, attempt: AttemptId) {
+        let mut records = self.records();
+        let Some(job) = records.attempts.get(&attempt).copied() else {
+            return;
+        };
+        if let Some(entry) = records.jobs.get_mut(&job) {
+            for a in entry.attempts.iter_mut().filter(|a| a.id == attempt) {
+                a.lease_expires_at = SystemTime::UNIX_EPOCH;
+            }
+        }
+    }
+}
