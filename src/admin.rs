@@ -507,3 +507,182 @@ fn json_response(status: StatusCode, value: &Value) -> Response<Body> {
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    use async_trait::async_trait;
+    use http_body_util::BodyExt;
+    use tokio_util::sync::CancellationToken;
+
+    use super::*;
+    use crate::attempt::{AttemptFailure, NewAttempt};
+    use crate::job::{Job, NewJob};
+    use crate::store::{Begin, CommitOutcome};
+    use crate::supervise::Beats;
+
+    /// A store that answers pings and panics when swept.
+    struct SweepPanics;
+
+    #[async_trait]
+    impl Store for SweepPanics {
+        async fn begin_job(&self, _: NewJob, _: NewAttempt) -> Result<Begin, StoreError> {
+            unimplemented!()
+        }
+        async fn claim_attempt(
+            &self,
+            _: JobId,
+            _: i64,
+            _: NewAttempt,
+        ) -> Result<Option<Attempt>, StoreError> {
+            unimplemented!()
+        }
+        async fn hedge_attempt(
+            &self,
+            _: JobId,
+            _: i64,
+            _: NewAttempt,
+        ) -> Result<Option<Attempt>, StoreError> {
+            unimplemented!()
+        }
+        async fn commit(
+            &self,
+            _: &Attempt,
+            _: &StoredResponse,
+        ) -> Result<CommitOutcome, StoreError> {
+            unimplemented!()
+        }
+        async fn fail_attempt(&self, _: AttemptId, _: AttemptFailure) -> Result<(), StoreError> {
+            unimplemented!()
+        }
+        async fn resolve_attempt(
+            &self,
+            _: AttemptId,
+            _: Resolution,
+        ) -> Result<JobDetail, StoreError> {
+            unimplemented!()
+        }
+        async fn job(&self, _: JobId) -> Result<Option<Job>, StoreError> {
+            unimplemented!()
+        }
+        async fn job_detail(&self, _: JobId) -> Result<Option<JobDetail>, StoreError> {
+            unimplemented!()
+        }
+        async fn find_job(
+            &self,
+            _: &Owner,
+            _: &IdempotencyKey,
+        ) -> Result<Option<JobDetail>, StoreError> {
+            unimplemented!()
+        }
+        async fn renew_leases(&self, _: &[AttemptId], _: Duration) -> Result<u64, StoreError> {
+            unimplemented!()
+        }
+        async fn expire_leases(&self, _: u32) -> Result<u64, StoreError> {
+            panic!("injected: the sweep hit a defect")
+        }
+        async fn purge_expired(&self, _: u32) -> Result<u64, StoreError> {
+            Ok(0)
+        }
+        async fn ping(&self) -> Result<(), StoreError> {
+            Ok(())
+        }
+    }
+
+    #[derive(Clone, Default)]
+    struct Logs(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Logs {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    async fn readyz(admin: &Arc<Admin>) -> (StatusCode, Value) {
+        let request = Request::get("/readyz")
+            .body(http_body_util::Empty::<Bytes>::new())
+            .unwrap();
+        let response = admin.clone().handle(request).await.unwrap();
+        let status = response.status();
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        (status, serde_json::from_slice(&body).unwrap())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_panicking_background_task_shows_in_readyz_and_the_logs() {
+        let logs = Logs::default();
+        let writer = logs.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        let _logging = tracing::subscriber::set_default(subscriber);
+
+        let store: Arc<dyn Store> = Arc::new(SweepPanics);
+        let tasks = Supervisor::new(CancellationToken::new());
+        let sweeping = store.clone();
+        tasks.spawn(
+            "sweeper",
+            Beats::Every(Duration::from_secs(60)),
+            move |beat| crate::sweeper::run(sweeping.clone(), Duration::from_secs(5), beat),
+        );
+        let admin = Arc::new(Admin {
+            store,
+            token: None,
+            metrics: crate::telemetry::metrics(),
+            upstreams: Vec::new(),
+            probes: Arc::default(),
+            tasks,
+        });
+        tokio::time::sleep(Duration::from_millis(10)).await;
+
+        let (status, body) = readyz(&admin).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        let detail = body["detail"].as_str().unwrap();
+        assert!(detail.contains("sweeper is dead"), "{detail}");
+        assert!(
+            detail.contains("injected: the sweep hit a defect"),
+            "{detail}"
+        );
+        assert_eq!(body["tasks"][0]["status"], "dead");
+
+        let logged = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+        assert!(
+            logged.contains("background task panicked") && logged.contains("task=\"sweeper\""),
+            "{logged}"
+        );
+        // It is started again after its backoff (and panics again).
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(
+            readyz(&admin).await.1["tasks"][0]["restarts"]
+                .as_u64()
+                .unwrap()
+                >= 2
+        );
+    }
+
+    #[tokio::test]
+    async fn readyz_lists_healthy_tasks_and_answers_200() {
+        let tasks = Supervisor::new(CancellationToken::new());
+        tasks.spawn("idle", Beats::Never, |_| std::future::pending());
+        let admin = Arc::new(Admin {
+            store: Arc::new(SweepPanics),
+            token: None,
+            metrics: crate::telemetry::metrics(),
+            upstreams: Vec::new(),
+            probes: Arc::default(),
+            tasks,
+        });
+        let (status, body) = readyz(&admin).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(body["tasks"][0]["name"], "idle");
+        assert_eq!(body["tasks"][0]["status"], "running");
+    }
+}

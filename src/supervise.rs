@@ -1,4 +1,4 @@
-//! Background tasks under watch.
+//! Background tasks under watch (`docs/design.md`, §8).
 //!
 //! The gateway's upkeep (lease renewal, the sweeper, probes, the wake-up
 //! listeners) runs beside the request path, where nobody would notice it

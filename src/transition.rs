@@ -5,7 +5,8 @@
 //! all its attempts, as locked by the store, and returns the [`Change`] to
 //! write, or a typed [`Refusal`]. Stores only lock, read, write back and ring
 //! the doorbell; none of them decides anything. The rules themselves, and why,
-//! are in `docs/design.md` ("States and transitions").
+//! are in `docs/design.md` (§3 "States and transitions", §4 "The commit
+//! rule").
 //!
 //! Two rules hold for every change:
 //!

@@ -1,4 +1,5 @@
-//! The decisions of one request that runs attempts, as a state machine.
+//! The decisions of one request that runs attempts, as a state machine
+//! (`docs/design.md`, §6).
 //!
 //! A request that owns a job (it created it, or claimed its next attempt)
 //! runs attempts until one produces the job's result or nothing more may be

@@ -1,4 +1,4 @@
-//! Running one attempt, in its own task.
+//! Running one attempt, in its own task (`docs/design.md`, §5).
 //!
 //! The task, not the client's request, owns the attempt: a client that hangs
 //! up does not cancel it, and it still commits if the upstream answers late.

@@ -1,4 +1,5 @@
-//! One opted-in request, from its headers to its answer.
+//! One opted-in request, from its headers to its answer (`docs/design.md`,
+//! §2).
 //!
 //! A request either owns a new job or meets an existing one. An existing job
 //! is decided on by its state, in a small loop because a held duplicate may
@@ -288,7 +289,7 @@ impl Flow {
                 None => tokio::select! {
                     Some((id, reply)) = attempts.replies.next() => Event::Replied(id, reply),
                     Some((how, target, claimed)) = claims.next() => {
-                        Event::Claimed(how, target, attempts.started(claimed))
+                        Event::Claimed(how, target, attempts.started(how, claimed))
                     }
                     () = &mut hedge, if dispatch.hedge_armed() => Event::HedgeDue,
                 },
@@ -492,12 +493,22 @@ impl Attempts {
     /// Watches an attempt a claim started; hands the attempt to the dispatch.
     fn started(
         &mut self,
+        how: Joining,
         claimed: Result<Option<Running>, StoreError>,
     ) -> Result<Option<Attempt>, StoreError> {
         claimed.map(|running| {
             running.map(|running| {
                 let attempt = running.attempt.clone();
-                tracing::info!(job = %attempt.job_id, attempt = %attempt.id, number = attempt.number, upstream = %attempt.upstream, "another attempt started (failover or hedge)");
+                match how {
+                    Joining::Claim => {
+                        metrics::counter!("idemgate_failovers_total").increment(1);
+                        tracing::info!(job = %attempt.job_id, attempt = %attempt.id, number = attempt.number, upstream = %attempt.upstream, "failing over to the next upstream");
+                    }
+                    Joining::Hedge => {
+                        metrics::counter!("idemgate_hedges_total").increment(1);
+                        tracing::info!(job = %attempt.job_id, attempt = %attempt.id, number = attempt.number, upstream = %attempt.upstream, "hedging: another attempt races the first");
+                    }
+                }
                 self.watch(running);
                 attempt
             })

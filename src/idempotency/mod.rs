@@ -133,3 +133,6 @@ async fn pass_through(inner: UpstreamService, req: Request<Body>) -> Response<Bo
         Err(e) => GatewayError::from(e).into_response(),
     }
 }
+
+#[cfg(test)]
+mod tests;

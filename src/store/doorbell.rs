@@ -1,4 +1,4 @@
-//! Wake-ups for held duplicates.
+//! Wake-ups for held duplicates (`docs/design.md`, §7).
 //!
 //! A duplicate of a running job does not poll: it waits on the job's bell.
 //! The store [rings](Doorbell::ring) it whenever it changes a job's state;

@@ -1,4 +1,4 @@
-//! Persistence of jobs and attempts.
+//! Persistence of jobs and attempts (`docs/design.md`, §9).
 //!
 //! Two interfaces, one above the other:
 //!

@@ -230,6 +230,14 @@ async fn a_route_that_requires_a_key_refuses_requests_without_one(store: TestSto
     assert_eq!(passed.status, 200);
     assert_eq!(passed.job(), None);
     assert_eq!(upstream.hits(), 1);
+    // The prefix matches whole path segments: `/v1/paymentsx` is another
+    // path, not the payments route; `/v1/payments/42` is the route.
+    let neighbour = send(Method::POST, &gateway.path("/v1/paymentsx"), &[], "{}").await;
+    assert_eq!(neighbour.status, 200, "{:?}", neighbour.body);
+    assert_eq!(upstream.hits(), 2);
+    let below = send(Method::POST, &gateway.path("/v1/payments/42"), &[], "{}").await;
+    assert_eq!(below.status, 400);
+    assert_eq!(upstream.hits(), 2);
 }
 
 async fn bodies_past_the_limit_get_413_and_nothing_is_stored(store: TestStore) {

@@ -119,6 +119,7 @@ async fn reverse_order_finish_the_hedge_commits_and_the_primary_is_superseded() 
     );
     assert_eq!(list[1]["state"], "succeeded");
     assert_eq!(job["completed_by"], list[1]["id"]);
+    assert_eq!(gateway.metric("idemgate_hedges_total").await, 1.0);
     assert_eq!(
         list[0]["job_version"], list[1]["job_version"],
         "a hedge races under the same version"
@@ -374,6 +375,7 @@ async fn failover_within_one_request_on_refusal_and_retryable_status() {
         (list[1]["upstream"].as_str(), list[1]["state"].as_str()),
         (Some("fallback-1"), Some("succeeded"))
     );
+    assert_eq!(gateway.metric("idemgate_failovers_total").await, 1.0);
 
     let busy =
         FakeUpstream::start(

@@ -1,0 +1,295 @@
+//! The idempotency layer driven end to end in one process: the in-memory
+//! store (wrapped to inject faults), a scripted upstream service, and paused
+//! time. No sockets.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use http::Request;
+use http_body_util::BodyExt;
+use tokio::sync::Notify;
+
+use super::*;
+use crate::attempt::{Attempt, AttemptFailure, AttemptId, NewAttempt, Resolution};
+use crate::config::{Flags, Settings};
+use crate::job::{Job, JobDetail, JobId, JobState, NewJob, StoredResponse};
+use crate::key::{IdempotencyKey, Owner};
+use crate::store::memory::Memory;
+use crate::store::{Begin, CommitOutcome, Machine, StoreError};
+use crate::upstream::Target;
+
+/// Which store calls fail, and signals when they happen.
+#[derive(Default)]
+struct Faults {
+    fail_hedges: bool,
+    fail_claims: bool,
+    hedged: Notify,
+    begun: Notify,
+}
+
+/// The in-memory store with faults injected.
+struct Faulty {
+    inner: Machine<Memory>,
+    faults: Arc<Faults>,
+}
+
+fn down() -> StoreError {
+    StoreError::Unavailable("injected: the store is down".into())
+}
+
+#[async_trait]
+impl Store for Faulty {
+    async fn begin_job(&self, job: NewJob, attempt: NewAttempt) -> Result<Begin, StoreError> {
+        let begun = self.inner.begin_job(job, attempt).await;
+        // Recorded; the answer is still on its way back over the network
+        // when the test hangs up.
+        self.faults.begun.notify_one();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        begun
+    }
+    async fn claim_attempt(
+        &self,
+        job: JobId,
+        version: i64,
+        attempt: NewAttempt,
+    ) -> Result<Option<Attempt>, StoreError> {
+        if self.faults.fail_claims {
+            return Err(down());
+        }
+        self.inner.claim_attempt(job, version, attempt).await
+    }
+    async fn hedge_attempt(
+        &self,
+        job: JobId,
+        version: i64,
+        attempt: NewAttempt,
+    ) -> Result<Option<Attempt>, StoreError> {
+        self.faults.hedged.notify_one();
+        if self.faults.fail_hedges {
+            return Err(down());
+        }
+        self.inner.hedge_attempt(job, version, attempt).await
+    }
+    async fn commit(
+        &self,
+        attempt: &Attempt,
+        response: &StoredResponse,
+    ) -> Result<CommitOutcome, StoreError> {
+        self.inner.commit(attempt, response).await
+    }
+    async fn fail_attempt(
+        &self,
+        attempt: AttemptId,
+        failure: AttemptFailure,
+    ) -> Result<(), StoreError> {
+        self.inner.fail_attempt(attempt, failure).await
+    }
+    async fn resolve_attempt(
+        &self,
+        attempt: AttemptId,
+        resolution: Resolution,
+    ) -> Result<JobDetail, StoreError> {
+        self.inner.resolve_attempt(attempt, resolution).await
+    }
+    async fn job(&self, id: JobId) -> Result<Option<Job>, StoreError> {
+        self.inner.job(id).await
+    }
+    async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError> {
+        self.inner.job_detail(id).await
+    }
+    async fn find_job(
+        &self,
+        owner: &Owner,
+        key: &IdempotencyKey,
+    ) -> Result<Option<JobDetail>, StoreError> {
+        self.inner.find_job(owner, key).await
+    }
+    async fn renew_leases(
+        &self,
+        attempts: &[AttemptId],
+        lease: Duration,
+    ) -> Result<u64, StoreError> {
+        self.inner.renew_leases(attempts, lease).await
+    }
+    async fn expire_leases(&self, batch: u32) -> Result<u64, StoreError> {
+        self.inner.expire_leases(batch).await
+    }
+    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        self.inner.purge_expired(batch).await
+    }
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.inner.ping().await
+    }
+}
+
+/// An upstream service whose answers wait until the test releases the
+/// upstream they went to; each answers `200 <upstream name>`, or 503 when
+/// told to.
+#[derive(Clone, Default)]
+struct Scripted {
+    gates: Arc<Mutex<HashMap<String, Arc<Notify>>>>,
+    busy: Arc<Mutex<Vec<String>>>,
+    calls: Arc<AtomicUsize>,
+}
+
+impl Scripted {
+    fn gate(&self, upstream: &str) -> Arc<Notify> {
+        self.gates
+            .lock()
+            .unwrap()
+            .entry(upstream.to_owned())
+            .or_default()
+            .clone()
+    }
+
+    fn release(&self, upstream: &str) {
+        self.gate(upstream).notify_one();
+    }
+
+    fn answer_busy(&self, upstream: &str) {
+        self.busy.lock().unwrap().push(upstream.to_owned());
+    }
+
+    fn service(&self) -> UpstreamService {
+        let script = self.clone();
+        UpstreamService::new(tower::service_fn(move |req: Request<Body>| {
+            let script = script.clone();
+            async move {
+                script.calls.fetch_add(1, Ordering::SeqCst);
+                let name = req
+                    .extensions()
+                    .get::<Target>()
+                    .map(|t| t.0.name().to_owned())
+                    .unwrap_or_default();
+                script.gate(&name).notified().await;
+                let status = if script.busy.lock().unwrap().contains(&name) {
+                    503
+                } else {
+                    200
+                };
+                let mut response = Response::new(crate::http::full(name));
+                *response.status_mut() = http::StatusCode::from_u16(status).unwrap();
+                Ok::<_, UpstreamError>(response)
+            }
+        }))
+    }
+}
+
+const HEDGED: &str = r#"
+upstreams = ["http://a:1", "http://b:1"]
+[[routes]]
+path_prefix = "/"
+side_effect_free = true
+hedge_after = "500ms"
+"#;
+
+const FAILOVER: &str = r#"
+upstreams = ["http://a:1", "http://b:1"]
+[[routes]]
+path_prefix = "/"
+"#;
+
+fn gateway(toml: &str, faults: Faults) -> (Idempotency, Arc<Faults>, Arc<dyn Store>, Scripted) {
+    let settings =
+        Settings::from_sources(Settings::parse_file(toml).unwrap(), Flags::default()).unwrap();
+    let doorbell = Arc::new(Doorbell::default());
+    let faults = Arc::new(faults);
+    let store: Arc<dyn Store> = Arc::new(Faulty {
+        inner: Machine::new(Memory::default(), doorbell.clone()),
+        faults: faults.clone(),
+    });
+    let shared = Arc::new(Shared {
+        settings: Arc::new(settings),
+        store: store.clone(),
+        doorbell,
+        fastpath: None,
+        probes: Arc::default(),
+        leases: Arc::default(),
+        instance: Uuid::nil(),
+    });
+    let upstream = Scripted::default();
+    let service = Idempotency {
+        inner: upstream.service(),
+        shared,
+    };
+    (service, faults, store, upstream)
+}
+
+fn keyed(key: &str) -> Request<Body> {
+    Request::post("/v1/jobs")
+        .header("idempotency-key", key)
+        .body(crate::http::full("{}"))
+        .unwrap()
+}
+
+async fn read(response: Response<Body>) -> (u16, Bytes) {
+    let status = response.status().as_u16();
+    (
+        status,
+        response.into_body().collect().await.unwrap().to_bytes(),
+    )
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_store_error_during_a_hedge_claim_answers_with_the_primarys_commit() {
+    let faults = Faults {
+        fail_hedges: true,
+        ..Faults::default()
+    };
+    let (mut service, faults, _, upstream) = gateway(HEDGED, faults);
+    let request = tokio::spawn(service.call(keyed("k")));
+    // The hedge timer fires, and the store fails the hedge's claim…
+    faults.hedged.notified().await;
+    // …while the primary is still running; then it answers.
+    upstream.release("primary");
+    let (status, body) = read(request.await.unwrap().unwrap()).await;
+    assert_eq!((status, body.as_ref()), (200, b"primary".as_ref()));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_store_error_claiming_a_failover_answers_the_upstreams_safe_failure() {
+    let faults = Faults {
+        fail_claims: true,
+        ..Faults::default()
+    };
+    let (mut service, _, _, upstream) = gateway(FAILOVER, faults);
+    upstream.answer_busy("primary");
+    let request = tokio::spawn(service.call(keyed("k")));
+    upstream.release("primary");
+    let (status, body) = read(request.await.unwrap().unwrap()).await;
+    assert_eq!(
+        (status, body.as_ref()),
+        (503, b"primary".as_ref()),
+        "the upstream's own retryable answer, not a store error"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_that_hangs_up_right_after_the_job_is_begun_does_not_block_its_key() {
+    let (mut service, faults, store, upstream) = gateway(FAILOVER, Faults::default());
+    let request = tokio::spawn(service.call(keyed("gone")));
+    faults.begun.notified().await;
+    // The client goes away the moment its job is recorded.
+    request.abort();
+    let _ = request.await;
+    upstream.release("primary");
+    let owner = Owner::from_header(None);
+    let key = IdempotencyKey::new("gone").unwrap();
+    let mut job = None;
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let found = store.find_job(&owner, &key).await.unwrap().unwrap();
+        if found.job.state == JobState::Completed {
+            job = Some(found);
+            break;
+        }
+    }
+    let job = job.expect("the attempt ran and committed without its client");
+    assert_eq!(upstream.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(job.job.response.unwrap().body, "primary");
+}
