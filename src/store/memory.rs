@@ -12,11 +12,11 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 
-use super::{expire_each, Applied, Backend, Begin, Decide, Lock, StoreError};
+use super::{commit_under_lock, expire_each, Applied, Backend, Begin, Decide, Lock, StoreError};
 use crate::attempt::{Attempt, AttemptId, AttemptState, NewAttempt};
 use crate::job::{Job, JobDetail, JobId, JobState, NewJob, StoredResponse};
 use crate::key::{IdempotencyKey, Owner};
-use crate::transition::{self, AttemptHead, Change, JobHead, Refusal, Snapshot};
+use crate::transition::{AttemptHead, Change, JobHead, Refusal, Snapshot};
 
 /// Jobs and attempts in a map.
 #[derive(Debug, Default)]
@@ -176,11 +176,7 @@ impl Backend for Memory {
         attempt: &Attempt,
         response: &StoredResponse,
     ) -> Result<bool, StoreError> {
-        let id = attempt.id;
-        let response = response.clone();
-        let decide: Decide = Box::new(move |s, _| transition::commit(s, id, &response));
-        let applied = self.change(Lock::JobOf(id), decide).await??;
-        Ok(applied.change.commits(id))
+        commit_under_lock(self, attempt, response).await
     }
 
     async fn change(

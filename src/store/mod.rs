@@ -284,6 +284,19 @@ pub trait Backend: Send + Sync + 'static {
     async fn ping(&self) -> Result<(), StoreError>;
 }
 
+/// The commit of a backend that locks the job (SQLite, memory): the CAS is
+/// [`transition::commit`] run under the lock.
+pub(crate) async fn commit_under_lock<B: Backend>(
+    backend: &B,
+    attempt: &Attempt,
+    response: &StoredResponse,
+) -> Result<bool, StoreError> {
+    let (id, response) = (attempt.id, response.clone());
+    let decide: Decide = Box::new(move |s, _| transition::commit(s, id, &response));
+    let applied = backend.change(Lock::JobOf(id), decide).await??;
+    Ok(applied.change.commits(id))
+}
+
 /// Applies [`transition::expire`] to each snapshot, skipping (and logging)
 /// any job whose change the domain refuses: one bad row must not stop the
 /// sweep of the others.

@@ -233,46 +233,31 @@ async fn write(
     change: &Change,
 ) -> Result<Option<Attempt>, StoreError> {
     let head = &change.job;
-    let completed_by = head.completed_by.map(|a| a.0);
-    match &change.response {
-        None => {
-            tx.execute(
-                "UPDATE jobs SET state = $2, version = $3, attempt_count = $4, completed_by = $5, \
-                        updated_at = now() WHERE id = $1",
-                &[
-                    &head.id.0,
-                    &head.state.as_str(),
-                    &head.version,
-                    &head.attempt_count,
-                    &completed_by,
-                ],
-            )
-            .await
-            .map_err(map_pg)?;
-        }
-        Some(response) => {
-            let (names, values) = split_headers(response);
-            tx.execute(
-                "UPDATE jobs SET state = $2, version = $3, attempt_count = $4, completed_by = $5, \
-                        response_status = $6, response_header_names = $7, \
-                        response_header_values = $8, response_body = $9, updated_at = now() \
-                 WHERE id = $1",
-                &[
-                    &head.id.0,
-                    &head.state.as_str(),
-                    &head.version,
-                    &head.attempt_count,
-                    &completed_by,
-                    &(response.status as i16),
-                    &names,
-                    &values,
-                    &response.body.as_ref(),
-                ],
-            )
-            .await
-            .map_err(map_pg)?;
-        }
-    }
+    let response = change.response.as_ref();
+    let (names, values) = response.map(split_headers).unzip();
+    // The response columns are written once, by the change that completes
+    // the job; any other change passes NULL and leaves them.
+    tx.execute(
+        "UPDATE jobs SET state = $2, version = $3, attempt_count = $4, completed_by = $5, \
+                response_status = COALESCE($6, response_status), \
+                response_header_names = COALESCE($7, response_header_names), \
+                response_header_values = COALESCE($8, response_header_values), \
+                response_body = COALESCE($9, response_body), updated_at = now() \
+         WHERE id = $1",
+        &[
+            &head.id.0,
+            &head.state.as_str(),
+            &head.version,
+            &head.attempt_count,
+            &head.completed_by.map(|a| a.0),
+            &response.map(|r| r.status as i16),
+            &names,
+            &values,
+            &response.map(|r| r.body.as_ref()),
+        ],
+    )
+    .await
+    .map_err(map_pg)?;
     for settled in &change.settled {
         tx.execute(
             "UPDATE attempts SET state = $2, \

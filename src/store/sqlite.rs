@@ -30,7 +30,9 @@ use rusqlite::{params, Connection, OptionalExtension, Row, Transaction, Transact
 use uuid::Uuid;
 
 use super::codec::{decode_headers, encode_headers};
-use super::{expire_each, millis, Applied, Backend, Begin, Decide, Lock, StoreError};
+use super::{
+    commit_under_lock, expire_each, millis, Applied, Backend, Begin, Decide, Lock, StoreError,
+};
 use crate::attempt::{Attempt, AttemptFailure, AttemptId, AttemptState, NewAttempt};
 use crate::fingerprint::Fingerprint;
 use crate::job::{Job, JobDetail, JobId, JobState, NewJob, StoredResponse};
@@ -183,6 +185,10 @@ fn uuid(s: &str) -> Result<Uuid, StoreError> {
     s.parse().map_err(|_| StoreError::Corrupt("id"))
 }
 
+fn attempt_id(s: Option<&str>) -> Result<Option<AttemptId>, StoreError> {
+    s.map(uuid).transpose().map(|id| id.map(AttemptId))
+}
+
 fn immediate(conn: &mut Connection) -> Result<Transaction<'_>, StoreError> {
     conn.transaction_with_behavior(TransactionBehavior::Immediate)
         .map_err(map_sqlite)
@@ -242,11 +248,7 @@ fn snapshot(conn: &Connection, job: JobId) -> Result<Option<Snapshot>, StoreErro
             state: job_state(&state)?,
             version,
             attempt_count,
-            completed_by: completed_by
-                .as_deref()
-                .map(uuid)
-                .transpose()?
-                .map(AttemptId),
+            completed_by: attempt_id(completed_by.as_deref())?,
         },
         attempts,
     }))
@@ -297,37 +299,26 @@ fn write(
     let now = to_ms(now);
     let head = &change.job;
     let id = head.id.0.to_string();
-    let completed_by = head.completed_by.map(|a| a.0.to_string());
-    match &change.response {
-        None => tx.execute(
-            "UPDATE jobs SET state = ?2, version = ?3, attempt_count = ?4, completed_by = ?5, \
-                    updated_at = ?6 WHERE id = ?1",
-            params![
-                id,
-                head.state.as_str(),
-                head.version,
-                head.attempt_count,
-                completed_by,
-                now,
-            ],
-        ),
-        Some(response) => tx.execute(
-            "UPDATE jobs SET state = ?2, version = ?3, attempt_count = ?4, completed_by = ?5, \
-                    updated_at = ?6, response_status = ?7, response_headers = ?8, \
-                    response_body = ?9 WHERE id = ?1",
-            params![
-                id,
-                head.state.as_str(),
-                head.version,
-                head.attempt_count,
-                completed_by,
-                now,
-                response.status,
-                encode_headers(&response.headers),
-                response.body.as_ref(),
-            ],
-        ),
-    }
+    let response = change.response.as_ref();
+    // The response columns are written once, by the change that completes
+    // the job; any other change passes NULL and leaves them.
+    tx.execute(
+        "UPDATE jobs SET state = ?2, version = ?3, attempt_count = ?4, completed_by = ?5, \
+                updated_at = ?6, response_status = COALESCE(?7, response_status), \
+                response_headers = COALESCE(?8, response_headers), \
+                response_body = COALESCE(?9, response_body) WHERE id = ?1",
+        params![
+            id,
+            head.state.as_str(),
+            head.version,
+            head.attempt_count,
+            head.completed_by.map(|a| a.0.to_string()),
+            now,
+            response.map(|r| r.status),
+            response.map(|r| encode_headers(&r.headers)),
+            response.map(|r| r.body.as_ref()),
+        ],
+    )
     .map_err(map_sqlite)?;
     for settled in &change.settled {
         tx.execute(
@@ -502,10 +493,7 @@ impl Backend for Sqlite {
         attempt: &Attempt,
         response: &StoredResponse,
     ) -> Result<bool, StoreError> {
-        let (id, response) = (attempt.id, response.clone());
-        let decide: Decide = Box::new(move |s, _| transition::commit(s, id, &response));
-        let applied = self.change(Lock::JobOf(id), decide).await??;
-        Ok(applied.change.commits(id))
+        commit_under_lock(self, attempt, response).await
     }
 
     async fn change(
@@ -674,11 +662,7 @@ fn job_from_row(row: &Row<'_>) -> rusqlite::Result<Result<Job, StoreError>> {
             state: job_state(&state)?,
             version,
             attempt_count,
-            completed_by: completed_by
-                .as_deref()
-                .map(uuid)
-                .transpose()?
-                .map(AttemptId),
+            completed_by: attempt_id(completed_by.as_deref())?,
             response,
             created_at: from_ms(created_at),
             expires_at: from_ms(expires_at),
