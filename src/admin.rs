@@ -592,8 +592,26 @@ mod tests {
         }
     }
 
+    /// Everything logged by the lib's tests (one global subscriber: a
+    /// per-thread one misses events whose callsites other test threads
+    /// registered first).
     #[derive(Clone, Default)]
     struct Logs(Arc<Mutex<Vec<u8>>>);
+
+    fn logs() -> Logs {
+        static LOGS: std::sync::OnceLock<Logs> = std::sync::OnceLock::new();
+        LOGS.get_or_init(|| {
+            let logs = Logs::default();
+            let writer = logs.clone();
+            let subscriber = tracing_subscriber::fmt()
+                .with_writer(move || writer.clone())
+                .with_ansi(false)
+                .finish();
+            let _ = tracing::subscriber::set_global_default(subscriber);
+            logs
+        })
+        .clone()
+    }
 
     impl Write for Logs {
         fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
@@ -617,13 +635,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_panicking_background_task_shows_in_readyz_and_the_logs() {
-        let logs = Logs::default();
-        let writer = logs.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_writer(move || writer.clone())
-            .with_ansi(false)
-            .finish();
-        let _logging = tracing::subscriber::set_default(subscriber);
+        let logs = logs();
 
         let store: Arc<dyn Store> = Arc::new(SweepPanics);
         let tasks = Supervisor::new(CancellationToken::new());
@@ -655,7 +667,9 @@ mod tests {
 
         let logged = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
         assert!(
-            logged.contains("background task panicked") && logged.contains("task=\"sweeper\""),
+            logged.lines().any(|line| line.contains("background task panicked")
+                && line.contains("task=\"sweeper\"")
+                && line.contains("injected: the sweep hit a defect")),
             "{logged}"
         );
         // It is started again after its backoff (and panics again).

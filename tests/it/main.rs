@@ -9,6 +9,7 @@ mod core_races;
 mod embedded;
 mod failover;
 mod fastpath;
+mod outcomes_survive;
 mod postgres_restart;
 mod store_conformance;
 mod tls;

@@ -82,6 +82,12 @@ impl ThrowawayPostgres {
         );
     }
 
+    /// Stops the server the way an operator restarting it does (`-m fast`:
+    /// sessions are cut, the shutdown is clean).
+    pub fn stop_fast(&self) {
+        self.run("pg_ctl", &["-D", &self.data(), "-m", "fast", "-w", "stop"]);
+    }
+
     /// Stops the server at once, as a crash would (`-m immediate`).
     pub fn stop(&self) {
         self.run(

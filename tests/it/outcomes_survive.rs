@@ -1,0 +1,179 @@
+//! Nothing the gateway learned is lost to a transient fault: outcomes seen
+//! while the database is down are recorded once it is back, and a client
+//! that hangs up early never leaves its key blocked.
+
+use std::time::Duration;
+
+use tokio::io::AsyncWriteExt;
+
+use crate::support::postgres::ThrowawayPostgres;
+use crate::support::upstream::{echo_response, json_response};
+use crate::support::{post, FakeUpstream, Gate, Gateway, Reply, TestStore};
+
+/// The first keyed request is answered only once `gate` opens, with
+/// `first_status`; every later one is echoed at once.
+async fn first_answer_gated(gate: &Gate, first_status: u16) -> FakeUpstream {
+    let gate = gate.clone();
+    FakeUpstream::start(move |r| {
+        let gate = gate.clone();
+        async move {
+            if r.hit == 1 {
+                gate.pass().await;
+                if first_status != 200 {
+                    return json_response(first_status, serde_json::json!({"busy": true}));
+                }
+            }
+            echo_response(&r)
+        }
+    })
+    .await
+}
+
+/// Retries the key, as a client would, until it is answered 200 (30 s at most).
+async fn retry_until_ok(url: &str, key: &str) -> Reply {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let reply = post(url, key, "{}").await;
+        if reply.status == 200 {
+            return reply;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "still {} after 30 s: {:?}",
+            reply.status,
+            String::from_utf8_lossy(&reply.body)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+async fn gateway_on(pg: &ThrowawayPostgres, upstream: &FakeUpstream) -> Gateway {
+    Gateway::builder(&TestStore::external(pg.url()), &upstream.url())
+        .set("database_timeout", "\"500ms\"")
+        .set("hold_timeout", "\"15s\"")
+        .start()
+        .await
+}
+
+#[tokio::test]
+async fn a_safe_failure_seen_while_the_database_is_down_still_reopens_the_job() {
+    let pg = ThrowawayPostgres::start().await;
+    let gate = Gate::new();
+    let upstream = first_answer_gated(&gate, 503).await;
+    let gateway = gateway_on(&pg, &upstream).await;
+    let url = gateway.path("/v1/charges");
+
+    let first = tokio::spawn({
+        let url = url.clone();
+        async move { post(&url, "blip", "{}").await }
+    });
+    upstream.arrival().await;
+    // The database goes away while the attempt is upstream; the upstream
+    // then says 503: provably no effect, safe to retry.
+    pg.stop_fast();
+    gate.open(1);
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 503);
+    assert_eq!(first.json()["busy"], true, "the upstream's own answer");
+    pg.start_again();
+
+    // The retry finds the failure recorded once the database is back, and
+    // makes attempt 2 (it may meet a 503 while the pool reconnects, or be
+    // held until the write lands).
+    let second = retry_until_ok(&url, "blip").await;
+    assert_eq!(second.json()["attempt"], "2");
+    let job = gateway.job(&second.job().unwrap()).await;
+    let states: Vec<_> = job["attempts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["state"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(states, ["failed", "succeeded"]);
+    assert_eq!(upstream.hits(), 2);
+}
+
+#[tokio::test]
+async fn an_answer_whose_commit_waits_for_the_database_is_replayed_once_it_lands() {
+    let pg = ThrowawayPostgres::start().await;
+    let gate = Gate::new();
+    let upstream = first_answer_gated(&gate, 200).await;
+    let gateway = gateway_on(&pg, &upstream).await;
+    let url = gateway.path("/v1/charges");
+
+    let first = tokio::spawn({
+        let url = url.clone();
+        async move { post(&url, "held-answer", "{}").await }
+    });
+    upstream.arrival().await;
+    pg.stop_fast();
+    gate.open(1);
+    // Not committed, so not sent: the client hears the store is down.
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 503);
+    assert_eq!(first.problem(), "store-unavailable");
+    // Longer than any quick retry: the gateway still holds the answer.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    pg.start_again();
+
+    let replay = retry_until_ok(&url, "held-answer").await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.json()["hit"], 1, "the one execution's answer");
+    assert_eq!(upstream.hits(), 1, "never executed twice");
+}
+
+#[tokio::test]
+async fn clients_that_hang_up_right_after_sending_never_block_their_keys() {
+    let store = TestStore::postgres().await;
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::builder(&store, &upstream.url()).start().await;
+    let authority = gateway.url.trim_start_matches("http://").to_owned();
+    for i in 0..200 {
+        let mut stream = tokio::net::TcpStream::connect(&authority).await.unwrap();
+        let request = format!(
+            "POST /v1/charges HTTP/1.1\r\nhost: {authority}\r\nidempotency-key: gone-{i}\r\n\
+             content-type: application/json\r\ncontent-length: 2\r\n\r\n{{}}"
+        );
+        stream.write_all(request.as_bytes()).await.unwrap();
+        // Gone the moment the request is written.
+        drop(stream);
+    }
+    // Settled: every job that was begun finished, every attempt succeeded,
+    // and the upstream ran exactly those jobs; and it stays so (requests
+    // whose clients left may still be on their way through the gateway).
+    let settled = || async {
+        let jobs = store.job_count().await as usize;
+        let open = store
+            .column("SELECT count(*) FROM jobs WHERE state <> 'completed'")
+            .await;
+        let unsettled = store
+            .column("SELECT count(*) FROM attempts WHERE state <> 'succeeded'")
+            .await;
+        (open[0] == "0" && unsettled[0] == "0" && upstream.hits() == jobs).then_some(jobs)
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let mut last = None;
+    loop {
+        let now = settled().await;
+        if now.is_some() && now == last {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "jobs begun by clients that hung up did not all finish within 20 s"
+        );
+        last = now;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let stuck = store
+        .column("SELECT state FROM attempts WHERE state <> 'succeeded'")
+        .await;
+    assert_eq!(
+        stuck,
+        Vec::<String>::new(),
+        "no attempt left started or unknown"
+    );
+    // A retry of any of them replays; none is blocked.
+    let retry = post(&gateway.path("/v1/charges"), "gone-7", "{}").await;
+    assert_eq!(retry.status, 200);
+}
