@@ -667,9 +667,11 @@ mod tests {
 
         let logged = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
         assert!(
-            logged.lines().any(|line| line.contains("background task panicked")
-                && line.contains("task=\"sweeper\"")
-                && line.contains("injected: the sweep hit a defect")),
+            logged
+                .lines()
+                .any(|line| line.contains("background task panicked")
+                    && line.contains("task=\"sweeper\"")
+                    && line.contains("injected: the sweep hit a defect")),
             "{logged}"
         );
         // It is started again after its backoff (and panics again).

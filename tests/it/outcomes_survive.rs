@@ -135,7 +135,11 @@ async fn clients_that_hang_up_right_after_sending_never_block_their_keys() {
              content-type: application/json\r\ncontent-length: 2\r\n\r\n{{}}"
         );
         stream.write_all(request.as_bytes()).await.unwrap();
-        // Gone the moment the request is written.
+        // Gone a fraction of a millisecond after the request is written,
+        // with a reset: the gateway may be anywhere between reading the
+        // request and starting its attempt when it notices.
+        stream.set_zero_linger().unwrap();
+        tokio::time::sleep(Duration::from_micros(300 + (i % 5) * 200)).await;
         drop(stream);
     }
     // Settled: every job that was begun finished, every attempt succeeded,

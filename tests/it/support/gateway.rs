@@ -21,6 +21,7 @@ pub struct Gateway {
     _dir: tempfile::TempDir,
 }
 
+#[derive(Clone)]
 pub struct Builder {
     settings: BTreeMap<String, String>,
     tables: String,
@@ -75,6 +76,11 @@ impl Gateway {
             .await
             .expect("the gateway did not stop within 30 s of SIGTERM")
             .unwrap()
+    }
+
+    /// The process id, to signal it (SIGSTOP, SIGCONT).
+    pub fn pid(&self) -> u32 {
+        self.child.id().expect("running")
     }
 
     pub fn path(&self, path: &str) -> String {
