@@ -20,12 +20,15 @@ use futures_util::StreamExt;
 use tokio_postgres::{AsyncMessage, NoTls, Row};
 use uuid::Uuid;
 
-use super::{expire_each, millis, Applied, Backend, Begin, Decide, Doorbell, Lock, StoreError};
+use super::{
+    commit_under_lock, expire_each, millis, Applied, Backend, Begin, Decide, Doorbell, Lock,
+    StoreError,
+};
 use crate::attempt::{Attempt, AttemptId, AttemptState, NewAttempt};
 use crate::fingerprint::Fingerprint;
 use crate::job::{Job, JobDetail, JobId, JobState, NewJob, StoredResponse};
 use crate::key::{IdempotencyKey, Owner};
-use crate::transition::{self, AttemptHead, Change, JobHead, Refusal, Snapshot};
+use crate::transition::{AttemptHead, Change, JobHead, Refusal, Snapshot};
 
 mod embedded {
     refinery::embed_migrations!("migrations/postgres");
@@ -404,9 +407,8 @@ impl Backend for Postgres {
             AttemptState::Started.as_str(),
             AttemptState::Unknown.as_str(),
         ];
-        // `transition::may_commit` in one statement: zero rows from `won`
-        // means another attempt won or the job moved on, and the attempt is
-        // then superseded.
+        // The winner's path, in one statement: `transition::may_commit` as a
+        // compare-and-swap, the attempt succeeding with it.
         let commit = client
             .prepare_cached(
                 "WITH won AS ( \
@@ -417,11 +419,8 @@ impl Backend for Postgres {
                      AND EXISTS (SELECT 1 FROM attempts WHERE id = $2 AND state = ANY($9)) \
                    RETURNING id \
                  ), settled AS ( \
-                   UPDATE attempts SET \
-                          state = CASE WHEN EXISTS (SELECT 1 FROM won) THEN $10 ELSE $11 END, \
-                          detail = CASE WHEN EXISTS (SELECT 1 FROM won) THEN detail ELSE $12 END, \
-                          finished_at = now(), upstream_status = $3 \
-                   WHERE id = $2 AND state = ANY($9) \
+                   UPDATE attempts SET state = $10, finished_at = now(), upstream_status = $3 \
+                   WHERE id = $2 AND EXISTS (SELECT 1 FROM won) \
                    RETURNING id \
                  ) \
                  SELECT EXISTS (SELECT 1 FROM won)",
@@ -442,13 +441,19 @@ impl Backend for Postgres {
                     &JobState::Completed.as_str(),
                     &unsettled.as_slice(),
                     &AttemptState::Succeeded.as_str(),
-                    &AttemptState::Superseded.as_str(),
-                    &transition::SUPERSEDED,
                 ],
             )
             .await
             .map_err(map_pg)?;
-        Ok(row.get(0))
+        drop(client);
+        if row.get(0) {
+            return Ok(true);
+        }
+        // Lost: every reason to lose (a moved version, a winner, a settled
+        // attempt) is for good, so the locked path agrees, and it also
+        // supersedes the attempt and derives the job's state again (the
+        // loser may have been the last attempt running).
+        commit_under_lock(self, attempt, response).await
     }
 
     async fn change(

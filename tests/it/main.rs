@@ -11,5 +11,6 @@ mod failover;
 mod fastpath;
 mod outcomes_survive;
 mod postgres_restart;
+mod state_machine_props;
 mod store_conformance;
 mod tls;

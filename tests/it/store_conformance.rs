@@ -460,6 +460,30 @@ pub async fn every_change_of_a_jobs_state_rings_once(
     assert_eq!(drain(), vec![], "a settled attempt changes nothing");
 }
 
+pub async fn a_losing_commit_of_the_last_running_attempt_reopens_the_job(store: Arc<dyn Store>) {
+    let (job, a) = created(store.as_ref(), "last-loser").await;
+    let b = store
+        .hedge_attempt(job.id, job.version, new_attempt())
+        .await
+        .unwrap()
+        .unwrap();
+    // An operator says the hedge had no effect: the version moves, so the
+    // first attempt's answer can no longer commit…
+    store
+        .resolve_attempt(b.id, Resolution::Failed)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.commit(&a, &response("a")).await.unwrap(),
+        CommitOutcome::Superseded
+    );
+    // …and with nothing left running, the job is open for a retry, not
+    // stuck running forever.
+    let after = store.job_detail(job.id).await.unwrap().unwrap();
+    assert_eq!(after.job.state, JobState::Open);
+    assert_eq!(after.attempts[0].state, AttemptState::Superseded);
+}
+
 pub async fn job_detail_is_one_consistent_read(store: Arc<dyn Store>) {
     for round in 0..20 {
         let (job, attempt) = created(store.as_ref(), &format!("detail-{round}")).await;
@@ -562,6 +586,7 @@ macro_rules! conformance_suite {
                 lapsed_leases_turn_attempts_unknown,
                 expired_jobs_are_purged_and_their_keys_start_afresh,
                 job_detail_is_one_consistent_read,
+                a_losing_commit_of_the_last_running_attempt_reopens_the_job,
                 one_sweep_expires_a_batch_of_jobs,
                 evidence_of_a_safe_failure_settles_an_attempt_its_lapsed_lease_made_unknown,
             );
