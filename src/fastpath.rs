@@ -410,4 +410,29 @@ mod tests {
             "past its expiry margin"
         );
     }
+
+    mod props {
+        use super::super::*;
+        use super::{at, entry};
+        use proptest::prelude::*;
+
+        proptest! {
+            /// Whatever Redis holds, reading it never panics (a panic fails the test).
+            #[test]
+            fn any_bytes_decode_or_are_refused(bytes in proptest::collection::vec(any::<u8>(), 0..400)) {
+                let (o, k) = at();
+                let _ = decode(&bytes, &o, &k, SystemTime::now());
+            }
+
+            #[test]
+            fn a_flipped_byte_is_always_refused(index in any::<prop::sample::Index>(), flip in 1..=255u8) {
+                let (o, k) = at();
+                let e = entry(Some(StoredResponse { status: 200, headers: vec![], body: Bytes::from_static(b"body") }));
+                let mut bytes = encode(&e, &o, &k);
+                let i = index.index(bytes.len());
+                bytes[i] ^= flip;
+                prop_assert!(decode(&bytes, &o, &k, SystemTime::now()).is_none());
+            }
+        }
+    }
 }

@@ -195,4 +195,94 @@ mod tests {
             fp(br#"{"a":2,"meta":{"sent_at":1}}"#, &rule)
         );
     }
+
+    mod props {
+        use super::super::*;
+        use proptest::prelude::*;
+        use serde_json::Value;
+
+        fn json() -> impl Strategy<Value = Value> {
+            let leaf = prop_oneof![
+                Just(Value::Null),
+                any::<bool>().prop_map(Value::from),
+                any::<i64>().prop_map(Value::from),
+                "[a-z ]{0,8}".prop_map(Value::from),
+            ];
+            leaf.prop_recursive(3, 24, 4, |inner| {
+                prop_oneof![
+                    proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::from),
+                    proptest::collection::btree_map("[a-c~/]{1,3}", inner, 0..4)
+                        .prop_map(|m| Value::Object(m.into_iter().collect())),
+                ]
+            })
+        }
+
+        /// The same JSON written with every object's keys in reverse order
+        /// and spaces after separators.
+        fn reversed(v: &Value) -> String {
+            match v {
+                Value::Object(map) => {
+                    let fields: Vec<String> = map
+                        .iter()
+                        .rev()
+                        .map(|(k, v)| format!("{}: {}", Value::from(k.as_str()), reversed(v)))
+                        .collect();
+                    format!("{{ {} }}", fields.join(", "))
+                }
+                Value::Array(items) => {
+                    format!(
+                        "[{}]",
+                        items.iter().map(reversed).collect::<Vec<_>>().join(", ")
+                    )
+                }
+                leaf => leaf.to_string(),
+            }
+        }
+
+        fn fp(body: &[u8], rule: &BodyRule) -> Fingerprint {
+            fingerprint(
+                &RequestParts {
+                    method: "POST",
+                    path_and_query: "/",
+                    headers: vec![],
+                    body,
+                },
+                rule,
+            )
+        }
+
+        proptest! {
+            #[test]
+            fn any_body_and_any_pointers_fingerprint_without_panicking(
+                body in proptest::collection::vec(any::<u8>(), 0..200),
+                pointers in proptest::collection::vec("[/~0-9a-z]{0,6}", 0..4),
+            ) {
+                let rule = BodyRule { canonical_json: true, ignore: pointers };
+                let _ = fp(&body, &rule);
+            }
+
+            #[test]
+            fn canonical_json_ignores_key_order_and_spacing(value in json()) {
+                let rule = BodyRule { canonical_json: true, ignore: vec![] };
+                let sorted = serde_json::to_vec(&value).unwrap();
+                let reversed = reversed(&value);
+                prop_assert_eq!(fp(&sorted, &rule), fp(reversed.as_bytes(), &rule));
+                let raw = BodyRule::default();
+                if sorted != reversed.as_bytes() {
+                    prop_assert_ne!(fp(&sorted, &raw), fp(reversed.as_bytes(), &raw));
+                }
+            }
+
+            #[test]
+            fn an_ignored_field_never_counts(value in json(), noise in any::<i64>()) {
+                let rule = BodyRule { canonical_json: true, ignore: vec!["/ignored".into()] };
+                let with = serde_json::json!({"v": value.clone(), "ignored": noise});
+                let without = serde_json::json!({"v": value});
+                prop_assert_eq!(
+                    fp(&serde_json::to_vec(&with).unwrap(), &rule),
+                    fp(&serde_json::to_vec(&without).unwrap(), &rule)
+                );
+            }
+        }
+    }
 }

@@ -210,4 +210,41 @@ mod tests {
         assert_eq!(Owner::from_admin_query(owner.as_str()), owner);
         assert_eq!(Owner::from_header(None).as_str(), "anonymous");
     }
+
+    mod props {
+        use super::super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #[test]
+            fn any_header_value_parses_or_is_a_typed_refusal(raw in proptest::collection::vec(any::<u8>(), 0..300)) {
+                if let Ok(key) = IdempotencyKey::parse(&raw) {
+                    let s = key.as_str();
+                    prop_assert!(!s.is_empty() && s.len() <= IdempotencyKey::MAX_LEN);
+                    prop_assert!(s.bytes().all(|b| (0x21..=0x7e).contains(&b)));
+                }
+            }
+
+            #[test]
+            fn the_quoted_form_names_the_same_key(key in "[!-~]{1,200}") {
+                let bare = IdempotencyKey::new(key.clone()).unwrap();
+                let quoted = format!("\"{}\"", key.replace('\\', "\\\\").replace('"', "\\\""));
+                prop_assert_eq!(IdempotencyKey::parse(quoted.as_bytes()), Ok(bare.clone()));
+                if !key.starts_with('"') {
+                    prop_assert_eq!(IdempotencyKey::parse(key.as_bytes()), Ok(bare));
+                }
+            }
+
+            #[test]
+            fn owners_are_anonymous_or_a_digest(raw in proptest::collection::vec(any::<u8>(), 0..200), query in ".{0,100}") {
+                for owner in [Owner::from_header(Some(&raw)), Owner::from_admin_query(&query)] {
+                    let s = owner.as_str();
+                    prop_assert!(
+                        s == Owner::ANONYMOUS
+                            || (s.len() == 71 && s.starts_with("sha256:") && s[7..].bytes().all(|b| b.is_ascii_hexdigit()))
+                    );
+                }
+            }
+        }
+    }
 }

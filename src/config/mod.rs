@@ -574,4 +574,89 @@ mod tests {
         file.base_dir = dir;
         assert!(Settings::from_sources(file, Flags::default()).is_ok());
     }
+
+    mod props {
+        use super::super::*;
+        use proptest::prelude::*;
+
+        /// Values of every TOML shape, many of them wrong for their key.
+        fn value() -> impl Strategy<Value = String> {
+            prop_oneof![
+                any::<i64>().prop_map(|n| n.to_string()),
+                "[a-z0-9:/. ]{0,12}".prop_map(|s| format!("{s:?}")),
+                prop_oneof![
+                    Just("0s"),
+                    Just("250ms"),
+                    Just("10s"),
+                    Just("24h"),
+                    Just("-1s"),
+                    Just("soon")
+                ]
+                .prop_map(|d| format!("{d:?}")),
+                Just("true".to_owned()),
+                Just("[\"http://127.0.0.1:1\"]".to_owned()),
+                Just("[]".to_owned()),
+                Just("{}".to_owned()),
+            ]
+        }
+
+        fn key() -> impl Strategy<Value = &'static str> {
+            prop::sample::select(vec![
+                "listen",
+                "admin_listen",
+                "admin_token",
+                "upstreams",
+                "database_url",
+                "database_pool_size",
+                "database_timeout",
+                "redis_url",
+                "redis_timeout",
+                "redis_inline_max",
+                "upstream_timeout",
+                "attempt_deadline",
+                "hold_timeout",
+                "key_ttl",
+                "lease_ttl",
+                "sweep_interval",
+                "retry_after",
+                "owner_header",
+                "forward_key_header",
+                "mismatch_status",
+                "max_response_size",
+                "probe_interval",
+                "no_such_key",
+            ])
+        }
+
+        proptest! {
+            #[test]
+            fn any_text_parses_or_names_a_key(text in "(?s).{0,200}") {
+                if let Err(e) = Settings::parse_file(&text) {
+                    prop_assert!(!e.key.is_empty());
+                }
+            }
+
+            #[test]
+            fn any_settings_validate_or_name_a_key(
+                pairs in proptest::collection::btree_map(key(), value(), 0..8),
+                route in proptest::option::of(proptest::collection::btree_map(
+                    prop::sample::select(vec!["path_prefix", "methods", "body_limit", "max_attempts", "hedge_after", "upstreams", "contract"]),
+                    value(),
+                    0..4,
+                )),
+            ) {
+                let mut text: String = pairs.iter().map(|(k, v)| format!("{k} = {v}\n")).collect();
+                if let Some(route) = route {
+                    text.push_str("[[routes]]\n");
+                    text.extend(route.iter().map(|(k, v)| format!("{k} = {v}\n")));
+                }
+                let outcome = Settings::parse_file(&text).and_then(|f| {
+                    Settings::from_sources(f, Flags { upstreams: vec!["http://127.0.0.1:1".into()], ..Flags::default() })
+                });
+                if let Err(e) = outcome {
+                    prop_assert!(!e.key.is_empty() && !e.message.is_empty(), "{:?}", e);
+                }
+            }
+        }
+    }
 }

@@ -46,4 +46,22 @@ mod tests {
         assert_eq!(decode_headers(&encode_headers(&headers)), Some(headers));
         assert_eq!(decode_headers(&[0, 0, 0, 9, b'a']), None);
     }
+
+    mod props {
+        use super::super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #[test]
+            fn any_blob_decodes_or_is_refused(blob in proptest::collection::vec(any::<u8>(), 0..300)) {
+                let _ = decode_headers(&blob);
+            }
+
+            #[test]
+            fn headers_round_trip(headers in proptest::collection::vec(("[a-z-]{1,20}", proptest::collection::vec(any::<u8>(), 0..40)), 0..8)) {
+                let headers: Vec<(String, Bytes)> = headers.into_iter().map(|(n, v)| (n, Bytes::from(v))).collect();
+                prop_assert_eq!(decode_headers(&encode_headers(&headers)), Some(headers));
+            }
+        }
+    }
 }

@@ -646,6 +646,9 @@ fn job_from_row(row: &Row) -> Result<Job, StoreError> {
         Some(status) => {
             let names: Vec<String> = row.get::<_, Option<_>>(10).unwrap_or_default();
             let values: Vec<Vec<u8>> = row.get::<_, Option<_>>(11).unwrap_or_default();
+            if names.len() != values.len() {
+                return Err(StoreError::Corrupt("response headers"));
+            }
             let body: Vec<u8> = row.get::<_, Option<_>>(12).unwrap_or_default();
             Some(StoredResponse {
                 status: status as u16,

@@ -634,6 +634,64 @@ async fn postgres_store() -> (Arc<dyn Store>, Arc<Doorbell>, crate::support::Tes
 
 conformance_suite!(postgres, postgres_store);
 
+/// Rows damaged behind the gateway's back are typed errors, never a panic
+/// or a silently different response.
+#[tokio::test]
+async fn corrupt_rows_are_typed_errors_on_both_stores() {
+    use crate::support::TestStore;
+    for store in [TestStore::postgres().await, TestStore::embedded()] {
+        let (subject, damage): (Arc<dyn Store>, &[&str]) = match &store {
+            TestStore::Postgres(db) => {
+                let backend = idemgate::store::postgres::Postgres::new(
+                    &idemgate::store::postgres::PgSettings {
+                        url: db.url.clone(),
+                        pool_size: 2,
+                        connect_timeout: Duration::from_secs(5),
+                    },
+                    uuid::Uuid::new_v4(),
+                )
+                .unwrap();
+                backend.migrate().await.unwrap();
+                (
+                    machine(backend).0,
+                    &[
+                        "UPDATE jobs SET fingerprint = '\\x010203' WHERE id = '{id}'",
+                        "UPDATE jobs SET response_header_names = ARRAY['a'] WHERE id = '{id}'",
+                    ],
+                )
+            }
+            TestStore::Embedded(dir) => {
+                let backend =
+                    idemgate::store::sqlite::Sqlite::open(&dir.path().join("idemgate.db"))
+                        .await
+                        .unwrap();
+                (
+                    machine(backend).0,
+                    &[
+                        "UPDATE jobs SET fingerprint = x'010203' WHERE id = '{id}'",
+                        "UPDATE jobs SET response_headers = x'000000ff61' WHERE id = '{id}'",
+                        "UPDATE jobs SET completed_by = 'not-a-uuid' WHERE id = '{id}'",
+                    ],
+                )
+            }
+            TestStore::External(_) => unreachable!(),
+        };
+        for (n, sql) in damage.iter().enumerate() {
+            let (job, attempt) = created(subject.as_ref(), &format!("damaged-{n}")).await;
+            subject.commit(&attempt, &response("ok")).await.unwrap();
+            assert!(subject.job(job.id).await.unwrap().is_some());
+            store
+                .execute(&sql.replace("{id}", &job.id.to_string()))
+                .await;
+            let read = subject.job(job.id).await;
+            assert!(
+                matches!(read, Err(StoreError::Corrupt(_))),
+                "{sql}: {read:?}"
+            );
+        }
+    }
+}
+
 async fn embedded_store() -> (Arc<dyn Store>, Arc<Doorbell>, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let backend = idemgate::store::sqlite::Sqlite::open(&dir.path().join("idemgate.db"))

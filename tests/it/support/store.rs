@@ -79,6 +79,29 @@ impl TestStore {
         }
     }
 
+    /// Runs a statement straight against the stored rows.
+    pub async fn execute(&self, sql: &str) {
+        match self {
+            TestStore::Postgres(db) => {
+                db.connect().await.batch_execute(sql).await.unwrap();
+            }
+            TestStore::Embedded(dir) => {
+                let (path, sql) = (self.embedded_file(dir), sql.to_owned());
+                tokio::task::spawn_blocking(move || {
+                    rusqlite::Connection::open(path)
+                        .unwrap()
+                        .execute_batch(&sql)
+                        .unwrap()
+                })
+                .await
+                .unwrap();
+            }
+            TestStore::External(_) => {
+                panic!("an external store's rows are the test's own business")
+            }
+        }
+    }
+
     pub async fn job_count(&self) -> i64 {
         self.column("SELECT count(*) FROM jobs").await[0]
             .parse()
