@@ -20,6 +20,7 @@ use crate::http::BodyError;
 use crate::idempotency::{IdempotencyLayer, Shared};
 use crate::lease::Leases;
 use crate::probe::{self, ProbeBoard};
+use crate::seal::Sealer;
 use crate::store::postgres::Postgres;
 use crate::store::sqlite::Sqlite;
 use crate::store::{Doorbell, Machine, Store, StoreError};
@@ -64,12 +65,22 @@ pub async fn run(
     // requests finish) and stop once the gateway is done.
     let stop_tasks = CancellationToken::new();
     let tasks = Supervisor::new(stop_tasks.clone());
-    let store = open_store(&settings, instance, &doorbell, &tasks).await?;
+    let sealer = match &settings.encryption {
+        None => None,
+        Some(e) => {
+            let sealer = Sealer::new(&e.active, e.keys.clone()).ok_or_else(|| {
+                StoreError::internal("the active encryption key is not configured")
+            })?;
+            tracing::info!(active = %e.active, keys = e.keys.len(), "stored responses are sealed (AES-256-GCM)");
+            Some(Arc::new(sealer))
+        }
+    };
+    let store = open_store(&settings, instance, &doorbell, &tasks, sealer.clone()).await?;
     let leases = Arc::new(Leases::default());
     tracing::info!(%instance, upstreams = ?settings.upstreams.iter().map(|u| u.base.to_string()).collect::<Vec<_>>(), "gateway starting");
     let fastpath = match &settings.fastpath {
         None => None,
-        Some(fast) => Some(start_fastpath(fast, instance, &doorbell, &tasks)?),
+        Some(fast) => Some(start_fastpath(fast, instance, sealer, &doorbell, &tasks)?),
     };
     let Some(upstreams) = Upstreams::new(&settings.upstreams) else {
         return Err(StoreError::internal("no upstream configured").into());
@@ -150,10 +161,12 @@ pub async fn run(
 fn start_fastpath(
     settings: &crate::fastpath::FastPathSettings,
     instance: Uuid,
+    sealer: Option<Arc<Sealer>>,
     doorbell: &Arc<Doorbell>,
     tasks: &Supervisor,
 ) -> Result<Arc<FastPath>, StartError> {
-    let fast = Arc::new(FastPath::new(settings.clone(), instance).map_err(StartError::Redis)?);
+    let fast = FastPath::new(settings.clone(), instance, sealer).map_err(StartError::Redis)?;
+    let fast = Arc::new(fast);
     let (changes, announced) = tokio::sync::mpsc::unbounded_channel();
     doorbell.announce_to(changes);
     let announced = Arc::new(tokio::sync::Mutex::new(announced));
@@ -207,13 +220,16 @@ async fn open_store(
     instance: Uuid,
     doorbell: &Arc<Doorbell>,
     tasks: &Supervisor,
+    sealer: Option<Arc<Sealer>>,
 ) -> Result<Arc<dyn Store>, StartError> {
     let pg = match &settings.store {
         StoreSettings::Postgres(pg) => pg,
         StoreSettings::Embedded { path } => {
             tracing::info!(path = %path.display(), "using the embedded store");
             let backend = Sqlite::open(path).await?;
-            return Ok(Arc::new(Machine::new(backend, doorbell.clone())));
+            return Ok(Arc::new(
+                Machine::new(backend, doorbell.clone()).sealed_with(sealer),
+            ));
         }
     };
     let backend = Postgres::new(pg, instance)?;
@@ -240,5 +256,7 @@ async fn open_store(
         let (backend, doorbell) = (listening.clone(), bell.clone());
         async move { Ok(backend.listen(&doorbell).await?) }
     });
-    Ok(Arc::new(Machine::new(backend, doorbell.clone())))
+    Ok(Arc::new(
+        Machine::new(backend, doorbell.clone()).sealed_with(sealer),
+    ))
 }

@@ -33,6 +33,7 @@ use tokio::sync::mpsc;
 use crate::fingerprint::Fingerprint;
 use crate::job::{JobId, StoredResponse};
 use crate::key::{IdempotencyKey, Owner};
+use crate::seal::{self, Sealer};
 use crate::store::codec::{decode_headers, encode_headers};
 use crate::store::Doorbell;
 use crate::BoxError;
@@ -89,12 +90,18 @@ pub struct FastPath {
     healthy: AtomicBool,
     /// This gateway: announcements carry it, so a replica ignores its own.
     instance: Uuid,
+    /// Seals cached responses as the store seals stored ones.
+    sealer: Option<Arc<Sealer>>,
 }
 
 impl FastPath {
     /// Prepares the connection without making it: a Redis that is down at
     /// start-up only means misses until it is up.
-    pub fn new(settings: FastPathSettings, instance: Uuid) -> Result<Self, redis::RedisError> {
+    pub fn new(
+        settings: FastPathSettings,
+        instance: Uuid,
+        sealer: Option<Arc<Sealer>>,
+    ) -> Result<Self, redis::RedisError> {
         let client = redis::Client::open(settings.url.as_str())?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(settings.timeout.max(Duration::from_millis(100))))
@@ -108,6 +115,7 @@ impl FastPath {
             settings,
             healthy: AtomicBool::new(true),
             instance,
+            sealer,
         })
     }
 
@@ -126,7 +134,14 @@ impl FastPath {
             count("miss");
             return Lookup::Miss;
         };
-        match decode(&bytes, owner, key, SystemTime::now()) {
+        let entry = decode(&bytes, owner, key, SystemTime::now()).and_then(|mut entry| {
+            if let Some(response) = entry.response.take() {
+                entry.response =
+                    Some(seal::open(self.sealer.as_deref(), entry.job, response).ok()?);
+            }
+            Some(entry)
+        });
+        match entry {
             Some(entry) => {
                 count("hit");
                 Lookup::Hit(entry)
@@ -160,7 +175,12 @@ impl FastPath {
             job,
             fingerprint,
             expires_at,
-            response: (response.body.len() <= self.settings.inline_max).then(|| response.clone()),
+            response: (response.body.len() <= self.settings.inline_max).then(|| {
+                match &self.sealer {
+                    Some(sealer) => sealer.seal(job, response),
+                    None => response.clone(),
+                }
+            }),
         };
         let bytes = encode(&entry, owner, key);
         let mut conn = self.conn.clone();

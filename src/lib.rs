@@ -27,6 +27,7 @@ pub mod transition;
 // Persistence.
 pub mod lease;
 pub mod probe;
+pub mod seal;
 pub mod store;
 pub mod supervise;
 pub mod sweeper;

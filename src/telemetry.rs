@@ -6,9 +6,15 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 /// Installs the log subscriber: `RUST_LOG` filters (default `info`, migrations quiet),
 /// `IDEMGATE_LOG_FORMAT=json` switches to JSON lines.
+///
+/// Whatever `RUST_LOG` says, the PostgreSQL driver never logs below `info`:
+/// at `debug` it prints every statement's parameters, which hold stored
+/// responses and owners. Nothing the gateway itself logs carries a body, a
+/// credential or a key.
 pub fn init_logs() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,refinery_core=warn"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,refinery_core=warn"))
+        .add_directive("tokio_postgres=info".parse().expect("a valid directive"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);

@@ -55,6 +55,7 @@ pub struct FileConfig {
     pub(super) routes: Vec<RouteFile>,
     #[serde(default)]
     pub(super) contracts: BTreeMap<String, ContractFile>,
+    pub(super) encryption: Option<EncryptionFile>,
     /// The folder contract and certificate files are read from (the config
     /// file's own).
     #[serde(skip)]
@@ -93,6 +94,23 @@ pub(super) struct HeaderSource {
     pub(super) env: Option<String>,
     #[serde(default)]
     pub(super) prefix: String,
+}
+
+/// `[encryption]`: keys that seal stored responses.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct EncryptionFile {
+    pub(super) active: String,
+    pub(super) keys: Vec<KeyFile>,
+}
+
+/// One key: its id, and where its 32 bytes (base64) are read from.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct KeyFile {
+    pub(super) id: String,
+    pub(super) env: Option<String>,
+    pub(super) file: Option<PathBuf>,
 }
 
 #[derive(Debug, Deserialize)]

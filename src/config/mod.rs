@@ -107,6 +107,29 @@ pub struct Settings {
     pub contracts: BTreeMap<String, Arc<Contract>>,
     /// How often upstreams are probed against the contracts of their routes.
     pub probe_interval: Duration,
+    /// Keys sealing stored responses, when configured.
+    pub encryption: Option<EncryptionSettings>,
+}
+
+/// Keys sealing stored responses (`[encryption]`).
+#[derive(Clone)]
+pub struct EncryptionSettings {
+    /// The key new responses are sealed with.
+    pub active: String,
+    /// Every key that may open a stored response, by id.
+    pub keys: Vec<(String, [u8; 32])>,
+}
+
+impl std::fmt::Debug for EncryptionSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EncryptionSettings")
+            .field("active", &self.active)
+            .field(
+                "keys",
+                &self.keys.iter().map(|(id, _)| id).collect::<Vec<_>>(),
+            )
+            .finish()
+    }
 }
 
 impl std::fmt::Debug for Settings {
@@ -255,6 +278,11 @@ impl Settings {
                 "probe_interval",
                 file.probe_interval.unwrap_or(Duration::from_secs(60)),
             )?,
+            encryption: file
+                .encryption
+                .as_ref()
+                .map(|e| encryption(e, &file.base_dir))
+                .transpose()?,
         })
     }
 
@@ -364,6 +392,54 @@ fn fastpath_settings(
             .redis_inline_max
             .map_or(64 * 1024, |b| b.as_u64() as usize),
     }))
+}
+
+/// The encryption keys: each 32 bytes of base64, read from the environment
+/// or a file, ids unique, the active one among them.
+fn encryption(
+    e: &file::EncryptionFile,
+    base_dir: &Path,
+) -> Result<EncryptionSettings, ConfigError> {
+    use base64::Engine;
+    let mut keys: Vec<(String, [u8; 32])> = Vec::with_capacity(e.keys.len());
+    for (i, k) in e.keys.iter().enumerate() {
+        let key = format!("encryption.keys[{i}]");
+        if k.id.is_empty() || keys.iter().any(|(id, _)| *id == k.id) {
+            return Err(bad(
+                format!("{key}.id"),
+                "give every key a unique, non-empty id",
+            ));
+        }
+        let text = match (&k.env, &k.file) {
+            (Some(var), None) => std::env::var(var).map_err(|_| {
+                bad(&key, format!("environment variable {var} is not set; export the key (32 bytes, base64: `openssl rand -base64 32`)"))
+            })?,
+            (None, Some(path)) => std::fs::read_to_string(base_dir.join(path))
+                .map_err(|err| bad(&key, format!("cannot read {}: {err}", path.display())))?,
+            _ => return Err(bad(&key, "give exactly one of `env` or `file`")),
+        };
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(text.trim())
+            .ok()
+            .and_then(|b| <[u8; 32]>::try_from(b).ok())
+            .ok_or_else(|| {
+                bad(
+                    &key,
+                    "not 32 bytes of base64; make one with `openssl rand -base64 32`",
+                )
+            })?;
+        keys.push((k.id.clone(), bytes));
+    }
+    if !keys.iter().any(|(id, _)| *id == e.active) {
+        return Err(bad(
+            "encryption.active",
+            format!("{:?} is not the id of any [[encryption.keys]]", e.active),
+        ));
+    }
+    Ok(EncryptionSettings {
+        active: e.active.clone(),
+        keys,
+    })
 }
 
 fn mismatch_status(configured: Option<u16>) -> Result<StatusCode, ConfigError> {

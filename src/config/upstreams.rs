@@ -187,8 +187,10 @@ fn header(
         })?,
         _ => return Err(bad(key, "give exactly one of `value` or `env`")),
     };
-    let value = HeaderValue::from_str(&format!("{}{raw}", source.prefix))
+    let mut value = HeaderValue::from_str(&format!("{}{raw}", source.prefix))
         .map_err(|_| bad(key, "not a valid header value"))?;
+    // Often a provider's credential: never shown by `Debug`.
+    value.set_sensitive(true);
     Ok((name, value))
 }
 

@@ -317,9 +317,15 @@ impl Task {
     fn log_end(&self, failure: &AttemptFailure) {
         metrics::counter!("idemgate_attempts_ended_total", "state" => failure.state().as_str())
             .increment(1);
+        // A rejected answer's detail quotes the answer: it is kept for the
+        // operator in the store, never logged.
+        let detail = match failure {
+            AttemptFailure::Rejected { .. } => "broke the route's contract",
+            other => other.detail(),
+        };
         tracing::info!(
             attempt = %self.attempt.id, job = %self.attempt.job_id, upstream = %self.attempt.upstream,
-            state = %failure.state(), detail = failure.detail(), "attempt ended without a result"
+            state = %failure.state(), detail, "attempt ended without a result"
         );
     }
 

@@ -4,7 +4,8 @@
 //! Each operation asks the backend to lock the job, hands the snapshot to a
 //! function of [`crate::transition`], and lets the backend write what it
 //! returns. A change that moves a job's state rings the doorbell here, and
-//! only here, once.
+//! only here, once. With encryption configured, responses are sealed here on
+//! their way in and opened on their way out (see [`crate::seal`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,19 +16,56 @@ use super::{Backend, Begin, CommitOutcome, Decide, Doorbell, Lock, Store, StoreE
 use crate::attempt::{Attempt, AttemptFailure, AttemptId, NewAttempt, Resolution};
 use crate::job::{Job, JobDetail, JobId, NewJob, StoredResponse};
 use crate::key::{IdempotencyKey, Owner};
+use crate::seal::{self, Sealer};
 use crate::transition::{self, Change, Refusal};
 
 /// A [`Store`] over a [`Backend`].
 pub struct Machine<B> {
     backend: B,
     doorbell: Arc<Doorbell>,
+    sealer: Option<Arc<Sealer>>,
 }
 
 impl<B: Backend> Machine<B> {
     /// The store over `backend`, ringing `doorbell` on every change of a
     /// job's state.
     pub fn new(backend: B, doorbell: Arc<Doorbell>) -> Self {
-        Machine { backend, doorbell }
+        Machine {
+            backend,
+            doorbell,
+            sealer: None,
+        }
+    }
+
+    /// Seals responses at rest with `sealer`.
+    pub fn sealed_with(mut self, sealer: Option<Arc<Sealer>>) -> Self {
+        self.sealer = sealer;
+        self
+    }
+
+    fn seal(&self, job: JobId, response: &StoredResponse) -> StoredResponse {
+        match &self.sealer {
+            Some(sealer) => sealer.seal(job, response),
+            None => response.clone(),
+        }
+    }
+
+    fn open(&self, mut job: Job) -> Result<Job, StoreError> {
+        if let Some(response) = job.response.take() {
+            job.response = Some(seal::open(self.sealer.as_deref(), job.id, response)?);
+        }
+        Ok(job)
+    }
+
+    fn open_detail(&self, detail: Option<JobDetail>) -> Result<Option<JobDetail>, StoreError> {
+        detail
+            .map(|d| {
+                Ok(JobDetail {
+                    job: self.open(d.job)?,
+                    attempts: d.attempts,
+                })
+            })
+            .transpose()
     }
 
     /// The backend underneath.
@@ -67,7 +105,10 @@ impl<B: Backend> Machine<B> {
 impl<B: Backend> Store for Machine<B> {
     async fn begin_job(&self, job: NewJob, attempt: NewAttempt) -> Result<Begin, StoreError> {
         // A new job has no one waiting on it yet: nothing to ring.
-        self.backend.begin(job, attempt).await
+        match self.backend.begin(job, attempt).await? {
+            Begin::Existing(job) => Ok(Begin::Existing(self.open(job)?)),
+            created => Ok(created),
+        }
     }
 
     async fn claim_attempt(
@@ -101,7 +142,8 @@ impl<B: Backend> Store for Machine<B> {
         attempt: &Attempt,
         response: &StoredResponse,
     ) -> Result<CommitOutcome, StoreError> {
-        if self.backend.commit(attempt, response).await? {
+        let response = self.seal(attempt.job_id, response);
+        if self.backend.commit(attempt, &response).await? {
             self.doorbell.ring(attempt.job_id);
             Ok(CommitOutcome::Committed)
         } else {
@@ -130,20 +172,32 @@ impl<B: Backend> Store for Machine<B> {
         attempt: AttemptId,
         resolution: Resolution,
     ) -> Result<JobDetail, StoreError> {
-        let decide: Decide = Box::new(move |s, _| transition::resolve(s, attempt, &resolution));
+        let sealer = self.sealer.clone();
+        let decide: Decide = Box::new(move |s, _| {
+            let resolution = match (resolution, sealer) {
+                (Resolution::Succeeded(response), Some(sealer)) => {
+                    Resolution::Succeeded(sealer.seal(s.job.id, &response))
+                }
+                (resolution, _) => resolution,
+            };
+            transition::resolve(s, attempt, &resolution)
+        });
         let applied = self.apply(Lock::JobOf(attempt), decide).await?;
-        self.backend
-            .job_detail(applied.change.job.id)
+        self.job_detail(applied.change.job.id)
             .await?
             .ok_or(StoreError::NotFound("job"))
     }
 
     async fn job(&self, id: JobId) -> Result<Option<Job>, StoreError> {
-        self.backend.job(id).await
+        self.backend
+            .job(id)
+            .await?
+            .map(|j| self.open(j))
+            .transpose()
     }
 
     async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError> {
-        self.backend.job_detail(id).await
+        self.open_detail(self.backend.job_detail(id).await?)
     }
 
     async fn find_job(
@@ -151,7 +205,7 @@ impl<B: Backend> Store for Machine<B> {
         owner: &Owner,
         key: &IdempotencyKey,
     ) -> Result<Option<JobDetail>, StoreError> {
-        self.backend.find_job(owner, key).await
+        self.open_detail(self.backend.find_job(owner, key).await?)
     }
 
     async fn renew_leases(

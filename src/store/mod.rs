@@ -81,6 +81,9 @@ pub enum StoreError {
     /// Something stored cannot be read back.
     #[error("stored {0} cannot be read")]
     Corrupt(&'static str),
+    /// A sealed response cannot be opened (a key is missing, or it is damaged).
+    #[error(transparent)]
+    Sealed(#[from] crate::seal::SealError),
     /// The store answered with an error the gateway cannot act on.
     #[error("the store failed")]
     Internal(#[source] BoxError),
@@ -106,7 +109,9 @@ impl StoreError {
             StoreError::Unavailable(_) => StoreErrorKind::Unavailable,
             StoreError::NotFound(_) => StoreErrorKind::NotFound,
             StoreError::Refused(_) | StoreError::Contended => StoreErrorKind::Conflict,
-            StoreError::Corrupt(_) | StoreError::Internal(_) => StoreErrorKind::Internal,
+            StoreError::Corrupt(_) | StoreError::Sealed(_) | StoreError::Internal(_) => {
+                StoreErrorKind::Internal
+            }
         }
     }
 

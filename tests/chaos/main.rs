@@ -587,7 +587,16 @@ async fn check(run: &Run) -> Report {
         jobs.len(),
         by_state,
         executions.len(),
-        faults.iter().map(|f| f.what.as_str()).collect::<Vec<_>>().join("; ")
+        faults
+            .iter()
+            .fold(BTreeMap::<&str, usize>::new(), |mut n, f| {
+                *n.entry(f.what.as_str()).or_default() += 1;
+                n
+            })
+            .iter()
+            .map(|(what, n)| format!("{n} × {what}"))
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     Report {
         summary,

@@ -7,6 +7,7 @@ mod core_answers;
 mod core_outcomes;
 mod core_races;
 mod embedded;
+mod encryption;
 mod failover;
 mod fastpath;
 mod outcomes_survive;

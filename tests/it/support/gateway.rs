@@ -27,6 +27,7 @@ pub struct Builder {
     tables: String,
     env: Vec<(String, String)>,
     files_from: Option<std::path::PathBuf>,
+    stderr_to: Option<std::path::PathBuf>,
 }
 
 impl Gateway {
@@ -50,6 +51,7 @@ impl Gateway {
             tables: String::new(),
             env: Vec::new(),
             files_from: None,
+            stderr_to: None,
         }
     }
 
@@ -170,6 +172,12 @@ impl Builder {
         self
     }
 
+    /// Writes the gateway's logs (stderr) to `path` instead of the test's.
+    pub fn stderr_to(mut self, path: &std::path::Path) -> Self {
+        self.stderr_to = Some(path.to_owned());
+        self
+    }
+
     /// Starts the gateway and expects it to refuse: returns its stderr.
     pub async fn start_and_fail(self) -> String {
         let out = self.run("serve").await;
@@ -234,7 +242,16 @@ impl Builder {
             .env_remove("IDEMGATE_UPSTREAM")
             .envs(self.env.iter().cloned())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(match &self.stderr_to {
+                None => Stdio::inherit(),
+                Some(path) => Stdio::from(
+                    std::fs::OpenOptions::new()
+                        .create(true)
+                        .append(true)
+                        .open(path)
+                        .unwrap(),
+                ),
+            })
             .kill_on_drop(true)
             .spawn()
             .expect("start the idemgate binary");

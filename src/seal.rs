@@ -1,0 +1,207 @@
+//! Responses at rest: sealed with AES-256-GCM when keys are configured.
+//!
+//! Request bodies are only ever fingerprinted, but responses are stored
+//! whole, in the database and in Redis. With `[encryption]` configured, a
+//! committed response's headers and body are sealed before they are written
+//! and opened when they are read (`docs/design.md`, §5):
+//!
+//! - the active key seals; every configured key opens, so keys rotate by
+//!   adding a new active key and keeping the old ones until the responses
+//!   they sealed have expired;
+//! - a sealed response is stored as status, one pseudo-header
+//!   `:sealed = <key id>` (a name no HTTP header can have, so it cannot be
+//!   mistaken for an upstream's) and a body of `nonce (12) | ciphertext`;
+//! - the job id is the associated data: a sealed response moved to another
+//!   job does not open.
+//!
+//! The status stays in the clear (the stores' own checks need it).
+
+use std::collections::HashMap;
+
+use aes_gcm::aead::{Aead, AeadCore, KeyInit, OsRng, Payload};
+use aes_gcm::{Aes256Gcm, Key, Nonce};
+use bytes::Bytes;
+
+use crate::job::{JobId, StoredResponse};
+use crate::store::codec::{decode_headers, encode_headers};
+
+/// The pseudo-header naming the key a response was sealed with.
+pub const SEALED: &str = ":sealed";
+
+/// Seals and opens stored responses.
+pub struct Sealer {
+    active: String,
+    keys: HashMap<String, Aes256Gcm>,
+}
+
+impl std::fmt::Debug for Sealer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the keys themselves.
+        f.debug_struct("Sealer")
+            .field("active", &self.active)
+            .field("keys", &self.keys.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+/// Why a stored response could not be opened.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SealError {
+    /// Sealed with a key that is not configured (any more).
+    #[error("the response was sealed with key {0:?}, which is not configured")]
+    UnknownKey(String),
+    /// The ciphertext does not open with its key and job: damaged or moved.
+    #[error("the sealed response does not open: damaged, or stored under another job")]
+    Damaged,
+    /// Sealed, but no keys are configured at all.
+    #[error("the response is sealed and no encryption keys are configured")]
+    NoKeys,
+}
+
+impl Sealer {
+    /// A sealer with `keys` (id, 32-byte key), sealing with `active`;
+    /// `None` when `active` is not among them.
+    pub fn new(active: &str, keys: Vec<(String, [u8; 32])>) -> Option<Self> {
+        let keys: HashMap<String, Aes256Gcm> = keys
+            .into_iter()
+            .map(|(id, key)| (id, Aes256Gcm::new(Key::<Aes256Gcm>::from_slice(&key))))
+            .collect();
+        keys.contains_key(active).then(|| Sealer {
+            active: active.to_owned(),
+            keys,
+        })
+    }
+
+    /// The key new responses are sealed with.
+    pub fn active(&self) -> &str {
+        &self.active
+    }
+
+    /// Seals `response` for `job` with the active key.
+    pub fn seal(&self, job: JobId, response: &StoredResponse) -> StoredResponse {
+        let cipher = &self.keys[&self.active];
+        let nonce = Aes256Gcm::generate_nonce(&mut OsRng);
+        let headers = encode_headers(&response.headers);
+        let mut plain = Vec::with_capacity(4 + headers.len() + response.body.len());
+        plain.extend_from_slice(&(headers.len() as u32).to_be_bytes());
+        plain.extend_from_slice(&headers);
+        plain.extend_from_slice(&response.body);
+        let aad = job.0.as_bytes();
+        // Encryption with a valid key and a fresh nonce cannot fail.
+        let sealed = cipher
+            .encrypt(&nonce, Payload { msg: &plain, aad })
+            .unwrap_or_default();
+        let mut body = Vec::with_capacity(nonce.len() + sealed.len());
+        body.extend_from_slice(&nonce);
+        body.extend_from_slice(&sealed);
+        StoredResponse {
+            status: response.status,
+            headers: vec![(SEALED.to_owned(), Bytes::from(self.active.clone()))],
+            body: Bytes::from(body),
+        }
+    }
+}
+
+/// Whether a stored response is sealed, and with which key.
+pub fn sealed_with(response: &StoredResponse) -> Option<&[u8]> {
+    match response.headers.as_slice() {
+        [(name, key)] if name == SEALED => Some(key),
+        _ => None,
+    }
+}
+
+/// Opens `response` of `job` if it is sealed; a response stored in the
+/// clear (before encryption was configured) is returned as it is.
+pub fn open(
+    sealer: Option<&Sealer>,
+    job: JobId,
+    response: StoredResponse,
+) -> Result<StoredResponse, SealError> {
+    let Some(key) = sealed_with(&response) else {
+        return Ok(response);
+    };
+    let sealer = sealer.ok_or(SealError::NoKeys)?;
+    let key = String::from_utf8_lossy(key).into_owned();
+    let cipher = sealer.keys.get(&key).ok_or(SealError::UnknownKey(key))?;
+    let (nonce, sealed) = response
+        .body
+        .split_at_checked(12)
+        .ok_or(SealError::Damaged)?;
+    let plain = cipher
+        .decrypt(
+            Nonce::from_slice(nonce),
+            Payload {
+                msg: sealed,
+                aad: job.0.as_bytes(),
+            },
+        )
+        .map_err(|_| SealError::Damaged)?;
+    let (len, rest) = plain.split_at_checked(4).ok_or(SealError::Damaged)?;
+    let len = u32::from_be_bytes(len.try_into().map_err(|_| SealError::Damaged)?) as usize;
+    let (headers, body) = rest.split_at_checked(len).ok_or(SealError::Damaged)?;
+    Ok(StoredResponse {
+        status: response.status,
+        headers: decode_headers(headers).ok_or(SealError::Damaged)?,
+        body: Bytes::copy_from_slice(body),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn response() -> StoredResponse {
+        StoredResponse {
+            status: 201,
+            headers: vec![("content-type".into(), Bytes::from_static(b"text/plain"))],
+            body: Bytes::from_static(b"the secret answer"),
+        }
+    }
+
+    fn sealer(active: &str) -> Sealer {
+        Sealer::new(active, vec![("k1".into(), [1; 32]), ("k2".into(), [2; 32])]).unwrap()
+    }
+
+    #[test]
+    fn sealed_responses_hold_no_plaintext_and_open_again() {
+        let job = JobId::new();
+        let sealed = sealer("k1").seal(job, &response());
+        assert_eq!(sealed_with(&sealed), Some(b"k1".as_ref()));
+        let raw = [sealed.body.as_ref(), sealed.headers[0].1.as_ref()].concat();
+        assert!(!raw.windows(6).any(|w| w == b"secret"));
+        assert!(!raw.windows(10).any(|w| w == b"text/plain"));
+        assert_eq!(open(Some(&sealer("k2")), job, sealed), Ok(response()));
+    }
+
+    #[test]
+    fn another_job_a_missing_key_or_a_flipped_bit_do_not_open() {
+        let job = JobId::new();
+        let sealed = sealer("k1").seal(job, &response());
+        assert_eq!(
+            open(Some(&sealer("k1")), JobId::new(), sealed.clone()),
+            Err(SealError::Damaged)
+        );
+        let only_k3 = Sealer::new("k3", vec![("k3".into(), [3; 32])]).unwrap();
+        assert_eq!(
+            open(Some(&only_k3), job, sealed.clone()),
+            Err(SealError::UnknownKey("k1".into()))
+        );
+        assert_eq!(open(None, job, sealed.clone()), Err(SealError::NoKeys));
+        let mut damaged = sealed.body.to_vec();
+        damaged[20] ^= 1;
+        let damaged = StoredResponse {
+            body: Bytes::from(damaged),
+            ..sealed
+        };
+        assert_eq!(
+            open(Some(&sealer("k1")), job, damaged),
+            Err(SealError::Damaged)
+        );
+    }
+
+    #[test]
+    fn clear_responses_pass_through_and_an_unknown_active_key_is_refused() {
+        assert_eq!(open(None, JobId::new(), response()), Ok(response()));
+        assert!(Sealer::new("k9", vec![("k1".into(), [1; 32])]).is_none());
+    }
+}
