@@ -31,6 +31,7 @@ pub const SEALED: &str = ":sealed";
 /// Seals and opens stored responses.
 pub struct Sealer {
     active: String,
+    sealing: Aes256Gcm,
     keys: HashMap<String, Aes256Gcm>,
 }
 
@@ -66,8 +67,10 @@ impl Sealer {
             .into_iter()
             .map(|(id, key)| (id, Aes256Gcm::new(Key::<Aes256Gcm>::from_slice(&key))))
             .collect();
-        keys.contains_key(active).then(|| Sealer {
+        let sealing = keys.get(active)?.clone();
+        Some(Sealer {
             active: active.to_owned(),
+            sealing,
             keys,
         })
     }
@@ -79,7 +82,7 @@ impl Sealer {
 
     /// Seals `response` for `job` with the active key.
     pub fn seal(&self, job: JobId, response: &StoredResponse) -> StoredResponse {
-        let cipher = &self.keys[&self.active];
+        let cipher = &self.sealing;
         let nonce = Aes256Gcm::generate_nonce(&mut OsRng);
         let headers = encode_headers(&response.headers);
         let mut plain = Vec::with_capacity(4 + headers.len() + response.body.len());

@@ -254,21 +254,16 @@ impl Settings {
             )?,
             retry_after: file.retry_after.unwrap_or(Duration::from_secs(1)),
             shutdown_grace: file.shutdown_grace.unwrap_or(Duration::from_secs(10)),
-            owner_header: header_name(
-                "owner_header",
-                file.owner_header.as_deref().unwrap_or("authorization"),
-            )?,
-            forward_key_header: header_name(
+            owner_header: named(&file.owner_header, "owner_header", "authorization")?,
+            forward_key_header: named(
+                &file.forward_key_header,
                 "forward_key_header",
-                file.forward_key_header
-                    .as_deref()
-                    .unwrap_or("idempotency-key"),
+                "idempotency-key",
             )?,
-            forward_attempt_header: header_name(
+            forward_attempt_header: named(
+                &file.forward_attempt_header,
                 "forward_attempt_header",
-                file.forward_attempt_header
-                    .as_deref()
-                    .unwrap_or("idempotency-attempt"),
+                "idempotency-attempt",
             )?,
             mismatch_status: mismatch_status(file.mismatch_status)?,
             max_response_size: size("max_response_size", file.max_response_size, 10 << 20)?,
@@ -473,6 +468,11 @@ fn positive(key: &str, d: Duration) -> Result<Duration, ConfigError> {
         ));
     }
     Ok(d)
+}
+
+/// A header name from the file, or its default.
+fn named(configured: &Option<String>, key: &str, default: &str) -> Result<HeaderName, ConfigError> {
+    header_name(key, configured.as_deref().unwrap_or(default))
 }
 
 fn header_name(key: &str, name: &str) -> Result<HeaderName, ConfigError> {

@@ -138,23 +138,11 @@ fn parse(
             .map(|h| header_name(&key("significant_headers"), h))
             .collect::<Result<Vec<_>, _>>()?,
     };
-    let retryable_statuses = r.retryable_statuses.unwrap_or(default.retryable_statuses);
-    if let Some(s) = retryable_statuses
-        .iter()
-        .find(|s| !(100..=599).contains(*s))
-    {
-        return Err(bad(
-            key("retryable_statuses"),
-            format!("{s} is not an HTTP status"),
-        ));
-    }
-    let ignore = r.ignore_fields.unwrap_or_default();
-    if let Some(p) = ignore.iter().find(|p| !p.starts_with('/')) {
-        return Err(bad(
-            key("ignore_fields"),
-            format!("{p:?} is not a JSON pointer; write it like \"/metadata/sent_at\""),
-        ));
-    }
+    let retryable_statuses = statuses(
+        &key("retryable_statuses"),
+        r.retryable_statuses.unwrap_or(default.retryable_statuses),
+    )?;
+    let ignore = pointers(&key("ignore_fields"), r.ignore_fields.unwrap_or_default())?;
     let body_limit = r
         .body_limit
         .map_or(default.body_limit, |b| b.as_u64() as usize);
@@ -203,6 +191,23 @@ fn parse(
         side_effect_free,
         contract,
     })
+}
+
+fn statuses(key: &str, statuses: Vec<u16>) -> Result<Vec<u16>, ConfigError> {
+    match statuses.iter().find(|s| !(100..=599).contains(*s)) {
+        Some(s) => Err(bad(key, format!("{s} is not an HTTP status"))),
+        None => Ok(statuses),
+    }
+}
+
+fn pointers(key: &str, pointers: Vec<String>) -> Result<Vec<String>, ConfigError> {
+    match pointers.iter().find(|p| !p.starts_with('/')) {
+        Some(p) => Err(bad(
+            key,
+            format!("{p:?} is not a JSON pointer; write it like \"/metadata/sent_at\""),
+        )),
+        None => Ok(pointers),
+    }
 }
 
 fn methods(key: &str, ms: &[String]) -> Result<Vec<Method>, ConfigError> {
