@@ -318,6 +318,16 @@ pub(crate) fn expire_each(snapshots: &[Snapshot], now: SystemTime) -> Vec<Change
         .collect()
 }
 
+/// A job state read back from a backend.
+pub(crate) fn job_state(s: &str) -> Result<crate::job::JobState, StoreError> {
+    crate::job::JobState::parse(s).ok_or(StoreError::Corrupt("job state"))
+}
+
+/// An attempt state read back from a backend.
+pub(crate) fn attempt_state(s: &str) -> Result<crate::attempt::AttemptState, StoreError> {
+    crate::attempt::AttemptState::parse(s).ok_or(StoreError::Corrupt("attempt state"))
+}
+
 /// Whole milliseconds, saturating.
 pub(crate) fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)

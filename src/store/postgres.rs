@@ -21,8 +21,8 @@ use tokio_postgres::{AsyncMessage, NoTls, Row};
 use uuid::Uuid;
 
 use super::{
-    commit_under_lock, expire_each, millis, Applied, Backend, Begin, Decide, Doorbell, Lock,
-    StoreError,
+    attempt_state, commit_under_lock, expire_each, job_state, millis, Applied, Backend, Begin,
+    Decide, Doorbell, Lock, StoreError,
 };
 use crate::attempt::{Attempt, AttemptId, AttemptState, NewAttempt};
 use crate::fingerprint::Fingerprint;
@@ -629,14 +629,6 @@ fn split_headers(response: &StoredResponse) -> (Vec<&str>, Vec<&[u8]>) {
         .iter()
         .map(|(n, v)| (n.as_str(), v.as_ref()))
         .unzip()
-}
-
-fn job_state(s: &str) -> Result<JobState, StoreError> {
-    JobState::parse(s).ok_or(StoreError::Corrupt("job state"))
-}
-
-fn attempt_state(s: &str) -> Result<AttemptState, StoreError> {
-    AttemptState::parse(s).ok_or(StoreError::Corrupt("attempt state"))
 }
 
 fn job_from_row(row: &Row) -> Result<Job, StoreError> {

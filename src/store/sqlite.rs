@@ -31,7 +31,8 @@ use uuid::Uuid;
 
 use super::codec::{decode_headers, encode_headers};
 use super::{
-    commit_under_lock, expire_each, millis, Applied, Backend, Begin, Decide, Lock, StoreError,
+    attempt_state, commit_under_lock, expire_each, job_state, millis, Applied, Backend, Begin,
+    Decide, Lock, StoreError,
 };
 use crate::attempt::{Attempt, AttemptFailure, AttemptId, AttemptState, NewAttempt};
 use crate::fingerprint::Fingerprint;
@@ -194,63 +195,13 @@ fn immediate(conn: &mut Connection) -> Result<Transaction<'_>, StoreError> {
         .map_err(map_sqlite)
 }
 
-/// Reads a job's head and its attempts' heads.
+/// Reads a job with its attempts, as the domain's transitions see it (the
+/// whole rows: reading the response too costs nothing on a local file).
 fn snapshot(conn: &Connection, job: JobId) -> Result<Option<Snapshot>, StoreError> {
-    let head = conn
-        .query_row(
-            "SELECT state, version, attempt_count, completed_by FROM jobs WHERE id = ?1",
-            [job.0.to_string()],
-            |r| {
-                Ok((
-                    r.get::<_, String>(0)?,
-                    r.get::<_, i64>(1)?,
-                    r.get::<_, i32>(2)?,
-                    r.get::<_, Option<String>>(3)?,
-                ))
-            },
-        )
-        .optional()
-        .map_err(map_sqlite)?;
-    let Some((state, version, attempt_count, completed_by)) = head else {
-        return Ok(None);
-    };
-    let mut stmt = conn
-        .prepare_cached(
-            "SELECT id, number, state, job_version, lease_expires_at FROM attempts \
-             WHERE job_id = ?1 ORDER BY number",
-        )
-        .map_err(map_sqlite)?;
-    let attempts = stmt
-        .query_map([job.0.to_string()], |r| {
-            Ok((
-                r.get::<_, String>(0)?,
-                r.get::<_, i32>(1)?,
-                r.get::<_, String>(2)?,
-                r.get::<_, i64>(3)?,
-                r.get::<_, i64>(4)?,
-            ))
-        })
-        .map_err(map_sqlite)?
-        .map(|row| {
-            let (id, number, state, job_version, lease) = row.map_err(map_sqlite)?;
-            Ok(AttemptHead {
-                id: AttemptId(uuid(&id)?),
-                number,
-                state: attempt_state(&state)?,
-                job_version,
-                lease_expires_at: from_ms(lease),
-            })
-        })
-        .collect::<Result<Vec<_>, StoreError>>()?;
-    Ok(Some(Snapshot {
-        job: JobHead {
-            id: job,
-            state: job_state(&state)?,
-            version,
-            attempt_count,
-            completed_by: attempt_id(completed_by.as_deref())?,
-        },
-        attempts,
+    let job = read_job(conn, "j.id = ?1", [job.0.to_string()])?;
+    Ok(read_detail(conn, job)?.map(|d| Snapshot {
+        job: JobHead::of(&d.job),
+        attempts: d.attempts.iter().map(AttemptHead::of).collect(),
     }))
 }
 
@@ -616,14 +567,6 @@ impl Backend for Sqlite {
         })
         .await
     }
-}
-
-fn job_state(s: &str) -> Result<JobState, StoreError> {
-    JobState::parse(s).ok_or(StoreError::Corrupt("job state"))
-}
-
-fn attempt_state(s: &str) -> Result<AttemptState, StoreError> {
-    AttemptState::parse(s).ok_or(StoreError::Corrupt("attempt state"))
 }
 
 /// Reads a job row; the outer `Result` is rusqlite's, the inner ours.
