@@ -96,6 +96,7 @@ pub async fn run(
         fastpath,
         leases: leases.clone(),
         instance,
+        streams: Arc::default(),
     });
 
     // The request path, outermost first.

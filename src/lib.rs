@@ -41,6 +41,7 @@ pub mod error;
 pub mod fastpath;
 pub mod http;
 pub mod idempotency;
+pub mod recording;
 pub mod replay;
 pub mod server;
 pub mod telemetry;

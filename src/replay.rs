@@ -12,9 +12,16 @@ use crate::upstream::Fetched;
 /// upstream service already removed hop-by-hop ones; the length is
 /// recomputed from the stored body) and the body bytes.
 pub fn capture(fetched: &Fetched) -> StoredResponse {
-    let headers = fetched
-        .parts
-        .headers
+    StoredResponse {
+        status: fetched.parts.status.as_u16(),
+        headers: capture_headers(&fetched.parts.headers),
+        body: fetched.body.clone(),
+    }
+}
+
+/// The end-to-end headers kept of an answer, in order, without its length.
+pub fn capture_headers(headers: &http::HeaderMap) -> Vec<(String, Bytes)> {
+    headers
         .iter()
         .filter(|(name, _)| **name != header::CONTENT_LENGTH)
         .map(|(name, value)| {
@@ -23,29 +30,47 @@ pub fn capture(fetched: &Fetched) -> StoredResponse {
                 Bytes::copy_from_slice(value.as_bytes()),
             )
         })
-        .collect();
-    StoredResponse {
-        status: fetched.parts.status.as_u16(),
-        headers,
-        body: fetched.body.clone(),
-    }
+        .collect()
 }
+
+/// How a replayed body is sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Framing {
+    /// Whole, with its length.
+    Whole,
+    /// As a stream (chunked, no length), as a streamed answer was first sent.
+    Streamed,
+}
+
+/// Frames of a streamed replay: small enough that a client reading events
+/// as they come sees them without waiting for the whole body.
+const STREAM_FRAME: usize = 16 * 1024;
 
 /// The answer for a stored response: the one first sent (`replayed` false)
 /// or a replay of it (`Idempotent-Replayed: true`), both naming the job.
-pub fn response(stored: &StoredResponse, job: JobId, replayed: bool) -> Response<Body> {
-    let mut response = Response::new(full(stored.body.clone()));
+pub fn response(
+    stored: &StoredResponse,
+    job: JobId,
+    replayed: bool,
+    framing: Framing,
+) -> Response<Body> {
+    let body = match framing {
+        Framing::Whole => full(stored.body.clone()),
+        Framing::Streamed => {
+            let body = stored.body.clone();
+            let frames = (0..body.len().div_ceil(STREAM_FRAME)).map(move |i| {
+                let end = ((i + 1) * STREAM_FRAME).min(body.len());
+                Ok(http_body::Frame::data(body.slice(i * STREAM_FRAME..end)))
+            });
+            http_body_util::BodyExt::boxed(http_body_util::StreamBody::new(
+                futures_util::stream::iter(frames),
+            ))
+        }
+    };
+    let mut response = Response::new(body);
     *response.status_mut() =
         StatusCode::from_u16(stored.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let headers = response.headers_mut();
-    for (name, value) in &stored.headers {
-        if let (Ok(name), Ok(value)) = (
-            HeaderName::from_bytes(name.as_bytes()),
-            HeaderValue::from_maybe_shared(value.clone()),
-        ) {
-            headers.append(name, value);
-        }
-    }
+    set_headers(&mut response, &stored.headers);
     set_job(&mut response, job);
     if replayed {
         response
@@ -53,6 +78,19 @@ pub fn response(stored: &StoredResponse, job: JobId, replayed: bool) -> Response
             .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     }
     response
+}
+
+/// Appends stored end-to-end headers to an answer, in their order.
+pub fn set_headers<B>(response: &mut Response<B>, stored: &[(String, Bytes)]) {
+    let headers = response.headers_mut();
+    for (name, value) in stored {
+        if let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_maybe_shared(value.clone()),
+        ) {
+            headers.append(name, value);
+        }
+    }
 }
 
 /// Names the job on an answer.

@@ -283,7 +283,18 @@ where
     use tower::ServiceExt;
     let response = upstream.oneshot(req).await?;
     progress.send_modify(|n| *n += 1);
-    let (parts, mut body) = response.into_parts();
+    let (parts, body) = response.into_parts();
+    read_body(parts, body, limit, &progress).await
+}
+
+/// Reads the rest of an answer whose head arrived, at most `limit` bytes,
+/// counting every received frame on `progress`.
+pub async fn read_body(
+    parts: http::response::Parts,
+    mut body: Body,
+    limit: usize,
+    progress: &watch::Sender<u64>,
+) -> Result<Fetched, UpstreamError> {
     let mut buf = bytes::BytesMut::new();
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| UpstreamError::Broken(Box::new(e)))?;

@@ -133,6 +133,7 @@ pub(super) struct RouteFile {
     pub(super) hedge_after: Option<Duration>,
     pub(super) side_effect_free: Option<bool>,
     pub(super) contract: Option<String>,
+    pub(super) stream_types: Option<Vec<String>>,
 }
 
 impl FileConfig {

@@ -48,6 +48,9 @@ pub struct Route {
     pub side_effect_free: bool,
     /// The contract every answer must honour.
     pub contract: Option<Arc<Contract>>,
+    /// Content types (lower case, without parameters) whose answers stream
+    /// through while they are recorded, instead of being buffered.
+    pub stream_types: Vec<String>,
 }
 
 impl Route {
@@ -71,6 +74,7 @@ impl Route {
             hedge_after: None,
             side_effect_free: false,
             contract: None,
+            stream_types: vec!["text/event-stream".into()],
         })
     }
 
@@ -81,6 +85,41 @@ impl Route {
             Some(rest) => rest.is_empty() || rest.starts_with('/'),
             None => false,
         }
+    }
+
+    /// Whether an answer with these headers streams (its content type is
+    /// one of the route's stream types).
+    pub fn streams(&self, headers: &http::HeaderMap) -> bool {
+        self.streams_type(
+            headers
+                .get(http::header::CONTENT_TYPE)
+                .map(|v| v.as_bytes()),
+        )
+    }
+
+    /// How a stored answer of this route is replayed: as a stream when it
+    /// was one.
+    pub fn framing(&self, stored: &crate::job::StoredResponse) -> crate::replay::Framing {
+        let content_type = stored
+            .headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case("content-type"))
+            .map(|(_, v)| v.as_ref());
+        if self.streams_type(content_type) {
+            crate::replay::Framing::Streamed
+        } else {
+            crate::replay::Framing::Whole
+        }
+    }
+
+    fn streams_type(&self, content_type: Option<&[u8]>) -> bool {
+        let Some(value) = content_type.and_then(|v| std::str::from_utf8(v).ok()) else {
+            return false;
+        };
+        let essence = value.split(';').next().unwrap_or("").trim();
+        self.stream_types
+            .iter()
+            .any(|t| t.eq_ignore_ascii_case(essence))
     }
 
     /// Every upstream the route may use, the primary first.
@@ -190,6 +229,13 @@ fn parse(
         hedge_after,
         side_effect_free,
         contract,
+        stream_types: match r.stream_types {
+            None => default.stream_types,
+            Some(types) => types
+                .iter()
+                .map(|t| t.trim().to_ascii_lowercase())
+                .collect(),
+        },
     })
 }
 

@@ -18,6 +18,8 @@
 //!   may an unknown outcome be followed by another attempt.
 //! - A store error while claiming never abandons attempts still running: the
 //!   request goes on waiting for them, and answers with their outcome.
+//! - Once an attempt's answer starts streaming to the client, every other
+//!   attempt is cancelled: no other upstream is tried after the first byte.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -30,6 +32,7 @@ use crate::attempt::{Attempt, AttemptId};
 use crate::config::{Route, UpstreamSettings};
 use crate::error::{ClientError, GatewayError};
 use crate::job::{Job, JobState, StoredResponse};
+use crate::recording::Recording;
 use crate::store::StoreError;
 use crate::telemetry::Chain;
 
@@ -83,6 +86,8 @@ pub(super) enum Step {
     Hold,
     /// Answer with this attempt's committed response.
     Committed(StoredResponse),
+    /// Answer with this attempt's streamed answer, read from its recording.
+    Stream(Arc<Recording>),
     /// Answer with the job's committed response, as a replay.
     Replay(Job),
     /// Answer without a result.
@@ -178,6 +183,10 @@ impl Dispatch {
         match reply {
             Reply::Committed(stored) => {
                 return vec![Step::CancelAllBut(id), Step::Committed(stored)];
+            }
+            // Its bytes are going out: no other attempt may answer now.
+            Reply::Streaming(recording) => {
+                return vec![Step::CancelAllBut(id), Step::Stream(recording)];
             }
             // Another attempt won. If it is one of ours, its own reply says
             // so; with none of ours left, read who did.

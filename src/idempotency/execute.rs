@@ -26,6 +26,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::{Request, Response};
+use http_body_util::BodyExt;
 use tokio::sync::{oneshot, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -38,6 +39,7 @@ use crate::error::GatewayError;
 use crate::http::{full, Body};
 use crate::job::StoredResponse;
 use crate::lease::LeaseGuard;
+use crate::recording::Recording;
 use crate::replay;
 use crate::store::{CommitOutcome, StoreError};
 use crate::telemetry::Chain;
@@ -60,6 +62,9 @@ pub(super) enum Reply {
     Failed(Answer),
     /// Sent, and its outcome is unknown (or not recorded yet).
     Unknown(GatewayError),
+    /// Its answer streams: read it from the recording (the end comes once
+    /// it is committed).
+    Streaming(Arc<Recording>),
 }
 
 /// A client-facing answer that is not the job's result.
@@ -174,8 +179,23 @@ pub(super) fn classify(result: Result<Fetched, UpstreamError>, route: &Route) ->
 /// How the upstream call ended.
 enum Call {
     Answered(Result<Fetched, UpstreamError>),
+    /// The head of an answer the route streams; its body is still coming.
+    Streaming(http::response::Parts, Body),
     Cancelled,
     DeadlinePassed,
+}
+
+/// How a watched piece of the call ended.
+enum Watched<T> {
+    Done(T),
+    Cancelled,
+    DeadlinePassed,
+}
+
+/// The silence timer of one call, across its head and its body.
+struct Clock {
+    silence: std::pin::Pin<Box<tokio::time::Sleep>>,
+    timed_out: bool,
 }
 
 struct Task {
@@ -211,6 +231,7 @@ impl Task {
                 self.record(failure).await;
                 self.send(Reply::Unknown(UpstreamError::TimedOut(self.timeout).into()));
             }
+            Call::Streaming(parts, body) => self.stream(parts, body, &cancel).await,
             Call::Answered(result) => match classify(result, &self.route) {
                 Verdict::Commit(stored) => self.commit(stored).await,
                 Verdict::Fail(failure, answer) => {
@@ -228,7 +249,8 @@ impl Task {
         }
     }
 
-    /// Sends the request and waits for the whole answer, watching for
+    /// Sends the request and waits for the answer's head, then for its
+    /// whole body, unless the route streams it; all the while watching for
     /// silence (then `unknown` at once, the call going on), cancellation and
     /// the attempt's deadline.
     async fn call(
@@ -237,23 +259,63 @@ impl Task {
         request: Request<Body>,
         cancel: &CancellationToken,
     ) -> Call {
+        use tower::ServiceExt;
         let (progress_tx, mut progress) = watch::channel(0u64);
+        let mut clock = Clock {
+            silence: Box::pin(tokio::time::sleep(self.timeout)),
+            timed_out: false,
+        };
+        let head = async {
+            let head = upstream.oneshot(request).await;
+            progress_tx.send_modify(|n| *n += 1);
+            head
+        };
+        let response = match self.watch(head, &mut progress, &mut clock, cancel).await {
+            Watched::Done(Ok(response)) => response,
+            Watched::Done(Err(e)) => return Call::Answered(Err(e)),
+            Watched::Cancelled => return Call::Cancelled,
+            Watched::DeadlinePassed => return Call::DeadlinePassed,
+        };
+        let (parts, body) = response.into_parts();
+        // A stream whose first client was already told "unknown" is read
+        // whole like any late answer.
+        let retryable = self
+            .route
+            .retryable_statuses
+            .contains(&parts.status.as_u16());
+        if !clock.timed_out && !retryable && self.route.streams(&parts.headers) {
+            return Call::Streaming(parts, body);
+        }
         let limit = self.shared.settings.max_response_size;
-        let fetch = upstream::fetch(upstream, request, limit, progress_tx);
-        tokio::pin!(fetch);
-        let silence = tokio::time::sleep(self.timeout);
-        tokio::pin!(silence);
-        let mut timed_out = false;
+        let rest = upstream::read_body(parts, body, limit, &progress_tx);
+        match self.watch(rest, &mut progress, &mut clock, cancel).await {
+            Watched::Done(result) => Call::Answered(result),
+            Watched::Cancelled => Call::Cancelled,
+            Watched::DeadlinePassed => Call::DeadlinePassed,
+        }
+    }
+
+    /// Runs `work` while watching the clock: silence for the upstream's
+    /// timeout records the attempt `unknown` and tells the request (the work
+    /// goes on); cancellation and the deadline stop it.
+    async fn watch<T>(
+        &mut self,
+        work: impl std::future::Future<Output = T>,
+        progress: &mut watch::Receiver<u64>,
+        clock: &mut Clock,
+        cancel: &CancellationToken,
+    ) -> Watched<T> {
+        tokio::pin!(work);
         let mut live = true;
         loop {
             tokio::select! {
-                result = &mut fetch => return Call::Answered(result),
-                changed = progress.changed(), if live && !timed_out => match changed {
-                    Ok(()) => silence.as_mut().reset(Instant::now() + self.timeout),
+                done = &mut work => return Watched::Done(done),
+                changed = progress.changed(), if live && !clock.timed_out => match changed {
+                    Ok(()) => clock.silence.as_mut().reset(Instant::now() + self.timeout),
                     Err(_) => live = false,
                 },
-                () = &mut silence, if !timed_out => {
-                    timed_out = true;
+                () = &mut clock.silence, if !clock.timed_out => {
+                    clock.timed_out = true;
                     let failure = AttemptFailure::Unknown {
                         detail: format!("no answer within {}", humantime::format_duration(self.timeout)),
                     };
@@ -263,18 +325,92 @@ impl Task {
                     self.record(failure).await;
                     self.send(Reply::Unknown(UpstreamError::TimedOut(self.timeout).into()));
                 }
-                () = cancel.cancelled() => return Call::Cancelled,
-                () = tokio::time::sleep_until(self.deadline) => return Call::DeadlinePassed,
+                () = cancel.cancelled() => return Watched::Cancelled,
+                () = tokio::time::sleep_until(self.deadline) => return Watched::DeadlinePassed,
             }
         }
     }
 
-    /// Commits the answer, then tells the request how that went.
-    async fn commit(&mut self, stored: StoredResponse) {
+    /// Streams the answer through its recording: every client of the job
+    /// reads it as it comes; the end is released once it is committed. A
+    /// stream cut before its end is `unknown` (the upstream acted) and every
+    /// reader's body fails.
+    async fn stream(
+        &mut self,
+        parts: http::response::Parts,
+        mut body: Body,
+        cancel: &CancellationToken,
+    ) {
+        let job = self.attempt.job_id;
+        let recording = Recording::new(
+            job,
+            parts.status.as_u16(),
+            replay::capture_headers(&parts.headers),
+        );
+        self.shared.streams.insert(&recording);
+        // Duplicates held on the job look again, and join.
+        self.shared.doorbell.ring_local(job);
+        self.send(Reply::Streaming(recording.clone()));
+        let limit = self.shared.settings.max_response_size;
+        let silence = tokio::time::sleep(self.timeout);
+        tokio::pin!(silence);
+        let mut received = 0usize;
+        let ended = loop {
+            tokio::select! {
+                frame = body.frame() => match frame {
+                    None => break Ok(()),
+                    Some(Ok(frame)) => {
+                        let Ok(data) = frame.into_data() else { continue };
+                        received += data.len();
+                        if received > limit {
+                            break Err(format!("the stream grew past {limit} bytes and cannot be recorded"));
+                        }
+                        recording.push(data);
+                        silence.as_mut().reset(Instant::now() + self.timeout);
+                    }
+                    Some(Err(e)) => break Err(format!("the stream broke after {received} bytes: {}", Chain(&e))),
+                },
+                () = &mut silence => {
+                    break Err(format!("the stream went silent for {}", humantime::format_duration(self.timeout)));
+                }
+                () = cancel.cancelled() => {
+                    recording.cut();
+                    self.record(AttemptFailure::Superseded { detail: "cancelled: another attempt of the job won".into() }).await;
+                    return;
+                }
+                () = tokio::time::sleep_until(self.deadline) => break Err("attempt deadline passed mid-stream".to_owned()),
+            }
+        };
+        if let Err(detail) = ended {
+            recording.cut();
+            self.record(AttemptFailure::Unknown { detail }).await;
+            return;
+        }
+        // The end is the commit: readers get the end of the body only once
+        // the whole answer is recorded (retried as long as the attempt lives).
+        match self.write_commit(recording.stored()).await {
+            Ok(CommitOutcome::Committed) => {
+                metrics::counter!("idemgate_commits_total").increment(1);
+                recording.finish();
+            }
+            Ok(CommitOutcome::Superseded) => {
+                metrics::counter!("idemgate_commits_superseded_total").increment(1);
+                recording.cut();
+            }
+            Err(_) => recording.cut(),
+        }
+    }
+
+    /// Commits `stored`, retrying while the store is unreachable (in a task
+    /// of its own, holding the lease), until the attempt's deadline.
+    fn spawn_commit(
+        &self,
+        stored: StoredResponse,
+    ) -> tokio::task::JoinHandle<Result<CommitOutcome, StoreError>> {
         let (store, attempt) = (self.shared.store.clone(), self.attempt.clone());
-        let response = stored.clone();
+        let response = stored;
         let lease = self.lease.clone();
-        let mut write = tokio::spawn(retrying("commit", attempt.id, self.deadline, move || {
+        tokio::spawn(retrying("commit", attempt.id, self.deadline, move || {
             let (store, attempt, response, _lease) = (
                 store.clone(),
                 attempt.clone(),
@@ -282,7 +418,20 @@ impl Task {
                 lease.clone(),
             );
             async move { store.commit(&attempt, &response).await }
-        }));
+        }))
+    }
+
+    /// Commits a streamed answer, waiting as long as it takes: its readers
+    /// are waiting for the end, which only the commit releases.
+    async fn write_commit(&self, stored: StoredResponse) -> Result<CommitOutcome, StoreError> {
+        self.spawn_commit(stored)
+            .await
+            .unwrap_or_else(|e| Err(StoreError::Internal(Box::new(e))))
+    }
+
+    /// Commits the answer, then tells the request how that went.
+    async fn commit(&mut self, stored: StoredResponse) {
+        let mut write = self.spawn_commit(stored.clone());
         let reply = match tokio::time::timeout(PATIENCE, &mut write).await {
             Ok(Ok(Ok(CommitOutcome::Committed))) => {
                 metrics::counter!("idemgate_commits_total").increment(1);

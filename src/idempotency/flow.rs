@@ -41,7 +41,7 @@ use crate::fingerprint::{fingerprint, Fingerprint, RequestParts};
 use crate::http::{collect_limited, full, Body, IDEMPOTENCY_KEY};
 use crate::job::{Job, JobId, JobState, NewJob, StoredResponse};
 use crate::key::{IdempotencyKey, Owner};
-use crate::replay;
+use crate::replay::{self, Framing};
 use crate::store::{Begin, StoreError};
 use crate::telemetry::Chain;
 use crate::upstream::Target;
@@ -180,7 +180,13 @@ impl Flow {
             match job.state {
                 JobState::Completed => return self.replay(&job),
                 JobState::Unknown => return Err(self.outcome_unknown()),
-                JobState::Running => job = self.hold(job.id).await?,
+                JobState::Running => {
+                    if let Some(recording) = self.shared.streams.live(job.id) {
+                        metrics::counter!("idemgate_stream_joiners_total").increment(1);
+                        return Ok(recording.response(true));
+                    }
+                    job = self.hold(job.id).await?;
+                }
                 JobState::Open => {
                     let primary = self.route.primary.clone();
                     let claim = self.claim(upstream, job.id, job.version, &primary, Joining::Claim);
@@ -309,8 +315,9 @@ impl Flow {
                     Step::Hold => queued.push_back(Event::Held(self.hold(job).await)),
                     Step::Committed(stored) => {
                         self.remember(job, expires_at, &stored);
-                        return Ok(replay::response(&stored, job, false));
+                        return Ok(replay::response(&stored, job, false, Framing::Whole));
                     }
+                    Step::Stream(recording) => return Ok(recording.response(false)),
                     Step::Replay(current) => return self.replay(&current),
                     Step::Answer(answer) => return answer,
                 }
@@ -346,7 +353,12 @@ impl Flow {
         };
         *job_id = Some(entry.job);
         metrics::counter!("idemgate_replays_total", "source" => "redis").increment(1);
-        Some(replay::response(&stored, entry.job, true))
+        Some(replay::response(
+            &stored,
+            entry.job,
+            true,
+            self.route.framing(&stored),
+        ))
     }
 
     /// Caches a committed response on the fast path, off the request path.
@@ -380,7 +392,8 @@ impl Flow {
             tokio::pin!(rung);
             rung.as_mut().enable();
             let current = self.reread(job).await?;
-            if current.state != JobState::Running {
+            // Finished, or streaming here: the caller decides (and joins).
+            if current.state != JobState::Running || self.shared.streams.live(job).is_some() {
                 return Ok(current);
             }
             tokio::select! {
@@ -420,7 +433,12 @@ impl Flow {
         metrics::counter!("idemgate_replays_total", "source" => "store").increment(1);
         // Populates the fast path, and repairs an entry that was lost or unusable.
         self.remember(job.id, job.expires_at, stored);
-        Ok(replay::response(stored, job.id, true))
+        Ok(replay::response(
+            stored,
+            job.id,
+            true,
+            self.route.framing(stored),
+        ))
     }
 
     fn upstream_request(&self, attempt: &Attempt) -> Request<Body> {

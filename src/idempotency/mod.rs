@@ -37,6 +37,7 @@ use crate::fastpath::FastPath;
 use crate::http::Body;
 use crate::lease::Leases;
 use crate::probe::ProbeBoard;
+use crate::recording::Streams;
 use crate::store::{Doorbell, Store};
 use crate::upstream::UpstreamError;
 
@@ -56,6 +57,8 @@ pub struct Shared {
     pub leases: Arc<Leases>,
     /// This gateway instance, recorded on the attempts it runs.
     pub instance: Uuid,
+    /// The streamed answers being recorded here, for duplicates to join.
+    pub streams: Arc<Streams>,
 }
 
 /// Wraps an upstream service with the idempotency flow.

@@ -210,6 +210,7 @@ fn gateway(toml: &str, faults: Faults) -> (Idempotency, Arc<Faults>, Arc<dyn Sto
         probes: Arc::default(),
         leases: Arc::default(),
         instance: Uuid::nil(),
+        streams: Arc::default(),
     });
     let upstream = Scripted::default();
     let service = Idempotency {

@@ -1,0 +1,302 @@
+//! Streamed answers: recorded once, read by every client of the job.
+//!
+//! An answer whose content type the route streams (`text/event-stream` by
+//! default) is not buffered before anyone sees it. Its attempt writes each
+//! chunk into one [`Recording`] as it arrives; the first client and every
+//! duplicate that joins read from it at their own pace (`docs/design.md`,
+//! §11):
+//!
+//! - one copy per stream in flight, however many readers: a reader holds an
+//!   index and clones of `Bytes`, never a queue, so a slow reader costs no
+//!   memory and never stalls the upstream or the other readers;
+//! - chunks are released as they arrive, but the **end** of the body only
+//!   once the whole answer is committed: a client that saw a complete stream
+//!   can always get it again;
+//! - a stream cut before its end (reset, silence past the timeout, too
+//!   large, or its commit lost) ends every reader's body with an error, so
+//!   no client mistakes part of a stream for the whole.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, Weak};
+
+use bytes::{Bytes, BytesMut};
+use http::{HeaderValue, Response, StatusCode};
+use http_body::Frame;
+use http_body_util::{BodyExt, StreamBody};
+use tokio::sync::watch;
+
+use crate::http::{Body, BodyError, IDEMPOTENT_REPLAYED};
+use crate::job::{JobId, StoredResponse};
+
+/// Where a recording stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum End {
+    /// Chunks are still coming.
+    Live,
+    /// The whole answer is committed: readers may end.
+    Committed,
+    /// Cut before its end: readers fail.
+    Cut,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Progress {
+    chunks: usize,
+    end: End,
+}
+
+/// One streamed answer being recorded.
+pub struct Recording {
+    job: JobId,
+    status: u16,
+    headers: Vec<(String, Bytes)>,
+    chunks: Mutex<Vec<Bytes>>,
+    progress: watch::Sender<Progress>,
+}
+
+impl std::fmt::Debug for Recording {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Recording")
+            .field("job", &self.job)
+            .field("status", &self.status)
+            .field("progress", &*self.progress.borrow())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Recording {
+    /// A recording of job `job`'s answer, with the status and end-to-end
+    /// headers every reader gets.
+    pub fn new(job: JobId, status: u16, headers: Vec<(String, Bytes)>) -> Arc<Self> {
+        metrics::gauge!("idemgate_streams_in_flight").increment(1.0);
+        Arc::new(Recording {
+            job,
+            status,
+            headers,
+            chunks: Mutex::default(),
+            progress: watch::Sender::new(Progress {
+                chunks: 0,
+                end: End::Live,
+            }),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Bytes>> {
+        self.chunks.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Appends a chunk and wakes the readers.
+    pub fn push(&self, chunk: Bytes) {
+        metrics::counter!("idemgate_streamed_bytes_total").increment(chunk.len() as u64);
+        let chunks = {
+            let mut all = self.lock();
+            all.push(chunk);
+            all.len()
+        };
+        self.progress.send_modify(|p| p.chunks = chunks);
+    }
+
+    /// How many bytes are recorded.
+    pub fn len(&self) -> usize {
+        self.lock().iter().map(Bytes::len).sum()
+    }
+
+    /// Whether nothing is recorded yet.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The answer as recorded so far, for the commit.
+    pub fn stored(&self) -> StoredResponse {
+        let chunks = self.lock();
+        let mut body = BytesMut::with_capacity(chunks.iter().map(Bytes::len).sum());
+        for chunk in chunks.iter() {
+            body.extend_from_slice(chunk);
+        }
+        StoredResponse {
+            status: self.status,
+            headers: self.headers.clone(),
+            body: body.freeze(),
+        }
+    }
+
+    /// The answer is committed: readers get the end of the body.
+    pub fn finish(&self) {
+        self.end(End::Committed);
+    }
+
+    /// The stream was cut: readers' bodies fail.
+    pub fn cut(&self) {
+        metrics::counter!("idemgate_streams_cut_total").increment(1);
+        self.end(End::Cut);
+    }
+
+    fn end(&self, end: End) {
+        let mut changed = false;
+        self.progress.send_if_modified(|p| {
+            changed = p.end == End::Live;
+            if changed {
+                p.end = end;
+            }
+            changed
+        });
+        if changed {
+            metrics::gauge!("idemgate_streams_in_flight").decrement(1.0);
+        }
+    }
+
+    /// Where it stands.
+    pub fn state(&self) -> End {
+        self.progress.borrow().end
+    }
+
+    /// The answer for one reader: everything recorded so far, then the rest
+    /// as it comes. A joiner's is marked `Idempotent-Replayed: true`.
+    pub fn response(self: &Arc<Self>, replayed: bool) -> Response<Body> {
+        let mut response = Response::new(self.reader());
+        *response.status_mut() =
+            StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        crate::replay::set_headers(&mut response, &self.headers);
+        crate::replay::set_job(&mut response, self.job);
+        if replayed {
+            response
+                .headers_mut()
+                .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+        }
+        response
+    }
+
+    fn chunk(&self, index: usize) -> Option<Bytes> {
+        self.lock().get(index).cloned()
+    }
+
+    /// A body that reads the recording from its first chunk.
+    fn reader(self: &Arc<Self>) -> Body {
+        let progress = self.progress.subscribe();
+        let frames = futures_util::stream::unfold(
+            (self.clone(), 0usize, progress, false),
+            |(recording, index, mut progress, failed)| async move {
+                if failed {
+                    return None;
+                }
+                loop {
+                    let now = *progress.borrow_and_update();
+                    if index < now.chunks {
+                        let chunk = recording.chunk(index)?;
+                        return Some((
+                            Ok(Frame::data(chunk)),
+                            (recording, index + 1, progress, false),
+                        ));
+                    }
+                    match now.end {
+                        End::Committed => return None,
+                        End::Cut => {
+                            let cut =
+                                BodyError::new("the upstream's stream was cut before its end");
+                            return Some((Err(cut), (recording, index, progress, true)));
+                        }
+                        End::Live => {}
+                    }
+                    if progress.changed().await.is_err() {
+                        let gone = BodyError::new("the stream's recording ended without a verdict");
+                        return Some((Err(gone), (recording, index, progress, true)));
+                    }
+                }
+            },
+        );
+        StreamBody::new(frames).boxed()
+    }
+}
+
+impl Drop for Recording {
+    fn drop(&mut self) {
+        // A recording dropped while live (its task died) counts as cut.
+        if self.progress.borrow().end == End::Live {
+            metrics::gauge!("idemgate_streams_in_flight").decrement(1.0);
+        }
+    }
+}
+
+/// The streams this gateway is recording, by job, for duplicates to join.
+#[derive(Debug, Default)]
+pub struct Streams {
+    live: Mutex<HashMap<JobId, Weak<Recording>>>,
+}
+
+impl Streams {
+    /// Makes `recording` joinable until it ends.
+    pub fn insert(&self, recording: &Arc<Recording>) {
+        let mut live = self.live.lock().unwrap_or_else(|e| e.into_inner());
+        live.retain(|_, r| r.upgrade().is_some_and(|r| r.state() == End::Live));
+        live.insert(recording.job, Arc::downgrade(recording));
+    }
+
+    /// The live recording of `job`, if this gateway has one.
+    pub fn live(&self, job: JobId) -> Option<Arc<Recording>> {
+        let live = self.live.lock().unwrap_or_else(|e| e.into_inner());
+        live.get(&job)
+            .and_then(Weak::upgrade)
+            .filter(|r| r.state() == End::Live)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn frames(body: Body) -> (Vec<Bytes>, Option<String>) {
+        let mut body = body;
+        let mut out = Vec::new();
+        loop {
+            match body.frame().await {
+                None => return (out, None),
+                Some(Ok(frame)) => out.extend(frame.into_data().ok()),
+                Some(Err(e)) => return (out, Some(e.to_string())),
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn readers_get_what_was_recorded_then_the_rest_and_end_only_once_committed() {
+        let r = Recording::new(JobId::new(), 200, vec![]);
+        r.push(Bytes::from_static(b"a"));
+        let early = tokio::spawn(frames(r.response(false).into_body()));
+        r.push(Bytes::from_static(b"b"));
+        let late = r.response(true);
+        assert_eq!(late.headers()["idempotent-replayed"], "true");
+        let late = tokio::spawn(frames(late.into_body()));
+        r.push(Bytes::from_static(b"c"));
+        tokio::task::yield_now().await;
+        assert!(!early.is_finished(), "no end before the commit");
+        assert_eq!(r.stored().body, "abc");
+        r.finish();
+        for reader in [early, late] {
+            let (chunks, error) = reader.await.unwrap();
+            assert_eq!(chunks.concat(), b"abc");
+            assert_eq!(error, None);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_cut_fails_every_reader_after_what_was_recorded() {
+        let r = Recording::new(JobId::new(), 200, vec![]);
+        r.push(Bytes::from_static(b"partial"));
+        let reader = tokio::spawn(frames(r.response(false).into_body()));
+        r.cut();
+        let (chunks, error) = reader.await.unwrap();
+        assert_eq!(chunks.concat(), b"partial");
+        assert!(error.unwrap().contains("cut"));
+        r.finish();
+        assert_eq!(r.state(), End::Cut, "a verdict is final");
+    }
+
+    #[tokio::test]
+    async fn only_live_recordings_can_be_joined() {
+        let streams = Streams::default();
+        let r = Recording::new(JobId::new(), 200, vec![]);
+        streams.insert(&r);
+        assert!(streams.live(r.job).is_some());
+        r.finish();
+        assert!(streams.live(r.job).is_none());
+    }
+}
