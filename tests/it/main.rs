@@ -12,6 +12,8 @@ mod failover;
 mod fastpath;
 mod outcomes_survive;
 mod postgres_restart;
+mod real_clients;
 mod state_machine_props;
 mod store_conformance;
+mod streaming;
 mod tls;

@@ -8,6 +8,7 @@ pub mod db;
 pub mod gateway;
 pub mod postgres;
 pub mod redis;
+pub mod sse;
 pub mod store;
 pub mod upstream;
 

@@ -1,0 +1,232 @@
+//! Streamed answers (server-sent events) through the real binary: streamed
+//! through while recorded, duplicates joining live, replays as streams, cut
+//! streams failing every reader, and one recorded copy however many read.
+
+use std::time::Duration;
+
+use crate::support::sse::{event, Ending, Finish, Reader, SseUpstream};
+use crate::support::{eventually, post, Gate, Gateway, TestStore};
+
+const EVENT: usize = 128;
+
+fn events(job: &str, from: usize, to: usize, size: usize) -> String {
+    (from..=to).map(|n| event(job, n, size)).collect()
+}
+
+async fn gateway(store: &TestStore, upstream: &SseUpstream) -> Gateway {
+    Gateway::builder(store, &upstream.url())
+        .set("upstream_timeout", "\"5s\"")
+        .start()
+        .await
+}
+
+async fn each_event_reaches_the_client_before_the_next_is_sent(store: TestStore) {
+    let gate = Gate::new();
+    let upstream = SseUpstream::start(3, EVENT, &gate, Ending::Clean).await;
+    let gateway = gateway(&store, &upstream).await;
+    gate.open(1);
+    let mut client = Reader::post(&gateway.path("/v1/chat"), "sse-1", "{}").await;
+    assert_eq!(client.status, 200);
+    assert_eq!(client.header("content-type"), Some("text/event-stream"));
+    assert_eq!(client.header("content-length"), None);
+    let job = client.header("idempotency-job").unwrap().to_owned();
+    client.read_until(EVENT).await;
+    assert_eq!(upstream.sent(), 1, "the second event is not sent yet");
+    gate.open(1);
+    client.read_until(2 * EVENT).await;
+    gate.open(1);
+    assert_eq!(client.finish().await, Finish::Complete);
+    assert_eq!(
+        String::from_utf8(client.read).unwrap(),
+        events(&job, 1, 3, EVENT)
+    );
+}
+
+async fn a_joiner_gets_what_was_sent_so_far_then_the_rest_live(store: TestStore) {
+    let gate = Gate::new();
+    let upstream = SseUpstream::start(6, EVENT, &gate, Ending::Clean).await;
+    let gateway = gateway(&store, &upstream).await;
+    let url = gateway.path("/v1/chat");
+    gate.open(2);
+    let mut first = Reader::post(&url, "sse-join", "{}").await;
+    first.read_until(2 * EVENT).await;
+    let mut joiner = Reader::post(&url, "sse-join", "{}").await;
+    assert_eq!(joiner.status, 200);
+    assert_eq!(joiner.header("idempotent-replayed"), Some("true"));
+    assert_eq!(
+        joiner.header("idempotency-job"),
+        first.header("idempotency-job")
+    );
+    joiner.read_until(2 * EVENT).await;
+    // Event 3 reaches the joiner before the upstream sends event 4.
+    gate.open(1);
+    joiner.read_until(3 * EVENT).await;
+    assert_eq!(upstream.sent(), 3);
+    gate.open(3);
+    assert_eq!(first.finish().await, Finish::Complete);
+    assert_eq!(joiner.finish().await, Finish::Complete);
+    assert_eq!(joiner.read, first.read, "byte-identical");
+    assert_eq!(first.read.len(), 6 * EVENT);
+    assert_eq!(upstream.hits(), 1);
+}
+
+async fn a_finished_stream_replays_as_an_identical_stream(store: TestStore) {
+    let gate = Gate::new();
+    gate.open(4);
+    let upstream = SseUpstream::start(4, EVENT, &gate, Ending::Clean).await;
+    let gateway = gateway(&store, &upstream).await;
+    let url = gateway.path("/v1/chat");
+    let mut first = Reader::post(&url, "sse-replay", "{}").await;
+    assert_eq!(first.finish().await, Finish::Complete);
+    let mut replay = Reader::post(&url, "sse-replay", "{}").await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.header("content-type"), Some("text/event-stream"));
+    assert_eq!(replay.header("content-length"), None, "sent as a stream");
+    assert_eq!(replay.finish().await, Finish::Complete);
+    assert_eq!(replay.read, first.read);
+    assert_eq!(upstream.hits(), 1);
+}
+
+async fn a_stream_cut_midway_aborts_every_reader_and_blocks_the_key(store: TestStore) {
+    let gate = Gate::new();
+    let upstream = SseUpstream::start(6, EVENT, &gate, Ending::ResetAfter(3)).await;
+    let gateway = gateway(&store, &upstream).await;
+    let url = gateway.path("/v1/chat");
+    gate.open(2);
+    let mut first = Reader::post(&url, "sse-cut", "{}").await;
+    first.read_until(2 * EVENT).await;
+    let mut joiner = Reader::post(&url, "sse-cut", "{}").await;
+    joiner.read_until(2 * EVENT).await;
+    gate.open(4);
+    assert_eq!(
+        first.finish().await,
+        Finish::Aborted,
+        "no clean end for a partial stream"
+    );
+    assert_eq!(joiner.finish().await, Finish::Aborted);
+    assert!(first.read.len() >= 2 * EVENT && first.read.len() < 6 * EVENT);
+    assert_eq!(joiner.read, first.read, "both saw the same part");
+    let job = first.header("idempotency-job").unwrap().to_owned();
+    eventually(
+        Duration::from_secs(5),
+        "the attempt to be unknown",
+        || async { gateway.job(&job).await["attempts"][0]["state"] == "unknown" },
+    )
+    .await;
+    let retry = post(&url, "sse-cut", "{}").await;
+    assert_eq!(retry.status, 409);
+    assert_eq!(retry.problem(), "attempt-outcome-unknown");
+    assert_eq!(upstream.hits(), 1);
+}
+
+async fn a_client_hanging_up_mid_stream_does_not_cancel_it(store: TestStore) {
+    let gate = Gate::new();
+    let upstream = SseUpstream::start(5, EVENT, &gate, Ending::Clean).await;
+    let gateway = gateway(&store, &upstream).await;
+    let url = gateway.path("/v1/chat");
+    gate.open(1);
+    let mut first = Reader::post(&url, "sse-gone", "{}").await;
+    first.read_until(EVENT).await;
+    let job = first.header("idempotency-job").unwrap().to_owned();
+    drop(first);
+    gate.open(4);
+    eventually(
+        Duration::from_secs(10),
+        "the stream to be committed",
+        || async { gateway.job(&job).await["state"] == "completed" },
+    )
+    .await;
+    let mut retry = Reader::post(&url, "sse-gone", "{}").await;
+    assert_eq!(retry.finish().await, Finish::Complete);
+    assert_eq!(
+        String::from_utf8(retry.read).unwrap(),
+        events(&job, 1, 5, EVENT)
+    );
+    assert_eq!(upstream.hits(), 1);
+}
+
+/// Memory of the gateway process, from the kernel.
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_hundred_joiners_share_one_recorded_copy() {
+    const BIG: usize = 256 * 1024;
+    let store = TestStore::postgres().await;
+    let gate = Gate::new();
+    let upstream = SseUpstream::start(6, BIG, &gate, Ending::Clean).await;
+    let gateway = gateway(&store, &upstream).await;
+    let url = gateway.path("/v1/chat");
+    gate.open(5);
+    let mut first = Reader::post(&url, "sse-many", "{}").await;
+    first.read_until(5 * BIG).await;
+    let before = rss_kib(gateway.pid());
+    let mut joiners = Vec::new();
+    for _ in 0..100 {
+        let mut joiner = Reader::post(&url, "sse-many", "{}").await;
+        joiner.read_until(5 * BIG).await;
+        joiners.push(joiner);
+    }
+    let grown = rss_kib(gateway.pid()).saturating_sub(before);
+    // 100 copies of the 1.25 MiB recorded so far would be 125 MiB; a
+    // joiner costs its connection, not a copy.
+    assert!(
+        grown < 100 * 160,
+        "RSS grew {grown} KiB for 100 joiners of a 1.25 MiB stream"
+    );
+    gate.open(1);
+    for joiner in &mut joiners {
+        assert_eq!(joiner.finish().await, Finish::Complete);
+        assert_eq!(joiner.read.len(), 6 * BIG);
+    }
+    assert_eq!(first.finish().await, Finish::Complete);
+    assert_eq!(upstream.hits(), 1);
+    assert_eq!(gateway.metric("idemgate_stream_joiners_total").await, 100.0);
+}
+
+#[tokio::test]
+async fn without_redis_a_duplicate_on_another_replica_is_held_then_replayed() {
+    let store = TestStore::postgres().await;
+    let gate = Gate::new();
+    let upstream = SseUpstream::start(3, EVENT, &gate, Ending::Clean).await;
+    let a = gateway(&store, &upstream).await;
+    let b = gateway(&store, &upstream).await;
+    gate.open(1);
+    let mut first = Reader::post(&a.path("/v1/chat"), "sse-far", "{}").await;
+    first.read_until(EVENT).await;
+    let held = tokio::spawn({
+        let url = b.path("/v1/chat");
+        async move {
+            let mut other = Reader::post(&url, "sse-far", "{}").await;
+            let finish = other.finish().await;
+            (other, finish)
+        }
+    });
+    eventually(
+        Duration::from_secs(5),
+        "the duplicate to be held",
+        || async { b.metric("idemgate_held_requests").await >= 1.0 },
+    )
+    .await;
+    gate.open(2);
+    assert_eq!(first.finish().await, Finish::Complete);
+    let (other, finish) = held.await.unwrap();
+    assert_eq!(finish, Finish::Complete);
+    assert_eq!(other.header("idempotent-replayed"), Some("true"));
+    assert_eq!(other.read, first.read);
+    assert_eq!(upstream.hits(), 1);
+}
+
+crate::on_both_stores!(
+    each_event_reaches_the_client_before_the_next_is_sent,
+    a_joiner_gets_what_was_sent_so_far_then_the_rest_live,
+    a_finished_stream_replays_as_an_identical_stream,
+    a_stream_cut_midway_aborts_every_reader_and_blocks_the_key,
+    a_client_hanging_up_mid_stream_does_not_cancel_it,
+);
