@@ -230,3 +230,60 @@ crate::on_both_stores!(
     a_stream_cut_midway_aborts_every_reader_and_blocks_the_key,
     a_client_hanging_up_mid_stream_does_not_cancel_it,
 );
+
+/// A side-effect-free route over `a` (primary) and `b`, hedging after 300 ms.
+async fn hedging_gateway(store: &TestStore, a: &str, b: &str) -> Gateway {
+    Gateway::builder(store, a)
+        .set("upstreams", &format!("[{a:?}, {b:?}]"))
+        .set("upstream_timeout", "\"5s\"")
+        .tables("[[routes]]\npath_prefix = \"/v1\"\nside_effect_free = true\nhedge_after = \"300ms\"\n")
+        .start()
+        .await
+}
+
+#[tokio::test]
+async fn once_a_stream_has_started_no_other_upstream_is_tried() {
+    let store = TestStore::postgres().await;
+    let gate = Gate::new();
+    let primary = SseUpstream::start(3, EVENT, &gate, Ending::Clean).await;
+    let fallback = crate::support::FakeUpstream::echo().await;
+    let gateway = hedging_gateway(&store, &primary.url(), &fallback.url()).await;
+    gate.open(1);
+    let mut client = Reader::post(&gateway.path("/v1/chat"), "sse-hedge-1", "{}").await;
+    client.read_until(EVENT).await;
+    // Silent well past hedge_after, but its bytes are already out.
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    assert_eq!(fallback.hits(), 0, "no hedge once the stream started");
+    gate.open(2);
+    assert_eq!(client.finish().await, Finish::Complete);
+    let job = gateway.job(client.header("idempotency-job").unwrap()).await;
+    assert_eq!(job["attempts"].as_array().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn a_hedge_that_streams_first_wins_and_the_silent_primary_is_superseded() {
+    let store = TestStore::postgres().await;
+    let silent = Gate::new();
+    let primary = crate::support::FakeUpstream::gated_echo(&silent, |_| true).await;
+    let gate = Gate::new();
+    gate.open(3);
+    let hedge = SseUpstream::start(3, EVENT, &gate, Ending::Clean).await;
+    let gateway = hedging_gateway(&store, &primary.url(), &hedge.url()).await;
+    let mut client = Reader::post(&gateway.path("/v1/chat"), "sse-hedge-2", "{}").await;
+    assert_eq!(client.header("content-type"), Some("text/event-stream"));
+    assert_eq!(client.finish().await, Finish::Complete);
+    assert_eq!(client.read.len(), 3 * EVENT);
+    let id = client.header("idempotency-job").unwrap().to_owned();
+    eventually(Duration::from_secs(5), "the primary to be superseded", || async {
+        gateway.job(&id).await["attempts"][0]["state"] == "superseded"
+    })
+    .await;
+    let job = gateway.job(&id).await;
+    assert_eq!(job["attempts"][1]["state"], "succeeded");
+    assert_eq!(job["completed_by"], job["attempts"][1]["id"]);
+    // The primary's late answer changes nothing.
+    silent.open(1);
+    let mut replay = Reader::post(&gateway.path("/v1/chat"), "sse-hedge-2", "{}").await;
+    assert_eq!(replay.finish().await, Finish::Complete);
+    assert_eq!(replay.read, client.read);
+}
