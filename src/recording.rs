@@ -85,6 +85,16 @@ impl Recording {
         self.chunks.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The job it records.
+    pub fn job(&self) -> JobId {
+        self.job
+    }
+
+    /// Its status and end-to-end headers.
+    pub fn head(&self) -> (u16, &[(String, Bytes)]) {
+        (self.status, &self.headers)
+    }
+
     /// Appends a chunk and wakes the readers.
     pub fn push(&self, chunk: Bytes) {
         metrics::counter!("idemgate_streamed_bytes_total").increment(chunk.len() as u64);
@@ -170,42 +180,58 @@ impl Recording {
         self.lock().get(index).cloned()
     }
 
-    /// A body that reads the recording from its first chunk.
-    fn reader(self: &Arc<Self>) -> Body {
+    /// Everything recorded, from the first chunk, then each chunk as it
+    /// comes, then the verdict (a recording dropped without one counts as
+    /// cut).
+    pub fn follow(self: &Arc<Self>) -> impl futures_util::Stream<Item = Next> + Send + 'static {
         let progress = self.progress.subscribe();
-        let frames = futures_util::stream::unfold(
+        futures_util::stream::unfold(
             (self.clone(), 0usize, progress, false),
-            |(recording, index, mut progress, failed)| async move {
-                if failed {
+            |(recording, index, mut progress, done)| async move {
+                if done {
                     return None;
                 }
                 loop {
                     let now = *progress.borrow_and_update();
                     if index < now.chunks {
                         let chunk = recording.chunk(index)?;
-                        return Some((
-                            Ok(Frame::data(chunk)),
-                            (recording, index + 1, progress, false),
-                        ));
+                        return Some((Next::Chunk(chunk), (recording, index + 1, progress, false)));
                     }
-                    match now.end {
-                        End::Committed => return None,
-                        End::Cut => {
-                            let cut =
-                                BodyError::new("the upstream's stream was cut before its end");
-                            return Some((Err(cut), (recording, index, progress, true)));
-                        }
-                        End::Live => {}
+                    if now.end != End::Live {
+                        return Some((Next::End(now.end), (recording, index, progress, true)));
                     }
                     if progress.changed().await.is_err() {
-                        let gone = BodyError::new("the stream's recording ended without a verdict");
-                        return Some((Err(gone), (recording, index, progress, true)));
+                        return Some((Next::End(End::Cut), (recording, index, progress, true)));
                     }
                 }
             },
-        );
-        StreamBody::new(frames).boxed()
+        )
     }
+
+    /// A body that reads the recording from its first chunk: it ends once
+    /// the answer is committed, and fails if it was cut.
+    fn reader(self: &Arc<Self>) -> Body {
+        use futures_util::StreamExt;
+        let frames = self.follow().filter_map(|next| async move {
+            match next {
+                Next::Chunk(chunk) => Some(Ok(Frame::data(chunk))),
+                Next::End(End::Committed) => None,
+                Next::End(_) => Some(Err(BodyError::new(
+                    "the upstream's stream was cut before its end",
+                ))),
+            }
+        });
+        BodyExt::boxed(StreamBody::new(frames))
+    }
+}
+
+/// What a follower of a recording gets next.
+#[derive(Debug, Clone)]
+pub enum Next {
+    /// A chunk, in order.
+    Chunk(Bytes),
+    /// The verdict: the last item.
+    End(End),
 }
 
 impl Drop for Recording {

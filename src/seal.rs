@@ -82,26 +82,44 @@ impl Sealer {
 
     /// Seals `response` for `job` with the active key.
     pub fn seal(&self, job: JobId, response: &StoredResponse) -> StoredResponse {
-        let cipher = &self.sealing;
-        let nonce = Aes256Gcm::generate_nonce(&mut OsRng);
         let headers = encode_headers(&response.headers);
         let mut plain = Vec::with_capacity(4 + headers.len() + response.body.len());
         plain.extend_from_slice(&(headers.len() as u32).to_be_bytes());
         plain.extend_from_slice(&headers);
         plain.extend_from_slice(&response.body);
-        let aad = job.0.as_bytes();
-        // Encryption with a valid key and a fresh nonce cannot fail.
-        let sealed = cipher
-            .encrypt(&nonce, Payload { msg: &plain, aad })
-            .unwrap_or_default();
-        let mut body = Vec::with_capacity(nonce.len() + sealed.len());
-        body.extend_from_slice(&nonce);
-        body.extend_from_slice(&sealed);
         StoredResponse {
             status: response.status,
             headers: vec![(SEALED.to_owned(), Bytes::from(self.active.clone()))],
-            body: Bytes::from(body),
+            body: Bytes::from(self.seal_bytes(job, &plain)),
         }
+    }
+
+    /// Seals bytes of `job` with the active key: `nonce (12) | ciphertext`.
+    pub fn seal_bytes(&self, job: JobId, plain: &[u8]) -> Vec<u8> {
+        let nonce = Aes256Gcm::generate_nonce(&mut OsRng);
+        let aad = job.0.as_bytes();
+        // Encryption with a valid key and a fresh nonce cannot fail.
+        let sealed = self
+            .sealing
+            .encrypt(&nonce, Payload { msg: plain, aad })
+            .unwrap_or_default();
+        let mut out = Vec::with_capacity(nonce.len() + sealed.len());
+        out.extend_from_slice(&nonce);
+        out.extend_from_slice(&sealed);
+        out
+    }
+
+    /// Opens bytes [`Sealer::seal_bytes`] sealed for `job` with key `key`.
+    pub fn open_bytes(&self, key: &str, job: JobId, sealed: &[u8]) -> Result<Vec<u8>, SealError> {
+        let cipher = self
+            .keys
+            .get(key)
+            .ok_or_else(|| SealError::UnknownKey(key.to_owned()))?;
+        let (nonce, sealed) = sealed.split_at_checked(12).ok_or(SealError::Damaged)?;
+        let aad = job.0.as_bytes();
+        cipher
+            .decrypt(Nonce::from_slice(nonce), Payload { msg: sealed, aad })
+            .map_err(|_| SealError::Damaged)
     }
 }
 
@@ -125,20 +143,7 @@ pub fn open(
     };
     let sealer = sealer.ok_or(SealError::NoKeys)?;
     let key = String::from_utf8_lossy(key).into_owned();
-    let cipher = sealer.keys.get(&key).ok_or(SealError::UnknownKey(key))?;
-    let (nonce, sealed) = response
-        .body
-        .split_at_checked(12)
-        .ok_or(SealError::Damaged)?;
-    let plain = cipher
-        .decrypt(
-            Nonce::from_slice(nonce),
-            Payload {
-                msg: sealed,
-                aad: job.0.as_bytes(),
-            },
-        )
-        .map_err(|_| SealError::Damaged)?;
+    let plain = sealer.open_bytes(&key, job, &response.body)?;
     let (len, rest) = plain.split_at_checked(4).ok_or(SealError::Damaged)?;
     let len = u32::from_be_bytes(len.try_into().map_err(|_| SealError::Damaged)?) as usize;
     let (headers, body) = rest.split_at_checked(len).ok_or(SealError::Damaged)?;

@@ -348,8 +348,14 @@ impl Task {
             replay::capture_headers(&parts.headers),
         );
         self.shared.streams.insert(&recording);
-        // Duplicates held on the job look again, and join.
+        // Duplicates held on the job here look again, and join; with Redis,
+        // the stream is mirrored there and other replicas are told once its
+        // head is.
         self.shared.doorbell.ring_local(job);
+        if let Some(fast) = &self.shared.fastpath {
+            let ttl = self.shared.settings.attempt_deadline + Duration::from_secs(60);
+            fast.mirror(&recording, ttl, self.shared.doorbell.clone());
+        }
         self.send(Reply::Streaming(recording.clone()));
         let limit = self.shared.settings.max_response_size;
         let silence = tokio::time::sleep(self.timeout);

@@ -41,6 +41,7 @@ use crate::fingerprint::{fingerprint, Fingerprint, RequestParts};
 use crate::http::{collect_limited, full, Body, IDEMPOTENCY_KEY};
 use crate::job::{Job, JobId, JobState, NewJob, StoredResponse};
 use crate::key::{IdempotencyKey, Owner};
+use crate::recording::{End, Recording};
 use crate::replay::{self, Framing};
 use crate::store::{Begin, StoreError};
 use crate::telemetry::Chain;
@@ -181,9 +182,8 @@ impl Flow {
                 JobState::Completed => return self.replay(&job),
                 JobState::Unknown => return Err(self.outcome_unknown()),
                 JobState::Running => {
-                    if let Some(recording) = self.shared.streams.live(job.id) {
-                        metrics::counter!("idemgate_stream_joiners_total").increment(1);
-                        return Ok(recording.response(true));
+                    if let Some(joined) = self.join(job.id).await {
+                        return Ok(joined);
                     }
                     job = self.hold(job.id).await?;
                 }
@@ -383,6 +383,12 @@ impl Flow {
     /// read again after each ring (and once after subscribing, so a change
     /// between the first read and the subscription is not missed).
     async fn hold(&self, job: JobId) -> Result<Job, GatewayError> {
+        self.wait(job, Streams::Join).await
+    }
+
+    /// Waits until the job is no longer running (or, with
+    /// [`Streams::Join`], until its answer streams), or the hold timeout.
+    async fn wait(&self, job: JobId, streams: Streams) -> Result<Job, GatewayError> {
         let bell = self.shared.doorbell.bell(job);
         let deadline = Instant::now() + self.shared.settings.hold_timeout;
         metrics::counter!("idemgate_requests_held_total").increment(1);
@@ -392,14 +398,78 @@ impl Flow {
             tokio::pin!(rung);
             rung.as_mut().enable();
             let current = self.reread(job).await?;
-            // Finished, or streaming here: the caller decides (and joins).
-            if current.state != JobState::Running || self.shared.streams.live(job).is_some() {
+            // Finished, or streaming: the caller decides (and joins).
+            if current.state != JobState::Running
+                || (streams == Streams::Join && self.streaming(job).await)
+            {
                 return Ok(current);
             }
             tokio::select! {
                 () = &mut rung => {}
                 () = tokio::time::sleep_until(deadline) => return Err(self.in_progress()),
             }
+        }
+    }
+
+    /// Joins the job's answer while it streams: the recording on this
+    /// replica, or (with Redis) a local copy of one another replica mirrors.
+    async fn join(self: &Arc<Self>, job: JobId) -> Option<Response<Body>> {
+        let recording = match self.shared.streams.live(job) {
+            Some(recording) => recording,
+            None => self.mirrored(job).await?,
+        };
+        metrics::counter!("idemgate_stream_joiners_total").increment(1);
+        Some(recording.response(true))
+    }
+
+    /// Whether the job's answer streams here or, with Redis, elsewhere.
+    async fn streaming(&self, job: JobId) -> bool {
+        if self.shared.streams.live(job).is_some() {
+            return true;
+        }
+        match &self.shared.fastpath {
+            Some(fast) => fast.stream_head(job).await.is_some(),
+            None => false,
+        }
+    }
+
+    /// A local recording fed from the Redis Stream another replica mirrors
+    /// the job's answer on, shared by every duplicate here. If Redis fails
+    /// or the stream stalls, the answer is completed from the store once it
+    /// is committed (or cut, if it never is).
+    async fn mirrored(self: &Arc<Self>, job: JobId) -> Option<Arc<Recording>> {
+        let fast = self.shared.fastpath.clone()?;
+        let (status, headers) = fast.stream_head(job).await?;
+        let recording = Recording::new(job, status, headers);
+        self.shared.streams.insert(&recording);
+        let (flow, copy) = (self.clone(), recording.clone());
+        let stall = self.shared.settings.upstream_timeout + self.shared.settings.lease_ttl;
+        tokio::spawn(async move {
+            match fast.feed(&copy, stall).await {
+                Ok(End::Committed) => copy.finish(),
+                Ok(_) => copy.cut(),
+                Err(e) => {
+                    tracing::info!(%job, error = %Chain(e.as_ref()), "the mirrored stream failed; completing it from the store");
+                    flow.complete_from_store(&copy).await;
+                }
+            }
+        });
+        Some(recording)
+    }
+
+    /// Completes a copy of a stream from the job's committed answer.
+    async fn complete_from_store(&self, copy: &Recording) {
+        let committed = match self.wait(copy.job(), Streams::Wait).await {
+            Ok(job) if job.state == JobState::Completed => job.response,
+            _ => None,
+        };
+        let sent = copy.stored().body;
+        match committed {
+            Some(answer) if answer.body.starts_with(&sent) => {
+                copy.push(answer.body.slice(sent.len()..));
+                copy.finish();
+            }
+            _ => copy.cut(),
         }
     }
 
@@ -476,6 +546,15 @@ impl Flow {
             deadline: settings.attempt_deadline,
         }
     }
+}
+
+/// Whether a wait for a running job ends when its answer starts streaming.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Streams {
+    /// Yes: the waiter joins the stream.
+    Join,
+    /// No: the waiter wants the committed answer.
+    Wait,
 }
 
 /// What beginning a job found.

@@ -236,7 +236,9 @@ async fn hedging_gateway(store: &TestStore, a: &str, b: &str) -> Gateway {
     Gateway::builder(store, a)
         .set("upstreams", &format!("[{a:?}, {b:?}]"))
         .set("upstream_timeout", "\"5s\"")
-        .tables("[[routes]]\npath_prefix = \"/v1\"\nside_effect_free = true\nhedge_after = \"300ms\"\n")
+        .tables(
+            "[[routes]]\npath_prefix = \"/v1\"\nside_effect_free = true\nhedge_after = \"300ms\"\n",
+        )
         .start()
         .await
 }
@@ -274,9 +276,11 @@ async fn a_hedge_that_streams_first_wins_and_the_silent_primary_is_superseded() 
     assert_eq!(client.finish().await, Finish::Complete);
     assert_eq!(client.read.len(), 3 * EVENT);
     let id = client.header("idempotency-job").unwrap().to_owned();
-    eventually(Duration::from_secs(5), "the primary to be superseded", || async {
-        gateway.job(&id).await["attempts"][0]["state"] == "superseded"
-    })
+    eventually(
+        Duration::from_secs(5),
+        "the primary to be superseded",
+        || async { gateway.job(&id).await["attempts"][0]["state"] == "superseded" },
+    )
     .await;
     let job = gateway.job(&id).await;
     assert_eq!(job["attempts"][1]["state"], "succeeded");
@@ -286,4 +290,68 @@ async fn a_hedge_that_streams_first_wins_and_the_silent_primary_is_superseded() 
     let mut replay = Reader::post(&gateway.path("/v1/chat"), "sse-hedge-2", "{}").await;
     assert_eq!(replay.finish().await, Finish::Complete);
     assert_eq!(replay.read, client.read);
+}
+
+async fn replica(
+    store: &TestStore,
+    upstream: &SseUpstream,
+    redis: &crate::support::ThrowawayRedis,
+) -> Gateway {
+    Gateway::builder(store, &upstream.url())
+        .set("upstream_timeout", "\"5s\"")
+        .set("redis_url", &format!("{:?}", redis.url()))
+        .start()
+        .await
+}
+
+#[tokio::test]
+async fn with_redis_a_duplicate_on_another_replica_joins_live() {
+    let store = TestStore::postgres().await;
+    let redis = crate::support::ThrowawayRedis::start().await;
+    let gate = Gate::new();
+    let upstream = SseUpstream::start(6, EVENT, &gate, Ending::Clean).await;
+    let a = replica(&store, &upstream, &redis).await;
+    let b = replica(&store, &upstream, &redis).await;
+    gate.open(2);
+    let mut first = Reader::post(&a.path("/v1/chat"), "sse-redis", "{}").await;
+    first.read_until(2 * EVENT).await;
+    let mut far = Reader::post(&b.path("/v1/chat"), "sse-redis", "{}").await;
+    assert_eq!(far.status, 200);
+    assert_eq!(far.header("idempotent-replayed"), Some("true"));
+    far.read_until(2 * EVENT).await;
+    // Live: event 3 reaches the other replica's client before event 4 is sent.
+    gate.open(1);
+    far.read_until(3 * EVENT).await;
+    assert_eq!(upstream.sent(), 3);
+    gate.open(3);
+    assert_eq!(first.finish().await, Finish::Complete);
+    assert_eq!(far.finish().await, Finish::Complete);
+    assert_eq!(far.read, first.read);
+    assert_eq!(upstream.hits(), 1);
+    assert_eq!(b.metric("idemgate_stream_joiners_total").await, 1.0);
+}
+
+#[tokio::test]
+async fn a_joiner_across_replicas_completes_from_the_store_when_redis_dies() {
+    let store = TestStore::postgres().await;
+    let mut redis = crate::support::ThrowawayRedis::start().await;
+    let gate = Gate::new();
+    let upstream = SseUpstream::start(4, EVENT, &gate, Ending::Clean).await;
+    let a = replica(&store, &upstream, &redis).await;
+    let b = replica(&store, &upstream, &redis).await;
+    gate.open(1);
+    let mut first = Reader::post(&a.path("/v1/chat"), "sse-redis-gone", "{}").await;
+    first.read_until(EVENT).await;
+    let mut far = Reader::post(&b.path("/v1/chat"), "sse-redis-gone", "{}").await;
+    far.read_until(EVENT).await;
+    redis.kill().await;
+    gate.open(3);
+    assert_eq!(first.finish().await, Finish::Complete);
+    assert_eq!(
+        far.finish().await,
+        Finish::Complete,
+        "completed from the committed answer"
+    );
+    assert_eq!(far.read, first.read);
+    assert_eq!(upstream.hits(), 1);
 }
