@@ -132,6 +132,53 @@ async fn main() {
         .await;
     println!();
     println!("fast-path hits on the Redis gateway: {redis_hits:.0}");
+
+    // A streamed answer's first byte: what a keyed (recorded) stream adds
+    // over a keyless one through the same gateway.
+    let streams: [(&str, &str, bool); 4] = [
+        ("upstream alone (no idemgate)", &direct, false),
+        ("through idemgate, no key (pass-through)", &with.url, false),
+        (
+            "through idemgate, new key (PostgreSQL + Redis)",
+            &with.url,
+            true,
+        ),
+        (
+            "through idemgate, new key (embedded store)",
+            &embedded.url,
+            true,
+        ),
+    ];
+    let mut first_bytes: Vec<Vec<(Duration, Duration)>> = vec![Vec::new(); streams.len()];
+    for round in 0..args.rounds {
+        for (i, (_, url, keyed)) in streams.iter().enumerate() {
+            first_bytes[i].extend(first_byte(url, *keyed, round, 200, 8).await);
+        }
+    }
+    println!();
+    println!(
+        "a streamed answer (text/event-stream; the upstream sends its first event at once, its last 50 ms later), {} streams per row",
+        first_bytes[0].len()
+    );
+    println!();
+    println!("| path | first byte p50 ms | p90 ms | p99 ms | end p50 ms |");
+    println!("|---|---:|---:|---:|---:|");
+    for (i, (name, _, _)) in streams.iter().enumerate() {
+        let pct = |which: fn(&(Duration, Duration)) -> Duration, p: f64| {
+            let mut d: Vec<Duration> = first_bytes[i].iter().map(which).collect();
+            d.sort();
+            d.get(((d.len() as f64 * p) as usize).min(d.len().saturating_sub(1)))
+                .map_or(0.0, |x| x.as_secs_f64() * 1000.0)
+        };
+        let first = |t: &(Duration, Duration)| t.0;
+        println!(
+            "| {name} | {:.2} | {:.2} | {:.2} | {:.2} |",
+            pct(first, 0.5),
+            pct(first, 0.9),
+            pct(first, 0.99),
+            pct(|t| t.1, 0.5)
+        );
+    }
     drop((without, with, embedded));
     drop_database(&args.database, &db).await;
     let _ = std::fs::remove_dir_all(&scratch);
@@ -220,7 +267,60 @@ async fn run(url: &str, keys: usize, requests: usize, concurrency: usize) -> Sta
     }
 }
 
-/// A minimal upstream that answers every request at once.
+/// Times the first body byte of `n` streams (new keys when `keyed`) over
+/// `concurrency` workers.
+async fn first_byte(
+    url: &str,
+    keyed: bool,
+    round: usize,
+    n: usize,
+    concurrency: usize,
+) -> Vec<(Duration, Duration)> {
+    let c = client();
+    let next = Arc::new(AtomicUsize::new(0));
+    let workers: Vec<_> = (0..concurrency)
+        .map(|_| {
+            let (c, next, url) = (c.clone(), next.clone(), url.to_owned());
+            tokio::spawn(async move {
+                let mut out = Vec::new();
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= n {
+                        return out;
+                    }
+                    let mut req = Request::post(format!("{url}/v1/stream"))
+                        .header("content-type", "application/json");
+                    if keyed {
+                        req = req.header("idempotency-key", format!("stream-{round}-{i}"));
+                    }
+                    let req = req
+                        .body(Full::new(Bytes::from_static(b"{}")))
+                        .expect("request");
+                    let t = Instant::now();
+                    let Ok(response) = c.request(req).await else {
+                        continue;
+                    };
+                    let mut body = response.into_body();
+                    let Some(Ok(_)) = body.frame().await else {
+                        continue;
+                    };
+                    let first = t.elapsed();
+                    while let Some(Ok(_)) = body.frame().await {}
+                    out.push((first, t.elapsed()));
+                }
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for w in workers {
+        all.extend(w.await.expect("worker"));
+    }
+    all
+}
+
+/// A minimal upstream that answers every request at once; `/v1/stream`
+/// answers an event stream whose first event comes at once and whose last
+/// comes 50 ms later.
 async fn start_upstream() -> std::net::SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
@@ -232,17 +332,47 @@ async fn start_upstream() -> std::net::SocketAddr {
             };
             let counter = counter.clone();
             tokio::spawn(async move {
-                let svc = hyper::service::service_fn(move |_req| {
+                let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
                     let n = counter.fetch_add(1, Ordering::Relaxed);
                     async move {
-                        Ok::<_, std::convert::Infallible>(
-                            Response::builder()
-                                .header("content-type", "application/json")
-                                .body(Full::new(Bytes::from(format!(
+                        if req.uri().path() == "/v1/stream" {
+                            let events = futures_util::stream::unfold(0, |i| async move {
+                                match i {
+                                    0 => Some((
+                                        Ok::<_, std::convert::Infallible>(http_body::Frame::data(
+                                            Bytes::from_static(b"data: {\"token\":\"first\"}\n\n"),
+                                        )),
+                                        1,
+                                    )),
+                                    1 => {
+                                        tokio::time::sleep(Duration::from_millis(50)).await;
+                                        Some((
+                                            Ok(http_body::Frame::data(Bytes::from_static(
+                                                b"data: [DONE]\n\n",
+                                            ))),
+                                            2,
+                                        ))
+                                    }
+                                    _ => None,
+                                }
+                            });
+                            return Ok::<_, std::convert::Infallible>(
+                                Response::builder()
+                                    .header("content-type", "text/event-stream")
+                                    .body(http_body_util::BodyExt::boxed(
+                                        http_body_util::StreamBody::new(events),
+                                    ))
+                                    .expect("response"),
+                            );
+                        }
+                        Ok(Response::builder()
+                            .header("content-type", "application/json")
+                            .body(http_body_util::BodyExt::boxed(Full::new(Bytes::from(
+                                format!(
                                     "{{\"charge\":{n},\"status\":\"succeeded\",\"amount\":1000}}"
-                                ))))
-                                .expect("response"),
-                        )
+                                ),
+                            ))))
+                            .expect("response"))
                     }
                 });
                 let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())

@@ -12,9 +12,18 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 /// responses and owners. Nothing the gateway itself logs carries a body, a
 /// credential or a key.
 pub fn init_logs() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,refinery_core=warn"))
-        .add_directive("tokio_postgres=info".parse().expect("a valid directive"));
+    let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,refinery_core=warn"));
+    // Capped only when something asks for more than `info`: a quieter
+    // setting stays as quiet as it was.
+    if filter
+        .max_level_hint()
+        .is_none_or(|max| max > tracing_subscriber::filter::LevelFilter::INFO)
+    {
+        if let Ok(cap) = "tokio_postgres=info".parse() {
+            filter = filter.add_directive(cap);
+        }
+    }
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
