@@ -25,6 +25,9 @@ use crate::config::ConfigError;
 pub struct ContractFile {
     schema: PathBuf,
     embedded: Option<EmbeddedFile>,
+    /// A schema every event of a streamed answer (each `data:` of a
+    /// server-sent event stream but `[DONE]`) must honour.
+    events: Option<PathBuf>,
     #[serde(default)]
     probes: Vec<ProbeFile>,
 }
@@ -60,6 +63,7 @@ pub struct Contract {
     /// Its name, as routes refer to it.
     pub name: String,
     shape: Shape,
+    events: Option<jsonschema::Validator>,
     /// The probes that prove an upstream honours it.
     pub probes: Vec<Probe>,
 }
@@ -177,9 +181,14 @@ impl Contract {
                 shape,
             });
         }
+        let events = match &file.events {
+            None => None,
+            Some(path) => Some(load_schema(&key("events"), base, path)?),
+        };
         Ok(Contract {
             name: name.to_owned(),
             shape: Shape { schema, embedded },
+            events,
             probes,
         })
     }
@@ -187,6 +196,32 @@ impl Contract {
     /// Checks a successful answer's body; the error says what broke.
     pub fn check(&self, body: &[u8]) -> Result<(), String> {
         self.shape.check(body)
+    }
+
+    /// Checks a streamed answer (server-sent events): every event's data
+    /// but `[DONE]` must be JSON of the `events` schema. `None` when the
+    /// contract has no events schema: a stream is then checked for its
+    /// status only.
+    pub fn check_stream(&self, body: &[u8]) -> Option<Result<(), String>> {
+        let schema = self.events.as_ref()?;
+        let text = String::from_utf8_lossy(body);
+        for (n, event) in text.replace("\r\n", "\n").split("\n\n").enumerate() {
+            let data: Vec<&str> = event
+                .lines()
+                .filter_map(|l| l.strip_prefix("data:"))
+                .map(|d| d.strip_prefix(' ').unwrap_or(d))
+                .collect();
+            if data.is_empty() || data == ["[DONE]"] {
+                continue;
+            }
+            let check = serde_json::from_str::<Value>(&data.join("\n"))
+                .map_err(|e| format!("event {} is not JSON: {e}", n + 1))
+                .and_then(|value| validate(schema, &value, &format!("event {}", n + 1)));
+            if check.is_err() {
+                return Some(check);
+            }
+        }
+        Some(Ok(()))
     }
 }
 

@@ -380,21 +380,42 @@ impl Task {
                     break Err(format!("the stream went silent for {}", humantime::format_duration(self.timeout)));
                 }
                 () = cancel.cancelled() => {
-                    recording.cut();
                     self.record(AttemptFailure::Superseded { detail: "cancelled: another attempt of the job won".into() }).await;
+                    recording.cut();
                     return;
                 }
                 () = tokio::time::sleep_until(self.deadline) => break Err("attempt deadline passed mid-stream".to_owned()),
             }
         };
+        // Recorded before any reader hears of the cut, like any outcome.
         if let Err(detail) = ended {
-            recording.cut();
             self.record(AttemptFailure::Unknown { detail }).await;
+            recording.cut();
             return;
+        }
+        let stored = recording.stored();
+        // The whole stream against the contract's events, before its end is
+        // released: a breach is a safe failure, and every copy is cut.
+        if let Some(contract) = &self.route.contract {
+            if let Some(Err(why)) = contract.check_stream(&stored.body) {
+                metrics::counter!("idemgate_attempts_rejected_total").increment(1);
+                let detail = format!(
+                    "broke contract {}: {why}; answer: {}",
+                    contract.name,
+                    excerpt(&stored.body)
+                );
+                self.record(AttemptFailure::Rejected {
+                    status: stored.status,
+                    detail,
+                })
+                .await;
+                recording.cut();
+                return;
+            }
         }
         // The end is the commit: readers get the end of the body only once
         // the whole answer is recorded (retried as long as the attempt lives).
-        match self.write_commit(recording.stored()).await {
+        match self.write_commit(stored).await {
             Ok(CommitOutcome::Committed) => {
                 metrics::counter!("idemgate_commits_total").increment(1);
                 recording.finish();

@@ -355,3 +355,46 @@ async fn a_joiner_across_replicas_completes_from_the_store_when_redis_dies() {
     assert_eq!(far.read, first.read);
     assert_eq!(upstream.hits(), 1);
 }
+
+/// A route whose contract checks each event of a streamed answer.
+async fn contract_gateway(store: &TestStore, upstream: &SseUpstream) -> Gateway {
+    let chat = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/chat");
+    Gateway::builder(store, &upstream.url())
+        .files_from(&chat)
+        .tables(
+            "[contracts.chunks]\nschema = \"response.schema.json\"\nevents = \"chunk.schema.json\"\n\
+             [[routes]]\npath_prefix = \"/v1\"\ncontract = \"chunks\"\n",
+        )
+        .start()
+        .await
+}
+
+#[tokio::test]
+async fn a_stream_that_breaks_the_contract_is_cut_and_rejected() {
+    let store = TestStore::postgres().await;
+    let gate = Gate::new();
+    gate.open(3);
+    let upstream = SseUpstream::start(3, EVENT, &gate, Ending::Clean).await;
+    let gateway = contract_gateway(&store, &upstream).await;
+    let mut client = Reader::post(&gateway.path("/v1/chat"), "sse-breach", "{}").await;
+    assert_eq!(client.finish().await, Finish::Aborted, "no clean end");
+    let job = gateway.job(client.header("idempotency-job").unwrap()).await;
+    assert_eq!(job["state"], "open", "a breach is a safe failure");
+    assert_eq!(job["attempts"][0]["state"], "rejected");
+    assert!(job["attempts"][0]["detail"]
+        .as_str()
+        .unwrap()
+        .contains("broke contract chunks"));
+}
+
+#[tokio::test]
+async fn a_stream_that_honours_the_contract_is_committed() {
+    const TOKENS: &[&str] = &["a", "b"];
+    let store = TestStore::postgres().await;
+    let upstream = SseUpstream::openai(TOKENS, Duration::from_millis(1)).await;
+    let gateway = contract_gateway(&store, &upstream).await;
+    let mut client = Reader::post(&gateway.path("/v1/chat"), "sse-honest", "{}").await;
+    assert_eq!(client.finish().await, Finish::Complete);
+    let job = gateway.job(client.header("idempotency-job").unwrap()).await;
+    assert_eq!(job["state"], "completed");
+}
