@@ -1,9 +1,22 @@
 #!/usr/bin/env bash
-# Replay throughput and latency with and without the Redis fast path, side
-# by side in one run, against the same local upstream. Prints a table.
-# Extra arguments go to the benchmark (--requests, --concurrency, --keys, --rounds).
+# The benchmark: idemgate beside nginx as a plain reverse proxy, in one run,
+# printed as one table (see examples/bench.rs). Installs wrk and nginx when
+# they are missing, as services.sh does for PostgreSQL and Redis.
+# Extra arguments go to the benchmark (--seconds, --rounds, --connections,
+# --storm, --only NAME).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/services.sh
-cargo build --release --locked --bin idemgate --example replay_bench
-exec target/release/examples/replay_bench --binary target/release/idemgate "$@"
+missing=()
+command -v wrk >/dev/null 2>&1 || missing+=(wrk)
+command -v nginx >/dev/null 2>&1 || missing+=(nginx)
+command -v pgbench >/dev/null 2>&1 || missing+=(postgresql-contrib)
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "bench: installing ${missing[*]}" >&2
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+# The duplicate storm holds thousands of connections at once.
+ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
+cargo build --release --locked --bin idemgate --example bench
+exec target/release/examples/bench --binary target/release/idemgate "$@"
