@@ -590,6 +590,9 @@ mod tests {
         async fn ping(&self) -> Result<(), StoreError> {
             Ok(())
         }
+        async fn watch(&self, _: JobId) -> Result<(), StoreError> {
+            Ok(())
+        }
     }
 
     /// Everything logged by the lib's tests (one global subscriber: a

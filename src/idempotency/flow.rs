@@ -390,6 +390,9 @@ impl Flow {
     /// [`Streams::Join`], until its answer streams), or the hold timeout.
     async fn wait(&self, job: JobId, streams: Streams) -> Result<Job, GatewayError> {
         let bell = self.shared.doorbell.bell(job);
+        // Changes of a job are announced to other replicas only once
+        // someone waits on it (the read below follows the mark).
+        self.shared.store.watch(job).await?;
         let deadline = Instant::now() + self.shared.settings.hold_timeout;
         metrics::counter!("idemgate_requests_held_total").increment(1);
         let _held = HeldGauge::new();

@@ -124,6 +124,9 @@ impl Store for Faulty {
     async fn ping(&self) -> Result<(), StoreError> {
         self.inner.ping().await
     }
+    async fn watch(&self, job: JobId) -> Result<(), StoreError> {
+        self.inner.watch(job).await
+    }
 }
 
 /// An upstream service whose answers wait until the test releases the

@@ -20,6 +20,7 @@ use crate::job::JobId;
 pub struct Doorbell {
     bells: Mutex<HashMap<JobId, Weak<Notify>>>,
     announcer: OnceLock<mpsc::UnboundedSender<JobId>>,
+    rung: std::sync::atomic::AtomicU64,
 }
 
 impl Doorbell {
@@ -51,8 +52,14 @@ impl Doorbell {
         }
     }
 
+    /// How many times a job's bell was rung here, in all.
+    pub fn rung(&self) -> u64 {
+        self.rung.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// A job changed elsewhere: wakes its local waiters.
     pub fn ring_local(&self, job: JobId) {
+        self.rung.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let bell = {
             let mut bells = self.bells.lock().unwrap_or_else(|e| e.into_inner());
             match bells.get(&job).map(Weak::upgrade) {

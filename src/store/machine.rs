@@ -143,12 +143,17 @@ impl<B: Backend> Store for Machine<B> {
         response: &StoredResponse,
     ) -> Result<CommitOutcome, StoreError> {
         let response = self.seal(attempt.job_id, response);
-        if self.backend.commit(attempt, &response).await? {
-            self.doorbell.ring(attempt.job_id);
-            Ok(CommitOutcome::Committed)
-        } else {
-            Ok(CommitOutcome::Superseded)
+        let committed = self.backend.commit(attempt, &response).await?;
+        if !committed.won {
+            return Ok(CommitOutcome::Superseded);
         }
+        // Other replicas hear of it only when one of them waits on the job.
+        if committed.watched {
+            self.doorbell.ring(attempt.job_id);
+        } else {
+            self.doorbell.ring_local(attempt.job_id);
+        }
+        Ok(CommitOutcome::Committed)
     }
 
     async fn fail_attempt(
@@ -236,5 +241,9 @@ impl<B: Backend> Store for Machine<B> {
 
     async fn ping(&self) -> Result<(), StoreError> {
         self.backend.ping().await
+    }
+
+    async fn watch(&self, job: JobId) -> Result<(), StoreError> {
+        self.backend.watch(job).await
     }
 }

@@ -12,7 +12,9 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 
-use super::{commit_under_lock, expire_each, Applied, Backend, Begin, Decide, Lock, StoreError};
+use super::{
+    commit_under_lock, expire_each, Applied, Backend, Begin, Committed, Decide, Lock, StoreError,
+};
 use crate::attempt::{Attempt, AttemptId, AttemptState, NewAttempt};
 use crate::job::{Job, JobDetail, JobId, JobState, NewJob, StoredResponse};
 use crate::key::{IdempotencyKey, Owner};
@@ -175,7 +177,7 @@ impl Backend for Memory {
         &self,
         attempt: &Attempt,
         response: &StoredResponse,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Committed, StoreError> {
         commit_under_lock(self, attempt, response).await
     }
 
@@ -287,6 +289,10 @@ impl Backend for Memory {
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    async fn watch(&self, _job: JobId) -> Result<(), StoreError> {
         Ok(())
     }
 }

@@ -209,6 +209,21 @@ pub trait Store: Send + Sync + 'static {
 
     /// Checks that the store answers.
     async fn ping(&self) -> Result<(), StoreError>;
+
+    /// Says someone is about to wait on `job`, so that changes of its state
+    /// are announced to other replicas (only watched jobs pay for it). Call
+    /// it before reading the job, then wait.
+    async fn watch(&self, job: JobId) -> Result<(), StoreError>;
+}
+
+/// What a [`Backend::commit`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Committed {
+    /// The attempt's answer is the job's result.
+    pub won: bool,
+    /// Someone in another process waits on the job (see [`Store::watch`]):
+    /// the change must be announced beyond this one.
+    pub watched: bool,
 }
 
 /// Which job a [`Backend::change`] locks.
@@ -242,12 +257,11 @@ pub trait Backend: Send + Sync + 'static {
     async fn begin(&self, job: NewJob, attempt: NewAttempt) -> Result<Begin, StoreError>;
 
     /// The commit: applies [`transition::commit`] in one compare-and-swap.
-    /// True when `attempt` won.
     async fn commit(
         &self,
         attempt: &Attempt,
         response: &StoredResponse,
-    ) -> Result<bool, StoreError>;
+    ) -> Result<Committed, StoreError>;
 
     /// Locks a job with all its attempts, asks `decide` for the change, and
     /// writes it, in one transaction. A refusal writes nothing.
@@ -287,6 +301,10 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Checks that the database answers.
     async fn ping(&self) -> Result<(), StoreError>;
+
+    /// Marks `job` watched, so changes of its state are announced to other
+    /// processes. A backend that serves one process only does nothing.
+    async fn watch(&self, job: JobId) -> Result<(), StoreError>;
 }
 
 /// The commit of a backend that locks the job (SQLite, memory): the CAS is
@@ -295,11 +313,16 @@ pub(crate) async fn commit_under_lock<B: Backend>(
     backend: &B,
     attempt: &Attempt,
     response: &StoredResponse,
-) -> Result<bool, StoreError> {
+) -> Result<Committed, StoreError> {
     let (id, response) = (attempt.id, response.clone());
     let decide: Decide = Box::new(move |s, _| transition::commit(s, id, &response));
     let applied = backend.change(Lock::JobOf(id), decide).await??;
-    Ok(applied.change.commits(id))
+    Ok(Committed {
+        won: applied.change.commits(id),
+        // Only PostgreSQL serves several processes, and its losers (the
+        // only commits that come here) ring nothing.
+        watched: false,
+    })
 }
 
 /// Applies [`transition::expire`] to each snapshot, skipping (and logging)

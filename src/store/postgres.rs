@@ -22,7 +22,7 @@ use uuid::Uuid;
 
 use super::{
     attempt_state, commit_under_lock, expire_each, job_state, millis, Applied, Backend, Begin,
-    Decide, Doorbell, Lock, StoreError,
+    Committed, Decide, Doorbell, Lock, StoreError,
 };
 use crate::attempt::{Attempt, AttemptId, AttemptState, NewAttempt};
 use crate::fingerprint::Fingerprint;
@@ -45,6 +45,7 @@ const JOB_COLUMNS: &str = "j.id, j.owner, j.key, j.fingerprint, j.route, j.state
 const JOB_WIDTH: usize = 15;
 const ATTEMPT_COLUMNS: &str = "a.id, a.job_id, a.number, a.upstream, a.state, a.job_version, \
      a.started_at, a.finished_at, a.lease_expires_at, a.upstream_status, a.detail";
+const ATTEMPT_WIDTH: usize = 11;
 /// A job's head, the database's clock, and each attempt's head: one row per attempt.
 const SNAPSHOT_COLUMNS: &str = "j.id, j.state, j.version, j.attempt_count, j.completed_by, now(), \
      a.id, a.number, a.state, a.job_version, a.lease_expires_at";
@@ -313,60 +314,47 @@ async fn write(
 impl Backend for Postgres {
     async fn begin(&self, job: NewJob, attempt: NewAttempt) -> Result<Begin, StoreError> {
         let client = self.client().await?;
-        let insert = format!(
-            "WITH j AS ( \
-               INSERT INTO jobs (id, owner, key, fingerprint, route, state, version, attempt_count, expires_at) \
-               VALUES ($1, $2, $3, $4, $5, $12, 1, 1, now() + $6::bigint * interval '1 millisecond') \
-               ON CONFLICT (owner, key) DO NOTHING \
-               RETURNING * \
-             ), a AS ( \
-               INSERT INTO attempts (id, job_id, number, upstream, state, job_version, instance, \
-                                     lease_expires_at, deadline_at) \
-               SELECT $7, j.id, 1, $8, $13, j.version, $9, \
-                      now() + $10::bigint * interval '1 millisecond', \
-                      now() + $11::bigint * interval '1 millisecond' \
-               FROM j \
-               RETURNING * \
-             ) \
-             SELECT {JOB_COLUMNS}, {ATTEMPT_COLUMNS} FROM j, a"
-        );
-        let insert = client.prepare_cached(&insert).await.map_err(map_pg)?;
-        let select = client
+        // One round trip for a new key and for a duplicate alike: the job is
+        // read, and inserted (with its first attempt) only when there is
+        // none. The insert's `ON CONFLICT DO NOTHING` stays the only arbiter
+        // of creation; for a duplicate it inserts nothing, so its commit
+        // writes nothing either.
+        let begin = client
             .prepare_cached(&format!(
-                "SELECT {JOB_COLUMNS}, j.expires_at <= now() FROM jobs j \
-                 WHERE j.owner = $1 AND j.key = $2"
+                "WITH existing AS ( \
+                   SELECT {JOB_COLUMNS}, j.expires_at <= now() AS expired FROM jobs j \
+                   WHERE j.owner = $2 AND j.key = $3 \
+                 ), j AS ( \
+                   INSERT INTO jobs (id, owner, key, fingerprint, route, state, version, attempt_count, expires_at) \
+                   SELECT $1, $2, $3, $4, $5, $12, 1, 1, now() + $6::bigint * interval '1 millisecond' \
+                   WHERE NOT EXISTS (SELECT 1 FROM existing) \
+                   ON CONFLICT (owner, key) DO NOTHING \
+                   RETURNING * \
+                 ), a AS ( \
+                   INSERT INTO attempts (id, job_id, number, upstream, state, job_version, instance, \
+                                         lease_expires_at, deadline_at) \
+                   SELECT $7, j.id, 1, $8, $13, j.version, $9, \
+                          now() + $10::bigint * interval '1 millisecond', \
+                          now() + $11::bigint * interval '1 millisecond' \
+                   FROM j \
+                   RETURNING * \
+                 ) \
+                 SELECT {JOB_COLUMNS}, {ATTEMPT_COLUMNS}, false FROM j, a \
+                 UNION ALL \
+                 SELECT {JOB_COLUMNS}, NULL::uuid, NULL::uuid, NULL::integer, NULL::text, NULL::text, \
+                        NULL::bigint, NULL::timestamptz, NULL::timestamptz, NULL::timestamptz, \
+                        NULL::smallint, NULL::text, j.expired \
+                 FROM existing j"
             ))
             .await
             .map_err(map_pg)?;
         // Bounded: each round either answers, deletes the expired job that
-        // blocked the key, or lost an insert race whose winner the next read finds.
+        // blocked the key, or lost an insert race whose winner the next
+        // round reads.
         for _ in 0..3 {
-            // Most requests that reach the store are duplicates: a plain read
-            // answers them without a write transaction. The insert below stays
-            // the only arbiter of creation.
-            let existing = client
-                .query_opt(&select, &[&job.owner.as_str(), &job.key.as_str()])
-                .await
-                .map_err(map_pg)?;
-            match existing {
-                Some(row) if !row.get::<_, bool>(JOB_WIDTH) => {
-                    return Ok(Begin::Existing(job_from_row(&row)?))
-                }
-                // Expired but not purged yet: forgotten, the key starts afresh.
-                Some(row) => {
-                    client
-                        .execute(
-                            "DELETE FROM jobs WHERE id = $1 AND expires_at <= now()",
-                            &[&row.get::<_, Uuid>(0)],
-                        )
-                        .await
-                        .map_err(map_pg)?;
-                }
-                None => {}
-            }
-            let rows = client
-                .query(
-                    &insert,
+            let row = client
+                .query_opt(
+                    &begin,
                     &[
                         &job.id.0,
                         &job.owner.as_str(),
@@ -385,12 +373,24 @@ impl Backend for Postgres {
                 )
                 .await
                 .map_err(map_pg)?;
-            if let Some(row) = rows.first() {
+            let Some(row) = row else { continue };
+            if row.get::<_, Option<Uuid>>(JOB_WIDTH).is_some() {
                 return Ok(Begin::Created(
-                    job_from_row(row)?,
-                    attempt_from_row(row, JOB_WIDTH)?,
+                    job_from_row(&row)?,
+                    attempt_from_row(&row, JOB_WIDTH)?,
                 ));
             }
+            if !row.get::<_, bool>(JOB_WIDTH + ATTEMPT_WIDTH) {
+                return Ok(Begin::Existing(job_from_row(&row)?));
+            }
+            // Expired but not purged yet: forgotten, the key starts afresh.
+            client
+                .execute(
+                    "DELETE FROM jobs WHERE id = $1 AND expires_at <= now()",
+                    &[&row.get::<_, Uuid>(0)],
+                )
+                .await
+                .map_err(map_pg)?;
         }
         Err(StoreError::Contended)
     }
@@ -399,7 +399,7 @@ impl Backend for Postgres {
         &self,
         attempt: &Attempt,
         response: &StoredResponse,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Committed, StoreError> {
         let client = self.client().await?;
         let (names, values) = split_headers(response);
         let status = response.status as i16;
@@ -417,13 +417,13 @@ impl Backend for Postgres {
                           response_body = $6, version = version + 1, updated_at = now() \
                    WHERE id = $1 AND version = $7 AND completed_by IS NULL \
                      AND EXISTS (SELECT 1 FROM attempts WHERE id = $2 AND state = ANY($9)) \
-                   RETURNING id \
+                   RETURNING id, watched \
                  ), settled AS ( \
                    UPDATE attempts SET state = $10, finished_at = now(), upstream_status = $3 \
                    WHERE id = $2 AND EXISTS (SELECT 1 FROM won) \
                    RETURNING id \
                  ) \
-                 SELECT EXISTS (SELECT 1 FROM won)",
+                 SELECT EXISTS (SELECT 1 FROM won), COALESCE((SELECT watched FROM won), false)",
             )
             .await
             .map_err(map_pg)?;
@@ -447,7 +447,10 @@ impl Backend for Postgres {
             .map_err(map_pg)?;
         drop(client);
         if row.get(0) {
-            return Ok(true);
+            return Ok(Committed {
+                won: true,
+                watched: row.get(1),
+            });
         }
         // Lost: every reason to lose (a moved version, a winner, a settled
         // attempt) is for good, so the locked path agrees, and it also
@@ -590,6 +593,16 @@ impl Backend for Postgres {
             .simple_query("SELECT 1 FROM jobs LIMIT 1")
             .await
             .map_err(map_pg)?;
+        Ok(())
+    }
+
+    async fn watch(&self, job: JobId) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        let watch = client
+            .prepare_cached("UPDATE jobs SET watched = true WHERE id = $1 AND NOT watched")
+            .await
+            .map_err(map_pg)?;
+        client.execute(&watch, &[&job.0]).await.map_err(map_pg)?;
         Ok(())
     }
 }

@@ -32,7 +32,7 @@ use uuid::Uuid;
 use super::codec::{decode_headers, encode_headers};
 use super::{
     attempt_state, commit_under_lock, expire_each, job_state, millis, Applied, Backend, Begin,
-    Decide, Lock, StoreError,
+    Committed, Decide, Lock, StoreError,
 };
 use crate::attempt::{Attempt, AttemptFailure, AttemptId, AttemptState, NewAttempt};
 use crate::fingerprint::Fingerprint;
@@ -443,7 +443,7 @@ impl Backend for Sqlite {
         &self,
         attempt: &Attempt,
         response: &StoredResponse,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Committed, StoreError> {
         commit_under_lock(self, attempt, response).await
     }
 
@@ -566,6 +566,11 @@ impl Backend for Sqlite {
                 .map_err(map_sqlite)
         })
         .await
+    }
+
+    async fn watch(&self, _job: JobId) -> Result<(), StoreError> {
+        // One gateway per file: every waiter is woken in-process.
+        Ok(())
     }
 }
 

@@ -409,17 +409,17 @@ pub async fn every_change_of_a_jobs_state_rings_once(
     store: Arc<dyn Store>,
     doorbell: Arc<Doorbell>,
 ) {
-    let (rung, mut rings) = tokio::sync::mpsc::unbounded_channel();
-    doorbell.announce_to(rung);
-    let mut drain = || {
-        let mut seen = Vec::new();
-        while let Ok(job) = rings.try_recv() {
-            seen.push(job);
-        }
-        seen
+    let (announced, mut announcements) = tokio::sync::mpsc::unbounded_channel();
+    doorbell.announce_to(announced);
+    let mut last = doorbell.rung();
+    let mut rings = || {
+        let now = doorbell.rung();
+        let n = now - last;
+        last = now;
+        n
     };
     let (job, a) = created(store.as_ref(), "rings").await;
-    assert_eq!(drain(), vec![], "a new job has nobody to wake");
+    assert_eq!(rings(), 0, "a new job has nobody to wake");
     let b = store
         .hedge_attempt(job.id, job.version, new_attempt())
         .await
@@ -430,34 +430,35 @@ pub async fn every_change_of_a_jobs_state_rings_once(
         detail: "busy".into(),
     };
     store.fail_attempt(b.id, failed.clone()).await.unwrap();
-    assert_eq!(
-        drain(),
-        vec![],
-        "a hedge and its failure leave the job running"
-    );
+    assert_eq!(rings(), 0, "a hedge and its failure leave the job running");
     let unknown = AttemptFailure::Unknown {
         detail: "timeout".into(),
     };
     store.fail_attempt(a.id, unknown).await.unwrap();
-    assert_eq!(drain(), vec![job.id], "running -> unknown");
+    assert_eq!(rings(), 1, "running -> unknown");
     let open = store
         .resolve_attempt(a.id, Resolution::Failed)
         .await
         .unwrap();
-    assert_eq!(drain(), vec![job.id], "unknown -> open");
+    assert_eq!(rings(), 1, "unknown -> open");
     let c = store
         .claim_attempt(job.id, open.job.version, new_attempt())
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(drain(), vec![job.id], "open -> running");
+    assert_eq!(rings(), 1, "open -> running");
+    while announcements.try_recv().is_ok() {}
     assert_eq!(
         store.commit(&c, &response("c")).await.unwrap(),
         CommitOutcome::Committed
     );
-    assert_eq!(drain(), vec![job.id], "running -> completed");
+    assert_eq!(rings(), 1, "running -> completed");
+    assert!(
+        announcements.try_recv().is_err(),
+        "a commit nobody elsewhere waits on is not announced beyond this process"
+    );
     store.fail_attempt(c.id, failed).await.unwrap();
-    assert_eq!(drain(), vec![], "a settled attempt changes nothing");
+    assert_eq!(rings(), 0, "a settled attempt changes nothing");
 }
 
 pub async fn a_losing_commit_of_the_last_running_attempt_reopens_the_job(store: Arc<dyn Store>) {
@@ -633,6 +634,29 @@ async fn postgres_store() -> (Arc<dyn Store>, Arc<Doorbell>, crate::support::Tes
 }
 
 conformance_suite!(postgres, postgres_store);
+
+/// On PostgreSQL, a commit of a job someone in another process waits on is
+/// announced (NOTIFY and the announcer), and one nobody waits on is not.
+#[tokio::test]
+async fn on_postgres_only_watched_commits_are_announced() {
+    let (store, doorbell, db) = postgres_store().await;
+    let (announced, mut announcements) = tokio::sync::mpsc::unbounded_channel();
+    doorbell.announce_to(announced);
+    let (_, quiet) = created(store.as_ref(), "quiet").await;
+    store.commit(&quiet, &response("q")).await.unwrap();
+    assert!(announcements.try_recv().is_err());
+    let (job, watched) = created(store.as_ref(), "watched").await;
+    store.watch(job.id).await.unwrap();
+    store.commit(&watched, &response("w")).await.unwrap();
+    assert_eq!(announcements.try_recv().ok(), Some(job.id));
+    let rows = db
+        .connect()
+        .await
+        .query("SELECT key FROM jobs WHERE watched ORDER BY key", &[])
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 1, "only the watched job was marked");
+}
 
 /// Rows damaged behind the gateway's back are typed errors, never a panic
 /// or a silently different response.
