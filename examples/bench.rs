@@ -219,9 +219,12 @@ async fn main() {
     let ceiling = pgbench_ceiling(&args, &db).await;
 
     let nginx = |f: fn(&Round) -> f64| {
-        let a = median(rows[1].rounds.iter().map(f).collect());
-        let b = median(rows[2].rounds.iter().map(f).collect());
-        (a + b) / 2.0
+        let proxies: Vec<f64> = rows
+            .iter()
+            .filter(|r| r.name.starts_with("nginx proxy"))
+            .map(|r| median(r.rounds.iter().map(f).collect()))
+            .collect();
+        proxies.iter().sum::<f64>() / proxies.len().max(1) as f64
     };
     let nginx_rps = nginx(|r| r.rps);
     println!();

@@ -93,6 +93,9 @@ pub struct FastPath {
     instance: Uuid,
     /// Seals cached responses as the store seals stored ones.
     sealer: Option<Arc<Sealer>>,
+    /// Jobs whose entry was written lately: a thousand duplicates released
+    /// together write it once, not a thousand times.
+    written: std::sync::Mutex<std::collections::HashMap<JobId, std::time::Instant>>,
 }
 
 impl FastPath {
@@ -117,6 +120,7 @@ impl FastPath {
             healthy: AtomicBool::new(true),
             instance,
             sealer,
+            written: Default::default(),
         })
     }
 
@@ -151,6 +155,23 @@ impl FastPath {
                 count("invalid");
                 tracing::warn!(%owner, key = %key, "ignoring an unusable fast-path entry; the store answers and it is rewritten");
                 Lookup::Unusable
+            }
+        }
+    }
+
+    /// Whether `job`'s entry should be written now: not when it was written
+    /// in the last second (it is then noted as written).
+    pub fn needs_entry(&self, job: JobId) -> bool {
+        let now = std::time::Instant::now();
+        let mut written = self.written.lock().unwrap_or_else(|e| e.into_inner());
+        if written.len() >= 4096 {
+            written.retain(|_, at| now.duration_since(*at) < Duration::from_secs(1));
+        }
+        match written.get(&job) {
+            Some(at) if now.duration_since(*at) < Duration::from_secs(1) => false,
+            _ => {
+                written.insert(job, now);
+                true
             }
         }
     }

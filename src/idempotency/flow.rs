@@ -43,7 +43,7 @@ use crate::job::{Job, JobId, JobState, NewJob, StoredResponse};
 use crate::key::{IdempotencyKey, Owner};
 use crate::recording::{End, Recording};
 use crate::replay::{self, Framing};
-use crate::store::{Begin, StoreError};
+use crate::store::{Begin, Observed, StoreError};
 use crate::telemetry::Chain;
 use crate::upstream::Target;
 
@@ -177,15 +177,20 @@ impl Flow {
             }
             .into());
         }
+        // Duplicates released together by one commit write its fast-path
+        // entry once between them; any other replay from the store writes
+        // it (which also repairs a lost or unusable entry).
+        let mut entry = Entry::Write;
         for _ in 0..MAX_ROUNDS {
             match job.state {
-                JobState::Completed => return self.replay(&job),
+                JobState::Completed => return self.replay(&job, entry),
                 JobState::Unknown => return Err(self.outcome_unknown()),
                 JobState::Running => {
                     if let Some(joined) = self.join(job.id).await {
                         return Ok(joined);
                     }
                     job = self.hold(job.id).await?;
+                    entry = Entry::Once;
                 }
                 JobState::Open => {
                     let primary = self.route.primary.clone();
@@ -314,11 +319,11 @@ impl Flow {
                     Step::Reread => queued.push_back(Event::Reread(self.reread(job).await)),
                     Step::Hold => queued.push_back(Event::Held(self.hold(job).await)),
                     Step::Committed(stored) => {
-                        self.remember(job, expires_at, &stored);
+                        self.remember(job, expires_at, &stored, Entry::Write);
                         return Ok(replay::response(&stored, job, false, Framing::Whole));
                     }
                     Step::Stream(recording) => return Ok(recording.response(false)),
-                    Step::Replay(current) => return self.replay(&current),
+                    Step::Replay(current) => return self.replay(&current, Entry::Write),
                     Step::Answer(answer) => return answer,
                 }
             }
@@ -362,10 +367,13 @@ impl Flow {
     }
 
     /// Caches a committed response on the fast path, off the request path.
-    fn remember(&self, job: JobId, expires_at: SystemTime, stored: &StoredResponse) {
+    fn remember(&self, job: JobId, expires_at: SystemTime, stored: &StoredResponse, entry: Entry) {
         let Some(fast) = self.shared.fastpath.clone() else {
             return;
         };
+        if entry == Entry::Once && !fast.needs_entry(job) {
+            return;
+        }
         let (owner, key, fingerprint, stored) = (
             self.owner.clone(),
             self.key.clone(),
@@ -391,8 +399,9 @@ impl Flow {
     async fn wait(&self, job: JobId, streams: Streams) -> Result<Job, GatewayError> {
         let bell = self.shared.doorbell.bell(job);
         // Changes of a job are announced to other replicas only once
-        // someone waits on it (the read below follows the mark).
-        self.shared.store.watch(job).await?;
+        // someone waits on it; the reads below follow the mark.
+        let store = &self.shared.store;
+        bell.watched(|| store.watch(job)).await?;
         let deadline = Instant::now() + self.shared.settings.hold_timeout;
         metrics::counter!("idemgate_requests_held_total").increment(1);
         let _held = HeldGauge::new();
@@ -400,18 +409,25 @@ impl Flow {
             let rung = bell.notified();
             tokio::pin!(rung);
             rung.as_mut().enable();
-            let current = self.reread(job).await?;
+            // What another waiter read since the last ring serves here too.
+            let since = bell.rings();
+            let seen = bell.observe(since, || self.observe(job)).await?;
             // Finished, or streaming: the caller decides (and joins).
-            if current.state != JobState::Running
-                || (streams == Streams::Join && self.streaming(job).await)
-            {
-                return Ok(current);
+            if seen.job.state != JobState::Running || (streams == Streams::Join && seen.streaming) {
+                return Ok(seen.job);
             }
             tokio::select! {
                 () = &mut rung => {}
                 () = tokio::time::sleep_until(deadline) => return Err(self.in_progress()),
             }
         }
+    }
+
+    /// Reads the job, and whether its answer streams (here or elsewhere).
+    async fn observe(&self, job: JobId) -> Result<Observed, GatewayError> {
+        let job = self.reread(job).await?;
+        let streaming = job.state == JobState::Running && self.streaming(job.id).await;
+        Ok(Observed { job, streaming })
     }
 
     /// Joins the job's answer while it streams: the recording on this
@@ -499,13 +515,13 @@ impl Flow {
         .into()
     }
 
-    fn replay(&self, job: &Job) -> Result<Response<Body>, GatewayError> {
+    fn replay(&self, job: &Job, entry: Entry) -> Result<Response<Body>, GatewayError> {
         let stored = job.response.as_ref().ok_or_else(|| {
             GatewayError::internal(format!("completed job {} has no response", job.id))
         })?;
         metrics::counter!("idemgate_replays_total", "source" => "store").increment(1);
         // Populates the fast path, and repairs an entry that was lost or unusable.
-        self.remember(job.id, job.expires_at, stored);
+        self.remember(job.id, job.expires_at, stored, entry);
         Ok(replay::response(
             stored,
             job.id,
@@ -549,6 +565,16 @@ impl Flow {
             deadline: settings.attempt_deadline,
         }
     }
+}
+
+/// When a replay writes the job's fast-path entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Entry {
+    /// Always (a commit, a replay from the store that found none).
+    Write,
+    /// Unless another replay of the job wrote it within the last second (the
+    /// duplicates one commit releases together).
+    Once,
 }
 
 /// Whether a wait for a running job ends when its answer starts streaming.

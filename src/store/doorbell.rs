@@ -9,24 +9,98 @@
 //! every bell rings so each waiter reads its job again.
 
 use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::{mpsc, Notify, OnceCell};
 
-use crate::job::JobId;
+use crate::job::{Job, JobId};
 
 /// One bell per job that someone waits on.
 #[derive(Debug, Default)]
 pub struct Doorbell {
-    bells: Mutex<HashMap<JobId, Weak<Notify>>>,
+    bells: Mutex<HashMap<JobId, Weak<Bell>>>,
     announcer: OnceLock<mpsc::UnboundedSender<JobId>>,
-    rung: std::sync::atomic::AtomicU64,
+    rung: AtomicU64,
+}
+
+/// A job's bell, shared by everyone waiting on that job in this process.
+///
+/// Waiters share more than the wake-up: what one of them read after a ring
+/// serves all of them ([`Bell::observe`]), and the job is marked watched
+/// once ([`Bell::watched`]). A thousand duplicates of one job cost one read
+/// per change, not a thousand.
+#[derive(Debug, Default)]
+pub struct Bell {
+    notify: Notify,
+    rings: AtomicU64,
+    seen: tokio::sync::Mutex<Option<(u64, Observed)>>,
+    watched: OnceCell<()>,
+}
+
+/// What a waiter read of the job: the job, and whether its answer streams.
+#[derive(Debug, Clone)]
+pub struct Observed {
+    /// The job as read.
+    pub job: Job,
+    /// Whether its answer is streaming (and can be joined).
+    pub streaming: bool,
+}
+
+impl Bell {
+    /// Resolves at the next ring; enable it before reading the job.
+    pub fn notified(&self) -> tokio::sync::futures::Notified<'_> {
+        self.notify.notified()
+    }
+
+    /// How often it rang: a waiter notes this before it reads.
+    pub fn rings(&self) -> u64 {
+        self.rings.load(Ordering::Acquire)
+    }
+
+    /// What the job is now, as of ring `since` at least: the observation of
+    /// another waiter when one was made since, else `read`'s, shared with
+    /// the waiters after. One read runs at a time.
+    pub async fn observe<E, F, Fut>(&self, since: u64, read: F) -> Result<Observed, E>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<Observed, E>>,
+    {
+        let mut seen = self.seen.lock().await;
+        if let Some((at, observed)) = &*seen {
+            if *at >= since {
+                return Ok(observed.clone());
+            }
+        }
+        // Every change rung before this read started is in what it reads.
+        let at = self.rings();
+        let observed = read().await?;
+        *seen = Some((at, observed.clone()));
+        Ok(observed)
+    }
+
+    fn ring(&self) {
+        // Counted before the wake-up: a woken waiter sees the new count.
+        self.rings.fetch_add(1, Ordering::AcqRel);
+        self.notify.notify_waiters();
+    }
+
+    /// Marks the job watched with `mark`, once for all its waiters here;
+    /// every waiter waits until the mark is in.
+    pub async fn watched<E, F, Fut>(&self, mark: F) -> Result<(), E>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<(), E>>,
+    {
+        self.watched.get_or_try_init(mark).await.map(|_| ())
+    }
 }
 
 impl Doorbell {
     /// The bell for a job. Hold the `Arc` while waiting; the entry goes away
     /// once nobody holds it.
-    pub fn bell(&self, job: JobId) -> Arc<Notify> {
+    pub fn bell(&self, job: JobId) -> Arc<Bell> {
         let mut bells = self.bells.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(bell) = bells.get(&job).and_then(Weak::upgrade) {
             return bell;
@@ -34,7 +108,7 @@ impl Doorbell {
         if bells.len() >= 1024 && bells.len().is_power_of_two() {
             bells.retain(|_, b| b.strong_count() > 0);
         }
-        let bell = Arc::new(Notify::new());
+        let bell = Arc::new(Bell::default());
         bells.insert(job, Arc::downgrade(&bell));
         bell
     }
@@ -54,12 +128,12 @@ impl Doorbell {
 
     /// How many times a job's bell was rung here, in all.
     pub fn rung(&self) -> u64 {
-        self.rung.load(std::sync::atomic::Ordering::Relaxed)
+        self.rung.load(Ordering::Relaxed)
     }
 
     /// A job changed elsewhere: wakes its local waiters.
     pub fn ring_local(&self, job: JobId) {
-        self.rung.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.rung.fetch_add(1, Ordering::Relaxed);
         let bell = {
             let mut bells = self.bells.lock().unwrap_or_else(|e| e.into_inner());
             match bells.get(&job).map(Weak::upgrade) {
@@ -71,7 +145,7 @@ impl Doorbell {
                 None => return,
             }
         };
-        bell.notify_waiters();
+        bell.ring();
     }
 
     /// Wakes every waiter, so each reads its job again.
@@ -82,7 +156,7 @@ impl Doorbell {
             bells.values().filter_map(Weak::upgrade).collect()
         };
         for bell in bells {
-            bell.notify_waiters();
+            bell.ring();
         }
     }
 }
@@ -108,5 +182,70 @@ mod tests {
         assert!(futures_util::poll!(wait_b.as_mut()).is_pending());
         doorbell.ring_all();
         wait_b.await;
+    }
+
+    #[tokio::test]
+    async fn waiters_share_one_read_per_ring() {
+        let bell = Bell::default();
+        let reads = std::sync::atomic::AtomicU32::new(0);
+        let job = || {
+            reads.fetch_add(1, Ordering::SeqCst);
+            async {
+                Ok::<_, ()>(Observed {
+                    job: test_job(),
+                    streaming: false,
+                })
+            }
+        };
+        let since = bell.rings();
+        for _ in 0..100 {
+            bell.observe(since, job).await.unwrap();
+        }
+        assert_eq!(
+            reads.load(Ordering::SeqCst),
+            1,
+            "one read serves every waiter"
+        );
+        bell.ring();
+        let since = bell.rings();
+        bell.observe(since, job).await.unwrap();
+        bell.observe(since, job).await.unwrap();
+        assert_eq!(
+            reads.load(Ordering::SeqCst),
+            2,
+            "a ring asks for a fresh read, once"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_job_is_marked_watched_once() {
+        let bell = Bell::default();
+        let marks = std::sync::atomic::AtomicU32::new(0);
+        for _ in 0..10 {
+            bell.watched(|| async {
+                marks.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, ()>(())
+            })
+            .await
+            .unwrap();
+        }
+        assert_eq!(marks.load(Ordering::SeqCst), 1);
+    }
+
+    fn test_job() -> Job {
+        Job {
+            id: JobId::new(),
+            owner: crate::key::Owner::from_header(None),
+            key: crate::key::IdempotencyKey::new("k").unwrap(),
+            fingerprint: crate::fingerprint::Fingerprint([0; 32]),
+            route: "r".into(),
+            state: crate::job::JobState::Running,
+            version: 1,
+            attempt_count: 1,
+            completed_by: None,
+            response: None,
+            created_at: std::time::SystemTime::now(),
+            expires_at: std::time::SystemTime::now(),
+        }
     }
 }

@@ -40,7 +40,7 @@ use crate::key::{IdempotencyKey, Owner};
 use crate::transition::{self, Change, Refusal, Snapshot};
 use crate::BoxError;
 
-pub use doorbell::Doorbell;
+pub use doorbell::{Bell, Doorbell, Observed};
 pub use machine::Machine;
 
 /// What [`Store::begin_job`] found.
