@@ -170,7 +170,17 @@ impl tower::Service<Request<Body>> for Upstream {
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, mut req: Request<Body>) -> Self::Future {
+    fn call(&mut self, req: Request<Body>) -> Self::Future {
+        self.forward(req)
+    }
+}
+
+impl Upstream {
+    /// Sends `req` to this upstream (no clone of the client per request).
+    fn forward(
+        &self,
+        mut req: Request<Body>,
+    ) -> Pin<Box<dyn Future<Output = Result<Response<Body>, UpstreamError>> + Send>> {
         self.rewrite(&mut req);
         let request = self.client.request(req);
         Box::pin(async move {
@@ -245,17 +255,17 @@ impl tower::Service<Request<Body>> for Upstreams {
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
-        let mut upstream = match req.extensions().get::<Target>() {
-            None => self.first.clone(),
+        let upstream = match req.extensions().get::<Target>() {
+            None => &self.first,
             Some(Target(id)) => match self.get(id) {
-                Some(upstream) => upstream.clone(),
+                Some(upstream) => upstream,
                 None => {
                     let error = UpstreamError::Unconfigured(id.clone());
                     return Box::pin(async move { Err(error) });
                 }
             },
         };
-        tower::Service::call(&mut upstream, req)
+        upstream.forward(req)
     }
 }
 

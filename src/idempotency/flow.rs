@@ -166,7 +166,9 @@ impl Flow {
             Begun::Created(first, expires_at) => {
                 *job_id = Some(first.attempt.job_id);
                 metrics::counter!("idemgate_jobs_created_total").increment(1);
-                return self.drive(upstream, first, expires_at).await;
+                // Boxed: a held duplicate's future need not be as large as
+                // one that runs attempts.
+                return Box::pin(self.drive(upstream, first, expires_at)).await;
             }
             Begun::Existing(job) => job,
         };
@@ -196,7 +198,9 @@ impl Flow {
                     let primary = self.route.primary.clone();
                     let claim = self.claim(upstream, job.id, job.version, &primary, Joining::Claim);
                     match joined(claim).await? {
-                        Some(first) => return self.drive(upstream, first, job.expires_at).await,
+                        Some(first) => {
+                            return Box::pin(self.drive(upstream, first, job.expires_at)).await
+                        }
                         None => job = self.reread(job.id).await?,
                     }
                 }

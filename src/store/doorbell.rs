@@ -35,7 +35,10 @@ pub struct Doorbell {
 pub struct Bell {
     notify: Notify,
     rings: AtomicU64,
-    seen: tokio::sync::Mutex<Option<(u64, Observed)>>,
+    /// The last observation, and the ring count its read started at.
+    seen: Mutex<Option<(u64, Observed)>>,
+    /// Held by the one waiter reading; the others wait for its result.
+    reading: tokio::sync::Mutex<()>,
     watched: OnceCell<()>,
 }
 
@@ -67,17 +70,26 @@ impl Bell {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<Observed, E>>,
     {
-        let mut seen = self.seen.lock().await;
-        if let Some((at, observed)) = &*seen {
-            if *at >= since {
-                return Ok(observed.clone());
-            }
+        if let Some(observed) = self.seen_since(since) {
+            return Ok(observed);
+        }
+        let _reading = self.reading.lock().await;
+        // Another waiter may have read while this one queued.
+        if let Some(observed) = self.seen_since(since) {
+            return Ok(observed);
         }
         // Every change rung before this read started is in what it reads.
         let at = self.rings();
         let observed = read().await?;
-        *seen = Some((at, observed.clone()));
+        *self.seen.lock().unwrap_or_else(|e| e.into_inner()) = Some((at, observed.clone()));
         Ok(observed)
+    }
+
+    fn seen_since(&self, since: u64) -> Option<Observed> {
+        let seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        seen.as_ref()
+            .filter(|(at, _)| *at >= since)
+            .map(|(_, observed)| observed.clone())
     }
 
     fn ring(&self) {
