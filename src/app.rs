@@ -21,6 +21,7 @@ use crate::idempotency::{IdempotencyLayer, Shared};
 use crate::lease::Leases;
 use crate::probe::{self, ProbeBoard};
 use crate::seal::Sealer;
+use crate::shed::ShedLayer;
 use crate::store::postgres::Postgres;
 use crate::store::sqlite::Sqlite;
 use crate::store::{Doorbell, Machine, Store, StoreError};
@@ -118,6 +119,8 @@ pub async fn run(
         // …and the response echoes.
         .layer(PropagateRequestIdLayer::x_request_id())
         .map_request(|req: Request<Incoming>| req.map(|b| b.map_err(BodyError::new).boxed()))
+        // Saturated: answer 503 at once rather than queue without bound.
+        .layer(ShedLayer::new(settings.max_in_flight, settings.retry_after))
         // Opted-in requests become jobs and attempts; the rest stream through.
         .layer(IdempotencyLayer::new(shared))
         // Each request goes to the upstream its attempt chose, or the first.
@@ -140,13 +143,15 @@ pub async fn run(
             listeners.proxy,
             proxy,
             shutdown.clone().cancelled_owned(),
-            grace
+            grace,
+            settings.limits,
         ),
         server::serve(
             listeners.admin,
             admin,
             shutdown.clone().cancelled_owned(),
-            grace
+            grace,
+            settings.limits,
         ),
     );
     // Attempts still in flight die with this process; say so now rather

@@ -76,6 +76,12 @@ pub enum GatewayError {
     /// The store.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The gateway is saturated: too many requests in progress.
+    #[error("the gateway has too many requests in progress; retry later")]
+    Overloaded {
+        /// When to try again.
+        retry_after: Duration,
+    },
     /// The gateway itself.
     #[error("internal gateway error")]
     Internal(#[source] BoxError),
@@ -197,6 +203,14 @@ impl GatewayError {
                     "internal-error",
                     "Internal gateway error",
                 ),
+            },
+            GatewayError::Overloaded { retry_after } => Problem {
+                retry_after: Some(*retry_after),
+                ..p(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "overloaded",
+                    "Gateway overloaded; nothing was done",
+                )
             },
             GatewayError::Internal(_) => p(
                 StatusCode::INTERNAL_SERVER_ERROR,

@@ -44,5 +44,6 @@ pub mod idempotency;
 pub mod recording;
 pub mod replay;
 pub mod server;
+pub mod shed;
 pub mod telemetry;
 pub mod upstream;

@@ -44,6 +44,11 @@ pub struct FileConfig {
     pub(super) retry_after: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
     pub(super) shutdown_grace: Option<Duration>,
+    pub(super) max_connections: Option<usize>,
+    pub(super) max_in_flight: Option<usize>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) header_read_timeout: Option<Duration>,
+    pub(super) max_header_size: Option<bytesize::ByteSize>,
     pub(super) owner_header: Option<String>,
     pub(super) forward_key_header: Option<String>,
     pub(super) forward_attempt_header: Option<String>,

@@ -109,6 +109,11 @@ pub struct Settings {
     pub probe_interval: Duration,
     /// Keys sealing stored responses, when configured.
     pub encryption: Option<EncryptionSettings>,
+    /// What each listener allows its clients.
+    pub limits: crate::server::Limits,
+    /// Requests in progress at most; past it the gateway answers `503` at
+    /// once, before it takes any job.
+    pub max_in_flight: usize,
 }
 
 /// Keys sealing stored responses (`[encryption]`).
@@ -278,6 +283,8 @@ impl Settings {
                 .as_ref()
                 .map(|e| encryption(e, &file.base_dir))
                 .transpose()?,
+            limits: limits(&file)?,
+            max_in_flight: at_least_one("max_in_flight", file.max_in_flight.unwrap_or(10_000))?,
         })
     }
 
@@ -387,6 +394,32 @@ fn fastpath_settings(
             .redis_inline_max
             .map_or(64 * 1024, |b| b.as_u64() as usize),
     }))
+}
+
+/// What each listener allows its clients.
+fn limits(file: &FileConfig) -> Result<crate::server::Limits, ConfigError> {
+    let max_header_size = size("max_header_size", file.max_header_size, 64 * 1024)?;
+    if max_header_size < 8192 {
+        return Err(bad(
+            "max_header_size",
+            "must be at least 8KiB (the smallest header buffer the HTTP server takes)",
+        ));
+    }
+    Ok(crate::server::Limits {
+        max_connections: at_least_one("max_connections", file.max_connections.unwrap_or(10_000))?,
+        header_read_timeout: positive(
+            "header_read_timeout",
+            file.header_read_timeout.unwrap_or(Duration::from_secs(10)),
+        )?,
+        max_header_size,
+    })
+}
+
+fn at_least_one(key: &str, n: usize) -> Result<usize, ConfigError> {
+    if n == 0 {
+        return Err(bad(key, "must be at least 1"));
+    }
+    Ok(n)
 }
 
 /// The encryption keys: each 32 bytes of base64, read from the environment

@@ -6,6 +6,7 @@ mod support;
 mod core_answers;
 mod core_outcomes;
 mod core_races;
+mod defences;
 mod embedded;
 mod encryption;
 mod failover;
