@@ -11,6 +11,7 @@ mod embedded;
 mod encryption;
 mod failover;
 mod fastpath;
+mod helm_chart;
 mod outcomes_survive;
 mod postgres_restart;
 mod real_clients;

@@ -1,48 +1,20 @@
 //! Clients nobody here wrote, against the real binary.
 
 use std::path::PathBuf;
-use std::process::Command;
 use std::time::Duration;
 
 use crate::support::sse::SseUpstream;
-use crate::support::{Gateway, TestStore};
+use crate::support::{python, Gateway, TestStore};
 
 const TOKENS: &[&str] = &["One", ", two", ", three", ", four", ", five."];
 
 /// A Python with the `openai` package: the one `IDEMGATE_TEST_PYTHON` names,
-/// or a throwaway virtualenv under `target/`, made (and the package
-/// installed from PyPI) on first use.
+/// or a throwaway virtualenv under `target/`.
 fn python_with_openai() -> PathBuf {
     if let Ok(python) = std::env::var("IDEMGATE_TEST_PYTHON") {
         return PathBuf::from(python);
     }
-    let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/test-venv");
-    let python = venv.join("bin/python");
-    let has_openai = |p: &PathBuf| {
-        Command::new(p)
-            .args(["-c", "import openai"])
-            .status()
-            .is_ok_and(|s| s.success())
-    };
-    if !has_openai(&python) {
-        let made = Command::new("python3")
-            .args(["-m", "venv"])
-            .arg(&venv)
-            .status()
-            .expect("python3 is needed for the real-client tests");
-        assert!(made.success(), "python3 -m venv {}", venv.display());
-        let installed = Command::new(venv.join("bin/pip"))
-            .args([
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-                "openai",
-            ])
-            .status()
-            .unwrap();
-        assert!(installed.success(), "pip install openai");
-    }
-    python
+    python::venv("test-venv", &["openai"], "import openai").join("python")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

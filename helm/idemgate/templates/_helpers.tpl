@@ -37,6 +37,15 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 
 {{/* Refuses what cannot work, at install time. */}}
 {{- define "idemgate.validate" -}}
+{{- $owned := dict "listen" "ports.http" "admin_listen" "ports.admin" "upstreams" "upstreams" "shutdown_grace" "shutdownGraceSeconds" "database_url" "database.existingSecret" "redis_url" "redis.existingSecret" "admin_token" "admin.existingSecret" "embedded_path" "the chart (an emptyDir at /var/lib/idemgate)" -}}
+{{- range $key, $instead := $owned -}}
+{{- if hasKey $.Values.config $key -}}
+{{- fail (printf "config.%s is set by the chart: use %s instead" $key $instead) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (not .Values.database.existingSecret) (eq .Values.mode "sidecar") (not .Values.sidecar.embeddedStore) -}}
+{{- fail "sidecar mode needs PostgreSQL: set database.existingSecret, or sidecar.embeddedStore: true if the API runs exactly one replica (each pod would keep its own jobs)" -}}
+{{- end -}}
 {{- if and (not .Values.database.existingSecret) (eq .Values.mode "deployment") -}}
 {{- if or (gt (int .Values.replicaCount) 1) .Values.autoscaling.enabled -}}
 {{- fail "the embedded store serves one gateway: set database.existingSecret (PostgreSQL) to run more than one replica, or replicaCount: 1 and autoscaling.enabled: false" -}}
@@ -78,6 +87,12 @@ env:
 {{- with .Values.admin.existingSecret }}
   - name: IDEMGATE_ADMIN_TOKEN
     valueFrom: { secretKeyRef: { name: {{ . }}, key: {{ $.Values.admin.key }} } }
+{{- end }}
+{{- with .Values.tracing.otlpEndpoint }}
+  - name: OTEL_EXPORTER_OTLP_ENDPOINT
+    value: {{ . | quote }}
+  - name: OTEL_SERVICE_NAME
+    value: {{ $.Values.tracing.serviceName | quote }}
 {{- end }}
 {{- with .Values.extraEnv }}
 {{ toYaml . | indent 2 }}
@@ -130,7 +145,7 @@ volumeMounts:
 {{- end -}}
 
 {{/* For an API's pod: idemgate as a native sidecar (an init container that
-     keeps running, Kubernetes >= 1.29), started before the API and stopped
+     keeps running, Kubernetes >= 1.29; the preStop sleep needs 1.30), started before the API and stopped
      after it. Put it under `initContainers` and add "idemgate.volumes" to
      the pod's volumes; see examples/app-with-sidecar. */}}
 {{- define "idemgate.sidecar" -}}

@@ -3,10 +3,12 @@
 
 #![allow(dead_code)]
 
+pub mod chart;
 pub mod chat;
 pub mod db;
 pub mod gateway;
 pub mod postgres;
+pub mod python;
 pub mod redis;
 pub mod sse;
 pub mod store;
