@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::Request;
+use http::{Request, Response};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use tokio::net::TcpListener;
@@ -16,7 +16,7 @@ use uuid::Uuid;
 use crate::admin::Admin;
 use crate::config::{Settings, StoreSettings};
 use crate::fastpath::FastPath;
-use crate::http::BodyError;
+use crate::http::{BodyError, IDEMPOTENCY_JOB};
 use crate::idempotency::{IdempotencyLayer, Shared};
 use crate::lease::Leases;
 use crate::probe::{self, ProbeBoard};
@@ -104,18 +104,42 @@ pub async fn run(
     let proxy = ServiceBuilder::new()
         // Every request gets an id (kept if the client sent one)…
         .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
-        // …which the request span carries, so all its logs can be joined…
-        .layer(TraceLayer::new_for_http().make_span_with(|req: &Request<Incoming>| {
-            let id = req
-                .headers()
-                .get("x-request-id")
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or_default();
-            tracing::info_span!("request", method = %req.method(), path = %req.uri().path(), request_id = %id)
-        })
-        // A 5xx here is usually the upstream's, already explained by the
-        // attempt's own log line: a warning, not an error of the gateway.
-        .on_failure(DefaultOnFailure::new().level(tracing::Level::WARN)))
+        // …which the request span carries, so all its logs can be joined;
+        // exported over OTLP when configured, continuing the client's trace…
+        .layer(
+            TraceLayer::new_for_http()
+                .make_span_with(|req: &Request<Incoming>| {
+                    let id = req
+                        .headers()
+                        .get("x-request-id")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or_default();
+                    let span = tracing::info_span!(
+                        "request",
+                        otel.kind = "server",
+                        http.request.method = %req.method(),
+                        url.path = %req.uri().path(),
+                        request_id = %id,
+                        http.response.status_code = tracing::field::Empty,
+                        job.id = tracing::field::Empty,
+                    );
+                    crate::trace::continue_from(&span, req.headers());
+                    span
+                })
+                .on_response(|response: &Response<_>, _latency, span: &tracing::Span| {
+                    span.record("http.response.status_code", response.status().as_u16());
+                    if let Some(job) = response
+                        .headers()
+                        .get(IDEMPOTENCY_JOB)
+                        .and_then(|v| v.to_str().ok())
+                    {
+                        span.record("job.id", job);
+                    }
+                })
+                // A 5xx here is usually the upstream's, already explained by the
+                // attempt's own log line: a warning, not an error of the gateway.
+                .on_failure(DefaultOnFailure::new().level(tracing::Level::WARN)),
+        )
         // …and the response echoes.
         .layer(PropagateRequestIdLayer::x_request_id())
         .map_request(|req: Request<Incoming>| req.map(|b| b.map_err(BodyError::new).boxed()))

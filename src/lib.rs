@@ -46,4 +46,5 @@ pub mod replay;
 pub mod server;
 pub mod shed;
 pub mod telemetry;
+pub mod trace;
 pub mod upstream;

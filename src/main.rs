@@ -23,7 +23,19 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    telemetry::init_logs();
+    let traces = match telemetry::init() {
+        Ok(traces) => traces,
+        Err(e) => return fail(e),
+    };
+    let code = run(cli).await;
+    if let Some(traces) = traces {
+        // Blocks while the last spans go out through this runtime.
+        let _ = tokio::task::spawn_blocking(move || traces.shutdown()).await;
+    }
+    code
+}
+
+async fn run(cli: Cli) -> ExitCode {
     match cli.command {
         Command::Serve(flags) => {
             let settings = match Settings::load(cli.config.as_deref(), flags) {

@@ -1,17 +1,23 @@
-//! Logs and metrics.
+//! Logs, metrics, and the subscriber that carries spans to OTLP.
 
 use std::sync::OnceLock;
 
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
-/// Installs the log subscriber: `RUST_LOG` filters (default `info`, migrations quiet),
-/// `IDEMGATE_LOG_FORMAT=json` switches to JSON lines.
+/// Installs the subscriber: logs to stderr, and spans to OTLP when an
+/// endpoint is configured ([`trace`](crate::trace)); the handle it returns
+/// flushes the spans at exit. An unusable endpoint is an error naming it.
 ///
-/// Whatever `RUST_LOG` says, the PostgreSQL driver never logs below `info`:
-/// at `debug` it prints every statement's parameters, which hold stored
-/// responses and owners. Nothing the gateway itself logs carries a body, a
-/// credential or a key.
-pub fn init_logs() {
+/// Logs: `RUST_LOG` filters (default `info`, migrations quiet),
+/// `IDEMGATE_LOG_FORMAT=json` switches to JSON lines. Whatever `RUST_LOG`
+/// says, the PostgreSQL driver never logs below `info`: at `debug` it prints
+/// every statement's parameters, which hold stored responses and owners.
+/// Nothing the gateway itself logs carries a body, a credential or a key.
+pub fn init() -> Result<Option<crate::trace::Traces>, String> {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::Layer;
+
     let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,refinery_core=warn"));
     // Capped only when something asks for more than `info`: a quieter
@@ -24,15 +30,28 @@ pub fn init_logs() {
             filter = filter.add_directive(cap);
         }
     }
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
     let json = std::env::var("IDEMGATE_LOG_FORMAT").is_ok_and(|v| v == "json");
-    let _ = if json {
-        builder.json().try_init()
+    let logs = if json {
+        tracing_subscriber::fmt::layer()
+            .json()
+            .with_writer(std::io::stderr)
+            .with_filter(filter)
+            .boxed()
     } else {
-        builder.try_init()
+        tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_filter(filter)
+            .boxed()
     };
+    let (spans, traces) = match crate::trace::init()? {
+        Some((layer, traces)) => (Some(layer), Some(traces)),
+        None => (None, None),
+    };
+    let _ = tracing_subscriber::registry()
+        .with(logs)
+        .with(spans)
+        .try_init();
+    Ok(traces)
 }
 
 /// The process-wide Prometheus recorder (installed once; later gateways in

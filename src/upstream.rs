@@ -151,6 +151,8 @@ impl Upstream {
         }
         // The scheme the client used to reach the gateway (plain HTTP).
         headers.insert("x-forwarded-proto", HeaderValue::from_static("http"));
+        // The trace continues upstream from the current span (the attempt's).
+        crate::trace::propagate(headers);
         // The upstream's own credentials, which clients never hold.
         for (name, value) in &self.target.headers {
             headers.insert(name.clone(), value.clone());

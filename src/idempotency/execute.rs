@@ -30,9 +30,10 @@ use http_body_util::BodyExt;
 use tokio::sync::{oneshot, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::{Shared, UpstreamService};
-use crate::attempt::{Attempt, AttemptFailure};
+use crate::attempt::{Attempt, AttemptFailure, AttemptState};
 use crate::config::{Route, UpstreamSettings};
 use crate::contract::excerpt;
 use crate::error::GatewayError;
@@ -105,6 +106,7 @@ pub(super) fn start(
     target: &UpstreamSettings,
     attempt: Attempt,
     mut request: Request<Body>,
+    parent: &tracing::Span,
 ) -> Running {
     let (tx, rx) = oneshot::channel();
     let cancel = CancellationToken::new();
@@ -118,7 +120,18 @@ pub(super) fn start(
         attempt: attempt.clone(),
         reply: Some(tx),
     };
-    tokio::spawn(task.run(upstream, request, cancel.clone()));
+    // A child of the request's span, though it may outlive the request.
+    let span = tracing::info_span!(
+        parent: parent,
+        "attempt",
+        otel.kind = "client",
+        job.id = %attempt.job_id,
+        attempt.id = %attempt.id,
+        attempt.number = attempt.number,
+        upstream = %attempt.upstream,
+        outcome = tracing::field::Empty,
+    );
+    tokio::spawn(task.run(upstream, request, cancel.clone()).instrument(span));
     Running {
         attempt,
         cancel,
@@ -418,10 +431,12 @@ impl Task {
         match self.write_commit(stored).await {
             Ok(CommitOutcome::Committed) => {
                 metrics::counter!("idemgate_commits_total").increment(1);
+                outcome(AttemptState::Succeeded);
                 recording.finish();
             }
             Ok(CommitOutcome::Superseded) => {
                 metrics::counter!("idemgate_commits_superseded_total").increment(1);
+                outcome(AttemptState::Superseded);
                 recording.cut();
             }
             Err(_) => recording.cut(),
@@ -462,10 +477,12 @@ impl Task {
         let reply = match tokio::time::timeout(PATIENCE, &mut write).await {
             Ok(Ok(Ok(CommitOutcome::Committed))) => {
                 metrics::counter!("idemgate_commits_total").increment(1);
+                outcome(AttemptState::Succeeded);
                 Reply::Committed(stored)
             }
             Ok(Ok(Ok(CommitOutcome::Superseded))) => {
                 metrics::counter!("idemgate_commits_superseded_total").increment(1);
+                outcome(AttemptState::Superseded);
                 Reply::Superseded
             }
             Ok(Ok(Err(e))) => Reply::Unknown(e.into()),
@@ -491,6 +508,7 @@ impl Task {
     }
 
     fn log_end(&self, failure: &AttemptFailure) {
+        outcome(failure.state());
         metrics::counter!("idemgate_attempts_ended_total", "state" => failure.state().as_str())
             .increment(1);
         // A rejected answer's detail quotes the answer: it is kept for the
@@ -533,6 +551,11 @@ impl Task {
             let _ = tx.send(reply);
         }
     }
+}
+
+/// Records how the attempt ended on its span (a trace attribute).
+fn outcome(state: AttemptState) {
+    tracing::Span::current().record("outcome", state.as_str());
 }
 
 /// Runs `write` until it succeeds, fails for good, or `deadline` passes,

@@ -70,6 +70,8 @@ pub(super) struct Flow {
     fingerprint: Fingerprint,
     parts: http::request::Parts,
     body: bytes::Bytes,
+    /// The request's span: its attempts' spans are children of it.
+    span: tracing::Span,
 }
 
 impl Flow {
@@ -134,6 +136,7 @@ impl Flow {
             fingerprint,
             parts,
             body,
+            span: tracing::Span::current(),
         }))
     }
 
@@ -268,6 +271,7 @@ impl Flow {
             target,
             attempt,
             request,
+            &self.span,
         )
     }
 

@@ -19,3 +19,4 @@ mod state_machine_props;
 mod store_conformance;
 mod streaming;
 mod tls;
+mod traces;

@@ -7,6 +7,7 @@ pub mod chart;
 pub mod chat;
 pub mod db;
 pub mod gateway;
+pub mod otlp;
 pub mod postgres;
 pub mod python;
 pub mod redis;
