@@ -49,3 +49,46 @@ async fn the_openai_sdk_streaming_twice_with_one_key_sees_one_execution() {
     assert_eq!(seen["second"], seen["first"], "identical token sequences");
     assert_eq!(upstream.hits(), 1, "one upstream execution");
 }
+
+/// curl, twice with one key, then with the same key and another body: the
+/// second is a replay (same body, `Idempotent-Replayed: true`), the third a
+/// problem answer curl's `--fail-with-body` reports as an error.
+#[tokio::test]
+async fn curl_retrying_with_one_key_gets_the_recorded_answer_then_a_mismatch_problem() {
+    let store = TestStore::postgres().await;
+    let upstream = crate::support::FakeUpstream::echo().await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    let url = gateway.path("/v1/charges");
+    let curl = |body: &'static str| {
+        let url = url.clone();
+        async move {
+            tokio::process::Command::new("curl")
+                .args(["--silent", "--show-error", "--include", "--fail-with-body"])
+                .args(["--max-time", "20", "-X", "POST", "-H", "Idempotency-Key: curl-1"])
+                .args(["-H", "Content-Type: application/json", "--data", body, &url])
+                .output()
+                .await
+                .expect("curl is installed")
+        }
+    };
+    let first = curl(r#"{"amount": 10}"#).await;
+    let second = curl(r#"{"amount": 10}"#).await;
+    assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
+    assert!(second.status.success());
+    let (first, second) = (
+        String::from_utf8(first.stdout).unwrap(),
+        String::from_utf8(second.stdout).unwrap(),
+    );
+    let body = |s: &str| s.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned();
+    assert_eq!(body(&first), body(&second));
+    assert!(!first.to_ascii_lowercase().contains("idempotent-replayed: true"));
+    assert!(second.to_ascii_lowercase().contains("idempotent-replayed: true"), "{second}");
+    assert_eq!(upstream.hits(), 1);
+
+    let changed = curl(r#"{"amount": 99}"#).await;
+    assert!(!changed.status.success(), "a different body under the same key passed");
+    let said = String::from_utf8(changed.stdout).unwrap();
+    assert!(said.starts_with("HTTP/1.1 409"), "{said}");
+    assert!(said.to_ascii_lowercase().contains("content-type: application/problem+json"));
+    assert_eq!(upstream.hits(), 1, "the mismatched body reached the upstream");
+}
