@@ -1,8 +1,9 @@
 # The idemgate image: built with the locked dependencies, run as a non-root
 # user on a minimal base holding only the binary and the CA roots.
-# The steps are the README's build: `cargo build --release --locked`.
+# The steps are the README's build: `cargo build --release --locked`, with
+# the toolchain CI uses.
 
-FROM rust:1.89-bookworm AS build
+FROM rust:1.95-bookworm AS build
 WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
 COPY src src

@@ -321,7 +321,8 @@ async fn the_rendered_deployment_pod_runs_on_postgresql_and_redis_as_the_manifes
                     ("ports.http", &http),
                     ("ports.admin", &admin),
                     ("redis.existingSecret", "idemgate-redis"),
-                    ("admin.existingSecret", "idemgate-admin"),
+                    // Inline: the chart writes the Secret itself.
+                    ("admin.value", "s3cret"),
                     ("shutdownGraceSeconds", "3"),
                 ],
             )
@@ -333,7 +334,6 @@ async fn the_rendered_deployment_pod_runs_on_postgresql_and_redis_as_the_manifes
     let secrets: Secrets = [
         (("idemgate-db", "database-url"), db.url.clone()),
         (("idemgate-redis", "redis-url"), redis.url()),
-        (("idemgate-admin", "admin-token"), "s3cret".to_owned()),
     ]
     .into_iter()
     .map(|((n, k), v)| ((n.to_owned(), k.to_owned()), v))

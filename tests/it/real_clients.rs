@@ -64,7 +64,14 @@ async fn curl_retrying_with_one_key_gets_the_recorded_answer_then_a_mismatch_pro
         async move {
             tokio::process::Command::new("curl")
                 .args(["--silent", "--show-error", "--include", "--fail-with-body"])
-                .args(["--max-time", "20", "-X", "POST", "-H", "Idempotency-Key: curl-1"])
+                .args([
+                    "--max-time",
+                    "20",
+                    "-X",
+                    "POST",
+                    "-H",
+                    "Idempotency-Key: curl-1",
+                ])
                 .args(["-H", "Content-Type: application/json", "--data", body, &url])
                 .output()
                 .await
@@ -73,7 +80,11 @@ async fn curl_retrying_with_one_key_gets_the_recorded_answer_then_a_mismatch_pro
     };
     let first = curl(r#"{"amount": 10}"#).await;
     let second = curl(r#"{"amount": 10}"#).await;
-    assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
+    assert!(
+        first.status.success(),
+        "{}",
+        String::from_utf8_lossy(&first.stderr)
+    );
     assert!(second.status.success());
     let (first, second) = (
         String::from_utf8(first.stdout).unwrap(),
@@ -81,14 +92,30 @@ async fn curl_retrying_with_one_key_gets_the_recorded_answer_then_a_mismatch_pro
     );
     let body = |s: &str| s.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned();
     assert_eq!(body(&first), body(&second));
-    assert!(!first.to_ascii_lowercase().contains("idempotent-replayed: true"));
-    assert!(second.to_ascii_lowercase().contains("idempotent-replayed: true"), "{second}");
+    assert!(!first
+        .to_ascii_lowercase()
+        .contains("idempotent-replayed: true"));
+    assert!(
+        second
+            .to_ascii_lowercase()
+            .contains("idempotent-replayed: true"),
+        "{second}"
+    );
     assert_eq!(upstream.hits(), 1);
 
     let changed = curl(r#"{"amount": 99}"#).await;
-    assert!(!changed.status.success(), "a different body under the same key passed");
+    assert!(
+        !changed.status.success(),
+        "a different body under the same key passed"
+    );
     let said = String::from_utf8(changed.stdout).unwrap();
     assert!(said.starts_with("HTTP/1.1 409"), "{said}");
-    assert!(said.to_ascii_lowercase().contains("content-type: application/problem+json"));
-    assert_eq!(upstream.hits(), 1, "the mismatched body reached the upstream");
+    assert!(said
+        .to_ascii_lowercase()
+        .contains("content-type: application/problem+json"));
+    assert_eq!(
+        upstream.hits(),
+        1,
+        "the mismatched body reached the upstream"
+    );
 }

@@ -35,6 +35,19 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
+{{/* The Secret a secret setting ("database", "redis", "admin") is read
+     from: its existingSecret, or the chart's own Secret when the value is
+     given inline (for trials); empty when the setting is off. */}}
+{{- define "idemgate.secretName" -}}
+{{- $root := index . 0 -}}
+{{- $ref := index $root.Values (index . 1) -}}
+{{- if $ref.existingSecret -}}
+{{- $ref.existingSecret -}}
+{{- else if $ref.value -}}
+{{- include "idemgate.fullname" $root -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Refuses what cannot work, at install time. */}}
 {{- define "idemgate.validate" -}}
 {{- $owned := dict "listen" "ports.http" "admin_listen" "ports.admin" "upstreams" "upstreams" "shutdown_grace" "shutdownGraceSeconds" "database_url" "database.existingSecret" "redis_url" "redis.existingSecret" "admin_token" "admin.existingSecret" "embedded_path" "the chart (an emptyDir at /var/lib/idemgate)" -}}
@@ -43,10 +56,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- fail (printf "config.%s is set by the chart: use %s instead" $key $instead) -}}
 {{- end -}}
 {{- end -}}
-{{- if and (not .Values.database.existingSecret) (eq .Values.mode "sidecar") (not .Values.sidecar.embeddedStore) -}}
+{{- $postgres := include "idemgate.secretName" (list . "database") -}}
+{{- if and (not $postgres) (eq .Values.mode "sidecar") (not .Values.sidecar.embeddedStore) -}}
 {{- fail "sidecar mode needs PostgreSQL: set database.existingSecret, or sidecar.embeddedStore: true if the API runs exactly one replica (each pod would keep its own jobs)" -}}
 {{- end -}}
-{{- if and (not .Values.database.existingSecret) (eq .Values.mode "deployment") -}}
+{{- if and (not $postgres) (eq .Values.mode "deployment") -}}
 {{- if or (gt (int .Values.replicaCount) 1) .Values.autoscaling.enabled -}}
 {{- fail "the embedded store serves one gateway: set database.existingSecret (PostgreSQL) to run more than one replica, or replicaCount: 1 and autoscaling.enabled: false" -}}
 {{- end -}}
@@ -61,7 +75,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
       "admin_listen" (printf "0.0.0.0:%d" (int .Values.ports.admin))
       "upstreams" .Values.upstreams
       "shutdown_grace" (printf "%ds" (int .Values.shutdownGraceSeconds)) -}}
-{{- if not .Values.database.existingSecret -}}
+{{- if not (include "idemgate.secretName" (list . "database")) -}}
 {{- $_ := set $base "embedded_path" "/var/lib/idemgate/idemgate.db" -}}
 {{- end -}}
 {{- toToml (merge $base .Values.config) -}}
@@ -76,15 +90,15 @@ args: ["serve", "--config", "/etc/idemgate/idemgate.toml"]
 env:
   - name: IDEMGATE_LOG_FORMAT
     value: json
-{{- with .Values.database.existingSecret }}
+{{- with include "idemgate.secretName" (list . "database") }}
   - name: IDEMGATE_DATABASE_URL
     valueFrom: { secretKeyRef: { name: {{ . }}, key: {{ $.Values.database.key }} } }
 {{- end }}
-{{- with .Values.redis.existingSecret }}
+{{- with include "idemgate.secretName" (list . "redis") }}
   - name: IDEMGATE_REDIS_URL
     valueFrom: { secretKeyRef: { name: {{ . }}, key: {{ $.Values.redis.key }} } }
 {{- end }}
-{{- with .Values.admin.existingSecret }}
+{{- with include "idemgate.secretName" (list . "admin") }}
   - name: IDEMGATE_ADMIN_TOKEN
     valueFrom: { secretKeyRef: { name: {{ . }}, key: {{ $.Values.admin.key }} } }
 {{- end }}
@@ -129,7 +143,7 @@ resources:
 {{ toYaml .Values.resources | indent 2 }}
 volumeMounts:
   - { name: idemgate-config, mountPath: /etc/idemgate, readOnly: true }
-{{- if not .Values.database.existingSecret }}
+{{- if not (include "idemgate.secretName" (list . "database")) }}
   - { name: idemgate-data, mountPath: /var/lib/idemgate }
 {{- end }}
 {{- end -}}
@@ -138,7 +152,7 @@ volumeMounts:
 {{- define "idemgate.volumes" -}}
 - name: idemgate-config
   configMap: { name: {{ include "idemgate.fullname" . }} }
-{{- if not .Values.database.existingSecret }}
+{{- if not (include "idemgate.secretName" (list . "database")) }}
 - name: idemgate-data
   emptyDir: {}
 {{- end }}

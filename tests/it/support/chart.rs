@@ -241,12 +241,19 @@ impl Pod {
                     r["name"].as_str().unwrap().to_owned(),
                     r["key"].as_str().unwrap().to_owned(),
                 );
-                secrets
-                    .get(&id)
-                    .unwrap_or_else(|| {
+                // A Secret the chart rendered (values given inline), or
+                // one the cluster is expected to hold already.
+                let rendered = manifest
+                    .all("Secret")
+                    .into_iter()
+                    .find(|s| s["metadata"]["name"] == id.0.as_str())
+                    .and_then(|s| s["stringData"][&id.1].as_str());
+                match rendered {
+                    Some(v) => v.to_owned(),
+                    None => secrets.get(&id).cloned().unwrap_or_else(|| {
                         panic!("{name} reads Secret {id:?}, which the test does not hold")
-                    })
-                    .clone()
+                    }),
+                }
             };
             cmd.env(name, value);
         }
