@@ -24,7 +24,7 @@ use std::time::Duration;
 use http::{HeaderName, Method, StatusCode};
 
 use crate::contract::Contract;
-use crate::fastpath::FastPathSettings;
+use crate::fastpath::{FastPathSettings, Topology};
 use crate::store::postgres::PgSettings;
 
 pub use file::FileConfig;
@@ -378,14 +378,14 @@ fn fastpath_settings(
     let Some(url) = flags.redis_url.clone().or(file.redis_url.clone()) else {
         return Ok(None);
     };
-    redis::Client::open(url.as_str()).map_err(|e| {
+    let topology = Topology::parse(&url).map_err(|e| {
         bad(
             "redis_url",
-            format!("not a Redis URL ({e}); use redis://host:6379/0"),
+            format!("not a Redis this gateway can reach: {e}"),
         )
     })?;
     Ok(Some(FastPathSettings {
-        url,
+        topology,
         timeout: positive(
             "redis_timeout",
             file.redis_timeout.unwrap_or(Duration::from_millis(50)),
@@ -578,6 +578,13 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(err.key, "upstreams[0]");
+        let err = Settings::from_sources(
+            Settings::parse_file("redis_url = \"redis+sentinel://s:26379\"").unwrap(),
+            flags_with_upstream(),
+        )
+        .unwrap_err();
+        assert_eq!(err.key, "redis_url");
+        assert!(err.to_string().contains("mymaster"), "{err}");
     }
 
     #[test]

@@ -37,6 +37,7 @@ use crate::attempt::{Attempt, AttemptFailure, AttemptState};
 use crate::config::{Route, UpstreamSettings};
 use crate::contract::excerpt;
 use crate::error::GatewayError;
+use crate::fastpath::Tag;
 use crate::http::{full, Body};
 use crate::job::StoredResponse;
 use crate::lease::LeaseGuard;
@@ -98,7 +99,9 @@ pub(super) struct Running {
     pub reply: oneshot::Receiver<Reply>,
 }
 
-/// Starts the attempt's task against `target`.
+/// Starts the attempt's task against `target`; `tag` places what the fast
+/// path mirrors of it with the rest of its key's entries.
+#[allow(clippy::too_many_arguments)] // each is the attempt's own; no bundle reads better
 pub(super) fn start(
     shared: Arc<Shared>,
     upstream: UpstreamService,
@@ -106,6 +109,7 @@ pub(super) fn start(
     target: &UpstreamSettings,
     attempt: Attempt,
     mut request: Request<Body>,
+    tag: Tag,
     parent: &tracing::Span,
 ) -> Running {
     let (tx, rx) = oneshot::channel();
@@ -118,6 +122,7 @@ pub(super) fn start(
         route,
         shared,
         attempt: attempt.clone(),
+        tag,
         reply: Some(tx),
     };
     // A child of the request's span, though it may outlive the request.
@@ -219,6 +224,8 @@ struct Task {
     lease: Arc<LeaseGuard>,
     timeout: Duration,
     deadline: Instant,
+    /// Where the fast path mirrors a streamed answer.
+    tag: Tag,
     reply: Option<oneshot::Sender<Reply>>,
 }
 
@@ -367,7 +374,7 @@ impl Task {
         self.shared.doorbell.ring_local(job);
         if let Some(fast) = &self.shared.fastpath {
             let ttl = self.shared.settings.attempt_deadline + Duration::from_secs(60);
-            fast.mirror(&recording, ttl, self.shared.doorbell.clone());
+            fast.mirror(&self.tag, &recording, ttl, self.shared.doorbell.clone());
         }
         self.send(Reply::Streaming(recording.clone()));
         let limit = self.shared.settings.max_response_size;

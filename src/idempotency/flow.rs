@@ -36,7 +36,7 @@ use super::{Shared, UpstreamService};
 use crate::attempt::{Attempt, AttemptId, NewAttempt};
 use crate::config::{Route, UpstreamSettings};
 use crate::error::{ClientError, GatewayError};
-use crate::fastpath::Lookup;
+use crate::fastpath::{Lookup, Tag};
 use crate::fingerprint::{fingerprint, Fingerprint, RequestParts};
 use crate::http::{collect_limited, full, Body, IDEMPOTENCY_KEY};
 use crate::job::{Job, JobId, JobState, NewJob, StoredResponse};
@@ -271,6 +271,7 @@ impl Flow {
             target,
             attempt,
             request,
+            Tag::of(&self.owner, &self.key),
             &self.span,
         )
     }
@@ -455,7 +456,7 @@ impl Flow {
             return true;
         }
         match &self.shared.fastpath {
-            Some(fast) => fast.stream_head(job).await.is_some(),
+            Some(fast) => fast.stream_head(&self.tag(), job).await.is_some(),
             None => false,
         }
     }
@@ -466,13 +467,14 @@ impl Flow {
     /// is committed (or cut, if it never is).
     async fn mirrored(self: &Arc<Self>, job: JobId) -> Option<Arc<Recording>> {
         let fast = self.shared.fastpath.clone()?;
-        let (status, headers) = fast.stream_head(job).await?;
+        let tag = self.tag();
+        let (status, headers) = fast.stream_head(&tag, job).await?;
         let recording = Recording::new(job, status, headers);
         self.shared.streams.insert(&recording);
         let (flow, copy) = (self.clone(), recording.clone());
         let stall = self.shared.settings.upstream_timeout + self.shared.settings.lease_ttl;
         tokio::spawn(async move {
-            match fast.feed(&copy, stall).await {
+            match fast.feed(&tag, &copy, stall).await {
                 Ok(End::Committed) => copy.finish(),
                 Ok(_) => copy.cut(),
                 Err(e) => {
@@ -482,6 +484,11 @@ impl Flow {
             }
         });
         Some(recording)
+    }
+
+    /// Where the fast path keeps this key's entries.
+    fn tag(&self) -> Tag {
+        Tag::of(&self.owner, &self.key)
     }
 
     /// Completes a copy of a stream from the job's committed answer.

@@ -15,6 +15,7 @@ mod helm_chart;
 mod outcomes_survive;
 mod postgres_restart;
 mod real_clients;
+mod redis_deployments;
 mod state_machine_props;
 mod store_conformance;
 mod streaming;

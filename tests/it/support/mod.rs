@@ -11,6 +11,7 @@ pub mod otlp;
 pub mod postgres;
 pub mod python;
 pub mod redis;
+pub mod redis_cluster;
 pub mod sse;
 pub mod store;
 pub mod upstream;

@@ -1,0 +1,453 @@
+//! How the fast path reaches Redis, as it is deployed: one node, a Redis
+//! Cluster, or a Redis managed by Sentinel (docs/design.md §13).
+//!
+//! Whatever the deployment, the fast path sees a [`Connection`] for its
+//! commands (the same `query_async` calls on all three), a subscription for
+//! announcements, and a connection of its own for blocking stream reads.
+//! Every one of them is made lazily: Redis down at start-up only means
+//! misses until it is up.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection, PubSub};
+use redis::cluster::{ClusterClient, ClusterClientBuilder, ClusterConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
+use redis::{Cmd, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, RedisResult, Value};
+
+/// Where Redis is, as `redis_url` names it.
+#[derive(Debug, Clone)]
+pub enum Topology {
+    /// One node: `redis://host:6379/0` (or `rediss://`, `redis+unix://`).
+    Node(ConnectionInfo),
+    /// A Redis Cluster, found from seed nodes:
+    /// `redis+cluster://[user:password@]host:port,host:port,…`.
+    Cluster(Vec<ConnectionInfo>),
+    /// A master watched by Sentinel:
+    /// `redis+sentinel://[user:password@]host:26379,host:26379,…/service[/db]`;
+    /// the credentials and database are the Redis nodes', not the sentinels'.
+    Sentinel {
+        /// The sentinels.
+        sentinels: Vec<ConnectionAddr>,
+        /// The name the sentinels know the master by.
+        service: String,
+        /// How to talk to the master once found.
+        node: redis::RedisConnectionInfo,
+    },
+}
+
+/// Why `redis_url` does not name a Redis.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct TopologyError(String);
+
+impl Topology {
+    /// Reads `redis_url`.
+    pub fn parse(url: &str) -> Result<Self, TopologyError> {
+        let bad = |why: String| TopologyError(why);
+        if let Some((scheme, rest)) = url
+            .strip_prefix("redis+cluster://")
+            .map(|r| ("redis", r))
+            .or_else(|| url.strip_prefix("rediss+cluster://").map(|r| ("rediss", r)))
+        {
+            let (auth, hosts, path) = split(rest);
+            if !path.is_empty() {
+                return Err(bad(format!(
+                    "a cluster has no database to choose (`/{path}`); remove it"
+                )));
+            }
+            let seeds = hosts
+                .iter()
+                .map(|host| {
+                    format!("{scheme}://{auth}{host}")
+                        .into_connection_info()
+                        .map_err(|e| bad(format!("seed `{host}`: {e}")))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            return Ok(Topology::Cluster(seeds));
+        }
+        if let Some(rest) = url.strip_prefix("redis+sentinel://") {
+            let (auth, hosts, path) = split(rest);
+            let mut path = path.split('/');
+            let service = path.next().unwrap_or_default().to_owned();
+            if service.is_empty() {
+                return Err(bad(
+                    "name the master's service after the sentinels: redis+sentinel://host:26379/mymaster".into(),
+                ));
+            }
+            let db = path.next().filter(|d| !d.is_empty()).unwrap_or("0");
+            let node = format!("redis://{auth}localhost/{db}")
+                .into_connection_info()
+                .map_err(|e| bad(format!("credentials or database: {e}")))?
+                .redis_settings()
+                .clone();
+            let sentinels = hosts
+                .iter()
+                .map(|host| {
+                    format!("redis://{host}")
+                        .into_connection_info()
+                        .map(|info| info.addr().clone())
+                        .map_err(|e| bad(format!("sentinel `{host}`: {e}")))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            return Ok(Topology::Sentinel {
+                sentinels,
+                service,
+                node,
+            });
+        }
+        url.into_connection_info().map(Topology::Node).map_err(|e| {
+            bad(format!(
+                "{e}; use redis://host:6379/0, redis+cluster://host:7000,host:7001 or redis+sentinel://host:26379/mymaster"
+            ))
+        })
+    }
+}
+
+/// `[auth@]host,host[/path]` → (`auth@` or empty, hosts, path).
+fn split(rest: &str) -> (&str, Vec<&str>, &str) {
+    let (auth, rest) = match rest.rfind('@') {
+        Some(at) => rest.split_at(at + 1),
+        None => ("", rest),
+    };
+    let (hosts, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let hosts = hosts.split(',').filter(|h| !h.is_empty()).collect();
+    (auth, hosts, path.trim_end_matches('/'))
+}
+
+/// The fast path's handle on Redis.
+pub struct Redis {
+    reach: Reach,
+    /// For connections of their own (blocking reads, subscriptions).
+    timeout: Duration,
+}
+
+enum Reach {
+    Node {
+        client: redis::Client,
+        conn: ConnectionManager,
+    },
+    Cluster {
+        client: Box<ClusterClient>,
+        conn: ClusterConnection,
+        /// Subscriptions are made to one node (classic pub/sub is broadcast
+        /// to every node of a cluster); the first that answers.
+        seeds: Vec<redis::Client>,
+    },
+    Sentinel(Arc<Master>),
+}
+
+impl Redis {
+    /// Prepares the connections without making them; every command answers
+    /// within `timeout` or fails.
+    pub fn new(topology: &Topology, timeout: Duration) -> RedisResult<Self> {
+        let connect = timeout.max(Duration::from_millis(100));
+        let managed = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(connect))
+            .set_response_timeout(Some(timeout))
+            .set_number_of_retries(1)
+            .set_max_delay(Duration::from_secs(1));
+        let reach = match topology {
+            Topology::Node(info) => {
+                let client = redis::Client::open(info.clone())?;
+                let conn = ConnectionManager::new_lazy_with_config(client.clone(), managed)?;
+                Reach::Node { client, conn }
+            }
+            Topology::Cluster(seeds) => {
+                let client = ClusterClientBuilder::new(seeds.clone())
+                    .connection_timeout(connect)
+                    .response_timeout(timeout)
+                    .retries(2)
+                    .max_retry_wait(200)
+                    .build()?;
+                let config = ClusterConfig::new()
+                    .set_connection_timeout(connect)
+                    .set_response_timeout(timeout);
+                let conn = client.get_pending_async_connection_with_config(config);
+                let seeds = seeds
+                    .iter()
+                    .map(|s| redis::Client::open(s.clone()))
+                    .collect::<RedisResult<_>>()?;
+                Reach::Cluster {
+                    client: Box::new(client),
+                    conn,
+                    seeds,
+                }
+            }
+            Topology::Sentinel {
+                sentinels,
+                service,
+                node,
+            } => {
+                let mut builder = SentinelClientBuilder::new(
+                    sentinels.clone(),
+                    service,
+                    SentinelServerType::Master,
+                )?
+                .set_client_to_redis_db(node.db());
+                if let Some(user) = node.username() {
+                    builder = builder.set_client_to_redis_username(user);
+                }
+                if let Some(password) = node.password() {
+                    builder = builder.set_client_to_redis_password(password);
+                }
+                Reach::Sentinel(Arc::new(Master {
+                    sentinel: tokio::sync::Mutex::new(builder.build()?),
+                    current: RwLock::new(None),
+                    resolving: AtomicBool::new(false),
+                    config: managed,
+                }))
+            }
+        };
+        Ok(Redis { reach, timeout })
+    }
+
+    /// A connection for commands: cheap to take, shared underneath.
+    pub fn conn(&self) -> Connection {
+        match &self.reach {
+            Reach::Node { conn, .. } => Connection::Managed(conn.clone()),
+            Reach::Cluster { conn, .. } => Connection::Cluster(conn.clone()),
+            Reach::Sentinel(master) => Connection::Sentinel(master.clone()),
+        }
+    }
+
+    /// A subscription on a node that hears every announcement.
+    pub async fn subscriber(&self) -> RedisResult<PubSub> {
+        match &self.reach {
+            Reach::Node { client, .. } => self.bounded(client.get_async_pubsub()).await,
+            Reach::Cluster { seeds, .. } => {
+                let mut last = None;
+                for seed in seeds {
+                    match self.bounded(seed.get_async_pubsub()).await {
+                        Ok(pubsub) => return Ok(pubsub),
+                        Err(e) => last = Some(e),
+                    }
+                }
+                Err(last.unwrap_or_else(|| no_node("no seed node")))
+            }
+            Reach::Sentinel(master) => {
+                let client = self.bounded(master.client()).await?;
+                self.bounded(client.get_async_pubsub()).await
+            }
+        }
+    }
+
+    /// A connection of its own, for reads that block it.
+    pub async fn dedicated(&self) -> RedisResult<Connection> {
+        match &self.reach {
+            Reach::Node { client, .. } => self
+                .bounded(client.get_multiplexed_async_connection())
+                .await
+                .map(Connection::Multiplexed),
+            Reach::Cluster { client, .. } => {
+                // Blocking reads need longer than a command may take.
+                let config = ClusterConfig::new()
+                    .set_connection_timeout(self.timeout.max(Duration::from_millis(100)))
+                    .set_response_timeout(Duration::from_secs(3));
+                self.bounded(client.get_async_connection_with_config(config))
+                    .await
+                    .map(Connection::Cluster)
+            }
+            Reach::Sentinel(master) => {
+                let client = self.bounded(master.client()).await?;
+                self.bounded(client.get_multiplexed_async_connection())
+                    .await
+                    .map(Connection::Multiplexed)
+            }
+        }
+    }
+
+    async fn bounded<T>(
+        &self,
+        fut: impl std::future::Future<Output = RedisResult<T>>,
+    ) -> RedisResult<T> {
+        let limit = self.timeout.max(Duration::from_millis(500));
+        tokio::time::timeout(limit, fut)
+            .await
+            .unwrap_or_else(|_| Err(no_node("connecting to Redis timed out")))
+    }
+}
+
+fn no_node(why: &'static str) -> redis::RedisError {
+    redis::RedisError::from((redis::ErrorKind::Io, why))
+}
+
+/// A connection to Redis however deployed, usable wherever the `redis` crate
+/// takes one (`cmd.query_async(&mut conn)`).
+#[derive(Clone)]
+pub enum Connection {
+    /// One node, reconnecting by itself.
+    Managed(ConnectionManager),
+    /// One node, a connection of its own.
+    Multiplexed(MultiplexedConnection),
+    /// A cluster: each command goes to the node that holds its slot.
+    Cluster(ClusterConnection),
+    /// Whichever node Sentinel says is the master now.
+    Sentinel(Arc<Master>),
+}
+
+impl redis::aio::ConnectionLike for Connection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> redis::RedisFuture<'a, Value> {
+        match self {
+            Connection::Managed(c) => c.req_packed_command(cmd),
+            Connection::Multiplexed(c) => c.req_packed_command(cmd),
+            Connection::Cluster(c) => c.req_packed_command(cmd),
+            Connection::Sentinel(master) => {
+                let master = master.clone();
+                Box::pin(async move {
+                    let mut conn = master.current()?;
+                    master.check(conn.req_packed_command(cmd).await)
+                })
+            }
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<Value>> {
+        match self {
+            Connection::Managed(c) => c.req_packed_commands(pipeline, offset, count),
+            Connection::Multiplexed(c) => c.req_packed_commands(pipeline, offset, count),
+            Connection::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+            Connection::Sentinel(master) => {
+                let master = master.clone();
+                Box::pin(async move {
+                    let mut conn = master.current()?;
+                    master.check(conn.req_packed_commands(pipeline, offset, count).await)
+                })
+            }
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Connection::Managed(c) => c.get_db(),
+            Connection::Multiplexed(c) => c.get_db(),
+            Connection::Cluster(c) => c.get_db(),
+            Connection::Sentinel(_) => 0,
+        }
+    }
+}
+
+/// The master Sentinel names, found again whenever it stops answering as
+/// one (gone, or come back as a replica after a failover: `READONLY`).
+pub struct Master {
+    sentinel: tokio::sync::Mutex<SentinelClient>,
+    current: RwLock<Option<(redis::Client, ConnectionManager)>>,
+    /// A lookup is on its way (requests do not wait for it: they go on
+    /// without Redis, as when it is down).
+    resolving: AtomicBool,
+    config: ConnectionManagerConfig,
+}
+
+impl Master {
+    /// The connection to the master as last found; starts finding it when
+    /// none is known.
+    fn current(self: &Arc<Self>) -> RedisResult<ConnectionManager> {
+        let current = self.current.read().unwrap_or_else(|e| e.into_inner());
+        match &*current {
+            Some((_, conn)) => Ok(conn.clone()),
+            None => {
+                drop(current);
+                self.find();
+                Err(no_node("asking Sentinel for the master"))
+            }
+        }
+    }
+
+    /// Forgets the master when an answer shows it is no longer one.
+    fn check<T>(self: &Arc<Self>, result: RedisResult<T>) -> RedisResult<T> {
+        if let Err(e) = &result {
+            let demoted = e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly);
+            if demoted || e.is_io_error() || e.is_connection_dropped() {
+                *self.current.write().unwrap_or_else(|e| e.into_inner()) = None;
+                self.find();
+            }
+        }
+        result
+    }
+
+    /// Asks Sentinel in a task of its own, so that a caller giving up does
+    /// not abandon the lookup.
+    fn find(self: &Arc<Self>) {
+        if self.resolving.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let master = self.clone();
+        tokio::spawn(async move {
+            if let Err(e) = master.client().await {
+                tracing::debug!(error = %e, "Sentinel did not name a master");
+            }
+            master.resolving.store(false, Ordering::Release);
+        });
+    }
+
+    /// The master's client, asking Sentinel when none is known.
+    async fn client(&self) -> RedisResult<redis::Client> {
+        if let Some((client, _)) = &*self.current.read().unwrap_or_else(|e| e.into_inner()) {
+            return Ok(client.clone());
+        }
+        let mut sentinel = self.sentinel.lock().await;
+        if let Some((client, _)) = &*self.current.read().unwrap_or_else(|e| e.into_inner()) {
+            return Ok(client.clone());
+        }
+        let client = sentinel.async_get_client().await?;
+        let conn = ConnectionManager::new_lazy_with_config(client.clone(), self.config.clone())?;
+        tracing::info!(master = ?client.get_connection_info().addr(), "Sentinel named the Redis master");
+        *self.current.write().unwrap_or_else(|e| e.into_inner()) = Some((client.clone(), conn));
+        Ok(client)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_name_a_node_a_cluster_or_a_sentinel_master() {
+        assert!(matches!(
+            Topology::parse("redis://127.0.0.1:6379/2").unwrap(),
+            Topology::Node(info) if info.redis_settings().db() == 2
+        ));
+        let Topology::Cluster(seeds) =
+            Topology::parse("redis+cluster://u:p@10.0.0.1:7000,10.0.0.2:7001").unwrap()
+        else {
+            panic!("not a cluster")
+        };
+        assert_eq!(seeds.len(), 2);
+        assert_eq!(
+            seeds[1].addr(),
+            &ConnectionAddr::Tcp("10.0.0.2".into(), 7001)
+        );
+        assert_eq!(seeds[0].redis_settings().password(), Some("p"));
+        let Topology::Sentinel {
+            sentinels,
+            service,
+            node,
+        } = Topology::parse("redis+sentinel://:secret@s1:26379,s2:26380/mymaster/3").unwrap()
+        else {
+            panic!("not sentinel")
+        };
+        assert_eq!(sentinels[1], ConnectionAddr::Tcp("s2".into(), 26380));
+        assert_eq!(service, "mymaster");
+        assert_eq!((node.db(), node.password()), (3, Some("secret")));
+    }
+
+    #[test]
+    fn bad_urls_say_what_to_write() {
+        for (url, says) in [
+            ("http://x", "redis+cluster://"),
+            ("redis+sentinel://s1:26379", "name the master's service"),
+            ("redis+cluster://a:7000/1", "no database"),
+            ("redis+cluster://a:notaport", "seed `a:notaport`"),
+        ] {
+            let why = Topology::parse(url).unwrap_err().to_string();
+            assert!(why.contains(says), "{url}: {why}");
+        }
+    }
+}

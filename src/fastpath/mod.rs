@@ -1,0 +1,271 @@
+//! The Redis fast path: committed responses cached for replay, and job
+//! changes announced to every replica.
+//!
+//! Redis is a cache and a doorbell, never the arbiter:
+//!
+//! - A lookup that hits serves a replay with one Redis round trip. A miss,
+//!   an error, a timeout, or an entry that fails validation falls back to the
+//!   store; nothing is ever created here (job creation stays the database's
+//!   `INSERT … ON CONFLICT`).
+//! - An entry is written after a commit, and again whenever the store path
+//!   replays a job (which repairs entries lost to a flush or found corrupt).
+//! - An entry names its job, the request fingerprint, the `(owner, key)` it
+//!   was written for and the job's expiry, and carries a checksum. A corrupt,
+//!   misplaced or nearly expired entry is ignored. A fingerprint that differs
+//!   is not answered from here: the store confirms the 409 (or finds the entry
+//!   stale, replays, and repairs it).
+//! - Small responses are kept inline; larger ones (over `redis_inline_max`)
+//!   as a reference to the job, read back by its primary key.
+//! - Every call has a short timeout (`redis_timeout`), so a slow or dead
+//!   Redis costs at most that much latency. The connection is a managed one
+//!   that reconnects by itself after Redis restarts.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use futures_util::StreamExt;
+use tokio::sync::mpsc;
+use uuid::Uuid;
+
+use crate::fingerprint::Fingerprint;
+use crate::job::{JobId, StoredResponse};
+use crate::key::{IdempotencyKey, Owner};
+use crate::seal::{self, Sealer};
+use crate::store::Doorbell;
+use crate::BoxError;
+
+mod connection;
+mod entry;
+mod stream;
+
+use connection::Redis;
+pub use connection::{Topology, TopologyError};
+use entry::EXPIRY_MARGIN;
+pub use entry::{decode, encode, redis_key, stream_key, Entry, Tag};
+
+/// The pub/sub channel job changes are announced on; the payload is the job id.
+pub const CHANNEL: &str = "idemgate:jobs";
+
+/// Fast-path settings.
+#[derive(Debug, Clone)]
+pub struct FastPathSettings {
+    /// Where Redis is: one node, a cluster or a Sentinel-managed master.
+    pub topology: Topology,
+    /// Longest a Redis call may take before the request goes on without it.
+    pub timeout: Duration,
+    /// Largest response body kept inline; larger ones are kept by reference.
+    pub inline_max: usize,
+}
+
+/// What a lookup found.
+#[derive(Debug)]
+pub enum Lookup {
+    /// A valid entry.
+    Hit(Entry),
+    /// Nothing cached.
+    Miss,
+    /// Something unusable (corrupt, for another key, about to expire), or
+    /// Redis did not answer in time.
+    Unusable,
+}
+
+/// The Redis fast path of one gateway.
+pub struct FastPath {
+    redis: Redis,
+    settings: FastPathSettings,
+    healthy: AtomicBool,
+    /// This gateway: announcements carry it, so a replica ignores its own.
+    instance: Uuid,
+    /// Seals cached responses as the store seals stored ones.
+    sealer: Option<Arc<Sealer>>,
+    /// Jobs whose entry was written lately: a thousand duplicates released
+    /// together write it once, not a thousand times.
+    written: std::sync::Mutex<std::collections::HashMap<JobId, std::time::Instant>>,
+}
+
+impl FastPath {
+    /// Prepares the connection without making it: a Redis that is down at
+    /// start-up only means misses until it is up.
+    pub fn new(
+        settings: FastPathSettings,
+        instance: Uuid,
+        sealer: Option<Arc<Sealer>>,
+    ) -> Result<Self, redis::RedisError> {
+        Ok(FastPath {
+            redis: Redis::new(&settings.topology, settings.timeout)?,
+            settings,
+            healthy: AtomicBool::new(true),
+            instance,
+            sealer,
+            written: Default::default(),
+        })
+    }
+
+    /// The cached replay for `(owner, key)`, if any and valid.
+    pub async fn lookup(&self, owner: &Owner, key: &IdempotencyKey) -> Lookup {
+        let mut conn = self.redis.conn();
+        let cmd = redis::cmd("GET").arg(redis_key(owner, key)).clone();
+        let found: Option<Vec<u8>> = match self.call(cmd.query_async(&mut conn)).await {
+            Some(found) => found,
+            None => {
+                count("error");
+                return Lookup::Unusable;
+            }
+        };
+        let Some(bytes) = found else {
+            count("miss");
+            return Lookup::Miss;
+        };
+        let entry = decode(&bytes, owner, key, SystemTime::now()).and_then(|mut entry| {
+            if let Some(response) = entry.response.take() {
+                entry.response =
+                    Some(seal::open(self.sealer.as_deref(), entry.job, response).ok()?);
+            }
+            Some(entry)
+        });
+        match entry {
+            Some(entry) => {
+                count("hit");
+                Lookup::Hit(entry)
+            }
+            None => {
+                count("invalid");
+                tracing::warn!(%owner, key = %key, "ignoring an unusable fast-path entry; the store answers and it is rewritten");
+                Lookup::Unusable
+            }
+        }
+    }
+
+    /// Whether `job`'s entry should be written now: not when it was written
+    /// in the last second (it is then noted as written).
+    pub fn needs_entry(&self, job: JobId) -> bool {
+        let now = std::time::Instant::now();
+        let mut written = self.written.lock().unwrap_or_else(|e| e.into_inner());
+        if written.len() >= 4096 {
+            written.retain(|_, at| now.duration_since(*at) < Duration::from_secs(1));
+        }
+        match written.get(&job) {
+            Some(at) if now.duration_since(*at) < Duration::from_secs(1) => false,
+            _ => {
+                written.insert(job, now);
+                true
+            }
+        }
+    }
+
+    /// Caches a committed response until shortly before its job expires.
+    pub async fn remember(
+        &self,
+        owner: &Owner,
+        key: &IdempotencyKey,
+        job: JobId,
+        fingerprint: Fingerprint,
+        expires_at: SystemTime,
+        response: &StoredResponse,
+    ) {
+        let Some(ttl) = expires_at
+            .checked_sub(EXPIRY_MARGIN)
+            .and_then(|t| t.duration_since(SystemTime::now()).ok())
+            .filter(|ttl| !ttl.is_zero())
+        else {
+            return;
+        };
+        let entry = Entry {
+            job,
+            fingerprint,
+            expires_at,
+            response: (response.body.len() <= self.settings.inline_max).then(|| {
+                match &self.sealer {
+                    Some(sealer) => sealer.seal(job, response),
+                    None => response.clone(),
+                }
+            }),
+        };
+        let bytes = encode(&entry, owner, key);
+        let mut conn = self.redis.conn();
+        let cmd = redis::cmd("SET")
+            .arg(redis_key(owner, key))
+            .arg(bytes)
+            .arg("PX")
+            .arg(ttl.as_millis() as u64)
+            .clone();
+        if self.call(cmd.query_async::<()>(&mut conn)).await.is_some() {
+            metrics::counter!("idemgate_fastpath_writes_total").increment(1);
+        }
+    }
+
+    /// Runs a Redis call under the configured timeout; `None` on error or
+    /// timeout (counted, and logged once per outage).
+    async fn call<T>(
+        &self,
+        fut: impl std::future::Future<Output = redis::RedisResult<T>>,
+    ) -> Option<T> {
+        let result = match tokio::time::timeout(self.settings.timeout, fut).await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!("no answer within {:?}", self.settings.timeout)),
+        };
+        match result {
+            Ok(value) => {
+                if !self.healthy.swap(true, Ordering::Relaxed) {
+                    tracing::info!("Redis is answering again; fast path back on");
+                }
+                Some(value)
+            }
+            Err(e) => {
+                metrics::counter!("idemgate_fastpath_errors_total").increment(1);
+                if self.healthy.swap(false, Ordering::Relaxed) {
+                    tracing::warn!(error = %e, "Redis unavailable; serving from the store alone");
+                }
+                None
+            }
+        }
+    }
+
+    /// Publishes the job changes rung on this replica (`<job> <instance>`),
+    /// for as long as it runs (a supervised task, stopped at shutdown).
+    pub async fn announce(
+        self: Arc<Self>,
+        changes: Arc<tokio::sync::Mutex<mpsc::UnboundedReceiver<JobId>>>,
+    ) -> Result<(), BoxError> {
+        let mut changes = changes.lock().await;
+        while let Some(job) = changes.recv().await {
+            let mut conn = self.redis.conn();
+            let cmd = redis::cmd("PUBLISH")
+                .arg(CHANNEL)
+                .arg(format!("{job} {}", self.instance))
+                .clone();
+            let _ = self.call(cmd.query_async::<i64>(&mut conn)).await;
+        }
+        Ok(())
+    }
+
+    /// Rings the local doorbell for changes announced by other replicas,
+    /// until the subscription is lost (the supervisor subscribes again);
+    /// rings every bell once subscribed, since announcements made while
+    /// nobody listened were lost.
+    pub async fn listen(self: Arc<Self>, doorbell: Arc<Doorbell>) -> Result<(), BoxError> {
+        let mut pubsub = self.redis.subscriber().await?;
+        pubsub.subscribe(CHANNEL).await?;
+        doorbell.ring_all();
+        let mut messages = pubsub.into_on_message();
+        while let Some(message) = messages.next().await {
+            let payload: String = message.get_payload()?;
+            let mut parts = payload.split(' ');
+            let job = parts.next().and_then(|j| j.parse().ok());
+            let origin = parts.next().and_then(|i| i.parse::<Uuid>().ok());
+            if let Some(job) = job {
+                if origin != Some(self.instance) {
+                    metrics::counter!("idemgate_wakeups_total", "source" => "redis").increment(1);
+                    doorbell.ring_local(JobId(job));
+                }
+            }
+        }
+        Err("the Redis subscription ended".into())
+    }
+}
+
+fn count(result: &'static str) {
+    metrics::counter!("idemgate_fastpath_lookups_total", "result" => result).increment(1);
+}
