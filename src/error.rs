@@ -76,6 +76,10 @@ pub enum GatewayError {
     /// The store.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The upstream answered, but the store has not taken the answer yet:
+    /// the write goes on, and a retry with the key gets the answer.
+    #[error("the upstream answered; its answer is not recorded yet")]
+    Unrecorded(#[source] StoreError),
     /// The gateway is saturated: too many requests in progress.
     #[error("the gateway has too many requests in progress; retry later")]
     Overloaded {
@@ -203,6 +207,14 @@ impl GatewayError {
                     "internal-error",
                     "Internal gateway error",
                 ),
+            },
+            GatewayError::Unrecorded(_) => Problem {
+                retry_after: Some(Duration::from_secs(1)),
+                ..p(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "outcome-not-recorded",
+                    "The upstream answered; its answer is being recorded. Retry with the same Idempotency-Key to get it",
+                )
             },
             GatewayError::Overloaded { retry_after } => Problem {
                 retry_after: Some(*retry_after),

@@ -349,12 +349,28 @@ fn store_settings(file: &FileConfig, flags: &Flags) -> Result<StoreSettings, Con
             .unwrap_or_else(|| PathBuf::from("idemgate.db"));
         return Ok(StoreSettings::Embedded { path });
     };
-    url.parse::<tokio_postgres::Config>().map_err(|e| {
+    let parsed = url.parse::<tokio_postgres::Config>().map_err(|e| {
         bad(
             "database_url",
             format!("not a PostgreSQL URL ({e}); use postgres://user@host:5432/dbname"),
         )
     })?;
+    // With several hosts, the first that answers would do, standby or not:
+    // after a failover every write would fail on a standby.
+    if parsed.get_hosts().len() > 1
+        && parsed.get_target_session_attrs()
+            != tokio_postgres::config::TargetSessionAttrs::ReadWrite
+    {
+        return Err(bad(
+            "database_url",
+            format!(
+                "names {} hosts but not which one to use; add target_session_attrs=read-write \
+                 (postgres://user@a:5432,b:5432/db?target_session_attrs=read-write) so the \
+                 gateway always connects to the primary",
+                parsed.get_hosts().len()
+            ),
+        ));
+    }
     let pool_size = file.database_pool_size.unwrap_or(16);
     if pool_size == 0 {
         return Err(bad("database_pool_size", "must be at least 1"));
@@ -584,6 +600,24 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(err.key, "redis_url");
+        let err = Settings::from_sources(
+            Settings::parse_file("database_url = \"postgres://u@a:5432,b:5432/db\"").unwrap(),
+            flags_with_upstream(),
+        )
+        .unwrap_err();
+        assert_eq!(err.key, "database_url");
+        assert!(
+            err.to_string().contains("target_session_attrs=read-write"),
+            "{err}"
+        );
+        Settings::from_sources(
+            Settings::parse_file(
+                "database_url = \"postgres://u@a:5432,b:5432/db?target_session_attrs=read-write\"",
+            )
+            .unwrap(),
+            flags_with_upstream(),
+        )
+        .expect("a multi-host URL that asks for the primary");
         assert!(err.to_string().contains("mymaster"), "{err}");
     }
 

@@ -498,9 +498,9 @@ impl Task {
             // client's retry is held until it lands, then replays it.
             Err(_) => {
                 tracing::warn!(attempt = %self.attempt.id, "the upstream answered but the store is not taking the commit yet; still trying");
-                Reply::Unknown(
-                    StoreError::Unavailable("the answer is not recorded yet".into()).into(),
-                )
+                Reply::Unknown(GatewayError::Unrecorded(StoreError::Unavailable(
+                    "the commit is still being retried".into(),
+                )))
             }
         };
         self.send(reply);

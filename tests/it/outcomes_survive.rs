@@ -108,10 +108,11 @@ async fn an_answer_whose_commit_waits_for_the_database_is_replayed_once_it_lands
     upstream.arrival().await;
     pg.stop_fast();
     gate.open(1);
-    // Not committed, so not sent: the client hears the store is down.
+    // Not committed, so not sent: the client hears its answer is on its way.
     let first = first.await.unwrap();
     assert_eq!(first.status, 503);
-    assert_eq!(first.problem(), "store-unavailable");
+    assert_eq!(first.problem(), "outcome-not-recorded");
+    assert_eq!(first.header("retry-after"), Some("1"));
     // Longer than any quick retry: the gateway still holds the answer.
     tokio::time::sleep(Duration::from_secs(3)).await;
     pg.start_again();

@@ -10,31 +10,18 @@ pub struct ThrowawayPostgres {
     dir: tempfile::TempDir,
     bin: PathBuf,
     as_postgres: bool,
+    /// Server settings beyond the defaults, as `-c name=value` options.
+    settings: String,
 }
 
 impl ThrowawayPostgres {
     pub async fn start() -> ThrowawayPostgres {
-        let port = super::redis::free_port().await;
-        let bin = binaries();
-        let dir = tempfile::tempdir().unwrap();
-        let as_postgres = is_root();
-        if as_postgres {
-            assert!(
-                Command::new("chown")
-                    .args(["-R", "postgres:postgres"])
-                    .arg(dir.path())
-                    .status()
-                    .unwrap()
-                    .success(),
-                "chown the throwaway cluster's folder"
-            );
-        }
-        let pg = ThrowawayPostgres {
-            port,
-            dir,
-            bin,
-            as_postgres,
-        };
+        Self::start_with(&[]).await
+    }
+
+    /// A server started with `settings` (`name=value`) on its command line.
+    pub async fn start_with(settings: &[&str]) -> ThrowawayPostgres {
+        let pg = Self::prepare(settings).await;
         pg.run(
             "initdb",
             &[
@@ -51,6 +38,62 @@ impl ThrowawayPostgres {
         pg
     }
 
+    /// A streaming-replication standby of `primary` (`pg_basebackup -R`),
+    /// started and replaying.
+    pub async fn standby_of(primary: &ThrowawayPostgres) -> ThrowawayPostgres {
+        let pg = Self::prepare(&["cluster_name=standby"]).await;
+        let port = primary.port.to_string();
+        pg.run(
+            "pg_basebackup",
+            &[
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &port,
+                "-U",
+                "postgres",
+                "-D",
+                &pg.data(),
+                "-R",
+                "-X",
+                "stream",
+                "--no-sync",
+            ],
+        );
+        pg.start_again();
+        pg
+    }
+
+    /// Makes a standby the primary (`pg_ctl promote`, waiting until it is).
+    pub fn promote(&self) {
+        self.run("pg_ctl", &["-D", &self.data(), "-w", "promote"]);
+    }
+
+    async fn prepare(settings: &[&str]) -> ThrowawayPostgres {
+        let port = super::redis::free_port().await;
+        let bin = binaries();
+        let dir = tempfile::tempdir().unwrap();
+        let as_postgres = is_root();
+        if as_postgres {
+            assert!(
+                Command::new("chown")
+                    .args(["-R", "postgres:postgres"])
+                    .arg(dir.path())
+                    .status()
+                    .unwrap()
+                    .success(),
+                "chown the throwaway cluster's folder"
+            );
+        }
+        ThrowawayPostgres {
+            port,
+            dir,
+            bin,
+            as_postgres,
+            settings: settings.iter().map(|s| format!(" -c {s}")).collect(),
+        }
+    }
+
     pub fn url(&self) -> String {
         format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
     }
@@ -62,9 +105,10 @@ impl ThrowawayPostgres {
     /// Starts the server and waits until it accepts connections.
     pub fn start_again(&self) {
         let options = format!(
-            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off",
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off{}",
             self.port,
-            self.dir.path().display()
+            self.dir.path().display(),
+            self.settings
         );
         let log = self.dir.path().join("log").display().to_string();
         self.run(

@@ -30,6 +30,10 @@ use crate::job::{Job, JobDetail, JobId, JobState, NewJob, StoredResponse};
 use crate::key::{IdempotencyKey, Owner};
 use crate::transition::{AttemptHead, Change, JobHead, Refusal, Snapshot};
 
+mod replication;
+
+pub use replication::Replication;
+
 mod embedded {
     refinery::embed_migrations!("migrations/postgres");
 }
@@ -110,6 +114,7 @@ impl Postgres {
             .wait_timeout(Some(settings.connect_timeout))
             .create_timeout(Some(settings.connect_timeout))
             .recycle_timeout(Some(settings.connect_timeout))
+            .pre_recycle(replication::fence())
             .build()
             .map_err(|e| StoreError::Internal(Box::new(e)))?;
         Ok(Postgres {
@@ -168,7 +173,16 @@ impl Postgres {
             .batch_execute(&format!("LISTEN {CHANNEL}"))
             .await
             .map_err(map_pg)?;
+        // Listening again after a failover: duplicates held meanwhile look
+        // again, and the new primary's replication is checked.
         doorbell.ring_all();
+        match Replication::read(&client).await {
+            Ok(replication) => match replication.risk() {
+                Some(risk) => tracing::warn!("{risk}"),
+                None => tracing::debug!(?replication, "replication keeps acknowledged commits"),
+            },
+            Err(e) => tracing::debug!(error = %e, "cannot read the database's replication"),
+        }
         loop {
             tokio::select! {
                 ended = &mut driver => {
@@ -699,11 +713,17 @@ fn attempt_from_row(row: &Row, at: usize) -> Result<Attempt, StoreError> {
     })
 }
 
-/// A database that cannot be reached is `Unavailable` (503, nothing
-/// proxied); anything the database itself refused is `Internal`.
+/// A database that cannot be reached, or that is read-only (a standby),
+/// is `Unavailable` (503, nothing proxied); anything else the database
+/// itself refused is `Internal`.
 fn map_pg(e: tokio_postgres::Error) -> StoreError {
     if let Some(db) = e.as_db_error() {
         let code = db.code().code();
+        // The server is (or has become) a standby: retry on the primary.
+        if code == "25006" {
+            replication::saw_read_only();
+            return StoreError::Unavailable(Box::new(e));
+        }
         // Class 08 (connection), 57P0x (shutdown), 53 (resources), 40001/40P01
         // (serialisation, deadlock: try again) and 42P01 (no such table:
         // migrations not applied yet).

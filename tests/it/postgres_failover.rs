@@ -1,0 +1,282 @@
+//! PostgreSQL primary failover: throwaway servers (a primary and a
+//! streaming-replication standby made with `pg_basebackup -R`), gateways
+//! given both hosts with `target_session_attrs=read-write`, the primary
+//! killed (`-m immediate`) under load and the standby promoted.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::future::join_all;
+
+use crate::support::postgres::ThrowawayPostgres;
+use crate::support::{eventually, send, FakeUpstream, Gateway, Reply, TestStore};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// A primary and its standby, streaming; synchronous when `synchronous`
+/// (the standby's `cluster_name`, its application name, is listed).
+async fn primary_and_standby(synchronous: bool) -> (ThrowawayPostgres, ThrowawayPostgres) {
+    let primary = if synchronous {
+        ThrowawayPostgres::start_with(&["synchronous_standby_names=standby"]).await
+    } else {
+        ThrowawayPostgres::start().await
+    };
+    let standby = ThrowawayPostgres::standby_of(&primary).await;
+    let want = if synchronous { "sync" } else { "async" };
+    let (client, conn) = tokio_postgres::connect(&primary.url(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    eventually(WAIT, "the standby to stream", || async {
+        client
+            .query_opt(
+                "SELECT 1 FROM pg_stat_replication WHERE state = 'streaming' AND sync_state = $1",
+                &[&want],
+            )
+            .await
+            .is_ok_and(|row| row.is_some())
+    })
+    .await;
+    (primary, standby)
+}
+
+fn both(primary: &ThrowawayPostgres, standby: &ThrowawayPostgres) -> String {
+    format!(
+        "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/postgres?target_session_attrs=read-write",
+        primary.port, standby.port
+    )
+}
+
+async fn replica(url: &str, upstream: &FakeUpstream, log: &std::path::Path) -> Gateway {
+    Gateway::builder(&TestStore::external(url), &upstream.url())
+        .set("database_timeout", "\"500ms\"")
+        .set("hold_timeout", "\"20s\"")
+        .stderr_to(log)
+        .start()
+        .await
+}
+
+/// How many times the upstream executed each key (each request's body is
+/// its key: the upstream sees the job id, not the client's key).
+fn executions(upstream: &FakeUpstream) -> HashMap<String, usize> {
+    let mut count = HashMap::new();
+    for r in upstream.recorded() {
+        let key = String::from_utf8_lossy(&r.body).into_owned();
+        *count.entry(key).or_default() += 1;
+    }
+    count
+}
+
+async fn until_answered(url: &str, key: &str) -> Reply {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let reply = send(
+            http::Method::POST,
+            url,
+            &[("idempotency-key", key)],
+            key.to_owned(),
+        )
+        .await;
+        if reply.status != 503 || tokio::time::Instant::now() > deadline {
+            return reply;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_promoted_synchronous_standby_keeps_every_acknowledged_commit() {
+    let (primary, standby) = primary_and_standby(true).await;
+    let url = both(&primary, &standby);
+    let upstream = FakeUpstream::echo().await;
+    let logs = tempfile::tempdir().unwrap();
+    let a = replica(&url, &upstream, &logs.path().join("a.log")).await;
+    let b = replica(&url, &upstream, &logs.path().join("b.log")).await;
+
+    // New keys from six clients across both replicas, before, during and
+    // after the switch (until told to stop).
+    let done = Arc::new(AtomicUsize::new(0));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (clients, rounds) = (6, 40);
+    let workers: Vec<_> = (0..clients)
+        .map(|c| {
+            let urls = [a.path("/v1/charges"), b.path("/v1/charges")];
+            let (done, stop) = (done.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut answers = Vec::new();
+                for r in 0.. {
+                    if r >= rounds && stop.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    let key = format!("fo-{c}-{r}");
+                    let url = &urls[(c + r) % 2];
+                    let reply = send(
+                        http::Method::POST,
+                        url,
+                        &[("idempotency-key", &key)],
+                        key.clone(),
+                    )
+                    .await;
+                    answers.push((key, reply));
+                    done.fetch_add(1, Ordering::SeqCst);
+                }
+                answers
+            })
+        })
+        .collect();
+    eventually(WAIT, "a third of the load to be done", || async {
+        done.load(Ordering::SeqCst) >= clients * rounds / 3
+    })
+    .await;
+    primary.stop();
+    // No primary now (the standby is read-only): a new key is refused, and
+    // the load meets the same while the standby waits to be promoted.
+    let probe = send(
+        http::Method::POST,
+        &a.path("/v1/charges"),
+        &[("idempotency-key", "probe")],
+        "probe",
+    )
+    .await;
+    assert_eq!(probe.status, 503);
+    assert_eq!(probe.problem(), "store-unavailable");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    standby.promote();
+    let at_promotion = done.load(Ordering::SeqCst);
+    eventually(WAIT, "load after the promotion", || async {
+        done.load(Ordering::SeqCst) >= at_promotion + 60
+    })
+    .await;
+    stop.store(true, Ordering::SeqCst);
+    let answers: Vec<(String, Reply)> = join_all(workers)
+        .await
+        .into_iter()
+        .flat_map(|w| w.unwrap())
+        .collect();
+
+    // During the switch: 503s that proxied nothing; never another error.
+    let executed = executions(&upstream);
+    let mut refused = 0;
+    for (key, reply) in &answers {
+        match reply.status {
+            200 => {}
+            503 if reply.problem() == "store-unavailable" => {
+                refused += 1;
+                assert_eq!(executed.get(key), None, "{key} was refused yet proxied");
+            }
+            503 => assert_eq!(reply.problem(), "outcome-not-recorded", "{key}"),
+            other => panic!("{key}: {other} {:?}", reply.body),
+        }
+    }
+    assert_eq!(executed.get("probe"), None, "refused, so not proxied");
+    assert!(refused > 0, "the load met the switch");
+    assert!(
+        answers.iter().filter(|(_, r)| r.status == 200).count() > clients * rounds / 3,
+        "the load ran before and after the switch"
+    );
+
+    // Every key retried on the other replica once the standby is primary:
+    // what was acknowledged is replayed byte for byte, the rest executes
+    // now; no key ever executes twice.
+    for (i, (key, first)) in answers.iter().enumerate() {
+        let other = [&b, &a][i % 2];
+        let retry = until_answered(&other.path("/v1/charges"), key).await;
+        assert_eq!(retry.status, 200, "{key}: {:?}", retry.body);
+        if first.status == 200 {
+            assert_eq!(
+                retry.body, first.body,
+                "{key}: an acknowledged commit was lost"
+            );
+            assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+        }
+    }
+    let executed = executions(&upstream);
+    for (key, _) in &answers {
+        assert_eq!(executed.get(key), Some(&1), "{key} executed once");
+    }
+    eprintln!(
+        "{} requests, {refused} refused with 503 during the switch",
+        answers.len()
+    );
+
+    // Synchronous replication: no warning, before or after the switch.
+    for log in ["a.log", "b.log"] {
+        let text = std::fs::read_to_string(logs.path().join(log)).unwrap();
+        assert!(!text.contains("asynchronously"), "{log}: {text}");
+    }
+}
+
+#[tokio::test]
+async fn asynchronous_replication_is_warned_about_at_start_up() {
+    let (primary, standby) = primary_and_standby(false).await;
+    let upstream = FakeUpstream::echo().await;
+    let logs = tempfile::tempdir().unwrap();
+    let log = logs.path().join("gateway.log");
+    let _gateway = replica(&both(&primary, &standby), &upstream, &log).await;
+    eventually(WAIT, "the warning", || async {
+        std::fs::read_to_string(&log).is_ok_and(|t| {
+            t.contains("replicate this database asynchronously")
+                && t.contains("synchronous_commit = on (or remote_apply)")
+        })
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn held_duplicates_are_answered_across_a_failover() {
+    let (primary, standby) = primary_and_standby(true).await;
+    let url = both(&primary, &standby);
+    let gate = crate::support::Gate::new();
+    let upstream = FakeUpstream::gated_echo(&gate, |_| true).await;
+    let logs = tempfile::tempdir().unwrap();
+    let a = replica(&url, &upstream, &logs.path().join("a.log")).await;
+    let b = replica(&url, &upstream, &logs.path().join("b.log")).await;
+    let first = tokio::spawn({
+        let url = a.path("/v1/charges");
+        async move {
+            send(
+                http::Method::POST,
+                &url,
+                &[("idempotency-key", "held")],
+                "{}",
+            )
+            .await
+        }
+    });
+    upstream.arrival().await;
+    let held = tokio::spawn({
+        let url = b.path("/v1/charges");
+        async move {
+            send(
+                http::Method::POST,
+                &url,
+                &[("idempotency-key", "held")],
+                "{}",
+            )
+            .await
+        }
+    });
+    eventually(WAIT, "the duplicate to be held on b", || async {
+        b.metric("idemgate_held_requests").await == 1.0
+    })
+    .await;
+    // The primary dies with the attempt upstream; the standby takes over;
+    // then the upstream answers: the commit lands on the new primary and
+    // the duplicate held on the other replica (whose LISTEN connection
+    // died with the old primary) is answered with it.
+    primary.stop();
+    standby.promote();
+    gate.open(1);
+    let first = first.await.unwrap();
+    let held = held.await.unwrap();
+    assert_eq!(held.status, 200, "{:?}", held.body);
+    assert_eq!(held.header("idempotent-replayed"), Some("true"));
+    if first.status == 200 {
+        assert_eq!(held.body, first.body);
+    } else {
+        assert_eq!(first.problem(), "outcome-not-recorded");
+    }
+    assert_eq!(upstream.hits(), 1);
+}
