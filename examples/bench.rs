@@ -40,6 +40,8 @@ struct Args {
     rounds: usize,
     connections: usize,
     storm: usize,
+    /// Replica counts for the scale-out table (empty: skipped).
+    replicas: Vec<usize>,
     only: Option<String>,
 }
 
@@ -52,6 +54,7 @@ fn args() -> Args {
         rounds: 3,
         connections: 32,
         storm: 10_000,
+        replicas: vec![1, 2, 4],
         only: None,
     };
     let mut it = std::env::args().skip(1);
@@ -65,6 +68,13 @@ fn args() -> Args {
             "--rounds" => a.rounds = value.parse().expect("--rounds N"),
             "--connections" => a.connections = value.parse().expect("--connections N"),
             "--storm" => a.storm = value.parse().expect("--storm N"),
+            "--replicas" => {
+                a.replicas = value
+                    .split(',')
+                    .filter(|v| !v.is_empty() && *v != "0")
+                    .map(|v| v.parse().expect("--replicas 1,2,4"))
+                    .collect()
+            }
             "--only" => a.only = Some(value),
             other => panic!("unknown flag {other}"),
         }
@@ -261,6 +271,11 @@ async fn main() {
         args.connections, ceiling
     );
 
+    if !args.replicas.is_empty() {
+        let table = scale_out(&args, &scripts, &upstream.url, &db).await;
+        println!();
+        println!("{table}");
+    }
     if args.storm > 0 {
         let storm = storm(&args, &scratch, &db).await;
         println!();
@@ -340,6 +355,92 @@ fn cpu_us(pids: &[u32]) -> f64 {
 }
 
 async fn wrk(args: &Args, scripts: &BTreeMap<&str, PathBuf>, row: &Row, round: usize) -> Round {
+    wrk_with(args.connections, args, scripts, row, round).await
+}
+
+/// Replicas side by side on one PostgreSQL and one Redis: new keys and
+/// replays with each count of `args.replicas`, the load split evenly (one
+/// wrk per replica, all started together, `args.connections` in all), and
+/// the database connections they hold once loaded.
+async fn scale_out(
+    args: &Args,
+    scripts: &BTreeMap<&str, PathBuf>,
+    upstream: &str,
+    db: &str,
+) -> String {
+    let mut out = format!(
+        "Replicas on one PostgreSQL and one Redis: {} connections in all, split evenly, one {} s round\n\n\
+         | replicas | load | req/s (sum) | p99 ms (worst) | CPU µs/req (gateways) | PostgreSQL connections | errors |\n\
+         |--:|---|--:|--:|--:|--:|--:|\n",
+        args.connections, args.seconds
+    );
+    // Named apart from the other gateways of the run, to count theirs alone.
+    let separator = if db.contains('?') { '&' } else { '?' };
+    let named = format!("{db}{separator}application_name=idemgate-scale-out");
+    for &n in &args.replicas {
+        flush_redis(&args.redis).await;
+        let mut replicas = Vec::new();
+        for _ in 0..n {
+            let store = Store::Postgres(&named);
+            replicas.push(Gateway::start(args, upstream, store, Some(&args.redis), &[]).await);
+        }
+        prime(&replicas[0].url, 200).await;
+        for g in &replicas {
+            for k in 0..200 {
+                let _ = send(&g.url, Some(&format!("replay-{k}"))).await;
+            }
+        }
+        for (name, load) in [
+            ("new key", Load::NewKey),
+            ("replay", Load::Replay { keys: 200 }),
+        ] {
+            let rows: Vec<Row> = replicas
+                .iter()
+                .map(|g| row(name, &g.url, load.clone(), vec![g.pid], true))
+                .collect();
+            let each = (args.connections / n).max(1);
+            let rounds = futures_util::future::join_all(
+                rows.iter()
+                    .enumerate()
+                    .map(|(i, r)| wrk_with(each, args, scripts, r, 10_000 + n * 100 + i)),
+            )
+            .await;
+            let rps: f64 = rounds.iter().map(|r| r.rps).sum();
+            let cpu = rounds.iter().map(|r| r.cpu_us * r.rps).sum::<f64>() / rps.max(1.0);
+            let p99 = rounds.iter().map(|r| r.p99).fold(0.0, f64::max);
+            let errors: u64 = rounds.iter().map(|r| r.errors).sum();
+            let connections = database_connections(&args.database).await;
+            out.push_str(&format!(
+                "| {n} | {name} | {rps:.0} | {p99:.2} | {cpu:.0} | {connections} | {errors} |\n"
+            ));
+        }
+    }
+    out
+}
+
+/// Connections the scale-out replicas hold on the benchmark's server.
+async fn database_connections(server: &str) -> i64 {
+    let (client, conn) = tokio_postgres::connect(server, tokio_postgres::NoTls)
+        .await
+        .expect("the benchmark's PostgreSQL");
+    tokio::spawn(conn);
+    client
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'idemgate-scale-out'",
+            &[],
+        )
+        .await
+        .map(|row| row.get(0))
+        .unwrap_or(-1)
+}
+
+async fn wrk_with(
+    connections: usize,
+    args: &Args,
+    scripts: &BTreeMap<&str, PathBuf>,
+    row: &Row,
+    round: usize,
+) -> Round {
     let (script, extra) = match &row.load {
         Load::Plain => (&scripts["plain"], vec![]),
         Load::Replay { keys } => (&scripts["replay"], vec![keys.to_string()]),
@@ -352,7 +453,7 @@ async fn wrk(args: &Args, scripts: &BTreeMap<&str, PathBuf>, row: &Row, round: u
     let out = Command::new("wrk")
         .args([
             "-t1",
-            &format!("-c{}", args.connections),
+            &format!("-c{connections}"),
             &format!("-d{}s", args.seconds),
         ])
         .arg("--latency")

@@ -3,7 +3,7 @@
 # printed as one table (see examples/bench.rs). Installs wrk and nginx when
 # they are missing, as services.sh does for PostgreSQL and Redis.
 # Extra arguments go to the benchmark (--seconds, --rounds, --connections,
-# --storm, --only NAME).
+# --storm, --replicas 1,2,4, --only NAME).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/services.sh
