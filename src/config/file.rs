@@ -20,6 +20,7 @@ pub struct FileConfig {
     pub(super) admin_token: Option<String>,
     pub(super) upstreams: Option<Vec<UpstreamFile>>,
     pub(super) database_url: Option<String>,
+    pub(super) database_direct_url: Option<String>,
     pub(super) database_pool_size: Option<usize>,
     #[serde(default, with = "humantime_serde")]
     pub(super) database_timeout: Option<Duration>,

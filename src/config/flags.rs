@@ -70,6 +70,15 @@ pub struct Flags {
         hide_env_values = true
     )]
     pub database_url: Option<String>,
+    /// A direct PostgreSQL URL for what needs a session of its own (LISTEN,
+    /// migrations), when `database_url` goes through a transaction pooler.
+    #[arg(
+        long,
+        env = "IDEMGATE_DATABASE_DIRECT_URL",
+        value_name = "URL",
+        hide_env_values = true
+    )]
+    pub database_direct_url: Option<String>,
     /// Embedded store file, used when no database URL is given.
     #[arg(long, env = "IDEMGATE_EMBEDDED_PATH", value_name = "FILE")]
     pub embedded_path: Option<PathBuf>,

@@ -349,27 +349,13 @@ fn store_settings(file: &FileConfig, flags: &Flags) -> Result<StoreSettings, Con
             .unwrap_or_else(|| PathBuf::from("idemgate.db"));
         return Ok(StoreSettings::Embedded { path });
     };
-    let parsed = url.parse::<tokio_postgres::Config>().map_err(|e| {
-        bad(
-            "database_url",
-            format!("not a PostgreSQL URL ({e}); use postgres://user@host:5432/dbname"),
-        )
-    })?;
-    // With several hosts, the first that answers would do, standby or not:
-    // after a failover every write would fail on a standby.
-    if parsed.get_hosts().len() > 1
-        && parsed.get_target_session_attrs()
-            != tokio_postgres::config::TargetSessionAttrs::ReadWrite
-    {
-        return Err(bad(
-            "database_url",
-            format!(
-                "names {} hosts but not which one to use; add target_session_attrs=read-write \
-                 (postgres://user@a:5432,b:5432/db?target_session_attrs=read-write) so the \
-                 gateway always connects to the primary",
-                parsed.get_hosts().len()
-            ),
-        ));
+    postgres_url("database_url", &url)?;
+    let direct_url = flags
+        .database_direct_url
+        .clone()
+        .or_else(|| file.database_direct_url.clone());
+    if let Some(direct) = &direct_url {
+        postgres_url("database_direct_url", direct)?;
     }
     let pool_size = file.database_pool_size.unwrap_or(16);
     if pool_size == 0 {
@@ -381,9 +367,37 @@ fn store_settings(file: &FileConfig, flags: &Flags) -> Result<StoreSettings, Con
     )?;
     Ok(StoreSettings::Postgres(PgSettings {
         url,
+        direct_url,
         pool_size,
         connect_timeout,
     }))
+}
+
+/// Checks a PostgreSQL URL given as `key`.
+fn postgres_url(key: &str, url: &str) -> Result<(), ConfigError> {
+    let parsed = url.parse::<tokio_postgres::Config>().map_err(|e| {
+        bad(
+            key,
+            format!("not a PostgreSQL URL ({e}); use postgres://user@host:5432/dbname"),
+        )
+    })?;
+    // With several hosts, the first that answers would do, standby or not:
+    // after a failover every write would fail on a standby.
+    if parsed.get_hosts().len() > 1
+        && parsed.get_target_session_attrs()
+            != tokio_postgres::config::TargetSessionAttrs::ReadWrite
+    {
+        return Err(bad(
+            key,
+            format!(
+                "names {} hosts but not which one to use; add target_session_attrs=read-write \
+                 (postgres://user@a:5432,b:5432/db?target_session_attrs=read-write) so the \
+                 gateway always connects to the primary",
+                parsed.get_hosts().len()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// The Redis fast path, when a Redis URL is given.
@@ -600,6 +614,7 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(err.key, "redis_url");
+        assert!(err.to_string().contains("mymaster"), "{err}");
         let err = Settings::from_sources(
             Settings::parse_file("database_url = \"postgres://u@a:5432,b:5432/db\"").unwrap(),
             flags_with_upstream(),
@@ -618,7 +633,6 @@ mod tests {
             flags_with_upstream(),
         )
         .expect("a multi-host URL that asks for the primary");
-        assert!(err.to_string().contains("mymaster"), "{err}");
     }
 
     #[test]
@@ -757,6 +771,7 @@ mod tests {
                 "admin_token",
                 "upstreams",
                 "database_url",
+                "database_direct_url",
                 "database_pool_size",
                 "database_timeout",
                 "redis_url",

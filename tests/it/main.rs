@@ -13,7 +13,7 @@ mod failover;
 mod fastpath;
 mod helm_chart;
 mod outcomes_survive;
-mod postgres_failover;
+mod postgres_deployments;
 mod postgres_restart;
 mod real_clients;
 mod redis_deployments;

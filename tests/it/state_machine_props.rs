@@ -393,6 +393,7 @@ fn postgres_follows_the_reference_and_never_breaks_the_rules() {
     let backend = idemgate::store::postgres::Postgres::new(
         &idemgate::store::postgres::PgSettings {
             url: db.url.clone(),
+            direct_url: None,
             pool_size: 4,
             connect_timeout: Duration::from_secs(5),
         },

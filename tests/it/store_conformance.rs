@@ -622,6 +622,7 @@ async fn postgres_store() -> (Arc<dyn Store>, Arc<Doorbell>, crate::support::Tes
     let backend = idemgate::store::postgres::Postgres::new(
         &idemgate::store::postgres::PgSettings {
             url: db.url.clone(),
+            direct_url: None,
             pool_size: 20,
             connect_timeout: Duration::from_secs(5),
         },
@@ -669,6 +670,7 @@ async fn corrupt_rows_are_typed_errors_on_both_stores() {
                 let backend = idemgate::store::postgres::Postgres::new(
                     &idemgate::store::postgres::PgSettings {
                         url: db.url.clone(),
+                        direct_url: None,
                         pool_size: 2,
                         connect_timeout: Duration::from_secs(5),
                     },

@@ -30,8 +30,10 @@ use crate::job::{Job, JobDetail, JobId, JobState, NewJob, StoredResponse};
 use crate::key::{IdempotencyKey, Owner};
 use crate::transition::{AttemptHead, Change, JobHead, Refusal, Snapshot};
 
+mod budget;
 mod replication;
 
+pub use budget::Budget;
 pub use replication::Replication;
 
 mod embedded {
@@ -59,6 +61,9 @@ const SNAPSHOT_COLUMNS: &str = "j.id, j.state, j.version, j.attempt_count, j.com
 pub struct PgSettings {
     /// A libpq-style URL or key=value string.
     pub url: String,
+    /// Where sessions that must stay one session go (LISTEN, the migration
+    /// lock), when `url` is a transaction pooler; `url` when unset.
+    pub direct_url: Option<String>,
     /// Most connections in the pool.
     pub pool_size: usize,
     /// How long to wait for a connection (new or pooled) before answering 503.
@@ -69,7 +74,8 @@ pub struct PgSettings {
 #[derive(Clone)]
 pub struct Postgres {
     pool: Pool,
-    config: tokio_postgres::Config,
+    /// For sessions of their own: LISTEN and migrations.
+    direct: tokio_postgres::Config,
     instance: Uuid,
 }
 
@@ -84,23 +90,11 @@ impl Postgres {
     /// so a database that is down at start-up makes requests answer 503
     /// rather than the gateway refuse to start.
     pub fn new(settings: &PgSettings, instance: Uuid) -> Result<Self, StoreError> {
-        let mut config: tokio_postgres::Config = settings
-            .url
-            .parse()
-            .map_err(|e| StoreError::Internal(Box::new(e)))?;
-        if config.get_connect_timeout().is_none() {
-            config.connect_timeout(settings.connect_timeout);
-        }
-        config.keepalives_idle(Duration::from_secs(10));
-        if config.get_application_name().is_none() {
-            config.application_name("idemgate");
-        }
-        // Read by the NOTIFY trigger, so announcements name their origin.
-        let options = format!(
-            "{} -c idemgate.instance={instance}",
-            config.get_options().unwrap_or_default()
-        );
-        config.options(options.trim_start());
+        let config = session(&settings.url, settings, instance)?;
+        let direct = match &settings.direct_url {
+            Some(url) => session(url, settings, instance)?,
+            None => config.clone(),
+        };
         let manager = Manager::from_config(
             config.clone(),
             NoTls,
@@ -119,7 +113,7 @@ impl Postgres {
             .map_err(|e| StoreError::Internal(Box::new(e)))?;
         Ok(Postgres {
             pool,
-            config,
+            direct,
             instance,
         })
     }
@@ -127,7 +121,7 @@ impl Postgres {
     /// Applies the SQL migrations under `migrations/postgres`, holding an
     /// advisory lock so that replicas starting together apply them once.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        let (mut client, connection) = self.config.connect(NoTls).await.map_err(map_pg)?;
+        let (mut client, connection) = self.direct.connect(NoTls).await.map_err(map_pg)?;
         let driver = tokio::spawn(connection);
         client
             .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
@@ -154,7 +148,7 @@ impl Postgres {
     /// reconnects); rings every bell once listening, since announcements
     /// made while nobody listened were lost.
     pub async fn listen(&self, doorbell: &Doorbell) -> Result<(), StoreError> {
-        let (client, mut connection) = self.config.connect(NoTls).await.map_err(map_pg)?;
+        let (client, mut connection) = self.direct.connect(NoTls).await.map_err(map_pg)?;
         let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
         let (heard, mut announcements) = tokio::sync::mpsc::unbounded_channel();
         let mut driver = tokio::spawn(async move {
@@ -169,20 +163,13 @@ impl Postgres {
             }
             Ok(())
         });
+        self.check(&client).await;
         client
             .batch_execute(&format!("LISTEN {CHANNEL}"))
             .await
             .map_err(map_pg)?;
-        // Listening again after a failover: duplicates held meanwhile look
-        // again, and the new primary's replication is checked.
+        // Duplicates held while nobody listened look again.
         doorbell.ring_all();
-        match Replication::read(&client).await {
-            Ok(replication) => match replication.risk() {
-                Some(risk) => tracing::warn!("{risk}"),
-                None => tracing::debug!(?replication, "replication keeps acknowledged commits"),
-            },
-            Err(e) => tracing::debug!(error = %e, "cannot read the database's replication"),
-        }
         loop {
             tokio::select! {
                 ended = &mut driver => {
@@ -204,12 +191,58 @@ impl Postgres {
         }
     }
 
+    /// Warns of what the gateway can see is wrong with the database it
+    /// (re)connected to: replication that can lose acknowledged commits on
+    /// a failover, a pool that will not fit.
+    async fn check(&self, client: &tokio_postgres::Client) {
+        match Replication::read(client).await {
+            Ok(replication) => match replication.risk() {
+                Some(risk) => tracing::warn!("{risk}"),
+                None => tracing::debug!(?replication, "replication keeps acknowledged commits"),
+            },
+            Err(e) => tracing::debug!(error = %e, "cannot read the database's replication"),
+        }
+        match Budget::read(client).await {
+            Ok(budget) => {
+                if let Some(risk) = budget.risk(self.pool.status().max_size) {
+                    tracing::warn!("{risk}");
+                }
+            }
+            Err(e) => tracing::debug!(error = %e, "cannot read the database's connection budget"),
+        }
+    }
+
     async fn client(&self) -> Result<deadpool_postgres::Client, StoreError> {
         self.pool
             .get()
             .await
             .map_err(|e| StoreError::Unavailable(Box::new(e)))
     }
+}
+
+/// The connection settings for `url`: the gateway's defaults where the URL
+/// says nothing, and this instance's name for the NOTIFY trigger.
+fn session(
+    url: &str,
+    settings: &PgSettings,
+    instance: Uuid,
+) -> Result<tokio_postgres::Config, StoreError> {
+    let mut config: tokio_postgres::Config =
+        url.parse().map_err(|e| StoreError::Internal(Box::new(e)))?;
+    if config.get_connect_timeout().is_none() {
+        config.connect_timeout(settings.connect_timeout);
+    }
+    config.keepalives_idle(Duration::from_secs(10));
+    if config.get_application_name().is_none() {
+        config.application_name("idemgate");
+    }
+    // Read by the NOTIFY trigger, so announcements name their origin.
+    let options = format!(
+        "{} -c idemgate.instance={instance}",
+        config.get_options().unwrap_or_default()
+    );
+    config.options(options.trim_start());
+    Ok(config)
 }
 
 /// Reads the snapshots in `rows` (of [`SNAPSHOT_COLUMNS`], ordered by job),

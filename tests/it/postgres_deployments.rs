@@ -1,7 +1,8 @@
-//! PostgreSQL primary failover: throwaway servers (a primary and a
-//! streaming-replication standby made with `pg_basebackup -R`), gateways
-//! given both hosts with `target_session_attrs=read-write`, the primary
-//! killed (`-m immediate`) under load and the standby promoted.
+//! PostgreSQL as operators deploy it: primary failover on throwaway servers
+//! (a primary and a streaming-replication standby made with `pg_basebackup
+//! -R`; gateways given both hosts with `target_session_attrs=read-write`;
+//! the primary killed with `-m immediate` under load and the standby
+//! promoted), and sessions kept off a transaction pooler.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -279,4 +280,72 @@ async fn held_duplicates_are_answered_across_a_failover() {
         assert_eq!(first.problem(), "outcome-not-recorded");
     }
     assert_eq!(upstream.hits(), 1);
+}
+
+/// Behind a transaction pooler LISTEN and the migration lock cannot work:
+/// with `database_direct_url` they use a connection of their own, and the
+/// pool uses `database_url`.
+#[tokio::test]
+async fn listen_and_migrations_use_the_direct_url() {
+    let db = crate::support::TestDb::new().await;
+    let upstream = FakeUpstream::echo().await;
+    let direct = format!("{}?application_name=idemgate-direct", db.url);
+    let gateway = Gateway::builder(&TestStore::external(&db.url), &upstream.url())
+        .set("database_direct_url", &format!("{direct:?}"))
+        .start()
+        .await;
+    let reply = send(
+        http::Method::POST,
+        &gateway.path("/v1/charges"),
+        &[("idempotency-key", "direct")],
+        "{}",
+    )
+    .await;
+    assert_eq!(reply.status, 200);
+    let client = db.connect().await;
+    let sessions = |name: &'static str| {
+        let client = &client;
+        let db = db.name.clone();
+        async move {
+            client
+                .query(
+                    "SELECT query FROM pg_stat_activity WHERE datname = $1 AND application_name = $2",
+                    &[&db, &name],
+                )
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| r.get::<_, String>(0))
+                .collect::<Vec<_>>()
+        }
+    };
+    let direct = sessions("idemgate-direct").await;
+    assert_eq!(direct.len(), 1, "one direct session: {direct:?}");
+    assert!(direct[0].starts_with("LISTEN"), "{direct:?}");
+    let pooled = sessions("idemgate").await;
+    assert!(!pooled.is_empty());
+    assert!(
+        pooled.iter().all(|q| !q.starts_with("LISTEN")),
+        "{pooled:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_pool_that_cannot_fit_is_warned_about_at_start_up() {
+    let pg = ThrowawayPostgres::start_with(&["max_connections=12"]).await;
+    let upstream = FakeUpstream::echo().await;
+    let logs = tempfile::tempdir().unwrap();
+    let log = logs.path().join("gateway.log");
+    let _gateway = Gateway::builder(&TestStore::external(pg.url()), &upstream.url())
+        .set("database_pool_size", "16")
+        .stderr_to(&log)
+        .start()
+        .await;
+    eventually(WAIT, "the warning", || async {
+        std::fs::read_to_string(&log).is_ok_and(|t| {
+            t.contains("database_pool_size = 16, but the database has")
+                && t.contains("max_connections 12")
+        })
+    })
+    .await;
 }
