@@ -82,12 +82,15 @@ async fn the_database_and_redis_hold_no_plaintext_response() {
     assert_eq!(names, ":sealed", "no header names either");
     assert_eq!(values, vec![b"a".to_vec()], "only the key id");
 
-    let redis_key = "idemgate:replay:anonymous:sealed-1";
+    let redis_key = idemgate::fastpath::redis_key(
+        &idemgate::key::Owner::from_header(None),
+        &idemgate::key::IdempotencyKey::new("sealed-1").unwrap(),
+    );
     eventually(Duration::from_secs(5), "the fast-path entry", || async {
-        redis.get(redis_key).await.is_some()
+        redis.get(&redis_key).await.is_some()
     })
     .await;
-    let cached = redis.get(redis_key).await.unwrap();
+    let cached = redis.get(&redis_key).await.unwrap();
     assert!(!holds(&cached, MARKER), "no plaintext body in Redis");
     assert!(
         !holds(&cached, "application/json"),

@@ -99,12 +99,13 @@ async fn a_promoted_synchronous_standby_keeps_every_acknowledged_commit() {
     // New keys from six clients across both replicas, before, during and
     // after the switch (until told to stop).
     let done = Arc::new(AtomicUsize::new(0));
+    let refused_live = Arc::new(AtomicUsize::new(0));
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let (clients, rounds) = (6, 40);
     let workers: Vec<_> = (0..clients)
         .map(|c| {
             let urls = [a.path("/v1/charges"), b.path("/v1/charges")];
-            let (done, stop) = (done.clone(), stop.clone());
+            let (done, stop, refused) = (done.clone(), stop.clone(), refused_live.clone());
             tokio::spawn(async move {
                 let mut answers = Vec::new();
                 for r in 0.. {
@@ -120,6 +121,9 @@ async fn a_promoted_synchronous_standby_keeps_every_acknowledged_commit() {
                         key.clone(),
                     )
                     .await;
+                    if reply.status == 503 {
+                        refused.fetch_add(1, Ordering::SeqCst);
+                    }
                     answers.push((key, reply));
                     done.fetch_add(1, Ordering::SeqCst);
                 }
@@ -143,7 +147,10 @@ async fn a_promoted_synchronous_standby_keeps_every_acknowledged_commit() {
     .await;
     assert_eq!(probe.status, 503);
     assert_eq!(probe.problem(), "store-unavailable");
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    eventually(WAIT, "the load to meet the switch", || async {
+        refused_live.load(Ordering::SeqCst) >= clients
+    })
+    .await;
     standby.promote();
     let at_promotion = done.load(Ordering::SeqCst);
     eventually(WAIT, "load after the promotion", || async {
