@@ -583,10 +583,20 @@ async fn storm(args: &Args, scratch: &Path, db: &str) -> String {
             None,
         ),
     ];
+    // Room for every holder: the defaults (10,000 requests in flight)
+    // would shed the last one, and the storm would wait for it in vain.
+    let limits = scratch.join("storm.toml");
+    let room = args.storm + 100;
+    std::fs::write(
+        &limits,
+        format!("max_in_flight = {room}\nmax_connections = {room}\n"),
+    )
+    .unwrap();
+    let limits = limits.display().to_string();
     for (name, store, redis) in stores {
         calls.store(0, Ordering::SeqCst);
-        let gateway =
-            Gateway::start(args, &upstream, store, redis, &["--hold-timeout", "120s"]).await;
+        let flags = ["--hold-timeout", "120s", "--config", &limits];
+        let gateway = Gateway::start(args, &upstream, store, redis, &flags).await;
         let idle = rss_kib(gateway.pid);
         let key = format!("storm-{}-{}", name.len(), std::process::id());
         let first = tokio::spawn(timed(gateway.url.clone(), key.clone()));

@@ -6,7 +6,7 @@
 # --storm, --replicas 1,2,4, --only NAME).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/services.sh
+IDEMGATE_NO_BROWSER=1 scripts/services.sh
 missing=()
 command -v wrk >/dev/null 2>&1 || missing+=(wrk)
 command -v nginx >/dev/null 2>&1 || missing+=(nginx)

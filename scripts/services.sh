@@ -73,6 +73,18 @@ ensure_redis() {
   wait_for 6379 Redis
 }
 
+# The console's tests drive a real browser: headless Chromium through
+# chromedriver (WebDriver).
+ensure_browser() {
+  if command -v chromedriver >/dev/null 2>&1 && command -v chromium >/dev/null 2>&1; then
+    return 0
+  fi
+  apt_install chromium chromium-driver
+}
+
 ensure_postgres
 ensure_redis
 log "PostgreSQL on 127.0.0.1:5432 and Redis on 127.0.0.1:6379 are up"
+if [ -z "${IDEMGATE_NO_BROWSER:-}" ]; then
+  ensure_browser
+fi

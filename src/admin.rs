@@ -1,11 +1,13 @@
 //! The admin listener: job inspection and out-of-band resolution (behind a
-//! bearer token), plus `/healthz`, `/readyz` and `/metrics` (open, for probes
+//! bearer token, or the console's session), the operator console under
+//! `/console/`, plus `/healthz`, `/readyz` and `/metrics` (open, for probes
 //! and scrapers).
 //!
 //! | method | path | |
 //! |---|---|---|
 //! | GET | `/admin/v1/jobs/{id}` | a job and its attempts |
 //! | GET | `/admin/v1/jobs?owner=…&key=…` | the same, by owner (raw header value, `sha256:<hex>` or `anonymous`) and key |
+//! | GET | `/admin/v1/jobs?state=unknown&limit=…&before=…` | unknown jobs, newest first, paged (`next` is the following page's `before`) |
 //! | GET | `/admin/v1/upstreams` | upstreams and whether they pass their contracts' probes |
 //! | POST | `/admin/v1/attempts/{id}/resolve` | `{"outcome": "failed" \| "cancelled"}` or `{"outcome": "succeeded", "response": {…}}` |
 
@@ -24,12 +26,13 @@ use uuid::Uuid;
 
 use crate::attempt::{Attempt, AttemptId, Resolution};
 use crate::config::UpstreamSettings;
+use crate::console;
 use crate::error::problem_response;
 use crate::http::{collect_limited, full, Body};
-use crate::job::{JobDetail, JobId, StoredResponse};
+use crate::job::{Job, JobDetail, JobId, StoredResponse};
 use crate::key::{IdempotencyKey, Owner};
 use crate::probe::ProbeBoard;
-use crate::store::{Store, StoreError, StoreErrorKind};
+use crate::store::{Cursor, Store, StoreError, StoreErrorKind};
 use crate::supervise::{Status, Supervisor};
 use crate::telemetry::Chain;
 use crate::BoxError;
@@ -86,6 +89,7 @@ impl Admin {
                 );
                 Ok(response)
             }
+            (_, ["console", ..]) => self.console(req, &segments[1..]).await,
             (_, ["admin", "v1", ..]) => {
                 self.authorize(&req)?;
                 self.api(req, &segments[2..]).await
@@ -114,7 +118,9 @@ impl Admin {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
             .unwrap_or("");
-        if constant_time_eq(given.as_bytes(), token.as_bytes()) {
+        let console =
+            console::from_console(req.headers()) && console::signed_in(req.headers(), token);
+        if constant_time_eq(given.as_bytes(), token.as_bytes()) || console {
             Ok(())
         } else {
             Err(problem(
@@ -124,6 +130,34 @@ impl Admin {
                 "a valid `Authorization: Bearer <admin token>` header is required",
             ))
         }
+    }
+
+    /// The console's pages, sign-in and sign-out (see [`console`]).
+    async fn console<B>(
+        &self,
+        req: Request<B>,
+        rest: &[&str],
+    ) -> Result<Response<Body>, AdminProblem>
+    where
+        B: http_body::Body<Data = Bytes> + Send,
+        B::Error: Into<BoxError>,
+    {
+        let Some(token) = &self.token else {
+            return Ok(console::disabled());
+        };
+        let signed_in = console::signed_in(req.headers(), token);
+        Ok(match (req.method(), rest) {
+            (&Method::GET, []) => console::asset("", signed_in),
+            (&Method::GET, [file]) => console::asset(file, signed_in),
+            (&Method::POST, ["login"]) => {
+                let form = collect_limited(req.into_body(), 4096)
+                    .await
+                    .map_err(|e| bad_request(&e.to_string()))?;
+                console::sign_in(&form, token)
+            }
+            (&Method::POST, ["logout"]) => console::sign_out(),
+            _ => console::asset("\0", signed_in),
+        })
     }
 
     /// Ready when the store answers and no background task is dead or
@@ -204,12 +238,19 @@ impl Admin {
                 let query = req.uri().query().unwrap_or("");
                 let mut owner = None;
                 let mut key = None;
+                let mut listing = Listing::default();
                 for (k, v) in form_urlencoded::parse(query.as_bytes()) {
                     match k.as_ref() {
                         "owner" => owner = Some(v.into_owned()),
                         "key" => key = Some(v.into_owned()),
+                        "state" => listing.state = Some(v.into_owned()),
+                        "limit" => listing.limit = Some(v.into_owned()),
+                        "before" => listing.before = Some(v.into_owned()),
                         _ => {}
                     }
+                }
+                if listing.state.is_some() {
+                    return self.list(listing).await;
                 }
                 let owner = Owner::from_admin_query(owner.as_deref().unwrap_or(Owner::ANONYMOUS));
                 let key =
@@ -250,7 +291,49 @@ impl Admin {
     }
 }
 
+/// `GET /admin/v1/jobs?state=unknown&limit=…&before=…`, as given.
+#[derive(Default)]
+struct Listing {
+    state: Option<String>,
+    limit: Option<String>,
+    before: Option<String>,
+}
+
 impl Admin {
+    /// The operator's inbox: unknown jobs, newest first, a page at a time;
+    /// `next` (when there may be more) is the `before` of the next page.
+    async fn list(&self, listing: Listing) -> Result<Response<Body>, AdminProblem> {
+        if listing.state.as_deref() != Some("unknown") {
+            return Err(bad_request(
+                "only state=unknown is listed (the jobs waiting for an operator); find others by id or by owner and key",
+            ));
+        }
+        let limit = match listing.limit.as_deref() {
+            None => 50,
+            Some(n) => n
+                .parse::<u32>()
+                .ok()
+                .filter(|n| (1..=500).contains(n))
+                .ok_or_else(|| bad_request("limit must be a number from 1 to 500"))?,
+        };
+        let after = listing.before.as_deref().map(parse_cursor).transpose()?;
+        let jobs = self
+            .store
+            .unknown_jobs(after, limit)
+            .await
+            .map_err(store_problem)?;
+        let next = (jobs.len() == limit as usize)
+            .then(|| jobs.last().map(|j| cursor_text(Cursor::after(j))))
+            .flatten();
+        Ok(json_response(
+            StatusCode::OK,
+            &json!({
+                "jobs": jobs.iter().map(job_summary).collect::<Vec<_>>(),
+                "next": next,
+            }),
+        ))
+    }
+
     /// Every upstream, with its verdict under each contract it is probed for.
     fn upstreams_json(&self) -> Value {
         let verdicts = self.probes.snapshot();
@@ -381,6 +464,40 @@ fn job_json(detail: &JobDetail) -> Value {
     })
 }
 
+/// A job without its attempts or response, for listings.
+fn job_summary(job: &Job) -> Value {
+    json!({
+        "id": job.id.to_string(),
+        "owner": job.owner.as_str(),
+        "key": job.key.as_str(),
+        "route": job.route,
+        "state": job.state.as_str(),
+        "attempt_count": job.attempt_count,
+        "created_at": time(job.created_at),
+        "expires_at": time(job.expires_at),
+    })
+}
+
+/// A listing's cursor as text: the job's creation in microseconds since
+/// the epoch, a dot, the job id.
+fn cursor_text(cursor: Cursor) -> String {
+    let micros = cursor
+        .created_at
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros());
+    format!("{micros}.{}", cursor.job)
+}
+
+fn parse_cursor(text: &str) -> Result<Cursor, AdminProblem> {
+    let invalid = || bad_request("before must be the `next` of a previous page");
+    let (micros, id) = text.split_once('.').ok_or_else(invalid)?;
+    let micros: u64 = micros.parse().map_err(|_| invalid())?;
+    Ok(Cursor {
+        created_at: SystemTime::UNIX_EPOCH + std::time::Duration::from_micros(micros),
+        job: JobId(id.parse().map_err(|_| invalid())?),
+    })
+}
+
 fn attempt_json(a: &Attempt) -> Value {
     json!({
         "id": a.id.to_string(),
@@ -504,7 +621,7 @@ fn json_response(status: StatusCode, value: &Value) -> Response<Body> {
 
 /// Compares without stopping at the first difference, so response time does
 /// not leak how much of a guessed token was right.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
@@ -576,6 +693,13 @@ mod tests {
             _: &Owner,
             _: &IdempotencyKey,
         ) -> Result<Option<JobDetail>, StoreError> {
+            unimplemented!()
+        }
+        async fn unknown_jobs(
+            &self,
+            _: Option<crate::store::Cursor>,
+            _: u32,
+        ) -> Result<Vec<crate::job::Job>, StoreError> {
             unimplemented!()
         }
         async fn renew_leases(&self, _: &[AttemptId], _: Duration) -> Result<u64, StoreError> {

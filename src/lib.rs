@@ -36,6 +36,7 @@ pub mod sweeper;
 pub mod admin;
 pub mod app;
 pub mod config;
+pub mod console;
 pub mod contract;
 pub mod error;
 pub mod fastpath;

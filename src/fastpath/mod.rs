@@ -75,6 +75,10 @@ pub struct FastPath {
     redis: Redis,
     settings: FastPathSettings,
     healthy: AtomicBool,
+    /// When the last outage was logged (ms after `born`, plus a minute so
+    /// that the first is).
+    warned_at: std::sync::atomic::AtomicU64,
+    born: std::time::Instant,
     /// This gateway: announcements carry it, so a replica ignores its own.
     instance: Uuid,
     /// Seals cached responses as the store seals stored ones.
@@ -96,6 +100,8 @@ impl FastPath {
             redis: Redis::new(&settings.topology, settings.timeout)?,
             settings,
             healthy: AtomicBool::new(true),
+            warned_at: Default::default(),
+            born: std::time::Instant::now(),
             instance,
             sealer,
             written: Default::default(),
@@ -196,7 +202,8 @@ impl FastPath {
     }
 
     /// Runs a Redis call under the configured timeout; `None` on error or
-    /// timeout (counted, and logged once per outage).
+    /// timeout (counted, and logged once per outage, at most once a
+    /// minute: a Redis that flaps under load must not flood the logs).
     async fn call<T>(
         &self,
         fut: impl std::future::Future<Output = redis::RedisResult<T>>,
@@ -215,12 +222,24 @@ impl FastPath {
             }
             Err(e) => {
                 metrics::counter!("idemgate_fastpath_errors_total").increment(1);
-                if self.healthy.swap(false, Ordering::Relaxed) {
-                    tracing::warn!(error = %e, "Redis unavailable; serving from the store alone");
+                if self.healthy.swap(false, Ordering::Relaxed) && self.may_warn() {
+                    tracing::warn!(error = %e, "Redis unavailable; serving from the store alone (further failures within a minute are only counted, in idemgate_fastpath_errors_total)");
                 }
                 None
             }
         }
+    }
+
+    /// Whether a minute has passed since the last warning (and if so, notes
+    /// this one).
+    fn may_warn(&self) -> bool {
+        let now = self.born.elapsed().as_millis() as u64 + 60_000;
+        let last = self.warned_at.load(Ordering::Relaxed);
+        now >= last + 60_000
+            && self
+                .warned_at
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
     }
 
     /// Publishes the job changes rung on this replica (`<job> <instance>`),

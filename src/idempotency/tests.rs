@@ -108,6 +108,13 @@ impl Store for Faulty {
     ) -> Result<Option<JobDetail>, StoreError> {
         self.inner.find_job(owner, key).await
     }
+    async fn unknown_jobs(
+        &self,
+        after: Option<crate::store::Cursor>,
+        limit: u32,
+    ) -> Result<Vec<crate::job::Job>, StoreError> {
+        self.inner.unknown_jobs(after, limit).await
+    }
     async fn renew_leases(
         &self,
         attempts: &[AttemptId],

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use super::{Backend, Begin, CommitOutcome, Decide, Doorbell, Lock, Store, StoreError};
+use super::{Backend, Begin, CommitOutcome, Cursor, Decide, Doorbell, Lock, Store, StoreError};
 use crate::attempt::{Attempt, AttemptFailure, AttemptId, NewAttempt, Resolution};
 use crate::job::{Job, JobDetail, JobId, NewJob, StoredResponse};
 use crate::key::{IdempotencyKey, Owner};
@@ -211,6 +211,15 @@ impl<B: Backend> Store for Machine<B> {
         key: &IdempotencyKey,
     ) -> Result<Option<JobDetail>, StoreError> {
         self.open_detail(self.backend.find_job(owner, key).await?)
+    }
+
+    async fn unknown_jobs(
+        &self,
+        after: Option<Cursor>,
+        limit: u32,
+    ) -> Result<Vec<Job>, StoreError> {
+        let jobs = self.backend.unknown_jobs(after, limit).await?;
+        jobs.into_iter().map(|j| self.open(j)).collect()
     }
 
     async fn renew_leases(

@@ -13,7 +13,8 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 
 use super::{
-    commit_under_lock, expire_each, Applied, Backend, Begin, Committed, Decide, Lock, StoreError,
+    commit_under_lock, expire_each, Applied, Backend, Begin, Committed, Cursor, Decide, Lock,
+    StoreError,
 };
 use crate::attempt::{Attempt, AttemptId, AttemptState, NewAttempt};
 use crate::job::{Job, JobDetail, JobId, JobState, NewJob, StoredResponse};
@@ -246,6 +247,25 @@ impl Backend for Memory {
             .get(&(owner.clone(), key.clone()))
             .and_then(|id| records.jobs.get(id))
             .map(Entry::detail))
+    }
+
+    async fn unknown_jobs(
+        &self,
+        after: Option<Cursor>,
+        limit: u32,
+    ) -> Result<Vec<Job>, StoreError> {
+        let place = |j: &Job| (j.created_at, j.id.0);
+        let mut jobs: Vec<Job> = self
+            .records()
+            .jobs
+            .values()
+            .map(|e| e.job.clone())
+            .filter(|j| j.state == JobState::Unknown)
+            .filter(|j| after.is_none_or(|c| place(j) < (c.created_at, c.job.0)))
+            .collect();
+        jobs.sort_by_key(|j| std::cmp::Reverse(place(j)));
+        jobs.truncate(limit as usize);
+        Ok(jobs)
     }
 
     async fn renew_leases(

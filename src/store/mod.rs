@@ -192,6 +192,11 @@ pub trait Store: Send + Sync + 'static {
         key: &IdempotencyKey,
     ) -> Result<Option<JobDetail>, StoreError>;
 
+    /// Jobs whose outcome is unknown (the operator's inbox), newest first:
+    /// up to `limit` of them, after `after` when given.
+    async fn unknown_jobs(&self, after: Option<Cursor>, limit: u32)
+        -> Result<Vec<Job>, StoreError>;
+
     /// Extends the leases of attempts this instance is running.
     async fn renew_leases(
         &self,
@@ -214,6 +219,26 @@ pub trait Store: Send + Sync + 'static {
     /// are announced to other replicas (only watched jobs pay for it). Call
     /// it before reading the job, then wait.
     async fn watch(&self, job: JobId) -> Result<(), StoreError>;
+}
+
+/// Where a page of a newest-first listing of jobs goes on from: the last
+/// job of the page before.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cursor {
+    /// That job's creation.
+    pub created_at: SystemTime,
+    /// That job.
+    pub job: JobId,
+}
+
+impl Cursor {
+    /// The cursor that goes on after `job`.
+    pub fn after(job: &Job) -> Self {
+        Cursor {
+            created_at: job.created_at,
+            job: job.id,
+        }
+    }
 }
 
 /// What a [`Backend::commit`] did.
@@ -288,6 +313,11 @@ pub trait Backend: Send + Sync + 'static {
         owner: &Owner,
         key: &IdempotencyKey,
     ) -> Result<Option<JobDetail>, StoreError>;
+
+    /// Jobs in state `unknown`, newest first (`created_at`, then id, both
+    /// descending): up to `limit`, strictly after `after` when given.
+    async fn unknown_jobs(&self, after: Option<Cursor>, limit: u32)
+        -> Result<Vec<Job>, StoreError>;
 
     /// Extends the leases of started attempts.
     async fn renew_leases(

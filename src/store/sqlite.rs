@@ -32,7 +32,7 @@ use uuid::Uuid;
 use super::codec::{decode_headers, encode_headers};
 use super::{
     attempt_state, commit_under_lock, expire_each, job_state, millis, Applied, Backend, Begin,
-    Committed, Decide, Lock, StoreError,
+    Committed, Cursor, Decide, Lock, StoreError,
 };
 use crate::attempt::{Attempt, AttemptFailure, AttemptId, AttemptState, NewAttempt};
 use crate::fingerprint::Fingerprint;
@@ -519,6 +519,29 @@ impl Backend for Sqlite {
                 params![owner.as_str(), key.as_str()],
             )?;
             read_detail(conn, job)
+        })
+        .await
+    }
+
+    async fn unknown_jobs(
+        &self,
+        after: Option<Cursor>,
+        limit: u32,
+    ) -> Result<Vec<Job>, StoreError> {
+        let after_ms = after.map(|c| to_ms(c.created_at));
+        let after_id = after.map(|c| c.job.0.to_string());
+        self.call(move |conn| {
+            let mut select = conn
+                .prepare_cached(&format!(
+                    "SELECT {JOB_COLUMNS} FROM jobs j WHERE j.state = 'unknown' \
+                     AND (?1 IS NULL OR j.created_at < ?1 OR (j.created_at = ?1 AND j.id < ?2)) \
+                     ORDER BY j.created_at DESC, j.id DESC LIMIT ?3"
+                ))
+                .map_err(map_sqlite)?;
+            let rows = select
+                .query_map(params![after_ms, after_id, limit], job_from_row)
+                .map_err(map_sqlite)?;
+            rows.map(|row| row.map_err(map_sqlite)?).collect()
         })
         .await
     }

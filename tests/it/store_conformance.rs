@@ -213,6 +213,49 @@ pub async fn concurrent_claims_of_an_open_job_make_one_attempt(store: Arc<dyn St
         .is_none());
 }
 
+pub async fn unknown_jobs_are_listed_newest_first_a_page_at_a_time(store: Arc<dyn Store>) {
+    let mut unknown = Vec::new();
+    for i in 0..5 {
+        let (job, attempt) = created(store.as_ref(), &format!("inbox-{i}")).await;
+        if i == 2 {
+            // Completed jobs are not in the inbox; neither are running ones.
+            store.commit(&attempt, &response("done")).await.unwrap();
+            continue;
+        }
+        if i == 4 {
+            continue;
+        }
+        let failure = AttemptFailure::Unknown {
+            detail: "timeout".into(),
+        };
+        store.fail_attempt(attempt.id, failure).await.unwrap();
+        unknown.push(store.job(job.id).await.unwrap().unwrap());
+    }
+    // Newest first: by creation, then by id, both descending.
+    unknown.sort_by_key(|j| std::cmp::Reverse((j.created_at, j.id.0)));
+    let first = store.unknown_jobs(None, 2).await.unwrap();
+    let ids = |jobs: &[idemgate::job::Job]| jobs.iter().map(|j| j.id).collect::<Vec<_>>();
+    assert_eq!(ids(&first), ids(&unknown[..2]));
+    assert!(first.iter().all(|j| j.state == JobState::Unknown));
+    let cursor = idemgate::store::Cursor::after(&first[1]);
+    let second = store.unknown_jobs(Some(cursor), 2).await.unwrap();
+    assert_eq!(ids(&second), ids(&unknown[2..]));
+    let cursor = idemgate::store::Cursor::after(&second[0]);
+    assert!(store
+        .unknown_jobs(Some(cursor), 2)
+        .await
+        .unwrap()
+        .is_empty());
+    // Resolved, a job leaves the inbox.
+    let detail = store.job_detail(unknown[0].id).await.unwrap().unwrap();
+    store
+        .resolve_attempt(detail.attempts[0].id, idemgate::attempt::Resolution::Failed)
+        .await
+        .unwrap();
+    let left = store.unknown_jobs(None, 10).await.unwrap();
+    assert_eq!(ids(&left), ids(&unknown[1..]));
+}
+
 pub async fn unknown_blocks_but_a_late_answer_still_commits(store: Arc<dyn Store>) {
     let (job, attempt) = created(store.as_ref(), "late").await;
     store
@@ -581,6 +624,7 @@ macro_rules! conformance_suite {
                 concurrent_commits_have_exactly_one_winner,
                 concurrent_claims_of_an_open_job_make_one_attempt,
                 unknown_blocks_but_a_late_answer_still_commits,
+                unknown_jobs_are_listed_newest_first_a_page_at_a_time,
                 resolution_moves_the_version_so_the_late_answer_is_superseded,
                 resolution_as_succeeded_commits_through_the_cas,
                 a_hedge_failing_next_to_an_unknown_attempt_keeps_the_job_blocked,

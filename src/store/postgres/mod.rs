@@ -22,7 +22,7 @@ use uuid::Uuid;
 
 use super::{
     attempt_state, commit_under_lock, expire_each, job_state, millis, Applied, Backend, Begin,
-    Committed, Decide, Doorbell, Lock, StoreError,
+    Committed, Cursor, Decide, Doorbell, Lock, StoreError,
 };
 use crate::attempt::{Attempt, AttemptId, AttemptState, NewAttempt};
 use crate::fingerprint::Fingerprint;
@@ -601,6 +601,29 @@ impl Backend for Postgres {
             &[&owner.as_str(), &key.as_str()],
         )
         .await
+    }
+
+    async fn unknown_jobs(
+        &self,
+        after: Option<Cursor>,
+        limit: u32,
+    ) -> Result<Vec<Job>, StoreError> {
+        let client = self.client().await?;
+        // Served by the partial index `jobs_unknown_newest` (migration V4).
+        let select = client
+            .prepare_cached(&format!(
+                "SELECT {JOB_COLUMNS} FROM jobs j WHERE j.state = 'unknown' \
+                 AND ($1::timestamptz IS NULL OR (j.created_at, j.id) < ($1, $2::uuid)) \
+                 ORDER BY j.created_at DESC, j.id DESC LIMIT $3"
+            ))
+            .await
+            .map_err(map_pg)?;
+        let (at, id) = (after.map(|c| c.created_at), after.map(|c| c.job.0));
+        let rows = client
+            .query(&select, &[&at, &id, &i64::from(limit)])
+            .await
+            .map_err(map_pg)?;
+        rows.iter().map(job_from_row).collect()
     }
 
     async fn renew_leases(

@@ -1,0 +1,280 @@
+// The idemgate console: a thin page over the admin API (same origin, the
+// session cookie set at sign-in; every call says it comes from the console,
+// which a page on another site cannot forge).
+"use strict";
+
+const view = document.getElementById("view");
+
+async function api(method, path, body) {
+  const init = { method, credentials: "same-origin", headers: { "X-Idemgate-Console": "1" } };
+  if (body !== undefined) {
+    init.headers["Content-Type"] = "application/json";
+    init.body = JSON.stringify(body);
+  }
+  const response = await fetch("/admin/v1/" + path, init);
+  if (response.status === 401) {
+    window.location.href = "/console/";
+    throw new Error("signed out");
+  }
+  const data = await response.json().catch(() => ({}));
+  if (!response.ok) {
+    const error = new Error(data.detail || data.title || ("HTTP " + response.status));
+    error.status = response.status;
+    throw error;
+  }
+  return data;
+}
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [name, value] of Object.entries(attrs || {})) {
+    if (value === undefined || value === null) continue;
+    if (name.startsWith("on")) node.addEventListener(name.slice(2), value);
+    else node.setAttribute(name, value);
+  }
+  for (const child of children.flat()) {
+    if (child === undefined || child === null || child === false) continue;
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+const badge = (state) => el("span", { class: "badge " + state, "data-state": state }, state);
+const when = (t) => (t ? new Date(t).toLocaleString() : "—");
+const notice = (kind, text) => el("div", { class: "notice " + kind, role: kind === "error" ? "alert" : "status" }, text);
+
+function show(...nodes) {
+  view.replaceChildren(...nodes);
+}
+
+function activate(name) {
+  for (const a of document.querySelectorAll("header nav a")) {
+    a.classList.toggle("active", a.id === "nav-" + name);
+  }
+}
+
+// The operator's inbox: jobs whose outcome only a person can settle.
+async function inbox(before) {
+  activate("inbox");
+  show(el("h1", {}, "Unknown jobs"), el("p", { class: "muted" }, "Loading…"));
+  const query = "jobs?state=unknown&limit=25" + (before ? "&before=" + encodeURIComponent(before) : "");
+  let page;
+  try {
+    page = await api("GET", query);
+  } catch (e) {
+    return show(el("h1", {}, "Unknown jobs"), notice("error", e.message));
+  }
+  const rows = page.jobs.map((job) =>
+    el("tr", { "data-job": job.id },
+      el("td", {}, el("a", { href: "#/jobs/" + job.id, class: "mono" }, job.id)),
+      el("td", {}, when(job.created_at)),
+      el("td", {}, job.route),
+      el("td", { class: "mono" }, job.key),
+      el("td", { class: "mono" }, job.owner),
+      el("td", {}, String(job.attempt_count))));
+  show(
+    el("h1", {}, "Unknown jobs"),
+    el("p", { class: "muted" },
+      "An attempt of each of these jobs may have acted upstream, and nobody knows whether it did. " +
+      "Retries with their keys are refused until someone says what happened. Newest first."),
+    rows.length
+      ? el("table", { id: "inbox" },
+          el("thead", {}, el("tr", {}, ["Job", "Created", "Route", "Key", "Owner", "Attempts"].map((h) => el("th", {}, h)))),
+          el("tbody", {}, rows))
+      : el("div", { class: "card", id: "inbox-empty" }, "No job is unknown. Nothing waits for you."),
+    page.next ? el("div", { class: "actions" }, el("button", { id: "older", onclick: () => inbox(page.next) }, "Older")) : null);
+}
+
+function find() {
+  activate("find");
+  const byId = el("form", { class: "inline", id: "find-by-id", onsubmit: (e) => {
+    e.preventDefault();
+    const id = byId.querySelector("input").value.trim();
+    if (id) location.hash = "#/jobs/" + id;
+  } },
+    el("div", {}, el("label", { for: "job-id" }, "Job id"), el("input", { id: "job-id", size: 40, placeholder: "0190…" })),
+    el("button", { class: "primary", type: "submit" }, "Open"));
+  const byKey = el("form", { class: "inline", id: "find-by-key", onsubmit: async (e) => {
+    e.preventDefault();
+    const owner = byKey.querySelector("#owner").value.trim() || "anonymous";
+    const key = byKey.querySelector("#key").value;
+    try {
+      const job = await api("GET", "jobs?owner=" + encodeURIComponent(owner) + "&key=" + encodeURIComponent(key));
+      location.hash = "#/jobs/" + job.id;
+    } catch (err) {
+      result.replaceChildren(notice("error", err.message));
+    }
+  } },
+    el("div", {}, el("label", { for: "owner" }, "Owner"),
+      el("input", { id: "owner", size: 36, placeholder: "Authorization value, sha256:… or anonymous" })),
+    el("div", {}, el("label", { for: "key" }, "Idempotency-Key"), el("input", { id: "key", size: 28, required: "" })),
+    el("button", { class: "primary", type: "submit" }, "Find"));
+  const result = el("div", {});
+  show(el("h1", {}, "Find a job"),
+    el("div", { class: "card" }, byId), el("h2", {}, "By owner and key"), el("div", { class: "card" }, byKey), result);
+}
+
+// Attempts on one time axis, from the first start to the last end (or now).
+function timeline(job) {
+  const start = Math.min(...job.attempts.map((a) => Date.parse(a.started_at)));
+  const end = Math.max(Date.now() > start ? Math.min(Date.now(), start + 3600e3) : start + 1,
+    ...job.attempts.map((a) => Date.parse(a.finished_at || a.started_at)));
+  const span = Math.max(end - start, 1);
+  const lanes = job.attempts.map((a) => {
+    const from = Date.parse(a.started_at);
+    const to = a.finished_at ? Date.parse(a.finished_at) : end;
+    const left = (100 * (from - start)) / span;
+    const width = Math.max((100 * (to - from)) / span, 0.5);
+    const won = job.completed_by === a.id;
+    return el("div", { class: "lane", "data-attempt": a.id, "data-number": a.number, "data-state": a.state },
+      el("div", { class: "who" },
+        el("strong", {}, "#" + a.number), " ", a.upstream, " ", badge(a.state),
+        won ? el("span", { class: "winner", title: "its answer is the job's result" }, " ★ winner") : null),
+      el("div", { class: "track", title: when(a.started_at) + " → " + (a.finished_at ? when(a.finished_at) : "still running") },
+        el("div", { class: "bar " + a.state, style: `left:${left}%;width:${width}%` })),
+      el("div", { class: "why" },
+        when(a.started_at), " → ", a.finished_at ? when(a.finished_at) : "not finished",
+        a.upstream_status ? " · upstream answered " + a.upstream_status : "",
+        a.detail ? " · " + a.detail : ""));
+  });
+  return el("div", { class: "timeline", id: "timeline" }, lanes);
+}
+
+function header(response, name) {
+  const found = (response.headers || []).find(([n]) => n.toLowerCase() === name);
+  return found ? found[1] : "";
+}
+
+function storedResponse(response) {
+  if (!response) return el("div", { class: "card muted", id: "response" }, "No response is stored: the job has no result yet.");
+  const type = header(response, "content-type");
+  let body;
+  if (response.body === undefined) {
+    const size = Math.floor((response.body_base64 || "").length * 3 / 4);
+    body = el("p", { class: "muted", id: "body-binary" }, `Binary body: about ${size} bytes of ${type || "unknown type"}.`);
+  } else {
+    let text = response.body;
+    if (/json/.test(type)) {
+      try { text = JSON.stringify(JSON.parse(text), null, 2); } catch (_) { /* shown as sent */ }
+    }
+    const cut = text.length > 65536;
+    body = el("pre", { class: "body", id: "body" }, cut ? text.slice(0, 65536) + "\n… (cut: " + text.length + " characters)" : text);
+  }
+  return el("div", { class: "card", id: "response" },
+    el("dl", { class: "facts" }, el("dt", {}, "Status"), el("dd", { id: "response-status" }, String(response.status))),
+    el("h2", {}, "Headers"),
+    el("table", {}, el("tbody", {}, (response.headers || []).map(([n, v]) => el("tr", {}, el("td", { class: "mono" }, n), el("td", { class: "mono" }, v))))),
+    el("h2", {}, "Body"), body);
+}
+
+function confirmThen(title, text, action) {
+  const dialog = document.getElementById("confirm");
+  document.getElementById("confirm-title").textContent = title;
+  document.getElementById("confirm-text").textContent = text;
+  dialog.returnValue = "";
+  dialog.onclose = () => { if (dialog.returnValue === "ok") action(); };
+  dialog.showModal();
+}
+
+function resolver(job, attempt, done) {
+  const next = job.attempt_count + 1;
+  const message = el("div", {});
+  const run = async (resolution) => {
+    try {
+      await api("POST", "attempts/" + attempt.id + "/resolve", resolution);
+      done("Resolved. " + (resolution.outcome === "failed"
+        ? "The job is open again: the next retry runs attempt " + next + "."
+        : "The job is completed: retries replay this response."));
+    } catch (e) {
+      message.replaceChildren(notice("error", e.message));
+    }
+  };
+  const status = el("input", { id: "resolve-status", type: "number", min: 100, max: 599, value: 200, required: "" });
+  const headers = el("textarea", { id: "resolve-headers", rows: 3 }, "content-type: application/json");
+  const body = el("textarea", { id: "resolve-body", rows: 6, placeholder: "the response the client's retries will get" });
+  const succeeded = el("form", { id: "resolve-succeeded", onsubmit: (e) => {
+    e.preventDefault();
+    const lines = headers.value.split("\n").map((l) => l.trim()).filter(Boolean);
+    const pairs = [];
+    for (const line of lines) {
+      const at = line.indexOf(":");
+      if (at < 1) return message.replaceChildren(notice("error", "Each header line is `name: value`: " + line));
+      pairs.push([line.slice(0, at).trim(), line.slice(at + 1).trim()]);
+    }
+    const response = { status: Number(status.value), headers: pairs, body: body.value };
+    confirmThen("Complete the job with this response?",
+      `Attempt #${attempt.number} will be recorded as succeeded with status ${response.status}. ` +
+      "The job completes: every retry with this key gets this response, replayed, and the upstream is not called again. " +
+      "This cannot be undone.",
+      () => run({ outcome: "succeeded", response }));
+  } },
+    el("div", { class: "inline form" }, el("div", {}, el("label", { for: "resolve-status" }, "Status"), status)),
+    el("label", { for: "resolve-headers" }, "Headers (one `name: value` per line)"), headers,
+    el("label", { for: "resolve-body" }, "Body"), body,
+    el("div", { class: "actions" }, el("button", { class: "primary", type: "submit", id: "succeeded" }, "Succeeded with this response")));
+  return el("div", { class: "resolve", id: "resolve" },
+    el("h2", {}, `Attempt #${attempt.number} has an unknown outcome`),
+    el("p", {}, "It may have acted upstream (a charge made, a job started), or not. Check the upstream, then say which."),
+    message,
+    el("div", { class: "actions" },
+      el("button", { class: "danger", id: "no-effect", onclick: () => confirmThen(
+        "Mark the attempt as having had no effect?",
+        `Attempt #${attempt.number} will be recorded as failed. The job reopens: the client's next retry with this key ` +
+        `runs attempt ${next} against the upstream. Only do this if the upstream did nothing.`,
+        () => run({ outcome: "failed" })) }, "Had no effect")),
+    el("h2", {}, "Or: it succeeded, with this response"), succeeded);
+}
+
+async function jobPage(id, flash) {
+  activate("");
+  let job;
+  try {
+    job = await api("GET", "jobs/" + encodeURIComponent(id));
+  } catch (e) {
+    return show(el("h1", {}, "Job"), notice("error", e.message));
+  }
+  const unknown = job.attempts.filter((a) => a.state === "unknown");
+  show(
+    el("h1", {}, "Job ", el("span", { class: "mono", id: "job-id-title" }, job.id), " ", el("span", { id: "job-state" }, badge(job.state))),
+    flash ? notice("ok", flash) : null,
+    el("div", { class: "card" }, el("dl", { class: "facts" },
+      el("dt", {}, "Key"), el("dd", { class: "mono", id: "job-key" }, job.key),
+      el("dt", {}, "Owner"), el("dd", { class: "mono" }, job.owner),
+      el("dt", {}, "Route"), el("dd", {}, job.route),
+      el("dt", {}, "Fingerprint"), el("dd", { class: "mono" }, job.fingerprint),
+      el("dt", {}, "Created"), el("dd", {}, when(job.created_at)),
+      el("dt", {}, "Expires"), el("dd", {}, when(job.expires_at)),
+      el("dt", {}, "Version"), el("dd", {}, String(job.version)))),
+    el("h2", {}, `Attempts (${job.attempts.length})`), timeline(job),
+    unknown.map((a) => resolver(job, a, (text) => jobPage(id, text))),
+    el("h2", {}, "Stored response"), storedResponse(job.response));
+}
+
+async function upstreams() {
+  activate("upstreams");
+  let data;
+  try {
+    data = await api("GET", "upstreams");
+  } catch (e) {
+    return show(el("h1", {}, "Upstreams"), notice("error", e.message));
+  }
+  const rows = data.upstreams.map((u) => el("tr", { "data-upstream": u.name },
+    el("td", {}, el("strong", {}, u.name)), el("td", { class: "mono" }, u.url),
+    el("td", {}, u.contracts.length ? u.contracts.map((c) => el("div", {},
+      badge(c.passed ? "succeeded" : "failed"), " ", c.contract, " ",
+      el("span", { class: "muted" }, "checked " + when(c.checked_at)),
+      c.failures.map((f) => el("div", { class: "muted" }, f.probe + ": " + f.why)))) : el("span", { class: "muted" }, "no contract probes"))));
+  show(el("h1", {}, "Upstreams"),
+    el("table", { id: "upstreams" }, el("thead", {}, el("tr", {}, ["Name", "URL", "Contract probes"].map((h) => el("th", {}, h)))), el("tbody", {}, rows)));
+}
+
+function route() {
+  const [, page, arg] = location.hash.split("/");
+  if (page === "jobs" && arg) return jobPage(decodeURIComponent(arg));
+  if (page === "find") return find();
+  if (page === "upstreams") return upstreams();
+  return inbox();
+}
+
+window.addEventListener("hashchange", route);
+route();
