@@ -44,7 +44,7 @@ const when = (t) => (t ? new Date(t).toLocaleString() : "—");
 const notice = (kind, text) => el("div", { class: "notice " + kind, role: kind === "error" ? "alert" : "status" }, text);
 
 function show(...nodes) {
-  view.replaceChildren(...nodes);
+  view.replaceChildren(...nodes.flat().filter((n) => n !== null && n !== undefined && n !== false));
 }
 
 function activate(name) {

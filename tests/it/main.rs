@@ -3,6 +3,7 @@
 
 mod support;
 
+mod console;
 mod core_answers;
 mod core_outcomes;
 mod core_races;

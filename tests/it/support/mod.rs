@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod browser;
 pub mod chart;
 pub mod chat;
 pub mod db;
