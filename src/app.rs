@@ -128,13 +128,14 @@ pub async fn run(
                 })
                 .on_response(|response: &Response<_>, _latency, span: &tracing::Span| {
                     span.record("http.response.status_code", response.status().as_u16());
-                    if let Some(job) = response
+                    let job = response
                         .headers()
                         .get(IDEMPOTENCY_JOB)
-                        .and_then(|v| v.to_str().ok())
-                    {
+                        .and_then(|v| v.to_str().ok());
+                    if let Some(job) = job {
                         span.record("job.id", job);
                     }
+                    count_request(response, job.is_some());
                 })
                 // A 5xx here is usually the upstream's, already explained by the
                 // attempt's own log line: a warning, not an error of the gateway.
@@ -289,4 +290,37 @@ async fn open_store(
     Ok(Arc::new(
         Machine::new(backend, doorbell.clone()).sealed_with(sealer),
     ))
+}
+
+/// Counts a request by how it was answered (`idemgate_requests_total{outcome,
+/// status}`): `replayed` (a recorded answer), `executed` (an attempt's
+/// answer), `problem` (the gateway refused or failed it, with a problem
+/// answer), `passed_through` (not opted in); the status by class.
+fn count_request<B>(response: &Response<B>, has_job: bool) {
+    let replayed = response
+        .headers()
+        .get("idempotent-replayed")
+        .is_some_and(|v| v == "true");
+    let outcome = if response
+        .extensions()
+        .get::<crate::error::GatewayProblem>()
+        .is_some()
+    {
+        "problem"
+    } else if replayed {
+        "replayed"
+    } else if has_job {
+        "executed"
+    } else {
+        "passed_through"
+    };
+    let status = match response.status().as_u16() {
+        100..=199 => "1xx",
+        200..=299 => "2xx",
+        300..=399 => "3xx",
+        400..=499 => "4xx",
+        _ => "5xx",
+    };
+    metrics::counter!("idemgate_requests_total", "outcome" => outcome, "status" => status)
+        .increment(1);
 }

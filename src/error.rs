@@ -245,15 +245,24 @@ impl GatewayError {
     /// The problem+json answer for this error.
     pub fn into_response(self) -> Response<Body> {
         let problem = self.problem();
-        problem_response(
+        let mut response = problem_response(
             problem.status,
             problem.slug,
             problem.title,
             &self.to_string(),
             problem.retry_after,
-        )
+        );
+        response
+            .extensions_mut()
+            .insert(GatewayProblem(problem.slug));
+        response
     }
 }
+
+/// Marks an answer the gateway itself gave as a problem (not the
+/// upstream's), with its slug: read where requests are counted.
+#[derive(Debug, Clone, Copy)]
+pub struct GatewayProblem(pub &'static str);
 
 /// Renders a problem+json answer.
 pub fn problem_response(

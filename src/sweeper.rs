@@ -30,7 +30,11 @@ pub async fn run(
     }
 }
 
-/// One sweep: expire lapsed leases, then purge expired jobs.
+/// The `idemgate_jobs_unknown` gauge stops counting here: past it, the
+/// number matters less than that someone looks.
+const UNKNOWN_CAP: u32 = 1000;
+
+/// One sweep: expire lapsed leases, count unknown jobs, purge expired jobs.
 pub async fn sweep_once(store: &dyn Store) {
     for _ in 0..BATCHES_PER_TICK {
         match store.expire_leases(BATCH).await {
@@ -41,6 +45,12 @@ pub async fn sweep_once(store: &dyn Store) {
                 return;
             }
         }
+    }
+    // The operator's inbox, as a gauge (every replica reports the same
+    // count: aggregate with max, not sum). Counted up to UNKNOWN_CAP.
+    match store.unknown_jobs(None, UNKNOWN_CAP).await {
+        Ok(jobs) => metrics::gauge!("idemgate_jobs_unknown").set(jobs.len() as f64),
+        Err(e) => tracing::debug!(error = %Chain(&e), "sweeper could not count unknown jobs"),
     }
     for _ in 0..BATCHES_PER_TICK {
         match store.purge_expired(BATCH).await {

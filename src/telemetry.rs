@@ -60,9 +60,20 @@ pub fn metrics() -> PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
     HANDLE
         .get_or_init(|| {
-            let recorder = PrometheusBuilder::new().build_recorder();
+            // Latencies as histograms (not summaries), so replicas aggregate.
+            let recorder = PrometheusBuilder::new()
+                .set_buckets_for_metric(
+                    metrics_exporter_prometheus::Matcher::Suffix("_seconds".into()),
+                    &[
+                        0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                    ],
+                )
+                .expect("buckets are given")
+                .build_recorder();
             let handle = recorder.handle();
-            let _ = metrics::set_global_recorder(recorder);
+            if metrics::set_global_recorder(recorder).is_ok() {
+                zero();
+            }
             handle
         })
         .clone()
@@ -81,5 +92,64 @@ impl std::fmt::Display for Chain<'_> {
             source = s.source();
         }
         Ok(())
+    }
+}
+
+/// Every series a dashboard or an alert reads, at zero from the start:
+/// rates over a counter that appears only at its first event miss that
+/// event, and a panel over a missing series shows "no data" instead of 0.
+fn zero() {
+    for name in [
+        "idemgate_jobs_created_total",
+        "idemgate_commits_total",
+        "idemgate_commits_superseded_total",
+        "idemgate_failovers_total",
+        "idemgate_hedges_total",
+        "idemgate_record_retries_total",
+        "idemgate_requests_shed_total",
+        "idemgate_streams_cut_total",
+        "idemgate_stream_joiners_total",
+        "idemgate_fastpath_errors_total",
+    ] {
+        metrics::counter!(name).absolute(0);
+    }
+    for name in [
+        "idemgate_held_requests",
+        "idemgate_requests_in_flight",
+        "idemgate_streams_in_flight",
+        "idemgate_jobs_unknown",
+    ] {
+        metrics::gauge!(name).set(0.0);
+    }
+    for source in ["redis", "store"] {
+        metrics::counter!("idemgate_replays_total", "source" => source).absolute(0);
+    }
+    for result in ["hit", "miss", "invalid", "error"] {
+        metrics::counter!("idemgate_fastpath_lookups_total", "result" => result).absolute(0);
+    }
+    for outcome in ["replayed", "executed", "problem", "passed_through"] {
+        for status in ["2xx", "4xx", "5xx"] {
+            metrics::counter!("idemgate_requests_total", "outcome" => outcome, "status" => status)
+                .absolute(0);
+        }
+    }
+    for operation in [
+        "begin",
+        "commit",
+        "change",
+        "job",
+        "job_detail",
+        "find_job",
+        "unknown_jobs",
+        "renew_leases",
+        "expire_lapsed",
+        "purge_expired",
+        "ping",
+        "watch",
+    ] {
+        for kind in ["unavailable", "internal"] {
+            metrics::counter!("idemgate_store_errors_total", "operation" => operation, "kind" => kind)
+                .absolute(0);
+        }
     }
 }

@@ -208,7 +208,10 @@ impl FastPath {
         &self,
         fut: impl std::future::Future<Output = redis::RedisResult<T>>,
     ) -> Option<T> {
-        let result = match tokio::time::timeout(self.settings.timeout, fut).await {
+        let start = std::time::Instant::now();
+        let result = tokio::time::timeout(self.settings.timeout, fut).await;
+        metrics::histogram!("idemgate_fastpath_seconds").record(start.elapsed().as_secs_f64());
+        let result = match result {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(e)) => Err(e.to_string()),
             Err(_) => Err(format!("no answer within {:?}", self.settings.timeout)),

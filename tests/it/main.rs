@@ -7,6 +7,7 @@ mod console;
 mod core_answers;
 mod core_outcomes;
 mod core_races;
+mod dashboard;
 mod defences;
 mod embedded;
 mod encryption;
