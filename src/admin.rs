@@ -22,6 +22,7 @@ use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Deserialize;
 use serde_json::{json, Value};
+use subtle::ConstantTimeEq;
 use uuid::Uuid;
 
 use crate::attempt::{Attempt, AttemptId, Resolution};
@@ -120,7 +121,7 @@ impl Admin {
             .unwrap_or("");
         let console =
             console::from_console(req.headers()) && console::signed_in(req.headers(), token);
-        if constant_time_eq(given.as_bytes(), token.as_bytes()) || console {
+        if bool::from(given.as_bytes().ct_eq(token.as_bytes())) || console {
             Ok(())
         } else {
             Err(problem(
@@ -617,12 +618,6 @@ fn json_response(status: StatusCode, value: &Value) -> Response<Body> {
         HeaderValue::from_static("application/json"),
     );
     response
-}
-
-/// Compares without stopping at the first difference, so response time does
-/// not leak how much of a guessed token was right.
-pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 #[cfg(test)]

@@ -12,6 +12,7 @@
 use bytes::Bytes;
 use http::{header, HeaderMap, HeaderValue, Response, StatusCode};
 use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
 
 use crate::http::{full, Body};
 
@@ -42,7 +43,7 @@ pub fn signed_in(headers: &HeaderMap, token: &str) -> bool {
         .flat_map(|v| v.split(';'))
         .filter_map(|pair| pair.trim().split_once('='))
         .any(|(name, value)| {
-            name == COOKIE && crate::admin::constant_time_eq(value.as_bytes(), expected.as_bytes())
+            name == COOKIE && bool::from(value.as_bytes().ct_eq(expected.as_bytes()))
         })
 }
 
@@ -77,7 +78,7 @@ pub fn sign_in(form: &[u8], token: &str) -> Response<Body> {
         .find(|(name, _)| name == "token")
         .map(|(_, value)| value.into_owned())
         .unwrap_or_default();
-    if !crate::admin::constant_time_eq(given.as_bytes(), token.as_bytes()) {
+    if !bool::from(given.as_bytes().ct_eq(token.as_bytes())) {
         return login(
             StatusCode::UNAUTHORIZED,
             Some(

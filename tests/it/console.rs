@@ -155,6 +155,22 @@ async fn an_operator_resolves_unknown_jobs_in_the_browser() {
     assert_eq!(retry.header("idempotent-replayed"), Some("true"));
     assert_eq!(upstream.hits(), hits, "the upstream is not called again");
 
+    // Found again by owner and key.
+    browser.click("#nav-find").await;
+    browser.type_into("#owner", "anonymous").await;
+    browser.type_into("#key", "console-succeeded").await;
+    browser.click("#find-by-key button").await;
+    browser
+        .until("#job-key", "the job found by its key", |t| {
+            t == "console-succeeded"
+        })
+        .await;
+    assert_eq!(browser.text("#job-id-title").await, succeeded);
+    // The upstreams and their probe verdicts (none configured here).
+    browser.click("#nav-upstreams").await;
+    let row = browser.text("#upstreams tr[data-upstream='primary']").await;
+    assert!(row.contains("no contract probes"), "{row}");
+
     // Both resolved: the inbox is empty.
     browser
         .client
