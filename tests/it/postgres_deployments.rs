@@ -12,7 +12,7 @@ use std::time::Duration;
 use futures_util::future::join_all;
 
 use crate::support::postgres::ThrowawayPostgres;
-use crate::support::{eventually, send, FakeUpstream, Gateway, Reply, TestStore};
+use crate::support::{eventually, post, send, FakeUpstream, Gateway, Reply, TestStore};
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -243,28 +243,12 @@ async fn held_duplicates_are_answered_across_a_failover() {
     let b = replica(&url, &upstream, &logs.path().join("b.log")).await;
     let first = tokio::spawn({
         let url = a.path("/v1/charges");
-        async move {
-            send(
-                http::Method::POST,
-                &url,
-                &[("idempotency-key", "held")],
-                "{}",
-            )
-            .await
-        }
+        async move { post(&url, "held", "{}").await }
     });
     upstream.arrival().await;
     let held = tokio::spawn({
         let url = b.path("/v1/charges");
-        async move {
-            send(
-                http::Method::POST,
-                &url,
-                &[("idempotency-key", "held")],
-                "{}",
-            )
-            .await
-        }
+        async move { post(&url, "held", "{}").await }
     });
     eventually(WAIT, "the duplicate to be held on b", || async {
         b.metric("idemgate_held_requests").await == 1.0
