@@ -333,3 +333,25 @@ async fn with_sentinel_the_gateway_follows_the_master_through_a_failover() {
     })
     .await;
 }
+
+/// A cluster that is down when the gateway starts only means misses until
+/// it is up: then entries are written and replays come from it.
+#[tokio::test]
+async fn a_cluster_down_at_start_up_is_used_once_it_is_up() {
+    let store = TestStore::postgres().await;
+    let upstream = FakeUpstream::echo().await;
+    let ports = ThrowawayCluster::ports().await;
+    let url = ThrowawayCluster::url_of(&ports);
+    let gateway = replica(&store, &upstream.url(), &url).await;
+    let first = post(&gateway.path("/v1/x"), "before-the-cluster", "{}").await;
+    assert_eq!(first.status, 200, "served without Redis");
+    let cluster = ThrowawayCluster::start_on(ports).await;
+    eventually(WAIT, "entries in the cluster once it is up", || async {
+        post(&gateway.path("/v1/x"), "after-the-cluster", "{}").await;
+        cached(
+            cluster.get(&redis_key("after-the-cluster")).await,
+            "after-the-cluster",
+        )
+    })
+    .await;
+}

@@ -96,11 +96,32 @@ pub struct ThrowawayCluster {
 }
 
 impl ThrowawayCluster {
+    /// Six ports a cluster can be started on later.
+    pub async fn ports() -> Vec<u16> {
+        let mut ports = Vec::new();
+        while ports.len() < 6 {
+            let port = cluster_port().await;
+            if !ports.contains(&port) {
+                ports.push(port);
+            }
+        }
+        ports
+    }
+
+    /// `redis+cluster://` naming these ports as seeds.
+    pub fn url_of(ports: &[u16]) -> String {
+        let seeds: Vec<_> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        format!("redis+cluster://{}", seeds.join(","))
+    }
+
     pub async fn start() -> ThrowawayCluster {
+        Self::start_on(Self::ports().await).await
+    }
+
+    pub async fn start_on(ports: Vec<u16>) -> ThrowawayCluster {
         let dir = tempfile::tempdir().unwrap();
         let mut nodes = Vec::new();
-        for _ in 0..6 {
-            let port = cluster_port().await;
+        for port in ports {
             let own = dir.path().join(port.to_string());
             std::fs::create_dir_all(&own).unwrap();
             nodes.push(
