@@ -26,11 +26,13 @@ use http::{Request, Response};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::TcpListener;
 use tokio::process::{Child, Command};
 use tokio::sync::Notify;
 use tokio::time::Instant;
+
+mod harness;
+use harness::{create_database, drop_database, Gateway, Store};
 
 struct Args {
     binary: String,
@@ -128,16 +130,17 @@ async fn main() {
     let db = create_database(&args.database).await;
     flush_redis(&args.redis).await;
     let redis = Gateway::start(
-        &args,
+        &args.binary,
         &upstream.url,
         Store::Postgres(&db),
         Some(&args.redis),
         &[],
     )
     .await;
-    let postgres = Gateway::start(&args, &upstream.url, Store::Postgres(&db), None, &[]).await;
+    let postgres =
+        Gateway::start(&args.binary, &upstream.url, Store::Postgres(&db), None, &[]).await;
     let embedded = Gateway::start(
-        &args,
+        &args.binary,
         &upstream.url,
         Store::Embedded(&scratch.join("bench.db")),
         None,
@@ -382,7 +385,8 @@ async fn scale_out(
         let mut replicas = Vec::new();
         for _ in 0..n {
             let store = Store::Postgres(&named);
-            replicas.push(Gateway::start(args, upstream, store, Some(&args.redis), &[]).await);
+            replicas
+                .push(Gateway::start(&args.binary, upstream, store, Some(&args.redis), &[]).await);
         }
         prime(&replicas[0].url, 200).await;
         for g in &replicas {
@@ -596,7 +600,7 @@ async fn storm(args: &Args, scratch: &Path, db: &str) -> String {
     for (name, store, redis) in stores {
         calls.store(0, Ordering::SeqCst);
         let flags = ["--hold-timeout", "120s", "--config", &limits];
-        let gateway = Gateway::start(args, &upstream, store, redis, &flags).await;
+        let gateway = Gateway::start(&args.binary, &upstream, store, redis, &flags).await;
         let idle = rss_kib(gateway.pid);
         let key = format!("storm-{}-{}", name.len(), std::process::id());
         let first = tokio::spawn(timed(gateway.url.clone(), key.clone()));
@@ -747,41 +751,6 @@ async fn flush_redis(url: &str) {
         .expect("flush");
 }
 
-async fn create_database(server: &str) -> String {
-    let name = format!("idemgate_bench_{}", std::process::id());
-    let (client, conn) = tokio_postgres::connect(server, tokio_postgres::NoTls)
-        .await
-        .expect("PostgreSQL is not reachable; run scripts/bench.sh, which starts it");
-    tokio::spawn(conn);
-    for sql in [
-        format!("DROP DATABASE IF EXISTS {name}"),
-        format!("CREATE DATABASE {name}"),
-    ] {
-        client.batch_execute(&sql).await.expect("create database");
-    }
-    let mut config: tokio_postgres::Config = server.parse().expect("database URL");
-    config.dbname(&name);
-    let host = match config.get_hosts().first() {
-        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
-        _ => "127.0.0.1".into(),
-    };
-    format!(
-        "postgres://{}@{host}:{}/{name}",
-        config.get_user().unwrap_or("postgres"),
-        config.get_ports().first().copied().unwrap_or(5432)
-    )
-}
-
-async fn drop_database(server: &str, url: &str) {
-    let name = url.rsplit('/').next().unwrap_or_default().to_owned();
-    if let Ok((client, conn)) = tokio_postgres::connect(server, tokio_postgres::NoTls).await {
-        tokio::spawn(conn);
-        let _ = client
-            .batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-            .await;
-    }
-}
-
 /// An nginx of the bench's own, in a folder of its own, on a free port.
 struct Nginx {
     url: String,
@@ -875,93 +844,5 @@ impl Nginx {
             );
         }
         pids
-    }
-}
-
-enum Store<'a> {
-    Postgres(&'a str),
-    Embedded(&'a Path),
-}
-
-struct Gateway {
-    url: String,
-    admin: String,
-    pid: u32,
-    _child: Child,
-}
-
-impl Gateway {
-    async fn start(
-        args: &Args,
-        upstream: &str,
-        store: Store<'_>,
-        redis: Option<&str>,
-        extra: &[&str],
-    ) -> Gateway {
-        let mut cmd = Command::new(&args.binary);
-        cmd.args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-        ])
-        .args(["--upstream", upstream])
-        .args(extra)
-        .env("RUST_LOG", "warn")
-        .env_remove("IDEMGATE_REDIS_URL")
-        .stdout(Stdio::piped())
-        .kill_on_drop(true);
-        match store {
-            Store::Postgres(url) => cmd.args(["--database-url", url]),
-            Store::Embedded(path) => cmd.arg("--embedded-path").arg(path),
-        };
-        if let Some(redis) = redis {
-            cmd.args(["--redis-url", redis]);
-        }
-        let mut child = cmd
-            .spawn()
-            .expect("start idemgate (build it with --release first)");
-        let pid = child.id().unwrap_or(0);
-        let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
-        let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
-            .await
-            .expect("gateway start")
-            .expect("stdout")
-            .expect("listening line");
-        let words: Vec<&str> = line.split_whitespace().collect();
-        let url = words[3].to_owned();
-        let admin = words[6].trim_end_matches(')').to_owned();
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-        Gateway {
-            url,
-            admin,
-            pid,
-            _child: child,
-        }
-    }
-
-    async fn metric(&self, name: &str) -> f64 {
-        let c = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-        let Ok(r) = c
-            .request(
-                Request::get(format!("{}/metrics", self.admin))
-                    .body(Full::new(Bytes::new()))
-                    .unwrap(),
-            )
-            .await
-        else {
-            return 0.0;
-        };
-        let body = r
-            .into_body()
-            .collect()
-            .await
-            .map(|c| c.to_bytes())
-            .unwrap_or_default();
-        String::from_utf8_lossy(&body)
-            .lines()
-            .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
-            .unwrap_or(0.0)
     }
 }

@@ -12,7 +12,6 @@
 //! scripts/bench.sh            # builds, starts services, runs this
 //! ```
 
-use std::process::Stdio;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,10 +21,11 @@ use http::{Request, Response};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::TcpListener;
-use tokio::process::{Child, Command};
 use tokio::time::Instant;
+
+mod harness;
+use harness::{create_database, drop_database, Gateway, Store};
 
 struct Args {
     binary: String,
@@ -82,12 +82,26 @@ async fn main() {
         .expect("flush the bench's Redis database");
 
     let direct = format!("http://{upstream}");
-    let without = Gateway::start(&args, &upstream, Store::Postgres(&db), None).await;
-    let with = Gateway::start(&args, &upstream, Store::Postgres(&db), Some(&args.redis)).await;
+    let without = Gateway::start(&args.binary, &direct, Store::Postgres(&db), None, &[]).await;
+    let with = Gateway::start(
+        &args.binary,
+        &direct,
+        Store::Postgres(&db),
+        Some(&args.redis),
+        &[],
+    )
+    .await;
     let scratch = std::env::temp_dir().join(format!("idemgate-bench-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&scratch);
     let embedded_file = scratch.join("bench.db");
-    let embedded = Gateway::start(&args, &upstream, Store::Embedded(&embedded_file), None).await;
+    let embedded = Gateway::start(
+        &args.binary,
+        &direct,
+        Store::Embedded(&embedded_file),
+        None,
+        &[],
+    )
+    .await;
     for g in [&without, &with, &embedded] {
         prime(&g.url, args.keys).await;
     }
@@ -382,121 +396,4 @@ async fn start_upstream() -> std::net::SocketAddr {
         }
     });
     addr
-}
-
-async fn create_database(server: &str) -> String {
-    let name = format!("idemgate_bench_{}", std::process::id());
-    let (client, conn) = tokio_postgres::connect(server, tokio_postgres::NoTls)
-        .await
-        .expect("PostgreSQL is not reachable; run scripts/bench.sh, which starts it");
-    tokio::spawn(conn);
-    for sql in [
-        format!("DROP DATABASE IF EXISTS {name}"),
-        format!("CREATE DATABASE {name}"),
-    ] {
-        client.batch_execute(&sql).await.expect("create database");
-    }
-    let mut config: tokio_postgres::Config = server.parse().expect("database URL");
-    config.dbname(&name);
-    let host = match config.get_hosts().first() {
-        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
-        _ => "127.0.0.1".into(),
-    };
-    format!(
-        "postgres://{}@{host}:{}/{name}",
-        config.get_user().unwrap_or("postgres"),
-        config.get_ports().first().copied().unwrap_or(5432)
-    )
-}
-
-async fn drop_database(server: &str, url: &str) {
-    let name = url.rsplit('/').next().unwrap_or_default().to_owned();
-    if let Ok((client, conn)) = tokio_postgres::connect(server, tokio_postgres::NoTls).await {
-        tokio::spawn(conn);
-        let _ = client
-            .batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-            .await;
-    }
-}
-
-enum Store<'a> {
-    Postgres(&'a str),
-    Embedded(&'a std::path::Path),
-}
-
-struct Gateway {
-    url: String,
-    admin: String,
-    _child: Child,
-}
-
-impl Gateway {
-    async fn start(
-        args: &Args,
-        upstream: &std::net::SocketAddr,
-        store: Store<'_>,
-        redis: Option<&str>,
-    ) -> Gateway {
-        let mut cmd = Command::new(&args.binary);
-        cmd.args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-        ])
-        .args(["--upstream", &format!("http://{upstream}")])
-        .env("RUST_LOG", "warn")
-        .env_remove("IDEMGATE_REDIS_URL")
-        .stdout(Stdio::piped())
-        .kill_on_drop(true);
-        match store {
-            Store::Postgres(url) => cmd.args(["--database-url", url]),
-            Store::Embedded(path) => cmd.arg("--embedded-path").arg(path),
-        };
-        if let Some(redis) = redis {
-            cmd.args(["--redis-url", redis]);
-        }
-        let mut child = cmd
-            .spawn()
-            .expect("start idemgate (build it with --release first)");
-        let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
-        let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
-            .await
-            .expect("gateway start")
-            .expect("stdout")
-            .expect("listening line");
-        let words: Vec<&str> = line.split_whitespace().collect();
-        let url = words[3].to_owned();
-        let admin = words[6].trim_end_matches(')').to_owned();
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-        Gateway {
-            url,
-            admin,
-            _child: child,
-        }
-    }
-
-    async fn metric(&self, name: &str) -> f64 {
-        let Ok(r) = client()
-            .request(
-                Request::get(format!("{}/metrics", self.admin))
-                    .body(Full::new(Bytes::new()))
-                    .expect("req"),
-            )
-            .await
-        else {
-            return 0.0;
-        };
-        let body = r
-            .into_body()
-            .collect()
-            .await
-            .map(|c| c.to_bytes())
-            .unwrap_or_default();
-        String::from_utf8_lossy(&body)
-            .lines()
-            .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
-            .unwrap_or(0.0)
-    }
 }
