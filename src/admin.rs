@@ -157,7 +157,7 @@ impl Admin {
                 console::sign_in(&form, token)
             }
             (&Method::POST, ["logout"]) => console::sign_out(),
-            _ => console::asset("\0", signed_in),
+            _ => console::not_found(),
         })
     }
 

@@ -64,12 +64,17 @@ pub fn asset(path: &str, signed_in: bool) -> Response<Body> {
             "sign in at /console/ first\n",
             "text/plain; charset=utf-8",
         ),
-        _ => page(
-            StatusCode::NOT_FOUND,
-            "no such console page\n",
-            "text/plain; charset=utf-8",
-        ),
+        _ => not_found(),
     }
+}
+
+/// Anything else under `/console/`.
+pub fn not_found() -> Response<Body> {
+    page(
+        StatusCode::NOT_FOUND,
+        "no such console page\n",
+        "text/plain; charset=utf-8",
+    )
 }
 
 /// Answers the sign-in form (`token=…`, form-encoded) for admin `token`.
