@@ -40,8 +40,7 @@ pub struct Tag([u8; 8]);
 impl Tag {
     /// The tag of `(owner, key)`.
     pub fn of(owner: &Owner, key: &IdempotencyKey) -> Self {
-        let digest = slot(owner, key);
-        Tag(digest[..8].try_into().expect("a digest is 32 bytes"))
+        Binding::of(owner, key).tag()
     }
 }
 
@@ -51,11 +50,32 @@ impl std::fmt::Display for Tag {
     }
 }
 
+/// The digest that binds an entry to the `(owner, key)` it was written for,
+/// and whose first bytes are its [`Tag`]: computed once per lookup or write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Binding([u8; 32]);
+
+impl Binding {
+    /// The binding of `(owner, key)`.
+    pub fn of(owner: &Owner, key: &IdempotencyKey) -> Self {
+        let mut h = Sha256::new();
+        h.update(owner.as_str().as_bytes());
+        h.update([0]);
+        h.update(key.as_str().as_bytes());
+        Binding(h.finalize().into())
+    }
+
+    /// The hash tag of every Redis key of this `(owner, key)`.
+    pub fn tag(&self) -> Tag {
+        Tag(self.0[..8].try_into().expect("a digest is 32 bytes"))
+    }
+}
+
 /// The Redis key of a replay: the tag, then owner (`anonymous` or
 /// `sha256:<hex>`, never a colon beyond that) and key, readable in
-/// `redis-cli`.
-pub fn redis_key(owner: &Owner, key: &IdempotencyKey) -> String {
-    format!("idemgate:{{{}}}:replay:{owner}:{key}", Tag::of(owner, key))
+/// `redis-cli`. `binding` is that of `(owner, key)`.
+pub fn redis_key(binding: &Binding, owner: &Owner, key: &IdempotencyKey) -> String {
+    format!("idemgate:{{{}}}:replay:{owner}:{key}", binding.tag())
 }
 
 /// The Redis Stream a streamed answer of `job`, made for the `(owner, key)`
@@ -64,22 +84,14 @@ pub fn stream_key(tag: &Tag, job: JobId) -> String {
     format!("idemgate:{{{tag}}}:stream:{job}")
 }
 
-/// Binds an entry to the `(owner, key)` it was written for.
-fn slot(owner: &Owner, key: &IdempotencyKey) -> [u8; 32] {
-    let mut h = Sha256::new();
-    h.update(owner.as_str().as_bytes());
-    h.update([0]);
-    h.update(key.as_str().as_bytes());
-    h.finalize().into()
-}
-
-/// The entry for `(owner, key)`: `IGR1 | slot 32 | job 16 | fingerprint 32 |
-/// expires ms 8 | kind 1 | [status 2 | headers len 4 | headers | body] |
-/// checksum 8`, where the slot binds it to that `(owner, key)`.
-pub fn encode(entry: &Entry, owner: &Owner, key: &IdempotencyKey) -> Vec<u8> {
+/// The entry for an `(owner, key)`: `IGR1 | binding 32 | job 16 |
+/// fingerprint 32 | expires ms 8 | kind 1 | [status 2 | headers len 4 |
+/// headers | body] | checksum 8`, where the binding ties it to that `(owner,
+/// key)`.
+pub fn encode(entry: &Entry, binding: &Binding) -> Vec<u8> {
     let mut out = Vec::with_capacity(128);
     out.extend_from_slice(MAGIC);
-    out.extend_from_slice(&slot(owner, key));
+    out.extend_from_slice(&binding.0);
     out.extend_from_slice(entry.job.0.as_bytes());
     out.extend_from_slice(&entry.fingerprint.0);
     let ms = entry
@@ -105,15 +117,15 @@ pub fn encode(entry: &Entry, owner: &Owner, key: &IdempotencyKey) -> Vec<u8> {
 }
 
 /// Reads an entry back, refusing anything corrupt, written for another
-/// `(owner, key)`, or within the expiry margin at `now`.
-pub fn decode(bytes: &[u8], owner: &Owner, key: &IdempotencyKey, now: SystemTime) -> Option<Entry> {
+/// `(owner, key)` than `binding`'s, or within the expiry margin at `now`.
+pub fn decode(bytes: &[u8], binding: &Binding, now: SystemTime) -> Option<Entry> {
     let (payload, checksum) = bytes.split_at_checked(bytes.len().checked_sub(8)?)?;
     if Sha256::digest(payload)[..8] != *checksum {
         return None;
     }
     let rest = payload.strip_prefix(MAGIC)?;
     let (written_for, rest) = rest.split_at_checked(32)?;
-    if written_for != slot(owner, key) {
+    if written_for != binding.0 {
         return None;
     }
     let (job, rest) = rest.split_at_checked(16)?;
@@ -181,12 +193,20 @@ mod tests {
             body: Bytes::from_static(b"\x00body\xff"),
         }));
         assert_eq!(
-            decode(&encode(&inline, &o, &k), &o, &k, SystemTime::now()),
+            decode(
+                &encode(&inline, &Binding::of(&o, &k)),
+                &Binding::of(&o, &k),
+                SystemTime::now()
+            ),
             Some(inline)
         );
         let reference = entry(None);
         assert_eq!(
-            decode(&encode(&reference, &o, &k), &o, &k, SystemTime::now()),
+            decode(
+                &encode(&reference, &Binding::of(&o, &k)),
+                &Binding::of(&o, &k),
+                SystemTime::now()
+            ),
             Some(reference)
         );
     }
@@ -196,19 +216,27 @@ mod tests {
         let (o, k) = at();
         let now = SystemTime::now();
         let e = entry(None);
-        let mut bytes = encode(&e, &o, &k);
+        let mut bytes = encode(&e, &Binding::of(&o, &k));
         let other = IdempotencyKey::new("other").unwrap();
         assert!(
-            decode(&bytes, &o, &other, now).is_none(),
+            decode(&bytes, &Binding::of(&o, &other), now).is_none(),
             "another key's entry"
         );
         bytes[40] ^= 1;
-        assert!(decode(&bytes, &o, &k, now).is_none(), "flipped bit");
-        assert!(decode(b"garbage", &o, &k, now).is_none());
-        assert!(decode(b"", &o, &k, now).is_none());
+        assert!(
+            decode(&bytes, &Binding::of(&o, &k), now).is_none(),
+            "flipped bit"
+        );
+        assert!(decode(b"garbage", &Binding::of(&o, &k), now).is_none());
+        assert!(decode(b"", &Binding::of(&o, &k), now).is_none());
         let later = now + Duration::from_secs(3600);
         assert!(
-            decode(&encode(&e, &o, &k), &o, &k, later).is_none(),
+            decode(
+                &encode(&e, &Binding::of(&o, &k)),
+                &Binding::of(&o, &k),
+                later
+            )
+            .is_none(),
             "past its expiry margin"
         );
     }
@@ -223,17 +251,17 @@ mod tests {
             #[test]
             fn any_bytes_decode_or_are_refused(bytes in proptest::collection::vec(any::<u8>(), 0..400)) {
                 let (o, k) = at();
-                let _ = decode(&bytes, &o, &k, SystemTime::now());
+                let _ = decode(&bytes, &Binding::of(&o, &k), SystemTime::now());
             }
 
             #[test]
             fn a_flipped_byte_is_always_refused(index in any::<prop::sample::Index>(), flip in 1..=255u8) {
                 let (o, k) = at();
                 let e = entry(Some(StoredResponse { status: 200, headers: vec![], body: Bytes::from_static(b"body") }));
-                let mut bytes = encode(&e, &o, &k);
+                let mut bytes = encode(&e, &Binding::of(&o, &k));
                 let i = index.index(bytes.len());
                 bytes[i] ^= flip;
-                prop_assert!(decode(&bytes, &o, &k, SystemTime::now()).is_none());
+                prop_assert!(decode(&bytes, &Binding::of(&o, &k), SystemTime::now()).is_none());
             }
         }
     }

@@ -42,7 +42,7 @@ mod stream;
 use connection::Redis;
 pub use connection::{Topology, TopologyError};
 use entry::EXPIRY_MARGIN;
-pub use entry::{decode, encode, redis_key, stream_key, Entry, Tag};
+pub use entry::{decode, encode, redis_key, stream_key, Binding, Entry, Tag};
 
 /// The pub/sub channel job changes are announced on; the payload is the job id.
 pub const CHANNEL: &str = "idemgate:jobs";
@@ -111,7 +111,10 @@ impl FastPath {
     /// The cached replay for `(owner, key)`, if any and valid.
     pub async fn lookup(&self, owner: &Owner, key: &IdempotencyKey) -> Lookup {
         let mut conn = self.redis.conn();
-        let cmd = redis::cmd("GET").arg(redis_key(owner, key)).clone();
+        let binding = Binding::of(owner, key);
+        let cmd = redis::cmd("GET")
+            .arg(redis_key(&binding, owner, key))
+            .clone();
         let found: Option<Vec<u8>> = match self.call(cmd.query_async(&mut conn)).await {
             Some(found) => found,
             None => {
@@ -123,7 +126,7 @@ impl FastPath {
             count("miss");
             return Lookup::Miss;
         };
-        let entry = decode(&bytes, owner, key, SystemTime::now()).and_then(|mut entry| {
+        let entry = decode(&bytes, &binding, SystemTime::now()).and_then(|mut entry| {
             if let Some(response) = entry.response.take() {
                 entry.response =
                     Some(seal::open(self.sealer.as_deref(), entry.job, response).ok()?);
@@ -188,10 +191,11 @@ impl FastPath {
                 }
             }),
         };
-        let bytes = encode(&entry, owner, key);
+        let binding = Binding::of(owner, key);
+        let bytes = encode(&entry, &binding);
         let mut conn = self.redis.conn();
         let cmd = redis::cmd("SET")
-            .arg(redis_key(owner, key))
+            .arg(redis_key(&binding, owner, key))
             .arg(bytes)
             .arg("PX")
             .arg(ttl.as_millis() as u64)

@@ -99,8 +99,8 @@ pub(super) struct Running {
     pub reply: oneshot::Receiver<Reply>,
 }
 
-/// Starts the attempt's task against `target`; `tag` places what the fast
-/// path mirrors of it with the rest of its key's entries.
+/// Starts the attempt's task against `target`; `tag` (with a fast path)
+/// places what it mirrors of the attempt with the rest of its key's entries.
 #[allow(clippy::too_many_arguments)] // each is the attempt's own; no bundle reads better
 pub(super) fn start(
     shared: Arc<Shared>,
@@ -109,7 +109,7 @@ pub(super) fn start(
     target: &UpstreamSettings,
     attempt: Attempt,
     mut request: Request<Body>,
-    tag: Tag,
+    tag: Option<Tag>,
     parent: &tracing::Span,
 ) -> Running {
     let (tx, rx) = oneshot::channel();
@@ -224,8 +224,8 @@ struct Task {
     lease: Arc<LeaseGuard>,
     timeout: Duration,
     deadline: Instant,
-    /// Where the fast path mirrors a streamed answer.
-    tag: Tag,
+    /// Where the fast path, if any, mirrors a streamed answer.
+    tag: Option<Tag>,
     reply: Option<oneshot::Sender<Reply>>,
 }
 
@@ -372,9 +372,9 @@ impl Task {
         // the stream is mirrored there and other replicas are told once its
         // head is.
         self.shared.doorbell.ring_local(job);
-        if let Some(fast) = &self.shared.fastpath {
+        if let (Some(fast), Some(tag)) = (&self.shared.fastpath, &self.tag) {
             let ttl = self.shared.settings.attempt_deadline + Duration::from_secs(60);
-            fast.mirror(&self.tag, &recording, ttl, self.shared.doorbell.clone());
+            fast.mirror(tag, &recording, ttl, self.shared.doorbell.clone());
         }
         self.send(Reply::Streaming(recording.clone()));
         let limit = self.shared.settings.max_response_size;

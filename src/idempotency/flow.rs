@@ -271,7 +271,8 @@ impl Flow {
             target,
             attempt,
             request,
-            Tag::of(&self.owner, &self.key),
+            // Only a fast path needs it: no digest per attempt without one.
+            self.shared.fastpath.as_ref().map(|_| self.tag()),
             &self.span,
         )
     }

@@ -82,10 +82,12 @@ async fn the_database_and_redis_hold_no_plaintext_response() {
     assert_eq!(names, ":sealed", "no header names either");
     assert_eq!(values, vec![b"a".to_vec()], "only the key id");
 
-    let redis_key = idemgate::fastpath::redis_key(
-        &idemgate::key::Owner::from_header(None),
-        &idemgate::key::IdempotencyKey::new("sealed-1").unwrap(),
+    let (owner, key) = (
+        idemgate::key::Owner::from_header(None),
+        idemgate::key::IdempotencyKey::new("sealed-1").unwrap(),
     );
+    let binding = idemgate::fastpath::Binding::of(&owner, &key);
+    let redis_key = idemgate::fastpath::redis_key(&binding, &owner, &key);
     eventually(Duration::from_secs(5), "the fast-path entry", || async {
         redis.get(&redis_key).await.is_some()
     })

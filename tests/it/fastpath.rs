@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use futures_util::future::join_all;
-use idemgate::fastpath::{self, Entry};
+use idemgate::fastpath::{self, Binding, Entry};
 use idemgate::fingerprint::Fingerprint;
 use idemgate::job::JobId;
 use idemgate::key::{IdempotencyKey, Owner};
@@ -16,20 +16,23 @@ use crate::support::{eventually, post, FakeUpstream, Gate, Gateway, TestStore, T
 
 const WAIT: Duration = Duration::from_secs(10);
 
+fn binding(key: &str) -> Binding {
+    Binding::of(
+        &Owner::from_header(None),
+        &IdempotencyKey::new(key).unwrap(),
+    )
+}
+
 fn redis_key(key: &str) -> String {
     fastpath::redis_key(
+        &binding(key),
         &Owner::from_header(None),
         &IdempotencyKey::new(key).unwrap(),
     )
 }
 
 fn decode(bytes: &[u8], key: &str) -> Option<Entry> {
-    fastpath::decode(
-        bytes,
-        &Owner::from_header(None),
-        &IdempotencyKey::new(key).unwrap(),
-        SystemTime::now(),
-    )
+    fastpath::decode(bytes, &binding(key), SystemTime::now())
 }
 
 async fn cached(redis: &ThrowawayRedis, key: &str) -> Entry {
@@ -267,11 +270,7 @@ async fn corrupt_and_stale_entries_are_ignored_and_repaired() {
             body: bytes::Bytes::from_static(b"stale"),
         }),
     };
-    let bytes = fastpath::encode(
-        &stale,
-        &Owner::from_header(None),
-        &IdempotencyKey::new("stale").unwrap(),
-    );
+    let bytes = fastpath::encode(&stale, &binding("stale"));
     redis.set(&redis_key("stale"), &bytes).await;
     let replay = post(&url, "stale", "{}").await;
     assert_eq!(replay.status, 200);

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use futures_util::future::join_all;
-use idemgate::fastpath::{self, Tag};
+use idemgate::fastpath::{self, Binding, Tag};
 use idemgate::job::JobId;
 use idemgate::key::{IdempotencyKey, Owner};
 
@@ -28,11 +28,12 @@ fn key(k: &str) -> IdempotencyKey {
 }
 
 fn redis_key(k: &str) -> String {
-    fastpath::redis_key(&owner(), &key(k))
+    fastpath::redis_key(&Binding::of(&owner(), &key(k)), &owner(), &key(k))
 }
 
 fn cached(bytes: Option<Vec<u8>>, k: &str) -> bool {
-    bytes.is_some_and(|b| fastpath::decode(&b, &owner(), &key(k), SystemTime::now()).is_some())
+    let binding = Binding::of(&owner(), &key(k));
+    bytes.is_some_and(|b| fastpath::decode(&b, &binding, SystemTime::now()).is_some())
 }
 
 async fn replica(store: &TestStore, upstream: &str, redis_url: &str) -> Gateway {
