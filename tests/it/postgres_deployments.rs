@@ -340,3 +340,47 @@ async fn a_pool_that_cannot_fit_is_warned_about_at_start_up() {
     })
     .await;
 }
+
+/// A primary fenced read-only (as failover tools do before a switch)
+/// refuses writes with SQLSTATE 25006: requests answer `503`, nothing is
+/// proxied, and once writes are allowed again the gateway serves as before.
+#[tokio::test]
+async fn a_read_only_database_is_a_503_and_nothing_is_proxied() {
+    let pg = ThrowawayPostgres::start().await;
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::builder(&TestStore::external(pg.url()), &upstream.url())
+        .set("database_timeout", "\"500ms\"")
+        .start()
+        .await;
+    let url = gateway.path("/v1/charges");
+    assert_eq!(post(&url, "before", "{}").await.status, 200);
+    let (admin, conn) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let fence = |on: bool| {
+        let admin = &admin;
+        async move {
+            let set = format!("ALTER SYSTEM SET default_transaction_read_only = {on}");
+            admin.batch_execute(&set).await.unwrap();
+            admin
+                .batch_execute("SELECT pg_reload_conf()")
+                .await
+                .unwrap();
+        }
+    };
+    fence(true).await;
+    eventually(WAIT, "writes refused as read-only", || async {
+        let reply = post(&url, "fenced", "{}").await;
+        reply.status == 503 && reply.problem() == "store-unavailable"
+    })
+    .await;
+    assert_eq!(upstream.hits(), 1, "nothing proxied while read-only");
+    assert!(gateway.metric("idemgate_database_read_only_total").await >= 1.0);
+    fence(false).await;
+    eventually(WAIT, "writes taken again", || async {
+        post(&url, "fenced", "{}").await.status == 200
+    })
+    .await;
+    assert_eq!(upstream.hits(), 2);
+}
