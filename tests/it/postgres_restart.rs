@@ -56,10 +56,20 @@ async fn postgres_restarted_under_a_running_gateway() {
     // duplicate, woken by the reconnected listener, replays it.
     gate.open(1);
     let (first, held) = (first.await.unwrap(), held.await.unwrap());
-    assert_eq!(first.status, 200);
     assert_eq!(held.status, 200);
-    assert_eq!(held.body, first.body);
     assert_eq!(held.header("idempotent-replayed"), Some("true"));
+    // The first client waits at most 2 s for the commit; on a loaded
+    // machine the reconnection can take longer, and then it is told its
+    // answer is on its way (never the uncommitted bytes): its retry gets it.
+    let first = match first.status {
+        200 => first,
+        _ => {
+            assert_eq!(first.problem(), "outcome-not-recorded");
+            post(&url, "across", "{}").await
+        }
+    };
+    assert_eq!(first.status, 200);
+    assert_eq!(held.body, first.body);
 
     eventually(
         Duration::from_secs(20),
