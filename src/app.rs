@@ -9,13 +9,14 @@ use hyper::body::Incoming;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tower::ServiceBuilder;
-use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::request_id::{PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::{DefaultOnFailure, TraceLayer};
 use uuid::Uuid;
 
 use crate::admin::Admin;
 use crate::config::{Settings, StoreSettings};
 use crate::fastpath::FastPath;
+use crate::http::request_id::RequestIds;
 use crate::http::{BodyError, IDEMPOTENCY_JOB};
 use crate::idempotency::{IdempotencyLayer, Shared};
 use crate::lease::Leases;
@@ -103,7 +104,7 @@ pub async fn run(
     // The request path, outermost first.
     let proxy = ServiceBuilder::new()
         // Every request gets an id (kept if the client sent one)…
-        .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
+        .layer(SetRequestIdLayer::x_request_id(RequestIds))
         // …which the request span carries, so all its logs can be joined;
         // exported over OTLP when configured, continuing the client's trace…
         .layer(
@@ -314,13 +315,19 @@ fn count_request<B>(response: &Response<B>, has_job: bool) {
     } else {
         "passed_through"
     };
-    let status = match response.status().as_u16() {
-        100..=199 => "1xx",
-        200..=299 => "2xx",
-        300..=399 => "3xx",
-        400..=499 => "4xx",
-        _ => "5xx",
-    };
-    metrics::counter!("idemgate_requests_total", "outcome" => outcome, "status" => status)
+    let class = usize::from(response.status().as_u16() / 100).clamp(1, 5) - 1;
+    let status = ["1xx", "2xx", "3xx", "4xx", "5xx"][class];
+    // The handle is looked up once per series, not once per request (a
+    // lookup hashes the name and labels under the registry's lock).
+    static COUNTERS: [[std::sync::OnceLock<metrics::Counter>; 5]; 4] =
+        [const { [const { std::sync::OnceLock::new() }; 5] }; 4];
+    let row = ["replayed", "executed", "problem", "passed_through"]
+        .iter()
+        .position(|o| *o == outcome)
+        .expect("one of the four outcomes");
+    COUNTERS[row][class]
+        .get_or_init(|| {
+            metrics::counter!("idemgate_requests_total", "outcome" => outcome, "status" => status)
+        })
         .increment(1);
 }

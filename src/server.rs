@@ -97,8 +97,9 @@ pub async fn serve<S, B>(
         };
         let _ = stream.set_nodelay(true);
         let service = service.clone();
+        let client = ClientAddr::new(peer);
         let tagged = tower::service_fn(move |mut req: Request<Incoming>| {
-            req.extensions_mut().insert(ClientAddr(peer));
+            req.extensions_mut().insert(client.clone());
             service.clone().oneshot(req)
         });
         let connection = builder

@@ -24,6 +24,8 @@ pub struct ShedLayer {
     in_flight: Arc<AtomicUsize>,
     limit: usize,
     retry_after: Duration,
+    /// `idemgate_requests_in_flight`, looked up once rather than per request.
+    gauge: metrics::Gauge,
 }
 
 impl ShedLayer {
@@ -34,6 +36,7 @@ impl ShedLayer {
             in_flight: Arc::default(),
             limit,
             retry_after,
+            gauge: metrics::gauge!("idemgate_requests_in_flight"),
         }
     }
 }
@@ -57,12 +60,12 @@ pub struct Shed<S> {
 }
 
 /// Counts a request in progress until dropped.
-struct InFlight(Arc<AtomicUsize>);
+struct InFlight(Arc<AtomicUsize>, metrics::Gauge);
 
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
-        metrics::gauge!("idemgate_requests_in_flight").decrement(1.0);
+        self.1.decrement(1.0);
     }
 }
 
@@ -89,8 +92,8 @@ where
             };
             return Box::pin(async move { Ok(shed.into_response()) });
         }
-        metrics::gauge!("idemgate_requests_in_flight").increment(1.0);
-        let guard = InFlight(counter.clone());
+        self.layer.gauge.increment(1.0);
+        let guard = InFlight(counter.clone(), self.layer.gauge.clone());
         let answer = self.inner.call(req);
         Box::pin(async move {
             let answer = answer.await;

@@ -15,7 +15,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{header, HeaderValue, Request, Response, Uri};
+use http::{header, HeaderName, HeaderValue, Request, Response, Uri};
 use http_body_util::BodyExt;
 use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -34,8 +34,23 @@ use crate::BoxError;
 pub struct Target(pub UpstreamId);
 
 /// The client's address, put into request extensions by the server.
-#[derive(Debug, Clone, Copy)]
-pub struct ClientAddr(pub SocketAddr);
+#[derive(Debug, Clone)]
+pub struct ClientAddr {
+    /// Its socket address.
+    pub addr: SocketAddr,
+    /// Its IP as a header value, made once per connection rather than per
+    /// forwarded request.
+    ip: HeaderValue,
+}
+
+impl ClientAddr {
+    /// The address of a client connected from `addr`.
+    pub fn new(addr: SocketAddr) -> Self {
+        let ip = HeaderValue::try_from(addr.ip().to_string())
+            .expect("an IP address is a valid header value");
+        ClientAddr { addr, ip }
+    }
+}
 
 /// How forwarding failed, by whether the request may have had an effect.
 #[derive(Debug, thiserror::Error)]
@@ -90,6 +105,10 @@ impl UpstreamError {
     }
 }
 
+const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+
 /// A pooled client bound to one upstream.
 #[derive(Clone)]
 pub struct Upstream {
@@ -123,34 +142,41 @@ impl Upstream {
 
     fn rewrite(&self, req: &mut Request<Body>) {
         let base = &self.target.base;
-        let path_and_query = req
-            .uri()
-            .path_and_query()
-            .map(|pq| pq.as_str())
-            .unwrap_or("/");
         let prefix = base.path().trim_end_matches('/');
-        let mut parts = base.clone().into_parts();
-        parts.path_and_query = format!("{prefix}{path_and_query}").parse().ok();
+        let path_and_query = match req.uri().path_and_query() {
+            // Most bases have no path: the request's own is reused as is.
+            Some(pq) if prefix.is_empty() => Some(pq.clone()),
+            pq => format!("{prefix}{}", pq.map_or("/", |pq| pq.as_str()))
+                .parse()
+                .ok(),
+        };
+        let mut parts = http::uri::Parts::default();
+        parts.scheme = base.scheme().cloned();
+        parts.authority = base.authority().cloned();
+        parts.path_and_query = path_and_query;
         if let Ok(uri) = Uri::from_parts(parts) {
             *req.uri_mut() = uri;
         }
-        let client = req.extensions().get::<ClientAddr>().map(|c| c.0.ip());
+        let client = req.extensions().get::<ClientAddr>().map(|c| c.ip.clone());
         let headers = req.headers_mut();
         hop::strip(headers);
         if let Some(host) = headers.remove(header::HOST) {
-            headers.insert("x-forwarded-host", host);
+            headers.insert(X_FORWARDED_HOST, host);
         }
         if let Some(ip) = client {
-            let forwarded = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
-                Some(prior) => format!("{prior}, {ip}"),
-                None => ip.to_string(),
+            let forwarded = match headers.get(X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
+                Some(prior) => {
+                    HeaderValue::try_from(format!("{prior}, {}", ip.to_str().unwrap_or_default()))
+                        .ok()
+                }
+                None => Some(ip),
             };
-            if let Ok(v) = HeaderValue::from_str(&forwarded) {
-                headers.insert("x-forwarded-for", v);
+            if let Some(v) = forwarded {
+                headers.insert(X_FORWARDED_FOR, v);
             }
         }
         // The scheme the client used to reach the gateway (plain HTTP).
-        headers.insert("x-forwarded-proto", HeaderValue::from_static("http"));
+        headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
         // The trace continues upstream from the current span (the attempt's).
         crate::trace::propagate(headers);
         // The upstream's own credentials, which clients never hold.
@@ -222,7 +248,8 @@ fn tls_config(extra_roots: &[rustls::pki_types::CertificateDer<'static>]) -> rus
 /// [`Target`], each upstream keeping its own connection pool.
 #[derive(Clone)]
 pub struct Upstreams {
-    first: Upstream,
+    /// Never empty. One `Arc`, so the per-request clone of the stack costs
+    /// one reference count here.
     all: Arc<[Upstream]>,
 }
 
@@ -230,10 +257,10 @@ impl Upstreams {
     /// Clients for every configured upstream, in order; `None` without any.
     pub fn new(settings: &[Arc<UpstreamSettings>]) -> Option<Self> {
         let all: Arc<[Upstream]> = settings.iter().map(|s| Upstream::new(s.clone())).collect();
-        Some(Upstreams {
-            first: all.first()?.clone(),
-            all,
-        })
+        if all.is_empty() {
+            return None;
+        }
+        Some(Upstreams { all })
     }
 
     /// The client of upstream `id`.
@@ -258,7 +285,7 @@ impl tower::Service<Request<Body>> for Upstreams {
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
         let upstream = match req.extensions().get::<Target>() {
-            None => &self.first,
+            None => &self.all[0],
             Some(Target(id)) => match self.get(id) {
                 Some(upstream) => upstream,
                 None => {

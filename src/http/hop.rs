@@ -15,22 +15,40 @@ const HOP_BY_HOP: [HeaderName; 8] = [
     header::UPGRADE,
 ];
 
+const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
+
 /// Removes hop-by-hop headers, and those listed in `Connection`, in place.
 pub fn strip(headers: &mut HeaderMap) {
+    // One pass over the names a message carries (usually none of them is
+    // hop-by-hop, or only `Connection: keep-alive`), then a removal for each
+    // one found: cheaper than a lookup per hop-by-hop name per message.
+    let mut found: [Option<HeaderName>; 9] = Default::default();
+    let mut count = 0;
+    for name in headers.keys() {
+        if HOP_BY_HOP.contains(name) || *name == PROXY_CONNECTION {
+            found[count] = Some(name.clone());
+            count += 1;
+        }
+    }
+    if count == 0 {
+        return;
+    }
+    // Names listed in `Connection`, other than the hop-by-hop ones (found
+    // above) and `close`.
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
-        .filter_map(|token| HeaderName::from_bytes(token.trim().as_bytes()).ok())
+        .map(str::trim)
+        .filter(|token| {
+            !token.eq_ignore_ascii_case("close") && !token.eq_ignore_ascii_case("keep-alive")
+        })
+        .filter_map(|token| HeaderName::from_bytes(token.as_bytes()).ok())
         .collect();
-    for name in named {
+    for name in named.into_iter().chain(found.into_iter().flatten()) {
         headers.remove(name);
     }
-    for name in &HOP_BY_HOP {
-        headers.remove(name);
-    }
-    headers.remove("proxy-connection");
 }
 
 #[cfg(test)]
@@ -51,5 +69,21 @@ mod tests {
         strip(&mut h);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key(header::CONTENT_TYPE));
+    }
+
+    #[test]
+    fn strips_a_lone_hop_header_and_leaves_end_to_end_ones() {
+        for hop in ["proxy-connection", "te", "upgrade", "keep-alive"] {
+            let mut h = HeaderMap::new();
+            h.insert(header::ACCEPT, "*/*".parse().unwrap());
+            h.insert(HeaderName::from_static(hop), "x".parse().unwrap());
+            strip(&mut h);
+            assert_eq!(h.len(), 1, "{hop} stayed");
+            assert!(h.contains_key(header::ACCEPT));
+        }
+        let mut h = HeaderMap::new();
+        h.insert(header::ACCEPT, "*/*".parse().unwrap());
+        strip(&mut h);
+        assert_eq!(h.len(), 1);
     }
 }

@@ -3,6 +3,7 @@
 //! contract.
 
 pub mod hop;
+pub mod request_id;
 
 use bytes::Bytes;
 use http::HeaderName;

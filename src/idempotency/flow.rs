@@ -51,13 +51,30 @@ use crate::upstream::Target;
 /// round follows a real state change, so this is never reached in practice.
 const MAX_ROUNDS: usize = 16;
 
-/// What a request turned out to be once its headers and body were read.
-pub(super) enum Prepared {
+/// What a request is, told from its head alone (no await, no allocation):
+/// most traffic through a gateway does not opt in, and deciding that must
+/// cost next to nothing.
+pub(super) enum Classified {
     /// Not opted in: forward it untouched.
     PassThrough(Request<Body>),
     /// Opted in, but refused before touching the store.
     Refused(GatewayError),
-    /// Opted in and ready for the store.
+    /// Opted in: its body is read and fingerprinted by [`Flow::prepare`].
+    OptedIn(OptedIn),
+}
+
+/// An opted-in request whose key parsed.
+pub(super) struct OptedIn {
+    route: Arc<Route>,
+    key: IdempotencyKey,
+    req: Request<Body>,
+}
+
+/// What an opted-in request turned out to be once its body was read.
+pub(super) enum Prepared {
+    /// Refused before touching the store (the body was too large).
+    Refused(GatewayError),
+    /// Ready for the store.
     Guarded(Box<Flow>),
 }
 
@@ -75,26 +92,37 @@ pub(super) struct Flow {
 }
 
 impl Flow {
-    /// Reads what the decision needs: route, key, owner, body, fingerprint.
-    pub(super) async fn prepare(shared: &Arc<Shared>, req: Request<Body>) -> Prepared {
-        let settings = &shared.settings;
+    /// Tells pass-through from opted-in by route and key header.
+    pub(super) fn classify(settings: &crate::config::Settings, req: Request<Body>) -> Classified {
         let Some(route) = settings.route_for(req.method(), req.uri().path()) else {
-            return Prepared::PassThrough(req);
+            return Classified::PassThrough(req);
         };
         let key = match req.headers().get(IDEMPOTENCY_KEY) {
-            None if route.require_key => return Prepared::Refused(ClientError::MissingKey.into()),
+            None if route.require_key => {
+                return Classified::Refused(ClientError::MissingKey.into())
+            }
             None => {
                 let primary = Target(route.primary.id.clone());
                 let mut req = req;
                 req.extensions_mut().insert(primary);
-                return Prepared::PassThrough(req);
+                return Classified::PassThrough(req);
             }
             Some(raw) => match IdempotencyKey::parse(raw.as_bytes()) {
                 Ok(key) => key,
-                Err(e) => return Prepared::Refused(ClientError::from(e).into()),
+                Err(e) => return Classified::Refused(ClientError::from(e).into()),
             },
         };
-        let route = route.clone();
+        Classified::OptedIn(OptedIn {
+            route: route.clone(),
+            key,
+            req,
+        })
+    }
+
+    /// Reads what the decision needs: owner, body, fingerprint.
+    pub(super) async fn prepare(shared: &Arc<Shared>, opted: OptedIn) -> Prepared {
+        let settings = &shared.settings;
+        let OptedIn { route, key, req } = opted;
         let owner = Owner::from_header(
             req.headers()
                 .get(&settings.owner_header)

@@ -28,7 +28,7 @@ use std::task::{Context, Poll};
 
 use http::{Request, Response};
 use tower::util::BoxCloneSyncService;
-use tower::{Layer, Service, ServiceExt};
+use tower::{Layer, Service};
 use uuid::Uuid;
 
 use crate::config::Settings;
@@ -89,6 +89,7 @@ where
         Idempotency {
             inner: BoxCloneSyncService::new(inner),
             shared: self.shared.clone(),
+            not_ready: None,
         }
     }
 }
@@ -98,42 +99,94 @@ where
 pub type UpstreamService = BoxCloneSyncService<Request<Body>, Response<Body>, UpstreamError>;
 
 /// The service built by [`IdempotencyLayer`].
-#[derive(Clone)]
 pub struct Idempotency {
     inner: UpstreamService,
     shared: Arc<Shared>,
+    /// The upstream handle's readiness error, answered to the request that
+    /// follows (the pooled clients are always ready: this is for a service
+    /// that is not).
+    not_ready: Option<UpstreamError>,
+}
+
+impl Clone for Idempotency {
+    fn clone(&self) -> Self {
+        Idempotency {
+            inner: self.inner.clone(),
+            shared: self.shared.clone(),
+            not_ready: None,
+        }
+    }
 }
 
 impl Service<Request<Body>> for Idempotency {
     type Response = Response<Body>;
     type Error = Infallible;
-    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
+    type Future = ResponseFuture;
 
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        // Readiness is checked per call on a clone (`oneshot`): an attempt's
-        // upstream call runs in its own task, detached from this service.
-        Poll::Ready(Ok(()))
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // Only a pass-through request calls this service's own upstream
+        // handle; an opted-in request's attempts call clones of it from their
+        // own tasks (`oneshot`), so a client hanging up cannot cut them short.
+        match self.inner.poll_ready(cx) {
+            Poll::Ready(Err(e)) => {
+                self.not_ready = Some(e);
+                Poll::Ready(Ok(()))
+            }
+            Poll::Ready(Ok(())) => Poll::Ready(Ok(())),
+            Poll::Pending => Poll::Pending,
+        }
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
-        let shared = self.shared.clone();
-        let inner = self.inner.clone();
-        Box::pin(async move {
-            let response = match flow::Flow::prepare(&shared, req).await {
-                flow::Prepared::PassThrough(req) => pass_through(inner, req).await,
-                flow::Prepared::Refused(error) => error.into_response(),
-                flow::Prepared::Guarded(flow) => flow.run(inner).await,
-            };
-            Ok(response)
-        })
+        match flow::Flow::classify(&self.shared.settings, req) {
+            // Straight to the upstream: no clone of it, and none of the
+            // opted-in flow's state (kilobytes) allocated for a request that
+            // does not need it.
+            flow::Classified::PassThrough(req) => match self.not_ready.take() {
+                None => ResponseFuture::Passing(self.inner.call(req)),
+                Some(e) => ResponseFuture::Ready(Some(GatewayError::from(e).into_response())),
+            },
+            flow::Classified::Refused(error) => ResponseFuture::Ready(Some(error.into_response())),
+            flow::Classified::OptedIn(opted) => {
+                let shared = self.shared.clone();
+                let inner = self.inner.clone();
+                ResponseFuture::Guarded(Box::pin(async move {
+                    match flow::Flow::prepare(&shared, opted).await {
+                        flow::Prepared::Refused(error) => error.into_response(),
+                        flow::Prepared::Guarded(flow) => flow.run(inner).await,
+                    }
+                }))
+            }
+        }
     }
 }
 
-/// Forwards a request that did not opt in, streaming both ways.
-async fn pass_through(inner: UpstreamService, req: Request<Body>) -> Response<Body> {
-    match inner.oneshot(req).await {
-        Ok(response) => response,
-        Err(e) => GatewayError::from(e).into_response(),
+/// The answer to one request: streamed from the upstream, decided by the
+/// opted-in flow, or known at once.
+pub enum ResponseFuture {
+    /// Not opted in: the upstream's answer, errors mapped to problems.
+    Passing(Pin<Box<dyn Future<Output = Result<Response<Body>, UpstreamError>> + Send>>),
+    /// Opted in: the flow's answer.
+    Guarded(Pin<Box<dyn Future<Output = Response<Body>> + Send>>),
+    /// Refused before anything was sent.
+    Ready(Option<Response<Body>>),
+}
+
+impl Future for ResponseFuture {
+    type Output = Result<Response<Body>, Infallible>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let response = match self.get_mut() {
+            ResponseFuture::Passing(answer) => match std::task::ready!(answer.as_mut().poll(cx)) {
+                Ok(response) => response,
+                Err(e) => GatewayError::from(e).into_response(),
+            },
+            ResponseFuture::Guarded(answer) => std::task::ready!(answer.as_mut().poll(cx)),
+            ResponseFuture::Ready(response) => response
+                .take()
+                .expect("a ResponseFuture is not polled after it completed"),
+        };
+        Poll::Ready(Ok(response))
     }
 }
 

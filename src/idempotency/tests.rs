@@ -226,6 +226,7 @@ fn gateway(toml: &str, faults: Faults) -> (Idempotency, Arc<Faults>, Arc<dyn Sto
     let service = Idempotency {
         inner: upstream.service(),
         shared,
+        not_ready: None,
     };
     (service, faults, store, upstream)
 }
