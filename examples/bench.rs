@@ -573,7 +573,7 @@ async fn storm(args: &Args, scratch: &Path, db: &str) -> String {
     let gate = Arc::new(Notify::new());
     let (upstream, calls) = gated_upstream(gate.clone()).await;
     let mut out = String::from(
-        "| duplicate storm | holders | upstream calls | release p50 ms | p99 ms | last ms | RSS per holder KiB |\n|---|--:|--:|--:|--:|--:|--:|\n",
+        "| duplicate storm | holders | upstream calls | release p50 ms | p99 ms | last ms | RSS per holder KiB | CPU ms during release: gateway / load generator |\n|---|--:|--:|--:|--:|--:|--:|--:|\n",
     );
     let stores = [
         (
@@ -622,6 +622,7 @@ async fn storm(args: &Args, scratch: &Path, db: &str) -> String {
         }
         let held_rss = rss_kib(gateway.pid);
         let answered = Instant::now();
+        let (gateway_cpu, client_cpu) = (cpu_us(&[gateway.pid]), cpu_us(&[std::process::id()]));
         gate.notify_one();
         let _ = first.await;
         let mut releases: Vec<f64> = Vec::new();
@@ -630,6 +631,10 @@ async fn storm(args: &Args, scratch: &Path, db: &str) -> String {
                 releases.push(done.saturating_duration_since(answered).as_secs_f64() * 1000.0);
             }
         }
+        // Where the release's time goes: the gateway's CPU and this load
+        // generator's, which share the machine's cores.
+        let gateway_cpu = (cpu_us(&[gateway.pid]) - gateway_cpu) / 1000.0;
+        let client_cpu = (cpu_us(&[std::process::id()]) - client_cpu) / 1000.0;
         releases.sort_by(|a, b| a.total_cmp(b));
         let pct = |p: f64| {
             releases
@@ -638,7 +643,7 @@ async fn storm(args: &Args, scratch: &Path, db: &str) -> String {
                 .unwrap_or(0.0)
         };
         out.push_str(&format!(
-            "| {name} | {} answered of {} | {} | {:.0} | {:.0} | {:.0} | {:.1} |\n",
+            "| {name} | {} answered of {} | {} | {:.0} | {:.0} | {:.0} | {:.1} | {gateway_cpu:.0} / {client_cpu:.0} |\n",
             releases.len(),
             args.storm,
             calls.load(Ordering::SeqCst),
