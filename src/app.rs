@@ -302,32 +302,30 @@ fn count_request<B>(response: &Response<B>, has_job: bool) {
         .headers()
         .get("idempotent-replayed")
         .is_some_and(|v| v == "true");
+    const OUTCOMES: [&str; 4] = ["problem", "replayed", "executed", "passed_through"];
+    const STATUSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
     let outcome = if response
         .extensions()
         .get::<crate::error::GatewayProblem>()
         .is_some()
     {
-        "problem"
+        0
     } else if replayed {
-        "replayed"
+        1
     } else if has_job {
-        "executed"
+        2
     } else {
-        "passed_through"
+        3
     };
     let class = usize::from(response.status().as_u16() / 100).clamp(1, 5) - 1;
-    let status = ["1xx", "2xx", "3xx", "4xx", "5xx"][class];
     // The handle is looked up once per series, not once per request (a
     // lookup hashes the name and labels under the registry's lock).
     static COUNTERS: [[std::sync::OnceLock<metrics::Counter>; 5]; 4] =
         [const { [const { std::sync::OnceLock::new() }; 5] }; 4];
-    let row = ["replayed", "executed", "problem", "passed_through"]
-        .iter()
-        .position(|o| *o == outcome)
-        .expect("one of the four outcomes");
-    COUNTERS[row][class]
+    COUNTERS[outcome][class]
         .get_or_init(|| {
-            metrics::counter!("idemgate_requests_total", "outcome" => outcome, "status" => status)
+            metrics::counter!("idemgate_requests_total",
+                "outcome" => OUTCOMES[outcome], "status" => STATUSES[class])
         })
         .increment(1);
 }

@@ -305,3 +305,41 @@ async fn a_client_that_hangs_up_right_after_the_job_is_begun_does_not_block_its_
     assert_eq!(upstream.calls.load(Ordering::SeqCst), 1);
     assert_eq!(job.job.response.unwrap().body, "primary");
 }
+
+/// An upstream handle that is never ready, and must then not be called.
+#[derive(Clone)]
+struct NeverReady;
+
+impl Service<Request<Body>> for NeverReady {
+    type Response = Response<Body>;
+    type Error = UpstreamError;
+    type Future = std::future::Ready<Result<Response<Body>, UpstreamError>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), UpstreamError>> {
+        Poll::Ready(Err(UpstreamError::Refused(
+            "no connection can be made".into(),
+        )))
+    }
+
+    fn call(&mut self, _req: Request<Body>) -> Self::Future {
+        panic!("called although it said it was not ready");
+    }
+}
+
+/// A pass-through request goes to the layer's own upstream handle, so that
+/// handle's readiness error is its answer (a problem saying nothing was
+/// sent), and the handle is not called.
+#[tokio::test]
+async fn a_pass_through_request_gets_the_upstream_handles_readiness_error() {
+    let (mut service, _, _, _) = gateway(FAILOVER, Faults::default());
+    service.inner = BoxCloneSyncService::new(NeverReady);
+    let request = Request::post("/v1/jobs")
+        .body(crate::http::full("{}"))
+        .unwrap();
+    let response = tower::ServiceExt::oneshot(service, request).await.unwrap();
+    assert_eq!(response.status(), http::StatusCode::BAD_GATEWAY);
+    assert_eq!(
+        response.headers()[http::header::CONTENT_TYPE],
+        "application/problem+json"
+    );
+}

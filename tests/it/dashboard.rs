@@ -95,7 +95,17 @@ async fn every_dashboard_query_names_a_metric_the_gateway_exports() {
             wanted.iter().all(|w| have.contains(w))
         },
     )
-    .await;
+    .await; // Each request counted once, by how it was answered.
+    for (outcome, status) in [
+        ("executed", "2xx"),
+        ("replayed", "2xx"),
+        ("problem", "4xx"),
+        ("passed_through", "2xx"),
+    ] {
+        let series =
+            format!("idemgate_requests_total{{outcome=\"{outcome}\",status=\"{status}\"}}");
+        assert_eq!(gateway.metric(&series).await, 1.0, "{series}");
+    }
 }
 
 #[test]
