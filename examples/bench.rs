@@ -626,15 +626,25 @@ async fn storm(args: &Args, scratch: &Path, db: &str) -> String {
         gate.notify_one();
         let _ = first.await;
         let mut releases: Vec<f64> = Vec::new();
+        let mut open = Vec::with_capacity(args.storm);
         for h in holders {
-            if let Ok(Some(done)) = h.await {
+            if let Ok(Some((done, connection))) = h.await {
                 releases.push(done.saturating_duration_since(answered).as_secs_f64() * 1000.0);
+                open.push(connection);
             }
         }
+        // For a profile of the release alone (`perf record -k CLOCK_MONOTONIC`,
+        // then `perf script --time`): the window on the system's clock.
+        eprintln!(
+            "{name}: release window {:.2},{:.2} (seconds since boot)",
+            uptime() - answered.elapsed().as_secs_f64(),
+            uptime()
+        );
         // Where the release's time goes: the gateway's CPU and this load
         // generator's, which share the machine's cores.
         let gateway_cpu = (cpu_us(&[gateway.pid]) - gateway_cpu) / 1000.0;
         let client_cpu = (cpu_us(&[std::process::id()]) - client_cpu) / 1000.0;
+        drop(open);
         releases.sort_by(|a, b| a.total_cmp(b));
         let pct = |p: f64| {
             releases
@@ -656,21 +666,58 @@ async fn storm(args: &Args, scratch: &Path, db: &str) -> String {
     out
 }
 
-/// One keyed request; when it was answered (200), or `None`.
-async fn timed(url: String, key: String) -> Option<Instant> {
-    let c = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-    let req = Request::post(format!("{url}/v1/charges"))
-        .header("idempotency-key", key)
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from_static(b"{\"amount\": 1000}")))
-        .unwrap();
-    let response = tokio::time::timeout(Duration::from_secs(180), c.request(req))
+/// One keyed request; when it was answered (200), or `None`, and the
+/// connection, still open. Written and read on a bare socket and kept
+/// alive, as wrk does: the storm's load generator shares the cores with the
+/// gateway, so the less it spends per holder the more the release measures
+/// the gateway's answering (not the teardown of 10,000 connections, which
+/// a client closing each at once would add to the window).
+async fn timed(url: String, key: String) -> Option<(Instant, tokio::net::TcpStream)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = url.strip_prefix("http://")?;
+    let body = "{\"amount\": 1000}";
+    let request = format!(
+        "POST /v1/charges HTTP/1.1\r\nhost: {addr}\r\nidempotency-key: {key}\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let exchange = async {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.ok()?;
+        stream.write_all(request.as_bytes()).await.ok()?;
+        let mut buf = Vec::with_capacity(1024);
+        loop {
+            if stream.read_buf(&mut buf).await.ok()? == 0 {
+                return None;
+            }
+            let Some(head) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                continue;
+            };
+            let text = std::str::from_utf8(&buf[..head]).ok()?;
+            let length: usize = text
+                .lines()
+                .find_map(|l| {
+                    let (name, value) = l.split_once(':')?;
+                    name.eq_ignore_ascii_case("content-length")
+                        .then(|| value.trim().parse().ok())?
+                })
+                .unwrap_or(0);
+            if buf.len() >= head + 4 + length {
+                let ok = text.starts_with("HTTP/1.1 200");
+                return ok.then(|| (Instant::now(), stream));
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(180), exchange)
         .await
         .ok()?
-        .ok()?;
-    let ok = response.status().is_success();
-    response.into_body().collect().await.ok()?;
-    ok.then(Instant::now)
+}
+
+/// Seconds since boot, to 10 ms.
+fn uptime() -> f64 {
+    std::fs::read_to_string("/proc/uptime")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0.0)
 }
 
 fn rss_kib(pid: u32) -> u64 {
