@@ -21,6 +21,7 @@ use crate::http::{BodyError, IDEMPOTENCY_JOB};
 use crate::idempotency::{IdempotencyLayer, Shared};
 use crate::lease::Leases;
 use crate::probe::{self, ProbeBoard};
+use crate::replay::Answers;
 use crate::seal::Sealer;
 use crate::shed::ShedLayer;
 use crate::store::postgres::Postgres;
@@ -99,6 +100,7 @@ pub async fn run(
         leases: leases.clone(),
         instance,
         streams: Arc::default(),
+        answers: Arc::new(Answers::new(settings.replay_cache_size)),
     });
 
     // The request path, outermost first.

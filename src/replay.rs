@@ -8,6 +8,10 @@ use crate::http::{full, Body, IDEMPOTENCY_JOB, IDEMPOTENT_REPLAYED};
 use crate::job::{JobId, StoredResponse};
 use crate::upstream::Fetched;
 
+mod cache;
+
+pub use cache::{Answer, Answers};
+
 /// What is kept of an upstream answer: status, end-to-end headers (the
 /// upstream service already removed hop-by-hop ones; the length is
 /// recomputed from the stored body) and the body bytes.

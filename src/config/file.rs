@@ -55,6 +55,7 @@ pub struct FileConfig {
     pub(super) forward_attempt_header: Option<String>,
     pub(super) mismatch_status: Option<u16>,
     pub(super) max_response_size: Option<bytesize::ByteSize>,
+    pub(super) replay_cache_size: Option<bytesize::ByteSize>,
     #[serde(default, with = "humantime_serde")]
     pub(super) probe_interval: Option<Duration>,
     #[serde(default)]

@@ -100,6 +100,8 @@ pub struct Settings {
     pub mismatch_status: StatusCode,
     /// Largest upstream response that can be committed.
     pub max_response_size: usize,
+    /// Bytes of committed answers kept in memory for replay; 0 keeps none.
+    pub replay_cache_size: usize,
     /// Opt-in routes, most specific prefix first (shared, not copied, by
     /// the requests that match them).
     pub routes: Vec<Arc<Route>>,
@@ -272,6 +274,10 @@ impl Settings {
             )?,
             mismatch_status: mismatch_status(file.mismatch_status)?,
             max_response_size: size("max_response_size", file.max_response_size, 10 << 20)?,
+            // Zero is allowed: it turns the cache off.
+            replay_cache_size: file
+                .replay_cache_size
+                .map_or(64 << 20, |b| b.as_u64() as usize),
             routes,
             contracts,
             probe_interval: positive(

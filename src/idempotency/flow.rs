@@ -42,7 +42,7 @@ use crate::http::{collect_limited, full, Body, IDEMPOTENCY_KEY};
 use crate::job::{Job, JobId, JobState, NewJob, StoredResponse};
 use crate::key::{IdempotencyKey, Owner};
 use crate::recording::{End, Recording};
-use crate::replay::{self, Framing};
+use crate::replay::{self, Answer, Framing};
 use crate::store::{Begin, Observed, StoreError};
 use crate::telemetry::Chain;
 use crate::upstream::Target;
@@ -190,6 +190,9 @@ impl Flow {
         upstream: &UpstreamService,
         job_id: &mut Option<JobId>,
     ) -> Result<Response<Body>, GatewayError> {
+        if let Some(response) = self.cached_replay(job_id) {
+            return Ok(response);
+        }
         if let Some(response) = self.fast_replay(job_id).await {
             return Ok(response);
         }
@@ -368,6 +371,42 @@ impl Flow {
         }
     }
 
+    /// A replay from this replica's memory of committed answers, for this
+    /// very request only (another fingerprint goes on to the store, which
+    /// decides the mismatch).
+    fn cached_replay(&self, job_id: &mut Option<JobId>) -> Option<Response<Body>> {
+        let answer = self
+            .shared
+            .answers
+            .get(&self.owner, &self.key, SystemTime::now())?;
+        if answer.fingerprint != self.fingerprint {
+            return None;
+        }
+        *job_id = Some(answer.job);
+        metrics::counter!("idemgate_replays_total", "source" => "memory").increment(1);
+        let stored = &answer.response;
+        Some(replay::response(
+            stored,
+            answer.job,
+            true,
+            self.route.framing(stored),
+        ))
+    }
+
+    /// Keeps a committed answer in this replica's memory for replay.
+    fn keep(&self, job: JobId, expires_at: SystemTime, stored: &StoredResponse) {
+        self.shared.answers.insert(
+            &self.owner,
+            &self.key,
+            Answer {
+                job,
+                fingerprint: self.fingerprint,
+                expires_at,
+                response: stored.clone(),
+            },
+        );
+    }
+
     /// A replay straight from the Redis fast path, when it has a valid entry
     /// for this very request. Anything else (a miss, Redis down, an entry with
     /// another fingerprint) goes on to the store, which is the arbiter.
@@ -396,6 +435,7 @@ impl Flow {
         };
         *job_id = Some(entry.job);
         metrics::counter!("idemgate_replays_total", "source" => "redis").increment(1);
+        self.keep(entry.job, entry.expires_at, &stored);
         Some(replay::response(
             &stored,
             entry.job,
@@ -406,6 +446,7 @@ impl Flow {
 
     /// Caches a committed response on the fast path, off the request path.
     fn remember(&self, job: JobId, expires_at: SystemTime, stored: &StoredResponse, entry: Entry) {
+        self.keep(job, expires_at, stored);
         let Some(fast) = self.shared.fastpath.clone() else {
             return;
         };

@@ -38,6 +38,7 @@ use crate::http::Body;
 use crate::lease::Leases;
 use crate::probe::ProbeBoard;
 use crate::recording::Streams;
+use crate::replay::Answers;
 use crate::store::{Doorbell, Store};
 use crate::upstream::UpstreamError;
 
@@ -59,6 +60,8 @@ pub struct Shared {
     pub instance: Uuid,
     /// The streamed answers being recorded here, for duplicates to join.
     pub streams: Arc<Streams>,
+    /// Committed answers this replica has seen, for replay.
+    pub answers: Arc<Answers>,
 }
 
 /// Wraps an upstream service with the idempotency flow.

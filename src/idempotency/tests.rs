@@ -212,7 +212,9 @@ fn gateway(toml: &str, faults: Faults) -> (Idempotency, Arc<Faults>, Arc<dyn Sto
         inner: Machine::new(Memory::default(), doorbell.clone()),
         faults: faults.clone(),
     });
+    let answers = Arc::new(crate::replay::Answers::new(settings.replay_cache_size));
     let shared = Arc::new(Shared {
+        answers,
         settings: Arc::new(settings),
         store: store.clone(),
         doorbell,

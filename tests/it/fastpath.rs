@@ -47,8 +47,12 @@ async fn cached(redis: &ThrowawayRedis, key: &str) -> Entry {
     decode(&redis.get(&rkey).await.unwrap(), key).unwrap()
 }
 
+/// A gateway whose replays go to Redis: its own memory of answers is off,
+/// so what is tested here is the fast path (the memory is tested in
+/// `core_answers`).
 async fn gateway(store: &TestStore, upstream: &FakeUpstream, redis_url: &str) -> Gateway {
     Gateway::builder(store, &upstream.url())
+        .set("replay_cache_size", "0")
         .set("redis_url", &format!("{redis_url:?}"))
         .set("redis_timeout", "\"200ms\"")
         .start()
@@ -111,6 +115,7 @@ async fn large_responses_are_cached_by_reference() {
     let redis = ThrowawayRedis::start().await;
     let upstream = FakeUpstream::echo().await;
     let gateway = Gateway::builder(&store, &upstream.url())
+        .set("replay_cache_size", "0")
         .set("redis_url", &format!("{:?}", redis.url()))
         .set("redis_inline_max", "\"16B\"")
         .start()

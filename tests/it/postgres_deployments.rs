@@ -310,9 +310,15 @@ async fn listen_and_migrations_use_the_direct_url() {
                 .collect::<Vec<_>>()
         }
     };
+    // The listener checks the server (replication, connection budget) before
+    // it listens, in the background: wait for it to get there.
+    eventually(WAIT, "the direct session listening", || async {
+        let direct = sessions("idemgate-direct").await;
+        direct.len() == 1 && direct[0].starts_with("LISTEN")
+    })
+    .await;
     let direct = sessions("idemgate-direct").await;
     assert_eq!(direct.len(), 1, "one direct session: {direct:?}");
-    assert!(direct[0].starts_with("LISTEN"), "{direct:?}");
     let pooled = sessions("idemgate").await;
     assert!(!pooled.is_empty());
     assert!(

@@ -36,8 +36,10 @@ fn cached(bytes: Option<Vec<u8>>, k: &str) -> bool {
     bytes.is_some_and(|b| fastpath::decode(&b, &binding, SystemTime::now()).is_some())
 }
 
+/// A replica whose replays go to Redis (its memory of answers is off).
 async fn replica(store: &TestStore, upstream: &str, redis_url: &str) -> Gateway {
     Gateway::builder(store, upstream)
+        .set("replay_cache_size", "0")
         .set("redis_url", &format!("{redis_url:?}"))
         .set("redis_timeout", "\"200ms\"")
         .set("upstream_timeout", "\"5s\"")

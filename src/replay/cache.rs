@@ -1,0 +1,213 @@
+//! Recently committed answers, kept in this replica's memory for replay
+//! (docs/design.md §8, "Replay cache").
+//!
+//! A committed answer never changes: a job that completed stays completed
+//! until it expires. So a replica that has seen a job's answer (it committed
+//! it, or replayed it from Redis or the store) may replay it again without
+//! asking anyone, until the job's expiry. This is what makes a replay cost
+//! less than a proxied request: no Redis round trip, no database read.
+//!
+//! - Keyed by `(owner, key)`; an entry names its job, the request's
+//!   fingerprint and the job's expiry. A request with another fingerprint is
+//!   not answered from here: the store decides the mismatch.
+//! - Bounded by bytes (`replay_cache_size`); the least useful entries go
+//!   first. An entry is not used within [`EXPIRY_MARGIN`] of its job's
+//!   expiry, when another replica whose clock runs ahead may already take
+//!   the key for a new job.
+
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use quick_cache::sync::Cache;
+use quick_cache::{Equivalent, Weighter};
+
+use crate::fingerprint::Fingerprint;
+use crate::job::{JobId, StoredResponse};
+use crate::key::{IdempotencyKey, Owner};
+
+/// Entries this close to their job's expiry are not used.
+pub const EXPIRY_MARGIN: Duration = Duration::from_secs(5);
+
+/// Bookkeeping counted against the budget besides an answer's own bytes.
+const OVERHEAD: usize = 256;
+
+/// A committed answer, as the replay cache keeps it.
+#[derive(Debug)]
+pub struct Answer {
+    /// Its job.
+    pub job: JobId,
+    /// The fingerprint of the request that made it.
+    pub fingerprint: Fingerprint,
+    /// When the job expires.
+    pub expires_at: SystemTime,
+    /// The answer.
+    pub response: StoredResponse,
+}
+
+type Slot = (Owner, IdempotencyKey);
+
+/// The answers kept here, at most `replay_cache_size` bytes of them.
+pub struct Answers {
+    cache: Option<Cache<Slot, Arc<Answer>, ByBytes>>,
+}
+
+impl std::fmt::Debug for Answers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Answers")
+            .field("entries", &self.cache.as_ref().map_or(0, |c| c.len()))
+            .finish()
+    }
+}
+
+impl Answers {
+    /// A cache of at most `bytes` of answers; none at all for 0.
+    pub fn new(bytes: usize) -> Self {
+        let cache = (bytes > 0).then(|| {
+            // A guess at how many fit, which only sizes the table.
+            let items = (bytes / 2048).clamp(64, 1 << 20);
+            Cache::with_weighter(items, bytes as u64, ByBytes)
+        });
+        Answers { cache }
+    }
+
+    /// Keeps `answer` for `(owner, key)`; one too large for the whole budget
+    /// is not kept. The duplicates one commit releases all offer the same
+    /// answer: it is kept once.
+    pub fn insert(&self, owner: &Owner, key: &IdempotencyKey, answer: Answer) {
+        let Some(cache) = &self.cache else {
+            return;
+        };
+        if cache
+            .get(&Borrowed(owner, key))
+            .is_some_and(|kept| kept.job == answer.job)
+        {
+            return;
+        }
+        cache.insert((owner.clone(), key.clone()), Arc::new(answer));
+    }
+
+    /// The answer kept for `(owner, key)`, unless it is (nearly) expired at
+    /// `now`.
+    pub fn get(&self, owner: &Owner, key: &IdempotencyKey, now: SystemTime) -> Option<Arc<Answer>> {
+        let cache = self.cache.as_ref()?;
+        let slot = Borrowed(owner, key);
+        let answer = cache.get(&slot)?;
+        if answer.expires_at.checked_sub(EXPIRY_MARGIN)? <= now {
+            cache.remove(&slot);
+            return None;
+        }
+        Some(answer)
+    }
+}
+
+/// An answer's weight: its bytes, with the bookkeeping around them.
+#[derive(Clone)]
+struct ByBytes;
+
+impl Weighter<Slot, Arc<Answer>> for ByBytes {
+    fn weight(&self, (owner, key): &Slot, answer: &Arc<Answer>) -> u64 {
+        let response = &answer.response;
+        let headers: usize = response
+            .headers
+            .iter()
+            .map(|(name, value)| name.len() + value.len())
+            .sum();
+        (OVERHEAD + owner.as_str().len() + key.as_str().len() + headers + response.body.len())
+            as u64
+    }
+}
+
+/// `(owner, key)` by reference, so a lookup copies nothing. Hashes as the
+/// tuple does: each field in order.
+struct Borrowed<'a>(&'a Owner, &'a IdempotencyKey);
+
+impl Hash for Borrowed<'_> {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.0.hash(state);
+        self.1.hash(state);
+    }
+}
+
+impl Equivalent<Slot> for Borrowed<'_> {
+    fn equivalent(&self, (owner, key): &Slot) -> bool {
+        self.0 == owner && self.1 == key
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+
+    fn owner() -> Owner {
+        Owner::from_header(None)
+    }
+
+    fn key(k: &str) -> IdempotencyKey {
+        IdempotencyKey::new(k).unwrap()
+    }
+
+    fn answer(body: &'static [u8], expires_in: Duration) -> Answer {
+        Answer {
+            job: JobId::new(),
+            fingerprint: Fingerprint([7; 32]),
+            expires_at: SystemTime::now() + expires_in,
+            response: StoredResponse {
+                status: 200,
+                headers: vec![(
+                    "content-type".into(),
+                    Bytes::from_static(b"application/json"),
+                )],
+                body: Bytes::from_static(body),
+            },
+        }
+    }
+
+    #[test]
+    fn an_answer_is_found_by_its_owner_and_key_only() {
+        let answers = Answers::new(1 << 20);
+        let kept = answer(b"{}", Duration::from_secs(3600));
+        let job = kept.job;
+        answers.insert(&owner(), &key("a"), kept);
+        let now = SystemTime::now();
+        assert_eq!(answers.get(&owner(), &key("a"), now).unwrap().job, job);
+        assert!(answers.get(&owner(), &key("b"), now).is_none());
+        let other = Owner::from_header(Some(b"someone else"));
+        assert!(answers.get(&other, &key("a"), now).is_none());
+    }
+
+    #[test]
+    fn an_answer_near_its_expiry_is_not_used() {
+        let answers = Answers::new(1 << 20);
+        answers.insert(&owner(), &key("a"), answer(b"{}", Duration::from_secs(60)));
+        let now = SystemTime::now();
+        assert!(answers.get(&owner(), &key("a"), now).is_some());
+        let late = now + Duration::from_secs(56);
+        assert!(answers.get(&owner(), &key("a"), late).is_none());
+    }
+
+    #[test]
+    fn the_budget_bounds_what_is_kept_and_zero_keeps_nothing() {
+        let none = Answers::new(0);
+        none.insert(&owner(), &key("a"), answer(b"{}", Duration::from_secs(60)));
+        assert!(none.get(&owner(), &key("a"), SystemTime::now()).is_none());
+
+        let small = Answers::new(4096);
+        for i in 0..100 {
+            small.insert(
+                &owner(),
+                &key(&format!("k{i}")),
+                answer(b"0123456789", Duration::from_secs(60)),
+            );
+        }
+        let kept = (0..100)
+            .filter(|i| {
+                small
+                    .get(&owner(), &key(&format!("k{i}")), SystemTime::now())
+                    .is_some()
+            })
+            .count();
+        assert!(kept > 0 && kept <= 4096 / OVERHEAD, "kept {kept}");
+    }
+}
