@@ -129,7 +129,14 @@ async fn main() {
     let nginx_b = Nginx::proxy(&scratch.join("nginx-b"), &upstream.url).await;
     let db = create_database(&args.database).await;
     flush_redis(&args.redis).await;
-    let redis = Gateway::start(
+    // The gateway as deployed (PostgreSQL + Redis, the defaults), and one
+    // per store with the replay cache off, so their replay rows measure
+    // Redis, PostgreSQL and the embedded store themselves.
+    let memory_off = scratch.join("memory-off.toml");
+    std::fs::write(&memory_off, "replay_cache_size = 0\n").unwrap();
+    let memory_off = memory_off.display().to_string();
+    let off = ["--config", memory_off.as_str()];
+    let default = Gateway::start(
         &args.binary,
         &upstream.url,
         Store::Postgres(&db),
@@ -137,22 +144,31 @@ async fn main() {
         &[],
     )
     .await;
+    let redis = Gateway::start(
+        &args.binary,
+        &upstream.url,
+        Store::Postgres(&db),
+        Some(&args.redis),
+        &off,
+    )
+    .await;
     let postgres =
-        Gateway::start(&args.binary, &upstream.url, Store::Postgres(&db), None, &[]).await;
+        Gateway::start(&args.binary, &upstream.url, Store::Postgres(&db), None, &off).await;
     let embedded = Gateway::start(
         &args.binary,
         &upstream.url,
         Store::Embedded(&scratch.join("bench.db")),
         None,
-        &[],
+        &off,
     )
     .await;
     for g in [&redis, &postgres, &embedded] {
         prime(&g.url, 200).await;
     }
-    // Every key replayed once through Redis fills its fast path.
+    // Every key replayed once fills Redis, and the default gateway's memory.
     for k in 0..200 {
         let _ = send(&redis.url, Some(&format!("replay-{k}"))).await;
+        let _ = send(&default.url, Some(&format!("replay-{k}"))).await;
     }
 
     let mut rows = vec![
@@ -179,27 +195,34 @@ async fn main() {
         ),
         row(
             "idemgate pass-through (no key)",
-            &redis.url,
+            &default.url,
             Load::Plain,
-            vec![redis.pid],
+            vec![default.pid],
             true,
         ),
         row(
-            "idemgate replay, Redis",
+            "idemgate replay, from memory (the default)",
+            &default.url,
+            Load::Replay { keys: 200 },
+            vec![default.pid],
+            true,
+        ),
+        row(
+            "idemgate replay, Redis (memory off)",
             &redis.url,
             Load::Replay { keys: 200 },
             vec![redis.pid],
             true,
         ),
         row(
-            "idemgate replay, PostgreSQL alone",
+            "idemgate replay, PostgreSQL alone (memory off)",
             &postgres.url,
             Load::Replay { keys: 200 },
             vec![postgres.pid],
             true,
         ),
         row(
-            "idemgate replay, embedded store",
+            "idemgate replay, embedded store (memory off)",
             &embedded.url,
             Load::Replay { keys: 200 },
             vec![embedded.pid],
@@ -207,9 +230,9 @@ async fn main() {
         ),
         row(
             "idemgate new key, PostgreSQL + Redis",
-            &redis.url,
+            &default.url,
             Load::NewKey,
-            vec![redis.pid],
+            vec![default.pid],
             false,
         ),
         row(
@@ -284,7 +307,7 @@ async fn main() {
         println!();
         println!("{storm}");
     }
-    drop((redis, postgres, embedded, nginx_a, nginx_b, upstream));
+    drop((default, redis, postgres, embedded, nginx_a, nginx_b, upstream));
     drop_database(&args.database, &db).await;
     let _ = std::fs::remove_dir_all(&scratch);
 }
