@@ -152,8 +152,14 @@ async fn main() {
         &off,
     )
     .await;
-    let postgres =
-        Gateway::start(&args.binary, &upstream.url, Store::Postgres(&db), None, &off).await;
+    let postgres = Gateway::start(
+        &args.binary,
+        &upstream.url,
+        Store::Postgres(&db),
+        None,
+        &off,
+    )
+    .await;
     let embedded = Gateway::start(
         &args.binary,
         &upstream.url,
@@ -307,7 +313,9 @@ async fn main() {
         println!();
         println!("{storm}");
     }
-    drop((default, redis, postgres, embedded, nginx_a, nginx_b, upstream));
+    drop((
+        default, redis, postgres, embedded, nginx_a, nginx_b, upstream,
+    ));
     drop_database(&args.database, &db).await;
     let _ = std::fs::remove_dir_all(&scratch);
 }

@@ -58,7 +58,22 @@ pub fn response(
     replayed: bool,
     framing: Framing,
 ) -> Response<Body> {
-    let body = match framing {
+    let mut response = Response::new(body(stored, framing));
+    *response.status_mut() =
+        StatusCode::from_u16(stored.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    set_headers(&mut response, &stored.headers);
+    set_job(&mut response, job);
+    if replayed {
+        response
+            .headers_mut()
+            .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    }
+    response
+}
+
+/// The body of a stored response, framed as `framing` says.
+fn body(stored: &StoredResponse, framing: Framing) -> Body {
+    match framing {
         Framing::Whole => full(stored.body.clone()),
         Framing::Streamed => {
             let body = stored.body.clone();
@@ -70,18 +85,7 @@ pub fn response(
                 futures_util::stream::iter(frames),
             ))
         }
-    };
-    let mut response = Response::new(body);
-    *response.status_mut() =
-        StatusCode::from_u16(stored.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    set_headers(&mut response, &stored.headers);
-    set_job(&mut response, job);
-    if replayed {
-        response
-            .headers_mut()
-            .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     }
-    response
 }
 
 /// Appends stored end-to-end headers to an answer, in their order.

@@ -38,7 +38,7 @@ use crate::config::{Route, UpstreamSettings};
 use crate::error::{ClientError, GatewayError};
 use crate::fastpath::{Lookup, Tag};
 use crate::fingerprint::{fingerprint, Fingerprint, RequestParts};
-use crate::http::{collect_limited, full, Body, IDEMPOTENCY_KEY};
+use crate::http::{collect_limited, full, Body, IDEMPOTENCY_JOB, IDEMPOTENCY_KEY};
 use crate::job::{Job, JobId, JobState, NewJob, StoredResponse};
 use crate::key::{IdempotencyKey, Owner};
 use crate::recording::{End, Recording};
@@ -179,7 +179,8 @@ impl Flow {
             tracing::info!(error = %Chain(&e), job = ?job_id.map(|j: JobId| j.to_string()), "request refused");
             e.into_response()
         });
-        if let Some(job) = job_id {
+        // Replays name their job already.
+        if let Some(job) = job_id.filter(|_| !response.headers().contains_key(IDEMPOTENCY_JOB)) {
             replay::set_job(&mut response, job);
         }
         response
@@ -384,13 +385,7 @@ impl Flow {
         }
         *job_id = Some(answer.job);
         metrics::counter!("idemgate_replays_total", "source" => "memory").increment(1);
-        let stored = &answer.response;
-        Some(replay::response(
-            stored,
-            answer.job,
-            true,
-            self.route.framing(stored),
-        ))
+        Some(answer.replay())
     }
 
     /// Keeps a committed answer in this replica's memory for replay.
@@ -398,12 +393,13 @@ impl Flow {
         self.shared.answers.insert(
             &self.owner,
             &self.key,
-            Answer {
+            Answer::new(
                 job,
-                fingerprint: self.fingerprint,
+                self.fingerprint,
                 expires_at,
-                response: stored.clone(),
-            },
+                stored.clone(),
+                self.route.framing(stored),
+            ),
         );
     }
 

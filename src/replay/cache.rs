@@ -19,10 +19,13 @@ use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use http::{HeaderMap, Response, StatusCode};
 use quick_cache::sync::Cache;
 use quick_cache::{Equivalent, Weighter};
 
+use super::Framing;
 use crate::fingerprint::Fingerprint;
+use crate::http::Body;
 use crate::job::{JobId, StoredResponse};
 use crate::key::{IdempotencyKey, Owner};
 
@@ -32,7 +35,8 @@ pub const EXPIRY_MARGIN: Duration = Duration::from_secs(5);
 /// Bookkeeping counted against the budget besides an answer's own bytes.
 const OVERHEAD: usize = 256;
 
-/// A committed answer, as the replay cache keeps it.
+/// A committed answer, as the replay cache keeps it: with the head of its
+/// replay made once, when it is kept, rather than per replay.
 #[derive(Debug)]
 pub struct Answer {
     /// Its job.
@@ -41,8 +45,40 @@ pub struct Answer {
     pub fingerprint: Fingerprint,
     /// When the job expires.
     pub expires_at: SystemTime,
-    /// The answer.
-    pub response: StoredResponse,
+    response: StoredResponse,
+    framing: Framing,
+    status: StatusCode,
+    headers: HeaderMap,
+}
+
+impl Answer {
+    /// `response`, committed for `job`, replayed with `framing`.
+    pub fn new(
+        job: JobId,
+        fingerprint: Fingerprint,
+        expires_at: SystemTime,
+        response: StoredResponse,
+        framing: Framing,
+    ) -> Self {
+        let (head, _) = super::response(&response, job, true, framing).into_parts();
+        Answer {
+            job,
+            fingerprint,
+            expires_at,
+            response,
+            framing,
+            status: head.status,
+            headers: head.headers,
+        }
+    }
+
+    /// Its replay, as [`super::response`] makes it.
+    pub fn replay(&self) -> Response<Body> {
+        let mut replay = Response::new(super::body(&self.response, self.framing));
+        *replay.status_mut() = self.status;
+        *replay.headers_mut() = self.headers.clone();
+        replay
+    }
 }
 
 type Slot = (Owner, IdempotencyKey);
@@ -149,18 +185,37 @@ mod tests {
     }
 
     fn answer(body: &'static [u8], expires_in: Duration) -> Answer {
-        Answer {
-            job: JobId::new(),
-            fingerprint: Fingerprint([7; 32]),
-            expires_at: SystemTime::now() + expires_in,
-            response: StoredResponse {
-                status: 200,
-                headers: vec![(
-                    "content-type".into(),
-                    Bytes::from_static(b"application/json"),
-                )],
+        Answer::new(
+            JobId::new(),
+            Fingerprint([7; 32]),
+            SystemTime::now() + expires_in,
+            StoredResponse {
+                status: 201,
+                headers: vec![
+                    (
+                        "content-type".into(),
+                        Bytes::from_static(b"application/json"),
+                    ),
+                    ("set-cookie".into(), Bytes::from_static(b"a=1")),
+                    ("set-cookie".into(), Bytes::from_static(b"b=2")),
+                ],
                 body: Bytes::from_static(body),
             },
+            Framing::Whole,
+        )
+    }
+
+    #[tokio::test]
+    async fn a_kept_answer_replays_as_the_stored_response_does() {
+        use http_body_util::BodyExt;
+        let kept = answer(b"{\"ok\":1}", Duration::from_secs(60));
+        let expected = super::super::response(&kept.response, kept.job, true, Framing::Whole);
+        for _ in 0..2 {
+            let replay = kept.replay();
+            assert_eq!(replay.status(), expected.status());
+            assert_eq!(replay.headers(), expected.headers());
+            let body = replay.into_body().collect().await.unwrap().to_bytes();
+            assert_eq!(&body[..], b"{\"ok\":1}");
         }
     }
 
