@@ -511,6 +511,19 @@ async fn check(run: &Run) -> Report {
                 "a mismatched body was not refused",
                 format!("{} got {}", s.key, answer.status),
             ),
+            // The upstream answered while the database could not take the
+            // commit (a restart outlasting the gateway's patience): the
+            // answer is still being recorded, and must have been, unless the
+            // replica recording it was killed.
+            (Some(p), false) if p == "outcome-not-recorded" => {
+                let state = jobs.get(s.key.as_str()).and_then(|j| j["state"].as_str());
+                if state != Some("completed") && !killed_during(s.replica, s.sent, Instant::now()) {
+                    flag(
+                        "an answer said to be being recorded was not recorded",
+                        format!("{} via replica {}: job {state:?}", s.key, s.replica),
+                    );
+                }
+            }
             (Some(p), false) => {
                 if !matches!(
                     p.as_str(),
