@@ -20,7 +20,7 @@
 //! ```
 
 use std::fmt;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use uuid::Uuid;
@@ -159,6 +159,12 @@ pub struct NewJob {
     /// How long the key is remembered.
     pub ttl: std::time::Duration,
 }
+
+/// A copy of a committed answer kept outside the store (in Redis, in a
+/// replica's memory) is not used this close to its job's expiry: the
+/// gateways' clocks and the database's may disagree by this much, and past
+/// the expiry the key may already name a new job.
+pub const EXPIRY_MARGIN: Duration = Duration::from_secs(5);
 
 /// A job as read from the store.
 #[derive(Debug, Clone)]

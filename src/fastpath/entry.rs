@@ -7,14 +7,11 @@ use bytes::Bytes;
 use sha2::{Digest, Sha256};
 
 use crate::fingerprint::Fingerprint;
-use crate::job::{JobId, StoredResponse};
+use crate::job::{JobId, StoredResponse, EXPIRY_MARGIN};
 use crate::key::{IdempotencyKey, Owner};
 use crate::store::codec::{decode_headers, encode_headers};
 
 const MAGIC: &[u8; 4] = b"IGR1";
-/// Entries this close to their job's expiry are not trusted: the gateway's
-/// clock and the database's may disagree by this much.
-pub(super) const EXPIRY_MARGIN: Duration = Duration::from_secs(5);
 
 /// A cached entry, validated.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -29,7 +29,7 @@ use tokio::sync::mpsc;
 use uuid::Uuid;
 
 use crate::fingerprint::Fingerprint;
-use crate::job::{JobId, StoredResponse};
+use crate::job::{JobId, StoredResponse, EXPIRY_MARGIN};
 use crate::key::{IdempotencyKey, Owner};
 use crate::seal::{self, Sealer};
 use crate::store::Doorbell;
@@ -41,7 +41,6 @@ mod stream;
 
 use connection::Redis;
 pub use connection::{Topology, TopologyError};
-use entry::EXPIRY_MARGIN;
 pub use entry::{decode, encode, redis_key, stream_key, Binding, Entry, Tag};
 
 /// The pub/sub channel job changes are announced on; the payload is the job id.

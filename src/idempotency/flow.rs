@@ -390,17 +390,15 @@ impl Flow {
 
     /// Keeps a committed answer in this replica's memory for replay.
     fn keep(&self, job: JobId, expires_at: SystemTime, stored: &StoredResponse) {
-        self.shared.answers.insert(
-            &self.owner,
-            &self.key,
+        self.shared.answers.insert(&self.owner, &self.key, job, || {
             Answer::new(
                 job,
                 self.fingerprint,
                 expires_at,
                 stored.clone(),
                 self.route.framing(stored),
-            ),
-        );
+            )
+        });
     }
 
     /// A replay straight from the Redis fast path, when it has a valid entry

@@ -1,5 +1,5 @@
 //! Recently committed answers, kept in this replica's memory for replay
-//! (docs/design.md §8, "Replay cache").
+//! (docs/design.md §11, "Replay cache").
 //!
 //! A committed answer never changes: a job that completed stays completed
 //! until it expires. So a replica that has seen a job's answer (it committed
@@ -12,12 +12,11 @@
 //!   not answered from here: the store decides the mismatch.
 //! - Bounded by bytes (`replay_cache_size`); the least useful entries go
 //!   first. An entry is not used within [`EXPIRY_MARGIN`] of its job's
-//!   expiry, when another replica whose clock runs ahead may already take
-//!   the key for a new job.
+//!   expiry, as a Redis entry is not.
 
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use http::{HeaderMap, Response, StatusCode};
 use quick_cache::sync::Cache;
@@ -26,11 +25,8 @@ use quick_cache::{Equivalent, Weighter};
 use super::Framing;
 use crate::fingerprint::Fingerprint;
 use crate::http::Body;
-use crate::job::{JobId, StoredResponse};
+use crate::job::{JobId, StoredResponse, EXPIRY_MARGIN};
 use crate::key::{IdempotencyKey, Owner};
-
-/// Entries this close to their job's expiry are not used.
-pub const EXPIRY_MARGIN: Duration = Duration::from_secs(5);
 
 /// Bookkeeping counted against the budget besides an answer's own bytes.
 const OVERHEAD: usize = 256;
@@ -107,20 +103,26 @@ impl Answers {
         Answers { cache }
     }
 
-    /// Keeps `answer` for `(owner, key)`; one too large for the whole budget
-    /// is not kept. The duplicates one commit releases all offer the same
-    /// answer: it is kept once.
-    pub fn insert(&self, owner: &Owner, key: &IdempotencyKey, answer: Answer) {
+    /// Keeps the answer `make` makes of `job` for `(owner, key)`; one too
+    /// large for the whole budget is not kept. The duplicates one commit
+    /// releases all offer the same answer: it is made and kept once.
+    pub fn insert(
+        &self,
+        owner: &Owner,
+        key: &IdempotencyKey,
+        job: JobId,
+        make: impl FnOnce() -> Answer,
+    ) {
         let Some(cache) = &self.cache else {
             return;
         };
         if cache
             .get(&Borrowed(owner, key))
-            .is_some_and(|kept| kept.job == answer.job)
+            .is_some_and(|kept| kept.job == job)
         {
             return;
         }
-        cache.insert((owner.clone(), key.clone()), Arc::new(answer));
+        cache.insert((owner.clone(), key.clone()), Arc::new(make()));
     }
 
     /// The answer kept for `(owner, key)`, unless it is (nearly) expired at
@@ -175,6 +177,7 @@ impl Equivalent<Slot> for Borrowed<'_> {
 mod tests {
     use super::*;
     use bytes::Bytes;
+    use std::time::Duration;
 
     fn owner() -> Owner {
         Owner::from_header(None)
@@ -224,7 +227,7 @@ mod tests {
         let answers = Answers::new(1 << 20);
         let kept = answer(b"{}", Duration::from_secs(3600));
         let job = kept.job;
-        answers.insert(&owner(), &key("a"), kept);
+        keep(&answers, "a", kept);
         let now = SystemTime::now();
         assert_eq!(answers.get(&owner(), &key("a"), now).unwrap().job, job);
         assert!(answers.get(&owner(), &key("b"), now).is_none());
@@ -232,10 +235,30 @@ mod tests {
         assert!(answers.get(&other, &key("a"), now).is_none());
     }
 
+    fn keep(answers: &Answers, k: &str, answer: Answer) {
+        answers.insert(&owner(), &key(k), answer.job, || answer);
+    }
+
+    #[test]
+    fn an_answer_already_kept_is_not_made_again_and_another_job_replaces_it() {
+        let answers = Answers::new(1 << 20);
+        let first = answer(b"{}", Duration::from_secs(3600));
+        let job = first.job;
+        keep(&answers, "a", first);
+        answers.insert(&owner(), &key("a"), job, || {
+            panic!("made again although it is kept")
+        });
+        let next = answer(b"{}", Duration::from_secs(3600));
+        let replaced = next.job;
+        keep(&answers, "a", next);
+        let now = SystemTime::now();
+        assert_eq!(answers.get(&owner(), &key("a"), now).unwrap().job, replaced);
+    }
+
     #[test]
     fn an_answer_near_its_expiry_is_not_used() {
         let answers = Answers::new(1 << 20);
-        answers.insert(&owner(), &key("a"), answer(b"{}", Duration::from_secs(60)));
+        keep(&answers, "a", answer(b"{}", Duration::from_secs(60)));
         let now = SystemTime::now();
         assert!(answers.get(&owner(), &key("a"), now).is_some());
         let late = now + Duration::from_secs(56);
@@ -245,14 +268,14 @@ mod tests {
     #[test]
     fn the_budget_bounds_what_is_kept_and_zero_keeps_nothing() {
         let none = Answers::new(0);
-        none.insert(&owner(), &key("a"), answer(b"{}", Duration::from_secs(60)));
+        keep(&none, "a", answer(b"{}", Duration::from_secs(60)));
         assert!(none.get(&owner(), &key("a"), SystemTime::now()).is_none());
 
         let small = Answers::new(4096);
         for i in 0..100 {
-            small.insert(
-                &owner(),
-                &key(&format!("k{i}")),
+            keep(
+                &small,
+                &format!("k{i}"),
                 answer(b"0123456789", Duration::from_secs(60)),
             );
         }
