@@ -419,6 +419,44 @@ async fn admin_api_needs_the_bearer_token_and_probes_do_not(store: TestStore) {
     assert_eq!(r.problem(), "admin-disabled");
 }
 
+/// Requests one after another, keyed or not, share one upstream connection:
+/// the gateway keeps it open once an answer has been read to the end.
+async fn upstream_connections_are_kept_open_between_requests(store: TestStore) {
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    for n in 0..10 {
+        let keyed = post(&gateway.path("/v1/charges"), &format!("kept-{n}"), "{}").await;
+        assert_eq!(keyed.status, 200);
+        let plain = send(Method::GET, &gateway.path("/v1/models"), &[], "").await;
+        assert_eq!(plain.status, 200);
+    }
+    assert_eq!(upstream.hits(), 20);
+    assert_eq!(upstream.connections(), 1);
+}
+
+/// An upstream that closes its connection after every answer costs a new
+/// connection per request, never a failed request.
+async fn an_upstream_that_closes_every_connection_gets_a_new_one_per_request(store: TestStore) {
+    let upstream = FakeUpstream::start(|r| async move {
+        let mut response = crate::support::upstream::echo_response(&r);
+        response
+            .headers_mut()
+            .insert("connection", http::HeaderValue::from_static("close"));
+        response
+    })
+    .await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    for n in 0..10 {
+        let keyed = post(&gateway.path("/v1/charges"), &format!("closed-{n}"), "{}").await;
+        assert_eq!(keyed.status, 200, "{:?}", keyed.body);
+        assert!(keyed.headers.get("connection").is_none());
+        let plain = send(Method::GET, &gateway.path("/v1/models"), &[], "").await;
+        assert_eq!(plain.status, 200);
+    }
+    assert_eq!(upstream.hits(), 20);
+    assert_eq!(upstream.connections(), 20);
+}
+
 async fn pass_through_bodies_stream_past_the_opt_in_limit(store: TestStore) {
     let upstream = FakeUpstream::echo().await;
     let gateway = Gateway::builder(&store, &upstream.url())
@@ -541,6 +579,8 @@ async fn bad_configuration_stops_start_up_naming_the_key() {
 }
 
 crate::on_both_stores!(
+    upstream_connections_are_kept_open_between_requests,
+    an_upstream_that_closes_every_connection_gets_a_new_one_per_request,
     pass_through_bodies_stream_past_the_opt_in_limit,
     replay_is_faithful_to_status_end_to_end_headers_and_body_bytes,
     same_key_with_another_body_or_path_is_a_409_mismatch_and_never_proxied,

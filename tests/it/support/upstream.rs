@@ -56,6 +56,7 @@ type Handler = Arc<dyn Fn(Recorded) -> BoxFuture + Send + Sync>;
 pub struct FakeUpstream {
     pub addr: SocketAddr,
     hits: Arc<AtomicUsize>,
+    connections: Arc<AtomicUsize>,
     recorded: Arc<Mutex<Vec<Recorded>>>,
     arrivals: tokio::sync::Mutex<mpsc::UnboundedReceiver<Recorded>>,
     task: tokio::task::JoinHandle<()>,
@@ -81,16 +82,19 @@ impl FakeUpstream {
         let addr = listener.local_addr().unwrap();
         let handler: Handler = Arc::new(move |r| Box::pin(handler(r)));
         let hits = Arc::new(AtomicUsize::new(0));
+        let connections = Arc::new(AtomicUsize::new(0));
         let recorded = Arc::new(Mutex::new(Vec::new()));
         let (tx, rx) = mpsc::unbounded_channel();
         let task = {
             let hits = hits.clone();
+            let connections = connections.clone();
             let recorded = recorded.clone();
             tokio::spawn(async move {
                 loop {
                     let Ok((stream, _)) = listener.accept().await else {
                         return;
                     };
+                    connections.fetch_add(1, Ordering::SeqCst);
                     let handler = handler.clone();
                     let hits = hits.clone();
                     let recorded = recorded.clone();
@@ -135,6 +139,7 @@ impl FakeUpstream {
         FakeUpstream {
             addr,
             hits,
+            connections,
             recorded,
             arrivals: tokio::sync::Mutex::new(rx),
             task,
@@ -173,6 +178,11 @@ impl FakeUpstream {
 
     pub fn hits(&self) -> usize {
         self.hits.load(Ordering::SeqCst)
+    }
+
+    /// Connections accepted so far.
+    pub fn connections(&self) -> usize {
+        self.connections.load(Ordering::SeqCst)
     }
 
     pub fn recorded(&self) -> Vec<Recorded> {

@@ -1,11 +1,13 @@
 //! The upstreams: pooled HTTP clients that forward a request to one of the
 //! configured origins, as a Tower service.
 //!
-//! It rewrites the URI onto the upstream's base, removes hop-by-hop headers
+//! It rewrites the path onto the upstream's base, removes hop-by-hop headers
 //! both ways, and adds `X-Forwarded-For`/`-Proto`/`-Host`. The `Host` header
 //! becomes the upstream's own authority, as most reverse proxies do. Its
 //! errors say whether the request may have reached the upstream, which
 //! decides between `failed` (safe to retry) and `unknown`.
+
+mod pool;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -17,14 +19,14 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{header, HeaderName, HeaderValue, Request, Response, Uri};
 use http_body_util::BodyExt;
-use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
+use hyper_rustls::HttpsConnectorBuilder;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use tokio::sync::watch;
 
+use self::pool::Pool;
+
 use crate::config::{UpstreamId, UpstreamSettings};
-use crate::http::{hop, Body, BodyError};
+use crate::http::{hop, Body};
 use crate::BoxError;
 
 /// Which upstream a request goes to, put into request extensions by the
@@ -112,8 +114,11 @@ const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto
 /// A pooled client bound to one upstream.
 #[derive(Clone)]
 pub struct Upstream {
-    client: Client<HttpsConnector<HttpConnector>, Body>,
+    pool: Arc<Pool>,
     target: Arc<UpstreamSettings>,
+    /// The `Host` every forwarded request carries: the base's authority,
+    /// without the scheme's default port.
+    host: HeaderValue,
 }
 
 impl Upstream {
@@ -129,10 +134,16 @@ impl Upstream {
             .https_or_http()
             .enable_http1()
             .wrap_connector(tcp);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(60))
-            .build(connector);
-        Upstream { client, target }
+        let base = &target.base;
+        let host = match (base.host(), base.port_u16()) {
+            (Some(host), Some(port)) if Some(port) != default_port(base) => {
+                format!("{host}:{port}")
+            }
+            (host, _) => host.unwrap_or_default().to_owned(),
+        };
+        let host = HeaderValue::try_from(host).expect("an authority is a valid header value");
+        let pool = Pool::new(connector, base.clone());
+        Upstream { pool, target, host }
     }
 
     /// Its settings.
@@ -150,17 +161,12 @@ impl Upstream {
                 .parse()
                 .ok(),
         };
-        let mut parts = http::uri::Parts::default();
-        parts.scheme = base.scheme().cloned();
-        parts.authority = base.authority().cloned();
-        parts.path_and_query = path_and_query;
-        if let Ok(uri) = Uri::from_parts(parts) {
-            *req.uri_mut() = uri;
-        }
+        // Origin form: the connection already goes to the base's authority.
+        *req.uri_mut() = path_and_query.map_or_else(|| Uri::from_static("/"), Uri::from);
         let client = req.extensions().get::<ClientAddr>().map(|c| c.ip.clone());
         let headers = req.headers_mut();
         hop::strip(headers);
-        if let Some(host) = headers.remove(header::HOST) {
+        if let Some(host) = headers.insert(header::HOST, self.host.clone()) {
             headers.insert(X_FORWARDED_HOST, host);
         }
         if let Some(ip) = client {
@@ -210,18 +216,21 @@ impl Upstream {
         mut req: Request<Body>,
     ) -> Pin<Box<dyn Future<Output = Result<Response<Body>, UpstreamError>> + Send>> {
         self.rewrite(&mut req);
-        let request = self.client.request(req);
+        let pool = self.pool.clone();
         Box::pin(async move {
-            let mut response = request.await.map_err(|e| {
-                if e.is_connect() {
-                    UpstreamError::Refused(Box::new(e))
-                } else {
-                    UpstreamError::Broken(Box::new(e))
-                }
-            })?;
+            let mut response = pool.send(req).await?;
             hop::strip(response.headers_mut());
-            Ok(response.map(|b| b.map_err(BodyError::new).boxed()))
+            Ok(response)
         })
+    }
+}
+
+/// The port a URI's scheme implies.
+fn default_port(uri: &Uri) -> Option<u16> {
+    match uri.scheme_str() {
+        Some("https") => Some(443),
+        Some("http") => Some(80),
+        _ => None,
     }
 }
 

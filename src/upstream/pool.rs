@@ -1,0 +1,362 @@
+//! Connections to one upstream, kept open between requests.
+//!
+//! A stack of idle HTTP/1.1 connections (the most recently used first, so
+//! the busy ones stay warm and the rest age out), over hyper's
+//! connection-level client. hyper-util's pooled client did the same with
+//! more machinery per request (a checkout future, a task spawned per
+//! request to return the connection, a `Host` and URI rewrite of its own);
+//! this pool returns a connection when its answer's body has been read to
+//! the end (docs/performance.md, item 10).
+//!
+//! A request that a reused connection could not send (the upstream had just
+//! closed it) comes back from hyper unsent and is sent again on another
+//! connection: nothing reached the upstream, so that is safe for any method.
+//! Once hyper may have written a byte of it, a failure is `Broken`, never
+//! retried here: whether to try again is the attempt's decision.
+
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, Weak};
+use std::task::{ready, Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{Request, Response, Uri};
+use http_body::{Body as _, Frame, SizeHint};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper::client::conn::http1::{self, SendRequest};
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::connect::HttpConnector;
+use tower::ServiceExt;
+
+use super::UpstreamError;
+use crate::http::{Body, BodyError};
+
+/// How long a connection may sit unused before it is closed rather than
+/// reused (upstreams commonly close theirs after 60–75 s; using one just as
+/// it closes costs a retry, which the pool makes, but no more).
+const IDLE_TIMEOUT: Duration = Duration::from_secs(55);
+
+/// The idle connections to one upstream, and how to open another.
+pub(super) struct Pool {
+    connector: HttpsConnector<HttpConnector>,
+    /// Where connections go: the upstream's base, scheme and authority.
+    base: Uri,
+    /// Most recently returned last.
+    idle: Mutex<Vec<Idle>>,
+}
+
+struct Idle {
+    sender: SendRequest<Body>,
+    since: Instant,
+}
+
+impl Pool {
+    pub(super) fn new(connector: HttpsConnector<HttpConnector>, base: Uri) -> Arc<Self> {
+        Arc::new(Pool {
+            connector,
+            base,
+            idle: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Sends `req` (its URI in origin form, its `Host` set) on an idle
+    /// connection, or on a new one when none is ready.
+    pub(super) async fn send(
+        self: Arc<Self>,
+        mut req: Request<Body>,
+    ) -> Result<Response<Body>, UpstreamError> {
+        loop {
+            let (mut sender, reused) = match self.checkout().await {
+                Some(sender) => (sender, true),
+                None => (self.connect().await?, false),
+            };
+            match sender.try_send_request(req).await {
+                Ok(response) => {
+                    let (parts, body) = response.into_parts();
+                    let body = if body.is_end_stream() {
+                        self.keep(sender);
+                        body.map_err(BodyError::new).boxed()
+                    } else {
+                        Returning {
+                            body,
+                            sender: Some(sender),
+                            pool: Arc::downgrade(&self),
+                        }
+                        .map_err(BodyError::new)
+                        .boxed()
+                    };
+                    return Ok(Response::from_parts(parts, body));
+                }
+                Err(mut e) => match e.take_message() {
+                    // The upstream closed the idle connection as we took
+                    // it: nothing was written, so another connection may
+                    // carry the request.
+                    Some(unsent) if reused => req = unsent,
+                    Some(_) => return Err(UpstreamError::Refused(Box::new(e.into_error()))),
+                    None => return Err(UpstreamError::Broken(Box::new(e.into_error()))),
+                },
+            }
+        }
+    }
+
+    /// The most recently used idle connection that is still open, closing
+    /// the ones that are not or have idled too long.
+    async fn checkout(&self) -> Option<SendRequest<Body>> {
+        loop {
+            let Idle { mut sender, since } =
+                self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop()?;
+            if since.elapsed() >= IDLE_TIMEOUT || sender.is_closed() {
+                continue;
+            }
+            // A connection comes back as soon as its answer has been read;
+            // its task may not have seen that yet. It is ready (or closed)
+            // as soon as it has: no task is spawned to wait for it.
+            if sender.is_ready() || sender.ready().await.is_ok() {
+                return Some(sender);
+            }
+        }
+    }
+
+    /// Keeps a connection whose last answer has been read, for the next
+    /// request.
+    fn keep(&self, sender: SendRequest<Body>) {
+        if sender.is_closed() {
+            return;
+        }
+        let now = Instant::now();
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        // The oldest sit at the bottom; close those nobody used for a while.
+        let stale = idle
+            .iter()
+            .take_while(|i| now.duration_since(i.since) >= IDLE_TIMEOUT)
+            .count();
+        idle.drain(..stale);
+        idle.push(Idle { sender, since: now });
+    }
+
+    /// A new connection; failing to make one (refused, timed out, a failed
+    /// TLS handshake) happens before anything is sent.
+    async fn connect(&self) -> Result<SendRequest<Body>, UpstreamError> {
+        let io = self
+            .connector
+            .clone()
+            .oneshot(self.base.clone())
+            .await
+            .map_err(UpstreamError::Refused)?;
+        let (sender, connection) = http1::handshake(io)
+            .await
+            .map_err(|e| UpstreamError::Refused(Box::new(e)))?;
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, "upstream connection ended with an error");
+            }
+        });
+        Ok(sender)
+    }
+}
+
+/// An answer's body that returns its connection to the pool once read to
+/// the end. Dropped before that, the connection closes with it (HTTP/1.1
+/// cannot abandon an answer halfway and reuse the connection).
+struct Returning {
+    body: Incoming,
+    sender: Option<SendRequest<Body>>,
+    pool: Weak<Pool>,
+}
+
+impl http_body::Body for Returning {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let frame = ready!(Pin::new(&mut self.body).poll_frame(cx));
+        match &frame {
+            Some(Ok(_)) if !self.body.is_end_stream() => {}
+            Some(Err(_)) => self.sender = None,
+            _ => {
+                if let (Some(sender), Some(pool)) = (self.sender.take(), self.pool.upgrade()) {
+                    pool.keep(sender);
+                }
+            }
+        }
+        Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use http_body_util::Full;
+    use hyper_util::rt::TokioIo;
+    use tokio::net::TcpListener;
+
+    use super::*;
+
+    /// An upstream on a fresh port that answers every request with its
+    /// number, counting requests and connections.
+    struct Counted {
+        base: Uri,
+        requests: Arc<AtomicUsize>,
+        connections: Arc<AtomicUsize>,
+    }
+
+    async fn upstream() -> Counted {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base: Uri = format!("http://{}", listener.local_addr().unwrap())
+            .parse()
+            .unwrap();
+        let requests = Arc::new(AtomicUsize::new(0));
+        let connections = Arc::new(AtomicUsize::new(0));
+        let (r, c) = (requests.clone(), connections.clone());
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                c.fetch_add(1, Ordering::SeqCst);
+                let r = r.clone();
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |_req| {
+                        let n = r.fetch_add(1, Ordering::SeqCst) + 1;
+                        async move {
+                            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(
+                                n.to_string(),
+                            ))))
+                        }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        Counted {
+            base,
+            requests,
+            connections,
+        }
+    }
+
+    fn pool(base: &Uri) -> Arc<Pool> {
+        let mut tcp = HttpConnector::new();
+        tcp.enforce_http(false);
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(super::super::tls_config(&[]))
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(tcp);
+        Pool::new(connector, base.clone())
+    }
+
+    fn request(base: &Uri) -> Request<Body> {
+        Request::builder()
+            .uri("/")
+            .header(http::header::HOST, base.authority().unwrap().as_str())
+            .body(crate::http::full(""))
+            .unwrap()
+    }
+
+    async fn text(response: Response<Body>) -> String {
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        String::from_utf8(body.to_vec()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn one_connection_carries_requests_one_after_another() {
+        let upstream = upstream().await;
+        let pool = pool(&upstream.base);
+        for n in 1..=20 {
+            let response = pool.clone().send(request(&upstream.base)).await.unwrap();
+            assert_eq!(text(response).await, n.to_string());
+        }
+        assert_eq!(upstream.connections.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn a_connection_whose_answer_was_not_read_is_not_reused() {
+        let upstream = upstream().await;
+        let pool = pool(&upstream.base);
+        let unread = pool.clone().send(request(&upstream.base)).await.unwrap();
+        // Its answer is still pending on the first connection: a second.
+        let read = pool.clone().send(request(&upstream.base)).await.unwrap();
+        assert_eq!(text(read).await, "2");
+        drop(unread);
+        let again = pool.clone().send(request(&upstream.base)).await.unwrap();
+        assert_eq!(text(again).await, "3");
+        assert_eq!(
+            upstream.connections.load(Ordering::SeqCst),
+            2,
+            "the connection whose answer was read to the end is reused"
+        );
+    }
+
+    /// The upstream closes an idle connection just as the pool hands it
+    /// out: the connection looked ready, took the request, and closed
+    /// before writing a byte of it. The request goes out on a new
+    /// connection, once.
+    #[tokio::test]
+    async fn a_request_a_closing_connection_did_not_send_goes_out_on_another() {
+        let upstream = upstream().await;
+        let pool = pool(&upstream.base);
+        let io = tokio::net::TcpStream::connect(upstream.base.authority().unwrap().as_str())
+            .await
+            .unwrap();
+        let (mut sender, connection) = http1::handshake(TokioIo::new(io)).await.unwrap();
+        let task = tokio::spawn(connection);
+        sender.ready().await.unwrap();
+        pool.keep(sender);
+        // On this single-threaded runtime the connection's task is dropped
+        // only when `send` first waits: after it has taken the connection
+        // and handed it the request.
+        task.abort();
+        let response = pool.clone().send(request(&upstream.base)).await.unwrap();
+        assert_eq!(text(response).await, "1");
+        assert_eq!(upstream.requests.load(Ordering::SeqCst), 1);
+        assert_eq!(upstream.connections.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn a_request_a_new_connection_did_not_send_is_refused_not_retried() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base: Uri = format!("http://{}", listener.local_addr().unwrap())
+            .parse()
+            .unwrap();
+        drop(listener);
+        let pool = pool(&base);
+        let error = pool.send(request(&base)).await.unwrap_err();
+        assert!(matches!(error, UpstreamError::Refused(_)), "{error:?}");
+    }
+
+    #[tokio::test]
+    async fn a_connection_closed_after_the_request_was_written_is_broken_not_retried() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base: Uri = format!("http://{}", listener.local_addr().unwrap())
+            .parse()
+            .unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let seen = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                seen.fetch_add(1, Ordering::SeqCst);
+                // Read the request, then hang up without an answer.
+                let mut buf = [0u8; 1024];
+                let _ = tokio::io::AsyncReadExt::read(&mut stream, &mut buf).await;
+            }
+        });
+        let pool = pool(&base);
+        let error = pool.send(request(&base)).await.unwrap_err();
+        assert!(matches!(error, UpstreamError::Broken(_)), "{error:?}");
+        assert_eq!(accepted.load(Ordering::SeqCst), 1, "never sent again");
+    }
+}
