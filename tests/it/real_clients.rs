@@ -119,3 +119,41 @@ async fn curl_retrying_with_one_key_gets_the_recorded_answer_then_a_mismatch_pro
         "the mismatched body reached the upstream"
     );
 }
+
+/// curl speaking HTTP/2 with prior knowledge (no upgrade, the preface
+/// first) and HTTP/1.1 to one gateway: each is answered in its own
+/// protocol, and a retry over HTTP/2 of a key first sent over HTTP/1.1 is
+/// a replay of the same answer.
+#[tokio::test]
+async fn curl_over_http2_with_prior_knowledge_and_over_http1_share_one_key() {
+    let store = TestStore::embedded();
+    let upstream = crate::support::FakeUpstream::echo().await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    let url = gateway.path("/v1/charges");
+    let curl = |version: &'static str| {
+        let url = url.clone();
+        async move {
+            let out = tokio::process::Command::new("curl")
+                .args(["--silent", "--show-error", "--include", "--fail-with-body"])
+                .args(["--max-time", "20", version, "-X", "POST"])
+                .args(["-H", "Idempotency-Key: curl-h2", "--data", "{}", &url])
+                .output()
+                .await
+                .expect("curl is installed");
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            String::from_utf8(out.stdout).unwrap().to_ascii_lowercase()
+        }
+    };
+    let first = curl("--http1.1").await;
+    let second = curl("--http2-prior-knowledge").await;
+    assert!(first.starts_with("http/1.1 200"), "{first}");
+    assert!(second.starts_with("http/2 200"), "{second}");
+    assert!(second.contains("idempotent-replayed: true"), "{second}");
+    let body = |s: &str| s.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned();
+    assert_eq!(body(&first), body(&second));
+    assert_eq!(upstream.hits(), 1);
+}
