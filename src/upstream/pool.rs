@@ -67,7 +67,7 @@ impl Pool {
         mut req: Request<Body>,
     ) -> Result<Response<Body>, UpstreamError> {
         loop {
-            let (mut sender, reused) = match self.checkout().await {
+            let (mut sender, reused) = match self.checkout() {
                 Some(sender) => (sender, true),
                 None => (self.connect().await?, false),
             };
@@ -75,7 +75,7 @@ impl Pool {
                 Ok(response) => {
                     let (parts, body) = response.into_parts();
                     let body = if body.is_end_stream() {
-                        self.keep(sender);
+                        self.put_back(sender);
                         body.map_err(BodyError::new).boxed()
                     } else {
                         Returning {
@@ -100,30 +100,41 @@ impl Pool {
         }
     }
 
-    /// The most recently used idle connection that is still open, closing
-    /// the ones that are not or have idled too long.
-    async fn checkout(&self) -> Option<SendRequest<Body>> {
-        loop {
-            let Idle { mut sender, since } =
-                self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop()?;
-            if since.elapsed() >= IDLE_TIMEOUT || sender.is_closed() {
-                continue;
-            }
-            // A connection comes back as soon as its answer has been read;
-            // its task may not have seen that yet. It is ready (or closed)
-            // as soon as it has: no task is spawned to wait for it.
-            if sender.is_ready() || sender.ready().await.is_ok() {
+    /// The most recently used idle connection that is still ready, closing
+    /// the ones that are not (the upstream closed them) or have idled too
+    /// long.
+    fn checkout(&self) -> Option<SendRequest<Body>> {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        while let Some(Idle { sender, since }) = idle.pop() {
+            if sender.is_ready() && since.elapsed() < IDLE_TIMEOUT {
                 return Some(sender);
             }
         }
+        None
     }
 
-    /// Keeps a connection whose last answer has been read, for the next
-    /// request.
-    fn keep(&self, sender: SendRequest<Body>) {
-        if sender.is_closed() {
-            return;
+    /// Returns a connection whose answer has been read to the end, for the
+    /// next request, once hyper is ready to send one on it: at once, as a
+    /// rule (the connection's task saw the answer's end before the body's
+    /// reader did); otherwise when it is (say, while the request's own body
+    /// is still being sent after an early answer), in a task of its own so
+    /// that no request ever waits on another's connection.
+    fn put_back(self: &Arc<Self>, mut sender: SendRequest<Body>) {
+        if sender.is_ready() {
+            self.keep(sender);
+        } else if !sender.is_closed() {
+            let pool = Arc::downgrade(self);
+            tokio::spawn(async move {
+                if sender.ready().await.is_ok() {
+                    if let Some(pool) = pool.upgrade() {
+                        pool.keep(sender);
+                    }
+                }
+            });
         }
+    }
+
+    fn keep(&self, sender: SendRequest<Body>) {
         let now = Instant::now();
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         // The oldest sit at the bottom; close those nobody used for a while.
@@ -179,7 +190,7 @@ impl http_body::Body for Returning {
             Some(Err(_)) => self.sender = None,
             _ => {
                 if let (Some(sender), Some(pool)) = (self.sender.take(), self.pool.upgrade()) {
-                    pool.keep(sender);
+                    pool.put_back(sender);
                 }
             }
         }
@@ -324,6 +335,79 @@ mod tests {
         assert_eq!(text(response).await, "1");
         assert_eq!(upstream.requests.load(Ordering::SeqCst), 1);
         assert_eq!(upstream.connections.load(Ordering::SeqCst), 2);
+    }
+
+    /// A request body that sends one chunk and then never ends.
+    struct Stalled(Option<Bytes>);
+
+    impl http_body::Body for Stalled {
+        type Data = Bytes;
+        type Error = BodyError;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+            match self.0.take() {
+                Some(chunk) => Poll::Ready(Some(Ok(Frame::data(chunk)))),
+                None => Poll::Pending,
+            }
+        }
+    }
+
+    /// The upstream answers while the request's body is still being sent
+    /// (and never ends): that connection is not ready for another request
+    /// until it is, so the next request goes out on another connection
+    /// instead of waiting for it.
+    #[tokio::test]
+    async fn a_connection_still_sending_a_request_body_is_not_waited_for() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base: Uri = format!("http://{}", listener.local_addr().unwrap())
+            .parse()
+            .unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let seen = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                seen.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                    let mut buf = [0u8; 4096];
+                    let mut head = Vec::new();
+                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match stream.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => head.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                    if stream.write_all(answer).await.is_err() {
+                        return;
+                    }
+                    // Keep reading whatever follows; answer nothing more.
+                    while let Ok(n) = stream.read(&mut buf).await {
+                        if n == 0 {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        let pool = pool(&base);
+        let stalled = Request::builder()
+            .method("POST")
+            .uri("/")
+            .header(http::header::HOST, base.authority().unwrap().as_str())
+            .body(Stalled(Some(Bytes::from_static(b"part"))).boxed())
+            .unwrap();
+        let early = pool.clone().send(stalled).await.unwrap();
+        assert_eq!(text(early).await, "ok");
+        let next = tokio::time::timeout(Duration::from_secs(10), pool.send(request(&base)))
+            .await
+            .expect("the next request waited for a connection still sending a body")
+            .unwrap();
+        assert_eq!(text(next).await, "ok");
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
     }
 
     #[tokio::test]
