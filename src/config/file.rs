@@ -70,11 +70,39 @@ pub struct FileConfig {
 }
 
 /// An upstream: a bare URL, or a table with its own settings.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug, Clone)]
 pub(super) enum UpstreamFile {
     Url(String),
     Table(UpstreamTable),
+}
+
+/// By hand rather than `#[serde(untagged)]`, which answers any mistake in
+/// a table with "did not match any variant": this keeps the table's own
+/// error (the key, what was expected).
+impl<'de> Deserialize<'de> for UpstreamFile {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = UpstreamFile;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a URL, or a table with `url` and the upstream's settings")
+            }
+
+            fn visit_str<E: serde::de::Error>(self, url: &str) -> Result<UpstreamFile, E> {
+                Ok(UpstreamFile::Url(url.to_owned()))
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                map: A,
+            ) -> Result<UpstreamFile, A::Error> {
+                UpstreamTable::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+                    .map(UpstreamFile::Table)
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -86,6 +114,8 @@ pub(super) struct UpstreamTable {
     pub(super) timeout: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
     pub(super) connect_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) idle_timeout: Option<Duration>,
     pub(super) ca_file: Option<PathBuf>,
     #[serde(default)]
     pub(super) headers: BTreeMap<String, HeaderSource>,

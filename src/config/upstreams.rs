@@ -38,6 +38,14 @@ impl std::fmt::Display for UpstreamId {
     }
 }
 
+/// How long an upstream connection may idle and still be reused, by
+/// default: below the 5 s after which Node.js, uvicorn (vLLM's server) and
+/// many other HTTP servers close an idle connection. A request sent on a
+/// connection the upstream is closing at that moment may be lost with its
+/// outcome unknown; one sent on a connection the gateway has retired
+/// cannot be (docs/design.md §11).
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
+
 /// One upstream.
 #[derive(Debug, Clone)]
 pub struct UpstreamSettings {
@@ -49,6 +57,9 @@ pub struct UpstreamSettings {
     pub timeout: Duration,
     /// How long connecting may take (a safe failure: nothing was sent).
     pub connect_timeout: Duration,
+    /// How long a connection may sit unused and still carry the next
+    /// request; `0` opens a new connection for every request.
+    pub idle_timeout: Duration,
     /// Headers set on every request to it (values may be secrets).
     pub headers: Vec<(HeaderName, HeaderValue)>,
     /// Certificate authorities trusted for `https://` besides the public
@@ -135,6 +146,9 @@ fn parse(
                 .and_then(|t| t.connect_timeout)
                 .unwrap_or(timeout.min(Duration::from_secs(10))),
         )?,
+        idle_timeout: table
+            .and_then(|t| t.idle_timeout)
+            .unwrap_or(DEFAULT_IDLE_TIMEOUT),
         headers,
         extra_roots,
     })

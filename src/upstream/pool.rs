@@ -1,7 +1,8 @@
 //! Connections to one upstream, kept open between requests.
 //!
 //! A stack of idle HTTP/1.1 connections (the most recently used first, so
-//! the busy ones stay warm and the rest age out), over hyper's
+//! the busy ones stay warm and the rest age out past the upstream's
+//! `idle_timeout`), over hyper's
 //! connection-level client. hyper-util's pooled client did the same with
 //! more machinery per request (a checkout future, a task spawned per
 //! request to return the connection, a `Host` and URI rewrite of its own);
@@ -32,16 +33,14 @@ use tower::ServiceExt;
 use super::UpstreamError;
 use crate::http::{Body, BodyError};
 
-/// How long a connection may sit unused before it is closed rather than
-/// reused (upstreams commonly close theirs after 60–75 s; using one just as
-/// it closes costs a retry, which the pool makes, but no more).
-const IDLE_TIMEOUT: Duration = Duration::from_secs(55);
-
 /// The idle connections to one upstream, and how to open another.
 pub(super) struct Pool {
     connector: HttpsConnector<HttpConnector>,
     /// Where connections go: the upstream's base, scheme and authority.
     base: Uri,
+    /// How long a connection may idle and still be reused (the upstream's
+    /// `idle_timeout`; zero: never reused).
+    idle_timeout: Duration,
     /// Most recently returned last.
     idle: Mutex<Vec<Idle>>,
 }
@@ -52,10 +51,15 @@ struct Idle {
 }
 
 impl Pool {
-    pub(super) fn new(connector: HttpsConnector<HttpConnector>, base: Uri) -> Arc<Self> {
+    pub(super) fn new(
+        connector: HttpsConnector<HttpConnector>,
+        base: Uri,
+        idle_timeout: Duration,
+    ) -> Arc<Self> {
         Arc::new(Pool {
             connector,
             base,
+            idle_timeout,
             idle: Mutex::new(Vec::new()),
         })
     }
@@ -106,7 +110,7 @@ impl Pool {
     fn checkout(&self) -> Option<SendRequest<Body>> {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         while let Some(Idle { sender, since }) = idle.pop() {
-            if sender.is_ready() && since.elapsed() < IDLE_TIMEOUT {
+            if sender.is_ready() && since.elapsed() < self.idle_timeout {
                 return Some(sender);
             }
         }
@@ -135,12 +139,15 @@ impl Pool {
     }
 
     fn keep(&self, sender: SendRequest<Body>) {
+        if self.idle_timeout.is_zero() {
+            return;
+        }
         let now = Instant::now();
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         // The oldest sit at the bottom; close those nobody used for a while.
         let stale = idle
             .iter()
-            .take_while(|i| now.duration_since(i.since) >= IDLE_TIMEOUT)
+            .take_while(|i| now.duration_since(i.since) >= self.idle_timeout)
             .count();
         idle.drain(..stale);
         idle.push(Idle { sender, since: now });
@@ -260,6 +267,10 @@ mod tests {
     }
 
     fn pool(base: &Uri) -> Arc<Pool> {
+        pool_idling(base, Duration::from_secs(60))
+    }
+
+    fn pool_idling(base: &Uri, idle_timeout: Duration) -> Arc<Pool> {
         let mut tcp = HttpConnector::new();
         tcp.enforce_http(false);
         let connector = hyper_rustls::HttpsConnectorBuilder::new()
@@ -267,7 +278,7 @@ mod tests {
             .https_or_http()
             .enable_http1()
             .wrap_connector(tcp);
-        Pool::new(connector, base.clone())
+        Pool::new(connector, base.clone(), idle_timeout)
     }
 
     fn request(base: &Uri) -> Request<Body> {
@@ -292,6 +303,34 @@ mod tests {
             assert_eq!(text(response).await, n.to_string());
         }
         assert_eq!(upstream.connections.load(Ordering::SeqCst), 1);
+    }
+
+    /// A connection idle past the upstream's `idle_timeout` is retired, not
+    /// reused: the upstream may be closing it at that very moment.
+    #[tokio::test]
+    async fn a_connection_idle_past_its_timeout_is_not_reused() {
+        let upstream = upstream().await;
+        let pool = pool_idling(&upstream.base, Duration::from_millis(100));
+        for _ in 0..3 {
+            let response = pool.clone().send(request(&upstream.base)).await.unwrap();
+            text(response).await;
+        }
+        assert_eq!(upstream.connections.load(Ordering::SeqCst), 1);
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let response = pool.clone().send(request(&upstream.base)).await.unwrap();
+        assert_eq!(text(response).await, "4");
+        assert_eq!(upstream.connections.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn an_idle_timeout_of_zero_opens_a_connection_per_request() {
+        let upstream = upstream().await;
+        let pool = pool_idling(&upstream.base, Duration::ZERO);
+        for _ in 0..3 {
+            let response = pool.clone().send(request(&upstream.base)).await.unwrap();
+            text(response).await;
+        }
+        assert_eq!(upstream.connections.load(Ordering::SeqCst), 3);
     }
 
     #[tokio::test]

@@ -457,6 +457,28 @@ async fn an_upstream_that_closes_every_connection_gets_a_new_one_per_request(sto
     assert_eq!(upstream.connections(), 20);
 }
 
+/// `idle_timeout = "0s"` on an upstream: every request, keyed or not, on a
+/// connection of its own.
+async fn an_upstream_with_no_idle_time_gets_a_connection_per_request(store: TestStore) {
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .unset("upstreams")
+        .tables(&format!(
+            "[[upstreams]]\nname = \"fresh\"\nurl = {:?}\nidle_timeout = \"0s\"\n",
+            upstream.url()
+        ))
+        .start()
+        .await;
+    for n in 0..5 {
+        let keyed = post(&gateway.path("/v1/charges"), &format!("fresh-{n}"), "{}").await;
+        assert_eq!(keyed.status, 200);
+        let plain = send(Method::GET, &gateway.path("/v1/models"), &[], "").await;
+        assert_eq!(plain.status, 200);
+    }
+    assert_eq!(upstream.hits(), 10);
+    assert_eq!(upstream.connections(), 10);
+}
+
 async fn pass_through_bodies_stream_past_the_opt_in_limit(store: TestStore) {
     let upstream = FakeUpstream::echo().await;
     let gateway = Gateway::builder(&store, &upstream.url())
@@ -561,6 +583,12 @@ async fn bad_configuration_stops_start_up_naming_the_key() {
         .start_and_fail()
         .await;
     assert!(err.contains("routes[0].methods"), "{err}");
+    let err = Gateway::builder(&store, "http://127.0.0.1:1")
+        .unset("upstreams")
+        .tables("[[upstreams]]\nurl = \"http://127.0.0.1:1\"\nidle_timeout = \"soon\"\n")
+        .start_and_fail()
+        .await;
+    assert!(err.contains("idle_timeout"), "{err}");
 
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
         .args([
@@ -581,6 +609,7 @@ async fn bad_configuration_stops_start_up_naming_the_key() {
 crate::on_both_stores!(
     upstream_connections_are_kept_open_between_requests,
     an_upstream_that_closes_every_connection_gets_a_new_one_per_request,
+    an_upstream_with_no_idle_time_gets_a_connection_per_request,
     pass_through_bodies_stream_past_the_opt_in_limit,
     replay_is_faithful_to_status_end_to_end_headers_and_body_bytes,
     same_key_with_another_body_or_path_is_a_409_mismatch_and_never_proxied,
