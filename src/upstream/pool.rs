@@ -1,13 +1,12 @@
 //! Connections to one upstream, kept open between requests.
 //!
-//! A stack of idle HTTP/1.1 connections (the most recently used first, so
-//! the busy ones stay warm and the rest age out past the upstream's
-//! `idle_timeout`), over hyper's
-//! connection-level client. hyper-util's pooled client did the same with
-//! more machinery per request (a checkout future, a task spawned per
-//! request to return the connection, a `Host` and URI rewrite of its own);
-//! this pool returns a connection when its answer's body has been read to
-//! the end (docs/performance.md, item 10).
+//! A stack of idle HTTP/1.1 connections over hyper's connection-level
+//! client: the most recently used is taken first, so the busy ones stay
+//! warm and the rest age out past the upstream's `idle_timeout`. A
+//! connection comes back when its answer's body has been read to the end.
+//! hyper-util's pooled client did the same with more machinery per request
+//! (a checkout future, a keyed pool map, a `Host` and URI rewrite of its
+//! own); docs/performance.md, item 10, has what the change bought.
 //!
 //! A request that a reused connection could not send (the upstream had just
 //! closed it) comes back from hyper unsent and is sent again on another
