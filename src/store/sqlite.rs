@@ -4,9 +4,14 @@
 //! - `UNIQUE (owner, key)` is the arbiter; every change, the commit
 //!   included, runs the domain's transition on the locked job inside one
 //!   `BEGIN IMMEDIATE` transaction (SQLite's single writer lock).
-//! - Every operation runs on a blocking thread (`spawn_blocking`), never on
-//!   the async runtime, over one connection: SQLite has one writer at a time
+//! - Every operation runs on one thread of the store's own, never on the
+//!   async runtime, over one connection: SQLite has one writer at a time
 //!   anyway, and serialising here makes each operation trivially atomic.
+//! - Group commit: the operations waiting when the thread turns to its
+//!   queue run one after another inside one transaction (each in a
+//!   savepoint of its own, so one that fails undoes only itself), and one
+//!   `COMMIT`, one fsync, makes them all durable. No operation's result is
+//!   handed back before that commit.
 //! - Durability: WAL journal with `synchronous = FULL`, so a transaction
 //!   that returned is on disk (fsync per commit) and survives a crash or a
 //!   power loss; a response is committed before any client sees it.
@@ -20,13 +25,17 @@
 //! both are converted at this boundary, never passed around as strings.
 
 use std::fs::File;
+use std::ops::Deref;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use rusqlite::{params, Connection, OptionalExtension, Row, Transaction, TransactionBehavior};
+use rusqlite::{
+    params, Connection, OptionalExtension, Row, Savepoint, Transaction, TransactionBehavior,
+};
 use uuid::Uuid;
 
 use super::codec::{decode_headers, encode_headers};
@@ -53,14 +62,68 @@ const ATTEMPT_COLUMNS: &str = "a.id, a.job_id, a.number, a.upstream, a.state, a.
 /// The SQLite [`Backend`].
 #[derive(Clone)]
 pub struct Sqlite {
-    conn: Arc<Mutex<Connection>>,
+    /// The store's thread, which owns the connection (see [`writer`]).
+    ops: mpsc::Sender<Op>,
+    /// Batches committed so far (each one `COMMIT`, one fsync).
+    batches: Arc<AtomicUsize>,
     path: PathBuf,
     _lock: Arc<File>,
 }
 
+/// An operation for the store's thread: it runs on the connection and
+/// returns how to hand its result back once the batch's commit is known.
+type Op = Box<dyn FnOnce(&mut Connection) -> Deliver + Send>;
+/// Hands an operation's result back, given how its batch's commit went.
+type Deliver = Box<dyn FnOnce(&Result<(), StoreError>) + Send>;
+
+/// At most this many operations share one commit, so a long queue still
+/// answers its first callers early.
+const MAX_BATCH: usize = 64;
+
+/// The store's thread: takes what is queued, runs it in one transaction,
+/// commits once, then answers every operation of the batch. Ends when the
+/// last handle to the store is dropped.
+fn writer(mut conn: Connection, ops: mpsc::Receiver<Op>, batches: Arc<AtomicUsize>) {
+    while let Ok(first) = ops.recv() {
+        let mut batch = vec![first];
+        while batch.len() < MAX_BATCH {
+            match ops.try_recv() {
+                Ok(op) => batch.push(op),
+                Err(_) => break,
+            }
+        }
+        // Without the outer transaction (it could not begin) each operation
+        // makes its own, as it would alone.
+        let grouped = conn.execute_batch("BEGIN IMMEDIATE").is_ok();
+        let deliveries: Vec<Deliver> = batch
+            .into_iter()
+            .filter_map(|op| {
+                // A panicking operation drops its answer (its caller sees an
+                // internal error) and its savepoint rolls back as it unwinds.
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| op(&mut conn))).ok()
+            })
+            .collect();
+        let committed = if grouped {
+            conn.execute_batch("COMMIT").map_err(|e| {
+                let _ = conn.execute_batch("ROLLBACK");
+                map_sqlite(e)
+            })
+        } else {
+            Ok(())
+        };
+        batches.fetch_add(1, Ordering::Relaxed);
+        for deliver in deliveries {
+            deliver(&committed);
+        }
+    }
+}
+
 impl std::fmt::Debug for Sqlite {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Sqlite").field("path", &self.path).finish()
+        f.debug_struct("Sqlite")
+            .field("path", &self.path)
+            .field("batches", &self.batches.load(Ordering::Relaxed))
+            .finish()
     }
 }
 
@@ -119,26 +182,44 @@ impl Sqlite {
             tracing::info!(migration = %m, "applied migration");
         }
         abandon_orphans(&mut conn)?;
+        let (ops, queue) = mpsc::channel();
+        let batches = Arc::new(AtomicUsize::new(0));
+        let counted = batches.clone();
+        std::thread::Builder::new()
+            .name("idemgate-sqlite".into())
+            .spawn(move || writer(conn, queue, counted))
+            .map_err(|e| unavailable("cannot start the store's thread".into(), e))?;
         Ok(Sqlite {
-            conn: Arc::new(Mutex::new(conn)),
+            ops,
+            batches,
             path,
             _lock: Arc::new(lock),
         })
     }
 
-    /// Runs `f` on the connection, on a blocking thread.
+    /// Runs `f` on the connection, on the store's thread, and answers once
+    /// what it wrote is committed.
     async fn call<T, F>(&self, f: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
         F: FnOnce(&mut Connection) -> Result<T, StoreError> + Send + 'static,
     {
-        let conn = self.conn.clone();
-        tokio::task::spawn_blocking(move || {
-            let mut conn = conn.lock().unwrap_or_else(|e| e.into_inner());
-            f(&mut conn)
-        })
-        .await
-        .map_err(|e| StoreError::Internal(Box::new(e)))?
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        let op: Op = Box::new(move |conn| {
+            let result = f(conn);
+            Box::new(move |committed: &Result<(), StoreError>| {
+                let result = match (result, committed) {
+                    (Ok(_), Err(e)) => Err(StoreError::Unavailable(
+                        format!("the commit failed: {e}").into(),
+                    )),
+                    (result, _) => result,
+                };
+                let _ = answer.send(result);
+            })
+        });
+        let stopped = || StoreError::Internal("the embedded store's thread stopped".into());
+        self.ops.send(op).map_err(|_| stopped())?;
+        answered.await.map_err(|_| stopped())?
     }
 }
 
@@ -190,9 +271,41 @@ fn attempt_id(s: Option<&str>) -> Result<Option<AttemptId>, StoreError> {
     s.map(uuid).transpose().map(|id| id.map(AttemptId))
 }
 
-fn immediate(conn: &mut Connection) -> Result<Transaction<'_>, StoreError> {
-    conn.transaction_with_behavior(TransactionBehavior::Immediate)
-        .map_err(map_sqlite)
+/// A write's own transaction: `BEGIN IMMEDIATE` on a connection that has
+/// none, a savepoint inside the batch's transaction (see [`writer`]).
+enum Tx<'c> {
+    Own(Transaction<'c>),
+    Nested(Savepoint<'c>),
+}
+
+impl Tx<'_> {
+    fn commit(self) -> rusqlite::Result<()> {
+        match self {
+            Tx::Own(tx) => tx.commit(),
+            Tx::Nested(sp) => sp.commit(),
+        }
+    }
+}
+
+impl Deref for Tx<'_> {
+    type Target = Connection;
+
+    fn deref(&self) -> &Connection {
+        match self {
+            Tx::Own(tx) => tx,
+            Tx::Nested(sp) => sp,
+        }
+    }
+}
+
+fn immediate(conn: &mut Connection) -> Result<Tx<'_>, StoreError> {
+    if conn.is_autocommit() {
+        conn.transaction_with_behavior(TransactionBehavior::Immediate)
+            .map(Tx::Own)
+    } else {
+        conn.savepoint().map(Tx::Nested)
+    }
+    .map_err(map_sqlite)
 }
 
 /// Reads a job with its attempts, as the domain's transitions see it (the
@@ -242,11 +355,7 @@ fn change_blocking(
 }
 
 /// Writes a change inside the caller's immediate transaction.
-fn write(
-    tx: &Transaction<'_>,
-    change: &Change,
-    now: SystemTime,
-) -> Result<Option<Attempt>, StoreError> {
+fn write(tx: &Connection, change: &Change, now: SystemTime) -> Result<Option<Attempt>, StoreError> {
     let now = to_ms(now);
     let head = &change.job;
     let id = head.id.0.to_string();
@@ -304,7 +413,7 @@ fn write(
 }
 
 fn insert_attempt(
-    tx: &Transaction<'_>,
+    tx: &Connection,
     job: JobId,
     number: i32,
     version: i64,
@@ -688,5 +797,96 @@ fn map_sqlite(e: rusqlite::Error) -> StoreError {
             StoreError::Unavailable(Box::new(e))
         }
         _ => StoreError::Internal(Box::new(e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Operations queued while the store's thread is busy share one commit;
+    /// one that fails inside the batch undoes only its own writes, and the
+    /// others' are durable.
+    #[tokio::test]
+    async fn queued_operations_share_one_commit_and_fail_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Sqlite::open(&dir.path().join("batch.db")).await.unwrap();
+        store
+            .call(|conn| {
+                conn.execute_batch("CREATE TABLE t (v TEXT NOT NULL)")
+                    .map_err(map_sqlite)
+            })
+            .await
+            .unwrap();
+        let before = store.batches.load(Ordering::SeqCst);
+        // Hold the thread until the three operations below are queued.
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let (started, running) = tokio::sync::oneshot::channel();
+        let blocker = tokio::spawn({
+            let store = store.clone();
+            async move {
+                store
+                    .call(move |_| {
+                        let _ = started.send(());
+                        held.recv().ok();
+                        Ok(())
+                    })
+                    .await
+            }
+        });
+        running.await.unwrap();
+        let insert = |v: &'static str, fail: bool| {
+            let store = store.clone();
+            async move {
+                store
+                    .call(move |conn| {
+                        let tx = immediate(conn)?;
+                        tx.execute("INSERT INTO t (v) VALUES (?1)", [v])
+                            .map_err(map_sqlite)?;
+                        if fail {
+                            return Err(StoreError::Contended);
+                        }
+                        tx.commit().map_err(map_sqlite)
+                    })
+                    .await
+            }
+        };
+        let (mut a, mut b, mut c) = (
+            Box::pin(insert("a", false)),
+            Box::pin(insert("b", true)),
+            Box::pin(insert("c", false)),
+        );
+        // Polled once, each is queued behind the blocker.
+        assert!(futures_util::poll!(&mut a).is_pending());
+        assert!(futures_util::poll!(&mut b).is_pending());
+        assert!(futures_util::poll!(&mut c).is_pending());
+        release.send(()).unwrap();
+        blocker.await.unwrap().unwrap();
+        assert!(a.await.is_ok());
+        assert!(matches!(b.await, Err(StoreError::Contended)));
+        assert!(c.await.is_ok());
+        assert_eq!(
+            store.batches.load(Ordering::SeqCst) - before,
+            2,
+            "the blocker's batch, then one for the three"
+        );
+        drop(store);
+        // Reopened from the file: what was answered as written is there.
+        let reopened = Sqlite::open(&dir.path().join("batch.db")).await.unwrap();
+        let rows: Vec<String> = reopened
+            .call(|conn| {
+                let mut stmt = conn
+                    .prepare("SELECT v FROM t ORDER BY v")
+                    .map_err(map_sqlite)?;
+                let rows = stmt
+                    .query_map([], |r| r.get(0))
+                    .map_err(map_sqlite)?
+                    .collect::<Result<_, _>>()
+                    .map_err(map_sqlite);
+                rows
+            })
+            .await
+            .unwrap();
+        assert_eq!(rows, ["a", "c"]);
     }
 }
