@@ -265,6 +265,28 @@ mod tests {
         }
     }
 
+    /// An upstream on a fresh port that hands every connection to `serve`
+    /// as a bare socket, counting connections.
+    async fn raw_upstream<F, Fut>(serve: F) -> (Uri, Arc<AtomicUsize>)
+    where
+        F: Fn(tokio::net::TcpStream) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base: Uri = format!("http://{}", listener.local_addr().unwrap())
+            .parse()
+            .unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let seen = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                seen.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(serve(stream));
+            }
+        });
+        (base, accepted)
+    }
+
     fn pool(base: &Uri) -> Arc<Pool> {
         pool_idling(base, Duration::from_secs(60))
     }
@@ -399,38 +421,28 @@ mod tests {
     /// instead of waiting for it.
     #[tokio::test]
     async fn a_connection_still_sending_a_request_body_is_not_waited_for() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let base: Uri = format!("http://{}", listener.local_addr().unwrap())
-            .parse()
-            .unwrap();
-        let accepted = Arc::new(AtomicUsize::new(0));
-        let seen = accepted.clone();
-        tokio::spawn(async move {
-            while let Ok((mut stream, _)) = listener.accept().await {
-                seen.fetch_add(1, Ordering::SeqCst);
-                tokio::spawn(async move {
-                    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-                    let mut buf = [0u8; 4096];
-                    let mut head = Vec::new();
-                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                        match stream.read(&mut buf).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => head.extend_from_slice(&buf[..n]),
-                        }
-                    }
-                    let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
-                    if stream.write_all(answer).await.is_err() {
-                        return;
-                    }
-                    // Keep reading whatever follows; answer nothing more.
-                    while let Ok(n) = stream.read(&mut buf).await {
-                        if n == 0 {
-                            return;
-                        }
-                    }
-                });
+        let (base, accepted) = raw_upstream(|mut stream| async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let mut buf = [0u8; 4096];
+            let mut head = Vec::new();
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                match stream.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => head.extend_from_slice(&buf[..n]),
+                }
             }
-        });
+            let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+            if stream.write_all(answer).await.is_err() {
+                return;
+            }
+            // Keep reading whatever follows; answer nothing more.
+            while let Ok(n) = stream.read(&mut buf).await {
+                if n == 0 {
+                    return;
+                }
+            }
+        })
+        .await;
         let pool = pool(&base);
         let stalled = Request::builder()
             .method("POST")
@@ -462,20 +474,12 @@ mod tests {
 
     #[tokio::test]
     async fn a_connection_closed_after_the_request_was_written_is_broken_not_retried() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let base: Uri = format!("http://{}", listener.local_addr().unwrap())
-            .parse()
-            .unwrap();
-        let accepted = Arc::new(AtomicUsize::new(0));
-        let seen = accepted.clone();
-        tokio::spawn(async move {
-            while let Ok((mut stream, _)) = listener.accept().await {
-                seen.fetch_add(1, Ordering::SeqCst);
-                // Read the request, then hang up without an answer.
-                let mut buf = [0u8; 1024];
-                let _ = tokio::io::AsyncReadExt::read(&mut stream, &mut buf).await;
-            }
-        });
+        // Read the request, then hang up without an answer.
+        let (base, accepted) = raw_upstream(|mut stream| async move {
+            let mut buf = [0u8; 1024];
+            let _ = tokio::io::AsyncReadExt::read(&mut stream, &mut buf).await;
+        })
+        .await;
         let pool = pool(&base);
         let error = pool.send(request(&base)).await.unwrap_err();
         assert!(matches!(error, UpstreamError::Broken(_)), "{error:?}");
