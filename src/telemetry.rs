@@ -38,8 +38,12 @@ pub fn init() -> Result<Option<crate::trace::Traces>, String> {
             .with_filter(filter)
             .boxed()
     } else {
+        // Colours only for a person at a terminal: a log file or collector
+        // would get escape codes, and every request span's fields would be
+        // styled for nobody (docs/performance.md, item 14).
         tracing_subscriber::fmt::layer()
             .with_writer(std::io::stderr)
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .with_filter(filter)
             .boxed()
     };
