@@ -80,7 +80,14 @@ pub async fn run(
     };
     let store = open_store(&settings, instance, &doorbell, &tasks, sealer.clone()).await?;
     let leases = Arc::new(Leases::default());
-    tracing::info!(%instance, upstreams = ?settings.upstreams.iter().map(|u| u.base.to_string()).collect::<Vec<_>>(), "gateway starting");
+    let runtime = tokio::runtime::Handle::current();
+    tracing::info!(
+        %instance,
+        upstreams = ?settings.upstreams.iter().map(|u| u.base.to_string()).collect::<Vec<_>>(),
+        runtime = ?runtime.runtime_flavor(),
+        worker_threads = runtime.metrics().num_workers(),
+        "gateway starting"
+    );
     let fastpath = match &settings.fastpath {
         None => None,
         Some(fast) => Some(start_fastpath(fast, instance, sealer, &doorbell, &tasks)?),

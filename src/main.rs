@@ -20,50 +20,90 @@ use idemgate::{probe, telemetry};
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     let cli = Cli::parse();
-    let traces = match telemetry::init() {
-        Ok(traces) => traces,
+    // Settings are read before the runtime is built: its size is one of them.
+    let job = match Job::load(cli) {
+        Ok(job) => job,
         Err(e) => return fail(e),
     };
-    let code = run(cli).await;
-    if let Some(traces) = traces {
-        // Blocks while the last spans go out through this runtime.
-        let _ = tokio::task::spawn_blocking(move || traces.shutdown()).await;
-    }
-    code
+    let runtime = match runtime(job.worker_threads()) {
+        Ok(runtime) => runtime,
+        Err(e) => return fail(format!("cannot start the runtime: {e}")),
+    };
+    runtime.block_on(async {
+        let traces = match telemetry::init() {
+            Ok(traces) => traces,
+            Err(e) => return fail(e),
+        };
+        let code = job.run().await;
+        if let Some(traces) = traces {
+            // Blocks while the last spans go out through this runtime.
+            let _ = tokio::task::spawn_blocking(move || traces.shutdown()).await;
+        }
+        code
+    })
 }
 
-async fn run(cli: Cli) -> ExitCode {
-    match cli.command {
-        Command::Serve(flags) => {
-            let settings = match Settings::load(cli.config.as_deref(), flags) {
-                Ok(settings) => settings,
-                Err(e) => return fail(e),
-            };
-            serve(settings).await
+/// Tokio's current-thread runtime for one worker thread (nothing is handed
+/// between threads: docs/performance.md, item 15), its multi-thread
+/// runtime for more.
+fn runtime(worker_threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
+    if worker_threads == 1 {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(worker_threads)
+            .enable_all()
+            .build()
+    }
+}
+
+/// A command with its settings read.
+enum Job {
+    Serve(Settings),
+    VerifyProviders(Settings),
+    Migrate(StoreSettings),
+}
+
+impl Job {
+    fn load(cli: Cli) -> Result<Job, idemgate::config::ConfigError> {
+        let config = cli.config.as_deref();
+        Ok(match cli.command {
+            Command::Serve(flags) => Job::Serve(Settings::load(config, flags)?),
+            Command::VerifyProviders(flags) => Job::VerifyProviders(Settings::load(config, flags)?),
+            Command::Migrate(flags) => Job::Migrate(Settings::load_store(config, flags)?),
+        })
+    }
+
+    fn worker_threads(&self) -> usize {
+        match self {
+            Job::Serve(settings) | Job::VerifyProviders(settings) => settings.worker_threads,
+            // Migrations run one statement at a time.
+            Job::Migrate(_) => 1,
         }
-        Command::VerifyProviders(flags) => match Settings::load(cli.config.as_deref(), flags) {
-            Ok(settings) => {
+    }
+
+    async fn run(self) -> ExitCode {
+        match self {
+            Job::Serve(settings) => serve(settings).await,
+            Job::VerifyProviders(settings) => {
                 if probe::verify(&settings).await {
                     ExitCode::SUCCESS
                 } else {
                     ExitCode::FAILURE
                 }
             }
-            Err(e) => fail(e),
-        },
-        Command::Migrate(flags) => match Settings::load_store(cli.config.as_deref(), flags) {
-            Ok(store) => match migrate(store).await {
+            Job::Migrate(store) => match migrate(store).await {
                 Ok(()) => {
                     println!("migrations applied");
                     ExitCode::SUCCESS
                 }
                 Err(e) => fail(Chain(&e)),
             },
-            Err(e) => fail(e),
-        },
+        }
     }
 }
 

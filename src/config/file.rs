@@ -47,6 +47,7 @@ pub struct FileConfig {
     pub(super) shutdown_grace: Option<Duration>,
     pub(super) max_connections: Option<usize>,
     pub(super) max_in_flight: Option<usize>,
+    pub(super) worker_threads: Option<usize>,
     #[serde(default, with = "humantime_serde")]
     pub(super) header_read_timeout: Option<Duration>,
     pub(super) max_header_size: Option<bytesize::ByteSize>,

@@ -99,4 +99,8 @@ pub struct Flags {
     /// How long a key is remembered after its first request.
     #[arg(long, env = "IDEMGATE_KEY_TTL", value_name = "DURATION", value_parser = humantime::parse_duration)]
     pub key_ttl: Option<Duration>,
+    /// Threads serving requests; 1 runs everything on one thread (a sidecar
+    /// on one CPU). Default: one per CPU.
+    #[arg(long, env = "IDEMGATE_WORKER_THREADS", value_name = "N")]
+    pub worker_threads: Option<usize>,
 }

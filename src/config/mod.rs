@@ -116,6 +116,10 @@ pub struct Settings {
     /// Requests in progress at most; past it the gateway answers `503` at
     /// once, before it takes any job.
     pub max_in_flight: usize,
+    /// Threads of the runtime serving requests; with 1 it is Tokio's
+    /// current-thread runtime, with no scheduler between threads at all
+    /// (docs/design.md §12).
+    pub worker_threads: usize,
 }
 
 /// Keys sealing stored responses (`[encryption]`).
@@ -291,6 +295,15 @@ impl Settings {
                 .transpose()?,
             limits: limits(&file)?,
             max_in_flight: at_least_one("max_in_flight", file.max_in_flight.unwrap_or(10_000))?,
+            worker_threads: at_least_one(
+                "worker_threads",
+                flags
+                    .worker_threads
+                    .or(file.worker_threads)
+                    .unwrap_or_else(|| {
+                        std::thread::available_parallelism().map_or(1, std::num::NonZero::get)
+                    }),
+            )?,
         })
     }
 

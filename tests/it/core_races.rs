@@ -111,6 +111,38 @@ async fn duplicates_across_two_processes_on_one_database() {
     assert_one_result(&replies, &upstream);
 }
 
+/// `worker_threads = 1` runs a gateway on Tokio's current-thread runtime
+/// (its start-up line says so), and the race still comes out right with
+/// everything on that one thread: it owns the job, duplicates are held on
+/// it and on a multi-threaded replica, and its commit releases both. Its
+/// log, written to a file, carries no terminal colour codes.
+#[tokio::test]
+async fn one_worker_thread_serves_the_race_on_the_current_thread_runtime() {
+    let store = TestStore::postgres().await;
+    let gate = Gate::new();
+    let upstream = FakeUpstream::gated_echo(&gate, |_| true).await;
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let one = Gateway::builder(&store, &upstream.url())
+        .set("worker_threads", "1")
+        .env("RUST_LOG", "info")
+        .stderr_to(log.path())
+        .start()
+        .await;
+    let many = Gateway::builder(&store, &upstream.url())
+        .set("worker_threads", "3")
+        .start()
+        .await;
+    let replies = double_click(20, &[&one, &many], &upstream, &gate).await;
+    assert_one_result(&replies, &upstream);
+    let started = std::fs::read_to_string(log.path()).unwrap();
+    assert!(
+        started.contains("runtime=CurrentThread") && started.contains("worker_threads=1"),
+        "{started}"
+    );
+    // Logs going to a file carry no terminal colour codes.
+    assert!(!started.contains('\u{1b}'), "{started:?}");
+}
+
 #[tokio::test]
 async fn simultaneous_first_requests_race_to_the_arbiter() {
     // No head start: all requests leave together and the database's unique
