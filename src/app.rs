@@ -17,7 +17,7 @@ use crate::admin::Admin;
 use crate::config::{Settings, StoreSettings};
 use crate::fastpath::FastPath;
 use crate::http::request_id::RequestIds;
-use crate::http::{BodyError, IDEMPOTENCY_JOB};
+use crate::http::{BodyError, IDEMPOTENCY_JOB, IDEMPOTENCY_KEY};
 use crate::idempotency::{IdempotencyLayer, Shared};
 use crate::lease::Leases;
 use crate::probe::{self, ProbeBoard};
@@ -49,6 +49,27 @@ pub enum StartError {
     /// The Redis client could not be set up.
     #[error("redis_url: the Redis client cannot be set up")]
     Redis(#[source] redis::RedisError),
+}
+
+/// A request's span at `$level` (a constant, as `tracing` needs it): its
+/// method, path and id, with its status and job recorded when it is answered.
+macro_rules! request_span {
+    ($level:expr, $req:expr) => {
+        tracing::span!(
+            $level,
+            "request",
+            otel.kind = "server",
+            http.request.method = %$req.method(),
+            url.path = %$req.uri().path(),
+            request_id = %$req
+                .headers()
+                .get("x-request-id")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default(),
+            http.response.status_code = tracing::field::Empty,
+            job.id = tracing::field::Empty,
+        )
+    };
 }
 
 /// Runs a gateway until `shutdown` is cancelled, then drains and returns.
@@ -119,20 +140,17 @@ pub async fn run(
         .layer(
             TraceLayer::new_for_http()
                 .make_span_with(|req: &Request<Incoming>| {
-                    let id = req
-                        .headers()
-                        .get("x-request-id")
-                        .and_then(|v| v.to_str().ok())
-                        .unwrap_or_default();
-                    let span = tracing::info_span!(
-                        "request",
-                        otel.kind = "server",
-                        http.request.method = %req.method(),
-                        url.path = %req.uri().path(),
-                        request_id = %id,
-                        http.response.status_code = tracing::field::Empty,
-                        job.id = tracing::field::Empty,
-                    );
+                    // A request without a key is only proxied, and its span
+                    // is context for the rare line it logs: made at `debug`
+                    // unless spans are exported, it costs nothing at the
+                    // default `info` (docs/performance.md, item 16).
+                    let span = if req.headers().contains_key(IDEMPOTENCY_KEY)
+                        || crate::trace::exporting()
+                    {
+                        request_span!(tracing::Level::INFO, req)
+                    } else {
+                        request_span!(tracing::Level::DEBUG, req)
+                    };
                     crate::trace::continue_from(&span, req.headers());
                     span
                 })

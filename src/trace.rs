@@ -97,6 +97,11 @@ impl Traces {
     }
 }
 
+/// Whether spans are exported (an OTLP endpoint is configured).
+pub fn exporting() -> bool {
+    ENABLED.load(Ordering::Relaxed)
+}
+
 /// Makes `span` a child of the trace the client's `traceparent` names.
 pub fn continue_from(span: &tracing::Span, headers: &HeaderMap) {
     if !ENABLED.load(Ordering::Relaxed) || !headers.contains_key("traceparent") {

@@ -708,3 +708,56 @@ async fn answers_near_their_expiry_are_replayed_from_the_store() {
         0.0
     );
 }
+
+/// At the default `info` logs only a request with a key is logged inside a
+/// span of its own (id, method, path); one without a key is only proxied,
+/// and its span is made at `debug` (at `info` it cost a fifth of a
+/// passed-through request's CPU: docs/performance.md). The upstream refuses
+/// both: the keyed failure's line names its request, the passed-through
+/// one's is logged without it, until `idemgate=debug` asks for its span.
+#[tokio::test]
+async fn only_keyed_requests_are_logged_in_a_span_at_the_default_level() {
+    for (level, passed_through_in_span) in [("info", false), ("info,idemgate=debug", true)] {
+        let store = TestStore::embedded();
+        let log = tempfile::NamedTempFile::new().unwrap();
+        let gateway = Gateway::builder(&store, "http://127.0.0.1:1")
+            .env("RUST_LOG", level)
+            .stderr_to(log.path())
+            .start()
+            .await;
+        let keyed = send(
+            Method::POST,
+            &gateway.path("/v1/keyed"),
+            &[("idempotency-key", "k"), ("x-request-id", "keyed-request")],
+            "{}",
+        )
+        .await;
+        let plain = send(
+            Method::POST,
+            &gateway.path("/v1/plain"),
+            &[("x-request-id", "plain-request")],
+            "{}",
+        )
+        .await;
+        assert!(keyed.status >= 500 && plain.status >= 500, "{level}");
+        crate::support::eventually(
+            std::time::Duration::from_secs(5),
+            "both failures logged",
+            || async {
+                let logged = std::fs::read_to_string(log.path()).unwrap();
+                logged.matches("response failed").count() == 2
+            },
+        )
+        .await;
+        let logged = std::fs::read_to_string(log.path()).unwrap();
+        assert!(
+            logged.contains("request_id=keyed-request"),
+            "{level}: {logged}"
+        );
+        assert_eq!(
+            logged.contains("request_id=plain-request"),
+            passed_through_in_span,
+            "{level}: {logged}"
+        );
+    }
+}
