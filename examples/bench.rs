@@ -2,7 +2,10 @@
 //! on one machine, against one fast upstream (nginx serving a fixed answer).
 //!
 //! Rows: the upstream alone; nginx proxying it (twice, an A/A pair that shows
-//! the run's noise); idemgate passing requests through; replays of finished
+//! the run's noise); the floor under idemgate (its listener and upstream
+//! pool with no layers, on two threads and on one: examples/floor.rs);
+//! idemgate passing requests through (as deployed, on one worker thread as
+//! nginx has one worker, and at the default log level); replays of finished
 //! keys (Redis, PostgreSQL alone, the embedded store); a new key per request
 //! (PostgreSQL + Redis, embedded); the pgbench ceiling for the statements a
 //! new key needs; a duplicate storm (thousands of holders of one key); and
@@ -36,6 +39,9 @@ use harness::{create_database, drop_database, Gateway, Store};
 
 struct Args {
     binary: String,
+    /// The floor example (examples/floor.rs): the gateway's listener and
+    /// upstream pool with no layers.
+    floor: String,
     database: String,
     redis: String,
     seconds: u64,
@@ -50,6 +56,7 @@ struct Args {
 fn args() -> Args {
     let mut a = Args {
         binary: "target/release/idemgate".into(),
+        floor: "target/release/examples/floor".into(),
         database: "postgres://postgres@127.0.0.1:5432/postgres".into(),
         redis: "redis://127.0.0.1:6379/15".into(),
         seconds: 10,
@@ -64,6 +71,7 @@ fn args() -> Args {
         let value = it.next().unwrap_or_default();
         match flag.as_str() {
             "--binary" => a.binary = value,
+            "--floor" => a.floor = value,
             "--database" => a.database = value,
             "--redis" => a.redis = value,
             "--seconds" => a.seconds = value.parse().expect("--seconds N"),
@@ -168,13 +176,35 @@ async fn main() {
         &off,
     )
     .await;
+    // The default gateway on one thread (nginx's reference runs one worker
+    // too), and at the default log level (`info`; the others run at `warn`).
+    let one_thread = Gateway::start(
+        &args.binary,
+        &upstream.url,
+        Store::Postgres(&db),
+        Some(&args.redis),
+        &["--worker-threads", "1"],
+    )
+    .await;
+    let logging = Gateway::start_env(
+        &args.binary,
+        &upstream.url,
+        Store::Postgres(&db),
+        Some(&args.redis),
+        &[],
+        &[("RUST_LOG", "info")],
+    )
+    .await;
+    let floor_two = Floor::start(&args.floor, "mt2", &upstream.url).await;
+    let floor_one = Floor::start(&args.floor, "ct", &upstream.url).await;
     for g in [&redis, &postgres, &embedded] {
         prime(&g.url, 200).await;
     }
-    // Every key replayed once fills Redis, and the default gateway's memory.
+    // Every key replayed once fills Redis, and the default gateways' memory.
     for k in 0..200 {
         let _ = send(&redis.url, Some(&format!("replay-{k}"))).await;
         let _ = send(&default.url, Some(&format!("replay-{k}"))).await;
+        let _ = send(&one_thread.url, Some(&format!("replay-{k}"))).await;
     }
 
     let mut rows = vec![
@@ -200,6 +230,20 @@ async fn main() {
             true,
         ),
         row(
+            "floor: hyper server + the gateway's pool, no layers, two threads",
+            &floor_two.url,
+            Load::Plain,
+            vec![floor_two.pid],
+            true,
+        ),
+        row(
+            "floor: the same on one thread",
+            &floor_one.url,
+            Load::Plain,
+            vec![floor_one.pid],
+            true,
+        ),
+        row(
             "idemgate pass-through (no key)",
             &default.url,
             Load::Plain,
@@ -207,10 +251,31 @@ async fn main() {
             true,
         ),
         row(
+            "idemgate pass-through, one worker thread",
+            &one_thread.url,
+            Load::Plain,
+            vec![one_thread.pid],
+            true,
+        ),
+        row(
+            "idemgate pass-through, logs at info (the default level)",
+            &logging.url,
+            Load::Plain,
+            vec![logging.pid],
+            true,
+        ),
+        row(
             "idemgate replay, from memory (the default)",
             &default.url,
             Load::Replay { keys: 200 },
             vec![default.pid],
+            true,
+        ),
+        row(
+            "idemgate replay, from memory, one worker thread",
+            &one_thread.url,
+            Load::Replay { keys: 200 },
+            vec![one_thread.pid],
             true,
         ),
         row(
@@ -239,6 +304,13 @@ async fn main() {
             &default.url,
             Load::NewKey,
             vec![default.pid],
+            false,
+        ),
+        row(
+            "idemgate new key, PostgreSQL + Redis, one worker thread",
+            &one_thread.url,
+            Load::NewKey,
+            vec![one_thread.pid],
             false,
         ),
         row(
@@ -314,7 +386,8 @@ async fn main() {
         println!("{storm}");
     }
     drop((
-        default, redis, postgres, embedded, nginx_a, nginx_b, upstream,
+        default, one_thread, logging, redis, postgres, embedded, floor_two, floor_one, nginx_a,
+        nginx_b, upstream,
     ));
     drop_database(&args.database, &db).await;
     let _ = std::fs::remove_dir_all(&scratch);
@@ -838,6 +911,38 @@ async fn flush_redis(url: &str) {
 struct Nginx {
     url: String,
     child: Child,
+}
+
+/// The floor example serving on a free port, killed when dropped.
+struct Floor {
+    url: String,
+    pid: u32,
+    _child: Child,
+}
+
+impl Floor {
+    async fn start(binary: &str, mode: &str, upstream: &str) -> Floor {
+        let addr = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let child = Command::new(binary)
+            .args([mode, &addr.to_string(), upstream])
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start the floor example (scripts/bench.sh builds it)");
+        for _ in 0..200 {
+            if tokio::net::TcpStream::connect(addr).await.is_ok() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        Floor {
+            url: format!("http://{addr}"),
+            pid: child.id().unwrap_or(0),
+            _child: child,
+        }
+    }
 }
 
 impl Drop for Nginx {

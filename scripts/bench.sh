@@ -18,5 +18,5 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 # The duplicate storm holds thousands of connections at once.
 ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
-cargo build --release --locked --bin idemgate --example bench
+cargo build --release --locked --bin idemgate --example bench --example floor
 exec target/release/examples/bench --binary target/release/idemgate "$@"

@@ -76,6 +76,19 @@ impl Gateway {
         redis: Option<&str>,
         extra: &[&str],
     ) -> Gateway {
+        Self::start_env(binary, upstream, store, redis, extra, &[]).await
+    }
+
+    /// [`Gateway::start`] with variables of its own (`RUST_LOG` among them:
+    /// `warn` unless `env` says otherwise).
+    pub async fn start_env(
+        binary: &str,
+        upstream: &str,
+        store: Store<'_>,
+        redis: Option<&str>,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Gateway {
         let mut cmd = Command::new(binary);
         cmd.args([
             "serve",
@@ -87,6 +100,7 @@ impl Gateway {
         .args(["--upstream", upstream])
         .args(extra)
         .env("RUST_LOG", "warn")
+        .envs(env.iter().copied())
         .env_remove("IDEMGATE_REDIS_URL")
         .stdout(Stdio::piped())
         .kill_on_drop(true);
