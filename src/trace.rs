@@ -104,7 +104,7 @@ pub fn exporting() -> bool {
 
 /// Makes `span` a child of the trace the client's `traceparent` names.
 pub fn continue_from(span: &tracing::Span, headers: &HeaderMap) {
-    if !ENABLED.load(Ordering::Relaxed) || !headers.contains_key("traceparent") {
+    if !exporting() || !headers.contains_key("traceparent") {
         return;
     }
     let parent = TraceContextPropagator::new().extract(&HeaderExtractor(headers));
@@ -114,7 +114,7 @@ pub fn continue_from(span: &tracing::Span, headers: &HeaderMap) {
 /// Writes the current span's `traceparent` (and `tracestate`) onto a
 /// request going upstream, replacing the client's.
 pub fn propagate(headers: &mut HeaderMap) {
-    if !ENABLED.load(Ordering::Relaxed) {
+    if !exporting() {
         return;
     }
     let context = tracing::Span::current().context();
