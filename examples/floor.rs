@@ -17,9 +17,9 @@ use http::Request;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use idemgate::config::{Flags, Settings};
-use idemgate::http::BodyError;
-use idemgate::server::{self, Limits};
-use idemgate::upstream::Upstreams;
+use idemgate::proxy::http::BodyError;
+use idemgate::proxy::server::{self, Limits};
+use idemgate::proxy::upstream::Upstreams;
 use tower::{Service, ServiceExt};
 
 #[global_allocator]

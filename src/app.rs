@@ -13,23 +13,25 @@ use tower_http::request_id::{PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::{DefaultOnFailure, TraceLayer};
 use uuid::Uuid;
 
-use crate::admin::Admin;
 use crate::config::{Settings, StoreSettings};
-use crate::fastpath::FastPath;
-use crate::http::request_id::RequestIds;
-use crate::http::{BodyError, IDEMPOTENCY_JOB, IDEMPOTENCY_KEY};
+use crate::idempotency::fastpath::FastPath;
+use crate::idempotency::replay::Answers;
 use crate::idempotency::{IdempotencyLayer, Shared};
-use crate::lease::Leases;
-use crate::probe::{self, ProbeBoard};
-use crate::replay::Answers;
-use crate::seal::Sealer;
-use crate::shed::ShedLayer;
+use crate::operations::admin::Admin;
+use crate::proxy::http::request_id::RequestIds;
+use crate::proxy::http::{BodyError, IDEMPOTENCY_JOB, IDEMPOTENCY_KEY};
+use crate::proxy::server;
+use crate::proxy::shed::ShedLayer;
+use crate::proxy::upstream::Upstreams;
 use crate::store::postgres::Postgres;
+use crate::store::seal::Sealer;
 use crate::store::sqlite::Sqlite;
 use crate::store::{Doorbell, Machine, Store, StoreError};
-use crate::supervise::{Beats, Supervisor};
-use crate::upstream::Upstreams;
-use crate::{server, sweeper, telemetry};
+use crate::telemetry;
+use crate::upkeep::lease::Leases;
+use crate::upkeep::probe::{self, ProbeBoard};
+use crate::upkeep::supervise::{Beats, Supervisor};
+use crate::upkeep::sweeper;
 
 /// The two listeners a gateway serves on; bound by the caller, so tests can
 /// use OS-assigned ports.
@@ -145,13 +147,13 @@ pub async fn run(
                     // unless spans are exported, it costs nothing at the
                     // default `info` (docs/performance.md, item 16).
                     let span = if req.headers().contains_key(IDEMPOTENCY_KEY)
-                        || crate::trace::exporting()
+                        || crate::telemetry::trace::exporting()
                     {
                         request_span!(tracing::Level::INFO, req)
                     } else {
                         request_span!(tracing::Level::DEBUG, req)
                     };
-                    crate::trace::continue_from(&span, req.headers());
+                    crate::telemetry::trace::continue_from(&span, req.headers());
                     span
                 })
                 .on_response(|response: &Response<_>, _latency, span: &tracing::Span| {
@@ -218,7 +220,7 @@ pub async fn run(
 
 /// The Redis fast path, with its announcer and listener.
 fn start_fastpath(
-    settings: &crate::fastpath::FastPathSettings,
+    settings: &crate::idempotency::fastpath::FastPathSettings,
     instance: Uuid,
     sealer: Option<Arc<Sealer>>,
     doorbell: &Arc<Doorbell>,
@@ -333,7 +335,7 @@ fn count_request<B>(response: &Response<B>, has_job: bool) {
     const STATUSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
     let outcome = if response
         .extensions()
-        .get::<crate::error::GatewayProblem>()
+        .get::<crate::proxy::error::GatewayProblem>()
         .is_some()
     {
         0

@@ -4,48 +4,23 @@
 //! every try is an **attempt** under it; exactly one attempt's answer is
 //! committed, by compare-and-swap, and replayed to every duplicate.
 //!
-//! Dependencies point one way:
-//!
-//! - the domain — [`job`], [`attempt`], [`key`], [`fingerprint`] — knows no
-//!   HTTP and no database;
-//! - [`store`] persists the domain (PostgreSQL), behind one small trait;
-//! - the HTTP side — [`http`], [`upstream`], [`replay`], [`idempotency`] (the
-//!   Tower layer), [`admin`], [`server`] — knows both;
-//! - [`app`] assembles the runtime and the one Tower stack; [`config`] holds
-//!   the settings, apart from those runtime handles.
+//! The folders are the layers, and imports only point down
+//! (`docs/design.md`, "Where things are"):
+//! [`domain`] (jobs, attempts, keys, transitions: no I/O) → [`store`] (the
+//! arbiter) → [`proxy`] (server, upstream pool, errors as problems) →
+//! [`idempotency`] (the Tower layer) → [`operations`] (admin, console); beside
+//! them [`config`] (plain settings), [`upkeep`] (background tasks) and
+//! [`telemetry`]; [`app`] assembles one gateway.
 
 /// Any error, boxed, as kept for its `source()` by the typed errors.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-// The domain.
-pub mod attempt;
-pub mod fingerprint;
-pub mod job;
-pub mod key;
-pub mod transition;
-
-// Persistence.
-pub mod lease;
-pub mod probe;
-pub mod seal;
-pub mod store;
-pub mod supervise;
-pub mod sweeper;
-
-// HTTP and assembly.
-pub mod admin;
 pub mod app;
 pub mod config;
-pub mod console;
-pub mod contract;
-pub mod error;
-pub mod fastpath;
-pub mod http;
+pub mod domain;
 pub mod idempotency;
-pub mod recording;
-pub mod replay;
-pub mod server;
-pub mod shed;
+pub mod operations;
+pub mod proxy;
+pub mod store;
 pub mod telemetry;
-pub mod trace;
-pub mod upstream;
+pub mod upkeep;

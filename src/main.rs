@@ -11,8 +11,9 @@ use idemgate::config::{Cli, Command, Settings, StoreSettings};
 use idemgate::store::postgres::Postgres;
 use idemgate::store::sqlite::Sqlite;
 use idemgate::store::StoreError;
+use idemgate::telemetry;
 use idemgate::telemetry::Chain;
-use idemgate::{probe, telemetry};
+use idemgate::upkeep::probe;
 
 /// mimalloc: a gateway allocates many small, short-lived buffers per
 /// request; in the benchmark it cut the CPU per passed-through request by

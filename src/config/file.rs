@@ -9,7 +9,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::{bad, ConfigError};
-use crate::contract::ContractFile;
+use crate::domain::contract::ContractFile;
 
 /// The TOML file. See `config/idemgate.example.toml` for every key.
 #[derive(Debug, Default, Deserialize)]

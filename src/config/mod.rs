@@ -23,8 +23,8 @@ use std::time::Duration;
 
 use http::{HeaderName, Method, StatusCode};
 
-use crate::contract::Contract;
-use crate::fastpath::{FastPathSettings, Topology};
+use crate::domain::contract::Contract;
+use crate::idempotency::fastpath::{FastPathSettings, Topology};
 use crate::store::postgres::PgSettings;
 
 pub use file::FileConfig;
@@ -112,7 +112,7 @@ pub struct Settings {
     /// Keys sealing stored responses, when configured.
     pub encryption: Option<EncryptionSettings>,
     /// What each listener allows its clients.
-    pub limits: crate::server::Limits,
+    pub limits: crate::proxy::server::Limits,
     /// Requests in progress at most; past it the gateway answers `503` at
     /// once, before it takes any job.
     pub max_in_flight: usize,
@@ -446,7 +446,7 @@ fn fastpath_settings(
 }
 
 /// What each listener allows its clients.
-fn limits(file: &FileConfig) -> Result<crate::server::Limits, ConfigError> {
+fn limits(file: &FileConfig) -> Result<crate::proxy::server::Limits, ConfigError> {
     let max_header_size = size("max_header_size", file.max_header_size, 64 * 1024)?;
     if max_header_size < 8192 {
         return Err(bad(
@@ -454,7 +454,7 @@ fn limits(file: &FileConfig) -> Result<crate::server::Limits, ConfigError> {
             "must be at least 8KiB (the smallest header buffer the HTTP server takes)",
         ));
     }
-    Ok(crate::server::Limits {
+    Ok(crate::proxy::server::Limits {
         max_connections: at_least_one("max_connections", file.max_connections.unwrap_or(10_000))?,
         header_read_timeout: positive(
             "header_read_timeout",

@@ -10,8 +10,8 @@ use http::{HeaderName, Method};
 use super::file::RouteFile;
 use super::upstreams::UpstreamSettings;
 use super::{bad, header_name, positive, ConfigError};
-use crate::contract::Contract;
-use crate::fingerprint::BodyRule;
+use crate::domain::contract::Contract;
+use crate::domain::fingerprint::BodyRule;
 
 /// Which requests opt in, and how they are treated.
 #[derive(Debug, Clone)]
@@ -99,16 +99,19 @@ impl Route {
 
     /// How a stored answer of this route is replayed: as a stream when it
     /// was one.
-    pub fn framing(&self, stored: &crate::job::StoredResponse) -> crate::replay::Framing {
+    pub fn framing(
+        &self,
+        stored: &crate::domain::job::StoredResponse,
+    ) -> crate::idempotency::replay::Framing {
         let content_type = stored
             .headers
             .iter()
             .find(|(n, _)| n.eq_ignore_ascii_case("content-type"))
             .map(|(_, v)| v.as_ref());
         if self.streams_type(content_type) {
-            crate::replay::Framing::Streamed
+            crate::idempotency::replay::Framing::Streamed
         } else {
-            crate::replay::Framing::Whole
+            crate::idempotency::replay::Framing::Whole
         }
     }
 

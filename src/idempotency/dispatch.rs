@@ -28,11 +28,11 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::execute::{Answer, Reply};
-use crate::attempt::{Attempt, AttemptId};
 use crate::config::{Route, UpstreamSettings};
-use crate::error::{ClientError, GatewayError};
-use crate::job::{Job, JobState, StoredResponse};
-use crate::recording::Recording;
+use crate::domain::attempt::{Attempt, AttemptId};
+use crate::domain::job::{Job, JobState, StoredResponse};
+use crate::idempotency::recording::Recording;
+use crate::proxy::error::{ClientError, GatewayError};
 use crate::store::StoreError;
 use crate::telemetry::Chain;
 
@@ -91,7 +91,7 @@ pub(super) enum Step {
     /// Answer with the job's committed response, as a replay.
     Replay(Job),
     /// Answer without a result.
-    Answer(Result<http::Response<crate::http::Body>, GatewayError>),
+    Answer(Result<http::Response<crate::proxy::http::Body>, GatewayError>),
 }
 
 /// The state of one request's attempts.
@@ -279,7 +279,7 @@ impl Dispatch {
     }
 
     /// The answer when no attempt of this request produced the job's result.
-    fn finish(&mut self) -> Result<http::Response<crate::http::Body>, GatewayError> {
+    fn finish(&mut self) -> Result<http::Response<crate::proxy::http::Body>, GatewayError> {
         if let Some(error) = self.unknown.take() {
             return Err(error);
         }

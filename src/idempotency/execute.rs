@@ -33,19 +33,19 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::{Shared, UpstreamService};
-use crate::attempt::{Attempt, AttemptFailure, AttemptState};
 use crate::config::{Route, UpstreamSettings};
-use crate::contract::excerpt;
-use crate::error::GatewayError;
-use crate::fastpath::Tag;
-use crate::http::{full, Body};
-use crate::job::StoredResponse;
-use crate::lease::LeaseGuard;
-use crate::recording::Recording;
-use crate::replay;
+use crate::domain::attempt::{Attempt, AttemptFailure, AttemptState};
+use crate::domain::contract::excerpt;
+use crate::domain::job::StoredResponse;
+use crate::idempotency::fastpath::Tag;
+use crate::idempotency::recording::Recording;
+use crate::idempotency::replay;
+use crate::proxy::error::GatewayError;
+use crate::proxy::http::{full, Body};
+use crate::proxy::upstream::{self, Fetched, Target, UpstreamError, UpstreamErrorKind};
 use crate::store::{CommitOutcome, StoreError};
 use crate::telemetry::Chain;
-use crate::upstream::{self, Fetched, Target, UpstreamError, UpstreamErrorKind};
+use crate::upkeep::lease::LeaseGuard;
 
 /// How long a request waits for its attempt's outcome to be recorded before
 /// it is answered anyway (the write goes on in the background).
@@ -570,7 +570,7 @@ fn outcome(state: AttemptState) {
 /// is logged as an error: the attempt's lease will lapse into `unknown`.
 async fn retrying<T, F, Fut>(
     what: &'static str,
-    attempt: crate::attempt::AttemptId,
+    attempt: crate::domain::attempt::AttemptId,
     deadline: Instant,
     mut write: F,
 ) -> Result<T, StoreError>

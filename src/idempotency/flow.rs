@@ -33,19 +33,19 @@ use tokio_util::sync::CancellationToken;
 use super::dispatch::{Dispatch, Event, Joining, Step};
 use super::execute::{self, Reply, Running};
 use super::{Shared, UpstreamService};
-use crate::attempt::{Attempt, AttemptId, NewAttempt};
 use crate::config::{Route, UpstreamSettings};
-use crate::error::{ClientError, GatewayError};
-use crate::fastpath::{Lookup, Tag};
-use crate::fingerprint::{fingerprint, Fingerprint, RequestParts};
-use crate::http::{collect_limited, full, Body, IDEMPOTENCY_JOB, IDEMPOTENCY_KEY};
-use crate::job::{Job, JobId, JobState, NewJob, StoredResponse};
-use crate::key::{IdempotencyKey, Owner};
-use crate::recording::{End, Recording};
-use crate::replay::{self, Answer, Framing};
+use crate::domain::attempt::{Attempt, AttemptId, NewAttempt};
+use crate::domain::fingerprint::{fingerprint, Fingerprint, RequestParts};
+use crate::domain::job::{Job, JobId, JobState, NewJob, StoredResponse};
+use crate::domain::key::{IdempotencyKey, Owner};
+use crate::idempotency::fastpath::{Lookup, Tag};
+use crate::idempotency::recording::{End, Recording};
+use crate::idempotency::replay::{self, Answer, Framing};
+use crate::proxy::error::{ClientError, GatewayError};
+use crate::proxy::http::{collect_limited, full, Body, IDEMPOTENCY_JOB, IDEMPOTENCY_KEY};
+use crate::proxy::upstream::Target;
 use crate::store::{Begin, Observed, StoreError};
 use crate::telemetry::Chain;
-use crate::upstream::Target;
 
 /// How many times one request re-decides before giving up with 409; each
 /// round follows a real state change, so this is never reached in practice.

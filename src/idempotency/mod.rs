@@ -18,7 +18,10 @@
 
 mod dispatch;
 mod execute;
+pub mod fastpath;
 mod flow;
+pub mod recording;
+pub mod replay;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -32,15 +35,15 @@ use tower::{Layer, Service};
 use uuid::Uuid;
 
 use crate::config::Settings;
-use crate::error::GatewayError;
-use crate::fastpath::FastPath;
-use crate::http::Body;
-use crate::lease::Leases;
-use crate::probe::ProbeBoard;
-use crate::recording::Streams;
-use crate::replay::Answers;
+use crate::idempotency::fastpath::FastPath;
+use crate::idempotency::recording::Streams;
+use crate::idempotency::replay::Answers;
+use crate::proxy::error::GatewayError;
+use crate::proxy::http::Body;
+use crate::proxy::upstream::UpstreamError;
 use crate::store::{Doorbell, Store};
-use crate::upstream::UpstreamError;
+use crate::upkeep::lease::Leases;
+use crate::upkeep::probe::ProbeBoard;
 
 /// What the layer needs at run time, shared by every request.
 pub struct Shared {

@@ -14,13 +14,13 @@ use http_body_util::BodyExt;
 use tokio::sync::Notify;
 
 use super::*;
-use crate::attempt::{Attempt, AttemptFailure, AttemptId, NewAttempt, Resolution};
 use crate::config::{Flags, Settings};
-use crate::job::{Job, JobDetail, JobId, JobState, NewJob, StoredResponse};
-use crate::key::{IdempotencyKey, Owner};
+use crate::domain::attempt::{Attempt, AttemptFailure, AttemptId, NewAttempt, Resolution};
+use crate::domain::job::{Job, JobDetail, JobId, JobState, NewJob, StoredResponse};
+use crate::domain::key::{IdempotencyKey, Owner};
+use crate::proxy::upstream::Target;
 use crate::store::memory::Memory;
 use crate::store::{Begin, CommitOutcome, Machine, StoreError};
-use crate::upstream::Target;
 
 /// Which store calls fail, and signals when they happen.
 #[derive(Default)]
@@ -112,7 +112,7 @@ impl Store for Faulty {
         &self,
         after: Option<crate::store::Cursor>,
         limit: u32,
-    ) -> Result<Vec<crate::job::Job>, StoreError> {
+    ) -> Result<Vec<crate::domain::job::Job>, StoreError> {
         self.inner.unknown_jobs(after, limit).await
     }
     async fn renew_leases(
@@ -181,7 +181,7 @@ impl Scripted {
                 } else {
                     200
                 };
-                let mut response = Response::new(crate::http::full(name));
+                let mut response = Response::new(crate::proxy::http::full(name));
                 *response.status_mut() = http::StatusCode::from_u16(status).unwrap();
                 Ok::<_, UpstreamError>(response)
             }
@@ -212,7 +212,9 @@ fn gateway(toml: &str, faults: Faults) -> (Idempotency, Arc<Faults>, Arc<dyn Sto
         inner: Machine::new(Memory::default(), doorbell.clone()),
         faults: faults.clone(),
     });
-    let answers = Arc::new(crate::replay::Answers::new(settings.replay_cache_size));
+    let answers = Arc::new(crate::idempotency::replay::Answers::new(
+        settings.replay_cache_size,
+    ));
     let shared = Arc::new(Shared {
         answers,
         settings: Arc::new(settings),
@@ -236,7 +238,7 @@ fn gateway(toml: &str, faults: Faults) -> (Idempotency, Arc<Faults>, Arc<dyn Sto
 fn keyed(key: &str) -> Request<Body> {
     Request::post("/v1/jobs")
         .header("idempotency-key", key)
-        .body(crate::http::full("{}"))
+        .body(crate::proxy::http::full("{}"))
         .unwrap()
 }
 
@@ -336,7 +338,7 @@ async fn a_pass_through_request_gets_the_upstream_handles_readiness_error() {
     let (mut service, _, _, _) = gateway(FAILOVER, Faults::default());
     service.inner = BoxCloneSyncService::new(NeverReady);
     let request = Request::post("/v1/jobs")
-        .body(crate::http::full("{}"))
+        .body(crate::proxy::http::full("{}"))
         .unwrap();
     let response = tower::ServiceExt::oneshot(service, request).await.unwrap();
     assert_eq!(response.status(), http::StatusCode::BAD_GATEWAY);

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use tokio::sync::{mpsc, Notify, OnceCell};
 
-use crate::job::{Job, JobId};
+use crate::domain::job::{Job, JobId};
 
 /// One bell per job that someone waits on.
 #[derive(Debug, Default)]
@@ -247,11 +247,11 @@ mod tests {
     fn test_job() -> Job {
         Job {
             id: JobId::new(),
-            owner: crate::key::Owner::from_header(None),
-            key: crate::key::IdempotencyKey::new("k").unwrap(),
-            fingerprint: crate::fingerprint::Fingerprint([0; 32]),
+            owner: crate::domain::key::Owner::from_header(None),
+            key: crate::domain::key::IdempotencyKey::new("k").unwrap(),
+            fingerprint: crate::domain::fingerprint::Fingerprint([0; 32]),
             route: "r".into(),
-            state: crate::job::JobState::Running,
+            state: crate::domain::job::JobState::Running,
             version: 1,
             attempt_count: 1,
             completed_by: None,

@@ -2,10 +2,10 @@
 //! [`Store`].
 //!
 //! Each operation asks the backend to lock the job, hands the snapshot to a
-//! function of [`crate::transition`], and lets the backend write what it
+//! function of [`crate::domain::transition`], and lets the backend write what it
 //! returns. A change that moves a job's state rings the doorbell here, and
 //! only here, once. With encryption configured, responses are sealed here on
-//! their way in and opened on their way out (see [`crate::seal`]).
+//! their way in and opened on their way out (see [`crate::store::seal`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,11 +13,11 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use super::{Backend, Begin, CommitOutcome, Cursor, Decide, Doorbell, Lock, Store, StoreError};
-use crate::attempt::{Attempt, AttemptFailure, AttemptId, NewAttempt, Resolution};
-use crate::job::{Job, JobDetail, JobId, NewJob, StoredResponse};
-use crate::key::{IdempotencyKey, Owner};
-use crate::seal::{self, Sealer};
-use crate::transition::{self, Change, Refusal};
+use crate::domain::attempt::{Attempt, AttemptFailure, AttemptId, NewAttempt, Resolution};
+use crate::domain::job::{Job, JobDetail, JobId, NewJob, StoredResponse};
+use crate::domain::key::{IdempotencyKey, Owner};
+use crate::domain::transition::{self, Change, Refusal};
+use crate::store::seal::{self, Sealer};
 
 /// A [`Store`] over a [`Backend`].
 pub struct Machine<B> {

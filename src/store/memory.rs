@@ -16,10 +16,10 @@ use super::{
     commit_under_lock, expire_each, Applied, Backend, Begin, Committed, Cursor, Decide, Lock,
     StoreError,
 };
-use crate::attempt::{Attempt, AttemptId, AttemptState, NewAttempt};
-use crate::job::{Job, JobDetail, JobId, JobState, NewJob, StoredResponse};
-use crate::key::{IdempotencyKey, Owner};
-use crate::transition::{AttemptHead, Change, JobHead, Refusal, Snapshot};
+use crate::domain::attempt::{Attempt, AttemptId, AttemptState, NewAttempt};
+use crate::domain::job::{Job, JobDetail, JobId, JobState, NewJob, StoredResponse};
+use crate::domain::key::{IdempotencyKey, Owner};
+use crate::domain::transition::{AttemptHead, Change, JobHead, Refusal, Snapshot};
 
 /// Jobs and attempts in a map.
 #[derive(Debug, Default)]

@@ -11,7 +11,7 @@
 //!   ([`memory`]) implement it.
 //!
 //! [`Machine`] joins the two: it runs every transition of
-//! [`crate::transition`] on a backend and rings the [`Doorbell`] once per
+//! [`crate::domain::transition`] on a backend and rings the [`Doorbell`] once per
 //! change of a job's state. No backend decides anything; the same
 //! conformance suite (`tests/it/store_conformance.rs`) holds all of them to:
 //!
@@ -28,16 +28,17 @@ mod doorbell;
 mod machine;
 pub mod memory;
 pub mod postgres;
+pub mod seal;
 pub mod sqlite;
 
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 
-use crate::attempt::{Attempt, AttemptFailure, AttemptId, NewAttempt, Resolution};
-use crate::job::{Job, JobDetail, JobId, NewJob, StoredResponse};
-use crate::key::{IdempotencyKey, Owner};
-use crate::transition::{self, Change, Refusal, Snapshot};
+use crate::domain::attempt::{Attempt, AttemptFailure, AttemptId, NewAttempt, Resolution};
+use crate::domain::job::{Job, JobDetail, JobId, NewJob, StoredResponse};
+use crate::domain::key::{IdempotencyKey, Owner};
+use crate::domain::transition::{self, Change, Refusal, Snapshot};
 use crate::BoxError;
 
 pub use doorbell::{Bell, Doorbell, Observed};
@@ -83,7 +84,7 @@ pub enum StoreError {
     Corrupt(&'static str),
     /// A sealed response cannot be opened (a key is missing, or it is damaged).
     #[error(transparent)]
-    Sealed(#[from] crate::seal::SealError),
+    Sealed(#[from] crate::store::seal::SealError),
     /// The store answered with an error the gateway cannot act on.
     #[error("the store failed")]
     Internal(#[source] BoxError),
@@ -261,7 +262,7 @@ pub enum Lock {
 }
 
 /// The decision a [`Backend::change`] asks for: given the locked job and the
-/// backend's clock, the writes to make (see [`crate::transition`]).
+/// backend's clock, the writes to make (see [`crate::domain::transition`]).
 pub type Decide = Box<dyn FnOnce(&Snapshot, SystemTime) -> Result<Change, Refusal> + Send>;
 
 /// A change as written.
@@ -372,13 +373,13 @@ pub(crate) fn expire_each(snapshots: &[Snapshot], now: SystemTime) -> Vec<Change
 }
 
 /// A job state read back from a backend.
-pub(crate) fn job_state(s: &str) -> Result<crate::job::JobState, StoreError> {
-    crate::job::JobState::parse(s).ok_or(StoreError::Corrupt("job state"))
+pub(crate) fn job_state(s: &str) -> Result<crate::domain::job::JobState, StoreError> {
+    crate::domain::job::JobState::parse(s).ok_or(StoreError::Corrupt("job state"))
 }
 
 /// An attempt state read back from a backend.
-pub(crate) fn attempt_state(s: &str) -> Result<crate::attempt::AttemptState, StoreError> {
-    crate::attempt::AttemptState::parse(s).ok_or(StoreError::Corrupt("attempt state"))
+pub(crate) fn attempt_state(s: &str) -> Result<crate::domain::attempt::AttemptState, StoreError> {
+    crate::domain::attempt::AttemptState::parse(s).ok_or(StoreError::Corrupt("attempt state"))
 }
 
 /// Whole milliseconds, saturating.

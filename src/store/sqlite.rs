@@ -43,11 +43,11 @@ use super::{
     attempt_state, commit_under_lock, expire_each, job_state, millis, Applied, Backend, Begin,
     Committed, Cursor, Decide, Lock, StoreError,
 };
-use crate::attempt::{Attempt, AttemptFailure, AttemptId, AttemptState, NewAttempt};
-use crate::fingerprint::Fingerprint;
-use crate::job::{Job, JobDetail, JobId, JobState, NewJob, StoredResponse};
-use crate::key::{IdempotencyKey, Owner};
-use crate::transition::{self, AttemptHead, Change, JobHead, Refusal, Snapshot};
+use crate::domain::attempt::{Attempt, AttemptFailure, AttemptId, AttemptState, NewAttempt};
+use crate::domain::fingerprint::Fingerprint;
+use crate::domain::job::{Job, JobDetail, JobId, JobState, NewJob, StoredResponse};
+use crate::domain::key::{IdempotencyKey, Owner};
+use crate::domain::transition::{self, AttemptHead, Change, JobHead, Refusal, Snapshot};
 
 mod embedded {
     refinery::embed_migrations!("migrations/sqlite");

@@ -83,11 +83,11 @@ async fn the_database_and_redis_hold_no_plaintext_response() {
     assert_eq!(values, vec![b"a".to_vec()], "only the key id");
 
     let (owner, key) = (
-        idemgate::key::Owner::from_header(None),
-        idemgate::key::IdempotencyKey::new("sealed-1").unwrap(),
+        idemgate::domain::key::Owner::from_header(None),
+        idemgate::domain::key::IdempotencyKey::new("sealed-1").unwrap(),
     );
-    let binding = idemgate::fastpath::Binding::of(&owner, &key);
-    let redis_key = idemgate::fastpath::redis_key(&binding, &owner, &key);
+    let binding = idemgate::idempotency::fastpath::Binding::of(&owner, &key);
+    let redis_key = idemgate::idempotency::fastpath::redis_key(&binding, &owner, &key);
     eventually(Duration::from_secs(5), "the fast-path entry", || async {
         redis.get(&redis_key).await.is_some()
     })

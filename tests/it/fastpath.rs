@@ -7,10 +7,10 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use futures_util::future::join_all;
-use idemgate::fastpath::{self, Binding, Entry};
-use idemgate::fingerprint::Fingerprint;
-use idemgate::job::JobId;
-use idemgate::key::{IdempotencyKey, Owner};
+use idemgate::domain::fingerprint::Fingerprint;
+use idemgate::domain::job::JobId;
+use idemgate::domain::key::{IdempotencyKey, Owner};
+use idemgate::idempotency::fastpath::{self, Binding, Entry};
 
 use crate::support::{eventually, post, FakeUpstream, Gate, Gateway, TestStore, ThrowawayRedis};
 
@@ -269,7 +269,7 @@ async fn corrupt_and_stale_entries_are_ignored_and_repaired() {
         job: JobId::new(),
         fingerprint: Fingerprint([1; 32]),
         expires_at: SystemTime::now() + Duration::from_secs(3600),
-        response: Some(idemgate::job::StoredResponse {
+        response: Some(idemgate::domain::job::StoredResponse {
             status: 200,
             headers: vec![],
             body: bytes::Bytes::from_static(b"stale"),

@@ -9,9 +9,9 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use futures_util::future::join_all;
-use idemgate::fastpath::{self, Binding, Tag};
-use idemgate::job::JobId;
-use idemgate::key::{IdempotencyKey, Owner};
+use idemgate::domain::job::JobId;
+use idemgate::domain::key::{IdempotencyKey, Owner};
+use idemgate::idempotency::fastpath::{self, Binding, Tag};
 
 use crate::support::redis_cluster::{ThrowawayCluster, ThrowawaySentinel};
 use crate::support::sse::{Ending, Finish, Reader, SseUpstream};

@@ -13,10 +13,10 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use uuid::Uuid;
 
-use idemgate::attempt::{AttemptFailure, AttemptId, AttemptState, NewAttempt, Resolution};
-use idemgate::fingerprint::Fingerprint;
-use idemgate::job::{JobDetail, JobId, JobState, NewJob, StoredResponse};
-use idemgate::key::{IdempotencyKey, Owner};
+use idemgate::domain::attempt::{AttemptFailure, AttemptId, AttemptState, NewAttempt, Resolution};
+use idemgate::domain::fingerprint::Fingerprint;
+use idemgate::domain::job::{JobDetail, JobId, JobState, NewJob, StoredResponse};
+use idemgate::domain::key::{IdempotencyKey, Owner};
 use idemgate::store::memory::Memory;
 use idemgate::store::{Begin, Doorbell, Machine, Store, StoreErrorKind};
 

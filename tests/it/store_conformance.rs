@@ -9,10 +9,10 @@ use bytes::Bytes;
 use futures_util::future::join_all;
 use tokio::sync::Barrier;
 
-use idemgate::attempt::{AttemptFailure, AttemptId, AttemptState, NewAttempt, Resolution};
-use idemgate::fingerprint::Fingerprint;
-use idemgate::job::{JobId, JobState, NewJob, StoredResponse};
-use idemgate::key::{IdempotencyKey, Owner};
+use idemgate::domain::attempt::{AttemptFailure, AttemptId, AttemptState, NewAttempt, Resolution};
+use idemgate::domain::fingerprint::Fingerprint;
+use idemgate::domain::job::{JobId, JobState, NewJob, StoredResponse};
+use idemgate::domain::key::{IdempotencyKey, Owner};
 use idemgate::store::{Begin, CommitOutcome, Doorbell, Store, StoreError};
 
 fn new_job(key: &str) -> NewJob {
@@ -50,7 +50,13 @@ fn response(tag: &str) -> StoredResponse {
     }
 }
 
-async fn created(store: &dyn Store, key: &str) -> (idemgate::job::Job, idemgate::attempt::Attempt) {
+async fn created(
+    store: &dyn Store,
+    key: &str,
+) -> (
+    idemgate::domain::job::Job,
+    idemgate::domain::attempt::Attempt,
+) {
     match store.begin_job(new_job(key), new_attempt()).await.unwrap() {
         Begin::Created(job, attempt) => (job, attempt),
         Begin::Existing(_) => panic!("key {key} already existed"),
@@ -139,7 +145,7 @@ pub async fn concurrent_commits_have_exactly_one_winner(store: Arc<dyn Store>) {
             "a hedge does not move the version"
         );
         let barrier = Arc::new(Barrier::new(2));
-        let commit = |attempt: idemgate::attempt::Attempt, tag: &'static str| {
+        let commit = |attempt: idemgate::domain::attempt::Attempt, tag: &'static str| {
             let store = store.clone();
             let barrier = barrier.clone();
             tokio::spawn(async move {
@@ -234,7 +240,7 @@ pub async fn unknown_jobs_are_listed_newest_first_a_page_at_a_time(store: Arc<dy
     // Newest first: by creation, then by id, both descending.
     unknown.sort_by_key(|j| std::cmp::Reverse((j.created_at, j.id.0)));
     let first = store.unknown_jobs(None, 2).await.unwrap();
-    let ids = |jobs: &[idemgate::job::Job]| jobs.iter().map(|j| j.id).collect::<Vec<_>>();
+    let ids = |jobs: &[idemgate::domain::job::Job]| jobs.iter().map(|j| j.id).collect::<Vec<_>>();
     assert_eq!(ids(&first), ids(&unknown[..2]));
     assert!(first.iter().all(|j| j.state == JobState::Unknown));
     let cursor = idemgate::store::Cursor::after(&first[1]);
@@ -249,7 +255,10 @@ pub async fn unknown_jobs_are_listed_newest_first_a_page_at_a_time(store: Arc<dy
     // Resolved, a job leaves the inbox.
     let detail = store.job_detail(unknown[0].id).await.unwrap().unwrap();
     store
-        .resolve_attempt(detail.attempts[0].id, idemgate::attempt::Resolution::Failed)
+        .resolve_attempt(
+            detail.attempts[0].id,
+            idemgate::domain::attempt::Resolution::Failed,
+        )
         .await
         .unwrap();
     let left = store.unknown_jobs(None, 10).await.unwrap();

@@ -7,10 +7,10 @@ use bytes::Bytes;
 use uuid::Uuid;
 
 use super::*;
-use crate::attempt::AttemptState;
 use crate::config::{Flags, Settings};
-use crate::job::JobId;
-use crate::upstream::UpstreamError;
+use crate::domain::attempt::AttemptState;
+use crate::domain::job::JobId;
+use crate::proxy::upstream::UpstreamError;
 
 const THREE_UPSTREAMS: &str = r#"
 upstreams = ["http://a:1", "http://b:1", "http://c:1"]

@@ -24,11 +24,11 @@ use super::{
     attempt_state, commit_under_lock, expire_each, job_state, millis, Applied, Backend, Begin,
     Committed, Cursor, Decide, Doorbell, Lock, StoreError,
 };
-use crate::attempt::{Attempt, AttemptId, AttemptState, NewAttempt};
-use crate::fingerprint::Fingerprint;
-use crate::job::{Job, JobDetail, JobId, JobState, NewJob, StoredResponse};
-use crate::key::{IdempotencyKey, Owner};
-use crate::transition::{AttemptHead, Change, JobHead, Refusal, Snapshot};
+use crate::domain::attempt::{Attempt, AttemptId, AttemptState, NewAttempt};
+use crate::domain::fingerprint::Fingerprint;
+use crate::domain::job::{Job, JobDetail, JobId, JobState, NewJob, StoredResponse};
+use crate::domain::key::{IdempotencyKey, Owner};
+use crate::domain::transition::{AttemptHead, Change, JobHead, Refusal, Snapshot};
 
 mod budget;
 mod replication;

@@ -8,10 +8,10 @@ use std::time::Duration;
 
 use http::{header, HeaderValue, Response, StatusCode};
 
-use crate::http::{full, Body, CollectError};
-use crate::key::KeyError;
+use crate::domain::key::KeyError;
+use crate::proxy::http::{full, Body, CollectError};
+use crate::proxy::upstream::UpstreamError;
 use crate::store::{StoreError, StoreErrorKind};
-use crate::upstream::UpstreamError;
 use crate::BoxError;
 
 /// Problem types are this base followed by a slug.

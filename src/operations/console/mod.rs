@@ -14,7 +14,7 @@ use http::{header, HeaderMap, HeaderValue, Response, StatusCode};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
-use crate::http::{full, Body};
+use crate::proxy::http::{full, Body};
 
 const LOGIN: &str = include_str!("login.html");
 const INDEX: &str = include_str!("index.html");

@@ -30,7 +30,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use tower::ServiceExt;
 
 use super::UpstreamError;
-use crate::http::{Body, BodyError};
+use crate::proxy::http::{Body, BodyError};
 
 /// The idle connections to one upstream, and how to open another.
 pub(super) struct Pool {
@@ -306,7 +306,7 @@ mod tests {
         Request::builder()
             .uri("/")
             .header(http::header::HOST, base.authority().unwrap().as_str())
-            .body(crate::http::full(""))
+            .body(crate::proxy::http::full(""))
             .unwrap()
     }
 

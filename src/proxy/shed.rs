@@ -15,8 +15,8 @@ use std::time::Duration;
 use http::{Request, Response};
 use tower::{Layer, Service};
 
-use crate::error::GatewayError;
-use crate::http::Body;
+use crate::proxy::error::GatewayError;
+use crate::proxy::http::Body;
 
 /// Wraps a service with load shedding.
 #[derive(Clone)]

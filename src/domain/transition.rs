@@ -18,8 +18,8 @@
 
 use std::time::SystemTime;
 
-use crate::attempt::{AttemptFailure, AttemptId, AttemptState, NewAttempt, Resolution};
-use crate::job::{JobId, JobState, StoredResponse};
+use crate::domain::attempt::{AttemptFailure, AttemptId, AttemptState, NewAttempt, Resolution};
+use crate::domain::job::{JobId, JobState, StoredResponse};
 
 /// Why an attempt that answered was not committed.
 pub const SUPERSEDED: &str = "answered after another attempt had won, or after the job moved on";
@@ -203,7 +203,7 @@ impl Change {
 
 impl JobHead {
     /// The head of a job as read.
-    pub fn of(job: &crate::job::Job) -> Self {
+    pub fn of(job: &crate::domain::job::Job) -> Self {
         JobHead {
             id: job.id,
             state: job.state,
@@ -216,7 +216,7 @@ impl JobHead {
 
 impl AttemptHead {
     /// The head of an attempt as read.
-    pub fn of(attempt: &crate::attempt::Attempt) -> Self {
+    pub fn of(attempt: &crate::domain::attempt::Attempt) -> Self {
         AttemptHead {
             id: attempt.id,
             number: attempt.number,

@@ -9,7 +9,7 @@ use std::time::SystemTime;
 
 use uuid::Uuid;
 
-use crate::job::JobId;
+use crate::domain::job::JobId;
 
 /// The identity of one attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -217,7 +217,7 @@ pub enum Resolution {
     /// It is abandoned: the job may be retried.
     Cancelled,
     /// It took effect, with this response, which is committed through the same CAS.
-    Succeeded(crate::job::StoredResponse),
+    Succeeded(crate::domain::job::StoredResponse),
 }
 
 impl Resolution {

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::store::Store;
-use crate::supervise::Heartbeat;
 use crate::telemetry::Chain;
+use crate::upkeep::supervise::Heartbeat;
 use crate::BoxError;
 
 const BATCH: u32 = 500;

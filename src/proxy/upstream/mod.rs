@@ -26,7 +26,7 @@ use tokio::sync::watch;
 use self::pool::Pool;
 
 use crate::config::{UpstreamId, UpstreamSettings};
-use crate::http::{hop, Body};
+use crate::proxy::http::{hop, Body};
 use crate::BoxError;
 
 /// Which upstream a request goes to, put into request extensions by the
@@ -184,7 +184,7 @@ impl Upstream {
         // The scheme the client used to reach the gateway (plain HTTP).
         headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
         // The trace continues upstream from the current span (the attempt's).
-        crate::trace::propagate(headers);
+        crate::telemetry::trace::propagate(headers);
         // The upstream's own credentials, which clients never hold.
         for (name, value) in &self.target.headers {
             headers.insert(name.clone(), value.clone());

@@ -26,8 +26,8 @@ use hyper_util::service::TowerToHyperService;
 use tokio::net::{TcpListener, TcpStream};
 use tower::{Service, ServiceExt};
 
-use crate::http::BoxError;
-use crate::upstream::ClientAddr;
+use crate::proxy::http::BoxError;
+use crate::proxy::upstream::ClientAddr;
 
 /// What a listener allows its clients.
 #[derive(Debug, Clone, Copy)]

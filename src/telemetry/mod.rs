@@ -1,11 +1,13 @@
 //! Logs, metrics, and the subscriber that carries spans to OTLP.
 
+pub mod trace;
+
 use std::sync::OnceLock;
 
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 /// Installs the subscriber: logs to stderr, and spans to OTLP when an
-/// endpoint is configured ([`trace`](crate::trace)); the handle it returns
+/// endpoint is configured ([`trace`](crate::telemetry::trace)); the handle it returns
 /// flushes the spans at exit. An unusable endpoint is an error naming it.
 ///
 /// Logs: `RUST_LOG` filters (default `info`, migrations quiet),
@@ -13,7 +15,7 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 /// says, the PostgreSQL driver never logs below `info`: at `debug` it prints
 /// every statement's parameters, which hold stored responses and owners.
 /// Nothing the gateway itself logs carries a body, a credential or a key.
-pub fn init() -> Result<Option<crate::trace::Traces>, String> {
+pub fn init() -> Result<Option<crate::telemetry::trace::Traces>, String> {
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
     use tracing_subscriber::Layer;
@@ -47,7 +49,7 @@ pub fn init() -> Result<Option<crate::trace::Traces>, String> {
             .with_filter(filter)
             .boxed()
     };
-    let (spans, traces) = match crate::trace::init()? {
+    let (spans, traces) = match crate::telemetry::trace::init()? {
         Some((layer, traces)) => (Some(layer), Some(traces)),
         None => (None, None),
     };

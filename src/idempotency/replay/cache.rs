@@ -23,10 +23,10 @@ use quick_cache::sync::Cache;
 use quick_cache::{Equivalent, Weighter};
 
 use super::Framing;
-use crate::fingerprint::Fingerprint;
-use crate::http::Body;
-use crate::job::{JobId, StoredResponse, EXPIRY_MARGIN};
-use crate::key::{IdempotencyKey, Owner};
+use crate::domain::fingerprint::Fingerprint;
+use crate::domain::job::{JobId, StoredResponse, EXPIRY_MARGIN};
+use crate::domain::key::{IdempotencyKey, Owner};
+use crate::proxy::http::Body;
 
 /// Bookkeeping counted against the budget besides an answer's own bytes.
 const OVERHEAD: usize = 256;

@@ -6,9 +6,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
 
-use crate::fingerprint::Fingerprint;
-use crate::job::{JobId, StoredResponse, EXPIRY_MARGIN};
-use crate::key::{IdempotencyKey, Owner};
+use crate::domain::fingerprint::Fingerprint;
+use crate::domain::job::{JobId, StoredResponse, EXPIRY_MARGIN};
+use crate::domain::key::{IdempotencyKey, Owner};
 use crate::store::codec::{decode_headers, encode_headers};
 
 const MAGIC: &[u8; 4] = b"IGR1";

@@ -25,17 +25,17 @@ use serde_json::{json, Value};
 use subtle::ConstantTimeEq;
 use uuid::Uuid;
 
-use crate::attempt::{Attempt, AttemptId, Resolution};
 use crate::config::UpstreamSettings;
-use crate::console;
-use crate::error::problem_response;
-use crate::http::{collect_limited, full, Body};
-use crate::job::{Job, JobDetail, JobId, StoredResponse};
-use crate::key::{IdempotencyKey, Owner};
-use crate::probe::ProbeBoard;
+use crate::domain::attempt::{Attempt, AttemptId, Resolution};
+use crate::domain::job::{Job, JobDetail, JobId, StoredResponse};
+use crate::domain::key::{IdempotencyKey, Owner};
+use crate::operations::console;
+use crate::proxy::error::problem_response;
+use crate::proxy::http::{collect_limited, full, Body};
 use crate::store::{Cursor, Store, StoreError, StoreErrorKind};
-use crate::supervise::{Status, Supervisor};
 use crate::telemetry::Chain;
+use crate::upkeep::probe::ProbeBoard;
+use crate::upkeep::supervise::{Status, Supervisor};
 use crate::BoxError;
 
 /// What the admin listener needs.
@@ -209,7 +209,7 @@ impl Admin {
         );
         *response.body_mut() = full(
             json!({
-                "type": format!("{}not-ready", crate::error::PROBLEM_BASE),
+                "type": format!("{}not-ready", crate::proxy::error::PROBLEM_BASE),
                 "title": "Not ready",
                 "status": 503,
                 "detail": problem_detail,
@@ -631,10 +631,10 @@ mod tests {
     use tokio_util::sync::CancellationToken;
 
     use super::*;
-    use crate::attempt::{AttemptFailure, NewAttempt};
-    use crate::job::{Job, NewJob};
+    use crate::domain::attempt::{AttemptFailure, NewAttempt};
+    use crate::domain::job::{Job, NewJob};
     use crate::store::{Begin, CommitOutcome};
-    use crate::supervise::Beats;
+    use crate::upkeep::supervise::Beats;
 
     /// A store that answers pings and panics when swept.
     struct SweepPanics;
@@ -694,7 +694,7 @@ mod tests {
             &self,
             _: Option<crate::store::Cursor>,
             _: u32,
-        ) -> Result<Vec<crate::job::Job>, StoreError> {
+        ) -> Result<Vec<crate::domain::job::Job>, StoreError> {
             unimplemented!()
         }
         async fn renew_leases(&self, _: &[AttemptId], _: Duration) -> Result<u64, StoreError> {
@@ -765,7 +765,7 @@ mod tests {
         tasks.spawn(
             "sweeper",
             Beats::Every(Duration::from_secs(60)),
-            move |beat| crate::sweeper::run(sweeping.clone(), Duration::from_secs(5), beat),
+            move |beat| crate::upkeep::sweeper::run(sweeping.clone(), Duration::from_secs(5), beat),
         );
         let admin = Arc::new(Admin {
             store,

@@ -22,7 +22,7 @@ use aes_gcm::aead::{Aead, AeadCore, KeyInit, OsRng, Payload};
 use aes_gcm::{Aes256Gcm, Key, Nonce};
 use bytes::Bytes;
 
-use crate::job::{JobId, StoredResponse};
+use crate::domain::job::{JobId, StoredResponse};
 use crate::store::codec::{decode_headers, encode_headers};
 
 /// The pseudo-header naming the key a response was sealed with.

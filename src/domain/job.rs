@@ -25,9 +25,9 @@ use std::time::{Duration, SystemTime};
 use bytes::Bytes;
 use uuid::Uuid;
 
-use crate::attempt::{Attempt, AttemptState};
-use crate::fingerprint::Fingerprint;
-use crate::key::{IdempotencyKey, Owner};
+use crate::domain::attempt::{Attempt, AttemptState};
+use crate::domain::fingerprint::Fingerprint;
+use crate::domain::key::{IdempotencyKey, Owner};
 
 /// The stable identity of a job; forwarded upstream as its idempotency key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -186,7 +186,7 @@ pub struct Job {
     /// How many attempts were made.
     pub attempt_count: i32,
     /// The attempt whose result was committed.
-    pub completed_by: Option<crate::attempt::AttemptId>,
+    pub completed_by: Option<crate::domain::attempt::AttemptId>,
     /// The committed response, once completed.
     pub response: Option<StoredResponse>,
     /// When the first request arrived.

@@ -9,8 +9,8 @@ use futures_util::StreamExt;
 
 use super::entry::{stream_key, Tag};
 use super::FastPath;
-use crate::job::JobId;
-use crate::recording::{End, Next, Recording};
+use crate::domain::job::JobId;
+use crate::idempotency::recording::{End, Next, Recording};
 use crate::store::codec::{decode_headers, encode_headers};
 use crate::store::Doorbell;
 use crate::BoxError;

@@ -9,10 +9,10 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::attempt::{AttemptFailure, AttemptId};
+use crate::domain::attempt::{AttemptFailure, AttemptId};
 use crate::store::Store;
-use crate::supervise::Heartbeat;
 use crate::telemetry::Chain;
+use crate::upkeep::supervise::Heartbeat;
 use crate::BoxError;
 
 /// The attempts this instance holds leases on.

@@ -4,9 +4,9 @@
 use bytes::Bytes;
 use http::{header, HeaderName, HeaderValue, Response, StatusCode};
 
-use crate::http::{full, Body, IDEMPOTENCY_JOB, IDEMPOTENT_REPLAYED};
-use crate::job::{JobId, StoredResponse};
-use crate::upstream::Fetched;
+use crate::domain::job::{JobId, StoredResponse};
+use crate::proxy::http::{full, Body, IDEMPOTENCY_JOB, IDEMPOTENT_REPLAYED};
+use crate::proxy::upstream::Fetched;
 
 mod cache;
 

@@ -12,10 +12,10 @@ use http::Request;
 use tokio::sync::watch;
 
 use crate::config::{Settings, UpstreamId};
-use crate::contract::{excerpt, Contract, Probe};
-use crate::http::full;
-use crate::supervise::Heartbeat;
-use crate::upstream::{fetch, Upstream, Upstreams};
+use crate::domain::contract::{excerpt, Contract, Probe};
+use crate::proxy::http::full;
+use crate::proxy::upstream::{fetch, Upstream, Upstreams};
+use crate::upkeep::supervise::Heartbeat;
 use crate::BoxError;
 
 /// One probe's result.

@@ -25,8 +25,8 @@ use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
 use tokio::sync::watch;
 
-use crate::http::{Body, BodyError, IDEMPOTENT_REPLAYED};
-use crate::job::{JobId, StoredResponse};
+use crate::domain::job::{JobId, StoredResponse};
+use crate::proxy::http::{Body, BodyError, IDEMPOTENT_REPLAYED};
 
 /// Where a recording stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -166,8 +166,8 @@ impl Recording {
         let mut response = Response::new(self.reader());
         *response.status_mut() =
             StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        crate::replay::set_headers(&mut response, &self.headers);
-        crate::replay::set_job(&mut response, self.job);
+        crate::idempotency::replay::set_headers(&mut response, &self.headers);
+        crate::idempotency::replay::set_job(&mut response, self.job);
         if replayed {
             response
                 .headers_mut()

@@ -28,10 +28,10 @@ use futures_util::StreamExt;
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
-use crate::fingerprint::Fingerprint;
-use crate::job::{JobId, StoredResponse, EXPIRY_MARGIN};
-use crate::key::{IdempotencyKey, Owner};
-use crate::seal::{self, Sealer};
+use crate::domain::fingerprint::Fingerprint;
+use crate::domain::job::{JobId, StoredResponse, EXPIRY_MARGIN};
+use crate::domain::key::{IdempotencyKey, Owner};
+use crate::store::seal::{self, Sealer};
 use crate::store::Doorbell;
 use crate::BoxError;
 

@@ -1,0 +1,9 @@
+//! The domain: what a job, an attempt, a key and a fingerprint are, and how
+//! they may change. Pure: no HTTP server, no database, no clock of its own.
+
+pub mod attempt;
+pub mod contract;
+pub mod fingerprint;
+pub mod job;
+pub mod key;
+pub mod transition;
