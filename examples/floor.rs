@@ -16,9 +16,10 @@ use std::time::Duration;
 use http::Request;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
+use idemgate::config::Limits;
 use idemgate::config::{Flags, Settings};
 use idemgate::proxy::http::BodyError;
-use idemgate::proxy::server::{self, Limits};
+use idemgate::proxy::server;
 use idemgate::proxy::upstream::Upstreams;
 use tower::{Service, ServiceExt};
 

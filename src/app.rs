@@ -111,7 +111,7 @@ pub async fn run(
         worker_threads = runtime.metrics().num_workers(),
         "gateway starting"
     );
-    let fastpath = match &settings.fastpath {
+    let fastpath = match &settings.redis {
         None => None,
         Some(fast) => Some(start_fastpath(fast, instance, sealer, &doorbell, &tasks)?),
     };
@@ -220,7 +220,7 @@ pub async fn run(
 
 /// The Redis fast path, with its announcer and listener.
 fn start_fastpath(
-    settings: &crate::idempotency::fastpath::FastPathSettings,
+    settings: &crate::config::RedisSettings,
     instance: Uuid,
     sealer: Option<Arc<Sealer>>,
     doorbell: &Arc<Doorbell>,

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use super::contracts::ContractFile;
 use super::{bad, ConfigError};
-use crate::domain::contract::ContractFile;
 
 /// The TOML file. See `config/idemgate.example.toml` for every key.
 #[derive(Debug, Default, Deserialize)]

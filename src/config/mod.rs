@@ -10,26 +10,29 @@
 //! - [`upstreams`] and [`routes`]: where requests go and which opt in;
 //! - this module: the settings as a whole, their defaults and validation.
 
+pub mod contracts;
 pub mod file;
 pub mod flags;
+pub mod redis;
 pub mod routes;
+pub mod store;
 pub mod upstreams;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use http::{HeaderName, Method, StatusCode};
 
 use crate::domain::contract::Contract;
-use crate::idempotency::fastpath::{FastPathSettings, Topology};
-use crate::store::postgres::PgSettings;
 
 pub use file::FileConfig;
 pub use flags::{Cli, Command, Flags};
+pub use redis::{RedisSettings, Topology};
 pub use routes::Route;
+pub use store::{PgSettings, StoreSettings};
 pub use upstreams::{UpstreamId, UpstreamSettings};
 
 use file::UpstreamFile;
@@ -73,7 +76,7 @@ pub struct Settings {
     /// Where jobs and attempts are kept.
     pub store: StoreSettings,
     /// The Redis fast path, when configured.
-    pub fastpath: Option<FastPathSettings>,
+    pub redis: Option<RedisSettings>,
     /// Silence after which an attempt's outcome is unknown.
     pub upstream_timeout: Duration,
     /// After this long an attempt is abandoned, answer or not.
@@ -112,7 +115,7 @@ pub struct Settings {
     /// Keys sealing stored responses, when configured.
     pub encryption: Option<EncryptionSettings>,
     /// What each listener allows its clients.
-    pub limits: crate::proxy::server::Limits,
+    pub limits: Limits,
     /// Requests in progress at most; past it the gateway answers `503` at
     /// once, before it takes any job.
     pub max_in_flight: usize,
@@ -120,6 +123,18 @@ pub struct Settings {
     /// current-thread runtime, with no scheduler between threads at all
     /// (docs/design.md §12).
     pub worker_threads: usize,
+}
+
+/// What a listener allows its clients.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Open connections at most.
+    pub max_connections: usize,
+    /// How long a client may take to send a request's headers (and how long
+    /// a connection may sit idle between requests).
+    pub header_read_timeout: Duration,
+    /// Largest request header block, in bytes.
+    pub max_header_size: usize,
 }
 
 /// Keys sealing stored responses (`[encryption]`).
@@ -168,18 +183,6 @@ impl std::fmt::Debug for Settings {
     }
 }
 
-/// Which store to use.
-#[derive(Debug, Clone)]
-pub enum StoreSettings {
-    /// PostgreSQL: the production store, shared by any number of replicas.
-    Postgres(PgSettings),
-    /// SQLite in a local file: zero set-up, one gateway.
-    Embedded {
-        /// The database file.
-        path: PathBuf,
-    },
-}
-
 /// Timings that are checked against one another.
 struct Timings {
     upstream_timeout: Duration,
@@ -195,7 +198,7 @@ impl Settings {
 
     /// Only the store settings, for `idemgate migrate`.
     pub fn load_store(config: Option<&Path>, flags: Flags) -> Result<StoreSettings, ConfigError> {
-        store_settings(&FileConfig::read(config)?, &flags)
+        store::store_settings(&FileConfig::read(config)?, &flags)
     }
 
     /// Parses TOML text; unknown keys are errors.
@@ -205,7 +208,7 @@ impl Settings {
 
     /// Merges parsed sources, flags winning, and validates.
     pub fn from_sources(mut file: FileConfig, flags: Flags) -> Result<Settings, ConfigError> {
-        let store = store_settings(&file, &flags)?;
+        let store = store::store_settings(&file, &flags)?;
         let timings = timings(&file, &flags)?;
         let upstream_files = if flags.upstreams.is_empty() {
             file.upstreams.take().unwrap_or_default()
@@ -221,7 +224,7 @@ impl Settings {
             upstreams::parse_all(&upstream_files, timings.upstream_timeout, &file.base_dir)?;
         let mut contracts = BTreeMap::new();
         for (name, contract_file) in std::mem::take(&mut file.contracts) {
-            let contract = Contract::load(&name, contract_file, &file.base_dir)?;
+            let contract = contracts::load(&name, contract_file, &file.base_dir)?;
             contracts.insert(name, Arc::new(contract));
         }
         let routes = routes::parse_all(std::mem::take(&mut file.routes), &upstreams, &contracts)?;
@@ -241,7 +244,7 @@ impl Settings {
                 .filter(|t| !t.is_empty()),
             upstreams,
             store,
-            fastpath: fastpath_settings(&file, &flags)?,
+            redis: redis_settings(&file, &flags)?,
             upstream_timeout: timings.upstream_timeout,
             attempt_deadline: timings.attempt_deadline,
             hold_timeout: positive(
@@ -354,76 +357,8 @@ fn timings(file: &FileConfig, flags: &Flags) -> Result<Timings, ConfigError> {
     })
 }
 
-/// PostgreSQL when a database URL is given, the embedded store otherwise.
-fn store_settings(file: &FileConfig, flags: &Flags) -> Result<StoreSettings, ConfigError> {
-    let Some(url) = flags
-        .database_url
-        .clone()
-        .or_else(|| file.database_url.clone())
-    else {
-        let path = flags
-            .embedded_path
-            .clone()
-            .or_else(|| file.embedded_path.clone())
-            .unwrap_or_else(|| PathBuf::from("idemgate.db"));
-        return Ok(StoreSettings::Embedded { path });
-    };
-    postgres_url("database_url", &url)?;
-    let direct_url = flags
-        .database_direct_url
-        .clone()
-        .or_else(|| file.database_direct_url.clone());
-    if let Some(direct) = &direct_url {
-        postgres_url("database_direct_url", direct)?;
-    }
-    let pool_size = file.database_pool_size.unwrap_or(16);
-    if pool_size == 0 {
-        return Err(bad("database_pool_size", "must be at least 1"));
-    }
-    let connect_timeout = positive(
-        "database_timeout",
-        file.database_timeout.unwrap_or(Duration::from_secs(2)),
-    )?;
-    Ok(StoreSettings::Postgres(PgSettings {
-        url,
-        direct_url,
-        pool_size,
-        connect_timeout,
-    }))
-}
-
-/// Checks a PostgreSQL URL given as `key`.
-fn postgres_url(key: &str, url: &str) -> Result<(), ConfigError> {
-    let parsed = url.parse::<tokio_postgres::Config>().map_err(|e| {
-        bad(
-            key,
-            format!("not a PostgreSQL URL ({e}); use postgres://user@host:5432/dbname"),
-        )
-    })?;
-    // With several hosts, the first that answers would do, standby or not:
-    // after a failover every write would fail on a standby.
-    if parsed.get_hosts().len() > 1
-        && parsed.get_target_session_attrs()
-            != tokio_postgres::config::TargetSessionAttrs::ReadWrite
-    {
-        return Err(bad(
-            key,
-            format!(
-                "names {} hosts but not which one to use; add target_session_attrs=read-write \
-                 (postgres://user@a:5432,b:5432/db?target_session_attrs=read-write) so the \
-                 gateway always connects to the primary",
-                parsed.get_hosts().len()
-            ),
-        ));
-    }
-    Ok(())
-}
-
 /// The Redis fast path, when a Redis URL is given.
-fn fastpath_settings(
-    file: &FileConfig,
-    flags: &Flags,
-) -> Result<Option<FastPathSettings>, ConfigError> {
+fn redis_settings(file: &FileConfig, flags: &Flags) -> Result<Option<RedisSettings>, ConfigError> {
     let Some(url) = flags.redis_url.clone().or(file.redis_url.clone()) else {
         return Ok(None);
     };
@@ -433,7 +368,7 @@ fn fastpath_settings(
             format!("not a Redis this gateway can reach: {e}"),
         )
     })?;
-    Ok(Some(FastPathSettings {
+    Ok(Some(RedisSettings {
         topology,
         timeout: positive(
             "redis_timeout",
@@ -446,7 +381,7 @@ fn fastpath_settings(
 }
 
 /// What each listener allows its clients.
-fn limits(file: &FileConfig) -> Result<crate::proxy::server::Limits, ConfigError> {
+fn limits(file: &FileConfig) -> Result<Limits, ConfigError> {
     let max_header_size = size("max_header_size", file.max_header_size, 64 * 1024)?;
     if max_header_size < 8192 {
         return Err(bad(
@@ -454,7 +389,7 @@ fn limits(file: &FileConfig) -> Result<crate::proxy::server::Limits, ConfigError
             "must be at least 8KiB (the smallest header buffer the HTTP server takes)",
         ));
     }
-    Ok(crate::proxy::server::Limits {
+    Ok(Limits {
         max_connections: at_least_one("max_connections", file.max_connections.unwrap_or(10_000))?,
         header_read_timeout: positive(
             "header_read_timeout",

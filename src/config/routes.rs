@@ -97,22 +97,15 @@ impl Route {
         )
     }
 
-    /// How a stored answer of this route is replayed: as a stream when it
-    /// was one.
-    pub fn framing(
-        &self,
-        stored: &crate::domain::job::StoredResponse,
-    ) -> crate::idempotency::replay::Framing {
+    /// Whether a stored answer of this route was streamed (its content
+    /// type is one of the route's stream types), so a replay streams too.
+    pub fn streamed(&self, stored: &crate::domain::response::StoredResponse) -> bool {
         let content_type = stored
             .headers
             .iter()
             .find(|(n, _)| n.eq_ignore_ascii_case("content-type"))
             .map(|(_, v)| v.as_ref());
-        if self.streams_type(content_type) {
-            crate::idempotency::replay::Framing::Streamed
-        } else {
-            crate::idempotency::replay::Framing::Whole
-        }
+        self.streams_type(content_type)
     }
 
     fn streams_type(&self, content_type: Option<&[u8]>) -> bool {

@@ -9,30 +9,7 @@ use std::time::SystemTime;
 
 use uuid::Uuid;
 
-use crate::domain::job::JobId;
-
-/// The identity of one attempt.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct AttemptId(pub Uuid);
-
-impl AttemptId {
-    /// A new, time-ordered id.
-    pub fn new() -> Self {
-        AttemptId(Uuid::now_v7())
-    }
-}
-
-impl Default for AttemptId {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl fmt::Display for AttemptId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.0.fmt(f)
-    }
-}
+use crate::domain::id::{AttemptId, JobId};
 
 /// Where an attempt stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -217,7 +194,7 @@ pub enum Resolution {
     /// It is abandoned: the job may be retried.
     Cancelled,
     /// It took effect, with this response, which is committed through the same CAS.
-    Succeeded(crate::domain::job::StoredResponse),
+    Succeeded(crate::domain::response::StoredResponse),
 }
 
 impl Resolution {

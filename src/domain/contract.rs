@@ -9,61 +9,27 @@
 //! never replayed. Error answers (4xx, 5xx) are not checked: they are the
 //! upstream's own verdict, committed or retried as the route says.
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Method};
-use serde::Deserialize;
 use serde_json::Value;
 
-use crate::config::ConfigError;
-
-/// A contract as written under `[contracts.NAME]`.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ContractFile {
-    schema: PathBuf,
-    embedded: Option<EmbeddedFile>,
-    /// A schema every event of a streamed answer (each `data:` of a
-    /// server-sent event stream but `[DONE]`) must honour.
-    events: Option<PathBuf>,
-    #[serde(default)]
-    probes: Vec<ProbeFile>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct EmbeddedFile {
-    pointer: String,
-    schema: PathBuf,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ProbeFile {
-    name: String,
-    method: Option<String>,
-    path: String,
-    body: PathBuf,
-    #[serde(default)]
-    headers: BTreeMap<String, String>,
-    schema: Option<PathBuf>,
-    embedded_schema: Option<PathBuf>,
-}
-
-/// What an answer must look like.
-struct Shape {
-    schema: jsonschema::Validator,
-    embedded: Option<(String, jsonschema::Validator)>,
+/// What an answer must look like: a JSON Schema for the body and, for a
+/// document embedded as a string inside it, a pointer and a schema of its own.
+pub struct Shape {
+    /// The body's schema.
+    pub schema: jsonschema::Validator,
+    /// The embedded document's pointer and schema.
+    pub embedded: Option<(String, jsonschema::Validator)>,
 }
 
 /// A loaded contract.
 pub struct Contract {
     /// Its name, as routes refer to it.
     pub name: String,
-    shape: Shape,
-    events: Option<jsonschema::Validator>,
+    /// What every successful answer must look like.
+    pub shape: Shape,
+    /// What every event of a streamed answer must look like.
+    pub events: Option<jsonschema::Validator>,
     /// The probes that prove an upstream honours it.
     pub probes: Vec<Probe>,
 }
@@ -80,7 +46,8 @@ pub struct Probe {
     pub headers: Vec<(HeaderName, HeaderValue)>,
     /// The request body.
     pub body: Bytes,
-    shape: Shape,
+    /// What its answer must look like.
+    pub shape: Shape,
 }
 
 impl std::fmt::Debug for Contract {
@@ -96,103 +63,6 @@ impl std::fmt::Debug for Contract {
 }
 
 impl Contract {
-    /// Loads `[contracts.NAME]`; file paths are relative to `base` (the
-    /// config file's folder).
-    pub fn load(name: &str, file: ContractFile, base: &Path) -> Result<Contract, ConfigError> {
-        let key = |field: &str| format!("contracts.{name}.{field}");
-        let schema = load_schema(&key("schema"), base, &file.schema)?;
-        let embedded = match &file.embedded {
-            None => None,
-            Some(e) => {
-                if !e.pointer.starts_with('/') {
-                    return Err(ConfigError::new(
-                        key("embedded.pointer"),
-                        format!("{:?} is not a JSON pointer; write it like \"/choices/0/message/content\"", e.pointer),
-                    ));
-                }
-                Some((
-                    e.pointer.clone(),
-                    load_schema(&key("embedded.schema"), base, &e.schema)?,
-                ))
-            }
-        };
-        let mut probes = Vec::with_capacity(file.probes.len());
-        for (i, p) in file.probes.into_iter().enumerate() {
-            let pkey = |field: &str| format!("contracts.{name}.probes[{i}].{field}");
-            let method = match p.method.as_deref() {
-                None => Method::POST,
-                Some(m) => Method::from_bytes(m.to_ascii_uppercase().as_bytes()).map_err(|_| {
-                    ConfigError::new(pkey("method"), format!("{m:?} is not an HTTP method"))
-                })?,
-            };
-            if !p.path.starts_with('/') {
-                return Err(ConfigError::new(
-                    pkey("path"),
-                    format!("{:?} must start with `/`", p.path),
-                ));
-            }
-            let body = read(&pkey("body"), base, &p.body)?;
-            let mut headers = vec![(
-                http::header::CONTENT_TYPE,
-                HeaderValue::from_static("application/json"),
-            )];
-            for (n, v) in &p.headers {
-                let n = HeaderName::from_bytes(n.as_bytes()).map_err(|_| {
-                    ConfigError::new(pkey("headers"), format!("{n:?} is not a header name"))
-                })?;
-                let v = HeaderValue::from_str(v).map_err(|_| {
-                    ConfigError::new(
-                        pkey("headers"),
-                        format!("the value of {n} is not a valid header value"),
-                    )
-                })?;
-                headers.retain(|(existing, _)| *existing != n);
-                headers.push((n, v));
-            }
-            let shape = Shape {
-                schema: match &p.schema {
-                    Some(path) => load_schema(&pkey("schema"), base, path)?,
-                    None => load_schema(&key("schema"), base, &file.schema)?,
-                },
-                embedded: match (&file.embedded, &p.embedded_schema) {
-                    (Some(e), Some(path)) => Some((
-                        e.pointer.clone(),
-                        load_schema(&pkey("embedded_schema"), base, path)?,
-                    )),
-                    (Some(e), None) => Some((
-                        e.pointer.clone(),
-                        load_schema(&key("embedded.schema"), base, &e.schema)?,
-                    )),
-                    (None, Some(_)) => {
-                        return Err(ConfigError::new(
-                            pkey("embedded_schema"),
-                            "needs an [contracts.NAME.embedded] section naming the pointer",
-                        ))
-                    }
-                    (None, None) => None,
-                },
-            };
-            probes.push(Probe {
-                name: p.name,
-                method,
-                path: p.path,
-                headers,
-                body: Bytes::from(body),
-                shape,
-            });
-        }
-        let events = match &file.events {
-            None => None,
-            Some(path) => Some(load_schema(&key("events"), base, path)?),
-        };
-        Ok(Contract {
-            name: name.to_owned(),
-            shape: Shape { schema, embedded },
-            events,
-            probes,
-        })
-    }
-
     /// Checks a successful answer's body; the error says what broke.
     pub fn check(&self, body: &[u8]) -> Result<(), String> {
         self.shape.check(body)
@@ -278,87 +148,5 @@ pub fn excerpt(body: &[u8]) -> String {
         format!("{text}…")
     } else {
         text
-    }
-}
-
-fn read(key: &str, base: &Path, path: &Path) -> Result<Vec<u8>, ConfigError> {
-    let full = base.join(path);
-    std::fs::read(&full)
-        .map_err(|e| ConfigError::new(key, format!("cannot read {}: {e}", full.display())))
-}
-
-fn load_schema(key: &str, base: &Path, path: &Path) -> Result<jsonschema::Validator, ConfigError> {
-    let bytes = read(key, base, path)?;
-    let value: Value = serde_json::from_slice(&bytes).map_err(|e| {
-        ConfigError::new(
-            key,
-            format!("{} is not JSON: {e}", base.join(path).display()),
-        )
-    })?;
-    jsonschema::validator_for(&value).map_err(|e| {
-        ConfigError::new(
-            key,
-            format!(
-                "{} is not a valid JSON Schema: {e}",
-                base.join(path).display()
-            ),
-        )
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn contract(dir: &Path, embedded: bool) -> Contract {
-        std::fs::write(
-            dir.join("envelope.json"),
-            r#"{"type": "object", "required": ["choices"], "additionalProperties": false,
-                "properties": {"choices": {"type": "array"}}}"#,
-        )
-        .unwrap();
-        std::fs::write(
-            dir.join("answer.json"),
-            r#"{"type": "object", "required": ["answer"], "properties": {"answer": {"type": "string"}}}"#,
-        )
-        .unwrap();
-        let text = if embedded {
-            "schema = \"envelope.json\"\n[embedded]\npointer = \"/choices/0/content\"\nschema = \"answer.json\"\n"
-        } else {
-            "schema = \"envelope.json\"\n"
-        };
-        Contract::load("c", toml::from_str(text).unwrap(), dir).unwrap()
-    }
-
-    #[test]
-    fn checks_the_envelope_and_the_embedded_document() {
-        let dir = tempfile::tempdir().unwrap();
-        let c = contract(dir.path(), true);
-        assert!(c
-            .check(br#"{"choices": [{"content": "{\"answer\": \"Paris\"}"}]}"#)
-            .is_ok());
-        let extra = c.check(br#"{"choices": [], "surprise": 1}"#).unwrap_err();
-        assert!(extra.contains("surprise"), "{extra}");
-        assert!(c
-            .check(br#"{"other": []}"#)
-            .unwrap_err()
-            .contains("choices"));
-        let prose = c
-            .check(br#"{"choices": [{"content": "The answer is Paris."}]}"#)
-            .unwrap_err();
-        assert!(prose.contains("not JSON"), "{prose}");
-        assert!(c.check(b"<html>").unwrap_err().contains("not JSON"));
-    }
-
-    #[test]
-    fn missing_files_name_their_key() {
-        let dir = tempfile::tempdir().unwrap();
-        let err = Contract::load(
-            "c",
-            toml::from_str("schema = \"nope.json\"").unwrap(),
-            dir.path(),
-        )
-        .unwrap_err();
-        assert_eq!(err.key, "contracts.c.schema");
     }
 }

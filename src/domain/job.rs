@@ -22,35 +22,11 @@
 use std::fmt;
 use std::time::{Duration, SystemTime};
 
-use bytes::Bytes;
-use uuid::Uuid;
-
 use crate::domain::attempt::{Attempt, AttemptState};
 use crate::domain::fingerprint::Fingerprint;
+use crate::domain::id::{AttemptId, JobId};
 use crate::domain::key::{IdempotencyKey, Owner};
-
-/// The stable identity of a job; forwarded upstream as its idempotency key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct JobId(pub Uuid);
-
-impl JobId {
-    /// A new, time-ordered id (UUIDv7 keeps the primary-key index append-mostly).
-    pub fn new() -> Self {
-        JobId(Uuid::now_v7())
-    }
-}
-
-impl Default for JobId {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl fmt::Display for JobId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.0.fmt(f)
-    }
-}
+use crate::domain::response::StoredResponse;
 
 /// Where a job stands. See the module docs for the transitions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -131,18 +107,6 @@ impl fmt::Display for JobState {
     }
 }
 
-/// A response as it is committed and replayed: status, end-to-end headers
-/// (hop-by-hop ones already removed) and the whole body.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StoredResponse {
-    /// HTTP status code.
-    pub status: u16,
-    /// Header names (lower case) and raw values, in upstream order.
-    pub headers: Vec<(String, Bytes)>,
-    /// The body bytes, exactly as the upstream sent them.
-    pub body: Bytes,
-}
-
 /// What a request asks the store to create when its key is new.
 #[derive(Debug, Clone)]
 pub struct NewJob {
@@ -186,7 +150,7 @@ pub struct Job {
     /// How many attempts were made.
     pub attempt_count: i32,
     /// The attempt whose result was committed.
-    pub completed_by: Option<crate::domain::attempt::AttemptId>,
+    pub completed_by: Option<AttemptId>,
     /// The committed response, once completed.
     pub response: Option<StoredResponse>,
     /// When the first request arrived.

@@ -4,6 +4,8 @@
 pub mod attempt;
 pub mod contract;
 pub mod fingerprint;
+pub mod id;
 pub mod job;
 pub mod key;
+pub mod response;
 pub mod transition;

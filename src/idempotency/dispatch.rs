@@ -29,8 +29,10 @@ use tokio::time::Instant;
 
 use super::execute::{Answer, Reply};
 use crate::config::{Route, UpstreamSettings};
-use crate::domain::attempt::{Attempt, AttemptId};
-use crate::domain::job::{Job, JobState, StoredResponse};
+use crate::domain::attempt::Attempt;
+use crate::domain::id::AttemptId;
+use crate::domain::job::{Job, JobState};
+use crate::domain::response::StoredResponse;
 use crate::idempotency::recording::Recording;
 use crate::proxy::error::{ClientError, GatewayError};
 use crate::store::StoreError;

@@ -36,7 +36,7 @@ use super::{Shared, UpstreamService};
 use crate::config::{Route, UpstreamSettings};
 use crate::domain::attempt::{Attempt, AttemptFailure, AttemptState};
 use crate::domain::contract::excerpt;
-use crate::domain::job::StoredResponse;
+use crate::domain::response::StoredResponse;
 use crate::idempotency::fastpath::Tag;
 use crate::idempotency::recording::Recording;
 use crate::idempotency::replay;
@@ -570,7 +570,7 @@ fn outcome(state: AttemptState) {
 /// is logged as an error: the attempt's lease will lapse into `unknown`.
 async fn retrying<T, F, Fut>(
     what: &'static str,
-    attempt: crate::domain::attempt::AttemptId,
+    attempt: crate::domain::id::AttemptId,
     deadline: Instant,
     mut write: F,
 ) -> Result<T, StoreError>

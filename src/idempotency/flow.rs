@@ -34,10 +34,13 @@ use super::dispatch::{Dispatch, Event, Joining, Step};
 use super::execute::{self, Reply, Running};
 use super::{Shared, UpstreamService};
 use crate::config::{Route, UpstreamSettings};
-use crate::domain::attempt::{Attempt, AttemptId, NewAttempt};
+use crate::domain::attempt::{Attempt, NewAttempt};
 use crate::domain::fingerprint::{fingerprint, Fingerprint, RequestParts};
-use crate::domain::job::{Job, JobId, JobState, NewJob, StoredResponse};
+use crate::domain::id::AttemptId;
+use crate::domain::id::JobId;
+use crate::domain::job::{Job, JobState, NewJob};
 use crate::domain::key::{IdempotencyKey, Owner};
+use crate::domain::response::StoredResponse;
 use crate::idempotency::fastpath::{Lookup, Tag};
 use crate::idempotency::recording::{End, Recording};
 use crate::idempotency::replay::{self, Answer, Framing};
@@ -396,7 +399,7 @@ impl Flow {
                 self.fingerprint,
                 expires_at,
                 stored.clone(),
-                self.route.framing(stored),
+                Framing::of(&self.route, stored),
             )
         });
     }
@@ -434,7 +437,7 @@ impl Flow {
             &stored,
             entry.job,
             true,
-            self.route.framing(&stored),
+            Framing::of(&self.route, &stored),
         ))
     }
 
@@ -605,7 +608,7 @@ impl Flow {
             stored,
             job.id,
             true,
-            self.route.framing(stored),
+            Framing::of(&self.route, stored),
         ))
     }
 

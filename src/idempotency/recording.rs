@@ -25,7 +25,9 @@ use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
 use tokio::sync::watch;
 
-use crate::domain::job::{JobId, StoredResponse};
+use crate::domain::id::JobId;
+
+use crate::domain::response::StoredResponse;
 use crate::proxy::http::{Body, BodyError, IDEMPOTENT_REPLAYED};
 
 /// Where a recording stands.

@@ -15,9 +15,12 @@ use tokio::sync::Notify;
 
 use super::*;
 use crate::config::{Flags, Settings};
-use crate::domain::attempt::{Attempt, AttemptFailure, AttemptId, NewAttempt, Resolution};
-use crate::domain::job::{Job, JobDetail, JobId, JobState, NewJob, StoredResponse};
+use crate::domain::attempt::{Attempt, AttemptFailure, NewAttempt, Resolution};
+use crate::domain::id::AttemptId;
+use crate::domain::id::JobId;
+use crate::domain::job::{Job, JobDetail, JobState, NewJob};
 use crate::domain::key::{IdempotencyKey, Owner};
+use crate::domain::response::StoredResponse;
 use crate::proxy::upstream::Target;
 use crate::store::memory::Memory;
 use crate::store::{Begin, CommitOutcome, Machine, StoreError};

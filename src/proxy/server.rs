@@ -26,20 +26,9 @@ use hyper_util::service::TowerToHyperService;
 use tokio::net::{TcpListener, TcpStream};
 use tower::{Service, ServiceExt};
 
+use crate::config::Limits;
 use crate::proxy::http::BoxError;
-use crate::proxy::upstream::ClientAddr;
-
-/// What a listener allows its clients.
-#[derive(Debug, Clone, Copy)]
-pub struct Limits {
-    /// Open connections at most.
-    pub max_connections: usize,
-    /// How long a client may take to send a request's headers (and how long
-    /// a connection may sit idle between requests).
-    pub header_read_timeout: Duration,
-    /// Largest request header block, in bytes.
-    pub max_header_size: usize,
-}
+use crate::proxy::http::ClientAddr;
 
 /// Serves `service` on every connection `listener` accepts (HTTP/1.1 and
 /// HTTP/2) within `limits`, tagging each request with the peer's address,

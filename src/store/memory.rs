@@ -16,9 +16,12 @@ use super::{
     commit_under_lock, expire_each, Applied, Backend, Begin, Committed, Cursor, Decide, Lock,
     StoreError,
 };
-use crate::domain::attempt::{Attempt, AttemptId, AttemptState, NewAttempt};
-use crate::domain::job::{Job, JobDetail, JobId, JobState, NewJob, StoredResponse};
+use crate::domain::attempt::{Attempt, AttemptState, NewAttempt};
+use crate::domain::id::AttemptId;
+use crate::domain::id::JobId;
+use crate::domain::job::{Job, JobDetail, JobState, NewJob};
 use crate::domain::key::{IdempotencyKey, Owner};
+use crate::domain::response::StoredResponse;
 use crate::domain::transition::{AttemptHead, Change, JobHead, Refusal, Snapshot};
 
 /// Jobs and attempts in a map.

@@ -35,9 +35,13 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 
-use crate::domain::attempt::{Attempt, AttemptFailure, AttemptId, NewAttempt, Resolution};
-use crate::domain::job::{Job, JobDetail, JobId, NewJob, StoredResponse};
+use crate::domain::attempt::{Attempt, AttemptFailure, NewAttempt, Resolution};
+
+use crate::domain::id::AttemptId;
+use crate::domain::id::JobId;
+use crate::domain::job::{Job, JobDetail, NewJob};
 use crate::domain::key::{IdempotencyKey, Owner};
+use crate::domain::response::StoredResponse;
 use crate::domain::transition::{self, Change, Refusal, Snapshot};
 use crate::BoxError;
 

@@ -43,10 +43,13 @@ use super::{
     attempt_state, commit_under_lock, expire_each, job_state, millis, Applied, Backend, Begin,
     Committed, Cursor, Decide, Lock, StoreError,
 };
-use crate::domain::attempt::{Attempt, AttemptFailure, AttemptId, AttemptState, NewAttempt};
+use crate::domain::attempt::{Attempt, AttemptFailure, AttemptState, NewAttempt};
 use crate::domain::fingerprint::Fingerprint;
-use crate::domain::job::{Job, JobDetail, JobId, JobState, NewJob, StoredResponse};
+use crate::domain::id::AttemptId;
+use crate::domain::id::JobId;
+use crate::domain::job::{Job, JobDetail, JobState, NewJob};
 use crate::domain::key::{IdempotencyKey, Owner};
+use crate::domain::response::StoredResponse;
 use crate::domain::transition::{self, AttemptHead, Change, JobHead, Refusal, Snapshot};
 
 mod embedded {

@@ -9,7 +9,9 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::domain::attempt::{AttemptFailure, AttemptId};
+use crate::domain::attempt::AttemptFailure;
+
+use crate::domain::id::AttemptId;
 use crate::store::Store;
 use crate::telemetry::Chain;
 use crate::upkeep::supervise::Heartbeat;

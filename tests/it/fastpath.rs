@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime};
 
 use futures_util::future::join_all;
 use idemgate::domain::fingerprint::Fingerprint;
-use idemgate::domain::job::JobId;
+use idemgate::domain::id::JobId;
 use idemgate::domain::key::{IdempotencyKey, Owner};
 use idemgate::idempotency::fastpath::{self, Binding, Entry};
 
@@ -269,7 +269,7 @@ async fn corrupt_and_stale_entries_are_ignored_and_repaired() {
         job: JobId::new(),
         fingerprint: Fingerprint([1; 32]),
         expires_at: SystemTime::now() + Duration::from_secs(3600),
-        response: Some(idemgate::domain::job::StoredResponse {
+        response: Some(idemgate::domain::response::StoredResponse {
             status: 200,
             headers: vec![],
             body: bytes::Bytes::from_static(b"stale"),

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use futures_util::future::join_all;
-use idemgate::domain::job::JobId;
+use idemgate::domain::id::JobId;
 use idemgate::domain::key::{IdempotencyKey, Owner};
 use idemgate::idempotency::fastpath::{self, Binding, Tag};
 

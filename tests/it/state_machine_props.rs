@@ -13,10 +13,14 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use uuid::Uuid;
 
-use idemgate::domain::attempt::{AttemptFailure, AttemptId, AttemptState, NewAttempt, Resolution};
+use idemgate::domain::attempt::{AttemptFailure, AttemptState, NewAttempt, Resolution};
+
 use idemgate::domain::fingerprint::Fingerprint;
-use idemgate::domain::job::{JobDetail, JobId, JobState, NewJob, StoredResponse};
+use idemgate::domain::id::AttemptId;
+use idemgate::domain::id::JobId;
+use idemgate::domain::job::{JobDetail, JobState, NewJob};
 use idemgate::domain::key::{IdempotencyKey, Owner};
+use idemgate::domain::response::StoredResponse;
 use idemgate::store::memory::Memory;
 use idemgate::store::{Begin, Doorbell, Machine, Store, StoreErrorKind};
 
@@ -391,7 +395,7 @@ fn postgres_follows_the_reference_and_never_breaks_the_rules() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let db = rt.block_on(crate::support::TestDb::new());
     let backend = idemgate::store::postgres::Postgres::new(
-        &idemgate::store::postgres::PgSettings {
+        &idemgate::config::PgSettings {
             url: db.url.clone(),
             direct_url: None,
             pool_size: 4,

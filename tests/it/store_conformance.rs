@@ -9,10 +9,14 @@ use bytes::Bytes;
 use futures_util::future::join_all;
 use tokio::sync::Barrier;
 
-use idemgate::domain::attempt::{AttemptFailure, AttemptId, AttemptState, NewAttempt, Resolution};
+use idemgate::domain::attempt::{AttemptFailure, AttemptState, NewAttempt, Resolution};
+
 use idemgate::domain::fingerprint::Fingerprint;
-use idemgate::domain::job::{JobId, JobState, NewJob, StoredResponse};
+use idemgate::domain::id::AttemptId;
+use idemgate::domain::id::JobId;
+use idemgate::domain::job::{JobState, NewJob};
 use idemgate::domain::key::{IdempotencyKey, Owner};
+use idemgate::domain::response::StoredResponse;
 use idemgate::store::{Begin, CommitOutcome, Doorbell, Store, StoreError};
 
 fn new_job(key: &str) -> NewJob {
@@ -673,7 +677,7 @@ fn machine<B: idemgate::store::Backend>(backend: B) -> (Arc<dyn Store>, Arc<Door
 async fn postgres_store() -> (Arc<dyn Store>, Arc<Doorbell>, crate::support::TestDb) {
     let db = crate::support::TestDb::new().await;
     let backend = idemgate::store::postgres::Postgres::new(
-        &idemgate::store::postgres::PgSettings {
+        &idemgate::config::PgSettings {
             url: db.url.clone(),
             direct_url: None,
             pool_size: 20,
@@ -721,7 +725,7 @@ async fn corrupt_rows_are_typed_errors_on_both_stores() {
         let (subject, damage): (Arc<dyn Store>, &[&str]) = match &store {
             TestStore::Postgres(db) => {
                 let backend = idemgate::store::postgres::Postgres::new(
-                    &idemgate::store::postgres::PgSettings {
+                    &idemgate::config::PgSettings {
                         url: db.url.clone(),
                         direct_url: None,
                         pool_size: 2,

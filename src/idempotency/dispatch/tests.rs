@@ -9,7 +9,7 @@ use uuid::Uuid;
 use super::*;
 use crate::config::{Flags, Settings};
 use crate::domain::attempt::AttemptState;
-use crate::domain::job::JobId;
+use crate::domain::id::JobId;
 use crate::proxy::upstream::UpstreamError;
 
 const THREE_UPSTREAMS: &str = r#"

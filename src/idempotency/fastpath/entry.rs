@@ -7,8 +7,10 @@ use bytes::Bytes;
 use sha2::{Digest, Sha256};
 
 use crate::domain::fingerprint::Fingerprint;
-use crate::domain::job::{JobId, StoredResponse, EXPIRY_MARGIN};
+use crate::domain::id::JobId;
+use crate::domain::job::EXPIRY_MARGIN;
 use crate::domain::key::{IdempotencyKey, Owner};
+use crate::domain::response::StoredResponse;
 use crate::store::codec::{decode_headers, encode_headers};
 
 const MAGIC: &[u8; 4] = b"IGR1";

@@ -28,9 +28,12 @@ use futures_util::StreamExt;
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
+use crate::config::RedisSettings;
 use crate::domain::fingerprint::Fingerprint;
-use crate::domain::job::{JobId, StoredResponse, EXPIRY_MARGIN};
+use crate::domain::id::JobId;
+use crate::domain::job::EXPIRY_MARGIN;
 use crate::domain::key::{IdempotencyKey, Owner};
+use crate::domain::response::StoredResponse;
 use crate::store::seal::{self, Sealer};
 use crate::store::Doorbell;
 use crate::BoxError;
@@ -40,22 +43,10 @@ mod entry;
 mod stream;
 
 use connection::Redis;
-pub use connection::{Topology, TopologyError};
 pub use entry::{decode, encode, redis_key, stream_key, Binding, Entry, Tag};
 
 /// The pub/sub channel job changes are announced on; the payload is the job id.
 pub const CHANNEL: &str = "idemgate:jobs";
-
-/// Fast-path settings.
-#[derive(Debug, Clone)]
-pub struct FastPathSettings {
-    /// Where Redis is: one node, a cluster or a Sentinel-managed master.
-    pub topology: Topology,
-    /// Longest a Redis call may take before the request goes on without it.
-    pub timeout: Duration,
-    /// Largest response body kept inline; larger ones are kept by reference.
-    pub inline_max: usize,
-}
 
 /// What a lookup found.
 #[derive(Debug)]
@@ -72,7 +63,7 @@ pub enum Lookup {
 /// The Redis fast path of one gateway.
 pub struct FastPath {
     redis: Redis,
-    settings: FastPathSettings,
+    settings: RedisSettings,
     healthy: AtomicBool,
     /// When the last outage was logged (ms after `born`, plus a minute so
     /// that the first is).
@@ -91,7 +82,7 @@ impl FastPath {
     /// Prepares the connection without making it: a Redis that is down at
     /// start-up only means misses until it is up.
     pub fn new(
-        settings: FastPathSettings,
+        settings: RedisSettings,
         instance: Uuid,
         sealer: Option<Arc<Sealer>>,
     ) -> Result<Self, redis::RedisError> {

@@ -9,7 +9,7 @@ use futures_util::StreamExt;
 
 use super::entry::{stream_key, Tag};
 use super::FastPath;
-use crate::domain::job::JobId;
+use crate::domain::id::JobId;
 use crate::idempotency::recording::{End, Next, Recording};
 use crate::store::codec::{decode_headers, encode_headers};
 use crate::store::Doorbell;

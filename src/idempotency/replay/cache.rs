@@ -24,8 +24,10 @@ use quick_cache::{Equivalent, Weighter};
 
 use super::Framing;
 use crate::domain::fingerprint::Fingerprint;
-use crate::domain::job::{JobId, StoredResponse, EXPIRY_MARGIN};
+use crate::domain::id::JobId;
+use crate::domain::job::EXPIRY_MARGIN;
 use crate::domain::key::{IdempotencyKey, Owner};
+use crate::domain::response::StoredResponse;
 use crate::proxy::http::Body;
 
 /// Bookkeeping counted against the budget besides an answer's own bytes.

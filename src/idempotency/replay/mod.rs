@@ -4,7 +4,9 @@
 use bytes::Bytes;
 use http::{header, HeaderName, HeaderValue, Response, StatusCode};
 
-use crate::domain::job::{JobId, StoredResponse};
+use crate::config::Route;
+use crate::domain::id::JobId;
+use crate::domain::response::StoredResponse;
 use crate::proxy::http::{full, Body, IDEMPOTENCY_JOB, IDEMPOTENT_REPLAYED};
 use crate::proxy::upstream::Fetched;
 
@@ -44,6 +46,17 @@ pub enum Framing {
     Whole,
     /// As a stream (chunked, no length), as a streamed answer was first sent.
     Streamed,
+}
+
+impl Framing {
+    /// How `route` replays `stored`: as a stream when it was one.
+    pub fn of(route: &Route, stored: &StoredResponse) -> Framing {
+        if route.streamed(stored) {
+            Framing::Streamed
+        } else {
+            Framing::Whole
+        }
+    }
 }
 
 /// Frames of a streamed replay: small enough that a client reading events

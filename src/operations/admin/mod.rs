@@ -26,9 +26,12 @@ use subtle::ConstantTimeEq;
 use uuid::Uuid;
 
 use crate::config::UpstreamSettings;
-use crate::domain::attempt::{Attempt, AttemptId, Resolution};
-use crate::domain::job::{Job, JobDetail, JobId, StoredResponse};
+use crate::domain::attempt::{Attempt, Resolution};
+use crate::domain::id::AttemptId;
+use crate::domain::id::JobId;
+use crate::domain::job::{Job, JobDetail};
 use crate::domain::key::{IdempotencyKey, Owner};
+use crate::domain::response::StoredResponse;
 use crate::operations::console;
 use crate::proxy::error::problem_response;
 use crate::proxy::http::{collect_limited, full, Body};

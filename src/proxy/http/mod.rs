@@ -5,8 +5,10 @@
 pub mod hop;
 pub mod request_id;
 
+use std::net::SocketAddr;
+
 use bytes::Bytes;
-use http::HeaderName;
+use http::{HeaderName, HeaderValue};
 use http_body_util::{combinators::BoxBody, BodyExt, Full, Limited};
 
 pub use crate::BoxError;
@@ -83,5 +85,24 @@ where
             Err(CollectError::TooLarge { limit })
         }
         Err(e) => Err(CollectError::Read(e)),
+    }
+}
+
+/// The client's address, put into request extensions by the server.
+#[derive(Debug, Clone)]
+pub struct ClientAddr {
+    /// Its socket address.
+    pub addr: SocketAddr,
+    /// Its IP as a header value, made once per connection rather than per
+    /// forwarded request.
+    pub(crate) ip: HeaderValue,
+}
+
+impl ClientAddr {
+    /// The address of a client connected from `addr`.
+    pub fn new(addr: SocketAddr) -> Self {
+        let ip = HeaderValue::try_from(addr.ip().to_string())
+            .expect("an IP address is a valid header value");
+        ClientAddr { addr, ip }
     }
 }

@@ -10,7 +10,6 @@
 mod pool;
 
 use std::future::Future;
-use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -26,7 +25,7 @@ use tokio::sync::watch;
 use self::pool::Pool;
 
 use crate::config::{UpstreamId, UpstreamSettings};
-use crate::proxy::http::{hop, Body};
+use crate::proxy::http::{hop, Body, ClientAddr};
 use crate::BoxError;
 
 /// Which upstream a request goes to, put into request extensions by the
@@ -34,25 +33,6 @@ use crate::BoxError;
 /// upstream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Target(pub UpstreamId);
-
-/// The client's address, put into request extensions by the server.
-#[derive(Debug, Clone)]
-pub struct ClientAddr {
-    /// Its socket address.
-    pub addr: SocketAddr,
-    /// Its IP as a header value, made once per connection rather than per
-    /// forwarded request.
-    ip: HeaderValue,
-}
-
-impl ClientAddr {
-    /// The address of a client connected from `addr`.
-    pub fn new(addr: SocketAddr) -> Self {
-        let ip = HeaderValue::try_from(addr.ip().to_string())
-            .expect("an IP address is a valid header value");
-        ClientAddr { addr, ip }
-    }
-}
 
 /// How forwarding failed, by whether the request may have had an effect.
 #[derive(Debug, thiserror::Error)]

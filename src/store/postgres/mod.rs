@@ -24,10 +24,14 @@ use super::{
     attempt_state, commit_under_lock, expire_each, job_state, millis, Applied, Backend, Begin,
     Committed, Cursor, Decide, Doorbell, Lock, StoreError,
 };
-use crate::domain::attempt::{Attempt, AttemptId, AttemptState, NewAttempt};
+use crate::config::PgSettings;
+use crate::domain::attempt::{Attempt, AttemptState, NewAttempt};
 use crate::domain::fingerprint::Fingerprint;
-use crate::domain::job::{Job, JobDetail, JobId, JobState, NewJob, StoredResponse};
+use crate::domain::id::AttemptId;
+use crate::domain::id::JobId;
+use crate::domain::job::{Job, JobDetail, JobState, NewJob};
 use crate::domain::key::{IdempotencyKey, Owner};
+use crate::domain::response::StoredResponse;
 use crate::domain::transition::{AttemptHead, Change, JobHead, Refusal, Snapshot};
 
 mod budget;
@@ -55,20 +59,6 @@ const ATTEMPT_WIDTH: usize = 11;
 /// A job's head, the database's clock, and each attempt's head: one row per attempt.
 const SNAPSHOT_COLUMNS: &str = "j.id, j.state, j.version, j.attempt_count, j.completed_by, now(), \
      a.id, a.number, a.state, a.job_version, a.lease_expires_at";
-
-/// Connection settings for [`Postgres`].
-#[derive(Debug, Clone)]
-pub struct PgSettings {
-    /// A libpq-style URL or key=value string.
-    pub url: String,
-    /// Where sessions that must stay one session go (LISTEN, the migration
-    /// lock), when `url` is a transaction pooler; `url` when unset.
-    pub direct_url: Option<String>,
-    /// Most connections in the pool.
-    pub pool_size: usize,
-    /// How long to wait for a connection (new or pooled) before answering 503.
-    pub connect_timeout: Duration,
-}
 
 /// The PostgreSQL [`Backend`].
 #[derive(Clone)]

@@ -1,0 +1,165 @@
+//! `redis_url`: where the Redis fast path is, as it is deployed: one node,
+//! a Redis Cluster, or a master watched by Sentinel (`docs/design.md` §13).
+
+use std::time::Duration;
+
+use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo};
+
+/// The Redis fast path's settings.
+#[derive(Debug, Clone)]
+pub struct RedisSettings {
+    /// Where Redis is: one node, a cluster or a Sentinel-managed master.
+    pub topology: Topology,
+    /// Longest a Redis call may take before the request goes on without it.
+    pub timeout: Duration,
+    /// Largest response body kept inline; larger ones are kept by reference.
+    pub inline_max: usize,
+}
+
+/// Where Redis is, as `redis_url` names it.
+#[derive(Debug, Clone)]
+pub enum Topology {
+    /// One node: `redis://host:6379/0` (or `rediss://`, `redis+unix://`).
+    Node(ConnectionInfo),
+    /// A Redis Cluster, found from seed nodes:
+    /// `redis+cluster://[user:password@]host:port,host:port,…`.
+    Cluster(Vec<ConnectionInfo>),
+    /// A master watched by Sentinel:
+    /// `redis+sentinel://[user:password@]host:26379,host:26379,…/service[/db]`;
+    /// the credentials and database are the Redis nodes', not the sentinels'.
+    Sentinel {
+        /// The sentinels.
+        sentinels: Vec<ConnectionAddr>,
+        /// The name the sentinels know the master by.
+        service: String,
+        /// How to talk to the master once found.
+        node: redis::RedisConnectionInfo,
+    },
+}
+
+/// Why `redis_url` does not name a Redis.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct TopologyError(String);
+
+impl Topology {
+    /// Reads `redis_url`.
+    pub fn parse(url: &str) -> Result<Self, TopologyError> {
+        let bad = |why: String| TopologyError(why);
+        if let Some((scheme, rest)) = url
+            .strip_prefix("redis+cluster://")
+            .map(|r| ("redis", r))
+            .or_else(|| url.strip_prefix("rediss+cluster://").map(|r| ("rediss", r)))
+        {
+            let (auth, hosts, path) = split(rest);
+            if !path.is_empty() {
+                return Err(bad(format!(
+                    "a cluster has no database to choose (`/{path}`); remove it"
+                )));
+            }
+            let seeds = hosts
+                .iter()
+                .map(|host| {
+                    format!("{scheme}://{auth}{host}")
+                        .into_connection_info()
+                        .map_err(|e| bad(format!("seed `{host}`: {e}")))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            return Ok(Topology::Cluster(seeds));
+        }
+        if let Some(rest) = url.strip_prefix("redis+sentinel://") {
+            let (auth, hosts, path) = split(rest);
+            let mut path = path.split('/');
+            let service = path.next().unwrap_or_default().to_owned();
+            if service.is_empty() {
+                return Err(bad(
+                    "name the master's service after the sentinels: redis+sentinel://host:26379/mymaster".into(),
+                ));
+            }
+            let db = path.next().filter(|d| !d.is_empty()).unwrap_or("0");
+            let node = format!("redis://{auth}localhost/{db}")
+                .into_connection_info()
+                .map_err(|e| bad(format!("credentials or database: {e}")))?
+                .redis_settings()
+                .clone();
+            let sentinels = hosts
+                .iter()
+                .map(|host| {
+                    format!("redis://{host}")
+                        .into_connection_info()
+                        .map(|info| info.addr().clone())
+                        .map_err(|e| bad(format!("sentinel `{host}`: {e}")))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            return Ok(Topology::Sentinel {
+                sentinels,
+                service,
+                node,
+            });
+        }
+        url.into_connection_info().map(Topology::Node).map_err(|e| {
+            bad(format!(
+                "{e}; use redis://host:6379/0, redis+cluster://host:7000,host:7001 or redis+sentinel://host:26379/mymaster"
+            ))
+        })
+    }
+}
+
+/// `[auth@]host,host[/path]` → (`auth@` or empty, hosts, path).
+fn split(rest: &str) -> (&str, Vec<&str>, &str) {
+    let (auth, rest) = match rest.rfind('@') {
+        Some(at) => rest.split_at(at + 1),
+        None => ("", rest),
+    };
+    let (hosts, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let hosts = hosts.split(',').filter(|h| !h.is_empty()).collect();
+    (auth, hosts, path.trim_end_matches('/'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_name_a_node_a_cluster_or_a_sentinel_master() {
+        assert!(matches!(
+            Topology::parse("redis://127.0.0.1:6379/2").unwrap(),
+            Topology::Node(info) if info.redis_settings().db() == 2
+        ));
+        let Topology::Cluster(seeds) =
+            Topology::parse("redis+cluster://u:p@10.0.0.1:7000,10.0.0.2:7001").unwrap()
+        else {
+            panic!("not a cluster")
+        };
+        assert_eq!(seeds.len(), 2);
+        assert_eq!(
+            seeds[1].addr(),
+            &ConnectionAddr::Tcp("10.0.0.2".into(), 7001)
+        );
+        assert_eq!(seeds[0].redis_settings().password(), Some("p"));
+        let Topology::Sentinel {
+            sentinels,
+            service,
+            node,
+        } = Topology::parse("redis+sentinel://:secret@s1:26379,s2:26380/mymaster/3").unwrap()
+        else {
+            panic!("not sentinel")
+        };
+        assert_eq!(sentinels[1], ConnectionAddr::Tcp("s2".into(), 26380));
+        assert_eq!(service, "mymaster");
+        assert_eq!((node.db(), node.password()), (3, Some("secret")));
+    }
+
+    #[test]
+    fn bad_urls_say_what_to_write() {
+        for (url, says) in [
+            ("http://x", "redis+cluster://"),
+            ("redis+sentinel://s1:26379", "name the master's service"),
+            ("redis+cluster://a:7000/1", "no database"),
+            ("redis+cluster://a:notaport", "seed `a:notaport`"),
+        ] {
+            let why = Topology::parse(url).unwrap_err().to_string();
+            assert!(why.contains(says), "{url}: {why}");
+        }
+    }
+}

@@ -1,0 +1,103 @@
+//! Where jobs and attempts are kept: PostgreSQL when `database_url` is
+//! given, the embedded store in a local file otherwise.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use super::file::FileConfig;
+use super::flags::Flags;
+use super::{bad, positive, ConfigError};
+
+/// Which store to use.
+#[derive(Debug, Clone)]
+pub enum StoreSettings {
+    /// PostgreSQL: the production store, shared by any number of replicas.
+    Postgres(PgSettings),
+    /// SQLite in a local file: zero set-up, one gateway.
+    Embedded {
+        /// The database file.
+        path: PathBuf,
+    },
+}
+
+/// Connection settings for the PostgreSQL store.
+#[derive(Debug, Clone)]
+pub struct PgSettings {
+    /// A libpq-style URL or key=value string.
+    pub url: String,
+    /// Where sessions that must stay one session go (LISTEN, the migration
+    /// lock), when `url` is a transaction pooler; `url` when unset.
+    pub direct_url: Option<String>,
+    /// Most connections in the pool.
+    pub pool_size: usize,
+    /// How long to wait for a connection (new or pooled) before answering 503.
+    pub connect_timeout: Duration,
+}
+
+/// PostgreSQL when a database URL is given, the embedded store otherwise.
+pub(super) fn store_settings(
+    file: &FileConfig,
+    flags: &Flags,
+) -> Result<StoreSettings, ConfigError> {
+    let Some(url) = flags
+        .database_url
+        .clone()
+        .or_else(|| file.database_url.clone())
+    else {
+        let path = flags
+            .embedded_path
+            .clone()
+            .or_else(|| file.embedded_path.clone())
+            .unwrap_or_else(|| PathBuf::from("idemgate.db"));
+        return Ok(StoreSettings::Embedded { path });
+    };
+    postgres_url("database_url", &url)?;
+    let direct_url = flags
+        .database_direct_url
+        .clone()
+        .or_else(|| file.database_direct_url.clone());
+    if let Some(direct) = &direct_url {
+        postgres_url("database_direct_url", direct)?;
+    }
+    let pool_size = file.database_pool_size.unwrap_or(16);
+    if pool_size == 0 {
+        return Err(bad("database_pool_size", "must be at least 1"));
+    }
+    let connect_timeout = positive(
+        "database_timeout",
+        file.database_timeout.unwrap_or(Duration::from_secs(2)),
+    )?;
+    Ok(StoreSettings::Postgres(PgSettings {
+        url,
+        direct_url,
+        pool_size,
+        connect_timeout,
+    }))
+}
+
+/// Checks a PostgreSQL URL given as `key`.
+fn postgres_url(key: &str, url: &str) -> Result<(), ConfigError> {
+    let parsed = url.parse::<tokio_postgres::Config>().map_err(|e| {
+        bad(
+            key,
+            format!("not a PostgreSQL URL ({e}); use postgres://user@host:5432/dbname"),
+        )
+    })?;
+    // With several hosts, the first that answers would do, standby or not:
+    // after a failover every write would fail on a standby.
+    if parsed.get_hosts().len() > 1
+        && parsed.get_target_session_attrs()
+            != tokio_postgres::config::TargetSessionAttrs::ReadWrite
+    {
+        return Err(bad(
+            key,
+            format!(
+                "names {} hosts but not which one to use; add target_session_attrs=read-write \
+                 (postgres://user@a:5432,b:5432/db?target_session_attrs=read-write) so the \
+                 gateway always connects to the primary",
+                parsed.get_hosts().len()
+            ),
+        ));
+    }
+    Ok(())
+}
