@@ -15,8 +15,7 @@ use uuid::Uuid;
 
 use crate::config::{Settings, StoreSettings};
 use crate::idempotency::fastpath::FastPath;
-use crate::idempotency::replay::Answers;
-use crate::idempotency::{IdempotencyLayer, Shared};
+use crate::idempotency::{execute, hold, IdempotencyLayer, Runtime, Shared};
 use crate::operations::admin::Admin;
 use crate::proxy::http::request_id::RequestIds;
 use crate::proxy::http::{BodyError, IDEMPOTENCY_JOB, IDEMPOTENCY_KEY};
@@ -121,17 +120,17 @@ pub async fn run(
     let probes = Arc::new(ProbeBoard::default());
     spawn_upkeep(&settings, &tasks, &store, &leases, &upstreams, &probes);
 
-    let shared = Arc::new(Shared {
-        probes: probes.clone(),
-        settings: settings.clone(),
-        store: store.clone(),
-        doorbell,
-        fastpath,
-        leases: leases.clone(),
-        instance,
-        streams: Arc::default(),
-        answers: Arc::new(Answers::new(settings.replay_cache_size)),
-    });
+    let shared = Arc::new(Shared::new(
+        idempotency_config(&settings),
+        Runtime {
+            store: store.clone(),
+            doorbell,
+            fastpath,
+            probes: probes.clone(),
+            leases: leases.clone(),
+            instance,
+        },
+    ));
 
     // The request path, outermost first.
     let proxy = ServiceBuilder::new()
@@ -216,6 +215,31 @@ pub async fn run(
     stop_tasks.cancel();
     tracing::info!("gateway stopped");
     Ok(())
+}
+
+/// The idempotency layer's configuration, and its components', from the
+/// settings: no component reads the whole settings.
+pub fn idempotency_config(settings: &Settings) -> crate::idempotency::Config {
+    crate::idempotency::Config {
+        routes: settings.routes.clone(),
+        owner_header: settings.owner_header.clone(),
+        mismatch_status: settings.mismatch_status,
+        key_ttl: settings.key_ttl,
+        retry_after: settings.retry_after,
+        hold: hold::Config {
+            timeout: settings.hold_timeout,
+            retry_after: settings.retry_after,
+        },
+        attempt: execute::Config {
+            deadline: settings.attempt_deadline,
+            lease_ttl: settings.lease_ttl,
+            max_response_size: settings.max_response_size,
+            forward_key_header: settings.forward_key_header.clone(),
+            forward_attempt_header: settings.forward_attempt_header.clone(),
+        },
+        stream_stall: settings.upstream_timeout + settings.lease_ttl,
+        replay_cache_size: settings.replay_cache_size,
+    }
 }
 
 /// The Redis fast path, with its announcer and listener.

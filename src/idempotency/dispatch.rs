@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::execute::{Answer, Reply};
+use super::execute::{Reply, Uncommitted};
 use crate::config::{Route, UpstreamSettings};
 use crate::domain::attempt::Attempt;
 use crate::domain::id::AttemptId;
@@ -109,7 +109,7 @@ pub(super) struct Dispatch {
     running: usize,
     claiming: bool,
     hedge_pending: bool,
-    last: Option<Answer>,
+    last: Option<Uncommitted>,
     unknown: Option<GatewayError>,
     store_error: Option<StoreError>,
 }
@@ -286,8 +286,8 @@ impl Dispatch {
             return Err(error);
         }
         match self.last.take() {
-            Some(Answer::Response(response)) => Ok(response),
-            Some(Answer::Error(error)) => Err(error),
+            Some(Uncommitted::Response(response)) => Ok(response),
+            Some(Uncommitted::Error(error)) => Err(error),
             None => Err(match self.store_error.take() {
                 Some(e) => e.into(),
                 None => GatewayError::internal("no attempt was made"),

@@ -25,27 +25,31 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{Request, Response};
+use http::{HeaderName, HeaderValue, Request, Response};
 use http_body_util::BodyExt;
 use tokio::sync::{oneshot, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
+use uuid::Uuid;
 
-use super::{Shared, UpstreamService};
+use super::layer::UpstreamService;
+use super::opt_in::Keyed;
+use super::recording::join::Live;
 use crate::config::{Route, UpstreamSettings};
-use crate::domain::attempt::{Attempt, AttemptFailure, AttemptState};
+use crate::domain::attempt::{Attempt, AttemptFailure, AttemptState, NewAttempt};
 use crate::domain::contract::excerpt;
+use crate::domain::id::AttemptId;
 use crate::domain::response::StoredResponse;
-use crate::idempotency::fastpath::Tag;
+use crate::idempotency::fastpath::{FastPath, Tag};
 use crate::idempotency::recording::Recording;
 use crate::idempotency::replay;
 use crate::proxy::error::GatewayError;
-use crate::proxy::http::{full, Body};
+use crate::proxy::http::{full, Body, IDEMPOTENCY_KEY};
 use crate::proxy::upstream::{self, Fetched, Target, UpstreamError, UpstreamErrorKind};
-use crate::store::{CommitOutcome, StoreError};
+use crate::store::{CommitOutcome, Doorbell, Store, StoreError};
 use crate::telemetry::Chain;
-use crate::upkeep::lease::LeaseGuard;
+use crate::upkeep::lease::{LeaseGuard, Leases};
 
 /// How long a request waits for its attempt's outcome to be recorded before
 /// it is answered anyway (the write goes on in the background).
@@ -61,7 +65,7 @@ pub(super) enum Reply {
     /// Another attempt won (or an operator resolved the job meanwhile).
     Superseded,
     /// Provably had no effect; what the client gets if nothing else is tried.
-    Failed(Answer),
+    Failed(Uncommitted),
     /// Sent, and its outcome is unknown (or not recorded yet).
     Unknown(GatewayError),
     /// Its answer streams: read it from the recording (the end comes once
@@ -71,7 +75,7 @@ pub(super) enum Reply {
 
 /// A client-facing answer that is not the job's result.
 #[derive(Debug)]
-pub(super) enum Answer {
+pub(super) enum Uncommitted {
     /// The upstream's own answer (a retryable status), passed on uncommitted.
     Response(Response<Body>),
     /// A problem answer.
@@ -84,7 +88,7 @@ pub(super) enum Verdict {
     /// Commit it.
     Commit(StoredResponse),
     /// Provably no effect (refused, retryable status, contract broken).
-    Fail(AttemptFailure, Answer),
+    Fail(AttemptFailure, Uncommitted),
     /// It may have acted; nobody can tell how.
     Unknown(AttemptFailure, GatewayError),
 }
@@ -99,48 +103,132 @@ pub(super) struct Running {
     pub reply: oneshot::Receiver<Reply>,
 }
 
-/// Starts the attempt's task against `target`; `tag` (with a fast path)
-/// places what it mirrors of the attempt with the rest of its key's entries.
-#[allow(clippy::too_many_arguments)] // each is the attempt's own; no bundle reads better
-pub(super) fn start(
-    shared: Arc<Shared>,
-    upstream: UpstreamService,
-    route: Arc<Route>,
-    target: &UpstreamSettings,
-    attempt: Attempt,
-    mut request: Request<Body>,
-    tag: Option<Tag>,
-    parent: &tracing::Span,
-) -> Running {
-    let (tx, rx) = oneshot::channel();
-    let cancel = CancellationToken::new();
-    request.extensions_mut().insert(Target(target.id.clone()));
-    let task = Task {
-        lease: Arc::new(shared.leases.hold(attempt.id)),
-        deadline: Instant::now() + shared.settings.attempt_deadline,
-        timeout: target.timeout,
-        route,
-        shared,
-        attempt: attempt.clone(),
-        tag,
-        reply: Some(tx),
-    };
-    // A child of the request's span, though it may outlive the request.
-    let span = tracing::info_span!(
-        parent: parent,
-        "attempt",
-        otel.kind = "client",
-        job.id = %attempt.job_id,
-        attempt.id = %attempt.id,
-        attempt.number = attempt.number,
-        upstream = %attempt.upstream,
-        outcome = tracing::field::Empty,
-    );
-    tokio::spawn(task.run(upstream, request, cancel.clone()).instrument(span));
-    Running {
-        attempt,
-        cancel,
-        reply: rx,
+/// What every attempt runs with.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// After this long an attempt is abandoned, answer or not.
+    pub deadline: Duration,
+    /// Length of an attempt's lease; renewed every third of it.
+    pub lease_ttl: Duration,
+    /// Largest upstream answer that can be committed.
+    pub max_response_size: usize,
+    /// The header carrying the job id upstream.
+    pub forward_key_header: HeaderName,
+    /// The header carrying the attempt number upstream.
+    pub forward_attempt_header: HeaderName,
+}
+
+/// Runs attempts: the handles every attempt task needs.
+pub struct Runner {
+    config: Config,
+    store: Arc<dyn Store>,
+    leases: Arc<Leases>,
+    doorbell: Arc<Doorbell>,
+    fastpath: Option<Arc<FastPath>>,
+    live: Arc<Live>,
+    /// This gateway instance, recorded on the attempts it runs.
+    instance: Uuid,
+}
+
+impl Runner {
+    /// Runs attempts for gateway `instance`, recording them in `store`.
+    pub fn new(
+        config: Config,
+        store: Arc<dyn Store>,
+        leases: Arc<Leases>,
+        doorbell: Arc<Doorbell>,
+        fastpath: Option<Arc<FastPath>>,
+        live: Arc<Live>,
+        instance: Uuid,
+    ) -> Self {
+        Runner {
+            config,
+            store,
+            leases,
+            doorbell,
+            fastpath,
+            live,
+            instance,
+        }
+    }
+
+    /// What the store is asked to record for a new attempt on `target`.
+    pub(super) fn new_attempt(&self, target: &UpstreamSettings) -> NewAttempt {
+        NewAttempt {
+            id: AttemptId::new(),
+            upstream: target.name().to_owned(),
+            instance: self.instance,
+            lease: self.config.lease_ttl,
+            deadline: self.config.deadline,
+        }
+    }
+
+    /// Starts `attempt` of `request`'s job against `target`, in a task of
+    /// its own.
+    pub(super) fn start(
+        self: &Arc<Self>,
+        upstream: UpstreamService,
+        request: &Keyed,
+        target: &UpstreamSettings,
+        attempt: Attempt,
+    ) -> Running {
+        let (tx, rx) = oneshot::channel();
+        let cancel = CancellationToken::new();
+        let forwarded = self.upstream_request(request, target, &attempt);
+        let task = Task {
+            lease: Arc::new(self.leases.hold(attempt.id)),
+            deadline: Instant::now() + self.config.deadline,
+            timeout: target.timeout,
+            route: request.route.clone(),
+            runner: self.clone(),
+            attempt: attempt.clone(),
+            // Only a fast path needs it: no digest per attempt without one.
+            tag: self.fastpath.as_ref().map(|_| request.tag()),
+            reply: Some(tx),
+        };
+        // A child of the request's span, though it may outlive the request.
+        let span = tracing::info_span!(
+            parent: &request.span,
+            "attempt",
+            otel.kind = "client",
+            job.id = %attempt.job_id,
+            attempt.id = %attempt.id,
+            attempt.number = attempt.number,
+            upstream = %attempt.upstream,
+            outcome = tracing::field::Empty,
+        );
+        tokio::spawn(
+            task.run(upstream, forwarded, cancel.clone())
+                .instrument(span),
+        );
+        Running {
+            attempt,
+            cancel,
+            reply: rx,
+        }
+    }
+
+    /// The request as `target` receives it: the client's, with the job id
+    /// in place of the client's key and the attempt's number.
+    fn upstream_request(
+        &self,
+        request: &Keyed,
+        target: &UpstreamSettings,
+        attempt: &Attempt,
+    ) -> Request<Body> {
+        let mut parts = request.parts.clone();
+        parts.headers.remove(IDEMPOTENCY_KEY);
+        if let Ok(v) = HeaderValue::from_str(&attempt.job_id.to_string()) {
+            parts
+                .headers
+                .insert(self.config.forward_key_header.clone(), v);
+        }
+        parts.headers.insert(
+            self.config.forward_attempt_header.clone(),
+            HeaderValue::from(attempt.number),
+        );
+        parts.extensions.insert(Target(target.id.clone()));
+        Request::from_parts(parts, full(request.body.clone()))
     }
 }
 
@@ -156,7 +244,7 @@ pub(super) fn classify(result: Result<Fetched, UpstreamError>, route: &Route) ->
                         status: None,
                         detail,
                     },
-                    Answer::Error(error.into()),
+                    Uncommitted::Error(error.into()),
                 ),
                 UpstreamErrorKind::MayHaveActed | UpstreamErrorKind::Unusable => {
                     Verdict::Unknown(AttemptFailure::Unknown { detail }, error.into())
@@ -171,7 +259,7 @@ pub(super) fn classify(result: Result<Fetched, UpstreamError>, route: &Route) ->
             detail: format!("upstream answered {status}, configured as retryable"),
         };
         let response = Response::from_parts(fetched.parts, full(fetched.body));
-        return Verdict::Fail(failure, Answer::Response(response));
+        return Verdict::Fail(failure, Uncommitted::Response(response));
     }
     if let Some(contract) = route
         .contract
@@ -188,7 +276,7 @@ pub(super) fn classify(result: Result<Fetched, UpstreamError>, route: &Route) ->
                 ),
             };
             let error = UpstreamError::ContractViolation(why);
-            return Verdict::Fail(failure, Answer::Error(error.into()));
+            return Verdict::Fail(failure, Uncommitted::Error(error.into()));
         }
     }
     Verdict::Commit(replay::capture(&fetched))
@@ -217,7 +305,7 @@ struct Clock {
 }
 
 struct Task {
-    shared: Arc<Shared>,
+    runner: Arc<Runner>,
     route: Arc<Route>,
     attempt: Attempt,
     /// Held until every write about the attempt is in.
@@ -306,7 +394,7 @@ impl Task {
         if !clock.timed_out && !retryable && self.route.streams(&parts.headers) {
             return Call::Streaming(parts, body);
         }
-        let limit = self.shared.settings.max_response_size;
+        let limit = self.runner.config.max_response_size;
         let rest = upstream::read_body(parts, body, limit, &progress_tx);
         match self.watch(rest, &mut progress, &mut clock, cancel).await {
             Watched::Done(result) => Call::Answered(result),
@@ -367,17 +455,17 @@ impl Task {
             parts.status.as_u16(),
             replay::capture_headers(&parts.headers),
         );
-        self.shared.streams.insert(&recording);
+        self.runner.live.insert(&recording);
         // Duplicates held on the job here look again, and join; with Redis,
         // the stream is mirrored there and other replicas are told once its
         // head is.
-        self.shared.doorbell.ring_local(job);
-        if let (Some(fast), Some(tag)) = (&self.shared.fastpath, &self.tag) {
-            let ttl = self.shared.settings.attempt_deadline + Duration::from_secs(60);
-            fast.mirror(tag, &recording, ttl, self.shared.doorbell.clone());
+        self.runner.doorbell.ring_local(job);
+        if let (Some(fast), Some(tag)) = (&self.runner.fastpath, &self.tag) {
+            let ttl = self.runner.config.deadline + Duration::from_secs(60);
+            fast.mirror(tag, &recording, ttl, self.runner.doorbell.clone());
         }
         self.send(Reply::Streaming(recording.clone()));
-        let limit = self.shared.settings.max_response_size;
+        let limit = self.runner.config.max_response_size;
         let silence = tokio::time::sleep(self.timeout);
         tokio::pin!(silence);
         let mut received = 0usize;
@@ -456,7 +544,7 @@ impl Task {
         &self,
         stored: StoredResponse,
     ) -> tokio::task::JoinHandle<Result<CommitOutcome, StoreError>> {
-        let (store, attempt) = (self.shared.store.clone(), self.attempt.clone());
+        let (store, attempt) = (self.runner.store.clone(), self.attempt.clone());
         let response = stored;
         let lease = self.lease.clone();
         tokio::spawn(retrying("commit", attempt.id, self.deadline, move || {
@@ -537,7 +625,7 @@ impl Task {
         failure: AttemptFailure,
     ) -> tokio::task::JoinHandle<Result<(), StoreError>> {
         let (store, attempt, lease) = (
-            self.shared.store.clone(),
+            self.runner.store.clone(),
             self.attempt.id,
             self.lease.clone(),
         );
@@ -570,7 +658,7 @@ fn outcome(state: AttemptState) {
 /// is logged as an error: the attempt's lease will lapse into `unknown`.
 async fn retrying<T, F, Fut>(
     what: &'static str,
-    attempt: crate::domain::id::AttemptId,
+    attempt: AttemptId,
     deadline: Instant,
     mut write: F,
 ) -> Result<T, StoreError>

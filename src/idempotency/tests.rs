@@ -13,6 +13,13 @@ use http::Request;
 use http_body_util::BodyExt;
 use tokio::sync::Notify;
 
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use http::Response;
+use tower::{Layer, Service};
+use uuid::Uuid;
+
 use super::*;
 use crate::config::{Flags, Settings};
 use crate::domain::attempt::{Attempt, AttemptFailure, NewAttempt, Resolution};
@@ -21,9 +28,12 @@ use crate::domain::id::JobId;
 use crate::domain::job::{Job, JobDetail, JobState, NewJob};
 use crate::domain::key::{IdempotencyKey, Owner};
 use crate::domain::response::StoredResponse;
+use crate::proxy::http::Body;
 use crate::proxy::upstream::Target;
+use crate::proxy::upstream::UpstreamError;
 use crate::store::memory::Memory;
 use crate::store::{Begin, CommitOutcome, Machine, StoreError};
+use crate::store::{Doorbell, Store};
 
 /// Which store calls fail, and signals when they happen.
 #[derive(Default)]
@@ -207,6 +217,14 @@ path_prefix = "/"
 "#;
 
 fn gateway(toml: &str, faults: Faults) -> (Idempotency, Arc<Faults>, Arc<dyn Store>, Scripted) {
+    let (layer, faults, store) = layer(toml, faults);
+    let upstream = Scripted::default();
+    let service = layer.layer(upstream.service());
+    (service, faults, store, upstream)
+}
+
+/// The layer over the faulty in-memory store, configured by `toml`.
+fn layer(toml: &str, faults: Faults) -> (IdempotencyLayer, Arc<Faults>, Arc<dyn Store>) {
     let settings =
         Settings::from_sources(Settings::parse_file(toml).unwrap(), Flags::default()).unwrap();
     let doorbell = Arc::new(Doorbell::default());
@@ -215,27 +233,18 @@ fn gateway(toml: &str, faults: Faults) -> (Idempotency, Arc<Faults>, Arc<dyn Sto
         inner: Machine::new(Memory::default(), doorbell.clone()),
         faults: faults.clone(),
     });
-    let answers = Arc::new(crate::idempotency::replay::Answers::new(
-        settings.replay_cache_size,
+    let shared = Arc::new(Shared::new(
+        crate::app::idempotency_config(&settings),
+        Runtime {
+            store: store.clone(),
+            doorbell,
+            fastpath: None,
+            probes: Arc::default(),
+            leases: Arc::default(),
+            instance: Uuid::nil(),
+        },
     ));
-    let shared = Arc::new(Shared {
-        answers,
-        settings: Arc::new(settings),
-        store: store.clone(),
-        doorbell,
-        fastpath: None,
-        probes: Arc::default(),
-        leases: Arc::default(),
-        instance: Uuid::nil(),
-        streams: Arc::default(),
-    });
-    let upstream = Scripted::default();
-    let service = Idempotency {
-        inner: upstream.service(),
-        shared,
-        not_ready: None,
-    };
-    (service, faults, store, upstream)
+    (IdempotencyLayer::new(shared), faults, store)
 }
 
 fn keyed(key: &str) -> Request<Body> {
@@ -338,8 +347,8 @@ impl Service<Request<Body>> for NeverReady {
 /// sent), and the handle is not called.
 #[tokio::test]
 async fn a_pass_through_request_gets_the_upstream_handles_readiness_error() {
-    let (mut service, _, _, _) = gateway(FAILOVER, Faults::default());
-    service.inner = BoxCloneSyncService::new(NeverReady);
+    let (layer, _, _) = layer(FAILOVER, Faults::default());
+    let service = layer.layer(NeverReady);
     let request = Request::post("/v1/jobs")
         .body(crate::proxy::http::full("{}"))
         .unwrap();

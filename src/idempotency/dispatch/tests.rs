@@ -51,7 +51,7 @@ fn attempt(number: i32, version: i64) -> Attempt {
 }
 
 fn refused() -> Reply {
-    Reply::Failed(Answer::Error(
+    Reply::Failed(Uncommitted::Error(
         UpstreamError::Refused("connection refused".into()).into(),
     ))
 }

@@ -38,7 +38,7 @@ fn refused_before_sending_is_a_safe_failure() {
         verdict,
         Verdict::Fail(
             AttemptFailure::Failed { status: None, .. },
-            Answer::Error(_)
+            Uncommitted::Error(_)
         )
     ));
 }
@@ -60,7 +60,7 @@ fn anything_that_may_have_reached_the_upstream_is_unknown() {
 #[test]
 fn a_retryable_status_is_passed_on_uncommitted() {
     match classify(answered(503, "busy"), &route("")) {
-        Verdict::Fail(AttemptFailure::Failed { status, .. }, Answer::Response(r)) => {
+        Verdict::Fail(AttemptFailure::Failed { status, .. }, Uncommitted::Response(r)) => {
             assert_eq!(status, Some(503));
             assert_eq!(r.status(), 503);
         }
@@ -85,7 +85,7 @@ fn a_success_that_breaks_the_contract_is_rejected_and_an_error_is_not_checked() 
         classify(answered(200, "not json"), &chat),
         Verdict::Fail(
             AttemptFailure::Rejected { status: 200, .. },
-            Answer::Error(_)
+            Uncommitted::Error(_)
         )
     ));
     assert!(

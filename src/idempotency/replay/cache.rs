@@ -36,7 +36,7 @@ const OVERHEAD: usize = 256;
 /// A committed answer, as the replay cache keeps it: with the head of its
 /// replay made once, when it is kept, rather than per replay.
 #[derive(Debug)]
-pub struct Answer {
+pub struct Kept {
     /// Its job.
     pub job: JobId,
     /// The fingerprint of the request that made it.
@@ -49,7 +49,7 @@ pub struct Answer {
     headers: HeaderMap,
 }
 
-impl Answer {
+impl Kept {
     /// `response`, committed for `job`, replayed with `framing`.
     pub fn new(
         job: JobId,
@@ -59,7 +59,7 @@ impl Answer {
         framing: Framing,
     ) -> Self {
         let (head, _) = super::response(&response, job, true, framing).into_parts();
-        Answer {
+        Kept {
             job,
             fingerprint,
             expires_at,
@@ -82,19 +82,19 @@ impl Answer {
 type Slot = (Owner, IdempotencyKey);
 
 /// The answers kept here, at most `replay_cache_size` bytes of them.
-pub struct Answers {
-    cache: Option<Cache<Slot, Arc<Answer>, ByBytes>>,
+pub struct ReplayCache {
+    cache: Option<Cache<Slot, Arc<Kept>, ByBytes>>,
 }
 
-impl std::fmt::Debug for Answers {
+impl std::fmt::Debug for ReplayCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Answers")
+        f.debug_struct("ReplayCache")
             .field("entries", &self.cache.as_ref().map_or(0, |c| c.len()))
             .finish()
     }
 }
 
-impl Answers {
+impl ReplayCache {
     /// A cache of at most `bytes` of answers; none at all for 0.
     pub fn new(bytes: usize) -> Self {
         let cache = (bytes > 0).then(|| {
@@ -102,7 +102,7 @@ impl Answers {
             let items = (bytes / 2048).clamp(64, 1 << 20);
             Cache::with_weighter(items, bytes as u64, ByBytes)
         });
-        Answers { cache }
+        ReplayCache { cache }
     }
 
     /// Keeps the answer `make` makes of `job` for `(owner, key)`; one too
@@ -113,7 +113,7 @@ impl Answers {
         owner: &Owner,
         key: &IdempotencyKey,
         job: JobId,
-        make: impl FnOnce() -> Answer,
+        make: impl FnOnce() -> Kept,
     ) {
         let Some(cache) = &self.cache else {
             return;
@@ -129,7 +129,7 @@ impl Answers {
 
     /// The answer kept for `(owner, key)`, unless it is (nearly) expired at
     /// `now`.
-    pub fn get(&self, owner: &Owner, key: &IdempotencyKey, now: SystemTime) -> Option<Arc<Answer>> {
+    pub fn get(&self, owner: &Owner, key: &IdempotencyKey, now: SystemTime) -> Option<Arc<Kept>> {
         let cache = self.cache.as_ref()?;
         let slot = Borrowed(owner, key);
         let answer = cache.get(&slot)?;
@@ -145,8 +145,8 @@ impl Answers {
 #[derive(Clone)]
 struct ByBytes;
 
-impl Weighter<Slot, Arc<Answer>> for ByBytes {
-    fn weight(&self, (owner, key): &Slot, answer: &Arc<Answer>) -> u64 {
+impl Weighter<Slot, Arc<Kept>> for ByBytes {
+    fn weight(&self, (owner, key): &Slot, answer: &Arc<Kept>) -> u64 {
         let response = &answer.response;
         let headers: usize = response
             .headers
@@ -189,8 +189,8 @@ mod tests {
         IdempotencyKey::new(k).unwrap()
     }
 
-    fn answer(body: &'static [u8], expires_in: Duration) -> Answer {
-        Answer::new(
+    fn answer(body: &'static [u8], expires_in: Duration) -> Kept {
+        Kept::new(
             JobId::new(),
             Fingerprint([7; 32]),
             SystemTime::now() + expires_in,
@@ -226,7 +226,7 @@ mod tests {
 
     #[test]
     fn an_answer_is_found_by_its_owner_and_key_only() {
-        let answers = Answers::new(1 << 20);
+        let answers = ReplayCache::new(1 << 20);
         let kept = answer(b"{}", Duration::from_secs(3600));
         let job = kept.job;
         keep(&answers, "a", kept);
@@ -237,13 +237,13 @@ mod tests {
         assert!(answers.get(&other, &key("a"), now).is_none());
     }
 
-    fn keep(answers: &Answers, k: &str, answer: Answer) {
+    fn keep(answers: &ReplayCache, k: &str, answer: Kept) {
         answers.insert(&owner(), &key(k), answer.job, || answer);
     }
 
     #[test]
     fn an_answer_already_kept_is_not_made_again_and_another_job_replaces_it() {
-        let answers = Answers::new(1 << 20);
+        let answers = ReplayCache::new(1 << 20);
         let first = answer(b"{}", Duration::from_secs(3600));
         let job = first.job;
         keep(&answers, "a", first);
@@ -259,7 +259,7 @@ mod tests {
 
     #[test]
     fn an_answer_near_its_expiry_is_not_used() {
-        let answers = Answers::new(1 << 20);
+        let answers = ReplayCache::new(1 << 20);
         keep(&answers, "a", answer(b"{}", Duration::from_secs(60)));
         let now = SystemTime::now();
         assert!(answers.get(&owner(), &key("a"), now).is_some());
@@ -269,11 +269,11 @@ mod tests {
 
     #[test]
     fn the_budget_bounds_what_is_kept_and_zero_keeps_nothing() {
-        let none = Answers::new(0);
+        let none = ReplayCache::new(0);
         keep(&none, "a", answer(b"{}", Duration::from_secs(60)));
         assert!(none.get(&owner(), &key("a"), SystemTime::now()).is_none());
 
-        let small = Answers::new(4096);
+        let small = ReplayCache::new(4096);
         for i in 0..100 {
             keep(
                 &small,

@@ -11,8 +11,9 @@ use crate::proxy::http::{full, Body, IDEMPOTENCY_JOB, IDEMPOTENT_REPLAYED};
 use crate::proxy::upstream::Fetched;
 
 mod cache;
+pub mod tiers;
 
-pub use cache::{Answer, Answers};
+pub use cache::{Kept, ReplayCache};
 
 /// What is kept of an upstream answer: status, end-to-end headers (the
 /// upstream service already removed hop-by-hop ones; the length is

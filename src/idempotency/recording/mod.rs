@@ -16,6 +16,8 @@
 //!   large, or its commit lost) ends every reader's body with an error, so
 //!   no client mistakes part of a stream for the whole.
 
+pub mod join;
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 
@@ -247,11 +249,11 @@ impl Drop for Recording {
 
 /// The streams this gateway is recording, by job, for duplicates to join.
 #[derive(Debug, Default)]
-pub struct Streams {
+pub struct Recordings {
     live: Mutex<HashMap<JobId, Weak<Recording>>>,
 }
 
-impl Streams {
+impl Recordings {
     /// Makes `recording` joinable until it ends.
     pub fn insert(&self, recording: &Arc<Recording>) {
         let mut live = self.live.lock().unwrap_or_else(|e| e.into_inner());
@@ -320,7 +322,7 @@ mod tests {
 
     #[tokio::test]
     async fn only_live_recordings_can_be_joined() {
-        let streams = Streams::default();
+        let streams = Recordings::default();
         let r = Recording::new(JobId::new(), 200, vec![]);
         streams.insert(&r);
         assert!(streams.live(r.job).is_some());

@@ -1,0 +1,138 @@
+//! The hold of duplicates: a request whose job is running waits here until
+//! the job is no longer running (or its answer starts streaming, to join
+//! it), then the flow decides again (`docs/design.md` §2, §7).
+//!
+//! No polling: the [`Doorbell`] rings on every change of the job, here or
+//! (through PostgreSQL or Redis) on another replica, and the job is read
+//! again after each ring — and once after subscribing, so a change between
+//! the first read and the subscription is not missed. Duplicates held on one
+//! job share the reads a ring causes. Past `hold_timeout` a duplicate is
+//! answered `409 …/request-in-progress` with `Retry-After`.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::domain::id::JobId;
+use crate::domain::job::{Job, JobState};
+use crate::proxy::error::{ClientError, GatewayError};
+use crate::store::{Doorbell, Observed, Store};
+
+/// How long duplicates are held, and what they are told after.
+#[derive(Debug, Clone, Copy)]
+pub struct Config {
+    /// Longest a duplicate waits for a running job.
+    pub timeout: Duration,
+    /// `Retry-After` on the answer of a duplicate held too long.
+    pub retry_after: Duration,
+}
+
+/// When a hold ends, besides the job no longer running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Until {
+    /// Also once its answer streams: the duplicate joins the stream.
+    Streaming,
+    /// Only once it has settled: the waiter wants the committed answer.
+    Settled,
+}
+
+/// Holds duplicates of running jobs.
+pub struct Holds {
+    store: Arc<dyn Store>,
+    doorbell: Arc<Doorbell>,
+    config: Config,
+}
+
+impl Holds {
+    /// Holds on `store`, woken by `doorbell`.
+    pub fn new(store: Arc<dyn Store>, doorbell: Arc<Doorbell>, config: Config) -> Self {
+        Holds {
+            store,
+            doorbell,
+            config,
+        }
+    }
+
+    /// Waits until `job` is no longer running — or, with [`Until::Streaming`],
+    /// until `streaming` says its answer streams — or the hold timeout.
+    pub async fn wait<S, F>(
+        &self,
+        job: JobId,
+        until: Until,
+        streaming: S,
+    ) -> Result<Job, GatewayError>
+    where
+        S: Fn(JobId) -> F,
+        F: Future<Output = bool>,
+    {
+        let bell = self.doorbell.bell(job);
+        // Changes of a job are announced to other replicas only once
+        // someone waits on it; the reads below follow the mark.
+        bell.watched(|| self.store.watch(job)).await?;
+        let deadline = Instant::now() + self.config.timeout;
+        metrics::counter!("idemgate_requests_held_total").increment(1);
+        let _held = HeldGauge::new();
+        loop {
+            let rung = bell.notified();
+            tokio::pin!(rung);
+            rung.as_mut().enable();
+            // What another waiter read since the last ring serves here too.
+            let since = bell.rings();
+            let seen = bell
+                .observe(since, || self.observe(job, &streaming))
+                .await?;
+            // Settled, or streaming: the caller decides (and joins).
+            if seen.job.state != JobState::Running || (until == Until::Streaming && seen.streaming)
+            {
+                return Ok(seen.job);
+            }
+            tokio::select! {
+                () = &mut rung => {}
+                () = tokio::time::sleep_until(deadline) => return Err(self.in_progress()),
+            }
+        }
+    }
+
+    /// Reads the job, and whether its answer streams.
+    async fn observe<S, F>(&self, job: JobId, streaming: &S) -> Result<Observed, GatewayError>
+    where
+        S: Fn(JobId) -> F,
+        F: Future<Output = bool>,
+    {
+        let job = self.reread(job).await?;
+        let streaming = job.state == JobState::Running && streaming(job.id).await;
+        Ok(Observed { job, streaming })
+    }
+
+    /// The job as the store has it now.
+    pub async fn reread(&self, job: JobId) -> Result<Job, GatewayError> {
+        // Purged under our feet (expired): the client may simply retry.
+        self.store.job(job).await?.ok_or_else(|| self.in_progress())
+    }
+
+    /// The answer to a duplicate that cannot be held (longer).
+    pub fn in_progress(&self) -> GatewayError {
+        ClientError::InProgress {
+            retry_after: self.config.retry_after,
+        }
+        .into()
+    }
+}
+
+/// Counts the duplicates held right now (`idemgate_held_requests`).
+struct HeldGauge;
+
+impl HeldGauge {
+    fn new() -> Self {
+        metrics::gauge!("idemgate_held_requests").increment(1.0);
+        HeldGauge
+    }
+}
+
+impl Drop for HeldGauge {
+    fn drop(&mut self) {
+        metrics::gauge!("idemgate_held_requests").decrement(1.0);
+    }
+}

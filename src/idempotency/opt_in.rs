@@ -1,0 +1,128 @@
+//! Which requests opt in (`docs/design.md` §2): a request on an opted-in
+//! route (method and path) that carries an `Idempotency-Key`. Told from the
+//! head alone, with no await and no allocation, because most traffic
+//! through a gateway does not opt in and deciding that must cost next to
+//! nothing. An opted-in request is then [prepared](prepare): its owner
+//! derived, its body read (bounded) and its fingerprint taken.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, Request};
+use tracing::Span;
+
+use crate::config::Route;
+use crate::domain::fingerprint::{fingerprint, Fingerprint, RequestParts};
+use crate::domain::key::{IdempotencyKey, Owner};
+use crate::idempotency::fastpath::Tag;
+use crate::proxy::error::{ClientError, GatewayError};
+use crate::proxy::http::{collect_limited, Body, IDEMPOTENCY_KEY};
+use crate::proxy::upstream::Target;
+
+/// What a request is, told from its head.
+pub enum Classified {
+    /// Not opted in: forward it untouched.
+    PassThrough(Request<Body>),
+    /// Opted in, but refused before touching the store.
+    Refused(GatewayError),
+    /// Opted in: its body is read and fingerprinted by [`prepare`].
+    OptedIn(OptedIn),
+}
+
+/// An opted-in request whose key parsed.
+pub struct OptedIn {
+    route: Arc<Route>,
+    key: IdempotencyKey,
+    req: Request<Body>,
+}
+
+/// One opted-in request, buffered and fingerprinted: who asks, for what.
+pub struct Keyed {
+    /// The route it matched.
+    pub route: Arc<Route>,
+    /// Who the key belongs to.
+    pub owner: Owner,
+    /// The client's key.
+    pub key: IdempotencyKey,
+    /// What a duplicate must match.
+    pub fingerprint: Fingerprint,
+    /// Its head, as received.
+    pub parts: http::request::Parts,
+    /// Its whole body.
+    pub body: Bytes,
+    /// Its span: its attempts' spans are children of it.
+    pub span: Span,
+}
+
+impl Keyed {
+    /// Where the fast path keeps this key's entries.
+    pub fn tag(&self) -> Tag {
+        Tag::of(&self.owner, &self.key)
+    }
+}
+
+/// Tells pass-through from opted-in by the first route that matches.
+pub fn classify(routes: &[Arc<Route>], req: Request<Body>) -> Classified {
+    let Some(route) = routes
+        .iter()
+        .find(|r| r.methods.contains(req.method()) && r.matches_path(req.uri().path()))
+    else {
+        return Classified::PassThrough(req);
+    };
+    let key = match req.headers().get(IDEMPOTENCY_KEY) {
+        None if route.require_key => return Classified::Refused(ClientError::MissingKey.into()),
+        None => {
+            let mut req = req;
+            req.extensions_mut()
+                .insert(Target(route.primary.id.clone()));
+            return Classified::PassThrough(req);
+        }
+        Some(raw) => match IdempotencyKey::parse(raw.as_bytes()) {
+            Ok(key) => key,
+            Err(e) => return Classified::Refused(ClientError::from(e).into()),
+        },
+    };
+    Classified::OptedIn(OptedIn {
+        route: route.clone(),
+        key,
+        req,
+    })
+}
+
+/// Reads what the decision needs: the owner (from `owner_header`), the body
+/// (within the route's limit, `413` past it) and the fingerprint.
+pub async fn prepare(owner_header: &HeaderName, opted: OptedIn) -> Result<Keyed, GatewayError> {
+    let OptedIn { route, key, req } = opted;
+    let owner = Owner::from_header(req.headers().get(owner_header).map(HeaderValue::as_bytes));
+    let (parts, body) = req.into_parts();
+    let body = collect_limited(body, route.body_limit)
+        .await
+        .map_err(ClientError::from)?;
+    let fingerprint = fingerprint(
+        &RequestParts {
+            method: parts.method.as_str(),
+            path_and_query: parts.uri.path_and_query().map_or("/", |pq| pq.as_str()),
+            headers: route
+                .significant_headers
+                .iter()
+                .map(|name| {
+                    (
+                        name.as_str(),
+                        parts.headers.get(name).map(HeaderValue::as_bytes),
+                    )
+                })
+                .collect(),
+            body: &body,
+        },
+        &route.body,
+    );
+    Ok(Keyed {
+        route,
+        owner,
+        key,
+        fingerprint,
+        parts,
+        body,
+        span: Span::current(),
+    })
+}

@@ -1,0 +1,109 @@
+//! Joining a stream while it runs (`docs/design.md` §10): a duplicate of a
+//! job whose answer is streaming reads the recording on this replica, or,
+//! with Redis, a local copy fed from the Redis Stream another replica
+//! mirrors the answer on. One copy per job here, however many duplicates.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::Response;
+
+use super::{End, Recording, Recordings};
+use crate::domain::id::JobId;
+use crate::domain::job::JobState;
+use crate::idempotency::fastpath::{FastPath, Tag};
+use crate::idempotency::hold::{Holds, Until};
+use crate::proxy::http::Body;
+use crate::telemetry::Chain;
+
+/// The streams duplicates may join: recorded here, or mirrored elsewhere.
+pub struct Live {
+    recordings: Recordings,
+    fastpath: Option<Arc<FastPath>>,
+    holds: Arc<Holds>,
+    /// Silence on a mirrored stream after which its copy here is completed
+    /// from the store instead.
+    stall: Duration,
+}
+
+impl Live {
+    /// Streams recorded here, and with `fastpath` mirrored ones; a copy of a
+    /// mirrored stream silent for `stall` is completed from the store.
+    pub fn new(fastpath: Option<Arc<FastPath>>, holds: Arc<Holds>, stall: Duration) -> Self {
+        Live {
+            recordings: Recordings::default(),
+            fastpath,
+            holds,
+            stall,
+        }
+    }
+
+    /// Makes `recording` joinable until it ends.
+    pub fn insert(&self, recording: &Arc<Recording>) {
+        self.recordings.insert(recording);
+    }
+
+    /// Whether the job's answer streams here or, with Redis, elsewhere.
+    pub async fn streaming(&self, tag: &Tag, job: JobId) -> bool {
+        if self.recordings.live(job).is_some() {
+            return true;
+        }
+        match &self.fastpath {
+            Some(fast) => fast.stream_head(tag, job).await.is_some(),
+            None => false,
+        }
+    }
+
+    /// Joins the job's answer while it streams; `None` when it does not.
+    pub async fn join(self: &Arc<Self>, tag: &Tag, job: JobId) -> Option<Response<Body>> {
+        let recording = match self.recordings.live(job) {
+            Some(recording) => recording,
+            None => self.mirrored(tag, job).await?,
+        };
+        metrics::counter!("idemgate_stream_joiners_total").increment(1);
+        Some(recording.response(true))
+    }
+
+    /// A local recording fed from the Redis Stream another replica mirrors
+    /// the job's answer on, shared by every duplicate here. If Redis fails
+    /// or the stream stalls, the answer is completed from the store once it
+    /// is committed (or cut, if it never is).
+    async fn mirrored(self: &Arc<Self>, tag: &Tag, job: JobId) -> Option<Arc<Recording>> {
+        let fast = self.fastpath.clone()?;
+        let (status, headers) = fast.stream_head(tag, job).await?;
+        let recording = Recording::new(job, status, headers);
+        self.recordings.insert(&recording);
+        let (live, copy, tag) = (self.clone(), recording.clone(), *tag);
+        tokio::spawn(async move {
+            match fast.feed(&tag, &copy, live.stall).await {
+                Ok(End::Committed) => copy.finish(),
+                Ok(_) => copy.cut(),
+                Err(e) => {
+                    tracing::info!(%job, error = %Chain(e.as_ref()), "the mirrored stream failed; completing it from the store");
+                    live.complete_from_store(&tag, &copy).await;
+                }
+            }
+        });
+        Some(recording)
+    }
+
+    /// Completes a copy of a stream from the job's committed answer.
+    async fn complete_from_store(&self, tag: &Tag, copy: &Recording) {
+        let settled = self
+            .holds
+            .wait(copy.job(), Until::Settled, |job| self.streaming(tag, job))
+            .await;
+        let committed = match settled {
+            Ok(job) if job.state == JobState::Completed => job.response,
+            _ => None,
+        };
+        let sent = copy.stored().body;
+        match committed {
+            Some(answer) if answer.body.starts_with(&sent) => {
+                copy.push(answer.body.slice(sent.len()..));
+                copy.finish();
+            }
+            _ => copy.cut(),
+        }
+    }
+}

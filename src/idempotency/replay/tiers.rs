@@ -1,0 +1,159 @@
+//! Where a committed answer is replayed from, cheapest first
+//! (`docs/design.md` §11, "Replay cache"):
+//!
+//! 1. this replica's memory ([`ReplayCache`]): no I/O at all;
+//! 2. the Redis fast path, when configured: one round trip;
+//! 3. the store, which is the arbiter: reached through the flow's decision
+//!    on the job, never skipped when the tiers above miss.
+//!
+//! The first two answer only the very request that made the answer (same
+//! owner, key and fingerprint); anything else goes on to the store, which
+//! decides a mismatch. An answer found in a lower tier is written back to the
+//! ones above it.
+
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use http::Response;
+
+use super::{response, Framing, Kept, ReplayCache};
+use crate::domain::id::JobId;
+use crate::domain::job::Job;
+use crate::domain::response::StoredResponse;
+use crate::idempotency::fastpath::{FastPath, Lookup};
+use crate::idempotency::opt_in::Keyed;
+use crate::proxy::error::GatewayError;
+use crate::proxy::http::Body;
+use crate::store::Store;
+
+/// When a replay writes the job's fast-path entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Write {
+    /// Always (a commit, a replay from the store that found none).
+    Always,
+    /// Unless another replay of the job wrote it within the last second (the
+    /// duplicates one commit releases together).
+    Once,
+}
+
+/// The replay tiers of one gateway.
+pub struct Replays {
+    cache: ReplayCache,
+    fastpath: Option<Arc<FastPath>>,
+    store: Arc<dyn Store>,
+}
+
+impl Replays {
+    /// Replays from `cache_size` bytes of memory, then `fastpath`, then
+    /// `store`.
+    pub fn new(cache_size: usize, fastpath: Option<Arc<FastPath>>, store: Arc<dyn Store>) -> Self {
+        Replays {
+            cache: ReplayCache::new(cache_size),
+            fastpath,
+            store,
+        }
+    }
+
+    /// A replay from this replica's memory, for this very request only.
+    pub fn from_memory(&self, request: &Keyed) -> Option<(JobId, Response<Body>)> {
+        let kept = self
+            .cache
+            .get(&request.owner, &request.key, SystemTime::now())?;
+        if kept.fingerprint != request.fingerprint {
+            return None;
+        }
+        metrics::counter!("idemgate_replays_total", "source" => "memory").increment(1);
+        Some((kept.job, kept.replay()))
+    }
+
+    /// A replay from the Redis fast path, when it has a valid entry for this
+    /// very request. Anything else (a miss, Redis down, an entry with another
+    /// fingerprint) goes on to the store.
+    pub async fn from_redis(&self, request: &Keyed) -> Option<(JobId, Response<Body>)> {
+        let fast = self.fastpath.as_ref()?;
+        let Lookup::Hit(entry) = fast.lookup(&request.owner, &request.key).await else {
+            return None;
+        };
+        if entry.fingerprint != request.fingerprint {
+            return None;
+        }
+        let stored = match entry.response {
+            Some(stored) => stored,
+            // Kept by reference: one read by primary key instead of the
+            // insert-or-select; it must still be this request's job.
+            None => match self.store.job(entry.job).await {
+                Ok(Some(job))
+                    if job.owner == request.owner
+                        && job.key == request.key
+                        && job.fingerprint == request.fingerprint =>
+                {
+                    job.response?
+                }
+                _ => return None,
+            },
+        };
+        metrics::counter!("idemgate_replays_total", "source" => "redis").increment(1);
+        self.keep(request, entry.job, entry.expires_at, &stored);
+        let framing = Framing::of(&request.route, &stored);
+        Some((entry.job, response(&stored, entry.job, true, framing)))
+    }
+
+    /// The replay of a completed job the store returned; written back to the
+    /// tiers above (which also repairs a lost or unusable Redis entry).
+    pub fn from_store(
+        &self,
+        request: &Keyed,
+        job: &Job,
+        write: Write,
+    ) -> Result<Response<Body>, GatewayError> {
+        let stored = job.response.as_ref().ok_or_else(|| {
+            GatewayError::internal(format!("completed job {} has no response", job.id))
+        })?;
+        metrics::counter!("idemgate_replays_total", "source" => "store").increment(1);
+        self.remember(request, job.id, job.expires_at, stored, write);
+        let framing = Framing::of(&request.route, stored);
+        Ok(response(stored, job.id, true, framing))
+    }
+
+    /// Keeps a committed answer in memory and, off the request path, on the
+    /// fast path.
+    pub fn remember(
+        &self,
+        request: &Keyed,
+        job: JobId,
+        expires_at: SystemTime,
+        stored: &StoredResponse,
+        write: Write,
+    ) {
+        self.keep(request, job, expires_at, stored);
+        let Some(fast) = self.fastpath.clone() else {
+            return;
+        };
+        if write == Write::Once && !fast.needs_entry(job) {
+            return;
+        }
+        let (owner, key, fingerprint, stored) = (
+            request.owner.clone(),
+            request.key.clone(),
+            request.fingerprint,
+            stored.clone(),
+        );
+        tokio::spawn(async move {
+            fast.remember(&owner, &key, job, fingerprint, expires_at, &stored)
+                .await
+        });
+    }
+
+    /// Keeps a committed answer in this replica's memory.
+    fn keep(&self, request: &Keyed, job: JobId, expires_at: SystemTime, stored: &StoredResponse) {
+        self.cache.insert(&request.owner, &request.key, job, || {
+            Kept::new(
+                job,
+                request.fingerprint,
+                expires_at,
+                stored.clone(),
+                Framing::of(&request.route, stored),
+            )
+        });
+    }
+}

@@ -1,0 +1,110 @@
+//! What every opted-in request shares: the layer's configuration, built by
+//! the app from the settings, and the components it drives, each with its
+//! own small config.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{HeaderName, StatusCode};
+use uuid::Uuid;
+
+use super::execute::{self, Runner};
+use super::fastpath::FastPath;
+use super::hold::{self, Holds};
+use super::recording::join::Live;
+use super::replay::tiers::Replays;
+use crate::config::Route;
+use crate::store::{Doorbell, Store};
+use crate::upkeep::lease::Leases;
+use crate::upkeep::probe::ProbeBoard;
+
+/// How the idempotency layer runs.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Opt-in routes, most specific prefix first.
+    pub routes: Vec<Arc<Route>>,
+    /// The request header the owner is derived from.
+    pub owner_header: HeaderName,
+    /// 409 (default) or 422 (the IETF draft) for a key reused with another
+    /// request.
+    pub mismatch_status: StatusCode,
+    /// How long a key is remembered.
+    pub key_ttl: Duration,
+    /// `Retry-After` on 409 answers.
+    pub retry_after: Duration,
+    /// How duplicates are held.
+    pub hold: hold::Config,
+    /// How attempts run.
+    pub attempt: execute::Config,
+    /// Silence on a stream mirrored from another replica after which a
+    /// copy here is completed from the store.
+    pub stream_stall: Duration,
+    /// Bytes of committed answers kept in memory for replay; 0 keeps none.
+    pub replay_cache_size: usize,
+}
+
+/// The handles the layer is given by the app.
+pub struct Runtime {
+    /// The store: the arbiter.
+    pub store: Arc<dyn Store>,
+    /// Wake-ups for held duplicates.
+    pub doorbell: Arc<Doorbell>,
+    /// The Redis fast path, when configured.
+    pub fastpath: Option<Arc<FastPath>>,
+    /// Which upstreams pass their contracts' probes.
+    pub probes: Arc<ProbeBoard>,
+    /// Leases of the attempts this instance runs.
+    pub leases: Arc<Leases>,
+    /// This gateway instance, recorded on the attempts it runs.
+    pub instance: Uuid,
+}
+
+/// The layer's configuration and components, shared by every request.
+pub struct Shared {
+    pub(super) config: Config,
+    pub(super) store: Arc<dyn Store>,
+    pub(super) probes: Arc<ProbeBoard>,
+    pub(super) holds: Arc<Holds>,
+    pub(super) live: Arc<Live>,
+    pub(super) replays: Replays,
+    pub(super) runner: Arc<Runner>,
+}
+
+impl Shared {
+    /// Builds the layer's components on `runtime`.
+    pub fn new(config: Config, runtime: Runtime) -> Self {
+        let Runtime {
+            store,
+            doorbell,
+            fastpath,
+            probes,
+            leases,
+            instance,
+        } = runtime;
+        let holds = Arc::new(Holds::new(store.clone(), doorbell.clone(), config.hold));
+        let live = Arc::new(Live::new(
+            fastpath.clone(),
+            holds.clone(),
+            config.stream_stall,
+        ));
+        let replays = Replays::new(config.replay_cache_size, fastpath.clone(), store.clone());
+        let runner = Arc::new(Runner::new(
+            config.attempt.clone(),
+            store.clone(),
+            leases,
+            doorbell,
+            fastpath,
+            live.clone(),
+            instance,
+        ));
+        Shared {
+            config,
+            store,
+            probes,
+            holds,
+            live,
+            replays,
+            runner,
+        }
+    }
+}
