@@ -31,9 +31,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::dispatch::{Dispatch, Event, Joining, Step};
+use super::execute::UpstreamService;
 use super::execute::{Reply, Running};
 use super::hold::Until;
-use super::layer::UpstreamService;
 use super::opt_in::Keyed;
 use super::replay::tiers::Write;
 use super::replay::{self, Framing};

@@ -12,6 +12,7 @@ use http::{Request, Response};
 use tower::util::BoxCloneSyncService;
 use tower::{Layer, Service};
 
+use super::execute::UpstreamService;
 use super::flow;
 use super::opt_in::{self, Classified};
 use super::shared::Shared;
@@ -51,10 +52,6 @@ where
         }
     }
 }
-
-/// The upstream side of the layer, boxed at this boundary so that attempt
-/// tasks need no generic parameters.
-pub type UpstreamService = BoxCloneSyncService<Request<Body>, Response<Body>, UpstreamError>;
 
 /// The service built by [`IdempotencyLayer`].
 pub struct Idempotency {

@@ -31,7 +31,8 @@ pub mod recording;
 pub mod replay;
 pub mod shared;
 
-pub use layer::{Idempotency, IdempotencyLayer, UpstreamService};
+pub use execute::UpstreamService;
+pub use layer::{Idempotency, IdempotencyLayer};
 pub use shared::{Config, Runtime, Shared};
 
 #[cfg(test)]

@@ -5,6 +5,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::StatusCode;
 
+use std::sync::Arc;
+
 use super::*;
 use crate::config::{Flags, Settings};
 

@@ -1,0 +1,287 @@
+//! Running one attempt, in its own task (`docs/design.md`, §5).
+//!
+//! The task, not the client's request, owns the attempt: a client that hangs
+//! up does not cancel it, and it still commits if the upstream answers late.
+//! It does three things, each its own function:
+//!
+//! 1. [`call`]: sends the request and watches the clock. Silence for
+//!    the upstream's timeout (no headers, no body bytes) makes the attempt
+//!    `unknown` at once and tells the request so; the call goes on until
+//!    `attempt_deadline` and may still commit. Cancelled because another
+//!    attempt of the job won: `superseded`, and the call is dropped.
+//! 2. [`verdict`]: decides, from the answer alone, what it means (pure):
+//!    refused before sending → `failed`; broken after sending, or too large
+//!    to record → `unknown`; a retryable status → `failed`, handed back
+//!    uncommitted; a 2xx that breaks the route's contract → `rejected`;
+//!    anything else → commit.
+//! 3. [`record`]: writes the outcome. What the gateway learned is
+//!    never dropped by a transient fault: the write is retried with backoff
+//!    until the store takes it or the attempt's deadline passes, holding the
+//!    attempt's lease meanwhile. The request is answered once the write is
+//!    in, or after [`PATIENCE`] at most (then with `503` for an answer not yet
+//!    committed: the client's retry is held until it is, and replays it).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{HeaderName, HeaderValue, Request, Response};
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tower::util::BoxCloneSyncService;
+use tracing::Instrument;
+use uuid::Uuid;
+
+use super::opt_in::Keyed;
+use super::recording::join::Live;
+use crate::config::{Route, UpstreamSettings};
+use crate::domain::attempt::{Attempt, AttemptFailure, NewAttempt};
+use crate::domain::id::AttemptId;
+use crate::domain::response::StoredResponse;
+use crate::idempotency::fastpath::{FastPath, Tag};
+use crate::idempotency::recording::Recording;
+use crate::proxy::error::GatewayError;
+use crate::proxy::http::{full, Body, IDEMPOTENCY_KEY};
+use crate::proxy::upstream::{Target, UpstreamError};
+use crate::store::{Doorbell, Store};
+use crate::upkeep::lease::{LeaseGuard, Leases};
+
+/// How long a request waits for its attempt's outcome to be recorded before
+/// it is answered anyway (the write goes on in the background).
+pub(super) const PATIENCE: Duration = Duration::from_secs(2);
+
+mod call;
+mod record;
+mod verdict;
+
+use call::Call;
+use verdict::{classify, Verdict};
+
+/// The upstream side of the layer, boxed at this boundary so that attempt
+/// tasks need no generic parameters.
+pub type UpstreamService = BoxCloneSyncService<Request<Body>, Response<Body>, UpstreamError>;
+
+/// How an attempt ended, as far as the request that started it is concerned.
+#[derive(Debug)]
+pub(super) enum Reply {
+    /// Its answer is the job's result.
+    Committed(StoredResponse),
+    /// Another attempt won (or an operator resolved the job meanwhile).
+    Superseded,
+    /// Provably had no effect; what the client gets if nothing else is tried.
+    Failed(Uncommitted),
+    /// Sent, and its outcome is unknown (or not recorded yet).
+    Unknown(GatewayError),
+    /// Its answer streams: read it from the recording (the end comes once
+    /// it is committed).
+    Streaming(Arc<Recording>),
+}
+
+/// A client-facing answer that is not the job's result.
+#[derive(Debug)]
+pub(super) enum Uncommitted {
+    /// The upstream's own answer (a retryable status), passed on uncommitted.
+    Response(Response<Body>),
+    /// A problem answer.
+    Error(GatewayError),
+}
+
+/// An attempt in flight.
+pub(super) struct Running {
+    /// The attempt.
+    pub attempt: Attempt,
+    /// Cancels it (another attempt won).
+    pub cancel: CancellationToken,
+    /// Its reply.
+    pub reply: oneshot::Receiver<Reply>,
+}
+
+/// What every attempt runs with.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// After this long an attempt is abandoned, answer or not.
+    pub deadline: Duration,
+    /// Length of an attempt's lease; renewed every third of it.
+    pub lease_ttl: Duration,
+    /// Largest upstream answer that can be committed.
+    pub max_response_size: usize,
+    /// The header carrying the job id upstream.
+    pub forward_key_header: HeaderName,
+    /// The header carrying the attempt number upstream.
+    pub forward_attempt_header: HeaderName,
+}
+
+/// Runs attempts: the handles every attempt task needs.
+pub struct Runner {
+    config: Config,
+    store: Arc<dyn Store>,
+    leases: Arc<Leases>,
+    doorbell: Arc<Doorbell>,
+    fastpath: Option<Arc<FastPath>>,
+    live: Arc<Live>,
+    /// This gateway instance, recorded on the attempts it runs.
+    instance: Uuid,
+}
+
+impl Runner {
+    /// Runs attempts for gateway `instance`, recording them in `store`.
+    pub fn new(
+        config: Config,
+        store: Arc<dyn Store>,
+        leases: Arc<Leases>,
+        doorbell: Arc<Doorbell>,
+        fastpath: Option<Arc<FastPath>>,
+        live: Arc<Live>,
+        instance: Uuid,
+    ) -> Self {
+        Runner {
+            config,
+            store,
+            leases,
+            doorbell,
+            fastpath,
+            live,
+            instance,
+        }
+    }
+
+    /// What the store is asked to record for a new attempt on `target`.
+    pub(super) fn new_attempt(&self, target: &UpstreamSettings) -> NewAttempt {
+        NewAttempt {
+            id: AttemptId::new(),
+            upstream: target.name().to_owned(),
+            instance: self.instance,
+            lease: self.config.lease_ttl,
+            deadline: self.config.deadline,
+        }
+    }
+
+    /// Starts `attempt` of `request`'s job against `target`, in a task of
+    /// its own.
+    pub(super) fn start(
+        self: &Arc<Self>,
+        upstream: UpstreamService,
+        request: &Keyed,
+        target: &UpstreamSettings,
+        attempt: Attempt,
+    ) -> Running {
+        let (tx, rx) = oneshot::channel();
+        let cancel = CancellationToken::new();
+        let forwarded = self.upstream_request(request, target, &attempt);
+        let task = Task {
+            lease: Arc::new(self.leases.hold(attempt.id)),
+            deadline: Instant::now() + self.config.deadline,
+            timeout: target.timeout,
+            route: request.route.clone(),
+            runner: self.clone(),
+            attempt: attempt.clone(),
+            // Only a fast path needs it: no digest per attempt without one.
+            tag: self.fastpath.as_ref().map(|_| request.tag()),
+            reply: Some(tx),
+        };
+        // A child of the request's span, though it may outlive the request.
+        let span = tracing::info_span!(
+            parent: &request.span,
+            "attempt",
+            otel.kind = "client",
+            job.id = %attempt.job_id,
+            attempt.id = %attempt.id,
+            attempt.number = attempt.number,
+            upstream = %attempt.upstream,
+            outcome = tracing::field::Empty,
+        );
+        tokio::spawn(
+            task.run(upstream, forwarded, cancel.clone())
+                .instrument(span),
+        );
+        Running {
+            attempt,
+            cancel,
+            reply: rx,
+        }
+    }
+
+    /// The request as `target` receives it: the client's, with the job id
+    /// in place of the client's key and the attempt's number.
+    fn upstream_request(
+        &self,
+        request: &Keyed,
+        target: &UpstreamSettings,
+        attempt: &Attempt,
+    ) -> Request<Body> {
+        let mut parts = request.parts.clone();
+        parts.headers.remove(IDEMPOTENCY_KEY);
+        if let Ok(v) = HeaderValue::from_str(&attempt.job_id.to_string()) {
+            parts
+                .headers
+                .insert(self.config.forward_key_header.clone(), v);
+        }
+        parts.headers.insert(
+            self.config.forward_attempt_header.clone(),
+            HeaderValue::from(attempt.number),
+        );
+        parts.extensions.insert(Target(target.id.clone()));
+        Request::from_parts(parts, full(request.body.clone()))
+    }
+}
+
+struct Task {
+    runner: Arc<Runner>,
+    route: Arc<Route>,
+    attempt: Attempt,
+    /// Held until every write about the attempt is in.
+    lease: Arc<LeaseGuard>,
+    timeout: Duration,
+    deadline: Instant,
+    /// Where the fast path, if any, mirrors a streamed answer.
+    tag: Option<Tag>,
+    reply: Option<oneshot::Sender<Reply>>,
+}
+
+impl Task {
+    async fn run(
+        mut self,
+        upstream: UpstreamService,
+        request: Request<Body>,
+        cancel: CancellationToken,
+    ) {
+        match self.call(upstream, request, &cancel).await {
+            Call::Cancelled => {
+                let failure = AttemptFailure::Superseded {
+                    detail: "cancelled: another attempt of the job won".into(),
+                };
+                self.record(failure).await;
+                self.send(Reply::Superseded);
+            }
+            Call::DeadlinePassed => {
+                let failure = AttemptFailure::Unknown {
+                    detail: "attempt deadline passed without an answer".into(),
+                };
+                self.record(failure).await;
+                self.send(Reply::Unknown(UpstreamError::TimedOut(self.timeout).into()));
+            }
+            Call::Streaming(parts, body) => self.stream(parts, body, &cancel).await,
+            Call::Answered(result) => match classify(result, &self.route) {
+                Verdict::Commit(stored) => self.commit(stored).await,
+                Verdict::Fail(failure, answer) => {
+                    if matches!(failure, AttemptFailure::Rejected { .. }) {
+                        metrics::counter!("idemgate_attempts_rejected_total").increment(1);
+                    }
+                    self.record(failure).await;
+                    self.send(Reply::Failed(answer));
+                }
+                Verdict::Unknown(failure, error) => {
+                    self.record(failure).await;
+                    self.send(Reply::Unknown(error));
+                }
+            },
+        }
+    }
+
+    fn send(&mut self, reply: Reply) {
+        if let Some(tx) = self.reply.take() {
+            // The client may have gone; the attempt's record is what matters.
+            let _ = tx.send(reply);
+        }
+    }
+}

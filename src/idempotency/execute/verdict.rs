@@ -1,0 +1,82 @@
+//! What an upstream's answer means for its attempt, decided from the answer
+//! alone (pure, `docs/design.md` §3): refused before sending → `failed`;
+//! broken after sending, or too large to record → `unknown`; a retryable
+//! status → `failed`, handed back uncommitted; a 2xx that breaks the route's
+//! contract → `rejected`; anything else → commit.
+
+use http::Response;
+
+use super::Uncommitted;
+use crate::config::Route;
+use crate::domain::attempt::AttemptFailure;
+use crate::domain::contract::excerpt;
+use crate::domain::response::StoredResponse;
+use crate::idempotency::replay;
+use crate::proxy::error::GatewayError;
+use crate::proxy::http::full;
+use crate::proxy::upstream::{Fetched, UpstreamError, UpstreamErrorKind};
+use crate::telemetry::Chain;
+
+/// What an upstream's answer means for its attempt.
+#[derive(Debug)]
+pub(super) enum Verdict {
+    /// Commit it.
+    Commit(StoredResponse),
+    /// Provably no effect (refused, retryable status, contract broken).
+    Fail(AttemptFailure, Uncommitted),
+    /// It may have acted; nobody can tell how.
+    Unknown(AttemptFailure, GatewayError),
+}
+
+/// Decides what an upstream's answer (or failure) means for its attempt.
+pub(super) fn classify(result: Result<Fetched, UpstreamError>, route: &Route) -> Verdict {
+    let fetched = match result {
+        Ok(fetched) => fetched,
+        Err(error) => {
+            let detail = Chain(&error).to_string();
+            return match error.kind() {
+                UpstreamErrorKind::NotSent => Verdict::Fail(
+                    AttemptFailure::Failed {
+                        status: None,
+                        detail,
+                    },
+                    Uncommitted::Error(error.into()),
+                ),
+                UpstreamErrorKind::MayHaveActed | UpstreamErrorKind::Unusable => {
+                    Verdict::Unknown(AttemptFailure::Unknown { detail }, error.into())
+                }
+            };
+        }
+    };
+    let status = fetched.parts.status.as_u16();
+    if route.retryable_statuses.contains(&status) {
+        let failure = AttemptFailure::Failed {
+            status: Some(status),
+            detail: format!("upstream answered {status}, configured as retryable"),
+        };
+        let response = Response::from_parts(fetched.parts, full(fetched.body));
+        return Verdict::Fail(failure, Uncommitted::Response(response));
+    }
+    if let Some(contract) = route
+        .contract
+        .as_ref()
+        .filter(|_| fetched.parts.status.is_success())
+    {
+        if let Err(why) = contract.check(&fetched.body) {
+            let failure = AttemptFailure::Rejected {
+                status,
+                detail: format!(
+                    "broke contract {}: {why}; answer: {}",
+                    contract.name,
+                    excerpt(&fetched.body)
+                ),
+            };
+            let error = UpstreamError::ContractViolation(why);
+            return Verdict::Fail(failure, Uncommitted::Error(error.into()));
+        }
+    }
+    Verdict::Commit(replay::capture(&fetched))
+}
+
+#[cfg(test)]
+mod tests;
