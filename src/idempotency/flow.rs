@@ -33,6 +33,7 @@ use tokio_util::sync::CancellationToken;
 use super::dispatch::{Dispatch, Event, Joining, Step};
 use super::execute::UpstreamService;
 use super::execute::{Reply, Running};
+use super::fastpath::Tag;
 use super::hold::Until;
 use super::opt_in::Keyed;
 use super::replay::tiers::Write;
@@ -136,7 +137,7 @@ impl Flow {
                 }
                 JobState::Unknown => return Err(self.outcome_unknown()),
                 JobState::Running => {
-                    let tag = self.request.tag();
+                    let tag = Tag::of(&self.request.owner, &self.request.key);
                     if let Some(joined) = self.shared.live.join(&tag, job.id).await {
                         return Ok(joined);
                     }
@@ -158,7 +159,8 @@ impl Flow {
 
     /// Holds a duplicate until the job settles or its answer streams.
     async fn hold(&self, job: JobId) -> Result<Job, GatewayError> {
-        let (live, tag) = (&self.shared.live, self.request.tag());
+        let tag = Tag::of(&self.request.owner, &self.request.key);
+        let live = &self.shared.live;
         self.shared
             .holds
             .wait(job, Until::Streaming, |job| live.streaming(&tag, job))

@@ -14,7 +14,6 @@ use tracing::Span;
 use crate::config::Route;
 use crate::domain::fingerprint::{fingerprint, Fingerprint, RequestParts};
 use crate::domain::key::{IdempotencyKey, Owner};
-use crate::idempotency::fastpath::Tag;
 use crate::proxy::error::{ClientError, GatewayError};
 use crate::proxy::http::{collect_limited, Body, IDEMPOTENCY_KEY};
 use crate::proxy::upstream::Target;
@@ -52,13 +51,6 @@ pub struct Keyed {
     pub body: Bytes,
     /// Its span: its attempts' spans are children of it.
     pub span: Span,
-}
-
-impl Keyed {
-    /// Where the fast path keeps this key's entries.
-    pub fn tag(&self) -> Tag {
-        Tag::of(&self.owner, &self.key)
-    }
 }
 
 /// Tells pass-through from opted-in by the first route that matches.

@@ -173,12 +173,14 @@ impl Task {
     fn open_recording(&self, parts: &http::response::Parts) -> Arc<Recording> {
         let job = self.attempt.job_id;
         let headers = replay::capture_headers(&parts.headers);
-        let recording = Recording::new(job, parts.status.as_u16(), headers);
+        let recording = Recording::new(job, parts.status.as_u16(), headers.clone());
         self.runner.live.insert(&recording);
         self.runner.doorbell.ring_local(job);
         if let (Some(fast), Some(tag)) = (&self.runner.fastpath, &self.tag) {
             let ttl = self.runner.config.deadline + Duration::from_secs(60);
-            fast.mirror(tag, &recording, ttl, self.runner.doorbell.clone());
+            let doorbell = self.runner.doorbell.clone();
+            let head = (parts.status.as_u16(), &headers[..]);
+            fast.mirror(tag, job, head, recording.follow(), ttl, doorbell);
         }
         recording
     }

@@ -176,7 +176,10 @@ impl Runner {
             runner: self.clone(),
             attempt: attempt.clone(),
             // Only a fast path needs it: no digest per attempt without one.
-            tag: self.fastpath.as_ref().map(|_| request.tag()),
+            tag: self
+                .fastpath
+                .as_ref()
+                .map(|_| Tag::of(&request.owner, &request.key)),
             reply: Some(tx),
         };
         // A child of the request's span, though it may outlive the request.

@@ -44,6 +44,7 @@ mod stream;
 
 use connection::Redis;
 pub use entry::{decode, encode, redis_key, stream_key, Binding, Entry, Tag};
+pub use stream::Piece;
 
 /// The pub/sub channel job changes are announced on; the payload is the job id.
 pub const CHANNEL: &str = "idemgate:jobs";

@@ -5,12 +5,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures_util::StreamExt;
+use futures_util::{Stream, StreamExt};
 
 use super::entry::{stream_key, Tag};
 use super::FastPath;
 use crate::domain::id::JobId;
-use crate::idempotency::recording::{End, Next, Recording};
 use crate::store::codec::{decode_headers, encode_headers};
 use crate::store::Doorbell;
 use crate::BoxError;
@@ -20,26 +19,39 @@ const HEAD: &str = "h";
 const CHUNK: &str = "c";
 const VERDICT: &str = "e";
 
+/// A piece of a streamed answer as it is mirrored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Piece {
+    /// The next chunk of the body.
+    Chunk(Bytes),
+    /// The end: committed (the whole answer), or cut.
+    End {
+        /// Whether the answer was committed.
+        committed: bool,
+    },
+}
+
 impl FastPath {
-    /// Mirrors `recording` on its Redis Stream as it grows (the head, each
-    /// chunk, the verdict), in a task of its own and off every client's
-    /// path, so duplicates on other replicas can join it live; announces the
-    /// job once the head is there. Best effort: if Redis fails the mirror
-    /// stops, and those duplicates complete the answer from the store.
+    /// Mirrors `job`'s streamed answer on its Redis Stream as it grows (the
+    /// head, each piece), in a task of its own and off every client's path,
+    /// so duplicates on other replicas can join it live; announces the job
+    /// once the head is there. Best effort: if Redis fails the mirror stops,
+    /// and those duplicates complete the answer from the store.
+    #[allow(clippy::too_many_arguments)] // the stream's own: job, head, pieces
     pub fn mirror(
         self: &Arc<Self>,
         tag: &Tag,
-        recording: &Arc<Recording>,
+        job: JobId,
+        (status, headers): (u16, &[(String, Bytes)]),
+        pieces: impl Stream<Item = Piece> + Send + 'static,
         ttl: Duration,
         doorbell: Arc<Doorbell>,
     ) {
-        let (fast, recording) = (self.clone(), recording.clone());
-        let key = stream_key(tag, recording.job());
+        let fast = self.clone();
+        let key = stream_key(tag, job);
+        let mut head = status.to_be_bytes().to_vec();
+        head.extend_from_slice(&encode_headers(headers));
         tokio::spawn(async move {
-            let job = recording.job();
-            let (status, headers) = recording.head();
-            let mut head = status.to_be_bytes().to_vec();
-            head.extend_from_slice(&encode_headers(headers));
             let mut conn = fast.redis.conn();
             let start = redis::pipe()
                 .cmd("XADD")
@@ -61,11 +73,11 @@ impl FastPath {
                 return;
             }
             doorbell.ring(job);
-            let mut follow = std::pin::pin!(recording.follow());
-            while let Some(next) = follow.next().await {
-                let (field, value) = match next {
-                    Next::Chunk(chunk) => (CHUNK, fast.seal_bytes(job, &chunk)),
-                    Next::End(end) => (VERDICT, verdict(end).as_bytes().to_vec()),
+            let mut pieces = std::pin::pin!(pieces);
+            while let Some(piece) = pieces.next().await {
+                let (field, value) = match piece {
+                    Piece::Chunk(chunk) => (CHUNK, fast.seal_bytes(job, &chunk)),
+                    Piece::End { committed } => (VERDICT, verdict(committed).as_bytes().to_vec()),
                 };
                 let add = redis::cmd("XADD")
                     .arg(&key)
@@ -106,17 +118,18 @@ impl FastPath {
         ))
     }
 
-    /// Feeds `recording` from the Redis Stream its job is mirrored on, from
-    /// the start, until the verdict, which it returns. Fails when Redis fails
-    /// or nothing arrives for `stall` (the replica recording it may have
-    /// died): the caller then completes the answer from the store.
+    /// Hands each chunk of the Redis Stream `job`'s answer is mirrored on to
+    /// `push`, from the start, until the verdict: whether the answer was
+    /// committed. Fails when Redis fails or nothing arrives for `stall` (the
+    /// replica recording it may have died): the caller then completes the
+    /// answer from the store.
     pub async fn feed(
         &self,
         tag: &Tag,
-        recording: &Recording,
+        job: JobId,
         stall: Duration,
-    ) -> Result<End, BoxError> {
-        let job = recording.job();
+        mut push: impl FnMut(Bytes),
+    ) -> Result<bool, BoxError> {
         let key = stream_key(tag, job);
         // Blocking reads hold their connection: one of its own.
         let mut conn = self.redis.dedicated().await?;
@@ -145,13 +158,9 @@ impl FastPath {
                     let chunk = self
                         .open_bytes(job, &chunk)
                         .ok_or("a mirrored chunk does not open")?;
-                    recording.push(Bytes::from(chunk));
+                    push(Bytes::from(chunk));
                 } else if let Some(end) = entry.get::<String>(VERDICT) {
-                    return Ok(if end == verdict(End::Committed) {
-                        End::Committed
-                    } else {
-                        End::Cut
-                    });
+                    return Ok(end == verdict(true));
                 }
             }
             if any {
@@ -188,9 +197,10 @@ impl FastPath {
     }
 }
 
-fn verdict(end: End) -> &'static str {
-    match end {
-        End::Committed => "committed",
-        End::Live | End::Cut => "cut",
+fn verdict(committed: bool) -> &'static str {
+    if committed {
+        "committed"
+    } else {
+        "cut"
     }
 }

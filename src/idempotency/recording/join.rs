@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use http::Response;
 
-use super::{End, Recording, Recordings};
+use super::{Recording, Recordings};
 use crate::domain::id::JobId;
 use crate::domain::job::JobState;
 use crate::idempotency::fastpath::{FastPath, Tag};
@@ -75,9 +75,12 @@ impl Live {
         self.recordings.insert(&recording);
         let (live, copy, tag) = (self.clone(), recording.clone(), *tag);
         tokio::spawn(async move {
-            match fast.feed(&tag, &copy, live.stall).await {
-                Ok(End::Committed) => copy.finish(),
-                Ok(_) => copy.cut(),
+            match fast
+                .feed(&tag, job, live.stall, |chunk| copy.push(chunk))
+                .await
+            {
+                Ok(true) => copy.finish(),
+                Ok(false) => copy.cut(),
                 Err(e) => {
                     tracing::info!(%job, error = %Chain(e.as_ref()), "the mirrored stream failed; completing it from the store");
                     live.complete_from_store(&tag, &copy).await;

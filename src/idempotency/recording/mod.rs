@@ -28,6 +28,7 @@ use http_body_util::{BodyExt, StreamBody};
 use tokio::sync::watch;
 
 use crate::domain::id::JobId;
+use crate::idempotency::fastpath::Piece;
 
 use crate::domain::response::StoredResponse;
 use crate::proxy::http::{Body, BodyError, IDEMPOTENT_REPLAYED};
@@ -187,7 +188,7 @@ impl Recording {
     /// Everything recorded, from the first chunk, then each chunk as it
     /// comes, then the verdict (a recording dropped without one counts as
     /// cut).
-    pub fn follow(self: &Arc<Self>) -> impl futures_util::Stream<Item = Next> + Send + 'static {
+    pub fn follow(self: &Arc<Self>) -> impl futures_util::Stream<Item = Piece> + Send + 'static {
         let progress = self.progress.subscribe();
         futures_util::stream::unfold(
             (self.clone(), 0usize, progress, false),
@@ -199,13 +200,21 @@ impl Recording {
                     let now = *progress.borrow_and_update();
                     if index < now.chunks {
                         let chunk = recording.chunk(index)?;
-                        return Some((Next::Chunk(chunk), (recording, index + 1, progress, false)));
+                        return Some((
+                            Piece::Chunk(chunk),
+                            (recording, index + 1, progress, false),
+                        ));
                     }
                     if now.end != End::Live {
-                        return Some((Next::End(now.end), (recording, index, progress, true)));
+                        let committed = now.end == End::Committed;
+                        return Some((
+                            Piece::End { committed },
+                            (recording, index, progress, true),
+                        ));
                     }
                     if progress.changed().await.is_err() {
-                        return Some((Next::End(End::Cut), (recording, index, progress, true)));
+                        let cut = Piece::End { committed: false };
+                        return Some((cut, (recording, index, progress, true)));
                     }
                 }
             },
@@ -218,24 +227,15 @@ impl Recording {
         use futures_util::StreamExt;
         let frames = self.follow().filter_map(|next| async move {
             match next {
-                Next::Chunk(chunk) => Some(Ok(Frame::data(chunk))),
-                Next::End(End::Committed) => None,
-                Next::End(_) => Some(Err(BodyError::new(
+                Piece::Chunk(chunk) => Some(Ok(Frame::data(chunk))),
+                Piece::End { committed: true } => None,
+                Piece::End { committed: false } => Some(Err(BodyError::new(
                     "the upstream's stream was cut before its end",
                 ))),
             }
         });
         BodyExt::boxed(StreamBody::new(frames))
     }
-}
-
-/// What a follower of a recording gets next.
-#[derive(Debug, Clone)]
-pub enum Next {
-    /// A chunk, in order.
-    Chunk(Bytes),
-    /// The verdict: the last item.
-    End(End),
 }
 
 impl Drop for Recording {
