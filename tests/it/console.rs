@@ -251,7 +251,14 @@ async fn the_inbox_pages_through_unknown_jobs_newest_first() {
     post(&url, "inbox-fine", "{}").await;
     let mut seen = Vec::new();
     let mut path = "/admin/v1/jobs?state=unknown&limit=2".to_owned();
-    loop {
+    // Three pages of two hold the five; a cursor that never ran out would
+    // page forever, so more pages than jobs is a failure, not a hang.
+    for pages in 1.. {
+        assert!(
+            pages <= made.len(),
+            "page {pages} for {} jobs: the cursor never ran out (seen {seen:?})",
+            made.len()
+        );
         let page = gateway.admin(Method::GET, &path, "").await.json();
         for job in page["jobs"].as_array().unwrap() {
             assert_eq!(job["state"], "unknown");

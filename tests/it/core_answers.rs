@@ -419,64 +419,95 @@ async fn admin_api_needs_the_bearer_token_and_probes_do_not(store: TestStore) {
     assert_eq!(r.problem(), "admin-disabled");
 }
 
+/// One row of [`upstream_connections_are_reused_unless_the_upstream_forbids_it`].
+#[derive(Clone, Copy)]
+struct Reuse {
+    /// What the row shows; its failures name it.
+    what: &'static str,
+    /// Its keys' prefix (the rows share one store).
+    key: &'static str,
+    /// The upstream answers `Connection: close`.
+    closes: bool,
+    /// The upstream's `idle_timeout`, when it has one.
+    idle_timeout: Option<&'static str>,
+    /// Rounds of one keyed and one passed-through request.
+    rounds: usize,
+    /// Connections the upstream accepts over all of them.
+    connections: usize,
+}
+
 /// Requests one after another, keyed or not, share one upstream connection:
-/// the gateway keeps it open once an answer has been read to the end.
-async fn upstream_connections_are_kept_open_between_requests(store: TestStore) {
-    let upstream = FakeUpstream::echo().await;
-    let gateway = Gateway::start(&store, &upstream.url()).await;
-    for n in 0..10 {
-        let keyed = post(&gateway.path("/v1/charges"), &format!("kept-{n}"), "{}").await;
-        assert_eq!(keyed.status, 200);
-        let plain = send(Method::GET, &gateway.path("/v1/models"), &[], "").await;
-        assert_eq!(plain.status, 200);
-    }
-    assert_eq!(upstream.hits(), 20);
-    assert_eq!(upstream.connections(), 1);
-}
-
-/// An upstream that closes its connection after every answer costs a new
-/// connection per request, never a failed request.
-async fn an_upstream_that_closes_every_connection_gets_a_new_one_per_request(store: TestStore) {
-    let upstream = FakeUpstream::start(|r| async move {
-        let mut response = crate::support::upstream::echo_response(&r);
-        response
-            .headers_mut()
-            .insert("connection", http::HeaderValue::from_static("close"));
-        response
-    })
-    .await;
-    let gateway = Gateway::start(&store, &upstream.url()).await;
-    for n in 0..10 {
-        let keyed = post(&gateway.path("/v1/charges"), &format!("closed-{n}"), "{}").await;
-        assert_eq!(keyed.status, 200, "{:?}", keyed.body);
-        assert!(keyed.headers.get("connection").is_none());
-        let plain = send(Method::GET, &gateway.path("/v1/models"), &[], "").await;
-        assert_eq!(plain.status, 200);
-    }
-    assert_eq!(upstream.hits(), 20);
-    assert_eq!(upstream.connections(), 20);
-}
-
-/// `idle_timeout = "0s"` on an upstream: every request, keyed or not, on a
-/// connection of its own.
-async fn an_upstream_with_no_idle_time_gets_a_connection_per_request(store: TestStore) {
-    let upstream = FakeUpstream::echo().await;
-    let gateway = Gateway::builder(&store, &upstream.url())
-        .unset("upstreams")
-        .tables(&format!(
-            "[[upstreams]]\nname = \"fresh\"\nurl = {:?}\nidle_timeout = \"0s\"\n",
-            upstream.url()
-        ))
-        .start()
+/// the gateway keeps it open once an answer has been read to the end. An
+/// upstream that closes every connection costs a new one per request, never
+/// a failed request, and so does one with no idle time.
+async fn upstream_connections_are_reused_unless_the_upstream_forbids_it(store: TestStore) {
+    let cases = [
+        Reuse {
+            what: "kept open between requests",
+            key: "kept",
+            closes: false,
+            idle_timeout: None,
+            rounds: 10,
+            connections: 1,
+        },
+        Reuse {
+            what: "closed by the upstream after every answer",
+            key: "closed",
+            closes: true,
+            idle_timeout: None,
+            rounds: 10,
+            connections: 20,
+        },
+        Reuse {
+            what: "with idle_timeout = \"0s\"",
+            key: "fresh",
+            closes: false,
+            idle_timeout: Some("0s"),
+            rounds: 5,
+            connections: 10,
+        },
+    ];
+    for case in cases {
+        let upstream = FakeUpstream::start(move |r| async move {
+            let mut response = crate::support::upstream::echo_response(&r);
+            if case.closes {
+                let close = http::HeaderValue::from_static("close");
+                response.headers_mut().insert("connection", close);
+            }
+            response
+        })
         .await;
-    for n in 0..5 {
-        let keyed = post(&gateway.path("/v1/charges"), &format!("fresh-{n}"), "{}").await;
-        assert_eq!(keyed.status, 200);
-        let plain = send(Method::GET, &gateway.path("/v1/models"), &[], "").await;
-        assert_eq!(plain.status, 200);
+        let gateway = reuse_gateway(&store, &upstream, case.idle_timeout).await;
+        for n in 0..case.rounds {
+            let key = format!("{}-{n}", case.key);
+            let keyed = post(&gateway.path("/v1/charges"), &key, "{}").await;
+            assert_eq!(keyed.status, 200, "{}: {:?}", case.what, keyed.body);
+            // Hop-by-hop: the upstream's `Connection` is not the client's.
+            assert!(keyed.headers.get("connection").is_none(), "{}", case.what);
+            let plain = send(Method::GET, &gateway.path("/v1/models"), &[], "").await;
+            assert_eq!(plain.status, 200, "{}: {:?}", case.what, plain.body);
+            assert!(plain.headers.get("connection").is_none(), "{}", case.what);
+        }
+        assert_eq!(upstream.hits(), 2 * case.rounds, "{}", case.what);
+        assert_eq!(upstream.connections(), case.connections, "{}", case.what);
     }
-    assert_eq!(upstream.hits(), 10);
-    assert_eq!(upstream.connections(), 10);
+}
+
+/// A gateway whose one upstream has `idle_timeout` when given one.
+async fn reuse_gateway(
+    store: &TestStore,
+    upstream: &FakeUpstream,
+    idle_timeout: Option<&str>,
+) -> Gateway {
+    let builder = Gateway::builder(store, &upstream.url());
+    let builder = match idle_timeout {
+        None => builder,
+        Some(idle) => builder.unset("upstreams").tables(&format!(
+            "[[upstreams]]\nname = \"fresh\"\nurl = {:?}\nidle_timeout = {idle:?}\n",
+            upstream.url()
+        )),
+    };
+    builder.start().await
 }
 
 async fn pass_through_bodies_stream_past_the_opt_in_limit(store: TestStore) {
@@ -608,9 +639,7 @@ async fn bad_configuration_stops_start_up_naming_the_key() {
 }
 
 crate::on_both_stores!(
-    upstream_connections_are_kept_open_between_requests,
-    an_upstream_that_closes_every_connection_gets_a_new_one_per_request,
-    an_upstream_with_no_idle_time_gets_a_connection_per_request,
+    upstream_connections_are_reused_unless_the_upstream_forbids_it,
     pass_through_bodies_stream_past_the_opt_in_limit,
     replay_is_faithful_to_status_end_to_end_headers_and_body_bytes,
     same_key_with_another_body_or_path_is_a_409_mismatch_and_never_proxied,

@@ -156,9 +156,10 @@ async fn a_saturated_gateway_sheds_at_once_before_taking_a_job() {
             tokio::spawn(async move { post(&url, key, "{}").await })
         })
         .collect();
-    while upstream.hits() < 2 {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    // Both held at the upstream: the gateway is at its limit. Each arrival
+    // is waited for at most 10 s, and fails saying none came.
+    upstream.arrival().await;
+    upstream.arrival().await;
     let started = tokio::time::Instant::now();
     let shed = post(&url, "one-too-many", "{}").await;
     assert_eq!(shed.status, 503);

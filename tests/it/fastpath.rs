@@ -12,7 +12,7 @@ use idemgate::domain::id::JobId;
 use idemgate::domain::key::{IdempotencyKey, Owner};
 use idemgate::idempotency::fastpath::{self, Binding, Entry};
 
-use crate::support::{eventually, post, FakeUpstream, Gate, Gateway, TestStore, ThrowawayRedis};
+use crate::support::{eventually, post, FakeUpstream, Gateway, TestStore, ThrowawayRedis};
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -52,9 +52,7 @@ async fn cached(redis: &ThrowawayRedis, key: &str) -> Entry {
 /// `core_answers`).
 async fn gateway(store: &TestStore, upstream: &FakeUpstream, redis_url: &str) -> Gateway {
     Gateway::builder(store, &upstream.url())
-        .set("replay_cache_size", "0")
-        .set("redis_url", &format!("{redis_url:?}"))
-        .set("redis_timeout", "\"200ms\"")
+        .replaying_from_redis(redis_url)
         .start()
         .await
 }
@@ -289,41 +287,6 @@ async fn corrupt_and_stale_entries_are_ignored_and_repaired() {
     })
     .await;
     assert_eq!(upstream.hits(), 2);
-}
-
-#[tokio::test]
-async fn held_duplicates_on_another_replica_are_woken_through_redis() {
-    let store = TestStore::postgres().await;
-    let redis = ThrowawayRedis::start().await;
-    let gate = Gate::new();
-    let upstream = FakeUpstream::gated_echo(&gate, |_| true).await;
-    let a = gateway(&store, &upstream, &redis.url()).await;
-    let b = gateway(&store, &upstream, &redis.url()).await;
-    let first = tokio::spawn({
-        let url = a.path("/v1/x");
-        async move { post(&url, "wake", "{}").await }
-    });
-    upstream.arrival().await;
-    let held = tokio::spawn({
-        let url = b.path("/v1/x");
-        async move { post(&url, "wake", "{}").await }
-    });
-    eventually(WAIT, "the duplicate to be held on b", || async {
-        b.metric("idemgate_held_requests").await == 1.0
-    })
-    .await;
-    gate.open(1);
-    let (first, held) = (first.await.unwrap(), held.await.unwrap());
-    assert_eq!(held.body, first.body);
-    assert_eq!(held.header("idempotent-replayed"), Some("true"));
-    // PostgreSQL's NOTIFY may ring first; Redis's announcement still reaches b.
-    eventually(
-        WAIT,
-        "a's commit to be announced to b through Redis",
-        || async { b.metric("idemgate_wakeups_total{source=\"redis\"}").await >= 1.0 },
-    )
-    .await;
-    assert_eq!(upstream.hits(), 1);
 }
 
 #[tokio::test]

@@ -12,7 +12,9 @@ use std::time::Duration;
 use futures_util::future::join_all;
 
 use crate::support::postgres::ThrowawayPostgres;
-use crate::support::{eventually, post, send, FakeUpstream, Gateway, Reply, TestStore};
+use crate::support::{
+    eventually, held_on_the_other_replica, post, send, FakeUpstream, Gateway, Reply, TestStore,
+};
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -241,19 +243,7 @@ async fn held_duplicates_are_answered_across_a_failover() {
     let logs = tempfile::tempdir().unwrap();
     let a = replica(&url, &upstream, &logs.path().join("a.log")).await;
     let b = replica(&url, &upstream, &logs.path().join("b.log")).await;
-    let first = tokio::spawn({
-        let url = a.path("/v1/charges");
-        async move { post(&url, "held", "{}").await }
-    });
-    upstream.arrival().await;
-    let held = tokio::spawn({
-        let url = b.path("/v1/charges");
-        async move { post(&url, "held", "{}").await }
-    });
-    eventually(WAIT, "the duplicate to be held on b", || async {
-        b.metric("idemgate_held_requests").await == 1.0
-    })
-    .await;
+    let (first, held) = held_on_the_other_replica(&a, &b, &upstream, "/v1/charges", "held").await;
     // The primary dies with the attempt upstream; the standby takes over;
     // then the upstream answers: the commit lands on the new primary and
     // the duplicate held on the other replica (whose LISTEN connection

@@ -243,19 +243,56 @@ async fn hedging_gateway(store: &TestStore, a: &str, b: &str) -> Gateway {
         .await
 }
 
+/// Two side-effect-free routes hedging to `fallback` after 300 ms:
+/// `/v1/chat` first tries `streams`, `/v1/slow` first tries `slow`.
+async fn two_hedging_routes(
+    store: &TestStore,
+    streams: &str,
+    slow: &str,
+    fallback: &str,
+) -> Gateway {
+    let mut builder = Gateway::builder(store, "http://unused")
+        .unset("upstreams")
+        .set("upstream_timeout", "\"5s\"");
+    for (name, url) in [("streams", streams), ("slow", slow), ("fallback", fallback)] {
+        builder = builder.tables(&format!("[[upstreams]]\nname = {name:?}\nurl = {url:?}\n"));
+    }
+    for (prefix, primary) in [("/v1/chat", "streams"), ("/v1/slow", "slow")] {
+        builder = builder.tables(&format!(
+            "[[routes]]\npath_prefix = {prefix:?}\nupstreams = [{primary:?}, \"fallback\"]\n\
+             side_effect_free = true\nhedge_after = \"300ms\"\n"
+        ));
+    }
+    builder.start().await
+}
+
 #[tokio::test]
 async fn once_a_stream_has_started_no_other_upstream_is_tried() {
     let store = TestStore::postgres().await;
     let gate = Gate::new();
     let primary = SseUpstream::start(3, EVENT, &gate, Ending::Clean).await;
+    let never = Gate::new();
+    let slow = crate::support::FakeUpstream::gated_echo(&never, |_| true).await;
     let fallback = crate::support::FakeUpstream::echo().await;
-    let gateway = hedging_gateway(&store, &primary.url(), &fallback.url()).await;
+    let gateway = two_hedging_routes(&store, &primary.url(), &slow.url(), &fallback.url()).await;
     gate.open(1);
     let mut client = Reader::post(&gateway.path("/v1/chat"), "sse-hedge-1", "{}").await;
     client.read_until(EVENT).await;
-    // Silent well past hedge_after, but its bytes are already out.
-    tokio::time::sleep(Duration::from_millis(900)).await;
-    assert_eq!(fallback.hits(), 0, "no hedge once the stream started");
+    // Then the stream falls silent. The control: a request begun after it,
+    // on a route hedging after the same 300 ms to the same fallback, whose
+    // primary never answers. Answered within 3 s (before the 5 s upstream
+    // timeout), it was answered by its hedge; by then the stream's hedge
+    // timer, armed earlier, has run out too, and had it still counted once
+    // the bytes were out, its hedge would have reached the fallback first.
+    let slow_url = gateway.path("/v1/slow");
+    let control = post(&slow_url, "hedge-control", "{}");
+    let control = tokio::time::timeout(Duration::from_secs(3), control)
+        .await
+        .expect("the control was not hedged within 3 s: the stream's silence proves nothing");
+    assert_eq!(control.status, 200, "{:?}", control.body);
+    let hedged: Vec<String> = fallback.recorded().into_iter().map(|r| r.path).collect();
+    assert_eq!(hedged, ["/v1/slow"], "no hedge once the stream started");
+    assert_eq!(gateway.metric("idemgate_hedges_total").await, 1.0);
     gate.open(2);
     assert_eq!(client.finish().await, Finish::Complete);
     let job = gateway.job(client.header("idempotency-job").unwrap()).await;

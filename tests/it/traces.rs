@@ -5,8 +5,6 @@
 //! attempt's `traceparent`. Without an endpoint nothing is exported and the
 //! client's own `traceparent` passes through untouched.
 
-use std::time::Duration;
-
 use crate::support::otlp::{Receiver, Span};
 use crate::support::upstream::json_response;
 use crate::support::{send, FakeUpstream, Gateway, TestStore};
@@ -190,29 +188,55 @@ async fn without_an_endpoint_nothing_is_exported_and_the_clients_traceparent_pas
     );
 }
 
+/// A gateway exporting its spans to `receiver` as `service`, every
+/// `schedule_ms`.
+async fn exporting_as(
+    service: &str,
+    schedule_ms: &str,
+    store: &TestStore,
+    upstream: &FakeUpstream,
+    receiver: &Receiver,
+) -> Gateway {
+    Gateway::builder(store, &upstream.url())
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", &receiver.endpoint())
+        .env("OTEL_BSP_SCHEDULE_DELAY", schedule_ms)
+        .env("OTEL_SERVICE_NAME", service)
+        .start()
+        .await
+}
+
 #[tokio::test]
 async fn spans_buffered_at_shutdown_are_exported_before_the_process_exits() {
     let receiver = Receiver::start().await;
-    let store = TestStore::embedded();
     let upstream = FakeUpstream::echo().await;
-    let mut gateway = Gateway::builder(&store, &upstream.url())
-        .env("OTEL_EXPORTER_OTLP_ENDPOINT", &receiver.endpoint())
-        // Far longer than the test: only the flush at exit can send them.
-        .env("OTEL_BSP_SCHEDULE_DELAY", "600000")
-        .start()
+    let (stores, to) = ([TestStore::embedded(), TestStore::embedded()], &receiver);
+    // Far longer than the test: only the flush at exit can send its spans.
+    let mut held = exporting_as("held", "600000", &stores[0], &upstream, to).await;
+    // Exports every 50 ms: the measure of "would have arrived by now".
+    let control = exporting_as("control", "50", &stores[1], &upstream, to).await;
+    for (gateway, key) in [(&held, "flushed-1"), (&control, "scheduled-1")] {
+        let path = gateway.path("/v1/charges");
+        let reply = send(http::Method::POST, &path, &[("idempotency-key", key)], "{}").await;
+        assert_eq!(reply.status, 200);
+    }
+    // The control's spans end after the held gateway's and arrive on their
+    // schedule; the held gateway's, exported at once or on any schedule as
+    // short, would have arrived first.
+    let spans = receiver
+        .wait_for("the control's request span", |spans| {
+            spans
+                .iter()
+                .any(|s| s.service == "control" && s.name == "request")
+        })
         .await;
-    let reply = send(
-        http::Method::POST,
-        &gateway.path("/v1/charges"),
-        &[("idempotency-key", "flushed-1")],
-        "{}",
-    )
-    .await;
-    assert_eq!(reply.status, 200);
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert!(receiver.spans().is_empty(), "exported before the flush");
-    assert!(gateway.terminate().await.success());
-    let spans = receiver.spans();
+    let early: Vec<&Span> = spans.iter().filter(|s| s.service == "held").collect();
+    assert!(early.is_empty(), "exported before the flush: {early:#?}");
+    assert!(held.terminate().await.success());
+    let spans: Vec<Span> = receiver
+        .spans()
+        .into_iter()
+        .filter(|s| s.service == "held")
+        .collect();
     assert!(spans.iter().any(|s| s.name == "request"), "{spans:#?}");
     assert!(spans
         .iter()

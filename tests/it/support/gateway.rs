@@ -152,6 +152,15 @@ impl Builder {
         self
     }
 
+    /// Replays from the Redis at `redis_url` (200 ms per command): the
+    /// gateway's own memory of answers is off, so a replay tests the fast
+    /// path.
+    pub fn replaying_from_redis(self, redis_url: &str) -> Self {
+        self.set("replay_cache_size", "0")
+            .set("redis_url", &format!("{redis_url:?}"))
+            .set("redis_timeout", "\"200ms\"")
+    }
+
     /// Appends tables (`[[routes]]`, `[[upstreams]]`, `[contracts.x]`).
     pub fn tables(mut self, toml: &str) -> Self {
         self.tables.push_str(toml);

@@ -130,6 +130,36 @@ pub fn post_detached(
     })
 }
 
+/// A keyed POST of `key` to `path` on `a`, held at `upstream` (which the
+/// test gates), and the same request sent to `b` and held there on the
+/// running job (`b`'s held-requests gauge at 1, 20 s at most). Each handle
+/// resolves to its answer once the test lets the upstream answer.
+pub async fn held_on_the_other_replica(
+    a: &Gateway,
+    b: &Gateway,
+    upstream: &FakeUpstream,
+    path: &str,
+    key: &str,
+) -> (
+    tokio::task::JoinHandle<Reply>,
+    tokio::task::JoinHandle<Reply>,
+) {
+    let send_to = |gateway: &Gateway| {
+        let (url, key) = (gateway.path(path), key.to_owned());
+        tokio::spawn(async move { post(&url, &key, "{}").await })
+    };
+    let first = send_to(a);
+    upstream.arrival().await;
+    let held = send_to(b);
+    eventually(
+        Duration::from_secs(20),
+        "the duplicate to be held on b",
+        || async { b.metric("idemgate_held_requests").await == 1.0 },
+    )
+    .await;
+    (first, held)
+}
+
 /// Waits until `check` holds, re-checking every 20 ms, for at most `limit`.
 /// For conditions only observable from outside (a state in the store, a
 /// gauge), never as a stand-in for ordering that a barrier can give.
