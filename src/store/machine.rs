@@ -68,11 +68,6 @@ impl<B: Backend> Machine<B> {
             .transpose()
     }
 
-    /// The backend underneath.
-    pub fn backend(&self) -> &B {
-        &self.backend
-    }
-
     fn ring(&self, change: &Change) {
         if change.moves_job() {
             self.doorbell.ring(change.job.id);

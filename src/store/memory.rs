@@ -316,19 +316,3 @@ impl Backend for Memory {
         Ok(())
     }
 }
-
-/// Test hooks: tests that need a lapsed lease or an expired job age one.
-impl Memory {
-    /// Moves an attempt's lease into the past.
-    pub fn lapse_lease(&self, attempt: AttemptId) {
-        let mut records = self.records();
-        let Some(job) = records.attempts.get(&attempt).copied() else {
-            return;
-        };
-        if let Some(entry) = records.jobs.get_mut(&job) {
-            for a in entry.attempts.iter_mut().filter(|a| a.id == attempt) {
-                a.lease_expires_at = SystemTime::UNIX_EPOCH;
-            }
-        }
-    }
-}
