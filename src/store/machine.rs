@@ -6,12 +6,17 @@
 //! returns. A change that moves a job's state rings the doorbell here, and
 //! only here, once. With encryption configured, responses are sealed here on
 //! their way in and opened on their way out (see [`crate::store::seal`]).
+//!
+//! The backend is held [`Measured`]: every call to it is timed and counted
+//! there, so the operations below forward to it without measuring anything
+//! themselves.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 
+use super::measured::Measured;
 use super::{Backend, Begin, CommitOutcome, Cursor, Decide, Doorbell, Lock, Store, StoreError};
 use crate::domain::attempt::{Attempt, AttemptFailure, AttemptId, NewAttempt, Resolution};
 use crate::domain::job::{Job, JobDetail, JobId, NewJob, StoredResponse};
@@ -21,7 +26,7 @@ use crate::store::seal::{self, Sealer};
 
 /// A [`Store`] over a [`Backend`].
 pub struct Machine<B> {
-    backend: B,
+    backend: Measured<B>,
     doorbell: Arc<Doorbell>,
     sealer: Option<Arc<Sealer>>,
 }
@@ -31,7 +36,7 @@ impl<B: Backend> Machine<B> {
     /// job's state.
     pub fn new(backend: B, doorbell: Arc<Doorbell>) -> Self {
         Machine {
-            backend,
+            backend: Measured(backend),
             doorbell,
             sealer: None,
         }
@@ -76,7 +81,7 @@ impl<B: Backend> Machine<B> {
 
     /// Runs one transition; rings when it moved the job.
     async fn apply(&self, lock: Lock, decide: Decide) -> Result<super::Applied, StoreError> {
-        let applied = measured("change", self.backend.change(lock, decide)).await??;
+        let applied = self.backend.change(lock, decide).await??;
         self.ring(&applied.change);
         Ok(applied)
     }
@@ -100,7 +105,7 @@ impl<B: Backend> Machine<B> {
 impl<B: Backend> Store for Machine<B> {
     async fn begin_job(&self, job: NewJob, attempt: NewAttempt) -> Result<Begin, StoreError> {
         // A new job has no one waiting on it yet: nothing to ring.
-        match measured("begin", self.backend.begin(job, attempt)).await? {
+        match self.backend.begin(job, attempt).await? {
             Begin::Existing(job) => Ok(Begin::Existing(self.open(job)?)),
             created => Ok(created),
         }
@@ -138,7 +143,7 @@ impl<B: Backend> Store for Machine<B> {
         response: &StoredResponse,
     ) -> Result<CommitOutcome, StoreError> {
         let response = self.seal(attempt.job_id, response);
-        let committed = measured("commit", self.backend.commit(attempt, &response)).await?;
+        let committed = self.backend.commit(attempt, &response).await?;
         if !committed.won {
             return Ok(CommitOutcome::Superseded);
         }
@@ -189,14 +194,15 @@ impl<B: Backend> Store for Machine<B> {
     }
 
     async fn job(&self, id: JobId) -> Result<Option<Job>, StoreError> {
-        measured("job", self.backend.job(id))
+        self.backend
+            .job(id)
             .await?
             .map(|j| self.open(j))
             .transpose()
     }
 
     async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError> {
-        self.open_detail(measured("job_detail", self.backend.job_detail(id)).await?)
+        self.open_detail(self.backend.job_detail(id).await?)
     }
 
     async fn find_job(
@@ -204,7 +210,7 @@ impl<B: Backend> Store for Machine<B> {
         owner: &Owner,
         key: &IdempotencyKey,
     ) -> Result<Option<JobDetail>, StoreError> {
-        self.open_detail(measured("find_job", self.backend.find_job(owner, key)).await?)
+        self.open_detail(self.backend.find_job(owner, key).await?)
     }
 
     async fn unknown_jobs(
@@ -212,7 +218,7 @@ impl<B: Backend> Store for Machine<B> {
         after: Option<Cursor>,
         limit: u32,
     ) -> Result<Vec<Job>, StoreError> {
-        let jobs = measured("unknown_jobs", self.backend.unknown_jobs(after, limit)).await?;
+        let jobs = self.backend.unknown_jobs(after, limit).await?;
         jobs.into_iter().map(|j| self.open(j)).collect()
     }
 
@@ -224,11 +230,11 @@ impl<B: Backend> Store for Machine<B> {
         if attempts.is_empty() {
             return Ok(0);
         }
-        measured("renew_leases", self.backend.renew_leases(attempts, lease)).await
+        self.backend.renew_leases(attempts, lease).await
     }
 
     async fn expire_leases(&self, batch: u32) -> Result<u64, StoreError> {
-        let changes = measured("expire_lapsed", self.backend.expire_lapsed(batch)).await?;
+        let changes = self.backend.expire_lapsed(batch).await?;
         for change in &changes {
             for settled in &change.settled {
                 tracing::warn!(attempt = %settled.attempt, job = %change.job.id, "attempt lease lapsed; outcome unknown");
@@ -239,39 +245,14 @@ impl<B: Backend> Store for Machine<B> {
     }
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        measured("purge_expired", self.backend.purge_expired(batch)).await
+        self.backend.purge_expired(batch).await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        measured("ping", self.backend.ping()).await
+        self.backend.ping().await
     }
 
     async fn watch(&self, job: JobId) -> Result<(), StoreError> {
-        measured("watch", self.backend.watch(job)).await
+        self.backend.watch(job).await
     }
-}
-
-/// Times a backend call (`idemgate_store_seconds{operation}`) and counts
-/// its failures (`idemgate_store_errors_total{operation, kind}`: the store
-/// unreachable or failing; refusals and misses are answers, not failures).
-async fn measured<T>(
-    operation: &'static str,
-    call: impl std::future::Future<Output = Result<T, StoreError>>,
-) -> Result<T, StoreError> {
-    let start = std::time::Instant::now();
-    let result = call.await;
-    metrics::histogram!("idemgate_store_seconds", "operation" => operation)
-        .record(start.elapsed().as_secs_f64());
-    if let Err(e) = &result {
-        let kind = match e.kind() {
-            super::StoreErrorKind::Unavailable => Some("unavailable"),
-            super::StoreErrorKind::Internal => Some("internal"),
-            _ => None,
-        };
-        if let Some(kind) = kind {
-            metrics::counter!("idemgate_store_errors_total", "operation" => operation, "kind" => kind)
-                .increment(1);
-        }
-    }
-    result
 }

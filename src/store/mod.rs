@@ -12,7 +12,9 @@
 //!
 //! [`Machine`] joins the two: it runs every transition of
 //! [`crate::domain::transition`] on a backend and rings the [`Doorbell`] once per
-//! change of a job's state. No backend decides anything; the same
+//! change of a job's state. Every call it makes to the backend goes through
+//! one measuring wrapper (`measured.rs`: `idemgate_store_seconds`,
+//! `idemgate_store_errors_total`). No backend decides anything; the same
 //! conformance suite (`tests/it/store_conformance.rs`) holds all of them to:
 //!
 //! - a uniqueness constraint on `(owner, key)` is the only arbiter of "seen
@@ -26,6 +28,7 @@
 pub(crate) mod codec;
 mod doorbell;
 mod machine;
+mod measured;
 pub mod memory;
 pub mod postgres;
 pub mod seal;
