@@ -17,6 +17,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use deadpool_postgres::{GenericClient, Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use futures_util::StreamExt;
+use tokio_postgres::types::ToSql;
 use tokio_postgres::{AsyncMessage, NoTls, Row};
 use uuid::Uuid;
 
@@ -357,78 +358,88 @@ async fn write(
     attempt_from_row(&row, 0).map(Some)
 }
 
+/// [`Backend::begin`]'s statement: one round trip for a new key and for a
+/// duplicate alike. The job of `(owner, key)` ($2, $3) is read, and
+/// inserted ($1, $4-$6, $12) with its first attempt ($7-$11, $13) only when
+/// there is none. The insert's `ON CONFLICT DO NOTHING` stays the only
+/// arbiter of creation; for a duplicate it inserts nothing, so its commit
+/// writes nothing either. See [`answer`] for what its row says.
+fn begin_statement() -> String {
+    format!(
+        "WITH existing AS ( \
+           SELECT {JOB_COLUMNS}, j.expires_at <= now() AS expired FROM jobs j \
+           WHERE j.owner = $2 AND j.key = $3 \
+         ), j AS ( \
+           INSERT INTO jobs (id, owner, key, fingerprint, route, state, version, attempt_count, expires_at) \
+           SELECT $1, $2, $3, $4, $5, $12, 1, 1, now() + $6::bigint * interval '1 millisecond' \
+           WHERE NOT EXISTS (SELECT 1 FROM existing) \
+           ON CONFLICT (owner, key) DO NOTHING \
+           RETURNING * \
+         ), a AS ( \
+           INSERT INTO attempts (id, job_id, number, upstream, state, job_version, instance, \
+                                 lease_expires_at, deadline_at) \
+           SELECT $7, j.id, 1, $8, $13, j.version, $9, \
+                  now() + $10::bigint * interval '1 millisecond', \
+                  now() + $11::bigint * interval '1 millisecond' \
+           FROM j \
+           RETURNING * \
+         ) \
+         SELECT {JOB_COLUMNS}, {ATTEMPT_COLUMNS}, false FROM j, a \
+         UNION ALL \
+         SELECT {JOB_COLUMNS}, NULL::uuid, NULL::uuid, NULL::integer, NULL::text, NULL::text, \
+                NULL::bigint, NULL::timestamptz, NULL::timestamptz, NULL::timestamptz, \
+                NULL::smallint, NULL::text, j.expired \
+         FROM existing j"
+    )
+}
+
+/// The answer in a row of [`begin_statement`]: the job created with its
+/// first attempt (the attempt's columns are set), or the job that exists;
+/// `None` when that job expired (the last column) but was not purged yet.
+fn answer(row: &Row) -> Result<Option<Begin>, StoreError> {
+    if row.get::<_, Option<Uuid>>(JOB_WIDTH).is_some() {
+        return Ok(Some(Begin::Created(
+            job_from_row(row)?,
+            attempt_from_row(row, JOB_WIDTH)?,
+        )));
+    }
+    if row.get::<_, bool>(JOB_WIDTH + ATTEMPT_WIDTH) {
+        return Ok(None);
+    }
+    Ok(Some(Begin::Existing(job_from_row(row)?)))
+}
+
 #[async_trait]
 impl Backend for Postgres {
     async fn begin(&self, job: NewJob, attempt: NewAttempt) -> Result<Begin, StoreError> {
         let client = self.client().await?;
-        // One round trip for a new key and for a duplicate alike: the job is
-        // read, and inserted (with its first attempt) only when there is
-        // none. The insert's `ON CONFLICT DO NOTHING` stays the only arbiter
-        // of creation; for a duplicate it inserts nothing, so its commit
-        // writes nothing either.
         let begin = client
-            .prepare_cached(&format!(
-                "WITH existing AS ( \
-                   SELECT {JOB_COLUMNS}, j.expires_at <= now() AS expired FROM jobs j \
-                   WHERE j.owner = $2 AND j.key = $3 \
-                 ), j AS ( \
-                   INSERT INTO jobs (id, owner, key, fingerprint, route, state, version, attempt_count, expires_at) \
-                   SELECT $1, $2, $3, $4, $5, $12, 1, 1, now() + $6::bigint * interval '1 millisecond' \
-                   WHERE NOT EXISTS (SELECT 1 FROM existing) \
-                   ON CONFLICT (owner, key) DO NOTHING \
-                   RETURNING * \
-                 ), a AS ( \
-                   INSERT INTO attempts (id, job_id, number, upstream, state, job_version, instance, \
-                                         lease_expires_at, deadline_at) \
-                   SELECT $7, j.id, 1, $8, $13, j.version, $9, \
-                          now() + $10::bigint * interval '1 millisecond', \
-                          now() + $11::bigint * interval '1 millisecond' \
-                   FROM j \
-                   RETURNING * \
-                 ) \
-                 SELECT {JOB_COLUMNS}, {ATTEMPT_COLUMNS}, false FROM j, a \
-                 UNION ALL \
-                 SELECT {JOB_COLUMNS}, NULL::uuid, NULL::uuid, NULL::integer, NULL::text, NULL::text, \
-                        NULL::bigint, NULL::timestamptz, NULL::timestamptz, NULL::timestamptz, \
-                        NULL::smallint, NULL::text, j.expired \
-                 FROM existing j"
-            ))
+            .prepare_cached(&begin_statement())
             .await
             .map_err(map_pg)?;
+        let params: [&(dyn ToSql + Sync); 13] = [
+            &job.id.0,
+            &job.owner.as_str(),
+            &job.key.as_str(),
+            &job.fingerprint.0.as_slice(),
+            &job.route,
+            &millis(job.ttl),
+            &attempt.id.0,
+            &attempt.upstream,
+            &attempt.instance,
+            &millis(attempt.lease),
+            &millis(attempt.deadline),
+            &JobState::Running.as_str(),
+            &AttemptState::Started.as_str(),
+        ];
         // Bounded: each round either answers, deletes the expired job that
         // blocked the key, or lost an insert race whose winner the next
         // round reads.
         for _ in 0..3 {
-            let row = client
-                .query_opt(
-                    &begin,
-                    &[
-                        &job.id.0,
-                        &job.owner.as_str(),
-                        &job.key.as_str(),
-                        &job.fingerprint.0.as_slice(),
-                        &job.route,
-                        &millis(job.ttl),
-                        &attempt.id.0,
-                        &attempt.upstream,
-                        &attempt.instance,
-                        &millis(attempt.lease),
-                        &millis(attempt.deadline),
-                        &JobState::Running.as_str(),
-                        &AttemptState::Started.as_str(),
-                    ],
-                )
-                .await
-                .map_err(map_pg)?;
+            let row = client.query_opt(&begin, &params).await.map_err(map_pg)?;
             let Some(row) = row else { continue };
-            if row.get::<_, Option<Uuid>>(JOB_WIDTH).is_some() {
-                return Ok(Begin::Created(
-                    job_from_row(&row)?,
-                    attempt_from_row(&row, JOB_WIDTH)?,
-                ));
-            }
-            if !row.get::<_, bool>(JOB_WIDTH + ATTEMPT_WIDTH) {
-                return Ok(Begin::Existing(job_from_row(&row)?));
+            if let Some(begin) = answer(&row)? {
+                return Ok(begin);
             }
             // Expired but not purged yet: forgotten, the key starts afresh.
             client
