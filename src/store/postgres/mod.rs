@@ -29,7 +29,7 @@ use crate::domain::attempt::{Attempt, AttemptId, AttemptState, NewAttempt};
 use crate::domain::fingerprint::Fingerprint;
 use crate::domain::job::{Job, JobDetail, JobId, JobState, NewJob, StoredResponse};
 use crate::domain::key::{IdempotencyKey, Owner};
-use crate::domain::transition::{AttemptHead, Change, JobHead, Refusal, Snapshot};
+use crate::domain::transition::{AttemptHead, Change, JobHead, Refusal, Snapshot, Start};
 
 mod budget;
 mod replication;
@@ -328,9 +328,19 @@ async fn write(
         .await
         .map_err(map_pg)?;
     }
-    let Some(start) = &change.started else {
-        return Ok(None);
-    };
+    match &change.started {
+        Some(start) => insert_attempt(tx, head.id, start).await.map(Some),
+        None => Ok(None),
+    }
+}
+
+/// Inserts the attempt a change started, in that change's transaction;
+/// returns it as stored.
+async fn insert_attempt(
+    tx: &deadpool_postgres::Transaction<'_>,
+    job: JobId,
+    start: &Start,
+) -> Result<Attempt, StoreError> {
     let row = tx
         .query_one(
             &format!(
@@ -343,7 +353,7 @@ async fn write(
             ),
             &[
                 &start.attempt.id.0,
-                &head.id.0,
+                &job.0,
                 &start.number,
                 &start.attempt.upstream,
                 &AttemptState::Started.as_str(),
@@ -355,7 +365,7 @@ async fn write(
         )
         .await
         .map_err(map_pg)?;
-    attempt_from_row(&row, 0).map(Some)
+    attempt_from_row(&row, 0)
 }
 
 /// [`Backend::begin`]'s statement: one round trip for a new key and for a
