@@ -19,11 +19,10 @@
 use std::time::SystemTime;
 
 use crate::domain::attempt::{AttemptFailure, AttemptState, NewAttempt, Resolution};
-
-use crate::domain::id::AttemptId;
-use crate::domain::id::JobId;
+use crate::domain::id::{AttemptId, JobId};
 use crate::domain::job::JobState;
 use crate::domain::response::StoredResponse;
+
 /// Why an attempt that answered was not committed.
 pub const SUPERSEDED: &str = "answered after another attempt had won, or after the job moved on";
 

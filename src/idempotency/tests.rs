@@ -23,8 +23,7 @@ use uuid::Uuid;
 use super::*;
 use crate::config::{Flags, Settings};
 use crate::domain::attempt::{Attempt, AttemptFailure, NewAttempt, Resolution};
-use crate::domain::id::AttemptId;
-use crate::domain::id::JobId;
+use crate::domain::id::{AttemptId, JobId};
 use crate::domain::job::{Job, JobDetail, JobState, NewJob};
 use crate::domain::key::{IdempotencyKey, Owner};
 use crate::domain::response::StoredResponse;
@@ -33,7 +32,7 @@ use crate::proxy::upstream::Target;
 use crate::proxy::upstream::UpstreamError;
 use crate::store::memory::Memory;
 use crate::store::{Begin, CommitOutcome, Machine, StoreError};
-use crate::store::{Doorbell, Store};
+use crate::store::{Doorbell, Records, Store};
 
 /// Which store calls fail, and signals when they happen.
 #[derive(Default)]
@@ -52,6 +51,46 @@ struct Faulty {
 
 fn down() -> StoreError {
     StoreError::Unavailable("injected: the store is down".into())
+}
+
+#[async_trait]
+impl Records for Faulty {
+    async fn job(&self, id: JobId) -> Result<Option<Job>, StoreError> {
+        self.inner.job(id).await
+    }
+    async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError> {
+        self.inner.job_detail(id).await
+    }
+    async fn find_job(
+        &self,
+        owner: &Owner,
+        key: &IdempotencyKey,
+    ) -> Result<Option<JobDetail>, StoreError> {
+        self.inner.find_job(owner, key).await
+    }
+    async fn unknown_jobs(
+        &self,
+        after: Option<crate::store::Cursor>,
+        limit: u32,
+    ) -> Result<Vec<crate::domain::job::Job>, StoreError> {
+        self.inner.unknown_jobs(after, limit).await
+    }
+    async fn renew_leases(
+        &self,
+        attempts: &[AttemptId],
+        lease: Duration,
+    ) -> Result<u64, StoreError> {
+        self.inner.renew_leases(attempts, lease).await
+    }
+    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        self.inner.purge_expired(batch).await
+    }
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.inner.ping().await
+    }
+    async fn watch(&self, job: JobId) -> Result<(), StoreError> {
+        self.inner.watch(job).await
+    }
 }
 
 #[async_trait]
@@ -108,44 +147,8 @@ impl Store for Faulty {
     ) -> Result<JobDetail, StoreError> {
         self.inner.resolve_attempt(attempt, resolution).await
     }
-    async fn job(&self, id: JobId) -> Result<Option<Job>, StoreError> {
-        self.inner.job(id).await
-    }
-    async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError> {
-        self.inner.job_detail(id).await
-    }
-    async fn find_job(
-        &self,
-        owner: &Owner,
-        key: &IdempotencyKey,
-    ) -> Result<Option<JobDetail>, StoreError> {
-        self.inner.find_job(owner, key).await
-    }
-    async fn unknown_jobs(
-        &self,
-        after: Option<crate::store::Cursor>,
-        limit: u32,
-    ) -> Result<Vec<crate::domain::job::Job>, StoreError> {
-        self.inner.unknown_jobs(after, limit).await
-    }
-    async fn renew_leases(
-        &self,
-        attempts: &[AttemptId],
-        lease: Duration,
-    ) -> Result<u64, StoreError> {
-        self.inner.renew_leases(attempts, lease).await
-    }
     async fn expire_leases(&self, batch: u32) -> Result<u64, StoreError> {
         self.inner.expire_leases(batch).await
-    }
-    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        self.inner.purge_expired(batch).await
-    }
-    async fn ping(&self) -> Result<(), StoreError> {
-        self.inner.ping().await
-    }
-    async fn watch(&self, job: JobId) -> Result<(), StoreError> {
-        self.inner.watch(job).await
     }
 }
 

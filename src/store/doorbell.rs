@@ -15,9 +15,9 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use tokio::sync::{mpsc, Notify, OnceCell};
 
+use crate::domain::id::JobId;
 use crate::domain::job::Job;
 
-use crate::domain::id::JobId;
 /// One bell per job that someone waits on.
 #[derive(Debug, Default)]
 pub struct Doorbell {

@@ -6,16 +6,22 @@
 //! returns. A change that moves a job's state rings the doorbell here, and
 //! only here, once. With encryption configured, responses are sealed here on
 //! their way in and opened on their way out (see [`crate::store::seal`]).
+//!
+//! The backend is held [`Measured`]: every call to it is timed and counted
+//! there, so the operations below forward to it without measuring anything
+//! themselves.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 
-use super::{Backend, Begin, CommitOutcome, Cursor, Decide, Doorbell, Lock, Store, StoreError};
+use super::measured::Measured;
+use super::{
+    Backend, Begin, CommitOutcome, Cursor, Decide, Doorbell, Lock, Records, Store, StoreError,
+};
 use crate::domain::attempt::{Attempt, AttemptFailure, NewAttempt, Resolution};
-use crate::domain::id::AttemptId;
-use crate::domain::id::JobId;
+use crate::domain::id::{AttemptId, JobId};
 use crate::domain::job::{Job, JobDetail, NewJob};
 use crate::domain::key::{IdempotencyKey, Owner};
 use crate::domain::response::StoredResponse;
@@ -24,7 +30,7 @@ use crate::store::seal::{self, Sealer};
 
 /// A [`Store`] over a [`Backend`].
 pub struct Machine<B> {
-    backend: B,
+    backend: Measured<B>,
     doorbell: Arc<Doorbell>,
     sealer: Option<Arc<Sealer>>,
 }
@@ -34,7 +40,7 @@ impl<B: Backend> Machine<B> {
     /// job's state.
     pub fn new(backend: B, doorbell: Arc<Doorbell>) -> Self {
         Machine {
-            backend,
+            backend: Measured(backend),
             doorbell,
             sealer: None,
         }
@@ -71,11 +77,6 @@ impl<B: Backend> Machine<B> {
             .transpose()
     }
 
-    /// The backend underneath.
-    pub fn backend(&self) -> &B {
-        &self.backend
-    }
-
     fn ring(&self, change: &Change) {
         if change.moves_job() {
             self.doorbell.ring(change.job.id);
@@ -84,7 +85,7 @@ impl<B: Backend> Machine<B> {
 
     /// Runs one transition; rings when it moved the job.
     async fn apply(&self, lock: Lock, decide: Decide) -> Result<super::Applied, StoreError> {
-        let applied = measured("change", self.backend.change(lock, decide)).await??;
+        let applied = self.backend.change(lock, decide).await??;
         self.ring(&applied.change);
         Ok(applied)
     }
@@ -105,10 +106,65 @@ impl<B: Backend> Machine<B> {
 }
 
 #[async_trait]
+impl<B: Backend> Records for Machine<B> {
+    async fn job(&self, id: JobId) -> Result<Option<Job>, StoreError> {
+        self.backend
+            .job(id)
+            .await?
+            .map(|j| self.open(j))
+            .transpose()
+    }
+
+    async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError> {
+        self.open_detail(self.backend.job_detail(id).await?)
+    }
+
+    async fn find_job(
+        &self,
+        owner: &Owner,
+        key: &IdempotencyKey,
+    ) -> Result<Option<JobDetail>, StoreError> {
+        self.open_detail(self.backend.find_job(owner, key).await?)
+    }
+
+    async fn unknown_jobs(
+        &self,
+        after: Option<Cursor>,
+        limit: u32,
+    ) -> Result<Vec<Job>, StoreError> {
+        let jobs = self.backend.unknown_jobs(after, limit).await?;
+        jobs.into_iter().map(|j| self.open(j)).collect()
+    }
+
+    async fn renew_leases(
+        &self,
+        attempts: &[AttemptId],
+        lease: Duration,
+    ) -> Result<u64, StoreError> {
+        if attempts.is_empty() {
+            return Ok(0);
+        }
+        self.backend.renew_leases(attempts, lease).await
+    }
+
+    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        self.backend.purge_expired(batch).await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.backend.ping().await
+    }
+
+    async fn watch(&self, job: JobId) -> Result<(), StoreError> {
+        self.backend.watch(job).await
+    }
+}
+
+#[async_trait]
 impl<B: Backend> Store for Machine<B> {
     async fn begin_job(&self, job: NewJob, attempt: NewAttempt) -> Result<Begin, StoreError> {
         // A new job has no one waiting on it yet: nothing to ring.
-        match measured("begin", self.backend.begin(job, attempt)).await? {
+        match self.backend.begin(job, attempt).await? {
             Begin::Existing(job) => Ok(Begin::Existing(self.open(job)?)),
             created => Ok(created),
         }
@@ -146,7 +202,7 @@ impl<B: Backend> Store for Machine<B> {
         response: &StoredResponse,
     ) -> Result<CommitOutcome, StoreError> {
         let response = self.seal(attempt.job_id, response);
-        let committed = measured("commit", self.backend.commit(attempt, &response)).await?;
+        let committed = self.backend.commit(attempt, &response).await?;
         if !committed.won {
             return Ok(CommitOutcome::Superseded);
         }
@@ -196,47 +252,8 @@ impl<B: Backend> Store for Machine<B> {
             .ok_or(StoreError::NotFound("job"))
     }
 
-    async fn job(&self, id: JobId) -> Result<Option<Job>, StoreError> {
-        measured("job", self.backend.job(id))
-            .await?
-            .map(|j| self.open(j))
-            .transpose()
-    }
-
-    async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError> {
-        self.open_detail(measured("job_detail", self.backend.job_detail(id)).await?)
-    }
-
-    async fn find_job(
-        &self,
-        owner: &Owner,
-        key: &IdempotencyKey,
-    ) -> Result<Option<JobDetail>, StoreError> {
-        self.open_detail(measured("find_job", self.backend.find_job(owner, key)).await?)
-    }
-
-    async fn unknown_jobs(
-        &self,
-        after: Option<Cursor>,
-        limit: u32,
-    ) -> Result<Vec<Job>, StoreError> {
-        let jobs = measured("unknown_jobs", self.backend.unknown_jobs(after, limit)).await?;
-        jobs.into_iter().map(|j| self.open(j)).collect()
-    }
-
-    async fn renew_leases(
-        &self,
-        attempts: &[AttemptId],
-        lease: Duration,
-    ) -> Result<u64, StoreError> {
-        if attempts.is_empty() {
-            return Ok(0);
-        }
-        measured("renew_leases", self.backend.renew_leases(attempts, lease)).await
-    }
-
     async fn expire_leases(&self, batch: u32) -> Result<u64, StoreError> {
-        let changes = measured("expire_lapsed", self.backend.expire_lapsed(batch)).await?;
+        let changes = self.backend.expire_lapsed(batch).await?;
         for change in &changes {
             for settled in &change.settled {
                 tracing::warn!(attempt = %settled.attempt, job = %change.job.id, "attempt lease lapsed; outcome unknown");
@@ -245,41 +262,4 @@ impl<B: Backend> Store for Machine<B> {
         }
         Ok(changes.len() as u64)
     }
-
-    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        measured("purge_expired", self.backend.purge_expired(batch)).await
-    }
-
-    async fn ping(&self) -> Result<(), StoreError> {
-        measured("ping", self.backend.ping()).await
-    }
-
-    async fn watch(&self, job: JobId) -> Result<(), StoreError> {
-        measured("watch", self.backend.watch(job)).await
-    }
-}
-
-/// Times a backend call (`idemgate_store_seconds{operation}`) and counts
-/// its failures (`idemgate_store_errors_total{operation, kind}`: the store
-/// unreachable or failing; refusals and misses are answers, not failures).
-async fn measured<T>(
-    operation: &'static str,
-    call: impl std::future::Future<Output = Result<T, StoreError>>,
-) -> Result<T, StoreError> {
-    let start = std::time::Instant::now();
-    let result = call.await;
-    metrics::histogram!("idemgate_store_seconds", "operation" => operation)
-        .record(start.elapsed().as_secs_f64());
-    if let Err(e) = &result {
-        let kind = match e.kind() {
-            super::StoreErrorKind::Unavailable => Some("unavailable"),
-            super::StoreErrorKind::Internal => Some("internal"),
-            _ => None,
-        };
-        if let Some(kind) = kind {
-            metrics::counter!("idemgate_store_errors_total", "operation" => operation, "kind" => kind)
-                .increment(1);
-        }
-    }
-    result
 }

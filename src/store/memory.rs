@@ -14,11 +14,10 @@ use async_trait::async_trait;
 
 use super::{
     commit_under_lock, expire_each, Applied, Backend, Begin, Committed, Cursor, Decide, Lock,
-    StoreError,
+    Records, StoreError,
 };
 use crate::domain::attempt::{Attempt, AttemptState, NewAttempt};
-use crate::domain::id::AttemptId;
-use crate::domain::id::JobId;
+use crate::domain::id::{AttemptId, JobId};
 use crate::domain::job::{Job, JobDetail, JobState, NewJob};
 use crate::domain::key::{IdempotencyKey, Owner};
 use crate::domain::response::StoredResponse;
@@ -27,11 +26,11 @@ use crate::domain::transition::{AttemptHead, Change, JobHead, Refusal, Snapshot}
 /// Jobs and attempts in a map.
 #[derive(Debug, Default)]
 pub struct Memory {
-    records: Mutex<Records>,
+    records: Mutex<Tables>,
 }
 
 #[derive(Debug, Default)]
-struct Records {
+struct Tables {
     jobs: HashMap<JobId, Entry>,
     keys: HashMap<(Owner, IdempotencyKey), JobId>,
     attempts: HashMap<AttemptId, JobId>,
@@ -44,7 +43,7 @@ struct Entry {
 }
 
 impl Memory {
-    fn records(&self) -> std::sync::MutexGuard<'_, Records> {
+    fn records(&self) -> std::sync::MutexGuard<'_, Tables> {
         self.records.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
@@ -113,7 +112,7 @@ fn new_attempt(
     }
 }
 
-impl Records {
+impl Tables {
     fn job_of(&self, lock: Lock) -> Result<JobId, StoreError> {
         match lock {
             Lock::Job(id) => Ok(id),
@@ -133,6 +132,97 @@ impl Records {
                 self.attempts.remove(&a.id);
             }
         }
+    }
+}
+
+#[async_trait]
+impl Records for Memory {
+    async fn job(&self, id: JobId) -> Result<Option<Job>, StoreError> {
+        Ok(self.records().jobs.get(&id).map(|e| e.job.clone()))
+    }
+
+    async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError> {
+        Ok(self.records().jobs.get(&id).map(Entry::detail))
+    }
+
+    async fn find_job(
+        &self,
+        owner: &Owner,
+        key: &IdempotencyKey,
+    ) -> Result<Option<JobDetail>, StoreError> {
+        let records = self.records();
+        Ok(records
+            .keys
+            .get(&(owner.clone(), key.clone()))
+            .and_then(|id| records.jobs.get(id))
+            .map(Entry::detail))
+    }
+
+    async fn unknown_jobs(
+        &self,
+        after: Option<Cursor>,
+        limit: u32,
+    ) -> Result<Vec<Job>, StoreError> {
+        let place = |j: &Job| (j.created_at, j.id.0);
+        let mut jobs: Vec<Job> = self
+            .records()
+            .jobs
+            .values()
+            .map(|e| e.job.clone())
+            .filter(|j| j.state == JobState::Unknown)
+            .filter(|j| after.is_none_or(|c| place(j) < (c.created_at, c.job.0)))
+            .collect();
+        jobs.sort_by_key(|j| std::cmp::Reverse(place(j)));
+        jobs.truncate(limit as usize);
+        Ok(jobs)
+    }
+
+    async fn renew_leases(
+        &self,
+        attempts: &[AttemptId],
+        lease: Duration,
+    ) -> Result<u64, StoreError> {
+        let now = SystemTime::now();
+        let mut records = self.records();
+        let mut renewed = 0;
+        for id in attempts {
+            let Some(job) = records.attempts.get(id).copied() else {
+                continue;
+            };
+            if let Some(entry) = records.jobs.get_mut(&job) {
+                for a in entry.attempts.iter_mut() {
+                    if a.id == *id && a.state == AttemptState::Started {
+                        a.lease_expires_at = now + lease;
+                        renewed += 1;
+                    }
+                }
+            }
+        }
+        Ok(renewed)
+    }
+
+    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        let now = SystemTime::now();
+        let mut records = self.records();
+        let expired: Vec<JobId> = records
+            .jobs
+            .values()
+            .filter(|e| e.job.expires_at < now)
+            .map(|e| e.job.id)
+            .take(batch as usize)
+            .collect();
+        for id in &expired {
+            records.remove(*id);
+        }
+        Ok(expired.len() as u64)
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    async fn watch(&self, _job: JobId) -> Result<(), StoreError> {
+        Ok(())
     }
 }
 
@@ -229,109 +319,5 @@ impl Backend for Memory {
             }
         }
         Ok(changes)
-    }
-
-    async fn job(&self, id: JobId) -> Result<Option<Job>, StoreError> {
-        Ok(self.records().jobs.get(&id).map(|e| e.job.clone()))
-    }
-
-    async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError> {
-        Ok(self.records().jobs.get(&id).map(Entry::detail))
-    }
-
-    async fn find_job(
-        &self,
-        owner: &Owner,
-        key: &IdempotencyKey,
-    ) -> Result<Option<JobDetail>, StoreError> {
-        let records = self.records();
-        Ok(records
-            .keys
-            .get(&(owner.clone(), key.clone()))
-            .and_then(|id| records.jobs.get(id))
-            .map(Entry::detail))
-    }
-
-    async fn unknown_jobs(
-        &self,
-        after: Option<Cursor>,
-        limit: u32,
-    ) -> Result<Vec<Job>, StoreError> {
-        let place = |j: &Job| (j.created_at, j.id.0);
-        let mut jobs: Vec<Job> = self
-            .records()
-            .jobs
-            .values()
-            .map(|e| e.job.clone())
-            .filter(|j| j.state == JobState::Unknown)
-            .filter(|j| after.is_none_or(|c| place(j) < (c.created_at, c.job.0)))
-            .collect();
-        jobs.sort_by_key(|j| std::cmp::Reverse(place(j)));
-        jobs.truncate(limit as usize);
-        Ok(jobs)
-    }
-
-    async fn renew_leases(
-        &self,
-        attempts: &[AttemptId],
-        lease: Duration,
-    ) -> Result<u64, StoreError> {
-        let now = SystemTime::now();
-        let mut records = self.records();
-        let mut renewed = 0;
-        for id in attempts {
-            let Some(job) = records.attempts.get(id).copied() else {
-                continue;
-            };
-            if let Some(entry) = records.jobs.get_mut(&job) {
-                for a in entry.attempts.iter_mut() {
-                    if a.id == *id && a.state == AttemptState::Started {
-                        a.lease_expires_at = now + lease;
-                        renewed += 1;
-                    }
-                }
-            }
-        }
-        Ok(renewed)
-    }
-
-    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        let now = SystemTime::now();
-        let mut records = self.records();
-        let expired: Vec<JobId> = records
-            .jobs
-            .values()
-            .filter(|e| e.job.expires_at < now)
-            .map(|e| e.job.id)
-            .take(batch as usize)
-            .collect();
-        for id in &expired {
-            records.remove(*id);
-        }
-        Ok(expired.len() as u64)
-    }
-
-    async fn ping(&self) -> Result<(), StoreError> {
-        Ok(())
-    }
-
-    async fn watch(&self, _job: JobId) -> Result<(), StoreError> {
-        Ok(())
-    }
-}
-
-/// Test hooks: tests that need a lapsed lease or an expired job age one.
-impl Memory {
-    /// Moves an attempt's lease into the past.
-    pub fn lapse_lease(&self, attempt: AttemptId) {
-        let mut records = self.records();
-        let Some(job) = records.attempts.get(&attempt).copied() else {
-            return;
-        };
-        if let Some(entry) = records.jobs.get_mut(&job) {
-            for a in entry.attempts.iter_mut().filter(|a| a.id == attempt) {
-                a.lease_expires_at = SystemTime::UNIX_EPOCH;
-            }
-        }
     }
 }

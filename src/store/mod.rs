@@ -12,7 +12,9 @@
 //!
 //! [`Machine`] joins the two: it runs every transition of
 //! [`crate::domain::transition`] on a backend and rings the [`Doorbell`] once per
-//! change of a job's state. No backend decides anything; the same
+//! change of a job's state. Every call it makes to the backend goes through
+//! one measuring wrapper (`measured.rs`: `idemgate_store_seconds`,
+//! `idemgate_store_errors_total`). No backend decides anything; the same
 //! conformance suite (`tests/it/store_conformance.rs`) holds all of them to:
 //!
 //! - a uniqueness constraint on `(owner, key)` is the only arbiter of "seen
@@ -26,6 +28,7 @@
 pub(crate) mod codec;
 mod doorbell;
 mod machine;
+mod measured;
 pub mod memory;
 pub mod postgres;
 pub mod seal;
@@ -36,9 +39,7 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 
 use crate::domain::attempt::{Attempt, AttemptFailure, NewAttempt, Resolution};
-
-use crate::domain::id::AttemptId;
-use crate::domain::id::JobId;
+use crate::domain::id::{AttemptId, JobId};
 use crate::domain::job::{Job, JobDetail, NewJob};
 use crate::domain::key::{IdempotencyKey, Owner};
 use crate::domain::response::StoredResponse;
@@ -131,9 +132,52 @@ impl StoreError {
     }
 }
 
+/// What the store and every backend answer alike, declared once: reads,
+/// lease upkeep and the watch mark. [`Machine`] answers them from its
+/// backend (opening sealed responses on the way); each backend call is
+/// measured once, by the wrapper every backend runs in.
+#[async_trait]
+pub trait Records: Send + Sync + 'static {
+    /// Reads a job.
+    async fn job(&self, id: JobId) -> Result<Option<Job>, StoreError>;
+
+    /// Reads a job with its attempts, as of one moment.
+    async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError>;
+
+    /// Finds the job of an `(owner, key)` pair, with its attempts.
+    async fn find_job(
+        &self,
+        owner: &Owner,
+        key: &IdempotencyKey,
+    ) -> Result<Option<JobDetail>, StoreError>;
+
+    /// Jobs whose outcome is unknown (the operator's inbox), newest first:
+    /// up to `limit` of them, after `after` when given.
+    async fn unknown_jobs(&self, after: Option<Cursor>, limit: u32)
+        -> Result<Vec<Job>, StoreError>;
+
+    /// Extends the leases of attempts this instance is running.
+    async fn renew_leases(
+        &self,
+        attempts: &[AttemptId],
+        lease: Duration,
+    ) -> Result<u64, StoreError>;
+
+    /// Deletes up to `batch` jobs (and their attempts) past their expiry.
+    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError>;
+
+    /// Checks that the store answers.
+    async fn ping(&self) -> Result<(), StoreError>;
+
+    /// Says someone is about to wait on `job`, so that changes of its state
+    /// are announced to other replicas (only watched jobs pay for it). Call
+    /// it before reading the job, then wait.
+    async fn watch(&self, job: JobId) -> Result<(), StoreError>;
+}
+
 /// One method per domain operation. See the module docs for the guarantees.
 #[async_trait]
-pub trait Store: Send + Sync + 'static {
+pub trait Store: Records {
     /// Creates the job and its first attempt if `(owner, key)` is new, in one
     /// atomic step; otherwise returns the existing job. An existing job past
     /// its expiry is forgotten and the key starts afresh.
@@ -184,46 +228,10 @@ pub trait Store: Send + Sync + 'static {
         resolution: Resolution,
     ) -> Result<JobDetail, StoreError>;
 
-    /// Reads a job.
-    async fn job(&self, id: JobId) -> Result<Option<Job>, StoreError>;
-
-    /// Reads a job with its attempts, as of one moment.
-    async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError>;
-
-    /// Finds the job of an `(owner, key)` pair, with its attempts.
-    async fn find_job(
-        &self,
-        owner: &Owner,
-        key: &IdempotencyKey,
-    ) -> Result<Option<JobDetail>, StoreError>;
-
-    /// Jobs whose outcome is unknown (the operator's inbox), newest first:
-    /// up to `limit` of them, after `after` when given.
-    async fn unknown_jobs(&self, after: Option<Cursor>, limit: u32)
-        -> Result<Vec<Job>, StoreError>;
-
-    /// Extends the leases of attempts this instance is running.
-    async fn renew_leases(
-        &self,
-        attempts: &[AttemptId],
-        lease: Duration,
-    ) -> Result<u64, StoreError>;
-
     /// Turns started attempts whose lease lapsed into `unknown` (their
     /// gateway died holding them), in one transaction. Returns how many
     /// jobs changed, at most `batch`.
     async fn expire_leases(&self, batch: u32) -> Result<u64, StoreError>;
-
-    /// Deletes up to `batch` jobs (and their attempts) past their expiry.
-    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError>;
-
-    /// Checks that the store answers.
-    async fn ping(&self) -> Result<(), StoreError>;
-
-    /// Says someone is about to wait on `job`, so that changes of its state
-    /// are announced to other replicas (only watched jobs pay for it). Call
-    /// it before reading the job, then wait.
-    async fn watch(&self, job: JobId) -> Result<(), StoreError>;
 }
 
 /// Where a page of a newest-first listing of jobs goes on from: the last
@@ -281,7 +289,7 @@ pub struct Applied {
 /// What a database does to carry the domain. Every method is atomic; none
 /// decides a transition itself.
 #[async_trait]
-pub trait Backend: Send + Sync + 'static {
+pub trait Backend: Records {
     /// The arbiter: creates the job and its first attempt unless `(owner,
     /// key)` exists (an expired job is deleted first: the key starts afresh).
     async fn begin(&self, job: NewJob, attempt: NewAttempt) -> Result<Begin, StoreError>;
@@ -305,41 +313,6 @@ pub trait Backend: Send + Sync + 'static {
     /// lease, in one transaction; jobs another writer holds are left for the
     /// next sweep. Returns the changes written.
     async fn expire_lapsed(&self, batch: u32) -> Result<Vec<Change>, StoreError>;
-
-    /// Reads a job.
-    async fn job(&self, id: JobId) -> Result<Option<Job>, StoreError>;
-
-    /// Reads a job with its attempts in one consistent read.
-    async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError>;
-
-    /// Reads the job of an `(owner, key)` pair with its attempts, consistently.
-    async fn find_job(
-        &self,
-        owner: &Owner,
-        key: &IdempotencyKey,
-    ) -> Result<Option<JobDetail>, StoreError>;
-
-    /// Jobs in state `unknown`, newest first (`created_at`, then id, both
-    /// descending): up to `limit`, strictly after `after` when given.
-    async fn unknown_jobs(&self, after: Option<Cursor>, limit: u32)
-        -> Result<Vec<Job>, StoreError>;
-
-    /// Extends the leases of started attempts.
-    async fn renew_leases(
-        &self,
-        attempts: &[AttemptId],
-        lease: Duration,
-    ) -> Result<u64, StoreError>;
-
-    /// Deletes up to `batch` expired jobs with their attempts.
-    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError>;
-
-    /// Checks that the database answers.
-    async fn ping(&self) -> Result<(), StoreError>;
-
-    /// Marks `job` watched, so changes of its state are announced to other
-    /// processes. A backend that serves one process only does nothing.
-    async fn watch(&self, job: JobId) -> Result<(), StoreError>;
 }
 
 /// The commit of a backend that locks the job (SQLite, memory): the CAS is

@@ -41,12 +41,11 @@ use uuid::Uuid;
 use super::codec::{decode_headers, encode_headers};
 use super::{
     attempt_state, commit_under_lock, expire_each, job_state, millis, Applied, Backend, Begin,
-    Committed, Cursor, Decide, Lock, StoreError,
+    Committed, Cursor, Decide, Lock, Records, StoreError,
 };
 use crate::domain::attempt::{Attempt, AttemptFailure, AttemptState, NewAttempt};
 use crate::domain::fingerprint::Fingerprint;
-use crate::domain::id::AttemptId;
-use crate::domain::id::JobId;
+use crate::domain::id::{AttemptId, JobId};
 use crate::domain::job::{Job, JobDetail, JobState, NewJob};
 use crate::domain::key::{IdempotencyKey, Owner};
 use crate::domain::response::StoredResponse;
@@ -490,6 +489,112 @@ fn read_detail(conn: &Connection, job: Option<Job>) -> Result<Option<JobDetail>,
 }
 
 #[async_trait]
+impl Records for Sqlite {
+    async fn job(&self, id: JobId) -> Result<Option<Job>, StoreError> {
+        self.call(move |conn| read_job(conn, "j.id = ?1", [id.0.to_string()]))
+            .await
+    }
+
+    async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError> {
+        self.call(move |conn| {
+            let job = read_job(conn, "j.id = ?1", [id.0.to_string()])?;
+            read_detail(conn, job)
+        })
+        .await
+    }
+
+    async fn find_job(
+        &self,
+        owner: &Owner,
+        key: &IdempotencyKey,
+    ) -> Result<Option<JobDetail>, StoreError> {
+        let (owner, key) = (owner.clone(), key.clone());
+        self.call(move |conn| {
+            let job = read_job(
+                conn,
+                "j.owner = ?1 AND j.key = ?2",
+                params![owner.as_str(), key.as_str()],
+            )?;
+            read_detail(conn, job)
+        })
+        .await
+    }
+
+    async fn unknown_jobs(
+        &self,
+        after: Option<Cursor>,
+        limit: u32,
+    ) -> Result<Vec<Job>, StoreError> {
+        let after_ms = after.map(|c| to_ms(c.created_at));
+        let after_id = after.map(|c| c.job.0.to_string());
+        self.call(move |conn| {
+            let mut select = conn
+                .prepare_cached(&format!(
+                    "SELECT {JOB_COLUMNS} FROM jobs j WHERE j.state = 'unknown' \
+                     AND (?1 IS NULL OR j.created_at < ?1 OR (j.created_at = ?1 AND j.id < ?2)) \
+                     ORDER BY j.created_at DESC, j.id DESC LIMIT ?3"
+                ))
+                .map_err(map_sqlite)?;
+            let rows = select
+                .query_map(params![after_ms, after_id, limit], job_from_row)
+                .map_err(map_sqlite)?;
+            rows.map(|row| row.map_err(map_sqlite)?).collect()
+        })
+        .await
+    }
+
+    async fn renew_leases(
+        &self,
+        attempts: &[AttemptId],
+        lease: Duration,
+    ) -> Result<u64, StoreError> {
+        let ids: Vec<String> = attempts.iter().map(|a| a.0.to_string()).collect();
+        self.call(move |conn| {
+            let until = now_ms() + millis(lease);
+            let tx = immediate(conn)?;
+            let mut renewed = 0;
+            for id in &ids {
+                renewed += tx
+                    .execute(
+                        "UPDATE attempts SET lease_expires_at = ?2 WHERE id = ?1 AND state = ?3",
+                        params![id, until, AttemptState::Started.as_str()],
+                    )
+                    .map_err(map_sqlite)? as u64;
+            }
+            tx.commit().map_err(map_sqlite)?;
+            Ok(renewed)
+        })
+        .await
+    }
+
+    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        self.call(move |conn| {
+            conn.execute(
+                "DELETE FROM jobs WHERE id IN ( \
+                   SELECT id FROM jobs WHERE expires_at < ?1 ORDER BY expires_at LIMIT ?2)",
+                params![now_ms(), batch],
+            )
+            .map(|n| n as u64)
+            .map_err(map_sqlite)
+        })
+        .await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.call(|conn| {
+            conn.query_row("SELECT 1", [], |_| Ok(()))
+                .map_err(map_sqlite)
+        })
+        .await
+    }
+
+    async fn watch(&self, _job: JobId) -> Result<(), StoreError> {
+        // One gateway per file: every waiter is woken in-process.
+        Ok(())
+    }
+}
+
+#[async_trait]
 impl Backend for Sqlite {
     async fn begin(&self, job: NewJob, attempt: NewAttempt) -> Result<Begin, StoreError> {
         self.call(move |conn| {
@@ -603,109 +708,6 @@ impl Backend for Sqlite {
             Ok(changes)
         })
         .await
-    }
-
-    async fn job(&self, id: JobId) -> Result<Option<Job>, StoreError> {
-        self.call(move |conn| read_job(conn, "j.id = ?1", [id.0.to_string()]))
-            .await
-    }
-
-    async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError> {
-        self.call(move |conn| {
-            let job = read_job(conn, "j.id = ?1", [id.0.to_string()])?;
-            read_detail(conn, job)
-        })
-        .await
-    }
-
-    async fn find_job(
-        &self,
-        owner: &Owner,
-        key: &IdempotencyKey,
-    ) -> Result<Option<JobDetail>, StoreError> {
-        let (owner, key) = (owner.clone(), key.clone());
-        self.call(move |conn| {
-            let job = read_job(
-                conn,
-                "j.owner = ?1 AND j.key = ?2",
-                params![owner.as_str(), key.as_str()],
-            )?;
-            read_detail(conn, job)
-        })
-        .await
-    }
-
-    async fn unknown_jobs(
-        &self,
-        after: Option<Cursor>,
-        limit: u32,
-    ) -> Result<Vec<Job>, StoreError> {
-        let after_ms = after.map(|c| to_ms(c.created_at));
-        let after_id = after.map(|c| c.job.0.to_string());
-        self.call(move |conn| {
-            let mut select = conn
-                .prepare_cached(&format!(
-                    "SELECT {JOB_COLUMNS} FROM jobs j WHERE j.state = 'unknown' \
-                     AND (?1 IS NULL OR j.created_at < ?1 OR (j.created_at = ?1 AND j.id < ?2)) \
-                     ORDER BY j.created_at DESC, j.id DESC LIMIT ?3"
-                ))
-                .map_err(map_sqlite)?;
-            let rows = select
-                .query_map(params![after_ms, after_id, limit], job_from_row)
-                .map_err(map_sqlite)?;
-            rows.map(|row| row.map_err(map_sqlite)?).collect()
-        })
-        .await
-    }
-
-    async fn renew_leases(
-        &self,
-        attempts: &[AttemptId],
-        lease: Duration,
-    ) -> Result<u64, StoreError> {
-        let ids: Vec<String> = attempts.iter().map(|a| a.0.to_string()).collect();
-        self.call(move |conn| {
-            let until = now_ms() + millis(lease);
-            let tx = immediate(conn)?;
-            let mut renewed = 0;
-            for id in &ids {
-                renewed += tx
-                    .execute(
-                        "UPDATE attempts SET lease_expires_at = ?2 WHERE id = ?1 AND state = ?3",
-                        params![id, until, AttemptState::Started.as_str()],
-                    )
-                    .map_err(map_sqlite)? as u64;
-            }
-            tx.commit().map_err(map_sqlite)?;
-            Ok(renewed)
-        })
-        .await
-    }
-
-    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        self.call(move |conn| {
-            conn.execute(
-                "DELETE FROM jobs WHERE id IN ( \
-                   SELECT id FROM jobs WHERE expires_at < ?1 ORDER BY expires_at LIMIT ?2)",
-                params![now_ms(), batch],
-            )
-            .map(|n| n as u64)
-            .map_err(map_sqlite)
-        })
-        .await
-    }
-
-    async fn ping(&self) -> Result<(), StoreError> {
-        self.call(|conn| {
-            conn.query_row("SELECT 1", [], |_| Ok(()))
-                .map_err(map_sqlite)
-        })
-        .await
-    }
-
-    async fn watch(&self, _job: JobId) -> Result<(), StoreError> {
-        // One gateway per file: every waiter is woken in-process.
-        Ok(())
     }
 }
 

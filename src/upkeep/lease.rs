@@ -10,7 +10,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::domain::attempt::AttemptFailure;
-
 use crate::domain::id::AttemptId;
 use crate::store::Store;
 use crate::telemetry::Chain;

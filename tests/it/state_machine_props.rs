@@ -14,10 +14,8 @@ use proptest::test_runner::{Config, TestRunner};
 use uuid::Uuid;
 
 use idemgate::domain::attempt::{AttemptFailure, AttemptState, NewAttempt, Resolution};
-
 use idemgate::domain::fingerprint::Fingerprint;
-use idemgate::domain::id::AttemptId;
-use idemgate::domain::id::JobId;
+use idemgate::domain::id::{AttemptId, JobId};
 use idemgate::domain::job::{JobDetail, JobState, NewJob};
 use idemgate::domain::key::{IdempotencyKey, Owner};
 use idemgate::domain::response::StoredResponse;

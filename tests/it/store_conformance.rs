@@ -10,10 +10,8 @@ use futures_util::future::join_all;
 use tokio::sync::Barrier;
 
 use idemgate::domain::attempt::{AttemptFailure, AttemptState, NewAttempt, Resolution};
-
 use idemgate::domain::fingerprint::Fingerprint;
-use idemgate::domain::id::AttemptId;
-use idemgate::domain::id::JobId;
+use idemgate::domain::id::{AttemptId, JobId};
 use idemgate::domain::job::{JobState, NewJob};
 use idemgate::domain::key::{IdempotencyKey, Owner};
 use idemgate::domain::response::StoredResponse;

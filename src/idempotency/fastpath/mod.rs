@@ -43,6 +43,7 @@ mod entry;
 mod stream;
 
 use connection::Redis;
+
 pub use entry::{decode, encode, redis_key, stream_key, Binding, Entry, Tag};
 pub use stream::Piece;
 

@@ -27,8 +27,7 @@ use uuid::Uuid;
 
 use crate::config::UpstreamSettings;
 use crate::domain::attempt::{Attempt, Resolution};
-use crate::domain::id::AttemptId;
-use crate::domain::id::JobId;
+use crate::domain::id::{AttemptId, JobId};
 use crate::domain::job::{Job, JobDetail};
 use crate::domain::key::{IdempotencyKey, Owner};
 use crate::domain::response::StoredResponse;
@@ -636,11 +635,47 @@ mod tests {
     use super::*;
     use crate::domain::attempt::{AttemptFailure, NewAttempt};
     use crate::domain::job::{Job, NewJob};
-    use crate::store::{Begin, CommitOutcome};
+    use crate::store::{Begin, CommitOutcome, Records};
     use crate::upkeep::supervise::Beats;
 
     /// A store that answers pings and panics when swept.
     struct SweepPanics;
+
+    #[async_trait]
+    impl Records for SweepPanics {
+        async fn job(&self, _: JobId) -> Result<Option<Job>, StoreError> {
+            unimplemented!()
+        }
+        async fn job_detail(&self, _: JobId) -> Result<Option<JobDetail>, StoreError> {
+            unimplemented!()
+        }
+        async fn find_job(
+            &self,
+            _: &Owner,
+            _: &IdempotencyKey,
+        ) -> Result<Option<JobDetail>, StoreError> {
+            unimplemented!()
+        }
+        async fn unknown_jobs(
+            &self,
+            _: Option<crate::store::Cursor>,
+            _: u32,
+        ) -> Result<Vec<crate::domain::job::Job>, StoreError> {
+            unimplemented!()
+        }
+        async fn renew_leases(&self, _: &[AttemptId], _: Duration) -> Result<u64, StoreError> {
+            unimplemented!()
+        }
+        async fn purge_expired(&self, _: u32) -> Result<u64, StoreError> {
+            Ok(0)
+        }
+        async fn ping(&self) -> Result<(), StoreError> {
+            Ok(())
+        }
+        async fn watch(&self, _: JobId) -> Result<(), StoreError> {
+            Ok(())
+        }
+    }
 
     #[async_trait]
     impl Store for SweepPanics {
@@ -680,40 +715,8 @@ mod tests {
         ) -> Result<JobDetail, StoreError> {
             unimplemented!()
         }
-        async fn job(&self, _: JobId) -> Result<Option<Job>, StoreError> {
-            unimplemented!()
-        }
-        async fn job_detail(&self, _: JobId) -> Result<Option<JobDetail>, StoreError> {
-            unimplemented!()
-        }
-        async fn find_job(
-            &self,
-            _: &Owner,
-            _: &IdempotencyKey,
-        ) -> Result<Option<JobDetail>, StoreError> {
-            unimplemented!()
-        }
-        async fn unknown_jobs(
-            &self,
-            _: Option<crate::store::Cursor>,
-            _: u32,
-        ) -> Result<Vec<crate::domain::job::Job>, StoreError> {
-            unimplemented!()
-        }
-        async fn renew_leases(&self, _: &[AttemptId], _: Duration) -> Result<u64, StoreError> {
-            unimplemented!()
-        }
         async fn expire_leases(&self, _: u32) -> Result<u64, StoreError> {
             panic!("injected: the sweep hit a defect")
-        }
-        async fn purge_expired(&self, _: u32) -> Result<u64, StoreError> {
-            Ok(0)
-        }
-        async fn ping(&self) -> Result<(), StoreError> {
-            Ok(())
-        }
-        async fn watch(&self, _: JobId) -> Result<(), StoreError> {
-            Ok(())
         }
     }
 

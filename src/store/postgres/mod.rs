@@ -17,22 +17,22 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use deadpool_postgres::{GenericClient, Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use futures_util::StreamExt;
+use tokio_postgres::types::ToSql;
 use tokio_postgres::{AsyncMessage, NoTls, Row};
 use uuid::Uuid;
 
 use super::{
     attempt_state, commit_under_lock, expire_each, job_state, millis, Applied, Backend, Begin,
-    Committed, Cursor, Decide, Doorbell, Lock, StoreError,
+    Committed, Cursor, Decide, Doorbell, Lock, Records, StoreError,
 };
 use crate::config::PgSettings;
 use crate::domain::attempt::{Attempt, AttemptState, NewAttempt};
 use crate::domain::fingerprint::Fingerprint;
-use crate::domain::id::AttemptId;
-use crate::domain::id::JobId;
+use crate::domain::id::{AttemptId, JobId};
 use crate::domain::job::{Job, JobDetail, JobState, NewJob};
 use crate::domain::key::{IdempotencyKey, Owner};
 use crate::domain::response::StoredResponse;
-use crate::domain::transition::{AttemptHead, Change, JobHead, Refusal, Snapshot};
+use crate::domain::transition::{AttemptHead, Change, JobHead, Refusal, Snapshot, Start};
 
 mod budget;
 mod replication;
@@ -317,9 +317,19 @@ async fn write(
         .await
         .map_err(map_pg)?;
     }
-    let Some(start) = &change.started else {
-        return Ok(None);
-    };
+    match &change.started {
+        Some(start) => insert_attempt(tx, head.id, start).await.map(Some),
+        None => Ok(None),
+    }
+}
+
+/// Inserts the attempt a change started, in that change's transaction;
+/// returns it as stored.
+async fn insert_attempt(
+    tx: &deadpool_postgres::Transaction<'_>,
+    job: JobId,
+    start: &Start,
+) -> Result<Attempt, StoreError> {
     let row = tx
         .query_one(
             &format!(
@@ -332,7 +342,7 @@ async fn write(
             ),
             &[
                 &start.attempt.id.0,
-                &head.id.0,
+                &job.0,
                 &start.number,
                 &start.attempt.upstream,
                 &AttemptState::Started.as_str(),
@@ -344,81 +354,196 @@ async fn write(
         )
         .await
         .map_err(map_pg)?;
-    attempt_from_row(&row, 0).map(Some)
+    attempt_from_row(&row, 0)
+}
+
+/// [`Backend::begin`]'s statement: one round trip for a new key and for a
+/// duplicate alike. The job of `(owner, key)` ($2, $3) is read, and
+/// inserted ($1, $4-$6, $12) with its first attempt ($7-$11, $13) only when
+/// there is none. The insert's `ON CONFLICT DO NOTHING` stays the only
+/// arbiter of creation; for a duplicate it inserts nothing, so its commit
+/// writes nothing either. See [`answer`] for what its row says.
+fn begin_statement() -> String {
+    format!(
+        "WITH existing AS ( \
+           SELECT {JOB_COLUMNS}, j.expires_at <= now() AS expired FROM jobs j \
+           WHERE j.owner = $2 AND j.key = $3 \
+         ), j AS ( \
+           INSERT INTO jobs (id, owner, key, fingerprint, route, state, version, attempt_count, expires_at) \
+           SELECT $1, $2, $3, $4, $5, $12, 1, 1, now() + $6::bigint * interval '1 millisecond' \
+           WHERE NOT EXISTS (SELECT 1 FROM existing) \
+           ON CONFLICT (owner, key) DO NOTHING \
+           RETURNING * \
+         ), a AS ( \
+           INSERT INTO attempts (id, job_id, number, upstream, state, job_version, instance, \
+                                 lease_expires_at, deadline_at) \
+           SELECT $7, j.id, 1, $8, $13, j.version, $9, \
+                  now() + $10::bigint * interval '1 millisecond', \
+                  now() + $11::bigint * interval '1 millisecond' \
+           FROM j \
+           RETURNING * \
+         ) \
+         SELECT {JOB_COLUMNS}, {ATTEMPT_COLUMNS}, false FROM j, a \
+         UNION ALL \
+         SELECT {JOB_COLUMNS}, NULL::uuid, NULL::uuid, NULL::integer, NULL::text, NULL::text, \
+                NULL::bigint, NULL::timestamptz, NULL::timestamptz, NULL::timestamptz, \
+                NULL::smallint, NULL::text, j.expired \
+         FROM existing j"
+    )
+}
+
+/// The answer in a row of [`begin_statement`]: the job created with its
+/// first attempt (the attempt's columns are set), or the job that exists;
+/// `None` when that job expired (the last column) but was not purged yet.
+fn answer(row: &Row) -> Result<Option<Begin>, StoreError> {
+    if row.get::<_, Option<Uuid>>(JOB_WIDTH).is_some() {
+        return Ok(Some(Begin::Created(
+            job_from_row(row)?,
+            attempt_from_row(row, JOB_WIDTH)?,
+        )));
+    }
+    if row.get::<_, bool>(JOB_WIDTH + ATTEMPT_WIDTH) {
+        return Ok(None);
+    }
+    Ok(Some(Begin::Existing(job_from_row(row)?)))
+}
+
+#[async_trait]
+impl Records for Postgres {
+    async fn job(&self, id: JobId) -> Result<Option<Job>, StoreError> {
+        let client = self.client().await?;
+        let select = client
+            .prepare_cached(&format!("SELECT {JOB_COLUMNS} FROM jobs j WHERE j.id = $1"))
+            .await
+            .map_err(map_pg)?;
+        let row = client.query_opt(&select, &[&id.0]).await.map_err(map_pg)?;
+        row.map(|r| job_from_row(&r)).transpose()
+    }
+
+    async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError> {
+        let client = self.client().await?;
+        detail(&client, "j.id = $1", &[&id.0]).await
+    }
+
+    async fn find_job(
+        &self,
+        owner: &Owner,
+        key: &IdempotencyKey,
+    ) -> Result<Option<JobDetail>, StoreError> {
+        let client = self.client().await?;
+        detail(
+            &client,
+            "j.owner = $1 AND j.key = $2",
+            &[&owner.as_str(), &key.as_str()],
+        )
+        .await
+    }
+
+    async fn unknown_jobs(
+        &self,
+        after: Option<Cursor>,
+        limit: u32,
+    ) -> Result<Vec<Job>, StoreError> {
+        let client = self.client().await?;
+        // Served by the partial index `jobs_unknown_newest` (migration V4).
+        let select = client
+            .prepare_cached(&format!(
+                "SELECT {JOB_COLUMNS} FROM jobs j WHERE j.state = 'unknown' \
+                 AND ($1::timestamptz IS NULL OR (j.created_at, j.id) < ($1, $2::uuid)) \
+                 ORDER BY j.created_at DESC, j.id DESC LIMIT $3"
+            ))
+            .await
+            .map_err(map_pg)?;
+        let (at, id) = (after.map(|c| c.created_at), after.map(|c| c.job.0));
+        let rows = client
+            .query(&select, &[&at, &id, &i64::from(limit)])
+            .await
+            .map_err(map_pg)?;
+        rows.iter().map(job_from_row).collect()
+    }
+
+    async fn renew_leases(
+        &self,
+        attempts: &[AttemptId],
+        lease: Duration,
+    ) -> Result<u64, StoreError> {
+        let ids: Vec<Uuid> = attempts.iter().map(|a| a.0).collect();
+        let client = self.client().await?;
+        client
+            .execute(
+                "UPDATE attempts SET lease_expires_at = now() + $2::bigint * interval '1 millisecond' \
+                 WHERE id = ANY($1) AND state = $3",
+                &[&ids, &millis(lease), &AttemptState::Started.as_str()],
+            )
+            .await
+            .map_err(map_pg)
+    }
+
+    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        let client = self.client().await?;
+        client
+            .execute(
+                "DELETE FROM jobs WHERE id IN ( \
+                   SELECT id FROM jobs WHERE expires_at < now() ORDER BY expires_at LIMIT $1)",
+                &[&i64::from(batch)],
+            )
+            .await
+            .map_err(map_pg)
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        // Our own table: a database that answers but was never migrated
+        // is not ready either.
+        client
+            .simple_query("SELECT 1 FROM jobs LIMIT 1")
+            .await
+            .map_err(map_pg)?;
+        Ok(())
+    }
+
+    async fn watch(&self, job: JobId) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        let watch = client
+            .prepare_cached("UPDATE jobs SET watched = true WHERE id = $1 AND NOT watched")
+            .await
+            .map_err(map_pg)?;
+        client.execute(&watch, &[&job.0]).await.map_err(map_pg)?;
+        Ok(())
+    }
 }
 
 #[async_trait]
 impl Backend for Postgres {
     async fn begin(&self, job: NewJob, attempt: NewAttempt) -> Result<Begin, StoreError> {
         let client = self.client().await?;
-        // One round trip for a new key and for a duplicate alike: the job is
-        // read, and inserted (with its first attempt) only when there is
-        // none. The insert's `ON CONFLICT DO NOTHING` stays the only arbiter
-        // of creation; for a duplicate it inserts nothing, so its commit
-        // writes nothing either.
         let begin = client
-            .prepare_cached(&format!(
-                "WITH existing AS ( \
-                   SELECT {JOB_COLUMNS}, j.expires_at <= now() AS expired FROM jobs j \
-                   WHERE j.owner = $2 AND j.key = $3 \
-                 ), j AS ( \
-                   INSERT INTO jobs (id, owner, key, fingerprint, route, state, version, attempt_count, expires_at) \
-                   SELECT $1, $2, $3, $4, $5, $12, 1, 1, now() + $6::bigint * interval '1 millisecond' \
-                   WHERE NOT EXISTS (SELECT 1 FROM existing) \
-                   ON CONFLICT (owner, key) DO NOTHING \
-                   RETURNING * \
-                 ), a AS ( \
-                   INSERT INTO attempts (id, job_id, number, upstream, state, job_version, instance, \
-                                         lease_expires_at, deadline_at) \
-                   SELECT $7, j.id, 1, $8, $13, j.version, $9, \
-                          now() + $10::bigint * interval '1 millisecond', \
-                          now() + $11::bigint * interval '1 millisecond' \
-                   FROM j \
-                   RETURNING * \
-                 ) \
-                 SELECT {JOB_COLUMNS}, {ATTEMPT_COLUMNS}, false FROM j, a \
-                 UNION ALL \
-                 SELECT {JOB_COLUMNS}, NULL::uuid, NULL::uuid, NULL::integer, NULL::text, NULL::text, \
-                        NULL::bigint, NULL::timestamptz, NULL::timestamptz, NULL::timestamptz, \
-                        NULL::smallint, NULL::text, j.expired \
-                 FROM existing j"
-            ))
+            .prepare_cached(&begin_statement())
             .await
             .map_err(map_pg)?;
+        let params: [&(dyn ToSql + Sync); 13] = [
+            &job.id.0,
+            &job.owner.as_str(),
+            &job.key.as_str(),
+            &job.fingerprint.0.as_slice(),
+            &job.route,
+            &millis(job.ttl),
+            &attempt.id.0,
+            &attempt.upstream,
+            &attempt.instance,
+            &millis(attempt.lease),
+            &millis(attempt.deadline),
+            &JobState::Running.as_str(),
+            &AttemptState::Started.as_str(),
+        ];
         // Bounded: each round either answers, deletes the expired job that
         // blocked the key, or lost an insert race whose winner the next
         // round reads.
         for _ in 0..3 {
-            let row = client
-                .query_opt(
-                    &begin,
-                    &[
-                        &job.id.0,
-                        &job.owner.as_str(),
-                        &job.key.as_str(),
-                        &job.fingerprint.0.as_slice(),
-                        &job.route,
-                        &millis(job.ttl),
-                        &attempt.id.0,
-                        &attempt.upstream,
-                        &attempt.instance,
-                        &millis(attempt.lease),
-                        &millis(attempt.deadline),
-                        &JobState::Running.as_str(),
-                        &AttemptState::Started.as_str(),
-                    ],
-                )
-                .await
-                .map_err(map_pg)?;
+            let row = client.query_opt(&begin, &params).await.map_err(map_pg)?;
             let Some(row) = row else { continue };
-            if row.get::<_, Option<Uuid>>(JOB_WIDTH).is_some() {
-                return Ok(Begin::Created(
-                    job_from_row(&row)?,
-                    attempt_from_row(&row, JOB_WIDTH)?,
-                ));
-            }
-            if !row.get::<_, bool>(JOB_WIDTH + ATTEMPT_WIDTH) {
-                return Ok(Begin::Existing(job_from_row(&row)?));
+            if let Some(begin) = answer(&row)? {
+                return Ok(begin);
             }
             // Expired but not purged yet: forgotten, the key starts afresh.
             client
@@ -562,108 +687,6 @@ impl Backend for Postgres {
         }
         tx.commit().await.map_err(map_pg)?;
         Ok(changes)
-    }
-
-    async fn job(&self, id: JobId) -> Result<Option<Job>, StoreError> {
-        let client = self.client().await?;
-        let select = client
-            .prepare_cached(&format!("SELECT {JOB_COLUMNS} FROM jobs j WHERE j.id = $1"))
-            .await
-            .map_err(map_pg)?;
-        let row = client.query_opt(&select, &[&id.0]).await.map_err(map_pg)?;
-        row.map(|r| job_from_row(&r)).transpose()
-    }
-
-    async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError> {
-        let client = self.client().await?;
-        detail(&client, "j.id = $1", &[&id.0]).await
-    }
-
-    async fn find_job(
-        &self,
-        owner: &Owner,
-        key: &IdempotencyKey,
-    ) -> Result<Option<JobDetail>, StoreError> {
-        let client = self.client().await?;
-        detail(
-            &client,
-            "j.owner = $1 AND j.key = $2",
-            &[&owner.as_str(), &key.as_str()],
-        )
-        .await
-    }
-
-    async fn unknown_jobs(
-        &self,
-        after: Option<Cursor>,
-        limit: u32,
-    ) -> Result<Vec<Job>, StoreError> {
-        let client = self.client().await?;
-        // Served by the partial index `jobs_unknown_newest` (migration V4).
-        let select = client
-            .prepare_cached(&format!(
-                "SELECT {JOB_COLUMNS} FROM jobs j WHERE j.state = 'unknown' \
-                 AND ($1::timestamptz IS NULL OR (j.created_at, j.id) < ($1, $2::uuid)) \
-                 ORDER BY j.created_at DESC, j.id DESC LIMIT $3"
-            ))
-            .await
-            .map_err(map_pg)?;
-        let (at, id) = (after.map(|c| c.created_at), after.map(|c| c.job.0));
-        let rows = client
-            .query(&select, &[&at, &id, &i64::from(limit)])
-            .await
-            .map_err(map_pg)?;
-        rows.iter().map(job_from_row).collect()
-    }
-
-    async fn renew_leases(
-        &self,
-        attempts: &[AttemptId],
-        lease: Duration,
-    ) -> Result<u64, StoreError> {
-        let ids: Vec<Uuid> = attempts.iter().map(|a| a.0).collect();
-        let client = self.client().await?;
-        client
-            .execute(
-                "UPDATE attempts SET lease_expires_at = now() + $2::bigint * interval '1 millisecond' \
-                 WHERE id = ANY($1) AND state = $3",
-                &[&ids, &millis(lease), &AttemptState::Started.as_str()],
-            )
-            .await
-            .map_err(map_pg)
-    }
-
-    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        let client = self.client().await?;
-        client
-            .execute(
-                "DELETE FROM jobs WHERE id IN ( \
-                   SELECT id FROM jobs WHERE expires_at < now() ORDER BY expires_at LIMIT $1)",
-                &[&i64::from(batch)],
-            )
-            .await
-            .map_err(map_pg)
-    }
-
-    async fn ping(&self) -> Result<(), StoreError> {
-        let client = self.client().await?;
-        // Our own table: a database that answers but was never migrated
-        // is not ready either.
-        client
-            .simple_query("SELECT 1 FROM jobs LIMIT 1")
-            .await
-            .map_err(map_pg)?;
-        Ok(())
-    }
-
-    async fn watch(&self, job: JobId) -> Result<(), StoreError> {
-        let client = self.client().await?;
-        let watch = client
-            .prepare_cached("UPDATE jobs SET watched = true WHERE id = $1 AND NOT watched")
-            .await
-            .map_err(map_pg)?;
-        client.execute(&watch, &[&job.0]).await.map_err(map_pg)?;
-        Ok(())
     }
 }
 
