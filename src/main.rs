@@ -91,7 +91,7 @@ impl Job {
         match self {
             Job::Serve(settings) => serve(settings).await,
             Job::VerifyProviders(settings) => {
-                if probe::verify(&settings).await {
+                if probe::verify(&settings.upstreams, &settings.contracts).await {
                     ExitCode::SUCCESS
                 } else {
                     ExitCode::FAILURE

@@ -44,7 +44,7 @@ use crate::domain::attempt::Attempt;
 use crate::domain::id::{AttemptId, JobId};
 use crate::domain::job::{Job, JobState, NewJob};
 use crate::proxy::error::{ClientError, GatewayError};
-use crate::proxy::http::{Body, IDEMPOTENCY_JOB};
+use crate::proxy::http::{Body, Outcome, IDEMPOTENCY_JOB};
 use crate::store::{Begin, StoreError};
 use crate::telemetry::Chain;
 
@@ -74,9 +74,16 @@ pub async fn run(shared: Arc<Shared>, request: Keyed, upstream: UpstreamService)
         tracing::info!(error = %Chain(&e), job = ?job_id.map(|j: JobId| j.to_string()), "request refused");
         e.into_response()
     });
-    // Replays name their job already.
-    if let Some(job) = job_id.filter(|_| !response.headers().contains_key(IDEMPOTENCY_JOB)) {
-        replay::set_job(&mut response, job);
+    if let Some(job) = job_id {
+        // Replays name their job already.
+        if !response.headers().contains_key(IDEMPOTENCY_JOB) {
+            replay::set_job(&mut response, job);
+        }
+        response.extensions_mut().insert(job);
+    }
+    let extensions = response.extensions_mut();
+    if extensions.get::<Outcome>().is_none() {
+        extensions.insert(Outcome::Executed);
     }
     response
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use http::{header, HeaderValue, Response, StatusCode};
 
 use crate::domain::key::KeyError;
-use crate::proxy::http::{full, Body, CollectError};
+use crate::proxy::http::{full, Body, CollectError, Outcome};
 use crate::proxy::upstream::UpstreamError;
 use crate::store::{StoreError, StoreErrorKind};
 use crate::BoxError;
@@ -107,128 +107,146 @@ struct Problem {
     retry_after: Option<Duration>,
 }
 
-impl GatewayError {
-    fn problem(&self) -> Problem {
-        let p = |status, slug, title| Problem {
+impl Problem {
+    const fn new(status: StatusCode, slug: &'static str, title: &'static str) -> Self {
+        Problem {
             status,
             slug,
             title,
             retry_after: None,
-        };
+        }
+    }
+
+    const fn retry_after(self, after: Duration) -> Self {
+        Problem {
+            retry_after: Some(after),
+            ..self
+        }
+    }
+}
+
+impl ClientError {
+    fn problem(&self) -> Problem {
+        let p = Problem::new;
         match self {
-            GatewayError::Client(e) => match e {
-                ClientError::MissingKey => p(
-                    StatusCode::BAD_REQUEST,
-                    "idempotency-key-missing",
-                    "Idempotency-Key missing",
-                ),
-                ClientError::InvalidKey(_) => p(
-                    StatusCode::BAD_REQUEST,
-                    "invalid-idempotency-key",
-                    "Invalid Idempotency-Key",
-                ),
-                ClientError::BodyTooLarge { .. } => p(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    "request-too-large",
-                    "Request body too large",
-                ),
-                ClientError::BodyUnreadable(_) => p(
-                    StatusCode::BAD_REQUEST,
-                    "request-body-unreadable",
-                    "Request body could not be read",
-                ),
-                ClientError::KeyMismatch { status } => p(
-                    *status,
-                    "idempotency-key-mismatch",
-                    "Idempotency-Key reused with a different request",
-                ),
-                ClientError::InProgress { retry_after } => Problem {
-                    retry_after: Some(*retry_after),
-                    ..p(
-                        StatusCode::CONFLICT,
-                        "request-in-progress",
-                        "A request with this Idempotency-Key is in progress",
-                    )
-                },
-                ClientError::OutcomeUnknown { retry_after } => Problem {
-                    retry_after: Some(*retry_after),
-                    ..p(
-                        StatusCode::CONFLICT,
-                        "attempt-outcome-unknown",
-                        "Outcome of an earlier attempt unknown",
-                    )
-                },
-            },
-            GatewayError::Upstream(e) => match e {
-                UpstreamError::Refused(_) => p(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream-unreachable",
-                    "Upstream unreachable; the request was not sent",
-                ),
-                UpstreamError::Broken(_) => p(
-                    StatusCode::BAD_GATEWAY,
-                    "attempt-outcome-unknown",
-                    "Upstream connection failed after the request was sent; outcome unknown",
-                ),
-                UpstreamError::ContractViolation(_) => p(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream-contract-violation",
-                    "Upstream answer broke the route's contract",
-                ),
-                UpstreamError::TimedOut(_) => p(
-                    StatusCode::GATEWAY_TIMEOUT,
-                    "attempt-outcome-unknown",
-                    "Upstream did not answer in time; outcome unknown",
-                ),
-                UpstreamError::ResponseTooLarge { .. } => p(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream-response-too-large",
-                    "Upstream response too large to record; outcome unknown",
-                ),
-                UpstreamError::Unconfigured(_) => p(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "internal-error",
-                    "Internal gateway error",
-                ),
-            },
-            GatewayError::Store(e) => match e.kind() {
-                StoreErrorKind::Unavailable => p(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "store-unavailable",
-                    "Idempotency store unavailable; the request was not proxied",
-                ),
-                StoreErrorKind::Conflict | StoreErrorKind::NotFound => p(
-                    StatusCode::CONFLICT,
-                    "request-in-progress",
-                    "A request with this Idempotency-Key is in progress",
-                ),
-                StoreErrorKind::Internal => p(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "internal-error",
-                    "Internal gateway error",
-                ),
-            },
-            GatewayError::Unrecorded(_) => Problem {
-                retry_after: Some(Duration::from_secs(1)),
-                ..p(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "outcome-not-recorded",
-                    "The upstream answered; its answer is being recorded. Retry with the same Idempotency-Key to get it",
-                )
-            },
-            GatewayError::Overloaded { retry_after } => Problem {
-                retry_after: Some(*retry_after),
-                ..p(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "overloaded",
-                    "Gateway overloaded; nothing was done",
-                )
-            },
-            GatewayError::Internal(_) => p(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal-error",
-                "Internal gateway error",
+            ClientError::MissingKey => p(
+                StatusCode::BAD_REQUEST,
+                "idempotency-key-missing",
+                "Idempotency-Key missing",
             ),
+            ClientError::InvalidKey(_) => p(
+                StatusCode::BAD_REQUEST,
+                "invalid-idempotency-key",
+                "Invalid Idempotency-Key",
+            ),
+            ClientError::BodyTooLarge { .. } => p(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "request-too-large",
+                "Request body too large",
+            ),
+            ClientError::BodyUnreadable(_) => p(
+                StatusCode::BAD_REQUEST,
+                "request-body-unreadable",
+                "Request body could not be read",
+            ),
+            ClientError::KeyMismatch { status } => p(
+                *status,
+                "idempotency-key-mismatch",
+                "Idempotency-Key reused with a different request",
+            ),
+            ClientError::InProgress { retry_after } => p(
+                StatusCode::CONFLICT,
+                "request-in-progress",
+                "A request with this Idempotency-Key is in progress",
+            )
+            .retry_after(*retry_after),
+            ClientError::OutcomeUnknown { retry_after } => p(
+                StatusCode::CONFLICT,
+                "attempt-outcome-unknown",
+                "Outcome of an earlier attempt unknown",
+            )
+            .retry_after(*retry_after),
+        }
+    }
+}
+
+/// The problem an upstream's failure is answered with.
+fn upstream_problem(e: &UpstreamError) -> Problem {
+    let p = Problem::new;
+    match e {
+        UpstreamError::Refused(_) => p(
+            StatusCode::BAD_GATEWAY,
+            "upstream-unreachable",
+            "Upstream unreachable; the request was not sent",
+        ),
+        UpstreamError::Broken(_) => p(
+            StatusCode::BAD_GATEWAY,
+            "attempt-outcome-unknown",
+            "Upstream connection failed after the request was sent; outcome unknown",
+        ),
+        UpstreamError::ContractViolation(_) => p(
+            StatusCode::BAD_GATEWAY,
+            "upstream-contract-violation",
+            "Upstream answer broke the route's contract",
+        ),
+        UpstreamError::TimedOut(_) => p(
+            StatusCode::GATEWAY_TIMEOUT,
+            "attempt-outcome-unknown",
+            "Upstream did not answer in time; outcome unknown",
+        ),
+        UpstreamError::ResponseTooLarge { .. } => p(
+            StatusCode::BAD_GATEWAY,
+            "upstream-response-too-large",
+            "Upstream response too large to record; outcome unknown",
+        ),
+        UpstreamError::Unconfigured(_) => INTERNAL,
+    }
+}
+
+/// The problem a store failure is answered with.
+fn store_problem(e: &StoreError) -> Problem {
+    match e.kind() {
+        StoreErrorKind::Unavailable => Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store-unavailable",
+            "Idempotency store unavailable; the request was not proxied",
+        ),
+        StoreErrorKind::Conflict | StoreErrorKind::NotFound => Problem::new(
+            StatusCode::CONFLICT,
+            "request-in-progress",
+            "A request with this Idempotency-Key is in progress",
+        ),
+        StoreErrorKind::Internal => INTERNAL,
+    }
+}
+
+/// A defect of the gateway's own.
+const INTERNAL: Problem = Problem::new(
+    StatusCode::INTERNAL_SERVER_ERROR,
+    "internal-error",
+    "Internal gateway error",
+);
+
+impl GatewayError {
+    /// Who caused it decides the answer.
+    fn problem(&self) -> Problem {
+        match self {
+            GatewayError::Client(e) => e.problem(),
+            GatewayError::Upstream(e) => upstream_problem(e),
+            GatewayError::Store(e) => store_problem(e),
+            GatewayError::Unrecorded(_) => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "outcome-not-recorded",
+                "The upstream answered; its answer is being recorded. Retry with the same Idempotency-Key to get it",
+            )
+            .retry_after(Duration::from_secs(1)),
+            GatewayError::Overloaded { retry_after } => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "overloaded",
+                "Gateway overloaded; nothing was done",
+            )
+            .retry_after(*retry_after),
+            GatewayError::Internal(_) => INTERNAL,
         }
     }
 
@@ -252,17 +270,10 @@ impl GatewayError {
             &self.to_string(),
             problem.retry_after,
         );
-        response
-            .extensions_mut()
-            .insert(GatewayProblem(problem.slug));
+        response.extensions_mut().insert(Outcome::Problem);
         response
     }
 }
-
-/// Marks an answer the gateway itself gave as a problem (not the
-/// upstream's), with its slug: read where requests are counted.
-#[derive(Debug, Clone, Copy)]
-pub struct GatewayProblem(pub &'static str);
 
 /// Renders a problem+json answer.
 pub fn problem_response(

@@ -4,14 +4,14 @@
 //! failover or hedge targets. An upstream never probed, or whose last probe
 //! run failed, is not eligible; the primary is always tried regardless.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::sync::RwLock;
+use std::collections::BTreeMap;
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, SystemTime};
 
 use http::Request;
 use tokio::sync::watch;
 
-use crate::config::{Settings, UpstreamId};
+use crate::config::{Route, UpstreamId, UpstreamSettings};
 use crate::domain::contract::{excerpt, Contract, Probe};
 use crate::proxy::http::full;
 use crate::proxy::upstream::{fetch, Upstream, Upstreams};
@@ -104,14 +104,39 @@ impl ProbeBoard {
     }
 }
 
-/// Which (upstream, contract) pairs routes rely on.
-fn pairs(settings: &Settings) -> BTreeSet<(UpstreamId, String)> {
-    settings
-        .routes
-        .iter()
-        .filter_map(|r| r.contract.as_ref().map(|c| (r, c)))
-        .flat_map(|(r, c)| r.upstreams().map(|u| (u.id.clone(), c.name.clone())))
-        .collect()
+/// What the probe task checks, and how often.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// How often every pair is probed.
+    pub interval: Duration,
+    /// The (upstream, contract) pairs the routes rely on, each once.
+    pub pairs: Vec<(UpstreamId, Arc<Contract>)>,
+}
+
+impl Config {
+    /// Probes every `interval` what `routes` rely on: each upstream a route
+    /// may use, against the route's contract.
+    pub fn of_routes(routes: &[Arc<Route>], interval: Duration) -> Config {
+        let mut pairs: BTreeMap<(UpstreamId, String), Arc<Contract>> = BTreeMap::new();
+        for route in routes {
+            let Some(contract) = &route.contract else {
+                continue;
+            };
+            for upstream in route.upstreams() {
+                let pair = (upstream.id.clone(), contract.name.clone());
+                pairs.entry(pair).or_insert_with(|| contract.clone());
+            }
+        }
+        Config {
+            interval,
+            pairs: pairs.into_iter().map(|((id, _), c)| (id, c)).collect(),
+        }
+    }
+
+    /// Whether any route relies on probes (otherwise there is nothing to run).
+    pub fn needed(&self) -> bool {
+        !self.pairs.is_empty()
+    }
 }
 
 /// Runs every probe of `contract` against `upstream`.
@@ -151,15 +176,13 @@ async fn run_one(upstream: &Upstream, probe: &Probe) -> Result<(), String> {
 /// Probes every (upstream, contract) pair the routes rely on, records the
 /// verdicts, and returns the results.
 pub async fn probe_all(
-    settings: &Settings,
+    config: &Config,
     upstreams: &Upstreams,
     board: &ProbeBoard,
 ) -> Vec<ProbeResult> {
     let mut results = Vec::new();
-    for (id, contract) in pairs(settings) {
-        if let (Some(upstream), Some(contract)) =
-            (upstreams.get(&id), settings.contracts.get(&contract))
-        {
+    for (id, contract) in &config.pairs {
+        if let Some(upstream) = upstreams.get(id) {
             results.extend(probe(upstream, contract).await);
         }
     }
@@ -167,41 +190,39 @@ pub async fn probe_all(
     results
 }
 
-/// Whether any route relies on probes (otherwise there is nothing to run).
-pub fn needed(settings: &Settings) -> bool {
-    !pairs(settings).is_empty()
-}
-
 /// Probes at once, then every `interval`, for as long as it runs (a
 /// supervised task, stopped at shutdown).
 pub async fn run(
-    settings: std::sync::Arc<Settings>,
+    config: Arc<Config>,
     upstreams: Upstreams,
-    board: std::sync::Arc<ProbeBoard>,
+    board: Arc<ProbeBoard>,
     beat: Heartbeat,
 ) -> Result<(), BoxError> {
-    let mut tick = tokio::time::interval(settings.probe_interval.max(Duration::from_millis(50)));
+    let mut tick = tokio::time::interval(config.interval.max(Duration::from_millis(50)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         beat.beat();
-        probe_all(&settings, &upstreams, &board).await;
+        probe_all(&config, &upstreams, &board).await;
     }
 }
 
 /// `idemgate verify-providers`: every contract's probes against every
 /// upstream, as a table. True when everything passed.
-pub async fn verify(settings: &Settings) -> bool {
-    let Some(upstreams) = Upstreams::new(&settings.upstreams) else {
+pub async fn verify(
+    upstreams: &[Arc<UpstreamSettings>],
+    contracts: &BTreeMap<String, Arc<Contract>>,
+) -> bool {
+    let Some(upstreams) = Upstreams::new(upstreams) else {
         println!("no upstreams configured: nothing to verify");
         return false;
     };
-    if settings.contracts.is_empty() {
+    if contracts.is_empty() {
         println!("no contracts configured: nothing to verify");
         return true;
     }
     let mut rows = Vec::new();
-    for contract in settings.contracts.values() {
+    for contract in contracts.values() {
         for upstream in upstreams.iter() {
             rows.extend(probe(upstream, contract).await);
         }

@@ -22,7 +22,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 
 use bytes::{Bytes, BytesMut};
-use http::{HeaderValue, Response, StatusCode};
+use http::{Response, StatusCode};
 use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
 use tokio::sync::watch;
@@ -31,7 +31,7 @@ use crate::domain::id::JobId;
 use crate::idempotency::fastpath::Piece;
 
 use crate::domain::response::StoredResponse;
-use crate::proxy::http::{Body, BodyError, IDEMPOTENT_REPLAYED};
+use crate::proxy::http::{Body, BodyError};
 
 /// Where a recording stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -174,9 +174,7 @@ impl Recording {
         crate::idempotency::replay::set_headers(&mut response, &self.headers);
         crate::idempotency::replay::set_job(&mut response, self.job);
         if replayed {
-            response
-                .headers_mut()
-                .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+            crate::idempotency::replay::mark_replayed(&mut response);
         }
         response
     }

@@ -28,7 +28,7 @@ use crate::domain::id::JobId;
 use crate::domain::job::EXPIRY_MARGIN;
 use crate::domain::key::{IdempotencyKey, Owner};
 use crate::domain::response::StoredResponse;
-use crate::proxy::http::Body;
+use crate::proxy::http::{Body, Outcome};
 
 /// Bookkeeping counted against the budget besides an answer's own bytes.
 const OVERHEAD: usize = 256;
@@ -75,6 +75,7 @@ impl Kept {
         let mut replay = Response::new(super::body(&self.response, self.framing));
         *replay.status_mut() = self.status;
         *replay.headers_mut() = self.headers.clone();
+        replay.extensions_mut().insert(Outcome::Replayed);
         replay
     }
 }

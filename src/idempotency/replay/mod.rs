@@ -7,7 +7,7 @@ use http::{header, HeaderName, HeaderValue, Response, StatusCode};
 use crate::config::Route;
 use crate::domain::id::JobId;
 use crate::domain::response::StoredResponse;
-use crate::proxy::http::{full, Body, IDEMPOTENCY_JOB, IDEMPOTENT_REPLAYED};
+use crate::proxy::http::{full, Body, Outcome, IDEMPOTENCY_JOB, IDEMPOTENT_REPLAYED};
 use crate::proxy::upstream::Fetched;
 
 mod cache;
@@ -78,11 +78,18 @@ pub fn response(
     set_headers(&mut response, &stored.headers);
     set_job(&mut response, job);
     if replayed {
-        response
-            .headers_mut()
-            .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+        mark_replayed(&mut response);
     }
     response
+}
+
+/// Marks an answer as a replay: for the client (`Idempotent-Replayed:
+/// true`) and for the gateway's own logs and metrics ([`Outcome`]).
+pub fn mark_replayed<B>(response: &mut Response<B>) {
+    response
+        .headers_mut()
+        .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    response.extensions_mut().insert(Outcome::Replayed);
 }
 
 /// The body of a stored response, framed as `framing` says.

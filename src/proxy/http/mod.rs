@@ -88,6 +88,20 @@ where
     }
 }
 
+/// How the gateway answered a request, carried on the answer as an
+/// extension for whoever logs and counts answers; an answer without one was
+/// passed through. The job an answer belongs to rides along as a
+/// [`JobId`] extension.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The gateway refused or failed the request with a problem answer.
+    Problem,
+    /// A recorded answer, replayed.
+    Replayed,
+    /// An attempt's answer: the job's result, or a failure passed on.
+    Executed,
+}
+
 /// The client's address, put into request extensions by the server.
 #[derive(Debug, Clone)]
 pub struct ClientAddr {

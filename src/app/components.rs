@@ -1,0 +1,256 @@
+//! Each component built in one place, with its own small config taken
+//! from the settings (no component reads the whole settings): the store,
+//! the Redis fast path, the upkeep tasks, the idempotency layer and the
+//! admin API, and what a gateway that stops must do.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use super::StartError;
+use crate::config::{Settings, StoreSettings};
+use crate::idempotency::fastpath::FastPath;
+use crate::idempotency::{execute, hold, Runtime, Shared};
+use crate::operations::admin::Admin;
+use crate::proxy::upstream::Upstreams;
+use crate::store::postgres::Postgres;
+use crate::store::seal::Sealer;
+use crate::store::sqlite::Sqlite;
+use crate::store::{Doorbell, Machine, Store, StoreError};
+use crate::telemetry;
+use crate::upkeep::lease::Leases;
+use crate::upkeep::probe::{self, ProbeBoard};
+use crate::upkeep::supervise::{Beats, Supervisor};
+use crate::upkeep::sweeper;
+
+/// The runtime handles of a started gateway, shared by its two listeners.
+pub(super) struct Gateway {
+    instance: Uuid,
+    doorbell: Arc<Doorbell>,
+    store: Arc<dyn Store>,
+    fastpath: Option<Arc<FastPath>>,
+    leases: Arc<Leases>,
+    probes: Arc<ProbeBoard>,
+    pub(super) upstreams: Upstreams,
+    tasks: Supervisor,
+    /// Stops the background tasks, which outlive the drain (leases are
+    /// renewed while open requests finish).
+    stop_tasks: CancellationToken,
+}
+
+impl Gateway {
+    /// Opens the store, starts the fast path and the upkeep tasks.
+    pub(super) async fn start(settings: &Settings) -> Result<Gateway, StartError> {
+        let instance = Uuid::new_v4();
+        let doorbell = Arc::new(Doorbell::default());
+        let stop_tasks = CancellationToken::new();
+        let tasks = Supervisor::new(stop_tasks.clone());
+        let sealer = sealer(settings)?;
+        let store = open_store(settings, instance, &doorbell, &tasks, sealer.clone()).await?;
+        let runtime = tokio::runtime::Handle::current();
+        tracing::info!(
+            %instance,
+            upstreams = ?settings.upstreams.iter().map(|u| u.base.to_string()).collect::<Vec<_>>(),
+            runtime = ?runtime.runtime_flavor(),
+            worker_threads = runtime.metrics().num_workers(),
+            "gateway starting"
+        );
+        let fastpath = match &settings.redis {
+            None => None,
+            Some(fast) => Some(start_fastpath(fast, instance, sealer, &doorbell, &tasks)?),
+        };
+        let Some(upstreams) = Upstreams::new(&settings.upstreams) else {
+            return Err(StoreError::internal("no upstream configured").into());
+        };
+        let gateway = Gateway {
+            instance,
+            doorbell,
+            store,
+            fastpath,
+            leases: Arc::default(),
+            probes: Arc::default(),
+            upstreams,
+            tasks,
+            stop_tasks,
+        };
+        gateway.spawn_upkeep(settings);
+        Ok(gateway)
+    }
+
+    /// The idempotency layer's components.
+    pub(super) fn idempotency(&self, settings: &Settings) -> Arc<Shared> {
+        Arc::new(Shared::new(
+            idempotency_config(settings),
+            Runtime {
+                store: self.store.clone(),
+                doorbell: self.doorbell.clone(),
+                fastpath: self.fastpath.clone(),
+                probes: self.probes.clone(),
+                leases: self.leases.clone(),
+                instance: self.instance,
+            },
+        ))
+    }
+
+    /// The admin API.
+    pub(super) fn admin(&self, settings: &Settings) -> Arc<Admin> {
+        Arc::new(Admin {
+            store: self.store.clone(),
+            token: settings.admin_token.clone(),
+            metrics: telemetry::metrics(),
+            upstreams: settings.upstreams.clone(),
+            probes: self.probes.clone(),
+            tasks: self.tasks.clone(),
+        })
+    }
+
+    /// After the drain: attempts still in flight die with this process; say
+    /// so now rather than leave duplicates waiting for their leases to lapse
+    /// (a late answer that still arrives before exit commits as usual).
+    pub(super) async fn stop(self) {
+        self.leases.abandon(self.store.as_ref()).await;
+        self.stop_tasks.cancel();
+    }
+
+    /// Lease renewal, the sweeper and the probes, under supervision.
+    fn spawn_upkeep(&self, settings: &Settings) {
+        let (renewing, lease) = (self.store.clone(), settings.lease_ttl);
+        let held = self.leases.clone();
+        self.tasks
+            .spawn("lease-renewal", Beats::Every(lease), move |beat| {
+                held.clone().renew(renewing.clone(), lease, beat)
+            });
+        let (sweeping, interval) = (self.store.clone(), settings.sweep_interval);
+        let stuck_after = (interval * 4).max(Duration::from_secs(60));
+        self.tasks
+            .spawn("sweeper", Beats::Every(stuck_after), move |beat| {
+                sweeper::run(sweeping.clone(), interval, beat)
+            });
+        let config = Arc::new(probe::Config::of_routes(
+            &settings.routes,
+            settings.probe_interval,
+        ));
+        if config.needed() {
+            let (upstreams, board) = (self.upstreams.clone(), self.probes.clone());
+            let stuck_after = config.interval * 3 + Duration::from_secs(300);
+            self.tasks
+                .spawn("probes", Beats::Every(stuck_after), move |beat| {
+                    probe::run(config.clone(), upstreams.clone(), board.clone(), beat)
+                });
+        }
+    }
+}
+
+/// Seals stored responses when `[encryption]` is configured.
+fn sealer(settings: &Settings) -> Result<Option<Arc<Sealer>>, StartError> {
+    let Some(e) = &settings.encryption else {
+        return Ok(None);
+    };
+    let sealer = Sealer::new(&e.active, e.keys.clone())
+        .ok_or_else(|| StoreError::internal("the active encryption key is not configured"))?;
+    tracing::info!(active = %e.active, keys = e.keys.len(), "stored responses are sealed (AES-256-GCM)");
+    Ok(Some(Arc::new(sealer)))
+}
+
+/// The idempotency layer's configuration, and its components', from the
+/// settings: no component reads the whole settings.
+pub fn idempotency_config(settings: &Settings) -> crate::idempotency::Config {
+    crate::idempotency::Config {
+        routes: settings.routes.clone(),
+        owner_header: settings.owner_header.clone(),
+        mismatch_status: settings.mismatch_status,
+        key_ttl: settings.key_ttl,
+        retry_after: settings.retry_after,
+        hold: hold::Config {
+            timeout: settings.hold_timeout,
+            retry_after: settings.retry_after,
+        },
+        attempt: execute::Config {
+            deadline: settings.attempt_deadline,
+            lease_ttl: settings.lease_ttl,
+            max_response_size: settings.max_response_size,
+            forward_key_header: settings.forward_key_header.clone(),
+            forward_attempt_header: settings.forward_attempt_header.clone(),
+        },
+        stream_stall: settings.upstream_timeout + settings.lease_ttl,
+        replay_cache_size: settings.replay_cache_size,
+    }
+}
+
+/// The Redis fast path, with its announcer and listener.
+fn start_fastpath(
+    settings: &crate::config::RedisSettings,
+    instance: Uuid,
+    sealer: Option<Arc<Sealer>>,
+    doorbell: &Arc<Doorbell>,
+    tasks: &Supervisor,
+) -> Result<Arc<FastPath>, StartError> {
+    let fast = FastPath::new(settings.clone(), instance, sealer).map_err(StartError::Redis)?;
+    let fast = Arc::new(fast);
+    let (changes, announced) = tokio::sync::mpsc::unbounded_channel();
+    doorbell.announce_to(changes);
+    let announced = Arc::new(tokio::sync::Mutex::new(announced));
+    let announcer = fast.clone();
+    tasks.spawn("redis-announcer", Beats::Never, move |_| {
+        announcer.clone().announce(announced.clone())
+    });
+    let (listener, doorbell) = (fast.clone(), doorbell.clone());
+    tasks.spawn("redis-listener", Beats::Never, move |_| {
+        listener.clone().listen(doorbell.clone())
+    });
+    tracing::info!("Redis fast path on");
+    Ok(fast)
+}
+
+/// Opens the configured store. PostgreSQL also gets its migrations and its
+/// notification listener as supervised tasks: a PostgreSQL that is down at
+/// start-up does not stop the gateway (requests answer 503 and `/readyz`
+/// fails until the migrations are in). An embedded store that cannot be
+/// opened stops start-up.
+async fn open_store(
+    settings: &Settings,
+    instance: Uuid,
+    doorbell: &Arc<Doorbell>,
+    tasks: &Supervisor,
+    sealer: Option<Arc<Sealer>>,
+) -> Result<Arc<dyn Store>, StartError> {
+    let pg = match &settings.store {
+        StoreSettings::Postgres(pg) => pg,
+        StoreSettings::Embedded { path } => {
+            tracing::info!(path = %path.display(), "using the embedded store");
+            let backend = Sqlite::open(path).await?;
+            return Ok(Arc::new(
+                Machine::new(backend, doorbell.clone()).sealed_with(sealer),
+            ));
+        }
+    };
+    let backend = Postgres::new(pg, instance)?;
+    match backend.migrate().await {
+        Ok(()) => {}
+        Err(e) if e.is_transient() => {
+            tracing::warn!(error = %telemetry::Chain(&e), "database unreachable at start-up; opted-in requests answer 503 until it is up");
+            let migrating = backend.clone();
+            tasks.spawn("migrations", Beats::Never, move |_| {
+                let backend = migrating.clone();
+                async move {
+                    backend.migrate().await?;
+                    tracing::info!("database reachable; migrations applied");
+                    // Done: nothing more to do until the gateway stops.
+                    std::future::pending::<()>().await;
+                    Ok(())
+                }
+            });
+        }
+        Err(e) => return Err(e.into()),
+    }
+    let (listening, bell) = (backend.clone(), doorbell.clone());
+    tasks.spawn("postgres-listener", Beats::Never, move |_| {
+        let (backend, doorbell) = (listening.clone(), bell.clone());
+        async move { Ok(backend.listen(&doorbell).await?) }
+    });
+    Ok(Arc::new(
+        Machine::new(backend, doorbell.clone()).sealed_with(sealer),
+    ))
+}

@@ -1,0 +1,135 @@
+//! THE stack: the request path of the proxy listener, outermost layer
+//! first (`docs/design.md` §2), and how each answered request is logged and
+//! counted.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use tower::{Service, ServiceBuilder};
+use tower_http::request_id::{PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::trace::{DefaultOnFailure, TraceLayer};
+
+use crate::config::Settings;
+use crate::domain::id::JobId;
+use crate::idempotency::{IdempotencyLayer, Shared};
+use crate::proxy::http::request_id::RequestIds;
+use crate::proxy::http::{BodyError, Outcome, IDEMPOTENCY_KEY};
+use crate::proxy::shed::ShedLayer;
+use crate::proxy::upstream::Upstreams;
+use crate::BoxError;
+
+/// A request's span at `$level` (a constant, as `tracing` needs it): its
+/// method, path and id, with its status and job recorded when it is answered.
+macro_rules! request_span {
+    ($level:expr, $req:expr) => {
+        tracing::span!(
+            $level,
+            "request",
+            otel.kind = "server",
+            http.request.method = %$req.method(),
+            url.path = %$req.uri().path(),
+            request_id = %$req
+                .headers()
+                .get("x-request-id")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default(),
+            http.response.status_code = tracing::field::Empty,
+            job.id = tracing::field::Empty,
+        )
+    };
+}
+
+/// The proxy's service: ids, spans and counts, load shedding, the
+/// idempotency layer, and the upstreams.
+pub(super) fn proxy(
+    settings: &Settings,
+    shared: Arc<Shared>,
+    upstreams: Upstreams,
+) -> impl Service<
+    Request<Incoming>,
+    Response = Response<
+        impl http_body::Body<Data = Bytes, Error = impl Into<BoxError>> + Send + 'static,
+    >,
+    Error = Infallible,
+    Future = impl Send + 'static,
+> + Clone
+       + Send
+       + Sync
+       + 'static {
+    ServiceBuilder::new()
+        // Every request gets an id (kept if the client sent one)…
+        .layer(SetRequestIdLayer::x_request_id(RequestIds))
+        // …which the request span carries, so all its logs can be joined;
+        // exported over OTLP when configured, continuing the client's trace…
+        .layer(
+            TraceLayer::new_for_http()
+                .make_span_with(span)
+                .on_response(answered)
+                // A 5xx here is usually the upstream's, already explained by the
+                // attempt's own log line: a warning, not an error of the gateway.
+                .on_failure(DefaultOnFailure::new().level(tracing::Level::WARN)),
+        )
+        // …and the response echoes.
+        .layer(PropagateRequestIdLayer::x_request_id())
+        .map_request(|req: Request<Incoming>| req.map(|b| b.map_err(BodyError::new).boxed()))
+        // Saturated: answer 503 at once rather than queue without bound.
+        .layer(ShedLayer::new(settings.max_in_flight, settings.retry_after))
+        // Opted-in requests become jobs and attempts; the rest stream through.
+        .layer(IdempotencyLayer::new(shared))
+        // Each request goes to the upstream its attempt chose, or the first.
+        .service(upstreams)
+}
+
+/// A request's span. A request without a key is only proxied, and its span
+/// is context for the rare line it logs: made at `debug` unless spans are
+/// exported, it costs nothing at the default `info` (docs/performance.md,
+/// item 16).
+fn span(req: &Request<Incoming>) -> tracing::Span {
+    let span =
+        if req.headers().contains_key(IDEMPOTENCY_KEY) || crate::telemetry::trace::exporting() {
+            request_span!(tracing::Level::INFO, req)
+        } else {
+            request_span!(tracing::Level::DEBUG, req)
+        };
+    crate::telemetry::trace::continue_from(&span, req.headers());
+    span
+}
+
+/// Records how a request was answered on its span, and counts it.
+fn answered<B>(response: &Response<B>, _latency: std::time::Duration, span: &tracing::Span) {
+    span.record("http.response.status_code", response.status().as_u16());
+    if let Some(job) = response.extensions().get::<JobId>() {
+        span.record("job.id", tracing::field::display(job));
+    }
+    count(response);
+}
+
+/// Counts a request by how it was answered (`idemgate_requests_total{outcome,
+/// status}`): `replayed` (a recorded answer), `executed` (an attempt's
+/// answer), `problem` (the gateway refused or failed it, with a problem
+/// answer), `passed_through` (not opted in); the status by class.
+fn count<B>(response: &Response<B>) {
+    const OUTCOMES: [&str; 4] = ["problem", "replayed", "executed", "passed_through"];
+    const STATUSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
+    let outcome = match response.extensions().get::<Outcome>() {
+        Some(Outcome::Problem) => 0,
+        Some(Outcome::Replayed) => 1,
+        Some(Outcome::Executed) => 2,
+        None => 3,
+    };
+    let class = usize::from(response.status().as_u16() / 100).clamp(1, 5) - 1;
+    // The handle is looked up once per series, not once per request (a
+    // lookup hashes the name and labels under the registry's lock).
+    static COUNTERS: [[std::sync::OnceLock<metrics::Counter>; 5]; 4] =
+        [const { [const { std::sync::OnceLock::new() }; 5] }; 4];
+    COUNTERS[outcome][class]
+        .get_or_init(|| {
+            metrics::counter!("idemgate_requests_total",
+                "outcome" => OUTCOMES[outcome], "status" => STATUSES[class])
+        })
+        .increment(1);
+}
