@@ -210,33 +210,14 @@ impl Settings {
     pub fn from_sources(mut file: FileConfig, flags: Flags) -> Result<Settings, ConfigError> {
         let store = store::store_settings(&file, &flags)?;
         let timings = timings(&file, &flags)?;
-        let upstream_files = if flags.upstreams.is_empty() {
-            file.upstreams.take().unwrap_or_default()
-        } else {
-            flags
-                .upstreams
-                .iter()
-                .cloned()
-                .map(UpstreamFile::Url)
-                .collect()
-        };
-        let upstreams =
-            upstreams::parse_all(&upstream_files, timings.upstream_timeout, &file.base_dir)?;
-        let mut contracts = BTreeMap::new();
-        for (name, contract_file) in std::mem::take(&mut file.contracts) {
-            let contract = contracts::load(&name, contract_file, &file.base_dir)?;
-            contracts.insert(name, Arc::new(contract));
-        }
-        let routes = routes::parse_all(std::mem::take(&mut file.routes), &upstreams, &contracts)?;
+        let (upstreams, contracts, routes) = traffic(&mut file, &flags, timings.upstream_timeout)?;
+        let loopback = |port| SocketAddr::from(([127, 0, 0, 1], port));
         Ok(Settings {
-            listen: flags
-                .listen
-                .or(file.listen)
-                .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 8080))),
+            listen: flags.listen.or(file.listen).unwrap_or(loopback(8080)),
             admin_listen: flags
                 .admin_listen
                 .or(file.admin_listen)
-                .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 9090))),
+                .unwrap_or(loopback(9090)),
             admin_token: flags
                 .admin_token
                 .clone()
@@ -312,10 +293,43 @@ impl Settings {
 
     /// The route an opted-in request falls under, if any.
     pub fn route_for(&self, method: &Method, path: &str) -> Option<&Arc<Route>> {
-        self.routes
-            .iter()
-            .find(|r| r.matches_path(path) && r.methods.contains(method))
+        routes::find(&self.routes, method, path)
     }
+}
+
+/// Where requests go: the upstreams (the flags' over the file's), the
+/// contracts their answers must honour, and the routes that opt in.
+#[allow(clippy::type_complexity)] // the three parts of one answer, named below
+fn traffic(
+    file: &mut FileConfig,
+    flags: &Flags,
+    upstream_timeout: Duration,
+) -> Result<
+    (
+        Vec<Arc<UpstreamSettings>>,
+        BTreeMap<String, Arc<Contract>>,
+        Vec<Arc<Route>>,
+    ),
+    ConfigError,
+> {
+    let upstream_files = if flags.upstreams.is_empty() {
+        file.upstreams.take().unwrap_or_default()
+    } else {
+        flags
+            .upstreams
+            .iter()
+            .cloned()
+            .map(UpstreamFile::Url)
+            .collect()
+    };
+    let upstreams = upstreams::parse_all(&upstream_files, upstream_timeout, &file.base_dir)?;
+    let mut contracts = BTreeMap::new();
+    for (name, contract_file) in std::mem::take(&mut file.contracts) {
+        let contract = contracts::load(&name, contract_file, &file.base_dir)?;
+        contracts.insert(name, Arc::new(contract));
+    }
+    let routes = routes::parse_all(std::mem::take(&mut file.routes), &upstreams, &contracts)?;
+    Ok((upstreams, contracts, routes))
 }
 
 /// The upstream timeout and the timings that must agree with it.

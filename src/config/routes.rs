@@ -9,7 +9,7 @@ use http::{HeaderName, Method};
 
 use super::file::RouteFile;
 use super::upstreams::UpstreamSettings;
-use super::{bad, header_name, positive, ConfigError};
+use super::{at_least_one, bad, header_name, positive, ConfigError};
 use crate::domain::contract::Contract;
 use crate::domain::fingerprint::BodyRule;
 
@@ -124,6 +124,14 @@ impl Route {
     }
 }
 
+/// The route a request falls under, if any: the first of `routes` (most
+/// specific prefix first) whose methods and path prefix match.
+pub fn find<'a>(routes: &'a [Arc<Route>], method: &Method, path: &str) -> Option<&'a Arc<Route>> {
+    routes
+        .iter()
+        .find(|r| r.methods.contains(method) && r.matches_path(path))
+}
+
 /// The routes of the file, most specific prefix first; the default route
 /// when the file has none.
 pub(super) fn parse_all(
@@ -157,10 +165,8 @@ fn parse(
     };
     let path_prefix = r.path_prefix.unwrap_or_else(|| "/".into());
     if !path_prefix.starts_with('/') {
-        return Err(bad(
-            key("path_prefix"),
-            format!("{path_prefix:?} must start with `/`"),
-        ));
+        let why = format!("{path_prefix:?} must start with `/`");
+        return Err(bad(key("path_prefix"), why));
     }
     let methods = match r.methods {
         None => default.methods,
@@ -168,10 +174,7 @@ fn parse(
     };
     let significant_headers = match r.significant_headers {
         None => default.significant_headers,
-        Some(hs) => hs
-            .iter()
-            .map(|h| header_name(&key("significant_headers"), h))
-            .collect::<Result<Vec<_>, _>>()?,
+        Some(hs) => header_names(&key("significant_headers"), &hs)?,
     };
     let retryable_statuses = statuses(
         &key("retryable_statuses"),
@@ -188,21 +191,17 @@ fn parse(
         None => (default.primary, default.fallbacks),
         Some(names) => by_name(&key("upstreams"), names, upstreams)?,
     };
-    let max_attempts = r.max_attempts.unwrap_or(1 + fallbacks.len());
-    if max_attempts == 0 {
-        return Err(bad(key("max_attempts"), "must be at least 1"));
-    }
+    let max_attempts = at_least_one(
+        &key("max_attempts"),
+        r.max_attempts.unwrap_or(1 + fallbacks.len()),
+    )?;
     let side_effect_free = r.side_effect_free.unwrap_or(false);
     let hedge_after = hedging(&key("hedge_after"), r.hedge_after, side_effect_free)?;
-    let contract = match &r.contract {
-        None => None,
-        Some(name) => Some(contract(
-            &key("contract"),
-            name,
-            contracts,
-            !fallbacks.is_empty(),
-        )?),
-    };
+    let contract = r
+        .contract
+        .as_ref()
+        .map(|name| contract(&key("contract"), name, contracts, !fallbacks.is_empty()))
+        .transpose()?;
     Ok(Route {
         name: r.name.unwrap_or_else(|| format!("route-{i}")),
         path_prefix,
@@ -225,14 +224,17 @@ fn parse(
         hedge_after,
         side_effect_free,
         contract,
-        stream_types: match r.stream_types {
-            None => default.stream_types,
-            Some(types) => types
+        stream_types: r.stream_types.map_or(default.stream_types, |types| {
+            types
                 .iter()
                 .map(|t| t.trim().to_ascii_lowercase())
-                .collect(),
-        },
+                .collect()
+        }),
     })
+}
+
+fn header_names(key: &str, names: &[String]) -> Result<Vec<HeaderName>, ConfigError> {
+    names.iter().map(|h| header_name(key, h)).collect()
 }
 
 fn statuses(key: &str, statuses: Vec<u16>) -> Result<Vec<u16>, ConfigError> {

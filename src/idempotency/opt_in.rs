@@ -11,7 +11,7 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Request};
 use tracing::Span;
 
-use crate::config::Route;
+use crate::config::routes::{self, Route};
 use crate::domain::fingerprint::{fingerprint, Fingerprint, RequestParts};
 use crate::domain::key::{IdempotencyKey, Owner};
 use crate::proxy::error::{ClientError, GatewayError};
@@ -55,10 +55,7 @@ pub struct Keyed {
 
 /// Tells pass-through from opted-in by the first route that matches.
 pub fn classify(routes: &[Arc<Route>], req: Request<Body>) -> Classified {
-    let Some(route) = routes
-        .iter()
-        .find(|r| r.methods.contains(req.method()) && r.matches_path(req.uri().path()))
-    else {
+    let Some(route) = routes::find(routes, req.method(), req.uri().path()) else {
         return Classified::PassThrough(req);
     };
     let key = match req.headers().get(IDEMPOTENCY_KEY) {
