@@ -21,7 +21,7 @@ use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Deserialize;
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 use subtle::ConstantTimeEq;
 use uuid::Uuid;
 
@@ -32,13 +32,17 @@ use crate::domain::job::{Job, JobDetail};
 use crate::domain::key::{IdempotencyKey, Owner};
 use crate::domain::response::StoredResponse;
 use crate::operations::console;
-use crate::proxy::error::problem_response;
+use crate::proxy::error::problem_response_with;
 use crate::proxy::http::{collect_limited, full, Body};
-use crate::store::{Cursor, Store, StoreError, StoreErrorKind};
+use crate::store::{Cursor, Store};
 use crate::telemetry::Chain;
 use crate::upkeep::probe::ProbeBoard;
 use crate::upkeep::supervise::{Status, Supervisor};
 use crate::BoxError;
+
+mod error;
+
+use error::AdminError;
 
 /// What the admin listener needs.
 pub struct Admin {
@@ -69,10 +73,10 @@ impl Admin {
         Ok(self
             .route(req)
             .await
-            .unwrap_or_else(AdminProblem::into_response))
+            .unwrap_or_else(AdminError::into_response))
     }
 
-    async fn route<B>(&self, req: Request<B>) -> Result<Response<Body>, AdminProblem>
+    async fn route<B>(&self, req: Request<B>) -> Result<Response<Body>, AdminError>
     where
         B: http_body::Body<Data = Bytes> + Send,
         B::Error: Into<BoxError>,
@@ -97,23 +101,13 @@ impl Admin {
                 self.authorize(&req)?;
                 self.api(req, &segments[2..]).await
             }
-            _ => Err(problem(
-                StatusCode::NOT_FOUND,
-                "not-found",
-                "Not found",
-                "no such admin endpoint",
-            )),
+            _ => Err(AdminError::NoSuchEndpoint),
         }
     }
 
-    fn authorize<B>(&self, req: &Request<B>) -> Result<(), AdminProblem> {
+    fn authorize<B>(&self, req: &Request<B>) -> Result<(), AdminError> {
         let Some(token) = &self.token else {
-            return Err(problem(
-                StatusCode::FORBIDDEN,
-                "admin-disabled",
-                "Admin API disabled",
-                "no admin token is configured; set admin_token (--admin-token, IDEMGATE_ADMIN_TOKEN)",
-            ));
+            return Err(AdminError::Disabled);
         };
         let given = req
             .headers()
@@ -126,21 +120,12 @@ impl Admin {
         if bool::from(given.as_bytes().ct_eq(token.as_bytes())) || console {
             Ok(())
         } else {
-            Err(problem(
-                StatusCode::UNAUTHORIZED,
-                "unauthorized",
-                "Unauthorized",
-                "a valid `Authorization: Bearer <admin token>` header is required",
-            ))
+            Err(AdminError::Unauthorized)
         }
     }
 
     /// The console's pages, sign-in and sign-out (see [`console`]).
-    async fn console<B>(
-        &self,
-        req: Request<B>,
-        rest: &[&str],
-    ) -> Result<Response<Body>, AdminProblem>
+    async fn console<B>(&self, req: Request<B>, rest: &[&str]) -> Result<Response<Body>, AdminError>
     where
         B: http_body::Body<Data = Bytes> + Send,
         B::Error: Into<BoxError>,
@@ -155,7 +140,7 @@ impl Admin {
             (&Method::POST, ["login"]) => {
                 let form = collect_limited(req.into_body(), 4096)
                     .await
-                    .map_err(|e| bad_request(&e.to_string()))?;
+                    .map_err(|e| AdminError::bad_request(e.to_string()))?;
                 console::sign_in(&form, token)
             }
             (&Method::POST, ["logout"]) => console::sign_out(),
@@ -165,7 +150,7 @@ impl Admin {
 
     /// Ready when the store answers and no background task is dead or
     /// stuck; the body lists every task either way.
-    async fn readiness(&self) -> Result<Response<Body>, AdminProblem> {
+    async fn readiness(&self) -> Result<Response<Body>, AdminError> {
         let tasks = self.tasks.report();
         let failing: Vec<String> = tasks
             .iter()
@@ -192,7 +177,7 @@ impl Admin {
                 })
             })
             .collect();
-        let problem_detail = match (&store, failing.is_empty()) {
+        let detail = match (&store, failing.is_empty()) {
             (Ok(()), true) => {
                 return Ok(json_response(
                     StatusCode::OK,
@@ -202,27 +187,18 @@ impl Admin {
             (Err(e), _) => format!("the store is unreachable: {}", Chain(e)),
             (Ok(()), false) => format!("background tasks failing: {}", failing.join("; ")),
         };
-        let mut response = problem_response(
+        let members = Map::from_iter([("tasks".to_owned(), Value::Array(listed))]);
+        Ok(problem_response_with(
             StatusCode::SERVICE_UNAVAILABLE,
             "not-ready",
             "Not ready",
-            &problem_detail,
+            &detail,
             None,
-        );
-        *response.body_mut() = full(
-            json!({
-                "type": format!("{}not-ready", crate::proxy::error::PROBLEM_BASE),
-                "title": "Not ready",
-                "status": 503,
-                "detail": problem_detail,
-                "tasks": listed,
-            })
-            .to_string(),
-        );
-        Ok(response)
+            members,
+        ))
     }
 
-    async fn api<B>(&self, req: Request<B>, rest: &[&str]) -> Result<Response<Body>, AdminProblem>
+    async fn api<B>(&self, req: Request<B>, rest: &[&str]) -> Result<Response<Body>, AdminError>
     where
         B: http_body::Body<Data = Bytes> + Send,
         B::Error: Into<BoxError>,
@@ -230,11 +206,7 @@ impl Admin {
         match (req.method().clone(), rest) {
             (Method::GET, ["jobs", id]) => {
                 let id = parse_uuid(id)?;
-                let detail = self
-                    .store
-                    .job_detail(JobId(id))
-                    .await
-                    .map_err(store_problem)?;
+                let detail = self.store.job_detail(JobId(id)).await?;
                 found(detail, "no job with this id")
             }
             (Method::GET, ["jobs"]) => {
@@ -256,15 +228,12 @@ impl Admin {
                     return self.list(listing).await;
                 }
                 let owner = Owner::from_admin_query(owner.as_deref().unwrap_or(Owner::ANONYMOUS));
-                let key =
-                    key.ok_or_else(|| bad_request("the `key` query parameter is required"))?;
+                let key = key.ok_or_else(|| {
+                    AdminError::bad_request("the `key` query parameter is required")
+                })?;
                 let key = IdempotencyKey::parse(key.as_bytes())
-                    .map_err(|e| bad_request(&e.to_string()))?;
-                let detail = self
-                    .store
-                    .find_job(&owner, &key)
-                    .await
-                    .map_err(store_problem)?;
+                    .map_err(|e| AdminError::bad_request(e.to_string()))?;
+                let detail = self.store.find_job(&owner, &key).await?;
                 found(detail, "no job for this owner and key")
             }
             (Method::GET, ["upstreams"]) => {
@@ -274,22 +243,13 @@ impl Admin {
                 let id = AttemptId(parse_uuid(id)?);
                 let body = collect_limited(req.into_body(), MAX_BODY)
                     .await
-                    .map_err(|e| bad_request(&e.to_string()))?;
+                    .map_err(|e| AdminError::bad_request(e.to_string()))?;
                 let resolution = parse_resolution(&body)?;
-                let detail = self
-                    .store
-                    .resolve_attempt(id, resolution)
-                    .await
-                    .map_err(store_problem)?;
+                let detail = self.store.resolve_attempt(id, resolution).await?;
                 tracing::info!(attempt = %id, job = %detail.job.id, state = %detail.job.state, "attempt resolved by an operator");
                 Ok(json_response(StatusCode::OK, &job_json(&detail)))
             }
-            _ => Err(problem(
-                StatusCode::NOT_FOUND,
-                "not-found",
-                "Not found",
-                "no such admin endpoint",
-            )),
+            _ => Err(AdminError::NoSuchEndpoint),
         }
     }
 }
@@ -305,9 +265,9 @@ struct Listing {
 impl Admin {
     /// The operator's inbox: unknown jobs, newest first, a page at a time;
     /// `next` (when there may be more) is the `before` of the next page.
-    async fn list(&self, listing: Listing) -> Result<Response<Body>, AdminProblem> {
+    async fn list(&self, listing: Listing) -> Result<Response<Body>, AdminError> {
         if listing.state.as_deref() != Some("unknown") {
-            return Err(bad_request(
+            return Err(AdminError::bad_request(
                 "only state=unknown is listed (the jobs waiting for an operator); find others by id or by owner and key",
             ));
         }
@@ -317,14 +277,10 @@ impl Admin {
                 .parse::<u32>()
                 .ok()
                 .filter(|n| (1..=500).contains(n))
-                .ok_or_else(|| bad_request("limit must be a number from 1 to 500"))?,
+                .ok_or_else(|| AdminError::bad_request("limit must be a number from 1 to 500"))?,
         };
         let after = listing.before.as_deref().map(parse_cursor).transpose()?;
-        let jobs = self
-            .store
-            .unknown_jobs(after, limit)
-            .await
-            .map_err(store_problem)?;
+        let jobs = self.store.unknown_jobs(after, limit).await?;
         let next = (jobs.len() == limit as usize)
             .then(|| jobs.last().map(|j| cursor_text(Cursor::after(j))))
             .flatten();
@@ -383,9 +339,9 @@ struct ResponseInput {
     body_base64: Option<String>,
 }
 
-fn parse_resolution(body: &[u8]) -> Result<Resolution, AdminProblem> {
+fn parse_resolution(body: &[u8]) -> Result<Resolution, AdminError> {
     let request: ResolveRequest = serde_json::from_slice(body).map_err(|e| {
-        bad_request(&format!(
+        AdminError::bad_request(format!(
             "invalid resolution ({e}); send {{\"outcome\": \"failed\"}}, {{\"outcome\": \"cancelled\"}} \
              or {{\"outcome\": \"succeeded\", \"response\": {{\"status\": 200, \"headers\": [], \"body\": \"…\"}}}}"
         ))
@@ -398,20 +354,22 @@ fn parse_resolution(body: &[u8]) -> Result<Resolution, AdminProblem> {
 }
 
 impl ResponseInput {
-    fn into_stored(self) -> Result<StoredResponse, AdminProblem> {
+    fn into_stored(self) -> Result<StoredResponse, AdminError> {
         if !(100..=599).contains(&self.status) {
-            return Err(bad_request("response.status must be an HTTP status"));
+            return Err(AdminError::bad_request(
+                "response.status must be an HTTP status",
+            ));
         }
         let body = match (self.body, self.body_base64) {
             (Some(text), None) => Bytes::from(text),
             (None, Some(b64)) => Bytes::from(
                 base64::engine::general_purpose::STANDARD
                     .decode(b64)
-                    .map_err(|e| bad_request(&format!("response.body_base64: {e}")))?,
+                    .map_err(|e| AdminError::bad_request(format!("response.body_base64: {e}")))?,
             ),
             (None, None) => Bytes::new(),
             (Some(_), Some(_)) => {
-                return Err(bad_request(
+                return Err(AdminError::bad_request(
                     "give response.body or response.body_base64, not both",
                 ))
             }
@@ -419,10 +377,10 @@ impl ResponseInput {
         let mut headers = Vec::with_capacity(self.headers.len());
         for (name, value) in self.headers {
             let name = http::HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
-                bad_request(&format!("response header {name:?} is not a header name"))
+                AdminError::bad_request(format!("response header {name:?} is not a header name"))
             })?;
             HeaderValue::from_str(&value).map_err(|_| {
-                bad_request(&format!("response header {name} has an invalid value"))
+                AdminError::bad_request(format!("response header {name} has an invalid value"))
             })?;
             headers.push((name.as_str().to_owned(), Bytes::from(value)));
         }
@@ -435,17 +393,10 @@ impl ResponseInput {
 }
 
 /// A job's view, or 404 saying what was looked for.
-fn found(detail: Option<JobDetail>, missing: &str) -> Result<Response<Body>, AdminProblem> {
+fn found(detail: Option<JobDetail>, missing: &'static str) -> Result<Response<Body>, AdminError> {
     detail
         .map(|d| json_response(StatusCode::OK, &job_json(&d)))
-        .ok_or_else(|| {
-            problem(
-                StatusCode::NOT_FOUND,
-                "job-not-found",
-                "Job not found",
-                missing,
-            )
-        })
+        .ok_or_else(|| AdminError::JobNotFound(missing))
 }
 
 fn job_json(detail: &JobDetail) -> Value {
@@ -491,8 +442,8 @@ fn cursor_text(cursor: Cursor) -> String {
     format!("{micros}.{}", cursor.job)
 }
 
-fn parse_cursor(text: &str) -> Result<Cursor, AdminProblem> {
-    let invalid = || bad_request("before must be the `next` of a previous page");
+fn parse_cursor(text: &str) -> Result<Cursor, AdminError> {
+    let invalid = || AdminError::bad_request("before must be the `next` of a previous page");
     let (micros, id) = text.split_once('.').ok_or_else(invalid)?;
     let micros: u64 = micros.parse().map_err(|_| invalid())?;
     Ok(Cursor {
@@ -536,80 +487,9 @@ fn time(t: SystemTime) -> String {
     humantime::format_rfc3339_millis(t).to_string()
 }
 
-fn parse_uuid(s: &str) -> Result<Uuid, AdminProblem> {
+fn parse_uuid(s: &str) -> Result<Uuid, AdminError> {
     s.parse()
-        .map_err(|_| bad_request(&format!("{s:?} is not an id")))
-}
-
-fn store_problem(e: StoreError) -> AdminProblem {
-    let detail = Chain(&e).to_string();
-    match e.kind() {
-        StoreErrorKind::NotFound => {
-            problem(StatusCode::NOT_FOUND, "not-found", "Not found", &detail)
-        }
-        StoreErrorKind::Conflict => problem(
-            StatusCode::CONFLICT,
-            "resolution-conflict",
-            "Cannot resolve",
-            &detail,
-        ),
-        StoreErrorKind::Unavailable => problem(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "store-unavailable",
-            "Store unavailable",
-            &detail,
-        ),
-        StoreErrorKind::Internal => problem(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "internal-error",
-            "Internal error",
-            &detail,
-        ),
-    }
-}
-
-fn bad_request(detail: &str) -> AdminProblem {
-    problem(
-        StatusCode::BAD_REQUEST,
-        "invalid-admin-request",
-        "Invalid admin request",
-        detail,
-    )
-}
-
-/// An admin answer that is not a success, rendered as problem+json.
-#[derive(Debug)]
-struct AdminProblem {
-    status: StatusCode,
-    slug: &'static str,
-    title: &'static str,
-    detail: String,
-}
-
-impl AdminProblem {
-    fn into_response(self) -> Response<Body> {
-        let mut response = problem_response(self.status, self.slug, self.title, &self.detail, None);
-        if self.status == StatusCode::UNAUTHORIZED {
-            response
-                .headers_mut()
-                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-        }
-        response
-    }
-}
-
-fn problem(
-    status: StatusCode,
-    slug: &'static str,
-    title: &'static str,
-    detail: &str,
-) -> AdminProblem {
-    AdminProblem {
-        status,
-        slug,
-        title,
-        detail: detail.to_owned(),
-    }
+        .map_err(|_| AdminError::bad_request(format!("{s:?} is not an id")))
 }
 
 fn json_response(status: StatusCode, value: &Value) -> Response<Body> {
@@ -635,7 +515,7 @@ mod tests {
     use super::*;
     use crate::domain::attempt::{AttemptFailure, NewAttempt};
     use crate::domain::job::{Job, NewJob};
-    use crate::store::{Begin, CommitOutcome, Records};
+    use crate::store::{Begin, CommitOutcome, Records, StoreError};
     use crate::upkeep::supervise::Beats;
 
     /// A store that answers pings and panics when swept.
