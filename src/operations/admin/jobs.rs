@@ -158,3 +158,21 @@ fn parse_cursor(text: &str) -> Result<Cursor, AdminError> {
         job: JobId(id.parse().map_err(|_| invalid())?),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cursor_reads_back_as_written() {
+        let cursor = Cursor {
+            created_at: SystemTime::UNIX_EPOCH + Duration::from_micros(1_722_000_000_123_456),
+            job: JobId::new(),
+        };
+        let text = cursor_text(cursor);
+        assert!(text.starts_with("1722000000123456."), "{text}");
+        assert_eq!(parse_cursor(&text).unwrap(), cursor);
+        assert!(parse_cursor("1722000000123456").is_err());
+        assert!(parse_cursor("soon.0").is_err());
+    }
+}

@@ -85,3 +85,66 @@ impl ResponseInput {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(body: &str) -> String {
+        match parse(body.as_bytes()) {
+            Err(AdminError::BadRequest(detail)) => detail,
+            other => panic!("{body}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_three_outcomes_are_read() {
+        assert!(matches!(
+            parse(br#"{"outcome": "failed"}"#),
+            Ok(Resolution::Failed)
+        ));
+        assert!(matches!(
+            parse(br#"{"outcome": "cancelled"}"#),
+            Ok(Resolution::Cancelled)
+        ));
+        let body = br#"{"outcome": "succeeded", "response": {"status": 201,
+            "headers": [["Content-Type", "text/plain"]], "body_base64": "/w=="}}"#;
+        let Ok(Resolution::Succeeded(response)) = parse(body) else {
+            panic!("a succeeded resolution");
+        };
+        assert_eq!(response.status, 201);
+        assert_eq!(
+            response.headers,
+            vec![("content-type".to_owned(), Bytes::from("text/plain"))]
+        );
+        assert_eq!(response.body, Bytes::from_static(&[0xff]));
+    }
+
+    #[test]
+    fn a_malformed_resolution_says_what_is_wrong() {
+        assert!(refused("nope").starts_with("invalid resolution ("));
+        let succeeded = |response: &str| {
+            refused(&format!(
+                r#"{{"outcome": "succeeded", "response": {response}}}"#
+            ))
+        };
+        assert_eq!(
+            succeeded(r#"{"status": 99}"#),
+            "response.status must be an HTTP status"
+        );
+        assert_eq!(
+            succeeded(r#"{"status": 200, "body": "a", "body_base64": "YQ=="}"#),
+            "give response.body or response.body_base64, not both"
+        );
+        assert!(succeeded(r#"{"status": 200, "body_base64": "!"}"#)
+            .starts_with("response.body_base64: "));
+        assert_eq!(
+            succeeded(r#"{"status": 200, "headers": [["a b", "x"]]}"#),
+            r#"response header "a b" is not a header name"#
+        );
+        assert_eq!(
+            succeeded(r#"{"status": 200, "headers": [["a", "x\ny"]]}"#),
+            "response header a has an invalid value"
+        );
+    }
+}
