@@ -1,6 +1,6 @@
 //! The open endpoints, for probes and scrapers: `/healthz` (the process
 //! answers), `/readyz` (the store answers and no background task is dead or
-//! stuck, `docs/design.md` §8) and `/metrics` (Prometheus).
+//! stuck, `docs/design.md`, §8) and `/metrics` (Prometheus).
 
 use http::{header, HeaderValue, Response, StatusCode};
 use serde_json::{json, Map, Value};

@@ -11,11 +11,11 @@
 //! | GET | `/admin/v1/upstreams` | upstreams and whether they pass their contracts' probes |
 //! | POST | `/admin/v1/attempts/{id}/resolve` | `{"outcome": "failed" \| "cancelled"}` or `{"outcome": "succeeded", "response": {…}}` |
 //!
-//! This module routes each request to its handler: [`auth`] decides who
-//! may call `/admin/v1/*`, [`jobs`] answers the job API (the resolution
-//! body is read by [`resolution`]), [`health`] the open endpoints,
-//! [`views`] writes the JSON, and every failure is an [`AdminError`]
-//! rendered in one place ([`error`]).
+//! Here: the router, path to handler. Beside it: `auth.rs` decides who may
+//! call `/admin/v1/*`; `jobs.rs` answers the job API (`resolution.rs` reads
+//! the resolution body); `health.rs` the open endpoints; `views.rs` writes
+//! the JSON; and every failure is an `AdminError` (`error.rs`), rendered as
+//! problem+json by the proxy's renderer.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -70,7 +70,7 @@ impl Admin {
             .unwrap_or_else(AdminError::into_response))
     }
 
-    /// Path to handler; `/admin/v1/*` only once [`auth`] lets it through.
+    /// Path to handler; `/admin/v1/*` only once `auth` lets it through.
     async fn route<B>(&self, req: Request<B>) -> Result<Response<Body>, AdminError>
     where
         B: http_body::Body<Data = Bytes> + Send,
