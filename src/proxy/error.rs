@@ -7,6 +7,7 @@
 use std::time::Duration;
 
 use http::{header, HeaderValue, Response, StatusCode};
+use serde_json::{Map, Value};
 
 use crate::domain::key::KeyError;
 use crate::proxy::http::{full, Body, CollectError, Outcome};
@@ -283,12 +284,31 @@ pub fn problem_response(
     detail: &str,
     retry_after: Option<Duration>,
 ) -> Response<Body> {
-    let body = serde_json::json!({
+    problem_response_with(status, slug, title, detail, retry_after, Map::new())
+}
+
+/// Renders a problem+json answer with extension `members` beside the
+/// standard ones (RFC 9457, section 3.2), as `/readyz` lists its tasks; a
+/// member named like a standard one is dropped.
+pub fn problem_response_with(
+    status: StatusCode,
+    slug: &str,
+    title: &str,
+    detail: &str,
+    retry_after: Option<Duration>,
+    members: Map<String, Value>,
+) -> Response<Body> {
+    let mut body = serde_json::json!({
         "type": format!("{PROBLEM_BASE}{slug}"),
         "title": title,
         "status": status.as_u16(),
         "detail": detail,
     });
+    if let Value::Object(standard) = &mut body {
+        for (name, value) in members {
+            standard.entry(name).or_insert(value);
+        }
+    }
     let mut response = Response::new(full(body.to_string()));
     *response.status_mut() = status;
     response.headers_mut().insert(

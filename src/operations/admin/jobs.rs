@@ -1,0 +1,178 @@
+//! The job API: a job by id, or by owner and key; the operator's inbox of
+//! unknown jobs, a page at a time; and the resolution of an attempt whose
+//! outcome is unknown (`docs/design.md`, §14), which goes through
+//! [`Store::resolve_attempt`](crate::store::Store::resolve_attempt) and
+//! the commit rule (§4).
+
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use http::{Response, StatusCode};
+use serde_json::json;
+use uuid::Uuid;
+
+use super::error::AdminError;
+use super::views::{self, json_response};
+use super::{resolution, Admin};
+use crate::domain::id::{AttemptId, JobId};
+use crate::domain::job::JobDetail;
+use crate::domain::key::{IdempotencyKey, Owner};
+use crate::proxy::http::{collect_limited, Body};
+use crate::store::Cursor;
+use crate::BoxError;
+
+/// Largest resolution body accepted.
+const MAX_BODY: usize = 16 * 1024 * 1024;
+
+/// `GET /admin/v1/jobs?…`'s parameters, as given.
+#[derive(Default)]
+struct JobsQuery {
+    owner: Option<String>,
+    key: Option<String>,
+    state: Option<String>,
+    limit: Option<String>,
+    before: Option<String>,
+}
+
+impl JobsQuery {
+    /// Reads the known parameters of `query`; others are ignored.
+    fn parse(query: &str) -> Self {
+        let mut q = JobsQuery::default();
+        for (k, v) in form_urlencoded::parse(query.as_bytes()) {
+            let slot = match k.as_ref() {
+                "owner" => &mut q.owner,
+                "key" => &mut q.key,
+                "state" => &mut q.state,
+                "limit" => &mut q.limit,
+                "before" => &mut q.before,
+                _ => continue,
+            };
+            *slot = Some(v.into_owned());
+        }
+        q
+    }
+}
+
+impl Admin {
+    /// `GET /admin/v1/jobs/{id}`: a job and its attempts.
+    pub(super) async fn job(&self, id: &str) -> Result<Response<Body>, AdminError> {
+        let id = JobId(parse_uuid(id)?);
+        let detail = self.store.job_detail(id).await?;
+        found(detail, "no job with this id")
+    }
+
+    /// `GET /admin/v1/jobs?…`: the inbox when a `state` is asked for, else
+    /// the job of an owner (anonymous when not given) and a key.
+    pub(super) async fn jobs(&self, query: &str) -> Result<Response<Body>, AdminError> {
+        let query = JobsQuery::parse(query);
+        if query.state.is_some() {
+            return self.inbox(query).await;
+        }
+        let owner = Owner::from_admin_query(query.owner.as_deref().unwrap_or(Owner::ANONYMOUS));
+        let key = query
+            .key
+            .ok_or_else(|| AdminError::bad_request("the `key` query parameter is required"))?;
+        let key = IdempotencyKey::parse(key.as_bytes())
+            .map_err(|e| AdminError::bad_request(e.to_string()))?;
+        let detail = self.store.find_job(&owner, &key).await?;
+        found(detail, "no job for this owner and key")
+    }
+
+    /// The operator's inbox: unknown jobs, newest first, a page at a time;
+    /// `next` (when there may be more) is the `before` of the next page.
+    async fn inbox(&self, query: JobsQuery) -> Result<Response<Body>, AdminError> {
+        if query.state.as_deref() != Some("unknown") {
+            return Err(AdminError::bad_request(
+                "only state=unknown is listed (the jobs waiting for an operator); find others by id or by owner and key",
+            ));
+        }
+        let limit = match query.limit.as_deref() {
+            None => 50,
+            Some(n) => n
+                .parse::<u32>()
+                .ok()
+                .filter(|n| (1..=500).contains(n))
+                .ok_or_else(|| AdminError::bad_request("limit must be a number from 1 to 500"))?,
+        };
+        let after = query.before.as_deref().map(parse_cursor).transpose()?;
+        let jobs = self.store.unknown_jobs(after, limit).await?;
+        let next = (jobs.len() == limit as usize)
+            .then(|| jobs.last().map(|j| cursor_text(Cursor::after(j))))
+            .flatten();
+        Ok(json_response(
+            StatusCode::OK,
+            &json!({
+                "jobs": jobs.iter().map(views::job_summary).collect::<Vec<_>>(),
+                "next": next,
+            }),
+        ))
+    }
+
+    /// `POST /admin/v1/attempts/{id}/resolve`: the operator says what the
+    /// attempt did; the answer is its job as it now stands.
+    pub(super) async fn resolve<B>(&self, id: &str, body: B) -> Result<Response<Body>, AdminError>
+    where
+        B: http_body::Body<Data = Bytes> + Send,
+        B::Error: Into<BoxError>,
+    {
+        let id = AttemptId(parse_uuid(id)?);
+        let body = collect_limited(body, MAX_BODY)
+            .await
+            .map_err(|e| AdminError::bad_request(e.to_string()))?;
+        let resolution = resolution::parse(&body)?;
+        let detail = self.store.resolve_attempt(id, resolution).await?;
+        tracing::info!(attempt = %id, job = %detail.job.id, state = %detail.job.state, "attempt resolved by an operator");
+        Ok(json_response(StatusCode::OK, &views::job(&detail)))
+    }
+}
+
+/// A job's view, or 404 saying what was looked for.
+fn found(detail: Option<JobDetail>, missing: &'static str) -> Result<Response<Body>, AdminError> {
+    detail
+        .map(|d| json_response(StatusCode::OK, &views::job(&d)))
+        .ok_or(AdminError::JobNotFound(missing))
+}
+
+fn parse_uuid(s: &str) -> Result<Uuid, AdminError> {
+    s.parse()
+        .map_err(|_| AdminError::bad_request(format!("{s:?} is not an id")))
+}
+
+/// A listing's cursor as text: the job's creation in microseconds since
+/// the epoch, a dot, the job id.
+fn cursor_text(cursor: Cursor) -> String {
+    let micros = cursor
+        .created_at
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros());
+    format!("{micros}.{}", cursor.job)
+}
+
+/// The cursor [`cursor_text`] wrote.
+fn parse_cursor(text: &str) -> Result<Cursor, AdminError> {
+    let invalid = || AdminError::bad_request("before must be the `next` of a previous page");
+    let (micros, id) = text.split_once('.').ok_or_else(invalid)?;
+    let micros: u64 = micros.parse().map_err(|_| invalid())?;
+    Ok(Cursor {
+        created_at: SystemTime::UNIX_EPOCH + Duration::from_micros(micros),
+        job: JobId(id.parse().map_err(|_| invalid())?),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cursor_reads_back_as_written() {
+        let cursor = Cursor {
+            created_at: SystemTime::UNIX_EPOCH + Duration::from_micros(1_722_000_000_123_456),
+            job: JobId::new(),
+        };
+        let text = cursor_text(cursor);
+        assert!(text.starts_with("1722000000123456."), "{text}");
+        assert_eq!(parse_cursor(&text).unwrap(), cursor);
+        assert!(parse_cursor("1722000000123456").is_err());
+        assert!(parse_cursor("soon.0").is_err());
+    }
+}
