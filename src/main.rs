@@ -17,7 +17,7 @@ use idemgate::upkeep::probe;
 
 /// mimalloc: a gateway allocates many small, short-lived buffers per
 /// request; in the benchmark it cut the CPU per passed-through request by
-/// about a fifth against the system allocator (see docs/performance.md).
+/// about a fifth against the system allocator (docs/performance.md, item 4).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -35,7 +35,7 @@ pub enum Command {
     VerifyProviders(Flags),
 }
 
-/// The flags of `docs/design.md` ("Operating it"); each overrides the file
+/// The flags of the README's "Configuration" table; each overrides the file
 /// and has an `IDEMGATE_*` twin.
 #[derive(Debug, Default, Args)]
 pub struct Flags {

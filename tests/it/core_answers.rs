@@ -741,9 +741,10 @@ async fn answers_near_their_expiry_are_replayed_from_the_store() {
 /// At the default `info` logs only a request with a key is logged inside a
 /// span of its own (id, method, path); one without a key is only proxied,
 /// and its span is made at `debug` (at `info` it cost a fifth of a
-/// passed-through request's CPU: docs/performance.md). The upstream refuses
-/// both: the keyed failure's line names its request, the passed-through
-/// one's is logged without it, until `idemgate=debug` asks for its span.
+/// passed-through request's CPU: docs/performance.md, item 16). The upstream
+/// refuses both: the keyed failure's line names its request, the
+/// passed-through one's is logged without it, until `idemgate=debug` asks
+/// for its span.
 #[tokio::test]
 async fn only_keyed_requests_are_logged_in_a_span_at_the_default_level() {
     for (level, passed_through_in_span) in [("info", false), ("info,idemgate=debug", true)] {

@@ -4,7 +4,7 @@
 //! default) is not buffered before anyone sees it. Its attempt writes each
 //! chunk into one [`Recording`] as it arrives; the first client and every
 //! duplicate that joins read from it at their own pace (`docs/design.md`,
-//! §11):
+//! §10):
 //!
 //! - one copy per stream in flight, however many readers: a reader holds an
 //!   index and clones of `Bytes`, never a queue, so a slow reader costs no
