@@ -7,17 +7,32 @@
 //!
 //! ```text
 //!            claim (CAS on version)
-//!     ┌────────────────────────────────┐
-//!     ▼                                │
-//!  running ──attempt failed safely──▶ open
-//!     │  ╲                             ▲
-//!     │   ╲ timeout / lease lapsed     │ resolved failed|cancelled
-//!     │    ▼                           │
-//!     │  unknown ──────────────────────┘
-//!     │    │ late answer / resolved succeeded
-//!     ▼    ▼
-//!    completed  (terminal; every later request replays it)
+//!     ┌───────────────────────────────────┐
+//!     ▼                                   │
+//!  running ───every attempt failed───▶  open
+//!   │ │  ▲           safely               ▲
+//!   │(1)(2)                               │ (3)
+//!   │ ▼  │                                │
+//!   │ unknown ────────────────────────────┘
+//!   │  │
+//!   │  │ (4)
+//!   ▼  ▼
+//!  completed  (terminal; every later request replays it)
 //! ```
+//!
+//! - running → completed: an attempt's answer is committed;
+//! - (1) an attempt's outcome became unknown: silence past the timeout, a
+//!   connection broken after sending, a stream cut, an answer too large to
+//!   record, a lease lapsed;
+//! - (2) the unknown attempt is settled (proven failed, or resolved `failed`
+//!   or `cancelled` by an operator) while another attempt, a hedge beside
+//!   it, is still in flight;
+//! - (3) the same with no other attempt in flight;
+//! - (4) the unknown attempt's late answer commits, a hedge beside it
+//!   commits, or an operator resolves it `succeeded` with a response.
+//!
+//! [`JobState::can_become`] also admits `open → completed`, which no
+//! transition makes (an open job has no unsettled attempt to commit).
 
 use std::fmt;
 use std::time::{Duration, SystemTime};
