@@ -5,12 +5,13 @@
 //! committed, by compare-and-swap, and replayed to every duplicate.
 //!
 //! The folders are the layers, and imports only point down
-//! (`docs/design.md`, "Where things are"):
-//! [`domain`] (jobs, attempts, keys, transitions: no I/O) → [`store`] (the
+//! (`docs/design.md`, "Where things are"). From the ground up:
+//! [`domain`] (jobs, attempts, keys, transitions: no I/O) and [`telemetry`]
+//! (logs, metrics, traces) → [`config`] (plain settings) → [`store`] (the
 //! arbiter) → [`proxy`] (server, upstream pool, errors as problems) →
-//! [`idempotency`] (the Tower layer) → [`operations`] (admin, console); beside
-//! them [`config`] (plain settings), [`upkeep`] (background tasks) and
-//! [`telemetry`]; [`app`] assembles one gateway.
+//! [`upkeep`] (background tasks) → [`idempotency`] (the Tower layer) and,
+//! beside it, [`operations`] (admin API, console) → [`app`], which assembles
+//! one gateway for the binary to run.
 
 /// Any error, boxed, as kept for its `source()` by the typed errors.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

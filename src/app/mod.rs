@@ -1,5 +1,5 @@
-//! Assembling the gateway: its components ([`components`]), THE stack
-//! ([`stack`]), and the two listeners.
+//! Assembling the gateway: its components (`components`), THE stack
+//! (`stack`), and the two listeners.
 
 mod components;
 mod stack;

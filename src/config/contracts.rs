@@ -1,6 +1,7 @@
 //! `[contracts.NAME]`: response contracts as written in the file, loaded
 //! into the domain's [`Contract`] (schemas compiled, probe bodies read)
-//! before anything starts, so `idemgate check` reports a bad schema file.
+//! before anything starts, so a bad schema file stops start-up naming its
+//! key (`contracts.NAME.schema`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -6,8 +6,10 @@
 //! key that caused it and how to fix it, before anything starts.
 //!
 //! - [`flags`]: the command line;
-//! - [`file`]: the TOML format;
+//! - [`file`](mod@file): the TOML format;
 //! - [`upstreams`] and [`routes`]: where requests go and which opt in;
+//! - [`contracts`]: response contracts, loaded from their files;
+//! - [`redis`] and [`store`]: where the fast path and the jobs are kept;
 //! - this module: the settings as a whole, their defaults and validation.
 
 pub mod contracts;

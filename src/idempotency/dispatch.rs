@@ -3,10 +3,10 @@
 //!
 //! A request that owns a job (it created it, or claimed its next attempt)
 //! runs attempts until one produces the job's result or nothing more may be
-//! tried. [`Dispatch`] decides; it does no I/O. The driver in
-//! [`super::flow`] feeds it [`Event`]s (an attempt replied, the hedge timer
+//! tried. `Dispatch` decides; it does no I/O. The driver in
+//! [`super::flow`] feeds it `Event`s (an attempt replied, the hedge timer
 //! fired, a claim came back from the store, the job was read) and carries
-//! out the [`Step`]s it returns.
+//! out the `Step`s it returns.
 //!
 //! - After a safe failure (refused before send, retryable status, contract
 //!   broken) the next eligible upstream gets the next attempt, claimed by

@@ -13,8 +13,8 @@
 //! | unknown | 409 attempt outcome unknown, `Retry-After` |
 //! | open | claim the next attempt by CAS on version, run it |
 //!
-//! A request that owns a job runs its attempts through the [`Dispatch`]
-//! state machine; [`drive`] is the small driver that does its I/O. Beginning
+//! A request that owns a job runs its attempts through the `Dispatch`
+//! state machine; `drive` is the small driver that does its I/O. Beginning
 //! a job and claiming an attempt each run in a task of their own together
 //! with starting the attempt: once an attempt is recorded, it runs whatever
 //! the client does (a hang-up cannot leave a key blocked by an attempt that

@@ -1,6 +1,6 @@
 //! The Tower layer: a request that does not opt in goes straight to the
 //! inner service, streamed and untouched; one that does is answered by the
-//! [flow](super::flow) (`docs/design.md` §2).
+//! [flow] (`docs/design.md` §2).
 
 use std::convert::Infallible;
 use std::future::Future;

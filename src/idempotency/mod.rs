@@ -9,7 +9,7 @@
 //!    from memory or Redis;
 //! 3. [`flow`]: the store's uniqueness constraint decides whether the
 //!    request owns a new job; an existing one is decided on by its state:
-//!    replay, [hold](hold) a duplicate, refuse, or claim the next attempt;
+//!    replay, [hold] a duplicate, refuse, or claim the next attempt;
 //! 4. [`dispatch`]: the attempts of a request that owns its job run as this
 //!    pure state machine decides (failover, hedging);
 //! 5. [`execute`]: each attempt runs in its own task, so a client that hangs

@@ -1,14 +1,17 @@
 //! Persistence of jobs and attempts (`docs/design.md`, §9).
 //!
-//! Two interfaces, one above the other:
+//! Three traits: one underneath, two above it side by side.
 //!
-//! - [`Store`]: one method per domain operation (`begin_job`,
+//! - [`Records`]: what the store and every backend answer alike, declared
+//!   once: reads (a job, its detail, by owner and key, the inbox of unknown
+//!   jobs), lease renewal, purges, the watch mark, a ping.
+//! - [`Store`]: `Records` and one method per domain operation (`begin_job`,
 //!   `claim_attempt`, `commit`, …). The gateway holds an `Arc<dyn Store>`.
-//! - [`Backend`]: what a database must do to carry the domain: the arbiter
-//!   insert, the compare-and-swap commit, "lock a job with its attempts, let
-//!   the domain decide, write the change back", reads and upkeep. PostgreSQL
-//!   ([`postgres`]), SQLite ([`sqlite`]) and an in-memory reference
-//!   ([`memory`]) implement it.
+//! - [`Backend`]: `Records` and what a database must do to carry the domain:
+//!   the arbiter insert, the compare-and-swap commit, "lock a job with its
+//!   attempts, let the domain decide, write the change back", the lease
+//!   sweep. PostgreSQL ([`postgres`]), SQLite ([`sqlite`]) and an in-memory
+//!   reference ([`memory`]) implement it.
 //!
 //! [`Machine`] joins the two: it runs every transition of
 //! [`crate::domain::transition`] on a backend and rings the [`Doorbell`] once per
@@ -259,7 +262,7 @@ impl Cursor {
 pub struct Committed {
     /// The attempt's answer is the job's result.
     pub won: bool,
-    /// Someone in another process waits on the job (see [`Store::watch`]):
+    /// Someone in another process waits on the job (see [`Records::watch`]):
     /// the change must be announced beyond this one.
     pub watched: bool,
 }

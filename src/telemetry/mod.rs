@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 /// Installs the subscriber: logs to stderr, and spans to OTLP when an
-/// endpoint is configured ([`trace`](crate::telemetry::trace)); the handle it returns
+/// endpoint is configured ([`trace`]); the handle it returns
 /// flushes the spans at exit. An unusable endpoint is an error naming it.
 ///
 /// Logs: `RUST_LOG` filters (default `info`, migrations quiet),

@@ -4,21 +4,21 @@
 //! up does not cancel it, and it still commits if the upstream answers late.
 //! It does three things, each its own function:
 //!
-//! 1. [`call`]: sends the request and watches the clock. Silence for
+//! 1. `call`: sends the request and watches the clock. Silence for
 //!    the upstream's timeout (no headers, no body bytes) makes the attempt
 //!    `unknown` at once and tells the request so; the call goes on until
 //!    `attempt_deadline` and may still commit. Cancelled because another
 //!    attempt of the job won: `superseded`, and the call is dropped.
-//! 2. [`verdict`]: decides, from the answer alone, what it means (pure):
+//! 2. `verdict`: decides, from the answer alone, what it means (pure):
 //!    refused before sending → `failed`; broken after sending, or too large
 //!    to record → `unknown`; a retryable status → `failed`, handed back
 //!    uncommitted; a 2xx that breaks the route's contract → `rejected`;
 //!    anything else → commit.
-//! 3. [`record`]: writes the outcome. What the gateway learned is
+//! 3. `record`: writes the outcome. What the gateway learned is
 //!    never dropped by a transient fault: the write is retried with backoff
 //!    until the store takes it or the attempt's deadline passes, holding the
 //!    attempt's lease meanwhile. The request is answered once the write is
-//!    in, or after [`PATIENCE`] at most (then with `503` for an answer not yet
+//!    in, or after `PATIENCE` at most (then with `503` for an answer not yet
 //!    committed: the client's retry is held until it is, and replays it).
 
 use std::sync::Arc;

@@ -91,7 +91,7 @@ where
 /// How the gateway answered a request, carried on the answer as an
 /// extension for whoever logs and counts answers; an answer without one was
 /// passed through. The job an answer belongs to rides along as a
-/// [`JobId`] extension.
+/// [`JobId`](crate::domain::id::JobId) extension.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
     /// The gateway refused or failed the request with a problem answer.
