@@ -14,6 +14,7 @@
 //! Once hyper may have written a byte of it, a failure is `Broken`, never
 //! retried here: whether to try again is the attempt's decision.
 
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, Weak};
 use std::task::{ready, Context, Poll};
@@ -25,6 +26,7 @@ use http_body::{Body as _, Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
+use hyper::client::conn::TrySendError;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use tower::ServiceExt;
@@ -65,42 +67,52 @@ impl Pool {
 
     /// Sends `req` (its URI in origin form, its `Host` set) on an idle
     /// connection, or on a new one when none is ready.
-    pub(super) async fn send(
-        self: Arc<Self>,
-        mut req: Request<Body>,
-    ) -> Result<Response<Body>, UpstreamError> {
-        loop {
-            let (mut sender, reused) = match self.checkout() {
-                Some(sender) => (sender, true),
-                None => (self.connect().await?, false),
-            };
-            match sender.try_send_request(req).await {
-                Ok(response) => {
-                    let (parts, body) = response.into_parts();
-                    let body = if body.is_end_stream() {
-                        self.put_back(sender);
-                        body.map_err(BodyError::new).boxed()
-                    } else {
-                        Returning {
-                            body,
-                            sender: Some(sender),
-                            pool: Arc::downgrade(&self),
-                        }
-                        .map_err(BodyError::new)
-                        .boxed()
-                    };
-                    return Ok(Response::from_parts(parts, body));
-                }
-                Err(mut e) => match e.take_message() {
-                    // The upstream closed the idle connection as we took
-                    // it: nothing was written, so another connection may
-                    // carry the request.
-                    Some(unsent) if reused => req = unsent,
-                    Some(_) => return Err(UpstreamError::Refused(Box::new(e.into_error()))),
-                    None => return Err(UpstreamError::Broken(Box::new(e.into_error()))),
-                },
-            }
+    pub(super) fn send(self: &Arc<Self>, req: Request<Body>) -> Sending {
+        Sending {
+            pool: self.clone(),
+            state: State::Unsent(req),
         }
+    }
+
+    /// Sends `req` on a connection of its own, opened first. Nothing is
+    /// retried here: a new connection that did not send the request failed
+    /// before it could, so the failure is `Refused` (safe to retry), and
+    /// one that may have written a byte of it is `Broken`.
+    async fn send_fresh(
+        self: Arc<Self>,
+        req: Request<Body>,
+    ) -> Result<Response<Body>, UpstreamError> {
+        let mut sender = self.connect().await?;
+        match sender.try_send_request(req).await {
+            Ok(response) => Ok(self.answered(sender, response)),
+            Err(mut e) => Err(match e.take_message() {
+                Some(_) => UpstreamError::Refused(Box::new(e.into_error())),
+                None => UpstreamError::Broken(Box::new(e.into_error())),
+            }),
+        }
+    }
+
+    /// An answer whose head arrived on `sender`'s connection: its body
+    /// returns the connection to the pool once read to the end.
+    fn answered(
+        self: &Arc<Self>,
+        sender: SendRequest<Body>,
+        response: Response<Incoming>,
+    ) -> Response<Body> {
+        let (parts, body) = response.into_parts();
+        let body = if body.is_end_stream() {
+            self.put_back(sender);
+            body.map_err(BodyError::new).boxed()
+        } else {
+            Returning {
+                body,
+                sender: Some(sender),
+                pool: Arc::downgrade(self),
+            }
+            .map_err(BodyError::new)
+            .boxed()
+        };
+        Response::from_parts(parts, body)
     }
 
     /// The most recently used idle connection that is still ready, closing
@@ -170,6 +182,82 @@ impl Pool {
             }
         });
         Ok(sender)
+    }
+}
+
+/// hyper's future for an answer's head, which hyper does not name.
+type Answer =
+    Pin<Box<dyn Future<Output = Result<Response<Incoming>, TrySendError<Request<Body>>>> + Send>>;
+
+/// A request on its way upstream: the future [`Pool::send`] returns.
+///
+/// Named rather than an `async fn` boxed whole: on a warm pool a request's
+/// only allocation here is hyper's own future for the answer (hyper does not
+/// name it, so it is boxed); opening a connection, rare once the pool is
+/// warm, is an `async fn` boxed whole.
+pub(super) struct Sending {
+    pool: Arc<Pool>,
+    state: State,
+}
+
+enum State {
+    /// Not yet handed to a connection.
+    Unsent(Request<Body>),
+    /// On a connection that was idle.
+    Reused {
+        sender: SendRequest<Body>,
+        answer: Answer,
+    },
+    /// On a connection of its own, opened first.
+    Fresh(Pin<Box<dyn Future<Output = Result<Response<Body>, UpstreamError>> + Send>>),
+    /// Answered, or failed.
+    Done,
+}
+
+impl Future for Sending {
+    type Output = Result<Response<Body>, UpstreamError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        loop {
+            this.state = match std::mem::replace(&mut this.state, State::Done) {
+                State::Unsent(req) => match this.pool.checkout() {
+                    Some(mut sender) => State::Reused {
+                        answer: Box::pin(sender.try_send_request(req)),
+                        sender,
+                    },
+                    None => State::Fresh(Box::pin(this.pool.clone().send_fresh(req))),
+                },
+                State::Reused { sender, mut answer } => match answer.as_mut().poll(cx) {
+                    Poll::Pending => {
+                        this.state = State::Reused { sender, answer };
+                        return Poll::Pending;
+                    }
+                    Poll::Ready(Ok(response)) => {
+                        return Poll::Ready(Ok(this.pool.answered(sender, response)))
+                    }
+                    Poll::Ready(Err(mut e)) => match e.take_message() {
+                        // The upstream closed the idle connection as we took
+                        // it: nothing was written, so another connection may
+                        // carry the request.
+                        Some(unsent) => State::Unsent(unsent),
+                        None => {
+                            return Poll::Ready(Err(UpstreamError::Broken(Box::new(
+                                e.into_error(),
+                            ))))
+                        }
+                    },
+                },
+                State::Fresh(mut sending) => match sending.as_mut().poll(cx) {
+                    Poll::Pending => {
+                        this.state = State::Fresh(sending);
+                        return Poll::Pending;
+                    }
+                    Poll::Ready(answered) => return Poll::Ready(answered),
+                },
+                State::Done => panic!("a request's future polled after it completed"),
+            };
+        }
     }
 }
 
