@@ -142,7 +142,7 @@ impl Upstream {
             (host, _) => host.unwrap_or_default().to_owned(),
         };
         let host = HeaderValue::try_from(host).expect("an authority is a valid header value");
-        let pool = Pool::new(connector, base.clone(), target.idle_timeout);
+        let pool = Pool::new(connector, base.clone(), target.idle_timeout, pool::MAX_IDLE);
         Upstream { pool, target, host }
     }
 
