@@ -107,128 +107,146 @@ struct Problem {
     retry_after: Option<Duration>,
 }
 
-impl GatewayError {
-    fn problem(&self) -> Problem {
-        let p = |status, slug, title| Problem {
+impl Problem {
+    fn new(status: StatusCode, slug: &'static str, title: &'static str) -> Self {
+        Problem {
             status,
             slug,
             title,
             retry_after: None,
-        };
-        match self {
-            GatewayError::Client(e) => match e {
-                ClientError::MissingKey => p(
-                    StatusCode::BAD_REQUEST,
-                    "idempotency-key-missing",
-                    "Idempotency-Key missing",
-                ),
-                ClientError::InvalidKey(_) => p(
-                    StatusCode::BAD_REQUEST,
-                    "invalid-idempotency-key",
-                    "Invalid Idempotency-Key",
-                ),
-                ClientError::BodyTooLarge { .. } => p(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    "request-too-large",
-                    "Request body too large",
-                ),
-                ClientError::BodyUnreadable(_) => p(
-                    StatusCode::BAD_REQUEST,
-                    "request-body-unreadable",
-                    "Request body could not be read",
-                ),
-                ClientError::KeyMismatch { status } => p(
-                    *status,
-                    "idempotency-key-mismatch",
-                    "Idempotency-Key reused with a different request",
-                ),
-                ClientError::InProgress { retry_after } => Problem {
-                    retry_after: Some(*retry_after),
-                    ..p(
-                        StatusCode::CONFLICT,
-                        "request-in-progress",
-                        "A request with this Idempotency-Key is in progress",
-                    )
-                },
-                ClientError::OutcomeUnknown { retry_after } => Problem {
-                    retry_after: Some(*retry_after),
-                    ..p(
-                        StatusCode::CONFLICT,
-                        "attempt-outcome-unknown",
-                        "Outcome of an earlier attempt unknown",
-                    )
-                },
-            },
-            GatewayError::Upstream(e) => match e {
-                UpstreamError::Refused(_) => p(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream-unreachable",
-                    "Upstream unreachable; the request was not sent",
-                ),
-                UpstreamError::Broken(_) => p(
-                    StatusCode::BAD_GATEWAY,
-                    "attempt-outcome-unknown",
-                    "Upstream connection failed after the request was sent; outcome unknown",
-                ),
-                UpstreamError::ContractViolation(_) => p(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream-contract-violation",
-                    "Upstream answer broke the route's contract",
-                ),
-                UpstreamError::TimedOut(_) => p(
-                    StatusCode::GATEWAY_TIMEOUT,
-                    "attempt-outcome-unknown",
-                    "Upstream did not answer in time; outcome unknown",
-                ),
-                UpstreamError::ResponseTooLarge { .. } => p(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream-response-too-large",
-                    "Upstream response too large to record; outcome unknown",
-                ),
-                UpstreamError::Unconfigured(_) => p(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "internal-error",
-                    "Internal gateway error",
-                ),
-            },
-            GatewayError::Store(e) => match e.kind() {
-                StoreErrorKind::Unavailable => p(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "store-unavailable",
-                    "Idempotency store unavailable; the request was not proxied",
-                ),
-                StoreErrorKind::Conflict | StoreErrorKind::NotFound => p(
-                    StatusCode::CONFLICT,
-                    "request-in-progress",
-                    "A request with this Idempotency-Key is in progress",
-                ),
-                StoreErrorKind::Internal => p(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "internal-error",
-                    "Internal gateway error",
-                ),
-            },
-            GatewayError::Unrecorded(_) => Problem {
-                retry_after: Some(Duration::from_secs(1)),
-                ..p(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "outcome-not-recorded",
-                    "The upstream answered; its answer is being recorded. Retry with the same Idempotency-Key to get it",
-                )
-            },
-            GatewayError::Overloaded { retry_after } => Problem {
-                retry_after: Some(*retry_after),
-                ..p(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "overloaded",
-                    "Gateway overloaded; nothing was done",
-                )
-            },
-            GatewayError::Internal(_) => p(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal-error",
-                "Internal gateway error",
+        }
+    }
+
+    /// The same, telling the client when to try again.
+    fn retry_after(self, after: Duration) -> Self {
+        Problem {
+            retry_after: Some(after),
+            ..self
+        }
+    }
+
+    /// What the client did wrong, or must wait for.
+    fn of_client(e: &ClientError) -> Self {
+        match e {
+            ClientError::MissingKey => Problem::new(
+                StatusCode::BAD_REQUEST,
+                "idempotency-key-missing",
+                "Idempotency-Key missing",
             ),
+            ClientError::InvalidKey(_) => Problem::new(
+                StatusCode::BAD_REQUEST,
+                "invalid-idempotency-key",
+                "Invalid Idempotency-Key",
+            ),
+            ClientError::BodyTooLarge { .. } => Problem::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "request-too-large",
+                "Request body too large",
+            ),
+            ClientError::BodyUnreadable(_) => Problem::new(
+                StatusCode::BAD_REQUEST,
+                "request-body-unreadable",
+                "Request body could not be read",
+            ),
+            ClientError::KeyMismatch { status } => Problem::new(
+                *status,
+                "idempotency-key-mismatch",
+                "Idempotency-Key reused with a different request",
+            ),
+            ClientError::InProgress { retry_after } => Problem::new(
+                StatusCode::CONFLICT,
+                "request-in-progress",
+                "A request with this Idempotency-Key is in progress",
+            )
+            .retry_after(*retry_after),
+            ClientError::OutcomeUnknown { retry_after } => Problem::new(
+                StatusCode::CONFLICT,
+                "attempt-outcome-unknown",
+                "Outcome of an earlier attempt unknown",
+            )
+            .retry_after(*retry_after),
+        }
+    }
+
+    /// How the upstream failed, by whether the request may have had an
+    /// effect.
+    fn of_upstream(e: &UpstreamError) -> Self {
+        match e {
+            UpstreamError::Refused(_) => Problem::new(
+                StatusCode::BAD_GATEWAY,
+                "upstream-unreachable",
+                "Upstream unreachable; the request was not sent",
+            ),
+            UpstreamError::Broken(_) => Problem::new(
+                StatusCode::BAD_GATEWAY,
+                "attempt-outcome-unknown",
+                "Upstream connection failed after the request was sent; outcome unknown",
+            ),
+            UpstreamError::ContractViolation(_) => Problem::new(
+                StatusCode::BAD_GATEWAY,
+                "upstream-contract-violation",
+                "Upstream answer broke the route's contract",
+            ),
+            UpstreamError::TimedOut(_) => Problem::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                "attempt-outcome-unknown",
+                "Upstream did not answer in time; outcome unknown",
+            ),
+            UpstreamError::ResponseTooLarge { .. } => Problem::new(
+                StatusCode::BAD_GATEWAY,
+                "upstream-response-too-large",
+                "Upstream response too large to record; outcome unknown",
+            ),
+            UpstreamError::Unconfigured(_) => Problem::internal(),
+        }
+    }
+
+    /// Why the store could not take the request.
+    fn of_store(kind: StoreErrorKind) -> Self {
+        match kind {
+            StoreErrorKind::Unavailable => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store-unavailable",
+                "Idempotency store unavailable; the request was not proxied",
+            ),
+            StoreErrorKind::Conflict | StoreErrorKind::NotFound => Problem::new(
+                StatusCode::CONFLICT,
+                "request-in-progress",
+                "A request with this Idempotency-Key is in progress",
+            ),
+            StoreErrorKind::Internal => Problem::internal(),
+        }
+    }
+
+    /// A defect of the gateway's own.
+    fn internal() -> Self {
+        Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal-error",
+            "Internal gateway error",
+        )
+    }
+}
+
+impl GatewayError {
+    fn problem(&self) -> Problem {
+        match self {
+            GatewayError::Client(e) => Problem::of_client(e),
+            GatewayError::Upstream(e) => Problem::of_upstream(e),
+            GatewayError::Store(e) => Problem::of_store(e.kind()),
+            GatewayError::Unrecorded(_) => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "outcome-not-recorded",
+                "The upstream answered; its answer is being recorded. Retry with the same Idempotency-Key to get it",
+            )
+            .retry_after(Duration::from_secs(1)),
+            GatewayError::Overloaded { retry_after } => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "overloaded",
+                "Gateway overloaded; nothing was done",
+            )
+            .retry_after(*retry_after),
+            GatewayError::Internal(_) => Problem::internal(),
         }
     }
 
