@@ -220,7 +220,7 @@ impl Upstream {
 }
 
 /// An upstream's answer on its way, its hop-by-hop headers stripped when its
-/// head arrives. Named rather than boxed (see [`pool::Sending`] for the one
+/// head arrives. Named rather than boxed (see `pool::Sending` for the one
 /// allocation left on a reused connection).
 pub struct ResponseFuture {
     kind: Kind,
