@@ -15,15 +15,18 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper::server::conn::{http1, http2};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::server::graceful::{GracefulShutdown, Watcher};
 use hyper_util::service::TowerToHyperService;
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tower::{Service, ServiceExt};
 
 use crate::config::Limits;
@@ -52,63 +55,19 @@ pub async fn serve<S, B>(
     B::Error: Into<BoxError>,
 {
     let graceful = GracefulShutdown::new();
-    let mut h1 = http1::Builder::new();
-    h1.timer(TokioTimer::new())
-        .header_read_timeout(limits.header_read_timeout)
-        // hyper's read buffer bounds the header block (it cannot go below
-        // 8 KiB); past it the answer is 431.
-        .max_buf_size(limits.max_header_size.max(8192));
-    let mut h2 = http2::Builder::new(TokioExecutor::new());
-    h2.timer(TokioTimer::new())
-        .max_header_list_size(u32::try_from(limits.max_header_size).unwrap_or(u32::MAX));
-    let connections = std::sync::Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
+    let protocols = Protocols::new(&limits);
+    let room = Arc::new(Semaphore::new(limits.max_connections));
     tokio::pin!(shutdown);
     loop {
-        // At the limit, new connections wait in the kernel's backlog.
-        let permit = tokio::select! {
+        let (stream, peer, permit) = tokio::select! {
             () = &mut shutdown => break,
-            permit = connections.clone().acquire_owned() => match permit {
-                Ok(permit) => permit,
-                Err(_) => break,
-            },
+            next = accept(&listener, &room) => next,
         };
-        let (stream, peer) = tokio::select! {
-            () = &mut shutdown => break,
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(e) => {
-                    // Out of file descriptors and the like: back off, keep serving.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
-        let _ = stream.set_nodelay(true);
         let service = service.clone();
-        let client = ClientAddr::new(peer);
-        let tagged = tower::service_fn(move |mut req: Request<Incoming>| {
-            req.extensions_mut().insert(client.clone());
-            service.clone().oneshot(req)
-        });
-        let (h1, h2) = (h1.clone(), h2.clone());
+        let protocols = protocols.clone();
         let watcher = graceful.watcher();
-        let timeout = limits.header_read_timeout;
         tokio::spawn(async move {
-            let service = TowerToHyperService::new(tagged);
-            let ended = match tokio::time::timeout(timeout, opens_with_http2(&stream)).await {
-                Ok(Ok(false)) => {
-                    let io = TokioIo::new(stream);
-                    watcher.watch(h1.serve_connection(io, service)).await
-                }
-                Ok(Ok(true)) => {
-                    let io = TokioIo::new(stream);
-                    watcher.watch(h2.serve_connection(io, service)).await
-                }
-                // Nothing (or half a preface) within the header timeout.
-                Ok(Err(_)) | Err(_) => Ok(()),
-            };
-            if let Err(e) = ended {
+            if let Err(e) = protocols.serve(stream, peer, service, watcher).await {
                 tracing::debug!(error = %e, %peer, "connection ended with an error");
             }
             drop(permit);
@@ -118,6 +77,103 @@ pub async fn serve<S, B>(
     tokio::select! {
         () = graceful.shutdown() => {}
         () = tokio::time::sleep(grace) => tracing::warn!("connections still open after shutdown_grace; closing"),
+    }
+}
+
+/// The next connection, once there are fewer than `max_connections` open
+/// (until then new ones wait in the kernel's backlog), with the permit that
+/// counts it as open.
+async fn accept(
+    listener: &TcpListener,
+    room: &Arc<Semaphore>,
+) -> (TcpStream, SocketAddr, OwnedSemaphorePermit) {
+    let permit = room
+        .clone()
+        .acquire_owned()
+        .await
+        .expect("the connection semaphore is never closed");
+    loop {
+        match listener.accept().await {
+            Ok((stream, peer)) => {
+                let _ = stream.set_nodelay(true);
+                return (stream, peer, permit);
+            }
+            Err(e) => {
+                // Out of file descriptors and the like: back off, keep serving.
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// hyper's HTTP/1 and HTTP/2 servers, configured by the listener's limits.
+#[derive(Clone)]
+struct Protocols {
+    h1: http1::Builder,
+    h2: http2::Builder<TokioExecutor>,
+    /// How long a new connection may take to show which protocol it speaks
+    /// (the header read timeout).
+    opening_timeout: Duration,
+}
+
+impl Protocols {
+    fn new(limits: &Limits) -> Self {
+        let mut h1 = http1::Builder::new();
+        h1.timer(TokioTimer::new())
+            .header_read_timeout(limits.header_read_timeout)
+            // hyper's read buffer bounds the header block (it cannot go below
+            // 8 KiB); past it the answer is 431.
+            .max_buf_size(limits.max_header_size.max(8192));
+        let mut h2 = http2::Builder::new(TokioExecutor::new());
+        h2.timer(TokioTimer::new())
+            .max_header_list_size(u32::try_from(limits.max_header_size).unwrap_or(u32::MAX));
+        Protocols {
+            h1,
+            h2,
+            opening_timeout: limits.header_read_timeout,
+        }
+    }
+
+    /// Serves one connection from `peer` in the protocol its first bytes
+    /// show, each request tagged with the peer's address, until it closes
+    /// or the drain `watcher` watches for ends it.
+    async fn serve<S, B>(
+        &self,
+        stream: TcpStream,
+        peer: SocketAddr,
+        service: S,
+        watcher: Watcher,
+    ) -> hyper::Result<()>
+    where
+        S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
+            + Clone
+            + Send
+            + Sync
+            + 'static,
+        S::Future: Send + 'static,
+        B: http_body::Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<BoxError>,
+    {
+        let client = ClientAddr::new(peer);
+        let tagged = tower::service_fn(move |mut req: Request<Incoming>| {
+            req.extensions_mut().insert(client.clone());
+            service.clone().oneshot(req)
+        });
+        let service = TowerToHyperService::new(tagged);
+        match tokio::time::timeout(self.opening_timeout, opens_with_http2(&stream)).await {
+            Ok(Ok(false)) => {
+                let io = TokioIo::new(stream);
+                watcher.watch(self.h1.serve_connection(io, service)).await
+            }
+            Ok(Ok(true)) => {
+                let io = TokioIo::new(stream);
+                watcher.watch(self.h2.serve_connection(io, service)).await
+            }
+            // Nothing (or half a preface) within the header timeout.
+            Ok(Err(_)) | Err(_) => Ok(()),
+        }
     }
 }
 

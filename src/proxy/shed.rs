@@ -9,10 +9,11 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use http::{Request, Response};
+use pin_project_lite::pin_project;
 use tower::{Layer, Service};
 
 use crate::proxy::error::GatewayError;
@@ -72,11 +73,10 @@ impl Drop for InFlight {
 impl<S, B> Service<Request<B>> for Shed<S>
 where
     S: Service<Request<B>, Response = Response<Body>, Error = Infallible>,
-    S::Future: Send + 'static,
 {
     type Response = Response<Body>;
     type Error = Infallible;
-    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
+    type Future = ResponseFuture<S::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
@@ -90,15 +90,110 @@ where
             let shed = GatewayError::Overloaded {
                 retry_after: self.layer.retry_after,
             };
-            return Box::pin(async move { Ok(shed.into_response()) });
+            return ResponseFuture {
+                kind: Kind::Shed {
+                    response: Some(shed.into_response()),
+                },
+            };
         }
         self.layer.gauge.increment(1.0);
         let guard = InFlight(counter.clone(), self.layer.gauge.clone());
-        let answer = self.inner.call(req);
-        Box::pin(async move {
-            let answer = answer.await;
-            drop(guard);
-            answer
-        })
+        ResponseFuture {
+            kind: Kind::Admitted {
+                answer: self.inner.call(req),
+                guard: Some(guard),
+            },
+        }
+    }
+}
+
+pin_project! {
+    /// The answer to one request: `503` at once, or the inner service's,
+    /// counted in progress until it resolves. Named rather than boxed, so
+    /// shedding allocates nothing per request.
+    pub struct ResponseFuture<F> {
+        #[pin]
+        kind: Kind<F>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind<F> {
+        /// Refused: the gateway is saturated.
+        Shed { response: Option<Response<Body>> },
+        /// Admitted: the inner service's answer.
+        Admitted {
+            #[pin]
+            answer: F,
+            guard: Option<InFlight>,
+        },
+    }
+}
+
+impl<F> Future for ResponseFuture<F>
+where
+    F: Future<Output = Result<Response<Body>, Infallible>>,
+{
+    type Output = Result<Response<Body>, Infallible>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().kind.project() {
+            KindProj::Shed { response } => Poll::Ready(Ok(response
+                .take()
+                .expect("a ResponseFuture is not polled after it completed"))),
+            KindProj::Admitted { answer, guard } => {
+                let answer = ready!(answer.poll(cx));
+                // In progress until its answer's head: a body still
+                // streaming out is the connection's to bound, not the shed's.
+                guard.take();
+                Poll::Ready(answer)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tower::{service_fn, ServiceExt};
+
+    use super::*;
+
+    /// At the limit a request is shed at once; once one in progress is
+    /// answered, the next is admitted again.
+    #[tokio::test]
+    async fn past_the_limit_a_request_is_shed_until_one_is_answered() {
+        let (release, held) = tokio::sync::watch::channel(false);
+        let inner = service_fn(move |_req: Request<()>| {
+            let mut held = held.clone();
+            async move {
+                let _ = held.wait_for(|go| *go).await;
+                Ok::<_, Infallible>(Response::new(crate::proxy::http::full("ok")))
+            }
+        });
+        let mut shed = ShedLayer::new(2, Duration::from_secs(1)).layer(inner);
+        let first = shed.ready().await.unwrap().call(Request::new(()));
+        let second = shed.ready().await.unwrap().call(Request::new(()));
+        let refused = shed.ready().await.unwrap().call(Request::new(())).await;
+        let refused = refused.unwrap();
+        assert_eq!(refused.status(), http::StatusCode::SERVICE_UNAVAILABLE);
+        assert!(refused.headers().contains_key(http::header::RETRY_AFTER));
+        release.send(true).unwrap();
+        assert_eq!(first.await.unwrap().status(), http::StatusCode::OK);
+        let third = shed.ready().await.unwrap().call(Request::new(())).await;
+        assert_eq!(third.unwrap().status(), http::StatusCode::OK);
+        assert_eq!(second.await.unwrap().status(), http::StatusCode::OK);
+    }
+
+    /// A request whose future is dropped unanswered (the client hung up)
+    /// is no longer counted.
+    #[tokio::test]
+    async fn a_request_dropped_unanswered_is_no_longer_counted() {
+        let inner = service_fn(|_req: Request<()>| std::future::pending());
+        let mut shed = ShedLayer::new(1, Duration::from_secs(1)).layer(inner);
+        let held = shed.ready().await.unwrap().call(Request::new(()));
+        assert_eq!(shed.layer.in_flight.load(Ordering::Acquire), 1);
+        drop(held);
+        assert_eq!(shed.layer.in_flight.load(Ordering::Acquire), 0);
     }
 }

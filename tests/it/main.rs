@@ -24,3 +24,4 @@ mod store_conformance;
 mod streaming;
 mod tls;
 mod traces;
+mod upstream_pool;

@@ -12,7 +12,7 @@ mod pool;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -122,7 +122,7 @@ impl Upstream {
             (host, _) => host.unwrap_or_default().to_owned(),
         };
         let host = HeaderValue::try_from(host).expect("an authority is a valid header value");
-        let pool = Pool::new(connector, base.clone(), target.idle_timeout);
+        let pool = Pool::new(connector, base.clone(), target.idle_timeout, pool::MAX_IDLE);
         Upstream { pool, target, host }
     }
 
@@ -177,7 +177,7 @@ impl Upstream {
 impl tower::Service<Request<Body>> for Upstream {
     type Response = Response<Body>;
     type Error = UpstreamError;
-    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, UpstreamError>> + Send>>;
+    type Future = ResponseFuture;
 
     fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         // The pooled client is always ready; it queues connections itself.
@@ -191,17 +191,45 @@ impl tower::Service<Request<Body>> for Upstream {
 
 impl Upstream {
     /// Sends `req` to this upstream (no clone of the client per request).
-    fn forward(
-        &self,
-        mut req: Request<Body>,
-    ) -> Pin<Box<dyn Future<Output = Result<Response<Body>, UpstreamError>> + Send>> {
+    fn forward(&self, mut req: Request<Body>) -> ResponseFuture {
         self.rewrite(&mut req);
-        let pool = self.pool.clone();
-        Box::pin(async move {
-            let mut response = pool.send(req).await?;
-            hop::strip(response.headers_mut());
-            Ok(response)
-        })
+        ResponseFuture {
+            kind: Kind::Forwarded(self.pool.send(req)),
+        }
+    }
+}
+
+/// An upstream's answer on its way, its hop-by-hop headers stripped when its
+/// head arrives. Named rather than boxed (see `pool::Sending` for the one
+/// allocation left on a reused connection).
+pub struct ResponseFuture {
+    kind: Kind,
+}
+
+#[expect(
+    clippy::large_enum_variant,
+    reason = "the large variant is the one every request takes; boxing it is what this type avoids"
+)]
+enum Kind {
+    Forwarded(pool::Sending),
+    /// Nothing sent: the request named no configured upstream.
+    Unconfigured(Option<UpstreamError>),
+}
+
+impl Future for ResponseFuture {
+    type Output = Result<Response<Body>, UpstreamError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match &mut self.get_mut().kind {
+            Kind::Forwarded(sending) => {
+                let mut response = ready!(Pin::new(sending).poll(cx))?;
+                hop::strip(response.headers_mut());
+                Poll::Ready(Ok(response))
+            }
+            Kind::Unconfigured(error) => Poll::Ready(Err(error
+                .take()
+                .expect("a ResponseFuture is not polled after it completed"))),
+        }
     }
 }
 
@@ -266,7 +294,7 @@ impl Upstreams {
 impl tower::Service<Request<Body>> for Upstreams {
     type Response = Response<Body>;
     type Error = UpstreamError;
-    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, UpstreamError>> + Send>>;
+    type Future = ResponseFuture;
 
     fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         Poll::Ready(Ok(()))
@@ -278,8 +306,9 @@ impl tower::Service<Request<Body>> for Upstreams {
             Some(Target(id)) => match self.get(id) {
                 Some(upstream) => upstream,
                 None => {
-                    let error = UpstreamError::Unconfigured(id.clone());
-                    return Box::pin(async move { Err(error) });
+                    return ResponseFuture {
+                        kind: Kind::Unconfigured(Some(UpstreamError::Unconfigured(id.clone()))),
+                    }
                 }
             },
         };
