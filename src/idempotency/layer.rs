@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use http::{Request, Response};
+use pin_project_lite::pin_project;
 use tower::util::BoxCloneSyncService;
 use tower::{Layer, Service};
 
@@ -42,11 +43,12 @@ where
         + 'static,
     S::Future: Send + 'static,
 {
-    type Service = Idempotency;
+    type Service = Idempotency<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
         Idempotency {
-            inner: BoxCloneSyncService::new(inner),
+            attempts: BoxCloneSyncService::new(inner.clone()),
+            inner,
             shared: self.shared.clone(),
             not_ready: None,
         }
@@ -54,8 +56,11 @@ where
 }
 
 /// The service built by [`IdempotencyLayer`].
-pub struct Idempotency {
-    inner: UpstreamService,
+pub struct Idempotency<S> {
+    /// What a passed-through request is sent to, as it is: no box.
+    inner: S,
+    /// The same, boxed for the attempt tasks (which need no generics).
+    attempts: UpstreamService,
     shared: Arc<Shared>,
     /// The upstream handle's readiness error, answered to the request that
     /// follows (the pooled clients are always ready: this is for a service
@@ -63,20 +68,24 @@ pub struct Idempotency {
     not_ready: Option<UpstreamError>,
 }
 
-impl Clone for Idempotency {
+impl<S: Clone> Clone for Idempotency<S> {
     fn clone(&self) -> Self {
         Idempotency {
             inner: self.inner.clone(),
+            attempts: self.attempts.clone(),
             shared: self.shared.clone(),
             not_ready: None,
         }
     }
 }
 
-impl Service<Request<Body>> for Idempotency {
+impl<S> Service<Request<Body>> for Idempotency<S>
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = UpstreamError>,
+{
     type Response = Response<Body>;
     type Error = Infallible;
-    type Future = ResponseFuture;
+    type Future = ResponseFuture<S::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         // Only a pass-through request calls this service's own upstream
@@ -93,51 +102,73 @@ impl Service<Request<Body>> for Idempotency {
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
-        match opt_in::classify(&self.shared.config.routes, req) {
-            // Straight to the upstream: no clone of it, and none of the
-            // opted-in flow's state (kilobytes) allocated for a request that
-            // does not need it.
+        let answer = match opt_in::classify(&self.shared.config.routes, req) {
+            // Straight to the upstream: no clone of it, no box, and none of
+            // the opted-in flow's state (kilobytes) allocated for a request
+            // that does not need it.
             Classified::PassThrough(req) => match self.not_ready.take() {
-                None => ResponseFuture::Passing(self.inner.call(req)),
-                Some(e) => ResponseFuture::Ready(Some(GatewayError::from(e).into_response())),
+                None => Answer::Passing {
+                    answer: self.inner.call(req),
+                },
+                Some(e) => Answer::Ready {
+                    response: Some(GatewayError::from(e).into_response()),
+                },
             },
-            Classified::Refused(error) => ResponseFuture::Ready(Some(error.into_response())),
+            Classified::Refused(error) => Answer::Ready {
+                response: Some(error.into_response()),
+            },
             Classified::OptedIn(opted) => {
                 let shared = self.shared.clone();
-                let inner = self.inner.clone();
-                ResponseFuture::Guarded(Box::pin(async move {
-                    match opt_in::prepare(&shared.config.owner_header, opted).await {
-                        Ok(request) => flow::run(shared, request, inner).await,
-                        Err(error) => error.into_response(),
-                    }
-                }))
+                let attempts = self.attempts.clone();
+                Answer::Guarded {
+                    answer: Box::pin(async move {
+                        match opt_in::prepare(&shared.config.owner_header, opted).await {
+                            Ok(request) => flow::run(shared, request, attempts).await,
+                            Err(error) => error.into_response(),
+                        }
+                    }),
+                }
             }
-        }
+        };
+        ResponseFuture { answer }
     }
 }
 
-/// The answer to one request: streamed from the upstream, decided by the
-/// opted-in flow, or known at once.
-pub enum ResponseFuture {
-    /// Not opted in: the upstream's answer, errors mapped to problems.
-    Passing(Pin<Box<dyn Future<Output = Result<Response<Body>, UpstreamError>> + Send>>),
-    /// Opted in: the flow's answer.
-    Guarded(Pin<Box<dyn Future<Output = Response<Body>> + Send>>),
-    /// Refused before anything was sent.
-    Ready(Option<Response<Body>>),
+pin_project! {
+    /// The answer to one request: streamed from the upstream, decided by the
+    /// opted-in flow, or known at once.
+    pub struct ResponseFuture<F> {
+        #[pin]
+        answer: Answer<F>,
+    }
 }
 
-impl Future for ResponseFuture {
+pin_project! {
+    #[project = AnswerProj]
+    enum Answer<F> {
+        // Not opted in: the upstream's answer, errors mapped to problems.
+        Passing { #[pin] answer: F },
+        // Opted in: the flow's answer.
+        Guarded { answer: Pin<Box<dyn Future<Output = Response<Body>> + Send>> },
+        // Refused before anything was sent.
+        Ready { response: Option<Response<Body>> },
+    }
+}
+
+impl<F> Future for ResponseFuture<F>
+where
+    F: Future<Output = Result<Response<Body>, UpstreamError>>,
+{
     type Output = Result<Response<Body>, Infallible>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let response = match self.get_mut() {
-            ResponseFuture::Passing(answer) => match std::task::ready!(answer.as_mut().poll(cx)) {
+        let response = match self.project().answer.project() {
+            AnswerProj::Passing { answer } => match std::task::ready!(answer.poll(cx)) {
                 Ok(response) => response,
                 Err(e) => GatewayError::from(e).into_response(),
             },
-            ResponseFuture::Guarded(answer) => std::task::ready!(answer.as_mut().poll(cx)),
-            ResponseFuture::Ready(response) => response
+            AnswerProj::Guarded { answer } => std::task::ready!(answer.as_mut().poll(cx)),
+            AnswerProj::Ready { response } => response
                 .take()
                 .expect("a ResponseFuture is not polled after it completed"),
         };

@@ -219,7 +219,15 @@ upstreams = ["http://a:1", "http://b:1"]
 path_prefix = "/"
 "#;
 
-fn gateway(toml: &str, faults: Faults) -> (Idempotency, Arc<Faults>, Arc<dyn Store>, Scripted) {
+fn gateway(
+    toml: &str,
+    faults: Faults,
+) -> (
+    Idempotency<UpstreamService>,
+    Arc<Faults>,
+    Arc<dyn Store>,
+    Scripted,
+) {
     let (layer, faults, store) = layer(toml, faults);
     let upstream = Scripted::default();
     let service = layer.layer(upstream.service());
