@@ -21,6 +21,7 @@
 //! never left the gateway).
 
 use std::collections::VecDeque;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -59,21 +60,35 @@ struct Flow {
     upstream: UpstreamService,
 }
 
-/// Decides and answers; every answer names the job once it exists.
-pub async fn run(shared: Arc<Shared>, request: Keyed, upstream: UpstreamService) -> Response<Body> {
+/// Decides and answers; every answer names the job once it exists. The
+/// request is moved to the heap before the first await, so a held
+/// duplicate's future carries a pointer, not the request.
+pub fn run(
+    shared: Arc<Shared>,
+    request: Keyed,
+    upstream: UpstreamService,
+) -> impl Future<Output = Response<Body>> + Send {
     let flow = Arc::new(Flow {
         shared,
         request,
         upstream,
     });
-    let mut job_id = None;
-    let result = flow.decide(&mut job_id).await;
-    let mut response = result.unwrap_or_else(|e| {
-        metrics::counter!("idemgate_requests_refused_total", "problem" => e.metric_label())
-            .increment(1);
-        tracing::info!(error = %Chain(&e), job = ?job_id.map(|j: JobId| j.to_string()), "request refused");
-        e.into_response()
-    });
+    async move {
+        let mut job_id = None;
+        let result = flow.decide(&mut job_id).await;
+        let response = result.unwrap_or_else(|e| {
+            metrics::counter!("idemgate_requests_refused_total", "problem" => e.metric_label())
+                .increment(1);
+            tracing::info!(error = %Chain(&e), job = ?job_id.map(|j: JobId| j.to_string()), "request refused");
+            e.into_response()
+        });
+        finish(response, job_id)
+    }
+}
+
+/// Names the job on every answer once it exists, and says how the request
+/// was answered ([`Outcome`]) to the stack's logs and metrics.
+fn finish(mut response: Response<Body>, job_id: Option<JobId>) -> Response<Body> {
     if let Some(job) = job_id {
         // Replays name their job already.
         if !response.headers().contains_key(IDEMPOTENCY_JOB) {
@@ -127,7 +142,8 @@ impl Flow {
             }
             .into());
         }
-        self.meet(job).await
+        // Boxed: only a duplicate (or a retry after a failure) needs it.
+        Box::pin(self.meet(job)).await
     }
 
     /// Answers a request whose key names an existing job of the same intent,
