@@ -110,6 +110,7 @@ async fn serve(settings: &Settings, listen: SocketAddr, reuse_port: bool) {
         std::future::pending(),
         Duration::ZERO,
         limits,
+        Default::default(),
     )
     .await;
 }

@@ -24,4 +24,5 @@ pub mod operations;
 pub mod proxy;
 pub mod store;
 pub mod telemetry;
+pub mod trust;
 pub mod upkeep;

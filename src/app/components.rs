@@ -10,7 +10,8 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::StartError;
-use crate::config::{Settings, StoreSettings};
+use crate::config::{OwnerSaltSetting, Settings, StoreSettings};
+use crate::domain::key::OwnerSalt;
 use crate::idempotency::fastpath::FastPath;
 use crate::idempotency::{execute, hold, Runtime, Shared};
 use crate::operations::admin::Admin;
@@ -20,6 +21,7 @@ use crate::store::seal::Sealer;
 use crate::store::sqlite::Sqlite;
 use crate::store::{Doorbell, Machine, Store, StoreError};
 use crate::telemetry;
+use crate::trust::Trust;
 use crate::upkeep::lease::Leases;
 use crate::upkeep::probe::{self, ProbeBoard};
 use crate::upkeep::supervise::{Beats, Supervisor};
@@ -35,6 +37,7 @@ pub(super) struct Gateway {
     probes: Arc<ProbeBoard>,
     pub(super) upstreams: Upstreams,
     tasks: Supervisor,
+    trust: Arc<Trust>,
     /// Stops the background tasks, which outlive the drain (leases are
     /// renewed while open requests finish).
     stop_tasks: CancellationToken,
@@ -64,8 +67,15 @@ impl Gateway {
         let Some(upstreams) = Upstreams::new(&settings.upstreams) else {
             return Err(StoreError::internal("no upstream configured").into());
         };
+        warn_of_anonymous_owners(settings);
+        let trust = Arc::new(Trust::new(
+            owner_salt(&settings.owner_salt)?,
+            settings.clients.clone(),
+            settings.owner.clone(),
+        ));
         let gateway = Gateway {
             instance,
+            trust,
             doorbell,
             store,
             fastpath,
@@ -90,6 +100,7 @@ impl Gateway {
                 probes: self.probes.clone(),
                 leases: self.leases.clone(),
                 instance: self.instance,
+                trust: self.trust.clone(),
             },
         ))
     }
@@ -103,6 +114,7 @@ impl Gateway {
             upstreams: settings.upstreams.clone(),
             probes: self.probes.clone(),
             tasks: self.tasks.clone(),
+            trust: self.trust.clone(),
         })
     }
 
@@ -143,6 +155,59 @@ impl Gateway {
     }
 }
 
+/// The owner salt: configured, or (embedded store) kept in a file beside
+/// the database, made on first start with 32 random bytes, readable by
+/// this user only.
+fn owner_salt(setting: &OwnerSaltSetting) -> Result<OwnerSalt, StartError> {
+    use base64::Engine;
+    let path = match setting {
+        OwnerSaltSetting::Given(bytes) => return Ok(OwnerSalt::new(bytes)),
+        OwnerSaltSetting::BesideStore(path) => path,
+    };
+    let engine = base64::engine::general_purpose::STANDARD;
+    let unusable = |why: String| StartError::OwnerSalt(format!("{}: {why}", path.display()));
+    match std::fs::read_to_string(path) {
+        Ok(text) => {
+            let bytes = engine
+                .decode(text.trim())
+                .map_err(|e| unusable(e.to_string()))?;
+            return Ok(OwnerSalt::new(&bytes));
+        }
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(unusable(e.to_string())),
+        Err(_) => {}
+    }
+    let mut bytes = [0u8; 32];
+    aes_gcm::aead::rand_core::RngCore::fill_bytes(&mut aes_gcm::aead::OsRng, &mut bytes);
+    let mut file = std::fs::OpenOptions::new();
+    file.write(true).create_new(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut file, 0o600);
+    let mut file = file.open(path).map_err(|e| unusable(e.to_string()))?;
+    std::io::Write::write_all(&mut file, engine.encode(bytes).as_bytes())
+        .map_err(|e| unusable(e.to_string()))?;
+    tracing::info!(path = %path.display(), "owner digests are salted with a new secret kept beside the embedded store");
+    Ok(OwnerSalt::new(&bytes))
+}
+
+/// Says at start-up what allowing anonymous owners means, naming the
+/// routes (`docs/design.md` §15).
+fn warn_of_anonymous_owners(settings: &Settings) {
+    let anonymous: Vec<&str> = settings
+        .routes
+        .iter()
+        .filter(|r| r.owner.allow_anonymous)
+        .map(|r| r.name.as_str())
+        .collect();
+    if !anonymous.is_empty() {
+        tracing::warn!(
+            routes = ?anonymous,
+            "keyed requests without an owner are allowed on these routes: they all share the owner `anonymous`, \
+             so any caller who sends the same Idempotency-Key gets the answer stored under it; \
+             use this for a trial or a single trusted caller, and name owner sources ([owner]) otherwise"
+        );
+    }
+}
+
 /// Seals stored responses when `[encryption]` is configured.
 fn sealer(settings: &Settings) -> Result<Option<Arc<Sealer>>, StartError> {
     let Some(e) = &settings.encryption else {
@@ -159,7 +224,6 @@ fn sealer(settings: &Settings) -> Result<Option<Arc<Sealer>>, StartError> {
 pub fn idempotency_config(settings: &Settings) -> crate::idempotency::Config {
     crate::idempotency::Config {
         routes: settings.routes.clone(),
-        owner_header: settings.owner_header.clone(),
         mismatch_status: settings.mismatch_status,
         key_ttl: settings.key_ttl,
         retry_after: settings.retry_after,

@@ -32,6 +32,9 @@ pub enum StartError {
     /// The Redis client could not be set up.
     #[error("redis_url: the Redis client cannot be set up")]
     Redis(#[source] redis::RedisError),
+    /// The owner salt beside the embedded store is unusable.
+    #[error("the owner salt file {0}; fix or remove it, or set IDEMGATE_OWNER_SALT")]
+    OwnerSalt(String),
 }
 
 /// Runs a gateway until `shutdown` is cancelled, then drains and returns.
@@ -55,9 +58,10 @@ pub async fn run(
     ready();
     let (grace, limits) = (settings.shutdown_grace, settings.limits);
     let stopping = || shutdown.clone().cancelled_owned();
+    let trusted = || settings.trusted_proxies.clone();
     tokio::join!(
-        server::serve(listeners.proxy, proxy, stopping(), grace, limits),
-        server::serve(listeners.admin, admin, stopping(), grace, limits),
+        server::serve(listeners.proxy, proxy, stopping(), grace, limits, trusted()),
+        server::serve(listeners.admin, admin, stopping(), grace, limits, trusted()),
     );
     gateway.stop().await;
     tracing::info!("gateway stopped");

@@ -17,7 +17,7 @@ use crate::config::Settings;
 use crate::domain::id::JobId;
 use crate::idempotency::{IdempotencyLayer, Shared};
 use crate::proxy::http::request_id::RequestIds;
-use crate::proxy::http::{BodyError, Outcome, IDEMPOTENCY_KEY};
+use crate::proxy::http::{hop, BodyError, Outcome, IDEMPOTENCY_KEY};
 use crate::proxy::shed::ShedLayer;
 use crate::proxy::upstream::Upstreams;
 use crate::BoxError;
@@ -75,13 +75,21 @@ pub(super) fn proxy(
         )
         // …and the response echoes.
         .layer(PropagateRequestIdLayer::x_request_id())
-        .map_request(|req: Request<Incoming>| req.map(|b| b.map_err(BodyError::new).boxed()))
+        .map_request(enter)
         // Saturated: answer 503 at once rather than queue without bound.
         .layer(ShedLayer::new(settings.max_in_flight, settings.retry_after))
         // Opted-in requests become jobs and attempts; the rest stream through.
         .layer(IdempotencyLayer::new(shared))
         // Each request goes to the upstream its attempt chose, or the first.
         .service(upstreams)
+}
+
+/// A request as the stack carries it: its body boxed, and its hop-by-hop
+/// headers (and those its `Connection` names) removed before any layer adds
+/// a header of the gateway's own (`docs/design.md` §15).
+fn enter(mut req: Request<Incoming>) -> Request<crate::proxy::http::Body> {
+    hop::strip(req.headers_mut());
+    req.map(|b| b.map_err(BodyError::new).boxed())
 }
 
 /// A request's span. A request without a key is only proxied, and its span

@@ -9,6 +9,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::contracts::ContractFile;
+use super::trust::{ClientFile, OwnerFile};
 use super::{bad, ConfigError};
 
 /// The TOML file. See `config/idemgate.example.toml` for every key.
@@ -64,6 +65,11 @@ pub struct FileConfig {
     #[serde(default)]
     pub(super) contracts: BTreeMap<String, ContractFile>,
     pub(super) encryption: Option<EncryptionFile>,
+    pub(super) trusted_proxies: Option<Vec<String>>,
+    pub(super) owner: Option<OwnerFile>,
+    #[serde(default)]
+    pub(super) clients: Vec<ClientFile>,
+    pub(super) client_key_header: Option<String>,
     /// The folder contract and certificate files are read from (the config
     /// file's own).
     #[serde(skip)]
@@ -172,6 +178,8 @@ pub(super) struct RouteFile {
     pub(super) side_effect_free: Option<bool>,
     pub(super) contract: Option<String>,
     pub(super) stream_types: Option<Vec<String>>,
+    pub(super) owner: Option<OwnerFile>,
+    pub(super) require_client: Option<bool>,
 }
 
 impl FileConfig {

@@ -103,4 +103,17 @@ pub struct Flags {
     /// on one CPU). Default: one per CPU.
     #[arg(long, env = "IDEMGATE_WORKER_THREADS", value_name = "N")]
     pub worker_threads: Option<usize>,
+    /// The secret owner digests are salted with (base64, 16 bytes or more;
+    /// every replica the same): `openssl rand -base64 32`.
+    #[arg(
+        long,
+        env = "IDEMGATE_OWNER_SALT",
+        value_name = "BASE64",
+        hide_env_values = true
+    )]
+    pub owner_salt: Option<String>,
+    /// Let keyed requests without an owner share the owner `anonymous`
+    /// (for a trial; see `[owner]`).
+    #[arg(long, env = "IDEMGATE_ALLOW_ANONYMOUS")]
+    pub allow_anonymous: bool,
 }

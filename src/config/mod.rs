@@ -18,11 +18,12 @@ pub mod flags;
 pub mod redis;
 pub mod routes;
 pub mod store;
+pub mod trust;
 pub mod upstreams;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -35,6 +36,7 @@ pub use flags::{Cli, Command, Flags};
 pub use redis::{RedisSettings, Topology};
 pub use routes::Route;
 pub use store::{PgSettings, StoreSettings};
+pub use trust::{Clients, OwnerRule, OwnerSource, TrustedProxies};
 pub use upstreams::{UpstreamId, UpstreamSettings};
 
 use file::UpstreamFile;
@@ -95,8 +97,15 @@ pub struct Settings {
     pub retry_after: Duration,
     /// How long open connections may finish after SIGTERM.
     pub shutdown_grace: Duration,
-    /// The request header the owner is derived from.
-    pub owner_header: HeaderName,
+    /// Where owners come from unless a route says otherwise (each route
+    /// carries its own, resolved).
+    pub owner: Arc<OwnerRule>,
+    /// The secret owner digests are salted with.
+    pub owner_salt: OwnerSaltSetting,
+    /// Proxies whose forwarding headers are believed.
+    pub trusted_proxies: TrustedProxies,
+    /// The clients that may prove themselves with a client key.
+    pub clients: Arc<Clients>,
     /// The header carrying the job id upstream.
     pub forward_key_header: HeaderName,
     /// The header carrying the attempt number upstream.
@@ -212,7 +221,9 @@ impl Settings {
     pub fn from_sources(mut file: FileConfig, flags: Flags) -> Result<Settings, ConfigError> {
         let store = store::store_settings(&file, &flags)?;
         let timings = timings(&file, &flags)?;
-        let (upstreams, contracts, routes) = traffic(&mut file, &flags, timings.upstream_timeout)?;
+        let trust = trust(&mut file, &flags, &store)?;
+        let (upstreams, contracts, routes) =
+            traffic(&mut file, &flags, timings.upstream_timeout, &trust)?;
         let loopback = |port| SocketAddr::from(([127, 0, 0, 1], port));
         Ok(Settings {
             listen: flags.listen.or(file.listen).unwrap_or(loopback(8080)),
@@ -251,7 +262,10 @@ impl Settings {
             )?,
             retry_after: file.retry_after.unwrap_or(Duration::from_secs(1)),
             shutdown_grace: file.shutdown_grace.unwrap_or(Duration::from_secs(10)),
-            owner_header: named(&file.owner_header, "owner_header", "authorization")?,
+            owner: trust.owner,
+            owner_salt: trust.salt,
+            trusted_proxies: trust.proxies,
+            clients: trust.clients,
             forward_key_header: named(
                 &file.forward_key_header,
                 "forward_key_header",
@@ -306,6 +320,7 @@ fn traffic(
     file: &mut FileConfig,
     flags: &Flags,
     upstream_timeout: Duration,
+    trust: &Trust,
 ) -> Result<
     (
         Vec<Arc<UpstreamSettings>>,
@@ -330,8 +345,114 @@ fn traffic(
         let contract = contracts::load(&name, contract_file, &file.base_dir)?;
         contracts.insert(name, Arc::new(contract));
     }
-    let routes = routes::parse_all(std::mem::take(&mut file.routes), &upstreams, &contracts)?;
+    let cx = routes::Context {
+        upstreams: &upstreams,
+        contracts: &contracts,
+        owner: &trust.owner,
+        clients: &trust.clients,
+        base_dir: &file.base_dir,
+    };
+    let routes = routes::parse_all(std::mem::take(&mut file.routes), &cx)?;
     Ok((upstreams, contracts, routes))
+}
+
+/// Whom the gateway trusts (`docs/design.md` §15), read before the routes,
+/// which inherit the owner rule and may require clients.
+struct Trust {
+    owner: Arc<OwnerRule>,
+    salt: OwnerSaltSetting,
+    proxies: TrustedProxies,
+    clients: Arc<Clients>,
+}
+
+/// Where the secret owner digests are salted with comes from.
+#[derive(Clone)]
+pub enum OwnerSaltSetting {
+    /// Configured (`[owner] salt`, `--owner-salt`, `IDEMGATE_OWNER_SALT`).
+    Given(Vec<u8>),
+    /// Not configured, with the embedded store: a random salt kept in this
+    /// file beside the database, made on first start.
+    BesideStore(PathBuf),
+}
+
+impl std::fmt::Debug for OwnerSaltSetting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            OwnerSaltSetting::Given(_) => f.write_str("Given(<redacted>)"),
+            OwnerSaltSetting::BesideStore(path) => write!(f, "BesideStore({})", path.display()),
+        }
+    }
+}
+
+fn trust(
+    file: &mut FileConfig,
+    flags: &Flags,
+    store: &StoreSettings,
+) -> Result<Trust, ConfigError> {
+    let owner_file = file.owner.take().unwrap_or_default();
+    let header = named(&file.owner_header, "owner_header", "authorization")?;
+    if file.owner_header.is_some() && owner_file.sources.is_some() {
+        return Err(bad(
+            "owner_header",
+            "give the owner's sources once: drop owner_header and keep [owner] sources",
+        ));
+    }
+    let mut owner = trust::owner_rule(
+        "owner",
+        &owner_file,
+        &trust::default_owner_rule(header),
+        &file.base_dir,
+    )?;
+    owner.allow_anonymous |= flags.allow_anonymous;
+    let salt = owner_salt(flags, owner_file.salt.as_ref(), store, &file.base_dir)?;
+    Ok(Trust {
+        owner: Arc::new(owner),
+        salt,
+        proxies: trust::trusted_proxies(file.trusted_proxies.as_deref().unwrap_or_default())?,
+        clients: Arc::new(trust::clients(
+            &file.clients,
+            file.client_key_header.as_deref(),
+            &file.base_dir,
+        )?),
+    })
+}
+
+/// The owner salt: configured, or (embedded store only) a file beside the
+/// database. Replicas sharing PostgreSQL must share one salt, and a salt
+/// kept in the database would not protect what is in it: there it must be
+/// configured.
+fn owner_salt(
+    flags: &Flags,
+    written: Option<&trust::SecretFile>,
+    store: &StoreSettings,
+    base: &Path,
+) -> Result<OwnerSaltSetting, ConfigError> {
+    let text = match (&flags.owner_salt, written) {
+        (Some(text), _) => text.clone(),
+        (None, Some(secret)) => secret.read("owner.salt", base)?,
+        (None, None) => {
+            return match store {
+                StoreSettings::Embedded { path } => {
+                    let mut beside = path.clone().into_os_string();
+                    beside.push(".owner-salt");
+                    Ok(OwnerSaltSetting::BesideStore(beside.into()))
+                }
+                StoreSettings::Postgres(_) => Err(bad(
+                    "owner.salt",
+                    "every replica sharing PostgreSQL must salt owner digests with one secret kept outside the database: \
+                     set IDEMGATE_OWNER_SALT (or [owner] salt = { env = \"…\" }) to `openssl rand -base64 32`",
+                )),
+            };
+        }
+    };
+    use base64::Engine;
+    match base64::engine::general_purpose::STANDARD.decode(text.trim()) {
+        Ok(bytes) if bytes.len() >= 16 => Ok(OwnerSaltSetting::Given(bytes)),
+        _ => Err(bad(
+            "owner.salt",
+            "not 16 bytes or more of base64; make one with `openssl rand -base64 32`",
+        )),
+    }
 }
 
 /// The upstream timeout and the timings that must agree with it.
@@ -595,12 +716,23 @@ mod tests {
             err.to_string().contains("target_session_attrs=read-write"),
             "{err}"
         );
-        Settings::from_sources(
-            Settings::parse_file(
-                "database_url = \"postgres://u@a:5432,b:5432/db?target_session_attrs=read-write\"",
-            )
-            .unwrap(),
+        let primary =
+            "database_url = \"postgres://u@a:5432,b:5432/db?target_session_attrs=read-write\"";
+        let err = Settings::from_sources(
+            Settings::parse_file(primary).unwrap(),
             flags_with_upstream(),
+        )
+        .unwrap_err();
+        assert_eq!(
+            err.key, "owner.salt",
+            "replicas on PostgreSQL need one salt"
+        );
+        Settings::from_sources(
+            Settings::parse_file(primary).unwrap(),
+            Flags {
+                owner_salt: Some("c2FsdCBvZiB0ZXN0cywgbm90IGEgc2VjcmV0".into()),
+                ..flags_with_upstream()
+            },
         )
         .expect("a multi-host URL that asks for the primary");
     }
@@ -613,6 +745,10 @@ mod tests {
                 .unwrap();
         file.base_dir = dir;
         // Credentials come from the environment; stand in fixed values here.
+        for client in &mut file.clients {
+            client.key_sha256.env = None;
+            client.key_sha256.value = Some(hex::encode([7u8; 32]));
+        }
         for u in file.upstreams.iter_mut().flatten() {
             if let UpstreamFile::Table(t) = u {
                 for source in t.headers.values_mut() {
@@ -629,6 +765,7 @@ mod tests {
         );
         assert!(chat.side_effect_free && chat.hedge_after.is_some());
         assert_eq!(chat.contract.as_ref().unwrap().probes.len(), 1);
+        assert!(chat.require_client && s.clients.clients.len() == 1);
     }
 
     #[test]

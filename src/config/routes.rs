@@ -2,12 +2,14 @@
 //! failover, hedging, contracts, fingerprints).
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use http::{HeaderName, Method};
 
 use super::file::RouteFile;
+use super::trust::{owner_rule, Clients, OwnerFile, OwnerRule};
 use super::upstreams::UpstreamSettings;
 use super::{at_least_one, bad, header_name, positive, ConfigError};
 use crate::domain::contract::Contract;
@@ -51,12 +53,32 @@ pub struct Route {
     /// Content types (lower case, without parameters) whose answers stream
     /// through while they are recorded, instead of being buffered.
     pub stream_types: Vec<String>,
+    /// Where the owner of a key comes from (the route's `[routes.owner]`,
+    /// else `[owner]`).
+    pub owner: Arc<OwnerRule>,
+    /// Whether only a client that proved itself with a client key may use
+    /// the route (keyed or not): required where an upstream holds the
+    /// operator's credentials.
+    pub require_client: bool,
+}
+
+/// What every route is parsed against.
+pub(super) struct Context<'a> {
+    pub(super) upstreams: &'a [Arc<UpstreamSettings>],
+    pub(super) contracts: &'a BTreeMap<String, Arc<Contract>>,
+    /// `[owner]`, which a route's own `[routes.owner]` overrides.
+    pub(super) owner: &'a Arc<OwnerRule>,
+    pub(super) clients: &'a Clients,
+    pub(super) base_dir: &'a Path,
 }
 
 impl Route {
     /// The route used when the file names none: POST and PATCH everywhere,
     /// key optional, every upstream in order.
-    pub fn default_route(upstreams: &[Arc<UpstreamSettings>]) -> Option<Route> {
+    pub fn default_route(
+        upstreams: &[Arc<UpstreamSettings>],
+        owner: Arc<OwnerRule>,
+    ) -> Option<Route> {
         let (primary, fallbacks) = upstreams.split_first()?;
         Some(Route {
             name: "default".into(),
@@ -75,6 +97,8 @@ impl Route {
             side_effect_free: false,
             contract: None,
             stream_types: vec!["text/event-stream".into()],
+            owner,
+            require_client: false,
         })
     }
 
@@ -136,16 +160,19 @@ pub fn find<'a>(routes: &'a [Arc<Route>], method: &Method, path: &str) -> Option
 /// when the file has none.
 pub(super) fn parse_all(
     files: Vec<RouteFile>,
-    upstreams: &[Arc<UpstreamSettings>],
-    contracts: &BTreeMap<String, Arc<Contract>>,
+    cx: &Context<'_>,
 ) -> Result<Vec<Arc<Route>>, ConfigError> {
     let mut routes = if files.is_empty() {
-        Route::default_route(upstreams).into_iter().collect()
+        let default = Route::default_route(cx.upstreams, cx.owner.clone());
+        default
+            .into_iter()
+            .map(|r| guarded(r, "the default route"))
+            .collect::<Result<_, _>>()?
     } else {
         files
             .into_iter()
             .enumerate()
-            .map(|(i, r)| parse(i, r, upstreams, contracts))
+            .map(|(i, r)| parse(i, r, cx).and_then(|r| guarded(r, &format!("routes[{i}]"))))
             .collect::<Result<Vec<_>, _>>()?
     };
     // Longest prefix first, so the most specific route wins.
@@ -153,14 +180,10 @@ pub(super) fn parse_all(
     Ok(routes.into_iter().map(Arc::new).collect())
 }
 
-fn parse(
-    i: usize,
-    r: RouteFile,
-    upstreams: &[Arc<UpstreamSettings>],
-    contracts: &BTreeMap<String, Arc<Contract>>,
-) -> Result<Route, ConfigError> {
+fn parse(i: usize, r: RouteFile, cx: &Context<'_>) -> Result<Route, ConfigError> {
+    let (upstreams, contracts) = (cx.upstreams, cx.contracts);
     let key = |field: &str| format!("routes[{i}].{field}");
-    let Some(default) = Route::default_route(upstreams) else {
+    let Some(default) = Route::default_route(upstreams, cx.owner.clone()) else {
         return Err(bad("upstreams", "no upstream configured"));
     };
     let path_prefix = r.path_prefix.unwrap_or_else(|| "/".into());
@@ -230,7 +253,62 @@ fn parse(
                 .map(|t| t.trim().to_ascii_lowercase())
                 .collect()
         }),
+        owner: route_owner(&key("owner"), r.owner.as_ref(), cx)?,
+        require_client: require_client(&key("require_client"), r.require_client, cx)?,
     })
+}
+
+/// The route's `[routes.owner]` over `[owner]`.
+fn route_owner(
+    key: &str,
+    file: Option<&OwnerFile>,
+    cx: &Context<'_>,
+) -> Result<Arc<OwnerRule>, ConfigError> {
+    let Some(file) = file else {
+        return Ok(cx.owner.clone());
+    };
+    if file.salt.is_some() {
+        return Err(bad(
+            format!("{key}.salt"),
+            "the salt is the deployment's: set it under [owner], not per route",
+        ));
+    }
+    Ok(Arc::new(owner_rule(key, file, cx.owner, cx.base_dir)?))
+}
+
+fn require_client(key: &str, written: Option<bool>, cx: &Context<'_>) -> Result<bool, ConfigError> {
+    if written == Some(true) && cx.clients.clients.is_empty() {
+        return Err(bad(
+            key,
+            "no client can prove itself: declare [[clients]] (a name and the SHA-256 of its key)",
+        ));
+    }
+    Ok(written.unwrap_or(false))
+}
+
+/// A route whose upstreams hold the operator's credentials serves only
+/// proven clients (`docs/design.md` §15).
+fn guarded(route: Route, name: &str) -> Result<Route, ConfigError> {
+    let Some(holder) = route.upstreams().find(|u| u.credentials) else {
+        return Ok(route);
+    };
+    if route.require_client {
+        return Ok(route);
+    }
+    let key = if name.starts_with("routes[") {
+        format!("{name}.require_client")
+    } else {
+        "routes".to_owned()
+    };
+    Err(bad(
+        key,
+        format!(
+            "{name} sends requests to upstream {:?}, which is given a credential of yours \
+             ([upstreams.headers]); only proven clients may spend it: set require_client = true \
+             on the route and declare [[clients]] with their key digests",
+            holder.name()
+        ),
+    ))
 }
 
 fn header_names(key: &str, names: &[String]) -> Result<Vec<HeaderName>, ConfigError> {

@@ -62,6 +62,11 @@ pub struct UpstreamSettings {
     pub idle_timeout: Duration,
     /// Headers set on every request to it (values may be secrets).
     pub headers: Vec<(HeaderName, HeaderValue)>,
+    /// Whether those headers hold a credential of the operator's (a value
+    /// from the environment, or a header that authenticates by its name):
+    /// then only proven clients' requests are sent with them
+    /// (`docs/design.md` §15).
+    pub credentials: bool,
     /// Certificate authorities trusted for `https://` besides the public
     /// web PKI roots (a private CA, a self-signed provider).
     pub extra_roots: Vec<rustls::pki_types::CertificateDer<'static>>,
@@ -123,8 +128,11 @@ fn parse(
     };
     let timeout = table.and_then(|t| t.timeout).unwrap_or(default_timeout);
     let mut headers = Vec::new();
+    let mut credentials = false;
     for (name, source) in table.map(|t| &t.headers).into_iter().flatten() {
-        headers.push(header(&format!("{key}.headers.{name}"), name, source)?);
+        let (name, value) = header(&format!("{key}.headers.{name}"), name, source)?;
+        credentials |= source.env.is_some() || authenticates(&name);
+        headers.push((name, value));
     }
     let extra_roots = match table.and_then(|t| t.ca_file.as_ref()) {
         None => Vec::new(),
@@ -150,8 +158,21 @@ fn parse(
             .and_then(|t| t.idle_timeout)
             .unwrap_or(DEFAULT_IDLE_TIMEOUT),
         headers,
+        credentials,
         extra_roots,
     })
+}
+
+/// Headers whose value authenticates the sender, whatever it is written as.
+fn authenticates(name: &HeaderName) -> bool {
+    const NAMES: [&str; 5] = [
+        "authorization",
+        "proxy-authorization",
+        "x-api-key",
+        "api-key",
+        "cookie",
+    ];
+    NAMES.contains(&name.as_str())
 }
 
 fn base_url(key: &str, url: &str) -> Result<Uri, ConfigError> {

@@ -2,7 +2,8 @@
 
 use std::fmt;
 
-use sha2::{Digest, Sha256};
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
 
 /// A validated idempotency key: 1–255 visible ASCII characters.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -109,36 +110,62 @@ fn unquote_sf_string(rest: &[u8]) -> Result<Vec<u8>, KeyError> {
     Err(KeyError::MalformedString)
 }
 
-/// Who a key belongs to: `anonymous`, or `sha256:<hex>` of the owner header.
+/// Who a key belongs to (`docs/design.md` §15): `anonymous`, or
+/// `hmac:<hex>`, an HMAC-SHA256 under the deployment's [`OwnerSalt`] of the
+/// evidence that proved the owner (which source, and what it read).
 ///
-/// The raw header (often a bearer token) is never stored; only its digest is.
+/// The evidence (often a bearer token or a session cookie) is never stored;
+/// only its salted digest is, so a weak credential cannot be recovered from
+/// the database or Redis by trying guesses without the salt.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Owner(String);
 
+/// The per-deployment secret owner digests are salted with.
+#[derive(Clone)]
+pub struct OwnerSalt(Hmac<Sha256>);
+
+impl OwnerSalt {
+    /// A salt of these bytes (at least 16 of them, checked by the settings).
+    pub fn new(secret: &[u8]) -> Self {
+        OwnerSalt(Hmac::new_from_slice(secret).expect("HMAC takes a key of any length"))
+    }
+}
+
+impl fmt::Debug for OwnerSalt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("OwnerSalt(<redacted>)")
+    }
+}
+
 impl Owner {
-    /// The owner of requests that carry no owner header.
+    /// The owner of keyed requests without one, where a route allows it.
     pub const ANONYMOUS: &'static str = "anonymous";
 
-    /// The owner for a raw owner-header value, or anonymous when there is none.
-    pub fn from_header(value: Option<&[u8]>) -> Self {
-        match value {
-            None => Owner(Self::ANONYMOUS.to_owned()),
-            Some(raw) => Owner(format!("sha256:{}", hex::encode(Sha256::digest(raw)))),
-        }
+    /// The one owner every anonymous request shares.
+    pub fn anonymous() -> Self {
+        Owner(Self::ANONYMOUS.to_owned())
     }
 
-    /// Accepts the stored form (`anonymous` or `sha256:<64 hex>`) as given by
-    /// an operator, or hashes anything else as a raw header value.
-    pub fn from_admin_query(value: &str) -> Self {
+    /// The owner proven by `evidence`: each part (which source, what it
+    /// read) length-prefixed, so no two lists of parts digest alike.
+    pub fn of(salt: &OwnerSalt, evidence: &[&[u8]]) -> Self {
+        let mut mac = salt.0.clone();
+        for part in evidence {
+            mac.update(&(part.len() as u64).to_be_bytes());
+            mac.update(part);
+        }
+        Owner(format!("hmac:{}", hex::encode(mac.finalize().into_bytes())))
+    }
+
+    /// Accepts the stored form (`anonymous`, `hmac:<64 hex>`) as given by an
+    /// operator; anything else is not an owner.
+    pub fn parse_stored(value: &str) -> Option<Self> {
         if value == Self::ANONYMOUS {
-            return Owner(value.to_owned());
+            return Some(Self::anonymous());
         }
-        match value.strip_prefix("sha256:") {
-            Some(h) if h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()) => {
-                Owner(format!("sha256:{}", h.to_ascii_lowercase()))
-            }
-            _ => Self::from_header(Some(value.as_bytes())),
-        }
+        let hex = value.strip_prefix("hmac:")?;
+        (hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+            .then(|| Owner(format!("hmac:{}", hex.to_ascii_lowercase())))
     }
 
     /// Rebuilds an owner read back from storage.
@@ -202,13 +229,26 @@ mod tests {
     }
 
     #[test]
-    fn owner_is_hashed_never_raw() {
-        let owner = Owner::from_header(Some(b"Bearer secret"));
-        assert!(owner.as_str().starts_with("sha256:"));
+    fn owner_is_a_salted_digest_never_raw() {
+        let salt = OwnerSalt::new(b"a deployment's secret, 32 bytes!");
+        let owner = Owner::of(&salt, &[b"header:authorization", b"Bearer secret"]);
+        assert!(owner.as_str().starts_with("hmac:"));
         assert!(!owner.as_str().contains("secret"));
-        assert_eq!(Owner::from_admin_query("Bearer secret"), owner);
-        assert_eq!(Owner::from_admin_query(owner.as_str()), owner);
-        assert_eq!(Owner::from_header(None).as_str(), "anonymous");
+        assert_eq!(Owner::parse_stored(owner.as_str()), Some(owner.clone()));
+        assert_eq!(Owner::parse_stored("Bearer secret"), None);
+        assert_eq!(Owner::anonymous().as_str(), "anonymous");
+        // Another deployment's salt, another source, or the same bytes split
+        // otherwise: another owner.
+        let other_salt = OwnerSalt::new(b"another deployment's secret.....");
+        assert_ne!(
+            Owner::of(&other_salt, &[b"header:authorization", b"Bearer secret"]),
+            owner
+        );
+        assert_ne!(Owner::of(&salt, &[b"cookie:sid", b"Bearer secret"]), owner);
+        assert_ne!(
+            Owner::of(&salt, &[b"header:authorizationBearer", b" secret"]),
+            owner
+        );
     }
 
     mod props {
@@ -236,13 +276,14 @@ mod tests {
             }
 
             #[test]
-            fn owners_are_anonymous_or_a_digest(raw in proptest::collection::vec(any::<u8>(), 0..200), query in ".{0,100}") {
-                for owner in [Owner::from_header(Some(&raw)), Owner::from_admin_query(&query)] {
-                    let s = owner.as_str();
-                    prop_assert!(
-                        s == Owner::ANONYMOUS
-                            || (s.len() == 71 && s.starts_with("sha256:") && s[7..].bytes().all(|b| b.is_ascii_hexdigit()))
-                    );
+            fn owners_are_a_digest_and_read_back_from_storage(raw in proptest::collection::vec(any::<u8>(), 0..200), text in ".{0,100}") {
+                let owner = Owner::of(&OwnerSalt::new(b"props"), &[b"header:x", &raw]);
+                let s = owner.as_str();
+                prop_assert!(s.len() == 69 && s.starts_with("hmac:") && s[5..].bytes().all(|b| b.is_ascii_hexdigit()));
+                prop_assert_eq!(Owner::parse_stored(s), Some(owner.clone()));
+                // Any other text is an owner only in the stored forms.
+                if let Some(parsed) = Owner::parse_stored(&text) {
+                    prop_assert!(parsed.as_str() == Owner::ANONYMOUS || parsed.as_str().starts_with("hmac:"));
                 }
             }
         }

@@ -102,7 +102,7 @@ where
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
-        let answer = match opt_in::classify(&self.shared.config.routes, req) {
+        let answer = match opt_in::classify(&self.shared.config.routes, &self.shared.trust, req) {
             // Straight to the upstream: no clone of it, no box, and none of
             // the opted-in flow's state (kilobytes) allocated for a request
             // that does not need it.
@@ -122,7 +122,7 @@ where
                 let attempts = self.attempts.clone();
                 Answer::Guarded {
                     answer: Box::pin(async move {
-                        match opt_in::prepare(&shared.config.owner_header, opted).await {
+                        match opt_in::prepare(&shared.trust, opted).await {
                             Ok(request) => flow::run(shared, request, attempts).await,
                             Err(error) => error.into_response(),
                         }

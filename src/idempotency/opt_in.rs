@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::{HeaderName, HeaderValue, Request};
+use http::{HeaderValue, Request};
 use tracing::Span;
 
 use crate::config::routes::{self, Route};
@@ -17,6 +17,7 @@ use crate::domain::key::{IdempotencyKey, Owner};
 use crate::proxy::error::{ClientError, GatewayError};
 use crate::proxy::http::{collect_limited, Body, IDEMPOTENCY_KEY};
 use crate::proxy::upstream::Target;
+use crate::trust::Trust;
 
 /// What a request is, told from its head.
 pub enum Classified {
@@ -53,11 +54,19 @@ pub struct Keyed {
     pub span: Span,
 }
 
-/// Tells pass-through from opted-in by the first route that matches.
-pub fn classify(routes: &[Arc<Route>], req: Request<Body>) -> Classified {
+/// Tells pass-through from opted-in by the first route that matches. On a
+/// route that serves only proven clients, the client is proven first,
+/// keyed request or not (`docs/design.md` §15).
+pub fn classify(routes: &[Arc<Route>], trust: &Trust, mut req: Request<Body>) -> Classified {
     let Some(route) = routes::find(routes, req.method(), req.uri().path()) else {
         return Classified::PassThrough(req);
     };
+    if route.require_client {
+        match trust.prove_client(req.headers()) {
+            Ok(client) => drop(req.extensions_mut().insert(client)),
+            Err(refused) => return Classified::Refused(refused.into()),
+        }
+    }
     let key = match req.headers().get(IDEMPOTENCY_KEY) {
         None if route.require_key => return Classified::Refused(ClientError::MissingKey.into()),
         None => {
@@ -78,12 +87,13 @@ pub fn classify(routes: &[Arc<Route>], req: Request<Body>) -> Classified {
     })
 }
 
-/// Reads what the decision needs: the owner (from `owner_header`), the body
-/// (within the route's limit, `413` past it) and the fingerprint.
-pub async fn prepare(owner_header: &HeaderName, opted: OptedIn) -> Result<Keyed, GatewayError> {
+/// Reads what the decision needs: the owner (as the route's owner rule
+/// says, `401` when it cannot be established), the body (within the route's
+/// limit, `413` past it) and the fingerprint.
+pub async fn prepare(trust: &Trust, opted: OptedIn) -> Result<Keyed, GatewayError> {
     let OptedIn { route, key, req } = opted;
-    let owner = Owner::from_header(req.headers().get(owner_header).map(HeaderValue::as_bytes));
     let (parts, body) = req.into_parts();
+    let owner = trust.owner(&route.owner, &parts)?;
     let body = collect_limited(body, route.body_limit)
         .await
         .map_err(ClientError::from)?;

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{HeaderName, StatusCode};
+use http::StatusCode;
 use uuid::Uuid;
 
 use super::execute::{self, Runner};
@@ -15,6 +15,7 @@ use super::recording::join::Live;
 use super::replay::tiers::Replays;
 use crate::config::Route;
 use crate::store::{Doorbell, Store};
+use crate::trust::Trust;
 use crate::upkeep::lease::Leases;
 use crate::upkeep::probe::ProbeBoard;
 
@@ -23,8 +24,6 @@ use crate::upkeep::probe::ProbeBoard;
 pub struct Config {
     /// Opt-in routes, most specific prefix first.
     pub routes: Vec<Arc<Route>>,
-    /// The request header the owner is derived from.
-    pub owner_header: HeaderName,
     /// 409 (default) or 422 (the IETF draft) for a key reused with another
     /// request.
     pub mismatch_status: StatusCode,
@@ -57,6 +56,8 @@ pub struct Runtime {
     pub leases: Arc<Leases>,
     /// This gateway instance, recorded on the attempts it runs.
     pub instance: Uuid,
+    /// Who is asking: clients proven, owners established.
+    pub trust: Arc<Trust>,
 }
 
 /// The layer's configuration and components, shared by every request.
@@ -64,6 +65,7 @@ pub struct Shared {
     pub(super) config: Config,
     pub(super) store: Arc<dyn Store>,
     pub(super) probes: Arc<ProbeBoard>,
+    pub(super) trust: Arc<Trust>,
     pub(super) holds: Arc<Holds>,
     pub(super) live: Arc<Live>,
     pub(super) replays: Replays,
@@ -80,6 +82,7 @@ impl Shared {
             probes,
             leases,
             instance,
+            trust,
         } = runtime;
         let holds = Arc::new(Holds::new(store.clone(), doorbell.clone(), config.hold));
         let live = Arc::new(Live::new(
@@ -101,6 +104,7 @@ impl Shared {
             config,
             store,
             probes,
+            trust,
             holds,
             live,
             replays,

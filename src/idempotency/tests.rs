@@ -234,10 +234,19 @@ fn gateway(
     (service, faults, store, upstream)
 }
 
+/// The flags these tests run with: their requests are one tenant's, sent
+/// without credentials (owners are tested in `tests/it/owners.rs`).
+fn anonymous() -> Flags {
+    Flags {
+        allow_anonymous: true,
+        ..Flags::default()
+    }
+}
+
 /// The layer over the faulty in-memory store, configured by `toml`.
 fn layer(toml: &str, faults: Faults) -> (IdempotencyLayer, Arc<Faults>, Arc<dyn Store>) {
     let settings =
-        Settings::from_sources(Settings::parse_file(toml).unwrap(), Flags::default()).unwrap();
+        Settings::from_sources(Settings::parse_file(toml).unwrap(), anonymous()).unwrap();
     let doorbell = Arc::new(Doorbell::default());
     let faults = Arc::new(faults);
     let store: Arc<dyn Store> = Arc::new(Faulty {
@@ -253,6 +262,9 @@ fn layer(toml: &str, faults: Faults) -> (IdempotencyLayer, Arc<Faults>, Arc<dyn 
             probes: Arc::default(),
             leases: Arc::default(),
             instance: Uuid::nil(),
+            trust: Arc::new(crate::trust::Trust::with_salt(
+                crate::domain::key::OwnerSalt::new(b"test salt, not a secret"),
+            )),
         },
     ));
     (IdempotencyLayer::new(shared), faults, store)
@@ -316,7 +328,7 @@ async fn a_client_that_hangs_up_right_after_the_job_is_begun_does_not_block_its_
     request.abort();
     let _ = request.await;
     upstream.release("primary");
-    let owner = Owner::from_header(None);
+    let owner = Owner::anonymous();
     let key = IdempotencyKey::new("gone").unwrap();
     let mut job = None;
     for _ in 0..100 {

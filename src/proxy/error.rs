@@ -54,6 +54,20 @@ pub enum ClientError {
         /// When to try again.
         retry_after: Duration,
     },
+    /// A keyed request whose owner could not be established, on a route
+    /// that does not allow anonymous owners.
+    #[error("this route needs to know who owns the key: send {expected}")]
+    OwnerMissing {
+        /// The sources the route reads, in words.
+        expected: String,
+    },
+    /// The route serves only clients that prove themselves with a client
+    /// key, and none was presented (or it matched no client).
+    #[error("this route serves only the gateway's clients: send your client key in the {header} header (as `Bearer <key>`)")]
+    ClientUnproven {
+        /// Where the key goes.
+        header: String,
+    },
 }
 
 impl From<CollectError> for ClientError {
@@ -167,6 +181,16 @@ impl ClientError {
                 "Outcome of an earlier attempt unknown",
             )
             .retry_after(*retry_after),
+            ClientError::OwnerMissing { .. } => p(
+                StatusCode::UNAUTHORIZED,
+                "owner-required",
+                "Who owns this Idempotency-Key could not be established",
+            ),
+            ClientError::ClientUnproven { .. } => p(
+                StatusCode::UNAUTHORIZED,
+                "client-unauthenticated",
+                "This route serves only the gateway's clients",
+            ),
         }
     }
 }
@@ -271,6 +295,13 @@ impl GatewayError {
             &self.to_string(),
             problem.retry_after,
         );
+        if problem.status == StatusCode::UNAUTHORIZED {
+            // RFC 9110 §15.5.2: a 401 says how to authenticate.
+            response.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"idemgate\""),
+            );
+        }
         response.extensions_mut().insert(Outcome::Problem);
         response
     }

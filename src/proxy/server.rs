@@ -29,20 +29,22 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tower::{Service, ServiceExt};
 
-use crate::config::Limits;
+use crate::config::{Limits, TrustedProxies};
 use crate::proxy::http::BoxError;
 use crate::proxy::http::ClientAddr;
 
 /// Serves `service` on every connection `listener` accepts (HTTP/1.1 and
 /// HTTP/2) within `limits`, tagging each request with the peer's address,
 /// until `shutdown` resolves; then stops accepting and lets open connections
-/// finish, for `grace` at most.
+/// finish, for `grace` at most. A peer among `trusted` is a proxy whose
+/// forwarding headers are believed.
 pub async fn serve<S, B>(
     listener: TcpListener,
     service: S,
     shutdown: impl Future<Output = ()>,
     grace: Duration,
     limits: Limits,
+    trusted: TrustedProxies,
 ) where
     S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
         + Clone
@@ -55,7 +57,7 @@ pub async fn serve<S, B>(
     B::Error: Into<BoxError>,
 {
     let graceful = GracefulShutdown::new();
-    let protocols = Protocols::new(&limits);
+    let protocols = Protocols::new(&limits, trusted);
     let room = Arc::new(Semaphore::new(limits.max_connections));
     tokio::pin!(shutdown);
     loop {
@@ -115,10 +117,11 @@ struct Protocols {
     /// How long a new connection may take to show which protocol it speaks
     /// (the header read timeout).
     opening_timeout: Duration,
+    trusted: Arc<TrustedProxies>,
 }
 
 impl Protocols {
-    fn new(limits: &Limits) -> Self {
+    fn new(limits: &Limits, trusted: TrustedProxies) -> Self {
         let mut h1 = http1::Builder::new();
         h1.timer(TokioTimer::new())
             .header_read_timeout(limits.header_read_timeout)
@@ -132,6 +135,7 @@ impl Protocols {
             h1,
             h2,
             opening_timeout: limits.header_read_timeout,
+            trusted: Arc::new(trusted),
         }
     }
 
@@ -156,7 +160,7 @@ impl Protocols {
         B::Data: Send,
         B::Error: Into<BoxError>,
     {
-        let client = ClientAddr::new(peer);
+        let client = ClientAddr::new(peer, self.trusted.contains(peer.ip()));
         let tagged = tower::service_fn(move |mut req: Request<Incoming>| {
             req.extensions_mut().insert(client.clone());
             service.clone().oneshot(req)

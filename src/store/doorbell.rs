@@ -248,7 +248,7 @@ mod tests {
     fn test_job() -> Job {
         Job {
             id: JobId::new(),
-            owner: crate::domain::key::Owner::from_header(None),
+            owner: crate::domain::key::Owner::anonymous(),
             key: crate::domain::key::IdempotencyKey::new("k").unwrap(),
             fingerprint: crate::domain::fingerprint::Fingerprint([0; 32]),
             route: "r".into(),

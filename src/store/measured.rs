@@ -135,13 +135,17 @@ mod tests {
     use super::*;
     use crate::domain::attempt::{AttemptFailure, Resolution};
     use crate::domain::fingerprint::Fingerprint;
+    use crate::domain::key::OwnerSalt;
     use crate::store::memory::Memory;
     use crate::store::{Doorbell, Machine, Store};
 
     fn new_job() -> NewJob {
         NewJob {
             id: JobId::new(),
-            owner: Owner::from_header(Some(b"Bearer measured")),
+            owner: Owner::of(
+                &OwnerSalt::new(b"test salt, not a secret"),
+                &[b"Bearer measured"],
+            ),
             key: IdempotencyKey::new("measured").unwrap(),
             fingerprint: Fingerprint([7; 32]),
             route: "default".into(),

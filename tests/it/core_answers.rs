@@ -155,9 +155,14 @@ async fn owners_are_isolated_and_stored_only_as_hashes(store: TestStore) {
     let owners = store.column("SELECT owner FROM jobs").await;
     assert_eq!(owners.len(), 3);
     assert!(owners.iter().all(|o| !o.contains("secret")));
-    assert!(owners.iter().filter(|o| o.starts_with("sha256:")).count() == 2);
+    // Salted digests (HMAC-SHA256 under the deployment's salt), never the
+    // plain SHA-256 of the credential, which a guess could be checked against.
+    assert_eq!(owners.iter().filter(|o| o.starts_with("hmac:")).count(), 2);
+    use sha2::Digest;
+    let plain = hex::encode(sha2::Sha256::digest(b"Bearer alice-secret"));
+    assert!(owners.iter().all(|o| !o.contains(&plain)));
 
-    // The admin API finds a job by the raw owner value, hashing it itself.
+    // The admin API finds a job by the raw owner value, digesting it itself.
     let found = gateway
         .admin(
             Method::GET,

@@ -83,7 +83,7 @@ async fn the_database_and_redis_hold_no_plaintext_response() {
     assert_eq!(values, vec![b"a".to_vec()], "only the key id");
 
     let (owner, key) = (
-        idemgate::domain::key::Owner::from_header(None),
+        idemgate::domain::key::Owner::anonymous(),
         idemgate::domain::key::IdempotencyKey::new("sealed-1").unwrap(),
     );
     let binding = idemgate::idempotency::fastpath::Binding::of(&owner, &key);
@@ -174,8 +174,11 @@ async fn bodies_credentials_and_keys_never_reach_the_logs() {
             .unset("upstreams")
             .tables(&format!(
                 "[[upstreams]]\nname = \"provider\"\nurl = {:?}\n\
-                 [upstreams.headers]\nx-api-key = {{ env = \"PROVIDER_KEY\" }}\n",
-                upstream.url()
+                 [upstreams.headers]\nx-api-key = {{ env = \"PROVIDER_KEY\" }}\n\
+                 [[clients]]\nname = \"app\"\nkey_sha256 = {{ value = {:?} }}\n\
+                 [[routes]]\npath_prefix = \"/v1\"\nrequire_client = true\n",
+                upstream.url(),
+                crate::support::sha256_hex("AUTH-SECRET-55d1"),
             ))
             .env("PROVIDER_KEY", "PROVIDER-SECRET-91c2")
             .env("RUST_LOG", "debug")

@@ -12,7 +12,9 @@ use tokio::sync::Barrier;
 use crate::support::chat::{Drift, Provider, Timing};
 use crate::support::gateway::Builder;
 use crate::support::upstream::{echo_response, json_response};
-use crate::support::{eventually, post, send, FakeUpstream, Gate, Gateway, Reply, TestStore};
+use crate::support::{
+    eventually, post, send, sha256_hex, FakeUpstream, Gate, Gateway, Reply, TestStore,
+};
 
 const WAIT: Duration = Duration::from_secs(10);
 const CHAT_BODY: &str = r#"{"model": "default", "temperature": 0, "messages": [{"role": "user", "content": "Capital of France?"}]}"#;
@@ -404,8 +406,11 @@ async fn provider_credentials_come_from_the_environment_not_the_client() {
         .unset("upstreams")
         .env("TEST_PROVIDER_KEY", "sk-provider-secret")
         .tables(&format!(
-            "[[upstreams]]\nname = \"provider\"\nurl = {:?}\n[upstreams.headers]\nauthorization = {{ env = \"TEST_PROVIDER_KEY\", prefix = \"Bearer \" }}\n",
-            provider.url()
+            "[[upstreams]]\nname = \"provider\"\nurl = {:?}\n[upstreams.headers]\nauthorization = {{ env = \"TEST_PROVIDER_KEY\", prefix = \"Bearer \" }}\n\
+             [[clients]]\nname = \"app\"\nkey_sha256 = {{ value = {:?} }}\n\
+             [[routes]]\npath_prefix = \"/v1\"\nrequire_client = true\n",
+            provider.url(),
+            sha256_hex("client-token"),
         ))
         .start()
         .await;
@@ -423,6 +428,32 @@ async fn provider_credentials_come_from_the_environment_not_the_client() {
     assert_eq!(
         provider.recorded()[0].header("authorization"),
         Some("Bearer sk-provider-secret")
+    );
+    // A caller without the client key gets 401, and the provider nothing;
+    // a request on no route goes to the first upstream without the key.
+    for (path, key) in [("/v1/x", Some("creds-2")), ("/v1/y", None)] {
+        let headers: Vec<(&str, &str)> = key.map(|k| ("idempotency-key", k)).into_iter().collect();
+        let refused = send(Method::POST, &gateway.path(path), &headers, "{}").await;
+        assert_eq!(
+            (refused.status, refused.problem().as_str()),
+            (401, "client-unauthenticated")
+        );
+    }
+    assert_eq!(provider.recorded().len(), 1);
+    let elsewhere = send(
+        Method::GET,
+        &gateway.path("/health"),
+        &[("authorization", "Bearer client-token")],
+        "",
+    )
+    .await;
+    assert_eq!(elsewhere.status, 200);
+    let seen = provider.recorded();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(
+        seen[1].header("authorization"),
+        Some("Bearer client-token"),
+        "passed through as sent: the provider's key is not added"
     );
 
     let missing = Gateway::builder(&store, "http://unused")
@@ -490,6 +521,7 @@ async fn the_worked_chat_example_runs_against_local_providers() {
             .files_from(&chat_dir())
             .env("PROVIDER_A_API_KEY", "sk-a")
             .env("PROVIDER_B_API_KEY", "sk-b")
+            .env("CHAT_APP_KEY_SHA256", &sha256_hex(CHAT_APP_KEY))
             .tables(&example)
     };
     let out = builder().run("verify-providers").await;
@@ -502,16 +534,37 @@ async fn the_worked_chat_example_runs_against_local_providers() {
     let gateway = builder().start().await;
     probed(&gateway, "provider-a", true).await;
     probed(&gateway, "provider-b", false).await;
-    let reply = chat(&gateway, "example-1").await;
-    assert_eq!(reply.status, 200);
-    assert_eq!(model(&reply), "provider-a");
-    assert_eq!(a.calls()[0].header("authorization"), Some("Bearer sk-a"));
-    let missing_key = send(
+    let url = gateway.path("/v1/chat/completions");
+    let as_app = format!("Bearer {CHAT_APP_KEY}");
+    let reply = send(
         Method::POST,
-        &gateway.path("/v1/chat/completions"),
-        &[],
+        &url,
+        &[("idempotency-key", "example-1"), ("authorization", &as_app)],
         CHAT_BODY,
     )
     .await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(model(&reply), "provider-a");
+    assert_eq!(a.calls()[0].header("authorization"), Some("Bearer sk-a"));
+    let calls = a.calls().len();
+    // Only the gateway's clients may spend the providers' keys.
+    for who in [None, Some("Bearer someone-else")] {
+        let headers: Vec<(&str, &str)> = [("idempotency-key", "example-2")]
+            .into_iter()
+            .chain(who.map(|w| ("authorization", w)))
+            .collect();
+        let refused = send(Method::POST, &url, &headers, CHAT_BODY).await;
+        assert_eq!(refused.status, 401);
+        assert_eq!(refused.problem(), "client-unauthenticated");
+    }
+    assert_eq!(
+        a.calls().len(),
+        calls,
+        "no provider call for an unproven caller"
+    );
+    let missing_key = send(Method::POST, &url, &[("authorization", &as_app)], CHAT_BODY).await;
     assert_eq!(missing_key.problem(), "idempotency-key-missing");
 }
+
+/// The worked example's client key; its digest is what the gateway holds.
+const CHAT_APP_KEY: &str = "chat-app-key-for-tests";

@@ -17,16 +17,13 @@ use crate::support::{eventually, post, FakeUpstream, Gateway, TestStore, Throwaw
 const WAIT: Duration = Duration::from_secs(10);
 
 fn binding(key: &str) -> Binding {
-    Binding::of(
-        &Owner::from_header(None),
-        &IdempotencyKey::new(key).unwrap(),
-    )
+    Binding::of(&Owner::anonymous(), &IdempotencyKey::new(key).unwrap())
 }
 
 fn redis_key(key: &str) -> String {
     fastpath::redis_key(
         &binding(key),
-        &Owner::from_header(None),
+        &Owner::anonymous(),
         &IdempotencyKey::new(key).unwrap(),
     )
 }

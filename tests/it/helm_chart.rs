@@ -10,7 +10,7 @@ use serde_json::Value;
 
 use crate::support::chart::{self, Manifest, Pod, Secrets};
 use crate::support::redis::free_port;
-use crate::support::{post, send, FakeUpstream, TestDb, ThrowawayRedis};
+use crate::support::{send, FakeUpstream, TestDb, ThrowawayRedis};
 
 /// The oldest Kubernetes the chart supports (native sidecars, the preStop
 /// sleep action) and the newest the validator knows.
@@ -280,9 +280,18 @@ async fn exercise(
     pod.pass("readinessProbe").await;
 
     let url = pod.url(&Value::from("http"), "/v1/jobs");
-    let first = post(&url, "chart-1", r#"{"n":1}"#).await;
+    // As a client of the API would: its credential names the key's owner.
+    let as_alice = || async {
+        let headers = [
+            ("idempotency-key", "chart-1"),
+            ("content-type", "application/json"),
+            ("authorization", "Bearer alice"),
+        ];
+        send(http::Method::POST, &url, &headers, r#"{"n":1}"#).await
+    };
+    let first = as_alice().await;
     assert_eq!(first.status, 200, "{:?}\n{}", first.body, pod.log());
-    let again = post(&url, "chart-1", r#"{"n":1}"#).await;
+    let again = as_alice().await;
     assert_eq!(again.status, 200);
     assert_eq!(
         again.body, first.body,
@@ -344,9 +353,14 @@ async fn the_rendered_deployment_pod_runs_on_postgresql_and_redis_as_the_manifes
     let mut pod = exercise(&m, spec, container, &secrets, &upstream).await;
 
     // The admin token from the Secret guards the job API.
-    let job = post(
+    let job = send(
+        http::Method::POST,
         &pod.url(&Value::from("http"), "/v1/jobs"),
-        "chart-1",
+        &[
+            ("idempotency-key", "chart-1"),
+            ("content-type", "application/json"),
+            ("authorization", "Bearer alice"),
+        ],
         r#"{"n":1}"#,
     )
     .await

@@ -24,7 +24,7 @@ use crate::support::{
 const WAIT: Duration = Duration::from_secs(20);
 
 fn owner() -> Owner {
-    Owner::from_header(None)
+    Owner::anonymous()
 }
 
 fn key(k: &str) -> IdempotencyKey {

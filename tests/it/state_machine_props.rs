@@ -17,7 +17,7 @@ use idemgate::domain::attempt::{AttemptFailure, AttemptState, NewAttempt, Resolu
 use idemgate::domain::fingerprint::Fingerprint;
 use idemgate::domain::id::{AttemptId, JobId};
 use idemgate::domain::job::{JobDetail, JobState, NewJob};
-use idemgate::domain::key::{IdempotencyKey, Owner};
+use idemgate::domain::key::{IdempotencyKey, Owner, OwnerSalt};
 use idemgate::domain::response::StoredResponse;
 use idemgate::store::memory::Memory;
 use idemgate::store::{Begin, Doorbell, Machine, Store, StoreErrorKind};
@@ -302,7 +302,7 @@ async fn run_case(store: Arc<dyn Store>, ops: &[Op], base: u128) -> Result<(), T
     ));
     let mut case = Case {
         key: IdempotencyKey::new(format!("props-{base:x}")).unwrap(),
-        owner: Owner::from_header(Some(b"props")),
+        owner: Owner::of(&OwnerSalt::new(b"test salt, not a secret"), &[b"props"]),
         next_attempt: 0,
         base,
     };

@@ -13,14 +13,17 @@ use idemgate::domain::attempt::{AttemptFailure, AttemptState, NewAttempt, Resolu
 use idemgate::domain::fingerprint::Fingerprint;
 use idemgate::domain::id::{AttemptId, JobId};
 use idemgate::domain::job::{JobState, NewJob};
-use idemgate::domain::key::{IdempotencyKey, Owner};
+use idemgate::domain::key::{IdempotencyKey, Owner, OwnerSalt};
 use idemgate::domain::response::StoredResponse;
 use idemgate::store::{Begin, CommitOutcome, Doorbell, Store, StoreError};
 
 fn new_job(key: &str) -> NewJob {
     NewJob {
         id: JobId::new(),
-        owner: Owner::from_header(Some(b"Bearer conformance")),
+        owner: Owner::of(
+            &OwnerSalt::new(b"test salt, not a secret"),
+            &[b"Bearer conformance"],
+        ),
         key: IdempotencyKey::new(key).unwrap(),
         fingerprint: Fingerprint([7; 32]),
         route: "default".into(),
@@ -84,7 +87,10 @@ pub async fn begin_creates_once_then_finds(store: Arc<dyn Store>) {
     }
     let found = store
         .find_job(
-            &Owner::from_header(Some(b"Bearer conformance")),
+            &Owner::of(
+                &OwnerSalt::new(b"test salt, not a secret"),
+                &[b"Bearer conformance"],
+            ),
             &IdempotencyKey::new("once").unwrap(),
         )
         .await
@@ -94,7 +100,7 @@ pub async fn begin_creates_once_then_finds(store: Arc<dyn Store>) {
     assert_eq!(found.attempts.len(), 1);
     // Another owner, same key: another job.
     let mut other = new_job("once");
-    other.owner = Owner::from_header(None);
+    other.owner = Owner::anonymous();
     assert!(matches!(
         store.begin_job(other, new_attempt()).await.unwrap(),
         Begin::Created(..)

@@ -98,6 +98,8 @@ env:
   - name: IDEMGATE_REDIS_URL
     valueFrom: { secretKeyRef: { name: {{ . }}, key: {{ $.Values.redis.key }} } }
 {{- end }}
+  - name: IDEMGATE_OWNER_SALT
+    valueFrom: { secretKeyRef: { name: {{ .Values.ownerSalt.existingSecret | default (include "idemgate.fullname" .) }}, key: {{ .Values.ownerSalt.key }} } }
 {{- with include "idemgate.secretName" (list . "admin") }}
   - name: IDEMGATE_ADMIN_TOKEN
     valueFrom: { secretKeyRef: { name: {{ . }}, key: {{ $.Values.admin.key }} } }

@@ -180,7 +180,7 @@ mod tests {
     }
 
     fn at() -> (Owner, IdempotencyKey) {
-        (Owner::from_header(None), IdempotencyKey::new("k").unwrap())
+        (Owner::anonymous(), IdempotencyKey::new("k").unwrap())
     }
 
     #[test]

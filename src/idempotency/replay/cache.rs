@@ -179,11 +179,12 @@ impl Equivalent<Slot> for Borrowed<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::domain::key::OwnerSalt;
     use bytes::Bytes;
     use std::time::Duration;
 
     fn owner() -> Owner {
-        Owner::from_header(None)
+        Owner::anonymous()
     }
 
     fn key(k: &str) -> IdempotencyKey {
@@ -234,7 +235,10 @@ mod tests {
         let now = SystemTime::now();
         assert_eq!(answers.get(&owner(), &key("a"), now).unwrap().job, job);
         assert!(answers.get(&owner(), &key("b"), now).is_none());
-        let other = Owner::from_header(Some(b"someone else"));
+        let other = Owner::of(
+            &OwnerSalt::new(b"test salt, not a secret"),
+            &[b"someone else"],
+        );
         assert!(answers.get(&other, &key("a"), now).is_none());
     }
 

@@ -87,6 +87,9 @@ mod tests {
     use http_body_util::BodyExt;
     use tokio_util::sync::CancellationToken;
 
+    use crate::domain::key::OwnerSalt;
+    use crate::trust::Trust;
+
     use std::sync::Arc;
 
     use bytes::Bytes;
@@ -239,6 +242,7 @@ mod tests {
             upstreams: Vec::new(),
             probes: Arc::default(),
             tasks,
+            trust: Arc::new(Trust::with_salt(OwnerSalt::new(b"test salt, not a secret"))),
         });
         tokio::time::sleep(Duration::from_millis(10)).await;
 
@@ -282,6 +286,7 @@ mod tests {
             upstreams: Vec::new(),
             probes: Arc::default(),
             tasks,
+            trust: Arc::new(Trust::with_salt(OwnerSalt::new(b"test salt, not a secret"))),
         });
         let (status, body) = readyz(&admin).await;
         assert_eq!(status, StatusCode::OK);

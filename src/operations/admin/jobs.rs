@@ -68,7 +68,14 @@ impl Admin {
         if query.state.is_some() {
             return self.inbox(query).await;
         }
-        let owner = Owner::from_admin_query(query.owner.as_deref().unwrap_or(Owner::ANONYMOUS));
+        let owner = match query.owner.as_deref() {
+            None => Owner::anonymous(),
+            Some(text) => self.trust.owner_from_admin(text).ok_or_else(|| {
+                AdminError::bad_request(
+                    "`owner` is not an owner: give its stored form (anonymous, hmac:<hex>) or the raw value [owner]'s first source reads",
+                )
+            })?,
+        };
         let key = query
             .key
             .ok_or_else(|| AdminError::bad_request("the `key` query parameter is required"))?;

@@ -28,6 +28,7 @@ use crate::config::UpstreamSettings;
 use crate::operations::console;
 use crate::proxy::http::{collect_limited, Body};
 use crate::store::Store;
+use crate::trust::Trust;
 use crate::upkeep::probe::ProbeBoard;
 use crate::upkeep::supervise::Supervisor;
 use crate::BoxError;
@@ -55,6 +56,8 @@ pub struct Admin {
     pub probes: Arc<ProbeBoard>,
     /// The background tasks, whose health `/readyz` reports.
     pub tasks: Supervisor,
+    /// How an owner written in a query is read.
+    pub trust: Arc<Trust>,
 }
 
 impl Admin {

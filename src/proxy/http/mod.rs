@@ -107,16 +107,39 @@ pub enum Outcome {
 pub struct ClientAddr {
     /// Its socket address.
     pub addr: SocketAddr,
+    /// Whether it is one of the `trusted_proxies`: only then are its
+    /// forwarding headers (and `trusted_header` owners) believed.
+    pub trusted: bool,
     /// Its IP as a header value, made once per connection rather than per
     /// forwarded request.
     pub(crate) ip: HeaderValue,
+    /// Its `Forwarded` element (`for=192.0.2.7`, `for="[2001:db8::1]"`).
+    pub(crate) forwarded_for: HeaderValue,
 }
 
 impl ClientAddr {
-    /// The address of a client connected from `addr`.
-    pub fn new(addr: SocketAddr) -> Self {
+    /// The address of a client connected from `addr`, a trusted proxy or not.
+    pub fn new(addr: SocketAddr, trusted: bool) -> Self {
         let ip = HeaderValue::try_from(addr.ip().to_string())
             .expect("an IP address is a valid header value");
-        ClientAddr { addr, ip }
+        let element = match addr.ip() {
+            std::net::IpAddr::V4(v4) => format!("for={v4}"),
+            std::net::IpAddr::V6(v6) => format!("for=\"[{v6}]\""),
+        };
+        let forwarded_for =
+            HeaderValue::try_from(element).expect("an IP address is a valid header value");
+        ClientAddr {
+            addr,
+            trusted,
+            ip,
+            forwarded_for,
+        }
     }
 }
+
+/// A client of the gateway that proved itself with its client key
+/// (`docs/design.md` §15), put into request extensions on a route that
+/// requires one. Only a request carrying it is sent with an upstream's
+/// injected credentials.
+#[derive(Debug, Clone)]
+pub struct ProvenClient(pub std::sync::Arc<str>);

@@ -16,7 +16,7 @@ use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{header, HeaderName, HeaderValue, Request, Response, Uri};
+use http::{header, HeaderMap, HeaderName, HeaderValue, Request, Response, Uri};
 use http_body_util::BodyExt;
 use hyper_rustls::HttpsConnectorBuilder;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -25,7 +25,7 @@ use tokio::sync::watch;
 use self::pool::Pool;
 
 use crate::config::{UpstreamId, UpstreamSettings};
-use crate::proxy::http::{hop, Body, ClientAddr};
+use crate::proxy::http::{hop, Body, ClientAddr, ProvenClient};
 use crate::BoxError;
 
 /// Which upstream a request goes to, put into request extensions by the
@@ -143,31 +143,22 @@ impl Upstream {
         };
         // Origin form: the connection already goes to the base's authority.
         *req.uri_mut() = path_and_query.map_or_else(|| Uri::from_static("/"), Uri::from);
-        let client = req.extensions().get::<ClientAddr>().map(|c| c.ip.clone());
+        let client = req.extensions().get::<ClientAddr>().cloned();
+        let proven = req.extensions().get::<ProvenClient>().is_some();
         let headers = req.headers_mut();
-        hop::strip(headers);
-        if let Some(host) = headers.insert(header::HOST, self.host.clone()) {
-            headers.insert(X_FORWARDED_HOST, host);
-        }
-        if let Some(ip) = client {
-            let forwarded = match headers.get(X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
-                Some(prior) => {
-                    HeaderValue::try_from(format!("{prior}, {}", ip.to_str().unwrap_or_default()))
-                        .ok()
-                }
-                None => Some(ip),
-            };
-            if let Some(v) = forwarded {
-                headers.insert(X_FORWARDED_FOR, v);
-            }
-        }
-        // The scheme the client used to reach the gateway (plain HTTP).
-        headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+        // Hop-by-hop headers were removed as the request came in, before the
+        // gateway added its own (docs/design.md §15), so a client's
+        // `Connection` header cannot remove those.
+        let host = headers.insert(header::HOST, self.host.clone());
+        forwarding(headers, client.as_ref(), host);
         // The trace continues upstream from the current span (the attempt's).
         crate::telemetry::trace::propagate(headers);
-        // The upstream's own credentials, which clients never hold.
-        for (name, value) in &self.target.headers {
-            headers.insert(name.clone(), value.clone());
+        // The upstream's own headers; its credentials (which clients never
+        // hold) only for a client that proved itself (docs/design.md §15).
+        if !self.target.credentials || proven {
+            for (name, value) in &self.target.headers {
+                headers.insert(name.clone(), value.clone());
+            }
         }
         // HTTP/2 clients arrive with version 2; the upstream speaks HTTP/1.1.
         *req.version_mut() = http::Version::HTTP_11;
@@ -230,6 +221,56 @@ impl Future for ResponseFuture {
                 .take()
                 .expect("a ResponseFuture is not polled after it completed"))),
         }
+    }
+}
+
+/// The forwarding headers (`X-Forwarded-For`, `-Host`, `-Proto`,
+/// `Forwarded`): appended to when the peer is a trusted proxy, whose word
+/// they carry; otherwise what the client wrote is dropped and only what the
+/// gateway saw is sent, so a client cannot pass for another address.
+fn forwarding(headers: &mut HeaderMap, client: Option<&ClientAddr>, host: Option<HeaderValue>) {
+    let trusted = client.is_some_and(|c| c.trusted);
+    if !trusted {
+        for name in [
+            &X_FORWARDED_FOR,
+            &X_FORWARDED_HOST,
+            &X_FORWARDED_PROTO,
+            &header::FORWARDED,
+        ] {
+            headers.remove(name);
+        }
+    }
+    if let Some(host) = host {
+        if !headers.contains_key(X_FORWARDED_HOST) {
+            headers.insert(X_FORWARDED_HOST, host);
+        }
+    }
+    // The scheme the client used to reach the gateway (plain HTTP), unless a
+    // trusted proxy in front said otherwise.
+    if !headers.contains_key(X_FORWARDED_PROTO) {
+        headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+    }
+    let Some(client) = client else {
+        return;
+    };
+    append(headers, X_FORWARDED_FOR, &client.ip);
+    append(headers, header::FORWARDED, &client.forwarded_for);
+}
+
+/// `value` after what `name` already lists (comma-separated), or alone.
+fn append(headers: &mut HeaderMap, name: HeaderName, value: &HeaderValue) {
+    let joined = match headers.get(&name).map(HeaderValue::as_bytes) {
+        Some(prior) if !prior.is_empty() => {
+            let mut bytes = Vec::with_capacity(prior.len() + 2 + value.len());
+            bytes.extend_from_slice(prior);
+            bytes.extend_from_slice(b", ");
+            bytes.extend_from_slice(value.as_bytes());
+            HeaderValue::from_bytes(&bytes).ok()
+        }
+        _ => Some(value.clone()),
+    };
+    if let Some(joined) = joined {
+        headers.insert(name, joined);
     }
 }
 

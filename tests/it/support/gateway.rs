@@ -14,6 +14,18 @@ use super::{send, Reply, TestStore};
 
 pub const ADMIN_TOKEN: &str = "test-admin-token";
 
+/// What every gateway of the suite runs with, unless a test says otherwise:
+/// one salt for owner digests (replicas on one PostgreSQL must share it),
+/// and keyed requests without credentials allowed (most tests send none;
+/// `owners_required` turns that off, and `owners.rs` tests the default).
+pub const SUITE_ENV: [(&str, &str); 2] = [
+    (
+        "IDEMGATE_OWNER_SALT",
+        "dGhlIHRlc3Qgc3VpdGUncyBvd25lciBzYWx0",
+    ),
+    ("IDEMGATE_ALLOW_ANONYMOUS", "true"),
+];
+
 pub struct Gateway {
     child: Child,
     pub url: String,
@@ -168,6 +180,12 @@ impl Builder {
         self
     }
 
+    /// Keyed requests without an owner are refused, as by default (the
+    /// suite's gateways otherwise let them share the owner `anonymous`).
+    pub fn owners_required(self) -> Self {
+        self.env("IDEMGATE_ALLOW_ANONYMOUS", "false")
+    }
+
     /// Sets an environment variable for the gateway process.
     pub fn env(mut self, key: &str, value: &str) -> Self {
         self.env.push((key.to_owned(), value.to_owned()));
@@ -207,6 +225,7 @@ impl Builder {
             .arg(subcommand)
             .env_remove("IDEMGATE_DATABASE_URL")
             .env_remove("IDEMGATE_EMBEDDED_PATH")
+            .envs(SUITE_ENV)
             .envs(self.env.iter().cloned())
             .kill_on_drop(true)
             .output();
@@ -249,6 +268,7 @@ impl Builder {
             .env_remove("IDEMGATE_DATABASE_URL")
             .env_remove("IDEMGATE_EMBEDDED_PATH")
             .env_remove("IDEMGATE_UPSTREAM")
+            .envs(SUITE_ENV)
             .envs(self.env.iter().cloned())
             .stdout(Stdio::piped())
             .stderr(match &self.stderr_to {

@@ -179,3 +179,9 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// The SHA-256 of a client key, in hex: what `[[clients]] key_sha256` holds.
+pub fn sha256_hex(key: &str) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(key.as_bytes()))
+}

@@ -1,0 +1,433 @@
+//! Whom the gateway trusts, and for what (`docs/design.md` §15): the proxies
+//! whose forwarding headers are believed (`trusted_proxies`), the clients
+//! that may spend the operator's credentials (`[[clients]]`), where the
+//! owner of a key comes from (`[owner]`, per route `[routes.owner]`), and the
+//! secret owner digests are salted with (`[owner] salt`).
+
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::Arc;
+
+use http::HeaderName;
+use ipnet::IpNet;
+use jsonwebtoken::{Algorithm, DecodingKey, Validation};
+use serde::Deserialize;
+
+use super::{bad, header_name, ConfigError};
+
+/// Proxies in front of the gateway: their forwarding headers (and owner
+/// sources marked `trusted_header`) are believed; anyone else's are not.
+#[derive(Debug, Clone, Default)]
+pub struct TrustedProxies(Vec<IpNet>);
+
+impl TrustedProxies {
+    /// Whether a connection from `ip` comes from a trusted proxy.
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        let ip = match ip {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+            v4 => v4,
+        };
+        self.0.iter().any(|net| net.contains(&ip))
+    }
+}
+
+/// Where the owner of a key comes from, and whether a keyed request may go
+/// without one.
+#[derive(Debug, Clone)]
+pub struct OwnerRule {
+    /// Tried in order; the first that yields a value is the owner.
+    pub sources: Vec<OwnerSource>,
+    /// Keyed requests with no owner share the owner `anonymous` instead of
+    /// being refused.
+    pub allow_anonymous: bool,
+}
+
+/// One place an owner may be read from. Its label (`header:x-user`, …)
+/// is part of the owner's digest, so two sources never share an owner.
+#[derive(Debug, Clone)]
+pub enum OwnerSource {
+    /// A request header, as sent (`authorization` by default).
+    Header(HeaderName),
+    /// A cookie, by name.
+    Cookie(String),
+    /// A claim of a JWT whose signature verifies.
+    Jwt(Arc<JwtSource>),
+    /// A header believed only from a trusted proxy.
+    TrustedHeader(HeaderName),
+    /// The name of the client that proved itself with a client key.
+    Client,
+    /// Every one of these together (tenant header + user claim); all must be
+    /// present.
+    All(Vec<OwnerSource>),
+}
+
+/// A JWT owner source: where the token is, how it is verified, which claim
+/// names the owner.
+pub struct JwtSource {
+    /// The claim whose value is the owner (`sub`).
+    pub claim: String,
+    /// The header carrying the token (a `Bearer ` prefix is stripped).
+    pub from: HeaderName,
+    /// The keys a signature may verify with, by `kid` where the keys name one.
+    pub keys: Vec<(Option<String>, DecodingKey)>,
+    /// Algorithms, expiry, not-before, audience and issuer.
+    pub validation: Validation,
+}
+
+impl std::fmt::Debug for JwtSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JwtSource")
+            .field("claim", &self.claim)
+            .field("from", &self.from)
+            .field("keys", &self.keys.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl OwnerSource {
+    /// What the source is, as part of an owner's digest and in answers that
+    /// say which source was expected.
+    pub fn label(&self) -> String {
+        match self {
+            OwnerSource::Header(name) => format!("header:{name}"),
+            OwnerSource::Cookie(name) => format!("cookie:{name}"),
+            OwnerSource::Jwt(jwt) => format!("jwt:{}:{}", jwt.from, jwt.claim),
+            OwnerSource::TrustedHeader(name) => format!("trusted_header:{name}"),
+            OwnerSource::Client => "client".to_owned(),
+            OwnerSource::All(all) => {
+                let parts: Vec<String> = all.iter().map(OwnerSource::label).collect();
+                format!("all({})", parts.join("+"))
+            }
+        }
+    }
+}
+
+/// A client of the gateway, proven by a key only its operator handed out.
+#[derive(Clone)]
+pub struct ClientSettings {
+    /// Its name: logged, and the owner for the `client` source.
+    pub name: String,
+    /// SHA-256 of its key; the key itself is never configured.
+    pub key_sha256: [u8; 32],
+}
+
+impl std::fmt::Debug for ClientSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientSettings")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The gateway's clients and where they present their key.
+#[derive(Debug, Clone)]
+pub struct Clients {
+    /// The header carrying a client key (a `Bearer ` prefix is stripped).
+    pub header: HeaderName,
+    /// Every client.
+    pub clients: Vec<ClientSettings>,
+}
+
+/// `[owner]`, and `[routes.owner]` (where `salt` is refused).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct OwnerFile {
+    pub(super) sources: Option<Vec<SourceFile>>,
+    allow_anonymous: Option<bool>,
+    pub(super) salt: Option<SecretFile>,
+}
+
+/// One owner source as written: exactly one of its kinds, with the JWT
+/// source's options.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct SourceFile {
+    header: Option<String>,
+    cookie: Option<String>,
+    jwt: Option<String>,
+    trusted_header: Option<String>,
+    client: Option<bool>,
+    all: Option<Vec<SourceFile>>,
+    // The JWT source's options.
+    from: Option<String>,
+    keys: Option<PathBuf>,
+    secret: Option<SecretFile>,
+    algorithms: Option<Vec<String>>,
+    audience: Option<String>,
+    issuer: Option<String>,
+}
+
+/// A secret read at start-up: from the environment or a file (a mounted
+/// Kubernetes Secret), or written in the file itself.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct SecretFile {
+    pub(super) env: Option<String>,
+    pub(super) file: Option<PathBuf>,
+    pub(super) value: Option<String>,
+}
+
+/// `[[clients]]` as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ClientFile {
+    pub(super) name: String,
+    pub(super) key_sha256: SecretFile,
+}
+
+impl SecretFile {
+    /// The secret's text, trimmed.
+    pub(super) fn read(&self, key: &str, base: &Path) -> Result<String, ConfigError> {
+        let text = match (&self.env, &self.file, &self.value) {
+            (Some(var), None, None) => std::env::var(var).map_err(|_| {
+                bad(
+                    key,
+                    format!("environment variable {var} is not set; export it"),
+                )
+            })?,
+            (None, Some(path), None) => std::fs::read_to_string(base.join(path))
+                .map_err(|e| bad(key, format!("cannot read {}: {e}", path.display())))?,
+            (None, None, Some(value)) => value.clone(),
+            _ => return Err(bad(key, "give exactly one of `env`, `file` or `value`")),
+        };
+        Ok(text.trim().to_owned())
+    }
+}
+
+/// `trusted_proxies`: addresses or CIDR ranges.
+pub(super) fn trusted_proxies(written: &[String]) -> Result<TrustedProxies, ConfigError> {
+    written
+        .iter()
+        .map(|text| {
+            text.parse::<IpNet>()
+                .or_else(|_| text.parse::<IpAddr>().map(IpNet::from))
+                .map_err(|_| {
+                    bad(
+                        "trusted_proxies",
+                        format!("{text:?} is not an address or a CIDR range; write it like \"10.0.0.0/8\" or \"192.0.2.7\""),
+                    )
+                })
+        })
+        .collect::<Result<_, _>>()
+        .map(TrustedProxies)
+}
+
+/// The owner rule `[owner]` (or a route's) describes; `inherited` fills
+/// what it leaves out.
+pub(super) fn owner_rule(
+    key: &str,
+    file: &OwnerFile,
+    inherited: &OwnerRule,
+    base: &Path,
+) -> Result<OwnerRule, ConfigError> {
+    let sources = match &file.sources {
+        None => inherited.sources.clone(),
+        Some(written) if written.is_empty() => {
+            return Err(bad(
+                format!("{key}.sources"),
+                "name at least one source, e.g. sources = [{ header = \"authorization\" }]; to let keyed requests go without an owner, set allow_anonymous = true",
+            ))
+        }
+        Some(written) => written
+            .iter()
+            .enumerate()
+            .map(|(i, s)| source(&format!("{key}.sources[{i}]"), s, base))
+            .collect::<Result<_, _>>()?,
+    };
+    Ok(OwnerRule {
+        sources,
+        allow_anonymous: file.allow_anonymous.unwrap_or(inherited.allow_anonymous),
+    })
+}
+
+/// The default: the `Authorization` header (or `owner_header`), no
+/// anonymous owners.
+pub(super) fn default_owner_rule(owner_header: HeaderName) -> OwnerRule {
+    OwnerRule {
+        sources: vec![OwnerSource::Header(owner_header)],
+        allow_anonymous: false,
+    }
+}
+
+fn source(key: &str, s: &SourceFile, base: &Path) -> Result<OwnerSource, ConfigError> {
+    let kinds = [
+        s.header.is_some(),
+        s.cookie.is_some(),
+        s.jwt.is_some(),
+        s.trusted_header.is_some(),
+        s.client.is_some(),
+        s.all.is_some(),
+    ];
+    if kinds.iter().filter(|k| **k).count() != 1 {
+        return Err(bad(
+            key,
+            "give exactly one of `header`, `cookie`, `jwt`, `trusted_header`, `client = true` or `all`",
+        ));
+    }
+    if s.jwt.is_none()
+        && (s.from.is_some() || s.keys.is_some() || s.secret.is_some() || s.algorithms.is_some())
+    {
+        return Err(bad(
+            key,
+            "`from`, `keys`, `secret` and `algorithms` belong to a `jwt` source",
+        ));
+    }
+    Ok(match s {
+        SourceFile {
+            header: Some(h), ..
+        } => OwnerSource::Header(header_name(key, h)?),
+        SourceFile {
+            cookie: Some(c), ..
+        } if !c.is_empty() => OwnerSource::Cookie(c.clone()),
+        SourceFile {
+            cookie: Some(_), ..
+        } => return Err(bad(key, "name the cookie")),
+        SourceFile {
+            jwt: Some(claim), ..
+        } => OwnerSource::Jwt(Arc::new(jwt(key, claim, s, base)?)),
+        SourceFile {
+            trusted_header: Some(h),
+            ..
+        } => OwnerSource::TrustedHeader(header_name(key, h)?),
+        SourceFile {
+            client: Some(true), ..
+        } => OwnerSource::Client,
+        SourceFile {
+            client: Some(false),
+            ..
+        } => return Err(bad(key, "write `client = true`, or leave the source out")),
+        SourceFile { all: Some(all), .. } if all.len() >= 2 => OwnerSource::All(
+            all.iter()
+                .enumerate()
+                .map(|(i, s)| source(&format!("{key}.all[{i}]"), s, base))
+                .collect::<Result<_, _>>()?,
+        ),
+        _ => return Err(bad(key, "`all` combines two sources or more")),
+    })
+}
+
+/// A JWT source: its keys (a PEM public key or a JWK set in `keys`, or a
+/// shared `secret` for HS256) and how tokens are validated.
+fn jwt(key: &str, claim: &str, s: &SourceFile, base: &Path) -> Result<JwtSource, ConfigError> {
+    let algorithms = s
+        .algorithms
+        .clone()
+        .unwrap_or_else(|| vec!["RS256".to_owned()])
+        .iter()
+        .map(|a| {
+            Algorithm::from_str(a).map_err(|_| {
+                bad(
+                    format!("{key}.algorithms"),
+                    format!("{a:?} is not a JWT algorithm; use HS256, RS256 or ES256"),
+                )
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let Some(first) = algorithms.first().copied() else {
+        return Err(bad(
+            format!("{key}.algorithms"),
+            "name at least one algorithm",
+        ));
+    };
+    let keys = match (&s.keys, &s.secret) {
+        (Some(path), None) => public_keys(&format!("{key}.keys"), &base.join(path))?,
+        (None, Some(secret)) => {
+            let text = secret.read(&format!("{key}.secret"), base)?;
+            if text.len() < 32 {
+                return Err(bad(format!("{key}.secret"), "an HS256 secret needs at least 32 bytes"));
+            }
+            vec![(None, DecodingKey::from_secret(text.as_bytes()))]
+        }
+        _ => return Err(bad(key, "give the verification keys: `keys = \"file.pem\"` (a PEM public key or a JWK set) or `secret = { env = \"…\" }` for HS256")),
+    };
+    let mut validation = Validation::new(first);
+    validation.algorithms = algorithms;
+    validation.validate_nbf = true;
+    match &s.audience {
+        Some(aud) => validation.set_audience(&[aud]),
+        None => validation.validate_aud = false,
+    }
+    if let Some(iss) = &s.issuer {
+        validation.set_issuer(&[iss]);
+    }
+    Ok(JwtSource {
+        claim: claim.to_owned(),
+        from: header_name(
+            &format!("{key}.from"),
+            s.from.as_deref().unwrap_or("authorization"),
+        )?,
+        keys,
+        validation,
+    })
+}
+
+/// The public keys in `path`: a JWK set (JSON), or one PEM key (RSA or EC).
+fn public_keys(key: &str, path: &Path) -> Result<Vec<(Option<String>, DecodingKey)>, ConfigError> {
+    let bytes = std::fs::read(path)
+        .map_err(|e| bad(key, format!("cannot read {}: {e}", path.display())))?;
+    if let Ok(set) = serde_json::from_slice::<jsonwebtoken::jwk::JwkSet>(&bytes) {
+        return set
+            .keys
+            .iter()
+            .map(|jwk| {
+                DecodingKey::from_jwk(jwk)
+                    .map(|k| (jwk.common.key_id.clone(), k))
+                    .map_err(|e| {
+                        bad(
+                            key,
+                            format!("a key of {} is not usable: {e}", path.display()),
+                        )
+                    })
+            })
+            .collect();
+    }
+    DecodingKey::from_rsa_pem(&bytes)
+        .or_else(|_| DecodingKey::from_ec_pem(&bytes))
+        .map(|k| vec![(None, k)])
+        .map_err(|_| {
+            bad(
+                key,
+                format!(
+                    "{} is neither a JWK set nor a PEM public key (RSA or EC)",
+                    path.display()
+                ),
+            )
+        })
+}
+
+/// `[[clients]]`, presented in `client_key_header`.
+pub(super) fn clients(
+    written: &[ClientFile],
+    header: Option<&str>,
+    base: &Path,
+) -> Result<Clients, ConfigError> {
+    let mut clients: Vec<ClientSettings> = Vec::with_capacity(written.len());
+    for (i, c) in written.iter().enumerate() {
+        let key = format!("clients[{i}]");
+        if c.name.is_empty() || clients.iter().any(|o| o.name == c.name) {
+            return Err(bad(
+                format!("{key}.name"),
+                "give every client a unique, non-empty name",
+            ));
+        }
+        let hex_digest = c.key_sha256.read(&format!("{key}.key_sha256"), base)?;
+        let key_sha256 = hex::decode(&hex_digest)
+            .ok()
+            .and_then(|d| <[u8; 32]>::try_from(d).ok())
+            .ok_or_else(|| {
+                bad(
+                    format!("{key}.key_sha256"),
+                    "not a SHA-256 in hex; make one with `printf %s \"$CLIENT_KEY\" | sha256sum`",
+                )
+            })?;
+        clients.push(ClientSettings {
+            name: c.name.clone(),
+            key_sha256,
+        });
+    }
+    Ok(Clients {
+        header: header_name("client_key_header", header.unwrap_or("authorization"))?,
+        clients,
+    })
+}

@@ -1,0 +1,101 @@
+//! Who is asking (`docs/design.md` §15): clients proven by their client key
+//! before a credential of the operator's is spent for them, and the owner
+//! of a key established from what the request proves — a header, a cookie,
+//! a verified JWT claim, a header from a trusted proxy, the proven client —
+//! and kept only as a digest salted with the deployment's secret.
+//!
+//! Pure decisions over a request's head; no I/O.
+
+mod clients;
+mod jwt;
+mod owner;
+
+use std::sync::Arc;
+
+use http::HeaderMap;
+
+use crate::config::{Clients, OwnerRule, OwnerSource};
+use crate::domain::key::{Owner, OwnerSalt};
+use crate::proxy::error::ClientError;
+use crate::proxy::http::ProvenClient;
+
+/// What the gateway trusts, built once at start-up.
+pub struct Trust {
+    salt: OwnerSalt,
+    clients: Arc<Clients>,
+    /// `[owner]`: how an operator's raw owner value is read in the admin API.
+    default_owner: Arc<OwnerRule>,
+}
+
+impl Trust {
+    /// Trust salted with `salt`, knowing `clients`.
+    pub fn new(salt: OwnerSalt, clients: Arc<Clients>, default_owner: Arc<OwnerRule>) -> Self {
+        Trust {
+            salt,
+            clients,
+            default_owner,
+        }
+    }
+
+    /// Trust that knows no client and reads owners from `Authorization`, as
+    /// the defaults say (for tests and tools).
+    pub fn with_salt(salt: OwnerSalt) -> Self {
+        let clients = Clients {
+            header: http::header::AUTHORIZATION,
+            clients: Vec::new(),
+        };
+        let owner = OwnerRule {
+            sources: vec![OwnerSource::Header(http::header::AUTHORIZATION)],
+            allow_anonymous: false,
+        };
+        Trust::new(salt, Arc::new(clients), Arc::new(owner))
+    }
+
+    /// The client whose key `headers` carry, or why there is none.
+    pub fn prove_client(&self, headers: &HeaderMap) -> Result<ProvenClient, ClientError> {
+        clients::prove(&self.clients, headers).ok_or_else(|| ClientError::ClientUnproven {
+            header: self.clients.header.to_string(),
+        })
+    }
+
+    /// The owner of a keyed request on a route with `rule`: the first source
+    /// that yields a value, or `anonymous` where the rule allows it.
+    pub fn owner(
+        &self,
+        rule: &OwnerRule,
+        head: &http::request::Parts,
+    ) -> Result<Owner, ClientError> {
+        for source in &rule.sources {
+            if let Some(evidence) = owner::evidence(source, head) {
+                let parts: Vec<&[u8]> = evidence.iter().map(Vec::as_slice).collect();
+                return Ok(Owner::of(&self.salt, &parts));
+            }
+        }
+        if rule.allow_anonymous {
+            return Ok(Owner::anonymous());
+        }
+        Err(ClientError::OwnerMissing {
+            expected: owner::expected(&rule.sources),
+        })
+    }
+
+    /// An owner as an operator writes it in the admin API: its stored form
+    /// (`anonymous`, `hmac:<hex>`), or the raw value the first of `[owner]`'s
+    /// sources reads (a header's value, a cookie's, a client's name).
+    pub fn owner_from_admin(&self, text: &str) -> Option<Owner> {
+        if let Some(owner) = Owner::parse_stored(text) {
+            return Some(owner);
+        }
+        let source = self.default_owner.sources.first()?;
+        match source {
+            OwnerSource::Header(_)
+            | OwnerSource::Cookie(_)
+            | OwnerSource::TrustedHeader(_)
+            | OwnerSource::Client => {
+                let label = source.label();
+                Some(Owner::of(&self.salt, &[label.as_bytes(), text.as_bytes()]))
+            }
+            OwnerSource::Jwt(_) | OwnerSource::All(_) => None,
+        }
+    }
+}
