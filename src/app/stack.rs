@@ -86,9 +86,10 @@ pub(super) fn proxy(
 
 /// A request as the stack carries it: its body boxed, and its hop-by-hop
 /// headers (and those its `Connection` names) removed before any layer adds
-/// a header of the gateway's own (`docs/design.md` §15).
+/// a header of the gateway's own (`docs/design.md` §15). The client's
+/// `Idempotency-Key` is for the gateway: naming it there does not hide it.
 fn enter(mut req: Request<Incoming>) -> Request<crate::proxy::http::Body> {
-    hop::strip(req.headers_mut());
+    hop::strip_but(req.headers_mut(), Some(&IDEMPOTENCY_KEY));
     req.map(|b| b.map_err(BodyError::new).boxed())
 }
 

@@ -19,6 +19,13 @@ const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection")
 
 /// Removes hop-by-hop headers, and those listed in `Connection`, in place.
 pub fn strip(headers: &mut HeaderMap) {
+    strip_but(headers, None);
+}
+
+/// As [`strip`], but a `Connection` header naming `kept` does not remove
+/// it: a header meant for the gateway itself (the client's
+/// `Idempotency-Key`), which the gateway reads before it forwards anything.
+pub fn strip_but(headers: &mut HeaderMap, kept: Option<&HeaderName>) {
     // One pass over the names a message carries (usually none of them is
     // hop-by-hop, or only `Connection: keep-alive`), then a removal for each
     // one found: cheaper than a lookup per hop-by-hop name per message.
@@ -45,6 +52,7 @@ pub fn strip(headers: &mut HeaderMap) {
             !token.eq_ignore_ascii_case("close") && !token.eq_ignore_ascii_case("keep-alive")
         })
         .filter_map(|token| HeaderName::from_bytes(token.as_bytes()).ok())
+        .filter(|name| Some(name) != kept)
         .collect();
     for name in named.into_iter().chain(found.into_iter().flatten()) {
         headers.remove(name);
@@ -69,6 +77,21 @@ mod tests {
         strip(&mut h);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key(header::CONTENT_TYPE));
+    }
+
+    #[test]
+    fn a_header_kept_for_the_gateway_survives_being_named() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            "idempotency-key, x-hop".parse().unwrap(),
+        );
+        h.insert("idempotency-key", "k".parse().unwrap());
+        h.insert("x-hop", "1".parse().unwrap());
+        let kept = HeaderName::from_static("idempotency-key");
+        strip_but(&mut h, Some(&kept));
+        assert_eq!(h.len(), 1);
+        assert_eq!(h["idempotency-key"], "k");
     }
 
     #[test]

@@ -63,6 +63,15 @@ impl Reply {
         ty.rsplit('/').next().unwrap().to_owned()
     }
 
+    /// The `detail` of a problem answer.
+    pub fn problem_detail(&self) -> String {
+        self.problem();
+        self.json()["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    }
+
     pub fn job(&self) -> Option<String> {
         self.header("idempotency-job").map(str::to_owned)
     }
