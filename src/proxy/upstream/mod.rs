@@ -2,7 +2,7 @@
 //! configured origins, as a Tower service.
 //!
 //! It rewrites the path onto the upstream's base, removes hop-by-hop headers
-//! both ways, and adds `X-Forwarded-For`/`-Proto`/`-Host`. The `Host` header
+//! both ways and the console's cookie on the way out, and adds `X-Forwarded-For`/`-Proto`/`-Host`. The `Host` header
 //! becomes the upstream's own authority, as most reverse proxies do. Its
 //! errors say whether the request may have reached the upstream, which
 //! decides between `failed` (safe to retry) and `unknown`.
@@ -25,7 +25,7 @@ use tokio::sync::watch;
 use self::pool::Pool;
 
 use crate::config::{UpstreamId, UpstreamSettings};
-use crate::proxy::http::{hop, Body, ClientAddr};
+use crate::proxy::http::{cookie, hop, Body, ClientAddr};
 use crate::BoxError;
 
 /// Which upstream a request goes to, put into request extensions by the
@@ -146,6 +146,8 @@ impl Upstream {
         let client = req.extensions().get::<ClientAddr>().map(|c| c.ip.clone());
         let headers = req.headers_mut();
         hop::strip(headers);
+        // A live console session is never the upstream's (design.md §14).
+        cookie::strip_console(headers);
         if let Some(host) = headers.insert(header::HOST, self.host.clone()) {
             headers.insert(X_FORWARDED_HOST, host);
         }
