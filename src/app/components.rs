@@ -15,6 +15,7 @@ use crate::domain::key::OwnerSalt;
 use crate::idempotency::fastpath::FastPath;
 use crate::idempotency::{execute, hold, Runtime, Shared};
 use crate::operations::admin::Admin;
+use crate::operations::console::{self, Console};
 use crate::proxy::upstream::Upstreams;
 use crate::store::postgres::Postgres;
 use crate::store::seal::Sealer;
@@ -110,6 +111,10 @@ impl Gateway {
         Arc::new(Admin {
             store: self.store.clone(),
             token: settings.admin_token.clone(),
+            console: Console::new(console::Config {
+                secure_cookie: settings.console_secure_cookie,
+                sessions: console::Limits::default(),
+            }),
             metrics: telemetry::metrics(),
             upstreams: settings.upstreams.clone(),
             probes: self.probes.clone(),

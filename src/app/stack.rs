@@ -17,7 +17,7 @@ use crate::config::Settings;
 use crate::domain::id::JobId;
 use crate::idempotency::{IdempotencyLayer, Shared};
 use crate::proxy::http::request_id::RequestIds;
-use crate::proxy::http::{hop, BodyError, Outcome, IDEMPOTENCY_KEY};
+use crate::proxy::http::{cookie, hop, BodyError, Outcome, IDEMPOTENCY_KEY};
 use crate::proxy::shed::ShedLayer;
 use crate::proxy::upstream::Upstreams;
 use crate::BoxError;
@@ -90,6 +90,9 @@ pub(super) fn proxy(
 /// `Idempotency-Key` is for the gateway: naming it there does not hide it.
 fn enter(mut req: Request<Incoming>) -> Request<crate::proxy::http::Body> {
     hop::strip_but(req.headers_mut(), Some(&IDEMPOTENCY_KEY));
+    // A console session is the gateway's alone: no owner, fingerprint or
+    // upstream sees it (docs/design.md §14).
+    cookie::strip_console(req.headers_mut());
     req.map(|b| b.map_err(BodyError::new).boxed())
 }
 

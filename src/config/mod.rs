@@ -74,6 +74,9 @@ pub struct Settings {
     pub admin_listen: SocketAddr,
     /// Admin bearer token; `None` turns the job endpoints off.
     pub admin_token: Option<String>,
+    /// Whether the console's cookie is `Secure` and `__Host-` prefixed (the
+    /// admin listener speaks plain HTTP: for HTTPS terminated in front).
+    pub console_secure_cookie: bool,
     /// Upstreams in configured order; never empty. Requests on no route
     /// pass through to the first.
     pub upstreams: Vec<Arc<UpstreamSettings>>,
@@ -236,6 +239,7 @@ impl Settings {
                 .clone()
                 .or(file.admin_token.clone())
                 .filter(|t| !t.is_empty()),
+            console_secure_cookie: file.console_secure_cookie.unwrap_or(false),
             upstreams,
             store,
             redis: redis_settings(&file, &flags)?,

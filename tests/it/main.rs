@@ -4,6 +4,7 @@
 mod support;
 
 mod console;
+mod console_session;
 mod core_answers;
 mod core_outcomes;
 mod core_races;

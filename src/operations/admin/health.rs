@@ -101,6 +101,7 @@ mod tests {
     use crate::domain::job::{Job, JobDetail, NewJob};
     use crate::domain::key::{IdempotencyKey, Owner};
     use crate::domain::response::StoredResponse;
+    use crate::operations::console::{self, Console};
     use crate::store::{Begin, CommitOutcome, Cursor, Records, Store, StoreError};
     use crate::upkeep::supervise::{Beats, Supervisor};
 
@@ -238,6 +239,7 @@ mod tests {
         let admin = Arc::new(Admin {
             store,
             token: None,
+            console: Console::new(console::Config::default()),
             metrics: crate::telemetry::metrics(),
             upstreams: Vec::new(),
             probes: Arc::default(),
@@ -282,6 +284,7 @@ mod tests {
         let admin = Arc::new(Admin {
             store: Arc::new(SweepPanics),
             token: None,
+            console: Console::new(console::Config::default()),
             metrics: crate::telemetry::metrics(),
             upstreams: Vec::new(),
             probes: Arc::default(),

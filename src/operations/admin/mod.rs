@@ -25,7 +25,7 @@ use http::{Method, Request, Response, StatusCode};
 use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::config::UpstreamSettings;
-use crate::operations::console;
+use crate::operations::console::{self, Console};
 use crate::proxy::http::{collect_limited, Body};
 use crate::store::Store;
 use crate::trust::Trust;
@@ -48,6 +48,8 @@ pub struct Admin {
     pub store: Arc<dyn Store>,
     /// The bearer token; `None` turns the job endpoints off.
     pub token: Option<String>,
+    /// The console, with its sessions.
+    pub console: Console,
     /// Rendered on `/metrics`.
     pub metrics: PrometheusHandle,
     /// The upstreams, listed on `/admin/v1/upstreams`.
@@ -87,7 +89,7 @@ impl Admin {
             (&Method::GET, ["metrics"]) => Ok(self.metrics()),
             (_, ["console", rest @ ..]) => self.console(req, rest).await,
             (_, ["admin", "v1", rest @ ..]) => {
-                auth::authorize(self.token.as_deref(), req.headers())?;
+                auth::authorize(self.token.as_deref(), &self.console, req.headers())?;
                 self.api(req, rest).await
             }
             _ => Err(AdminError::NoSuchEndpoint),
@@ -121,7 +123,7 @@ impl Admin {
         let Some(token) = &self.token else {
             return Ok(console::disabled());
         };
-        let signed_in = console::signed_in(req.headers(), token);
+        let signed_in = self.console.signed_in(req.headers());
         Ok(match (req.method(), rest) {
             (&Method::GET, []) => console::asset("", signed_in),
             (&Method::GET, [file]) => console::asset(file, signed_in),
@@ -129,9 +131,9 @@ impl Admin {
                 let form = collect_limited(req.into_body(), 4096)
                     .await
                     .map_err(|e| AdminError::bad_request(e.to_string()))?;
-                console::sign_in(&form, token)
+                self.console.sign_in(&form, token)
             }
-            (&Method::POST, ["logout"]) => console::sign_out(),
+            (&Method::POST, ["logout"]) => self.console.sign_out(req.headers()),
             _ => console::not_found(),
         })
     }

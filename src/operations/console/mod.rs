@@ -2,49 +2,124 @@
 //! static pages compiled into the binary (no CDN, no build step) over the
 //! admin API.
 //!
-//! Signing in with the admin token sets a session cookie (a digest of the
-//! token, `HttpOnly`, `SameSite=Strict`); nothing of the console but the
-//! sign-in page is served without it. The admin API accepts the cookie in
-//! place of the bearer token only on requests that carry
-//! `X-Idemgate-Console: 1`, which a page on another site cannot send, so the
-//! cookie alone never authorizes anything (no cross-site request forgery).
+//! Signing in with the admin token opens a session (`session.rs`): the
+//! cookie carries only its random id (`HttpOnly`, `SameSite=Strict`, and
+//! `Secure` under a `__Host-` name when configured); nothing of the console
+//! but the sign-in page is served without a live one, and signing out ends
+//! it. The admin API accepts the cookie in place of the bearer token only
+//! on requests that carry `X-Idemgate-Console: 1`, which a page on another
+//! site cannot send, so the cookie alone never authorizes anything (no
+//! cross-site request forgery). `docs/design.md`, §14.
+
+mod session;
 
 use bytes::Bytes;
 use http::{header, HeaderMap, HeaderValue, Response, StatusCode};
-use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
+use crate::proxy::http::cookie::{CONSOLE_COOKIE, CONSOLE_COOKIE_SECURE};
 use crate::proxy::http::{full, Body};
+
+pub use session::Limits;
+use session::Sessions;
 
 const LOGIN: &str = include_str!("login.html");
 const INDEX: &str = include_str!("index.html");
 const SCRIPT: &str = include_str!("console.js");
 const STYLE: &str = include_str!("console.css");
 
-/// The cookie holding a console session.
-const COOKIE: &str = "idemgate_console";
 /// The header console requests carry (see the module's documentation).
 pub const CONSOLE_HEADER: &str = "x-idemgate-console";
 
-/// The console's session value for `token`: a digest, so the token itself
-/// is never stored in the browser.
-fn session(token: &str) -> String {
-    let digest = Sha256::digest(format!("idemgate-console\0{token}").as_bytes());
-    digest.iter().map(|b| format!("{b:02x}")).collect()
+/// How the console keeps its sessions.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Config {
+    /// Whether the cookie is `Secure` (and named with the `__Host-`
+    /// prefix): for a console reached over HTTPS, through a proxy that
+    /// terminates TLS (the admin listener itself speaks plain HTTP).
+    pub secure_cookie: bool,
+    /// How long sessions live, and how many there may be.
+    pub sessions: Limits,
 }
 
-/// Whether `headers` carry a console session for `token`.
-pub fn signed_in(headers: &HeaderMap, token: &str) -> bool {
-    let expected = session(token);
-    headers
-        .get_all(header::COOKIE)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(';'))
-        .filter_map(|pair| pair.trim().split_once('='))
-        .any(|(name, value)| {
-            name == COOKIE && bool::from(value.as_bytes().ct_eq(expected.as_bytes()))
-        })
+/// The console: its sessions and how its cookie is set.
+pub struct Console {
+    sessions: Sessions,
+    secure: bool,
+}
+
+impl Console {
+    /// A console with no session open.
+    pub fn new(config: Config) -> Self {
+        Console {
+            sessions: Sessions::new(config.sessions),
+            secure: config.secure_cookie,
+        }
+    }
+
+    /// The name of the session cookie.
+    fn cookie_name(&self) -> &'static str {
+        if self.secure {
+            CONSOLE_COOKIE_SECURE
+        } else {
+            CONSOLE_COOKIE
+        }
+    }
+
+    /// The session ids `headers` carry in the console's cookie.
+    fn presented<'h>(&self, headers: &'h HeaderMap) -> impl Iterator<Item = &'h str> {
+        let name = self.cookie_name();
+        headers
+            .get_all(header::COOKIE)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(';'))
+            .filter_map(|pair| pair.trim().split_once('='))
+            .filter(move |(given, _)| *given == name)
+            .map(|(_, id)| id)
+    }
+
+    /// Whether `headers` carry a live session.
+    pub fn signed_in(&self, headers: &HeaderMap) -> bool {
+        self.presented(headers).any(|id| self.sessions.check(id))
+    }
+
+    /// Answers the sign-in form (`token=…`, form-encoded) for admin `token`:
+    /// a new session, or the form again.
+    pub fn sign_in(&self, form: &[u8], token: &str) -> Response<Body> {
+        let given = form_urlencoded::parse(form)
+            .find(|(name, _)| name == "token")
+            .map(|(_, value)| value.into_owned())
+            .unwrap_or_default();
+        if !bool::from(given.as_bytes().ct_eq(token.as_bytes())) {
+            return login(
+                StatusCode::UNAUTHORIZED,
+                Some(
+                    "That is not the admin token. Use the value of admin_token (IDEMGATE_ADMIN_TOKEN).",
+                ),
+            );
+        }
+        let id = self.sessions.open();
+        let max_age = self.sessions.limits().absolute.as_secs();
+        redirect(self.set_cookie(&id, max_age))
+    }
+
+    /// Signs out: the session ends here, and its cookie is cleared.
+    pub fn sign_out(&self, headers: &HeaderMap) -> Response<Body> {
+        for id in self.presented(headers) {
+            self.sessions.close(id);
+        }
+        redirect(self.set_cookie("", 0))
+    }
+
+    /// The `Set-Cookie` value for session `id`, kept `max_age` seconds.
+    fn set_cookie(&self, id: &str, max_age: u64) -> String {
+        let secure = if self.secure { "; Secure" } else { "" };
+        format!(
+            "{}={id}; Path=/; HttpOnly; SameSite=Strict; Max-Age={max_age}{secure}",
+            self.cookie_name()
+        )
+    }
 }
 
 /// Whether a request comes from the console's own page.
@@ -77,34 +152,6 @@ pub fn not_found() -> Response<Body> {
     )
 }
 
-/// Answers the sign-in form (`token=…`, form-encoded) for admin `token`.
-pub fn sign_in(form: &[u8], token: &str) -> Response<Body> {
-    let given = form_urlencoded::parse(form)
-        .find(|(name, _)| name == "token")
-        .map(|(_, value)| value.into_owned())
-        .unwrap_or_default();
-    if !bool::from(given.as_bytes().ct_eq(token.as_bytes())) {
-        return login(
-            StatusCode::UNAUTHORIZED,
-            Some(
-                "That is not the admin token. Use the value of admin_token (IDEMGATE_ADMIN_TOKEN).",
-            ),
-        );
-    }
-    let cookie = format!(
-        "{COOKIE}={}; Path=/; HttpOnly; SameSite=Strict; Max-Age=43200",
-        session(token)
-    );
-    redirect(Some(cookie))
-}
-
-/// Signs out: the session cookie is cleared.
-pub fn sign_out() -> Response<Body> {
-    redirect(Some(format!(
-        "{COOKIE}=; Path=/; HttpOnly; SameSite=Strict; Max-Age=0"
-    )))
-}
-
 /// The sign-in page when the admin API is off: it says why.
 pub fn disabled() -> Response<Body> {
     login(
@@ -127,12 +174,12 @@ fn login(status: StatusCode, error: Option<&str>) -> Response<Body> {
     page(status, text, "text/html; charset=utf-8")
 }
 
-fn redirect(cookie: Option<String>) -> Response<Body> {
+fn redirect(cookie: String) -> Response<Body> {
     let mut response = page(StatusCode::SEE_OTHER, "", "text/plain; charset=utf-8");
     response
         .headers_mut()
         .insert(header::LOCATION, HeaderValue::from_static("/console/"));
-    if let Some(cookie) = cookie.and_then(|c| HeaderValue::from_str(&c).ok()) {
+    if let Ok(cookie) = HeaderValue::from_str(&cookie) {
         response.headers_mut().insert(header::SET_COOKIE, cookie);
     }
     response
@@ -169,25 +216,88 @@ fn escape(text: &str) -> String {
 mod tests {
     use super::*;
 
-    fn cookie_of(response: &Response<Body>) -> String {
-        let set = response.headers()[header::SET_COOKIE].to_str().unwrap();
-        set.split(';').next().unwrap().to_owned()
+    fn set_cookie_of(response: &Response<Body>) -> &str {
+        response.headers()[header::SET_COOKIE].to_str().unwrap()
+    }
+
+    /// The `Cookie` header a browser sends back after `response`.
+    fn cookie_after(response: &Response<Body>) -> HeaderMap {
+        let pair = set_cookie_of(response).split(';').next().unwrap();
+        let mut headers = HeaderMap::new();
+        headers.insert(header::COOKIE, HeaderValue::from_str(pair).unwrap());
+        headers
+    }
+
+    fn console(secure_cookie: bool) -> Console {
+        Console::new(Config {
+            secure_cookie,
+            ..Config::default()
+        })
     }
 
     #[test]
-    fn only_the_token_signs_in_and_the_cookie_is_not_the_token() {
-        let wrong = sign_in(b"token=nope", "s3cret");
+    fn only_the_token_signs_in_and_each_sign_in_is_a_new_session() {
+        let console = console(false);
+        let wrong = console.sign_in(b"token=nope", "s3cret");
         assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED);
         assert!(wrong.headers().get(header::SET_COOKIE).is_none());
-        let right = sign_in(b"token=s3cret", "s3cret");
-        assert_eq!(right.status(), StatusCode::SEE_OTHER);
-        let cookie = cookie_of(&right);
-        assert!(!cookie.contains("s3cret"));
-        let mut headers = HeaderMap::new();
-        headers.insert(header::COOKIE, HeaderValue::from_str(&cookie).unwrap());
-        assert!(signed_in(&headers, "s3cret"));
-        assert!(!signed_in(&headers, "another token"));
-        assert!(!signed_in(&HeaderMap::new(), "s3cret"));
+        let first = console.sign_in(b"token=s3cret", "s3cret");
+        assert_eq!(first.status(), StatusCode::SEE_OTHER);
+        let second = console.sign_in(b"token=s3cret", "s3cret");
+        let (a, b) = (cookie_after(&first), cookie_after(&second));
+        assert_ne!(a, b, "a random id, not a digest of the token");
+        assert!(!set_cookie_of(&first).contains("s3cret"));
+        assert!(console.signed_in(&a) && console.signed_in(&b));
+        assert!(!console.signed_in(&HeaderMap::new()));
+        assert!(
+            !self::console(false).signed_in(&a),
+            "sessions are the process's own"
+        );
+    }
+
+    #[test]
+    fn signing_out_ends_the_session_for_good() {
+        let console = console(false);
+        let cookie = cookie_after(&console.sign_in(b"token=t", "t"));
+        let out = console.sign_out(&cookie);
+        assert_eq!(out.status(), StatusCode::SEE_OTHER);
+        assert_eq!(
+            set_cookie_of(&out),
+            "idemgate_console=; Path=/; HttpOnly; SameSite=Strict; Max-Age=0"
+        );
+        assert!(!console.signed_in(&cookie), "the old cookie, replayed");
+    }
+
+    #[test]
+    fn the_cookie_is_secure_and_host_prefixed_when_configured() {
+        let plain = console(false).sign_in(b"token=t", "t");
+        let plain = set_cookie_of(&plain);
+        assert!(plain.starts_with("idemgate_console="), "{plain}");
+        assert!(
+            plain.ends_with("; Path=/; HttpOnly; SameSite=Strict; Max-Age=28800"),
+            "{plain}"
+        );
+
+        let console = console(true);
+        let signed_in = console.sign_in(b"token=t", "t");
+        let secure = set_cookie_of(&signed_in);
+        assert!(secure.starts_with("__Host-idemgate_console="), "{secure}");
+        assert!(
+            secure.ends_with("; Path=/; HttpOnly; SameSite=Strict; Max-Age=28800; Secure"),
+            "{secure}"
+        );
+        let cookie = cookie_after(&signed_in);
+        assert!(console.signed_in(&cookie));
+        // The same id under the unprefixed name is not the session.
+        let id = secure.split(';').next().unwrap().split_once('=').unwrap().1;
+        let mut unprefixed = HeaderMap::new();
+        let pair = format!("idemgate_console={id}");
+        unprefixed.insert(header::COOKIE, HeaderValue::from_str(&pair).unwrap());
+        assert!(!console.signed_in(&unprefixed));
+        let out = console.sign_out(&cookie);
+        assert!(set_cookie_of(&out).starts_with("__Host-idemgate_console=;"));
+        assert!(set_cookie_of(&out).ends_with("; Secure"));
+        assert!(!console.signed_in(&cookie));
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! HTTP plumbing shared by the proxy and admin listeners: the body type,
-//! bounded body collection, hop-by-hop headers and the header names of the
-//! contract.
+//! bounded body collection, hop-by-hop headers, the console's cookie (kept
+//! from the upstream) and the header names of the contract.
 
+pub mod cookie;
 pub mod hop;
 pub mod request_id;
 

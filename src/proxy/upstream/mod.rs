@@ -2,7 +2,7 @@
 //! configured origins, as a Tower service.
 //!
 //! It rewrites the path onto the upstream's base, removes hop-by-hop headers
-//! both ways, and adds `X-Forwarded-For`/`-Proto`/`-Host`. The `Host` header
+//! both ways and the console's cookie on the way out, and adds `X-Forwarded-For`/`-Proto`/`-Host`. The `Host` header
 //! becomes the upstream's own authority, as most reverse proxies do. Its
 //! errors say whether the request may have reached the upstream, which
 //! decides between `failed` (safe to retry) and `unknown`.

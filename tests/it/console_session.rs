@@ -1,0 +1,238 @@
+//! The console's session through the real binary: a random id per sign-in,
+//! kept by the process that issued it and ended by signing out; its cookie's
+//! attributes in both modes (plain, and `Secure` with the `__Host-` name);
+//! and that cookie never forwarded upstream by the proxy (`docs/design.md`,
+//! §14).
+
+use http::Method;
+
+use crate::support::browser::Browser;
+use crate::support::gateway::ADMIN_TOKEN;
+use crate::support::{send, FakeUpstream, Gateway, Reply, TestStore};
+
+const CONSOLE: (&str, &str) = ("x-idemgate-console", "1");
+
+/// Signs in through the console's form.
+async fn sign_in(gateway: &Gateway) -> Reply {
+    let login = send(
+        Method::POST,
+        &format!("{}/console/login", gateway.admin_url),
+        &[("content-type", "application/x-www-form-urlencoded")],
+        format!("token={ADMIN_TOKEN}"),
+    )
+    .await;
+    assert_eq!(login.status, 303, "{:?}", login.body);
+    login
+}
+
+/// The `name=id` pair a browser sends back after `reply`.
+fn cookie_of(reply: &Reply) -> String {
+    let set = reply.header("set-cookie").expect("a Set-Cookie");
+    set.split(';').next().unwrap().to_owned()
+}
+
+/// What the admin API's inbox and the console's script answer `cookie`,
+/// sent as the console page sends it.
+async fn with_cookie(gateway: &Gateway, cookie: &str) -> (u16, u16) {
+    let inbox = format!("{}/admin/v1/jobs?state=unknown", gateway.admin_url);
+    let api = send(Method::GET, &inbox, &[("cookie", cookie), CONSOLE], "").await;
+    let script = format!("{}/console/console.js", gateway.admin_url);
+    let script = send(Method::GET, &script, &[("cookie", cookie)], "").await;
+    (api.status, script.status)
+}
+
+async fn sign_out(gateway: &Gateway, cookie: &str) -> Reply {
+    let out = send(
+        Method::POST,
+        &format!("{}/console/logout", gateway.admin_url),
+        &[("cookie", cookie)],
+        "",
+    )
+    .await;
+    assert_eq!(out.status, 303);
+    out
+}
+
+#[tokio::test]
+async fn a_console_session_is_random_per_process_and_ends_at_sign_out() {
+    let store = TestStore::postgres().await;
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    let first = sign_in(&gateway).await;
+    assert_eq!(
+        first
+            .header("set-cookie")
+            .unwrap()
+            .split_once(';')
+            .unwrap()
+            .1,
+        " Path=/; HttpOnly; SameSite=Strict; Max-Age=28800",
+        "plain HTTP: not Secure, no prefix"
+    );
+    let (cookie, again) = (cookie_of(&first), cookie_of(&sign_in(&gateway).await));
+    assert!(cookie.starts_with("idemgate_console="), "{cookie}");
+    assert_ne!(
+        cookie, again,
+        "each sign-in its own id, not the token's digest"
+    );
+    assert_eq!(with_cookie(&gateway, &cookie).await, (200, 200));
+    assert_eq!(with_cookie(&gateway, &again).await, (200, 200));
+
+    // Another replica on the same store knows nothing of these sessions.
+    let replica = Gateway::start(&store, &upstream.url()).await;
+    assert_eq!(with_cookie(&replica, &cookie).await, (401, 401));
+
+    // Signed out, the old cookie replayed is refused everywhere; the other
+    // session goes on.
+    let out = sign_out(&gateway, &cookie).await;
+    assert_eq!(
+        out.header("set-cookie"),
+        Some("idemgate_console=; Path=/; HttpOnly; SameSite=Strict; Max-Age=0")
+    );
+    assert_eq!(with_cookie(&gateway, &cookie).await, (401, 401));
+    let page = send(
+        Method::GET,
+        &format!("{}/console/", gateway.admin_url),
+        &[("cookie", &cookie)],
+        "",
+    )
+    .await;
+    let page = String::from_utf8_lossy(&page.body);
+    assert!(page.contains("Sign in with the gateway's admin token"));
+    assert_eq!(with_cookie(&gateway, &again).await, (200, 200));
+}
+
+#[tokio::test]
+async fn a_secure_cookie_under_the_host_prefix_when_configured() {
+    let store = TestStore::embedded();
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("console_secure_cookie", "true")
+        .start()
+        .await;
+    let login = sign_in(&gateway).await;
+    assert_eq!(
+        login
+            .header("set-cookie")
+            .unwrap()
+            .split_once(';')
+            .unwrap()
+            .1,
+        " Path=/; HttpOnly; SameSite=Strict; Max-Age=28800; Secure"
+    );
+    let cookie = cookie_of(&login);
+    let id = cookie
+        .strip_prefix("__Host-idemgate_console=")
+        .unwrap_or_else(|| panic!("the __Host- name: {cookie}"));
+    assert_eq!(with_cookie(&gateway, &cookie).await, (200, 200));
+    // The id under the unprefixed name is not this console's cookie.
+    let unprefixed = format!("idemgate_console={id}");
+    assert_eq!(with_cookie(&gateway, &unprefixed).await, (401, 401));
+
+    let out = sign_out(&gateway, &cookie).await;
+    assert_eq!(
+        out.header("set-cookie"),
+        Some("__Host-idemgate_console=; Path=/; HttpOnly; SameSite=Strict; Max-Age=0; Secure")
+    );
+    assert_eq!(with_cookie(&gateway, &cookie).await, (401, 401));
+
+    // A value that is not a boolean stops start-up, naming the key.
+    let refused = Gateway::builder(&store, &upstream.url())
+        .set("console_secure_cookie", "\"yes\"")
+        .start_and_fail()
+        .await;
+    assert!(refused.contains("console_secure_cookie"), "{refused}");
+}
+
+#[tokio::test]
+async fn the_console_cookie_never_reaches_the_upstream() {
+    let store = TestStore::postgres().await;
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    let live = cookie_of(&sign_in(&gateway).await);
+    let url = gateway.path("/v1/charges");
+    // (the Cookie headers sent, those the upstream must receive)
+    let cases: Vec<(Vec<String>, Vec<&str>)> = vec![
+        (vec![format!("a=1; {live}; b=2")], vec!["a=1; b=2"]),
+        (vec![format!("{live}")], vec![]),
+        (
+            vec!["__Host-idemgate_console=s; theme=dark".into()],
+            vec!["theme=dark"],
+        ),
+        (
+            vec!["a=1".into(), format!("{live}"), "b=\"x y\";c=3".into()],
+            vec!["a=1", "b=\"x y\";c=3"],
+        ),
+        (
+            vec!["a=1;b=2 ;  idemgate_consoles=3".into()],
+            vec!["a=1;b=2 ;  idemgate_consoles=3"],
+        ),
+    ];
+    for (i, (sent, expected)) in cases.iter().enumerate() {
+        let cookies = sent.iter().map(|c| ("cookie", c.as_str()));
+        // Passed through (a GET opts in to nothing), then keyed.
+        let key = format!("cookie-{i}");
+        let keyed = [
+            ("idempotency-key", key.as_str()),
+            ("content-type", "application/json"),
+        ];
+        for headers in [
+            cookies.clone().collect::<Vec<_>>(),
+            cookies.chain(keyed).collect(),
+        ] {
+            let keyed = headers.len() > sent.len();
+            let method = if keyed { Method::POST } else { Method::GET };
+            let reply = send(method, &url, &headers, "{}").await;
+            assert_eq!(reply.status, 200, "{sent:?}");
+            assert_eq!(reply.job().is_some(), keyed, "{sent:?}");
+            let arrived = upstream.arrival().await;
+            let forwarded: Vec<&str> = arrived
+                .headers
+                .get_all("cookie")
+                .iter()
+                .map(|v| v.to_str().unwrap())
+                .collect();
+            assert_eq!(forwarded, *expected, "sent {sent:?}, keyed: {keyed}");
+        }
+    }
+    // The session itself is untouched: the gateway only kept it to itself.
+    assert_eq!(with_cookie(&gateway, &live).await, (200, 200));
+}
+
+#[tokio::test]
+async fn the_console_works_in_a_browser_under_either_cookie_name() {
+    let store = TestStore::embedded();
+    let upstream = FakeUpstream::echo().await;
+    let browser = Browser::start().await;
+    for (secure, name) in [
+        (false, "idemgate_console"),
+        (true, "__Host-idemgate_console"),
+    ] {
+        let gateway = Gateway::builder(&store, &upstream.url())
+            .set("console_secure_cookie", &secure.to_string())
+            .start()
+            .await;
+        // (a browser counts 127.0.0.1 as a secure origin, so it keeps a
+        // Secure cookie from the plain-HTTP test listener)
+        let console = format!("{}/console/", gateway.admin_url);
+        browser.client.goto(&console).await.unwrap();
+        browser.type_into("#token", ADMIN_TOKEN).await;
+        browser.click("#sign-in").await;
+        browser.wait_for("#inbox-empty").await;
+        let cookies = browser.client.get_all_cookies().await.unwrap();
+        let names: Vec<&str> = cookies.iter().map(|c| c.name()).collect();
+        assert_eq!(names, [name], "secure: {secure}");
+        assert_eq!(cookies[0].secure(), Some(secure));
+        assert_eq!(cookies[0].http_only(), Some(true));
+
+        browser.click("#sign-out").await;
+        browser.wait_for("#token").await;
+        assert!(browser.client.get_all_cookies().await.unwrap().is_empty());
+        browser
+            .client
+            .goto(&format!("{console}#/inbox"))
+            .await
+            .unwrap();
+        browser.wait_for("#token").await;
+    }
+}
