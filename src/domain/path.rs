@@ -22,12 +22,10 @@ pub enum Ambiguity {
     #[error("the path contains `%2F`, an encoded `/`, which some upstreams read as a segment separator and others as part of a segment; send `/` between segments, or put the value in the query string")]
     EncodedSlash,
     /// `%5C`: a separator to some upstreams (those that read `\` as `/`).
-    #[error("the path contains `%5C`, an encoded `\\`, which some upstreams read as `/`; put the value in the query string")]
+    #[error("the path contains `%5C`, an encoded `\\`, which some upstreams read as `/`; send the value in the query string instead")]
     EncodedBackslash,
     /// `%00`: the end of the path to upstreams written in C.
-    #[error(
-        "the path contains `%00`, a NUL byte, at which some upstreams end the path; remove it"
-    )]
+    #[error("the path contains `%00`, a NUL byte, at which some upstreams end the path; send the path without it")]
     EncodedNul,
     /// A raw `\`: a separator to some upstreams.
     #[error("the path contains `\\`, which some upstreams read as `/`; send `/` between segments")]

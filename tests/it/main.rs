@@ -15,6 +15,7 @@ mod failover;
 mod fastpath;
 mod helm_chart;
 mod outcomes_survive;
+mod paths;
 mod postgres_deployments;
 mod postgres_restart;
 mod real_clients;
