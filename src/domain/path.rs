@@ -58,37 +58,39 @@ pub fn normalize(path: &str) -> Result<Cow<'_, str>, Ambiguity> {
 /// to [`rewrite`].
 fn is_normal(path: &[u8]) -> bool {
     let mut i = 0;
-    while i < path.len() {
-        match path[i] {
-            b'/' => {
-                if let [b'/', ..]
-                | [b'.']
-                | [b'.', b'/', ..]
-                | [b'.', b'.']
-                | [b'.', b'.', b'/', ..] = &path[i + 1..]
-                {
+    while let Some(&byte) = path.get(i) {
+        match byte {
+            b'/' if starts_dot_or_empty_segment(&path[i + 1..]) => return false,
+            b'%' => {
+                if !is_kept_encoding(path.get(i + 1..i + 3)) {
                     return false;
                 }
+                i += 2;
             }
-            b'%' => match (path.get(i + 1), path.get(i + 2)) {
-                (
-                    Some(&hi @ (b'0'..=b'9' | b'A'..=b'F')),
-                    Some(&lo @ (b'0'..=b'9' | b'A'..=b'F')),
-                ) => {
-                    let byte = hex(hi) << 4 | hex(lo);
-                    if class(byte) == Class::Unreserved || matches!(byte, 0x00 | b'/' | b'\\') {
-                        return false;
-                    }
-                    i += 2;
-                }
-                _ => return false,
-            },
-            byte if matches!(class(byte), Class::Unreserved | Class::Kept) => {}
-            _ => return false,
+            _ if class(byte) == Class::Encoded => return false,
+            _ => {}
         }
         i += 1;
     }
     true
+}
+
+/// Whether what follows a `/` is an empty segment or a dot segment.
+fn starts_dot_or_empty_segment(rest: &[u8]) -> bool {
+    matches!(
+        rest,
+        [b'/', ..] | [b'.'] | [b'.', b'/', ..] | [b'.', b'.'] | [b'.', b'.', b'/', ..]
+    )
+}
+
+/// Whether the two digits after a `%` make an encoding a normal path
+/// keeps: upper-case hex, of a byte that is neither unreserved nor refused.
+fn is_kept_encoding(digits: Option<&[u8]>) -> bool {
+    let Some(&[hi @ (b'0'..=b'9' | b'A'..=b'F'), lo @ (b'0'..=b'9' | b'A'..=b'F')]) = digits else {
+        return false;
+    };
+    let byte = hex(hi) << 4 | hex(lo);
+    class(byte) != Class::Unreserved && !matches!(byte, 0x00 | b'/' | b'\\')
 }
 
 /// The normal form of a path that [`is_normal`] did not pass: each segment
@@ -169,14 +171,28 @@ enum Class {
     Encoded,
 }
 
+/// A byte's class, looked up in a table: the scan of a normal path does
+/// this once per byte.
 fn class(byte: u8) -> Class {
-    match byte {
-        b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => Class::Unreserved,
-        b'!' | b'$' | b'&' | b'\'' | b'(' | b')' | b'*' | b'+' | b',' | b'=' | b':' | b'@'
-        | b'/' => Class::Kept,
-        _ => Class::Encoded,
-    }
+    CLASSES[usize::from(byte)]
 }
+
+const CLASSES: [Class; 256] = {
+    let mut table = [Class::Encoded; 256];
+    let mut byte = 0;
+    while byte < 256 {
+        table[byte] = match byte as u8 {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                Class::Unreserved
+            }
+            b'!' | b'$' | b'&' | b'\'' | b'(' | b')' | b'*' | b'+' | b',' | b'=' | b':' | b'@'
+            | b'/' => Class::Kept,
+            _ => Class::Encoded,
+        };
+        byte += 1;
+    }
+    table
+};
 
 /// The value of one hex digit (the caller checked it is one).
 fn hex(digit: u8) -> u8 {
