@@ -18,6 +18,7 @@ use crate::domain::id::JobId;
 use crate::idempotency::{IdempotencyLayer, Shared};
 use crate::proxy::http::request_id::RequestIds;
 use crate::proxy::http::{cookie, hop, BodyError, Outcome, IDEMPOTENCY_KEY};
+use crate::proxy::path::NormalizePathLayer;
 use crate::proxy::shed::ShedLayer;
 use crate::proxy::upstream::Upstreams;
 use crate::BoxError;
@@ -43,8 +44,8 @@ macro_rules! request_span {
     };
 }
 
-/// The proxy's service: ids, spans and counts, load shedding, the
-/// idempotency layer, and the upstreams.
+/// The proxy's service: ids, spans and counts, paths normalised, load
+/// shedding, the idempotency layer, and the upstreams.
 pub(super) fn proxy(
     settings: &Settings,
     shared: Arc<Shared>,
@@ -76,6 +77,9 @@ pub(super) fn proxy(
         // …and the response echoes.
         .layer(PropagateRequestIdLayer::x_request_id())
         .map_request(enter)
+        // One spelling of each path: routes match, and the upstream gets,
+        // what the upstream will read (`400` for a path read two ways).
+        .layer(NormalizePathLayer)
         // Saturated: answer 503 at once rather than queue without bound.
         .layer(ShedLayer::new(settings.max_in_flight, settings.retry_after))
         // Opted-in requests become jobs and attempts; the rest stream through.

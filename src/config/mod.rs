@@ -834,6 +834,41 @@ mod tests {
     }
 
     #[test]
+    fn routes_match_paths_in_any_ascii_case() {
+        let file =
+            Settings::parse_file("[[routes]]\nname = \"charges\"\npath_prefix = \"/v1/charges\"\n")
+                .unwrap();
+        let s = Settings::from_sources(file, flags_with_upstream()).unwrap();
+        let name = |path| s.route_for(&Method::POST, path).map(|r| r.name.as_str());
+        assert_eq!(name("/V1/Charges"), Some("charges"));
+        assert_eq!(name("/v1/CHARGES/ch_1"), Some("charges"));
+        assert_eq!(name("/v1/chargesX"), None);
+        assert_eq!(name("/v1/charg"), None);
+    }
+
+    /// Request paths are normalised before routing (`docs/design.md` §2),
+    /// so a prefix spelled any other way would never match: refused at
+    /// start-up, naming the normal spelling or the ambiguity.
+    #[test]
+    fn a_path_prefix_not_in_normal_form_is_refused() {
+        for (prefix, says) in [
+            ("/v1//charges", "write \"/v1/charges\""),
+            ("/v1/./charges", "write \"/v1/charges\""),
+            ("/v1/%63harges", "write \"/v1/charges\""),
+            ("/caf%c3%a9", "write \"/caf%C3%A9\""),
+            ("/v1/charges;x", "`;`"),
+            ("/v1%2Fcharges", "`%2F`"),
+            ("/..", "climb above"),
+        ] {
+            let text = format!("[[routes]]\npath_prefix = {prefix:?}\n");
+            let file = Settings::parse_file(&text).unwrap();
+            let e = Settings::from_sources(file, flags_with_upstream()).unwrap_err();
+            assert_eq!(e.key, "routes[0].path_prefix", "{prefix}");
+            assert!(e.to_string().contains(says), "{prefix}: {e}");
+        }
+    }
+
+    #[test]
     fn a_probeless_contract_on_a_route_with_fallbacks_is_refused() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/chat");
         let text = "upstreams = [\"http://a:1\", \"http://b:1\"]\n\

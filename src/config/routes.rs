@@ -1,6 +1,7 @@
 //! Routes: which requests opt in, and how their jobs are run (upstreams,
 //! failover, hedging, contracts, fingerprints).
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -102,11 +103,16 @@ impl Route {
         })
     }
 
-    /// Whether this route matches a path, on whole segments.
+    /// Whether this route matches a (normalised) path, on whole segments,
+    /// ASCII case aside: Express and ASP.NET route `/V1/Charges` to the
+    /// handler of `/v1/charges`, so it must meet that route's rules too
+    /// (`docs/design.md` §11). The path keeps its case everywhere else.
     pub fn matches_path(&self, path: &str) -> bool {
-        let prefix = self.path_prefix.trim_end_matches('/');
-        match path.strip_prefix(prefix) {
-            Some(rest) => rest.is_empty() || rest.starts_with('/'),
+        let prefix = self.path_prefix.trim_end_matches('/').as_bytes();
+        match path.as_bytes().split_at_checked(prefix.len()) {
+            Some((head, rest)) => {
+                head.eq_ignore_ascii_case(prefix) && matches!(rest, [] | [b'/', ..])
+            }
             None => false,
         }
     }
@@ -186,11 +192,7 @@ fn parse(i: usize, r: RouteFile, cx: &Context<'_>) -> Result<Route, ConfigError>
     let Some(default) = Route::default_route(upstreams, cx.owner.clone()) else {
         return Err(bad("upstreams", "no upstream configured"));
     };
-    let path_prefix = r.path_prefix.unwrap_or_else(|| "/".into());
-    if !path_prefix.starts_with('/') {
-        let why = format!("{path_prefix:?} must start with `/`");
-        return Err(bad(key("path_prefix"), why));
-    }
+    let path_prefix = prefix(&key("path_prefix"), r.path_prefix)?;
     let methods = match r.methods {
         None => default.methods,
         Some(ms) => methods(&key("methods"), &ms)?,
@@ -309,6 +311,30 @@ fn guarded(route: Route, name: &str) -> Result<Route, ConfigError> {
             holder.name()
         ),
     ))
+}
+
+/// The route's path prefix, which must be in normal form: request paths
+/// are normalised before they are matched (`docs/design.md` §2), so a
+/// prefix in any other spelling would never match.
+fn prefix(key: &str, path_prefix: Option<String>) -> Result<String, ConfigError> {
+    let path_prefix = path_prefix.unwrap_or_else(|| "/".into());
+    if !path_prefix.starts_with('/') {
+        return Err(bad(key, format!("{path_prefix:?} must start with `/`")));
+    }
+    match crate::domain::path::normalize(&path_prefix) {
+        Ok(Cow::Borrowed(_)) => Ok(path_prefix),
+        Ok(Cow::Owned(normal)) => Err(bad(
+            key,
+            format!(
+                "{path_prefix:?} would never match: request paths are normalised before routing; \
+                 write {normal:?}"
+            ),
+        )),
+        Err(why) => Err(bad(
+            key,
+            format!("{path_prefix:?} would never match, since requests with it are refused: {why}"),
+        )),
+    }
 }
 
 fn header_names(key: &str, names: &[String]) -> Result<Vec<HeaderName>, ConfigError> {

@@ -7,5 +7,6 @@ pub mod fingerprint;
 pub mod id;
 pub mod job;
 pub mod key;
+pub mod path;
 pub mod response;
 pub mod transition;

@@ -10,6 +10,7 @@ use http::{header, HeaderValue, Response, StatusCode};
 use serde_json::{Map, Value};
 
 use crate::domain::key::KeyError;
+use crate::domain::path::Ambiguity;
 use crate::proxy::http::{full, Body, CollectError, Outcome};
 use crate::proxy::upstream::UpstreamError;
 use crate::store::{StoreError, StoreErrorKind};
@@ -21,6 +22,9 @@ pub const PROBLEM_BASE: &str = "https://idemgate.dev/problems/";
 /// Something the client did.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
+    /// The path could be read two ways by upstreams (`docs/design.md` §2).
+    #[error("{0}")]
+    AmbiguousPath(#[from] Ambiguity),
     /// The route requires a key and there was none.
     #[error("this route requires an Idempotency-Key header")]
     MissingKey,
@@ -144,6 +148,11 @@ impl ClientError {
     fn problem(&self) -> Problem {
         let p = Problem::new;
         match self {
+            ClientError::AmbiguousPath(_) => p(
+                StatusCode::BAD_REQUEST,
+                "ambiguous-path",
+                "Path that upstreams could read two ways",
+            ),
             ClientError::MissingKey => p(
                 StatusCode::BAD_REQUEST,
                 "idempotency-key-missing",

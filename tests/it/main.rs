@@ -17,6 +17,7 @@ mod fastpath;
 mod helm_chart;
 mod outcomes_survive;
 mod owners;
+mod paths;
 mod postgres_deployments;
 mod postgres_restart;
 mod real_clients;

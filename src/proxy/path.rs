@@ -1,0 +1,209 @@
+//! Paths normalised before anything reads them (`docs/design.md` §2): the
+//! request's URI is rewritten to the normal form of its path, its query
+//! kept byte for byte, so routing, the fingerprint and the upstream all see
+//! the one path; a path upstreams could read two ways is answered
+//! `400 …/ambiguous-path` and goes no further. A path already normal (the
+//! common case) costs one scan of its bytes and no allocation.
+
+use std::borrow::Cow;
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::uri::PathAndQuery;
+use http::{Request, Response, Uri};
+use pin_project_lite::pin_project;
+use tower::{Layer, Service};
+
+use crate::domain::path::normalize;
+use crate::proxy::error::{ClientError, GatewayError};
+use crate::proxy::http::Body;
+
+/// Normalises every request's path before the inner service sees it.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NormalizePathLayer;
+
+impl<S> Layer<S> for NormalizePathLayer {
+    type Service = NormalizePath<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        NormalizePath { inner }
+    }
+}
+
+/// The service built by [`NormalizePathLayer`].
+#[derive(Debug, Clone)]
+pub struct NormalizePath<S> {
+    inner: S,
+}
+
+impl<S, B> Service<Request<B>> for NormalizePath<S>
+where
+    S: Service<Request<B>, Response = Response<Body>, Error = Infallible>,
+{
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = ResponseFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: Request<B>) -> Self::Future {
+        let rewritten = match normalize(req.uri().path()) {
+            Ok(Cow::Borrowed(_)) => None,
+            Ok(Cow::Owned(path)) => Some(path),
+            Err(why) => return ResponseFuture::answer(ClientError::from(why).into()),
+        };
+        if let Some(path) = rewritten {
+            match with_path(std::mem::take(req.uri_mut()), path) {
+                Ok(uri) => *req.uri_mut() = uri,
+                Err(e) => return ResponseFuture::answer(e),
+            }
+        }
+        ResponseFuture {
+            kind: Kind::Inner {
+                answer: self.inner.call(req),
+            },
+        }
+    }
+}
+
+/// `uri` with its path replaced by `path`, its query (and scheme and
+/// authority, for an absolute-form target) as they were.
+fn with_path(uri: Uri, path: String) -> Result<Uri, GatewayError> {
+    let mut parts = uri.into_parts();
+    let query = parts.path_and_query.as_ref().and_then(PathAndQuery::query);
+    let path_and_query = match query {
+        Some(query) => format!("{path}?{query}"),
+        None => path,
+    };
+    // A normal path holds only characters a path may hold, and the query
+    // was parsed before: neither can fail unless the normaliser is wrong.
+    parts.path_and_query = Some(
+        PathAndQuery::from_maybe_shared(Bytes::from(path_and_query))
+            .map_err(|e| GatewayError::internal(format!("a normalised path did not parse: {e}")))?,
+    );
+    Uri::from_parts(parts)
+        .map_err(|e| GatewayError::internal(format!("a normalised URI did not parse: {e}")))
+}
+
+pin_project! {
+    /// The answer to one request: `400` at once, or the inner service's.
+    /// Named rather than boxed, so the common case allocates nothing.
+    pub struct ResponseFuture<F> {
+        #[pin]
+        kind: Kind<F>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind<F> {
+        /// Refused before the inner service saw it.
+        Refused { response: Option<Response<Body>> },
+        /// The inner service's answer.
+        Inner {
+            #[pin]
+            answer: F,
+        },
+    }
+}
+
+impl<F> ResponseFuture<F> {
+    fn answer(e: GatewayError) -> Self {
+        ResponseFuture {
+            kind: Kind::Refused {
+                response: Some(e.into_response()),
+            },
+        }
+    }
+}
+
+impl<F> Future for ResponseFuture<F>
+where
+    F: Future<Output = Result<Response<Body>, Infallible>>,
+{
+    type Output = Result<Response<Body>, Infallible>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().kind.project() {
+            KindProj::Refused { response } => Poll::Ready(Ok(response
+                .take()
+                .expect("a ResponseFuture is not polled after it completed"))),
+            KindProj::Inner { answer } => answer.poll(cx),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use tower::{service_fn, ServiceExt};
+
+    use super::*;
+
+    /// The answer to a request for `uri`, and the URI the inner service was
+    /// given (`None`: it was not called).
+    async fn through(uri: &str) -> (Response<Body>, Option<Uri>) {
+        let seen = Arc::new(Mutex::new(None));
+        let inner = {
+            let seen = seen.clone();
+            service_fn(move |req: Request<()>| {
+                *seen.lock().unwrap() = Some(req.uri().clone());
+                std::future::ready(Ok(Response::new(crate::proxy::http::full("ok"))))
+            })
+        };
+        let req = Request::builder().uri(uri).body(()).unwrap();
+        let answer = NormalizePathLayer.layer(inner).oneshot(req).await.unwrap();
+        let seen = seen.lock().unwrap().take();
+        (answer, seen)
+    }
+
+    #[tokio::test]
+    async fn the_inner_service_sees_the_normal_path_and_the_query_as_sent() {
+        for (uri, expected) in [
+            (
+                "/v1//x/../charges?a=%2f&b=..&c=%63",
+                "/v1/charges?a=%2f&b=..&c=%63",
+            ),
+            (
+                "http://example.com//v1/%63harges?a=%2f&b=..&c=%63",
+                "http://example.com/v1/charges?a=%2f&b=..&c=%63",
+            ),
+            (
+                "/v1/charges?a=%2f&b=..&c=%63",
+                "/v1/charges?a=%2f&b=..&c=%63",
+            ),
+            ("/v1/./charges", "/v1/charges"),
+        ] {
+            let (answer, seen) = through(uri).await;
+            assert_eq!(answer.status(), 200, "{uri}");
+            assert_eq!(seen.map(|u| u.to_string()).as_deref(), Some(expected));
+        }
+    }
+
+    #[tokio::test]
+    async fn an_ambiguous_path_is_refused_and_never_reaches_the_inner_service() {
+        let (refused, seen) = through("/v1/charges%2Fx?a=1").await;
+        assert_eq!(seen, None);
+        assert_eq!(refused.status(), http::StatusCode::BAD_REQUEST);
+        assert_eq!(
+            refused.headers()[http::header::CONTENT_TYPE],
+            "application/problem+json"
+        );
+        let body = http_body_util::BodyExt::collect(refused.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(
+            problem["type"],
+            "https://idemgate.dev/problems/ambiguous-path"
+        );
+        assert!(problem["detail"].as_str().unwrap().contains("%2F"));
+    }
+}
