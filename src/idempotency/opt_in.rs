@@ -58,7 +58,9 @@ pub fn classify(routes: &[Arc<Route>], req: Request<Body>) -> Classified {
     let Some(route) = routes::find(routes, req.method(), req.uri().path()) else {
         return Classified::PassThrough(req);
     };
-    let key = match req.headers().get(IDEMPOTENCY_KEY) {
+    // Every line of the header: a key sent twice is refused, not the first taken.
+    let lines = req.headers().get_all(IDEMPOTENCY_KEY).iter();
+    let key = match IdempotencyKey::from_lines(lines.map(HeaderValue::as_bytes)) {
         None if route.require_key => return Classified::Refused(ClientError::MissingKey.into()),
         None => {
             let mut req = req;
@@ -66,10 +68,8 @@ pub fn classify(routes: &[Arc<Route>], req: Request<Body>) -> Classified {
                 .insert(Target(route.primary.id.clone()));
             return Classified::PassThrough(req);
         }
-        Some(raw) => match IdempotencyKey::parse(raw.as_bytes()) {
-            Ok(key) => key,
-            Err(e) => return Classified::Refused(ClientError::from(e).into()),
-        },
+        Some(Ok(key)) => key,
+        Some(Err(e)) => return Classified::Refused(ClientError::from(e).into()),
     };
     Classified::OptedIn(OptedIn {
         route: route.clone(),

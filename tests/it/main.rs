@@ -14,6 +14,7 @@ mod encryption;
 mod failover;
 mod fastpath;
 mod helm_chart;
+mod keys;
 mod outcomes_survive;
 mod postgres_deployments;
 mod postgres_restart;
