@@ -79,7 +79,8 @@ pub fn classify(routes: &[Arc<Route>], req: Request<Body>) -> Classified {
 }
 
 /// Reads what the decision needs: the owner (from `owner_header`), the body
-/// (within the route's limit, `413` past it) and the fingerprint.
+/// (within the route's limit, `413` past it) and the fingerprint (`400` for
+/// a body the route canonicalises that names a JSON member twice).
 pub async fn prepare(owner_header: &HeaderName, opted: OptedIn) -> Result<Keyed, GatewayError> {
     let OptedIn { route, key, req } = opted;
     let owner = Owner::from_header(req.headers().get(owner_header).map(HeaderValue::as_bytes));
@@ -104,7 +105,8 @@ pub async fn prepare(owner_header: &HeaderName, opted: OptedIn) -> Result<Keyed,
             body: &body,
         },
         &route.body,
-    );
+    )
+    .map_err(ClientError::from)?;
     Ok(Keyed {
         route,
         owner,

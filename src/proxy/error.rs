@@ -9,6 +9,7 @@ use std::time::Duration;
 use http::{header, HeaderValue, Response, StatusCode};
 use serde_json::{Map, Value};
 
+use crate::domain::fingerprint::AmbiguousJson;
 use crate::domain::key::KeyError;
 use crate::proxy::http::{full, Body, CollectError, Outcome};
 use crate::proxy::upstream::UpstreamError;
@@ -36,6 +37,9 @@ pub enum ClientError {
     /// The body could not be read.
     #[error("the request body could not be read")]
     BodyUnreadable(#[source] BoxError),
+    /// A JSON body the route canonicalises names a member twice.
+    #[error(transparent)]
+    AmbiguousJson(#[from] AmbiguousJson),
     /// The key was used before with a different request.
     #[error("this Idempotency-Key was already used with a different request (method, path, significant headers or body)")]
     KeyMismatch {
@@ -149,6 +153,11 @@ impl ClientError {
                 StatusCode::BAD_REQUEST,
                 "request-body-unreadable",
                 "Request body could not be read",
+            ),
+            ClientError::AmbiguousJson(_) => p(
+                StatusCode::BAD_REQUEST,
+                "ambiguous-json",
+                "JSON body names a member twice",
             ),
             ClientError::KeyMismatch { status } => p(
                 *status,

@@ -13,6 +13,7 @@ mod embedded;
 mod encryption;
 mod failover;
 mod fastpath;
+mod fingerprints;
 mod helm_chart;
 mod keys;
 mod outcomes_survive;
