@@ -172,6 +172,7 @@ pub(super) struct RouteFile {
     pub(super) side_effect_free: Option<bool>,
     pub(super) contract: Option<String>,
     pub(super) stream_types: Option<Vec<String>>,
+    pub(super) in_progress: Option<String>,
 }
 
 impl FileConfig {

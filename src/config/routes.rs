@@ -51,6 +51,36 @@ pub struct Route {
     /// Content types (lower case, without parameters) whose answers stream
     /// through while they are recorded, instead of being buffered.
     pub stream_types: Vec<String>,
+    /// What a duplicate of a running job is answered.
+    pub in_progress: InProgress,
+}
+
+/// What a duplicate arriving while its job runs is answered
+/// (`docs/design.md` §11, "A duplicate of a running job").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InProgress {
+    /// Held until the job settles, then answered with its result (or it
+    /// joins the job's stream): a retry gets the answer (the default).
+    Hold,
+    /// `409 …/request-in-progress` with `Retry-After` at once, as the IETF
+    /// draft says a server SHOULD.
+    Conflict,
+}
+
+impl InProgress {
+    fn parse(key: &str, value: Option<&str>) -> Result<InProgress, ConfigError> {
+        match value {
+            None | Some("hold") => Ok(InProgress::Hold),
+            Some("conflict") => Ok(InProgress::Conflict),
+            Some(other) => Err(bad(
+                key,
+                format!(
+                    "{other:?} is neither \"hold\" (a duplicate of a running job waits for \
+                     its answer) nor \"conflict\" (it is answered 409 at once)"
+                ),
+            )),
+        }
+    }
 }
 
 impl Route {
@@ -75,6 +105,7 @@ impl Route {
             side_effect_free: false,
             contract: None,
             stream_types: vec!["text/event-stream".into()],
+            in_progress: InProgress::Hold,
         })
     }
 
@@ -230,6 +261,7 @@ fn parse(
                 .map(|t| t.trim().to_ascii_lowercase())
                 .collect()
         }),
+        in_progress: InProgress::parse(&key("in_progress"), r.in_progress.as_deref())?,
     })
 }
 
