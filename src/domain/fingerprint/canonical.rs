@@ -15,8 +15,9 @@
 use jiter::{Jiter, JiterError, Peek};
 
 /// Nesting deeper than this is not canonicalised; the body is hashed as
-/// raw bytes instead, as it was when serde_json's own limit (128) applied.
-const MAX_DEPTH: usize = 128;
+/// raw bytes instead, as it was under serde_json's own limit (which
+/// refuses a 128th level).
+const MAX_DEPTH: usize = 127;
 
 /// A parsed body: numbers and literals keep the bytes they were written with.
 #[derive(Debug)]
