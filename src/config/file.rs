@@ -181,6 +181,7 @@ pub(super) struct RouteFile {
     pub(super) stream_types: Option<Vec<String>>,
     pub(super) owner: Option<OwnerFile>,
     pub(super) require_client: Option<bool>,
+    pub(super) in_progress: Option<String>,
 }
 
 impl FileConfig {

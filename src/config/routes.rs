@@ -61,6 +61,36 @@ pub struct Route {
     /// the route (keyed or not): required where an upstream holds the
     /// operator's credentials.
     pub require_client: bool,
+    /// What a duplicate of a running job is answered.
+    pub in_progress: InProgress,
+}
+
+/// What a duplicate arriving while its job runs is answered
+/// (`docs/design.md` §11, "A duplicate of a running job").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InProgress {
+    /// Held until the job settles, then answered with its result (or it
+    /// joins the job's stream): a retry gets the answer (the default).
+    Hold,
+    /// `409 …/request-in-progress` with `Retry-After` at once, as the IETF
+    /// draft says a server SHOULD.
+    Conflict,
+}
+
+impl InProgress {
+    fn parse(key: &str, value: Option<&str>) -> Result<InProgress, ConfigError> {
+        match value {
+            None | Some("hold") => Ok(InProgress::Hold),
+            Some("conflict") => Ok(InProgress::Conflict),
+            Some(other) => Err(bad(
+                key,
+                format!(
+                    "{other:?} is neither \"hold\" (a duplicate of a running job waits for \
+                     its answer) nor \"conflict\" (it is answered 409 at once)"
+                ),
+            )),
+        }
+    }
 }
 
 /// What every route is parsed against.
@@ -100,6 +130,7 @@ impl Route {
             stream_types: vec!["text/event-stream".into()],
             owner,
             require_client: false,
+            in_progress: InProgress::Hold,
         })
     }
 
@@ -257,6 +288,7 @@ fn parse(i: usize, r: RouteFile, cx: &Context<'_>) -> Result<Route, ConfigError>
         }),
         owner: route_owner(&key("owner"), r.owner.as_ref(), cx)?,
         require_client: require_client(&key("require_client"), r.require_client, cx)?,
+        in_progress: InProgress::parse(&key("in_progress"), r.in_progress.as_deref())?,
     })
 }
 

@@ -3,12 +3,28 @@
 //! SHA-256 over the method, the path and query, the configured significant
 //! headers and the body. Every part is length-prefixed, so no two different
 //! requests can frame to the same bytes. A route may canonicalise JSON bodies
-//! (object keys sorted, so key order does not matter) and drop fields named
-//! by JSON pointers (a client-side timestamp, a trace id) before hashing.
+//! (object keys sorted, so key order does not matter; numbers as written)
+//! and drop fields named by JSON pointers (a client-side timestamp, a trace
+//! id) before hashing; a body it cannot canonicalise unambiguously (a member
+//! named twice) is refused ([`canonical`]).
 
 use std::fmt;
 
 use sha2::{Digest, Sha256};
+
+mod canonical;
+
+/// A JSON body that names an object member twice: parsers disagree on
+/// which one counts, so it has no one meaning to fingerprint.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the JSON body names the member {pointer} more than once, and JSON parsers disagree \
+     on which one counts; send each member of an object once"
+)]
+pub struct AmbiguousJson {
+    /// The JSON pointer (RFC 6901) of the member named twice.
+    pub pointer: String,
+}
 
 /// A SHA-256 request fingerprint.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -36,7 +52,8 @@ impl Fingerprint {
 /// How a route fingerprints its bodies.
 #[derive(Debug, Clone, Default)]
 pub struct BodyRule {
-    /// Hash JSON bodies in canonical form (object keys sorted).
+    /// Hash JSON bodies in canonical form (object keys sorted, numbers as
+    /// written, a member named twice refused).
     pub canonical_json: bool,
     /// JSON pointers (RFC 6901) of fields left out of the hash.
     pub ignore: Vec<String>,
@@ -55,8 +72,12 @@ pub struct RequestParts<'a> {
     pub body: &'a [u8],
 }
 
-/// Computes the fingerprint of a request under a route's body rule.
-pub fn fingerprint(parts: &RequestParts<'_>, rule: &BodyRule) -> Fingerprint {
+/// Computes the fingerprint of a request under a route's body rule; a body
+/// the rule canonicalises is refused when it is ambiguous JSON.
+pub fn fingerprint(
+    parts: &RequestParts<'_>,
+    rule: &BodyRule,
+) -> Result<Fingerprint, AmbiguousJson> {
     let mut h = Sha256::new();
     frame(&mut h, parts.method.as_bytes());
     frame(&mut h, parts.path_and_query.as_bytes());
@@ -70,7 +91,7 @@ pub fn fingerprint(parts: &RequestParts<'_>, rule: &BodyRule) -> Fingerprint {
             None => h.update([0]),
         }
     }
-    match canonical_body(parts.body, rule) {
+    match canonical_body(parts.body, rule)? {
         Some(canonical) => {
             h.update([1]);
             frame(&mut h, &canonical);
@@ -80,7 +101,7 @@ pub fn fingerprint(parts: &RequestParts<'_>, rule: &BodyRule) -> Fingerprint {
             frame(&mut h, parts.body);
         }
     }
-    Fingerprint(h.finalize().into())
+    Ok(Fingerprint(h.finalize().into()))
 }
 
 fn frame(h: &mut Sha256, bytes: &[u8]) {
@@ -89,38 +110,26 @@ fn frame(h: &mut Sha256, bytes: &[u8]) {
 }
 
 /// The canonical JSON form of a body, when the rule asks for it and the body
-/// is JSON. A body that is not JSON is hashed as raw bytes instead.
-fn canonical_body(body: &[u8], rule: &BodyRule) -> Option<Vec<u8>> {
+/// is JSON. A body that is not JSON is hashed as raw bytes instead: raw bytes
+/// never make two different bodies one intent.
+fn canonical_body(body: &[u8], rule: &BodyRule) -> Result<Option<Vec<u8>>, AmbiguousJson> {
     if !rule.canonical_json && rule.ignore.is_empty() {
-        return None;
+        return Ok(None);
     }
-    let mut value: serde_json::Value = serde_json::from_slice(body).ok()?;
-    for pointer in &rule.ignore {
-        remove_pointer(&mut value, pointer);
-    }
-    // serde_json's map is ordered by key (no `preserve_order` feature), so
-    // serialising the parsed value is already canonical.
-    serde_json::to_vec(&value).ok()
-}
-
-fn remove_pointer(value: &mut serde_json::Value, pointer: &str) {
-    let Some((parent, last)) = pointer.rsplit_once('/') else {
-        return;
+    let mut node = match canonical::parse(body) {
+        Ok(node) => node,
+        Err(canonical::Refused::NotJson) => return Ok(None),
+        Err(canonical::Refused::Duplicate(path)) => {
+            let pointer = canonical::pointer(&path);
+            return Err(AmbiguousJson { pointer });
+        }
     };
-    let last = last.replace("~1", "/").replace("~0", "~");
-    match value.pointer_mut(parent) {
-        Some(serde_json::Value::Object(map)) => {
-            map.remove(&last);
-        }
-        Some(serde_json::Value::Array(items)) => {
-            if let Ok(i) = last.parse::<usize>() {
-                if i < items.len() {
-                    items.remove(i);
-                }
-            }
-        }
-        _ => {}
+    for pointer in &rule.ignore {
+        canonical::remove(&mut node, pointer);
     }
+    let mut out = Vec::with_capacity(body.len());
+    canonical::write(&node, &mut out);
+    Ok(Some(out))
 }
 
 #[cfg(test)]
@@ -128,6 +137,10 @@ mod tests {
     use super::*;
 
     fn fp(body: &[u8], rule: &BodyRule) -> Fingerprint {
+        try_fp(body, rule).unwrap()
+    }
+
+    fn try_fp(body: &[u8], rule: &BodyRule) -> Result<Fingerprint, AmbiguousJson> {
         fingerprint(
             &RequestParts {
                 method: "POST",
@@ -138,6 +151,11 @@ mod tests {
             rule,
         )
     }
+
+    const CANONICAL: BodyRule = BodyRule {
+        canonical_json: true,
+        ignore: vec![],
+    };
 
     #[test]
     fn every_part_counts() {
@@ -152,7 +170,8 @@ mod tests {
                 body: br#"{"a":1}"#,
             },
             &rule,
-        );
+        )
+        .unwrap();
         assert_ne!(base, other_path);
         let no_header = fingerprint(
             &RequestParts {
@@ -162,7 +181,8 @@ mod tests {
                 body: br#"{"a":1}"#,
             },
             &rule,
-        );
+        )
+        .unwrap();
         assert_ne!(base, no_header);
     }
 
@@ -177,6 +197,55 @@ mod tests {
         assert_eq!(
             fp(br#"{"a":1,"b":2}"#, &canonical),
             fp(br#"{ "b": 2, "a": 1 }"#, &canonical)
+        );
+    }
+
+    #[test]
+    fn numbers_are_the_text_the_client_wrote() {
+        let canonical = |body: &str| fp(body.as_bytes(), &CANONICAL);
+        // Past f64 precision, and the spellings an upstream reads apart.
+        for (a, b) in [
+            ("1.00000000000000001", "1"),
+            ("1e2", "100"),
+            ("1.0", "1"),
+            ("1E2", "1e2"),
+            ("-0", "0"),
+            ("12345678901234567890123", "12345678901234567890124"),
+        ] {
+            let (a, b) = (format!(r#"{{"n":{a}}}"#), format!(r#"{{"n":{b}}}"#));
+            assert_ne!(canonical(&a), canonical(&b), "{a} and {b}");
+        }
+        assert_eq!(
+            canonical(r#"{"n":1.50,"m":[1e-7]}"#),
+            canonical(r#"{ "m" : [ 1e-7 ] , "n" : 1.50 }"#)
+        );
+    }
+
+    #[test]
+    fn a_member_named_twice_is_refused_wherever_bodies_are_canonicalised() {
+        let twice = br#"{"amount":1,"to":"x","amount":1000}"#;
+        let ambiguous = AmbiguousJson {
+            pointer: "/amount".into(),
+        };
+        let refused = Err(ambiguous.clone());
+        assert_eq!(try_fp(twice, &CANONICAL), refused);
+        let ignoring = BodyRule {
+            canonical_json: false,
+            ignore: vec!["/meta".into()],
+        };
+        assert_eq!(try_fp(twice, &ignoring), refused);
+        // Raw bytes are hashed as sent: two bodies are never merged.
+        assert!(try_fp(twice, &BodyRule::default()).is_ok());
+        let detail = ambiguous.to_string();
+        assert!(detail.contains("/amount") && detail.contains("send each member"));
+    }
+
+    #[test]
+    fn a_body_that_is_not_json_is_hashed_as_sent() {
+        assert_ne!(fp(b"{not json", &CANONICAL), fp(b"{not  json", &CANONICAL));
+        assert_eq!(
+            fp(b"{not json", &CANONICAL),
+            fp(b"{not json", &BodyRule::default())
         );
     }
 
@@ -206,12 +275,15 @@ mod tests {
                 Just(Value::Null),
                 any::<bool>().prop_map(Value::from),
                 any::<i64>().prop_map(Value::from),
-                "[a-z ]{0,8}".prop_map(Value::from),
+                any::<f64>()
+                    .prop_filter("JSON has no NaN or infinity", |f| f.is_finite())
+                    .prop_map(Value::from),
+                "[a-z \"\\\\é\\x01]{0,8}".prop_map(Value::from),
             ];
             leaf.prop_recursive(3, 24, 4, |inner| {
                 prop_oneof![
                     proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::from),
-                    proptest::collection::btree_map("[a-c~/]{1,3}", inner, 0..4)
+                    proptest::collection::btree_map("[a-c~/\"é]{1,3}", inner, 0..4)
                         .prop_map(|m| Value::Object(m.into_iter().collect())),
                 ]
             })
@@ -239,7 +311,69 @@ mod tests {
             }
         }
 
-        fn fp(body: &[u8], rule: &BodyRule) -> Fingerprint {
+        fn escape(key: &str) -> String {
+            key.replace('~', "~0").replace('/', "~1")
+        }
+
+        /// The pointers of every object in `v`.
+        fn objects(v: &Value, here: &str, out: &mut Vec<String>) {
+            match v {
+                Value::Object(map) => {
+                    out.push(here.to_owned());
+                    for (k, v) in map {
+                        objects(v, &format!("{here}/{}", escape(k)), out);
+                    }
+                }
+                Value::Array(items) => {
+                    for (i, v) in items.iter().enumerate() {
+                        objects(v, &format!("{here}/{i}"), out);
+                    }
+                }
+                _ => {}
+            }
+        }
+
+        /// `v` written out with the object at `target` naming a member
+        /// twice (its first, or `dup`); `twice` gets that member's pointer.
+        fn with_duplicate(v: &Value, here: &str, target: &str, twice: &mut String) -> String {
+            match v {
+                Value::Object(map) => {
+                    let mut fields: Vec<String> = map
+                        .iter()
+                        .map(|(k, v)| {
+                            let inner =
+                                with_duplicate(v, &format!("{here}/{}", escape(k)), target, twice);
+                            format!("{}:{inner}", Value::from(k.as_str()))
+                        })
+                        .collect();
+                    if here == target {
+                        let (k, v) = map
+                            .iter()
+                            .next()
+                            .map_or(("dup".to_owned(), "1".to_owned()), |(k, v)| {
+                                (k.clone(), v.to_string())
+                            });
+                        fields.push(format!("{}:{v}", Value::from(k.as_str())));
+                        if map.is_empty() {
+                            fields.push(format!("{}:{v}", Value::from(k.as_str())));
+                        }
+                        *twice = format!("{here}/{}", escape(&k));
+                    }
+                    format!("{{{}}}", fields.join(","))
+                }
+                Value::Array(items) => {
+                    let items: Vec<String> = items
+                        .iter()
+                        .enumerate()
+                        .map(|(i, v)| with_duplicate(v, &format!("{here}/{i}"), target, twice))
+                        .collect();
+                    format!("[{}]", items.join(","))
+                }
+                leaf => leaf.to_string(),
+            }
+        }
+
+        fn try_fp(body: &[u8], rule: &BodyRule) -> Result<Fingerprint, AmbiguousJson> {
             fingerprint(
                 &RequestParts {
                     method: "POST",
@@ -251,6 +385,13 @@ mod tests {
             )
         }
 
+        fn fp(body: &[u8], rule: &BodyRule) -> Fingerprint {
+            try_fp(body, rule).unwrap()
+        }
+
+        /// A JSON number as a client may write it.
+        const NUMBER: &str = "-?(0|[1-9][0-9]{0,25})(\\.[0-9]{1,25})?([eE][+-]?[0-9]{1,3})?";
+
         proptest! {
             #[test]
             fn any_body_and_any_pointers_fingerprint_without_panicking(
@@ -258,7 +399,46 @@ mod tests {
                 pointers in proptest::collection::vec("[/~0-9a-z]{0,6}", 0..4),
             ) {
                 let rule = BodyRule { canonical_json: true, ignore: pointers };
-                let _ = fp(&body, &rule);
+                let _ = try_fp(&body, &rule);
+            }
+
+            #[test]
+            fn canonical_json_hashes_what_earlier_versions_hashed(value in json()) {
+                // Before, a canonical body was serde_json's writing of its
+                // parsed value: keys sorted, numbers as serde_json writes
+                // them. A body written that way, in any key order, still
+                // canonicalises to exactly those bytes, so keys retried
+                // across an upgrade keep their fingerprints.
+                let rule = BodyRule { canonical_json: true, ignore: vec![] };
+                let before = serde_json::to_vec(&value).unwrap();
+                let now = canonical_body(reversed(&value).as_bytes(), &rule).unwrap().unwrap();
+                prop_assert_eq!(String::from_utf8(now).unwrap(), String::from_utf8(before).unwrap());
+            }
+
+            #[test]
+            fn a_member_named_twice_anywhere_is_refused(
+                value in json(),
+                pick in any::<proptest::sample::Index>(),
+            ) {
+                let value = serde_json::json!({"v": value});
+                let mut all = Vec::new();
+                objects(&value, "", &mut all);
+                let target = pick.get(&all);
+                let mut twice = String::new();
+                let body = with_duplicate(&value, "", target, &mut twice);
+                let rule = BodyRule { canonical_json: true, ignore: vec![] };
+                prop_assert_eq!(try_fp(body.as_bytes(), &rule), Err(AmbiguousJson { pointer: twice }));
+            }
+
+            #[test]
+            fn two_numbers_written_differently_are_two_intents(a in NUMBER, b in NUMBER) {
+                let rule = BodyRule { canonical_json: true, ignore: vec![] };
+                let body = |n: &str| format!(r#"{{"n":{n},"m":[{n}]}}"#);
+                let spaced = format!(r#"{{ "m" : [ {a} ] , "n" : {a} }}"#);
+                prop_assert_eq!(fp(body(&a).as_bytes(), &rule), fp(spaced.as_bytes(), &rule));
+                if a != b {
+                    prop_assert_ne!(fp(body(&a).as_bytes(), &rule), fp(body(&b).as_bytes(), &rule));
+                }
             }
 
             #[test]

@@ -24,6 +24,18 @@ pub enum KeyError {
     /// A structured-field string that does not parse.
     #[error("the idempotency key is a malformed structured-field string")]
     MalformedString,
+    /// A bare key with a comma: intermediaries join repeated header lines
+    /// with commas, so such a key may be two keys joined (`docs/design.md`
+    /// §11).
+    #[error(
+        "a bare key may not contain a comma (a proxy joins repeated header lines with \
+         commas, so it could be two keys); send it as a structured-field string, \
+         `Idempotency-Key: \"a,b\"`"
+    )]
+    Comma,
+    /// The header was sent more than once on one request.
+    #[error("the Idempotency-Key header was sent more than once; send one key, on one line")]
+    Repeated,
 }
 
 impl IdempotencyKey {
@@ -32,14 +44,30 @@ impl IdempotencyKey {
 
     /// Parses a header value in either form the contract accepts: the IETF
     /// structured-field string (`"abc"`, RFC 8941 §3.3.3) or the bare token
-    /// (`abc`). Both forms of the same characters name the same key.
+    /// (`abc`). Both forms of the same characters name the same key. A bare
+    /// key may not hold a comma: `a,b` is what a proxy makes of two lines
+    /// `a` and `b`; the quoted form `"a,b"` is one key.
     pub fn parse(raw: &[u8]) -> Result<Self, KeyError> {
         let raw = trim_ows(raw);
         let key = match raw {
             [b'"', rest @ ..] => unquote_sf_string(rest)?,
+            _ if raw.contains(&b',') => return Err(KeyError::Comma),
             _ => raw.to_vec(),
         };
         Self::from_bytes(key)
+    }
+
+    /// Parses the request's `Idempotency-Key` header lines: `None` without
+    /// one; two or more lines are refused, since which one the client meant
+    /// cannot be told.
+    pub fn from_lines<'a>(
+        mut lines: impl Iterator<Item = &'a [u8]>,
+    ) -> Option<Result<Self, KeyError>> {
+        let first = lines.next()?;
+        Some(match lines.next() {
+            Some(_) => Err(KeyError::Repeated),
+            None => Self::parse(first),
+        })
     }
 
     /// Builds a key from its characters (already unquoted).
@@ -229,6 +257,33 @@ mod tests {
     }
 
     #[test]
+    fn a_comma_is_refused_bare_and_kept_quoted() {
+        assert_eq!(IdempotencyKey::parse(b"a,b"), Err(KeyError::Comma));
+        assert_eq!(IdempotencyKey::parse(b" a, b "), Err(KeyError::Comma));
+        assert_eq!(IdempotencyKey::parse(b","), Err(KeyError::Comma));
+        assert_eq!(IdempotencyKey::parse(br#""a,b""#).unwrap().as_str(), "a,b");
+        // `new` takes the key's characters, as stored: a comma is one of them.
+        assert_eq!(IdempotencyKey::new("a,b").unwrap().as_str(), "a,b");
+        let detail = KeyError::Comma.to_string();
+        assert!(detail.contains(r#""a,b""#), "names what to send: {detail}");
+    }
+
+    #[test]
+    fn one_line_is_a_key_two_lines_are_refused() {
+        let one: [&[u8]; 1] = [b"order-42"];
+        assert_eq!(
+            IdempotencyKey::from_lines(one.into_iter()),
+            Some(Ok(IdempotencyKey::new("order-42").unwrap()))
+        );
+        let two: [&[u8]; 2] = [b"a", b"a"];
+        assert_eq!(
+            IdempotencyKey::from_lines(two.into_iter()),
+            Some(Err(KeyError::Repeated))
+        );
+        assert_eq!(IdempotencyKey::from_lines(std::iter::empty()), None);
+    }
+
+    #[test]
     fn owner_is_a_salted_digest_never_raw() {
         let salt = OwnerSalt::new(b"a deployment's secret, 32 bytes!");
         let owner = Owner::of(&salt, &[b"header:authorization", b"Bearer secret"]);
@@ -270,8 +325,16 @@ mod tests {
                 let bare = IdempotencyKey::new(key.clone()).unwrap();
                 let quoted = format!("\"{}\"", key.replace('\\', "\\\\").replace('"', "\\\""));
                 prop_assert_eq!(IdempotencyKey::parse(quoted.as_bytes()), Ok(bare.clone()));
-                if !key.starts_with('"') {
+                if !key.starts_with('"') && !key.contains(',') {
                     prop_assert_eq!(IdempotencyKey::parse(key.as_bytes()), Ok(bare));
+                }
+            }
+
+            #[test]
+            fn a_bare_key_with_a_comma_is_always_refused(a in "[!-~]{0,100}", b in "[!-~]{0,100}") {
+                let joined = format!("{a},{b}");
+                if !joined.starts_with('"') {
+                    prop_assert_eq!(IdempotencyKey::parse(joined.as_bytes()), Err(KeyError::Comma));
                 }
             }
 

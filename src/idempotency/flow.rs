@@ -9,7 +9,7 @@
 //! |---|---|
 //! | fingerprint differs | 409 (or 422) key mismatch |
 //! | completed | replay the committed response |
-//! | running | join its stream, or [hold](super::hold) until it changes, then decide again |
+//! | running | join its stream, or [hold](super::hold) until it changes, then decide again; on a route with `in_progress = "conflict"`, 409 request in progress, `Retry-After` |
 //! | unknown | 409 attempt outcome unknown, `Retry-After` |
 //! | open | claim the next attempt by CAS on version, run it |
 //!
@@ -40,6 +40,7 @@ use super::opt_in::Keyed;
 use super::replay::tiers::Write;
 use super::replay::{self, Framing};
 use super::shared::Shared;
+use crate::config::routes::InProgress;
 use crate::config::UpstreamSettings;
 use crate::domain::attempt::Attempt;
 use crate::domain::id::{AttemptId, JobId};
@@ -160,6 +161,11 @@ impl Flow {
                 }
                 JobState::Unknown => return Err(self.outcome_unknown()),
                 JobState::Running => {
+                    // The IETF draft's answer, on routes that ask for it:
+                    // no hold, no joining a stream (design §11).
+                    if self.request.route.in_progress == InProgress::Conflict {
+                        return Err(self.shared.holds.in_progress());
+                    }
                     let tag = Tag::of(&self.request.owner, &self.request.key);
                     if let Some(joined) = self.shared.live.join(&tag, job.id).await {
                         return Ok(joined);

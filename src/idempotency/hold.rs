@@ -7,7 +7,9 @@
 //! again after each ring — and once after subscribing, so a change between
 //! the first read and the subscription is not missed. Duplicates held on one
 //! job share the reads a ring causes. Past `hold_timeout` a duplicate is
-//! answered `409 …/request-in-progress` with `Retry-After`.
+//! answered `409 …/request-in-progress` with `Retry-After`. A route with
+//! `in_progress = "conflict"` holds nobody: `flow.rs` answers that `409` at
+//! once (`docs/design.md` §11).
 
 use std::future::Future;
 use std::sync::Arc;

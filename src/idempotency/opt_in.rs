@@ -67,7 +67,9 @@ pub fn classify(routes: &[Arc<Route>], trust: &Trust, mut req: Request<Body>) ->
             Err(refused) => return Classified::Refused(refused.into()),
         }
     }
-    let key = match req.headers().get(IDEMPOTENCY_KEY) {
+    // Every line of the header: a key sent twice is refused, not the first taken.
+    let lines = req.headers().get_all(IDEMPOTENCY_KEY).iter();
+    let key = match IdempotencyKey::from_lines(lines.map(HeaderValue::as_bytes)) {
         None if route.require_key => return Classified::Refused(ClientError::MissingKey.into()),
         None => {
             let mut req = req;
@@ -75,10 +77,8 @@ pub fn classify(routes: &[Arc<Route>], trust: &Trust, mut req: Request<Body>) ->
                 .insert(Target(route.primary.id.clone()));
             return Classified::PassThrough(req);
         }
-        Some(raw) => match IdempotencyKey::parse(raw.as_bytes()) {
-            Ok(key) => key,
-            Err(e) => return Classified::Refused(ClientError::from(e).into()),
-        },
+        Some(Ok(key)) => key,
+        Some(Err(e)) => return Classified::Refused(ClientError::from(e).into()),
     };
     Classified::OptedIn(OptedIn {
         route: route.clone(),
@@ -89,7 +89,8 @@ pub fn classify(routes: &[Arc<Route>], trust: &Trust, mut req: Request<Body>) ->
 
 /// Reads what the decision needs: the owner (as the route's owner rule
 /// says, `401` when it cannot be established), the body (within the route's
-/// limit, `413` past it) and the fingerprint.
+/// limit, `413` past it) and the fingerprint (`400` for a body the route
+/// canonicalises that names a JSON member twice).
 pub async fn prepare(trust: &Trust, opted: OptedIn) -> Result<Keyed, GatewayError> {
     let OptedIn { route, key, req } = opted;
     let (parts, body) = req.into_parts();
@@ -114,7 +115,8 @@ pub async fn prepare(trust: &Trust, opted: OptedIn) -> Result<Keyed, GatewayErro
             body: &body,
         },
         &route.body,
-    );
+    )
+    .map_err(ClientError::from)?;
     Ok(Keyed {
         route,
         owner,

@@ -9,6 +9,7 @@ use std::time::Duration;
 use http::{header, HeaderValue, Response, StatusCode};
 use serde_json::{Map, Value};
 
+use crate::domain::fingerprint::AmbiguousJson;
 use crate::domain::key::KeyError;
 use crate::domain::path::Ambiguity;
 use crate::proxy::http::{full, Body, CollectError, Outcome};
@@ -18,6 +19,24 @@ use crate::BoxError;
 
 /// Problem types are this base followed by a slug.
 pub const PROBLEM_BASE: &str = "https://idemgate.dev/problems/";
+
+/// The IETF draft whose answers the key problems give; each links the
+/// section it answers to in a `spec` member (RFC 9457 §3.2), the link to
+/// documentation the draft asks of them (§2.7).
+const DRAFT: &str =
+    "https://datatracker.ietf.org/doc/html/draft-ietf-httpapi-idempotency-key-header-07";
+
+/// The draft's section for a problem type: the header's syntax (a key
+/// missing or malformed), a key's uniqueness (reused with another
+/// request), its enforcement (a request still in progress).
+fn draft_section(slug: &str) -> Option<&'static str> {
+    match slug {
+        "idempotency-key-missing" | "invalid-idempotency-key" => Some("2.1"),
+        "idempotency-key-mismatch" => Some("2.2"),
+        "request-in-progress" => Some("2.6"),
+        _ => None,
+    }
+}
 
 /// Something the client did.
 #[derive(Debug, thiserror::Error)]
@@ -40,14 +59,18 @@ pub enum ClientError {
     /// The body could not be read.
     #[error("the request body could not be read")]
     BodyUnreadable(#[source] BoxError),
+    /// A JSON body the route canonicalises names a member twice.
+    #[error(transparent)]
+    AmbiguousJson(#[from] AmbiguousJson),
     /// The key was used before with a different request.
     #[error("this Idempotency-Key was already used with a different request (method, path, significant headers or body)")]
     KeyMismatch {
         /// 409 or 422, as configured.
         status: StatusCode,
     },
-    /// A duplicate waited longer than the hold timeout.
-    #[error("a request with this Idempotency-Key is still in progress")]
+    /// A duplicate of a running job: held past the hold timeout, or on a
+    /// route that answers at once (`in_progress = "conflict"`).
+    #[error("a request with this Idempotency-Key is still being processed; retry after the Retry-After delay to get its answer")]
     InProgress {
         /// When to try again.
         retry_after: Duration,
@@ -173,6 +196,11 @@ impl ClientError {
                 "request-body-unreadable",
                 "Request body could not be read",
             ),
+            ClientError::AmbiguousJson(_) => p(
+                StatusCode::BAD_REQUEST,
+                "ambiguous-json",
+                "JSON body names a member twice",
+            ),
             ClientError::KeyMismatch { status } => p(
                 *status,
                 "idempotency-key-mismatch",
@@ -297,12 +325,17 @@ impl GatewayError {
     /// The problem+json answer for this error.
     pub fn into_response(self) -> Response<Body> {
         let problem = self.problem();
-        let mut response = problem_response(
+        let mut members = Map::new();
+        if let Some(section) = draft_section(problem.slug) {
+            members.insert("spec".into(), format!("{DRAFT}#section-{section}").into());
+        }
+        let mut response = problem_response_with(
             problem.status,
             problem.slug,
             problem.title,
             &self.to_string(),
             problem.retry_after,
+            members,
         );
         if problem.status == StatusCode::UNAUTHORIZED {
             // RFC 9110 §15.5.2: a 401 says how to authenticate.

@@ -7,6 +7,7 @@ pub mod browser;
 pub mod chart;
 pub mod chat;
 pub mod db;
+pub mod deployment;
 pub mod gateway;
 pub mod otlp;
 pub mod postgres;
