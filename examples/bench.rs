@@ -415,6 +415,7 @@ fn write_wrk_scripts(dir: &Path) -> BTreeMap<&'static str, PathBuf> {
     let body = r#"wrk.method = "POST"
 wrk.body = '{"amount": 1000}'
 wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer bench-client"
 "#;
     let scripts = [
         ("plain", format!("{body}wrk.path = \"/v1/charges\"\n")),
@@ -782,6 +783,7 @@ async fn timed(url: String, key: String) -> Option<(Instant, tokio::net::TcpStre
     let body = "{\"amount\": 1000}";
     let request = format!(
         "POST /v1/charges HTTP/1.1\r\nhost: {addr}\r\nidempotency-key: {key}\r\n\
+         authorization: Bearer bench-client\r\n\
          content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
         body.len()
     );
@@ -877,8 +879,9 @@ async fn prime(url: &str, keys: usize) {
 
 async fn send(url: &str, key: Option<&str>) -> u16 {
     let c = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-    let mut req =
-        Request::post(format!("{url}/v1/charges")).header("content-type", "application/json");
+    let mut req = Request::post(format!("{url}/v1/charges"))
+        .header("content-type", "application/json")
+        .header("authorization", "Bearer bench-client");
     if let Some(key) = key {
         req = req.header("idempotency-key", key);
     }

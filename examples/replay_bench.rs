@@ -216,6 +216,7 @@ fn client() -> Client<hyper_util::client::legacy::connect::HttpConnector, Full<B
 fn request(url: &str, key: usize) -> Request<Full<Bytes>> {
     Request::post(format!("{url}/v1/charges"))
         .header("idempotency-key", format!("bench-{key}"))
+        .header("authorization", "Bearer bench-client")
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from_static(br#"{"amount": 1000}"#)))
         .expect("request")
@@ -303,7 +304,8 @@ async fn first_byte(
                         return out;
                     }
                     let mut req = Request::post(format!("{url}/v1/stream"))
-                        .header("content-type", "application/json");
+                        .header("content-type", "application/json")
+                        .header("authorization", "Bearer bench-client");
                     if keyed {
                         req = req.header("idempotency-key", format!("stream-{round}-{i}"));
                     }

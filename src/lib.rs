@@ -9,7 +9,8 @@
 //! [`domain`] (jobs, attempts, keys, transitions: no I/O) and [`telemetry`]
 //! (logs, metrics, traces) → [`config`] (plain settings) → [`store`] (the
 //! arbiter) → [`proxy`] (server, upstream pool, errors as problems) →
-//! [`upkeep`] (background tasks) → [`idempotency`] (the Tower layer) and,
+//! [`trust`] (who is asking: clients, owners) → [`upkeep`] (background
+//! tasks) → [`idempotency`] (the Tower layer) and,
 //! beside it, [`operations`] (admin API, console) → [`app`], which assembles
 //! one gateway for the binary to run.
 

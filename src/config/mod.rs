@@ -772,6 +772,42 @@ mod tests {
         assert!(chat.require_client && s.clients.clients.len() == 1);
     }
 
+    /// The three owner configurations of docs/design.md §15 load as
+    /// written (their secrets stood in for), and say what they promise.
+    #[test]
+    fn the_owner_examples_are_valid() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/owners");
+        let load = |name: &str| {
+            let text = std::fs::read_to_string(dir.join(name)).unwrap();
+            let mut file = Settings::parse_file(&text).unwrap();
+            for client in &mut file.clients {
+                client.key_sha256 = trust::SecretFile {
+                    value: Some(hex::encode([7u8; 32])),
+                    ..Default::default()
+                };
+            }
+            for u in file.upstreams.iter_mut().flatten() {
+                if let UpstreamFile::Table(t) = u {
+                    for source in t.headers.values_mut() {
+                        (source.value, source.env) = (Some("sk-test".into()), None);
+                    }
+                }
+            }
+            Settings::from_sources(file.relative_to(&dir), Flags::default()).unwrap()
+        };
+        let bearer = load("bearer-api.toml");
+        assert!(!bearer.routes[0].owner.allow_anonymous);
+        assert!(matches!(bearer.routes[0].owner.sources[..], [OwnerSource::Header(ref h)] if h == "authorization"));
+        let cookie = load("cookie-app.toml");
+        assert!(matches!(cookie.routes[0].owner.sources[..], [OwnerSource::Cookie(ref c)] if c == "session_id"));
+        let ai = load("ai-gateway.toml");
+        let chat = &ai.routes[0];
+        assert!(chat.require_client && chat.primary.credentials);
+        assert!(ai.trusted_proxies.contains("10.1.2.3".parse().unwrap()));
+        assert!(!ai.trusted_proxies.contains("192.0.2.1".parse().unwrap()));
+        assert!(matches!(chat.owner.sources[..], [OwnerSource::All(_), OwnerSource::Client]));
+    }
+
     #[test]
     fn the_example_file_is_valid() {
         let text = include_str!("../../config/idemgate.example.toml");
