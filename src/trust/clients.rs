@@ -5,8 +5,7 @@ use http::HeaderMap;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
-use super::jwt::bearer;
-use super::owner::only;
+use super::headers::{bearer, only};
 use crate::config::Clients;
 use crate::proxy::http::ProvenClient;
 

@@ -6,7 +6,7 @@
 use http::HeaderMap;
 use serde_json::Value;
 
-use super::owner::only;
+use super::headers::{bearer, only};
 use crate::config::trust::JwtSource;
 
 /// The owner claim of the token `headers` carry, if it verifies.
@@ -24,13 +24,5 @@ pub(super) fn claim(source: &JwtSource, headers: &HeaderMap) -> Option<String> {
         Value::String(s) if !s.is_empty() => Some(s.clone()),
         Value::Null | Value::String(_) => None,
         other => Some(other.to_string()),
-    }
-}
-
-/// A header value without its `Bearer ` scheme, if it has one.
-pub(super) fn bearer(raw: &str) -> &str {
-    match raw.split_once(' ') {
-        Some((scheme, rest)) if scheme.eq_ignore_ascii_case("bearer") => rest.trim(),
-        _ => raw.trim(),
     }
 }

@@ -7,6 +7,7 @@
 //! Pure decisions over a request's head; no I/O.
 
 mod clients;
+mod headers;
 mod jwt;
 mod owner;
 

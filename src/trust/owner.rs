@@ -4,8 +4,9 @@
 
 use http::header::COOKIE;
 use http::request::Parts;
-use http::{HeaderMap, HeaderName};
+use http::HeaderMap;
 
+use super::headers::only;
 use super::jwt;
 use crate::config::OwnerSource;
 use crate::proxy::http::{ClientAddr, ProvenClient};
@@ -41,16 +42,6 @@ fn values(source: &OwnerSource, head: &Parts, found: &mut Vec<Vec<u8>>) -> Optio
     };
     found.push(value);
     Some(())
-}
-
-/// A header's one non-empty value; two lines of it are ambiguous.
-pub(super) fn only<'a>(headers: &'a HeaderMap, name: &HeaderName) -> Option<&'a [u8]> {
-    let mut all = headers.get_all(name).iter();
-    let value = all.next()?;
-    if all.next().is_some() || value.is_empty() {
-        return None;
-    }
-    Some(value.as_bytes())
 }
 
 /// A cookie's value, from every `Cookie` header; a name sent twice with

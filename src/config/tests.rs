@@ -1,0 +1,373 @@
+//! The settings as a whole: sources, precedence, validation, the shipped examples.
+
+use super::*;
+
+fn flags_with_upstream() -> Flags {
+    Flags {
+        upstreams: vec!["http://127.0.0.1:8000".into()],
+        ..Flags::default()
+    }
+}
+
+#[test]
+fn flags_override_the_file() {
+    let file = Settings::parse_file(
+        "upstream_timeout = \"5s\"\nhold_timeout = \"7s\"\nupstreams = [\"http://a:1\"]",
+    )
+    .unwrap();
+    let flags = Flags {
+        upstream_timeout: Some(Duration::from_secs(2)),
+        ..flags_with_upstream()
+    };
+    let s = Settings::from_sources(file, flags).unwrap();
+    assert_eq!(s.upstream_timeout, Duration::from_secs(2));
+    assert_eq!(s.hold_timeout, Duration::from_secs(7));
+    assert_eq!(s.upstreams[0].base, "http://127.0.0.1:8000");
+}
+
+#[test]
+fn unknown_keys_are_named() {
+    let err = Settings::parse_file("upstream_timout = \"5s\"").unwrap_err();
+    assert_eq!(err.key, "upstream_timout");
+}
+
+#[test]
+fn unparsable_values_are_named() {
+    let err =
+        Settings::parse_file("listen = \"127.0.0.1:1\"\nhold_timeout = \"soon\"\n").unwrap_err();
+    assert_eq!(err.key, "hold_timeout");
+}
+
+#[test]
+fn bad_values_name_their_key() {
+    let err = Settings::from_sources(
+        Settings::parse_file("mismatch_status = 400").unwrap(),
+        flags_with_upstream(),
+    )
+    .unwrap_err();
+    assert_eq!(err.key, "mismatch_status");
+    let err = Settings::from_sources(
+        Settings::parse_file("[[routes]]\nmethods = [\"GET\"]").unwrap(),
+        flags_with_upstream(),
+    )
+    .unwrap_err();
+    assert_eq!(err.key, "routes[0].methods");
+    let err = Settings::from_sources(FileConfig::default(), Flags::default()).unwrap_err();
+    assert_eq!(err.key, "upstreams");
+    let err = Settings::from_sources(
+        FileConfig::default(),
+        Flags {
+            upstreams: vec!["ftp://x".into()],
+            ..Flags::default()
+        },
+    )
+    .unwrap_err();
+    assert_eq!(err.key, "upstreams[0]");
+    let err = Settings::from_sources(
+        Settings::parse_file("redis_url = \"redis+sentinel://s:26379\"").unwrap(),
+        flags_with_upstream(),
+    )
+    .unwrap_err();
+    assert_eq!(err.key, "redis_url");
+    assert!(err.to_string().contains("mymaster"), "{err}");
+    let err = Settings::from_sources(
+        Settings::parse_file("database_url = \"postgres://u@a:5432,b:5432/db\"").unwrap(),
+        flags_with_upstream(),
+    )
+    .unwrap_err();
+    assert_eq!(err.key, "database_url");
+    assert!(
+        err.to_string().contains("target_session_attrs=read-write"),
+        "{err}"
+    );
+    let primary =
+        "database_url = \"postgres://u@a:5432,b:5432/db?target_session_attrs=read-write\"";
+    let err = Settings::from_sources(
+        Settings::parse_file(primary).unwrap(),
+        flags_with_upstream(),
+    )
+    .unwrap_err();
+    assert_eq!(
+        err.key, "owner.salt",
+        "replicas on PostgreSQL need one salt"
+    );
+    Settings::from_sources(
+        Settings::parse_file(primary).unwrap(),
+        Flags {
+            owner_salt: Some("c2FsdCBvZiB0ZXN0cywgbm90IGEgc2VjcmV0".into()),
+            ..flags_with_upstream()
+        },
+    )
+    .expect("a multi-host URL that asks for the primary");
+}
+
+#[test]
+fn the_chat_example_is_valid() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/chat");
+    let mut file =
+        Settings::parse_file(&std::fs::read_to_string(dir.join("idemgate.toml")).unwrap()).unwrap();
+    file.base_dir = dir;
+    // Credentials come from the environment; stand in fixed values here.
+    for client in &mut file.clients {
+        client.key_sha256.env = None;
+        client.key_sha256.value = Some(hex::encode([7u8; 32]));
+    }
+    for u in file.upstreams.iter_mut().flatten() {
+        if let UpstreamFile::Table(t) = u {
+            for source in t.headers.values_mut() {
+                source.value = Some("test".into());
+                source.env = None;
+            }
+        }
+    }
+    let s = Settings::from_sources(file, Flags::default()).unwrap();
+    let chat = &s.routes[0];
+    assert_eq!(
+        chat.upstreams().map(|u| u.id.index()).collect::<Vec<_>>(),
+        vec![0, 1]
+    );
+    assert!(chat.side_effect_free && chat.hedge_after.is_some());
+    assert_eq!(chat.contract.as_ref().unwrap().probes.len(), 1);
+    assert!(chat.require_client && s.clients.clients.len() == 1);
+}
+
+/// The three owner configurations of docs/design.md §15 load as
+/// written (their secrets stood in for), and say what they promise.
+#[test]
+fn the_owner_examples_are_valid() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/owners");
+    let load = |name: &str| {
+        let text = std::fs::read_to_string(dir.join(name)).unwrap();
+        let mut file = Settings::parse_file(&text).unwrap();
+        for client in &mut file.clients {
+            client.key_sha256 = trust::SecretFile {
+                value: Some(hex::encode([7u8; 32])),
+                ..Default::default()
+            };
+        }
+        for u in file.upstreams.iter_mut().flatten() {
+            if let UpstreamFile::Table(t) = u {
+                for source in t.headers.values_mut() {
+                    (source.value, source.env) = (Some("sk-test".into()), None);
+                }
+            }
+        }
+        Settings::from_sources(file.relative_to(&dir), Flags::default()).unwrap()
+    };
+    let bearer = load("bearer-api.toml");
+    assert!(!bearer.routes[0].owner.allow_anonymous);
+    assert!(
+        matches!(bearer.routes[0].owner.sources[..], [OwnerSource::Header(ref h)] if h == "authorization")
+    );
+    let cookie = load("cookie-app.toml");
+    assert!(
+        matches!(cookie.routes[0].owner.sources[..], [OwnerSource::Cookie(ref c)] if c == "session_id")
+    );
+    let ai = load("ai-gateway.toml");
+    let chat = &ai.routes[0];
+    assert!(chat.require_client && chat.primary.credentials);
+    assert!(ai.trusted_proxies.contains("10.1.2.3".parse().unwrap()));
+    assert!(!ai.trusted_proxies.contains("192.0.2.1".parse().unwrap()));
+    assert!(matches!(
+        chat.owner.sources[..],
+        [OwnerSource::All(_), OwnerSource::Client]
+    ));
+}
+
+#[test]
+fn the_example_file_is_valid() {
+    let text = include_str!("../../config/idemgate.example.toml");
+    let s = Settings::from_sources(Settings::parse_file(text).unwrap(), Flags::default()).unwrap();
+    assert_eq!(s.routes.len(), 2);
+    assert_eq!(s.routes[0].name, "chat", "most specific first");
+}
+
+#[test]
+fn default_route_opts_in_post_and_patch_everywhere() {
+    let s = Settings::from_sources(FileConfig::default(), flags_with_upstream()).unwrap();
+    assert!(s.route_for(&Method::POST, "/anything").is_some());
+    assert!(s.route_for(&Method::PATCH, "/").is_some());
+    assert!(s.route_for(&Method::PUT, "/anything").is_none());
+    assert!(s.route_for(&Method::GET, "/anything").is_none());
+}
+
+#[test]
+fn most_specific_route_wins() {
+    let file = Settings::parse_file(
+        "[[routes]]\nname = \"all\"\npath_prefix = \"/\"\n\
+         [[routes]]\nname = \"chat\"\npath_prefix = \"/v1/chat\"\nrequire_key = true\n",
+    )
+    .unwrap();
+    let s = Settings::from_sources(file, flags_with_upstream()).unwrap();
+    assert_eq!(
+        s.route_for(&Method::POST, "/v1/chat/completions")
+            .unwrap()
+            .name,
+        "chat"
+    );
+    assert_eq!(s.route_for(&Method::POST, "/v1/other").unwrap().name, "all");
+}
+
+#[test]
+fn routes_match_whole_path_segments() {
+    let file = Settings::parse_file(
+        "[[routes]]\nname = \"chat\"\npath_prefix = \"/v1/chat\"\n\
+         [[routes]]\nname = \"slash\"\npath_prefix = \"/v2/jobs/\"\n",
+    )
+    .unwrap();
+    let s = Settings::from_sources(file, flags_with_upstream()).unwrap();
+    let name = |path| s.route_for(&Method::POST, path).map(|r| r.name.as_str());
+    assert_eq!(name("/v1/chat"), Some("chat"));
+    assert_eq!(name("/v1/chat/completions"), Some("chat"));
+    assert_eq!(
+        name("/v1/chatty"),
+        None,
+        "a prefix matches whole segments only"
+    );
+    assert_eq!(name("/v1/chat-old/x"), None);
+    assert_eq!(
+        name("/v2/jobs"),
+        Some("slash"),
+        "a trailing slash is not required"
+    );
+    assert_eq!(name("/v2/jobs/7"), Some("slash"));
+    assert_eq!(name("/v2/jobsx"), None);
+}
+
+#[test]
+fn routes_match_paths_in_any_ascii_case() {
+    let file =
+        Settings::parse_file("[[routes]]\nname = \"charges\"\npath_prefix = \"/v1/charges\"\n")
+            .unwrap();
+    let s = Settings::from_sources(file, flags_with_upstream()).unwrap();
+    let name = |path| s.route_for(&Method::POST, path).map(|r| r.name.as_str());
+    assert_eq!(name("/V1/Charges"), Some("charges"));
+    assert_eq!(name("/v1/CHARGES/ch_1"), Some("charges"));
+    assert_eq!(name("/v1/chargesX"), None);
+    assert_eq!(name("/v1/charg"), None);
+}
+
+/// Request paths are normalised before routing (`docs/design.md` §2),
+/// so a prefix spelled any other way would never match: refused at
+/// start-up, naming the normal spelling or the ambiguity.
+#[test]
+fn a_path_prefix_not_in_normal_form_is_refused() {
+    for (prefix, says) in [
+        ("/v1//charges", "write \"/v1/charges\""),
+        ("/v1/./charges", "write \"/v1/charges\""),
+        ("/v1/%63harges", "write \"/v1/charges\""),
+        ("/caf%c3%a9", "write \"/caf%C3%A9\""),
+        ("/v1/charges;x", "`;`"),
+        ("/v1%2Fcharges", "`%2F`"),
+        ("/..", "climb above"),
+    ] {
+        let text = format!("[[routes]]\npath_prefix = {prefix:?}\n");
+        let file = Settings::parse_file(&text).unwrap();
+        let e = Settings::from_sources(file, flags_with_upstream()).unwrap_err();
+        assert_eq!(e.key, "routes[0].path_prefix", "{prefix}");
+        assert!(e.to_string().contains(says), "{prefix}: {e}");
+    }
+}
+
+#[test]
+fn a_probeless_contract_on_a_route_with_fallbacks_is_refused() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/chat");
+    let text = "upstreams = [\"http://a:1\", \"http://b:1\"]\n\
+                [contracts.bare]\nschema = \"response.schema.json\"\n\
+                [[routes]]\npath_prefix = \"/v1\"\ncontract = \"bare\"\n";
+    let mut file = Settings::parse_file(text).unwrap();
+    file.base_dir = dir.clone();
+    let err = Settings::from_sources(file, Flags::default()).unwrap_err();
+    assert_eq!(err.key, "routes[0].contract");
+    assert!(err.message.contains("no probes"), "{}", err.message);
+    // With a single upstream there is nothing to fail over to: allowed.
+    let mut file = Settings::parse_file(&text.replace(", \"http://b:1\"", "")).unwrap();
+    file.base_dir = dir;
+    assert!(Settings::from_sources(file, Flags::default()).is_ok());
+}
+
+mod props {
+    use super::super::*;
+    use proptest::prelude::*;
+
+    /// Values of every TOML shape, many of them wrong for their key.
+    fn value() -> impl Strategy<Value = String> {
+        prop_oneof![
+            any::<i64>().prop_map(|n| n.to_string()),
+            "[a-z0-9:/. ]{0,12}".prop_map(|s| format!("{s:?}")),
+            prop_oneof![
+                Just("0s"),
+                Just("250ms"),
+                Just("10s"),
+                Just("24h"),
+                Just("-1s"),
+                Just("soon")
+            ]
+            .prop_map(|d| format!("{d:?}")),
+            Just("true".to_owned()),
+            Just("[\"http://127.0.0.1:1\"]".to_owned()),
+            Just("[]".to_owned()),
+            Just("{}".to_owned()),
+        ]
+    }
+
+    fn key() -> impl Strategy<Value = &'static str> {
+        prop::sample::select(vec![
+            "listen",
+            "admin_listen",
+            "admin_token",
+            "upstreams",
+            "database_url",
+            "database_direct_url",
+            "database_pool_size",
+            "database_timeout",
+            "redis_url",
+            "redis_timeout",
+            "redis_inline_max",
+            "upstream_timeout",
+            "attempt_deadline",
+            "hold_timeout",
+            "key_ttl",
+            "lease_ttl",
+            "sweep_interval",
+            "retry_after",
+            "owner_header",
+            "forward_key_header",
+            "mismatch_status",
+            "max_response_size",
+            "probe_interval",
+            "no_such_key",
+        ])
+    }
+
+    proptest! {
+        #[test]
+        fn any_text_parses_or_names_a_key(text in "(?s).{0,200}") {
+            if let Err(e) = Settings::parse_file(&text) {
+                prop_assert!(!e.key.is_empty());
+            }
+        }
+
+        #[test]
+        fn any_settings_validate_or_name_a_key(
+            pairs in proptest::collection::btree_map(key(), value(), 0..8),
+            route in proptest::option::of(proptest::collection::btree_map(
+                prop::sample::select(vec!["path_prefix", "methods", "body_limit", "max_attempts", "hedge_after", "upstreams", "contract"]),
+                value(),
+                0..4,
+            )),
+        ) {
+            let mut text: String = pairs.iter().map(|(k, v)| format!("{k} = {v}\n")).collect();
+            if let Some(route) = route {
+                text.push_str("[[routes]]\n");
+                text.extend(route.iter().map(|(k, v)| format!("{k} = {v}\n")));
+            }
+            let outcome = Settings::parse_file(&text).and_then(|f| {
+                Settings::from_sources(f, Flags { upstreams: vec!["http://127.0.0.1:1".into()], ..Flags::default() })
+            });
+            if let Err(e) = outcome {
+                prop_assert!(!e.key.is_empty() && !e.message.is_empty(), "{:?}", e);
+            }
+        }
+    }
+}
