@@ -29,11 +29,11 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use http::Response;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
+use super::attempts::{joined, Attempts};
 use super::dispatch::{Dispatch, Event, Joining, Step};
+use super::execute::Running;
 use super::execute::UpstreamService;
-use super::execute::{Reply, Running};
 use super::fastpath::Tag;
 use super::hold::Until;
 use super::opt_in::Keyed;
@@ -43,7 +43,7 @@ use super::shared::Shared;
 use crate::config::routes::InProgress;
 use crate::config::UpstreamSettings;
 use crate::domain::attempt::Attempt;
-use crate::domain::id::{AttemptId, JobId};
+use crate::domain::id::JobId;
 use crate::domain::job::{Job, JobState, NewJob};
 use crate::proxy::error::{ClientError, GatewayError};
 use crate::proxy::http::{Body, Outcome, IDEMPOTENCY_JOB};
@@ -327,68 +327,4 @@ impl Flow {
             ttl: self.shared.config.key_ttl,
         }
     }
-}
-
-/// The attempts one request runs: their replies, and how to cancel them.
-#[derive(Default)]
-struct Attempts {
-    replies: FuturesUnordered<futures_util::future::BoxFuture<'static, (AttemptId, Reply)>>,
-    cancels: Vec<(AttemptId, CancellationToken)>,
-}
-
-impl Attempts {
-    fn watch(&mut self, running: Running) {
-        let id = running.attempt.id;
-        self.cancels.push((id, running.cancel));
-        let reply = running.reply;
-        self.replies.push(Box::pin(async move {
-            let reply = reply.await.unwrap_or_else(|_| {
-                Reply::Unknown(GatewayError::internal(
-                    "the attempt task ended without an answer",
-                ))
-            });
-            (id, reply)
-        }));
-    }
-
-    /// Watches an attempt a claim started; hands the attempt to the dispatch.
-    fn started(
-        &mut self,
-        how: Joining,
-        claimed: Result<Option<Running>, StoreError>,
-    ) -> Result<Option<Attempt>, StoreError> {
-        claimed.map(|running| {
-            running.map(|running| {
-                let attempt = running.attempt.clone();
-                match how {
-                    Joining::Claim => {
-                        metrics::counter!("idemgate_failovers_total").increment(1);
-                        tracing::info!(job = %attempt.job_id, attempt = %attempt.id, number = attempt.number, upstream = %attempt.upstream, "failing over to the next upstream");
-                    }
-                    Joining::Hedge => {
-                        metrics::counter!("idemgate_hedges_total").increment(1);
-                        tracing::info!(job = %attempt.job_id, attempt = %attempt.id, number = attempt.number, upstream = %attempt.upstream, "hedging: another attempt races the first");
-                    }
-                }
-                self.watch(running);
-                attempt
-            })
-        })
-    }
-
-    /// Cancels every attempt but the winner.
-    fn cancel_all_but(&self, winner: AttemptId) {
-        for (id, cancel) in &self.cancels {
-            if *id != winner && !cancel.is_cancelled() {
-                tracing::info!(winner = %winner, loser = %id, "race decided; cancelling the losing attempt");
-                cancel.cancel();
-            }
-        }
-    }
-}
-
-/// The result of a task begun for this request.
-async fn joined<T>(task: JoinHandle<Result<T, StoreError>>) -> Result<T, StoreError> {
-    task.await
-        .unwrap_or_else(|e| Err(StoreError::Internal(Box::new(e))))
 }

@@ -20,6 +20,7 @@
 //! paths that do not opt in) goes to the inner service untouched, streamed:
 //! it never enters the flow.
 
+mod attempts;
 pub mod dispatch;
 pub mod execute;
 pub mod fastpath;

@@ -1,0 +1,78 @@
+//! The attempts one request runs (`docs/design.md` §6): the replies of
+//! those it started or claimed, and how to cancel the losers of a race.
+
+use futures_util::stream::FuturesUnordered;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use super::dispatch::Joining;
+use super::execute::{Reply, Running};
+use crate::domain::attempt::Attempt;
+use crate::domain::id::AttemptId;
+use crate::proxy::error::GatewayError;
+use crate::store::StoreError;
+
+/// The attempts one request runs: their replies, and how to cancel them.
+#[derive(Default)]
+pub(super) struct Attempts {
+    pub(super) replies:
+        FuturesUnordered<futures_util::future::BoxFuture<'static, (AttemptId, Reply)>>,
+    cancels: Vec<(AttemptId, CancellationToken)>,
+}
+
+impl Attempts {
+    pub(super) fn watch(&mut self, running: Running) {
+        let id = running.attempt.id;
+        self.cancels.push((id, running.cancel));
+        let reply = running.reply;
+        self.replies.push(Box::pin(async move {
+            let reply = reply.await.unwrap_or_else(|_| {
+                Reply::Unknown(GatewayError::internal(
+                    "the attempt task ended without an answer",
+                ))
+            });
+            (id, reply)
+        }));
+    }
+
+    /// Watches an attempt a claim started; hands the attempt to the dispatch.
+    pub(super) fn started(
+        &mut self,
+        how: Joining,
+        claimed: Result<Option<Running>, StoreError>,
+    ) -> Result<Option<Attempt>, StoreError> {
+        claimed.map(|running| {
+            running.map(|running| {
+                let attempt = running.attempt.clone();
+                match how {
+                    Joining::Claim => {
+                        metrics::counter!("idemgate_failovers_total").increment(1);
+                        tracing::info!(job = %attempt.job_id, attempt = %attempt.id, number = attempt.number, upstream = %attempt.upstream, "failing over to the next upstream");
+                    }
+                    Joining::Hedge => {
+                        metrics::counter!("idemgate_hedges_total").increment(1);
+                        tracing::info!(job = %attempt.job_id, attempt = %attempt.id, number = attempt.number, upstream = %attempt.upstream, "hedging: another attempt races the first");
+                    }
+                }
+                self.watch(running);
+                attempt
+            })
+        })
+    }
+
+    /// Cancels every attempt but the winner.
+    pub(super) fn cancel_all_but(&self, winner: AttemptId) {
+        for (id, cancel) in &self.cancels {
+            if *id != winner && !cancel.is_cancelled() {
+                tracing::info!(winner = %winner, loser = %id, "race decided; cancelling the losing attempt");
+                cancel.cancel();
+            }
+        }
+    }
+}
+
+/// The result of a task begun for this request.
+pub(super) async fn joined<T>(task: JoinHandle<Result<T, StoreError>>) -> Result<T, StoreError> {
+    task.await
+        .unwrap_or_else(|e| Err(StoreError::Internal(Box::new(e))))
+}
