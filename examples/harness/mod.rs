@@ -100,6 +100,8 @@ impl Gateway {
         .args(["--upstream", upstream])
         .args(extra)
         .env("RUST_LOG", "warn")
+        // One owner salt for every replica on the same database.
+        .env("IDEMGATE_OWNER_SALT", "dGhlIGJlbmNobWFyaydzIG93bmVyIHNhbHQ=")
         .envs(env.iter().copied())
         .env_remove("IDEMGATE_REDIS_URL")
         .stdout(Stdio::piped())
