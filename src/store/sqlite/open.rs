@@ -1,0 +1,112 @@
+//! Opening the file: the lock that keeps one gateway per file, pragmas,
+//! migrations, and the attempts a stopped gateway left `started`.
+
+use std::fs::File;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicUsize;
+use std::sync::{mpsc, Arc};
+
+use rusqlite::Connection;
+
+use super::change::change_blocking;
+use super::group_commit::writer;
+use super::rows::{map_sqlite, uuid};
+use super::Sqlite;
+use crate::domain::attempt::{AttemptFailure, AttemptState};
+use crate::domain::id::AttemptId;
+use crate::domain::transition::{self};
+use crate::store::{Decide, Lock, StoreError};
+
+mod embedded {
+    refinery::embed_migrations!("migrations/sqlite");
+}
+
+impl Sqlite {
+    pub(super) fn open_blocking(path: PathBuf) -> Result<Self, StoreError> {
+        let unavailable = |what: String, e: std::io::Error| {
+            StoreError::Unavailable(format!("{what}: {e}").into())
+        };
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| unavailable(format!("cannot create {}", dir.display()), e))?;
+        }
+        let lock_path = {
+            let mut p = path.clone().into_os_string();
+            p.push(".lock");
+            PathBuf::from(p)
+        };
+        let lock = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(|e| unavailable(format!("cannot open {}", lock_path.display()), e))?;
+        lock.try_lock().map_err(|_| {
+            StoreError::Unavailable(
+                format!(
+                    "another idemgate is using {}; the embedded store serves one gateway \
+                     (use PostgreSQL, database_url, to run several replicas)",
+                    path.display()
+                )
+                .into(),
+            )
+        })?;
+        let mut conn = Connection::open(&path).map_err(map_sqlite)?;
+        conn.execute_batch(
+            "PRAGMA journal_mode = WAL; \
+             PRAGMA synchronous = FULL; \
+             PRAGMA foreign_keys = ON; \
+             PRAGMA busy_timeout = 5000;",
+        )
+        .map_err(map_sqlite)?;
+        let report = embedded::migrations::runner()
+            .set_abort_divergent(true)
+            .run(&mut conn)
+            .map_err(|e| StoreError::Internal(Box::new(e)))?;
+        for m in report.applied_migrations() {
+            tracing::info!(migration = %m, "applied migration");
+        }
+        abandon_orphans(&mut conn)?;
+        let (ops, queue) = mpsc::channel();
+        let batches = Arc::new(AtomicUsize::new(0));
+        let counted = batches.clone();
+        std::thread::Builder::new()
+            .name("idemgate-sqlite".into())
+            .spawn(move || writer(conn, queue, counted))
+            .map_err(|e| unavailable("cannot start the store's thread".into(), e))?;
+        Ok(Sqlite {
+            ops,
+            batches,
+            path,
+            _lock: Arc::new(lock),
+        })
+    }
+}
+
+/// Attempts a previous run left `started` can no longer be told apart from
+/// ones that acted: each becomes `unknown`.
+fn abandon_orphans(conn: &mut Connection) -> Result<(), StoreError> {
+    let orphans: Vec<AttemptId> = {
+        let mut stmt = conn
+            .prepare("SELECT id FROM attempts WHERE state = ?1")
+            .map_err(map_sqlite)?;
+        let ids = stmt
+            .query_map([AttemptState::Started.as_str()], |r| r.get::<_, String>(0))
+            .map_err(map_sqlite)?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(map_sqlite)?;
+        ids.iter()
+            .map(|id| uuid(id).map(AttemptId))
+            .collect::<Result<_, _>>()?
+    };
+    for attempt in orphans {
+        let failure = AttemptFailure::Unknown {
+            detail: "the gateway stopped while this attempt was in flight".into(),
+        };
+        let decide: Decide = Box::new(move |s, _| transition::settle(s, attempt, &failure));
+        if change_blocking(conn, Lock::JobOf(attempt), decide)?.is_ok() {
+            tracing::warn!(%attempt, "attempt left in flight by a previous run; outcome unknown");
+        }
+    }
+    Ok(())
+}

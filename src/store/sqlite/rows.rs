@@ -1,0 +1,190 @@
+//! Rows to domain values and back: ids as UUID text, times as milliseconds
+//! since the epoch, converted here and nowhere else.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use rusqlite::{Connection, OptionalExtension, Row};
+use uuid::Uuid;
+
+use crate::domain::attempt::Attempt;
+use crate::domain::fingerprint::Fingerprint;
+use crate::domain::id::{AttemptId, JobId};
+use crate::domain::job::{Job, JobDetail};
+use crate::domain::key::{IdempotencyKey, Owner};
+use crate::domain::response::StoredResponse;
+use crate::store::codec::decode_headers;
+use crate::store::{attempt_state, job_state, millis, StoreError};
+
+pub(super) const JOB_COLUMNS: &str =
+    "j.id, j.owner, j.key, j.fingerprint, j.route, j.state, j.version, \
+     j.attempt_count, j.completed_by, j.response_status, j.response_headers, j.response_body, \
+     j.created_at, j.expires_at";
+pub(super) const ATTEMPT_COLUMNS: &str =
+    "a.id, a.job_id, a.number, a.upstream, a.state, a.job_version, \
+     a.started_at, a.finished_at, a.lease_expires_at, a.upstream_status, a.detail";
+
+pub(super) fn now_ms() -> i64 {
+    to_ms(SystemTime::now())
+}
+
+pub(super) fn to_ms(t: SystemTime) -> i64 {
+    t.duration_since(UNIX_EPOCH).map(millis).unwrap_or(0)
+}
+
+pub(super) fn from_ms(ms: i64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)
+}
+
+pub(super) fn uuid(s: &str) -> Result<Uuid, StoreError> {
+    s.parse().map_err(|_| StoreError::Corrupt("id"))
+}
+
+pub(super) fn attempt_id(s: Option<&str>) -> Result<Option<AttemptId>, StoreError> {
+    s.map(uuid).transpose().map(|id| id.map(AttemptId))
+}
+
+pub(super) fn read_job(
+    conn: &Connection,
+    filter: &str,
+    params: impl rusqlite::Params,
+) -> Result<Option<Job>, StoreError> {
+    conn.query_row(
+        &format!("SELECT {JOB_COLUMNS} FROM jobs j WHERE {filter}"),
+        params,
+        job_from_row,
+    )
+    .optional()
+    .map_err(map_sqlite)?
+    .transpose()
+}
+
+pub(super) fn read_attempt(
+    conn: &Connection,
+    id: AttemptId,
+) -> Result<Option<Attempt>, StoreError> {
+    conn.query_row(
+        &format!("SELECT {ATTEMPT_COLUMNS} FROM attempts a WHERE a.id = ?1"),
+        [id.0.to_string()],
+        attempt_from_row,
+    )
+    .optional()
+    .map_err(map_sqlite)?
+    .transpose()
+}
+
+/// A job with its attempts; the caller's single connection makes the two
+/// reads one consistent view (no writer can come between them).
+pub(super) fn read_detail(
+    conn: &Connection,
+    job: Option<Job>,
+) -> Result<Option<JobDetail>, StoreError> {
+    let Some(job) = job else {
+        return Ok(None);
+    };
+    let mut stmt = conn
+        .prepare_cached(&format!(
+            "SELECT {ATTEMPT_COLUMNS} FROM attempts a WHERE a.job_id = ?1 ORDER BY a.number"
+        ))
+        .map_err(map_sqlite)?;
+    let attempts = stmt
+        .query_map([job.id.0.to_string()], attempt_from_row)
+        .map_err(map_sqlite)?
+        .map(|r| r.map_err(map_sqlite)?)
+        .collect::<Result<_, _>>()?;
+    Ok(Some(JobDetail { job, attempts }))
+}
+
+/// Reads a job row; the outer `Result` is rusqlite's, the inner ours.
+pub(super) fn job_from_row(row: &Row<'_>) -> rusqlite::Result<Result<Job, StoreError>> {
+    let id: String = row.get(0)?;
+    let owner: String = row.get(1)?;
+    let key: String = row.get(2)?;
+    let fingerprint: Vec<u8> = row.get(3)?;
+    let route: String = row.get(4)?;
+    let state: String = row.get(5)?;
+    let version: i64 = row.get(6)?;
+    let attempt_count: i32 = row.get(7)?;
+    let completed_by: Option<String> = row.get(8)?;
+    let status: Option<u16> = row.get(9)?;
+    let headers: Option<Vec<u8>> = row.get(10)?;
+    let body: Option<Vec<u8>> = row.get(11)?;
+    let created_at: i64 = row.get(12)?;
+    let expires_at: i64 = row.get(13)?;
+    Ok((|| {
+        let response = match status {
+            None => None,
+            Some(status) => Some(StoredResponse {
+                status,
+                headers: decode_headers(headers.as_deref().unwrap_or_default())
+                    .ok_or(StoreError::Corrupt("response headers"))?,
+                body: Bytes::from(body.unwrap_or_default()),
+            }),
+        };
+        Ok(Job {
+            id: JobId(uuid(&id)?),
+            owner: Owner::from_stored(owner),
+            key: IdempotencyKey::new(key).map_err(|_| StoreError::Corrupt("idempotency key"))?,
+            fingerprint: Fingerprint::from_slice(&fingerprint)
+                .ok_or(StoreError::Corrupt("fingerprint"))?,
+            route,
+            state: job_state(&state)?,
+            version,
+            attempt_count,
+            completed_by: attempt_id(completed_by.as_deref())?,
+            response,
+            created_at: from_ms(created_at),
+            expires_at: from_ms(expires_at),
+        })
+    })())
+}
+
+pub(super) fn attempt_from_row(row: &Row<'_>) -> rusqlite::Result<Result<Attempt, StoreError>> {
+    let id: String = row.get(0)?;
+    let job_id: String = row.get(1)?;
+    let number: i32 = row.get(2)?;
+    let upstream: String = row.get(3)?;
+    let state: String = row.get(4)?;
+    let job_version: i64 = row.get(5)?;
+    let started_at: i64 = row.get(6)?;
+    let finished_at: Option<i64> = row.get(7)?;
+    let lease_expires_at: i64 = row.get(8)?;
+    let upstream_status: Option<u16> = row.get(9)?;
+    let detail: Option<String> = row.get(10)?;
+    Ok((|| {
+        Ok(Attempt {
+            id: AttemptId(uuid(&id)?),
+            job_id: JobId(uuid(&job_id)?),
+            number,
+            upstream,
+            state: attempt_state(&state)?,
+            job_version,
+            started_at: from_ms(started_at),
+            finished_at: finished_at.map(from_ms),
+            lease_expires_at: from_ms(lease_expires_at),
+            upstream_status,
+            detail,
+        })
+    })())
+}
+
+/// A locked or unopenable database is `Unavailable` (503); anything else
+/// SQLite refused is `Internal`.
+pub(super) fn map_sqlite(e: rusqlite::Error) -> StoreError {
+    use rusqlite::ErrorCode;
+    match &e {
+        rusqlite::Error::SqliteFailure(f, _)
+            if matches!(
+                f.code,
+                ErrorCode::DatabaseBusy
+                    | ErrorCode::DatabaseLocked
+                    | ErrorCode::CannotOpen
+                    | ErrorCode::DiskFull
+                    | ErrorCode::SystemIoFailure
+            ) =>
+        {
+            StoreError::Unavailable(Box::new(e))
+        }
+        _ => StoreError::Internal(Box::new(e)),
+    }
+}
