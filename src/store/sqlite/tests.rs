@@ -85,3 +85,14 @@ async fn queued_operations_share_one_commit_and_fail_alone() {
         .unwrap();
     assert_eq!(rows, ["a", "c"]);
 }
+
+/// The bundled SQLite is one with the fixes released through 2026 (3.46.0,
+/// bundled until then, predates them): a downgrade of rusqlite fails here.
+#[test]
+fn the_bundled_sqlite_is_recent() {
+    assert!(
+        rusqlite::version_number() >= 3_050_000,
+        "bundled SQLite {} is older than 3.50",
+        rusqlite::version()
+    );
+}
