@@ -12,7 +12,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::ConfigError;
-use crate::domain::contract::{Contract, Probe, Shape};
+use crate::domain::contract::{Contract, Embedded, Probe, Shape};
 
 /// A contract as written under `[contracts.NAME]`.
 #[derive(Debug, Deserialize)]
@@ -32,6 +32,14 @@ pub struct ContractFile {
 struct EmbeddedFile {
     pointer: String,
     schema: PathBuf,
+    /// false: an answer whose pointer is absent or `null` (a chat answer
+    /// calling tools, or refusing) passes on the envelope's schema alone.
+    #[serde(default = "yes")]
+    required: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 #[derive(Debug, Deserialize)]
@@ -64,10 +72,11 @@ pub fn load(name: &str, file: ContractFile, base: &Path) -> Result<Contract, Con
                     ),
                 ));
             }
-            Some((
-                e.pointer.clone(),
-                load_schema(&key("embedded.schema"), base, &e.schema)?,
-            ))
+            Some(Embedded {
+                pointer: e.pointer.clone(),
+                schema: load_schema(&key("embedded.schema"), base, &e.schema)?,
+                required: e.required,
+            })
         }
     };
     let probes = file
@@ -155,18 +164,21 @@ fn probe_shape(
         None => load_schema(&format!("contracts.{name}.schema"), base, &contract.schema)?,
     };
     let embedded = match (&contract.embedded, &p.embedded_schema) {
-        (Some(e), Some(path)) => Some((
-            e.pointer.clone(),
-            load_schema(&pkey("embedded_schema"), base, path)?,
-        )),
-        (Some(e), None) => Some((
-            e.pointer.clone(),
-            load_schema(
+        (Some(e), Some(path)) => Some(Embedded {
+            pointer: e.pointer.clone(),
+            schema: load_schema(&pkey("embedded_schema"), base, path)?,
+            // A probe asks for the embedded answer: it must be there.
+            required: true,
+        }),
+        (Some(e), None) => Some(Embedded {
+            pointer: e.pointer.clone(),
+            schema: load_schema(
                 &format!("contracts.{name}.embedded.schema"),
                 base,
                 &e.schema,
             )?,
-        )),
+            required: true,
+        }),
         (None, Some(_)) => {
             return Err(ConfigError::new(
                 pkey("embedded_schema"),

@@ -18,8 +18,22 @@ use serde_json::Value;
 pub struct Shape {
     /// The body's schema.
     pub schema: jsonschema::Validator,
-    /// The embedded document's pointer and schema.
-    pub embedded: Option<(String, jsonschema::Validator)>,
+    /// The document embedded as a string inside the body, if any.
+    pub embedded: Option<Embedded>,
+}
+
+/// A JSON document embedded as a string inside the body (the `content` of a
+/// JSON-mode chat answer).
+pub struct Embedded {
+    /// Where it is, as a JSON pointer into the body.
+    pub pointer: String,
+    /// Its schema.
+    pub schema: jsonschema::Validator,
+    /// Whether an answer without it (the pointer absent or `null`) breaks
+    /// the contract. A chat answer that calls tools or refuses carries
+    /// `content: null`; a contract that allows those sets this to false
+    /// and leaves such answers to the envelope's schema.
+    pub required: bool,
 }
 
 /// A loaded contract.
@@ -110,17 +124,24 @@ impl Shape {
         let value: Value =
             serde_json::from_slice(body).map_err(|e| format!("the body is not JSON: {e}"))?;
         validate(&self.schema, &value, "")?;
-        if let Some((pointer, schema)) = &self.embedded {
-            let text = value
-                .pointer(pointer)
-                .and_then(Value::as_str)
-                .ok_or_else(|| format!("{pointer} is missing or not a string"))?;
-            let inner: Value = serde_json::from_str(text).map_err(|e| {
-                format!("{pointer} is not JSON ({e}): {}", excerpt(text.as_bytes()))
-            })?;
-            validate(schema, &inner, pointer)?;
+        match &self.embedded {
+            Some(embedded) => embedded.check(&value),
+            None => Ok(()),
         }
-        Ok(())
+    }
+}
+
+impl Embedded {
+    fn check(&self, body: &Value) -> Result<(), String> {
+        let pointer = &self.pointer;
+        let text = match body.pointer(pointer) {
+            None | Some(Value::Null) if !self.required => return Ok(()),
+            Some(Value::String(text)) => text,
+            _ => return Err(format!("{pointer} is missing or not a string")),
+        };
+        let inner: Value = serde_json::from_str(text)
+            .map_err(|e| format!("{pointer} is not JSON ({e}): {}", excerpt(text.as_bytes())))?;
+        validate(&self.schema, &inner, pointer)
     }
 }
 

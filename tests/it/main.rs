@@ -3,6 +3,7 @@
 
 mod support;
 
+mod chat_example;
 mod console;
 mod console_session;
 mod core_answers;
