@@ -269,6 +269,7 @@ fn start_fastpath(
     tasks.spawn("redis-listener", Beats::Never, move |_| {
         listener.clone().listen(doorbell.clone())
     });
+    tokio::spawn(fast.clone().first_contact());
     tracing::info!("Redis fast path on");
     Ok(fast)
 }

@@ -1,9 +1,16 @@
 //! `redis_url`: where the Redis fast path is, as it is deployed: one node,
-//! a Redis Cluster, or a master watched by Sentinel (`docs/design.md` §13).
+//! a Redis Cluster, or a master watched by Sentinel (`docs/design.md` §13),
+//! in the clear or over TLS (`rediss…`, with the keys read in [`tls`]:
+//! `docs/design.md` §16).
 
 use std::time::Duration;
 
 use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo};
+
+mod tls;
+
+pub use tls::{ClientCert, RedisTls};
+pub(super) use tls::read as read_tls;
 
 /// The Redis fast path's settings.
 #[derive(Debug, Clone)]
@@ -14,19 +21,25 @@ pub struct RedisSettings {
     pub timeout: Duration,
     /// Largest response body kept inline; larger ones are kept by reference.
     pub inline_max: usize,
+    /// What a TLS Redis's certificate is checked against, and the client's
+    /// own; `Some` exactly when `redis_url` is a `rediss…` URL.
+    pub tls: Option<RedisTls>,
 }
 
 /// Where Redis is, as `redis_url` names it.
 #[derive(Debug, Clone)]
 pub enum Topology {
-    /// One node: `redis://host:6379/0` (or `rediss://`, `redis+unix://`).
+    /// One node: `redis://[user:password@]host:6379/0` (or `rediss://`,
+    /// `redis+unix://`).
     Node(ConnectionInfo),
     /// A Redis Cluster, found from seed nodes:
-    /// `redis+cluster://[user:password@]host:port,host:port,…`.
+    /// `redis+cluster://[user:password@]host:port,host:port,…` (or
+    /// `rediss+cluster://`: every node over TLS).
     Cluster(Vec<ConnectionInfo>),
     /// A master watched by Sentinel:
     /// `redis+sentinel://[user:password@]host:26379,host:26379,…/service[/db]`;
     /// the credentials and database are the Redis nodes', not the sentinels'.
+    /// `rediss+sentinel://` speaks TLS to the sentinels and to the nodes alike.
     Sentinel {
         /// The sentinels.
         sentinels: Vec<ConnectionAddr>,
@@ -34,6 +47,8 @@ pub enum Topology {
         service: String,
         /// How to talk to the master once found.
         node: redis::RedisConnectionInfo,
+        /// Whether the sentinels and the nodes are reached over TLS.
+        tls: bool,
     },
 }
 
@@ -46,6 +61,13 @@ impl Topology {
     /// Reads `redis_url`.
     pub fn parse(url: &str) -> Result<Self, TopologyError> {
         let bad = |why: String| TopologyError(why);
+        if url.contains('#') {
+            // `#insecure` is the redis crate's way of skipping the check of
+            // the server's certificate: never wanted (docs/design.md §16).
+            return Err(bad(
+                "idemgate always checks Redis's certificate: remove the `#…` fragment and name the CA in redis_ca_file".into(),
+            ));
+        }
         if let Some((scheme, rest)) = url
             .strip_prefix("redis+cluster://")
             .map(|r| ("redis", r))
@@ -67,7 +89,11 @@ impl Topology {
                 .collect::<Result<Vec<_>, _>>()?;
             return Ok(Topology::Cluster(seeds));
         }
-        if let Some(rest) = url.strip_prefix("redis+sentinel://") {
+        if let Some((scheme, rest)) = url
+            .strip_prefix("redis+sentinel://")
+            .map(|r| ("redis", r))
+            .or_else(|| url.strip_prefix("rediss+sentinel://").map(|r| ("rediss", r)))
+        {
             let (auth, hosts, path) = split(rest);
             let mut path = path.split('/');
             let service = path.next().unwrap_or_default().to_owned();
@@ -85,7 +111,7 @@ impl Topology {
             let sentinels = hosts
                 .iter()
                 .map(|host| {
-                    format!("redis://{host}")
+                    format!("{scheme}://{host}")
                         .into_connection_info()
                         .map(|info| info.addr().clone())
                         .map_err(|e| bad(format!("sentinel `{host}`: {e}")))
@@ -95,13 +121,25 @@ impl Topology {
                 sentinels,
                 service,
                 node,
+                tls: scheme == "rediss",
             });
         }
         url.into_connection_info().map(Topology::Node).map_err(|e| {
             bad(format!(
-                "{e}; use redis://host:6379/0, redis+cluster://host:7000,host:7001 or redis+sentinel://host:26379/mymaster"
+                "{e}; use redis://host:6379/0, redis+cluster://host:7000,host:7001 or redis+sentinel://host:26379/mymaster (rediss… for TLS)"
             ))
         })
+    }
+
+    /// Whether Redis is reached over TLS (`rediss://`, `rediss+cluster://`,
+    /// `rediss+sentinel://`).
+    pub fn is_tls(&self) -> bool {
+        let tls = |addr: &ConnectionAddr| matches!(addr, ConnectionAddr::TcpTls { .. });
+        match self {
+            Topology::Node(info) => tls(info.addr()),
+            Topology::Cluster(seeds) => seeds.iter().any(|s| tls(s.addr())),
+            Topology::Sentinel { tls, .. } => *tls,
+        }
     }
 }
 
