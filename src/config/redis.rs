@@ -179,6 +179,7 @@ mod tests {
             sentinels,
             service,
             node,
+            ..
         } = Topology::parse("redis+sentinel://:secret@s1:26379,s2:26380/mymaster/3").unwrap()
         else {
             panic!("not sentinel")
@@ -188,6 +189,80 @@ mod tests {
         assert_eq!((node.db(), node.password()), (3, Some("secret")));
     }
 
+    fn tls(addr: &ConnectionAddr) -> bool {
+        matches!(addr, ConnectionAddr::TcpTls { insecure: false, .. })
+    }
+
+    #[test]
+    fn acl_users_are_kept_for_one_node() {
+        for (url, over_tls) in [
+            ("redis://alice:p%40ss@10.0.0.1:6379/2", false),
+            ("rediss://alice:p%40ss@redis.example:6380/2", true),
+        ] {
+            let topology = Topology::parse(url).unwrap();
+            let Topology::Node(info) = &topology else {
+                panic!("{url}: not one node")
+            };
+            let redis = info.redis_settings();
+            assert_eq!(
+                (redis.username(), redis.password(), redis.db()),
+                (Some("alice"), Some("p@ss"), 2),
+                "{url}"
+            );
+            assert_eq!(tls(info.addr()), over_tls, "{url}");
+            assert_eq!(topology.is_tls(), over_tls, "{url}");
+        }
+    }
+
+    #[test]
+    fn acl_users_are_kept_for_every_cluster_seed() {
+        for (url, over_tls) in [
+            ("redis+cluster://alice:pw@a:7000,b:7001", false),
+            ("rediss+cluster://alice:pw@a:7000,b:7001", true),
+        ] {
+            let topology = Topology::parse(url).unwrap();
+            let Topology::Cluster(seeds) = &topology else {
+                panic!("{url}: not a cluster")
+            };
+            assert_eq!(seeds.len(), 2);
+            for seed in seeds {
+                let redis = seed.redis_settings();
+                assert_eq!((redis.username(), redis.password()), (Some("alice"), Some("pw")));
+                assert_eq!(tls(seed.addr()), over_tls, "{url}");
+            }
+            assert_eq!(topology.is_tls(), over_tls, "{url}");
+        }
+    }
+
+    #[test]
+    fn acl_users_are_the_sentinel_masters_and_tls_reaches_both() {
+        for (url, over_tls) in [
+            ("redis+sentinel://alice:pw@s1:26379,s2:26380/mymaster/1", false),
+            ("rediss+sentinel://alice:pw@s1:26379,s2:26380/mymaster/1", true),
+        ] {
+            let topology = Topology::parse(url).unwrap();
+            let Topology::Sentinel {
+                sentinels,
+                service,
+                node,
+                tls: tls_on,
+            } = &topology
+            else {
+                panic!("{url}: not sentinel")
+            };
+            assert_eq!(service, "mymaster");
+            assert_eq!(
+                (node.username(), node.password(), node.db()),
+                (Some("alice"), Some("pw"), 1),
+                "{url}"
+            );
+            assert_eq!(*tls_on, over_tls);
+            assert!(sentinels.iter().all(|s| tls(s) == over_tls), "{url}");
+            assert_eq!(sentinels[1].to_string(), "s2:26380");
+            assert_eq!(topology.is_tls(), over_tls, "{url}");
+        }
+    }
+
     #[test]
     fn bad_urls_say_what_to_write() {
         for (url, says) in [
@@ -195,6 +270,8 @@ mod tests {
             ("redis+sentinel://s1:26379", "name the master's service"),
             ("redis+cluster://a:7000/1", "no database"),
             ("redis+cluster://a:notaport", "seed `a:notaport`"),
+            ("rediss://h:6380/#insecure", "always checks Redis's certificate"),
+            ("rediss+cluster://a:7000,b:7001#insecure", "redis_ca_file"),
         ] {
             let why = Topology::parse(url).unwrap_err().to_string();
             assert!(why.contains(says), "{url}: {why}");

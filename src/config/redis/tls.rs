@@ -252,3 +252,161 @@ fn client_cert(
         key_pem: read("redis_client_key", key)?,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Settings;
+
+    /// A CA, a client certificate it signed and that certificate's key,
+    /// plus a key of nobody's, written as PEM files into a folder.
+    fn pki() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        let ca_key = rcgen::KeyPair::generate().unwrap();
+        let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let ca = ca.self_signed(&ca_key).unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let client = rcgen::CertificateParams::new(vec!["idemgate".to_owned()])
+            .unwrap()
+            .signed_by(&key, &ca, &ca_key)
+            .unwrap();
+        let other = rcgen::KeyPair::generate().unwrap();
+        for (name, pem) in [
+            ("ca.pem", ca.pem()),
+            ("client.pem", client.pem()),
+            ("client.key", key.serialize_pem()),
+            ("other.key", other.serialize_pem()),
+            ("empty.pem", "no certificate here\n".to_owned()),
+        ] {
+            std::fs::write(dir.path().join(name), pem).unwrap();
+        }
+        dir
+    }
+
+    fn load(dir: &Path, toml: &str, flags: Flags) -> Result<Option<RedisTls>, ConfigError> {
+        let file = Settings::parse_file(toml).unwrap().relative_to(dir);
+        let flags = Flags {
+            upstreams: vec!["http://127.0.0.1:1".into()],
+            ..flags
+        };
+        Settings::from_sources(file, flags).map(|s| s.redis.and_then(|r| r.tls))
+    }
+
+    #[test]
+    fn the_ca_and_client_certificate_are_read_relative_to_the_file() {
+        let dir = pki();
+        let tls = load(
+            dir.path(),
+            "redis_url = \"rediss://alice:pw@127.0.0.1:6380\"\n\
+             redis_ca_file = \"ca.pem\"\n\
+             redis_client_cert = \"client.pem\"\n\
+             redis_client_key = \"client.key\"\n",
+            Flags::default(),
+        )
+        .unwrap()
+        .expect("rediss:// is TLS");
+        assert!(tls.roots_from.contains("redis_ca_file"), "{}", tls.roots_from);
+        let ca = pem_certificates("ca", &dir.path().join("ca.pem")).unwrap();
+        assert_eq!(tls.roots, ca);
+        // What the redis crate is handed parses back to the same anchors.
+        let again: Vec<_> = CertificateDer::pem_slice_iter(&tls.roots_pem())
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(again, ca);
+        let client = tls.client.expect("a client certificate");
+        assert_eq!(
+            client.key_pem,
+            std::fs::read(dir.path().join("client.key")).unwrap()
+        );
+    }
+
+    #[test]
+    fn a_flag_names_its_file_from_where_the_gateway_runs() {
+        let dir = pki();
+        let flags = Flags {
+            redis_ca_file: Some(dir.path().join("ca.pem")),
+            ..Flags::default()
+        };
+        let tls = load(
+            Path::new("/nowhere"),
+            "redis_url = \"rediss+cluster://a:7000,b:7001\"\nredis_ca_file = \"missing.pem\"\n",
+            flags,
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(tls.roots.len(), 1);
+        assert!(tls.client.is_none());
+    }
+
+    #[test]
+    fn without_a_ca_file_the_system_roots_are_used() {
+        let dir = pki();
+        // The test machine has a CA bundle (ca-certificates): it is read.
+        let tls = load(
+            dir.path(),
+            "redis_url = \"rediss+sentinel://s:26379/mymaster\"\n",
+            Flags::default(),
+        )
+        .unwrap()
+        .unwrap();
+        assert!(!tls.roots.is_empty());
+        assert!(tls.roots_from.contains("system") || tls.roots_from.contains("SSL_CERT"));
+    }
+
+    #[test]
+    fn mistakes_name_their_key_and_the_fix() {
+        let dir = pki();
+        let tls = "redis_url = \"rediss://127.0.0.1:6380\"\n";
+        for (toml, key, says) in [
+            (
+                "redis_url = \"redis://127.0.0.1:6379\"\nredis_ca_file = \"ca.pem\"\n".to_owned(),
+                "redis_ca_file",
+                "write a rediss://",
+            ),
+            (
+                "redis_client_cert = \"client.pem\"\n".to_owned(),
+                "redis_client_cert",
+                "no redis_url is set",
+            ),
+            (
+                format!("{tls}redis_ca_file = \"missing.pem\"\n"),
+                "redis_ca_file",
+                "missing.pem",
+            ),
+            (
+                format!("{tls}redis_ca_file = \"empty.pem\"\n"),
+                "redis_ca_file",
+                "holds no PEM certificate",
+            ),
+            (
+                format!("{tls}redis_ca_file = \"ca.pem\"\nredis_client_cert = \"client.pem\"\n"),
+                "redis_client_key",
+                "without its key",
+            ),
+            (
+                format!("{tls}redis_ca_file = \"ca.pem\"\nredis_client_key = \"client.key\"\n"),
+                "redis_client_cert",
+                "without its certificate",
+            ),
+            (
+                format!(
+                    "{tls}redis_ca_file = \"ca.pem\"\nredis_client_cert = \"client.pem\"\nredis_client_key = \"other.key\"\n"
+                ),
+                "redis_client_key",
+                "is not the key of the certificate",
+            ),
+            (
+                format!(
+                    "{tls}redis_ca_file = \"ca.pem\"\nredis_client_cert = \"client.pem\"\nredis_client_key = \"ca.pem\"\n"
+                ),
+                "redis_client_key",
+                "cannot read a PEM private key",
+            ),
+        ] {
+            let err = load(dir.path(), &toml, Flags::default()).unwrap_err();
+            assert_eq!(err.key, key, "{toml}: {err}");
+            assert!(err.message.contains(says), "{toml}: {err}");
+        }
+    }
+}
