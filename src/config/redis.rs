@@ -9,8 +9,8 @@ use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo};
 
 mod tls;
 
-pub use tls::{ClientCert, RedisTls};
 pub(super) use tls::read as read_tls;
+pub use tls::{ClientCert, RedisTls};
 
 /// The Redis fast path's settings.
 #[derive(Debug, Clone)]
@@ -92,7 +92,10 @@ impl Topology {
         if let Some((scheme, rest)) = url
             .strip_prefix("redis+sentinel://")
             .map(|r| ("redis", r))
-            .or_else(|| url.strip_prefix("rediss+sentinel://").map(|r| ("rediss", r)))
+            .or_else(|| {
+                url.strip_prefix("rediss+sentinel://")
+                    .map(|r| ("rediss", r))
+            })
         {
             let (auth, hosts, path) = split(rest);
             let mut path = path.split('/');
@@ -190,7 +193,13 @@ mod tests {
     }
 
     fn tls(addr: &ConnectionAddr) -> bool {
-        matches!(addr, ConnectionAddr::TcpTls { insecure: false, .. })
+        matches!(
+            addr,
+            ConnectionAddr::TcpTls {
+                insecure: false,
+                ..
+            }
+        )
     }
 
     #[test]
@@ -227,7 +236,10 @@ mod tests {
             assert_eq!(seeds.len(), 2);
             for seed in seeds {
                 let redis = seed.redis_settings();
-                assert_eq!((redis.username(), redis.password()), (Some("alice"), Some("pw")));
+                assert_eq!(
+                    (redis.username(), redis.password()),
+                    (Some("alice"), Some("pw"))
+                );
                 assert_eq!(tls(seed.addr()), over_tls, "{url}");
             }
             assert_eq!(topology.is_tls(), over_tls, "{url}");
@@ -237,8 +249,14 @@ mod tests {
     #[test]
     fn acl_users_are_the_sentinel_masters_and_tls_reaches_both() {
         for (url, over_tls) in [
-            ("redis+sentinel://alice:pw@s1:26379,s2:26380/mymaster/1", false),
-            ("rediss+sentinel://alice:pw@s1:26379,s2:26380/mymaster/1", true),
+            (
+                "redis+sentinel://alice:pw@s1:26379,s2:26380/mymaster/1",
+                false,
+            ),
+            (
+                "rediss+sentinel://alice:pw@s1:26379,s2:26380/mymaster/1",
+                true,
+            ),
         ] {
             let topology = Topology::parse(url).unwrap();
             let Topology::Sentinel {
@@ -270,7 +288,10 @@ mod tests {
             ("redis+sentinel://s1:26379", "name the master's service"),
             ("redis+cluster://a:7000/1", "no database"),
             ("redis+cluster://a:notaport", "seed `a:notaport`"),
-            ("rediss://h:6380/#insecure", "always checks Redis's certificate"),
+            (
+                "rediss://h:6380/#insecure",
+                "always checks Redis's certificate",
+            ),
             ("rediss+cluster://a:7000,b:7001#insecure", "redis_ca_file"),
         ] {
             let why = Topology::parse(url).unwrap_err().to_string();

@@ -138,17 +138,17 @@ fn ca_file(path: &Path) -> Result<Vec<CertificateDer<'static>>, ConfigError> {
         store.add(cert.clone()).map_err(|e| {
             bad(
                 key,
-                format!("{} holds a certificate that cannot be a trust anchor: {e}", path.display()),
+                format!(
+                    "{} holds a certificate that cannot be a trust anchor: {e}",
+                    path.display()
+                ),
             )
         })?;
     }
     Ok(certs)
 }
 
-fn pem_certificates(
-    key: &str,
-    path: &Path,
-) -> Result<Vec<CertificateDer<'static>>, ConfigError> {
+fn pem_certificates(key: &str, path: &Path) -> Result<Vec<CertificateDer<'static>>, ConfigError> {
     let certs = CertificateDer::pem_file_iter(path)
         .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
         .map_err(|e| {
@@ -306,7 +306,11 @@ mod tests {
         )
         .unwrap()
         .expect("rediss:// is TLS");
-        assert!(tls.roots_from.contains("redis_ca_file"), "{}", tls.roots_from);
+        assert!(
+            tls.roots_from.contains("redis_ca_file"),
+            "{}",
+            tls.roots_from
+        );
         let ca = pem_certificates("ca", &dir.path().join("ca.pem")).unwrap();
         assert_eq!(tls.roots, ca);
         // What the redis crate is handed parses back to the same anchors.

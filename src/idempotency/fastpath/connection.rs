@@ -15,9 +15,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnecti
 use redis::cluster::{ClusterClient, ClusterClientBuilder, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
-use redis::{
-    ClientTlsConfig, Cmd, ConnectionInfo, RedisResult, TlsCertificates, TlsMode, Value,
-};
+use redis::{ClientTlsConfig, Cmd, ConnectionInfo, RedisResult, TlsCertificates, TlsMode, Value};
 
 use crate::config::redis::RedisTls;
 use crate::config::{RedisSettings, Topology};

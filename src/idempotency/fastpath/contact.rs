@@ -63,13 +63,20 @@ fn describe(settings: &RedisSettings) -> String {
     }
 }
 
-/// What to look at, by what went wrong.
+/// What to look at, by what went wrong (rustls names the TLS failures:
+/// `invalid peer certificate: …`, `received fatal alert: …`).
 fn hint(e: &redis::RedisError, settings: &RedisSettings) -> &'static str {
     let refused = e.kind() == ErrorKind::AuthenticationFailed
-        || e.code().is_some_and(|c| c == "WRONGPASS" || c == "NOAUTH" || c == "NOPERM");
+        || e.code()
+            .is_some_and(|c| c == "WRONGPASS" || c == "NOAUTH" || c == "NOPERM");
+    let text = e.to_string();
+    let shown = settings.tls.as_ref().is_some_and(|t| t.client.is_some());
     match (&settings.tls, refused) {
         (_, true) => "Redis refused the credentials: check the user and password in redis_url (redis://user:password@host)",
-        (Some(_), false) => "is it up, and does its certificate chain to the CA named above and name the host as written in redis_url? A server that asks for a client certificate needs redis_client_cert and redis_client_key",
-        (None, false) => "is it up, and does it speak TLS (then write rediss://)?",
+        (Some(_), false) if text.contains("peer certificate") => "Redis's certificate was not accepted: it must chain to the CA named above (redis_ca_file, or SSL_CERT_FILE / SSL_CERT_DIR without it) and name the host as written in redis_url",
+        (Some(_), false) if text.contains("fatal alert") && !shown => "Redis refused the TLS handshake; if it requires a client certificate (tls-auth-clients yes), set redis_client_cert and redis_client_key",
+        (Some(_), false) if text.contains("fatal alert") => "Redis refused the TLS handshake: does it trust the CA of redis_client_cert?",
+        (Some(_), false) => "is Redis up, and speaking TLS on that port?",
+        (None, false) => "is Redis up, and does it speak TLS (then write rediss://)?",
     }
 }
