@@ -358,6 +358,47 @@ mod tests {
         assert!(tls.roots_from.contains("system") || tls.roots_from.contains("SSL_CERT"));
     }
 
+    /// The Redis lines the example file leaves commented out
+    /// (`config/idemgate.example.toml`) load once uncommented: every
+    /// `redis_url`, and the TLS block with its files beside the config.
+    #[test]
+    fn the_example_files_redis_lines_load() {
+        let text = include_str!("../../../config/idemgate.example.toml");
+        let lines: Vec<String> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# redis_"))
+            .filter(|l| l.contains(" = "))
+            .map(|l| format!("redis_{l}"))
+            .collect();
+        let dir = pki();
+        for (from, to) in [
+            ("ca.pem", "redis-ca.pem"),
+            ("client.pem", "redis-client.pem"),
+            ("client.key", "redis-client.key"),
+        ] {
+            std::fs::copy(dir.path().join(from), dir.path().join(to)).unwrap();
+        }
+        let urls: Vec<_> = lines
+            .iter()
+            .filter(|l| l.starts_with("redis_url"))
+            .collect();
+        assert!(urls.len() >= 4, "{lines:?}");
+        for url in &urls {
+            load(dir.path(), url, Flags::default()).unwrap_or_else(|e| panic!("{url}: {e}"));
+        }
+        let tls_block: Vec<_> = lines
+            .iter()
+            .filter(|l| !l.starts_with("redis_url") || l.contains("rediss://"))
+            .map(String::as_str)
+            .collect();
+        assert_eq!(tls_block.len(), 4, "{tls_block:?}");
+        let tls = load(dir.path(), &tls_block.join("\n"), Flags::default())
+            .unwrap()
+            .expect("the example is TLS");
+        assert!(tls.roots_from.contains("redis-ca.pem"));
+        assert!(tls.client.is_some());
+    }
+
     #[test]
     fn mistakes_name_their_key_and_the_fix() {
         let dir = pki();
