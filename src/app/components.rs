@@ -256,6 +256,10 @@ fn start_fastpath(
     doorbell: &Arc<Doorbell>,
     tasks: &Supervisor,
 ) -> Result<Arc<FastPath>, StartError> {
+    // The redis crate builds its rustls configs with the process's default
+    // provider: name the gateway's (ring), so that another crate enabling a
+    // second provider cannot leave it without one (docs/design.md §16).
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let fast = FastPath::new(settings.clone(), instance, sealer).map_err(StartError::Redis)?;
     let fast = Arc::new(fast);
     let (changes, announced) = tokio::sync::mpsc::unbounded_channel();
@@ -269,6 +273,7 @@ fn start_fastpath(
     tasks.spawn("redis-listener", Beats::Never, move |_| {
         listener.clone().listen(doorbell.clone())
     });
+    tokio::spawn(fast.clone().first_contact());
     tracing::info!("Redis fast path on");
     Ok(fast)
 }

@@ -90,6 +90,17 @@ pub struct Flags {
         hide_env_values = true
     )]
     pub redis_url: Option<String>,
+    /// The CA a `rediss://` Redis's certificate is checked against (PEM);
+    /// without it, the system roots (`SSL_CERT_FILE`, `SSL_CERT_DIR`).
+    #[arg(long, env = "IDEMGATE_REDIS_CA_FILE", value_name = "FILE")]
+    pub redis_ca_file: Option<PathBuf>,
+    /// The certificate the gateway shows a `rediss://` Redis that asks for
+    /// one (PEM, with `--redis-client-key`).
+    #[arg(long, env = "IDEMGATE_REDIS_CLIENT_CERT", value_name = "FILE")]
+    pub redis_client_cert: Option<PathBuf>,
+    /// The private key of `--redis-client-cert` (PEM).
+    #[arg(long, env = "IDEMGATE_REDIS_CLIENT_KEY", value_name = "FILE")]
+    pub redis_client_key: Option<PathBuf>,
     /// Silence after which an attempt's outcome is unknown (e.g. 30s).
     #[arg(long, env = "IDEMGATE_UPSTREAM_TIMEOUT", value_name = "DURATION", value_parser = humantime::parse_duration)]
     pub upstream_timeout: Option<Duration>,

@@ -502,6 +502,7 @@ fn timings(file: &FileConfig, flags: &Flags) -> Result<Timings, ConfigError> {
 /// The Redis fast path, when a Redis URL is given.
 fn redis_settings(file: &FileConfig, flags: &Flags) -> Result<Option<RedisSettings>, ConfigError> {
     let Some(url) = flags.redis_url.clone().or(file.redis_url.clone()) else {
+        redis::read_tls(file, flags, None)?; // refuses TLS keys without a URL
         return Ok(None);
     };
     let topology = Topology::parse(&url).map_err(|e| {
@@ -510,6 +511,7 @@ fn redis_settings(file: &FileConfig, flags: &Flags) -> Result<Option<RedisSettin
             format!("not a Redis this gateway can reach: {e}"),
         )
     })?;
+    let tls = redis::read_tls(file, flags, Some(&topology))?;
     Ok(Some(RedisSettings {
         topology,
         timeout: positive(
@@ -519,6 +521,7 @@ fn redis_settings(file: &FileConfig, flags: &Flags) -> Result<Option<RedisSettin
         inline_max: file
             .redis_inline_max
             .map_or(64 * 1024, |b| b.as_u64() as usize),
+        tls,
     }))
 }
 

@@ -1,9 +1,16 @@
 //! `redis_url`: where the Redis fast path is, as it is deployed: one node,
-//! a Redis Cluster, or a master watched by Sentinel (`docs/design.md` §13).
+//! a Redis Cluster, or a master watched by Sentinel (`docs/design.md` §13),
+//! in the clear or over TLS (`rediss…`, with the keys read in [`tls`]:
+//! `docs/design.md` §16).
 
 use std::time::Duration;
 
 use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo};
+
+mod tls;
+
+pub(super) use tls::read as read_tls;
+pub use tls::{ClientCert, RedisTls};
 
 /// The Redis fast path's settings.
 #[derive(Debug, Clone)]
@@ -14,19 +21,25 @@ pub struct RedisSettings {
     pub timeout: Duration,
     /// Largest response body kept inline; larger ones are kept by reference.
     pub inline_max: usize,
+    /// What a TLS Redis's certificate is checked against, and the client's
+    /// own; `Some` exactly when `redis_url` is a `rediss…` URL.
+    pub tls: Option<RedisTls>,
 }
 
 /// Where Redis is, as `redis_url` names it.
 #[derive(Debug, Clone)]
 pub enum Topology {
-    /// One node: `redis://host:6379/0` (or `rediss://`, `redis+unix://`).
+    /// One node: `redis://[user:password@]host:6379/0` (or `rediss://`,
+    /// `redis+unix://`).
     Node(ConnectionInfo),
     /// A Redis Cluster, found from seed nodes:
-    /// `redis+cluster://[user:password@]host:port,host:port,…`.
+    /// `redis+cluster://[user:password@]host:port,host:port,…` (or
+    /// `rediss+cluster://`: every node over TLS).
     Cluster(Vec<ConnectionInfo>),
     /// A master watched by Sentinel:
     /// `redis+sentinel://[user:password@]host:26379,host:26379,…/service[/db]`;
     /// the credentials and database are the Redis nodes', not the sentinels'.
+    /// `rediss+sentinel://` speaks TLS to the sentinels and to the nodes alike.
     Sentinel {
         /// The sentinels.
         sentinels: Vec<ConnectionAddr>,
@@ -34,6 +47,8 @@ pub enum Topology {
         service: String,
         /// How to talk to the master once found.
         node: redis::RedisConnectionInfo,
+        /// Whether the sentinels and the nodes are reached over TLS.
+        tls: bool,
     },
 }
 
@@ -46,6 +61,13 @@ impl Topology {
     /// Reads `redis_url`.
     pub fn parse(url: &str) -> Result<Self, TopologyError> {
         let bad = |why: String| TopologyError(why);
+        if url.contains('#') {
+            // `#insecure` is the redis crate's way of skipping the check of
+            // the server's certificate: never wanted (docs/design.md §16).
+            return Err(bad(
+                "idemgate always checks Redis's certificate: remove the `#…` fragment and name the CA in redis_ca_file".into(),
+            ));
+        }
         if let Some((scheme, rest)) = url
             .strip_prefix("redis+cluster://")
             .map(|r| ("redis", r))
@@ -67,7 +89,14 @@ impl Topology {
                 .collect::<Result<Vec<_>, _>>()?;
             return Ok(Topology::Cluster(seeds));
         }
-        if let Some(rest) = url.strip_prefix("redis+sentinel://") {
+        if let Some((scheme, rest)) = url
+            .strip_prefix("redis+sentinel://")
+            .map(|r| ("redis", r))
+            .or_else(|| {
+                url.strip_prefix("rediss+sentinel://")
+                    .map(|r| ("rediss", r))
+            })
+        {
             let (auth, hosts, path) = split(rest);
             let mut path = path.split('/');
             let service = path.next().unwrap_or_default().to_owned();
@@ -85,7 +114,7 @@ impl Topology {
             let sentinels = hosts
                 .iter()
                 .map(|host| {
-                    format!("redis://{host}")
+                    format!("{scheme}://{host}")
                         .into_connection_info()
                         .map(|info| info.addr().clone())
                         .map_err(|e| bad(format!("sentinel `{host}`: {e}")))
@@ -95,13 +124,25 @@ impl Topology {
                 sentinels,
                 service,
                 node,
+                tls: scheme == "rediss",
             });
         }
         url.into_connection_info().map(Topology::Node).map_err(|e| {
             bad(format!(
-                "{e}; use redis://host:6379/0, redis+cluster://host:7000,host:7001 or redis+sentinel://host:26379/mymaster"
+                "{e}; use redis://host:6379/0, redis+cluster://host:7000,host:7001 or redis+sentinel://host:26379/mymaster (rediss… for TLS)"
             ))
         })
+    }
+
+    /// Whether Redis is reached over TLS (`rediss://`, `rediss+cluster://`,
+    /// `rediss+sentinel://`).
+    pub fn is_tls(&self) -> bool {
+        let tls = |addr: &ConnectionAddr| matches!(addr, ConnectionAddr::TcpTls { .. });
+        match self {
+            Topology::Node(info) => tls(info.addr()),
+            Topology::Cluster(seeds) => seeds.iter().any(|s| tls(s.addr())),
+            Topology::Sentinel { tls, .. } => *tls,
+        }
     }
 }
 
@@ -141,6 +182,7 @@ mod tests {
             sentinels,
             service,
             node,
+            ..
         } = Topology::parse("redis+sentinel://:secret@s1:26379,s2:26380/mymaster/3").unwrap()
         else {
             panic!("not sentinel")
@@ -150,6 +192,95 @@ mod tests {
         assert_eq!((node.db(), node.password()), (3, Some("secret")));
     }
 
+    fn tls(addr: &ConnectionAddr) -> bool {
+        matches!(
+            addr,
+            ConnectionAddr::TcpTls {
+                insecure: false,
+                ..
+            }
+        )
+    }
+
+    #[test]
+    fn acl_users_are_kept_for_one_node() {
+        for (url, over_tls) in [
+            ("redis://alice:p%40ss@10.0.0.1:6379/2", false),
+            ("rediss://alice:p%40ss@redis.example:6380/2", true),
+        ] {
+            let topology = Topology::parse(url).unwrap();
+            let Topology::Node(info) = &topology else {
+                panic!("{url}: not one node")
+            };
+            let redis = info.redis_settings();
+            assert_eq!(
+                (redis.username(), redis.password(), redis.db()),
+                (Some("alice"), Some("p@ss"), 2),
+                "{url}"
+            );
+            assert_eq!(tls(info.addr()), over_tls, "{url}");
+            assert_eq!(topology.is_tls(), over_tls, "{url}");
+        }
+    }
+
+    #[test]
+    fn acl_users_are_kept_for_every_cluster_seed() {
+        for (url, over_tls) in [
+            ("redis+cluster://alice:pw@a:7000,b:7001", false),
+            ("rediss+cluster://alice:pw@a:7000,b:7001", true),
+        ] {
+            let topology = Topology::parse(url).unwrap();
+            let Topology::Cluster(seeds) = &topology else {
+                panic!("{url}: not a cluster")
+            };
+            assert_eq!(seeds.len(), 2);
+            for seed in seeds {
+                let redis = seed.redis_settings();
+                assert_eq!(
+                    (redis.username(), redis.password()),
+                    (Some("alice"), Some("pw"))
+                );
+                assert_eq!(tls(seed.addr()), over_tls, "{url}");
+            }
+            assert_eq!(topology.is_tls(), over_tls, "{url}");
+        }
+    }
+
+    #[test]
+    fn acl_users_are_the_sentinel_masters_and_tls_reaches_both() {
+        for (url, over_tls) in [
+            (
+                "redis+sentinel://alice:pw@s1:26379,s2:26380/mymaster/1",
+                false,
+            ),
+            (
+                "rediss+sentinel://alice:pw@s1:26379,s2:26380/mymaster/1",
+                true,
+            ),
+        ] {
+            let topology = Topology::parse(url).unwrap();
+            let Topology::Sentinel {
+                sentinels,
+                service,
+                node,
+                tls: tls_on,
+            } = &topology
+            else {
+                panic!("{url}: not sentinel")
+            };
+            assert_eq!(service, "mymaster");
+            assert_eq!(
+                (node.username(), node.password(), node.db()),
+                (Some("alice"), Some("pw"), 1),
+                "{url}"
+            );
+            assert_eq!(*tls_on, over_tls);
+            assert!(sentinels.iter().all(|s| tls(s) == over_tls), "{url}");
+            assert_eq!(sentinels[1].to_string(), "s2:26380");
+            assert_eq!(topology.is_tls(), over_tls, "{url}");
+        }
+    }
+
     #[test]
     fn bad_urls_say_what_to_write() {
         for (url, says) in [
@@ -157,6 +288,11 @@ mod tests {
             ("redis+sentinel://s1:26379", "name the master's service"),
             ("redis+cluster://a:7000/1", "no database"),
             ("redis+cluster://a:notaport", "seed `a:notaport`"),
+            (
+                "rediss://h:6380/#insecure",
+                "always checks Redis's certificate",
+            ),
+            ("rediss+cluster://a:7000,b:7001#insecure", "redis_ca_file"),
         ] {
             let why = Topology::parse(url).unwrap_err().to_string();
             assert!(why.contains(says), "{url}: {why}");

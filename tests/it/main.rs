@@ -28,6 +28,7 @@ mod postgres_restart;
 mod readme;
 mod real_clients;
 mod redis_deployments;
+mod redis_tls;
 mod state_machine_props;
 mod store_conformance;
 mod streaming;

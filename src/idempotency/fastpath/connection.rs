@@ -15,9 +15,10 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnecti
 use redis::cluster::{ClusterClient, ClusterClientBuilder, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
-use redis::{Cmd, RedisResult, Value};
+use redis::{ClientTlsConfig, Cmd, ConnectionInfo, RedisResult, TlsCertificates, TlsMode, Value};
 
-use crate::config::Topology;
+use crate::config::redis::RedisTls;
+use crate::config::{RedisSettings, Topology};
 
 /// The fast path's handle on Redis.
 pub struct Redis {
@@ -43,45 +44,30 @@ enum Reach {
 
 impl Redis {
     /// Prepares the connections without making them; every command answers
-    /// within `timeout` or fails.
-    pub fn new(topology: &Topology, timeout: Duration) -> RedisResult<Self> {
+    /// within `timeout` or fails. Over TLS, every connection (commands,
+    /// subscriptions, blocking reads, sentinels) checks the server's
+    /// certificate against the configured roots (docs/design.md §16).
+    pub fn new(settings: &RedisSettings) -> RedisResult<Self> {
+        let timeout = settings.timeout;
         let connect = timeout.max(Duration::from_millis(100));
         let managed = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(connect))
             .set_response_timeout(Some(timeout))
             .set_number_of_retries(1)
             .set_max_delay(Duration::from_secs(1));
-        let reach = match topology {
+        let certs = settings.tls.as_ref().map(certificates);
+        let reach = match &settings.topology {
             Topology::Node(info) => {
-                let client = redis::Client::open(info.clone())?;
+                let client = open(info, certs.as_ref())?;
                 let conn = ConnectionManager::new_lazy_with_config(client.clone(), managed)?;
                 Reach::Node { client, conn }
             }
-            Topology::Cluster(seeds) => {
-                let client = ClusterClientBuilder::new(seeds.clone())
-                    .connection_timeout(connect)
-                    .response_timeout(timeout)
-                    .retries(2)
-                    .max_retry_wait(200)
-                    .build()?;
-                let config = ClusterConfig::new()
-                    .set_connection_timeout(connect)
-                    .set_response_timeout(timeout);
-                let conn = client.get_pending_async_connection_with_config(config);
-                let seeds = seeds
-                    .iter()
-                    .map(|s| redis::Client::open(s.clone()))
-                    .collect::<RedisResult<_>>()?;
-                Reach::Cluster {
-                    client: Box::new(client),
-                    conn,
-                    seeds,
-                }
-            }
+            Topology::Cluster(seeds) => cluster(seeds, certs.as_ref(), timeout)?,
             Topology::Sentinel {
                 sentinels,
                 service,
                 node,
+                tls: _,
             } => {
                 let mut builder = SentinelClientBuilder::new(
                     sentinels.clone(),
@@ -94,6 +80,14 @@ impl Redis {
                 }
                 if let Some(password) = node.password() {
                     builder = builder.set_client_to_redis_password(password);
+                }
+                if let Some(certs) = certs {
+                    // The same CA and client certificate for both: one
+                    // deployment, one PKI (docs/design.md §16).
+                    builder = builder
+                        .set_client_to_sentinel_certificates(certs.clone())
+                        .set_client_to_redis_tls_mode(TlsMode::Secure)
+                        .set_client_to_redis_certificates(certs);
                 }
                 Reach::Sentinel(Arc::new(Master {
                     sentinel: tokio::sync::Mutex::new(builder.build()?),
@@ -169,6 +163,59 @@ impl Redis {
         tokio::time::timeout(limit, fut)
             .await
             .unwrap_or_else(|_| Err(no_node("connecting to Redis timed out")))
+    }
+}
+
+/// A cluster found from its seeds; over TLS, every node it names is
+/// reached with the same roots and client certificate.
+fn cluster(
+    seeds: &[ConnectionInfo],
+    certs: Option<&TlsCertificates>,
+    timeout: Duration,
+) -> RedisResult<Reach> {
+    let connect = timeout.max(Duration::from_millis(100));
+    let mut builder = ClusterClientBuilder::new(seeds.to_vec())
+        .connection_timeout(connect)
+        .response_timeout(timeout)
+        .retries(2)
+        .max_retry_wait(200);
+    if let Some(certs) = certs {
+        builder = builder.certs(certs.clone());
+    }
+    let client = builder.build()?;
+    let config = ClusterConfig::new()
+        .set_connection_timeout(connect)
+        .set_response_timeout(timeout);
+    let conn = client.get_pending_async_connection_with_config(config);
+    let seeds = seeds
+        .iter()
+        .map(|s| open(s, certs))
+        .collect::<RedisResult<_>>()?;
+    Ok(Reach::Cluster {
+        client: Box::new(client),
+        conn,
+        seeds,
+    })
+}
+
+/// A client for one node, over TLS with `certs` when given.
+fn open(info: &ConnectionInfo, certs: Option<&TlsCertificates>) -> RedisResult<redis::Client> {
+    match certs {
+        None => redis::Client::open(info.clone()),
+        Some(certs) => redis::Client::build_with_tls(info.clone(), certs.clone()),
+    }
+}
+
+/// The roots and client certificate, as the redis crate takes them. The
+/// roots are always given (never left to the crate), so that the ones read
+/// and checked at start-up are the ones used.
+fn certificates(tls: &RedisTls) -> TlsCertificates {
+    TlsCertificates {
+        client_tls: tls.client.as_ref().map(|c| ClientTlsConfig {
+            client_cert: c.chain_pem.clone(),
+            client_key: c.key_pem.clone(),
+        }),
+        root_cert: Some(tls.roots_pem()),
     }
 }
 

@@ -39,6 +39,7 @@ use crate::store::Doorbell;
 use crate::BoxError;
 
 mod connection;
+mod contact;
 mod entry;
 mod stream;
 
@@ -89,7 +90,7 @@ impl FastPath {
         sealer: Option<Arc<Sealer>>,
     ) -> Result<Self, redis::RedisError> {
         Ok(FastPath {
-            redis: Redis::new(&settings.topology, settings.timeout)?,
+            redis: Redis::new(&settings)?,
             settings,
             healthy: AtomicBool::new(true),
             warned_at: Default::default(),

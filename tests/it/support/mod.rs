@@ -14,6 +14,7 @@ pub mod postgres;
 pub mod python;
 pub mod redis;
 pub mod redis_cluster;
+pub mod redis_tls;
 pub mod sse;
 pub mod store;
 pub mod upstream;

@@ -16,10 +16,40 @@ use super::redis::free_port;
 pub struct Node {
     pub port: u16,
     child: Option<Child>,
+    access: Access,
+}
+
+/// How the test itself talks to a node: in the clear, or (`redis_tls.rs`)
+/// over TLS with the test's certificates, as an ACL user.
+#[derive(Clone, Default)]
+pub struct Access {
+    pub tls: Option<redis::TlsCertificates>,
+    pub user: Option<(String, String)>,
+}
+
+impl Access {
+    fn client(&self, addr: &str) -> redis::RedisResult<redis::Client> {
+        let auth = match &self.user {
+            Some((user, password)) => format!("{user}:{password}@"),
+            None => String::new(),
+        };
+        match &self.tls {
+            None => redis::Client::open(format!("redis://{auth}{addr}")),
+            Some(certs) => {
+                redis::Client::build_with_tls(format!("rediss://{auth}{addr}"), certs.clone())
+            }
+        }
+    }
 }
 
 impl Node {
     async fn spawn(port: u16, dir: &PathBuf, extra: &[&str]) -> Node {
+        Self::spawn_with(port, dir, extra, Access::default()).await
+    }
+
+    /// A node started with `extra` arguments (which may turn the plain
+    /// port off for TLS: later arguments win), reached as `access` says.
+    pub async fn spawn_with(port: u16, dir: &PathBuf, extra: &[&str], access: Access) -> Node {
         let child = Command::new("redis-server")
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
@@ -36,6 +66,7 @@ impl Node {
         let node = Node {
             port,
             child: Some(child),
+            access,
         };
         eventually(
             Duration::from_secs(10),
@@ -44,6 +75,15 @@ impl Node {
         )
         .await;
         node
+    }
+
+    /// A node the caller started itself (a sentinel).
+    pub fn running(port: u16, child: Child, access: Access) -> Node {
+        Node {
+            port,
+            child: Some(child),
+            access,
+        }
     }
 
     pub fn addr(&self) -> String {
@@ -64,7 +104,7 @@ impl Node {
 
     /// One command on this node alone.
     pub async fn query<T: redis::FromRedisValue>(&self, args: &[&str]) -> redis::RedisResult<T> {
-        let client = redis::Client::open(format!("redis://{}", self.addr()))?;
+        let client = self.access.client(&self.addr())?;
         let mut conn = tokio::time::timeout(
             Duration::from_secs(2),
             client.get_multiplexed_async_connection(),
@@ -80,7 +120,7 @@ impl Node {
 }
 
 /// A port whose neighbour 10,000 above is free too (a cluster node's bus).
-async fn cluster_port() -> u16 {
+pub async fn cluster_port() -> u16 {
     loop {
         let port = free_port().await;
         if port < 22_000 && std::net::TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
@@ -303,10 +343,7 @@ impl ThrowawaySentinel {
             .kill_on_drop(true)
             .spawn()
             .expect("redis-server is not installed");
-        let sentinel = Node {
-            port,
-            child: Some(child),
-        };
+        let sentinel = Node::running(port, child, Access::default());
         eventually(Duration::from_secs(15), "the replica to sync", || async {
             replica
                 .query::<String>(&["INFO", "replication"])
