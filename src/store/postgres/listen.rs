@@ -3,7 +3,7 @@
 //! that session connects (§13).
 
 use futures_util::StreamExt;
-use tokio_postgres::{AsyncMessage, NoTls};
+use tokio_postgres::AsyncMessage;
 use uuid::Uuid;
 
 use super::{map_pg, Budget, Postgres, Replication};
@@ -19,7 +19,7 @@ impl Postgres {
     /// reconnects); rings every bell once listening, since announcements
     /// made while nobody listened were lost.
     pub async fn listen(&self, doorbell: &Doorbell) -> Result<(), StoreError> {
-        let (client, mut connection) = self.direct.connect(NoTls).await.map_err(map_pg)?;
+        let (client, mut connection) = self.direct.connect().await?;
         let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
         let (heard, mut announcements) = tokio::sync::mpsc::unbounded_channel();
         let mut driver = tokio::spawn(async move {

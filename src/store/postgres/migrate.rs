@@ -3,7 +3,6 @@
 
 use super::{map_pg, Postgres};
 use crate::store::StoreError;
-use tokio_postgres::NoTls;
 
 mod embedded {
     refinery::embed_migrations!("migrations/postgres");
@@ -15,8 +14,10 @@ const MIGRATION_LOCK: i64 = 0x1de6_6a7e;
 impl Postgres {
     /// Applies the SQL migrations under `migrations/postgres`, holding an
     /// advisory lock so that replicas starting together apply them once.
+    /// Connecting is the first thing start-up does with the database: a
+    /// refusal only a setting can fix is a [`Refused`](super::Refused).
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        let (mut client, connection) = self.direct.connect(NoTls).await.map_err(map_pg)?;
+        let (mut client, connection) = self.direct.connect().await?;
         let driver = tokio::spawn(connection);
         client
             .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])

@@ -23,11 +23,12 @@
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
-use tokio_postgres::NoTls;
+use tokio_postgres_rustls::MakeRustlsConnect;
 use uuid::Uuid;
 
 use super::StoreError;
-use crate::config::PgSettings;
+use crate::config::libpq::Check;
+use crate::config::{PgSettings, PgUrl, SslMode};
 
 mod backend;
 mod budget;
@@ -38,20 +39,76 @@ mod records;
 mod replication;
 mod rows;
 mod sql;
+mod tls;
 mod write;
 
 pub use budget::Budget;
 pub use replication::Replication;
 
-use error::map_pg;
+pub use error::Refused;
+use error::{at_start, map_pg};
 
 /// The PostgreSQL [`Backend`](crate::store::Backend).
 #[derive(Clone)]
 pub struct Postgres {
     pool: Pool,
-    /// For sessions of their own: LISTEN and migrations.
-    direct: tokio_postgres::Config,
+    /// The pool's connection settings (`database_url`).
+    pooled: Session,
+    /// For sessions of their own: LISTEN and migrations
+    /// (`database_direct_url`, or the pool's).
+    direct: Session,
     instance: Uuid,
+}
+
+/// How to open one connection, and the setting it came from.
+#[derive(Clone)]
+struct Session {
+    config: tokio_postgres::Config,
+    tls: MakeRustlsConnect,
+    key: &'static str,
+    mode: SslMode,
+}
+
+impl Session {
+    fn new(url: &PgUrl, settings: &PgSettings, instance: Uuid) -> Result<Self, StoreError> {
+        let mut config = session(&url.url, settings, instance)?;
+        config.ssl_mode(tls::wire_mode(url.tls.mode));
+        let describe = url.tls.describe();
+        match (url.tls.mode, url.tls.check()) {
+            (SslMode::Require, Check::Nothing) => {
+                tracing::warn!(setting = url.key, "PostgreSQL TLS: {describe}")
+            }
+            _ => tracing::info!(setting = url.key, "PostgreSQL TLS: {describe}"),
+        }
+        Ok(Session {
+            config,
+            tls: tls::connector(&url.tls)?,
+            key: url.key,
+            mode: url.tls.mode,
+        })
+    }
+
+    /// A connection of its own, outside the pool; a refusal that only a
+    /// setting can fix names it ([`Refused`]).
+    async fn connect(
+        &self,
+    ) -> Result<
+        (
+            tokio_postgres::Client,
+            tokio_postgres::Connection<
+                tokio_postgres::Socket,
+                <MakeRustlsConnect as tokio_postgres::tls::MakeTlsConnect<
+                    tokio_postgres::Socket,
+                >>::Stream,
+            >,
+        ),
+        StoreError,
+    > {
+        self.config
+            .connect(self.tls.clone())
+            .await
+            .map_err(|e| at_start(self.key, self.mode, e))
+    }
 }
 
 impl std::fmt::Debug for Postgres {
@@ -65,14 +122,14 @@ impl Postgres {
     /// so a database that is down at start-up makes requests answer 503
     /// rather than the gateway refuse to start.
     pub fn new(settings: &PgSettings, instance: Uuid) -> Result<Self, StoreError> {
-        let config = session(&settings.url, settings, instance)?;
+        let pooled = Session::new(&settings.url, settings, instance)?;
         let direct = match &settings.direct_url {
-            Some(url) => session(url, settings, instance)?,
-            None => config.clone(),
+            Some(url) => Session::new(url, settings, instance)?,
+            None => pooled.clone(),
         };
         let manager = Manager::from_config(
-            config.clone(),
-            NoTls,
+            pooled.config.clone(),
+            pooled.tls.clone(),
             ManagerConfig {
                 recycling_method: RecyclingMethod::Fast,
             },
@@ -88,9 +145,29 @@ impl Postgres {
             .map_err(|e| StoreError::Internal(Box::new(e)))?;
         Ok(Postgres {
             pool,
+            pooled,
             direct,
             instance,
         })
+    }
+
+    /// With `database_direct_url` set, the migrations proved only it: opens
+    /// one pooled connection too, so that a pool the server refuses for
+    /// good (a certificate, `pg_hba.conf`) stops start-up naming
+    /// `database_url`. A server that is away is not an error here.
+    pub async fn check_pool(&self) -> Result<(), StoreError> {
+        if self.direct.key == self.pooled.key {
+            return Ok(());
+        }
+        match self.pool.get().await {
+            Err(deadpool_postgres::PoolError::Backend(e)) => {
+                match at_start(self.pooled.key, self.pooled.mode, e) {
+                    refused if !refused.is_transient() => Err(refused),
+                    _ => Ok(()),
+                }
+            }
+            _ => Ok(()),
+        }
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Client, StoreError> {
