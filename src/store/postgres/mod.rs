@@ -16,9 +16,10 @@
 //! expiry), `records.rs` (reads and upkeep), `sql.rs` (the statements'
 //! columns and the begin statement), `rows.rs` (rows read back into the
 //! domain), `write.rs` (a locked change written), `listen.rs` (`LISTEN`),
-//! `migrate.rs`, `error.rs` (errors by what the caller can do), and what
-//! the gateway checks of the server it reaches (`replication.rs`,
-//! `budget.rs`, docs/design.md §13).
+//! `migrate.rs`, `error.rs` (errors by what the caller can do; refusals
+//! that name the setting to fix), `tls.rs` (TLS as `sslmode` says,
+//! docs/design.md §16), and what the gateway checks of the server it
+//! reaches (`replication.rs`, `budget.rs`, §13).
 
 use std::time::Duration;
 
@@ -60,6 +61,12 @@ pub struct Postgres {
     instance: Uuid,
 }
 
+/// A session's connection, which its owner drives.
+type Connection = tokio_postgres::Connection<
+    tokio_postgres::Socket,
+    <MakeRustlsConnect as tokio_postgres::tls::MakeTlsConnect<tokio_postgres::Socket>>::Stream,
+>;
+
 /// How to open one connection, and the setting it came from.
 #[derive(Clone)]
 struct Session {
@@ -90,20 +97,7 @@ impl Session {
 
     /// A connection of its own, outside the pool; a refusal that only a
     /// setting can fix names it ([`Refused`]).
-    async fn connect(
-        &self,
-    ) -> Result<
-        (
-            tokio_postgres::Client,
-            tokio_postgres::Connection<
-                tokio_postgres::Socket,
-                <MakeRustlsConnect as tokio_postgres::tls::MakeTlsConnect<
-                    tokio_postgres::Socket,
-                >>::Stream,
-            >,
-        ),
-        StoreError,
-    > {
+    async fn connect(&self) -> Result<(tokio_postgres::Client, Connection), StoreError> {
         self.config
             .connect(self.tls.clone())
             .await
