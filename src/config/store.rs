@@ -12,8 +12,9 @@ use super::{bad, positive, ConfigError};
 /// Which store to use.
 #[derive(Debug, Clone)]
 pub enum StoreSettings {
-    /// PostgreSQL: the production store, shared by any number of replicas.
-    Postgres(PgSettings),
+    /// PostgreSQL: the production store, shared by any number of replicas
+    /// (boxed: its certificates make it many times the other's size).
+    Postgres(Box<PgSettings>),
     /// SQLite in a local file: zero set-up, one gateway.
     Embedded {
         /// The database file.
@@ -80,12 +81,12 @@ pub(super) fn store_settings(
         "database_timeout",
         file.database_timeout.unwrap_or(Duration::from_secs(2)),
     )?;
-    Ok(StoreSettings::Postgres(PgSettings {
+    Ok(StoreSettings::Postgres(Box::new(PgSettings {
         url,
         direct_url,
         pool_size,
         connect_timeout,
-    }))
+    })))
 }
 
 /// Reads a PostgreSQL URL given as `key`: its TLS (and the files that

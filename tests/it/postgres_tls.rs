@@ -192,22 +192,22 @@ async fn verify_ca_accepts_a_host_name_the_certificate_does_not_name_and_verify_
     let server = server().await;
     let db = server.database("postgres").await;
     // Reached as db.invalid at 127.0.0.1: the certificate names neither.
-    let url = |mode: &str| {
+    let url = |mode: &str, ca: &str| {
         format!(
             "host=db.invalid hostaddr=127.0.0.1 port={} user=postgres dbname={db} \
-             sslmode={mode} sslrootcert=ca.pem",
+             sslmode={mode} sslrootcert={ca}",
             server.pg.port
         )
     };
     let upstream = FakeUpstream::echo().await;
     let gateway = server
-        .gateway(&url("verify-ca"), &upstream.url())
+        .gateway(&url("verify-ca", "ca.pem"), &upstream.url())
         .start()
         .await;
     runs_a_keyed_request(&gateway, &upstream).await;
 
     let err = server
-        .gateway(&url("verify-full"), "http://unused")
+        .gateway(&url("verify-full", "ca.pem"), "http://unused")
         .start_and_fail()
         .await;
     assert!(
@@ -215,6 +215,13 @@ async fn verify_ca_accepts_a_host_name_the_certificate_does_not_name_and_verify_
         "{err}"
     );
     assert!(err.contains("not valid for name \"db.invalid\""), "{err}");
+
+    // verify-ca still checks the chain.
+    let err = server
+        .gateway(&url("verify-ca", "other-ca.pem"), "http://unused")
+        .start_and_fail()
+        .await;
+    assert!(err.contains("UnknownIssuer"), "{err}");
 }
 
 #[tokio::test]
@@ -429,4 +436,38 @@ async fn the_charts_tls_mount_holds_the_files_the_url_names() {
     let pod = crate::helm_chart::exercise(&m, spec, container, &secrets, &upstream).await;
     let (sessions, encrypted) = server.sessions(&db).await;
     assert!(sessions >= 1 && encrypted == sessions, "{}", pod.log());
+}
+
+/// Against a server without TLS: `prefer` (libpq's default) goes on in
+/// plaintext, as libpq does; `require` and the verify modes refuse to.
+#[tokio::test]
+async fn without_tls_at_the_server_prefer_goes_on_in_plaintext_and_verify_full_stops() {
+    let tls = server().await;
+    let plain = ThrowawayPostgres::start().await;
+    let upstream = FakeUpstream::echo().await;
+    let gateway = tls.gateway(&plain.url(), &upstream.url()).start().await;
+    runs_a_keyed_request(&gateway, &upstream).await;
+    let ssl: Vec<bool> = plain
+        .socket_client()
+        .await
+        .query(
+            "SELECT s.ssl FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) \
+             WHERE a.application_name = 'idemgate'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(!ssl.is_empty() && ssl.iter().all(|s| !s), "{ssl:?}");
+
+    for mode in ["require", "verify-full&sslrootcert=ca.pem"] {
+        let url = format!("{}?sslmode={mode}", plain.url());
+        let err = tls.gateway(&url, "http://unused").start_and_fail().await;
+        assert!(
+            err.contains("`database_url`: the server does not offer TLS"),
+            "{mode}: {err}"
+        );
+    }
 }
