@@ -151,60 +151,16 @@ pub fn parse(key: &'static str, url: &str, base: &Path) -> Result<PgUrl, ConfigE
             .find(|(k, _)| k == name)
             .map(|(_, v)| v.as_str())
     };
-    let mode = match get("sslmode") {
-        None => None,
-        Some(m) => Some(
-            SslMode::ALL
-                .into_iter()
-                .find(|mode| mode.as_str() == m)
-                .ok_or_else(|| {
-                    bad(
-                        key,
-                        format!(
-                            "sslmode={m} is not one of disable, prefer, require, verify-ca, \
-                             verify-full; use verify-full with sslrootcert=/path/ca.pem"
-                        ),
-                    )
-                })?,
-        ),
-    };
-    let system = get("sslrootcert") == Some("system");
-    // libpq 16: the system's roots are only worth it with the host name checked.
-    let mode = match (mode, system) {
-        (None, true) => SslMode::VerifyFull,
-        (Some(m), true) if m != SslMode::VerifyFull => {
-            return Err(bad(
-                key,
-                format!(
-                    "sslmode={} may not be used with sslrootcert=system (as in libpq): use \
-                     sslmode=verify-full",
-                    m.as_str()
-                ),
-            ))
-        }
-        (m, _) => m.unwrap_or(SslMode::Prefer),
-    };
-    let in_file = |name: &str, e: ConfigError| bad(key, format!("{name}: {}", e.message));
-    let (roots, roots_from) = match (mode, get("sslrootcert")) {
-        (SslMode::Disable, _) => (Vec::new(), String::new()),
-        (_, Some(path)) if !system => {
-            let path = base.join(path);
-            let certs = pem_certificates(key, &path).map_err(|e| in_file("sslrootcert", e))?;
-            (certs, format!("sslrootcert {}", path.display()))
-        }
-        (SslMode::VerifyCa | SslMode::VerifyFull, _) => (
-            system_roots(key).map_err(|e| in_file("the system's CA certificates", e))?,
-            system_roots_from(),
-        ),
-        _ => (Vec::new(), String::new()),
-    };
+    let rootcert = get("sslrootcert");
+    let mode = mode(key, get("sslmode"), rootcert == Some("system"))?;
+    let (roots, roots_from) = roots(key, mode, rootcert, base)?;
     let identity =
         match (get("sslcert"), get("sslkey")) {
             _ if mode == SslMode::Disable => None,
             (None, None) => None,
             (Some(cert), Some(private)) => Some(
                 ClientIdentity::load(key, &base.join(cert), key, &base.join(private))
-                    .map_err(|e| in_file("sslcert/sslkey", e))?,
+                    .map_err(|e| in_file(key, "sslcert/sslkey", e))?,
             ),
             _ => return Err(bad(
                 key,
@@ -222,6 +178,70 @@ pub fn parse(key: &'static str, url: &str, base: &Path) -> Result<PgUrl, ConfigE
         url: rest,
         tls,
     })
+}
+
+/// The mode `sslmode` names, or libpq's default; with `sslrootcert=system`
+/// (`system`), libpq 16's rule: verify-full, and nothing weaker.
+fn mode(key: &str, sslmode: Option<&str>, system: bool) -> Result<SslMode, ConfigError> {
+    let given = sslmode
+        .map(|m| {
+            SslMode::ALL
+                .into_iter()
+                .find(|mode| mode.as_str() == m)
+                .ok_or_else(|| {
+                    bad(
+                        key,
+                        format!(
+                            "sslmode={m} is not one of disable, prefer, require, verify-ca, \
+                             verify-full; use verify-full with sslrootcert=/path/ca.pem"
+                        ),
+                    )
+                })
+        })
+        .transpose()?;
+    // The system's roots are only worth it with the host name checked: a
+    // public CA signs certificates for anyone's host.
+    match (given, system) {
+        (None, true) => Ok(SslMode::VerifyFull),
+        (Some(m), true) if m != SslMode::VerifyFull => Err(bad(
+            key,
+            format!(
+                "sslmode={} may not be used with sslrootcert=system (as in libpq): use \
+                 sslmode=verify-full",
+                m.as_str()
+            ),
+        )),
+        (m, _) => Ok(m.unwrap_or(SslMode::Prefer)),
+    }
+}
+
+/// The CA certificates `mode` checks the chain against, and where they
+/// came from: `sslrootcert`'s file, or the system's for the verify modes
+/// (and `sslrootcert=system`); none when nothing is checked.
+fn roots(
+    key: &str,
+    mode: SslMode,
+    rootcert: Option<&str>,
+    base: &Path,
+) -> Result<(Vec<CertificateDer<'static>>, String), ConfigError> {
+    Ok(match (mode, rootcert) {
+        (SslMode::Disable, _) => (Vec::new(), String::new()),
+        (_, Some(path)) if path != "system" => {
+            let path = base.join(path);
+            let certs = pem_certificates(key, &path).map_err(|e| in_file(key, "sslrootcert", e))?;
+            (certs, format!("sslrootcert {}", path.display()))
+        }
+        (SslMode::VerifyCa | SslMode::VerifyFull, _) => (
+            system_roots(key).map_err(|e| in_file(key, "the system's CA certificates", e))?,
+            system_roots_from(),
+        ),
+        _ => (Vec::new(), String::new()),
+    })
+}
+
+/// `e`, about the file(s) `name` names, as an error of `key`.
+fn in_file(key: &str, name: &str, e: ConfigError) -> ConfigError {
+    bad(key, format!("{name}: {}", e.message))
 }
 
 /// How the start-up log names the system's roots.
