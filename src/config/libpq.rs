@@ -154,19 +154,7 @@ pub fn parse(key: &'static str, url: &str, base: &Path) -> Result<PgUrl, ConfigE
     let rootcert = get("sslrootcert");
     let mode = mode(key, get("sslmode"), rootcert == Some("system"))?;
     let (roots, roots_from) = roots(key, mode, rootcert, base)?;
-    let identity =
-        match (get("sslcert"), get("sslkey")) {
-            _ if mode == SslMode::Disable => None,
-            (None, None) => None,
-            (Some(cert), Some(private)) => Some(
-                ClientIdentity::load(key, &base.join(cert), key, &base.join(private))
-                    .map_err(|e| in_file(key, "sslcert/sslkey", e))?,
-            ),
-            _ => return Err(bad(
-                key,
-                "sslcert and sslkey go together: give both (the client certificate and its key)",
-            )),
-        };
+    let identity = identity(key, mode, get("sslcert"), get("sslkey"), base)?;
     let tls = PgTls {
         mode,
         roots,
@@ -237,6 +225,29 @@ fn roots(
         ),
         _ => (Vec::new(), String::new()),
     })
+}
+
+/// The client certificate `sslcert` and its key `sslkey`: both or neither.
+fn identity(
+    key: &str,
+    mode: SslMode,
+    cert: Option<&str>,
+    private: Option<&str>,
+    base: &Path,
+) -> Result<Option<ClientIdentity>, ConfigError> {
+    match (cert, private) {
+        _ if mode == SslMode::Disable => Ok(None),
+        (None, None) => Ok(None),
+        (Some(cert), Some(private)) => {
+            ClientIdentity::load(key, &base.join(cert), key, &base.join(private))
+                .map(Some)
+                .map_err(|e| in_file(key, "sslcert/sslkey", e))
+        }
+        _ => Err(bad(
+            key,
+            "sslcert and sslkey go together: give both (the client certificate and its key)",
+        )),
+    }
 }
 
 /// `e`, about the file(s) `name` names, as an error of `key`.
