@@ -319,6 +319,7 @@ async fn open_store(
         }
         Err(e) => return Err(e.into()),
     }
+    backend.check_pool().await?;
     let (listening, bell) = (backend.clone(), doorbell.clone());
     tasks.spawn("postgres-listener", Beats::Never, move |_| {
         let (backend, doorbell) = (listening.clone(), bell.clone());

@@ -10,14 +10,18 @@
 //! - [`upstreams`] and [`routes`]: where requests go and which opt in;
 //! - [`contracts`]: response contracts, loaded from their files;
 //! - [`redis`] and [`store`]: where the fast path and the jobs are kept;
+//!   [`libpq`]: TLS as a PostgreSQL URL spells it; [`tls`]: the CA and
+//!   client certificates of the gateway's own connections (§16);
 //! - this module: the settings as a whole, their defaults and validation.
 
 pub mod contracts;
 pub mod file;
 pub mod flags;
+pub mod libpq;
 pub mod redis;
 pub mod routes;
 pub mod store;
+pub mod tls;
 pub mod trust;
 pub mod upstreams;
 
@@ -33,6 +37,7 @@ use crate::domain::contract::Contract;
 
 pub use file::FileConfig;
 pub use flags::{Cli, Command, Flags};
+pub use libpq::{PgTls, PgUrl, SslMode};
 pub use redis::{RedisSettings, Topology};
 pub use routes::Route;
 pub use store::{PgSettings, StoreSettings};

@@ -1,18 +1,20 @@
 //! Where jobs and attempts are kept: PostgreSQL when `database_url` is
 //! given, the embedded store in a local file otherwise.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::file::FileConfig;
 use super::flags::Flags;
+use super::libpq::{self, PgUrl};
 use super::{bad, positive, ConfigError};
 
 /// Which store to use.
 #[derive(Debug, Clone)]
 pub enum StoreSettings {
-    /// PostgreSQL: the production store, shared by any number of replicas.
-    Postgres(PgSettings),
+    /// PostgreSQL: the production store, shared by any number of replicas
+    /// (boxed: its certificates make it many times the other's size).
+    Postgres(Box<PgSettings>),
     /// SQLite in a local file: zero set-up, one gateway.
     Embedded {
         /// The database file.
@@ -23,15 +25,28 @@ pub enum StoreSettings {
 /// Connection settings for the PostgreSQL store.
 #[derive(Debug, Clone)]
 pub struct PgSettings {
-    /// A libpq-style URL or key=value string.
-    pub url: String,
+    /// `database_url`: a libpq-style URL or key=value string, its TLS read.
+    pub url: PgUrl,
     /// Where sessions that must stay one session go (LISTEN, the migration
     /// lock), when `url` is a transaction pooler; `url` when unset.
-    pub direct_url: Option<String>,
+    pub direct_url: Option<PgUrl>,
     /// Most connections in the pool.
     pub pool_size: usize,
     /// How long to wait for a connection (new or pooled) before answering 503.
     pub connect_timeout: Duration,
+}
+
+impl PgSettings {
+    /// The defaults for `database_url` = `url` (relative certificate paths
+    /// taken from the working folder): what tests and tools start from.
+    pub fn new(url: &str) -> Result<PgSettings, ConfigError> {
+        Ok(PgSettings {
+            url: postgres_url("database_url", url, Path::new(""))?,
+            direct_url: None,
+            pool_size: 16,
+            connect_timeout: Duration::from_secs(2),
+        })
+    }
 }
 
 /// PostgreSQL when a database URL is given, the embedded store otherwise.
@@ -51,14 +66,13 @@ pub(super) fn store_settings(
             .unwrap_or_else(|| PathBuf::from("idemgate.db"));
         return Ok(StoreSettings::Embedded { path });
     };
-    postgres_url("database_url", &url)?;
+    let url = postgres_url("database_url", &url, &file.base_dir)?;
     let direct_url = flags
         .database_direct_url
         .clone()
-        .or_else(|| file.database_direct_url.clone());
-    if let Some(direct) = &direct_url {
-        postgres_url("database_direct_url", direct)?;
-    }
+        .or_else(|| file.database_direct_url.clone())
+        .map(|direct| postgres_url("database_direct_url", &direct, &file.base_dir))
+        .transpose()?;
     let pool_size = file.database_pool_size.unwrap_or(16);
     if pool_size == 0 {
         return Err(bad("database_pool_size", "must be at least 1"));
@@ -67,17 +81,19 @@ pub(super) fn store_settings(
         "database_timeout",
         file.database_timeout.unwrap_or(Duration::from_secs(2)),
     )?;
-    Ok(StoreSettings::Postgres(PgSettings {
+    Ok(StoreSettings::Postgres(Box::new(PgSettings {
         url,
         direct_url,
         pool_size,
         connect_timeout,
-    }))
+    })))
 }
 
-/// Checks a PostgreSQL URL given as `key`.
-fn postgres_url(key: &str, url: &str) -> Result<(), ConfigError> {
-    let parsed = url.parse::<tokio_postgres::Config>().map_err(|e| {
+/// Reads a PostgreSQL URL given as `key`: its TLS (and the files that
+/// names), then the rest as tokio-postgres will.
+fn postgres_url(key: &'static str, url: &str, base: &Path) -> Result<PgUrl, ConfigError> {
+    let url = libpq::parse(key, url, base)?;
+    let parsed = url.url.parse::<tokio_postgres::Config>().map_err(|e| {
         bad(
             key,
             format!("not a PostgreSQL URL ({e}); use postgres://user@host:5432/dbname"),
@@ -99,5 +115,5 @@ fn postgres_url(key: &str, url: &str) -> Result<(), ConfigError> {
             ),
         ));
     }
-    Ok(())
+    Ok(url)
 }

@@ -136,7 +136,9 @@ fn parse(
     }
     let extra_roots = match table.and_then(|t| t.ca_file.as_ref()) {
         None => Vec::new(),
-        Some(path) => certificates(&format!("{key}.ca_file"), &base_dir.join(path))?,
+        Some(path) => {
+            super::tls::pem_certificates(&format!("{key}.ca_file"), &base_dir.join(path))?
+        }
     };
     Ok(UpstreamSettings {
         id: UpstreamId {
@@ -227,23 +229,4 @@ fn header(
     // Often a provider's credential: never shown by `Debug`.
     value.set_sensitive(true);
     Ok((name, value))
-}
-
-fn certificates(
-    key: &str,
-    path: &Path,
-) -> Result<Vec<rustls::pki_types::CertificateDer<'static>>, ConfigError> {
-    use rustls::pki_types::pem::PemObject;
-    let certs = rustls::pki_types::CertificateDer::pem_file_iter(path)
-        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-        .map_err(|e| {
-            bad(
-                key,
-                format!("cannot read PEM certificates from {}: {e}", path.display()),
-            )
-        })?;
-    if certs.is_empty() {
-        return Err(bad(key, format!("{} holds no certificate", path.display())));
-    }
-    Ok(certs)
 }

@@ -260,14 +260,14 @@ fn the_worked_example_runs_idemgate_as_a_native_sidecar_behind_the_apps_service(
 }
 
 /// Ports for the rendered pod: free ones, so the test owns them.
-async fn ports() -> (String, String) {
+pub(crate) async fn ports() -> (String, String) {
     (free_port().await.to_string(), free_port().await.to_string())
 }
 
 /// Runs `pod` as rendered and checks it is what the chart promises: probes
 /// pass on the ports they name, a keyed request through the `http` port is
 /// proxied once and replayed, and SIGTERM drains within shutdown_grace.
-async fn exercise(
+pub(crate) async fn exercise(
     m: &Manifest,
     spec: &Value,
     container: &Value,

@@ -25,6 +25,7 @@ mod owners;
 mod paths;
 mod postgres_deployments;
 mod postgres_restart;
+mod postgres_tls;
 mod readme;
 mod real_clients;
 mod redis_deployments;

@@ -394,10 +394,9 @@ fn postgres_follows_the_reference_and_never_breaks_the_rules() {
     let db = rt.block_on(crate::support::TestDb::new());
     let backend = idemgate::store::postgres::Postgres::new(
         &idemgate::config::PgSettings {
-            url: db.url.clone(),
-            direct_url: None,
             pool_size: 4,
             connect_timeout: Duration::from_secs(5),
+            ..idemgate::config::PgSettings::new(&db.url).unwrap()
         },
         Uuid::new_v4(),
     )

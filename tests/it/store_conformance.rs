@@ -682,10 +682,9 @@ async fn postgres_store() -> (Arc<dyn Store>, Arc<Doorbell>, crate::support::Tes
     let db = crate::support::TestDb::new().await;
     let backend = idemgate::store::postgres::Postgres::new(
         &idemgate::config::PgSettings {
-            url: db.url.clone(),
-            direct_url: None,
             pool_size: 20,
             connect_timeout: Duration::from_secs(5),
+            ..idemgate::config::PgSettings::new(&db.url).unwrap()
         },
         uuid::Uuid::new_v4(),
     )
@@ -730,10 +729,9 @@ async fn corrupt_rows_are_typed_errors_on_both_stores() {
             TestStore::Postgres(db) => {
                 let backend = idemgate::store::postgres::Postgres::new(
                     &idemgate::config::PgSettings {
-                        url: db.url.clone(),
-                        direct_url: None,
                         pool_size: 2,
                         connect_timeout: Duration::from_secs(5),
+                        ..idemgate::config::PgSettings::new(&db.url).unwrap()
                     },
                     uuid::Uuid::new_v4(),
                 )

@@ -148,6 +148,9 @@ volumeMounts:
 {{- if not (include "idemgate.secretName" (list . "database")) }}
   - { name: idemgate-data, mountPath: /var/lib/idemgate }
 {{- end }}
+{{- if .Values.database.tlsSecret }}
+  - { name: idemgate-postgres-tls, mountPath: /etc/idemgate-tls/postgres, readOnly: true }
+{{- end }}
 {{- end -}}
 
 {{/* The volumes the container mounts. */}}
@@ -157,6 +160,10 @@ volumeMounts:
 {{- if not (include "idemgate.secretName" (list . "database")) }}
 - name: idemgate-data
   emptyDir: {}
+{{- end }}
+{{- with .Values.database.tlsSecret }}
+- name: idemgate-postgres-tls
+  secret: { secretName: {{ . }} }
 {{- end }}
 {{- end -}}
 

@@ -12,6 +12,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::RootCertStore;
 
 use super::Topology;
+use crate::config::tls::pem_certificates;
 use crate::config::{bad, ConfigError, FileConfig, Flags};
 
 /// TLS to Redis, for a `rediss…` `redis_url`.
@@ -144,24 +145,6 @@ fn ca_file(path: &Path) -> Result<Vec<CertificateDer<'static>>, ConfigError> {
                 ),
             )
         })?;
-    }
-    Ok(certs)
-}
-
-fn pem_certificates(key: &str, path: &Path) -> Result<Vec<CertificateDer<'static>>, ConfigError> {
-    let certs = CertificateDer::pem_file_iter(path)
-        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-        .map_err(|e| {
-            bad(
-                key,
-                format!("cannot read PEM certificates from {}: {e}", path.display()),
-            )
-        })?;
-    if certs.is_empty() {
-        return Err(bad(
-            key,
-            format!("{} holds no PEM certificate", path.display()),
-        ));
     }
     Ok(certs)
 }
@@ -422,7 +405,7 @@ mod tests {
             (
                 format!("{tls}redis_ca_file = \"empty.pem\"\n"),
                 "redis_ca_file",
-                "holds no PEM certificate",
+                "holds no certificate",
             ),
             (
                 format!("{tls}redis_ca_file = \"ca.pem\"\nredis_client_cert = \"client.pem\"\n"),

@@ -170,8 +170,9 @@ impl Manifest {
 
 /// One pod's idemgate container, started as the kubelet would: the image's
 /// entrypoint (the binary under test) with the container's args and only
-/// its env, each volume mount a directory of its own (a ConfigMap's files
-/// written into it) and the mount paths mapped onto those directories.
+/// its env, each volume mount a directory of its own (a ConfigMap's files,
+/// or a Secret's the test holds, written into it) and the mount paths
+/// mapped onto those directories.
 pub struct Pod {
     pub container: Value,
     child: tokio::process::Child,
@@ -198,10 +199,29 @@ impl Pod {
                 (path.clone(), dir.path().join(path.trim_start_matches('/')))
             })
             .collect();
+        // In one pass, the longest mount path first where several match
+        // (`/etc/idemgate` and `/etc/idemgate-tls/postgres`).
         let remap = |s: &str| {
-            mounts.iter().fold(s.to_owned(), |s, (path, host)| {
-                s.replace(path.as_str(), host.to_str().unwrap())
-            })
+            let mut out = String::with_capacity(s.len());
+            let mut rest = s;
+            while !rest.is_empty() {
+                let longest = mounts
+                    .iter()
+                    .filter(|(path, _)| rest.starts_with(path.as_str()))
+                    .max_by_key(|(path, _)| path.len());
+                match longest {
+                    Some((path, host)) => {
+                        out.push_str(host.to_str().unwrap());
+                        rest = &rest[path.len()..];
+                    }
+                    None => {
+                        let c = rest.chars().next().unwrap();
+                        out.push(c);
+                        rest = &rest[c.len_utf8()..];
+                    }
+                }
+            }
+            out
         };
         for m in container["volumeMounts"].as_array().into_iter().flatten() {
             let name = m["name"].as_str().unwrap();
@@ -218,10 +238,17 @@ impl Pod {
                 for (file, body) in data {
                     std::fs::write(host.join(file), remap(body.as_str().unwrap())).unwrap();
                 }
+            } else if let Some(secret) = volume["secret"]["secretName"].as_str() {
+                // A Secret the cluster holds: each key the test gave it, a file.
+                for ((of, key), value) in secrets {
+                    if of == secret {
+                        std::fs::write(host.join(key), value).unwrap();
+                    }
+                }
             } else {
                 assert!(
                     volume.get("emptyDir").is_some(),
-                    "volume {name}: only configMap and emptyDir volumes are expected"
+                    "volume {name}: only configMap, secret and emptyDir volumes are expected"
                 );
             }
         }
@@ -255,7 +282,8 @@ impl Pod {
                     }),
                 }
             };
-            cmd.env(name, value);
+            // A path under a mount (a URL naming a mounted file) is remapped too.
+            cmd.env(name, remap(&value));
         }
         let log = std::fs::File::create(dir.path().join("container.log")).unwrap();
         cmd.stdout(log.try_clone().unwrap())

@@ -10,6 +10,7 @@ pub mod db;
 pub mod deployment;
 pub mod gateway;
 pub mod otlp;
+pub mod pki;
 pub mod postgres;
 pub mod python;
 pub mod redis;

@@ -1,6 +1,7 @@
 //! A throwaway PostgreSQL server in a temporary folder on a free port, for
-//! tests that stop and restart it (never the shared one on 5432). As root,
-//! the server runs as the `postgres` user, as PostgreSQL requires.
+//! tests that stop and restart it, or need it set up otherwise (TLS only),
+//! never the shared one on 5432. As root, the server runs as the `postgres`
+//! user, as PostgreSQL requires.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -38,6 +39,52 @@ impl ThrowawayPostgres {
         pg
     }
 
+    /// A server that speaks TLS with `tls` and accepts connections only as
+    /// `hba` (the whole of its pg_hba.conf) allows.
+    pub async fn start_tls(tls: &ServerTls, hba: &str) -> ThrowawayPostgres {
+        let mut pg = Self::prepare(&[]).await;
+        pg.run("initdb", &["-D", &pg.data(), "-U", "postgres", "--no-sync"]);
+        let data = pg.dir.path().join("data");
+        for (name, text) in [
+            ("server.crt", &tls.cert_pem),
+            ("server.key", &tls.key_pem),
+            ("root.crt", &tls.client_ca_pem),
+            ("pg_hba.conf", &hba.to_owned()),
+        ] {
+            std::fs::write(data.join(name), text).unwrap();
+        }
+        // PostgreSQL refuses a key others may read.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(
+            data.join("server.key"),
+            std::fs::Permissions::from_mode(0o600),
+        )
+        .unwrap();
+        pg.own();
+        // Relative to the data folder.
+        pg.settings.push_str(
+            " -c ssl=on -c ssl_cert_file=server.crt -c ssl_key_file=server.key \
+             -c ssl_ca_file=root.crt",
+        );
+        pg.start_again();
+        pg
+    }
+
+    /// A connection as the superuser over the server's Unix socket (not
+    /// TCP: what a test's pg_hba.conf says of TCP is the test's subject).
+    pub async fn socket_client(&self) -> tokio_postgres::Client {
+        let (client, connection) = tokio_postgres::Config::new()
+            .host_path(self.dir.path())
+            .port(self.port)
+            .user("postgres")
+            .dbname("postgres")
+            .connect(tokio_postgres::NoTls)
+            .await
+            .expect("connect over the throwaway server's socket");
+        tokio::spawn(connection);
+        client
+    }
+
     /// A streaming-replication standby of `primary` (`pg_basebackup -R`),
     /// started and replaying.
     pub async fn standby_of(primary: &ThrowawayPostgres) -> ThrowawayPostgres {
@@ -73,24 +120,29 @@ impl ThrowawayPostgres {
         let port = super::redis::free_port().await;
         let bin = binaries();
         let dir = tempfile::tempdir().unwrap();
-        let as_postgres = is_root();
-        if as_postgres {
+        let pg = ThrowawayPostgres {
+            port,
+            dir,
+            bin,
+            as_postgres: is_root(),
+            settings: settings.iter().map(|s| format!(" -c {s}")).collect(),
+        };
+        pg.own();
+        pg
+    }
+
+    /// As root, gives the folder (and all written into it) to `postgres`.
+    fn own(&self) {
+        if self.as_postgres {
             assert!(
                 Command::new("chown")
                     .args(["-R", "postgres:postgres"])
-                    .arg(dir.path())
+                    .arg(self.dir.path())
                     .status()
                     .unwrap()
                     .success(),
                 "chown the throwaway cluster's folder"
             );
-        }
-        ThrowawayPostgres {
-            port,
-            dir,
-            bin,
-            as_postgres,
-            settings: settings.iter().map(|s| format!(" -c {s}")).collect(),
         }
     }
 
@@ -158,6 +210,14 @@ impl ThrowawayPostgres {
         .unwrap_or_else(|e| panic!("run {}: {e}", exe.display()));
         assert!(status.success(), "{tool} {args:?} failed");
     }
+}
+
+/// A server's certificate, its key, and the CA it checks client
+/// certificates against (all PEM).
+pub struct ServerTls {
+    pub cert_pem: String,
+    pub key_pem: String,
+    pub client_ca_pem: String,
 }
 
 impl Drop for ThrowawayPostgres {

@@ -1,0 +1,41 @@
+//! The schema: the SQL migrations under `migrations/postgres`, applied once
+//! however many replicas start together.
+
+use super::{map_pg, Postgres};
+use crate::store::StoreError;
+
+mod embedded {
+    refinery::embed_migrations!("migrations/postgres");
+}
+
+/// Serialises migrations when several replicas start at once.
+const MIGRATION_LOCK: i64 = 0x1de6_6a7e;
+
+impl Postgres {
+    /// Applies the SQL migrations under `migrations/postgres`, holding an
+    /// advisory lock so that replicas starting together apply them once.
+    /// Connecting is the first thing start-up does with the database: a
+    /// refusal only a setting can fix is a [`Refused`](super::Refused).
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let (mut client, connection) = self.direct.connect().await?;
+        let driver = tokio::spawn(connection);
+        client
+            .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
+            .await
+            .map_err(map_pg)?;
+        let report = embedded::migrations::runner()
+            .set_abort_divergent(true)
+            .run_async(&mut client)
+            .await;
+        let _ = client
+            .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK])
+            .await;
+        drop(client);
+        let _ = driver.await;
+        let report = report.map_err(|e| StoreError::Internal(Box::new(e)))?;
+        for m in report.applied_migrations() {
+            tracing::info!(migration = %m, "applied migration");
+        }
+        Ok(())
+    }
+}

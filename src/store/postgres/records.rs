@@ -1,0 +1,151 @@
+//! Reads, lease renewal, purges and the watch mark: what every backend
+//! answers alike ([`Records`]).
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use deadpool_postgres::GenericClient;
+use uuid::Uuid;
+
+use super::rows::{attempt_from_row, job_from_row};
+use super::sql::{ATTEMPT_COLUMNS, JOB_COLUMNS, JOB_WIDTH};
+use super::{map_pg, Postgres};
+use crate::domain::attempt::AttemptState;
+use crate::domain::id::{AttemptId, JobId};
+use crate::domain::job::{Job, JobDetail};
+use crate::domain::key::{IdempotencyKey, Owner};
+use crate::store::{millis, Cursor, Records, StoreError};
+
+#[async_trait]
+impl Records for Postgres {
+    async fn job(&self, id: JobId) -> Result<Option<Job>, StoreError> {
+        let client = self.client().await?;
+        let select = client
+            .prepare_cached(&format!("SELECT {JOB_COLUMNS} FROM jobs j WHERE j.id = $1"))
+            .await
+            .map_err(map_pg)?;
+        let row = client.query_opt(&select, &[&id.0]).await.map_err(map_pg)?;
+        row.map(|r| job_from_row(&r)).transpose()
+    }
+
+    async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError> {
+        let client = self.client().await?;
+        detail(&client, "j.id = $1", &[&id.0]).await
+    }
+
+    async fn find_job(
+        &self,
+        owner: &Owner,
+        key: &IdempotencyKey,
+    ) -> Result<Option<JobDetail>, StoreError> {
+        let client = self.client().await?;
+        detail(
+            &client,
+            "j.owner = $1 AND j.key = $2",
+            &[&owner.as_str(), &key.as_str()],
+        )
+        .await
+    }
+
+    async fn unknown_jobs(
+        &self,
+        after: Option<Cursor>,
+        limit: u32,
+    ) -> Result<Vec<Job>, StoreError> {
+        let client = self.client().await?;
+        // Served by the partial index `jobs_unknown_newest` (migration V4).
+        let select = client
+            .prepare_cached(&format!(
+                "SELECT {JOB_COLUMNS} FROM jobs j WHERE j.state = 'unknown' \
+                 AND ($1::timestamptz IS NULL OR (j.created_at, j.id) < ($1, $2::uuid)) \
+                 ORDER BY j.created_at DESC, j.id DESC LIMIT $3"
+            ))
+            .await
+            .map_err(map_pg)?;
+        let (at, id) = (after.map(|c| c.created_at), after.map(|c| c.job.0));
+        let rows = client
+            .query(&select, &[&at, &id, &i64::from(limit)])
+            .await
+            .map_err(map_pg)?;
+        rows.iter().map(job_from_row).collect()
+    }
+
+    async fn renew_leases(
+        &self,
+        attempts: &[AttemptId],
+        lease: Duration,
+    ) -> Result<u64, StoreError> {
+        let ids: Vec<Uuid> = attempts.iter().map(|a| a.0).collect();
+        let client = self.client().await?;
+        client
+            .execute(
+                "UPDATE attempts SET lease_expires_at = now() + $2::bigint * interval '1 millisecond' \
+                 WHERE id = ANY($1) AND state = $3",
+                &[&ids, &millis(lease), &AttemptState::Started.as_str()],
+            )
+            .await
+            .map_err(map_pg)
+    }
+
+    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        let client = self.client().await?;
+        client
+            .execute(
+                "DELETE FROM jobs WHERE id IN ( \
+                   SELECT id FROM jobs WHERE expires_at < now() ORDER BY expires_at LIMIT $1)",
+                &[&i64::from(batch)],
+            )
+            .await
+            .map_err(map_pg)
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        // Our own table: a database that answers but was never migrated
+        // is not ready either.
+        client
+            .simple_query("SELECT 1 FROM jobs LIMIT 1")
+            .await
+            .map_err(map_pg)?;
+        Ok(())
+    }
+
+    async fn watch(&self, job: JobId) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        let watch = client
+            .prepare_cached("UPDATE jobs SET watched = true WHERE id = $1 AND NOT watched")
+            .await
+            .map_err(map_pg)?;
+        client.execute(&watch, &[&job.0]).await.map_err(map_pg)?;
+        Ok(())
+    }
+}
+
+/// A job and its attempts in one statement, so they are read as of one
+/// moment.
+async fn detail(
+    client: &deadpool_postgres::Client,
+    filter: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> Result<Option<JobDetail>, StoreError> {
+    let rows = client
+        .query(
+            &format!(
+                "SELECT {JOB_COLUMNS}, {ATTEMPT_COLUMNS} FROM jobs j \
+                 LEFT JOIN attempts a ON a.job_id = j.id WHERE {filter} ORDER BY a.number"
+            ),
+            params,
+        )
+        .await
+        .map_err(map_pg)?;
+    let Some(first) = rows.first() else {
+        return Ok(None);
+    };
+    let job = job_from_row(first)?;
+    let attempts = rows
+        .iter()
+        .filter(|r| r.get::<_, Option<Uuid>>(JOB_WIDTH).is_some())
+        .map(|r| attempt_from_row(r, JOB_WIDTH))
+        .collect::<Result<_, _>>()?;
+    Ok(Some(JobDetail { job, attempts }))
+}

@@ -1,0 +1,129 @@
+//! Rows read back into the domain: jobs, attempts, the snapshots a locked
+//! change decides on, and what the begin statement answered.
+
+use std::time::SystemTime;
+
+use bytes::Bytes;
+use tokio_postgres::Row;
+use uuid::Uuid;
+
+use super::sql::{ATTEMPT_WIDTH, JOB_WIDTH};
+use crate::domain::attempt::Attempt;
+use crate::domain::fingerprint::Fingerprint;
+use crate::domain::id::{AttemptId, JobId};
+use crate::domain::job::Job;
+use crate::domain::key::{IdempotencyKey, Owner};
+use crate::domain::response::StoredResponse;
+use crate::domain::transition::{AttemptHead, JobHead, Snapshot};
+use crate::store::{attempt_state, job_state, Begin, StoreError};
+
+/// Reads the snapshots in `rows` (of [`SNAPSHOT_COLUMNS`](super::sql::SNAPSHOT_COLUMNS), ordered by job),
+/// with the database's clock.
+pub(super) fn snapshots(rows: &[Row]) -> Result<(Vec<Snapshot>, SystemTime), StoreError> {
+    let mut out: Vec<Snapshot> = Vec::new();
+    let mut now = SystemTime::now();
+    for row in rows {
+        let id = JobId(row.get(0));
+        now = row.get(5);
+        let attempt = AttemptHead {
+            id: AttemptId(row.get(6)),
+            number: row.get(7),
+            state: attempt_state(row.get(8))?,
+            job_version: row.get(9),
+            lease_expires_at: row.get(10),
+        };
+        match out.last_mut() {
+            Some(s) if s.job.id == id => s.attempts.push(attempt),
+            _ => out.push(Snapshot {
+                job: JobHead {
+                    id,
+                    state: job_state(row.get(1))?,
+                    version: row.get(2),
+                    attempt_count: row.get(3),
+                    completed_by: row.get::<_, Option<Uuid>>(4).map(AttemptId),
+                },
+                attempts: vec![attempt],
+            }),
+        }
+    }
+    Ok((out, now))
+}
+
+/// The answer in a row of [`begin_statement`](super::sql::begin_statement): the job created with its
+/// first attempt (the attempt's columns are set), or the job that exists;
+/// `None` when that job expired (the last column) but was not purged yet.
+pub(super) fn answer(row: &Row) -> Result<Option<Begin>, StoreError> {
+    if row.get::<_, Option<Uuid>>(JOB_WIDTH).is_some() {
+        return Ok(Some(Begin::Created(
+            job_from_row(row)?,
+            attempt_from_row(row, JOB_WIDTH)?,
+        )));
+    }
+    if row.get::<_, bool>(JOB_WIDTH + ATTEMPT_WIDTH) {
+        return Ok(None);
+    }
+    Ok(Some(Begin::Existing(job_from_row(row)?)))
+}
+
+pub(super) fn split_headers(response: &StoredResponse) -> (Vec<&str>, Vec<&[u8]>) {
+    response
+        .headers
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.as_ref()))
+        .unzip()
+}
+
+pub(super) fn job_from_row(row: &Row) -> Result<Job, StoreError> {
+    let fingerprint: &[u8] = row.get(3);
+    let response = match row.get::<_, Option<i16>>(9) {
+        None => None,
+        Some(status) => {
+            let names: Vec<String> = row.get::<_, Option<_>>(10).unwrap_or_default();
+            let values: Vec<Vec<u8>> = row.get::<_, Option<_>>(11).unwrap_or_default();
+            if names.len() != values.len() {
+                return Err(StoreError::Corrupt("response headers"));
+            }
+            let body: Vec<u8> = row.get::<_, Option<_>>(12).unwrap_or_default();
+            Some(StoredResponse {
+                status: status as u16,
+                headers: names
+                    .into_iter()
+                    .zip(values.into_iter().map(Bytes::from))
+                    .collect(),
+                body: Bytes::from(body),
+            })
+        }
+    };
+    Ok(Job {
+        id: JobId(row.get(0)),
+        owner: Owner::from_stored(row.get(1)),
+        key: IdempotencyKey::new(row.get::<_, String>(2))
+            .map_err(|_| StoreError::Corrupt("idempotency key"))?,
+        fingerprint: Fingerprint::from_slice(fingerprint)
+            .ok_or(StoreError::Corrupt("fingerprint"))?,
+        route: row.get(4),
+        state: job_state(row.get(5))?,
+        version: row.get(6),
+        attempt_count: row.get(7),
+        completed_by: row.get::<_, Option<Uuid>>(8).map(AttemptId),
+        response,
+        created_at: row.get(13),
+        expires_at: row.get(14),
+    })
+}
+
+pub(super) fn attempt_from_row(row: &Row, at: usize) -> Result<Attempt, StoreError> {
+    Ok(Attempt {
+        id: AttemptId(row.get(at)),
+        job_id: JobId(row.get(at + 1)),
+        number: row.get(at + 2),
+        upstream: row.get(at + 3),
+        state: attempt_state(row.get(at + 4))?,
+        job_version: row.get(at + 5),
+        started_at: row.get(at + 6),
+        finished_at: row.get(at + 7),
+        lease_expires_at: row.get(at + 8),
+        upstream_status: row.get::<_, Option<i16>>(at + 9).map(|s| s as u16),
+        detail: row.get(at + 10),
+    })
+}
