@@ -9,7 +9,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::contracts::ContractFile;
-use super::trust::{ClientFile, OwnerFile};
+use super::trust::{ClientFile, OwnerFile, SecretFile};
 use super::{bad, ConfigError};
 
 /// The TOML file. See `config/idemgate.example.toml` for every key.
@@ -31,6 +31,9 @@ pub struct FileConfig {
     #[serde(default, with = "humantime_serde")]
     pub(super) redis_timeout: Option<Duration>,
     pub(super) redis_inline_max: Option<bytesize::ByteSize>,
+    pub(super) replay_key: Option<SecretFile>,
+    #[serde(default)]
+    pub(super) replay_previous_keys: Vec<SecretFile>,
     #[serde(default, with = "humantime_serde")]
     pub(super) upstream_timeout: Option<Duration>,
     #[serde(default, with = "humantime_serde")]

@@ -16,6 +16,7 @@ pub mod contracts;
 pub mod file;
 pub mod flags;
 pub mod redis;
+pub mod replay;
 pub mod routes;
 pub mod store;
 pub mod trust;
@@ -34,6 +35,7 @@ use crate::domain::contract::Contract;
 pub use file::FileConfig;
 pub use flags::{Cli, Command, Flags};
 pub use redis::{RedisSettings, Topology};
+pub use replay::{ReplayKeySettings, ReplayKeySource};
 pub use routes::Route;
 pub use store::{PgSettings, StoreSettings};
 pub use trust::{Clients, OwnerRule, OwnerSource, TrustedProxies};
@@ -84,6 +86,8 @@ pub struct Settings {
     pub store: StoreSettings,
     /// The Redis fast path, when configured.
     pub redis: Option<RedisSettings>,
+    /// The keys Redis replay entries are authenticated with (with Redis).
+    pub replay_keys: Option<ReplayKeySettings>,
     /// Silence after which an attempt's outcome is unknown.
     pub upstream_timeout: Duration,
     /// After this long an attempt is abandoned, answer or not.
@@ -237,6 +241,7 @@ impl Settings {
     /// Merges parsed sources, flags winning, and validates.
     pub fn from_sources(mut file: FileConfig, flags: Flags) -> Result<Settings, ConfigError> {
         let store = store::store_settings(&file, &flags)?;
+        let replay_keys = replay::settings(&file, &flags, &store)?;
         let timings = timings(&file, &flags)?;
         let trust = trust(&mut file, &flags, &store)?;
         let (upstreams, contracts, routes) =
@@ -257,6 +262,7 @@ impl Settings {
             upstreams,
             store,
             redis: redis_settings(&file, &flags)?,
+            replay_keys,
             upstream_timeout: timings.upstream_timeout,
             attempt_deadline: timings.attempt_deadline,
             hold_timeout: timings.hold_timeout,
