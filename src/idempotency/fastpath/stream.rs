@@ -16,18 +16,35 @@ use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
 
 use super::entry::{stream_key, Tag};
-use super::keys::{Fields, Rejection, HEAD_LEN};
+use super::keys::{EntryKeys, Fields, Rejection, HEAD_LEN};
 use super::FastPath;
 use crate::domain::id::JobId;
 use crate::store::codec::{decode_headers, encode_headers};
 use crate::store::Doorbell;
 use crate::BoxError;
 
-/// Stream entry fields: the head, a chunk, the verdict; each is also the
-/// record's kind, which its tag covers.
-const HEAD: &str = "h";
-const CHUNK: &str = "c";
-const VERDICT: &str = "e";
+/// The parts of a mirrored stream, each in a Redis Stream entry of its own
+/// under a field that names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    /// Status and headers: position 0.
+    Head,
+    /// The next chunk of the body: chunk `i` at position `i`.
+    Chunk,
+    /// The verdict, at the position of the number of chunks before it.
+    End,
+}
+
+impl Part {
+    /// The Redis Stream field it is written under, which its tag covers.
+    pub fn field(self) -> &'static str {
+        match self {
+            Part::Head => "h",
+            Part::Chunk => "c",
+            Part::End => "e",
+        }
+    }
+}
 
 /// The format of stream records; another is not believed.
 const FORMAT: &[u8; 4] = b"IGS2";
@@ -70,8 +87,8 @@ impl FastPath {
                 .cmd("XADD")
                 .arg(&key)
                 .arg("*")
-                .arg(HEAD)
-                .arg(fast.record(job, HEAD, 0, &head))
+                .arg(Part::Head.field())
+                .arg(record(&fast.keys, job, Part::Head, 0, &head))
                 .ignore()
                 .cmd("PEXPIRE")
                 .arg(&key)
@@ -89,16 +106,17 @@ impl FastPath {
             let mut pieces = std::pin::pin!(pieces);
             let mut chunks = 0u64;
             while let Some(piece) = pieces.next().await {
-                let (field, value) = match piece {
+                let (part, index, value) = match piece {
                     Piece::Chunk(chunk) => {
                         chunks += 1;
-                        (CHUNK, fast.record(job, CHUNK, chunks - 1, &chunk))
+                        (Part::Chunk, chunks - 1, chunk)
                     }
                     // The end counts the chunks before it.
                     Piece::End { committed } => {
-                        (VERDICT, fast.record(job, VERDICT, chunks, &[committed as u8]))
+                        (Part::End, chunks, Bytes::from(vec![committed as u8]))
                     }
                 };
+                let (field, value) = (part.field(), record(&fast.keys, job, part, index, &value));
                 let add = redis::cmd("XADD")
                     .arg(&key)
                     .arg("*")
@@ -130,7 +148,8 @@ impl FastPath {
         let reply: redis::streams::StreamRangeReply =
             self.call(first.query_async(&mut conn)).await?;
         let entry = reply.ids.first()?;
-        let head = match self.open_record(job, HEAD, &entry.get::<Vec<u8>>(HEAD)?) {
+        let found = entry.get::<Vec<u8>>(Part::Head.field())?;
+        let head = match open_record(&self.keys, job, Part::Head, &found) {
             Ok((0, head)) => head,
             Ok(_) => return self.rejected("stream", Rejection::Truncated),
             Err(why) => return self.rejected("stream", why),
@@ -181,20 +200,22 @@ impl FastPath {
             for entry in entries {
                 any = true;
                 last = entry.id.clone();
-                let (kind, value) = match (entry.get::<Vec<u8>>(CHUNK), entry.get::<Vec<u8>>(VERDICT)) {
-                    (Some(chunk), _) => (CHUNK, chunk),
-                    (None, Some(end)) => (VERDICT, end),
+                let (part, value) = match (
+                    entry.get::<Vec<u8>>(Part::Chunk.field()),
+                    entry.get::<Vec<u8>>(Part::End.field()),
+                ) {
+                    (Some(chunk), _) => (Part::Chunk, chunk),
+                    (None, Some(end)) => (Part::End, end),
                     // The head (read by `stream_head`), or a field no
                     // release writes: nothing to take.
                     (None, None) => continue,
                 };
-                let (index, payload) = self
-                    .open_record(job, kind, &value)
-                    .map_err(|why| self.refuse(why))?;
+                let (index, payload) =
+                    open_record(&self.keys, job, part, &value).map_err(|why| self.refuse(why))?;
                 if index != chunks {
                     return Err(self.refuse(Rejection::Truncated));
                 }
-                if kind == VERDICT {
+                if part == Part::End {
                     return match payload.as_slice() {
                         [committed] => Ok(*committed == 1),
                         _ => Err(self.refuse(Rejection::Malformed)),
@@ -217,46 +238,84 @@ impl FastPath {
         self.rejected::<()>("stream", why);
         format!("a part of the mirrored stream was not believed ({why})").into()
     }
+}
 
-    /// The record of part `index` of `job`'s stream, of `kind` (`docs/design.md`
-    /// §17): `IGS2 | mode 1 | key id 8 | index 8 | payload | trailer`.
-    fn record(&self, job: JobId, kind: &str, index: u64, payload: &[u8]) -> Vec<u8> {
-        let mut out = Vec::with_capacity(FORMAT.len() + HEAD_LEN + 8 + payload.len() + 32);
-        out.extend_from_slice(FORMAT);
-        out.extend_from_slice(&self.keys.head());
-        out.extend_from_slice(&index.to_be_bytes());
-        let start = out.len();
-        out.extend_from_slice(payload);
-        let bound = bound(&out[FORMAT.len()..][..HEAD_LEN], job, kind, index);
-        self.keys.protect(bound.bytes(), &mut out, start);
-        out
-    }
+/// The record of the part at position `index` of `job`'s stream
+/// (`docs/design.md` §17): `IGS2 | mode 1 | key id 8 | index 8 | payload |
+/// trailer`, its tag covering the job, the part and the position.
+pub fn record(keys: &EntryKeys, job: JobId, part: Part, index: u64, payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(FORMAT.len() + HEAD_LEN + 8 + payload.len() + 32);
+    out.extend_from_slice(FORMAT);
+    out.extend_from_slice(&keys.head());
+    out.extend_from_slice(&index.to_be_bytes());
+    let start = out.len();
+    out.extend_from_slice(payload);
+    let bound = bound(&out[FORMAT.len()..][..HEAD_LEN], job, part, index);
+    keys.protect(bound.bytes(), &mut out, start);
+    out
+}
 
-    /// The position and payload of a record of `kind` of `job`'s stream, if
-    /// it verifies.
-    fn open_record(
-        &self,
-        job: JobId,
-        kind: &str,
-        record: &[u8],
-    ) -> Result<(u64, Vec<u8>), Rejection> {
-        let rest = record.strip_prefix(FORMAT).ok_or(Rejection::Version)?;
-        let (head, rest) = rest.split_at_checked(HEAD_LEN).ok_or(Rejection::Malformed)?;
-        let reader = self.keys.reader(head)?;
-        let (index, protected) = rest.split_at_checked(8).ok_or(Rejection::Malformed)?;
-        let index = u64::from_be_bytes(index.try_into().map_err(|_| Rejection::Malformed)?);
-        let payload = reader.open(bound(head, job, kind, index).bytes(), protected)?;
-        Ok((index, payload.into_owned()))
-    }
+/// The position and payload of a record found as `part` of `job`'s
+/// stream, if it verifies as one.
+pub fn open_record(
+    keys: &EntryKeys,
+    job: JobId,
+    part: Part,
+    record: &[u8],
+) -> Result<(u64, Vec<u8>), Rejection> {
+    let rest = record.strip_prefix(FORMAT).ok_or(Rejection::Version)?;
+    let (head, rest) = rest.split_at_checked(HEAD_LEN).ok_or(Rejection::Malformed)?;
+    let reader = keys.reader(head)?;
+    let (index, protected) = rest.split_at_checked(8).ok_or(Rejection::Malformed)?;
+    let index = u64::from_be_bytes(index.try_into().map_err(|_| Rejection::Malformed)?);
+    let payload = reader.open(bound(head, job, part, index).bytes(), protected)?;
+    Ok((index, payload.into_owned()))
 }
 
 /// What a stream record's tag covers besides its payload.
-fn bound(head: &[u8], job: JobId, kind: &str, index: u64) -> Fields {
+fn bound(head: &[u8], job: JobId, part: Part, index: u64) -> Fields {
     let mut fields = Fields::new(FORMAT);
     fields
         .push(head)
         .push(job.0.as_bytes())
-        .push(kind.as_bytes())
+        .push(part.field().as_bytes())
         .push(&index.to_be_bytes());
     fields
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_opens_only_as_the_part_of_the_job_it_was_written_as() {
+        for sealed in [false, true] {
+            let keys = EntryKeys::new(&[5; 32], [], sealed);
+            let job = JobId::new();
+            let chunk = record(&keys, job, Part::Chunk, 3, b"data: 3\n\n");
+            assert_eq!(
+                open_record(&keys, job, Part::Chunk, &chunk),
+                Ok((3, b"data: 3\n\n".to_vec()))
+            );
+            assert_eq!(
+                open_record(&keys, JobId::new(), Part::Chunk, &chunk),
+                Err(Rejection::Forged),
+                "another job's chunk"
+            );
+            assert_eq!(
+                open_record(&keys, job, Part::End, &chunk),
+                Err(Rejection::Forged),
+                "a chunk passed off as the end"
+            );
+            // Its position moved: the tag covers it.
+            let mut moved = chunk.clone();
+            moved[4 + HEAD_LEN..][..8].copy_from_slice(&4u64.to_be_bytes());
+            assert_eq!(open_record(&keys, job, Part::Chunk, &moved), Err(Rejection::Forged));
+            let end = record(&keys, job, Part::End, 4, &[1]);
+            let mut recounted = end.clone();
+            recounted[4 + HEAD_LEN..][..8].copy_from_slice(&2u64.to_be_bytes());
+            assert_eq!(open_record(&keys, job, Part::End, &recounted), Err(Rejection::Forged));
+            assert_eq!(open_record(&keys, job, Part::End, b"committed"), Err(Rejection::Version));
+        }
+    }
 }
