@@ -59,7 +59,9 @@ pub(super) fn settings(
     flags: &Flags,
     store: &StoreSettings,
 ) -> Result<Option<ReplayKeySettings>, ConfigError> {
-    let given = match (&flags.replay_key, &file.replay_key) {
+    // An empty variable is an unset one (a Secret left empty, a test's unset).
+    let flag = flags.replay_key.as_ref().filter(|text| !text.is_empty());
+    let given = match (flag, &file.replay_key) {
         (Some(text), _) => Some(decode("replay_key", text)?),
         (None, Some(secret)) => Some(decode(
             "replay_key",
@@ -93,10 +95,14 @@ pub(super) fn settings(
 
 /// `replay_previous_keys` (the flag's comma-separated list over the file's).
 fn previous(file: &FileConfig, flags: &Flags, base: &Path) -> Result<Vec<Vec<u8>>, ConfigError> {
-    if !flags.replay_previous_keys.is_empty() {
+    let flags: Vec<&String> = flags
+        .replay_previous_keys
+        .iter()
+        .filter(|text| !text.is_empty())
+        .collect();
+    if !flags.is_empty() {
         return flags
-            .replay_previous_keys
-            .iter()
+            .into_iter()
             .enumerate()
             .map(|(i, text)| decode(&format!("replay_previous_keys[{i}]"), text))
             .collect();

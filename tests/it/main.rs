@@ -27,6 +27,7 @@ mod postgres_restart;
 mod readme;
 mod real_clients;
 mod redis_deployments;
+mod replay_entries;
 mod state_machine_props;
 mod store_conformance;
 mod streaming;

@@ -43,7 +43,7 @@ use crate::BoxError;
 mod connection;
 mod entry;
 pub mod keys;
-mod stream;
+pub mod stream;
 
 use connection::Redis;
 

@@ -64,3 +64,57 @@ pub fn decode(bytes: &[u8], k: &str, keys: &EntryKeys) -> Result<Entry, Unusable
 pub fn encode(entry: &Entry, k: &str, keys: &EntryKeys) -> Vec<u8> {
     fastpath::encode(entry, &owner(), &key(k), keys)
 }
+
+/// Redis commands a test runs beside the gateway, on a connection of its
+/// own to `url` (streams: `XLEN`, `XRANGE`, `XADD`, `XDEL`).
+pub struct Raw(redis::aio::MultiplexedConnection);
+
+impl Raw {
+    pub async fn connect(url: &str) -> Raw {
+        let client = redis::Client::open(url).unwrap();
+        Raw(client.get_multiplexed_async_connection().await.unwrap())
+    }
+
+    /// The entries of a stream, in order: each id with its one field and
+    /// value.
+    pub async fn entries(&mut self, stream: &str) -> Vec<(String, String, Vec<u8>)> {
+        let reply: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+            .arg(stream)
+            .arg("-")
+            .arg("+")
+            .query_async(&mut self.0)
+            .await
+            .unwrap();
+        reply
+            .ids
+            .into_iter()
+            .map(|entry| {
+                let (field, value) = entry.map.into_iter().next().expect("one field");
+                let value: Vec<u8> = redis::from_redis_value(value).unwrap();
+                (entry.id, field, value)
+            })
+            .collect()
+    }
+
+    /// Appends an entry of one field to a stream.
+    pub async fn append(&mut self, stream: &str, field: &str, value: &[u8]) {
+        redis::cmd("XADD")
+            .arg(stream)
+            .arg("*")
+            .arg(field)
+            .arg(value)
+            .query_async::<String>(&mut self.0)
+            .await
+            .unwrap();
+    }
+
+    /// Removes an entry of a stream by its id.
+    pub async fn remove(&mut self, stream: &str, id: &str) {
+        redis::cmd("XDEL")
+            .arg(stream)
+            .arg(id)
+            .query_async::<i64>(&mut self.0)
+            .await
+            .unwrap();
+    }
+}
