@@ -128,3 +128,98 @@ fn decode(key: &str, text: &str) -> Result<Vec<u8>, ConfigError> {
         )),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::Settings;
+    use super::*;
+
+    const KEY: &str = "dGhpcnR5LXR3byBieXRlcyBvZiByZXBsYXkga2V5LCBhdCBsZWFzdA==";
+    const SALT: &str = "c2FsdCBvZiB0ZXN0cywgbm90IGEgc2VjcmV0";
+
+    fn load(toml: &str, flags: Flags) -> Result<Option<ReplayKeySettings>, ConfigError> {
+        let flags = Flags {
+            upstreams: vec!["http://127.0.0.1:8000".into()],
+            owner_salt: Some(SALT.into()),
+            ..flags
+        };
+        Settings::from_sources(Settings::parse_file(toml).unwrap(), flags).map(|s| s.replay_keys)
+    }
+
+    const PG_REDIS: &str = "database_url = \"postgres://u@h/db\"\nredis_url = \"redis://h\"\n";
+
+    #[test]
+    fn with_postgres_and_redis_a_key_is_required_naming_the_fix() {
+        let err = load(PG_REDIS, Flags::default()).unwrap_err();
+        assert_eq!(err.key, "replay_key");
+        assert!(err.message.contains("IDEMGATE_REPLAY_KEY") && err.message.contains("openssl rand"));
+        let given = load(
+            PG_REDIS,
+            Flags {
+                replay_key: Some(KEY.into()),
+                replay_previous_keys: vec![KEY.into()],
+                ..Flags::default()
+            },
+        )
+        .unwrap()
+        .unwrap();
+        assert!(matches!(given.current, ReplayKeySource::Given(ref k) if k.len() >= 32));
+        assert_eq!(given.previous.len(), 1);
+    }
+
+    #[test]
+    fn without_redis_nothing_is_needed_and_the_embedded_store_keeps_one() {
+        assert!(load("database_url = \"postgres://u@h/db\"", Flags::default())
+            .unwrap()
+            .is_none());
+        let embedded = load("embedded_path = \"/data/x.db\"\nredis_url = \"redis://h\"", Flags::default())
+            .unwrap()
+            .unwrap();
+        assert!(matches!(
+            embedded.current,
+            ReplayKeySource::BesideStore(ref p) if p == Path::new("/data/x.db.replay-key")
+        ));
+    }
+
+    #[test]
+    fn encryption_derives_it_and_a_given_key_wins() {
+        let sealed = format!(
+            "{PG_REDIS}[encryption]\nactive = \"a\"\n[[encryption.keys]]\nid = \"a\"\nfile = \"/nonexistent\"\n"
+        );
+        // The encryption key's file is read later: only the replay key's
+        // source matters here.
+        let file = Settings::parse_file(&sealed).unwrap();
+        let flags = Flags::default();
+        let store = super::super::store::store_settings(&file, &flags).unwrap();
+        let derived = settings(&file, &flags, &store).unwrap().unwrap();
+        assert!(matches!(derived.current, ReplayKeySource::FromEncryption));
+        let flags = Flags {
+            replay_key: Some(KEY.into()),
+            ..Flags::default()
+        };
+        let given = settings(&file, &flags, &store).unwrap().unwrap();
+        assert!(matches!(given.current, ReplayKeySource::Given(_)));
+    }
+
+    #[test]
+    fn keys_are_read_from_the_file_and_bad_ones_are_named() {
+        let written = format!(
+            "{PG_REDIS}replay_key = {{ value = \"{KEY}\" }}\nreplay_previous_keys = [{{ value = \"{KEY}\" }}, {{ value = \"c2hvcnQ=\" }}]\n"
+        );
+        let err = load(&written, Flags::default()).unwrap_err();
+        assert_eq!(err.key, "replay_previous_keys[1]");
+        assert!(err.message.contains("32 bytes"), "{}", err.message);
+        let err = load(
+            PG_REDIS,
+            Flags {
+                replay_key: Some("not base64!".into()),
+                ..Flags::default()
+            },
+        )
+        .unwrap_err();
+        assert_eq!(err.key, "replay_key");
+        let err = load(&format!("{PG_REDIS}replay_key = {{ env = \"IDEMGATE_TEST_UNSET_REPLAY_KEY\" }}\n"), Flags::default()).unwrap_err();
+        assert_eq!(err.key, "replay_key");
+        assert!(err.message.contains("IDEMGATE_TEST_UNSET_REPLAY_KEY"));
+    }
+}
