@@ -102,7 +102,10 @@ impl Gateway {
         .env("RUST_LOG", "warn")
         // One owner salt for every replica on the same database, and one
         // replay key for every replica on the same Redis.
-        .env("IDEMGATE_OWNER_SALT", "dGhlIGJlbmNobWFyaydzIG93bmVyIHNhbHQ=")
+        .env(
+            "IDEMGATE_OWNER_SALT",
+            "dGhlIGJlbmNobWFyaydzIG93bmVyIHNhbHQ=",
+        )
         .env(
             "IDEMGATE_REPLAY_KEY",
             "dGhlIGJlbmNobWFyaydzIHJlcGxheSBrZXksIDMyIGJ5dGVzIG9yIG1vcmU=",

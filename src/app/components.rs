@@ -9,8 +9,8 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use super::StartError;
 use super::secrets::{owner_salt, replay_keys};
+use super::StartError;
 use crate::config::{Settings, StoreSettings};
 use crate::idempotency::fastpath::{EntryKeys, FastPath};
 use crate::idempotency::{execute, hold, Runtime, Shared};
@@ -229,7 +229,8 @@ fn start_fastpath(
     doorbell: &Arc<Doorbell>,
     tasks: &Supervisor,
 ) -> Result<Arc<FastPath>, StartError> {
-    let fast = FastPath::new(settings.clone(), instance, Arc::new(keys)).map_err(StartError::Redis)?;
+    let fast =
+        FastPath::new(settings.clone(), instance, Arc::new(keys)).map_err(StartError::Redis)?;
     let fast = Arc::new(fast);
     let (changes, announced) = tokio::sync::mpsc::unbounded_channel();
     doorbell.announce_to(changes);

@@ -15,7 +15,8 @@ pub(super) fn owner_salt(setting: &OwnerSaltSetting) -> Result<OwnerSalt, StartE
     match setting {
         OwnerSaltSetting::Given(bytes) => Ok(OwnerSalt::new(bytes)),
         OwnerSaltSetting::BesideStore(path) => {
-            let bytes = beside_store(path, "owner digests are salted with").map_err(StartError::OwnerSalt)?;
+            let bytes = beside_store(path, "owner digests are salted with")
+                .map_err(StartError::OwnerSalt)?;
             Ok(OwnerSalt::new(&bytes))
         }
     }
@@ -44,7 +45,12 @@ pub(super) fn replay_keys(
             };
             // Every other encryption key still verifies what it wrote: the
             // replay key rotates with the encryption keys.
-            previous.extend(e.keys.iter().filter(|(id, _)| *id != e.active).filter_map(|(id, _)| derived(id)));
+            previous.extend(
+                e.keys
+                    .iter()
+                    .filter(|(id, _)| *id != e.active)
+                    .filter_map(|(id, _)| derived(id)),
+            );
             derived(&e.active).ok_or(StartError::ReplayKey(
                 "cannot be derived: the active encryption key is not configured".into(),
             ))?
@@ -71,7 +77,11 @@ fn beside_store(path: &Path, what: &str) -> Result<Vec<u8>, String> {
     let engine = base64::engine::general_purpose::STANDARD;
     let unusable = |why: String| format!("{}: {why}", path.display());
     match std::fs::read_to_string(path) {
-        Ok(text) => return engine.decode(text.trim()).map_err(|e| unusable(e.to_string())),
+        Ok(text) => {
+            return engine
+                .decode(text.trim())
+                .map_err(|e| unusable(e.to_string()))
+        }
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(unusable(e.to_string())),
         Err(_) => {}
     }

@@ -152,7 +152,9 @@ mod tests {
     fn with_postgres_and_redis_a_key_is_required_naming_the_fix() {
         let err = load(PG_REDIS, Flags::default()).unwrap_err();
         assert_eq!(err.key, "replay_key");
-        assert!(err.message.contains("IDEMGATE_REPLAY_KEY") && err.message.contains("openssl rand"));
+        assert!(
+            err.message.contains("IDEMGATE_REPLAY_KEY") && err.message.contains("openssl rand")
+        );
         let given = load(
             PG_REDIS,
             Flags {
@@ -169,12 +171,17 @@ mod tests {
 
     #[test]
     fn without_redis_nothing_is_needed_and_the_embedded_store_keeps_one() {
-        assert!(load("database_url = \"postgres://u@h/db\"", Flags::default())
-            .unwrap()
-            .is_none());
-        let embedded = load("embedded_path = \"/data/x.db\"\nredis_url = \"redis://h\"", Flags::default())
-            .unwrap()
-            .unwrap();
+        assert!(
+            load("database_url = \"postgres://u@h/db\"", Flags::default())
+                .unwrap()
+                .is_none()
+        );
+        let embedded = load(
+            "embedded_path = \"/data/x.db\"\nredis_url = \"redis://h\"",
+            Flags::default(),
+        )
+        .unwrap()
+        .unwrap();
         assert!(matches!(
             embedded.current,
             ReplayKeySource::BesideStore(ref p) if p == Path::new("/data/x.db.replay-key")
@@ -218,7 +225,11 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(err.key, "replay_key");
-        let err = load(&format!("{PG_REDIS}replay_key = {{ env = \"IDEMGATE_TEST_UNSET_REPLAY_KEY\" }}\n"), Flags::default()).unwrap_err();
+        let err = load(
+            &format!("{PG_REDIS}replay_key = {{ env = \"IDEMGATE_TEST_UNSET_REPLAY_KEY\" }}\n"),
+            Flags::default(),
+        )
+        .unwrap_err();
         assert_eq!(err.key, "replay_key");
         assert!(err.message.contains("IDEMGATE_TEST_UNSET_REPLAY_KEY"));
     }

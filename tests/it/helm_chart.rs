@@ -239,7 +239,9 @@ fn the_chart_makes_a_replay_key_unless_one_is_named() {
         .find(|s| s["metadata"]["name"] == reference["name"])
         .expect("the chart's Secret");
     let key = secret["stringData"]["replay-key"].as_str().unwrap();
-    let bytes = base64::engine::general_purpose::STANDARD.decode(key).unwrap();
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(key)
+        .unwrap();
     assert!(bytes.len() >= 32, "{} bytes", bytes.len());
     assert_ne!(
         secret["stringData"]["owner-salt"], secret["stringData"]["replay-key"],

@@ -21,7 +21,9 @@ use crate::support::entries::{
     self, derived_keys, forger_keys, key, owner, redis_key, suite_keys, Raw,
 };
 use crate::support::sse::{Ending, Finish, Reader, SseUpstream};
-use crate::support::{eventually, post, FakeUpstream, Gate, Gateway, Reply, TestStore, ThrowawayRedis};
+use crate::support::{
+    eventually, post, FakeUpstream, Gate, Gateway, Reply, TestStore, ThrowawayRedis,
+};
 
 const WAIT: Duration = Duration::from_secs(10);
 const FORGED: &[u8] = b"{\"forged\":true}";
@@ -48,7 +50,10 @@ fn forged_answer(genuine: &Entry) -> Entry {
     Entry {
         response: Some(StoredResponse {
             status: 200,
-            headers: vec![("content-type".into(), Bytes::from_static(b"application/json"))],
+            headers: vec![(
+                "content-type".into(),
+                Bytes::from_static(b"application/json"),
+            )],
             body: Bytes::from_static(FORGED),
         }),
         ..genuine.clone()
@@ -75,7 +80,11 @@ fn igr1(entry: &Entry, k: &str) -> Vec<u8> {
     out.extend_from_slice(&h.finalize());
     out.extend_from_slice(entry.job.0.as_bytes());
     out.extend_from_slice(&entry.fingerprint.0);
-    let ms = entry.expires_at.duration_since(SystemTime::UNIX_EPOCH).unwrap().as_millis() as u64;
+    let ms = entry
+        .expires_at
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
     out.extend_from_slice(&ms.to_be_bytes());
     out.push(1);
     out.extend_from_slice(&r.status.to_be_bytes());
@@ -116,16 +125,28 @@ async fn a_forged_answer_with_the_victims_fingerprint_is_never_served() {
     assert_eq!(gateway.metric(&rejected("forged")).await, 1.0);
 
     // Today's format, whose checksum anyone can compute.
-    redis.set(&redis_key("victim"), &igr1(&forged_answer(&genuine), "victim")).await;
+    redis
+        .set(
+            &redis_key("victim"),
+            &igr1(&forged_answer(&genuine), "victim"),
+        )
+        .await;
     let reply = post(&url, "victim", "{\"amount\":5}").await;
     assert_true_answer(&reply, &first);
     assert_eq!(gateway.metric(&rejected("version")).await, 1.0);
     assert_eq!(
-        gateway.metric("idemgate_replays_total{source=\"redis\"}").await,
+        gateway
+            .metric("idemgate_replays_total{source=\"redis\"}")
+            .await,
         0.0,
         "nothing was replayed from Redis"
     );
-    assert_eq!(gateway.metric("idemgate_replays_total{source=\"store\"}").await, 2.0);
+    assert_eq!(
+        gateway
+            .metric("idemgate_replays_total{source=\"store\"}")
+            .await,
+        2.0
+    );
     // The store's replay wrote the genuine entry back.
     let (_, repaired) = written(&redis, "victim", &suite_keys()).await;
     assert_eq!(repaired.job, genuine.job);
@@ -146,16 +167,20 @@ async fn a_sealed_answer_moved_to_another_key_does_not_open() {
     let store = TestStore::postgres().await;
     let redis = ThrowawayRedis::start().await;
     let upstream = FakeUpstream::echo().await;
-    let gateway = sealing(Gateway::builder(&store, &upstream.url()).replaying_from_redis(&redis.url()))
-        .start()
-        .await;
+    let gateway =
+        sealing(Gateway::builder(&store, &upstream.url()).replaying_from_redis(&redis.url()))
+            .start()
+            .await;
     let url = gateway.path("/v1/charges");
     let keys = derived_keys(ENCRYPTION_KEY);
     let alice = post(&url, "alice", "{}").await;
     let bob = post(&url, "bob", "{}").await;
     let (alices, _) = written(&redis, "alice", &keys).await;
     written(&redis, "bob", &keys).await;
-    assert!(!alices.windows(4).any(|w| w == b"\"job"), "sealed: no body in the clear");
+    assert!(
+        !alices.windows(4).any(|w| w == b"\"job"),
+        "sealed: no body in the clear"
+    );
 
     // The same request under two keys: one fingerprint, so only the
     // entry's binding to its key tells them apart.
@@ -173,9 +198,10 @@ async fn with_encryption_on_a_well_tagged_entry_in_the_clear_is_refused() {
     let store = TestStore::postgres().await;
     let redis = ThrowawayRedis::start().await;
     let upstream = FakeUpstream::echo().await;
-    let gateway = sealing(Gateway::builder(&store, &upstream.url()).replaying_from_redis(&redis.url()))
-        .start()
-        .await;
+    let gateway =
+        sealing(Gateway::builder(&store, &upstream.url()).replaying_from_redis(&redis.url()))
+            .start()
+            .await;
     let url = gateway.path("/v1/charges");
     let sealed = derived_keys(ENCRYPTION_KEY);
     let first = post(&url, "clear", "{}").await;
@@ -210,7 +236,12 @@ async fn a_rejected_entry_is_never_kept_in_memory() {
     let (a, b) = (replica().await, replica().await);
     let first = post(&a.path("/v1/charges"), "kept", "{}").await;
     let (_, genuine) = written(&redis, "kept", &suite_keys()).await;
-    redis.set(&redis_key("kept"), &forge(&forged_answer(&genuine), "kept", &suite_keys())).await;
+    redis
+        .set(
+            &redis_key("kept"),
+            &forge(&forged_answer(&genuine), "kept", &suite_keys()),
+        )
+        .await;
 
     // The forged entry names the genuine job: had it been kept, memory
     // would have served it from then on (a job's answer is kept once).
@@ -218,9 +249,19 @@ async fn a_rejected_entry_is_never_kept_in_memory() {
         let reply = post(&b.path("/v1/charges"), "kept", "{}").await;
         assert_true_answer(&reply, &first);
     }
-    assert_eq!(b.metric(&rejected("forged")).await, 1.0, "read from Redis once");
-    assert_eq!(b.metric("idemgate_replays_total{source=\"store\"}").await, 1.0);
-    assert_eq!(b.metric("idemgate_replays_total{source=\"memory\"}").await, 2.0);
+    assert_eq!(
+        b.metric(&rejected("forged")).await,
+        1.0,
+        "read from Redis once"
+    );
+    assert_eq!(
+        b.metric("idemgate_replays_total{source=\"store\"}").await,
+        1.0
+    );
+    assert_eq!(
+        b.metric("idemgate_replays_total{source=\"memory\"}").await,
+        2.0
+    );
     assert_eq!(upstream.hits(), 1);
 }
 
@@ -248,10 +289,26 @@ async fn entries_of_a_previous_key_replay_until_that_key_is_dropped() {
     before.kill().await;
 
     // The new key writes; the old one, listed as previous, still verifies.
-    let mut during = gateway(KEY_2, KEY_1).await;
+    // Configured as the example file shows it (its lines uncommented).
+    let example = include_str!("../../config/idemgate.example.toml");
+    let mut during = Gateway::builder(&store, &upstream.url()).replaying_from_redis(&redis.url());
+    for line in example.lines().filter_map(|l| l.strip_prefix("# replay_")) {
+        let (name, value) = line.split_once(" = ").unwrap();
+        during = during.set(&format!("replay_{name}"), value);
+    }
+    let mut during = during
+        .env("IDEMGATE_REPLAY_KEY", KEY_2)
+        .env("IDEMGATE_REPLAY_KEY_OLD", KEY_1)
+        .start()
+        .await;
     let reply = post(&during.path("/v1/charges"), "rotating", "{}").await;
     assert_true_answer(&reply, &first);
-    assert_eq!(during.metric("idemgate_replays_total{source=\"redis\"}").await, 1.0);
+    assert_eq!(
+        during
+            .metric("idemgate_replays_total{source=\"redis\"}")
+            .await,
+        1.0
+    );
     let fresh = post(&during.path("/v1/charges"), "fresh", "{}").await;
     assert_eq!(fresh.status, 200);
     written(&redis, "fresh", &old(&key_2)).await;
@@ -262,11 +319,21 @@ async fn entries_of_a_previous_key_replay_until_that_key_is_dropped() {
     let reply = post(&after.path("/v1/charges"), "rotating", "{}").await;
     assert_true_answer(&reply, &first);
     assert_eq!(after.metric(&rejected("unknown_key")).await, 1.0);
-    assert_eq!(after.metric("idemgate_replays_total{source=\"store\"}").await, 1.0);
+    assert_eq!(
+        after
+            .metric("idemgate_replays_total{source=\"store\"}")
+            .await,
+        1.0
+    );
     written(&redis, "rotating", &old(&key_2)).await;
     let fresh_again = post(&after.path("/v1/charges"), "fresh", "{}").await;
     assert_eq!(fresh_again.body, fresh.body);
-    assert_eq!(after.metric("idemgate_replays_total{source=\"redis\"}").await, 1.0);
+    assert_eq!(
+        after
+            .metric("idemgate_replays_total{source=\"redis\"}")
+            .await,
+        1.0
+    );
     assert_eq!(upstream.hits(), 2);
 }
 
@@ -317,11 +384,20 @@ async fn the_embedded_store_keeps_its_replay_key_beside_its_file() {
     let second_run = gateway().await;
     let reply = post(&second_run.path("/v1/charges"), "beside", "{}").await;
     assert_true_answer(&reply, &first);
-    assert_eq!(second_run.metric("idemgate_replays_total{source=\"redis\"}").await, 1.0);
+    assert_eq!(
+        second_run
+            .metric("idemgate_replays_total{source=\"redis\"}")
+            .await,
+        1.0
+    );
 }
 
 /// Two replicas on PostgreSQL and Redis, streaming from `upstream`.
-async fn replicas(store: &TestStore, upstream: &SseUpstream, redis: &ThrowawayRedis) -> (Gateway, Gateway) {
+async fn replicas(
+    store: &TestStore,
+    upstream: &SseUpstream,
+    redis: &ThrowawayRedis,
+) -> (Gateway, Gateway) {
     let replica = || {
         Gateway::builder(store, &upstream.url())
             .set("upstream_timeout", "\"5s\"")
@@ -366,7 +442,12 @@ async fn a_spoiled_stream_is_never_served_as_complete(spoil: Spoil) -> Gateway {
         let job = job_of(&other);
         let stream = stream_key(&Tag::of(&owner(), &key("another")), job);
         eventually(WAIT, "another job's end to be mirrored", || async {
-            Raw::connect(&redis.url()).await.entries(&stream).await.len() == EVENTS + 2
+            Raw::connect(&redis.url())
+                .await
+                .entries(&stream)
+                .await
+                .len()
+                == EVENTS + 2
         })
         .await;
         another_end = raw.entries(&stream).await.pop().map(|(_, _, end)| end);
@@ -377,7 +458,12 @@ async fn a_spoiled_stream_is_never_served_as_complete(spoil: Spoil) -> Gateway {
     let job = job_of(&first);
     let stream = stream_key(&Tag::of(&owner(), &key("spoiled")), job);
     eventually(WAIT, "the head and two chunks to be mirrored", || async {
-        Raw::connect(&redis.url()).await.entries(&stream).await.len() == 3
+        Raw::connect(&redis.url())
+            .await
+            .entries(&stream)
+            .await
+            .len()
+            == 3
     })
     .await;
     let mirrored = raw.entries(&stream).await;
@@ -388,7 +474,8 @@ async fn a_spoiled_stream_is_never_served_as_complete(spoil: Spoil) -> Gateway {
             raw.append(&stream, Part::End.field(), &end).await;
         }
         Spoil::AnotherJobsEnd => {
-            raw.append(&stream, Part::End.field(), &another_end.unwrap()).await;
+            raw.append(&stream, Part::End.field(), &another_end.unwrap())
+                .await;
         }
         Spoil::ChunkRemoved => raw.remove(&stream, &mirrored[2].0).await,
     }
@@ -398,13 +485,20 @@ async fn a_spoiled_stream_is_never_served_as_complete(spoil: Spoil) -> Gateway {
     far.read_until(EVENT).await;
     gate.open(EVENTS - 2);
     assert_eq!(first.finish().await, Finish::Complete);
-    assert_eq!(far.finish().await, Finish::Complete, "completed from the store");
+    assert_eq!(
+        far.finish().await,
+        Finish::Complete,
+        "completed from the store"
+    );
     assert_eq!(
         String::from_utf8_lossy(&far.read),
         String::from_utf8_lossy(&first.read),
         "the joiner's copy is the whole answer"
     );
-    assert_eq!(upstream.hits(), 1 + matches!(spoil, Spoil::AnotherJobsEnd) as usize);
+    assert_eq!(
+        upstream.hits(),
+        1 + matches!(spoil, Spoil::AnotherJobsEnd) as usize
+    );
     b
 }
 

@@ -184,13 +184,21 @@ pub fn decode(
         None if bytes.starts_with(&MAGIC[..3]) => return Err(Rejection::Version.into()),
         None => return Err(Rejection::Malformed.into()),
     };
-    let (head, rest) = rest.split_at_checked(HEAD_LEN).ok_or(Rejection::Malformed)?;
+    let (head, rest) = rest
+        .split_at_checked(HEAD_LEN)
+        .ok_or(Rejection::Malformed)?;
     let reader = keys.reader(head)?;
-    let (meta, protected) = rest.split_at_checked(META_LEN).ok_or(Rejection::Malformed)?;
+    let (meta, protected) = rest
+        .split_at_checked(META_LEN)
+        .ok_or(Rejection::Malformed)?;
     let meta: &[u8; META_LEN] = meta.try_into().map_err(|_| Rejection::Malformed)?;
     let payload = reader.open(bound(head, owner, key, meta).bytes(), protected)?;
     let entry = read(meta, payload, &bytes).ok_or(Rejection::Malformed)?;
-    if entry.expires_at.checked_sub(EXPIRY_MARGIN).is_none_or(|t| t <= now) {
+    if entry
+        .expires_at
+        .checked_sub(EXPIRY_MARGIN)
+        .is_none_or(|t| t <= now)
+    {
         return Err(Unusable::Expiring);
     }
     Ok(entry)

@@ -120,7 +120,8 @@ impl Key {
         let aead = derive(secret, b"idemgate replay entries: aes-256-gcm");
         Key {
             id,
-            mac: <Hmac<Sha256> as Mac>::new_from_slice(&mac).expect("HMAC takes a key of any length"),
+            mac: <Hmac<Sha256> as Mac>::new_from_slice(&mac)
+                .expect("HMAC takes a key of any length"),
             aead: Aes256Gcm::new(&aead.into()),
         }
     }
@@ -133,7 +134,8 @@ impl Key {
 
 /// HMAC-SHA256 of `label` under `secret`: a key for one purpose only.
 fn derive(secret: &[u8], label: &[u8]) -> [u8; 32] {
-    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(secret).expect("HMAC takes a key of any length");
+    let mut mac =
+        <Hmac<Sha256> as Mac>::new_from_slice(secret).expect("HMAC takes a key of any length");
     mac.update(label);
     mac.finalize().into_bytes().into()
 }
@@ -142,7 +144,10 @@ fn derive(secret: &[u8], label: &[u8]) -> [u8; 32] {
 /// configured: every replica sharing the encryption keys derives the same,
 /// and it is not the encryption key itself.
 pub fn derive_from_encryption_key(key: &[u8; 32]) -> [u8; 32] {
-    derive(key, b"idemgate replay key, derived from an [encryption] key")
+    derive(
+        key,
+        b"idemgate replay key, derived from an [encryption] key",
+    )
 }
 
 /// The keys of one gateway: the current one writes, every one verifies.
@@ -159,7 +164,11 @@ impl std::fmt::Debug for EntryKeys {
         f.debug_struct("EntryKeys")
             .field(
                 "ids",
-                &self.keys.iter().map(|k| hex::encode(k.id)).collect::<Vec<_>>(),
+                &self
+                    .keys
+                    .iter()
+                    .map(|k| hex::encode(k.id))
+                    .collect::<Vec<_>>(),
             )
             .field("sealed", &self.sealed)
             .finish()
@@ -333,7 +342,8 @@ impl Fields {
 
     /// Adds a field.
     pub fn push(&mut self, field: &[u8]) -> &mut Self {
-        self.0.extend_from_slice(&(field.len() as u64).to_be_bytes());
+        self.0
+            .extend_from_slice(&(field.len() as u64).to_be_bytes());
         self.0.extend_from_slice(field);
         self
     }
@@ -432,7 +442,10 @@ mod tests {
         let record = write(&old, b"b", b"p");
         let rotated = EntryKeys::new(&[2; 32], [[1u8; 32].as_slice()], false);
         assert_eq!(read(&rotated, b"b", &record).unwrap(), b"p");
-        assert_eq!(rotated.head()[1..], EntryKeys::new(&[2; 32], [], false).head()[1..]);
+        assert_eq!(
+            rotated.head()[1..],
+            EntryKeys::new(&[2; 32], [], false).head()[1..]
+        );
         let dropped = EntryKeys::new(&[2; 32], [], false);
         assert_eq!(read(&dropped, b"b", &record), Err(Rejection::UnknownKey));
     }
@@ -440,9 +453,15 @@ mod tests {
     #[test]
     fn derived_keys_are_stable_and_not_the_encryption_key() {
         let key = [7; 32];
-        assert_eq!(derive_from_encryption_key(&key), derive_from_encryption_key(&key));
+        assert_eq!(
+            derive_from_encryption_key(&key),
+            derive_from_encryption_key(&key)
+        );
         assert_ne!(derive_from_encryption_key(&key), key);
-        assert_ne!(derive_from_encryption_key(&key), derive_from_encryption_key(&[8; 32]));
+        assert_ne!(
+            derive_from_encryption_key(&key),
+            derive_from_encryption_key(&[8; 32])
+        );
         assert_eq!(Key::new(&key).id(), Sha256::digest(key)[..8]);
     }
 }

@@ -126,7 +126,13 @@ impl FastPath {
             count("miss");
             return Lookup::Miss;
         };
-        match decode(Bytes::from(bytes), owner, key, &self.keys, SystemTime::now()) {
+        match decode(
+            Bytes::from(bytes),
+            owner,
+            key,
+            &self.keys,
+            SystemTime::now(),
+        ) {
             Ok(entry) => {
                 count("hit");
                 Lookup::Hit(entry)

@@ -264,7 +264,9 @@ pub fn open_record(
     record: &[u8],
 ) -> Result<(u64, Vec<u8>), Rejection> {
     let rest = record.strip_prefix(FORMAT).ok_or(Rejection::Version)?;
-    let (head, rest) = rest.split_at_checked(HEAD_LEN).ok_or(Rejection::Malformed)?;
+    let (head, rest) = rest
+        .split_at_checked(HEAD_LEN)
+        .ok_or(Rejection::Malformed)?;
     let reader = keys.reader(head)?;
     let (index, protected) = rest.split_at_checked(8).ok_or(Rejection::Malformed)?;
     let index = u64::from_be_bytes(index.try_into().map_err(|_| Rejection::Malformed)?);
@@ -310,12 +312,21 @@ mod tests {
             // Its position moved: the tag covers it.
             let mut moved = chunk.clone();
             moved[4 + HEAD_LEN..][..8].copy_from_slice(&4u64.to_be_bytes());
-            assert_eq!(open_record(&keys, job, Part::Chunk, &moved), Err(Rejection::Forged));
+            assert_eq!(
+                open_record(&keys, job, Part::Chunk, &moved),
+                Err(Rejection::Forged)
+            );
             let end = record(&keys, job, Part::End, 4, &[1]);
             let mut recounted = end.clone();
             recounted[4 + HEAD_LEN..][..8].copy_from_slice(&2u64.to_be_bytes());
-            assert_eq!(open_record(&keys, job, Part::End, &recounted), Err(Rejection::Forged));
-            assert_eq!(open_record(&keys, job, Part::End, b"committed"), Err(Rejection::Version));
+            assert_eq!(
+                open_record(&keys, job, Part::End, &recounted),
+                Err(Rejection::Forged)
+            );
+            assert_eq!(
+                open_record(&keys, job, Part::End, b"committed"),
+                Err(Rejection::Version)
+            );
         }
     }
 }

@@ -10,7 +10,8 @@ use idemgate::idempotency::fastpath::keys::derive_from_encryption_key;
 use idemgate::idempotency::fastpath::{self, Binding, Entry, EntryKeys, Unusable};
 
 /// The replay key of every gateway of the suite (`SUITE_ENV`).
-pub const SUITE_REPLAY_KEY: &str = "dGhlIHRlc3Qgc3VpdGUncyByZXBsYXkga2V5OiAzMiBieXRlcyBhbmQgbW9yZQ==";
+pub const SUITE_REPLAY_KEY: &str =
+    "dGhlIHRlc3Qgc3VpdGUncyByZXBsYXkga2V5OiAzMiBieXRlcyBhbmQgbW9yZQ==";
 
 pub fn bytes_of(base64: &str) -> Vec<u8> {
     base64::engine::general_purpose::STANDARD

@@ -36,8 +36,19 @@ fn keys(sealed: bool) -> EntryKeys {
     EntryKeys::new(&[9; 32], [], sealed)
 }
 
-fn read(bytes: &[u8], owner: &Owner, key: &IdempotencyKey, keys: &EntryKeys) -> Result<Entry, Unusable> {
-    decode(Bytes::copy_from_slice(bytes), owner, key, keys, SystemTime::now())
+fn read(
+    bytes: &[u8],
+    owner: &Owner,
+    key: &IdempotencyKey,
+    keys: &EntryKeys,
+) -> Result<Entry, Unusable> {
+    decode(
+        Bytes::copy_from_slice(bytes),
+        owner,
+        key,
+        keys,
+        SystemTime::now(),
+    )
 }
 
 /// The HMAC an entry is written with (mode `M`: its last 32 bytes).
@@ -52,7 +63,10 @@ fn entries_round_trip_inline_and_by_reference_in_either_mode() {
     for sealed in [false, true] {
         let keys = keys(sealed);
         let inline = entry(answer(&[("x-a", b"1")], b"\x00body\xff"));
-        assert_eq!(read(&encode(&inline, &o, &k, &keys), &o, &k, &keys), Ok(inline));
+        assert_eq!(
+            read(&encode(&inline, &o, &k, &keys), &o, &k, &keys),
+            Ok(inline)
+        );
         let reference = entry(None);
         assert_eq!(
             read(&encode(&reference, &o, &k, &keys), &o, &k, &keys),
@@ -66,17 +80,41 @@ fn every_field_changes_the_tag() {
     let (o, k) = at();
     let base = entry(answer(&[("x-a", b"1")], b"body"));
     let mut variants = vec![base.clone()];
-    variants.push(Entry { job: JobId::new(), ..base.clone() });
-    variants.push(Entry { fingerprint: Fingerprint([4; 32]), ..base.clone() });
-    variants.push(Entry { expires_at: base.expires_at + Duration::from_millis(1), ..base.clone() });
-    variants.push(Entry { response: None, ..base.clone() });
+    variants.push(Entry {
+        job: JobId::new(),
+        ..base.clone()
+    });
+    variants.push(Entry {
+        fingerprint: Fingerprint([4; 32]),
+        ..base.clone()
+    });
+    variants.push(Entry {
+        expires_at: base.expires_at + Duration::from_millis(1),
+        ..base.clone()
+    });
+    variants.push(Entry {
+        response: None,
+        ..base.clone()
+    });
     let mut status = base.clone();
     status.response.as_mut().unwrap().status = 200;
     variants.push(status);
-    variants.push(Entry { response: answer(&[("x-a", b"2")], b"body"), ..base.clone() });
-    variants.push(Entry { response: answer(&[("x-b", b"1")], b"body"), ..base.clone() });
-    variants.push(Entry { response: answer(&[], b"body"), ..base.clone() });
-    variants.push(Entry { response: answer(&[("x-a", b"1")], b"bodY"), ..base.clone() });
+    variants.push(Entry {
+        response: answer(&[("x-a", b"2")], b"body"),
+        ..base.clone()
+    });
+    variants.push(Entry {
+        response: answer(&[("x-b", b"1")], b"body"),
+        ..base.clone()
+    });
+    variants.push(Entry {
+        response: answer(&[], b"body"),
+        ..base.clone()
+    });
+    variants.push(Entry {
+        response: answer(&[("x-a", b"1")], b"bodY"),
+        ..base.clone()
+    });
     let mut tags: Vec<Vec<u8>> = variants.iter().map(|e| tag(e, &o, &k)).collect();
     let other = Owner::from_stored("hmac:00".into());
     tags.push(tag(&base, &other, &k));
@@ -89,9 +127,15 @@ fn every_field_changes_the_tag() {
     // And an entry read for another owner or key does not verify.
     let keys = keys(false);
     let bytes = encode(&base, &o, &k, &keys);
-    assert_eq!(read(&bytes, &other, &k, &keys), Err(Rejection::Forged.into()));
+    assert_eq!(
+        read(&bytes, &other, &k, &keys),
+        Err(Rejection::Forged.into())
+    );
     let moved = IdempotencyKey::new("k2").unwrap();
-    assert_eq!(read(&bytes, &o, &moved, &keys), Err(Rejection::Forged.into()));
+    assert_eq!(
+        read(&bytes, &o, &moved, &keys),
+        Err(Rejection::Forged.into())
+    );
 }
 
 #[test]
@@ -100,15 +144,27 @@ fn two_spellings_never_share_a_tag() {
     let key = |k: &str| IdempotencyKey::new(k).unwrap();
     let owner = |o: &str| Owner::from_stored(o.to_owned());
     // Where owner ends and key begins.
-    assert_ne!(tag(&e, &owner("hmac:ab"), &key("c")), tag(&e, &owner("hmac:a"), &key("bc")));
+    assert_ne!(
+        tag(&e, &owner("hmac:ab"), &key("c")),
+        tag(&e, &owner("hmac:a"), &key("bc"))
+    );
     // Where the headers end and the body begins.
     let joined = entry(answer(&[("x-a", b"12")], b""));
-    let joined = Entry { job: e.job, ..joined };
+    let joined = Entry {
+        job: e.job,
+        ..joined
+    };
     let (o, k) = at();
     assert_ne!(tag(&e, &o, &k), tag(&joined, &o, &k));
     // Where a header's name ends and its value begins.
-    let a = Entry { response: answer(&[("ab", b"c")], b""), ..e.clone() };
-    let b = Entry { response: answer(&[("a", b"bc")], b""), ..e.clone() };
+    let a = Entry {
+        response: answer(&[("ab", b"c")], b""),
+        ..e.clone()
+    };
+    let b = Entry {
+        response: answer(&[("a", b"bc")], b""),
+        ..e.clone()
+    };
     assert_ne!(tag(&a, &o, &k), tag(&b, &o, &k));
 }
 
@@ -123,13 +179,25 @@ fn what_is_not_believed_says_why() {
     let mut old = bytes.clone();
     old[..4].copy_from_slice(b"IGR1");
     assert_eq!(read(&old, &o, &k, &plain), rejected(Rejection::Version));
-    assert_eq!(read(b"garbage", &o, &k, &plain), rejected(Rejection::Malformed));
+    assert_eq!(
+        read(b"garbage", &o, &k, &plain),
+        rejected(Rejection::Malformed)
+    );
     assert_eq!(read(b"", &o, &k, &plain), rejected(Rejection::Malformed));
-    assert_eq!(read(&bytes[..40], &o, &k, &plain), rejected(Rejection::Malformed));
+    assert_eq!(
+        read(&bytes[..40], &o, &k, &plain),
+        rejected(Rejection::Malformed)
+    );
     let stranger = EntryKeys::new(&[1; 32], [], false);
-    assert_eq!(read(&bytes, &o, &k, &stranger), rejected(Rejection::UnknownKey));
+    assert_eq!(
+        read(&bytes, &o, &k, &stranger),
+        rejected(Rejection::UnknownKey)
+    );
     let sealing = EntryKeys::new(&[9; 32], [], true);
-    assert_eq!(read(&bytes, &o, &k, &sealing), rejected(Rejection::Plaintext));
+    assert_eq!(
+        read(&bytes, &o, &k, &sealing),
+        rejected(Rejection::Plaintext)
+    );
     // A forger's entry under this gateway's key id.
     let mut forged = encode(&e, &o, &k, &stranger);
     forged[4..4 + HEAD_LEN].copy_from_slice(&plain.head());
@@ -150,7 +218,10 @@ fn an_inline_body_in_the_clear_is_not_copied() {
     let read = decode(bytes.clone(), &o, &k, &keys, SystemTime::now()).unwrap();
     let body = read.response.unwrap().body;
     let within = bytes.as_ptr_range();
-    assert!(within.contains(&body.as_ptr()), "a slice of what Redis returned");
+    assert!(
+        within.contains(&body.as_ptr()),
+        "a slice of what Redis returned"
+    );
 }
 
 mod props {
