@@ -24,6 +24,8 @@ http { access_log off; client_body_temp_path $work/body;
 server { listen 127.0.0.1:18180; location / { default_type application/json; return 200 '{"ok":1}'; } } }
 NG
 nginx -c "$work/nginx.conf" -p "$work" & ng=$!
+# Replicas on PostgreSQL and Redis need a shared owner salt and replay key.
+IDEMGATE_OWNER_SALT=$(openssl rand -base64 32) IDEMGATE_REPLAY_KEY=$(openssl rand -base64 32) \
 RUST_LOG=warn target/profile-build/release/idemgate serve --listen 127.0.0.1:18181 --admin-listen 127.0.0.1:18182 \
   --upstream http://127.0.0.1:18180 --database-url "postgres://postgres@127.0.0.1:5432/$db" \
   --redis-url redis://127.0.0.1:6379/13 >/dev/null & gw=$!

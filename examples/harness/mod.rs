@@ -100,10 +100,15 @@ impl Gateway {
         .args(["--upstream", upstream])
         .args(extra)
         .env("RUST_LOG", "warn")
-        // One owner salt for every replica on the same database.
+        // One owner salt for every replica on the same database, and one
+        // replay key for every replica on the same Redis.
         .env(
             "IDEMGATE_OWNER_SALT",
             "dGhlIGJlbmNobWFyaydzIG93bmVyIHNhbHQ=",
+        )
+        .env(
+            "IDEMGATE_REPLAY_KEY",
+            "dGhlIGJlbmNobWFyaydzIHJlcGxheSBrZXksIDMyIGJ5dGVzIG9yIG1vcmU=",
         )
         .envs(env.iter().copied())
         .env_remove("IDEMGATE_REDIS_URL")

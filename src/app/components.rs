@@ -9,10 +9,10 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use super::secrets::{owner_salt, replay_keys};
 use super::StartError;
-use crate::config::{OwnerSaltSetting, Settings, StoreSettings};
-use crate::domain::key::OwnerSalt;
-use crate::idempotency::fastpath::FastPath;
+use crate::config::{Settings, StoreSettings};
+use crate::idempotency::fastpath::{EntryKeys, FastPath};
 use crate::idempotency::{execute, hold, Runtime, Shared};
 use crate::operations::admin::Admin;
 use crate::operations::console::{self, Console};
@@ -63,7 +63,13 @@ impl Gateway {
         );
         let fastpath = match &settings.redis {
             None => None,
-            Some(fast) => Some(start_fastpath(fast, instance, sealer, &doorbell, &tasks)?),
+            Some(fast) => {
+                let keys = match &settings.replay_keys {
+                    Some(keys) => replay_keys(keys, settings.encryption.as_ref())?,
+                    None => return Err(StartError::ReplayKey("is not configured".into())),
+                };
+                Some(start_fastpath(fast, instance, keys, &doorbell, &tasks)?)
+            }
         };
         let Some(upstreams) = Upstreams::new(&settings.upstreams) else {
             return Err(StoreError::internal("no upstream configured").into());
@@ -160,40 +166,6 @@ impl Gateway {
     }
 }
 
-/// The owner salt: configured, or (embedded store) kept in a file beside
-/// the database, made on first start with 32 random bytes, readable by
-/// this user only.
-fn owner_salt(setting: &OwnerSaltSetting) -> Result<OwnerSalt, StartError> {
-    use base64::Engine;
-    let path = match setting {
-        OwnerSaltSetting::Given(bytes) => return Ok(OwnerSalt::new(bytes)),
-        OwnerSaltSetting::BesideStore(path) => path,
-    };
-    let engine = base64::engine::general_purpose::STANDARD;
-    let unusable = |why: String| StartError::OwnerSalt(format!("{}: {why}", path.display()));
-    match std::fs::read_to_string(path) {
-        Ok(text) => {
-            let bytes = engine
-                .decode(text.trim())
-                .map_err(|e| unusable(e.to_string()))?;
-            return Ok(OwnerSalt::new(&bytes));
-        }
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(unusable(e.to_string())),
-        Err(_) => {}
-    }
-    let mut bytes = [0u8; 32];
-    aes_gcm::aead::rand_core::RngCore::fill_bytes(&mut aes_gcm::aead::OsRng, &mut bytes);
-    let mut file = std::fs::OpenOptions::new();
-    file.write(true).create_new(true);
-    #[cfg(unix)]
-    std::os::unix::fs::OpenOptionsExt::mode(&mut file, 0o600);
-    let mut file = file.open(path).map_err(|e| unusable(e.to_string()))?;
-    std::io::Write::write_all(&mut file, engine.encode(bytes).as_bytes())
-        .map_err(|e| unusable(e.to_string()))?;
-    tracing::info!(path = %path.display(), "owner digests are salted with a new secret kept beside the embedded store");
-    Ok(OwnerSalt::new(&bytes))
-}
-
 /// Says at start-up what allowing anonymous owners means, naming the
 /// routes (`docs/design.md` §15).
 fn warn_of_anonymous_owners(settings: &Settings) {
@@ -248,11 +220,12 @@ pub fn idempotency_config(settings: &Settings) -> crate::idempotency::Config {
     }
 }
 
-/// The Redis fast path, with its announcer and listener.
+/// The Redis fast path, with its announcer and listener; its entries
+/// authenticated with `keys`.
 fn start_fastpath(
     settings: &crate::config::RedisSettings,
     instance: Uuid,
-    sealer: Option<Arc<Sealer>>,
+    keys: EntryKeys,
     doorbell: &Arc<Doorbell>,
     tasks: &Supervisor,
 ) -> Result<Arc<FastPath>, StartError> {
@@ -260,7 +233,8 @@ fn start_fastpath(
     // provider: name the gateway's (ring), so that another crate enabling a
     // second provider cannot leave it without one (docs/design.md §16).
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let fast = FastPath::new(settings.clone(), instance, sealer).map_err(StartError::Redis)?;
+    let fast =
+        FastPath::new(settings.clone(), instance, Arc::new(keys)).map_err(StartError::Redis)?;
     let fast = Arc::new(fast);
     let (changes, announced) = tokio::sync::mpsc::unbounded_channel();
     doorbell.announce_to(changes);

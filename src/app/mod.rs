@@ -2,6 +2,7 @@
 //! (`stack`), and the two listeners.
 
 mod components;
+mod secrets;
 mod stack;
 
 use tokio::net::TcpListener;
@@ -35,6 +36,9 @@ pub enum StartError {
     /// The owner salt beside the embedded store is unusable.
     #[error("the owner salt file {0}; fix or remove it, or set IDEMGATE_OWNER_SALT")]
     OwnerSalt(String),
+    /// The replay key cannot be had.
+    #[error("replay_key: the replay key {0}; fix or remove the file, set IDEMGATE_REPLAY_KEY, or configure [encryption] to derive it")]
+    ReplayKey(String),
 }
 
 /// Runs a gateway until `shutdown` is cancelled, then drains and returns.

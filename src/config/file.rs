@@ -9,7 +9,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::contracts::ContractFile;
-use super::trust::{ClientFile, OwnerFile};
+use super::trust::{ClientFile, OwnerFile, SecretFile};
 use super::{bad, ConfigError};
 
 /// The TOML file. See `config/idemgate.example.toml` for every key.
@@ -34,6 +34,9 @@ pub struct FileConfig {
     pub(super) redis_ca_file: Option<PathBuf>,
     pub(super) redis_client_cert: Option<PathBuf>,
     pub(super) redis_client_key: Option<PathBuf>,
+    pub(super) replay_key: Option<SecretFile>,
+    #[serde(default)]
+    pub(super) replay_previous_keys: Vec<SecretFile>,
     #[serde(default, with = "humantime_serde")]
     pub(super) upstream_timeout: Option<Duration>,
     #[serde(default, with = "humantime_serde")]

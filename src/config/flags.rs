@@ -101,6 +101,25 @@ pub struct Flags {
     /// The private key of `--redis-client-cert` (PEM).
     #[arg(long, env = "IDEMGATE_REDIS_CLIENT_KEY", value_name = "FILE")]
     pub redis_client_key: Option<PathBuf>,
+    /// The secret replay entries in Redis are authenticated with (base64,
+    /// 32 bytes or more; every replica the same): `openssl rand -base64 32`.
+    #[arg(
+        long,
+        env = "IDEMGATE_REPLAY_KEY",
+        value_name = "BASE64",
+        hide_env_values = true
+    )]
+    pub replay_key: Option<String>,
+    /// Earlier replay keys that still verify entries they wrote (rotation);
+    /// repeat it (or separate with commas in the variable).
+    #[arg(
+        long = "replay-previous-key",
+        env = "IDEMGATE_REPLAY_PREVIOUS_KEYS",
+        value_name = "BASE64",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub replay_previous_keys: Vec<String>,
     /// Silence after which an attempt's outcome is unknown (e.g. 30s).
     #[arg(long, env = "IDEMGATE_UPSTREAM_TIMEOUT", value_name = "DURATION", value_parser = humantime::parse_duration)]
     pub upstream_timeout: Option<Duration>,

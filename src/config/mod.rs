@@ -19,6 +19,7 @@ pub mod file;
 pub mod flags;
 pub mod libpq;
 pub mod redis;
+pub mod replay;
 pub mod routes;
 pub mod store;
 pub mod tls;
@@ -39,6 +40,7 @@ pub use file::FileConfig;
 pub use flags::{Cli, Command, Flags};
 pub use libpq::{PgTls, PgUrl, SslMode};
 pub use redis::{RedisSettings, Topology};
+pub use replay::{ReplayKeySettings, ReplayKeySource};
 pub use routes::Route;
 pub use store::{PgSettings, StoreSettings};
 pub use trust::{Clients, OwnerRule, OwnerSource, TrustedProxies};
@@ -89,6 +91,8 @@ pub struct Settings {
     pub store: StoreSettings,
     /// The Redis fast path, when configured.
     pub redis: Option<RedisSettings>,
+    /// The keys Redis replay entries are authenticated with (with Redis).
+    pub replay_keys: Option<ReplayKeySettings>,
     /// Silence after which an attempt's outcome is unknown.
     pub upstream_timeout: Duration,
     /// After this long an attempt is abandoned, answer or not.
@@ -242,6 +246,7 @@ impl Settings {
     /// Merges parsed sources, flags winning, and validates.
     pub fn from_sources(mut file: FileConfig, flags: Flags) -> Result<Settings, ConfigError> {
         let store = store::store_settings(&file, &flags)?;
+        let replay_keys = replay::settings(&file, &flags, &store)?;
         let timings = timings(&file, &flags)?;
         let trust = trust(&mut file, &flags, &store)?;
         let (upstreams, contracts, routes) =
@@ -262,6 +267,7 @@ impl Settings {
             upstreams,
             store,
             redis: redis_settings(&file, &flags)?,
+            replay_keys,
             upstream_timeout: timings.upstream_timeout,
             attempt_deadline: timings.attempt_deadline,
             hold_timeout: timings.hold_timeout,

@@ -133,6 +133,18 @@ fn zero() {
     for result in ["hit", "miss", "invalid", "error"] {
         metrics::counter!("idemgate_fastpath_lookups_total", "result" => result).absolute(0);
     }
+    // The reasons of `fastpath::Rejection` (docs/design.md §17); telemetry
+    // sits below the layer that defines them, so they are named here.
+    for reason in [
+        "malformed",
+        "version",
+        "unknown_key",
+        "forged",
+        "plaintext",
+        "truncated",
+    ] {
+        metrics::counter!("idemgate_replay_entries_rejected_total", "reason" => reason).absolute(0);
+    }
     for outcome in ["replayed", "executed", "problem", "passed_through"] {
         for status in ["2xx", "4xx", "5xx"] {
             metrics::counter!("idemgate_requests_total", "outcome" => outcome, "status" => status)

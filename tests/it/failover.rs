@@ -242,7 +242,7 @@ async fn a_response_breaking_the_contract_is_rejected_and_the_next_upstream_trie
     let gateway = chat_gateway(&store, &a.url(), &b.url(), "").start().await;
     probed(&gateway, "b", true).await;
     for (drift, why) in [
-        (Drift::ExtraKey, "provider_debug"),
+        (Drift::WrongType, "/created"),
         (Drift::MissingField, "choices"),
         (Drift::Prose, "not JSON"),
     ] {
@@ -468,7 +468,7 @@ async fn provider_credentials_come_from_the_environment_not_the_client() {
 async fn verify_providers_prints_a_table_and_fails_on_drift() {
     let store = TestStore::embedded();
     let a = Provider::start("a", Drift::None, Timing::Now).await;
-    let b = Provider::start("b", Drift::ExtraKey, Timing::Now).await;
+    let b = Provider::start("b", Drift::WrongType, Timing::Now).await;
     let out = chat_gateway(&store, &a.url(), &b.url(), "")
         .run("verify-providers")
         .await;
@@ -483,7 +483,7 @@ async fn verify_providers_prints_a_table_and_fails_on_drift() {
     };
     assert!(row("a ").contains("pass"), "{table}");
     assert!(
-        row("b ").contains("FAIL") && row("b ").contains("provider_debug"),
+        row("b ").contains("FAIL") && row("b ").contains("/created"),
         "{table}"
     );
 

@@ -9,27 +9,15 @@ use std::time::{Duration, SystemTime};
 use futures_util::future::join_all;
 use idemgate::domain::fingerprint::Fingerprint;
 use idemgate::domain::id::JobId;
-use idemgate::domain::key::{IdempotencyKey, Owner};
-use idemgate::idempotency::fastpath::{self, Binding, Entry};
+use idemgate::idempotency::fastpath::Entry;
 
+use crate::support::entries::{self, redis_key, suite_keys};
 use crate::support::{eventually, post, FakeUpstream, Gateway, TestStore, ThrowawayRedis};
 
 const WAIT: Duration = Duration::from_secs(10);
 
-fn binding(key: &str) -> Binding {
-    Binding::of(&Owner::anonymous(), &IdempotencyKey::new(key).unwrap())
-}
-
-fn redis_key(key: &str) -> String {
-    fastpath::redis_key(
-        &binding(key),
-        &Owner::anonymous(),
-        &IdempotencyKey::new(key).unwrap(),
-    )
-}
-
 fn decode(bytes: &[u8], key: &str) -> Option<Entry> {
-    fastpath::decode(bytes, &binding(key), SystemTime::now())
+    entries::decode(bytes, key, &suite_keys()).ok()
 }
 
 async fn cached(redis: &ThrowawayRedis, key: &str) -> Entry {
@@ -270,7 +258,7 @@ async fn corrupt_and_stale_entries_are_ignored_and_repaired() {
             body: bytes::Bytes::from_static(b"stale"),
         }),
     };
-    let bytes = fastpath::encode(&stale, &binding("stale"));
+    let bytes = entries::encode(&stale, "stale", &suite_keys());
     redis.set(&redis_key("stale"), &bytes).await;
     let replay = post(&url, "stale", "{}").await;
     assert_eq!(replay.status, 200);

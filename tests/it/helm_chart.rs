@@ -214,6 +214,53 @@ fn values_that_cannot_work_are_refused_at_install_naming_the_fix() {
     assert!(scaled.is_err(), "autoscaling the embedded store rendered");
 }
 
+/// The replay key (`docs/design.md` §17): the chart makes one, 32 bytes or
+/// more, beside the owner salt, unless a Secret of the operator's is named.
+#[test]
+fn the_chart_makes_a_replay_key_unless_one_is_named() {
+    use base64::Engine;
+    let file = example("deployment-postgres-redis.yaml");
+    let env_of = |m: &Manifest, name: &str| -> Value {
+        let container = &m.one("Deployment")["spec"]["template"]["spec"]["containers"][0];
+        container["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == name)
+            .unwrap_or_else(|| panic!("no {name}"))["valueFrom"]["secretKeyRef"]
+            .clone()
+    };
+    let made = chart::render(&chart::chart(), &[&file], &[]).unwrap();
+    let reference = env_of(&made, "IDEMGATE_REPLAY_KEY");
+    assert_eq!(reference["key"], "replay-key");
+    let secret = made
+        .all("Secret")
+        .into_iter()
+        .find(|s| s["metadata"]["name"] == reference["name"])
+        .expect("the chart's Secret");
+    let key = secret["stringData"]["replay-key"].as_str().unwrap();
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(key)
+        .unwrap();
+    assert!(bytes.len() >= 32, "{} bytes", bytes.len());
+    assert_ne!(
+        secret["stringData"]["owner-salt"], secret["stringData"]["replay-key"],
+        "one secret per purpose"
+    );
+
+    let named = chart::render(
+        &chart::chart(),
+        &[&file],
+        &[("replayKey.existingSecret", "mine")],
+    )
+    .unwrap();
+    assert_eq!(env_of(&named, "IDEMGATE_REPLAY_KEY")["name"], "mine");
+    assert!(named
+        .all("Secret")
+        .iter()
+        .all(|s| s["stringData"]["replay-key"].is_null()));
+}
+
 #[test]
 fn the_worked_example_runs_idemgate_as_a_native_sidecar_behind_the_apps_service() {
     let m = chart::render(&sidecar_app(), &[], &[]).unwrap();

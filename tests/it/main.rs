@@ -30,6 +30,7 @@ mod readme;
 mod real_clients;
 mod redis_deployments;
 mod redis_tls;
+mod replay_entries;
 mod state_machine_props;
 mod store_conformance;
 mod streaming;

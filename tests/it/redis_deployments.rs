@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use futures_util::future::join_all;
 use idemgate::domain::id::JobId;
@@ -36,8 +36,8 @@ fn redis_key(k: &str) -> String {
 }
 
 fn cached(bytes: Option<Vec<u8>>, k: &str) -> bool {
-    let binding = Binding::of(&owner(), &key(k));
-    bytes.is_some_and(|b| fastpath::decode(&b, &binding, SystemTime::now()).is_some())
+    let keys = crate::support::entries::suite_keys();
+    bytes.is_some_and(|b| crate::support::entries::decode(&b, k, &keys).is_ok())
 }
 
 /// A replica whose replays go to Redis (its memory of answers is off).

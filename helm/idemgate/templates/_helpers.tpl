@@ -100,6 +100,8 @@ env:
 {{- end }}
   - name: IDEMGATE_OWNER_SALT
     valueFrom: { secretKeyRef: { name: {{ .Values.ownerSalt.existingSecret | default (include "idemgate.fullname" .) }}, key: {{ .Values.ownerSalt.key }} } }
+  - name: IDEMGATE_REPLAY_KEY
+    valueFrom: { secretKeyRef: { name: {{ .Values.replayKey.existingSecret | default (include "idemgate.fullname" .) }}, key: {{ .Values.replayKey.key }} } }
 {{- with include "idemgate.secretName" (list . "admin") }}
   - name: IDEMGATE_ADMIN_TOKEN
     valueFrom: { secretKeyRef: { name: {{ . }}, key: {{ $.Values.admin.key }} } }

@@ -1,11 +1,14 @@
 //! What the fast path keeps in Redis, and under which keys: replay entries
-//! (validated on the way back) and the names of mirrored streams.
+//! (authenticated, and verified on the way back: `docs/design.md` §17) and
+//! the names of mirrored streams.
 
+use std::borrow::Cow;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
 
+use super::keys::{EntryKeys, Fields, Rejection, HEAD_LEN};
 use crate::domain::fingerprint::Fingerprint;
 use crate::domain::id::JobId;
 use crate::domain::job::EXPIRY_MARGIN;
@@ -13,9 +16,7 @@ use crate::domain::key::{IdempotencyKey, Owner};
 use crate::domain::response::StoredResponse;
 use crate::store::codec::{decode_headers, encode_headers};
 
-const MAGIC: &[u8; 4] = b"IGR1";
-
-/// A cached entry, validated.
+/// A cached entry, verified.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Entry {
     /// The job it replays.
@@ -31,7 +32,7 @@ pub struct Entry {
 /// The hash tag every Redis key of one `(owner, key)` carries, so that on a
 /// Redis Cluster its replay entry and the stream its answer is mirrored on
 /// live in one slot (on one shard, failing over together): the first 8
-/// bytes of the digest that binds entries, in hex. Braces never occur in it,
+/// bytes of the digest of `(owner, key)`, in hex. Braces never occur in it,
 /// and it comes first, so whatever the key holds cannot move the slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Tag([u8; 8]);
@@ -49,8 +50,10 @@ impl std::fmt::Display for Tag {
     }
 }
 
-/// The digest that binds an entry to the `(owner, key)` it was written for,
-/// and whose first bytes are its [`Tag`]: computed once per lookup or write.
+/// The SHA-256 of an `(owner, key)`, whose first bytes are its [`Tag`]:
+/// computed once per lookup or write. It names Redis keys and proves
+/// nothing (anyone can compute it): entries are authenticated by their tag
+/// under the replay key (`docs/design.md` §17).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Binding([u8; 32]);
 
@@ -83,185 +86,154 @@ pub fn stream_key(tag: &Tag, job: JobId) -> String {
     format!("idemgate:{{{tag}}}:stream:{job}")
 }
 
-/// The entry for an `(owner, key)`: `IGR1 | binding 32 | job 16 |
-/// fingerprint 32 | expires ms 8 | kind 1 | [status 2 | headers len 4 |
-/// headers | body] | checksum 8`, where the binding ties it to that `(owner,
-/// key)`.
-pub fn encode(entry: &Entry, binding: &Binding) -> Vec<u8> {
-    let mut out = Vec::with_capacity(128);
+/// Entries of this format start with these bytes; any other `IGR` entry was
+/// written by another release.
+const MAGIC: &[u8; 4] = b"IGR2";
+/// The fixed part after the record's head: job 16, fingerprint 32, expires
+/// ms 8, kind 1, status 2.
+const META_LEN: usize = 16 + 32 + 8 + 1 + 2;
+
+/// The entry for an `(owner, key)` (`docs/design.md` §17): `IGR2 | mode 1 |
+/// key id 8 | job 16 | fingerprint 32 | expires ms 8 | kind 1 | status 2 |
+/// payload | trailer`, the payload being `headers len 4 | headers | body`
+/// for an inline answer (kind 1) and empty for one kept by reference (kind
+/// 0), in the clear with an HMAC or sealed (see [`keys`](super::keys)). The
+/// tag covers the format, mode and key id, the owner and key (never written
+/// in the entry: the reader brings its own), and every field after them.
+pub fn encode(entry: &Entry, owner: &Owner, key: &IdempotencyKey, keys: &EntryKeys) -> Vec<u8> {
+    let response = entry.response.as_ref();
+    let body = response.map_or(0, |r| r.body.len());
+    let mut out = Vec::with_capacity(128 + body);
     out.extend_from_slice(MAGIC);
-    out.extend_from_slice(&binding.0);
-    out.extend_from_slice(entry.job.0.as_bytes());
-    out.extend_from_slice(&entry.fingerprint.0);
+    out.extend_from_slice(&keys.head());
+    let meta = meta(entry);
+    out.extend_from_slice(&meta);
+    let start = out.len();
+    if let Some(r) = response {
+        let headers = encode_headers(&r.headers);
+        out.extend_from_slice(&(headers.len() as u32).to_be_bytes());
+        out.extend_from_slice(&headers);
+        out.extend_from_slice(&r.body);
+    }
+    let bound = bound(&out[MAGIC.len()..][..HEAD_LEN], owner, key, &meta);
+    keys.protect(bound.bytes(), &mut out, start);
+    out
+}
+
+/// Job, fingerprint, expiry, kind and status, as laid out in an entry.
+fn meta(entry: &Entry) -> [u8; META_LEN] {
+    let mut meta = [0; META_LEN];
+    meta[..16].copy_from_slice(entry.job.0.as_bytes());
+    meta[16..48].copy_from_slice(&entry.fingerprint.0);
     let ms = entry
         .expires_at
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0);
-    out.extend_from_slice(&ms.to_be_bytes());
-    match &entry.response {
-        None => out.push(0),
-        Some(r) => {
-            out.push(1);
-            out.extend_from_slice(&r.status.to_be_bytes());
-            let headers = encode_headers(&r.headers);
-            out.extend_from_slice(&(headers.len() as u32).to_be_bytes());
-            out.extend_from_slice(&headers);
-            out.extend_from_slice(&r.body);
-        }
+    meta[48..56].copy_from_slice(&ms.to_be_bytes());
+    if let Some(r) = &entry.response {
+        meta[56] = 1;
+        meta[57..].copy_from_slice(&r.status.to_be_bytes());
     }
-    let checksum = Sha256::digest(&out);
-    out.extend_from_slice(&checksum[..8]);
-    out
+    meta
 }
 
-/// Reads an entry back, refusing anything corrupt, written for another
-/// `(owner, key)` than `binding`'s, or within the expiry margin at `now`.
-pub fn decode(bytes: &[u8], binding: &Binding, now: SystemTime) -> Option<Entry> {
-    let (payload, checksum) = bytes.split_at_checked(bytes.len().checked_sub(8)?)?;
-    if Sha256::digest(payload)[..8] != *checksum {
-        return None;
+/// What an entry's tag covers besides its payload, each field on its own.
+fn bound(head: &[u8], owner: &Owner, key: &IdempotencyKey, meta: &[u8; META_LEN]) -> Fields {
+    let mut fields = Fields::new(MAGIC);
+    fields
+        .push(head)
+        .push(owner.as_str().as_bytes())
+        .push(key.as_str().as_bytes())
+        .push(&meta[..16])
+        .push(&meta[16..48])
+        .push(&meta[48..56])
+        .push(&meta[56..57])
+        .push(&meta[57..]);
+    fields
+}
+
+/// Why an entry read from Redis is not used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unusable {
+    /// It is not believed (counted and logged: see [`Rejection`]).
+    Rejected(Rejection),
+    /// It is genuine but its job expires within the margin.
+    Expiring,
+}
+
+impl From<Rejection> for Unusable {
+    fn from(r: Rejection) -> Self {
+        Unusable::Rejected(r)
     }
-    let rest = payload.strip_prefix(MAGIC)?;
-    let (written_for, rest) = rest.split_at_checked(32)?;
-    if written_for != binding.0 {
-        return None;
+}
+
+/// Reads the entry Redis holds for `(owner, key)` back, believing it only
+/// if its tag verifies for them under one of `keys` (and, with sealing on,
+/// only if it is sealed); a genuine entry within the expiry margin at `now`
+/// is not used either. An inline body in the clear is a slice of `bytes`.
+pub fn decode(
+    bytes: Bytes,
+    owner: &Owner,
+    key: &IdempotencyKey,
+    keys: &EntryKeys,
+    now: SystemTime,
+) -> Result<Entry, Unusable> {
+    let rest = match bytes.strip_prefix(MAGIC) {
+        Some(rest) => rest,
+        None if bytes.starts_with(&MAGIC[..3]) => return Err(Rejection::Version.into()),
+        None => return Err(Rejection::Malformed.into()),
+    };
+    let (head, rest) = rest
+        .split_at_checked(HEAD_LEN)
+        .ok_or(Rejection::Malformed)?;
+    let reader = keys.reader(head)?;
+    let (meta, protected) = rest
+        .split_at_checked(META_LEN)
+        .ok_or(Rejection::Malformed)?;
+    let meta: &[u8; META_LEN] = meta.try_into().map_err(|_| Rejection::Malformed)?;
+    let payload = reader.open(bound(head, owner, key, meta).bytes(), protected)?;
+    let entry = read(meta, payload, &bytes).ok_or(Rejection::Malformed)?;
+    if entry
+        .expires_at
+        .checked_sub(EXPIRY_MARGIN)
+        .is_none_or(|t| t <= now)
+    {
+        return Err(Unusable::Expiring);
     }
-    let (job, rest) = rest.split_at_checked(16)?;
-    let (fingerprint, rest) = rest.split_at_checked(32)?;
-    let (ms, rest) = rest.split_at_checked(8)?;
-    let expires_at = UNIX_EPOCH + Duration::from_millis(u64::from_be_bytes(ms.try_into().ok()?));
-    if expires_at.checked_sub(EXPIRY_MARGIN)? <= now {
-        return None;
-    }
-    let (&kind, rest) = rest.split_first()?;
-    let response = match kind {
-        0 if rest.is_empty() => None,
+    Ok(entry)
+}
+
+/// The entry a verified `meta` and payload make; `whole` is the record the
+/// payload may be a slice of.
+fn read(meta: &[u8; META_LEN], payload: Cow<'_, [u8]>, whole: &Bytes) -> Option<Entry> {
+    let ms = u64::from_be_bytes(meta[48..56].try_into().ok()?);
+    let response = match meta[56] {
+        0 if payload.is_empty() => None,
         1 => {
-            let (status, rest) = rest.split_at_checked(2)?;
-            let (len, rest) = rest.split_at_checked(4)?;
+            let (len, rest) = payload.split_at_checked(4)?;
             let len = u32::from_be_bytes(len.try_into().ok()?) as usize;
             let (headers, body) = rest.split_at_checked(len)?;
+            let headers = decode_headers(headers)?;
+            let body = match &payload {
+                Cow::Borrowed(_) => whole.slice_ref(body),
+                Cow::Owned(_) => Bytes::copy_from_slice(body),
+            };
             Some(StoredResponse {
-                status: u16::from_be_bytes(status.try_into().ok()?),
-                headers: decode_headers(headers)?,
-                body: Bytes::copy_from_slice(body),
+                status: u16::from_be_bytes(meta[57..].try_into().ok()?),
+                headers,
+                body,
             })
         }
         _ => return None,
     };
     Some(Entry {
-        job: JobId(uuid::Uuid::from_slice(job).ok()?),
-        fingerprint: Fingerprint::from_slice(fingerprint)?,
-        expires_at,
+        job: JobId(uuid::Uuid::from_slice(&meta[..16]).ok()?),
+        fingerprint: Fingerprint::from_slice(&meta[16..48])?,
+        expires_at: UNIX_EPOCH + Duration::from_millis(ms),
         response,
     })
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn entry(response: Option<StoredResponse>) -> Entry {
-        Entry {
-            job: JobId::new(),
-            fingerprint: Fingerprint([3; 32]),
-            // Whole milliseconds, as stored.
-            expires_at: UNIX_EPOCH
-                + Duration::from_millis(
-                    SystemTime::now()
-                        .duration_since(UNIX_EPOCH)
-                        .unwrap()
-                        .as_millis() as u64
-                        + 3_600_000,
-                ),
-            response,
-        }
-    }
-
-    fn at() -> (Owner, IdempotencyKey) {
-        (Owner::anonymous(), IdempotencyKey::new("k").unwrap())
-    }
-
-    #[test]
-    fn entries_round_trip_inline_and_by_reference() {
-        let (o, k) = at();
-        let inline = entry(Some(StoredResponse {
-            status: 201,
-            headers: vec![("x-a".into(), Bytes::from_static(b"1"))],
-            body: Bytes::from_static(b"\x00body\xff"),
-        }));
-        assert_eq!(
-            decode(
-                &encode(&inline, &Binding::of(&o, &k)),
-                &Binding::of(&o, &k),
-                SystemTime::now()
-            ),
-            Some(inline)
-        );
-        let reference = entry(None);
-        assert_eq!(
-            decode(
-                &encode(&reference, &Binding::of(&o, &k)),
-                &Binding::of(&o, &k),
-                SystemTime::now()
-            ),
-            Some(reference)
-        );
-    }
-
-    #[test]
-    fn corrupt_misplaced_or_expiring_entries_are_refused() {
-        let (o, k) = at();
-        let now = SystemTime::now();
-        let e = entry(None);
-        let mut bytes = encode(&e, &Binding::of(&o, &k));
-        let other = IdempotencyKey::new("other").unwrap();
-        assert!(
-            decode(&bytes, &Binding::of(&o, &other), now).is_none(),
-            "another key's entry"
-        );
-        bytes[40] ^= 1;
-        assert!(
-            decode(&bytes, &Binding::of(&o, &k), now).is_none(),
-            "flipped bit"
-        );
-        assert!(decode(b"garbage", &Binding::of(&o, &k), now).is_none());
-        assert!(decode(b"", &Binding::of(&o, &k), now).is_none());
-        let later = now + Duration::from_secs(3600);
-        assert!(
-            decode(
-                &encode(&e, &Binding::of(&o, &k)),
-                &Binding::of(&o, &k),
-                later
-            )
-            .is_none(),
-            "past its expiry margin"
-        );
-    }
-
-    mod props {
-        use super::super::*;
-        use super::{at, entry};
-        use proptest::prelude::*;
-
-        proptest! {
-            /// Whatever Redis holds, reading it never panics (a panic fails the test).
-            #[test]
-            fn any_bytes_decode_or_are_refused(bytes in proptest::collection::vec(any::<u8>(), 0..400)) {
-                let (o, k) = at();
-                let _ = decode(&bytes, &Binding::of(&o, &k), SystemTime::now());
-            }
-
-            #[test]
-            fn a_flipped_byte_is_always_refused(index in any::<prop::sample::Index>(), flip in 1..=255u8) {
-                let (o, k) = at();
-                let e = entry(Some(StoredResponse { status: 200, headers: vec![], body: Bytes::from_static(b"body") }));
-                let mut bytes = encode(&e, &Binding::of(&o, &k));
-                let i = index.index(bytes.len());
-                bytes[i] ^= flip;
-                prop_assert!(decode(&bytes, &Binding::of(&o, &k), SystemTime::now()).is_none());
-            }
-        }
-    }
-}
+mod tests;

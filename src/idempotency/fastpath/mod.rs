@@ -9,10 +9,12 @@
 //!   `INSERT … ON CONFLICT`).
 //! - An entry is written after a commit, and again whenever the store path
 //!   replays a job (which repairs entries lost to a flush or found corrupt).
-//! - An entry names its job, the request fingerprint, the `(owner, key)` it
-//!   was written for and the job's expiry, and carries a checksum. A corrupt,
-//!   misplaced or nearly expired entry is ignored. A fingerprint that differs
-//!   is not answered from here: the store confirms the 409 (or finds the entry
+//! - An entry names its job, the request fingerprint and the job's expiry,
+//!   and is authenticated under the replay key for the `(owner, key)` it was
+//!   written for (`docs/design.md` §17; sealed with `[encryption]`). One that
+//!   does not verify is a miss, counted and logged, never served or kept in
+//!   memory; a nearly expired one is ignored. A fingerprint that differs is
+//!   not answered from here: the store confirms the 409 (or finds the entry
 //!   stale, replays, and repairs it).
 //! - Small responses are kept inline; larger ones (over `redis_inline_max`)
 //!   as a reference to the job, read back by its primary key.
@@ -24,6 +26,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use bytes::Bytes;
 use futures_util::StreamExt;
 use tokio::sync::mpsc;
 use uuid::Uuid;
@@ -34,18 +37,19 @@ use crate::domain::id::JobId;
 use crate::domain::job::EXPIRY_MARGIN;
 use crate::domain::key::{IdempotencyKey, Owner};
 use crate::domain::response::StoredResponse;
-use crate::store::seal::{self, Sealer};
 use crate::store::Doorbell;
 use crate::BoxError;
 
 mod connection;
 mod contact;
 mod entry;
-mod stream;
+pub mod keys;
+pub mod stream;
 
 use connection::Redis;
 
-pub use entry::{decode, encode, redis_key, stream_key, Binding, Entry, Tag};
+pub use entry::{decode, encode, redis_key, stream_key, Binding, Entry, Tag, Unusable};
+pub use keys::{EntryKeys, Rejection};
 pub use stream::Piece;
 
 /// The pub/sub channel job changes are announced on; the payload is the job id.
@@ -58,8 +62,8 @@ pub enum Lookup {
     Hit(Entry),
     /// Nothing cached.
     Miss,
-    /// Something unusable (corrupt, for another key, about to expire), or
-    /// Redis did not answer in time.
+    /// Something unusable (not believed, about to expire), or Redis did not
+    /// answer in time.
     Unusable,
 }
 
@@ -71,11 +75,14 @@ pub struct FastPath {
     /// When the last outage was logged (ms after `born`, plus a minute so
     /// that the first is).
     warned_at: std::sync::atomic::AtomicU64,
+    /// When the last record not believed was logged (the same way).
+    rejection_warned_at: std::sync::atomic::AtomicU64,
     born: std::time::Instant,
     /// This gateway: announcements carry it, so a replica ignores its own.
     instance: Uuid,
-    /// Seals cached responses as the store seals stored ones.
-    sealer: Option<Arc<Sealer>>,
+    /// Authenticate (and with `[encryption]`, seal) every record written,
+    /// and verify every record read.
+    keys: Arc<EntryKeys>,
     /// Jobs whose entry was written lately: a thousand duplicates released
     /// together write it once, not a thousand times.
     written: std::sync::Mutex<std::collections::HashMap<JobId, std::time::Instant>>,
@@ -87,16 +94,17 @@ impl FastPath {
     pub fn new(
         settings: RedisSettings,
         instance: Uuid,
-        sealer: Option<Arc<Sealer>>,
+        keys: Arc<EntryKeys>,
     ) -> Result<Self, redis::RedisError> {
         Ok(FastPath {
             redis: Redis::new(&settings)?,
             settings,
             healthy: AtomicBool::new(true),
             warned_at: Default::default(),
+            rejection_warned_at: Default::default(),
             born: std::time::Instant::now(),
             instance,
-            sealer,
+            keys,
             written: Default::default(),
         })
     }
@@ -119,24 +127,46 @@ impl FastPath {
             count("miss");
             return Lookup::Miss;
         };
-        let entry = decode(&bytes, &binding, SystemTime::now()).and_then(|mut entry| {
-            if let Some(response) = entry.response.take() {
-                entry.response =
-                    Some(seal::open(self.sealer.as_deref(), entry.job, response).ok()?);
-            }
-            Some(entry)
-        });
-        match entry {
-            Some(entry) => {
+        match decode(
+            Bytes::from(bytes),
+            owner,
+            key,
+            &self.keys,
+            SystemTime::now(),
+        ) {
+            Ok(entry) => {
                 count("hit");
                 Lookup::Hit(entry)
             }
-            None => {
+            Err(Unusable::Expiring) => {
                 count("invalid");
-                tracing::warn!(%owner, key = %key, "ignoring an unusable fast-path entry; the store answers and it is rewritten");
+                Lookup::Unusable
+            }
+            Err(Unusable::Rejected(why)) => {
+                count("invalid");
+                self.rejected::<()>("entry", why);
                 Lookup::Unusable
             }
         }
+    }
+
+    /// Counts a record read from Redis that is not believed, and logs it at
+    /// most once a minute: it is served to nobody, and the store answers.
+    fn rejected<T>(&self, what: &'static str, why: Rejection) -> Option<T> {
+        metrics::counter!("idemgate_replay_entries_rejected_total", "reason" => why.reason())
+            .increment(1);
+        if self.may_warn(&self.rejection_warned_at) {
+            tracing::warn!(
+                record = what,
+                reason = why.reason(),
+                "a {what} in Redis did not verify ({why}) and was not served; the store answers instead. \
+                 Check for a writer to Redis other than this deployment's gateways, and that every replica has \
+                 the same replay keys (replay_key and replay_previous_keys, or the [encryption] keys they are \
+                 derived from) and the same [encryption] setting. Further ones within a minute are only counted, \
+                 in idemgate_replay_entries_rejected_total"
+            );
+        }
+        None
     }
 
     /// Whether `job`'s entry should be written now: not when it was written
@@ -177,15 +207,10 @@ impl FastPath {
             job,
             fingerprint,
             expires_at,
-            response: (response.body.len() <= self.settings.inline_max).then(|| {
-                match &self.sealer {
-                    Some(sealer) => sealer.seal(job, response),
-                    None => response.clone(),
-                }
-            }),
+            response: (response.body.len() <= self.settings.inline_max).then(|| response.clone()),
         };
         let binding = Binding::of(owner, key);
-        let bytes = encode(&entry, &binding);
+        let bytes = encode(&entry, owner, key, &self.keys);
         let mut conn = self.redis.conn();
         let cmd = redis::cmd("SET")
             .arg(redis_key(&binding, owner, key))
@@ -222,7 +247,7 @@ impl FastPath {
             }
             Err(e) => {
                 metrics::counter!("idemgate_fastpath_errors_total").increment(1);
-                if self.healthy.swap(false, Ordering::Relaxed) && self.may_warn() {
+                if self.healthy.swap(false, Ordering::Relaxed) && self.may_warn(&self.warned_at) {
                     tracing::warn!(error = %e, "Redis unavailable; serving from the store alone (further failures within a minute are only counted, in idemgate_fastpath_errors_total)");
                 }
                 None
@@ -230,14 +255,13 @@ impl FastPath {
         }
     }
 
-    /// Whether a minute has passed since the last warning (and if so, notes
-    /// this one).
-    fn may_warn(&self) -> bool {
+    /// Whether a minute has passed since the last warning noted in
+    /// `warned_at` (and if so, notes this one).
+    fn may_warn(&self, warned_at: &std::sync::atomic::AtomicU64) -> bool {
         let now = self.born.elapsed().as_millis() as u64 + 60_000;
-        let last = self.warned_at.load(Ordering::Relaxed);
+        let last = warned_at.load(Ordering::Relaxed);
         now >= last + 60_000
-            && self
-                .warned_at
+            && warned_at
                 .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
     }

@@ -1,5 +1,13 @@
 //! Streamed answers mirrored on Redis Streams, so that duplicates on other
 //! replicas join them live.
+//!
+//! Every part of a mirrored stream is a record authenticated as replay
+//! entries are (`docs/design.md` §17), bound to its job, its kind and its
+//! position: the head is part 0, chunk `i` is chunk `i`, and the end
+//! carries the number of chunks before it. So a reader takes chunks only in
+//! order and one after another, never another job's, and believes an end
+//! only when it counts every chunk it read: a stream cut short, reordered
+//! or spliced is never served as complete.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -8,16 +16,38 @@ use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
 
 use super::entry::{stream_key, Tag};
+use super::keys::{EntryKeys, Fields, Rejection, HEAD_LEN};
 use super::FastPath;
 use crate::domain::id::JobId;
 use crate::store::codec::{decode_headers, encode_headers};
 use crate::store::Doorbell;
 use crate::BoxError;
 
-/// Stream entry fields: the head, a chunk, the verdict.
-const HEAD: &str = "h";
-const CHUNK: &str = "c";
-const VERDICT: &str = "e";
+/// The parts of a mirrored stream, each in a Redis Stream entry of its own
+/// under a field that names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    /// Status and headers: position 0.
+    Head,
+    /// The next chunk of the body: chunk `i` at position `i`.
+    Chunk,
+    /// The verdict, at the position of the number of chunks before it.
+    End,
+}
+
+impl Part {
+    /// The Redis Stream field it is written under, which its tag covers.
+    pub fn field(self) -> &'static str {
+        match self {
+            Part::Head => "h",
+            Part::Chunk => "c",
+            Part::End => "e",
+        }
+    }
+}
+
+/// The format of stream records; another is not believed.
+const FORMAT: &[u8; 4] = b"IGS2";
 
 /// A piece of a streamed answer as it is mirrored.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,8 +87,8 @@ impl FastPath {
                 .cmd("XADD")
                 .arg(&key)
                 .arg("*")
-                .arg(HEAD)
-                .arg(fast.seal_bytes(job, &head))
+                .arg(Part::Head.field())
+                .arg(record(&fast.keys, job, Part::Head, 0, &head))
                 .ignore()
                 .cmd("PEXPIRE")
                 .arg(&key)
@@ -74,11 +104,19 @@ impl FastPath {
             }
             doorbell.ring(job);
             let mut pieces = std::pin::pin!(pieces);
+            let mut chunks = 0u64;
             while let Some(piece) = pieces.next().await {
-                let (field, value) = match piece {
-                    Piece::Chunk(chunk) => (CHUNK, fast.seal_bytes(job, &chunk)),
-                    Piece::End { committed } => (VERDICT, verdict(committed).as_bytes().to_vec()),
+                let (part, index, value) = match piece {
+                    Piece::Chunk(chunk) => {
+                        chunks += 1;
+                        (Part::Chunk, chunks - 1, chunk)
+                    }
+                    // The end counts the chunks before it.
+                    Piece::End { committed } => {
+                        (Part::End, chunks, Bytes::from(vec![committed as u8]))
+                    }
                 };
+                let (field, value) = (part.field(), record(&fast.keys, job, part, index, &value));
                 let add = redis::cmd("XADD")
                     .arg(&key)
                     .arg("*")
@@ -110,7 +148,12 @@ impl FastPath {
         let reply: redis::streams::StreamRangeReply =
             self.call(first.query_async(&mut conn)).await?;
         let entry = reply.ids.first()?;
-        let head = self.open_bytes(job, &entry.get::<Vec<u8>>(HEAD)?)?;
+        let found = entry.get::<Vec<u8>>(Part::Head.field())?;
+        let head = match open_record(&self.keys, job, Part::Head, &found) {
+            Ok((0, head)) => head,
+            Ok(_) => return self.rejected("stream", Rejection::Truncated),
+            Err(why) => return self.rejected("stream", why),
+        };
         let (status, headers) = head.split_at_checked(2)?;
         Some((
             u16::from_be_bytes(status.try_into().ok()?),
@@ -120,9 +163,11 @@ impl FastPath {
 
     /// Hands each chunk of the Redis Stream `job`'s answer is mirrored on to
     /// `push`, from the start, until the verdict: whether the answer was
-    /// committed. Fails when Redis fails or nothing arrives for `stall` (the
-    /// replica recording it may have died): the caller then completes the
-    /// answer from the store.
+    /// committed. Fails when Redis fails, nothing arrives for `stall` (the
+    /// replica recording it may have died), or a part does not verify or
+    /// comes out of order (counted as a rejection): the caller then
+    /// completes the answer from the store, which only appends to what was
+    /// pushed, all of it verified.
     pub async fn feed(
         &self,
         tag: &Tag,
@@ -134,6 +179,7 @@ impl FastPath {
         // Blocking reads hold their connection: one of its own.
         let mut conn = self.redis.dedicated().await?;
         let mut last = "0".to_owned();
+        let mut chunks = 0u64;
         let mut quiet_since = tokio::time::Instant::now();
         loop {
             let read = redis::cmd("XREAD")
@@ -154,14 +200,29 @@ impl FastPath {
             for entry in entries {
                 any = true;
                 last = entry.id.clone();
-                if let Some(chunk) = entry.get::<Vec<u8>>(CHUNK) {
-                    let chunk = self
-                        .open_bytes(job, &chunk)
-                        .ok_or("a mirrored chunk does not open")?;
-                    push(Bytes::from(chunk));
-                } else if let Some(end) = entry.get::<String>(VERDICT) {
-                    return Ok(end == verdict(true));
+                let (part, value) = match (
+                    entry.get::<Vec<u8>>(Part::Chunk.field()),
+                    entry.get::<Vec<u8>>(Part::End.field()),
+                ) {
+                    (Some(chunk), _) => (Part::Chunk, chunk),
+                    (None, Some(end)) => (Part::End, end),
+                    // The head (read by `stream_head`), or a field no
+                    // release writes: nothing to take.
+                    (None, None) => continue,
+                };
+                let (index, payload) =
+                    open_record(&self.keys, job, part, &value).map_err(|why| self.refuse(why))?;
+                if index != chunks {
+                    return Err(self.refuse(Rejection::Truncated));
                 }
+                if part == Part::End {
+                    return match payload.as_slice() {
+                        [committed] => Ok(*committed == 1),
+                        _ => Err(self.refuse(Rejection::Malformed)),
+                    };
+                }
+                chunks += 1;
+                push(Bytes::from(payload));
             }
             if any {
                 quiet_since = tokio::time::Instant::now();
@@ -171,36 +232,101 @@ impl FastPath {
         }
     }
 
-    fn seal_bytes(&self, job: JobId, plain: &[u8]) -> Vec<u8> {
-        match &self.sealer {
-            Some(sealer) => {
-                let mut sealed = vec![sealer.active().len() as u8];
-                sealed.extend_from_slice(sealer.active().as_bytes());
-                sealed.extend_from_slice(&sealer.seal_bytes(job, plain));
-                sealed
-            }
-            None => plain.to_vec(),
-        }
-    }
-
-    fn open_bytes(&self, job: JobId, value: &[u8]) -> Option<Vec<u8>> {
-        match &self.sealer {
-            Some(sealer) => {
-                let (&len, rest) = value.split_first()?;
-                let (key, sealed) = rest.split_at_checked(len as usize)?;
-                sealer
-                    .open_bytes(std::str::from_utf8(key).ok()?, job, sealed)
-                    .ok()
-            }
-            None => Some(value.to_vec()),
-        }
+    /// Counts and logs a part of a mirrored stream not believed, and says
+    /// why the copy is completed from the store instead.
+    fn refuse(&self, why: Rejection) -> BoxError {
+        self.rejected::<()>("stream", why);
+        format!("a part of the mirrored stream was not believed ({why})").into()
     }
 }
 
-fn verdict(committed: bool) -> &'static str {
-    if committed {
-        "committed"
-    } else {
-        "cut"
+/// The record of the part at position `index` of `job`'s stream
+/// (`docs/design.md` §17): `IGS2 | mode 1 | key id 8 | index 8 | payload |
+/// trailer`, its tag covering the job, the part and the position.
+pub fn record(keys: &EntryKeys, job: JobId, part: Part, index: u64, payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(FORMAT.len() + HEAD_LEN + 8 + payload.len() + 32);
+    out.extend_from_slice(FORMAT);
+    out.extend_from_slice(&keys.head());
+    out.extend_from_slice(&index.to_be_bytes());
+    let start = out.len();
+    out.extend_from_slice(payload);
+    let bound = bound(&out[FORMAT.len()..][..HEAD_LEN], job, part, index);
+    keys.protect(bound.bytes(), &mut out, start);
+    out
+}
+
+/// The position and payload of a record found as `part` of `job`'s
+/// stream, if it verifies as one.
+pub fn open_record(
+    keys: &EntryKeys,
+    job: JobId,
+    part: Part,
+    record: &[u8],
+) -> Result<(u64, Vec<u8>), Rejection> {
+    let rest = record.strip_prefix(FORMAT).ok_or(Rejection::Version)?;
+    let (head, rest) = rest
+        .split_at_checked(HEAD_LEN)
+        .ok_or(Rejection::Malformed)?;
+    let reader = keys.reader(head)?;
+    let (index, protected) = rest.split_at_checked(8).ok_or(Rejection::Malformed)?;
+    let index = u64::from_be_bytes(index.try_into().map_err(|_| Rejection::Malformed)?);
+    let payload = reader.open(bound(head, job, part, index).bytes(), protected)?;
+    Ok((index, payload.into_owned()))
+}
+
+/// What a stream record's tag covers besides its payload.
+fn bound(head: &[u8], job: JobId, part: Part, index: u64) -> Fields {
+    let mut fields = Fields::new(FORMAT);
+    fields
+        .push(head)
+        .push(job.0.as_bytes())
+        .push(part.field().as_bytes())
+        .push(&index.to_be_bytes());
+    fields
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_opens_only_as_the_part_of_the_job_it_was_written_as() {
+        for sealed in [false, true] {
+            let keys = EntryKeys::new(&[5; 32], [], sealed);
+            let job = JobId::new();
+            let chunk = record(&keys, job, Part::Chunk, 3, b"data: 3\n\n");
+            assert_eq!(
+                open_record(&keys, job, Part::Chunk, &chunk),
+                Ok((3, b"data: 3\n\n".to_vec()))
+            );
+            assert_eq!(
+                open_record(&keys, JobId::new(), Part::Chunk, &chunk),
+                Err(Rejection::Forged),
+                "another job's chunk"
+            );
+            assert_eq!(
+                open_record(&keys, job, Part::End, &chunk),
+                Err(Rejection::Forged),
+                "a chunk passed off as the end"
+            );
+            // Its position moved: the tag covers it.
+            let mut moved = chunk.clone();
+            moved[4 + HEAD_LEN..][..8].copy_from_slice(&4u64.to_be_bytes());
+            assert_eq!(
+                open_record(&keys, job, Part::Chunk, &moved),
+                Err(Rejection::Forged)
+            );
+            let end = record(&keys, job, Part::End, 4, &[1]);
+            let mut recounted = end.clone();
+            recounted[4 + HEAD_LEN..][..8].copy_from_slice(&2u64.to_be_bytes());
+            assert_eq!(
+                open_record(&keys, job, Part::End, &recounted),
+                Err(Rejection::Forged)
+            );
+            assert_eq!(
+                open_record(&keys, job, Part::End, b"committed"),
+                Err(Rejection::Version)
+            );
+        }
     }
 }

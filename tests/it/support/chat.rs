@@ -16,8 +16,8 @@ use super::upstream::{json_response, FakeUpstream, Gate, Recorded};
 pub enum Drift {
     /// Honours the contract.
     None,
-    /// An extra top-level key.
-    ExtraKey,
+    /// `created` a date string, not the integer the contract says.
+    WrongType,
     /// `choices` is missing.
     MissingField,
     /// Prose instead of the JSON-mode answer.
@@ -108,7 +108,7 @@ fn completion(name: &str, r: &Recorded, drift: Drift) -> Response<Full<Bytes>> {
         "usage": {"prompt_tokens": 20, "completion_tokens": 5, "total_tokens": 25}
     });
     match drift {
-        Drift::ExtraKey => body["provider_debug"] = serde_json::json!({"region": "x"}),
+        Drift::WrongType => body["created"] = serde_json::json!("2025-11-24T00:00:00Z"),
         Drift::MissingField => {
             body.as_object_mut().unwrap().remove("choices");
         }

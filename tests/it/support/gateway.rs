@@ -16,13 +16,16 @@ pub const ADMIN_TOKEN: &str = "test-admin-token";
 
 /// What every gateway of the suite runs with, unless a test says otherwise:
 /// one salt for owner digests (replicas on one PostgreSQL must share it),
-/// and keyed requests without credentials allowed (most tests send none;
-/// `owners_required` turns that off, and `owners.rs` tests the default).
-pub const SUITE_ENV: [(&str, &str); 2] = [
+/// one replay key for Redis entries (replicas on one Redis must share it;
+/// `support::entries` reads and forges entries with it), and keyed requests
+/// without credentials allowed (most tests send none; `owners_required`
+/// turns that off, and `owners.rs` tests the default).
+pub const SUITE_ENV: [(&str, &str); 3] = [
     (
         "IDEMGATE_OWNER_SALT",
         "dGhlIHRlc3Qgc3VpdGUncyBvd25lciBzYWx0",
     ),
+    ("IDEMGATE_REPLAY_KEY", super::entries::SUITE_REPLAY_KEY),
     ("IDEMGATE_ALLOW_ANONYMOUS", "true"),
 ];
 
