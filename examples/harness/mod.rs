@@ -101,7 +101,10 @@ impl Gateway {
         .args(extra)
         .env("RUST_LOG", "warn")
         // One owner salt for every replica on the same database.
-        .env("IDEMGATE_OWNER_SALT", "dGhlIGJlbmNobWFyaydzIG93bmVyIHNhbHQ=")
+        .env(
+            "IDEMGATE_OWNER_SALT",
+            "dGhlIGJlbmNobWFyaydzIG93bmVyIHNhbHQ=",
+        )
         .envs(env.iter().copied())
         .env_remove("IDEMGATE_REDIS_URL")
         .stdout(Stdio::piped())

@@ -10,12 +10,13 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::StartError;
-use crate::config::{OwnerSaltSetting, Settings, StoreSettings};
+use crate::config::{BudgetSource, MemoryBudget, OwnerSaltSetting, Settings, StoreSettings};
 use crate::domain::key::OwnerSalt;
 use crate::idempotency::fastpath::FastPath;
 use crate::idempotency::{execute, hold, Runtime, Shared};
 use crate::operations::admin::Admin;
 use crate::operations::console::{self, Console};
+use crate::proxy::budget::Budget;
 use crate::proxy::upstream::Upstreams;
 use crate::store::postgres::Postgres;
 use crate::store::seal::Sealer;
@@ -39,6 +40,8 @@ pub(super) struct Gateway {
     pub(super) upstreams: Upstreams,
     tasks: Supervisor,
     trust: Arc<Trust>,
+    /// The bytes keyed requests may hold (docs/design.md §18).
+    budget: Arc<Budget>,
     /// Stops the background tasks, which outlive the drain (leases are
     /// renewed while open requests finish).
     stop_tasks: CancellationToken,
@@ -77,6 +80,7 @@ impl Gateway {
         let gateway = Gateway {
             instance,
             trust,
+            budget: memory_budget(settings.memory_budget),
             doorbell,
             store,
             fastpath,
@@ -102,6 +106,7 @@ impl Gateway {
                 leases: self.leases.clone(),
                 instance: self.instance,
                 trust: self.trust.clone(),
+                budget: self.budget.clone(),
             },
         ))
     }
@@ -192,6 +197,25 @@ fn owner_salt(setting: &OwnerSaltSetting) -> Result<OwnerSalt, StartError> {
         .map_err(|e| unusable(e.to_string()))?;
     tracing::info!(path = %path.display(), "owner digests are salted with a new secret kept beside the embedded store");
     Ok(OwnerSalt::new(&bytes))
+}
+
+/// The memory budget, its size and where it came from said at start-up.
+fn memory_budget(budget: MemoryBudget) -> Arc<Budget> {
+    let size = bytesize::ByteSize(budget.bytes as u64);
+    match budget.from {
+        BudgetSource::Configured => {
+            tracing::info!(memory_budget = %size, "memory budget as configured")
+        }
+        BudgetSource::Container(limit) => tracing::info!(
+            memory_budget = %size, container_limit = %bytesize::ByteSize(limit),
+            "memory budget: half the container's memory limit"
+        ),
+        BudgetSource::Default => tracing::info!(
+            memory_budget = %size,
+            "memory budget: the default (no container memory limit found; set memory_budget)"
+        ),
+    }
+    Budget::new(budget.bytes)
 }
 
 /// Says at start-up what allowing anonymous owners means, naming the
