@@ -50,6 +50,10 @@ pub(super) struct Gateway {
 impl Gateway {
     /// Opens the store, starts the fast path and the upkeep tasks.
     pub(super) async fn start(settings: &Settings) -> Result<Gateway, StartError> {
+        // The recorder first: a component that looks its metrics' handles
+        // up once (the budget's, the shedding's gauges) would otherwise
+        // hold handles that record nothing.
+        let _ = telemetry::metrics();
         let instance = Uuid::new_v4();
         let doorbell = Arc::new(Doorbell::default());
         let stop_tasks = CancellationToken::new();
@@ -201,13 +205,13 @@ fn owner_salt(setting: &OwnerSaltSetting) -> Result<OwnerSalt, StartError> {
 
 /// The memory budget, its size and where it came from said at start-up.
 fn memory_budget(budget: MemoryBudget) -> Arc<Budget> {
-    let size = bytesize::ByteSize(budget.bytes as u64);
+    let size = bytesize::ByteSize(budget.bytes as u64).to_string_as(true);
     match budget.from {
         BudgetSource::Configured => {
             tracing::info!(memory_budget = %size, "memory budget as configured")
         }
         BudgetSource::Container(limit) => tracing::info!(
-            memory_budget = %size, container_limit = %bytesize::ByteSize(limit),
+            memory_budget = %size, container_limit = %bytesize::ByteSize(limit).to_string_as(true),
             "memory budget: half the container's memory limit"
         ),
         BudgetSource::Default => tracing::info!(

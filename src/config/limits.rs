@@ -120,7 +120,7 @@ pub(super) fn memory_budget(
             BudgetSource::Configured => "it".to_owned(),
             BudgetSource::Container(limit) => format!(
                 "the budget sized from the container's memory limit ({}, halved)",
-                bytesize::ByteSize(limit)
+                bytesize::ByteSize(limit).to_string_as(true)
             ),
             BudgetSource::Default => "the default budget".to_owned(),
         };
@@ -129,9 +129,9 @@ pub(super) fn memory_budget(
             format!(
                 "{why} ({}) is smaller than the body_limit of route {:?} ({}): such a request could never be taken; \
                  set memory_budget at least that large (or give the container more memory), or lower the route's body_limit",
-                bytesize::ByteSize(budget.bytes as u64),
+                bytesize::ByteSize(budget.bytes as u64).to_string_as(true),
                 route.name,
-                bytesize::ByteSize(route.body_limit as u64),
+                bytesize::ByteSize(route.body_limit as u64).to_string_as(true),
             ),
         ));
     }
@@ -194,6 +194,76 @@ fn along<'a>(root: &'a Path, path: &'a str, file: &'a str) -> impl Iterator<Item
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Settings;
+
+    fn settings(toml: &str) -> Result<Settings, ConfigError> {
+        let flags = Flags {
+            upstreams: vec!["http://127.0.0.1:8000".into()],
+            ..Flags::default()
+        };
+        Settings::from_sources(Settings::parse_file(toml)?, flags)
+    }
+
+    #[test]
+    fn the_budget_is_as_configured_else_half_the_container_else_the_default() {
+        let s = settings("memory_budget = \"64 MiB\"").unwrap();
+        assert_eq!(s.memory_budget.bytes, 64 << 20);
+        assert_eq!(s.memory_budget.from, BudgetSource::Configured);
+        let (file, flags) = (FileConfig::default(), Flags::default());
+        let sized = memory_budget(&file, &flags, &[], Some(512 << 20)).unwrap();
+        assert_eq!(sized.bytes, 256 << 20);
+        assert_eq!(sized.from, BudgetSource::Container(512 << 20));
+        let default = memory_budget(&file, &flags, &[], None).unwrap();
+        assert_eq!(
+            (default.bytes, default.from),
+            (DEFAULT_BUDGET, BudgetSource::Default)
+        );
+        use clap::Parser;
+        let flag =
+            crate::config::Cli::try_parse_from(["idemgate", "serve", "--memory-budget", "300MiB"]);
+        let crate::config::Command::Serve(flags) = flag.unwrap().command else {
+            panic!("serve")
+        };
+        let s = memory_budget(&file, &flags, &[], Some(1 << 30)).unwrap();
+        assert_eq!(s.bytes, 300 << 20, "the flag wins over the container");
+    }
+
+    #[test]
+    fn a_budget_too_small_for_a_routes_body_stops_start_up_naming_the_fix() {
+        let err = settings("memory_budget = \"1MiB\"").err().unwrap();
+        assert_eq!(err.key, "memory_budget");
+        assert!(err.message.contains("body_limit"), "{}", err.message);
+        let routes = settings("").unwrap().routes;
+        let (file, flags) = (FileConfig::default(), Flags::default());
+        let err = memory_budget(&file, &flags, &routes, Some(8 << 20)).unwrap_err();
+        assert!(
+            err.message.contains("container's memory limit"),
+            "{}",
+            err.message
+        );
+        let err = settings("memory_budget = 0").err().unwrap();
+        assert_eq!(err.key, "memory_budget");
+    }
+
+    #[test]
+    fn listener_timeouts_default_and_zero_turns_http2_clocks_off() {
+        let limits = settings("").unwrap().limits;
+        assert_eq!(limits.body_read_timeout, Duration::from_secs(30));
+        assert_eq!(
+            limits.http2_keepalive_interval,
+            Some(Duration::from_secs(20))
+        );
+        assert_eq!(limits.http2_idle_timeout, Some(Duration::from_secs(60)));
+        let off = settings("http2_keepalive_interval = \"0s\"\nhttp2_idle_timeout = \"0s\"")
+            .unwrap()
+            .limits;
+        assert_eq!(
+            (off.http2_keepalive_interval, off.http2_idle_timeout),
+            (None, None)
+        );
+        let err = settings("body_read_timeout = \"0s\"").err().unwrap();
+        assert_eq!(err.key, "body_read_timeout");
+    }
 
     fn write(root: &Path, path: &str, text: &str) {
         let file = root.join(path);

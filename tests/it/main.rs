@@ -3,6 +3,7 @@
 
 mod support;
 
+mod budget;
 mod console;
 mod console_session;
 mod core_answers;
@@ -17,6 +18,7 @@ mod failover;
 mod fastpath;
 mod fingerprints;
 mod helm_chart;
+mod http2_listener;
 mod in_progress;
 mod keys;
 mod outcomes_survive;
@@ -27,6 +29,7 @@ mod postgres_restart;
 mod readme;
 mod real_clients;
 mod redis_deployments;
+mod soak;
 mod state_machine_props;
 mod store_conformance;
 mod streaming;
