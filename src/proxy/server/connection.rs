@@ -15,12 +15,16 @@ use pin_project_lite::pin_project;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-/// Runs `conn` to its end. When `drain` is cancelled or `idle` resolves,
-/// `shutdown` asks it to finish what it has open and close.
+/// Runs `conn` to its end. When `drain` is cancelled, `shutdown` asks it
+/// to finish what it has open and close. When it has been idle for its
+/// timeout, the same; and an HTTP/2 peer that is then still idle after
+/// `idle.grace` is closed without waiting for it (a graceful HTTP/2
+/// shutdown waits for the peer to answer a ping, RFC 9113 §6.8, and a
+/// peer that never does would keep the connection).
 pub(super) async fn drive<C, F>(
     conn: C,
     drain: &CancellationToken,
-    idle: impl Future<Output = ()>,
+    idle: Idle,
     shutdown: F,
 ) -> hyper::Result<()>
 where
@@ -28,8 +32,11 @@ where
     F: Fn(Pin<&mut C>),
 {
     tokio::pin!(conn);
-    tokio::pin!(idle);
-    let mut closing = false;
+    let elapsed = idle.elapsed();
+    tokio::pin!(elapsed);
+    let given_up = tokio::time::sleep(Duration::MAX);
+    tokio::pin!(given_up);
+    let (mut closing, mut idle_closing) = (false, false);
     loop {
         tokio::select! {
             ended = conn.as_mut() => return ended,
@@ -37,11 +44,60 @@ where
                 closing = true;
                 shutdown(conn.as_mut());
             }
-            () = &mut idle, if !closing => {
-                closing = true;
+            () = &mut elapsed, if !closing => {
+                (closing, idle_closing) = (true, true);
                 shutdown(conn.as_mut());
+                given_up.as_mut().reset(tokio::time::Instant::now() + idle.grace);
+            }
+            () = &mut given_up, if idle_closing => {
+                if idle.is_idle() {
+                    return Ok(());
+                }
+                // A stream opened as it went away: it is let finish.
+                given_up.as_mut().reset(tokio::time::Instant::now() + idle.grace);
             }
         }
+    }
+}
+
+/// When a connection is idle: an HTTP/2 connection with no open stream for
+/// its timeout; an HTTP/1 one never (its header read timeout sees to it).
+pub(super) struct Idle {
+    streams: Option<Streams>,
+    timeout: Option<Duration>,
+    /// How long a peer told to go away may take to answer.
+    grace: Duration,
+}
+
+impl Idle {
+    /// Never idle.
+    pub(super) fn never() -> Self {
+        Idle {
+            streams: None,
+            timeout: None,
+            grace: Duration::ZERO,
+        }
+    }
+
+    /// Idle once no stream of `streams` has been open for `timeout` (never
+    /// without one); given `grace` to go.
+    pub(super) fn after(streams: Streams, timeout: Option<Duration>, grace: Duration) -> Self {
+        Idle {
+            streams: Some(streams),
+            timeout,
+            grace,
+        }
+    }
+
+    async fn elapsed(&self) {
+        match &self.streams {
+            Some(streams) => streams.clone().idle(self.timeout).await,
+            None => std::future::pending().await,
+        }
+    }
+
+    fn is_idle(&self) -> bool {
+        self.streams.as_ref().is_some_and(|s| *s.0.borrow() == 0)
     }
 }
 

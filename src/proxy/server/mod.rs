@@ -33,7 +33,7 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tower::{Service, ServiceExt};
 
-use self::connection::{drive, Counted, Streams};
+use self::connection::{drive, Counted, Idle, Streams};
 use self::opening::sniff;
 
 use crate::config::{Limits, TrustedProxies};
@@ -130,6 +130,8 @@ struct Protocols {
     opening_timeout: Duration,
     /// How long an HTTP/2 connection may have no open stream.
     http2_idle: Option<Duration>,
+    /// How long a peer may take to answer a ping.
+    http2_ping_timeout: Duration,
     trusted: Arc<TrustedProxies>,
 }
 
@@ -153,6 +155,7 @@ impl Protocols {
             h2,
             opening_timeout: limits.header_read_timeout,
             http2_idle: limits.http2_idle_timeout,
+            http2_ping_timeout: limits.http2_keepalive_timeout,
             trusted: Arc::new(trusted),
         }
     }
@@ -192,11 +195,10 @@ impl Protocols {
             let conn = self
                 .h1
                 .serve_connection(io, TowerToHyperService::new(tagged));
-            let idle = std::future::pending();
-            return drive(conn, drain, idle, |conn| conn.graceful_shutdown()).await;
+            return drive(conn, drain, Idle::never(), |c| c.graceful_shutdown()).await;
         }
         let streams = Streams::new();
-        let idle = streams.clone().idle(self.http2_idle);
+        let idle = Idle::after(streams.clone(), self.http2_idle, self.http2_ping_timeout);
         let counted = tower::service_fn(move |req: Request<Incoming>| {
             let open = streams.open();
             let answer = tagged.clone().oneshot(req);
@@ -208,6 +210,6 @@ impl Protocols {
         let conn = self
             .h2
             .serve_connection(io, TowerToHyperService::new(counted));
-        drive(conn, drain, idle, |conn| conn.graceful_shutdown()).await
+        drive(conn, drain, idle, |c| c.graceful_shutdown()).await
     }
 }
