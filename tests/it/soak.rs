@@ -22,7 +22,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use crate::support::h2::RawH2;
-use crate::support::process::{open_files, peak_rss, raise_open_files};
+use crate::support::process::{open_files, peak_rss, raise_open_files, rss};
 use crate::support::sink::Sink;
 use crate::support::{client, Gateway, TestStore};
 
@@ -32,14 +32,14 @@ const UPLOADS: usize = 60;
 const STALLED: usize = 4;
 const IDLE_H2: usize = 5_000;
 
-/// What the process may hold besides the budget, measured at 70–90 MiB
-/// with this test's load on a debug build: the runtime and the binary's
-/// pages (about 20 MiB), 5,000 idle HTTP/2 connections (hyper's buffers
-/// and codec state, about 8 KiB each: 40 MiB), the read buffers of the
-/// uploads' connections (up to 64 KiB each), the PostgreSQL pool and the
-/// allocator's slack. Refused uploads are read and dropped piece by piece,
-/// never held.
-const OVERHEAD: u64 = 128 << 20;
+/// What the process may hold besides the budget: the runtime, the binary's
+/// pages and the PostgreSQL pool (about 20 MiB at start), the uploads'
+/// connections and read buffers, and the allocator's slack, within 64 MiB;
+/// and 40 KiB for each idle HTTP/2 connection (measured 38 KB: h2's 16 KiB
+/// write buffer, an 8 KiB read buffer, HPACK's 4 KiB and tables, the
+/// connection's task), 195 MiB for 5,000 of them. Refused uploads are read
+/// and dropped piece by piece, never held.
+const OVERHEAD: u64 = (64 << 20) + IDLE_H2 as u64 * (40 << 10);
 
 #[tokio::test]
 async fn sixty_ten_mib_uploads_stay_within_the_budget_and_each_runs_at_most_once() {
@@ -55,6 +55,7 @@ async fn sixty_ten_mib_uploads_stay_within_the_budget_and_each_runs_at_most_once
         // Long enough to outlast the test: the idle connections stay open.
         .set("http2_idle_timeout", "\"5m\"")
         .set("http2_keepalive_interval", "\"5m\"")
+        .set("database_timeout", "\"10s\"")
         .start()
         .await;
     let authority = gateway.url.trim_start_matches("http://").to_owned();
@@ -64,6 +65,12 @@ async fn sixty_ten_mib_uploads_stay_within_the_budget_and_each_runs_at_most_once
         .buffer_unordered(200)
         .collect()
         .await;
+    let pid = gateway.pid();
+    eprintln!(
+        "soak: {IDLE_H2} idle HTTP/2 connections open after {:?}, RSS {} MiB",
+        started.elapsed(),
+        rss(pid) >> 20
+    );
 
     // Admitted first (the budget is empty), then they stop sending.
     let mut stalled = Vec::new();
@@ -71,6 +78,10 @@ async fn sixty_ten_mib_uploads_stay_within_the_budget_and_each_runs_at_most_once
         stalled.push(stall_halfway(&authority, &format!("stalled-{i}")).await);
     }
 
+    eprintln!(
+        "soak: {STALLED} stalled uploads, RSS {} MiB",
+        rss(pid) >> 20
+    );
     let body = Bytes::from(vec![b'u'; UPLOAD]);
     let uploads: Vec<_> = (0..UPLOADS)
         .map(|i| tokio::spawn(upload(gateway.url.clone(), i, body.clone())))
@@ -83,6 +94,12 @@ async fn sixty_ten_mib_uploads_stay_within_the_budget_and_each_runs_at_most_once
             .unwrap_or_else(|e| panic!("upload {i}: {e}"));
         answered.entry(status).or_default().push(i);
     }
+    eprintln!(
+        "soak: uploads answered after {:?}, RSS {} MiB, peak {} MiB",
+        started.elapsed(),
+        rss(pid) >> 20,
+        peak_rss(pid) >> 20
+    );
     let ok = answered.remove(&200).unwrap_or_default();
     let refused = answered.remove(&503).unwrap_or_default();
     assert!(answered.is_empty(), "only 200 and 503: {answered:?}");
