@@ -115,6 +115,14 @@ async fn past_the_budget_a_keyed_request_is_503_before_any_job_and_a_later_one_s
         1.0
     );
 
+    // Without a declared length a body is taken as it comes, and refused
+    // once it outgrows the room left, still before any job.
+    let answer = chunked_upload(&gateway, "third", 400 * KIB).await;
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(answer.contains("/overloaded"), "{answer}");
+    assert_eq!(jobs_for(&store, "third").await, 0);
+    assert_eq!(upstream.hits(), 1);
+
     // Pass-through traffic is neither held nor refused by the budget.
     let passing = send(
         Method::POST,
@@ -180,6 +188,49 @@ async fn an_attempt_whose_client_left_holds_its_bytes_until_it_ends() {
     assert_eq!(replayed.status, 200);
     assert_eq!(replayed.header("idempotent-replayed"), Some("true"));
     assert_eq!(upstream.hits(), 2);
+}
+
+/// A keyed upload of `len` bytes in chunks, with no declared length; the
+/// answer's head and body.
+async fn chunked_upload(gateway: &Gateway, key: &str, len: usize) -> String {
+    let authority = gateway.url.trim_start_matches("http://");
+    let mut stream = TcpStream::connect(authority).await.unwrap();
+    let head = format!(
+        "POST /v1/uploads?key={key} HTTP/1.1\r\nhost: x\r\nidempotency-key: {key}\r\n\
+         content-type: application/octet-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    for _ in 0..len / (16 * KIB) {
+        stream.write_all(b"4000\r\n").await.unwrap();
+        stream.write_all(&[b'c'; 16 * KIB]).await.unwrap();
+        stream.write_all(b"\r\n").await.unwrap();
+    }
+    stream.write_all(b"0\r\n\r\n").await.unwrap();
+    // The head, then as many bytes of body as it declares.
+    let read = async {
+        let mut answer = Vec::new();
+        let mut buf = [0u8; 4096];
+        loop {
+            let n = stream.read(&mut buf).await.unwrap();
+            assert!(n > 0, "closed before a whole answer: {answer:?}");
+            answer.extend_from_slice(&buf[..n]);
+            let text = String::from_utf8_lossy(&answer).into_owned();
+            let Some((head, body)) = text.split_once("\r\n\r\n") else {
+                continue;
+            };
+            let length = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length: "))
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .unwrap_or(0);
+            if body.len() >= length {
+                return text;
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), read)
+        .await
+        .expect("no answer to a chunked upload within 10 s")
 }
 
 /// Writes a request's head and the first `sent` of its `len` body bytes,
