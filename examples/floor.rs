@@ -103,6 +103,10 @@ async fn serve(settings: &Settings, listen: SocketAddr, reuse_port: bool) {
         max_connections: 10_000,
         header_read_timeout: Duration::from_secs(30),
         max_header_size: 16 * 1024,
+        body_read_timeout: Duration::from_secs(30),
+        http2_keepalive_interval: None,
+        http2_keepalive_timeout: Duration::from_secs(20),
+        http2_idle_timeout: None,
     };
     server::serve(
         listener,

@@ -11,11 +11,12 @@ use uuid::Uuid;
 
 use super::secrets::{owner_salt, replay_keys};
 use super::StartError;
-use crate::config::{Settings, StoreSettings};
+use crate::config::{BudgetSource, MemoryBudget, Settings, StoreSettings};
 use crate::idempotency::fastpath::{EntryKeys, FastPath};
 use crate::idempotency::{execute, hold, Runtime, Shared};
 use crate::operations::admin::Admin;
 use crate::operations::console::{self, Console};
+use crate::proxy::budget::Budget;
 use crate::proxy::upstream::Upstreams;
 use crate::store::postgres::Postgres;
 use crate::store::seal::Sealer;
@@ -39,6 +40,8 @@ pub(super) struct Gateway {
     pub(super) upstreams: Upstreams,
     tasks: Supervisor,
     trust: Arc<Trust>,
+    /// The bytes keyed requests may hold (docs/design.md §18).
+    budget: Arc<Budget>,
     /// Stops the background tasks, which outlive the drain (leases are
     /// renewed while open requests finish).
     stop_tasks: CancellationToken,
@@ -47,6 +50,10 @@ pub(super) struct Gateway {
 impl Gateway {
     /// Opens the store, starts the fast path and the upkeep tasks.
     pub(super) async fn start(settings: &Settings) -> Result<Gateway, StartError> {
+        // The recorder first: a component that looks its metrics' handles
+        // up once (the budget's, the shedding's gauges) would otherwise
+        // hold handles that record nothing.
+        let _ = telemetry::metrics();
         let instance = Uuid::new_v4();
         let doorbell = Arc::new(Doorbell::default());
         let stop_tasks = CancellationToken::new();
@@ -83,6 +90,7 @@ impl Gateway {
         let gateway = Gateway {
             instance,
             trust,
+            budget: memory_budget(settings.memory_budget),
             doorbell,
             store,
             fastpath,
@@ -108,6 +116,7 @@ impl Gateway {
                 leases: self.leases.clone(),
                 instance: self.instance,
                 trust: self.trust.clone(),
+                budget: self.budget.clone(),
             },
         ))
     }
@@ -164,6 +173,25 @@ impl Gateway {
                 });
         }
     }
+}
+
+/// The memory budget, its size and where it came from said at start-up.
+fn memory_budget(budget: MemoryBudget) -> Arc<Budget> {
+    let size = bytesize::ByteSize(budget.bytes as u64).to_string_as(true);
+    match budget.from {
+        BudgetSource::Configured => {
+            tracing::info!(memory_budget = %size, "memory budget as configured")
+        }
+        BudgetSource::Container(limit) => tracing::info!(
+            memory_budget = %size, container_limit = %bytesize::ByteSize(limit).to_string_as(true),
+            "memory budget: half the container's memory limit"
+        ),
+        BudgetSource::Default => tracing::info!(
+            memory_budget = %size,
+            "memory budget: the default (no container memory limit found; set memory_budget)"
+        ),
+    }
+    Budget::new(budget.bytes)
 }
 
 /// Says at start-up what allowing anonymous owners means, naming the

@@ -16,8 +16,9 @@ use tower_http::trace::{DefaultOnFailure, TraceLayer};
 use crate::config::Settings;
 use crate::domain::id::JobId;
 use crate::idempotency::{IdempotencyLayer, Shared};
+use crate::proxy::http::idle::IdleTimeout;
 use crate::proxy::http::request_id::RequestIds;
-use crate::proxy::http::{cookie, hop, BodyError, Outcome, IDEMPOTENCY_KEY};
+use crate::proxy::http::{cookie, hop, Outcome, IDEMPOTENCY_KEY};
 use crate::proxy::path::NormalizePathLayer;
 use crate::proxy::shed::ShedLayer;
 use crate::proxy::upstream::Upstreams;
@@ -61,6 +62,7 @@ pub(super) fn proxy(
        + Send
        + Sync
        + 'static {
+    let body_read_timeout = settings.limits.body_read_timeout;
     ServiceBuilder::new()
         // Every request gets an id (kept if the client sent one)…
         .layer(SetRequestIdLayer::x_request_id(RequestIds))
@@ -76,7 +78,7 @@ pub(super) fn proxy(
         )
         // …and the response echoes.
         .layer(PropagateRequestIdLayer::x_request_id())
-        .map_request(enter)
+        .map_request(move |req| enter(req, body_read_timeout))
         // One spelling of each path: routes match, and the upstream gets,
         // what the upstream will read (`400` for a path read two ways).
         .layer(NormalizePathLayer)
@@ -88,16 +90,20 @@ pub(super) fn proxy(
         .service(upstreams)
 }
 
-/// A request as the stack carries it: its body boxed, and its hop-by-hop
-/// headers (and those its `Connection` names) removed before any layer adds
-/// a header of the gateway's own (`docs/design.md` §15). The client's
+/// A request as the stack carries it: its body boxed, failing when its
+/// client pauses mid-body past `body_read_timeout` (`docs/design.md` §18),
+/// and its hop-by-hop headers (and those its `Connection` names) removed
+/// before any layer adds a header of the gateway's own (§15). The client's
 /// `Idempotency-Key` is for the gateway: naming it there does not hide it.
-fn enter(mut req: Request<Incoming>) -> Request<crate::proxy::http::Body> {
+fn enter(
+    mut req: Request<Incoming>,
+    body_read_timeout: std::time::Duration,
+) -> Request<crate::proxy::http::Body> {
     hop::strip_but(req.headers_mut(), Some(&IDEMPOTENCY_KEY));
     // A console session is the gateway's alone: no owner, fingerprint or
     // upstream sees it (docs/design.md §14).
     cookie::strip_console(req.headers_mut());
-    req.map(|b| b.map_err(BodyError::new).boxed())
+    req.map(|b| IdleTimeout::new(b, body_read_timeout).boxed())
 }
 
 /// A request's span. A request without a key is only proxied, and its span

@@ -59,6 +59,15 @@ pub struct FileConfig {
     #[serde(default, with = "humantime_serde")]
     pub(super) header_read_timeout: Option<Duration>,
     pub(super) max_header_size: Option<bytesize::ByteSize>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) body_read_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) http2_keepalive_interval: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) http2_keepalive_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) http2_idle_timeout: Option<Duration>,
+    pub(super) memory_budget: Option<bytesize::ByteSize>,
     pub(super) owner_header: Option<String>,
     pub(super) forward_key_header: Option<String>,
     pub(super) forward_attempt_header: Option<String>,

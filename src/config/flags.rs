@@ -133,6 +133,11 @@ pub struct Flags {
     /// on one CPU). Default: one per CPU.
     #[arg(long, env = "IDEMGATE_WORKER_THREADS", value_name = "N")]
     pub worker_threads: Option<usize>,
+    /// Bytes of request bodies, answers being recorded and replays being
+    /// copied the gateway holds before it refuses new keyed requests (e.g.
+    /// "256MiB"). Default: half the container's memory limit, or 256MiB.
+    #[arg(long, env = "IDEMGATE_MEMORY_BUDGET", value_name = "BYTES")]
+    pub memory_budget: Option<bytesize::ByteSize>,
     /// The secret owner digests are salted with (base64, 16 bytes or more;
     /// every replica the same): `openssl rand -base64 32`.
     #[arg(

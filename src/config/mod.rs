@@ -18,6 +18,7 @@ pub mod contracts;
 pub mod file;
 pub mod flags;
 pub mod libpq;
+pub mod limits;
 pub mod redis;
 pub mod replay;
 pub mod routes;
@@ -39,6 +40,7 @@ use crate::domain::contract::Contract;
 pub use file::FileConfig;
 pub use flags::{Cli, Command, Flags};
 pub use libpq::{PgTls, PgUrl, SslMode};
+pub use limits::{BudgetSource, Limits, MemoryBudget};
 pub use redis::{RedisSettings, Topology};
 pub use replay::{ReplayKeySettings, ReplayKeySource};
 pub use routes::Route;
@@ -139,6 +141,8 @@ pub struct Settings {
     pub encryption: Option<EncryptionSettings>,
     /// What each listener allows its clients.
     pub limits: Limits,
+    /// Bytes requests may make the gateway hold (docs/design.md §18).
+    pub memory_budget: MemoryBudget,
     /// Requests in progress at most; past it the gateway answers `503` at
     /// once, before it takes any job.
     pub max_in_flight: usize,
@@ -146,18 +150,6 @@ pub struct Settings {
     /// current-thread runtime, with no scheduler between threads at all
     /// (docs/design.md §12).
     pub worker_threads: usize,
-}
-
-/// What a listener allows its clients.
-#[derive(Debug, Clone, Copy)]
-pub struct Limits {
-    /// Open connections at most.
-    pub max_connections: usize,
-    /// How long a client may take to send a request's headers (and how long
-    /// a connection may sit idle between requests).
-    pub header_read_timeout: Duration,
-    /// Largest request header block, in bytes.
-    pub max_header_size: usize,
 }
 
 /// Keys sealing stored responses (`[encryption]`).
@@ -252,6 +244,8 @@ impl Settings {
         let (upstreams, contracts, routes) =
             traffic(&mut file, &flags, timings.upstream_timeout, &trust)?;
         let loopback = |port| SocketAddr::from(([127, 0, 0, 1], port));
+        let container = limits::container_memory_limit();
+        let memory_budget = limits::memory_budget(&file, &flags, &routes, container)?;
         Ok(Settings {
             listen: flags.listen.or(file.listen).unwrap_or(loopback(8080)),
             admin_listen: flags
@@ -310,7 +304,8 @@ impl Settings {
                 .as_ref()
                 .map(|e| encryption(e, &file.base_dir))
                 .transpose()?,
-            limits: limits(&file)?,
+            limits: limits::limits(&file)?,
+            memory_budget,
             max_in_flight: at_least_one("max_in_flight", file.max_in_flight.unwrap_or(10_000))?,
             worker_threads: worker_threads(&file, &flags)?,
         })
@@ -534,25 +529,6 @@ fn redis_settings(file: &FileConfig, flags: &Flags) -> Result<Option<RedisSettin
             .map_or(64 * 1024, |b| b.as_u64() as usize),
         tls,
     }))
-}
-
-/// What each listener allows its clients.
-fn limits(file: &FileConfig) -> Result<Limits, ConfigError> {
-    let max_header_size = size("max_header_size", file.max_header_size, 64 * 1024)?;
-    if max_header_size < 8192 {
-        return Err(bad(
-            "max_header_size",
-            "must be at least 8KiB (the smallest header buffer the HTTP server takes)",
-        ));
-    }
-    Ok(Limits {
-        max_connections: at_least_one("max_connections", file.max_connections.unwrap_or(10_000))?,
-        header_read_timeout: positive(
-            "header_read_timeout",
-            file.header_read_timeout.unwrap_or(Duration::from_secs(10)),
-        )?,
-        max_header_size,
-    })
 }
 
 fn at_least_one(key: &str, n: usize) -> Result<usize, ConfigError> {

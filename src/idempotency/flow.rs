@@ -45,6 +45,7 @@ use crate::config::UpstreamSettings;
 use crate::domain::attempt::Attempt;
 use crate::domain::id::JobId;
 use crate::domain::job::{Job, JobState, NewJob};
+use crate::proxy::budget::until_sent;
 use crate::proxy::error::{ClientError, GatewayError};
 use crate::proxy::http::{Body, Outcome, IDEMPOTENCY_JOB};
 use crate::store::{Begin, StoreError};
@@ -83,7 +84,9 @@ pub fn run(
             tracing::info!(error = %Chain(&e), job = ?job_id.map(|j: JobId| j.to_string()), "request refused");
             e.into_response()
         });
-        finish(response, job_id)
+        // Whatever the request holds stays counted until its answer is sent.
+        let charge = flow.request.charge.clone();
+        finish(response, job_id).map(|body| until_sent(body, charge))
     }
 }
 

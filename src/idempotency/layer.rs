@@ -17,7 +17,8 @@ use super::execute::UpstreamService;
 use super::flow;
 use super::opt_in::{self, Classified};
 use super::shared::Shared;
-use crate::proxy::error::GatewayError;
+use crate::proxy::error::{ClientError, GatewayError};
+use crate::proxy::http::idle::BodyTimedOut;
 use crate::proxy::http::Body;
 use crate::proxy::upstream::UpstreamError;
 
@@ -122,7 +123,7 @@ where
                 let attempts = self.attempts.clone();
                 Answer::Guarded {
                     answer: Box::pin(async move {
-                        match opt_in::prepare(&shared.trust, opted).await {
+                        match opt_in::prepare(&shared, opted).await {
                             Ok(request) => flow::run(shared, request, attempts).await,
                             Err(error) => error.into_response(),
                         }
@@ -131,6 +132,16 @@ where
             }
         };
         ResponseFuture { answer }
+    }
+}
+
+/// What a passed-through request that failed is answered: `408` when its
+/// own client paused mid-body past the body-read timeout (the upstream
+/// saw the request cut short), the upstream's failure otherwise.
+fn passing_failed(e: UpstreamError) -> GatewayError {
+    match BodyTimedOut::within(&e) {
+        Some(timed_out) => ClientError::BodyTimedOut(timed_out).into(),
+        None => e.into(),
     }
 }
 
@@ -165,7 +176,7 @@ where
         let response = match self.project().answer.project() {
             AnswerProj::Passing { answer } => match std::task::ready!(answer.poll(cx)) {
                 Ok(response) => response,
-                Err(e) => GatewayError::from(e).into_response(),
+                Err(e) => passing_failed(e).into_response(),
             },
             AnswerProj::Guarded { answer } => std::task::ready!(answer.as_mut().poll(cx)),
             AnswerProj::Ready { response } => response

@@ -3,21 +3,25 @@
 //! head alone, with no await and no allocation, because most traffic
 //! through a gateway does not opt in and deciding that must cost next to
 //! nothing. An opted-in request is then [prepared](prepare): its owner
-//! derived, its body read (bounded) and its fingerprint taken.
+//! derived, its body read (bounded, and held against the memory budget)
+//! and its fingerprint taken.
 
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::{HeaderValue, Request};
+use http::{header, HeaderValue, Request};
 use tracing::Span;
 
 use crate::config::routes::{self, Route};
 use crate::domain::fingerprint::{fingerprint, Fingerprint, RequestParts};
 use crate::domain::key::{IdempotencyKey, Owner};
+use crate::proxy::budget::Charge;
 use crate::proxy::error::{ClientError, GatewayError};
-use crate::proxy::http::{collect_limited, Body, IDEMPOTENCY_KEY};
+use crate::proxy::http::{collect_charged, discard, Body, CollectError, IDEMPOTENCY_KEY};
 use crate::proxy::upstream::Target;
 use crate::trust::Trust;
+
+use super::shared::Shared;
 
 /// What a request is, told from its head.
 pub enum Classified {
@@ -50,6 +54,10 @@ pub struct Keyed {
     pub parts: http::request::Parts,
     /// Its whole body.
     pub body: Bytes,
+    /// What it holds against the memory budget: its body, its attempts'
+    /// answers, replays copied for it (`docs/design.md` §18). Its attempts
+    /// hold it too, and its answer until sent.
+    pub charge: Arc<Charge>,
     /// Its span: its attempts' spans are children of it.
     pub span: Span,
 }
@@ -89,15 +97,15 @@ pub fn classify(routes: &[Arc<Route>], trust: &Trust, mut req: Request<Body>) ->
 
 /// Reads what the decision needs: the owner (as the route's owner rule
 /// says, `401` when it cannot be established), the body (within the route's
-/// limit, `413` past it) and the fingerprint (`400` for a body the route
-/// canonicalises that names a JSON member twice).
-pub async fn prepare(trust: &Trust, opted: OptedIn) -> Result<Keyed, GatewayError> {
+/// limit, `413` past it; within the memory budget, `503` past it; `408`
+/// when its client pauses past the body-read timeout) and the fingerprint
+/// (`400` for a body the route canonicalises that names a JSON member
+/// twice).
+pub async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Keyed, GatewayError> {
     let OptedIn { route, key, req } = opted;
     let (parts, body) = req.into_parts();
-    let owner = trust.owner(&route.owner, &parts)?;
-    let body = collect_limited(body, route.body_limit)
-        .await
-        .map_err(ClientError::from)?;
+    let owner = shared.trust.owner(&route.owner, &parts)?;
+    let (body, charge) = read(shared, &route, &parts, body).await?;
     let fingerprint = fingerprint(
         &RequestParts {
             method: parts.method.as_str(),
@@ -124,6 +132,46 @@ pub async fn prepare(trust: &Trust, opted: OptedIn) -> Result<Keyed, GatewayErro
         fingerprint,
         parts,
         body,
+        charge,
         span: Span::current(),
     })
+}
+
+/// The whole body, held against the memory budget: a request is taken only
+/// while the budget has room for the length it declares, and one without a
+/// length only while its body keeps fitting. A refused body's rest is read
+/// and dropped, so its client reads the `503` (`docs/design.md` §18).
+async fn read(
+    shared: &Shared,
+    route: &Route,
+    parts: &http::request::Parts,
+    mut body: Body,
+) -> Result<(Bytes, Arc<Charge>), GatewayError> {
+    let limit = route.body_limit;
+    let hint = http_body::Body::size_hint(&body);
+    if hint.lower() > limit as u64 {
+        return Err(ClientError::BodyTooLarge { limit }.into());
+    }
+    let declared = hint.exact().map_or(0, |n| n as usize);
+    let refused = |body: Body| {
+        // A client waiting for `100 Continue` has sent no body: none to read.
+        let expects = parts.headers.get(header::EXPECT);
+        if !expects.is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue")) {
+            discard(body, limit);
+        }
+        Err(GatewayError::OverBudget {
+            retry_after: shared.config.retry_after,
+        })
+    };
+    let Some(charge) = shared.budget.admit(declared) else {
+        return refused(body);
+    };
+    match collect_charged(&mut body, limit, &charge).await {
+        Ok(bytes) => Ok((bytes, charge)),
+        Err(CollectError::OverBudget) => {
+            drop(charge);
+            refused(body)
+        }
+        Err(e) => Err(ClientError::from(e).into()),
+    }
 }

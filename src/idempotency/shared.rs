@@ -14,6 +14,7 @@ use super::hold::{self, Holds};
 use super::recording::join::Live;
 use super::replay::tiers::Replays;
 use crate::config::Route;
+use crate::proxy::budget::Budget;
 use crate::store::{Doorbell, Store};
 use crate::trust::Trust;
 use crate::upkeep::lease::Leases;
@@ -58,6 +59,8 @@ pub struct Runtime {
     pub instance: Uuid,
     /// Who is asking: clients proven, owners established.
     pub trust: Arc<Trust>,
+    /// The memory budget keyed requests are held against.
+    pub budget: Arc<Budget>,
 }
 
 /// The layer's configuration and components, shared by every request.
@@ -70,6 +73,7 @@ pub struct Shared {
     pub(super) live: Arc<Live>,
     pub(super) replays: Replays,
     pub(super) runner: Arc<Runner>,
+    pub(super) budget: Arc<Budget>,
 }
 
 impl Shared {
@@ -83,12 +87,14 @@ impl Shared {
             leases,
             instance,
             trust,
+            budget,
         } = runtime;
         let holds = Arc::new(Holds::new(store.clone(), doorbell.clone(), config.hold));
         let live = Arc::new(Live::new(
             fastpath.clone(),
             holds.clone(),
             config.stream_stall,
+            budget.clone(),
         ));
         let replays = Replays::new(config.replay_cache_size, fastpath.clone(), store.clone());
         let runner = Arc::new(Runner::new(
@@ -109,6 +115,7 @@ impl Shared {
             live,
             replays,
             runner,
+            budget,
         }
     }
 }

@@ -265,6 +265,7 @@ fn layer(toml: &str, faults: Faults) -> (IdempotencyLayer, Arc<Faults>, Arc<dyn 
             trust: Arc::new(crate::trust::Trust::with_salt(
                 crate::domain::key::OwnerSalt::new(b"test salt, not a secret"),
             )),
+            budget: crate::proxy::budget::Budget::new(settings.memory_budget.bytes),
         },
     ));
     (IdempotencyLayer::new(shared), faults, store)

@@ -12,6 +12,7 @@ use serde_json::{Map, Value};
 use crate::domain::fingerprint::AmbiguousJson;
 use crate::domain::key::KeyError;
 use crate::domain::path::Ambiguity;
+use crate::proxy::http::idle::BodyTimedOut;
 use crate::proxy::http::{full, Body, CollectError, Outcome};
 use crate::proxy::upstream::UpstreamError;
 use crate::store::{StoreError, StoreErrorKind};
@@ -59,6 +60,10 @@ pub enum ClientError {
     /// The body could not be read.
     #[error("the request body could not be read")]
     BodyUnreadable(#[source] BoxError),
+    /// The client paused mid-body past the body-read timeout
+    /// (`docs/design.md` §18).
+    #[error("{0}; nothing was done: send the request again, whole")]
+    BodyTimedOut(BodyTimedOut),
     /// A JSON body the route canonicalises names a member twice.
     #[error(transparent)]
     AmbiguousJson(#[from] AmbiguousJson),
@@ -101,7 +106,14 @@ impl From<CollectError> for ClientError {
     fn from(e: CollectError) -> Self {
         match e {
             CollectError::TooLarge { limit } => ClientError::BodyTooLarge { limit },
-            CollectError::Read(e) => ClientError::BodyUnreadable(e),
+            CollectError::Read(e) => match BodyTimedOut::within(&*e) {
+                Some(timed_out) => ClientError::BodyTimedOut(timed_out),
+                None => ClientError::BodyUnreadable(e),
+            },
+            // Not the client's doing: the caller answers it as overload.
+            CollectError::OverBudget => {
+                ClientError::BodyUnreadable("the memory budget has no room for the body".into())
+            }
         }
     }
 }
@@ -125,6 +137,14 @@ pub enum GatewayError {
     /// The gateway is saturated: too many requests in progress.
     #[error("the gateway has too many requests in progress; retry later")]
     Overloaded {
+        /// When to try again.
+        retry_after: Duration,
+    },
+    /// The gateway holds as many bytes for requests as its memory budget
+    /// allows (`docs/design.md` §18): a new keyed request is refused before
+    /// any job exists.
+    #[error("the gateway holds as many request and answer bytes as its memory budget allows; nothing was done: retry later with the same Idempotency-Key")]
+    OverBudget {
         /// When to try again.
         retry_after: Duration,
     },
@@ -195,6 +215,11 @@ impl ClientError {
                 StatusCode::BAD_REQUEST,
                 "request-body-unreadable",
                 "Request body could not be read",
+            ),
+            ClientError::BodyTimedOut(_) => p(
+                StatusCode::REQUEST_TIMEOUT,
+                "request-body-timeout",
+                "Request body not received in time",
             ),
             ClientError::AmbiguousJson(_) => p(
                 StatusCode::BAD_REQUEST,
@@ -302,7 +327,7 @@ impl GatewayError {
                 "The upstream answered; its answer is being recorded. Retry with the same Idempotency-Key to get it",
             )
             .retry_after(Duration::from_secs(1)),
-            GatewayError::Overloaded { retry_after } => Problem::new(
+            GatewayError::Overloaded { retry_after } | GatewayError::OverBudget { retry_after } => Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "overloaded",
                 "Gateway overloaded; nothing was done",
@@ -337,6 +362,12 @@ impl GatewayError {
             problem.retry_after,
             members,
         );
+        if problem.status == StatusCode::REQUEST_TIMEOUT {
+            // RFC 9110 §15.5.9: the connection is closed after a 408.
+            response
+                .headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
         if problem.status == StatusCode::UNAUTHORIZED {
             // RFC 9110 §15.5.2: a 401 says how to authenticate.
             response.headers_mut().insert(

@@ -1,7 +1,9 @@
 //! The proxy plumbing: accepting connections, normalising paths, shedding
-//! load, forwarding to the upstreams over pooled connections, and answering
+//! load, counting the bytes requests hold against the memory budget,
+//! forwarding to the upstreams over pooled connections, and answering
 //! errors as `application/problem+json`. Knows nothing of jobs.
 
+pub mod budget;
 pub mod error;
 pub mod http;
 pub mod path;

@@ -68,6 +68,8 @@ async fn every_dashboard_query_names_a_metric_the_gateway_exports() {
         "idemgate_store_errors_total",
         "idemgate_fastpath_seconds_bucket",
         "idemgate_fastpath_errors_total",
+        "idemgate_memory_budget_in_use_bytes",
+        "idemgate_memory_budget_refusals_total",
     ] {
         assert!(wanted.contains(must), "the dashboard does not show {must}");
     }

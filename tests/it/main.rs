@@ -3,6 +3,7 @@
 
 mod support;
 
+mod budget;
 mod chat_example;
 mod console;
 mod console_session;
@@ -18,6 +19,7 @@ mod failover;
 mod fastpath;
 mod fingerprints;
 mod helm_chart;
+mod http2_listener;
 mod in_progress;
 mod keys;
 mod outcomes_survive;
@@ -31,6 +33,7 @@ mod real_clients;
 mod redis_deployments;
 mod redis_tls;
 mod replay_entries;
+mod soak;
 mod state_machine_props;
 mod store_conformance;
 mod streaming;

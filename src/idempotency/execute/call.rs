@@ -96,7 +96,8 @@ impl Task {
             return Call::Streaming(parts, body);
         }
         let limit = self.runner.config.max_response_size;
-        let rest = upstream::read_body(parts, body, limit, &progress_tx);
+        let charge = self.charge.clone();
+        let rest = upstream::read_body(parts, body, limit, &progress_tx, Some(&charge));
         match self.watch(rest, &mut progress, &mut clock, cancel).await {
             Watched::Done(result) => Call::Answered(result),
             Watched::Cancelled => Call::Cancelled,
@@ -173,7 +174,8 @@ impl Task {
     fn open_recording(&self, parts: &http::response::Parts) -> Arc<Recording> {
         let job = self.attempt.job_id;
         let headers = replay::capture_headers(&parts.headers);
-        let recording = Recording::new(job, parts.status.as_u16(), headers.clone());
+        let status = parts.status.as_u16();
+        let recording = Recording::new(job, status, headers.clone(), self.charge.clone());
         self.runner.live.insert(&recording);
         self.runner.doorbell.ring_local(job);
         if let (Some(fast), Some(tag)) = (&self.runner.fastpath, &self.tag) {
@@ -227,6 +229,8 @@ impl Task {
     /// is a safe failure, and every copy is cut.
     async fn settle_stream(&self, recording: &Recording) {
         let stored = recording.stored();
+        // The whole answer, copied out of the chunks for the commit.
+        self.charge.add(stored.body.len());
         if let Some(contract) = &self.route.contract {
             if let Some(Err(why)) = contract.check_stream(&stored.body) {
                 metrics::counter!("idemgate_attempts_rejected_total").increment(1);

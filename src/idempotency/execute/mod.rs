@@ -40,6 +40,7 @@ use crate::domain::id::AttemptId;
 use crate::domain::response::StoredResponse;
 use crate::idempotency::fastpath::{FastPath, Tag};
 use crate::idempotency::recording::Recording;
+use crate::proxy::budget::Charge;
 use crate::proxy::error::GatewayError;
 use crate::proxy::http::{full, Body, IDEMPOTENCY_KEY};
 use crate::proxy::upstream::{Target, UpstreamError};
@@ -181,6 +182,9 @@ impl Runner {
                 .as_ref()
                 .map(|_| Tag::of(&request.owner, &request.key)),
             reply: Some(tx),
+            // The attempt may outlive the client: what it holds stays
+            // counted until it ends (docs/design.md §18).
+            charge: request.charge.clone(),
         };
         // A child of the request's span, though it may outlive the request.
         let span = tracing::info_span!(
@@ -239,6 +243,8 @@ struct Task {
     /// Where the fast path, if any, mirrors a streamed answer.
     tag: Option<Tag>,
     reply: Option<oneshot::Sender<Reply>>,
+    /// The request's charge on the memory budget, which its answer grows.
+    charge: Arc<Charge>,
 }
 
 impl Task {

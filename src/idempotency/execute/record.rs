@@ -30,13 +30,16 @@ impl Task {
     ) -> tokio::task::JoinHandle<Result<CommitOutcome, StoreError>> {
         let (store, attempt) = (self.runner.store.clone(), self.attempt.clone());
         let response = stored;
-        let lease = self.lease.clone();
+        // The answer stays counted against the memory budget while the
+        // write goes on, which may outlast the attempt (docs/design.md §18).
+        let (lease, charge) = (self.lease.clone(), self.charge.clone());
         tokio::spawn(retrying("commit", attempt.id, self.deadline, move || {
-            let (store, attempt, response, _lease) = (
+            let (store, attempt, response, _lease, _charge) = (
                 store.clone(),
                 attempt.clone(),
                 response.clone(),
                 lease.clone(),
+                charge.clone(),
             );
             async move { store.commit(&attempt, &response).await }
         }))

@@ -13,6 +13,7 @@ use crate::domain::id::JobId;
 use crate::domain::job::JobState;
 use crate::idempotency::fastpath::{FastPath, Tag};
 use crate::idempotency::hold::{Holds, Until};
+use crate::proxy::budget::Budget;
 use crate::proxy::http::Body;
 use crate::telemetry::Chain;
 
@@ -24,17 +25,26 @@ pub struct Live {
     /// Silence on a mirrored stream after which its copy here is completed
     /// from the store instead.
     stall: Duration,
+    /// What copies of mirrored streams are held against.
+    budget: Arc<Budget>,
 }
 
 impl Live {
     /// Streams recorded here, and with `fastpath` mirrored ones; a copy of a
-    /// mirrored stream silent for `stall` is completed from the store.
-    pub fn new(fastpath: Option<Arc<FastPath>>, holds: Arc<Holds>, stall: Duration) -> Self {
+    /// mirrored stream silent for `stall` is completed from the store. Copies
+    /// are held against `budget`.
+    pub fn new(
+        fastpath: Option<Arc<FastPath>>,
+        holds: Arc<Holds>,
+        stall: Duration,
+        budget: Arc<Budget>,
+    ) -> Self {
         Live {
             recordings: Recordings::default(),
             fastpath,
             holds,
             stall,
+            budget,
         }
     }
 
@@ -71,7 +81,8 @@ impl Live {
     async fn mirrored(self: &Arc<Self>, tag: &Tag, job: JobId) -> Option<Arc<Recording>> {
         let fast = self.fastpath.clone()?;
         let (status, headers) = fast.stream_head(tag, job).await?;
-        let recording = Recording::new(job, status, headers);
+        // Counted, never refused: its joiners were taken already.
+        let recording = Recording::new(job, status, headers, self.budget.open());
         self.recordings.insert(&recording);
         let (live, copy, tag) = (self.clone(), recording.clone(), *tag);
         tokio::spawn(async move {

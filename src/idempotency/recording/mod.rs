@@ -31,6 +31,7 @@ use crate::domain::id::JobId;
 use crate::idempotency::fastpath::Piece;
 
 use crate::domain::response::StoredResponse;
+use crate::proxy::budget::Charge;
 use crate::proxy::http::{Body, BodyError};
 
 /// Where a recording stands.
@@ -57,6 +58,9 @@ pub struct Recording {
     headers: Vec<(String, Bytes)>,
     chunks: Mutex<Vec<Bytes>>,
     progress: watch::Sender<Progress>,
+    /// What its chunks hold against the memory budget, for as long as any
+    /// reader holds the recording (`docs/design.md` §18).
+    charge: Arc<Charge>,
 }
 
 impl std::fmt::Debug for Recording {
@@ -71,8 +75,13 @@ impl std::fmt::Debug for Recording {
 
 impl Recording {
     /// A recording of job `job`'s answer, with the status and end-to-end
-    /// headers every reader gets.
-    pub fn new(job: JobId, status: u16, headers: Vec<(String, Bytes)>) -> Arc<Self> {
+    /// headers every reader gets, its chunks counted on `charge`.
+    pub fn new(
+        job: JobId,
+        status: u16,
+        headers: Vec<(String, Bytes)>,
+        charge: Arc<Charge>,
+    ) -> Arc<Self> {
         metrics::gauge!("idemgate_streams_in_flight").increment(1.0);
         Arc::new(Recording {
             job,
@@ -83,6 +92,7 @@ impl Recording {
                 chunks: 0,
                 end: End::Live,
             }),
+            charge,
         })
     }
 
@@ -103,6 +113,7 @@ impl Recording {
     /// Appends a chunk and wakes the readers.
     pub fn push(&self, chunk: Bytes) {
         metrics::counter!("idemgate_streamed_bytes_total").increment(chunk.len() as u64);
+        self.charge.add(chunk.len());
         let chunks = {
             let mut all = self.lock();
             all.push(chunk);
@@ -271,6 +282,25 @@ impl Recordings {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::proxy::budget::Budget;
+
+    fn charge() -> Arc<Charge> {
+        Budget::new(1 << 20).open()
+    }
+
+    #[test]
+    fn chunks_are_charged_for_as_long_as_the_recording_lives() {
+        let budget = Budget::new(1 << 20);
+        let r = Recording::new(JobId::new(), 200, vec![], budget.open());
+        r.push(Bytes::from_static(b"12345"));
+        r.push(Bytes::from_static(b"678"));
+        assert_eq!(budget.in_use(), 8);
+        let reader = r.clone();
+        drop(r);
+        assert_eq!(budget.in_use(), 8, "a reader still holds it");
+        drop(reader);
+        assert_eq!(budget.in_use(), 0);
+    }
 
     async fn frames(body: Body) -> (Vec<Bytes>, Option<String>) {
         let mut body = body;
@@ -286,7 +316,7 @@ mod tests {
 
     #[tokio::test]
     async fn readers_get_what_was_recorded_then_the_rest_and_end_only_once_committed() {
-        let r = Recording::new(JobId::new(), 200, vec![]);
+        let r = Recording::new(JobId::new(), 200, vec![], charge());
         r.push(Bytes::from_static(b"a"));
         let early = tokio::spawn(frames(r.response(false).into_body()));
         r.push(Bytes::from_static(b"b"));
@@ -307,7 +337,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_cut_fails_every_reader_after_what_was_recorded() {
-        let r = Recording::new(JobId::new(), 200, vec![]);
+        let r = Recording::new(JobId::new(), 200, vec![], charge());
         r.push(Bytes::from_static(b"partial"));
         let reader = tokio::spawn(frames(r.response(false).into_body()));
         r.cut();
@@ -321,7 +351,7 @@ mod tests {
     #[tokio::test]
     async fn only_live_recordings_can_be_joined() {
         let streams = Recordings::default();
-        let r = Recording::new(JobId::new(), 200, vec![]);
+        let r = Recording::new(JobId::new(), 200, vec![], charge());
         streams.insert(&r);
         assert!(streams.live(r.job).is_some());
         r.finish();

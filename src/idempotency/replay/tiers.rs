@@ -6,6 +6,10 @@
 //! 3. the store, which is the arbiter: reached through the flow's decision
 //!    on the job, never skipped when the tiers above miss.
 //!
+//! A copy read from Redis or the store counts against the memory budget
+//! until it is sent; a replay from memory copies nothing (the cache's bytes
+//! are bounded by `replay_cache_size`).
+//!
 //! The first two answer only the very request that made the answer (same
 //! owner, key and fingerprint); anything else goes on to the store, which
 //! decides a mismatch. An answer found in a lower tier is written back to the
@@ -93,6 +97,8 @@ impl Replays {
             },
         };
         metrics::counter!("idemgate_replays_total", "source" => "redis").increment(1);
+        // A copy, held until it is sent (docs/design.md §18).
+        request.charge.add(stored.body.len());
         self.keep(request, entry.job, entry.expires_at, &stored);
         let framing = Framing::of(&request.route, &stored);
         Some((entry.job, response(&stored, entry.job, true, framing)))
@@ -110,6 +116,8 @@ impl Replays {
             GatewayError::internal(format!("completed job {} has no response", job.id))
         })?;
         metrics::counter!("idemgate_replays_total", "source" => "store").increment(1);
+        // A copy, held until it is sent (docs/design.md §18).
+        request.charge.add(stored.body.len());
         self.remember(request, job.id, job.expires_at, stored, write);
         let framing = Framing::of(&request.route, stored);
         Ok(response(stored, job.id, true, framing))

@@ -1,16 +1,21 @@
 //! HTTP plumbing shared by the proxy and admin listeners: the body type,
-//! bounded body collection, hop-by-hop headers, the console's cookie (kept
+//! bounded body collection (against the memory budget for keyed requests),
+//! the body-read timeout, hop-by-hop headers, the console's cookie (kept
 //! from the upstream) and the header names of the contract.
 
+mod collect;
 pub mod cookie;
 pub mod hop;
+pub mod idle;
 pub mod request_id;
 
 use std::net::SocketAddr;
 
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
-use http_body_util::{combinators::BoxBody, BodyExt, Full, Limited};
+use http_body_util::{combinators::BoxBody, BodyExt, Full};
+
+pub use collect::{collect_charged, collect_limited, discard, CollectError};
 
 pub use crate::BoxError;
 
@@ -54,39 +59,6 @@ pub fn full(bytes: impl Into<Bytes>) -> Body {
     Full::new(bytes.into())
         .map_err(|never| match never {})
         .boxed()
-}
-
-/// Why a body could not be collected.
-#[derive(Debug, thiserror::Error)]
-pub enum CollectError {
-    /// It was larger than allowed.
-    #[error("body larger than {limit} bytes")]
-    TooLarge {
-        /// The limit.
-        limit: usize,
-    },
-    /// The peer failed while sending it.
-    #[error("body could not be read: {0}")]
-    Read(BoxError),
-}
-
-/// Reads a whole body, refusing it as soon as it passes `limit` bytes (a
-/// declared length past the limit is refused before reading anything).
-pub async fn collect_limited<B>(body: B, limit: usize) -> Result<Bytes, CollectError>
-where
-    B: http_body::Body<Data = Bytes> + Send,
-    B::Error: Into<BoxError>,
-{
-    if body.size_hint().lower() > limit as u64 {
-        return Err(CollectError::TooLarge { limit });
-    }
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-            Err(CollectError::TooLarge { limit })
-        }
-        Err(e) => Err(CollectError::Read(e)),
-    }
 }
 
 /// How the gateway answered a request, carried on the answer as an

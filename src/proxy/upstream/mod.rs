@@ -25,6 +25,7 @@ use tokio::sync::watch;
 use self::pool::Pool;
 
 use crate::config::{UpstreamId, UpstreamSettings};
+use crate::proxy::budget::Charge;
 use crate::proxy::http::{hop, Body, ClientAddr, ProvenClient};
 use crate::BoxError;
 
@@ -382,18 +383,24 @@ where
     let response = upstream.oneshot(req).await?;
     progress.send_modify(|n| *n += 1);
     let (parts, body) = response.into_parts();
-    read_body(parts, body, limit, &progress).await
+    read_body(parts, body, limit, &progress, None).await
 }
 
 /// Reads the rest of an answer whose head arrived, at most `limit` bytes,
-/// counting every received frame on `progress`.
+/// counting every received frame on `progress`, and the buffer it fills on
+/// `charge` (never refused: the upstream has acted, `docs/design.md` §18).
+/// The buffer is sized by the answer's length when it gives one.
 pub async fn read_body(
     parts: http::response::Parts,
     mut body: Body,
     limit: usize,
     progress: &watch::Sender<u64>,
+    charge: Option<&Charge>,
 ) -> Result<Fetched, UpstreamError> {
-    let mut buf = bytes::BytesMut::new();
+    let declared = http_body::Body::size_hint(&body).exact();
+    let declared = declared.map_or(0, |n| usize::try_from(n).unwrap_or(usize::MAX));
+    let mut buf = bytes::BytesMut::with_capacity(declared.min(limit));
+    let mut charged = 0;
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| UpstreamError::Broken(Box::new(e)))?;
         if let Some(data) = frame.data_ref() {
@@ -401,6 +408,10 @@ pub async fn read_body(
                 return Err(UpstreamError::ResponseTooLarge { limit });
             }
             buf.extend_from_slice(data);
+            if let Some(charge) = charge.filter(|_| buf.capacity() > charged) {
+                charge.add(buf.capacity() - charged);
+                charged = buf.capacity();
+            }
             progress.send_modify(|n| *n += 1);
         }
     }

@@ -6,15 +6,19 @@
 //! connection idle between requests, and one that sends half a request line
 //! and stops), and a bound on the size of a request's header block (`431`).
 //! HTTP/1.1, and HTTP/2 with prior knowledge (told apart by the first bytes,
-//! peeked at without consuming them).
+//! [`opening`]); an HTTP/2 connection is pinged to find dead peers and
+//! closed once it has had no open stream for `http2_idle_timeout`
+//! ([`connection`], `docs/design.md` §18).
 //! Framing is hyper's: two different `Content-Length`s are `400`; a
 //! `Content-Length` beside `Transfer-Encoding: chunked` is ignored for the
 //! chunked framing and the connection is closed after the answer (RFC 9112
 //! §6.1).
 
+mod connection;
+mod opening;
+
 use std::convert::Infallible;
 use std::future::Future;
-use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,11 +27,14 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper::server::conn::{http1, http2};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::graceful::{GracefulShutdown, Watcher};
 use hyper_util::service::TowerToHyperService;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
 use tower::{Service, ServiceExt};
+
+use self::connection::{drive, Counted, Idle, Streams};
+use self::opening::sniff;
 
 use crate::config::{Limits, TrustedProxies};
 use crate::proxy::http::BoxError;
@@ -56,7 +63,10 @@ pub async fn serve<S, B>(
     B::Data: Send,
     B::Error: Into<BoxError>,
 {
-    let graceful = GracefulShutdown::new();
+    // Cancelled to drain; every connection holds a sender of `open`, whose
+    // receiver hears `None` once the last has ended.
+    let drain = CancellationToken::new();
+    let (open, mut all_closed) = mpsc::channel::<()>(1);
     let protocols = Protocols::new(&limits, trusted);
     let room = Arc::new(Semaphore::new(limits.max_connections));
     tokio::pin!(shutdown);
@@ -65,19 +75,20 @@ pub async fn serve<S, B>(
             () = &mut shutdown => break,
             next = accept(&listener, &room) => next,
         };
-        let service = service.clone();
-        let protocols = protocols.clone();
-        let watcher = graceful.watcher();
+        let (service, protocols) = (service.clone(), protocols.clone());
+        let (drain, open) = (drain.clone(), open.clone());
         tokio::spawn(async move {
-            if let Err(e) = protocols.serve(stream, peer, service, watcher).await {
+            if let Err(e) = protocols.serve(stream, peer, service, &drain).await {
                 tracing::debug!(error = %e, %peer, "connection ended with an error");
             }
-            drop(permit);
+            drop((permit, open));
         });
     }
     drop(listener);
+    drain.cancel();
+    drop(open);
     tokio::select! {
-        () = graceful.shutdown() => {}
+        _ = all_closed.recv() => {}
         () = tokio::time::sleep(grace) => tracing::warn!("connections still open after shutdown_grace; closing"),
     }
 }
@@ -117,6 +128,10 @@ struct Protocols {
     /// How long a new connection may take to show which protocol it speaks
     /// (the header read timeout).
     opening_timeout: Duration,
+    /// How long an HTTP/2 connection may have no open stream.
+    http2_idle: Option<Duration>,
+    /// How long a peer may take to answer a ping.
+    http2_ping_timeout: Duration,
     trusted: Arc<TrustedProxies>,
 }
 
@@ -130,24 +145,30 @@ impl Protocols {
             .max_buf_size(limits.max_header_size.max(8192));
         let mut h2 = http2::Builder::new(TokioExecutor::new());
         h2.timer(TokioTimer::new())
-            .max_header_list_size(u32::try_from(limits.max_header_size).unwrap_or(u32::MAX));
+            .max_header_list_size(u32::try_from(limits.max_header_size).unwrap_or(u32::MAX))
+            // Pings find peers that vanished without closing (a dead NAT
+            // entry, a killed pod): unanswered, the connection is closed.
+            .keep_alive_interval(limits.http2_keepalive_interval)
+            .keep_alive_timeout(limits.http2_keepalive_timeout);
         Protocols {
             h1,
             h2,
             opening_timeout: limits.header_read_timeout,
+            http2_idle: limits.http2_idle_timeout,
+            http2_ping_timeout: limits.http2_keepalive_timeout,
             trusted: Arc::new(trusted),
         }
     }
 
     /// Serves one connection from `peer` in the protocol its first bytes
     /// show, each request tagged with the peer's address, until it closes
-    /// or the drain `watcher` watches for ends it.
+    /// or `drain` ends it.
     async fn serve<S, B>(
         &self,
         stream: TcpStream,
         peer: SocketAddr,
         service: S,
-        watcher: Watcher,
+        drain: &CancellationToken,
     ) -> hyper::Result<()>
     where
         S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
@@ -165,97 +186,30 @@ impl Protocols {
             req.extensions_mut().insert(client.clone());
             service.clone().oneshot(req)
         });
-        let service = TowerToHyperService::new(tagged);
-        match tokio::time::timeout(self.opening_timeout, opens_with_http2(&stream)).await {
-            Ok(Ok(false)) => {
-                let io = TokioIo::new(stream);
-                watcher.watch(self.h1.serve_connection(io, service)).await
+        // Nothing (or half a preface) within the header timeout: closed.
+        let Ok(Ok(opened)) = tokio::time::timeout(self.opening_timeout, sniff(stream)).await else {
+            return Ok(());
+        };
+        let io = TokioIo::new(opened.io);
+        if !opened.http2 {
+            let conn = self
+                .h1
+                .serve_connection(io, TowerToHyperService::new(tagged));
+            return drive(conn, drain, Idle::never(), |c| c.graceful_shutdown()).await;
+        }
+        let streams = Streams::new();
+        let idle = Idle::after(streams.clone(), self.http2_idle, self.http2_ping_timeout);
+        let counted = tower::service_fn(move |req: Request<Incoming>| {
+            let open = streams.open();
+            let answer = tagged.clone().oneshot(req);
+            async move {
+                let response = answer.await?;
+                Ok::<_, Infallible>(response.map(|inner| Counted { inner, open }))
             }
-            Ok(Ok(true)) => {
-                let io = TokioIo::new(stream);
-                watcher.watch(self.h2.serve_connection(io, service)).await
-            }
-            // Nothing (or half a preface) within the header timeout.
-            Ok(Err(_)) | Err(_) => Ok(()),
-        }
-    }
-}
-
-/// HTTP/2's connection preface (RFC 9113 §3.4), which a client that knows
-/// the gateway speaks HTTP/2 sends first.
-const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-
-/// Whether a connection opens with HTTP/2's preface, looked at without
-/// consuming a byte.
-///
-/// hyper-util's automatic version detection reads the first bytes itself
-/// and hands them to the HTTP/1 reader as a separate first read, which
-/// makes hyper grow its connection's 8 KiB read buffer to 16 KiB for every
-/// HTTP/1 connection; peeking leaves the whole request to one read
-/// (docs/performance.md, item 11).
-async fn opens_with_http2(stream: &TcpStream) -> io::Result<bool> {
-    let mut first = [0u8; PREFACE.len()];
-    loop {
-        let n = stream.peek(&mut first).await?;
-        if n == 0 || first[..n] != PREFACE[..n] {
-            // HTTP/1 (or a closed connection, which hyper then sees).
-            return Ok(false);
-        }
-        if n == PREFACE.len() {
-            return Ok(true);
-        }
-        // Part of the preface has arrived: the rest is a moment behind
-        // (peeking again at once would see the same bytes).
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use tokio::io::AsyncWriteExt;
-
-    use super::*;
-
-    async fn pair() -> (TcpStream, TcpStream) {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let client = TcpStream::connect(listener.local_addr().unwrap())
-            .await
-            .unwrap();
-        let (server, _) = listener.accept().await.unwrap();
-        (client, server)
-    }
-
-    #[tokio::test]
-    async fn an_http1_request_is_told_from_its_first_bytes_and_left_unread() {
-        let (mut client, server) = pair().await;
-        client
-            .write_all(b"POST /v1/charges HTTP/1.1\r\n")
-            .await
-            .unwrap();
-        assert!(!opens_with_http2(&server).await.unwrap());
-        let mut all = [0u8; 64];
-        let n = server.peek(&mut all).await.unwrap();
-        assert!(
-            all[..n].starts_with(b"POST /v1/charges"),
-            "nothing consumed"
-        );
-    }
-
-    #[tokio::test]
-    async fn a_preface_arriving_in_pieces_is_http2() {
-        let (mut client, server) = pair().await;
-        client.write_all(&PREFACE[..9]).await.unwrap();
-        let sniff = tokio::spawn(async move { opens_with_http2(&server).await.unwrap() });
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        assert!(!sniff.is_finished(), "half a preface decides nothing");
-        client.write_all(&PREFACE[9..]).await.unwrap();
-        assert!(sniff.await.unwrap());
-    }
-
-    #[tokio::test]
-    async fn a_connection_closed_before_a_byte_is_not_http2() {
-        let (client, server) = pair().await;
-        drop(client);
-        assert!(!opens_with_http2(&server).await.unwrap());
+        });
+        let conn = self
+            .h2
+            .serve_connection(io, TowerToHyperService::new(counted));
+        drive(conn, drain, idle, |c| c.graceful_shutdown()).await
     }
 }

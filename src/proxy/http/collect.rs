@@ -1,0 +1,161 @@
+//! Reading whole request bodies: bounded by a limit, and for keyed requests
+//! counted against the memory budget as they grow (`docs/design.md` §18).
+
+use bytes::{Bytes, BytesMut};
+use http_body_util::{BodyExt, Limited};
+
+use super::{Body, BoxError};
+use crate::proxy::budget::Charge;
+
+/// Why a body could not be collected.
+#[derive(Debug, thiserror::Error)]
+pub enum CollectError {
+    /// It was larger than allowed.
+    #[error("body larger than {limit} bytes")]
+    TooLarge {
+        /// The limit.
+        limit: usize,
+    },
+    /// Holding more of it would take the gateway past its memory budget.
+    #[error("the memory budget has no room for the rest of the body")]
+    OverBudget,
+    /// The peer failed while sending it (or paused past the body-read
+    /// timeout: [`BodyTimedOut`](super::idle::BodyTimedOut) in its sources).
+    #[error("body could not be read: {0}")]
+    Read(BoxError),
+}
+
+/// Reads a whole body, refusing it as soon as it passes `limit` bytes (a
+/// declared length past the limit is refused before reading anything).
+pub async fn collect_limited<B>(body: B, limit: usize) -> Result<Bytes, CollectError>
+where
+    B: http_body::Body<Data = Bytes> + Send,
+    B::Error: Into<BoxError>,
+{
+    if body.size_hint().lower() > limit as u64 {
+        return Err(CollectError::TooLarge { limit });
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(CollectError::TooLarge { limit })
+        }
+        Err(e) => Err(CollectError::Read(e)),
+    }
+}
+
+/// Reads a keyed request's whole body, at most `limit` bytes, into one
+/// buffer: sized once by its declared length (which `charge` was admitted
+/// with), or grown as it comes, each growth taken from the budget first
+/// (`OverBudget` when there is no room). Pieces are copied as they arrive
+/// and dropped, so a body is held once, never twice. What is left of a
+/// refused body stays in `body` (for [`discard`]).
+pub async fn collect_charged(
+    body: &mut Body,
+    limit: usize,
+    charge: &Charge,
+) -> Result<Bytes, CollectError> {
+    let hint = http_body::Body::size_hint(&*body);
+    if hint.lower() > limit as u64 {
+        return Err(CollectError::TooLarge { limit });
+    }
+    let declared = hint.exact().map_or(0, |n| n as usize);
+    let mut buf = BytesMut::with_capacity(declared);
+    // The admission took the declared length (one byte at least).
+    let mut charged = declared.max(1);
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| CollectError::Read(Box::new(e)))?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        if buf.len() + data.len() > limit {
+            return Err(CollectError::TooLarge { limit });
+        }
+        buf.extend_from_slice(&data);
+        // A buffer that grew is charged for what it now holds, allocated or
+        // not: the old one is freed, the new one is what stays.
+        if buf.capacity() > charged {
+            if !charge.try_add(buf.capacity() - charged) {
+                return Err(CollectError::OverBudget);
+            }
+            charged = buf.capacity();
+        }
+    }
+    Ok(buf.freeze())
+}
+
+/// Reads what is left of a refused request's body, at most `limit` bytes
+/// more, and drops it, in a task of its own. A client still sending then
+/// reads its answer: a server that closes a connection with unread bytes
+/// makes the kernel reset it, which can destroy the answer before the
+/// client reads it. Nothing is kept; the body-read timeout bounds a pause.
+pub fn discard(mut body: Body, limit: usize) {
+    if http_body::Body::is_end_stream(&body) {
+        return;
+    }
+    tokio::spawn(async move {
+        let mut left = limit;
+        while let Some(Ok(frame)) = body.frame().await {
+            let n = frame.data_ref().map_or(0, Bytes::len);
+            let Some(rest) = left.checked_sub(n) else {
+                break;
+            };
+            left = rest;
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use http_body_util::StreamBody;
+
+    use super::*;
+    use crate::proxy::budget::Budget;
+    use crate::proxy::http::BodyError;
+
+    /// A body of `pieces`, with no declared length.
+    fn chunked(pieces: Vec<&'static [u8]>) -> Body {
+        let frames = pieces
+            .into_iter()
+            .map(|p| Ok::<_, BodyError>(http_body::Frame::data(Bytes::from_static(p))));
+        StreamBody::new(futures_util::stream::iter(frames)).boxed()
+    }
+
+    #[tokio::test]
+    async fn a_declared_body_is_read_into_the_buffer_it_was_admitted_for() {
+        let budget = Budget::new(1000);
+        let mut body = crate::proxy::http::full(vec![7u8; 600]);
+        let charge = budget.admit(600).unwrap();
+        let read = collect_charged(&mut body, 1000, &charge).await.unwrap();
+        assert_eq!(read.len(), 600);
+        assert_eq!(charge.bytes(), 600, "no more than the declared length");
+    }
+
+    #[tokio::test]
+    async fn a_body_without_a_length_is_charged_as_it_grows_and_refused_past_the_budget() {
+        let budget = Budget::new(1000);
+        let charge = budget.admit(0).unwrap();
+        let mut body = chunked(vec![&[1; 100], &[2; 100]]);
+        let read = collect_charged(&mut body, 10_000, &charge).await.unwrap();
+        assert_eq!(read.len(), 200);
+        assert!(charge.bytes() >= 200, "{}", charge.bytes());
+        let other = budget.admit(0).unwrap();
+        let mut big = chunked(vec![&[1; 500], &[2; 500], &[3; 500]]);
+        let refused = collect_charged(&mut big, 10_000, &other).await;
+        assert!(matches!(refused, Err(CollectError::OverBudget)));
+        drop((charge, other));
+        assert_eq!(budget.in_use(), 0, "everything given back");
+    }
+
+    #[tokio::test]
+    async fn a_body_past_the_limit_is_too_large() {
+        let budget = Budget::new(1000);
+        let charge = budget.admit(0).unwrap();
+        let mut body = chunked(vec![&[1; 60], &[2; 60]]);
+        let refused = collect_charged(&mut body, 100, &charge).await;
+        assert!(matches!(
+            refused,
+            Err(CollectError::TooLarge { limit: 100 })
+        ));
+    }
+}

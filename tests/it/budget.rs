@@ -1,0 +1,351 @@
+//! The memory budget (design §18), each mechanism on its own, through the
+//! real binary: past the budget a new keyed request is `503 …/overloaded`
+//! before any job exists; the budget comes back once requests finish; an
+//! attempt whose client left still holds it until it ends; a client that
+//! stops mid-body is cut off by the body-read timeout and creates nothing;
+//! pass-through requests stream, are not held and are not refused.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::Method;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::support::process::peak_rss;
+use crate::support::sink::Sink;
+use crate::support::upstream::json_response;
+use crate::support::{eventually, send, FakeUpstream, Gate, Gateway, Reply, TestStore};
+
+const KIB: usize = 1024;
+
+/// A gateway with a 1 MiB budget, whose one route takes bodies of up to
+/// 1 MiB (a route's bodies must fit in the budget).
+fn small_budget(store: &TestStore, upstream: &FakeUpstream) -> crate::support::gateway::Builder {
+    Gateway::builder(store, &upstream.url())
+        .set("memory_budget", "\"1MiB\"")
+        .tables("[[routes]]\npath_prefix = \"/\"\nbody_limit = \"1MiB\"")
+}
+
+/// An upstream that holds keyed requests (the gateway sends them with the
+/// job's id as their key) until `gate` lets them through, and answers
+/// every request with a small JSON (an echo of the body would count the
+/// body again, as an answer).
+async fn gated(gate: &Gate) -> FakeUpstream {
+    let gate = gate.clone();
+    FakeUpstream::start(move |r| {
+        let gate = gate.clone();
+        async move {
+            if r.header("idempotency-key").is_some() {
+                gate.pass().await;
+            }
+            json_response(
+                200,
+                serde_json::json!({ "hit": r.hit, "len": r.body.len() }),
+            )
+        }
+    })
+    .await
+}
+
+/// A keyed upload of `len` bytes, sent in a task of its own.
+fn upload(gateway: &Gateway, key: &str, len: usize) -> tokio::task::JoinHandle<Reply> {
+    let (url, key) = (
+        gateway.path(&format!("/v1/uploads?key={key}")),
+        key.to_owned(),
+    );
+    tokio::spawn(async move {
+        let headers = [
+            ("idempotency-key", key.as_str()),
+            ("content-type", "application/octet-stream"),
+        ];
+        send(Method::POST, &url, &headers, vec![b'x'; len]).await
+    })
+}
+
+async fn keyed(gateway: &Gateway, key: &str, len: usize) -> Reply {
+    upload(gateway, key, len).await.unwrap()
+}
+
+async fn in_use(gateway: &Gateway) -> f64 {
+    gateway.metric("idemgate_memory_budget_in_use_bytes").await
+}
+
+async fn jobs_for(store: &TestStore, key: &str) -> i64 {
+    store
+        .column(&format!("SELECT count(*) FROM jobs WHERE key = '{key}'"))
+        .await[0]
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn past_the_budget_a_keyed_request_is_503_before_any_job_and_a_later_one_succeeds() {
+    let store = TestStore::embedded();
+    let gate = Gate::new();
+    let upstream = gated(&gate).await;
+    let gateway = small_budget(&store, &upstream).start().await;
+    // 700 KiB held at the upstream: 324 KiB of the budget are left.
+    let first = upload(&gateway, "first", 700 * KIB);
+    upstream.arrival().await;
+    assert!(in_use(&gateway).await >= (700 * KIB) as f64);
+
+    let refused = keyed(&gateway, "second", 400 * KIB).await;
+    assert_eq!(refused.status, 503);
+    assert_eq!(refused.problem(), "overloaded");
+    assert!(
+        refused.header("retry-after").is_some(),
+        "says when to come back"
+    );
+    assert!(
+        refused.problem_detail().contains("memory budget"),
+        "{}",
+        refused.problem_detail()
+    );
+    assert_eq!(
+        jobs_for(&store, "second").await,
+        0,
+        "no job for the refused request"
+    );
+    assert_eq!(upstream.hits(), 1, "nothing forwarded for it");
+    assert_eq!(
+        gateway
+            .metric("idemgate_memory_budget_refusals_total")
+            .await,
+        1.0
+    );
+
+    // Without a declared length a body is taken as it comes, and refused
+    // once it outgrows the room left, still before any job.
+    let answer = chunked_upload(&gateway, "third", 400 * KIB).await;
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(answer.contains("/overloaded"), "{answer}");
+    assert_eq!(jobs_for(&store, "third").await, 0);
+    assert_eq!(upstream.hits(), 1);
+
+    // Pass-through traffic is neither held nor refused by the budget.
+    let passing = send(
+        Method::POST,
+        &gateway.path("/v1/uploads?key=none"),
+        &[],
+        vec![b'y'; 900 * KIB],
+    )
+    .await;
+    assert_eq!(passing.status, 200, "{:?}", passing.body);
+    assert_eq!(passing.json()["len"], 900 * KIB);
+
+    gate.open(2);
+    assert_eq!(first.await.unwrap().status, 200);
+    // Given back once the answer is sent and the attempt has ended.
+    eventually(
+        Duration::from_secs(10),
+        "the budget to be given back",
+        || async { in_use(&gateway).await == 0.0 },
+    )
+    .await;
+    let retried = keyed(&gateway, "second", 400 * KIB).await;
+    assert_eq!(retried.status, 200, "{:?}", retried.body);
+    assert_eq!(jobs_for(&store, "second").await, 1);
+    assert_eq!(
+        retried.json()["len"],
+        400 * KIB,
+        "the whole body went upstream"
+    );
+}
+
+#[tokio::test]
+async fn an_attempt_whose_client_left_holds_its_bytes_until_it_ends() {
+    let store = TestStore::embedded();
+    let gate = Gate::new();
+    let upstream = gated(&gate).await;
+    let gateway = small_budget(&store, &upstream).start().await;
+    let leaver = upload(&gateway, "leaver", 700 * KIB);
+    upstream.arrival().await;
+    // The client hangs up; its attempt goes on at the upstream.
+    leaver.abort();
+    eventually(
+        Duration::from_secs(10),
+        "the request to be gone",
+        || async { gateway.metric("idemgate_requests_in_flight").await == 0.0 },
+    )
+    .await;
+    assert!(
+        in_use(&gateway).await >= (700 * KIB) as f64,
+        "the attempt still holds the body"
+    );
+    let refused = keyed(&gateway, "newcomer", 400 * KIB).await;
+    assert_eq!(refused.status, 503);
+    assert_eq!(refused.problem(), "overloaded");
+
+    gate.open(2);
+    eventually(Duration::from_secs(10), "the attempt to end", || async {
+        in_use(&gateway).await == 0.0
+    })
+    .await;
+    assert_eq!(keyed(&gateway, "newcomer", 400 * KIB).await.status, 200);
+    // The leaver's answer was committed all the same: its retry replays it.
+    let replayed = keyed(&gateway, "leaver", 700 * KIB).await;
+    assert_eq!(replayed.status, 200);
+    assert_eq!(replayed.header("idempotent-replayed"), Some("true"));
+    assert_eq!(upstream.hits(), 2);
+}
+
+/// A keyed upload of `len` bytes in chunks, with no declared length; the
+/// answer's head and body.
+async fn chunked_upload(gateway: &Gateway, key: &str, len: usize) -> String {
+    let authority = gateway.url.trim_start_matches("http://");
+    let mut stream = TcpStream::connect(authority).await.unwrap();
+    let head = format!(
+        "POST /v1/uploads?key={key} HTTP/1.1\r\nhost: x\r\nidempotency-key: {key}\r\n\
+         content-type: application/octet-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    for _ in 0..len / (16 * KIB) {
+        stream.write_all(b"4000\r\n").await.unwrap();
+        stream.write_all(&[b'c'; 16 * KIB]).await.unwrap();
+        stream.write_all(b"\r\n").await.unwrap();
+    }
+    stream.write_all(b"0\r\n\r\n").await.unwrap();
+    // The head, then as many bytes of body as it declares.
+    let read = async {
+        let mut answer = Vec::new();
+        let mut buf = [0u8; 4096];
+        loop {
+            let n = stream.read(&mut buf).await.unwrap();
+            assert!(n > 0, "closed before a whole answer: {answer:?}");
+            answer.extend_from_slice(&buf[..n]);
+            let text = String::from_utf8_lossy(&answer).into_owned();
+            let Some((head, body)) = text.split_once("\r\n\r\n") else {
+                continue;
+            };
+            let length = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length: "))
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .unwrap_or(0);
+            if body.len() >= length {
+                return text;
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), read)
+        .await
+        .expect("no answer to a chunked upload within 10 s")
+}
+
+/// Writes a request's head and the first `sent` of its `len` body bytes,
+/// then stops; returns everything the gateway answers until it closes, and
+/// how long after the stop that was.
+async fn stop_mid_body(
+    gateway: &Gateway,
+    key: Option<&str>,
+    len: usize,
+    sent: usize,
+) -> (String, Duration) {
+    let authority = gateway.url.trim_start_matches("http://");
+    let mut stream = TcpStream::connect(authority).await.unwrap();
+    let key = key.map_or(String::new(), |k| format!("idempotency-key: {k}\r\n"));
+    let head = format!(
+        "POST /v1/uploads HTTP/1.1\r\nhost: x\r\n{key}content-type: application/octet-stream\r\ncontent-length: {len}\r\n\r\n"
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    stream.write_all(&vec![b'x'; sent]).await.unwrap();
+    let stopped = tokio::time::Instant::now();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer))
+        .await
+        .expect("the gateway kept a stalled upload open")
+        .unwrap();
+    (
+        String::from_utf8_lossy(&answer).into_owned(),
+        stopped.elapsed(),
+    )
+}
+
+#[tokio::test]
+async fn a_client_that_stops_mid_body_is_cut_off_and_creates_nothing() {
+    let store = TestStore::embedded();
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("body_read_timeout", "\"1s\"")
+        .start()
+        .await;
+    let (answer, after) = stop_mid_body(&gateway, Some("stalled"), 1000, 500).await;
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("request-body-timeout"), "{answer}");
+    assert!(
+        after >= Duration::from_millis(900) && after < Duration::from_secs(5),
+        "cut off {after:?} after it stopped"
+    );
+    assert_eq!(store.job_count().await, 0, "no job");
+    assert_eq!(upstream.hits(), 0, "nothing forwarded");
+    eventually(
+        Duration::from_secs(5),
+        "its bytes to be given back",
+        || async { in_use(&gateway).await == 0.0 },
+    )
+    .await;
+
+    // Passed through, the upstream saw the body start; the client still
+    // hears why it was cut off.
+    let (answer, _) = stop_mid_body(&gateway, None, 1000, 500).await;
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+
+    // The clock runs between pieces of a body, not over all of it: an
+    // upload that keeps coming, slower than the timeout in all, is read.
+    let authority = gateway.url.trim_start_matches("http://");
+    let mut steady = TcpStream::connect(authority).await.unwrap();
+    steady
+        .write_all(
+            b"POST /v1/uploads HTTP/1.1\r\nhost: x\r\nidempotency-key: steady\r\n\
+              content-type: application/octet-stream\r\ncontent-length: 3000\r\n\r\n",
+        )
+        .await
+        .unwrap();
+    for _ in 0..6 {
+        steady.write_all(&[b'x'; 500]).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(400)).await;
+    }
+    let mut answer = vec![0u8; 12];
+    tokio::time::timeout(Duration::from_secs(10), steady.read_exact(&mut answer))
+        .await
+        .expect("no answer to a steady upload")
+        .unwrap();
+    assert_eq!(
+        &answer,
+        b"HTTP/1.1 200",
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
+    assert_eq!(store.job_count().await, 1);
+}
+
+#[tokio::test]
+async fn a_passed_through_upload_streams_rather_than_being_held() {
+    let store = TestStore::embedded();
+    let sink = Sink::start(Duration::ZERO).await;
+    let gateway = Gateway::start(&store, &sink.url()).await;
+    assert_eq!(
+        send(Method::POST, &gateway.path("/warm"), &[], "{}")
+            .await
+            .status,
+        200
+    );
+    let before = peak_rss(gateway.pid());
+    const LEN: usize = 96 << 20;
+    let reply = send(
+        Method::POST,
+        &gateway.path("/v1/files"),
+        &[("content-type", "application/octet-stream")],
+        Bytes::from(vec![b'z'; LEN]),
+    )
+    .await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.json()["len"], LEN, "all of it reached the upstream");
+    let grew = peak_rss(gateway.pid()).saturating_sub(before);
+    assert!(
+        grew < 24 << 20,
+        "a 96 MiB pass-through grew the gateway's peak memory by {} MiB",
+        grew >> 20
+    );
+}
