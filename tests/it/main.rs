@@ -29,7 +29,6 @@ mod postgres_restart;
 mod readme;
 mod real_clients;
 mod redis_deployments;
-mod soak;
 mod state_machine_props;
 mod store_conformance;
 mod streaming;
