@@ -33,7 +33,6 @@ mod real_clients;
 mod redis_deployments;
 mod redis_tls;
 mod replay_entries;
-mod soak;
 mod state_machine_props;
 mod store_conformance;
 mod streaming;
