@@ -25,7 +25,8 @@ use crate::support::{
     eventually, post, FakeUpstream, Gate, Gateway, Reply, TestStore, ThrowawayRedis,
 };
 
-const WAIT: Duration = Duration::from_secs(10);
+// A deadline, not a delay: generous for a loaded machine.
+const WAIT: Duration = Duration::from_secs(30);
 const FORGED: &[u8] = b"{\"forged\":true}";
 const ENCRYPTION_KEY: &str = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
 

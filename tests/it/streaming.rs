@@ -161,7 +161,12 @@ async fn a_hundred_joiners_share_one_recorded_copy() {
     let store = TestStore::postgres().await;
     let gate = Gate::new();
     let upstream = SseUpstream::start(6, BIG, &gate, Ending::Clean).await;
-    let gateway = gateway(&store, &upstream).await;
+    // The upstream stays silent while a hundred joiners connect; on a loaded
+    // machine that can take longer than the suite's usual 5 s silence.
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("upstream_timeout", "\"30s\"")
+        .start()
+        .await;
     let url = gateway.path("/v1/chat");
     gate.open(5);
     let mut first = Reader::post(&url, "sse-many", "{}").await;
