@@ -36,7 +36,7 @@ use super::execute::Running;
 use super::execute::UpstreamService;
 use super::fastpath::Tag;
 use super::hold::Until;
-use super::opt_in::Keyed;
+use super::keyed::Keyed;
 use super::replay::tiers::Write;
 use super::replay::{self, Framing};
 use super::shared::Shared;

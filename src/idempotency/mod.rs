@@ -26,6 +26,7 @@ pub mod execute;
 pub mod fastpath;
 pub mod flow;
 pub mod hold;
+pub mod keyed;
 pub mod layer;
 pub mod opt_in;
 pub mod recording;

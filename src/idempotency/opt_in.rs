@@ -13,14 +13,15 @@ use http::{header, HeaderValue, Request};
 use tracing::Span;
 
 use crate::config::routes::{self, Route};
-use crate::domain::fingerprint::{fingerprint, Fingerprint, RequestParts};
-use crate::domain::key::{IdempotencyKey, Owner};
+use crate::domain::fingerprint::{fingerprint, RequestParts};
+use crate::domain::key::IdempotencyKey;
 use crate::proxy::budget::Charge;
 use crate::proxy::error::{ClientError, GatewayError};
 use crate::proxy::http::{collect_charged, discard, Body, CollectError, IDEMPOTENCY_KEY};
 use crate::proxy::upstream::Target;
 use crate::trust::Trust;
 
+use super::keyed::Keyed;
 use super::shared::Shared;
 
 /// What a request is, told from its head.
@@ -38,28 +39,6 @@ pub struct OptedIn {
     route: Arc<Route>,
     key: IdempotencyKey,
     req: Request<Body>,
-}
-
-/// One opted-in request, buffered and fingerprinted: who asks, for what.
-pub struct Keyed {
-    /// The route it matched.
-    pub route: Arc<Route>,
-    /// Who the key belongs to.
-    pub owner: Owner,
-    /// The client's key.
-    pub key: IdempotencyKey,
-    /// What a duplicate must match.
-    pub fingerprint: Fingerprint,
-    /// Its head, as received.
-    pub parts: http::request::Parts,
-    /// Its whole body.
-    pub body: Bytes,
-    /// What it holds against the memory budget: its body, its attempts'
-    /// answers, replays copied for it (`docs/design.md` §18). Its attempts
-    /// hold it too, and its answer until sent.
-    pub charge: Arc<Charge>,
-    /// Its span: its attempts' spans are children of it.
-    pub span: Span,
 }
 
 /// Tells pass-through from opted-in by the first route that matches. On a

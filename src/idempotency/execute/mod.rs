@@ -32,7 +32,7 @@ use tower::util::BoxCloneSyncService;
 use tracing::Instrument;
 use uuid::Uuid;
 
-use super::opt_in::Keyed;
+use super::keyed::Keyed;
 use super::recording::join::Live;
 use crate::config::{Route, UpstreamSettings};
 use crate::domain::attempt::{Attempt, AttemptFailure, NewAttempt};

@@ -25,7 +25,7 @@ use crate::domain::id::JobId;
 use crate::domain::job::Job;
 use crate::domain::response::StoredResponse;
 use crate::idempotency::fastpath::{FastPath, Lookup};
-use crate::idempotency::opt_in::Keyed;
+use crate::idempotency::keyed::Keyed;
 use crate::proxy::error::GatewayError;
 use crate::proxy::http::Body;
 use crate::store::Store;

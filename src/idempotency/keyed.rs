@@ -1,0 +1,34 @@
+//! One opted-in request, ready to run: the data every later step (holding,
+//! replaying, attempts) takes, apart from how it was prepared (`opt_in.rs`).
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use tracing::Span;
+
+use crate::config::routes::Route;
+use crate::domain::fingerprint::Fingerprint;
+use crate::domain::key::{IdempotencyKey, Owner};
+use crate::proxy::budget::Charge;
+
+/// One opted-in request, buffered and fingerprinted: who asks, for what.
+pub struct Keyed {
+    /// The route it matched.
+    pub route: Arc<Route>,
+    /// Who the key belongs to.
+    pub owner: Owner,
+    /// The client's key.
+    pub key: IdempotencyKey,
+    /// What a duplicate must match.
+    pub fingerprint: Fingerprint,
+    /// Its head, as received.
+    pub parts: http::request::Parts,
+    /// Its whole body.
+    pub body: Bytes,
+    /// What it holds against the memory budget: its body, its attempts'
+    /// answers, replays copied for it (`docs/design.md` §18). Its attempts
+    /// hold it too, and its answer until sent.
+    pub charge: Arc<Charge>,
+    /// Its span: its attempts' spans are children of it.
+    pub span: Span,
+}
