@@ -2,8 +2,10 @@
 //!
 //! Request bodies are only ever fingerprinted, but responses are stored
 //! whole, in the database and in Redis. With `[encryption]` configured, a
-//! committed response's headers and body are sealed before they are written
-//! and opened when they are read (`docs/design.md`, §5):
+//! committed response's headers and body are sealed before the store writes
+//! them and opened when it reads them (`docs/design.md`, §5); Redis entries
+//! are sealed by the fast path under keys of their own, bound to their
+//! owner, key and job (§17):
 //!
 //! - the active key seals; every configured key opens, so keys rotate by
 //!   adding a new active key and keeping the old ones until the responses

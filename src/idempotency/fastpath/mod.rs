@@ -144,7 +144,7 @@ impl FastPath {
             }
             Err(Unusable::Rejected(why)) => {
                 count("invalid");
-                self.rejected::<()>("entry", why);
+                self.rejected::<()>("replay entry", why);
                 Lookup::Unusable
             }
         }

@@ -151,8 +151,8 @@ impl FastPath {
         let found = entry.get::<Vec<u8>>(Part::Head.field())?;
         let head = match open_record(&self.keys, job, Part::Head, &found) {
             Ok((0, head)) => head,
-            Ok(_) => return self.rejected("stream", Rejection::Truncated),
-            Err(why) => return self.rejected("stream", why),
+            Ok(_) => return self.rejected("mirrored stream part", Rejection::Truncated),
+            Err(why) => return self.rejected("mirrored stream part", why),
         };
         let (status, headers) = head.split_at_checked(2)?;
         Some((
@@ -235,7 +235,7 @@ impl FastPath {
     /// Counts and logs a part of a mirrored stream not believed, and says
     /// why the copy is completed from the store instead.
     fn refuse(&self, why: Rejection) -> BoxError {
-        self.rejected::<()>("stream", why);
+        self.rejected::<()>("mirrored stream part", why);
         format!("a part of the mirrored stream was not believed ({why})").into()
     }
 }
