@@ -16,16 +16,12 @@
 //! A counter rather than a semaphore of permits: an answer must be able to
 //! take more than is left, and a semaphore cannot go below zero.
 
-use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
-use http_body::{Frame, SizeHint};
 use http_body_util::BodyExt;
-use pin_project_lite::pin_project;
 
-use crate::proxy::http::Body;
+use crate::proxy::http::{Body, Holding};
 
 /// The gateway's memory budget: bytes held for requests, at most `limit`
 /// for new ones.
@@ -155,43 +151,10 @@ impl Drop for Charge {
     }
 }
 
-pin_project! {
-    /// An answer's body holding its request's charge: the bytes stay
-    /// counted until the answer is sent, or dropped unsent.
-    struct Held<B> {
-        #[pin]
-        inner: B,
-        charge: Arc<Charge>,
-    }
-}
-
-/// `body`, holding `charge` until it is sent.
+/// `body`, holding `charge` until it is sent: the bytes stay counted until
+/// the answer is sent, or dropped unsent.
 pub fn until_sent(body: Body, charge: Arc<Charge>) -> Body {
-    Held {
-        inner: body,
-        charge,
-    }
-    .boxed()
-}
-
-impl<B: http_body::Body> http_body::Body for Held<B> {
-    type Data = B::Data;
-    type Error = B::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
-        self.project().inner.poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
+    Holding::new(body, charge).boxed()
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@
 
 mod collect;
 pub mod cookie;
+mod holding;
 pub mod hop;
 pub mod idle;
 pub mod request_id;
@@ -16,6 +17,7 @@ use http::{HeaderName, HeaderValue};
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
 
 pub use collect::{collect_charged, collect_limited, discard, CollectError};
+pub use holding::Holding;
 
 pub use crate::BoxError;
 

@@ -7,13 +7,12 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use http_body::{Frame, SizeHint};
-use pin_project_lite::pin_project;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
+
+use crate::proxy::http::Holding;
 
 /// Runs `conn` to its end. When `drain` is cancelled, `shutdown` asks it
 /// to finish what it has open and close. When it has been idle for its
@@ -146,34 +145,8 @@ impl Drop for OpenStream {
     }
 }
 
-pin_project! {
-    /// An answer's body that keeps its stream counted open until it is sent.
-    pub(super) struct Counted<B> {
-        #[pin]
-        pub(super) inner: B,
-        pub(super) open: OpenStream,
-    }
-}
-
-impl<B: http_body::Body> http_body::Body for Counted<B> {
-    type Data = B::Data;
-    type Error = B::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
-        self.project().inner.poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
-}
+/// An answer's body that keeps its stream counted open until it is sent.
+pub(super) type Counted<B> = Holding<B, OpenStream>;
 
 #[cfg(test)]
 mod tests {

@@ -204,7 +204,7 @@ impl Protocols {
             let answer = tagged.clone().oneshot(req);
             async move {
                 let response = answer.await?;
-                Ok::<_, Infallible>(response.map(|inner| Counted { inner, open }))
+                Ok::<_, Infallible>(response.map(|inner| Counted::new(inner, open)))
             }
         });
         let conn = self
