@@ -21,9 +21,12 @@ use crate::store::StoreError;
 pub(super) fn connector(tls: &PgTls) -> Result<MakeRustlsConnect, StoreError> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let verifier: Arc<dyn ServerCertVerifier> = match tls.check() {
-        Check::Nothing => Arc::new(Unchecked(provider.clone())),
-        Check::Chain => Arc::new(ChainOnly {
-            roots: roots(&tls.roots),
+        Check::Nothing => Arc::new(ShortOfHost {
+            roots: None,
+            provider: provider.clone(),
+        }),
+        Check::Chain => Arc::new(ShortOfHost {
+            roots: Some(roots(&tls.roots)),
             provider: provider.clone(),
         }),
         Check::ChainAndHost => {
@@ -100,16 +103,20 @@ pub(super) fn certificate_refusal(e: &tokio_postgres::Error) -> Option<&rustls::
     None
 }
 
-/// `verify-ca`: the chain is checked against the roots, the host name is
-/// not (the server may be reached by an address its certificate does not
-/// name).
+/// What libpq checks short of `verify-full`: with `roots`, `verify-ca`
+/// (the chain against the roots, not the host name: the server may be
+/// reached by an address its certificate does not name); without,
+/// `prefer` and `require` without a root file (the certificate is not
+/// checked: encrypted, not authenticated; the start-up log says so). The
+/// handshake's own signatures are checked either way, so the session is
+/// with whoever holds the presented certificate's key.
 #[derive(Debug)]
-struct ChainOnly {
-    roots: Arc<RootCertStore>,
+struct ShortOfHost {
+    roots: Option<Arc<RootCertStore>>,
     provider: Arc<CryptoProvider>,
 }
 
-impl ServerCertVerifier for ChainOnly {
+impl ServerCertVerifier for ShortOfHost {
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
@@ -118,14 +125,16 @@ impl ServerCertVerifier for ChainOnly {
         _ocsp_response: &[u8],
         now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        let cert = rustls::server::ParsedCertificate::try_from(end_entity)?;
-        rustls::client::verify_server_cert_signed_by_trust_anchor(
-            &cert,
-            &self.roots,
-            intermediates,
-            now,
-            self.provider.signature_verification_algorithms.all,
-        )?;
+        if let Some(roots) = &self.roots {
+            let cert = rustls::server::ParsedCertificate::try_from(end_entity)?;
+            rustls::client::verify_server_cert_signed_by_trust_anchor(
+                &cert,
+                roots,
+                intermediates,
+                now,
+                self.provider.signature_verification_algorithms.all,
+            )?;
+        }
         Ok(ServerCertVerified::assertion())
     }
 
@@ -161,57 +170,5 @@ impl ServerCertVerifier for ChainOnly {
         self.provider
             .signature_verification_algorithms
             .supported_schemes()
-    }
-}
-
-/// `prefer` and `require` without a root file, as in libpq: the
-/// certificate is not checked (encrypted, not authenticated; the start-up
-/// log says so). The handshake's own signatures still are, so the session
-/// is with whoever holds the presented certificate's key.
-#[derive(Debug)]
-struct Unchecked(Arc<CryptoProvider>);
-
-impl ServerCertVerifier for Unchecked {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp_response: &[u8],
-        _now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
     }
 }
