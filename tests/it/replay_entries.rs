@@ -372,14 +372,16 @@ async fn the_embedded_store_keeps_its_replay_key_beside_its_file() {
     };
     let mut first_run = gateway().await;
     let first = post(&first_run.path("/v1/charges"), "beside", "{}").await;
-    first_run.kill().await;
     let TestStore::Embedded(dir) = &store else {
         unreachable!()
     };
     let beside = dir.path().join("idemgate.db.replay-key");
     let secret = std::fs::read_to_string(&beside).expect("the replay key beside the store");
     let keys = EntryKeys::new(&entries::bytes_of(secret.trim()), [], false);
+    // The entry is written to Redis after the answer is sent: wait for it
+    // before stopping the gateway, or a kill can come first.
     written(&redis, "beside", &keys).await;
+    first_run.kill().await;
 
     // Started again, it finds its key and its entries.
     let second_run = gateway().await;
