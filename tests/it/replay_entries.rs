@@ -231,6 +231,9 @@ async fn a_rejected_entry_is_never_kept_in_memory() {
     let replica = || {
         Gateway::builder(&store, &upstream.url())
             .set("redis_url", &format!("{:?}", redis.url()))
+            // These tests are about what is read back, not how fast: a
+            // loaded machine must not turn a mirror write into a miss.
+            .set("redis_timeout", "\"1s\"")
             .set("redis_timeout", "\"200ms\"")
             .start()
     };
@@ -344,6 +347,9 @@ async fn with_postgres_and_redis_a_replay_key_is_required() {
     let redis = ThrowawayRedis::start().await;
     let refused = Gateway::builder(&store, "http://127.0.0.1:9")
         .set("redis_url", &format!("{:?}", redis.url()))
+        // These tests are about what is read back, not how fast: a
+        // loaded machine must not turn a mirror write into a miss.
+        .set("redis_timeout", "\"1s\"")
         .env("IDEMGATE_REPLAY_KEY", "")
         .start_and_fail()
         .await;
@@ -353,6 +359,9 @@ async fn with_postgres_and_redis_a_replay_key_is_required() {
     );
     let short = Gateway::builder(&store, "http://127.0.0.1:9")
         .set("redis_url", &format!("{:?}", redis.url()))
+        // These tests are about what is read back, not how fast: a
+        // loaded machine must not turn a mirror write into a miss.
+        .set("redis_timeout", "\"1s\"")
         .env("IDEMGATE_REPLAY_KEY", "dG9vIHNob3J0")
         .start_and_fail()
         .await;
@@ -405,6 +414,9 @@ async fn replicas(
         Gateway::builder(store, &upstream.url())
             .set("upstream_timeout", "\"5s\"")
             .set("redis_url", &format!("{:?}", redis.url()))
+            // These tests are about what is read back, not how fast: a
+            // loaded machine must not turn a mirror write into a miss.
+            .set("redis_timeout", "\"1s\"")
             .start()
     };
     (replica().await, replica().await)
