@@ -234,7 +234,6 @@ async fn a_rejected_entry_is_never_kept_in_memory() {
             // These tests are about what is read back, not how fast: a
             // loaded machine must not turn a mirror write into a miss.
             .set("redis_timeout", "\"1s\"")
-            .set("redis_timeout", "\"200ms\"")
             .start()
     };
     let (a, b) = (replica().await, replica().await);
