@@ -102,6 +102,7 @@ async fn serve(settings: &Settings, listen: SocketAddr, reuse_port: bool) {
     let limits = Limits {
         max_connections: 10_000,
         header_read_timeout: Duration::from_secs(30),
+        keepalive_timeout: Duration::from_secs(75),
         max_header_size: 16 * 1024,
         body_read_timeout: Duration::from_secs(30),
         http2_keepalive_interval: None,

@@ -65,6 +65,7 @@ fn runtime(worker_threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
 /// A command with its settings read.
 enum Job {
     Serve(Settings),
+    Check(Settings),
     VerifyProviders(Settings),
     Migrate(StoreSettings),
 }
@@ -74,6 +75,7 @@ impl Job {
         let config = cli.config.as_deref();
         Ok(match cli.command {
             Command::Serve(flags) => Job::Serve(Settings::load(config, flags)?),
+            Command::Check(flags) => Job::Check(Settings::load(config, flags)?),
             Command::VerifyProviders(flags) => Job::VerifyProviders(Settings::load(config, flags)?),
             Command::Migrate(flags) => Job::Migrate(Settings::load_store(config, flags)?),
         })
@@ -82,14 +84,22 @@ impl Job {
     fn worker_threads(&self) -> usize {
         match self {
             Job::Serve(settings) | Job::VerifyProviders(settings) => settings.worker_threads,
-            // Migrations run one statement at a time.
-            Job::Migrate(_) => 1,
+            // Migrations run one statement at a time; a check runs nothing.
+            Job::Migrate(_) | Job::Check(_) => 1,
         }
     }
 
     async fn run(self) -> ExitCode {
         match self {
             Job::Serve(settings) => serve(settings).await,
+            Job::Check(settings) => match app::check(&settings) {
+                Ok(report) => {
+                    print!("{report}");
+                    println!("configuration ok");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(Chain(&e)),
+            },
             Job::VerifyProviders(settings) => {
                 if probe::verify(&settings.upstreams, &settings.contracts).await {
                     ExitCode::SUCCESS

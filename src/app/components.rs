@@ -22,8 +22,9 @@ use crate::store::postgres::Postgres;
 use crate::store::seal::Sealer;
 use crate::store::sqlite::Sqlite;
 use crate::store::{Doorbell, Machine, Store, StoreError};
-use crate::telemetry;
+use crate::telemetry::{self, Chain};
 use crate::trust::Trust;
+use crate::upkeep::health::{self, Dependencies, Ping};
 use crate::upkeep::lease::Leases;
 use crate::upkeep::probe::{self, ProbeBoard};
 use crate::upkeep::supervise::{Beats, Supervisor};
@@ -39,6 +40,8 @@ pub(super) struct Gateway {
     probes: Arc<ProbeBoard>,
     pub(super) upstreams: Upstreams,
     tasks: Supervisor,
+    /// The store's and Redis' health, watched and reported (§8).
+    dependencies: Arc<Dependencies>,
     trust: Arc<Trust>,
     /// The bytes keyed requests may hold (docs/design.md §18).
     budget: Arc<Budget>,
@@ -87,9 +90,11 @@ impl Gateway {
             settings.clients.clone(),
             settings.owner.clone(),
         ));
+        let dependencies = dependencies(&store, fastpath.as_ref());
         let gateway = Gateway {
             instance,
             trust,
+            dependencies,
             budget: memory_budget(settings.memory_budget),
             doorbell,
             store,
@@ -134,8 +139,27 @@ impl Gateway {
             upstreams: settings.upstreams.clone(),
             probes: self.probes.clone(),
             tasks: self.tasks.clone(),
+            dependencies: self.dependencies.clone(),
             trust: self.trust.clone(),
         })
+    }
+
+    /// The drain's last part: attempts still running here (a client that
+    /// left does not stop its attempt) may end by `deadline`, so that a
+    /// rollout records their outcomes rather than `unknown`.
+    pub(super) async fn finish_attempts(&self, deadline: tokio::time::Instant) {
+        let running = self.leases.running();
+        if running == 0 {
+            return;
+        }
+        tracing::info!(running, "waiting for the attempts in flight to end");
+        let ended = tokio::time::timeout_at(deadline, self.leases.all_ended()).await;
+        if ended.is_err() {
+            tracing::warn!(
+                running = self.leases.running(),
+                "attempts still running when shutdown_grace ended"
+            );
+        }
     }
 
     /// After the drain: attempts still in flight die with this process; say
@@ -160,6 +184,12 @@ impl Gateway {
             .spawn("sweeper", Beats::Every(stuck_after), move |beat| {
                 sweeper::run(sweeping.clone(), interval, beat)
             });
+        let watched = self.dependencies.clone();
+        self.tasks.spawn(
+            "dependency-health",
+            Beats::Every(health::INTERVAL * 15),
+            move |beat| watched.clone().watch(beat),
+        );
         let config = Arc::new(probe::Config::of_routes(
             &settings.routes,
             settings.probe_interval,
@@ -173,6 +203,28 @@ impl Gateway {
                 });
         }
     }
+}
+
+/// The store and (when configured) Redis, as the health watch asks them.
+fn dependencies(store: &Arc<dyn Store>, fastpath: Option<&Arc<FastPath>>) -> Arc<Dependencies> {
+    let store = store.clone();
+    let mut checks: Vec<(&'static str, Ping)> = vec![(
+        "store",
+        Arc::new(move || {
+            let store = store.clone();
+            Box::pin(async move { store.ping().await.map_err(|e| Chain(&e).to_string()) })
+        }),
+    )];
+    if let Some(fastpath) = fastpath.cloned() {
+        checks.push((
+            "redis",
+            Arc::new(move || {
+                let fastpath = fastpath.clone();
+                Box::pin(async move { fastpath.ping().await })
+            }),
+        ));
+    }
+    Arc::new(Dependencies::new(checks))
 }
 
 /// The memory budget, its size and where it came from said at start-up.

@@ -13,6 +13,19 @@ use crate::proxy::server;
 use crate::store::StoreError;
 
 pub use components::idempotency_config;
+
+/// What `idemgate check` prints of valid settings: what the gateway would
+/// run with, and where each secret comes from. Touches no file and
+/// connects to nothing; a secret file that exists and does not read is
+/// an error, as it would be at start-up.
+pub fn check(settings: &Settings) -> Result<String, StartError> {
+    let mut report = crate::config::summary::Summary(settings).to_string();
+    for line in secrets::describe(settings)? {
+        report.push_str(&line);
+        report.push('\n');
+    }
+    Ok(report)
+}
 use components::Gateway;
 
 /// The two listeners a gateway serves on; bound by the caller, so tests can
@@ -41,7 +54,10 @@ pub enum StartError {
     ReplayKey(String),
 }
 
-/// Runs a gateway until `shutdown` is cancelled, then drains and returns.
+/// Runs a gateway until `shutdown` is cancelled, then drains and returns:
+/// the listeners stop accepting, open requests finish and attempts in
+/// flight (whose clients may be gone) run to their end, all within
+/// `shutdown_grace` (`docs/design.md` §12, "Termination").
 /// `ready` is called once the store is open and the gateway is about to
 /// serve (the binary announces its addresses then, so whoever waits for that
 /// line knows the gateway holds its store).
@@ -63,10 +79,17 @@ pub async fn run(
     let (grace, limits) = (settings.shutdown_grace, settings.limits);
     let stopping = || shutdown.clone().cancelled_owned();
     let trusted = || settings.trusted_proxies.clone();
-    tokio::join!(
+    let began = async {
+        shutdown.cancelled().await;
+        tracing::info!(shutdown_grace = ?grace, "draining: no new connections; requests and attempts in flight finish");
+        tokio::time::Instant::now()
+    };
+    let ((), (), began) = tokio::join!(
         server::serve(listeners.proxy, proxy, stopping(), grace, limits, trusted()),
         server::serve(listeners.admin, admin, stopping(), grace, limits, trusted()),
+        began,
     );
+    gateway.finish_attempts(began + grace).await;
     gateway.stop().await;
     tracing::info!("gateway stopped");
     Ok(())

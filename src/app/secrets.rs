@@ -97,3 +97,48 @@ fn beside_store(path: &Path, what: &str) -> Result<Vec<u8>, String> {
     tracing::info!(path = %path.display(), "{what} a new secret kept beside the embedded store");
     Ok(bytes.to_vec())
 }
+
+/// Where each secret comes from, for `idemgate check`: read (never made)
+/// where it is kept in a file, so a broken one is named now rather than at
+/// start-up.
+pub(super) fn describe(settings: &crate::config::Settings) -> Result<Vec<String>, StartError> {
+    let mut lines = Vec::new();
+    match &settings.owner_salt {
+        OwnerSaltSetting::Given(_) => lines.push("owner_salt = given".to_owned()),
+        OwnerSaltSetting::BesideStore(path) => {
+            let state = kept_in(path).map_err(StartError::OwnerSalt)?;
+            lines.push(format!("owner_salt = {state}"));
+        }
+    }
+    if let Some(replay) = &settings.replay_keys {
+        let state = match &replay.current {
+            ReplayKeySource::Given(_) => "given".to_owned(),
+            ReplayKeySource::FromEncryption => "derived from [encryption]".to_owned(),
+            ReplayKeySource::BesideStore(path) => kept_in(path).map_err(StartError::ReplayKey)?,
+        };
+        lines.push(format!("replay_key = {state}"));
+    }
+    if let Some(encryption) = &settings.encryption {
+        lines.push(format!(
+            "encryption = on (active key {}, {} in all)",
+            encryption.active,
+            encryption.keys.len()
+        ));
+    }
+    Ok(lines)
+}
+
+/// A secret file beside the embedded store: whether it is there and reads.
+fn kept_in(path: &Path) -> Result<String, String> {
+    use base64::Engine;
+    match std::fs::read_to_string(path) {
+        Ok(text) => base64::engine::general_purpose::STANDARD
+            .decode(text.trim())
+            .map(|_| format!("kept in {}", path.display()))
+            .map_err(|e| format!("{}: {e}", path.display())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            Ok(format!("made in {} on first start", path.display()))
+        }
+        Err(e) => Err(format!("{}: {e}", path.display())),
+    }
+}

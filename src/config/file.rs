@@ -58,6 +58,8 @@ pub struct FileConfig {
     pub(super) worker_threads: Option<usize>,
     #[serde(default, with = "humantime_serde")]
     pub(super) header_read_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) keepalive_timeout: Option<Duration>,
     pub(super) max_header_size: Option<bytesize::ByteSize>,
     #[serde(default, with = "humantime_serde")]
     pub(super) body_read_timeout: Option<Duration>,

@@ -33,6 +33,10 @@ pub enum Command {
     /// Run every contract's probes against every upstream, print a table,
     /// and exit non-zero if any fails.
     VerifyProviders(Flags),
+    /// Read and validate the whole configuration (file, environment, flags,
+    /// contracts, secrets) without connecting to anything; print what the
+    /// gateway would run with, or name the first bad key and exit 2.
+    Check(Flags),
 }
 
 /// The flags of the README's "Configuration" table; each overrides the file

@@ -13,9 +13,13 @@ use super::{at_least_one, bad, positive, size, ConfigError, FileConfig, Flags, R
 pub struct Limits {
     /// Open connections at most.
     pub max_connections: usize,
-    /// How long a client may take to send a request's headers (and how long
-    /// a connection may sit idle between requests).
+    /// How long a client may take to send a request's headers, from their
+    /// first byte (or from the connection's opening).
     pub header_read_timeout: Duration,
+    /// How long an HTTP/1.1 connection may sit idle between requests; above
+    /// the idle timeouts of the balancers and client pools in front, so
+    /// that they close first (docs/design.md §18).
+    pub keepalive_timeout: Duration,
     /// Largest request header block, in bytes.
     pub max_header_size: usize,
     /// How long a client may pause in the middle of a request body (between
@@ -46,6 +50,10 @@ pub(super) fn limits(file: &FileConfig) -> Result<Limits, ConfigError> {
         header_read_timeout: positive(
             "header_read_timeout",
             file.header_read_timeout.unwrap_or(Duration::from_secs(10)),
+        )?,
+        keepalive_timeout: positive(
+            "keepalive_timeout",
+            file.keepalive_timeout.unwrap_or(Duration::from_secs(75)),
         )?,
         max_header_size,
         body_read_timeout: positive(

@@ -23,6 +23,7 @@ pub mod redis;
 pub mod replay;
 pub mod routes;
 pub mod store;
+pub mod summary;
 pub mod tls;
 pub mod trust;
 pub mod upstreams;
@@ -109,7 +110,8 @@ pub struct Settings {
     pub sweep_interval: Duration,
     /// `Retry-After` on 409 answers.
     pub retry_after: Duration,
-    /// How long open connections may finish after SIGTERM.
+    /// How long open connections and running attempts may finish after
+    /// SIGTERM; by default `attempt_deadline`, the longest an attempt runs.
     pub shutdown_grace: Duration,
     /// Where owners come from unless a route says otherwise (each route
     /// carries its own, resolved).
@@ -272,7 +274,9 @@ impl Settings {
                 file.sweep_interval.unwrap_or(Duration::from_secs(5)),
             )?,
             retry_after: file.retry_after.unwrap_or(Duration::from_secs(1)),
-            shutdown_grace: file.shutdown_grace.unwrap_or(Duration::from_secs(10)),
+            // Long enough for every attempt running at SIGTERM to end by
+            // its own deadline (docs/design.md §12, "Termination").
+            shutdown_grace: file.shutdown_grace.unwrap_or(timings.attempt_deadline),
             owner: trust.owner,
             owner_salt: trust.salt,
             trusted_proxies: trust.proxies,
@@ -431,7 +435,9 @@ fn owner_salt(
     store: &StoreSettings,
     base: &Path,
 ) -> Result<OwnerSaltSetting, ConfigError> {
-    let text = match (&flags.owner_salt, written) {
+    // An empty variable is an unset one (a Secret left empty).
+    let flag = flags.owner_salt.as_ref().filter(|text| !text.is_empty());
+    let text = match (flag, written) {
         (Some(text), _) => text.clone(),
         (None, Some(secret)) => secret.read("owner.salt", base)?,
         (None, None) => {

@@ -9,6 +9,8 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tokio::sync::watch;
+
 use crate::domain::attempt::AttemptFailure;
 use crate::domain::id::AttemptId;
 use crate::store::Store;
@@ -17,9 +19,20 @@ use crate::upkeep::supervise::Heartbeat;
 use crate::BoxError;
 
 /// The attempts this instance holds leases on.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Leases {
     held: Mutex<HashSet<AttemptId>>,
+    /// How many are held, for a drain waiting for the last to end.
+    count: watch::Sender<usize>,
+}
+
+impl Default for Leases {
+    fn default() -> Self {
+        Leases {
+            held: Mutex::default(),
+            count: watch::Sender::new(0),
+        }
+    }
 }
 
 /// Releases the lease registration when the attempt's task ends.
@@ -32,7 +45,10 @@ pub struct LeaseGuard {
 impl Leases {
     /// Registers `attempt` until the guard is dropped.
     pub fn hold(self: &Arc<Self>, attempt: AttemptId) -> LeaseGuard {
-        self.lock().insert(attempt);
+        let mut held = self.lock();
+        held.insert(attempt);
+        self.count.send_replace(held.len());
+        drop(held);
         LeaseGuard {
             leases: self.clone(),
             attempt,
@@ -45,6 +61,19 @@ impl Leases {
 
     fn snapshot(&self) -> Vec<AttemptId> {
         self.lock().iter().copied().collect()
+    }
+
+    /// How many attempts this instance is running.
+    pub fn running(&self) -> usize {
+        *self.count.borrow()
+    }
+
+    /// Resolves once no attempt is running here (at once if none is): the
+    /// drain waits for it (`docs/design.md` §8).
+    pub async fn all_ended(&self) {
+        let mut count = self.count.subscribe();
+        // The sender lives in `self`, so the channel cannot close under us.
+        let _ = count.wait_for(|n| *n == 0).await;
     }
 
     /// Records every attempt still held as `unknown`: this instance is going
@@ -91,6 +120,8 @@ impl Leases {
 
 impl Drop for LeaseGuard {
     fn drop(&mut self) {
-        self.leases.lock().remove(&self.attempt);
+        let mut held = self.leases.lock();
+        held.remove(&self.attempt);
+        self.leases.count.send_replace(held.len());
     }
 }

@@ -1,7 +1,8 @@
 //! Background upkeep, each task under supervision: attempt leases renewed,
 //! lapsed leases and expired jobs swept, upstreams probed against their
-//! contracts.
+//! contracts, the store's and Redis' health watched.
 
+pub mod health;
 pub mod lease;
 pub mod probe;
 pub mod supervise;

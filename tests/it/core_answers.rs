@@ -1,11 +1,13 @@
 //! The HTTP contract: replays, mismatches, bad input, pass-through, admin
 //! auth, and a store that cannot be reached.
 
+use std::time::Duration;
+
 use bytes::Bytes;
 use http::Method;
 use http_body_util::Full;
 
-use crate::support::{post, send, FakeUpstream, Gateway, TestStore};
+use crate::support::{eventually, post, send, FakeUpstream, Gateway, TestStore};
 
 async fn replay_is_faithful_to_status_end_to_end_headers_and_body_bytes(store: TestStore) {
     let upstream = FakeUpstream::start(|_| async move {
@@ -583,14 +585,39 @@ async fn store_unreachable_means_503_and_nothing_proxied() {
         "an opted-in request that cannot be recorded is never proxied"
     );
 
-    let ready = send(
-        Method::GET,
-        &format!("{}/readyz", gateway.admin_url),
-        &[],
-        "",
+    // Ready all the same: the store is shared by every replica, and a
+    // failing readiness would take all of them out of the Service at once
+    // (docs/design.md §8). The body says what is down.
+    let readyz = format!("{}/readyz", gateway.admin_url);
+    eventually(
+        Duration::from_secs(10),
+        "the store reported down",
+        || async {
+            let ready = send(Method::GET, &readyz, &[], "").await;
+            assert_eq!(
+                ready.status,
+                200,
+                "{:?}",
+                String::from_utf8_lossy(&ready.body)
+            );
+            ready.json()["dependencies"]["store"]["status"] == "down"
+        },
     )
     .await;
-    assert_eq!(ready.status, 503);
+    let ready = send(Method::GET, &readyz, &[], "").await.json();
+    assert_eq!(ready["status"], "degraded");
+    assert!(
+        ready["dependencies"]["store"]["error"]
+            .as_str()
+            .is_some_and(|e| !e.is_empty()),
+        "{ready}"
+    );
+    assert_eq!(
+        gateway
+            .metric("idemgate_dependency_up{dependency=\"store\"}")
+            .await,
+        0.0
+    );
     // Traffic that does not opt in does not need the store.
     let get = send(Method::GET, &gateway.path("/v1/models"), &[], "").await;
     assert_eq!(get.status, 200);

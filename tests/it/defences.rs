@@ -180,3 +180,83 @@ async fn a_saturated_gateway_sheds_at_once_before_taking_a_job() {
     assert_eq!(post(&url, "one-too-many", "{}").await.status, 200);
     assert_eq!(upstream.hits(), 3);
 }
+
+/// One keep-alive GET on `stream`, answered 200 (the whole answer read by
+/// its length).
+async fn get_on(stream: &mut TcpStream) -> Result<(), String> {
+    stream
+        .write_all(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        match stream.read(&mut byte).await {
+            Ok(1) => head.push(byte[0]),
+            Ok(_) => return Err("closed".into()),
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    let head = String::from_utf8_lossy(&head).to_lowercase();
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    let length: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length: "))
+        .map_or(0, |n| n.trim().parse().unwrap());
+    let mut body = vec![0u8; length];
+    stream
+        .read_exact(&mut body)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_connection_idle_past_the_header_timeout_is_kept_until_the_keepalive_timeout() {
+    let store = TestStore::embedded();
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("header_read_timeout", "\"1s\"")
+        .set("keepalive_timeout", "\"4s\"")
+        .start()
+        .await;
+    let mut stream = TcpStream::connect(authority(&gateway)).await.unwrap();
+    get_on(&mut stream).await.unwrap();
+    // Idle three times the header timeout: a balancer reusing it now must
+    // not meet a reset (before, this connection was closed at 1 s).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    get_on(&mut stream)
+        .await
+        .expect("the idle connection was still open");
+    let idle_from = tokio::time::Instant::now();
+    read_until_closed(&mut stream).await;
+    let idle = idle_from.elapsed();
+    assert!(
+        idle >= Duration::from_millis(3900) && idle < Duration::from_secs(8),
+        "closed after {idle:?} idle, not at the keepalive timeout"
+    );
+    assert_eq!(upstream.hits(), 2);
+}
+
+#[tokio::test]
+async fn a_slow_head_after_an_idle_pause_is_timed_from_its_first_byte() {
+    let store = TestStore::embedded();
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("header_read_timeout", "\"1s\"")
+        .set("keepalive_timeout", "\"30s\"")
+        .start()
+        .await;
+    let mut stream = TcpStream::connect(authority(&gateway)).await.unwrap();
+    get_on(&mut stream).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    stream.write_all(b"POST /v1/charges HT").await.unwrap();
+    let started = tokio::time::Instant::now();
+    read_until_closed(&mut stream).await;
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(900) && waited < Duration::from_secs(5),
+        "a head stalled mid-line is closed by the header timeout, not kept for the keepalive one: {waited:?}"
+    );
+    assert_eq!(upstream.hits(), 1);
+}

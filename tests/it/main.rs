@@ -5,6 +5,7 @@ mod support;
 
 mod budget;
 mod chat_example;
+mod check;
 mod console;
 mod console_session;
 mod core_answers;
@@ -33,6 +34,7 @@ mod real_clients;
 mod redis_deployments;
 mod redis_tls;
 mod replay_entries;
+mod rollout;
 mod state_machine_props;
 mod store_conformance;
 mod streaming;

@@ -48,6 +48,31 @@ async fn postgres_restarted_under_a_running_gateway() {
     assert_eq!(refused.problem(), "store-unavailable");
     let passed = send(Method::GET, &gateway.path("/v1/models"), &[], "").await;
     assert_eq!(passed.status, 200, "traffic that does not opt in flows on");
+    // The replica stays ready (a shared store down must not empty the
+    // Service), and says what is down.
+    let readyz = format!("{}/readyz", gateway.admin_url);
+    let store_is = |want: &'static str| {
+        let readyz = readyz.clone();
+        move || {
+            let readyz = readyz.clone();
+            async move {
+                let ready = send(Method::GET, &readyz, &[], "").await;
+                assert_eq!(
+                    ready.status,
+                    200,
+                    "{}",
+                    String::from_utf8_lossy(&ready.body)
+                );
+                ready.json()["dependencies"]["store"]["status"] == want
+            }
+        }
+    };
+    eventually(
+        Duration::from_secs(10),
+        "the store reported down",
+        store_is("down"),
+    )
+    .await;
     let hits_while_down = upstream.hits();
 
     pg.start_again();
@@ -71,6 +96,12 @@ async fn postgres_restarted_under_a_running_gateway() {
     assert_eq!(first.status, 200);
     assert_eq!(held.body, first.body);
 
+    eventually(
+        Duration::from_secs(20),
+        "the store reported up",
+        store_is("up"),
+    )
+    .await;
     eventually(
         Duration::from_secs(20),
         "the gateway to use the database again",

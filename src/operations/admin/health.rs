@@ -1,6 +1,7 @@
 //! The open endpoints, for probes and scrapers: `/healthz` (the process
-//! answers), `/readyz` (the store answers and no background task is dead or
-//! stuck, `docs/design.md`, §8) and `/metrics` (Prometheus).
+//! answers), `/readyz` (no background task is dead or stuck; the store's
+//! and Redis' health listed, `docs/design.md`, §8) and `/metrics`
+//! (Prometheus).
 
 use http::{header, HeaderValue, Response, StatusCode};
 use serde_json::{json, Map, Value};
@@ -9,7 +10,7 @@ use super::views::json_response;
 use super::Admin;
 use crate::proxy::error::problem_response_with;
 use crate::proxy::http::{full, Body};
-use crate::telemetry::Chain;
+use crate::upkeep::health::Health;
 use crate::upkeep::supervise::{Report, Status};
 
 /// `GET /healthz`: alive, whatever the store says.
@@ -18,9 +19,10 @@ pub(super) fn healthz() -> Response<Body> {
 }
 
 impl Admin {
-    /// `GET /readyz`: ready when the store answers and no background task
-    /// is dead or stuck; the body lists every task either way (a 503 is a
-    /// problem with the tasks as an extension member).
+    /// `GET /readyz`: ready unless a background task is dead or stuck (a
+    /// fault of this process). The store's and Redis' health are listed
+    /// but never fail it: every replica shares them, and a replica whose
+    /// store is down still passes requests without a key through (§8).
     pub(super) async fn readiness(&self) -> Response<Body> {
         let tasks = self.tasks.report();
         let failing: Vec<String> = tasks
@@ -31,16 +33,26 @@ impl Admin {
                 _ => format!("{} is stuck", t.name),
             })
             .collect();
-        let store = self.store.ping().await;
+        let dependencies = self.dependencies.report();
+        let degraded = dependencies.iter().any(|d| d.up == Some(false));
         let listed: Vec<Value> = tasks.iter().map(task).collect();
-        let detail = match (&store, failing.is_empty()) {
-            (Ok(()), true) => {
-                return json_response(StatusCode::OK, &json!({"status": "ready", "tasks": listed}))
-            }
-            (Err(e), _) => format!("the store is unreachable: {}", Chain(e)),
-            (Ok(()), false) => format!("background tasks failing: {}", failing.join("; ")),
-        };
-        let members = Map::from_iter([("tasks".to_owned(), Value::Array(listed))]);
+        let deps = Map::from_iter(
+            dependencies
+                .iter()
+                .map(|d| (d.name.to_owned(), dependency(d))),
+        );
+        if failing.is_empty() {
+            let status = if degraded { "degraded" } else { "ready" };
+            return json_response(
+                StatusCode::OK,
+                &json!({"status": status, "tasks": listed, "dependencies": deps}),
+            );
+        }
+        let detail = format!("background tasks failing: {}", failing.join("; "));
+        let members = Map::from_iter([
+            ("tasks".to_owned(), Value::Array(listed)),
+            ("dependencies".to_owned(), Value::Object(deps)),
+        ]);
         problem_response_with(
             StatusCode::SERVICE_UNAVAILABLE,
             "not-ready",
@@ -60,6 +72,23 @@ impl Admin {
         );
         response
     }
+}
+
+/// A dependency as `/readyz` lists it.
+fn dependency(d: &Health) -> Value {
+    let since = d
+        .since
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |t| t.as_secs());
+    json!({
+        "status": match d.up {
+            None => "unchecked",
+            Some(true) => "up",
+            Some(false) => "down",
+        },
+        "since_unix": since,
+        "error": d.error,
+    })
 }
 
 /// A background task as `/readyz` lists it.
@@ -103,6 +132,7 @@ mod tests {
     use crate::domain::response::StoredResponse;
     use crate::operations::console::{self, Console};
     use crate::store::{Begin, CommitOutcome, Cursor, Records, Store, StoreError};
+    use crate::upkeep::health::Dependencies;
     use crate::upkeep::supervise::{Beats, Supervisor};
 
     /// A store that answers pings and panics when swept.
@@ -244,6 +274,7 @@ mod tests {
             upstreams: Vec::new(),
             probes: Arc::default(),
             tasks,
+            dependencies: Arc::new(Dependencies::new(Vec::new())),
             trust: Arc::new(Trust::with_salt(OwnerSalt::new(b"test salt, not a secret"))),
         });
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -289,6 +320,7 @@ mod tests {
             upstreams: Vec::new(),
             probes: Arc::default(),
             tasks,
+            dependencies: Arc::new(Dependencies::new(Vec::new())),
             trust: Arc::new(Trust::with_salt(OwnerSalt::new(b"test salt, not a secret"))),
         });
         let (status, body) = readyz(&admin).await;

@@ -29,6 +29,7 @@ use crate::operations::console::{self, Console};
 use crate::proxy::http::{collect_limited, Body};
 use crate::store::Store;
 use crate::trust::Trust;
+use crate::upkeep::health::Dependencies;
 use crate::upkeep::probe::ProbeBoard;
 use crate::upkeep::supervise::Supervisor;
 use crate::BoxError;
@@ -58,6 +59,9 @@ pub struct Admin {
     pub probes: Arc<ProbeBoard>,
     /// The background tasks, whose health `/readyz` reports.
     pub tasks: Supervisor,
+    /// The store's and Redis' health, which `/readyz` reports (and does
+    /// not fail on).
+    pub dependencies: Arc<Dependencies>,
     /// How an owner written in a query is read.
     pub trust: Arc<Trust>,
 }

@@ -1,8 +1,8 @@
 //! Driving one connection until it ends: closed gracefully when the
-//! listener drains, and an HTTP/2 connection also once it has had no open
-//! stream for the idle timeout (`docs/design.md` §18). HTTP/1.1 needs no
-//! such clock: the header read timeout closes a connection idle between
-//! requests.
+//! listener drains, or once it has had no open request (stream) for its
+//! idle timeout (`http2_idle_timeout`, HTTP/1.1's `keepalive_timeout`); an
+//! HTTP/1.1 connection is also closed when a request's head is slower than
+//! `header_read_timeout` (`docs/design.md` §18).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -12,6 +12,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use super::keepalive::Head;
 use crate::proxy::http::Holding;
 
 /// Runs `conn` to its end. When `drain` is cancelled, `shutdown` asks it
@@ -33,6 +34,8 @@ where
     tokio::pin!(conn);
     let elapsed = idle.elapsed();
     tokio::pin!(elapsed);
+    let slow_head = idle.slow_head();
+    tokio::pin!(slow_head);
     let given_up = tokio::time::sleep(Duration::MAX);
     tokio::pin!(given_up);
     let (mut closing, mut idle_closing) = (false, false);
@@ -43,6 +46,8 @@ where
                 closing = true;
                 shutdown(conn.as_mut());
             }
+            // hyper's own header timeout answers nothing either.
+            () = &mut slow_head, if !closing => return Ok(()),
             () = &mut elapsed, if !closing => {
                 (closing, idle_closing) = (true, true);
                 shutdown(conn.as_mut());
@@ -59,55 +64,66 @@ where
     }
 }
 
-/// When a connection is idle: an HTTP/2 connection with no open stream for
-/// its timeout; an HTTP/1 one never (its header read timeout sees to it).
+/// When a connection is idle (no request or stream open for its timeout),
+/// and for HTTP/1.1, when a request's head is too slow.
 pub(super) struct Idle {
-    streams: Option<Streams>,
+    streams: Streams,
     timeout: Option<Duration>,
     /// How long a peer told to go away may take to answer.
     grace: Duration,
+    /// HTTP/1.1: the head being read, and how long it may take.
+    head: Option<(Head, Duration)>,
 }
 
 impl Idle {
-    /// Never idle.
-    pub(super) fn never() -> Self {
-        Idle {
-            streams: None,
-            timeout: None,
-            grace: Duration::ZERO,
-        }
-    }
-
     /// Idle once no stream of `streams` has been open for `timeout` (never
     /// without one); given `grace` to go.
     pub(super) fn after(streams: Streams, timeout: Option<Duration>, grace: Duration) -> Self {
         Idle {
-            streams: Some(streams),
+            streams,
             timeout,
             grace,
+            head: None,
+        }
+    }
+
+    /// Also closed when `head` takes longer than `timeout` to arrive.
+    pub(super) fn with_head(self, head: Head, timeout: Duration) -> Self {
+        Idle {
+            head: Some((head, timeout)),
+            ..self
         }
     }
 
     async fn elapsed(&self) {
-        match &self.streams {
-            Some(streams) => streams.clone().idle(self.timeout).await,
+        self.streams.clone().idle(self.timeout).await;
+    }
+
+    async fn slow_head(&self) {
+        match &self.head {
+            Some((head, timeout)) => head.clone().overdue(*timeout).await,
             None => std::future::pending().await,
         }
     }
 
     fn is_idle(&self) -> bool {
-        self.streams.as_ref().is_some_and(|s| *s.0.borrow() == 0)
+        self.streams.none_open()
     }
 }
 
-/// The streams open on one HTTP/2 connection: a stream is open from its
-/// request's head until its answer's body is sent, or dropped.
+/// The requests (HTTP/2 streams) open on one connection: one is open from
+/// its head until its answer's body is sent, or dropped.
 #[derive(Clone)]
 pub(super) struct Streams(Arc<watch::Sender<usize>>);
 
 impl Streams {
     pub(super) fn new() -> Self {
         Streams(Arc::new(watch::Sender::new(0)))
+    }
+
+    /// Whether none is open.
+    pub(super) fn none_open(&self) -> bool {
+        *self.0.borrow() == 0
     }
 
     /// Counts a stream open until the returned guard is dropped.

@@ -2,9 +2,10 @@
 //!
 //! The listener defends itself before any request reaches the service: a
 //! bounded number of connections (past it, new ones wait in the kernel's
-//! backlog), a timeout for reading a request's headers (which also closes a
-//! connection idle between requests, and one that sends half a request line
-//! and stops), and a bound on the size of a request's header block (`431`).
+//! backlog), a timeout for reading a request's headers (which closes one
+//! that sends half a request line and stops), a longer one for an HTTP/1.1
+//! connection idle between requests ([`keepalive`]), and a bound on the
+//! size of a request's header block (`431`).
 //! HTTP/1.1, and HTTP/2 with prior knowledge (told apart by the first bytes,
 //! [`opening`]); an HTTP/2 connection is pinged to find dead peers and
 //! closed once it has had no open stream for `http2_idle_timeout`
@@ -15,6 +16,7 @@
 //! §6.1).
 
 mod connection;
+mod keepalive;
 mod opening;
 
 use std::convert::Infallible;
@@ -34,6 +36,7 @@ use tokio_util::sync::CancellationToken;
 use tower::{Service, ServiceExt};
 
 use self::connection::{drive, Counted, Idle, Streams};
+use self::keepalive::{Head, Watched};
 use self::opening::sniff;
 
 use crate::config::{Limits, TrustedProxies};
@@ -130,6 +133,8 @@ struct Protocols {
     opening_timeout: Duration,
     /// How long an HTTP/2 connection may have no open stream.
     http2_idle: Option<Duration>,
+    /// How long an HTTP/1.1 connection may sit between requests.
+    keepalive: Duration,
     /// How long a peer may take to answer a ping.
     http2_ping_timeout: Duration,
     trusted: Arc<TrustedProxies>,
@@ -138,8 +143,10 @@ struct Protocols {
 impl Protocols {
     fn new(limits: &Limits, trusted: TrustedProxies) -> Self {
         let mut h1 = http1::Builder::new();
+        // hyper's header timer also runs between requests; ours are two
+        // (keepalive.rs).
         h1.timer(TokioTimer::new())
-            .header_read_timeout(limits.header_read_timeout)
+            .header_read_timeout(None)
             // hyper's read buffer bounds the header block (it cannot go below
             // 8 KiB); past it the answer is 431.
             .max_buf_size(limits.max_header_size.max(8192));
@@ -155,6 +162,7 @@ impl Protocols {
             h2,
             opening_timeout: limits.header_read_timeout,
             http2_idle: limits.http2_idle_timeout,
+            keepalive: limits.keepalive_timeout,
             http2_ping_timeout: limits.http2_keepalive_timeout,
             trusted: Arc::new(trusted),
         }
@@ -190,26 +198,56 @@ impl Protocols {
         let Ok(Ok(opened)) = tokio::time::timeout(self.opening_timeout, sniff(stream)).await else {
             return Ok(());
         };
-        let io = TokioIo::new(opened.io);
+        let requests = Streams::new();
         if !opened.http2 {
-            let conn = self
-                .h1
-                .serve_connection(io, TowerToHyperService::new(tagged));
-            return drive(conn, drain, Idle::never(), |c| c.graceful_shutdown()).await;
+            let head = Head::started_now();
+            let io = Watched::new(opened.io, head.clone(), requests.clone());
+            let idle = Idle::after(requests.clone(), Some(self.keepalive), Duration::ZERO)
+                .with_head(head.clone(), self.opening_timeout);
+            let conn = self.h1.serve_connection(
+                TokioIo::new(io),
+                TowerToHyperService::new(counting(requests, Some(head), tagged)),
+            );
+            return drive(conn, drain, idle, |c| c.graceful_shutdown()).await;
         }
-        let streams = Streams::new();
-        let idle = Idle::after(streams.clone(), self.http2_idle, self.http2_ping_timeout);
-        let counted = tower::service_fn(move |req: Request<Incoming>| {
-            let open = streams.open();
-            let answer = tagged.clone().oneshot(req);
-            async move {
-                let response = answer.await?;
-                Ok::<_, Infallible>(response.map(|inner| Counted::new(inner, open)))
-            }
-        });
-        let conn = self
-            .h2
-            .serve_connection(io, TowerToHyperService::new(counted));
+        let idle = Idle::after(requests.clone(), self.http2_idle, self.http2_ping_timeout);
+        let conn = self.h2.serve_connection(
+            TokioIo::new(opened.io),
+            TowerToHyperService::new(counting(requests, None, tagged)),
+        );
         drive(conn, drain, idle, |c| c.graceful_shutdown()).await
     }
+}
+
+/// `inner`, each request counted open among `requests` until its answer
+/// is sent; on HTTP/1.1 its `head` noted complete when it is served.
+fn counting<S, B>(
+    requests: Streams,
+    head: Option<Head>,
+    inner: S,
+) -> impl Service<
+    Request<Incoming>,
+    Response = Response<Counted<B>>,
+    Error = Infallible,
+    Future = impl Future<Output = Result<Response<Counted<B>>, Infallible>> + Send,
+> + Clone
+where
+    S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    B: Send + 'static,
+{
+    tower::service_fn(move |req: Request<Incoming>| {
+        let open = requests.open();
+        if let Some(head) = &head {
+            head.complete();
+        }
+        let answer = inner.clone().oneshot(req);
+        async move {
+            let response = answer.await?;
+            Ok::<_, Infallible>(response.map(|inner| Counted::new(inner, open)))
+        }
+    })
 }

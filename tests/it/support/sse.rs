@@ -278,6 +278,11 @@ impl Reader {
 
     /// Reads to the end (20 s at most): complete, or aborted.
     pub async fn finish(&mut self) -> Finish {
+        self.finish_within(Duration::from_secs(20)).await
+    }
+
+    /// Reads to the end (`limit` at most): complete, or aborted.
+    pub async fn finish_within(&mut self, limit: Duration) -> Finish {
         let read = async {
             loop {
                 match self.body.frame().await {
@@ -291,8 +296,8 @@ impl Reader {
                 }
             }
         };
-        tokio::time::timeout(Duration::from_secs(20), read)
+        tokio::time::timeout(limit, read)
             .await
-            .expect("the stream neither ended nor failed within 20 s")
+            .unwrap_or_else(|_| panic!("the stream neither ended nor failed within {limit:?}"))
     }
 }
