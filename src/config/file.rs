@@ -224,15 +224,25 @@ impl FileConfig {
     /// Parses TOML text; unknown keys are errors that name the key.
     pub fn parse(text: &str) -> Result<FileConfig, ConfigError> {
         toml::from_str(text).map_err(|e| {
-            let message = e.message().to_owned();
-            // Unknown keys are named in the message; bad values by the
-            // line their span points at.
-            let key = message
-                .split('`')
-                .nth(1)
-                .map(str::to_owned)
-                .or_else(|| e.span().and_then(|span| key_at(text, span.start)))
+            let mut message = e.message().to_owned();
+            // A bad value is named by the line its span points at; an
+            // unknown or missing key is named in the message (whose
+            // backquotes otherwise quote the value).
+            let quoted =
+                message.starts_with("unknown field") || message.starts_with("missing field");
+            let key = e
+                .span()
+                .and_then(|span| key_at(text, span.start))
+                .or_else(|| {
+                    quoted
+                        .then(|| message.split('`').nth(1).map(str::to_owned))
+                        .flatten()
+                })
                 .unwrap_or_else(|| "config file".to_owned());
+            if message.contains("invalid type: floating point") && message.contains("expected u") {
+                // Helm and some templating tools write 32 as 32.0.
+                message.push_str("; write it as a whole number (32, not 32.0)");
+            }
             bad(
                 key,
                 format!("{message} (see config/idemgate.example.toml for every key)"),

@@ -109,6 +109,9 @@ async fn a_bad_key_is_named_with_its_fix_and_exits_2() {
         assert_eq!(out.status.code(), Some(2), "{key} = {value}: {stderr}");
         assert!(stderr.contains(named), "{key} = {value}: {stderr}");
         assert!(out.stdout.is_empty(), "nothing summarised for a bad config");
+        if value == "32.0" {
+            assert!(stderr.contains("whole number"), "the fix: {stderr}");
+        }
     }
     // A credential the config reads from the environment must be there.
     let out = Gateway::builder(&store, "http://127.0.0.1:1")

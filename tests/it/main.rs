@@ -21,6 +21,7 @@ mod fastpath;
 mod fingerprints;
 mod helm_chart;
 mod http2_listener;
+mod image;
 mod in_progress;
 mod keys;
 mod outcomes_survive;

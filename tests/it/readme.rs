@@ -148,3 +148,34 @@ async fn the_quick_start_runs_as_written() {
         "one charge: {text}"
     );
 }
+
+#[tokio::test]
+async fn the_configuration_check_runs_as_written_on_the_example_config() {
+    let blocks = sh_blocks("## Configuration");
+    assert_eq!(blocks.len(), 1, "one sh block: the check");
+    let bin = PathBuf::from(env!("CARGO_BIN_EXE_idemgate"));
+    let path = format!(
+        "{}:{}",
+        bin.parent().unwrap().display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let out = Command::new("bash")
+        .args(["-euo", "pipefail", "-c", &blocks[0]])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("PATH", path)
+        .env_remove("IDEMGATE_CONFIG")
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("upstream.primary = http://127.0.0.1:8000/ (primary"),
+        "{stdout}"
+    );
+    assert!(stdout.ends_with("configuration ok\n"), "{stdout}");
+}
