@@ -121,20 +121,21 @@ fn span(req: &Request<Incoming>) -> tracing::Span {
     span
 }
 
-/// Records how a request was answered on its span, and counts it.
-fn answered<B>(response: &Response<B>, _latency: std::time::Duration, span: &tracing::Span) {
+/// Records how a request was answered on its span, and counts and times it.
+fn answered<B>(response: &Response<B>, latency: std::time::Duration, span: &tracing::Span) {
     span.record("http.response.status_code", response.status().as_u16());
     if let Some(job) = response.extensions().get::<JobId>() {
         span.record("job.id", tracing::field::display(job));
     }
-    count(response);
+    count(response, latency);
 }
 
 /// Counts a request by how it was answered (`idemgate_requests_total{outcome,
-/// status}`): `replayed` (a recorded answer), `executed` (an attempt's
+/// status}`) and times it to its answer's head
+/// (`idemgate_request_duration_seconds{outcome}`): `replayed` (a recorded answer), `executed` (an attempt's
 /// answer), `problem` (the gateway refused or failed it, with a problem
 /// answer), `passed_through` (not opted in); the status by class.
-fn count<B>(response: &Response<B>) {
+fn count<B>(response: &Response<B>, latency: std::time::Duration) {
     const OUTCOMES: [&str; 4] = ["problem", "replayed", "executed", "passed_through"];
     const STATUSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
     let outcome = match response.extensions().get::<Outcome>() {
@@ -154,4 +155,11 @@ fn count<B>(response: &Response<B>) {
                 "outcome" => OUTCOMES[outcome], "status" => STATUSES[class])
         })
         .increment(1);
+    static DURATIONS: [std::sync::OnceLock<metrics::Histogram>; 4] =
+        [const { std::sync::OnceLock::new() }; 4];
+    DURATIONS[outcome]
+        .get_or_init(|| {
+            metrics::histogram!("idemgate_request_duration_seconds", "outcome" => OUTCOMES[outcome])
+        })
+        .record(latency.as_secs_f64());
 }

@@ -1,5 +1,6 @@
 //! Logs, metrics, and the subscriber that carries spans to OTLP.
 
+pub mod catalogue;
 pub mod trace;
 
 use std::sync::OnceLock;
@@ -70,14 +71,17 @@ pub fn metrics() -> PrometheusHandle {
             let recorder = PrometheusBuilder::new()
                 .set_buckets_for_metric(
                     metrics_exporter_prometheus::Matcher::Suffix("_seconds".into()),
+                    // Up to two minutes: upstream answers (a model's) take long.
                     &[
                         0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                        5.0, 10.0, 30.0, 60.0, 120.0,
                     ],
                 )
                 .expect("buckets are given")
                 .build_recorder();
             let handle = recorder.handle();
             if metrics::set_global_recorder(recorder).is_ok() {
+                catalogue::describe();
                 zero();
             }
             handle

@@ -823,3 +823,51 @@ async fn only_keyed_requests_are_logged_in_a_span_at_the_default_level() {
         );
     }
 }
+
+#[tokio::test]
+async fn every_series_has_help_text_and_latencies_are_timed_by_outcome_and_upstream() {
+    let store = TestStore::embedded();
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    assert_eq!(
+        post(&gateway.path("/v1/charges"), "timed", "{}")
+            .await
+            .status,
+        200
+    );
+    let passed = send(Method::GET, &gateway.path("/v1/models"), &[], "").await;
+    assert_eq!(passed.status, 200);
+    let text = send(
+        Method::GET,
+        &format!("{}/metrics", gateway.admin_url),
+        &[],
+        "",
+    )
+    .await;
+    let text = String::from_utf8_lossy(&text.body).into_owned();
+    let typed: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .map(|l| l.split(' ').next().unwrap())
+        .collect();
+    assert!(typed.len() > 20, "{text}");
+    for name in typed {
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with(&format!("# HELP {name} "))),
+            "{name} has no # HELP line"
+        );
+    }
+    let version = env!("CARGO_PKG_VERSION");
+    assert!(
+        text.contains(&format!("idemgate_build_info{{version=\"{version}\"}} 1")),
+        "{text}"
+    );
+    for series in [
+        "idemgate_request_duration_seconds_count{outcome=\"executed\"} 1",
+        "idemgate_request_duration_seconds_count{outcome=\"passed_through\"} 1",
+        "idemgate_upstream_response_seconds_count{upstream=\"primary\"} 2",
+    ] {
+        assert!(text.contains(series), "missing {series} in:\n{text}");
+    }
+}

@@ -13,7 +13,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{header, HeaderMap, HeaderName, HeaderValue, Request, Response, Uri};
@@ -97,6 +97,8 @@ const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto
 pub struct Upstream {
     pool: Arc<Pool>,
     target: Arc<UpstreamSettings>,
+    /// `idemgate_upstream_response_seconds{upstream}`, looked up once.
+    timing: metrics::Histogram,
     /// The `Host` every forwarded request carries: the base's authority,
     /// without the scheme's default port.
     host: HeaderValue,
@@ -124,7 +126,16 @@ impl Upstream {
         };
         let host = HeaderValue::try_from(host).expect("an authority is a valid header value");
         let pool = Pool::new(connector, base.clone(), target.idle_timeout, pool::MAX_IDLE);
-        Upstream { pool, target, host }
+        let timing = metrics::histogram!(
+            "idemgate_upstream_response_seconds",
+            "upstream" => target.name().to_owned()
+        );
+        Upstream {
+            pool,
+            target,
+            host,
+            timing,
+        }
     }
 
     /// Its settings.
@@ -186,7 +197,7 @@ impl Upstream {
     fn forward(&self, mut req: Request<Body>) -> ResponseFuture {
         self.rewrite(&mut req);
         ResponseFuture {
-            kind: Kind::Forwarded(self.pool.send(req)),
+            kind: Kind::Forwarded(self.pool.send(req), Instant::now(), self.timing.clone()),
         }
     }
 }
@@ -203,7 +214,8 @@ pub struct ResponseFuture {
     reason = "the large variant is the one every request takes; boxing it is what this type avoids"
 )]
 enum Kind {
-    Forwarded(pool::Sending),
+    /// Sent at this instant; timed into this histogram when answered.
+    Forwarded(pool::Sending, Instant, metrics::Histogram),
     /// Nothing sent: the request named no configured upstream.
     Unconfigured(Option<UpstreamError>),
 }
@@ -213,8 +225,9 @@ impl Future for ResponseFuture {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match &mut self.get_mut().kind {
-            Kind::Forwarded(sending) => {
+            Kind::Forwarded(sending, sent, timing) => {
                 let mut response = ready!(Pin::new(sending).poll(cx))?;
+                timing.record(sent.elapsed().as_secs_f64());
                 hop::strip(response.headers_mut());
                 Poll::Ready(Ok(response))
             }
