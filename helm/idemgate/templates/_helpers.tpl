@@ -63,7 +63,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 
 {{/* Refuses what cannot work, at install time. */}}
 {{- define "idemgate.validate" -}}
-{{- $owned := dict "listen" "ports.http" "admin_listen" "ports.admin" "upstreams" "upstreams" "shutdown_grace" "shutdownGraceSeconds" "database_url" "database.existingSecret" "redis_url" "redis.existingSecret" "admin_token" "admin.existingSecret" "embedded_path" "the chart (an emptyDir at /var/lib/idemgate)" -}}
+{{- $owned := dict "listen" "ports.http" "admin_listen" "ports.admin" "upstreams" "upstreams" "shutdown_grace" "shutdownGraceSeconds" "database_url" "database.existingSecret" "redis_url" "redis.existingSecret" "admin_token" "admin.existingSecret" "replay_key" "replayKey.existingSecret" "embedded_path" "the chart (an emptyDir at /var/lib/idemgate)" -}}
 {{- range $key, $instead := $owned -}}
 {{- if hasKey $.Values.config $key -}}
 {{- fail (printf "config.%s is set by the chart: use %s instead" $key $instead) -}}
