@@ -827,7 +827,9 @@ async fn every_values_example_passes_idemgate_check_with_its_pods_environment() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_drain_is_as_long_as_an_attempt_may_run_and_the_grace_period_holds_it() {
     let single = "embedded-single.yaml";
-    let cases: &[(&str, &[(&str, &str)], u64)] = &[
+    // (values example, --set values, the drain in seconds)
+    type Sets<'a> = &'a [(&'a str, &'a str)];
+    let cases: &[(&str, Sets, u64)] = &[
         (single, &[], 300),
         ("deployment-postgres.yaml", &[], 1200), // upstream_timeout 120s
         ("deployment-postgres-redis.yaml", &[], 900), // attempt_deadline 15m
@@ -1870,4 +1872,69 @@ async fn the_worked_examples_sidecar_runs_in_front_of_the_app_as_rendered() {
     let mut pod = exercise(&m, spec, sidecar, &secrets, &upstream).await;
     let exit = pod.terminate(Duration::from_secs(20)).await;
     assert!(exit.success(), "exit {exit}:\n{}", pod.log());
+}
+
+/// The `helm install` commands the READMEs and the examples' comments give
+/// users to copy: each renders as written (from the repository's root) and
+/// holds the invariants.
+#[test]
+fn the_install_commands_the_docs_give_render_as_written() {
+    let repo = chart::repo();
+    let mut commands = Vec::new();
+    for doc in ["README.md", "helm/idemgate/README.md"] {
+        let text = std::fs::read_to_string(repo.join(doc)).unwrap();
+        for block in text.split("```sh\n").skip(1) {
+            let block = &block[..block.find("```").unwrap()];
+            let joined = block.replace("\\\n", " ");
+            for line in joined.lines() {
+                if line.trim_start().starts_with("helm install") {
+                    commands.push((doc.to_owned(), line.trim().to_owned()));
+                }
+            }
+        }
+    }
+    for entry in std::fs::read_dir(repo.join("helm/idemgate/examples")).unwrap() {
+        let path = entry.unwrap().path();
+        let file = if path.is_dir() {
+            path.join("Chart.yaml")
+        } else {
+            path
+        };
+        let text = std::fs::read_to_string(&file).unwrap();
+        for line in text.lines() {
+            if let Some(command) = line
+                .trim_start_matches('#')
+                .trim()
+                .strip_prefix("helm install")
+            {
+                commands.push((file.display().to_string(), format!("helm install{command}")));
+            }
+        }
+    }
+    assert!(commands.len() >= 6, "{commands:?}");
+    for (doc, command) in commands {
+        let words: Vec<String> = command
+            .split_whitespace()
+            .map(|w| w.trim_matches('\'').trim_matches('"').to_owned())
+            .collect();
+        // helm install NAME CHART, then --set k=v and -f FILE.
+        let chart_dir = repo.join(&words[3]);
+        if chart_dir.join("Chart.yaml").exists() && chart_dir.ends_with("app-with-sidecar") {
+            chart::build_dependencies(&chart_dir);
+        }
+        let (mut sets, mut files) = (Vec::new(), Vec::new());
+        let mut rest = words[4..].iter();
+        while let Some(flag) = rest.next() {
+            let value = rest.next().unwrap_or_else(|| panic!("{doc}: {command}"));
+            match flag.as_str() {
+                "--set" => sets.push(value.split_once('=').unwrap()),
+                "-f" => files.push(repo.join(value)),
+                other => panic!("{doc}: {other} in {command}"),
+            }
+        }
+        let files: Vec<&Path> = files.iter().map(PathBuf::as_path).collect();
+        let m = chart::render(&chart_dir, &files, &sets)
+            .unwrap_or_else(|e| panic!("{doc}: `{command}` does not render: {e}"));
+        check_invariants(&command, &m);
+    }
 }
