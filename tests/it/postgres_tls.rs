@@ -23,8 +23,8 @@ hostssl all all 127.0.0.1/32 trust
 hostnossl all all 0.0.0.0/0 reject
 ";
 
-struct Server {
-    pg: ThrowawayPostgres,
+pub(crate) struct Server {
+    pub(crate) pg: ThrowawayPostgres,
     /// Beside every gateway's config: ca.pem (the server's CA),
     /// other-ca.pem (a CA that signed nothing here), client.pem and
     /// client.key (certuser's).
@@ -64,7 +64,7 @@ impl Server {
     }
 
     /// A new database owned by `owner`; its name.
-    async fn database(&self, owner: &str) -> String {
+    pub(crate) async fn database(&self, owner: &str) -> String {
         let name = format!("tls_{}", uuid::Uuid::new_v4().simple());
         self.pg
             .socket_client()
@@ -83,7 +83,7 @@ impl Server {
         )
     }
 
-    fn file(&self, name: &str) -> PathBuf {
+    pub(crate) fn file(&self, name: &str) -> PathBuf {
         self.files.path().join(name)
     }
 
@@ -110,7 +110,7 @@ impl Server {
 }
 
 /// The server, started by the first test that asks while none runs.
-async fn server() -> Arc<Server> {
+pub(crate) async fn server() -> Arc<Server> {
     static SHARED: tokio::sync::Mutex<Weak<Server>> = tokio::sync::Mutex::const_new(Weak::new());
     let mut shared = SHARED.lock().await;
     if let Some(server) = shared.upgrade() {

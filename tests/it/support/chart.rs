@@ -110,7 +110,83 @@ pub fn render(chart: &Path, values: &[&Path], sets: &[(&str, &str)]) -> Result<M
     Ok(Manifest { text, docs })
 }
 
+/// `helm install --dry-run=client` (no cluster) of `chart` into
+/// `namespace`: the manifest (hooks included) and the notes helm prints.
+pub fn install_notes(
+    chart: &Path,
+    values: &[&Path],
+    sets: &[(&str, &str)],
+    namespace: &str,
+) -> (Manifest, String) {
+    let mut cmd = Command::new(helm());
+    cmd.args(["install", "rel"]).arg(chart).args([
+        "--dry-run=client",
+        "--output",
+        "json",
+        "--namespace",
+        namespace,
+    ]);
+    for file in values {
+        cmd.arg("-f").arg(file);
+    }
+    for (key, value) in sets {
+        cmd.arg("--set").arg(format!("{key}={value}"));
+    }
+    let out = cmd.output().expect("helm runs");
+    assert!(
+        out.status.success(),
+        "helm install --dry-run=client: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let release: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let mut text = release["manifest"].as_str().unwrap().to_owned();
+    for hook in release["hooks"].as_array().into_iter().flatten() {
+        text.push_str("\n---\n");
+        text.push_str(hook["manifest"].as_str().unwrap());
+    }
+    let docs = serde_yaml_ng::Deserializer::from_str(&text)
+        .map(|doc| <Value as serde::Deserialize>::deserialize(doc).unwrap())
+        .filter(|doc| !doc.is_null())
+        .collect();
+    let notes = release["info"]["notes"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    (Manifest { text, docs }, notes)
+}
+
+/// The oldest Kubernetes the chart says it supports: the floor of
+/// Chart.yaml's `kubeVersion` (">=1.30.0-0"), as "1.30.0".
+pub fn kubernetes_floor() -> String {
+    let text = std::fs::read_to_string(chart().join("Chart.yaml")).unwrap();
+    let yaml: Value = serde_yaml_ng::from_str(&text).unwrap();
+    let range = yaml["kubeVersion"]
+        .as_str()
+        .expect("Chart.yaml has a kubeVersion");
+    let floor = range
+        .strip_prefix(">=")
+        .unwrap_or_else(|| panic!("kubeVersion {range:?} is not a floor (>=x.y.z-0)"));
+    floor.trim().trim_end_matches("-0").to_owned()
+}
+
 impl Manifest {
+    /// A key of a Secret the manifest holds (stringData, or base64 data).
+    pub fn secret(&self, name: &str, key: &str) -> Option<String> {
+        use base64::Engine;
+        let secret = self
+            .all("Secret")
+            .into_iter()
+            .find(|s| s["metadata"]["name"] == name)?;
+        if let Some(v) = secret["stringData"][key].as_str() {
+            return Some(v.to_owned());
+        }
+        let data = secret["data"][key].as_str()?;
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(data)
+            .unwrap();
+        Some(String::from_utf8(bytes).unwrap())
+    }
+
     pub fn all(&self, kind: &str) -> Vec<&Value> {
         self.docs.iter().filter(|d| d["kind"] == kind).collect()
     }
@@ -168,27 +244,30 @@ impl Manifest {
     }
 }
 
-/// One pod's idemgate container, started as the kubelet would: the image's
-/// entrypoint (the binary under test) with the container's args and only
-/// its env, each volume mount a directory of its own (a ConfigMap's files,
-/// or a Secret's the test holds, written into it) and the mount paths
-/// mapped onto those directories.
-pub struct Pod {
-    pub container: Value,
-    child: tokio::process::Child,
+/// One container of a rendered pod, laid out as the kubelet would lay it
+/// out: each volume mount a directory of its own (a ConfigMap's files, or a
+/// Secret's the test holds, written into it), the mount paths in its args
+/// and env mapped onto those directories, and only its env, each variable
+/// read from its `value` or from the Secret it names. The program is the
+/// image's entrypoint: the binary under test.
+pub struct Container {
+    pub spec: Value,
+    program: PathBuf,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
     dir: tempfile::TempDir,
 }
 
 /// The `Secret` objects the pod refers to: (name, key) to value.
 pub type Secrets = HashMap<(String, String), String>;
 
-impl Pod {
-    pub async fn start(
+impl Container {
+    pub fn prepare(
         manifest: &Manifest,
         pod: &Value,
         container: &Value,
         secrets: &Secrets,
-    ) -> Pod {
+    ) -> Container {
         let dir = tempfile::tempdir().unwrap();
         let mounts: Vec<(String, PathBuf)> = container["volumeMounts"]
             .as_array()
@@ -253,11 +332,13 @@ impl Pod {
             }
         }
 
-        let mut cmd = tokio::process::Command::new(entrypoint(container));
-        for arg in container["args"].as_array().into_iter().flatten() {
-            cmd.arg(remap(arg.as_str().unwrap()));
-        }
-        cmd.env_clear();
+        let args = container["args"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|arg| remap(arg.as_str().unwrap()))
+            .collect();
+        let mut env = Vec::new();
         for var in container["env"].as_array().into_iter().flatten() {
             let name = var["name"].as_str().unwrap();
             let value = if let Some(v) = var["value"].as_str() {
@@ -268,38 +349,124 @@ impl Pod {
                     r["name"].as_str().unwrap().to_owned(),
                     r["key"].as_str().unwrap().to_owned(),
                 );
-                // A Secret the chart rendered (values given inline), or
-                // one the cluster is expected to hold already.
-                let rendered = manifest
-                    .all("Secret")
-                    .into_iter()
-                    .find(|s| s["metadata"]["name"] == id.0.as_str())
-                    .and_then(|s| s["stringData"][&id.1].as_str());
-                match rendered {
-                    Some(v) => v.to_owned(),
+                // A Secret the chart rendered (values given inline, or
+                // made by the chart), or one the cluster is expected to
+                // hold already.
+                match manifest.secret(&id.0, &id.1) {
+                    Some(v) => v,
                     None => secrets.get(&id).cloned().unwrap_or_else(|| {
                         panic!("{name} reads Secret {id:?}, which the test does not hold")
                     }),
                 }
             };
             // A path under a mount (a URL naming a mounted file) is remapped too.
-            cmd.env(name, remap(&value));
+            env.push((name.to_owned(), remap(&value)));
         }
-        let log = std::fs::File::create(dir.path().join("container.log")).unwrap();
+        Container {
+            spec: container.clone(),
+            program: entrypoint(container),
+            args,
+            env,
+            dir,
+        }
+    }
+
+    /// The program with `args` (the container's own, or others), only the
+    /// container's environment, and the container's log file as its output.
+    fn command(&self, args: &[String]) -> tokio::process::Command {
+        let mut cmd = tokio::process::Command::new(&self.program);
+        cmd.args(args).env_clear().envs(self.env.iter().cloned());
+        let log = std::fs::File::create(self.dir.path().join("container.log")).unwrap();
         cmd.stdout(log.try_clone().unwrap())
             .stderr(log)
             .kill_on_drop(true);
-        let child = cmd.spawn().expect("the binary starts");
-        Pod {
-            container: container.clone(),
-            child,
-            dir,
-        }
+        cmd
+    }
+
+    /// The value of an environment variable as the container gets it.
+    pub fn env(&self, name: &str) -> Option<&str> {
+        self.env
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
     }
 
     /// What the container wrote.
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("container.log")).unwrap_or_default()
+    }
+
+    /// `idemgate check` with everything the container would serve with (its
+    /// config file, its environment, its mounted files): its args with
+    /// `serve` replaced by `check`. The exit status, and what it printed.
+    pub async fn check(&self) -> (std::process::ExitStatus, String) {
+        let args: Vec<String> = self
+            .args
+            .iter()
+            .map(|a| {
+                if a == "serve" {
+                    "check".into()
+                } else {
+                    a.clone()
+                }
+            })
+            .collect();
+        assert!(
+            args.iter().any(|a| a == "check"),
+            "the container does not serve: {:?}",
+            self.args
+        );
+        let exit = tokio::time::timeout(Duration::from_secs(30), self.command(&args).status())
+            .await
+            .expect("`idemgate check` did not finish within 30 s")
+            .unwrap();
+        (exit, self.log())
+    }
+
+    /// Runs the container to its end, as a Job's: the exit status.
+    pub async fn run_to_end(&self, within: Duration) -> std::process::ExitStatus {
+        tokio::time::timeout(within, self.command(&self.args).status())
+            .await
+            .unwrap_or_else(|_| panic!("still running after {within:?}:\n{}", self.log()))
+            .unwrap()
+    }
+}
+
+/// One pod's idemgate container, started as the kubelet would
+/// ([`Container::prepare`]), running.
+pub struct Pod {
+    pub container: Value,
+    child: tokio::process::Child,
+    prepared: Container,
+}
+
+impl Pod {
+    pub async fn start(
+        manifest: &Manifest,
+        pod: &Value,
+        container: &Value,
+        secrets: &Secrets,
+    ) -> Pod {
+        let prepared = Container::prepare(manifest, pod, container, secrets);
+        let child = prepared
+            .command(&prepared.args)
+            .spawn()
+            .expect("the binary starts");
+        Pod {
+            container: container.clone(),
+            child,
+            prepared,
+        }
+    }
+
+    /// The value of an environment variable as the container got it.
+    pub fn env(&self, name: &str) -> Option<&str> {
+        self.prepared.env(name)
+    }
+
+    /// What the container wrote.
+    pub fn log(&self) -> String {
+        self.prepared.log()
     }
 
     /// The container port a probe or Service names (by name or number).
