@@ -275,6 +275,54 @@ async fn a_bad_lookup_path_is_refused_at_start_up_naming_the_key(store: TestStor
     }
 }
 
+/// The lookup goes to the attempt's upstream with that upstream's headers,
+/// its credential included, as the attempt did.
+#[tokio::test]
+async fn the_lookup_carries_the_upstreams_credential() {
+    let store = TestStore::embedded();
+    let silent = Gate::new();
+    let upstream =
+        upstream_with_lookups(&silent, |_| json_response(200, json!({"charge": "ch_4"}))).await;
+    let gateway = Gateway::builder(&store, "http://unused")
+        .unset("upstreams")
+        .set("upstream_timeout", "\"300ms\"")
+        .set("attempt_deadline", "\"30s\"")
+        .env("TEST_PROVIDER_KEY", "sk-provider-secret")
+        .tables(&format!(
+            "[[upstreams]]\nname = \"provider\"\nurl = {:?}\n[upstreams.headers]\nauthorization = {{ env = \"TEST_PROVIDER_KEY\", prefix = \"Bearer \" }}\n\
+             [[clients]]\nname = \"app\"\nkey_sha256 = {{ value = {:?} }}\n\
+             [[routes]]\nname = \"charges\"\npath_prefix = \"/v1/charges\"\nrequire_client = true\n\
+             [routes.reconcile]\npath = \"/v1/charges/lookup/{{job}}\"\n",
+            upstream.url(),
+            crate::support::sha256_hex("client-token"),
+        ))
+        .start()
+        .await;
+    let headers = [
+        ("idempotency-key", "charge-4"),
+        ("authorization", "Bearer client-token"),
+    ];
+    let first = send(Method::POST, &gateway.path("/v1/charges"), &headers, "{}").await;
+    assert_eq!(first.status, 504);
+    let job_id = first.job().unwrap();
+    eventually(
+        Duration::from_secs(10),
+        "the lookup's answer to be committed",
+        || async { gateway.job(&job_id).await["state"] == "completed" },
+    )
+    .await;
+    let recorded = upstream.recorded();
+    let lookup = recorded.iter().find(|r| is_lookup(r)).unwrap();
+    assert_eq!(
+        lookup.header("authorization"),
+        Some("Bearer sk-provider-secret")
+    );
+    let retry = send(Method::POST, &gateway.path("/v1/charges"), &headers, "{}").await;
+    assert_eq!(retry.status, 200);
+    assert_eq!(retry.json()["charge"], "ch_4");
+    silent.open(1);
+}
+
 crate::on_both_stores!(
     a_lookup_answering_200_commits_its_answer_for_every_retry,
     a_lookup_answering_404_reopens_the_job_for_attempt_two,
