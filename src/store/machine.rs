@@ -18,7 +18,8 @@ use async_trait::async_trait;
 
 use super::measured::Measured;
 use super::{
-    Backend, Begin, CommitOutcome, Cursor, Decide, Doorbell, Lock, Records, Store, StoreError,
+    Backend, Begin, CommitOutcome, Cursor, Decide, Doorbell, Lapsed, Lock, Records, Store,
+    StoreError,
 };
 use crate::domain::attempt::{Attempt, AttemptFailure, NewAttempt, Resolution};
 use crate::domain::id::{AttemptId, JobId};
@@ -34,6 +35,8 @@ pub struct Machine<B> {
     backend: Measured<B>,
     doorbell: Arc<Doorbell>,
     sealer: Option<Arc<Sealer>>,
+    /// Told of every attempt a sweep made `unknown`, when someone listens.
+    lapsed: Option<tokio::sync::mpsc::UnboundedSender<Lapsed>>,
 }
 
 impl<B: Backend> Machine<B> {
@@ -44,7 +47,18 @@ impl<B: Backend> Machine<B> {
             backend: Measured(backend),
             doorbell,
             sealer: None,
+            lapsed: None,
         }
+    }
+
+    /// Reports every attempt a sweep makes `unknown` on `lapsed` (so that
+    /// it can be looked up on its upstream, `docs/design.md` §5).
+    pub fn reporting_lapsed(
+        mut self,
+        lapsed: Option<tokio::sync::mpsc::UnboundedSender<Lapsed>>,
+    ) -> Self {
+        self.lapsed = lapsed;
+        self
     }
 
     /// Seals responses at rest with `sealer`.
@@ -283,6 +297,12 @@ impl<B: Backend> Store for Machine<B> {
         for change in &changes {
             for settled in &change.settled {
                 tracing::warn!(attempt = %settled.attempt, job = %change.job.id, "attempt lease lapsed; outcome unknown");
+                if let Some(lapsed) = &self.lapsed {
+                    let _ = lapsed.send(Lapsed {
+                        job: change.job.id,
+                        attempt: settled.attempt,
+                    });
+                }
             }
             self.ring(change);
         }

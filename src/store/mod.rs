@@ -62,6 +62,17 @@ pub enum Begin {
     Existing(Job),
 }
 
+/// An attempt the sweeper made `unknown` (its lease lapsed), as reported
+/// by [`Machine::reporting_lapsed`]: on a route that reconciles, it is
+/// looked up on its upstream (`docs/design.md` §5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lapsed {
+    /// Its job.
+    pub job: JobId,
+    /// The attempt.
+    pub attempt: AttemptId,
+}
+
 /// What [`Store::commit`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CommitOutcome {

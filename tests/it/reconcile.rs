@@ -323,6 +323,49 @@ async fn the_lookup_carries_the_upstreams_credential() {
     silent.open(1);
 }
 
+/// An attempt whose gateway died is made unknown by another replica's
+/// sweeper when its lease lapses, and that replica looks it up.
+#[tokio::test]
+async fn an_attempt_the_sweeper_makes_unknown_is_looked_up_too() {
+    let store = TestStore::postgres().await;
+    let silent = Gate::new();
+    let upstream =
+        upstream_with_lookups(&silent, |_| json_response(200, json!({"charge": "ch_5"}))).await;
+    let builder = || {
+        Gateway::builder(&store, &upstream.url())
+            .set("lease_ttl", "\"600ms\"")
+            .set("upstream_timeout", "\"30s\"")
+            .set("attempt_deadline", "\"60s\"")
+            .tables(ROUTE)
+    };
+    let mut doomed = builder().start().await;
+    let survivor = builder().start().await;
+    let in_flight = crate::support::post_detached(doomed.path("/v1/charges"), "charge-5");
+    let job_id = upstream
+        .arrival()
+        .await
+        .header("idempotency-key")
+        .unwrap()
+        .to_owned();
+    doomed.kill().await;
+    let _ = in_flight.await;
+
+    eventually(
+        Duration::from_secs(15),
+        "the lapsed attempt to be looked up and its answer committed",
+        || async { survivor.job(&job_id).await["state"] == "completed" },
+    )
+    .await;
+    let job = survivor.job(&job_id).await;
+    assert_eq!(first_attempt(&job)["state"], "succeeded");
+    assert_eq!(first_attempt(&job)["lookups"]["count"], 1);
+    let retry = post(&survivor.path("/v1/charges"), "charge-5", "{}").await;
+    assert_eq!(retry.status, 200);
+    assert_eq!(retry.json()["charge"], "ch_5");
+    assert_eq!(posts(&upstream), 1);
+    silent.open(1);
+}
+
 crate::on_both_stores!(
     a_lookup_answering_200_commits_its_answer_for_every_retry,
     a_lookup_answering_404_reopens_the_job_for_attempt_two,

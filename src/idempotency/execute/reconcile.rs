@@ -23,9 +23,10 @@ use std::time::{Duration, SystemTime};
 
 use http::{HeaderName, HeaderValue, Method, Request};
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use super::UpstreamService;
-use crate::config::{Reconcile, UpstreamId};
+use crate::config::{Reconcile, Route, UpstreamId};
 use crate::domain::attempt::{AttemptState, Resolution};
 use crate::domain::id::{AttemptId, JobId};
 use crate::domain::reconcile::{backoff, verdict, Lookup, LookupResult};
@@ -34,7 +35,7 @@ use crate::domain::transition::Refusal;
 use crate::idempotency::replay;
 use crate::proxy::http::{full, ProvenClient};
 use crate::proxy::upstream::{self, Target};
-use crate::store::{Store, StoreError};
+use crate::store::{Lapsed, Store, StoreError};
 use crate::telemetry::Chain;
 
 /// Everything a lookup task needs, gathered when the attempt starts.
@@ -57,6 +58,79 @@ pub(super) struct Reconciler {
     /// The client's proof, when it gave one: an upstream holding the
     /// operator's credential gets them on the lookup as on the attempt.
     pub(super) proven: Option<ProvenClient>,
+}
+
+impl super::Runner {
+    /// Looks up, on their upstreams, the attempts the sweeper makes
+    /// `unknown` (their gateway died), on routes that reconcile; runs until
+    /// `lapsed` closes.
+    pub(crate) async fn reconcile_lapsed(
+        self: Arc<Self>,
+        mut lapsed: tokio::sync::mpsc::UnboundedReceiver<Lapsed>,
+        routes: Vec<Arc<Route>>,
+        upstream: UpstreamService,
+    ) {
+        while let Some(l) = lapsed.recv().await {
+            match self.reconciler_for(l, &routes, &upstream).await {
+                Ok(Some(reconciler)) => {
+                    let span =
+                        tracing::info_span!("reconcile", attempt.id = %l.attempt, job.id = %l.job);
+                    tokio::spawn(reconciler.run().instrument(span));
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(attempt = %l.attempt, error = %Chain(&e), "could not read an attempt whose lease lapsed; it is not looked up")
+                }
+            }
+        }
+    }
+
+    /// The lookup task for a lapsed attempt, when its route reconciles and
+    /// its upstream is still configured.
+    async fn reconciler_for(
+        &self,
+        lapsed: Lapsed,
+        routes: &[Arc<Route>],
+        upstream: &UpstreamService,
+    ) -> Result<Option<Reconciler>, StoreError> {
+        let Some(detail) = self.store.job_detail(lapsed.job).await? else {
+            return Ok(None);
+        };
+        let Some(attempt) = detail.attempts.iter().find(|a| a.id == lapsed.attempt) else {
+            return Ok(None);
+        };
+        let Some(route) = routes.iter().find(|r| r.name == detail.job.route) else {
+            return Ok(None);
+        };
+        let Some(reconcile) = &route.reconcile else {
+            return Ok(None);
+        };
+        let Some(target) = route.upstreams().find(|u| u.name() == attempt.upstream) else {
+            return Ok(None);
+        };
+        // The attempt's deadline, on this process's clock.
+        let left = (attempt.started_at + self.config.deadline)
+            .duration_since(SystemTime::now())
+            .unwrap_or(Duration::ZERO);
+        Ok(Some(Reconciler {
+            store: self.store.clone(),
+            upstream: upstream.clone(),
+            target: target.id.clone(),
+            route: route.name.clone(),
+            reconcile: reconcile.clone(),
+            job: lapsed.job,
+            attempt: lapsed.attempt,
+            deadline: Instant::now() + left,
+            timeout: target.timeout,
+            max_response_size: self.config.max_response_size,
+            key_header: self.config.forward_key_header.clone(),
+            // Only proven clients use a route whose upstream holds a
+            // credential (docs/design.md §15): the attempt was sent with it.
+            proven: route
+                .require_client
+                .then(|| ProvenClient(Arc::from("reconcile"))),
+        }))
+    }
 }
 
 /// What became of the attempt after one lookup.
