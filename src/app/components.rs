@@ -21,7 +21,7 @@ use crate::proxy::upstream::Upstreams;
 use crate::store::postgres::Postgres;
 use crate::store::seal::Sealer;
 use crate::store::sqlite::Sqlite;
-use crate::store::{Doorbell, Machine, Store, StoreError};
+use crate::store::{Doorbell, Lapsed, Machine, Store, StoreError};
 use crate::telemetry::{self, Chain};
 use crate::trust::Trust;
 use crate::upkeep::health::{self, Dependencies, Ping};
@@ -29,6 +29,7 @@ use crate::upkeep::lease::Leases;
 use crate::upkeep::probe::{self, ProbeBoard};
 use crate::upkeep::supervise::{Beats, Supervisor};
 use crate::upkeep::sweeper;
+use tokio::sync::mpsc;
 
 /// The runtime handles of a started gateway, shared by its two listeners.
 pub(super) struct Gateway {
@@ -48,6 +49,9 @@ pub(super) struct Gateway {
     /// Stops the background tasks, which outlive the drain (leases are
     /// renewed while open requests finish).
     stop_tasks: CancellationToken,
+    /// Attempts the sweeper made `unknown`, for the idempotency layer to
+    /// look up (only when a route has `[routes.reconcile]`).
+    lapsed: std::sync::Mutex<Option<mpsc::UnboundedReceiver<Lapsed>>>,
 }
 
 impl Gateway {
@@ -62,7 +66,24 @@ impl Gateway {
         let stop_tasks = CancellationToken::new();
         let tasks = Supervisor::new(stop_tasks.clone());
         let sealer = sealer(settings)?;
-        let store = open_store(settings, instance, &doorbell, &tasks, sealer.clone()).await?;
+        // Attempts the sweeper makes unknown are looked up on their
+        // upstreams only where a route says how (docs/design.md §5).
+        let (lapsed_tx, lapsed) = match settings.routes.iter().any(|r| r.reconcile.is_some()) {
+            true => {
+                let (tx, rx) = mpsc::unbounded_channel();
+                (Some(tx), Some(rx))
+            }
+            false => (None, None),
+        };
+        let store = open_store(
+            settings,
+            instance,
+            &doorbell,
+            &tasks,
+            sealer.clone(),
+            lapsed_tx,
+        )
+        .await?;
         let runtime = tokio::runtime::Handle::current();
         tracing::info!(
             %instance,
@@ -104,6 +125,7 @@ impl Gateway {
             upstreams,
             tasks,
             stop_tasks,
+            lapsed: std::sync::Mutex::new(lapsed),
         };
         gateway.spawn_upkeep(settings);
         Ok(gateway)
@@ -111,7 +133,7 @@ impl Gateway {
 
     /// The idempotency layer's components.
     pub(super) fn idempotency(&self, settings: &Settings) -> Arc<Shared> {
-        Arc::new(Shared::new(
+        let shared = Arc::new(Shared::new(
             idempotency_config(settings),
             Runtime {
                 store: self.store.clone(),
@@ -123,7 +145,20 @@ impl Gateway {
                 trust: self.trust.clone(),
                 budget: self.budget.clone(),
             },
-        ))
+        ));
+        let lapsed = self.lapsed.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(lapsed) = lapsed {
+            let upstream = tower::util::BoxCloneSyncService::new(self.upstreams.clone());
+            let reconciling = shared.reconcile_lapsed(lapsed, upstream);
+            let stop = self.stop_tasks.clone();
+            tokio::spawn(async move {
+                tokio::select! {
+                    () = reconciling => {}
+                    () = stop.cancelled() => {}
+                }
+            });
+        }
+        shared
     }
 
     /// The admin API.
@@ -343,6 +378,7 @@ async fn open_store(
     doorbell: &Arc<Doorbell>,
     tasks: &Supervisor,
     sealer: Option<Arc<Sealer>>,
+    lapsed: Option<mpsc::UnboundedSender<Lapsed>>,
 ) -> Result<Arc<dyn Store>, StartError> {
     let pg = match &settings.store {
         StoreSettings::Postgres(pg) => pg,
@@ -350,7 +386,9 @@ async fn open_store(
             tracing::info!(path = %path.display(), "using the embedded store");
             let backend = Sqlite::open(path).await?;
             return Ok(Arc::new(
-                Machine::new(backend, doorbell.clone()).sealed_with(sealer),
+                Machine::new(backend, doorbell.clone())
+                    .sealed_with(sealer)
+                    .reporting_lapsed(lapsed),
             ));
         }
     };
@@ -380,6 +418,8 @@ async fn open_store(
         async move { Ok(backend.listen(&doorbell).await?) }
     });
     Ok(Arc::new(
-        Machine::new(backend, doorbell.clone()).sealed_with(sealer),
+        Machine::new(backend, doorbell.clone())
+            .sealed_with(sealer)
+            .reporting_lapsed(lapsed),
     ))
 }

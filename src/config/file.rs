@@ -199,6 +199,15 @@ pub(super) struct RouteFile {
     pub(super) owner: Option<OwnerFile>,
     pub(super) require_client: Option<bool>,
     pub(super) in_progress: Option<String>,
+    pub(super) reconcile: Option<ReconcileFile>,
+}
+
+/// `[routes.reconcile]`: where the route's upstream answers what became of
+/// a job (`docs/design.md` §5).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ReconcileFile {
+    pub(super) path: Option<String>,
 }
 
 impl FileConfig {

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use http::{HeaderName, Method};
 
-use super::file::RouteFile;
+use super::file::{ReconcileFile, RouteFile};
 use super::trust::{owner_rule, Clients, OwnerFile, OwnerRule};
 use super::upstreams::UpstreamSettings;
 use super::{at_least_one, bad, header_name, positive, ConfigError};
@@ -63,6 +63,62 @@ pub struct Route {
     pub require_client: bool,
     /// What a duplicate of a running job is answered.
     pub in_progress: InProgress,
+    /// How an attempt of unknown outcome is looked up on its upstream
+    /// (`[routes.reconcile]`); `None`: it waits for its late answer or an
+    /// operator.
+    pub reconcile: Option<Reconcile>,
+}
+
+/// `[routes.reconcile]`: the upstream answers what became of a job at a
+/// path of its own (`docs/design.md` §5, "Unknown attempts are looked up").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reconcile {
+    /// The lookup path, `{job}` standing for the job id the gateway
+    /// forwarded as the idempotency key; asked with `GET` on the attempt's
+    /// upstream.
+    pub path: String,
+}
+
+impl Reconcile {
+    /// The `GET` path that looks up `job`.
+    pub fn path_for(&self, job: &str) -> String {
+        crate::domain::reconcile::lookup_path(&self.path, job)
+    }
+
+    fn parse(key: &str, file: ReconcileFile) -> Result<Reconcile, ConfigError> {
+        let placeholder = crate::domain::reconcile::JOB_PLACEHOLDER;
+        let example = "path = \"/v1/charges/lookup/{job}\"";
+        let Some(path) = file.path else {
+            return Err(bad(
+                key,
+                format!("give the lookup path, with {placeholder} for the job id: {example}"),
+            ));
+        };
+        if !path.starts_with('/') {
+            return Err(bad(
+                key,
+                format!("{path:?} must start with `/` (a path on the upstream, like {example})"),
+            ));
+        }
+        if !path.contains(placeholder) {
+            return Err(bad(
+                key,
+                format!(
+                    "{path:?} does not say where the job goes: put {placeholder} where the \
+                     upstream expects the idempotency key the gateway forwarded, like {example}"
+                ),
+            ));
+        }
+        let sample =
+            crate::domain::reconcile::lookup_path(&path, "00000000-0000-0000-0000-000000000000");
+        if sample.parse::<http::uri::PathAndQuery>().is_err() {
+            return Err(bad(
+                key,
+                format!("{path:?} is not a valid request path; percent-encode what it holds beside {placeholder}"),
+            ));
+        }
+        Ok(Reconcile { path })
+    }
 }
 
 /// What a duplicate arriving while its job runs is answered
@@ -131,6 +187,7 @@ impl Route {
             owner,
             require_client: false,
             in_progress: InProgress::Hold,
+            reconcile: None,
         })
     }
 
@@ -289,6 +346,10 @@ fn parse(i: usize, r: RouteFile, cx: &Context<'_>) -> Result<Route, ConfigError>
         owner: route_owner(&key("owner"), r.owner.as_ref(), cx)?,
         require_client: require_client(&key("require_client"), r.require_client, cx)?,
         in_progress: InProgress::parse(&key("in_progress"), r.in_progress.as_deref())?,
+        reconcile: r
+            .reconcile
+            .map(|f| Reconcile::parse(&key("reconcile.path"), f))
+            .transpose()?,
     })
 }
 

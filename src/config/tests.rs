@@ -269,6 +269,47 @@ fn a_path_prefix_not_in_normal_form_is_refused() {
     }
 }
 
+/// `[routes.reconcile]` (`docs/design.md` §5): a lookup path must be a
+/// path, and say where the job goes; a route without it looks nothing up.
+#[test]
+fn a_reconcile_path_must_start_with_a_slash_and_hold_the_job() {
+    for (path, says) in [
+        ("v1/charges/lookup/{job}", "must start with `/`"),
+        ("/v1/charges/lookup", "put {job} where"),
+        ("/v1/charges/{job} x", "not a valid request path"),
+    ] {
+        let text = format!(
+            "[[routes]]\npath_prefix = \"/v1/charges\"\n[routes.reconcile]\npath = {path:?}\n"
+        );
+        let file = Settings::parse_file(&text).unwrap();
+        let e = Settings::from_sources(file, flags_with_upstream()).unwrap_err();
+        assert_eq!(e.key, "routes[0].reconcile.path", "{path}");
+        assert!(e.to_string().contains(says), "{path}: {e}");
+    }
+    let text = "[[routes]]\npath_prefix = \"/v1/charges\"\n[routes.reconcile]\n";
+    let e = Settings::from_sources(Settings::parse_file(text).unwrap(), flags_with_upstream())
+        .unwrap_err();
+    assert_eq!(e.key, "routes[0].reconcile.path");
+    let text = "[[routes]]\npath_prefix = \"/v1/charges\"\n\
+                [routes.reconcile]\npath = \"/v1/charges/lookup/{job}\"\n\
+                [[routes]]\npath_prefix = \"/v1/refunds\"\n";
+    let s =
+        Settings::from_sources(Settings::parse_file(text).unwrap(), flags_with_upstream()).unwrap();
+    let charges = s
+        .routes
+        .iter()
+        .find(|r| r.path_prefix == "/v1/charges")
+        .unwrap();
+    let reconcile = charges.reconcile.as_ref().unwrap();
+    assert_eq!(reconcile.path_for("j-1"), "/v1/charges/lookup/j-1");
+    let refunds = s
+        .routes
+        .iter()
+        .find(|r| r.path_prefix == "/v1/refunds")
+        .unwrap();
+    assert!(refunds.reconcile.is_none(), "no lookups unless asked for");
+}
+
 #[test]
 fn a_probeless_contract_on_a_route_with_fallbacks_is_refused() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/chat");

@@ -124,6 +124,8 @@ pub struct Attempt {
     pub upstream_status: Option<u16>,
     /// Why it ended the way it did, for the operator.
     pub detail: Option<String>,
+    /// The lookups made to reconcile it, when its outcome was unknown.
+    pub lookups: crate::domain::reconcile::Lookups,
 }
 
 /// How an attempt ended without a committed result.

@@ -8,5 +8,6 @@ pub mod id;
 pub mod job;
 pub mod key;
 pub mod path;
+pub mod reconcile;
 pub mod response;
 pub mod transition;

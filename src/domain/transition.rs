@@ -392,7 +392,42 @@ pub fn resolve(
             state: head.state,
         });
     }
-    let detail = Some("resolved by an operator".to_owned());
+    resolved(snapshot, attempt, resolution, "resolved by an operator")
+}
+
+/// The upstream's own answer about an `unknown` attempt, found by a lookup
+/// (`docs/design.md` §5): the same writes as an operator's [`resolve`],
+/// `succeeded` with the looked-up response or `failed` when the upstream
+/// never acted, but only while the attempt is still `unknown`. An attempt
+/// settled meanwhile (its late answer, an operator) is left as it is.
+pub fn reconcile(
+    snapshot: &Snapshot,
+    attempt: AttemptId,
+    resolution: &Resolution,
+) -> Result<Change, Refusal> {
+    let head = snapshot.attempt(attempt)?;
+    if head.state != AttemptState::Unknown {
+        return Err(Refusal::AttemptIs {
+            attempt,
+            state: head.state,
+        });
+    }
+    resolved(
+        snapshot,
+        attempt,
+        resolution,
+        "reconciled: the upstream's lookup answered for it",
+    )
+}
+
+/// The writes of a resolution of an unsettled attempt, by whoever decided it.
+fn resolved(
+    snapshot: &Snapshot,
+    attempt: AttemptId,
+    resolution: &Resolution,
+    by: &str,
+) -> Result<Change, Refusal> {
+    let detail = Some(by.to_owned());
     let mut change = Change::of(snapshot);
     match resolution {
         Resolution::Succeeded(response) => {

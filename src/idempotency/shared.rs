@@ -77,6 +77,19 @@ pub struct Shared {
 }
 
 impl Shared {
+    /// Looks up, on their upstreams, the attempts the sweeper makes
+    /// `unknown`, on routes with `[routes.reconcile]` (`docs/design.md` §5);
+    /// runs until `lapsed` closes.
+    pub fn reconcile_lapsed(
+        &self,
+        lapsed: tokio::sync::mpsc::UnboundedReceiver<crate::store::Lapsed>,
+        upstream: super::execute::UpstreamService,
+    ) -> impl std::future::Future<Output = ()> + Send + 'static {
+        self.runner
+            .clone()
+            .reconcile_lapsed(lapsed, self.config.routes.clone(), upstream)
+    }
+
     /// Builds the layer's components on `runtime`.
     pub fn new(config: Config, runtime: Runtime) -> Self {
         let Runtime {

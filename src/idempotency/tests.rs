@@ -91,6 +91,13 @@ impl Records for Faulty {
     async fn watch(&self, job: JobId) -> Result<(), StoreError> {
         self.inner.watch(job).await
     }
+    async fn record_lookup(
+        &self,
+        attempt: AttemptId,
+        lookup: &crate::domain::reconcile::Lookup,
+    ) -> Result<(), StoreError> {
+        self.inner.record_lookup(attempt, lookup).await
+    }
 }
 
 #[async_trait]
@@ -146,6 +153,13 @@ impl Store for Faulty {
         resolution: Resolution,
     ) -> Result<JobDetail, StoreError> {
         self.inner.resolve_attempt(attempt, resolution).await
+    }
+    async fn reconcile_attempt(
+        &self,
+        attempt: AttemptId,
+        resolution: Resolution,
+    ) -> Result<JobDetail, StoreError> {
+        self.inner.reconcile_attempt(attempt, resolution).await
     }
     async fn expire_leases(&self, batch: u32) -> Result<u64, StoreError> {
         self.inner.expire_leases(batch).await

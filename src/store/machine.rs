@@ -18,12 +18,14 @@ use async_trait::async_trait;
 
 use super::measured::Measured;
 use super::{
-    Backend, Begin, CommitOutcome, Cursor, Decide, Doorbell, Lock, Records, Store, StoreError,
+    Backend, Begin, CommitOutcome, Cursor, Decide, Doorbell, Lapsed, Lock, Records, Store,
+    StoreError,
 };
 use crate::domain::attempt::{Attempt, AttemptFailure, NewAttempt, Resolution};
 use crate::domain::id::{AttemptId, JobId};
 use crate::domain::job::{Job, JobDetail, NewJob};
 use crate::domain::key::{IdempotencyKey, Owner};
+use crate::domain::reconcile::Lookup;
 use crate::domain::response::StoredResponse;
 use crate::domain::transition::{self, Change, Refusal};
 use crate::store::seal::{self, Sealer};
@@ -33,6 +35,8 @@ pub struct Machine<B> {
     backend: Measured<B>,
     doorbell: Arc<Doorbell>,
     sealer: Option<Arc<Sealer>>,
+    /// Told of every attempt a sweep made `unknown`, when someone listens.
+    lapsed: Option<tokio::sync::mpsc::UnboundedSender<Lapsed>>,
 }
 
 impl<B: Backend> Machine<B> {
@@ -43,7 +47,18 @@ impl<B: Backend> Machine<B> {
             backend: Measured(backend),
             doorbell,
             sealer: None,
+            lapsed: None,
         }
+    }
+
+    /// Reports every attempt a sweep makes `unknown` on `lapsed` (so that
+    /// it can be looked up on its upstream, `docs/design.md` §5).
+    pub fn reporting_lapsed(
+        mut self,
+        lapsed: Option<tokio::sync::mpsc::UnboundedSender<Lapsed>>,
+    ) -> Self {
+        self.lapsed = lapsed;
+        self
     }
 
     /// Seals responses at rest with `sealer`.
@@ -88,6 +103,30 @@ impl<B: Backend> Machine<B> {
         let applied = self.backend.change(lock, decide).await??;
         self.ring(&applied.change);
         Ok(applied)
+    }
+
+    /// Applies a resolution by `rule` (an operator's or a lookup's), sealing
+    /// a given response first; answers the job as it is after.
+    async fn resolve_by(
+        &self,
+        attempt: AttemptId,
+        resolution: Resolution,
+        rule: fn(&transition::Snapshot, AttemptId, &Resolution) -> Result<Change, Refusal>,
+    ) -> Result<JobDetail, StoreError> {
+        let sealer = self.sealer.clone();
+        let decide: Decide = Box::new(move |s, _| {
+            let resolution = match (resolution, sealer) {
+                (Resolution::Succeeded(response), Some(sealer)) => {
+                    Resolution::Succeeded(sealer.seal(s.job.id, &response))
+                }
+                (resolution, _) => resolution,
+            };
+            rule(s, attempt, &resolution)
+        });
+        let applied = self.apply(Lock::JobOf(attempt), decide).await?;
+        self.job_detail(applied.change.job.id)
+            .await?
+            .ok_or(StoreError::NotFound("job"))
     }
 
     /// Starts an attempt by `transition` (claim or hedge); `None` when the
@@ -157,6 +196,10 @@ impl<B: Backend> Records for Machine<B> {
 
     async fn watch(&self, job: JobId) -> Result<(), StoreError> {
         self.backend.watch(job).await
+    }
+
+    async fn record_lookup(&self, attempt: AttemptId, lookup: &Lookup) -> Result<(), StoreError> {
+        self.backend.record_lookup(attempt, lookup).await
     }
 }
 
@@ -236,20 +279,17 @@ impl<B: Backend> Store for Machine<B> {
         attempt: AttemptId,
         resolution: Resolution,
     ) -> Result<JobDetail, StoreError> {
-        let sealer = self.sealer.clone();
-        let decide: Decide = Box::new(move |s, _| {
-            let resolution = match (resolution, sealer) {
-                (Resolution::Succeeded(response), Some(sealer)) => {
-                    Resolution::Succeeded(sealer.seal(s.job.id, &response))
-                }
-                (resolution, _) => resolution,
-            };
-            transition::resolve(s, attempt, &resolution)
-        });
-        let applied = self.apply(Lock::JobOf(attempt), decide).await?;
-        self.job_detail(applied.change.job.id)
-            .await?
-            .ok_or(StoreError::NotFound("job"))
+        self.resolve_by(attempt, resolution, transition::resolve)
+            .await
+    }
+
+    async fn reconcile_attempt(
+        &self,
+        attempt: AttemptId,
+        resolution: Resolution,
+    ) -> Result<JobDetail, StoreError> {
+        self.resolve_by(attempt, resolution, transition::reconcile)
+            .await
     }
 
     async fn expire_leases(&self, batch: u32) -> Result<u64, StoreError> {
@@ -257,6 +297,12 @@ impl<B: Backend> Store for Machine<B> {
         for change in &changes {
             for settled in &change.settled {
                 tracing::warn!(attempt = %settled.attempt, job = %change.job.id, "attempt lease lapsed; outcome unknown");
+                if let Some(lapsed) = &self.lapsed {
+                    let _ = lapsed.send(Lapsed {
+                        job: change.job.id,
+                        attempt: settled.attempt,
+                    });
+                }
             }
             self.ring(change);
         }

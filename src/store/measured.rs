@@ -19,6 +19,7 @@ use crate::domain::id::AttemptId;
 use crate::domain::id::JobId;
 use crate::domain::job::{Job, JobDetail, NewJob};
 use crate::domain::key::{IdempotencyKey, Owner};
+use crate::domain::reconcile::Lookup;
 use crate::domain::response::StoredResponse;
 use crate::domain::transition::{Change, Refusal};
 
@@ -69,6 +70,10 @@ impl<B: Backend> Records for Measured<B> {
 
     async fn watch(&self, job: JobId) -> Result<(), StoreError> {
         measure("watch", self.0.watch(job)).await
+    }
+
+    async fn record_lookup(&self, attempt: AttemptId, lookup: &Lookup) -> Result<(), StoreError> {
+        measure("record_lookup", self.0.record_lookup(attempt, lookup)).await
     }
 }
 

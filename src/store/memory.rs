@@ -20,6 +20,7 @@ use crate::domain::attempt::{Attempt, AttemptState, NewAttempt};
 use crate::domain::id::{AttemptId, JobId};
 use crate::domain::job::{Job, JobDetail, JobState, NewJob};
 use crate::domain::key::{IdempotencyKey, Owner};
+use crate::domain::reconcile::{Lookup, Lookups};
 use crate::domain::response::StoredResponse;
 use crate::domain::transition::{AttemptHead, Change, JobHead, Refusal, Snapshot};
 
@@ -109,6 +110,7 @@ fn new_attempt(
         lease_expires_at: now + new.lease,
         upstream_status: None,
         detail: None,
+        lookups: Lookups::default(),
     }
 }
 
@@ -222,6 +224,19 @@ impl Records for Memory {
     }
 
     async fn watch(&self, _job: JobId) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    async fn record_lookup(&self, attempt: AttemptId, lookup: &Lookup) -> Result<(), StoreError> {
+        let mut records = self.records();
+        let job = records.job_of(Lock::JobOf(attempt))?;
+        let a = records
+            .jobs
+            .get_mut(&job)
+            .and_then(|e| e.attempts.iter_mut().find(|a| a.id == attempt))
+            .ok_or(StoreError::NotFound("attempt"))?;
+        a.lookups.count += 1;
+        a.lookups.last = Some(lookup.clone());
         Ok(())
     }
 }

@@ -45,6 +45,7 @@ use crate::domain::attempt::{Attempt, AttemptFailure, NewAttempt, Resolution};
 use crate::domain::id::{AttemptId, JobId};
 use crate::domain::job::{Job, JobDetail, NewJob};
 use crate::domain::key::{IdempotencyKey, Owner};
+use crate::domain::reconcile::Lookup;
 use crate::domain::response::StoredResponse;
 use crate::domain::transition::{self, Change, Refusal, Snapshot};
 use crate::BoxError;
@@ -59,6 +60,17 @@ pub enum Begin {
     Created(Job, Attempt),
     /// The key was seen before: here is its job as it stands.
     Existing(Job),
+}
+
+/// An attempt the sweeper made `unknown` (its lease lapsed), as reported
+/// by [`Machine::reporting_lapsed`]: on a route that reconciles, it is
+/// looked up on its upstream (`docs/design.md` §5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lapsed {
+    /// Its job.
+    pub job: JobId,
+    /// The attempt.
+    pub attempt: AttemptId,
 }
 
 /// What [`Store::commit`] did.
@@ -172,6 +184,10 @@ pub trait Records: Send + Sync + 'static {
     /// Checks that the store answers.
     async fn ping(&self) -> Result<(), StoreError>;
 
+    /// Records one lookup made to reconcile an `unknown` attempt: counts
+    /// it and keeps it as the attempt's last (`docs/design.md` §5).
+    async fn record_lookup(&self, attempt: AttemptId, lookup: &Lookup) -> Result<(), StoreError>;
+
     /// Says someone is about to wait on `job`, so that changes of its state
     /// are announced to other replicas (only watched jobs pay for it). Call
     /// it before reading the job, then wait.
@@ -226,6 +242,16 @@ pub trait Store: Records {
     /// Applies an operator's resolution to an unsettled attempt. Moves the
     /// job's version, so the attempt's own late answer can no longer commit.
     async fn resolve_attempt(
+        &self,
+        attempt: AttemptId,
+        resolution: Resolution,
+    ) -> Result<JobDetail, StoreError>;
+
+    /// Applies what a lookup of the upstream found about an `unknown`
+    /// attempt ([`transition::reconcile`]): the same writes, and the same
+    /// CAS, as an operator's resolution, refused (`AttemptIs`) once the
+    /// attempt is no longer unknown.
+    async fn reconcile_attempt(
         &self,
         attempt: AttemptId,
         resolution: Resolution,
@@ -360,6 +386,29 @@ pub(crate) fn job_state(s: &str) -> Result<crate::domain::job::JobState, StoreEr
 /// An attempt state read back from a backend.
 pub(crate) fn attempt_state(s: &str) -> Result<crate::domain::attempt::AttemptState, StoreError> {
     crate::domain::attempt::AttemptState::parse(s).ok_or(StoreError::Corrupt("attempt state"))
+}
+
+/// An attempt's lookups read back from a backend: the count, and the last
+/// one's time, status and result (all three absent before the first).
+pub(crate) fn lookups(
+    count: i32,
+    at: Option<SystemTime>,
+    status: Option<u16>,
+    result: Option<&str>,
+) -> Result<crate::domain::reconcile::Lookups, StoreError> {
+    use crate::domain::reconcile::{Lookup, LookupResult, Lookups};
+    let last = match (at, result) {
+        (Some(at), Some(result)) => Some(Lookup {
+            at,
+            status,
+            result: LookupResult::parse(result).ok_or(StoreError::Corrupt("lookup result"))?,
+        }),
+        _ => None,
+    };
+    Ok(Lookups {
+        count: u32::try_from(count).unwrap_or(0),
+        last,
+    })
 }
 
 /// Whole milliseconds, saturating.

@@ -32,6 +32,7 @@ mod postgres_restart;
 mod postgres_tls;
 mod readme;
 mod real_clients;
+mod reconcile;
 mod redis_deployments;
 mod redis_tls;
 mod replay_entries;

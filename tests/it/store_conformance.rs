@@ -14,7 +14,9 @@ use idemgate::domain::fingerprint::Fingerprint;
 use idemgate::domain::id::{AttemptId, JobId};
 use idemgate::domain::job::{JobState, NewJob};
 use idemgate::domain::key::{IdempotencyKey, Owner, OwnerSalt};
+use idemgate::domain::reconcile::{Lookup, LookupResult};
 use idemgate::domain::response::StoredResponse;
+use idemgate::domain::transition::Refusal;
 use idemgate::store::{Begin, CommitOutcome, Doorbell, Store, StoreError};
 
 fn new_job(key: &str) -> NewJob {
@@ -360,6 +362,98 @@ pub async fn resolution_as_succeeded_commits_through_the_cas(store: Arc<dyn Stor
     );
 }
 
+/// Lookups of an unknown attempt are counted, the last one kept; what a
+/// lookup finds applies only while the attempt is unknown, by the
+/// resolution's CAS.
+pub async fn lookups_are_recorded_and_reconcile_applies_only_to_an_unknown_attempt(
+    store: Arc<dyn Store>,
+) {
+    let (job, attempt) = created(store.as_ref(), "looked-up").await;
+    // Still started: a lookup's finding does not apply.
+    let refused = store
+        .reconcile_attempt(attempt.id, Resolution::Succeeded(response("lookup")))
+        .await;
+    assert!(
+        matches!(
+            refused,
+            Err(StoreError::Refused(Refusal::AttemptIs {
+                state: AttemptState::Started,
+                ..
+            }))
+        ),
+        "{refused:?}"
+    );
+    let unknown = AttemptFailure::Unknown {
+        detail: "timeout".into(),
+    };
+    store.fail_attempt(attempt.id, unknown).await.unwrap();
+    let at = std::time::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+    for (n, (status, result)) in [
+        (None, LookupResult::Error),
+        (Some(503), LookupResult::StillUnknown),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let lookup = Lookup {
+            at: at + Duration::from_secs(n as u64),
+            status,
+            result,
+        };
+        store.record_lookup(attempt.id, &lookup).await.unwrap();
+        let detail = store.job_detail(job.id).await.unwrap().unwrap();
+        let lookups = &detail.attempts[0].lookups;
+        assert_eq!(lookups.count, n as u32 + 1);
+        assert_eq!(lookups.last.as_ref(), Some(&lookup));
+    }
+    assert!(matches!(
+        store
+            .record_lookup(
+                AttemptId::new(),
+                &Lookup {
+                    at,
+                    status: None,
+                    result: LookupResult::Error
+                }
+            )
+            .await,
+        Err(StoreError::NotFound(_))
+    ));
+    let detail = store
+        .reconcile_attempt(attempt.id, Resolution::Succeeded(response("lookup")))
+        .await
+        .unwrap();
+    assert_eq!(detail.job.state, JobState::Completed);
+    assert_eq!(detail.job.completed_by, Some(attempt.id));
+    assert_eq!(detail.job.response, Some(response("lookup")));
+    assert_eq!(detail.attempts[0].state, AttemptState::Succeeded);
+    assert_eq!(detail.attempts[0].lookups.count, 2);
+    // The attempt's own late answer is discarded; a second finding too.
+    assert_eq!(
+        store.commit(&attempt, &response("late")).await.unwrap(),
+        CommitOutcome::Superseded
+    );
+    assert!(store
+        .reconcile_attempt(attempt.id, Resolution::Failed)
+        .await
+        .is_err());
+
+    // A finding of no effect reopens the job.
+    let (job, attempt) = created(store.as_ref(), "looked-up-404").await;
+    let unknown = AttemptFailure::Unknown {
+        detail: "timeout".into(),
+    };
+    store.fail_attempt(attempt.id, unknown).await.unwrap();
+    let detail = store
+        .reconcile_attempt(attempt.id, Resolution::Failed)
+        .await
+        .unwrap();
+    assert_eq!(detail.job.id, job.id);
+    assert_eq!(detail.job.state, JobState::Open);
+    assert_eq!(detail.job.version, job.version + 1);
+    assert_eq!(detail.attempts[0].state, AttemptState::Failed);
+}
+
 pub async fn a_hedge_failing_next_to_an_unknown_attempt_keeps_the_job_blocked(
     store: Arc<dyn Store>,
 ) {
@@ -651,6 +745,7 @@ macro_rules! conformance_suite {
                 a_losing_commit_of_the_last_running_attempt_reopens_the_job,
                 one_sweep_expires_a_batch_of_jobs,
                 evidence_of_a_safe_failure_settles_an_attempt_its_lapsed_lease_made_unknown,
+                lookups_are_recorded_and_reconcile_applies_only_to_an_unknown_attempt,
             );
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn every_change_of_a_jobs_state_rings_once() {

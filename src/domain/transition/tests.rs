@@ -341,6 +341,42 @@ fn resolve_applies_to_unsettled_attempts_and_moves_the_version() {
 }
 
 #[test]
+fn reconcile_settles_only_an_unknown_attempt_as_a_resolution_would() {
+    let resolutions = [Resolution::Failed, Resolution::Succeeded(response())];
+    for s in every_snapshot() {
+        for attempt in &s.attempts {
+            for resolution in &resolutions {
+                let result = reconcile(&s, attempt.id, resolution);
+                if attempt.state != Unknown {
+                    assert!(matches!(result, Err(Refusal::AttemptIs { .. })));
+                    continue;
+                }
+                if matches!(resolution, Resolution::Succeeded(_))
+                    && s.job.state == JobState::Completed
+                {
+                    assert!(matches!(result, Err(Refusal::JobIs { .. })));
+                    continue;
+                }
+                let change = result.unwrap();
+                assert_sound(&s, &change);
+                assert_eq!(change.settled[0].state, resolution.state());
+                assert!(change.settled[0]
+                    .detail
+                    .as_deref()
+                    .unwrap()
+                    .starts_with("reconciled"));
+                if matches!(resolution, Resolution::Succeeded(_)) {
+                    assert!(change.commits(attempt.id));
+                }
+                if s.job.state != JobState::Completed {
+                    assert_eq!(change.job.version, s.job.version + 1);
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn expire_turns_only_lapsed_started_attempts_unknown() {
     for s in every_snapshot() {
         let lapsed: Vec<AttemptId> = s

@@ -47,6 +47,7 @@ fn attempt(number: i32, version: i64) -> Attempt {
         lease_expires_at: SystemTime::now(),
         upstream_status: None,
         detail: None,
+        lookups: Default::default(),
     }
 }
 

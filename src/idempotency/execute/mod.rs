@@ -42,7 +42,7 @@ use crate::idempotency::fastpath::{FastPath, Tag};
 use crate::idempotency::recording::Recording;
 use crate::proxy::budget::Charge;
 use crate::proxy::error::GatewayError;
-use crate::proxy::http::{full, Body, IDEMPOTENCY_KEY};
+use crate::proxy::http::{full, Body, ProvenClient, IDEMPOTENCY_KEY};
 use crate::proxy::upstream::{Target, UpstreamError};
 use crate::store::{Doorbell, Store};
 use crate::upkeep::lease::{LeaseGuard, Leases};
@@ -52,10 +52,12 @@ use crate::upkeep::lease::{LeaseGuard, Leases};
 pub(super) const PATIENCE: Duration = Duration::from_secs(2);
 
 mod call;
+mod reconcile;
 mod record;
 mod verdict;
 
 use call::Call;
+use reconcile::Reconciler;
 use verdict::{classify, Verdict};
 
 /// The upstream side of the layer, boxed at this boundary so that attempt
@@ -169,10 +171,31 @@ impl Runner {
         let (tx, rx) = oneshot::channel();
         let cancel = CancellationToken::new();
         let forwarded = self.upstream_request(request, target, &attempt);
+        let deadline = Instant::now() + self.config.deadline;
+        // Only a route that names a lookup path reconciles its attempts.
+        let reconciler = request
+            .route
+            .reconcile
+            .as_ref()
+            .map(|reconcile| Reconciler {
+                store: self.store.clone(),
+                upstream: upstream.clone(),
+                target: target.id.clone(),
+                route: request.route.name.clone(),
+                reconcile: reconcile.clone(),
+                job: attempt.job_id,
+                attempt: attempt.id,
+                deadline,
+                timeout: target.timeout,
+                max_response_size: self.config.max_response_size,
+                key_header: self.config.forward_key_header.clone(),
+                proven: request.parts.extensions.get::<ProvenClient>().cloned(),
+            });
         let task = Task {
             lease: Arc::new(self.leases.hold(attempt.id)),
-            deadline: Instant::now() + self.config.deadline,
+            deadline,
             timeout: target.timeout,
+            reconciler: std::sync::Mutex::new(reconciler),
             route: request.route.clone(),
             runner: self.clone(),
             attempt: attempt.clone(),
@@ -245,6 +268,10 @@ struct Task {
     reply: Option<oneshot::Sender<Reply>>,
     /// The request's charge on the memory budget, which its answer grows.
     charge: Arc<Charge>,
+    /// Looks the attempt up on its upstream once it is recorded `unknown`
+    /// (taken then: one lookup task per attempt), on a route that
+    /// reconciles.
+    reconciler: std::sync::Mutex<Option<Reconciler>>,
 }
 
 impl Task {

@@ -9,6 +9,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use super::{Reply, Task, PATIENCE};
 use crate::domain::attempt::{AttemptFailure, AttemptState};
@@ -110,6 +111,10 @@ impl Task {
 
     /// Writes `failure` in the background, retrying while the store is
     /// unreachable, holding the lease until it is in.
+    ///
+    /// Once an `unknown` outcome is in, on a route that reconciles, the
+    /// attempt is looked up on its upstream in a task of its own
+    /// (`reconcile.rs`), whatever the request does meanwhile.
     fn spawn_write(
         &self,
         failure: AttemptFailure,
@@ -119,15 +124,27 @@ impl Task {
             self.attempt.id,
             self.lease.clone(),
         );
-        tokio::spawn(retrying(
-            "record the end of",
-            attempt,
-            self.deadline,
-            move || {
-                let (store, failure, _lease) = (store.clone(), failure.clone(), lease.clone());
-                async move { store.fail_attempt(attempt, failure).await }
-            },
-        ))
+        let reconciler = match failure {
+            AttemptFailure::Unknown { .. } => self
+                .reconciler
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take(),
+            _ => None,
+        };
+        let write = retrying("record the end of", attempt, self.deadline, move || {
+            let (store, failure, _lease) = (store.clone(), failure.clone(), lease.clone());
+            async move { store.fail_attempt(attempt, failure).await }
+        });
+        let span =
+            tracing::info_span!("reconcile", attempt.id = %attempt, job.id = %self.attempt.job_id);
+        tokio::spawn(async move {
+            let written = write.await;
+            if let (Ok(()), Some(reconciler)) = (&written, reconciler) {
+                tokio::spawn(reconciler.run().instrument(span));
+            }
+            written
+        })
     }
 }
 

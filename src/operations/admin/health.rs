@@ -168,6 +168,13 @@ mod tests {
         async fn watch(&self, _: JobId) -> Result<(), StoreError> {
             Ok(())
         }
+        async fn record_lookup(
+            &self,
+            _: AttemptId,
+            _: &crate::domain::reconcile::Lookup,
+        ) -> Result<(), StoreError> {
+            unimplemented!()
+        }
     }
 
     #[async_trait]
@@ -202,6 +209,13 @@ mod tests {
             unimplemented!()
         }
         async fn resolve_attempt(
+            &self,
+            _: AttemptId,
+            _: Resolution,
+        ) -> Result<JobDetail, StoreError> {
+            unimplemented!()
+        }
+        async fn reconcile_attempt(
             &self,
             _: AttemptId,
             _: Resolution,

@@ -73,6 +73,20 @@ fn attempt(a: &Attempt) -> Value {
         "lease_expires_at": time(a.lease_expires_at),
         "upstream_status": a.upstream_status,
         "detail": a.detail,
+        "lookups": lookups(&a.lookups),
+    })
+}
+
+/// The lookups made to reconcile an attempt (`docs/design.md` §5): how
+/// many, and the last one.
+fn lookups(l: &crate::domain::reconcile::Lookups) -> Value {
+    json!({
+        "count": l.count,
+        "last": l.last.as_ref().map(|last| json!({
+            "at": time(last.at),
+            "status": last.status,
+            "result": last.result.as_str(),
+        })),
     })
 }
 

@@ -14,6 +14,7 @@ use crate::domain::attempt::AttemptState;
 use crate::domain::id::{AttemptId, JobId};
 use crate::domain::job::{Job, JobDetail};
 use crate::domain::key::{IdempotencyKey, Owner};
+use crate::domain::reconcile::Lookup;
 use crate::store::{millis, Cursor, Records, StoreError};
 
 #[async_trait]
@@ -117,6 +118,29 @@ impl Records for Postgres {
             .await
             .map_err(map_pg)?;
         client.execute(&watch, &[&job.0]).await.map_err(map_pg)?;
+        Ok(())
+    }
+
+    async fn record_lookup(&self, attempt: AttemptId, lookup: &Lookup) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        let record = client
+            .prepare_cached(
+                "UPDATE attempts SET lookups = lookups + 1, last_lookup_at = $2, \
+                 last_lookup_status = $3, last_lookup_result = $4 WHERE id = $1",
+            )
+            .await
+            .map_err(map_pg)?;
+        let status = lookup.status.map(|s| s as i16);
+        let updated = client
+            .execute(
+                &record,
+                &[&attempt.0, &lookup.at, &status, &lookup.result.as_str()],
+            )
+            .await
+            .map_err(map_pg)?;
+        if updated == 0 {
+            return Err(StoreError::NotFound("attempt"));
+        }
         Ok(())
     }
 }

@@ -15,7 +15,7 @@ use crate::domain::job::Job;
 use crate::domain::key::{IdempotencyKey, Owner};
 use crate::domain::response::StoredResponse;
 use crate::domain::transition::{AttemptHead, JobHead, Snapshot};
-use crate::store::{attempt_state, job_state, Begin, StoreError};
+use crate::store::{attempt_state, job_state, lookups, Begin, StoreError};
 
 /// Reads the snapshots in `rows` (of [`SNAPSHOT_COLUMNS`](super::sql::SNAPSHOT_COLUMNS), ordered by job),
 /// with the database's clock.
@@ -125,5 +125,11 @@ pub(super) fn attempt_from_row(row: &Row, at: usize) -> Result<Attempt, StoreErr
         lease_expires_at: row.get(at + 8),
         upstream_status: row.get::<_, Option<i16>>(at + 9).map(|s| s as u16),
         detail: row.get(at + 10),
+        lookups: lookups(
+            row.get(at + 11),
+            row.get(at + 12),
+            row.get::<_, Option<i16>>(at + 13).map(|s| s as u16),
+            row.get(at + 14),
+        )?,
     })
 }

@@ -49,6 +49,7 @@ use crate::domain::attempt::{Attempt, AttemptState, NewAttempt};
 use crate::domain::id::{AttemptId, JobId};
 use crate::domain::job::{Job, JobDetail, JobState, NewJob};
 use crate::domain::key::{IdempotencyKey, Owner};
+use crate::domain::reconcile::Lookup;
 use crate::domain::response::StoredResponse;
 use crate::domain::transition::{Change, Refusal};
 use crate::store::{
@@ -215,6 +216,25 @@ impl Records for Sqlite {
     async fn watch(&self, _job: JobId) -> Result<(), StoreError> {
         // One gateway per file: every waiter is woken in-process.
         Ok(())
+    }
+
+    async fn record_lookup(&self, attempt: AttemptId, lookup: &Lookup) -> Result<(), StoreError> {
+        let (id, at) = (attempt.0.to_string(), to_ms(lookup.at));
+        let (status, result) = (lookup.status, lookup.result.as_str());
+        self.call(move |conn| {
+            let updated = conn
+                .execute(
+                    "UPDATE attempts SET lookups = lookups + 1, last_lookup_at = ?2, \
+                     last_lookup_status = ?3, last_lookup_result = ?4 WHERE id = ?1",
+                    params![id, at, status, result],
+                )
+                .map_err(map_sqlite)?;
+            if updated == 0 {
+                return Err(StoreError::NotFound("attempt"));
+            }
+            Ok(())
+        })
+        .await
     }
 }
 

@@ -14,7 +14,7 @@ use crate::domain::job::{Job, JobDetail};
 use crate::domain::key::{IdempotencyKey, Owner};
 use crate::domain::response::StoredResponse;
 use crate::store::codec::decode_headers;
-use crate::store::{attempt_state, job_state, millis, StoreError};
+use crate::store::{attempt_state, job_state, lookups, millis, StoreError};
 
 pub(super) const JOB_COLUMNS: &str =
     "j.id, j.owner, j.key, j.fingerprint, j.route, j.state, j.version, \
@@ -22,7 +22,8 @@ pub(super) const JOB_COLUMNS: &str =
      j.created_at, j.expires_at";
 pub(super) const ATTEMPT_COLUMNS: &str =
     "a.id, a.job_id, a.number, a.upstream, a.state, a.job_version, \
-     a.started_at, a.finished_at, a.lease_expires_at, a.upstream_status, a.detail";
+     a.started_at, a.finished_at, a.lease_expires_at, a.upstream_status, a.detail, \
+     a.lookups, a.last_lookup_at, a.last_lookup_status, a.last_lookup_result";
 
 pub(super) fn now_ms() -> i64 {
     to_ms(SystemTime::now())
@@ -151,6 +152,10 @@ pub(super) fn attempt_from_row(row: &Row<'_>) -> rusqlite::Result<Result<Attempt
     let lease_expires_at: i64 = row.get(8)?;
     let upstream_status: Option<u16> = row.get(9)?;
     let detail: Option<String> = row.get(10)?;
+    let lookup_count: i32 = row.get(11)?;
+    let last_lookup_at: Option<i64> = row.get(12)?;
+    let last_lookup_status: Option<u16> = row.get(13)?;
+    let last_lookup_result: Option<String> = row.get(14)?;
     Ok((|| {
         Ok(Attempt {
             id: AttemptId(uuid(&id)?),
@@ -164,6 +169,12 @@ pub(super) fn attempt_from_row(row: &Row<'_>) -> rusqlite::Result<Result<Attempt
             lease_expires_at: from_ms(lease_expires_at),
             upstream_status,
             detail,
+            lookups: lookups(
+                lookup_count,
+                last_lookup_at.map(from_ms),
+                last_lookup_status,
+                last_lookup_result.as_deref(),
+            )?,
         })
     })())
 }

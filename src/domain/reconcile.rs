@@ -1,0 +1,170 @@
+//! Reconciling an attempt of unknown outcome by asking its upstream
+//! (`docs/design.md` §5, "Unknown attempts are looked up").
+//!
+//! A route with `[routes.reconcile]` names a lookup path on its upstream.
+//! When an attempt becomes `unknown`, the gateway asks that path what became
+//! of the job, and this module decides, from the answer alone, what the
+//! answer means ([`verdict`]) and when to ask again ([`backoff`]). No I/O.
+
+use std::fmt;
+use std::time::{Duration, SystemTime};
+
+/// What one lookup's answer means for the attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LookupResult {
+    /// `2xx`: the attempt took effect; the lookup's answer is the job's
+    /// result, committed by the same CAS as an operator's resolution.
+    SettledSucceeded,
+    /// `404`/`410`: the upstream never acted on the job; the attempt had no
+    /// effect and the job reopens.
+    SettledNoEffect,
+    /// Any other status: the upstream does not know yet; asked again.
+    StillUnknown,
+    /// No answer (a timeout, a refused or broken connection, an answer too
+    /// large to record): asked again.
+    Error,
+}
+
+impl LookupResult {
+    /// The name in storage, the admin API and the metric's `result` label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LookupResult::SettledSucceeded => "settled_succeeded",
+            LookupResult::SettledNoEffect => "settled_no_effect",
+            LookupResult::StillUnknown => "still_unknown",
+            LookupResult::Error => "error",
+        }
+    }
+
+    /// Parses a stored name.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "settled_succeeded" => LookupResult::SettledSucceeded,
+            "settled_no_effect" => LookupResult::SettledNoEffect,
+            "still_unknown" => LookupResult::StillUnknown,
+            "error" => LookupResult::Error,
+            _ => return None,
+        })
+    }
+
+    /// Whether the lookup settles the attempt (no more lookups follow).
+    pub fn settles(self) -> bool {
+        matches!(
+            self,
+            LookupResult::SettledSucceeded | LookupResult::SettledNoEffect
+        )
+    }
+}
+
+impl fmt::Display for LookupResult {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What the upstream's answer to a lookup means: `None` when it did not
+/// answer (then [`LookupResult::Error`]).
+pub fn verdict(status: Option<u16>) -> LookupResult {
+    match status {
+        None => LookupResult::Error,
+        Some(200..=299) => LookupResult::SettledSucceeded,
+        Some(404 | 410) => LookupResult::SettledNoEffect,
+        Some(_) => LookupResult::StillUnknown,
+    }
+}
+
+/// The first wait between two lookups.
+pub const FIRST_BACKOFF: Duration = Duration::from_secs(1);
+/// The longest wait between two lookups.
+pub const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+/// How long to wait after the `n`th lookup (1, 2, …) before the next:
+/// 1 s doubling, capped at 30 s. The first lookup is made at once.
+pub fn backoff(n: u32) -> Duration {
+    let doublings = n.saturating_sub(1).min(16);
+    FIRST_BACKOFF
+        .saturating_mul(1 << doublings)
+        .min(MAX_BACKOFF)
+}
+
+/// The lookup path for `job`: the route's template with `{job}` replaced.
+pub fn lookup_path(template: &str, job: &str) -> String {
+    template.replace(JOB_PLACEHOLDER, job)
+}
+
+/// What a lookup path template must hold.
+pub const JOB_PLACEHOLDER: &str = "{job}";
+
+/// One lookup, as recorded on its attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lookup {
+    /// When the answer (or its absence) was known.
+    pub at: SystemTime,
+    /// The upstream's status, when it answered.
+    pub status: Option<u16>,
+    /// What it meant.
+    pub result: LookupResult,
+}
+
+/// The lookups made for one attempt: how many, and the last.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Lookups {
+    /// How many were made.
+    pub count: u32,
+    /// The last one.
+    pub last: Option<Lookup>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_mean_what_the_design_says() {
+        for status in [200, 201, 204, 299] {
+            assert_eq!(verdict(Some(status)), LookupResult::SettledSucceeded);
+        }
+        assert_eq!(verdict(Some(404)), LookupResult::SettledNoEffect);
+        assert_eq!(verdict(Some(410)), LookupResult::SettledNoEffect);
+        for status in [100, 301, 400, 409, 429, 500, 502, 503, 504] {
+            assert_eq!(verdict(Some(status)), LookupResult::StillUnknown);
+        }
+        assert_eq!(verdict(None), LookupResult::Error);
+    }
+
+    #[test]
+    fn only_a_2xx_or_a_404_or_410_settles() {
+        assert!(LookupResult::SettledSucceeded.settles());
+        assert!(LookupResult::SettledNoEffect.settles());
+        assert!(!LookupResult::StillUnknown.settles());
+        assert!(!LookupResult::Error.settles());
+    }
+
+    #[test]
+    fn backoff_doubles_from_one_second_to_thirty() {
+        let waits: Vec<u64> = (1..=8).map(|n| backoff(n).as_secs()).collect();
+        assert_eq!(waits, [1, 2, 4, 8, 16, 30, 30, 30]);
+        assert_eq!(backoff(u32::MAX), MAX_BACKOFF);
+        assert_eq!(backoff(0), FIRST_BACKOFF);
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for r in [
+            LookupResult::SettledSucceeded,
+            LookupResult::SettledNoEffect,
+            LookupResult::StillUnknown,
+            LookupResult::Error,
+        ] {
+            assert_eq!(LookupResult::parse(r.as_str()), Some(r));
+        }
+    }
+
+    #[test]
+    fn the_job_replaces_the_placeholder() {
+        assert_eq!(
+            lookup_path("/v1/charges/lookup/{job}", "abc"),
+            "/v1/charges/lookup/abc"
+        );
+    }
+}
