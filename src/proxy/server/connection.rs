@@ -9,7 +9,9 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::watch;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::keepalive::Head;
@@ -113,23 +115,51 @@ impl Idle {
 
 /// The requests (HTTP/2 streams) open on one connection: one is open from
 /// its head until its answer's body is sent, or dropped.
+///
+/// Counted with atomics and checked lazily: opening and closing one is two
+/// atomic writes and a clock read, with no lock and no wake-up (a watch
+/// channel here cost the fastest rows of the benchmark 5-9 %,
+/// docs/performance.md item 19); the idle clock wakes at most once per
+/// timeout and looks.
 #[derive(Clone)]
-pub(super) struct Streams(Arc<watch::Sender<usize>>);
+pub(super) struct Streams(Arc<Counts>);
+
+pub(super) struct Counts {
+    /// What the times below count from.
+    born: Instant,
+    open: AtomicUsize,
+    /// When the last one closed (or the connection opened), in ns from `born`.
+    last_close: AtomicU64,
+}
 
 impl Streams {
     pub(super) fn new() -> Self {
-        Streams(Arc::new(watch::Sender::new(0)))
+        Streams(Arc::new(Counts {
+            born: Instant::now(),
+            open: AtomicUsize::new(0),
+            last_close: AtomicU64::new(0),
+        }))
     }
 
     /// Whether none is open.
     pub(super) fn none_open(&self) -> bool {
-        *self.0.borrow() == 0
+        self.0.open.load(Ordering::Acquire) == 0
     }
 
     /// Counts a stream open until the returned guard is dropped.
     pub(super) fn open(&self) -> OpenStream {
-        self.0.send_modify(|n| *n += 1);
+        self.0.open.fetch_add(1, Ordering::AcqRel);
         OpenStream(self.clone())
+    }
+
+    /// Nanoseconds from the connection's opening to now.
+    pub(super) fn now(&self) -> u64 {
+        u64::try_from(self.0.born.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// The instant `ns` nanoseconds after the connection opened.
+    pub(super) fn at(&self, ns: u64) -> Instant {
+        self.0.born + Duration::from_nanos(ns)
     }
 
     /// Resolves once no stream has been open for `timeout`; never, with
@@ -138,16 +168,16 @@ impl Streams {
         let Some(timeout) = timeout else {
             return std::future::pending().await;
         };
-        let mut open = self.0.subscribe();
         loop {
-            // The sender lives as long as `self`: waiting never fails.
-            let _ = open.wait_for(|&n| n == 0).await;
-            tokio::select! {
-                // A stream opened (and maybe closed) meanwhile: start over.
-                biased;
-                _ = open.changed() => {}
-                () = tokio::time::sleep(timeout) => return,
+            if !self.none_open() {
+                tokio::time::sleep(timeout).await;
+                continue;
             }
+            let quiet_from = self.at(self.0.last_close.load(Ordering::Acquire));
+            if Instant::now() >= quiet_from + timeout && self.none_open() {
+                return;
+            }
+            tokio::time::sleep_until(quiet_from + timeout).await;
         }
     }
 }
@@ -157,7 +187,10 @@ pub(super) struct OpenStream(Streams);
 
 impl Drop for OpenStream {
     fn drop(&mut self) {
-        (self.0).0.send_modify(|n| *n -= 1);
+        // The time first: a clock that sees none open sees when it closed.
+        let now = self.0.now();
+        (self.0).0.last_close.store(now, Ordering::Release);
+        (self.0).0.open.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

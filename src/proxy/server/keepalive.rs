@@ -14,59 +14,64 @@
 
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use pin_project_lite::pin_project;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::connection::Streams;
 
-/// When the head of the request being read began to arrive; `None`
-/// between requests and while one is served.
+/// When the head of the request being read began to arrive: nothing between
+/// requests and while one is served. Atomics, checked lazily, as the
+/// request count is ([`Streams`]).
 #[derive(Clone)]
-pub(super) struct Head(Arc<watch::Sender<Option<Instant>>>);
+pub(super) struct Head {
+    clock: Streams,
+    /// Nanoseconds from the connection's opening to the head's first byte,
+    /// plus one; 0 when no head is being read.
+    begun: Arc<AtomicU64>,
+}
 
 impl Head {
     /// A connection's first head, whose first bytes have just been seen.
-    pub(super) fn started_now() -> Self {
-        Head(Arc::new(watch::Sender::new(Some(Instant::now()))))
+    pub(super) fn started_now(clock: Streams) -> Self {
+        let begun = Arc::new(AtomicU64::new(clock.now() + 1));
+        Head { clock, begun }
     }
 
     /// Bytes arrived with no request open: a head has begun (if it had not).
     fn begun(&self) {
-        self.0.send_if_modified(|start| {
-            let new = start.is_none();
-            if new {
-                *start = Some(Instant::now());
-            }
-            new
-        });
+        if self.begun.load(Ordering::Acquire) == 0 {
+            let now = self.clock.now() + 1;
+            let _ = self
+                .begun
+                .compare_exchange(0, now, Ordering::AcqRel, Ordering::Acquire);
+        }
     }
 
     /// The head is complete: its request is being served.
     pub(super) fn complete(&self) {
-        self.0.send_if_modified(|start| start.take().is_some());
+        self.begun.store(0, Ordering::Release);
     }
 
-    /// Resolves once a head has taken longer than `timeout` to complete.
+    /// Resolves once a head has taken longer than `timeout` to complete;
+    /// looks once a `timeout` while none is being read.
     pub(super) async fn overdue(self, timeout: Duration) {
-        let mut start = self.0.subscribe();
         loop {
-            // The sender lives as long as `self`: waiting never fails.
-            let Ok(begun) = start.wait_for(Option::is_some).await.map(|s| *s) else {
-                return std::future::pending().await;
-            };
-            let Some(begun) = begun else { continue };
-            tokio::select! {
-                biased;
-                // Completed (or another begun) meanwhile: start over.
-                _ = start.changed() => {}
-                () = tokio::time::sleep_until(begun + timeout) => return,
+            let begun = self.begun.load(Ordering::Acquire);
+            if begun == 0 {
+                tokio::time::sleep(timeout).await;
+                continue;
             }
+            let due = self.clock.at(begun - 1) + timeout;
+            if Instant::now() >= due {
+                return;
+            }
+            tokio::time::sleep_until(due).await;
         }
     }
 }
@@ -141,7 +146,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_head_is_overdue_only_when_it_takes_longer_than_the_timeout_from_its_first_byte() {
-        let head = Head::started_now();
+        let head = Head::started_now(Streams::new());
         head.complete();
         let overdue = tokio::spawn(head.clone().overdue(Duration::from_secs(10)));
         // Idle between requests: no head clock at all.

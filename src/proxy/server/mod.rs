@@ -200,7 +200,7 @@ impl Protocols {
         };
         let requests = Streams::new();
         if !opened.http2 {
-            let head = Head::started_now();
+            let head = Head::started_now(requests.clone());
             let io = Watched::new(opened.io, head.clone(), requests.clone());
             let idle = Idle::after(requests.clone(), Some(self.keepalive), Duration::ZERO)
                 .with_head(head.clone(), self.opening_timeout);
