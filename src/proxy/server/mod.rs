@@ -15,6 +15,7 @@
 //! chunked framing and the connection is closed after the answer (RFC 9112
 //! §6.1).
 
+mod activity;
 mod connection;
 mod keepalive;
 mod opening;
@@ -35,8 +36,9 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tower::{Service, ServiceExt};
 
-use self::connection::{drive, Counted, Idle, Streams};
-use self::keepalive::{Head, Watched};
+use self::activity::{Head, Streams};
+use self::connection::{drive, Counted, Idle};
+use self::keepalive::Watched;
 use self::opening::sniff;
 
 use crate::config::{Limits, TrustedProxies};
