@@ -7,7 +7,8 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use idemgate::app::{self, Listeners};
-use idemgate::config::{Cli, Command, Settings, StoreSettings};
+use idemgate::config::{Cli, Command, JobsCommand, Settings, StoreSettings};
+use idemgate::operations::cli;
 use idemgate::store::postgres::Postgres;
 use idemgate::store::sqlite::Sqlite;
 use idemgate::store::StoreError;
@@ -66,6 +67,7 @@ fn runtime(worker_threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
 enum Job {
     Serve(Settings),
     Check(Settings),
+    Jobs(JobsCommand),
     VerifyProviders(Settings),
     Migrate(StoreSettings),
 }
@@ -76,6 +78,7 @@ impl Job {
         Ok(match cli.command {
             Command::Serve(flags) => Job::Serve(Settings::load(config, flags)?),
             Command::Check(flags) => Job::Check(Settings::load(config, flags)?),
+            Command::Jobs(command) => Job::Jobs(command),
             Command::VerifyProviders(flags) => Job::VerifyProviders(Settings::load(config, flags)?),
             Command::Migrate(flags) => Job::Migrate(Settings::load_store(config, flags)?),
         })
@@ -85,13 +88,23 @@ impl Job {
         match self {
             Job::Serve(settings) | Job::VerifyProviders(settings) => settings.worker_threads,
             // Migrations run one statement at a time; a check runs nothing.
-            Job::Migrate(_) | Job::Check(_) => 1,
+            Job::Migrate(_) | Job::Check(_) | Job::Jobs(_) => 1,
         }
     }
 
     async fn run(self) -> ExitCode {
         match self {
             Job::Serve(settings) => serve(settings).await,
+            Job::Jobs(command) => match cli::run(command).await {
+                Ok(out) => {
+                    print!("{out}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("idemgate: {e}");
+                    ExitCode::FAILURE
+                }
+            },
             Job::Check(settings) => match app::check(&settings) {
                 Ok(report) => {
                     print!("{report}");

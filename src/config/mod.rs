@@ -39,7 +39,7 @@ use http::{HeaderName, Method, StatusCode};
 use crate::domain::contract::Contract;
 
 pub use file::FileConfig;
-pub use flags::{Cli, Command, Flags};
+pub use flags::{Cli, Command, Flags, JobsAction, JobsCommand};
 pub use libpq::{PgTls, PgUrl, SslMode};
 pub use limits::{BudgetSource, Limits, MemoryBudget};
 pub use redis::{RedisSettings, Topology};

@@ -1,5 +1,7 @@
 //! What operators use: the admin API (jobs, resolution, health, readiness,
-//! metrics) and the console over it.
+//! metrics), the console over it, and `idemgate jobs`, its command-line
+//! client.
 
 pub mod admin;
+pub mod cli;
 pub mod console;

@@ -23,6 +23,7 @@ mod helm_chart;
 mod http2_listener;
 mod image;
 mod in_progress;
+mod jobs_cli;
 mod keys;
 mod outcomes_survive;
 mod owners;

@@ -1,0 +1,204 @@
+//! `idemgate jobs …`: the operator's client of a running gateway's admin
+//! API (`docs/design.md` §14), for a terminal or a script where the console
+//! is not at hand. It holds no state and reaches no store: every command is
+//! one request to `/admin/v1`, with the admin token from the flag, the
+//! environment or a file (a mounted Secret).
+
+use bytes::Bytes;
+use http::{Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use serde_json::{json, Value};
+
+use crate::config::{JobsAction, JobsCommand};
+
+/// Why a command failed, for the terminal.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// No token was given.
+    #[error(
+        "no admin token: pass --admin-token, set IDEMGATE_ADMIN_TOKEN, or --admin-token-file FILE"
+    )]
+    NoToken,
+    /// A file could not be read.
+    #[error("{0}: {1}")]
+    File(String, std::io::Error),
+    /// What was typed cannot be sent.
+    #[error("{0}")]
+    Usage(String),
+    /// The gateway could not be reached.
+    #[error("cannot reach the admin API at {0}: {1}")]
+    Unreachable(String, String),
+    /// The gateway answered with a problem.
+    #[error("{status}: {detail}")]
+    Refused {
+        /// Its status.
+        status: StatusCode,
+        /// The problem's detail (or the body).
+        detail: String,
+    },
+}
+
+/// Runs one `idemgate jobs` command; what it prints on success.
+pub async fn run(command: JobsCommand) -> Result<String, CliError> {
+    let admin = Admin::new(&command)?;
+    match command.action {
+        JobsAction::List {
+            state,
+            limit,
+            before,
+            json,
+        } => {
+            let mut path = format!("/admin/v1/jobs?state={state}&limit={limit}");
+            if let Some(before) = before {
+                path.push_str(&format!("&before={before}"));
+            }
+            let page = admin.call(Method::GET, &path, None).await?;
+            Ok(if json { pretty(&page) } else { table(&page) })
+        }
+        JobsAction::Show { job } => {
+            let job = admin
+                .call(Method::GET, &format!("/admin/v1/jobs/{job}"), None)
+                .await?;
+            Ok(pretty(&job))
+        }
+        JobsAction::Resolve {
+            attempt,
+            no_effect: _,
+            succeeded,
+            status,
+            headers,
+            body,
+        } => {
+            let resolution = if succeeded {
+                let status = status.ok_or(CliError::Usage("--succeeded needs --status".into()))?;
+                json!({"outcome": "succeeded", "response": answer(status, &headers, body)?})
+            } else {
+                json!({"outcome": "failed"})
+            };
+            let path = format!("/admin/v1/attempts/{attempt}/resolve");
+            let job = admin.call(Method::POST, &path, Some(resolution)).await?;
+            Ok(format!(
+                "job {} is now {}\n",
+                job["id"].as_str().unwrap_or_default(),
+                job["state"].as_str().unwrap_or_default()
+            ))
+        }
+    }
+}
+
+/// The answer a succeeded attempt gave, as the admin API takes it.
+fn answer(status: u16, headers: &[String], body: Option<String>) -> Result<Value, CliError> {
+    let headers = headers
+        .iter()
+        .map(|h| {
+            let (name, value) = h.split_once(':').ok_or_else(|| {
+                CliError::Usage(format!("--header {h:?}: write it as `name: value`"))
+            })?;
+            Ok(json!([name.trim(), value.trim()]))
+        })
+        .collect::<Result<Vec<Value>, CliError>>()?;
+    let body = match body {
+        Some(text) => match text.strip_prefix('@') {
+            Some(path) => {
+                std::fs::read_to_string(path).map_err(|e| CliError::File(path.into(), e))?
+            }
+            None => text,
+        },
+        None => String::new(),
+    };
+    Ok(json!({"status": status, "headers": headers, "body": body}))
+}
+
+/// A listing as a table, and how to get the next page.
+fn table(page: &Value) -> String {
+    let mut out = format!(
+        "{:<36}  {:<9}  {:<16}  {:>8}  {:<24}  KEY\n",
+        "JOB", "STATE", "ROUTE", "ATTEMPTS", "CREATED"
+    );
+    for job in page["jobs"].as_array().into_iter().flatten() {
+        out.push_str(&format!(
+            "{:<36}  {:<9}  {:<16}  {:>8}  {:<24}  {}\n",
+            job["id"].as_str().unwrap_or_default(),
+            job["state"].as_str().unwrap_or_default(),
+            job["route"].as_str().unwrap_or_default(),
+            job["attempt_count"],
+            job["created_at"].as_str().unwrap_or_default(),
+            job["key"].as_str().unwrap_or_default(),
+        ));
+    }
+    if let Some(next) = page["next"].as_str() {
+        out.push_str(&format!("more: --before {next}\n"));
+    }
+    out
+}
+
+fn pretty(value: &Value) -> String {
+    format!(
+        "{}\n",
+        serde_json::to_string_pretty(value).unwrap_or_default()
+    )
+}
+
+/// The admin API of one gateway.
+struct Admin {
+    base: String,
+    token: String,
+}
+
+impl Admin {
+    fn new(command: &JobsCommand) -> Result<Admin, CliError> {
+        let token = match (&command.admin_token, &command.admin_token_file) {
+            (Some(token), _) if !token.is_empty() => token.clone(),
+            (_, Some(file)) => std::fs::read_to_string(file)
+                .map_err(|e| CliError::File(file.display().to_string(), e))?
+                .trim()
+                .to_owned(),
+            _ => return Err(CliError::NoToken),
+        };
+        Ok(Admin {
+            base: command.admin_url.trim_end_matches('/').to_owned(),
+            token,
+        })
+    }
+
+    /// One request; the answer's JSON, or the problem it reported.
+    async fn call(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> Result<Value, CliError> {
+        let url = format!("{}{path}", self.base);
+        let request = Request::builder()
+            .method(method)
+            .uri(&url)
+            .header("authorization", format!("Bearer {}", self.token))
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(
+                body.map(|b| b.to_string()).unwrap_or_default(),
+            )))
+            .map_err(|e| CliError::Usage(format!("{url}: {e}")))?;
+        let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+        let unreachable =
+            |e: &dyn std::fmt::Display| CliError::Unreachable(self.base.clone(), e.to_string());
+        let response = client.request(request).await.map_err(|e| unreachable(&e))?;
+        let status = response.status();
+        let bytes = response
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| unreachable(&e))?
+            .to_bytes();
+        let value: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        if status.is_success() {
+            return Ok(value);
+        }
+        let detail = value["detail"]
+            .as_str()
+            .map(str::to_owned)
+            .unwrap_or_else(|| String::from_utf8_lossy(&bytes).into_owned());
+        Err(CliError::Refused { status, detail })
+    }
+}
