@@ -123,7 +123,12 @@ fn span(req: &Request<Incoming>) -> tracing::Span {
 
 /// Records how a request was answered on its span, and counts and times it.
 fn answered<B>(response: &Response<B>, latency: std::time::Duration, span: &tracing::Span) {
-    span.record("http.response.status_code", response.status().as_u16());
+    // As an i64: tracing-opentelemetry sends unsigned values as text, and
+    // the semantic conventions type the status code as an integer.
+    span.record(
+        "http.response.status_code",
+        i64::from(response.status().as_u16()),
+    );
     if let Some(job) = response.extensions().get::<JobId>() {
         span.record("job.id", tracing::field::display(job));
     }

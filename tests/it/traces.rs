@@ -74,6 +74,11 @@ async fn a_failed_over_request_is_one_trace_with_a_child_span_per_attempt() {
     assert_eq!(request.attr("http.request.method"), Some("POST"));
     assert_eq!(request.attr("url.path"), Some("/v1/charges"));
     assert_eq!(request.attr("http.response.status_code"), Some("200"));
+    assert_eq!(
+        request.attr_type("http.response.status_code"),
+        Some("int"),
+        "an integer, as the semantic conventions type it"
+    );
     assert_eq!(request.attr("job.id"), Some(job.as_str()));
 
     let mut attempts: Vec<&Span> = spans.iter().filter(|s| s.name == "attempt").collect();
@@ -98,6 +103,7 @@ async fn a_failed_over_request_is_one_trace_with_a_child_span_per_attempt() {
             attempt.attr("attempt.number"),
             Some((n + 1).to_string().as_str())
         );
+        assert_eq!(attempt.attr_type("attempt.number"), Some("int"));
         assert_eq!(attempt.attr("upstream"), Some(upstream));
         assert_eq!(attempt.attr("outcome"), Some(outcome));
         assert_eq!(attempt.attr("job.id"), Some(job.as_str()));

@@ -28,6 +28,8 @@ pub struct Span {
     /// `SPAN_KIND_SERVER` is 2, `SPAN_KIND_CLIENT` 3.
     pub kind: i32,
     pub attributes: HashMap<String, String>,
+    /// Each attribute's OTLP type: `string`, `int`, `bool`, `double`.
+    pub types: HashMap<String, &'static str>,
     /// The resource's `service.name`.
     pub service: String,
 }
@@ -35,6 +37,11 @@ pub struct Span {
 impl Span {
     pub fn attr(&self, key: &str) -> Option<&str> {
         self.attributes.get(key).map(String::as_str)
+    }
+
+    /// The OTLP type `key` was sent as.
+    pub fn attr_type(&self, key: &str) -> Option<&'static str> {
+        self.types.get(key).copied()
     }
 }
 
@@ -144,6 +151,16 @@ fn flatten(export: ExportTraceServiceRequest) -> Vec<Span> {
                     span_id: hex(&s.span_id),
                     parent_span_id: hex(&s.parent_span_id),
                     kind: s.kind,
+                    types: s
+                        .attributes
+                        .iter()
+                        .map(|kv| {
+                            (
+                                kv.key.clone(),
+                                kind(kv.value.as_ref().and_then(|v| v.value.as_ref())),
+                            )
+                        })
+                        .collect(),
                     attributes: s
                         .attributes
                         .into_iter()
@@ -155,6 +172,16 @@ fn flatten(export: ExportTraceServiceRequest) -> Vec<Span> {
         }
     }
     out
+}
+
+fn kind(value: Option<&AnyValue>) -> &'static str {
+    match value {
+        Some(AnyValue::StringValue(_)) => "string",
+        Some(AnyValue::IntValue(_)) => "int",
+        Some(AnyValue::BoolValue(_)) => "bool",
+        Some(AnyValue::DoubleValue(_)) => "double",
+        _ => "other",
+    }
 }
 
 fn text(value: &Option<AnyValue>) -> String {
