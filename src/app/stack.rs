@@ -13,7 +13,8 @@ use tower::{Service, ServiceBuilder};
 use tower_http::request_id::{PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::{DefaultOnFailure, TraceLayer};
 
-use crate::config::Settings;
+use crate::config::routes;
+use crate::config::{Route, Settings};
 use crate::domain::id::JobId;
 use crate::idempotency::{IdempotencyLayer, Shared};
 use crate::proxy::http::idle::IdleTimeout;
@@ -27,11 +28,16 @@ use crate::BoxError;
 /// A request's span at `$level` (a constant, as `tracing` needs it): its
 /// method, path and id, with its status and job recorded when it is answered.
 macro_rules! request_span {
-    ($level:expr, $req:expr) => {
+    ($level:expr, $req:expr, $name:expr, $route:expr) => {
         tracing::span!(
             $level,
             "request",
             otel.kind = "server",
+            // `{method} {route}`, or `{method}` on no route, as HTTP server
+            // spans are named (the exporter starts the span early: its name
+            // cannot wait for the idempotency layer's own match).
+            otel.name = %$name,
+            http.route = $route,
             http.request.method = %$req.method(),
             url.path = %$req.uri().path(),
             request_id = %$req
@@ -63,6 +69,8 @@ pub(super) fn proxy(
        + Sync
        + 'static {
     let body_read_timeout = settings.limits.body_read_timeout;
+    // Shared, not copied, by the per-request clones of the stack.
+    let routes: Arc<[Arc<Route>]> = settings.routes.iter().cloned().collect();
     ServiceBuilder::new()
         // Every request gets an id (kept if the client sent one)…
         .layer(SetRequestIdLayer::x_request_id(RequestIds))
@@ -70,7 +78,7 @@ pub(super) fn proxy(
         // exported over OTLP when configured, continuing the client's trace…
         .layer(
             TraceLayer::new_for_http()
-                .make_span_with(span)
+                .make_span_with(move |req: &Request<Incoming>| span(req, &routes))
                 .on_response(answered)
                 // A 5xx here is usually the upstream's, already explained by the
                 // attempt's own log line: a warning, not an error of the gateway.
@@ -110,12 +118,18 @@ fn enter(
 /// is context for the rare line it logs: made at `debug` unless spans are
 /// exported, it costs nothing at the default `info` (docs/performance.md,
 /// item 16).
-fn span(req: &Request<Incoming>) -> tracing::Span {
+fn span(req: &Request<Incoming>, routes: &[Arc<Route>]) -> tracing::Span {
     let span =
         if req.headers().contains_key(IDEMPOTENCY_KEY) || crate::telemetry::trace::exporting() {
-            request_span!(tracing::Level::INFO, req)
+            let route = routes::find(routes, req.method(), req.uri().path())
+                .map(|r| r.path_prefix.as_str());
+            let name = match route {
+                Some(route) => format!("{} {route}", req.method()),
+                None => req.method().to_string(),
+            };
+            request_span!(tracing::Level::INFO, req, name, route)
         } else {
-            request_span!(tracing::Level::DEBUG, req)
+            request_span!(tracing::Level::DEBUG, req, req.method(), None::<&str>)
         };
     crate::telemetry::trace::continue_from(&span, req.headers());
     span

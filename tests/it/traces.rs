@@ -60,10 +60,10 @@ async fn a_failed_over_request_is_one_trace_with_a_child_span_per_attempt() {
     let spans = receiver
         .wait_for("the request span and two attempt spans", |spans| {
             spans.iter().filter(|s| s.name == "attempt").count() >= 2
-                && spans.iter().any(|s| s.name == "request")
+                && spans.iter().any(|s| s.kind == 2)
         })
         .await;
-    let request: Vec<&Span> = spans.iter().filter(|s| s.name == "request").collect();
+    let request: Vec<&Span> = spans.iter().filter(|s| s.kind == 2).collect();
     assert_eq!(request.len(), 1, "{spans:#?}");
     let request = request[0];
     // The request continues the client's trace.
@@ -73,6 +73,10 @@ async fn a_failed_over_request_is_one_trace_with_a_child_span_per_attempt() {
     assert_eq!(request.service, "idemgate-under-test");
     assert_eq!(request.attr("http.request.method"), Some("POST"));
     assert_eq!(request.attr("url.path"), Some("/v1/charges"));
+    // Named as HTTP server spans are: the method and the route it matched
+    // (the default route opts in POST and PATCH on `/`).
+    assert_eq!(request.name, "POST /");
+    assert_eq!(request.attr("http.route"), Some("/"));
     assert_eq!(request.attr("http.response.status_code"), Some("200"));
     assert_eq!(
         request.attr_type("http.response.status_code"),
@@ -155,10 +159,12 @@ async fn a_request_without_a_traceparent_starts_its_own_trace_and_passes_request
     assert_eq!(reply.status, 200);
     let spans = receiver
         .wait_for("the pass-through request span", |s| {
-            s.iter().any(|s| s.name == "request")
+            s.iter().any(|s| s.kind == 2)
         })
         .await;
-    let request = spans.iter().find(|s| s.name == "request").unwrap();
+    let request = spans.iter().find(|s| s.kind == 2).unwrap();
+    assert_eq!(request.name, "GET", "no route: the method alone");
+    assert_eq!(request.attr("http.route"), None);
     assert!(
         request.parent_span_id.is_empty(),
         "a root span was expected"
@@ -230,9 +236,7 @@ async fn spans_buffered_at_shutdown_are_exported_before_the_process_exits() {
     // short, would have arrived first.
     let spans = receiver
         .wait_for("the control's request span", |spans| {
-            spans
-                .iter()
-                .any(|s| s.service == "control" && s.name == "request")
+            spans.iter().any(|s| s.service == "control" && s.kind == 2)
         })
         .await;
     let early: Vec<&Span> = spans.iter().filter(|s| s.service == "held").collect();
@@ -243,7 +247,7 @@ async fn spans_buffered_at_shutdown_are_exported_before_the_process_exits() {
         .into_iter()
         .filter(|s| s.service == "held")
         .collect();
-    assert!(spans.iter().any(|s| s.name == "request"), "{spans:#?}");
+    assert!(spans.iter().any(|s| s.kind == 2), "{spans:#?}");
     assert!(spans
         .iter()
         .any(|s| s.name == "attempt" && s.attr("outcome") == Some("succeeded")));
