@@ -87,6 +87,25 @@ pub fn backoff(n: u32) -> Duration {
         .min(MAX_BACKOFF)
 }
 
+/// How long until the next lookup of an unknown attempt that started at
+/// `started_at` and may be looked up for `deadline` (`attempt_deadline`),
+/// as of `now`: what a duplicate's `Retry-After` says. `None` once no
+/// lookup is left (an operator must settle it). The first lookup is made
+/// at once, so with none yet made the answer is now.
+pub fn next_lookup(
+    lookups: &Lookups,
+    started_at: SystemTime,
+    deadline: Duration,
+    now: SystemTime,
+) -> Option<Duration> {
+    let ends = started_at + deadline;
+    let next = match &lookups.last {
+        None => now,
+        Some(last) => last.at + backoff(lookups.count),
+    };
+    (next < ends && now < ends).then(|| next.duration_since(now).unwrap_or(Duration::ZERO))
+}
+
 /// The lookup path for `job`: the route's template with `{job}` replaced.
 pub fn lookup_path(template: &str, job: &str) -> String {
     template.replace(JOB_PLACEHOLDER, job)
@@ -118,6 +137,39 @@ pub struct Lookups {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_next_lookup_follows_the_backoff_until_the_deadline() {
+        let start = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000);
+        let deadline = Duration::from_secs(60);
+        let after = |s: u64| start + Duration::from_secs(s);
+        let made = |count: u32, at: u64| Lookups {
+            count,
+            last: Some(Lookup {
+                at: after(at),
+                status: Some(500),
+                result: LookupResult::StillUnknown,
+            }),
+        };
+        let none = Lookups::default();
+        assert_eq!(
+            next_lookup(&none, start, deadline, after(1)),
+            Some(Duration::ZERO)
+        );
+        // After the third lookup, at 10 s: the next waits 4 s.
+        assert_eq!(
+            next_lookup(&made(3, 10), start, deadline, after(11)),
+            Some(Duration::from_secs(3))
+        );
+        // Capped at 30 s between lookups.
+        assert_eq!(
+            next_lookup(&made(9, 20), start, deadline, after(20)),
+            Some(Duration::from_secs(30))
+        );
+        // None past the attempt's deadline, or when the next would be.
+        assert_eq!(next_lookup(&made(9, 40), start, deadline, after(41)), None);
+        assert_eq!(next_lookup(&none, start, deadline, after(61)), None);
+    }
 
     #[test]
     fn statuses_mean_what_the_design_says() {

@@ -23,7 +23,7 @@
 use std::collections::VecDeque;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use http::Response;
@@ -42,9 +42,10 @@ use super::replay::{self, Framing};
 use super::shared::Shared;
 use crate::config::routes::InProgress;
 use crate::config::UpstreamSettings;
-use crate::domain::attempt::Attempt;
+use crate::domain::attempt::{Attempt, AttemptState};
 use crate::domain::id::JobId;
 use crate::domain::job::{Job, JobState, NewJob};
+use crate::domain::reconcile;
 use crate::proxy::budget::until_sent;
 use crate::proxy::error::{ClientError, GatewayError};
 use crate::proxy::http::{Body, Outcome, IDEMPOTENCY_JOB};
@@ -162,7 +163,7 @@ impl Flow {
                 JobState::Completed => {
                     return self.shared.replays.from_store(&self.request, &job, write)
                 }
-                JobState::Unknown => return Err(self.outcome_unknown()),
+                JobState::Unknown => return Err(self.outcome_unknown(job.id).await),
                 JobState::Running => {
                     // The IETF draft's answer, on routes that ask for it:
                     // no hold, no joining a stream (design §11).
@@ -313,11 +314,30 @@ impl Flow {
         }
     }
 
-    fn outcome_unknown(&self) -> GatewayError {
-        ClientError::OutcomeUnknown {
-            retry_after: self.shared.config.retry_after,
-        }
-        .into()
+    /// `409` for a job whose outcome is unknown. On a route that looks
+    /// unknown attempts up, `Retry-After` is the time until the next lookup
+    /// (a retry sooner would only meet the same answer); otherwise, or once
+    /// no lookup is left, the fixed `retry_after` (docs/design.md §5).
+    async fn outcome_unknown(&self, job: JobId) -> GatewayError {
+        let fixed = self.shared.config.retry_after;
+        let retry_after = match &self.request.route.reconcile {
+            Some(_) => self.next_lookup(job).await.unwrap_or(fixed),
+            None => fixed,
+        };
+        ClientError::OutcomeUnknown { retry_after }.into()
+    }
+
+    /// The soonest next lookup among the job's unknown attempts (a store
+    /// that does not answer gives none: the fixed answer is still true).
+    async fn next_lookup(&self, job: JobId) -> Option<Duration> {
+        let detail = self.shared.store.job_detail(job).await.ok()??;
+        let (deadline, now) = (self.shared.config.attempt.deadline, SystemTime::now());
+        detail
+            .attempts
+            .iter()
+            .filter(|a| a.state == AttemptState::Unknown)
+            .filter_map(|a| reconcile::next_lookup(&a.lookups, a.started_at, deadline, now))
+            .min()
     }
 
     fn new_job(&self) -> NewJob {

@@ -366,7 +366,45 @@ async fn an_attempt_the_sweeper_makes_unknown_is_looked_up_too() {
     silent.open(1);
 }
 
+async fn a_duplicate_of_an_unknown_job_is_told_when_the_next_lookup_is(store: TestStore) {
+    let silent = Gate::new();
+    let upstream = upstream_with_lookups(&silent, |_| {
+        json_response(500, json!({"error": "try later"}))
+    })
+    .await;
+    let gateway = gateway(&store, &upstream).await;
+    let url = gateway.path("/v1/charges");
+    let first = post(&url, "charge-4", "{}").await;
+    assert_eq!(first.status, 504);
+    let job_id = first.job().unwrap();
+    // Three lookups made (at once, after 1 s, after 2 s more): the next
+    // comes 4 s after the third.
+    eventually(Duration::from_secs(15), "three lookups", || async {
+        first_attempt(&gateway.job(&job_id).await)["lookups"]["count"]
+            .as_u64()
+            .unwrap()
+            >= 3
+    })
+    .await;
+    let duplicate = post(&url, "charge-4", "{}").await;
+    assert_eq!(duplicate.status, 409);
+    assert_eq!(duplicate.problem(), "attempt-outcome-unknown");
+    let after: u64 = duplicate.header("retry-after").unwrap().parse().unwrap();
+    let count = first_attempt(&gateway.job(&job_id).await)["lookups"]["count"]
+        .as_u64()
+        .unwrap();
+    // The backoff after lookup n is 2^(n-1) s: at most that, and (checked
+    // soon after the lookup) more than the fixed 1 s it used to say.
+    let backoff = 1u64 << (count - 1).min(4);
+    assert!(
+        after > 1 && after <= backoff,
+        "Retry-After {after} with {count} lookups made (next in at most {backoff} s)"
+    );
+    silent.open(1);
+}
+
 crate::on_both_stores!(
+    a_duplicate_of_an_unknown_job_is_told_when_the_next_lookup_is,
     a_lookup_answering_200_commits_its_answer_for_every_retry,
     a_lookup_answering_404_reopens_the_job_for_attempt_two,
     a_lookup_answering_500_asks_again_until_it_answers_200,
