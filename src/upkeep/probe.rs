@@ -80,6 +80,9 @@ impl ProbeBoard {
                 .filter_map(|r| r.failure.clone().map(|f| (r.probe.clone(), f)))
                 .collect();
             let passed = failures.is_empty();
+            metrics::gauge!("idemgate_upstream_probes_passing",
+                "upstream" => pair.0.clone(), "contract" => pair.1.clone())
+            .set(f64::from(u8::from(passed)));
             let was = verdicts.get(&pair).map(|v| v.passed);
             if was != Some(passed) {
                 if passed {

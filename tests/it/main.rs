@@ -3,6 +3,7 @@
 
 mod support;
 
+mod alerts;
 mod budget;
 mod chat_example;
 mod check;
