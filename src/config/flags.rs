@@ -115,6 +115,32 @@ pub enum JobsAction {
         #[arg(long)]
         body: Option<String>,
     },
+    /// Say what every unknown attempt on one upstream, started within a
+    /// window, did (after an outage): it had no effect, or abandon them.
+    ResolveMany {
+        /// The upstream the attempts were sent to (its name).
+        #[arg(long)]
+        upstream: String,
+        /// Started at or after this instant (RFC 3339).
+        #[arg(long)]
+        since: String,
+        /// Started before this instant (RFC 3339); now by default.
+        #[arg(long)]
+        until: Option<String>,
+        /// They had no effect: their jobs reopen.
+        #[arg(
+            long,
+            conflicts_with = "cancelled",
+            required_unless_present = "cancelled"
+        )]
+        no_effect: bool,
+        /// Abandon them: their jobs reopen.
+        #[arg(long)]
+        cancelled: bool,
+        /// List what would be resolved; change nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
 }
 
 /// The flags of the README's "Configuration" table; each overrides the file

@@ -63,6 +63,21 @@ pub async fn run(command: JobsCommand) -> Result<String, CliError> {
                 .await?;
             Ok(pretty(&job))
         }
+        JobsAction::ResolveMany {
+            upstream,
+            since,
+            until,
+            no_effect: _,
+            cancelled,
+            dry_run,
+        } => {
+            let outcome = if cancelled { "cancelled" } else { "failed" };
+            let request = json!({"upstream": upstream, "since": since, "until": until, "outcome": outcome, "dry_run": dry_run});
+            let done = admin
+                .call(Method::POST, "/admin/v1/attempts/resolve", Some(request))
+                .await?;
+            Ok(bulk_report(&done))
+        }
         JobsAction::Resolve {
             attempt,
             no_effect: _,
@@ -109,6 +124,41 @@ fn answer(status: u16, headers: &[String], body: Option<String>) -> Result<Value
         None => String::new(),
     };
     Ok(json!({"status": status, "headers": headers, "body": body}))
+}
+
+/// What a bulk resolution matched, did and skipped.
+fn bulk_report(done: &Value) -> String {
+    let dry = done["dry_run"].as_bool().unwrap_or(false);
+    let mut out = String::new();
+    for m in done["matched"].as_array().into_iter().flatten() {
+        out.push_str(&format!(
+            "{}  attempt {}  job {}  started {}\n",
+            if dry { "would resolve" } else { "matched" },
+            m["attempt"].as_str().unwrap_or_default(),
+            m["job"].as_str().unwrap_or_default(),
+            m["started_at"].as_str().unwrap_or_default()
+        ));
+    }
+    for s in done["skipped"].as_array().into_iter().flatten() {
+        out.push_str(&format!(
+            "skipped  attempt {}: {}\n",
+            s["attempt"].as_str().unwrap_or_default(),
+            s["why"].as_str().unwrap_or_default()
+        ));
+    }
+    let count = |key: &str| done[key].as_array().map_or(0, Vec::len);
+    out.push_str(&format!(
+        "{} matched, {} resolved, {} skipped{}\n",
+        count("matched"),
+        count("resolved"),
+        count("skipped"),
+        if dry {
+            " (dry run: nothing changed)"
+        } else {
+            ""
+        }
+    ));
+    out
 }
 
 /// A listing as a table, and how to get the next page.

@@ -146,3 +146,81 @@ async fn without_the_right_token_nothing_is_done_and_the_terminal_says_why() {
         "clap refuses a resolution that says nothing"
     );
 }
+
+#[tokio::test]
+async fn after_an_outage_every_unknown_attempt_of_one_upstream_is_resolved_at_once() {
+    let store = TestStore::embedded();
+    let gate = Gate::new();
+    let upstream = FakeUpstream::gated_echo(&gate, |r| r.hit <= 3).await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("upstream_timeout", "\"300ms\"")
+        .set("attempt_deadline", "\"60s\"")
+        .start()
+        .await;
+    let url = gateway.path("/v1/charges");
+    let before = humantime::format_rfc3339(std::time::SystemTime::now()).to_string();
+    let mut ids = Vec::new();
+    for key in ["outage-1", "outage-2", "outage-3"] {
+        let reply = post(&url, key, "{}").await;
+        assert_eq!(reply.status, 504);
+        ids.push(reply.job().unwrap());
+    }
+    let token = Some(ADMIN_TOKEN);
+    let many = |extra: &[&str]| {
+        let mut args = vec!["resolve-many", "--upstream", "primary", "--since", &before];
+        args.extend_from_slice(extra);
+        args.into_iter().map(str::to_owned).collect::<Vec<_>>()
+    };
+    let run = |args: Vec<String>| {
+        let gateway = &gateway;
+        async move {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            stdout(&jobs(gateway, token, &args).await)
+        }
+    };
+
+    let dry = run(many(&["--no-effect", "--dry-run"])).await;
+    assert_eq!(
+        dry.lines()
+            .filter(|l| l.starts_with("would resolve"))
+            .count(),
+        3,
+        "{dry}"
+    );
+    assert!(
+        dry.contains("3 matched, 0 resolved, 0 skipped (dry run"),
+        "{dry}"
+    );
+    for id in &ids {
+        assert_eq!(
+            gateway.job(id).await["state"],
+            "unknown",
+            "a dry run changes nothing"
+        );
+    }
+    let elsewhere = run(vec![
+        "resolve-many".into(),
+        "--upstream".into(),
+        "another".into(),
+        "--since".into(),
+        before.clone(),
+        "--no-effect".into(),
+    ])
+    .await;
+    assert!(elsewhere.contains("0 matched"), "{elsewhere}");
+    let earlier = run(many(&["--until", &before, "--no-effect"])).await;
+    assert!(earlier.contains("0 matched"), "an empty window: {earlier}");
+
+    let done = run(many(&["--no-effect"])).await;
+    assert!(done.contains("3 matched, 3 resolved, 0 skipped"), "{done}");
+    for id in &ids {
+        assert_eq!(gateway.job(id).await["state"], "open");
+    }
+    assert_eq!(
+        post(&url, "outage-2", "{}").await.status,
+        200,
+        "the retry runs again"
+    );
+    assert_eq!(upstream.hits(), 4);
+    gate.open(3);
+}

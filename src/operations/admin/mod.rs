@@ -9,6 +9,7 @@
 //! | GET | `/admin/v1/jobs?owner=…&key=…` | the same, by owner (raw header value, `sha256:<hex>` or `anonymous`) and key |
 //! | GET | `/admin/v1/jobs?state=unknown&limit=…&before=…` | unknown jobs, newest first, paged (`next` is the following page's `before`) |
 //! | GET | `/admin/v1/upstreams` | upstreams and whether they pass their contracts' probes |
+//! | POST | `/admin/v1/attempts/resolve` | `{"upstream", "since", "until", "outcome": "failed" \| "cancelled", "dry_run"}`: every unknown attempt on one upstream started in the window |
 //! | POST | `/admin/v1/attempts/{id}/resolve` | `{"outcome": "failed" \| "cancelled"}` or `{"outcome": "succeeded", "response": {…}}` |
 //!
 //! Here: the router, path to handler. Beside it: `auth.rs` decides who may
@@ -35,6 +36,7 @@ use crate::upkeep::supervise::Supervisor;
 use crate::BoxError;
 
 mod auth;
+mod bulk;
 mod error;
 mod health;
 mod jobs;
@@ -113,6 +115,7 @@ impl Admin {
                 let upstreams = views::upstreams(&self.upstreams, &self.probes.snapshot());
                 Ok(views::json_response(StatusCode::OK, &upstreams))
             }
+            (&Method::POST, ["attempts", "resolve"]) => self.resolve_many(req.into_body()).await,
             (&Method::POST, ["attempts", id, "resolve"]) => self.resolve(id, req.into_body()).await,
             _ => Err(AdminError::NoSuchEndpoint),
         }

@@ -1,0 +1,159 @@
+//! `POST /admin/v1/attempts/resolve`: many unknown attempts settled at
+//! once, after an outage of one upstream, chosen by upstream and the time
+//! they started; `dry_run` lists them without touching them.
+//!
+//! Only "had no effect" (`failed`) and `cancelled` are offered: one answer
+//! cannot be every attempt's. Each attempt is resolved on its own through
+//! the same CAS as a single resolution, so one settled meanwhile (by its
+//! late answer, a lookup, another operator) is skipped and said so.
+
+use std::time::SystemTime;
+
+use bytes::Bytes;
+use http::{Response, StatusCode};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::error::AdminError;
+use super::views::json_response;
+use super::Admin;
+use crate::domain::attempt::{AttemptState, Resolution};
+use crate::proxy::http::{collect_limited, Body};
+use crate::store::Cursor;
+use crate::telemetry::Chain;
+use crate::BoxError;
+
+/// Most unknown jobs one bulk resolution reads.
+const MAX_JOBS: usize = 10_000;
+const PAGE: u32 = 500;
+
+/// The request, as posted.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Bulk {
+    /// The upstream the attempts were sent to.
+    upstream: String,
+    /// Started at or after (RFC 3339).
+    since: String,
+    /// Started before (RFC 3339); now when absent.
+    until: Option<String>,
+    /// `failed` (no effect) or `cancelled`.
+    outcome: String,
+    /// List what would be resolved, change nothing.
+    #[serde(default)]
+    dry_run: bool,
+}
+
+/// One unknown attempt the window holds.
+struct Matched {
+    job: String,
+    attempt: crate::domain::id::AttemptId,
+    started_at: SystemTime,
+}
+
+impl Admin {
+    /// Resolves (or with `dry_run` lists) every unknown attempt on one
+    /// upstream that started within the window.
+    pub(super) async fn resolve_many<B>(&self, body: B) -> Result<Response<Body>, AdminError>
+    where
+        B: http_body::Body<Data = Bytes> + Send,
+        B::Error: Into<BoxError>,
+    {
+        let body = collect_limited(body, 64 * 1024)
+            .await
+            .map_err(|e| AdminError::bad_request(e.to_string()))?;
+        let bulk: Bulk = serde_json::from_slice(&body).map_err(|e| {
+            AdminError::bad_request(format!(
+                "invalid bulk resolution ({e}); send {{\"upstream\": \"…\", \"since\": \"2026-12-01T10:00:00Z\", \
+                 \"until\": \"…\", \"outcome\": \"failed\", \"dry_run\": true}}"
+            ))
+        })?;
+        let resolution = match bulk.outcome.as_str() {
+            "failed" => Resolution::Failed,
+            "cancelled" => Resolution::Cancelled,
+            _ => {
+                return Err(AdminError::bad_request(
+                    "outcome must be failed or cancelled: one answer cannot be every attempt's",
+                ))
+            }
+        };
+        let since = time("since", &bulk.since)?;
+        let until = bulk
+            .until
+            .as_deref()
+            .map(|t| time("until", t))
+            .transpose()?
+            .unwrap_or_else(SystemTime::now);
+        let matched = self.unknown_in(&bulk.upstream, since, until).await?;
+        let (mut resolved, mut skipped) = (Vec::new(), Vec::new());
+        if !bulk.dry_run {
+            for m in &matched {
+                match self
+                    .store
+                    .resolve_attempt(m.attempt, resolution.clone())
+                    .await
+                {
+                    Ok(_) => {
+                        tracing::info!(attempt = %m.attempt, job = %m.job, upstream = %bulk.upstream, "attempt resolved by an operator (bulk)");
+                        resolved.push(m.attempt.to_string());
+                    }
+                    Err(e) => skipped.push(
+                        json!({"attempt": m.attempt.to_string(), "why": Chain(&e).to_string()}),
+                    ),
+                }
+            }
+        }
+        let listed: Vec<Value> = matched
+            .iter()
+            .map(|m| json!({"job": m.job, "attempt": m.attempt.to_string(), "started_at": humantime::format_rfc3339_millis(m.started_at).to_string()}))
+            .collect();
+        Ok(json_response(
+            StatusCode::OK,
+            &json!({"dry_run": bulk.dry_run, "matched": listed, "resolved": resolved, "skipped": skipped}),
+        ))
+    }
+
+    /// The unknown attempts on `upstream` that started in `[since, until)`.
+    async fn unknown_in(
+        &self,
+        upstream: &str,
+        since: SystemTime,
+        until: SystemTime,
+    ) -> Result<Vec<Matched>, AdminError> {
+        let (mut matched, mut read, mut after) = (Vec::new(), 0, None);
+        while read < MAX_JOBS {
+            let jobs = self.store.unknown_jobs(after, PAGE).await?;
+            read += jobs.len();
+            for job in &jobs {
+                let Some(detail) = self.store.job_detail(job.id).await? else {
+                    continue;
+                };
+                matched.extend(
+                    detail
+                        .attempts
+                        .iter()
+                        .filter(|a| a.state == AttemptState::Unknown && a.upstream == upstream)
+                        .filter(|a| a.started_at >= since && a.started_at < until)
+                        .map(|a| Matched {
+                            job: job.id.to_string(),
+                            attempt: a.id,
+                            started_at: a.started_at,
+                        }),
+                );
+            }
+            match jobs.last() {
+                Some(last) if jobs.len() == PAGE as usize => after = Some(Cursor::after(last)),
+                _ => break,
+            }
+        }
+        Ok(matched)
+    }
+}
+
+fn time(key: &str, text: &str) -> Result<SystemTime, AdminError> {
+    humantime::parse_rfc3339_weak(text).map_err(|e| {
+        AdminError::bad_request(format!(
+            "{key}: {e}; write it as RFC 3339, 2026-12-01T10:00:00Z"
+        ))
+    })
+}
