@@ -76,14 +76,8 @@ fn beside_store(path: &Path, what: &str) -> Result<Vec<u8>, String> {
     use base64::Engine;
     let engine = base64::engine::general_purpose::STANDARD;
     let unusable = |why: String| format!("{}: {why}", path.display());
-    match std::fs::read_to_string(path) {
-        Ok(text) => {
-            return engine
-                .decode(text.trim())
-                .map_err(|e| unusable(e.to_string()))
-        }
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(unusable(e.to_string())),
-        Err(_) => {}
+    if let Some(kept) = read_kept(path)? {
+        return Ok(kept);
     }
     let mut bytes = [0u8; 32];
     aes_gcm::aead::rand_core::RngCore::fill_bytes(&mut aes_gcm::aead::OsRng, &mut bytes);
@@ -130,15 +124,23 @@ pub(super) fn describe(settings: &crate::config::Settings) -> Result<Vec<String>
 
 /// A secret file beside the embedded store: whether it is there and reads.
 fn kept_in(path: &Path) -> Result<String, String> {
+    Ok(match read_kept(path)? {
+        Some(_) => format!("kept in {}", path.display()),
+        None => format!("made in {} on first start", path.display()),
+    })
+}
+
+/// The secret kept (base64) in `path`; `None` when there is no such file.
+/// The error says which file and why.
+fn read_kept(path: &Path) -> Result<Option<Vec<u8>>, String> {
     use base64::Engine;
+    let unusable = |why: String| format!("{}: {why}", path.display());
     match std::fs::read_to_string(path) {
         Ok(text) => base64::engine::general_purpose::STANDARD
             .decode(text.trim())
-            .map(|_| format!("kept in {}", path.display()))
-            .map_err(|e| format!("{}: {e}", path.display())),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            Ok(format!("made in {} on first start", path.display()))
-        }
-        Err(e) => Err(format!("{}: {e}", path.display())),
+            .map(Some)
+            .map_err(|e| unusable(e.to_string())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(unusable(e.to_string())),
     }
 }

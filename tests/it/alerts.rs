@@ -9,21 +9,7 @@ use std::collections::BTreeSet;
 use idemgate::telemetry::catalogue::SERIES;
 
 use crate::support::chart::{chart, render, repo};
-
-/// Every `idemgate_…` name in a PromQL expression.
-fn names(expr: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut rest = expr;
-    while let Some(at) = rest.find("idemgate_") {
-        let tail = &rest[at..];
-        let end = tail
-            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
-            .unwrap_or(tail.len());
-        out.push(tail[..end].to_owned());
-        rest = &tail[end..];
-    }
-    out
-}
+use crate::support::promql::names;
 
 #[test]
 fn every_alert_queries_exported_series_and_links_its_runbook_section() {

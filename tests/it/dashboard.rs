@@ -7,27 +7,13 @@ use std::collections::BTreeSet;
 use http::Method;
 use serde_json::Value;
 
+use crate::support::promql::names;
 use crate::support::{eventually, post, send, FakeUpstream, Gateway, TestStore, ThrowawayRedis};
 
 fn dashboard() -> Value {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("helm/idemgate/dashboards/idemgate.json");
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).expect("the dashboard is JSON")
-}
-
-/// Every `idemgate_…` name in a PromQL expression.
-fn names(expr: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut rest = expr;
-    while let Some(at) = rest.find("idemgate_") {
-        let tail = &rest[at..];
-        let end = tail
-            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
-            .unwrap_or(tail.len());
-        out.push(tail[..end].to_owned());
-        rest = &tail[end..];
-    }
-    out
 }
 
 /// The sample names in a Prometheus exposition.

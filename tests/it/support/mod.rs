@@ -15,6 +15,7 @@ pub mod otlp;
 pub mod pki;
 pub mod postgres;
 pub mod process;
+pub mod promql;
 pub mod python;
 pub mod redis;
 pub mod redis_cluster;
