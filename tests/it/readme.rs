@@ -178,4 +178,27 @@ async fn the_configuration_check_runs_as_written_on_the_example_config() {
         "{stdout}"
     );
     assert!(stdout.ends_with("configuration ok\n"), "{stdout}");
+
+    // What the check accepted, the gateway serves: the example file started
+    // as it is, only its ports and store file moved out of the way.
+    let dir = tempfile::tempdir().unwrap();
+    let mut gateway = Command::new(&bin)
+        .args(["--config", "config/idemgate.example.toml", "serve"])
+        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .arg("--embedded-path")
+        .arg(dir.path().join("example.db"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env_remove("IDEMGATE_CONFIG")
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(gateway.stdout.take().unwrap()).lines();
+    let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+        .await
+        .expect("the example config's gateway did not start within 30 s")
+        .unwrap()
+        .expect("the example config's gateway exited before listening");
+    assert!(line.starts_with("idemgate listening on"), "{line}");
+    let _ = gateway.start_kill();
 }
