@@ -199,7 +199,10 @@ pub(super) struct RouteFile {
     pub(super) owner: Option<OwnerFile>,
     pub(super) require_client: Option<bool>,
     pub(super) in_progress: Option<String>,
-    pub(super) reconcile: Option<ReconcileFile>,
+    /// `reconcile = "resend"`, or a `[routes.reconcile]` table: read as a
+    /// value so that each spelling gets its own error.
+    pub(super) reconcile: Option<toml::Value>,
+    pub(super) on_unknown: Option<String>,
 }
 
 /// `[routes.reconcile]`: where the route's upstream answers what became of

@@ -67,25 +67,58 @@ pub struct Route {
     /// (`[routes.reconcile]`); `None`: it waits for its late answer or an
     /// operator.
     pub reconcile: Option<Reconcile>,
+    /// What a retry of a job whose outcome is unknown meets.
+    pub on_unknown: OnUnknown,
 }
 
-/// `[routes.reconcile]`: the upstream answers what became of a job at a
-/// path of its own (`docs/design.md` §5, "Unknown attempts are looked up").
+/// How an attempt of unknown outcome is settled by its upstream
+/// (`docs/design.md` §5, "Unknown attempts are looked up").
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Reconcile {
-    /// The lookup path, `{job}` standing for the job id the gateway
-    /// forwarded as the idempotency key; asked with `GET` on the attempt's
-    /// upstream.
-    pub path: String,
+pub enum Reconcile {
+    /// `[routes.reconcile] path = …`: the upstream answers what became of a
+    /// job at a path of its own, asked with `GET` on the attempt's upstream.
+    Lookup {
+        /// The lookup path, `{job}` standing for the job id the gateway
+        /// forwarded as the idempotency key.
+        path: String,
+    },
+    /// `reconcile = "resend"`: the upstream honours the forwarded
+    /// idempotency key itself (the operator's promise, for at least
+    /// `attempt_deadline`), so the attempt's request is sent again, byte for
+    /// byte, and its answer settles the attempt.
+    Resend,
 }
 
 impl Reconcile {
-    /// The `GET` path that looks up `job`.
-    pub fn path_for(&self, job: &str) -> String {
-        crate::domain::reconcile::lookup_path(&self.path, job)
+    /// The `GET` path that looks up `job`, on a route that looks up.
+    pub fn lookup_path(&self, job: &str) -> Option<String> {
+        match self {
+            Reconcile::Lookup { path } => Some(crate::domain::reconcile::lookup_path(path, job)),
+            Reconcile::Resend => None,
+        }
     }
 
-    fn parse(key: &str, file: ReconcileFile) -> Result<Reconcile, ConfigError> {
+    /// The route's `reconcile`: `"resend"`, or a table with the lookup path.
+    fn parse(key: &str, value: toml::Value) -> Result<Reconcile, ConfigError> {
+        let either = "write `reconcile = \"resend\"` (the upstream honours the idempotency \
+                      key) or a `[routes.reconcile]` table with `path = \"/…/{job}\"` (it \
+                      answers lookups)";
+        match value {
+            toml::Value::String(s) if s == "resend" => Ok(Reconcile::Resend),
+            toml::Value::Table(table) => {
+                let file: ReconcileFile = toml::Value::Table(table)
+                    .try_into()
+                    .map_err(|e| bad(key, format!("{}; {either}", e.message())))?;
+                Reconcile::lookup(&format!("{key}.path"), file)
+            }
+            other => Err(bad(
+                key,
+                format!("{other} is not a way to reconcile; {either}"),
+            )),
+        }
+    }
+
+    fn lookup(key: &str, file: ReconcileFile) -> Result<Reconcile, ConfigError> {
         let placeholder = crate::domain::reconcile::JOB_PLACEHOLDER;
         let example = "path = \"/v1/charges/lookup/{job}\"";
         let Some(path) = file.path else {
@@ -117,7 +150,46 @@ impl Reconcile {
                 format!("{path:?} is not a valid request path; percent-encode what it holds beside {placeholder}"),
             ));
         }
-        Ok(Reconcile { path })
+        Ok(Reconcile::Lookup { path })
+    }
+}
+
+/// What a retry of a job whose outcome is unknown meets (`on_unknown`,
+/// `docs/design.md` §5, "Side-effect-free routes may move on").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnUnknown {
+    /// `409` until evidence settles the unknown attempt (the default).
+    Block,
+    /// A new attempt at once, beside the unknown one; the first answer wins.
+    /// Only on a `side_effect_free` route: the cost is a second call,
+    /// never a second effect.
+    NewAttempt,
+}
+
+impl OnUnknown {
+    fn parse(
+        key: &str,
+        value: Option<&str>,
+        side_effect_free: bool,
+    ) -> Result<OnUnknown, ConfigError> {
+        match value {
+            None | Some("block") => Ok(OnUnknown::Block),
+            Some("new_attempt") if side_effect_free => Ok(OnUnknown::NewAttempt),
+            Some("new_attempt") => Err(bad(
+                key,
+                "\"new_attempt\" calls the upstream again while the first call may have taken \
+                 effect; allow it only on a route declared `side_effect_free = true`, or \
+                 remove it to keep retries blocked until the outcome is known",
+            )),
+            Some(other) => Err(bad(
+                key,
+                format!(
+                    "{other:?} is neither \"block\" (a retry is answered 409 until the \
+                     outcome is known) nor \"new_attempt\" (a retry starts a new attempt; \
+                     side-effect-free routes only)"
+                ),
+            )),
+        }
     }
 }
 
@@ -188,6 +260,7 @@ impl Route {
             require_client: false,
             in_progress: InProgress::Hold,
             reconcile: None,
+            on_unknown: OnUnknown::Block,
         })
     }
 
@@ -348,8 +421,13 @@ fn parse(i: usize, r: RouteFile, cx: &Context<'_>) -> Result<Route, ConfigError>
         in_progress: InProgress::parse(&key("in_progress"), r.in_progress.as_deref())?,
         reconcile: r
             .reconcile
-            .map(|f| Reconcile::parse(&key("reconcile.path"), f))
+            .map(|v| Reconcile::parse(&key("reconcile"), v))
             .transpose()?,
+        on_unknown: OnUnknown::parse(
+            &key("on_unknown"),
+            r.on_unknown.as_deref(),
+            side_effect_free,
+        )?,
     })
 }
 

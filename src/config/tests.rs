@@ -301,13 +301,71 @@ fn a_reconcile_path_must_start_with_a_slash_and_hold_the_job() {
         .find(|r| r.path_prefix == "/v1/charges")
         .unwrap();
     let reconcile = charges.reconcile.as_ref().unwrap();
-    assert_eq!(reconcile.path_for("j-1"), "/v1/charges/lookup/j-1");
+    assert_eq!(
+        reconcile.lookup_path("j-1").as_deref(),
+        Some("/v1/charges/lookup/j-1")
+    );
     let refunds = s
         .routes
         .iter()
         .find(|r| r.path_prefix == "/v1/refunds")
         .unwrap();
     assert!(refunds.reconcile.is_none(), "no lookups unless asked for");
+}
+
+/// `reconcile = "resend"` is the other spelling (`docs/design.md` §5);
+/// anything else is named with both ways.
+#[test]
+fn reconcile_is_resend_or_a_lookup_table() {
+    let route = |line: &str| format!("[[routes]]\npath_prefix = \"/v1/charges\"\n{line}\n");
+    let s = Settings::from_sources(
+        Settings::parse_file(&route("reconcile = \"resend\"")).unwrap(),
+        flags_with_upstream(),
+    )
+    .unwrap();
+    assert_eq!(s.routes[0].reconcile, Some(Reconcile::Resend));
+    for (line, says) in [
+        ("reconcile = \"lookup\"", "reconcile = \"resend\""),
+        ("reconcile = true", "[routes.reconcile]"),
+        ("[routes.reconcile]\npathh = \"/x/{job}\"", "unknown field"),
+    ] {
+        let file = Settings::parse_file(&route(line)).unwrap();
+        let e = Settings::from_sources(file, flags_with_upstream()).unwrap_err();
+        assert_eq!(e.key, "routes[0].reconcile", "{line}");
+        assert!(e.to_string().contains(says), "{line}: {e}");
+    }
+}
+
+/// `on_unknown = "new_attempt"` (`docs/design.md` §5) only where a second
+/// call can have no second effect.
+#[test]
+fn moving_on_from_an_unknown_outcome_needs_a_side_effect_free_route() {
+    let route = |lines: &str| format!("[[routes]]\npath_prefix = \"/v1/chat\"\n{lines}\n");
+    let parse = |lines: &str| {
+        Settings::from_sources(
+            Settings::parse_file(&route(lines)).unwrap(),
+            flags_with_upstream(),
+        )
+    };
+    let s = parse("").unwrap();
+    assert_eq!(
+        s.routes[0].on_unknown,
+        OnUnknown::Block,
+        "blocking by default"
+    );
+    let s = parse("side_effect_free = true\non_unknown = \"new_attempt\"").unwrap();
+    assert_eq!(s.routes[0].on_unknown, OnUnknown::NewAttempt);
+    for (lines, says) in [
+        ("on_unknown = \"new_attempt\"", "side_effect_free = true"),
+        (
+            "side_effect_free = true\non_unknown = \"retry\"",
+            "neither \"block\"",
+        ),
+    ] {
+        let e = parse(lines).unwrap_err();
+        assert_eq!(e.key, "routes[0].on_unknown", "{lines}");
+        assert!(e.to_string().contains(says), "{lines}: {e}");
+    }
 }
 
 #[test]

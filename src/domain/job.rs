@@ -80,20 +80,22 @@ impl JobState {
 
     /// The state of a job that has no committed result, from its attempts.
     ///
-    /// One rule, shared by every store, so that a hedged attempt failing next
-    /// to an unknown one can never reopen the job: unknown dominates, then
-    /// in-flight, and only a job whose every attempt provably failed is open.
+    /// One rule, shared by every store: an attempt in flight makes the job
+    /// `running` (a duplicate waits for it, `docs/design.md` §3); with none
+    /// in flight, an unknown attempt makes it `unknown`, so a hedged attempt
+    /// failing next to an unknown one can never reopen the job; only a job
+    /// whose every attempt provably failed is `open`.
     pub fn derive<I: IntoIterator<Item = AttemptState>>(attempts: I) -> JobState {
-        let mut running = false;
+        let mut unknown = false;
         for state in attempts {
             match state {
-                AttemptState::Unknown => return JobState::Unknown,
-                AttemptState::Started => running = true,
+                AttemptState::Started => return JobState::Running,
+                AttemptState::Unknown => unknown = true,
                 _ => {}
             }
         }
-        if running {
-            JobState::Running
+        if unknown {
+            JobState::Unknown
         } else {
             JobState::Open
         }
@@ -189,11 +191,12 @@ mod tests {
     use AttemptState::*;
 
     #[test]
-    fn derive_prefers_unknown_then_running_then_open() {
+    fn derive_prefers_running_then_unknown_then_open() {
         assert_eq!(
             JobState::derive([Failed, Unknown, Started]),
-            JobState::Unknown
+            JobState::Running
         );
+        assert_eq!(JobState::derive([Unknown, Failed]), JobState::Unknown);
         assert_eq!(JobState::derive([Failed, Started]), JobState::Running);
         assert_eq!(
             JobState::derive([Failed, Cancelled, Rejected]),

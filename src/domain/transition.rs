@@ -293,6 +293,23 @@ pub fn hedge(snapshot: &Snapshot, version: i64, attempt: NewAttempt) -> Result<C
     change.rederive(snapshot)
 }
 
+/// A new attempt of a job whose outcome is unknown and which has no attempt
+/// in flight, at the same version, so the unknown attempt's late answer may
+/// still commit and the first wins: how a route with `on_unknown =
+/// "new_attempt"` moves on (side-effect-free routes only, `docs/design.md`
+/// §5). The job becomes `running`, so of two simultaneous duplicates exactly
+/// one moves on; the other finds it running and waits.
+pub fn move_on(snapshot: &Snapshot, version: i64, attempt: NewAttempt) -> Result<Change, Refusal> {
+    snapshot.at_version(version)?;
+    if snapshot.job.state != JobState::Unknown {
+        return Err(snapshot.job_is("move on from an unknown attempt"));
+    }
+    let mut change = Change::of(snapshot);
+    change.job.attempt_count += 1;
+    change.started = Some(snapshot.start(attempt, version));
+    change.rederive(snapshot)
+}
+
 /// Whether `attempt` may commit: it is still unsettled, the job is still at
 /// the version it started under, and nothing else committed. This is the
 /// compare-and-swap every store's commit implements.
@@ -416,7 +433,7 @@ pub fn reconcile(
         snapshot,
         attempt,
         resolution,
-        "reconciled: the upstream's lookup answered for it",
+        "reconciled: the upstream answered for it (a lookup, or a resend it deduplicated)",
     )
 }
 

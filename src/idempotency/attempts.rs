@@ -53,6 +53,8 @@ impl Attempts {
                         metrics::counter!("idemgate_hedges_total").increment(1);
                         tracing::info!(job = %attempt.job_id, attempt = %attempt.id, number = attempt.number, upstream = %attempt.upstream, "hedging: another attempt races the first");
                     }
+                    // A retry's, in flow.rs, never a request's own dispatch.
+                    Joining::MoveOn => {}
                 }
                 self.watch(running);
                 attempt

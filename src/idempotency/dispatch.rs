@@ -45,6 +45,9 @@ pub(super) enum Joining {
     Claim,
     /// Beside a running or unknown attempt (keeps the version).
     Hedge,
+    /// Beside an unknown attempt, none running, on a retry (keeps the
+    /// version; a route with `on_unknown = "new_attempt"`).
+    MoveOn,
 }
 
 /// What happened.

@@ -40,7 +40,7 @@ use super::keyed::Keyed;
 use super::replay::tiers::Write;
 use super::replay::{self, Framing};
 use super::shared::Shared;
-use crate::config::routes::InProgress;
+use crate::config::routes::{InProgress, OnUnknown};
 use crate::config::UpstreamSettings;
 use crate::domain::attempt::{Attempt, AttemptState};
 use crate::domain::id::JobId;
@@ -163,6 +163,20 @@ impl Flow {
                 JobState::Completed => {
                     return self.shared.replays.from_store(&self.request, &job, write)
                 }
+                JobState::Unknown if self.request.route.on_unknown == OnUnknown::NewAttempt => {
+                    // Side-effect-free: a second call, never a second effect
+                    // (docs/design.md §5). Of simultaneous retries one moves
+                    // on; the others find the job running and are held.
+                    let primary = self.request.route.primary.clone();
+                    let next = self.claim(job.id, job.version, &primary, Joining::MoveOn);
+                    match joined(next).await? {
+                        Some(first) => {
+                            tracing::info!(job = %job.id, attempt = %first.attempt.id, number = first.attempt.number, "a retry moves on from an unknown attempt (on_unknown = \"new_attempt\")");
+                            return Box::pin(self.drive(first, job.expires_at)).await;
+                        }
+                        None => job = self.shared.holds.reread(job.id).await?,
+                    }
+                }
                 JobState::Unknown => return Err(self.outcome_unknown(job.id).await),
                 JobState::Running => {
                     // The IETF draft's answer, on routes that ask for it:
@@ -221,7 +235,7 @@ impl Flow {
         })
     }
 
-    /// Claims (or hedges) the job's next attempt on `target` and starts it,
+    /// Claims (hedges, or moves on to) the job's next attempt on `target` and starts it,
     /// in a task of its own (see the module docs); `None` when the job moved on.
     fn claim(
         self: &Arc<Self>,
@@ -237,6 +251,7 @@ impl Flow {
             let claimed = match how {
                 Joining::Claim => store.claim_attempt(job, version, next).await?,
                 Joining::Hedge => store.hedge_attempt(job, version, next).await?,
+                Joining::MoveOn => store.move_on_attempt(job, version, next).await?,
             };
             Ok(claimed.map(|attempt| flow.start(&target, attempt)))
         })

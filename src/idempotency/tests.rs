@@ -133,6 +133,14 @@ impl Store for Faulty {
         }
         self.inner.hedge_attempt(job, version, attempt).await
     }
+    async fn move_on_attempt(
+        &self,
+        job: JobId,
+        version: i64,
+        attempt: NewAttempt,
+    ) -> Result<Option<Attempt>, StoreError> {
+        self.inner.move_on_attempt(job, version, attempt).await
+    }
     async fn commit(
         &self,
         attempt: &Attempt,

@@ -226,6 +226,19 @@ impl<B: Backend> Store for Machine<B> {
         .await
     }
 
+    async fn move_on_attempt(
+        &self,
+        job: JobId,
+        version: i64,
+        attempt: NewAttempt,
+    ) -> Result<Option<Attempt>, StoreError> {
+        self.start(
+            job,
+            Box::new(move |s, _| transition::move_on(s, version, attempt)),
+        )
+        .await
+    }
+
     async fn hedge_attempt(
         &self,
         job: JobId,

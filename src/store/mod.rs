@@ -222,6 +222,18 @@ pub trait Store: Records {
         attempt: NewAttempt,
     ) -> Result<Option<Attempt>, StoreError>;
 
+    /// Adds an attempt to an `unknown` job with none in flight, without
+    /// moving the version (a route with `on_unknown = "new_attempt"`): the
+    /// job becomes `running`, so of two simultaneous callers one gets
+    /// `Some`. `None` when the job moved on from `version` or is not
+    /// `unknown` (an attempt runs, it settled, it completed).
+    async fn move_on_attempt(
+        &self,
+        job: JobId,
+        version: i64,
+        attempt: NewAttempt,
+    ) -> Result<Option<Attempt>, StoreError>;
+
     /// Commits the attempt's response as the job's result: one CAS on the
     /// version the attempt started under, with `completed_by IS NULL`.
     async fn commit(

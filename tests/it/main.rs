@@ -26,6 +26,7 @@ mod image;
 mod in_progress;
 mod jobs_cli;
 mod keys;
+mod move_on;
 mod outcomes_survive;
 mod owners;
 mod paths;

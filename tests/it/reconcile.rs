@@ -403,7 +403,111 @@ async fn a_duplicate_of_an_unknown_job_is_told_when_the_next_lookup_is(store: Te
     silent.open(1);
 }
 
+/// An upstream that deduplicates by the forwarded key, as payment APIs
+/// do: the first POST of a key acts (counted in `effects`) and stores its
+/// answer, then is silent until `silent` opens; a POST of a stored key
+/// answers the stored answer without acting, except that the first such
+/// resend is answered `503` (the upstream busy: that proves nothing).
+async fn deduplicating_upstream(silent: &Gate) -> (FakeUpstream, Arc<AtomicUsize>) {
+    let effects = Arc::new(AtomicUsize::new(0));
+    let stored = Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
+    let busy_once = Arc::new(AtomicBool::new(true));
+    let (silent, counted) = (silent.clone(), effects.clone());
+    let upstream = FakeUpstream::start(move |r| {
+        let (silent, effects, stored) = (silent.clone(), counted.clone(), stored.clone());
+        let busy_once = busy_once.clone();
+        async move {
+            let key = r.header("idempotency-key").unwrap_or_default().to_owned();
+            let known = stored.lock().unwrap().get(&key).cloned();
+            if let Some(answer) = known {
+                if busy_once.swap(false, Ordering::SeqCst) {
+                    return json_response(503, json!({"error": "busy"}));
+                }
+                return json_response(201, answer);
+            }
+            let n = effects.fetch_add(1, Ordering::SeqCst) + 1;
+            let answer =
+                json!({"charge": format!("ch_{n}"), "body": String::from_utf8_lossy(&r.body)});
+            stored.lock().unwrap().insert(key, answer.clone());
+            silent.pass().await;
+            json_response(201, answer)
+        }
+    })
+    .await;
+    (upstream, effects)
+}
+
+async fn a_resend_to_an_upstream_that_deduplicates_settles_the_attempt(store: TestStore) {
+    let silent = Gate::new();
+    let (upstream, effects) = deduplicating_upstream(&silent).await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("upstream_timeout", "\"300ms\"")
+        .set("attempt_deadline", "\"30s\"")
+        .tables(
+            "[[routes]]\nname = \"charges\"\npath_prefix = \"/v1/charges\"\nreconcile = \"resend\"\n",
+        )
+        .start()
+        .await;
+    let url = gateway.path("/v1/charges");
+    let body = r#"{"amount": 7}"#;
+    let first = post(&url, "charge-7", body).await;
+    assert_eq!(first.status, 504);
+    let job_id = first.job().unwrap();
+
+    // Resent at once (answered 503: still unknown), then after a second
+    // (the stored answer): settled with it.
+    eventually(
+        Duration::from_secs(10),
+        "the resend's answer to be committed",
+        || async { gateway.job(&job_id).await["state"] == "completed" },
+    )
+    .await;
+    let job = gateway.job(&job_id).await;
+    assert_eq!(first_attempt(&job)["state"], "succeeded");
+    assert_eq!(first_attempt(&job)["lookups"]["count"], 2);
+    assert_eq!(first_attempt(&job)["lookups"]["last"]["status"], 201);
+    let recorded = upstream.recorded();
+    assert_eq!(recorded.len(), 3, "the attempt and two resends");
+    for resend in &recorded[1..] {
+        assert_eq!(resend.method, "POST");
+        assert_eq!(resend.path, recorded[0].path);
+        assert_eq!(resend.body, recorded[0].body, "byte for byte");
+        assert_eq!(resend.header("idempotency-key"), Some(job_id.as_str()));
+        assert_eq!(resend.header("idempotency-attempt"), Some("1"));
+    }
+
+    let retry = post(&url, "charge-7", body).await;
+    assert_eq!(retry.status, 201);
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(retry.json()["charge"], "ch_1");
+    assert_eq!(effects.load(Ordering::SeqCst), 1, "one charge");
+    let counted = |result: &'static str| {
+        let gateway = &gateway;
+        async move {
+            let reply = send(
+                Method::GET,
+                &format!("{}/metrics", gateway.admin_url),
+                &[],
+                "",
+            )
+            .await;
+            let text = String::from_utf8_lossy(&reply.body).into_owned();
+            text.lines()
+                .filter(|l| l.starts_with("idemgate_reconcile_lookups_total{"))
+                .filter(|l| {
+                    l.contains("by=\"resend\"") && l.contains(&format!("result=\"{result}\""))
+                })
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum::<f64>()
+        }
+    };
+    assert_eq!(counted("still_unknown").await, 1.0);
+    assert_eq!(counted("settled_succeeded").await, 1.0);
+    silent.open(1);
+}
+
 crate::on_both_stores!(
+    a_resend_to_an_upstream_that_deduplicates_settles_the_attempt,
     a_duplicate_of_an_unknown_job_is_told_when_the_next_lookup_is,
     a_lookup_answering_200_commits_its_answer_for_every_retry,
     a_lookup_answering_404_reopens_the_job_for_attempt_two,

@@ -173,7 +173,8 @@ fn hedge_joins_a_running_or_unknown_job_without_moving_the_version() {
                 let change = result.unwrap();
                 assert_sound(&s, &change);
                 assert_eq!(change.job.version, s.job.version);
-                assert_eq!(change.job.state, s.job.state);
+                // An attempt in flight makes the job running.
+                assert_eq!(change.job.state, JobState::Running);
                 assert_eq!(change.started.unwrap().job_version, s.job.version);
             }
             JobState::Open | JobState::Completed => {
@@ -185,6 +186,43 @@ fn hedge_joins_a_running_or_unknown_job_without_moving_the_version() {
             Err(Refusal::Stale { .. })
         ));
     }
+}
+
+#[test]
+fn move_on_starts_one_attempt_beside_an_unknown_one_and_only_then() {
+    for s in every_snapshot() {
+        let result = move_on(&s, s.job.version, new_attempt());
+        if s.job.state == JobState::Unknown {
+            let change = result.unwrap();
+            assert_sound(&s, &change);
+            assert_eq!(
+                change.job.version, s.job.version,
+                "the late answer may commit"
+            );
+            assert_eq!(change.job.state, JobState::Running);
+            assert_eq!(change.job.attempt_count, s.job.attempt_count + 1);
+        } else {
+            assert!(matches!(result, Err(Refusal::JobIs { .. })), "{s:?}");
+        }
+        assert!(matches!(
+            move_on(&s, s.job.version - 1, new_attempt()),
+            Err(Refusal::Stale { .. })
+        ));
+    }
+}
+
+/// Two duplicates that read the job `unknown` at once: the second finds the
+/// first's attempt in flight, and is refused.
+#[test]
+fn of_two_duplicates_moving_on_only_one_starts_an_attempt() {
+    let s = snapshot(&[Unknown], false);
+    let first = move_on(&s, s.job.version, new_attempt()).unwrap();
+    let after = snapshot(&[Unknown, Started], false);
+    assert_eq!(after.job.state, first.job.state);
+    assert!(matches!(
+        move_on(&after, s.job.version, new_attempt()),
+        Err(Refusal::JobIs { .. })
+    ));
 }
 
 #[test]

@@ -34,7 +34,7 @@ use uuid::Uuid;
 
 use super::keyed::Keyed;
 use super::recording::join::Live;
-use crate::config::{Route, UpstreamSettings};
+use crate::config::{Reconcile, Route, UpstreamSettings};
 use crate::domain::attempt::{Attempt, AttemptFailure, NewAttempt};
 use crate::domain::id::AttemptId;
 use crate::domain::response::StoredResponse;
@@ -57,7 +57,7 @@ mod record;
 mod verdict;
 
 use call::Call;
-use reconcile::Reconciler;
+use reconcile::{Ask, Reconciler, Sent};
 use verdict::{classify, Verdict};
 
 /// The upstream side of the layer, boxed at this boundary so that attempt
@@ -172,25 +172,12 @@ impl Runner {
         let cancel = CancellationToken::new();
         let forwarded = self.upstream_request(request, target, &attempt);
         let deadline = Instant::now() + self.config.deadline;
-        // Only a route that names a lookup path reconciles its attempts.
         let reconciler = request
             .route
             .reconcile
             .as_ref()
-            .map(|reconcile| Reconciler {
-                store: self.store.clone(),
-                upstream: upstream.clone(),
-                target: target.id.clone(),
-                route: request.route.name.clone(),
-                reconcile: reconcile.clone(),
-                job: attempt.job_id,
-                attempt: attempt.id,
-                deadline,
-                timeout: target.timeout,
-                max_response_size: self.config.max_response_size,
-                key_header: self.config.forward_key_header.clone(),
-                proven: request.parts.extensions.get::<ProvenClient>().cloned(),
-            });
+            .map(|how| self.reconciler(&upstream, request, target, &attempt, how, &forwarded));
+        let forwarded = Request::from_parts(forwarded.parts, full(forwarded.body));
         let task = Task {
             lease: Arc::new(self.leases.hold(attempt.id)),
             deadline,
@@ -238,7 +225,7 @@ impl Runner {
         request: &Keyed,
         target: &UpstreamSettings,
         attempt: &Attempt,
-    ) -> Request<Body> {
+    ) -> Sent {
         let mut parts = request.parts.clone();
         parts.headers.remove(IDEMPOTENCY_KEY);
         if let Ok(v) = HeaderValue::from_str(&attempt.job_id.to_string()) {
@@ -251,7 +238,45 @@ impl Runner {
             HeaderValue::from(attempt.number),
         );
         parts.extensions.insert(Target(target.id.clone()));
-        Request::from_parts(parts, full(request.body.clone()))
+        Sent {
+            parts,
+            body: request.body.clone(),
+        }
+    }
+
+    /// What asks `target` about `attempt` once it is unknown, the route's
+    /// way: a lookup, or the request `sent` again (kept only then).
+    fn reconciler(
+        &self,
+        upstream: &UpstreamService,
+        request: &Keyed,
+        target: &UpstreamSettings,
+        attempt: &Attempt,
+        how: &Reconcile,
+        sent: &Sent,
+    ) -> Reconciler {
+        let ask = match how.lookup_path(&attempt.job_id.to_string()) {
+            Some(path) => Ask::Lookup(path),
+            None => Ask::Resend(Box::new(Sent {
+                parts: sent.parts.clone(),
+                body: sent.body.clone(),
+            })),
+        };
+        Reconciler {
+            store: self.store.clone(),
+            upstream: upstream.clone(),
+            target: target.id.clone(),
+            route: request.route.clone(),
+            ask,
+            job: attempt.job_id,
+            attempt: attempt.id,
+            started_at: attempt.started_at,
+            deadline: self.config.deadline,
+            timeout: target.timeout,
+            max_response_size: self.config.max_response_size,
+            key_header: self.config.forward_key_header.clone(),
+            proven: request.parts.extensions.get::<ProvenClient>().cloned(),
+        }
     }
 }
 

@@ -1,22 +1,30 @@
 //! Reconciling an attempt of unknown outcome by asking its upstream
 //! (`docs/design.md` §5, "Unknown attempts are looked up").
 //!
-//! On a route with `[routes.reconcile]`, once an attempt is recorded
-//! `unknown` in this process, a task of its own `GET`s the route's lookup
-//! path on the attempt's upstream (with the upstream's headers, as the
-//! attempt was sent): at once, then 1 s doubling to 30 s, until the
-//! attempt's deadline. What each answer means is decided by
-//! [`crate::domain::reconcile::verdict`]:
+//! On a route with `reconcile`, once an attempt is recorded `unknown`, a
+//! task of its own asks the attempt's upstream what became of it: at once,
+//! then 1 s doubling to 30 s, until the attempt's deadline. How it asks is
+//! the route's [`Reconcile`]:
 //!
-//! - `2xx`: the attempt took effect: the lookup's answer (status, end-to-end
-//!   headers, body) is committed by [`Store::reconcile_attempt`], the same
-//!   CAS as an operator's resolution; held duplicates are woken by it;
-//! - `404`/`410`: it had no effect: the attempt is `failed`, the job reopens;
-//! - anything else, or no answer: still unknown; asked again.
+//! - a lookup (`[routes.reconcile] path`): `GET` the path, with the
+//!   upstream's headers as the attempt had them; what the answer means is
+//!   [`crate::domain::reconcile::verdict`]: `2xx` succeeded (its answer is
+//!   the job's result), `404`/`410` no effect (the job reopens), anything
+//!   else still unknown;
+//! - a resend (`reconcile = "resend"`): the attempt's request again, byte
+//!   for byte, with the same forwarded key, to an upstream that promised to
+//!   deduplicate by it; an answer the route would commit settles the
+//!   attempt `succeeded` with it; a retryable status, a broken contract or
+//!   no answer leaves it unknown (a resend never proves "no effect").
 //!
-//! Every lookup is recorded on the attempt and counted in
-//! `idemgate_reconcile_lookups_total{route,result}`. The task stops as soon
-//! as the attempt is settled some other way (its late answer, an operator).
+//! When to ask is read from the attempt's record (the lookups made and the
+//! last one's time, [`next_lookup`]), not kept in the task, so that a task
+//! started afresh (after a restart, by another replica) continues the same
+//! backoff, and two tasks asking about one attempt share it. A finding is
+//! applied by [`Store::reconcile_attempt`], the same CAS as an operator's
+//! resolution, which wakes held duplicates. Every ask is recorded on the
+//! attempt and counted in `idemgate_reconcile_lookups_total{route,by,result}`.
+//! The task stops as soon as the attempt is settled some other way.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -25,45 +33,72 @@ use http::{HeaderName, HeaderValue, Method, Request};
 use tokio::time::Instant;
 use tracing::Instrument;
 
+use super::verdict::{classify, Verdict};
 use super::UpstreamService;
 use crate::config::{Reconcile, Route, UpstreamId};
-use crate::domain::attempt::{AttemptState, Resolution};
+use crate::domain::attempt::{AttemptFailure, AttemptState, Resolution};
 use crate::domain::id::{AttemptId, JobId};
-use crate::domain::reconcile::{backoff, verdict, Lookup, LookupResult};
+use crate::domain::reconcile::{backoff, next_lookup, verdict, Lookup, LookupResult, Lookups};
 use crate::domain::response::StoredResponse;
 use crate::domain::transition::Refusal;
 use crate::idempotency::replay;
 use crate::proxy::http::{full, ProvenClient};
-use crate::proxy::upstream::{self, Target};
+use crate::proxy::upstream::{self, Fetched, Target, UpstreamError};
 use crate::store::{Lapsed, Store, StoreError};
 use crate::telemetry::Chain;
 
-/// Everything a lookup task needs, gathered when the attempt starts.
+/// How the upstream is asked about an attempt.
+pub(super) enum Ask {
+    /// `GET` this path (the route's template, the job filled in).
+    Lookup(String),
+    /// The attempt's request, as it was sent.
+    Resend(Box<Sent>),
+}
+
+impl Ask {
+    fn name(&self) -> &'static str {
+        match self {
+            Ask::Lookup(_) => "lookup",
+            Ask::Resend(_) => "resend",
+        }
+    }
+}
+
+/// A request as it went upstream, kept to be sent again.
+pub(super) struct Sent {
+    pub(super) parts: http::request::Parts,
+    pub(super) body: bytes::Bytes,
+}
+
+/// Everything a reconciling task needs, gathered when the attempt starts
+/// (or, for an attempt found unknown later, from its record).
 pub(super) struct Reconciler {
     pub(super) store: Arc<dyn Store>,
     pub(super) upstream: UpstreamService,
     pub(super) target: UpstreamId,
-    /// The route's name (the metric's `route` label).
-    pub(super) route: String,
-    pub(super) reconcile: Reconcile,
+    pub(super) route: Arc<Route>,
+    pub(super) ask: Ask,
     pub(super) job: JobId,
     pub(super) attempt: AttemptId,
-    /// The attempt's deadline: no lookup after it.
-    pub(super) deadline: Instant,
-    /// How long one lookup may take (the upstream's timeout).
+    /// When the attempt started: it is asked about until `deadline` after.
+    pub(super) started_at: SystemTime,
+    /// `attempt_deadline`.
+    pub(super) deadline: Duration,
+    /// How long one ask may take (the upstream's timeout).
     pub(super) timeout: Duration,
     pub(super) max_response_size: usize,
     /// The header the job id is forwarded in, as on the attempt.
     pub(super) key_header: HeaderName,
     /// The client's proof, when it gave one: an upstream holding the
-    /// operator's credential gets them on the lookup as on the attempt.
+    /// operator's credential gets them on a lookup as on the attempt.
     pub(super) proven: Option<ProvenClient>,
 }
 
 impl super::Runner {
     /// Looks up, on their upstreams, the attempts the sweeper makes
-    /// `unknown` (their gateway died), on routes that reconcile; runs until
-    /// `lapsed` closes.
+    /// `unknown` (their gateway died), on routes that look up; runs until
+    /// `lapsed` closes. A route that resends cannot: the request died with
+    /// its gateway (`docs/design.md` §5).
     pub(crate) async fn reconcile_lapsed(
         self: Arc<Self>,
         mut lapsed: tokio::sync::mpsc::UnboundedReceiver<Lapsed>,
@@ -72,11 +107,7 @@ impl super::Runner {
     ) {
         while let Some(l) = lapsed.recv().await {
             match self.reconciler_for(l, &routes, &upstream).await {
-                Ok(Some(reconciler)) => {
-                    let span =
-                        tracing::info_span!("reconcile", attempt.id = %l.attempt, job.id = %l.job);
-                    tokio::spawn(reconciler.run().instrument(span));
-                }
+                Ok(Some(reconciler)) => reconciler.spawn(),
                 Ok(None) => {}
                 Err(e) => {
                     tracing::warn!(attempt = %l.attempt, error = %Chain(&e), "could not read an attempt whose lease lapsed; it is not looked up")
@@ -85,7 +116,7 @@ impl super::Runner {
         }
     }
 
-    /// The lookup task for a lapsed attempt, when its route reconciles and
+    /// The lookup task for a lapsed attempt, when its route looks up and
     /// its upstream is still configured.
     async fn reconciler_for(
         &self,
@@ -102,25 +133,29 @@ impl super::Runner {
         let Some(route) = routes.iter().find(|r| r.name == detail.job.route) else {
             return Ok(None);
         };
-        let Some(reconcile) = &route.reconcile else {
+        let Some(path) = route
+            .reconcile
+            .as_ref()
+            .and_then(|r| r.lookup_path(&lapsed.job.to_string()))
+        else {
+            if route.reconcile == Some(Reconcile::Resend) {
+                tracing::info!(attempt = %lapsed.attempt, job = %lapsed.job, "an attempt whose gateway died cannot be resent (its request died with it); it waits for an operator");
+            }
             return Ok(None);
         };
         let Some(target) = route.upstreams().find(|u| u.name() == attempt.upstream) else {
             return Ok(None);
         };
-        // The attempt's deadline, on this process's clock.
-        let left = (attempt.started_at + self.config.deadline)
-            .duration_since(SystemTime::now())
-            .unwrap_or(Duration::ZERO);
         Ok(Some(Reconciler {
             store: self.store.clone(),
             upstream: upstream.clone(),
             target: target.id.clone(),
-            route: route.name.clone(),
-            reconcile: reconcile.clone(),
+            route: route.clone(),
+            ask: Ask::Lookup(path),
             job: lapsed.job,
             attempt: lapsed.attempt,
-            deadline: Instant::now() + left,
+            started_at: attempt.started_at,
+            deadline: self.config.deadline,
             timeout: target.timeout,
             max_response_size: self.config.max_response_size,
             key_header: self.config.forward_key_header.clone(),
@@ -133,79 +168,113 @@ impl super::Runner {
     }
 }
 
-/// What became of the attempt after one lookup.
+/// What became of the attempt after one ask.
 enum Next {
-    /// Settled (by this lookup, or by someone else meanwhile): stop.
+    /// Settled (by this ask, or by someone else meanwhile): stop.
     Stop,
     /// Still unknown: ask again.
     Again,
 }
 
+/// The attempt as its record says, before an ask.
+enum Pending {
+    /// Still unknown, with the asks recorded so far.
+    Unknown(Lookups),
+    /// Settled (or gone): nothing to ask.
+    Settled,
+    /// The store did not answer: decide by this task's own clock.
+    Unread,
+}
+
 impl Reconciler {
-    /// Asks until the attempt is settled or its deadline passes.
+    /// Runs [`Reconciler::run`] in a task of its own, in a span of its own.
+    pub(super) fn spawn(self) {
+        let span = tracing::info_span!(
+            "reconcile",
+            attempt.id = %self.attempt,
+            job.id = %self.job,
+            by = self.ask.name()
+        );
+        tokio::spawn(self.run().instrument(span));
+    }
+
+    /// Asks until the attempt is settled or its deadline passes, when the
+    /// record says the next ask is due.
     pub(super) async fn run(self) {
-        let mut n = 0u32;
-        while Instant::now() < self.deadline {
-            if !self.still_unknown().await {
-                return;
+        let (mut asked, mut not_before) = (0u32, Instant::now());
+        loop {
+            let now = SystemTime::now();
+            let due = match self.pending().await {
+                Pending::Settled => return,
+                Pending::Unknown(lookups) => {
+                    next_lookup(&lookups, self.started_at, self.deadline, now)
+                }
+                Pending::Unread => {
+                    (now < self.started_at + self.deadline).then_some(Duration::ZERO)
+                }
+            };
+            let Some(due) = due else { break };
+            // Not sooner than this task's own backoff either: an ask whose
+            // record did not get in must not be repeated at once.
+            let wait = due.max(not_before.saturating_duration_since(Instant::now()));
+            if !wait.is_zero() {
+                // Then read again: another task may have asked, or the
+                // attempt settled, meanwhile.
+                tokio::time::sleep(wait).await;
+                continue;
             }
-            n += 1;
+            asked += 1;
             if let Next::Stop = self.ask().await {
                 return;
             }
-            let wait = backoff(n);
-            if Instant::now() + wait >= self.deadline {
-                break;
-            }
-            tokio::time::sleep(wait).await;
+            not_before = Instant::now() + backoff(asked);
         }
-        if n > 0 {
-            tracing::info!(attempt = %self.attempt, job = %self.job, lookups = n, "attempt deadline passed with its outcome still unknown; it waits for an operator");
-        }
+        tracing::info!(attempt = %self.attempt, job = %self.job, asked, "attempt deadline passed with its outcome still unknown; it waits for an operator");
     }
 
-    /// Whether the attempt is still `unknown` (a store error counts as yes:
-    /// the lookup and the CAS decide anyway).
-    async fn still_unknown(&self) -> bool {
+    async fn pending(&self) -> Pending {
         match self.store.job_detail(self.job).await {
             Ok(Some(detail)) => detail
                 .attempts
-                .iter()
-                .any(|a| a.id == self.attempt && a.state == AttemptState::Unknown),
-            Ok(None) => false,
-            Err(_) => true,
+                .into_iter()
+                .find(|a| a.id == self.attempt && a.state == AttemptState::Unknown)
+                .map_or(Pending::Settled, |a| Pending::Unknown(a.lookups)),
+            Ok(None) => Pending::Settled,
+            Err(_) => Pending::Unread,
         }
     }
 
-    /// One lookup: asks, records, and applies what it found.
+    /// One ask: sends it, records it, and applies what it found.
     async fn ask(&self) -> Next {
-        let answer = self.lookup().await;
-        let status = answer.as_ref().ok().map(|s| s.status);
-        let result = verdict(status);
+        let (result, status, found) = match &self.ask {
+            Ask::Lookup(path) => {
+                let answer = self.lookup(path).await;
+                let status = answer.as_ref().ok().map(|s| s.status);
+                if let Err(why) = &answer {
+                    tracing::warn!(attempt = %self.attempt, error = %why, "could not look up the attempt's outcome; asking again");
+                }
+                (verdict(status), status, answer.ok())
+            }
+            Ask::Resend(sent) => resent(classify(self.resend(sent).await, &self.route)),
+        };
         metrics::counter!(
             "idemgate_reconcile_lookups_total",
-            "route" => self.route.clone(),
+            "route" => self.route.name.clone(),
+            "by" => self.ask.name(),
             "result" => result.as_str()
         )
         .increment(1);
+        tracing::info!(attempt = %self.attempt, job = %self.job, status, %result, by = self.ask.name(), "asked the upstream about the attempt's outcome");
         let lookup = Lookup {
             at: SystemTime::now(),
             status,
             result,
         };
-        match &answer {
-            Ok(_) => {
-                tracing::info!(attempt = %self.attempt, job = %self.job, status, %result, "looked up the attempt's outcome")
-            }
-            Err(why) => {
-                tracing::warn!(attempt = %self.attempt, job = %self.job, error = %why, "could not look up the attempt's outcome; asking again")
-            }
-        }
         if let Err(e) = self.store.record_lookup(self.attempt, &lookup).await {
             tracing::warn!(attempt = %self.attempt, error = %Chain(&e), "could not record a lookup");
         }
-        let resolution = match (result, answer) {
-            (LookupResult::SettledSucceeded, Ok(stored)) => Resolution::Succeeded(stored),
+        let resolution = match (result, found) {
+            (LookupResult::SettledSucceeded, Some(stored)) => Resolution::Succeeded(stored),
             (LookupResult::SettledNoEffect, _) => Resolution::Failed,
             _ => return Next::Again,
         };
@@ -213,8 +282,7 @@ impl Reconciler {
     }
 
     /// The upstream's answer to the lookup, read whole.
-    async fn lookup(&self) -> Result<StoredResponse, String> {
-        let path = self.reconcile.path_for(&self.job.to_string());
+    async fn lookup(&self, path: &str) -> Result<StoredResponse, String> {
         let mut request = Request::builder()
             .method(Method::GET)
             .uri(path)
@@ -227,6 +295,23 @@ impl Reconciler {
         if let Some(proven) = &self.proven {
             request.extensions_mut().insert(proven.clone());
         }
+        match self.fetch(request).await {
+            Ok(fetched) => Ok(replay::capture(&fetched)),
+            Err(e) => Err(Chain(&e).to_string()),
+        }
+    }
+
+    /// The attempt's request sent again, as it was (its target, its
+    /// forwarded key, its body), and the answer read whole.
+    async fn resend(&self, sent: &Sent) -> Result<Fetched, UpstreamError> {
+        let request = Request::from_parts(sent.parts.clone(), full(sent.body.clone()));
+        self.fetch(request).await
+    }
+
+    async fn fetch(
+        &self,
+        request: Request<crate::proxy::http::Body>,
+    ) -> Result<Fetched, UpstreamError> {
         let (progress, _) = tokio::sync::watch::channel(0u64);
         let fetch = upstream::fetch(
             self.upstream.clone(),
@@ -234,20 +319,16 @@ impl Reconciler {
             self.max_response_size,
             progress,
         );
-        match tokio::time::timeout(self.timeout, fetch).await {
-            Ok(Ok(fetched)) => Ok(replay::capture(&fetched)),
-            Ok(Err(e)) => Err(Chain(&e).to_string()),
-            Err(_) => Err(format!(
-                "no answer within {}",
-                humantime::format_duration(self.timeout)
-            )),
-        }
+        tokio::time::timeout(self.timeout, fetch)
+            .await
+            .unwrap_or(Err(UpstreamError::TimedOut(self.timeout)))
     }
 
-    /// Applies the lookup's finding by the resolution CAS, retrying while
-    /// the store is unreachable until the deadline.
+    /// Applies the finding by the resolution CAS, retrying while the store
+    /// is unreachable until the attempt's deadline.
     async fn settle(&self, resolution: Resolution) -> Next {
         let mut wait = Duration::from_millis(50);
+        let ends = self.started_at + self.deadline;
         loop {
             match self
                 .store
@@ -255,22 +336,45 @@ impl Reconciler {
                 .await
             {
                 Ok(detail) => {
-                    tracing::info!(attempt = %self.attempt, job = %self.job, state = %detail.job.state, "attempt reconciled by a lookup");
+                    tracing::info!(attempt = %self.attempt, job = %self.job, state = %detail.job.state, "attempt reconciled by its upstream");
                     return Next::Stop;
                 }
                 Err(StoreError::Refused(Refusal::AttemptIs { state, .. })) => {
-                    tracing::debug!(attempt = %self.attempt, %state, "attempt settled meanwhile; the lookup's finding is not applied");
+                    tracing::debug!(attempt = %self.attempt, %state, "attempt settled meanwhile; the finding is not applied");
                     return Next::Stop;
                 }
-                Err(e) if e.is_transient() && Instant::now() + wait < self.deadline => {
+                Err(e) if e.is_transient() && SystemTime::now() + wait < ends => {
                     tokio::time::sleep(wait).await;
                     wait = (wait * 2).min(Duration::from_secs(2));
                 }
                 Err(e) => {
-                    tracing::error!(attempt = %self.attempt, error = %Chain(&e), "could not apply the lookup's finding");
+                    tracing::error!(attempt = %self.attempt, error = %Chain(&e), "could not apply the upstream's finding");
                     return Next::Stop;
                 }
             }
         }
+    }
+}
+
+/// What a resend's answer means: an answer the route would commit is the
+/// attempt's result (the upstream deduplicated the resend by its key, so it
+/// reports the first call's outcome); anything else proves nothing, and
+/// never "no effect" (a `503` to the resend says nothing of the first).
+fn resent(verdict: Verdict) -> (LookupResult, Option<u16>, Option<StoredResponse>) {
+    match verdict {
+        Verdict::Commit(stored) => (
+            LookupResult::SettledSucceeded,
+            Some(stored.status),
+            Some(stored),
+        ),
+        Verdict::Fail(
+            AttemptFailure::Failed {
+                status: Some(status),
+                ..
+            }
+            | AttemptFailure::Rejected { status, .. },
+            _,
+        ) => (LookupResult::StillUnknown, Some(status), None),
+        Verdict::Fail(..) | Verdict::Unknown(..) => (LookupResult::Error, None, None),
     }
 }

@@ -9,7 +9,6 @@ use std::future::Future;
 use std::time::Duration;
 
 use tokio::time::Instant;
-use tracing::Instrument;
 
 use super::{Reply, Task, PATIENCE};
 use crate::domain::attempt::{AttemptFailure, AttemptState};
@@ -136,12 +135,10 @@ impl Task {
             let (store, failure, _lease) = (store.clone(), failure.clone(), lease.clone());
             async move { store.fail_attempt(attempt, failure).await }
         });
-        let span =
-            tracing::info_span!("reconcile", attempt.id = %attempt, job.id = %self.attempt.job_id);
         tokio::spawn(async move {
             let written = write.await;
             if let (Ok(()), Some(reconciler)) = (&written, reconciler) {
-                tokio::spawn(reconciler.run().instrument(span));
+                reconciler.spawn();
             }
             written
         })

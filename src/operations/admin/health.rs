@@ -198,6 +198,14 @@ mod tests {
         ) -> Result<Option<Attempt>, StoreError> {
             unimplemented!()
         }
+        async fn move_on_attempt(
+            &self,
+            _: JobId,
+            _: i64,
+            _: NewAttempt,
+        ) -> Result<Option<Attempt>, StoreError> {
+            unimplemented!()
+        }
         async fn commit(
             &self,
             _: &Attempt,
