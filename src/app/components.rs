@@ -68,7 +68,7 @@ impl Gateway {
         let sealer = sealer(settings)?;
         // Attempts the sweeper makes unknown are looked up on their
         // upstreams only where a route says how (docs/design.md §5).
-        let (lapsed_tx, lapsed) = match settings.routes.iter().any(|r| r.reconcile.is_some()) {
+        let (lapsed_tx, lapsed) = match settings.routes.iter().any(looks_up) {
             true => {
                 let (tx, rx) = mpsc::unbounded_channel();
                 (Some(tx), Some(rx))
@@ -148,6 +148,7 @@ impl Gateway {
         ));
         let lapsed = self.lapsed.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(lapsed) = lapsed {
+            self.adopt_orphans(&shared, settings);
             let upstream = tower::util::BoxCloneSyncService::new(self.upstreams.clone());
             let reconciling = shared.reconcile_lapsed(lapsed, upstream);
             let stop = self.stop_tasks.clone();
@@ -159,6 +160,20 @@ impl Gateway {
             });
         }
         shared
+    }
+
+    /// Unknown attempts nobody asks about any more (their replica stopped
+    /// or restarted) are adopted by a scan on every replica, every
+    /// `sweep_interval` (docs/design.md §5).
+    fn adopt_orphans(&self, shared: &Arc<Shared>, settings: &Settings) {
+        let upstream = tower::util::BoxCloneSyncService::new(self.upstreams.clone());
+        let (shared, interval) = (shared.clone(), settings.sweep_interval);
+        let stuck_after = (interval * 4).max(Duration::from_secs(60));
+        self.tasks.spawn(
+            "reconcile-orphans",
+            Beats::Every(stuck_after),
+            move |beat| shared.reconcile_orphans(upstream.clone(), interval, beat),
+        );
     }
 
     /// The admin API.
@@ -422,4 +437,13 @@ async fn open_store(
             .sealed_with(sealer)
             .reporting_lapsed(lapsed),
     ))
+}
+
+/// Whether a route asks its upstream about unknown attempts by a lookup
+/// (a resend needs the request, which only the attempt's own process has).
+fn looks_up(route: &Arc<crate::config::Route>) -> bool {
+    matches!(
+        route.reconcile,
+        Some(crate::config::Reconcile::Lookup { .. })
+    )
 }

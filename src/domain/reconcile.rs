@@ -106,6 +106,24 @@ pub fn next_lookup(
     (next < ends && now < ends).then(|| next.duration_since(now).unwrap_or(Duration::ZERO))
 }
 
+/// Whether nobody is asking about an unknown attempt any more (the
+/// process that asked stopped): its next lookup is overdue by a whole
+/// `interval` (a scan's), or, with none made yet, it was already waiting
+/// for its first one a scan ago (`first_awaited`); the process that makes
+/// an attempt unknown asks at once. Then any replica may adopt it
+/// (`docs/design.md` §5).
+pub fn orphaned(
+    lookups: &Lookups,
+    first_awaited: bool,
+    interval: Duration,
+    now: SystemTime,
+) -> bool {
+    match &lookups.last {
+        None => first_awaited,
+        Some(last) => now >= last.at + backoff(lookups.count) + interval,
+    }
+}
+
 /// The lookup path for `job`: the route's template with `{job}` replaced.
 pub fn lookup_path(template: &str, job: &str) -> String {
     template.replace(JOB_PLACEHOLDER, job)
@@ -169,6 +187,29 @@ mod tests {
         // None past the attempt's deadline, or when the next would be.
         assert_eq!(next_lookup(&made(9, 40), start, deadline, after(41)), None);
         assert_eq!(next_lookup(&none, start, deadline, after(61)), None);
+    }
+
+    #[test]
+    fn an_attempt_is_orphaned_once_its_next_lookup_is_a_scan_overdue() {
+        let start = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000);
+        let after = |s: u64| start + Duration::from_secs(s);
+        let interval = Duration::from_secs(5);
+        let none = Lookups::default();
+        // None made: only once it was already waiting a scan ago.
+        assert!(!orphaned(&none, false, interval, after(100)));
+        assert!(orphaned(&none, true, interval, after(100)));
+        // Two made, the last at 10 s: the next is due at 12 s, so it is
+        // orphaned from 17 s, not before.
+        let two = Lookups {
+            count: 2,
+            last: Some(Lookup {
+                at: after(10),
+                status: Some(503),
+                result: LookupResult::StillUnknown,
+            }),
+        };
+        assert!(!orphaned(&two, true, interval, after(16)));
+        assert!(orphaned(&two, false, interval, after(17)));
     }
 
     #[test]

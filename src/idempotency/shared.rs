@@ -90,6 +90,19 @@ impl Shared {
             .reconcile_lapsed(lapsed, self.config.routes.clone(), upstream)
     }
 
+    /// Adopts the lookups of unknown attempts nobody asks about any more,
+    /// every `interval` (`docs/design.md` §5); a supervised task.
+    pub fn reconcile_orphans(
+        &self,
+        upstream: super::execute::UpstreamService,
+        interval: std::time::Duration,
+        beat: crate::upkeep::supervise::Heartbeat,
+    ) -> impl std::future::Future<Output = Result<(), crate::BoxError>> + Send + 'static {
+        self.runner
+            .clone()
+            .reconcile_orphans(self.config.routes.clone(), upstream, interval, beat)
+    }
+
     /// Builds the layer's components on `runtime`.
     pub fn new(config: Config, runtime: Runtime) -> Self {
         let Runtime {

@@ -75,6 +75,13 @@ impl Records for Faulty {
     ) -> Result<Vec<crate::domain::job::Job>, StoreError> {
         self.inner.unknown_jobs(after, limit).await
     }
+    async fn unknown_attempts(
+        &self,
+        since: std::time::SystemTime,
+        limit: u32,
+    ) -> Result<Vec<(JobId, AttemptId)>, StoreError> {
+        self.inner.unknown_attempts(since, limit).await
+    }
     async fn renew_leases(
         &self,
         attempts: &[AttemptId],

@@ -175,6 +175,14 @@ impl<B: Backend> Records for Machine<B> {
         jobs.into_iter().map(|j| self.open(j)).collect()
     }
 
+    async fn unknown_attempts(
+        &self,
+        since: std::time::SystemTime,
+        limit: u32,
+    ) -> Result<Vec<(JobId, AttemptId)>, StoreError> {
+        self.backend.unknown_attempts(since, limit).await
+    }
+
     async fn renew_leases(
         &self,
         attempts: &[AttemptId],

@@ -52,6 +52,14 @@ impl<B: Backend> Records for Measured<B> {
         measure("unknown_jobs", self.0.unknown_jobs(after, limit)).await
     }
 
+    async fn unknown_attempts(
+        &self,
+        since: std::time::SystemTime,
+        limit: u32,
+    ) -> Result<Vec<(JobId, AttemptId)>, StoreError> {
+        measure("unknown_attempts", self.0.unknown_attempts(since, limit)).await
+    }
+
     async fn renew_leases(
         &self,
         attempts: &[AttemptId],
@@ -232,6 +240,10 @@ mod tests {
             store.job_detail(job.id).await.unwrap();
             store.find_job(&job.owner, &job.key).await.unwrap();
             store.unknown_jobs(None, 10).await.unwrap();
+            store
+                .unknown_attempts(std::time::SystemTime::UNIX_EPOCH, 10)
+                .await
+                .unwrap();
             // Nothing to renew asks nothing of the backend.
             store
                 .renew_leases(&[], Duration::from_secs(1))
@@ -259,6 +271,7 @@ mod tests {
                 ("ping", 1),
                 ("purge_expired", 1),
                 ("renew_leases", 1),
+                ("unknown_attempts", 1),
                 ("unknown_jobs", 1),
                 ("watch", 1),
             ])

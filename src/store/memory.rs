@@ -179,6 +179,26 @@ impl Records for Memory {
         Ok(jobs)
     }
 
+    async fn unknown_attempts(
+        &self,
+        since: SystemTime,
+        limit: u32,
+    ) -> Result<Vec<(JobId, AttemptId)>, StoreError> {
+        let mut found: Vec<&Attempt> = Vec::new();
+        let records = self.records();
+        for entry in records.jobs.values() {
+            found.extend(
+                entry
+                    .attempts
+                    .iter()
+                    .filter(|a| a.state == AttemptState::Unknown && a.started_at > since),
+            );
+        }
+        found.sort_by_key(|a| (a.started_at, a.id.0));
+        found.truncate(limit as usize);
+        Ok(found.into_iter().map(|a| (a.job_id, a.id)).collect())
+    }
+
     async fn renew_leases(
         &self,
         attempts: &[AttemptId],

@@ -171,6 +171,15 @@ pub trait Records: Send + Sync + 'static {
     async fn unknown_jobs(&self, after: Option<Cursor>, limit: u32)
         -> Result<Vec<Job>, StoreError>;
 
+    /// Attempts whose outcome is unknown that started after `since`,
+    /// oldest first, at most `limit`: those still within their deadline,
+    /// which their upstream may be asked about (`docs/design.md` §5).
+    async fn unknown_attempts(
+        &self,
+        since: SystemTime,
+        limit: u32,
+    ) -> Result<Vec<(JobId, AttemptId)>, StoreError>;
+
     /// Extends the leases of attempts this instance is running.
     async fn renew_leases(
         &self,

@@ -507,6 +507,7 @@ async fn a_resend_to_an_upstream_that_deduplicates_settles_the_attempt(store: Te
 }
 
 crate::on_both_stores!(
+    lookups_resume_after_the_gateway_that_asked_is_gone,
     a_resend_to_an_upstream_that_deduplicates_settles_the_attempt,
     a_duplicate_of_an_unknown_job_is_told_when_the_next_lookup_is,
     a_lookup_answering_200_commits_its_answer_for_every_retry,
@@ -514,3 +515,55 @@ crate::on_both_stores!(
     a_lookup_answering_500_asks_again_until_it_answers_200,
     a_bad_lookup_path_is_refused_at_start_up_naming_the_key,
 );
+
+/// Lookups outlive the process that asked: after a restart (or on another
+/// replica, when the one that asked stopped), the scan finds the unknown
+/// attempt whose next lookup is overdue and asks again.
+async fn lookups_resume_after_the_gateway_that_asked_is_gone(store: TestStore) {
+    let silent = Gate::new();
+    let settled = Arc::new(AtomicBool::new(false));
+    let answer = settled.clone();
+    let upstream = upstream_with_lookups(&silent, move |_| {
+        if answer.load(Ordering::SeqCst) {
+            json_response(200, json!({"charge": "ch_9"}))
+        } else {
+            json_response(503, json!({"error": "not yet"}))
+        }
+    })
+    .await;
+    let builder = || {
+        Gateway::builder(&store, &upstream.url())
+            .set("upstream_timeout", "\"300ms\"")
+            .set("attempt_deadline", "\"60s\"")
+            .set("sweep_interval", "\"200ms\"")
+            .tables(ROUTE)
+    };
+    let mut first = builder().start().await;
+    let reply = post(&first.path("/v1/charges"), "charge-9", "{}").await;
+    assert_eq!(reply.status, 504);
+    let job_id = reply.job().unwrap();
+    eventually(Duration::from_secs(10), "a first lookup", || async {
+        first_attempt(&first.job(&job_id).await)["lookups"]["count"] == 1
+    })
+    .await;
+    first.kill().await;
+
+    settled.store(true, Ordering::SeqCst);
+    let second = builder().start().await;
+    eventually(
+        Duration::from_secs(15),
+        "the restarted gateway to look the attempt up again and commit its answer",
+        || async { second.job(&job_id).await["state"] == "completed" },
+    )
+    .await;
+    let job = second.job(&job_id).await;
+    assert_eq!(first_attempt(&job)["lookups"]["count"], 2);
+    assert_eq!(
+        first_attempt(&job)["lookups"]["last"]["result"],
+        "settled_succeeded"
+    );
+    let retry = post(&second.path("/v1/charges"), "charge-9", "{}").await;
+    assert_eq!(retry.json()["charge"], "ch_9");
+    assert_eq!(posts(&upstream), 1);
+    silent.open(1);
+}

@@ -722,6 +722,78 @@ pub async fn evidence_of_a_safe_failure_settles_an_attempt_its_lapsed_lease_made
     assert_eq!(next.number, 2);
 }
 
+/// `on_unknown = "new_attempt"` (docs/design.md §5): of simultaneous
+/// retries of an unknown job, exactly one starts an attempt; the job is
+/// then running, and the unknown attempt's late answer may still commit.
+pub async fn concurrent_moves_on_from_an_unknown_job_make_one_attempt(store: Arc<dyn Store>) {
+    let (job, first) = created(store.as_ref(), "moved-on").await;
+    let unknown = AttemptFailure::Unknown {
+        detail: "timeout".into(),
+    };
+    store.fail_attempt(first.id, unknown).await.unwrap();
+    let blocked = store.job(job.id).await.unwrap().unwrap();
+    assert_eq!(blocked.state, JobState::Unknown);
+    let n = 8;
+    let barrier = Arc::new(Barrier::new(n));
+    let moves = join_all((0..n).map(|_| {
+        let (store, barrier, version) = (store.clone(), barrier.clone(), blocked.version);
+        tokio::spawn(async move {
+            barrier.wait().await;
+            store
+                .move_on_attempt(job.id, version, new_attempt())
+                .await
+                .unwrap()
+        })
+    }))
+    .await;
+    let won: Vec<_> = moves.into_iter().filter_map(|m| m.unwrap()).collect();
+    assert_eq!(won.len(), 1, "one retry moves on");
+    assert_eq!(won[0].number, 2);
+    assert_eq!(won[0].job_version, blocked.version);
+    assert_eq!(
+        store.job(job.id).await.unwrap().unwrap().state,
+        JobState::Running
+    );
+    let late = store.commit(&first, &response("late")).await.unwrap();
+    assert_eq!(
+        late,
+        CommitOutcome::Committed,
+        "the first answer still wins"
+    );
+}
+
+/// The unknown attempts still within their deadline, oldest first: what
+/// every replica's scan adopts lookups from (docs/design.md §5).
+pub async fn unknown_attempts_are_listed_by_start_after_a_time(store: Arc<dyn Store>) {
+    let unknown = || AttemptFailure::Unknown {
+        detail: "timeout".into(),
+    };
+    let (_, running) = created(store.as_ref(), "running").await;
+    let before = std::time::SystemTime::now() - Duration::from_secs(1);
+    let mut made = Vec::new();
+    for key in ["old", "settled", "new"] {
+        // Distinct start times, at the stores' millisecond precision.
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let (job, attempt) = created(store.as_ref(), key).await;
+        store.fail_attempt(attempt.id, unknown()).await.unwrap();
+        made.push((job.id, attempt));
+    }
+    store
+        .resolve_attempt(made[1].1.id, Resolution::Failed)
+        .await
+        .unwrap();
+    let listed = store.unknown_attempts(before, 10).await.unwrap();
+    assert_eq!(
+        listed,
+        vec![(made[0].0, made[0].1.id), (made[2].0, made[2].1.id)],
+        "unknown ones only, oldest first; not {running:?}"
+    );
+    let since_old = made[0].1.started_at;
+    let listed = store.unknown_attempts(since_old, 10).await.unwrap();
+    assert_eq!(listed, vec![(made[2].0, made[2].1.id)], "started after");
+    assert_eq!(store.unknown_attempts(before, 1).await.unwrap().len(), 1);
+}
+
 /// Instantiates every conformance test for one store. `$make` is an async
 /// expression giving `(Arc<dyn Store>, Arc<Doorbell>, guard)`; the guard
 /// lives as long as the test.
@@ -746,6 +818,8 @@ macro_rules! conformance_suite {
                 one_sweep_expires_a_batch_of_jobs,
                 evidence_of_a_safe_failure_settles_an_attempt_its_lapsed_lease_made_unknown,
                 lookups_are_recorded_and_reconcile_applies_only_to_an_unknown_attempt,
+                concurrent_moves_on_from_an_unknown_job_make_one_attempt,
+                unknown_attempts_are_listed_by_start_after_a_time,
             );
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn every_change_of_a_jobs_state_rings_once() {

@@ -124,6 +124,8 @@ pub struct Runner {
     live: Arc<Live>,
     /// This gateway instance, recorded on the attempts it runs.
     instance: Uuid,
+    /// The attempts a task here asks its upstream about.
+    asking: Arc<reconcile::Asking>,
 }
 
 impl Runner {
@@ -145,6 +147,7 @@ impl Runner {
             fastpath,
             live,
             instance,
+            asking: Arc::default(),
         }
     }
 
@@ -276,6 +279,7 @@ impl Runner {
             max_response_size: self.config.max_response_size,
             key_header: self.config.forward_key_header.clone(),
             proven: request.parts.extensions.get::<ProvenClient>().cloned(),
+            asking: self.asking.clone(),
         }
     }
 }

@@ -26,8 +26,9 @@
 //! attempt and counted in `idemgate_reconcile_lookups_total{route,by,result}`.
 //! The task stops as soon as the attempt is settled some other way.
 
+use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use http::{HeaderName, HeaderValue, Method, Request};
 use tokio::time::Instant;
@@ -38,7 +39,10 @@ use super::UpstreamService;
 use crate::config::{Reconcile, Route, UpstreamId};
 use crate::domain::attempt::{AttemptFailure, AttemptState, Resolution};
 use crate::domain::id::{AttemptId, JobId};
-use crate::domain::reconcile::{backoff, next_lookup, verdict, Lookup, LookupResult, Lookups};
+use crate::domain::job::JobDetail;
+use crate::domain::reconcile::{
+    backoff, next_lookup, orphaned, verdict, Lookup, LookupResult, Lookups,
+};
 use crate::domain::response::StoredResponse;
 use crate::domain::transition::Refusal;
 use crate::idempotency::replay;
@@ -46,6 +50,8 @@ use crate::proxy::http::{full, ProvenClient};
 use crate::proxy::upstream::{self, Fetched, Target, UpstreamError};
 use crate::store::{Lapsed, Store, StoreError};
 use crate::telemetry::Chain;
+use crate::upkeep::supervise::Heartbeat;
+use crate::BoxError;
 
 /// How the upstream is asked about an attempt.
 pub(super) enum Ask {
@@ -70,6 +76,39 @@ pub(super) struct Sent {
     pub(super) body: bytes::Bytes,
 }
 
+/// The attempts a task of this process asks about: one task per attempt
+/// here, and the scan adopts only attempts nobody here asks about.
+#[derive(Default)]
+pub(super) struct Asking(std::sync::Mutex<HashSet<AttemptId>>);
+
+impl Asking {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashSet<AttemptId>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn has(&self, attempt: AttemptId) -> bool {
+        self.lock().contains(&attempt)
+    }
+}
+
+/// Marks an attempt asked about here until the task ends.
+struct Asked(Arc<Asking>, AttemptId);
+
+impl Asked {
+    fn claim(asking: &Arc<Asking>, attempt: AttemptId) -> Option<Asked> {
+        asking
+            .lock()
+            .insert(attempt)
+            .then(|| Asked(asking.clone(), attempt))
+    }
+}
+
+impl Drop for Asked {
+    fn drop(&mut self) {
+        self.0.lock().remove(&self.1);
+    }
+}
+
 /// Everything a reconciling task needs, gathered when the attempt starts
 /// (or, for an attempt found unknown later, from its record).
 pub(super) struct Reconciler {
@@ -92,7 +131,12 @@ pub(super) struct Reconciler {
     /// The client's proof, when it gave one: an upstream holding the
     /// operator's credential gets them on a lookup as on the attempt.
     pub(super) proven: Option<ProvenClient>,
+    /// This process's tasks, which this one joins.
+    pub(super) asking: Arc<Asking>,
 }
+
+/// Most unknown attempts one scan reads.
+const SCAN_LIMIT: u32 = 1000;
 
 impl super::Runner {
     /// Looks up, on their upstreams, the attempts the sweeper makes
@@ -127,33 +171,39 @@ impl super::Runner {
         let Some(detail) = self.store.job_detail(lapsed.job).await? else {
             return Ok(None);
         };
-        let Some(attempt) = detail.attempts.iter().find(|a| a.id == lapsed.attempt) else {
-            return Ok(None);
-        };
         let Some(route) = routes.iter().find(|r| r.name == detail.job.route) else {
             return Ok(None);
         };
-        let Some(path) = route
+        if route.reconcile == Some(Reconcile::Resend) {
+            tracing::info!(attempt = %lapsed.attempt, job = %lapsed.job, "an attempt whose gateway died cannot be resent (its request died with it); it waits for an operator");
+            return Ok(None);
+        }
+        Ok(self.reconciler_of(&detail, lapsed.attempt, route, upstream))
+    }
+
+    /// The lookup task for `attempt` of `detail`'s job on `route`, when the
+    /// route looks up and the attempt's upstream is still configured.
+    fn reconciler_of(
+        &self,
+        detail: &JobDetail,
+        attempt: AttemptId,
+        route: &Arc<Route>,
+        upstream: &UpstreamService,
+    ) -> Option<Reconciler> {
+        let attempt = detail.attempts.iter().find(|a| a.id == attempt)?;
+        let path = route
             .reconcile
-            .as_ref()
-            .and_then(|r| r.lookup_path(&lapsed.job.to_string()))
-        else {
-            if route.reconcile == Some(Reconcile::Resend) {
-                tracing::info!(attempt = %lapsed.attempt, job = %lapsed.job, "an attempt whose gateway died cannot be resent (its request died with it); it waits for an operator");
-            }
-            return Ok(None);
-        };
-        let Some(target) = route.upstreams().find(|u| u.name() == attempt.upstream) else {
-            return Ok(None);
-        };
-        Ok(Some(Reconciler {
+            .as_ref()?
+            .lookup_path(&detail.job.id.to_string())?;
+        let target = route.upstreams().find(|u| u.name() == attempt.upstream)?;
+        Some(Reconciler {
             store: self.store.clone(),
             upstream: upstream.clone(),
             target: target.id.clone(),
             route: route.clone(),
             ask: Ask::Lookup(path),
-            job: lapsed.job,
-            attempt: lapsed.attempt,
+            job: detail.job.id,
+            attempt: attempt.id,
             started_at: attempt.started_at,
             deadline: self.config.deadline,
             timeout: target.timeout,
@@ -164,7 +214,77 @@ impl super::Runner {
             proven: route
                 .require_client
                 .then(|| ProvenClient(Arc::from("reconcile"))),
-        }))
+            asking: self.asking.clone(),
+        })
+    }
+
+    /// Every `interval`, adopts the unknown attempts on routes that look
+    /// up that nobody asks about any more (the replica that asked stopped,
+    /// or restarted): read from the store, so any replica may (a
+    /// supervised task, stopped at shutdown).
+    pub(crate) async fn reconcile_orphans(
+        self: Arc<Self>,
+        routes: Vec<Arc<Route>>,
+        upstream: UpstreamService,
+        interval: Duration,
+        beat: Heartbeat,
+    ) -> Result<(), BoxError> {
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut awaiting_first = HashSet::new();
+        loop {
+            tick.tick().await;
+            beat.beat();
+            awaiting_first = self
+                .adopt_orphans(&routes, &upstream, interval, &awaiting_first)
+                .await;
+        }
+    }
+
+    /// One scan; returns the attempts found waiting for their first lookup
+    /// (orphaned if still waiting at the next scan).
+    async fn adopt_orphans(
+        &self,
+        routes: &[Arc<Route>],
+        upstream: &UpstreamService,
+        interval: Duration,
+        awaited: &HashSet<AttemptId>,
+    ) -> HashSet<AttemptId> {
+        let now = SystemTime::now();
+        let since = now.checked_sub(self.config.deadline).unwrap_or(UNIX_EPOCH);
+        let pending = match self.store.unknown_attempts(since, SCAN_LIMIT).await {
+            Ok(pending) => pending,
+            Err(e) => {
+                tracing::debug!(error = %Chain(&e), "could not list unknown attempts to look up");
+                return awaited.clone();
+            }
+        };
+        let mut awaiting = HashSet::new();
+        for (job, attempt) in pending {
+            if self.asking.has(attempt) {
+                continue;
+            }
+            let Ok(Some(detail)) = self.store.job_detail(job).await else {
+                continue;
+            };
+            let Some(route) = routes.iter().find(|r| r.name == detail.job.route) else {
+                continue;
+            };
+            let Some(record) = detail.attempts.iter().find(|a| a.id == attempt) else {
+                continue;
+            };
+            if record.lookups.count == 0 {
+                awaiting.insert(attempt);
+            }
+            let first_awaited = awaited.contains(&attempt);
+            if orphaned(&record.lookups, first_awaited, interval, now) {
+                if let Some(reconciler) = self.reconciler_of(&detail, attempt, route, upstream) {
+                    tracing::info!(%attempt, %job, lookups = record.lookups.count, "adopting the lookups of an unknown attempt nobody asks about");
+                    reconciler.spawn();
+                }
+            }
+        }
+        awaiting
     }
 }
 
@@ -187,15 +307,25 @@ enum Pending {
 }
 
 impl Reconciler {
-    /// Runs [`Reconciler::run`] in a task of its own, in a span of its own.
+    /// Runs [`Reconciler::run`] in a task of its own, in a span of its own,
+    /// unless a task here already asks about the attempt.
     pub(super) fn spawn(self) {
+        let Some(asked) = Asked::claim(&self.asking, self.attempt) else {
+            return;
+        };
         let span = tracing::info_span!(
             "reconcile",
             attempt.id = %self.attempt,
             job.id = %self.job,
             by = self.ask.name()
         );
-        tokio::spawn(self.run().instrument(span));
+        tokio::spawn(
+            async move {
+                let _asked = asked;
+                self.run().await;
+            }
+            .instrument(span),
+        );
     }
 
     /// Asks until the attempt is settled or its deadline passes, when the

@@ -156,6 +156,13 @@ mod tests {
         async fn unknown_jobs(&self, _: Option<Cursor>, _: u32) -> Result<Vec<Job>, StoreError> {
             unimplemented!()
         }
+        async fn unknown_attempts(
+            &self,
+            _: std::time::SystemTime,
+            _: u32,
+        ) -> Result<Vec<(JobId, AttemptId)>, StoreError> {
+            unimplemented!()
+        }
         async fn renew_leases(&self, _: &[AttemptId], _: Duration) -> Result<u64, StoreError> {
             unimplemented!()
         }

@@ -1,7 +1,7 @@
 //! Reads, lease renewal, purges and the watch mark: what every backend
 //! answers alike ([`Records`]).
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use deadpool_postgres::GenericClient;
@@ -69,6 +69,30 @@ impl Records for Postgres {
             .await
             .map_err(map_pg)?;
         rows.iter().map(job_from_row).collect()
+    }
+
+    async fn unknown_attempts(
+        &self,
+        since: SystemTime,
+        limit: u32,
+    ) -> Result<Vec<(JobId, AttemptId)>, StoreError> {
+        let client = self.client().await?;
+        // Served by the partial index `attempts_unknown_started` (V6).
+        let select = client
+            .prepare_cached(
+                "SELECT job_id, id FROM attempts WHERE state = 'unknown' AND started_at > $1 \
+                 ORDER BY started_at, id LIMIT $2",
+            )
+            .await
+            .map_err(map_pg)?;
+        let rows = client
+            .query(&select, &[&since, &i64::from(limit)])
+            .await
+            .map_err(map_pg)?;
+        Ok(rows
+            .iter()
+            .map(|r| (JobId(r.get(0)), AttemptId(r.get(1))))
+            .collect())
     }
 
     async fn renew_leases(

@@ -168,6 +168,34 @@ impl Records for Sqlite {
         .await
     }
 
+    async fn unknown_attempts(
+        &self,
+        since: SystemTime,
+        limit: u32,
+    ) -> Result<Vec<(JobId, AttemptId)>, StoreError> {
+        let since = to_ms(since);
+        self.call(move |conn| {
+            // Served by the partial index `attempts_unknown_started` (V3).
+            let mut select = conn
+                .prepare_cached(
+                    "SELECT job_id, id FROM attempts WHERE state = 'unknown' AND started_at > ?1 \
+                     ORDER BY started_at, id LIMIT ?2",
+                )
+                .map_err(map_sqlite)?;
+            let rows = select
+                .query_map(params![since, limit], |row| {
+                    Ok((row.get::<_, String>(0)?, row.get::<_, String>(1)?))
+                })
+                .map_err(map_sqlite)?;
+            rows.map(|row| {
+                let (job, attempt) = row.map_err(map_sqlite)?;
+                Ok((JobId(rows::uuid(&job)?), AttemptId(rows::uuid(&attempt)?)))
+            })
+            .collect()
+        })
+        .await
+    }
+
     async fn renew_leases(
         &self,
         attempts: &[AttemptId],
