@@ -27,8 +27,9 @@ async fn upstream() -> FakeUpstream {
 }
 
 /// Where the test leaves the job page's screenshots (`job.png` after a
-/// resolution and a retry, `unknown.png` waiting for one; the README shows
-/// copies from `docs/`).
+/// resolution and a retry, `unknown.png` waiting for one) and the inbox's
+/// (`bulk.png`, a bulk resolution previewed); the README shows copies from
+/// `docs/`.
 fn screenshot_path() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/console/job.png")
 }
@@ -326,7 +327,12 @@ async fn an_operator_resolves_one_upstreams_unknown_attempts_at_once() {
         .await;
     let since = std::time::SystemTime::now() - Duration::from_secs(1);
     let since = humantime::format_rfc3339_seconds(since).to_string();
-    let on_a = unknown_jobs(&gateway, "/v1/a/charges", &["bulk-a1", "bulk-a2", "bulk-a3"]).await;
+    let on_a = unknown_jobs(
+        &gateway,
+        "/v1/a/charges",
+        &["bulk-a1", "bulk-a2", "bulk-a3"],
+    )
+    .await;
     let on_b = unknown_jobs(&gateway, "/v1/b/charges", &["bulk-b1", "bulk-b2"]).await;
     assert_eq!(gateway.job(&on_a[0]).await["attempts"][0]["upstream"], "a");
     assert_eq!(gateway.job(&on_b[0]).await["attempts"][0]["upstream"], "b");
@@ -352,7 +358,10 @@ async fn an_operator_resolves_one_upstreams_unknown_attempts_at_once() {
         .await
         .unwrap();
     let resolve = browser.wait_for("#bulk-resolve").await;
-    assert!(!resolve.is_enabled().await.unwrap(), "nothing previewed yet");
+    assert!(
+        !resolve.is_enabled().await.unwrap(),
+        "nothing previewed yet"
+    );
 
     // The API's refusal is shown, not swallowed.
     browser.type_into("#bulk-since", "yesterday").await;
@@ -392,7 +401,10 @@ async fn an_operator_resolves_one_upstreams_unknown_attempts_at_once() {
         })
         .await;
     let count = browser.wait_for("#bulk-count").await;
-    assert_eq!(count.attr("data-count").await.unwrap().as_deref(), Some("3"));
+    assert_eq!(
+        count.attr("data-count").await.unwrap().as_deref(),
+        Some("3")
+    );
     let mut listed = Vec::new();
     for row in browser
         .client

@@ -90,6 +90,8 @@ async function inbox(before, flash) {
 
 // RFC 3339 in UTC to the second, as the admin API reads it.
 const utc = (ms) => new Date(ms).toISOString().replace(/\.\d+Z$/, "Z");
+// The API's exact bounds (nanoseconds), shown to the millisecond.
+const shown = (t) => t.replace(/(\.\d{3})\d*Z$/, "$1Z").replace(/\.000Z$/, "Z");
 const plural = (n, one) => n + " " + one + (n === 1 ? "" : "s");
 
 const BULK_OUTCOMES = {
@@ -180,12 +182,12 @@ function bulkResolver() {
     const { request, count } = previewed;
     confirmThen(`Resolve ${plural(count, "attempt")} on ${request.upstream}?`,
       `${plural(count, "unknown attempt")} sent to ${request.upstream} that started from ${request.since} ` +
-      `to ${previewed.until} will be ${BULK_OUTCOMES[request.outcome].recorded}. Their jobs reopen: each ` +
+      `to ${shown(previewed.until)} will be ${BULK_OUTCOMES[request.outcome].recorded}. Their jobs reopen: each ` +
       "client's next retry with its key runs a new attempt against the upstream. One settled meanwhile is " +
       "skipped. This cannot be undone.", run);
   });
   const form = el("form", { id: "bulk-form", onsubmit: preview, oninput: stale, onchange: stale },
-    el("div", { class: "inline form" },
+    el("div", { class: "fields" },
       upstreamField(),
       el("div", {}, el("label", { for: "bulk-since" }, "Started at or after (UTC)"), since),
       el("div", {}, el("label", { for: "bulk-until" }, "Started before (UTC)"), until),
@@ -205,21 +207,21 @@ function matchedList(request, answer) {
   const matched = answer.matched;
   if (!matched.length) {
     return el("div", { class: "card", id: "bulk-count", "data-count": "0" },
-      `No unknown attempt sent to ${request.upstream} started from ${answer.since} to ${answer.until}.`);
+      `No unknown attempt sent to ${request.upstream} started from ${shown(answer.since)} to ${shown(answer.until)}.`);
   }
-  const shown = matched.slice(0, 100);
+  const rows = matched.slice(0, 100);
   return el("div", {},
     el("div", { class: "notice status", id: "bulk-count", "data-count": String(matched.length) },
       `${plural(matched.length, "attempt")} would change: unknown, sent to ${request.upstream}, ` +
-      `started from ${answer.since} to ${answer.until}. Nothing is changed yet.`),
+      `started from ${shown(answer.since)} to ${shown(answer.until)}. Nothing is changed yet.`),
     el("table", { id: "bulk-matched" },
       el("thead", {}, el("tr", {}, ["Job", "Attempt", "Started (UTC)"].map((h) => el("th", {}, h)))),
-      el("tbody", {}, shown.map((m) => el("tr", { "data-job": m.job, "data-attempt": m.attempt },
+      el("tbody", {}, rows.map((m) => el("tr", { "data-job": m.job, "data-attempt": m.attempt },
         el("td", {}, el("a", { href: "#/jobs/" + m.job, class: "mono" }, m.job)),
         el("td", { class: "mono" }, m.attempt),
         el("td", { class: "mono" }, m.started_at))))),
-    matched.length > shown.length
-      ? el("p", { class: "muted" }, `… and ${matched.length - shown.length} more.`) : null);
+    matched.length > rows.length
+      ? el("p", { class: "muted" }, `… and ${matched.length - rows.length} more.`) : null);
 }
 
 // The inbox's notice after a bulk resolution: what was resolved, what was
