@@ -27,8 +27,9 @@ async fn upstream() -> FakeUpstream {
 }
 
 /// Where the test leaves the job page's screenshots (`job.png` after a
-/// resolution and a retry, `unknown.png` waiting for one; the README shows
-/// copies from `docs/`).
+/// resolution and a retry, `unknown.png` waiting for one) and the inbox's
+/// (`bulk.png`, a bulk resolution previewed); the README shows copies from
+/// `docs/`.
 fn screenshot_path() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/console/job.png")
 }
@@ -276,4 +277,193 @@ async fn the_inbox_pages_through_unknown_jobs_newest_first() {
         .await;
     assert_eq!(wrong.status, 400);
     assert_eq!(wrong.problem(), "invalid-admin-request");
+}
+
+/// The unknown jobs of `gateway` on `route`, made by `keys` sent to a
+/// silent upstream.
+async fn unknown_jobs(gateway: &Gateway, route: &str, keys: &[&str]) -> Vec<String> {
+    let mut ids = Vec::new();
+    for key in keys {
+        let reply = post(&gateway.path(route), key, "silent").await;
+        assert_eq!(reply.status, 504, "{key}");
+        ids.push(reply.job().unwrap());
+    }
+    ids
+}
+
+/// The states of jobs `ids` and of their first attempts, read through the
+/// admin API.
+async fn states(gateway: &Gateway, ids: &[String]) -> Vec<(String, String)> {
+    let mut states = Vec::new();
+    for id in ids {
+        let job = gateway.job(id).await;
+        let attempt = job["attempts"][0]["state"].as_str().unwrap().to_owned();
+        states.push((job["state"].as_str().unwrap().to_owned(), attempt));
+    }
+    states
+}
+
+fn all(ids: &[String], job: &str, attempt: &str) -> Vec<(String, String)> {
+    vec![(job.to_owned(), attempt.to_owned()); ids.len()]
+}
+
+#[tokio::test]
+async fn an_operator_resolves_one_upstreams_unknown_attempts_at_once() {
+    let store = TestStore::postgres().await;
+    let (a, b) = (upstream().await, upstream().await);
+    let gateway = Gateway::builder(&store, "http://unused")
+        .unset("upstreams")
+        .set("upstream_timeout", "\"300ms\"")
+        .tables(&format!(
+            "[[upstreams]]\nname = \"a\"\nurl = {:?}\n[[upstreams]]\nname = \"b\"\nurl = {:?}\n",
+            a.url(),
+            b.url()
+        ))
+        .tables(
+            "[[routes]]\npath_prefix = \"/v1/a\"\nupstreams = [\"a\"]\n\
+             [[routes]]\npath_prefix = \"/v1/b\"\nupstreams = [\"b\"]\n",
+        )
+        .start()
+        .await;
+    let since = std::time::SystemTime::now() - Duration::from_secs(1);
+    let since = humantime::format_rfc3339_seconds(since).to_string();
+    let on_a = unknown_jobs(
+        &gateway,
+        "/v1/a/charges",
+        &["bulk-a1", "bulk-a2", "bulk-a3"],
+    )
+    .await;
+    let on_b = unknown_jobs(&gateway, "/v1/b/charges", &["bulk-b1", "bulk-b2"]).await;
+    assert_eq!(gateway.job(&on_a[0]).await["attempts"][0]["upstream"], "a");
+    assert_eq!(gateway.job(&on_b[0]).await["attempts"][0]["upstream"], "b");
+
+    let browser = Browser::start().await;
+    browser
+        .client
+        .goto(&format!("{}/console/", gateway.admin_url))
+        .await
+        .unwrap();
+    browser.type_into("#token", ADMIN_TOKEN).await;
+    browser.click("#sign-in").await;
+    browser
+        .wait_for(&format!("#inbox tr[data-job='{}']", on_b[1]))
+        .await;
+    browser.click("#bulk summary").await;
+    // The upstreams come from the API, as a select.
+    browser.wait_for("#bulk-upstream option[value='b']").await;
+    browser
+        .wait_for("#bulk-upstream option[value='a']")
+        .await
+        .click()
+        .await
+        .unwrap();
+    let resolve = browser.wait_for("#bulk-resolve").await;
+    assert!(
+        !resolve.is_enabled().await.unwrap(),
+        "nothing previewed yet"
+    );
+
+    // The API's refusal is shown, not swallowed.
+    browser.type_into("#bulk-since", "yesterday").await;
+    browser.click("#bulk-preview-button").await;
+    browser
+        .until("#bulk-message .notice.error", "the API's refusal", |t| {
+            t.contains("since:") && t.contains("RFC 3339")
+        })
+        .await;
+
+    // A preview of "cancelled", then the resolution changed: not offered
+    // until previewed again.
+    browser.type_into("#bulk-since", &since).await;
+    browser
+        .wait_for("#bulk-outcome")
+        .await
+        .select_by_value("cancelled")
+        .await
+        .unwrap();
+    browser.click("#bulk-preview-button").await;
+    browser
+        .until("#bulk-resolve", "a preview", |t| t == "Resolve 3 attempts")
+        .await;
+    assert!(resolve.is_enabled().await.unwrap());
+    browser
+        .wait_for("#bulk-outcome")
+        .await
+        .select_by_value("failed")
+        .await
+        .unwrap();
+    assert!(!resolve.is_enabled().await.unwrap(), "inputs not previewed");
+
+    browser.click("#bulk-preview-button").await;
+    browser
+        .until("#bulk-count", "the preview's count", |t| {
+            t.starts_with("3 attempts would change")
+        })
+        .await;
+    let count = browser.wait_for("#bulk-count").await;
+    assert_eq!(
+        count.attr("data-count").await.unwrap().as_deref(),
+        Some("3")
+    );
+    let mut listed = Vec::new();
+    for row in browser
+        .client
+        .find_all(fantoccini::Locator::Css("#bulk-matched tbody tr"))
+        .await
+        .unwrap()
+    {
+        listed.push(row.attr("data-job").await.unwrap().unwrap());
+    }
+    listed.sort();
+    let mut expected = on_a.clone();
+    expected.sort();
+    assert_eq!(listed, expected, "the jobs of upstream a, and only them");
+    assert!(resolve.is_enabled().await.unwrap());
+    assert_eq!(
+        states(&gateway, &on_a).await,
+        all(&on_a, "unknown", "unknown"),
+        "a preview changes nothing"
+    );
+    let png = browser.client.screenshot().await.unwrap();
+    std::fs::create_dir_all(screenshot_path().parent().unwrap()).unwrap();
+    std::fs::write(screenshot_path().with_file_name("bulk.png"), &png).unwrap();
+
+    // One more goes unknown on a after the preview: the resolution keeps to
+    // the window previewed, and leaves it.
+    let late = unknown_jobs(&gateway, "/v1/a/charges", &["bulk-a-late"]).await;
+    browser.click("#bulk-resolve").await;
+    let warning = browser.text("#confirm-text").await;
+    assert!(
+        warning.contains("3 unknown attempts sent to a") && warning.contains("runs a new attempt"),
+        "{warning}"
+    );
+    browser.click("#confirm-ok").await;
+    let done = browser.wait_for("#bulk-done").await;
+    assert_eq!(
+        done.attr("data-resolved").await.unwrap().as_deref(),
+        Some("3")
+    );
+    // The inbox, refreshed: b's jobs and the late one wait; a's are gone.
+    browser
+        .wait_for(&format!("#inbox tr[data-job='{}']", late[0]))
+        .await;
+    for id in &on_a {
+        let row = format!("#inbox tr[data-job='{id}']");
+        assert!(browser
+            .client
+            .find(fantoccini::Locator::Css(&row))
+            .await
+            .is_err());
+    }
+    assert_eq!(states(&gateway, &on_a).await, all(&on_a, "open", "failed"));
+    assert_eq!(
+        states(&gateway, &on_b).await,
+        all(&on_b, "unknown", "unknown"),
+        "another upstream's attempts are left alone"
+    );
+    assert_eq!(
+        states(&gateway, &late).await,
+        all(&late, "unknown", "unknown"),
+        "started after the preview"
+    );
 }

@@ -6,6 +6,9 @@
 //! cannot be every attempt's. Each attempt is resolved on its own through
 //! the same CAS as a single resolution, so one settled meanwhile (by its
 //! late answer, a lookup, another operator) is skipped and said so.
+//!
+//! The answer echoes the window as read (`since`, `until`: now when it was
+//! absent), so a preview's window can be run as it was previewed.
 
 use std::time::SystemTime;
 
@@ -109,7 +112,14 @@ impl Admin {
             .collect();
         Ok(json_response(
             StatusCode::OK,
-            &json!({"dry_run": bulk.dry_run, "matched": listed, "resolved": resolved, "skipped": skipped}),
+            &json!({
+                "dry_run": bulk.dry_run,
+                "since": exact(since),
+                "until": exact(until),
+                "matched": listed,
+                "resolved": resolved,
+                "skipped": skipped,
+            }),
         ))
     }
 
@@ -148,6 +158,13 @@ impl Admin {
         }
         Ok(matched)
     }
+}
+
+/// The window's bounds as read, to the nanosecond: a dry run without
+/// `until` says which "now" it stopped at, so the console's real run can
+/// send it back and match what was previewed, not what started since.
+fn exact(at: SystemTime) -> String {
+    humantime::format_rfc3339_nanos(at).to_string()
 }
 
 fn time(key: &str, text: &str) -> Result<SystemTime, AdminError> {

@@ -9,7 +9,7 @@
 //! | GET | `/admin/v1/jobs?owner=…&key=…` | the same, by owner (raw header value, `sha256:<hex>` or `anonymous`) and key |
 //! | GET | `/admin/v1/jobs?state=unknown&limit=…&before=…` | unknown jobs, newest first, paged (`next` is the following page's `before`) |
 //! | GET | `/admin/v1/upstreams` | upstreams and whether they pass their contracts' probes |
-//! | POST | `/admin/v1/attempts/resolve` | `{"upstream", "since", "until", "outcome": "failed" \| "cancelled", "dry_run"}`: every unknown attempt on one upstream started in the window |
+//! | POST | `/admin/v1/attempts/resolve` | `{"upstream", "since", "until", "outcome": "failed" \| "cancelled", "dry_run"}`: every unknown attempt on one upstream started in the window (the answer echoes the window read) |
 //! | POST | `/admin/v1/attempts/{id}/resolve` | `{"outcome": "failed" \| "cancelled"}` or `{"outcome": "succeeded", "response": {…}}` |
 //!
 //! Here: the router, path to handler. Beside it: `auth.rs` decides who may

@@ -53,8 +53,9 @@ function activate(name) {
   }
 }
 
-// The operator's inbox: jobs whose outcome only a person can settle.
-async function inbox(before) {
+// The operator's inbox: jobs whose outcome only a person can settle;
+// `flash` says what was just done (a bulk resolution).
+async function inbox(before, flash) {
   activate("inbox");
   show(el("h1", {}, "Unknown jobs"), el("p", { class: "muted" }, "Loading…"));
   const query = "jobs?state=unknown&limit=25" + (before ? "&before=" + encodeURIComponent(before) : "");
@@ -74,15 +75,167 @@ async function inbox(before) {
       el("td", {}, String(job.attempt_count))));
   show(
     el("h1", {}, "Unknown jobs"),
+    flash,
     el("p", { class: "muted" },
       "An attempt of each of these jobs may have acted upstream, and nobody knows whether it did. " +
       "Retries with their keys are refused until someone says what happened. Newest first."),
+    rows.length ? bulkResolver() : null,
     rows.length
       ? el("table", { id: "inbox" },
           el("thead", {}, el("tr", {}, ["Job", "Created", "Route", "Key", "Owner", "Attempts"].map((h) => el("th", {}, h)))),
           el("tbody", {}, rows))
       : el("div", { class: "card", id: "inbox-empty" }, "No job is unknown. Nothing waits for you."),
     page.next ? el("div", { class: "actions" }, el("button", { id: "older", onclick: () => inbox(page.next) }, "Older")) : null);
+}
+
+// RFC 3339 in UTC to the second, as the admin API reads it.
+const utc = (ms) => new Date(ms).toISOString().replace(/\.\d+Z$/, "Z");
+// The API's exact bounds (nanoseconds), shown to the millisecond.
+const shown = (t) => t.replace(/(\.\d{3})\d*Z$/, "$1Z").replace(/\.000Z$/, "Z");
+const plural = (n, one) => n + " " + one + (n === 1 ? "" : "s");
+
+const BULK_OUTCOMES = {
+  failed: {
+    label: "Had no effect",
+    recorded: "recorded as failed: the upstream did nothing with any of them",
+  },
+  cancelled: {
+    label: "Cancelled (abandoned)",
+    recorded: "recorded as cancelled: abandoned, whatever they did",
+  },
+};
+
+// The upstream field: a select of the configured upstreams (the API lists
+// them), or free text should that list not load.
+function upstreamField() {
+  const holder = el("div", {}, el("label", { for: "bulk-upstream" }, "Upstream"),
+    el("select", { id: "bulk-upstream", required: "" }, el("option", { value: "" }, "Loading…")));
+  api("GET", "upstreams").then((data) => {
+    holder.querySelector("#bulk-upstream").replaceChildren(
+      ...data.upstreams.map((u) => el("option", { value: u.name }, u.name)));
+  }).catch(() => {
+    holder.querySelector("#bulk-upstream").replaceWith(el("input", { id: "bulk-upstream", size: 16, required: "" }));
+  });
+  return holder;
+}
+
+// Bulk resolution after an outage of one upstream (docs/design.md, §14):
+// every unknown attempt sent to it that started in a window, marked as
+// having had no effect or cancelled, through POST /admin/v1/attempts/resolve.
+// A preview (the API's dry run) comes first, and "Resolve" is offered only
+// for the inputs previewed; it sends back the window's end the preview read,
+// so attempts started since are not swept in unseen.
+function bulkResolver() {
+  const message = el("div", { id: "bulk-message" });
+  const listing = el("div", { id: "bulk-preview" });
+  const since = el("input", { id: "bulk-since", size: 24, required: "", value: utc(Date.now() - 3600e3) });
+  const until = el("input", { id: "bulk-until", size: 24, placeholder: "now" });
+  const outcome = el("select", { id: "bulk-outcome" },
+    Object.entries(BULK_OUTCOMES).map(([value, o]) => el("option", { value }, o.label)));
+  const resolve = el("button", { type: "button", class: "danger", id: "bulk-resolve", disabled: "" }, "Resolve");
+  let previewed = null;
+  const inputs = () => ({
+    upstream: form.querySelector("#bulk-upstream").value.trim(),
+    since: since.value.trim(),
+    until: until.value.trim() || undefined,
+    outcome: outcome.value,
+  });
+  const same = () => previewed !== null && JSON.stringify(inputs()) === previewed.key;
+  const stale = () => {
+    if (previewed === null || same()) return;
+    previewed = null;
+    resolve.disabled = true;
+    resolve.textContent = "Resolve";
+    listing.replaceChildren(notice("status", "The inputs changed: preview again."));
+  };
+  const preview = async (e) => {
+    e.preventDefault();
+    const request = inputs();
+    message.replaceChildren();
+    try {
+      const answer = await api("POST", "attempts/resolve", { ...request, dry_run: true });
+      previewed = { key: JSON.stringify(request), request, until: answer.until, count: answer.matched.length };
+      listing.replaceChildren(matchedList(request, answer));
+      resolve.disabled = previewed.count === 0;
+      resolve.textContent = "Resolve " + plural(previewed.count, "attempt");
+    } catch (err) {
+      previewed = null;
+      resolve.disabled = true;
+      listing.replaceChildren();
+      message.replaceChildren(notice("error", err.message));
+    }
+  };
+  const run = async () => {
+    if (!same()) return stale();
+    const { request, until: end, count } = previewed;
+    resolve.disabled = true;
+    try {
+      const done = await api("POST", "attempts/resolve", { ...request, until: end, dry_run: false });
+      inbox(undefined, bulkDone(request, count, done));
+    } catch (err) {
+      resolve.disabled = false;
+      message.replaceChildren(notice("error", err.message));
+    }
+  };
+  resolve.addEventListener("click", () => {
+    if (!same()) return stale();
+    const { request, count } = previewed;
+    confirmThen(`Resolve ${plural(count, "attempt")} on ${request.upstream}?`,
+      `${plural(count, "unknown attempt")} sent to ${request.upstream} that started from ${request.since} ` +
+      `to ${shown(previewed.until)} will be ${BULK_OUTCOMES[request.outcome].recorded}. Their jobs reopen: each ` +
+      "client's next retry with its key runs a new attempt against the upstream. One settled meanwhile is " +
+      "skipped. This cannot be undone.", run);
+  });
+  const form = el("form", { id: "bulk-form", onsubmit: preview, oninput: stale, onchange: stale },
+    el("div", { class: "fields" },
+      upstreamField(),
+      el("div", {}, el("label", { for: "bulk-since" }, "Started at or after (UTC)"), since),
+      el("div", {}, el("label", { for: "bulk-until" }, "Started before (UTC)"), until),
+      el("div", {}, el("label", { for: "bulk-outcome" }, "Resolution"), outcome)),
+    el("p", { class: "muted" }, "Times are RFC 3339 in UTC, as the gateway logs them: 2026-12-01T10:00:00Z. " +
+      "Leave \"started before\" empty for now."),
+    el("div", { class: "actions" }, el("button", { type: "submit", id: "bulk-preview-button" }, "Preview"), resolve));
+  return el("details", { class: "bulk", id: "bulk" },
+    el("summary", {}, "Resolve many (after an outage of one upstream)"),
+    el("p", {}, "Every unknown attempt sent to one upstream that started in a window, settled with one answer. " +
+      "Only \"had no effect\" or \"cancelled\": one response cannot be every attempt's. Both reopen the jobs."),
+    message, form, listing);
+}
+
+// What a dry run matched: how many, and which jobs (the first 100 listed).
+function matchedList(request, answer) {
+  const matched = answer.matched;
+  if (!matched.length) {
+    return el("div", { class: "card", id: "bulk-count", "data-count": "0" },
+      `No unknown attempt sent to ${request.upstream} started from ${shown(answer.since)} to ${shown(answer.until)}.`);
+  }
+  const rows = matched.slice(0, 100);
+  return el("div", {},
+    el("div", { class: "notice status", id: "bulk-count", "data-count": String(matched.length) },
+      `${plural(matched.length, "attempt")} would change: unknown, sent to ${request.upstream}, ` +
+      `started from ${shown(answer.since)} to ${shown(answer.until)}. Nothing is changed yet.`),
+    el("table", { id: "bulk-matched" },
+      el("thead", {}, el("tr", {}, ["Job", "Attempt", "Started (UTC)"].map((h) => el("th", {}, h)))),
+      el("tbody", {}, rows.map((m) => el("tr", { "data-job": m.job, "data-attempt": m.attempt },
+        el("td", {}, el("a", { href: "#/jobs/" + m.job, class: "mono" }, m.job)),
+        el("td", { class: "mono" }, m.attempt),
+        el("td", { class: "mono" }, m.started_at))))),
+    matched.length > rows.length
+      ? el("p", { class: "muted" }, `… and ${matched.length - rows.length} more.`) : null);
+}
+
+// The inbox's notice after a bulk resolution: what was resolved, what was
+// skipped and why, and whether the set differed from the preview.
+function bulkDone(request, previewedCount, done) {
+  const resolved = done.resolved.length;
+  const lines = [el("div", { id: "bulk-done", "data-resolved": String(resolved) },
+    `Resolved ${resolved} of ${plural(done.matched.length, "attempt")} on ${request.upstream}: their jobs are open again.`)];
+  if (done.matched.length !== previewedCount) {
+    lines.push(el("div", {}, `The preview matched ${previewedCount}: ` +
+      "since then, attempts in the window were settled or went unknown."));
+  }
+  for (const s of done.skipped) lines.push(el("div", {}, `Skipped attempt ${s.attempt}: ${s.why}`));
+  return el("div", { class: "notice " + (done.skipped.length ? "error" : "ok"), role: "status" }, lines);
 }
 
 function find() {
