@@ -137,3 +137,34 @@ async fn with_the_access_log_off_no_line_is_written_and_the_variable_turns_it_on
     let lines = wait_for_lines(log.path(), 1).await;
     assert_eq!(lines[0]["outcome"], "passed_through", "{lines:#?}");
 }
+
+/// A keyed request that failed over is logged once, naming the attempt
+/// whose answer it got (the second) and that attempt's upstream.
+#[tokio::test]
+async fn a_failed_over_request_names_the_attempt_and_upstream_that_answered() {
+    let store = TestStore::embedded();
+    let fallback = FakeUpstream::echo().await;
+    let log = tempfile::NamedTempFile::new().unwrap();
+    // The primary refuses connections: the default route fails over.
+    let gateway = Gateway::builder(&store, "http://127.0.0.1:1")
+        .set(
+            "upstreams",
+            &format!("[\"http://127.0.0.1:1\", {:?}]", fallback.url()),
+        )
+        .env("RUST_LOG", "warn,idemgate::access=info")
+        .env("IDEMGATE_LOG_FORMAT", "json")
+        .stderr_to(log.path())
+        .start()
+        .await;
+    let reply = post(&gateway.path("/v1/orders"), "failed-over", "{}").await;
+    assert_eq!(reply.status, 200);
+    let lines = wait_for_lines(log.path(), 1).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(access_lines(log.path()).len(), 1, "{lines:#?}");
+    let line = &lines[0];
+    assert_eq!(line["route"], "default", "{line}");
+    assert_eq!(line["outcome"], "executed", "{line}");
+    assert_eq!(line["job"], reply.job().unwrap().as_str(), "{line}");
+    assert_eq!(line["attempt"], 2, "{line}");
+    assert_eq!(line["upstream"], "fallback-1", "{line}");
+}
