@@ -5,7 +5,8 @@
 //! the run's noise); the floor under idemgate (its listener and upstream
 //! pool with no layers, on two threads and on one: examples/floor.rs);
 //! idemgate passing requests through (as deployed, on one worker thread as
-//! nginx has one worker, and at the default log level); replays of finished
+//! nginx has one worker, at the default log level, and with the access log
+//! on: nginx runs with its own off); replays of finished
 //! keys (Redis, PostgreSQL alone, the embedded store); a new key per request
 //! (PostgreSQL + Redis, embedded); the pgbench ceiling for the statements a
 //! new key needs; a duplicate storm (thousands of holders of one key); and
@@ -186,13 +187,27 @@ async fn main() {
         &["--worker-threads", "1"],
     )
     .await;
+    // The access log (on by default) writes a line per request at `info`:
+    // off in the row that measures the level alone, on in the row that
+    // measures it, its lines to a file as a deployment's go to a file or a
+    // collector. The other gateways run at `warn`, which filters it out.
     let logging = Gateway::start_env(
         &args.binary,
         &upstream.url,
         Store::Postgres(&db),
         Some(&args.redis),
-        &[],
+        &["--access-log", "false"],
         &[("RUST_LOG", "info")],
+    )
+    .await;
+    let access_log = Gateway::start_logging(
+        &args.binary,
+        &upstream.url,
+        Store::Postgres(&db),
+        Some(&args.redis),
+        &["--access-log", "true"],
+        &[("RUST_LOG", "info")],
+        Some(&scratch.join("access.log")),
     )
     .await;
     let floor_two = Floor::start(&args.floor, "mt2", &upstream.url).await;
@@ -244,24 +259,31 @@ async fn main() {
             true,
         ),
         row(
-            "idemgate pass-through (no key)",
+            "idemgate pass-through (no key; logs at warn: access log off)",
             &default.url,
             Load::Plain,
             vec![default.pid],
             true,
         ),
         row(
-            "idemgate pass-through, one worker thread",
+            "idemgate pass-through, one worker thread (access log off)",
             &one_thread.url,
             Load::Plain,
             vec![one_thread.pid],
             true,
         ),
         row(
-            "idemgate pass-through, logs at info (the default level)",
+            "idemgate pass-through, logs at info (the default level), access log off",
             &logging.url,
             Load::Plain,
             vec![logging.pid],
+            true,
+        ),
+        row(
+            "idemgate pass-through, access log on (logs at info, to a file)",
+            &access_log.url,
+            Load::Plain,
+            vec![access_log.pid],
             true,
         ),
         row(

@@ -89,7 +89,25 @@ impl Gateway {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Gateway {
+        Self::start_logging(binary, upstream, store, redis, extra, env, None).await
+    }
+
+    /// [`Gateway::start_env`], its logs (stderr) written to `log` when
+    /// given, as a deployment's go to a file or a collector's pipe, rather
+    /// than to the benchmark's terminal.
+    pub async fn start_logging(
+        binary: &str,
+        upstream: &str,
+        store: Store<'_>,
+        redis: Option<&str>,
+        extra: &[&str],
+        env: &[(&str, &str)],
+        log: Option<&Path>,
+    ) -> Gateway {
         let mut cmd = Command::new(binary);
+        if let Some(log) = log {
+            cmd.stderr(std::fs::File::create(log).expect("create the gateway's log file"));
+        }
         cmd.args([
             "serve",
             "--listen",

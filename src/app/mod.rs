@@ -1,6 +1,7 @@
 //! Assembling the gateway: its components (`components`), THE stack
 //! (`stack`), and the two listeners.
 
+mod access;
 mod components;
 mod secrets;
 mod stack;

@@ -1,6 +1,6 @@
 //! THE stack: the request path of the proxy listener, outermost layer
-//! first (`docs/design.md` §2), and how each answered request is logged and
-//! counted.
+//! first (`docs/design.md` §2), and how each answered request is recorded
+//! on its span (counted, timed and logged by `access`).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -13,13 +13,14 @@ use tower::{Service, ServiceBuilder};
 use tower_http::request_id::{PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::{DefaultOnFailure, TraceLayer};
 
+use super::access::{AccessLogLayer, Counted};
 use crate::config::routes;
 use crate::config::{Route, Settings};
 use crate::domain::id::JobId;
 use crate::idempotency::{IdempotencyLayer, Shared};
 use crate::proxy::http::idle::IdleTimeout;
 use crate::proxy::http::request_id::RequestIds;
-use crate::proxy::http::{cookie, hop, Outcome, IDEMPOTENCY_KEY};
+use crate::proxy::http::{cookie, hop, IDEMPOTENCY_KEY};
 use crate::proxy::path::NormalizePathLayer;
 use crate::proxy::shed::ShedLayer;
 use crate::proxy::upstream::Upstreams;
@@ -71,6 +72,7 @@ pub(super) fn proxy(
     let body_read_timeout = settings.limits.body_read_timeout;
     // Shared, not copied, by the per-request clones of the stack.
     let routes: Arc<[Arc<Route>]> = settings.routes.iter().cloned().collect();
+    let span_routes = routes.clone();
     ServiceBuilder::new()
         // Every request gets an id (kept if the client sent one)…
         .layer(SetRequestIdLayer::x_request_id(RequestIds))
@@ -78,7 +80,7 @@ pub(super) fn proxy(
         // exported over OTLP when configured, continuing the client's trace…
         .layer(
             TraceLayer::new_for_http()
-                .make_span_with(move |req: &Request<Incoming>| span(req, &routes))
+                .make_span_with(move |req: &Request<Incoming>| span(req, &span_routes))
                 .on_response(answered)
                 // A 5xx here is usually the upstream's, already explained by the
                 // attempt's own log line: a warning, not an error of the gateway.
@@ -86,6 +88,13 @@ pub(super) fn proxy(
         )
         // …and the response echoes.
         .layer(PropagateRequestIdLayer::x_request_id())
+        // Each request timed once, from here: counted and timed to its
+        // answer's head, and logged once its answer ends (`access_log`).
+        .layer(AccessLogLayer::new(
+            settings.access_log,
+            routes.clone(),
+            settings.upstreams[0].id.clone(),
+        ))
         .map_request(move |req| enter(req, body_read_timeout))
         // One spelling of each path: routes match, and the upstream gets,
         // what the upstream will read (`400` for a path read two ways).
@@ -104,7 +113,7 @@ pub(super) fn proxy(
 /// before any layer adds a header of the gateway's own (§15). The client's
 /// `Idempotency-Key` is for the gateway: naming it there does not hide it.
 fn enter(
-    mut req: Request<Incoming>,
+    mut req: Request<Counted<Incoming>>,
     body_read_timeout: std::time::Duration,
 ) -> Request<crate::proxy::http::Body> {
     hop::strip_but(req.headers_mut(), Some(&IDEMPOTENCY_KEY));
@@ -135,8 +144,9 @@ fn span(req: &Request<Incoming>, routes: &[Arc<Route>]) -> tracing::Span {
     span
 }
 
-/// Records how a request was answered on its span, and counts and times it.
-fn answered<B>(response: &Response<B>, latency: std::time::Duration, span: &tracing::Span) {
+/// Records how a request was answered on its span (the access log layer
+/// counts and times it).
+fn answered<B>(response: &Response<B>, _latency: std::time::Duration, span: &tracing::Span) {
     // As an i64: tracing-opentelemetry sends unsigned values as text, and
     // the semantic conventions type the status code as an integer.
     span.record(
@@ -146,39 +156,4 @@ fn answered<B>(response: &Response<B>, latency: std::time::Duration, span: &trac
     if let Some(job) = response.extensions().get::<JobId>() {
         span.record("job.id", tracing::field::display(job));
     }
-    count(response, latency);
-}
-
-/// Counts a request by how it was answered (`idemgate_requests_total{outcome,
-/// status}`) and times it to its answer's head
-/// (`idemgate_request_duration_seconds{outcome}`): `replayed` (a recorded answer), `executed` (an attempt's
-/// answer), `problem` (the gateway refused or failed it, with a problem
-/// answer), `passed_through` (not opted in); the status by class.
-fn count<B>(response: &Response<B>, latency: std::time::Duration) {
-    const OUTCOMES: [&str; 4] = ["problem", "replayed", "executed", "passed_through"];
-    const STATUSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
-    let outcome = match response.extensions().get::<Outcome>() {
-        Some(Outcome::Problem) => 0,
-        Some(Outcome::Replayed) => 1,
-        Some(Outcome::Executed) => 2,
-        None => 3,
-    };
-    let class = usize::from(response.status().as_u16() / 100).clamp(1, 5) - 1;
-    // The handle is looked up once per series, not once per request (a
-    // lookup hashes the name and labels under the registry's lock).
-    static COUNTERS: [[std::sync::OnceLock<metrics::Counter>; 5]; 4] =
-        [const { [const { std::sync::OnceLock::new() }; 5] }; 4];
-    COUNTERS[outcome][class]
-        .get_or_init(|| {
-            metrics::counter!("idemgate_requests_total",
-                "outcome" => OUTCOMES[outcome], "status" => STATUSES[class])
-        })
-        .increment(1);
-    static DURATIONS: [std::sync::OnceLock<metrics::Histogram>; 4] =
-        [const { std::sync::OnceLock::new() }; 4];
-    DURATIONS[outcome]
-        .get_or_init(|| {
-            metrics::histogram!("idemgate_request_duration_seconds", "outcome" => OUTCOMES[outcome])
-        })
-        .record(latency.as_secs_f64());
 }

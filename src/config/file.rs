@@ -20,6 +20,7 @@ pub struct FileConfig {
     pub(super) admin_listen: Option<SocketAddr>,
     pub(super) admin_token: Option<String>,
     pub(super) console_secure_cookie: Option<bool>,
+    pub(super) access_log: Option<bool>,
     pub(super) upstreams: Option<Vec<UpstreamFile>>,
     pub(super) database_url: Option<String>,
     pub(super) database_direct_url: Option<String>,

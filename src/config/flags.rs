@@ -259,4 +259,9 @@ pub struct Flags {
     /// (for a trial; see `[owner]`).
     #[arg(long, env = "IDEMGATE_ALLOW_ANONYMOUS")]
     pub allow_anonymous: bool,
+    /// One line per proxied request at `info` (`true` or `false`; default
+    /// `true`): method, route, path, status, outcome, job, attempt,
+    /// upstream, duration and bytes.
+    #[arg(long, env = "IDEMGATE_ACCESS_LOG", value_name = "BOOL")]
+    pub access_log: Option<bool>,
 }

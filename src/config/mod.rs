@@ -87,6 +87,10 @@ pub struct Settings {
     /// Whether the console's cookie is `Secure` and `__Host-` prefixed (the
     /// admin listener speaks plain HTTP: for HTTPS terminated in front).
     pub console_secure_cookie: bool,
+    /// Whether every proxied request is logged, one line at `info` under
+    /// the target `idemgate::access`, once its answer is sent
+    /// (`docs/design.md` §12).
+    pub access_log: bool,
     /// Upstreams in configured order; never empty. Requests on no route
     /// pass through to the first.
     pub upstreams: Vec<Arc<UpstreamSettings>>,
@@ -260,6 +264,7 @@ impl Settings {
                 .or(file.admin_token.clone())
                 .filter(|t| !t.is_empty()),
             console_secure_cookie: file.console_secure_cookie.unwrap_or(false),
+            access_log: flags.access_log.or(file.access_log).unwrap_or(true),
             upstreams,
             store,
             redis: redis_settings(&file, &flags)?,

@@ -21,6 +21,12 @@ impl Display for Summary<'_> {
             "off (no admin_token): /admin/v1 and the console answer 404"
         };
         writeln!(f, "admin_api = {admin}")?;
+        let access = if s.access_log {
+            "on (one line per request at info, target idemgate::access)"
+        } else {
+            "off"
+        };
+        writeln!(f, "access_log = {access}")?;
         writeln!(f, "store = {}", store(&s.store))?;
         match &s.redis {
             Some(redis) => writeln!(f, "redis = {}", topology(&redis.topology))?,

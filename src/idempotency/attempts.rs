@@ -1,6 +1,8 @@
 //! The attempts one request runs (`docs/design.md` §6): the replies of
 //! those it started or claimed, and how to cancel the losers of a race.
 
+use std::sync::Arc;
+
 use futures_util::stream::FuturesUnordered;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -10,6 +12,7 @@ use super::execute::{Reply, Running};
 use crate::domain::attempt::Attempt;
 use crate::domain::id::AttemptId;
 use crate::proxy::error::GatewayError;
+use crate::proxy::http::AnsweredBy;
 use crate::store::StoreError;
 
 /// The attempts one request runs: their replies, and how to cancel them.
@@ -18,11 +21,16 @@ pub(super) struct Attempts {
     pub(super) replies:
         FuturesUnordered<futures_util::future::BoxFuture<'static, (AttemptId, Reply)>>,
     cancels: Vec<(AttemptId, CancellationToken)>,
+    /// Who each attempt is, for the answer's [`AnsweredBy`].
+    started: Vec<(AttemptId, i32, Arc<str>)>,
 }
 
 impl Attempts {
     pub(super) fn watch(&mut self, running: Running) {
         let id = running.attempt.id;
+        let attempt = &running.attempt;
+        self.started
+            .push((id, attempt.number, Arc::from(attempt.upstream.as_str())));
         self.cancels.push((id, running.cancel));
         let reply = running.reply;
         self.replies.push(Box::pin(async move {
@@ -60,6 +68,24 @@ impl Attempts {
                 attempt
             })
         })
+    }
+
+    /// `response`, marked as `by`'s answer for the access log
+    /// (`docs/design.md` §12).
+    pub(super) fn mark<B>(
+        &self,
+        by: Option<AttemptId>,
+        mut response: http::Response<B>,
+    ) -> http::Response<B> {
+        let found = by.and_then(|by| self.started.iter().find(|(id, ..)| *id == by));
+        if let Some((attempt, number, upstream)) = found {
+            response.extensions_mut().insert(AnsweredBy {
+                attempt: *attempt,
+                number: *number,
+                upstream: upstream.clone(),
+            });
+        }
+        response
     }
 
     /// Cancels every attempt but the winner.

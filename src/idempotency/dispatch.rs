@@ -113,6 +113,8 @@ pub(super) struct Dispatch {
     claiming: bool,
     hedge_pending: bool,
     last: Option<Uncommitted>,
+    /// The attempt `last` is the answer of.
+    last_by: Option<AttemptId>,
     unknown: Option<GatewayError>,
     store_error: Option<StoreError>,
 }
@@ -135,6 +137,7 @@ impl Dispatch {
             claiming: false,
             hedge_pending: route.hedge_after.is_some(),
             last: None,
+            last_by: None,
             unknown: None,
             store_error: None,
             route,
@@ -197,7 +200,10 @@ impl Dispatch {
             // so; with none of ours left, read who did.
             Reply::Superseded if self.running == 0 && !self.claiming => return vec![Step::Reread],
             Reply::Superseded => return Vec::new(),
-            Reply::Failed(answer) => self.last = Some(answer),
+            Reply::Failed(answer) => {
+                self.last = Some(answer);
+                self.last_by = Some(id);
+            }
             Reply::Unknown(error) => self.unknown = Some(error),
         }
         self.next(now, eligible)
@@ -281,6 +287,11 @@ impl Dispatch {
             tracing::debug!(upstream = %target.id, "skipping an upstream that does not pass its contract's probes");
         }
         None
+    }
+
+    /// The attempt whose failure an [`Step::Answer`] passes on, if any.
+    pub(super) fn failed_last(&self) -> Option<AttemptId> {
+        self.last_by
     }
 
     /// The answer when no attempt of this request produced the job's result.

@@ -277,6 +277,8 @@ impl Flow {
             Dispatch::new(route.clone(), &first.attempt, Instant::now(), retry_after);
         let mut attempts = Attempts::default();
         attempts.watch(first);
+        // The attempt whose answer won the race, once one has.
+        let mut winner = None;
         let mut claims = FuturesUnordered::new();
         let hedge = tokio::time::sleep(route.hedge_after.unwrap_or_default());
         tokio::pin!(hedge);
@@ -304,7 +306,10 @@ impl Flow {
                         let claim = self.claim(job, version, &target, how);
                         claims.push(async move { (how, target, joined(claim).await) });
                     }
-                    Step::CancelAllBut(winner) => attempts.cancel_all_but(winner),
+                    Step::CancelAllBut(won) => {
+                        attempts.cancel_all_but(won);
+                        winner = Some(won);
+                    }
                     Step::Reread => {
                         let job = self.shared.holds.reread(job).await;
                         queued.push_back(Event::Reread(job));
@@ -313,9 +318,12 @@ impl Flow {
                     Step::Committed(stored) => {
                         let replays = &self.shared.replays;
                         replays.remember(&self.request, job, expires_at, &stored, Write::Always);
-                        return Ok(replay::response(&stored, job, false, Framing::Whole));
+                        let response = replay::response(&stored, job, false, Framing::Whole);
+                        return Ok(attempts.mark(winner, response));
                     }
-                    Step::Stream(recording) => return Ok(recording.response(false)),
+                    Step::Stream(recording) => {
+                        return Ok(attempts.mark(winner, recording.response(false)))
+                    }
                     Step::Replay(current) => {
                         return self.shared.replays.from_store(
                             &self.request,
@@ -323,7 +331,9 @@ impl Flow {
                             Write::Always,
                         )
                     }
-                    Step::Answer(answer) => return answer,
+                    Step::Answer(answer) => {
+                        return answer.map(|r| attempts.mark(dispatch.failed_last(), r))
+                    }
                 }
             }
         }

@@ -597,6 +597,8 @@ fn the_schema_accepts_the_config_values_the_binary_accepts_and_no_others() {
         ("worker_threads: 0", "worker_threads = 0", false),
         ("mismatch_status: 422", "mismatch_status = 422", true),
         ("mismatch_status: 400", "mismatch_status = 400", false),
+        ("access_log: false", "access_log = false", true),
+        ("access_log: 'off'", "access_log = \"off\"", false),
         ("upstream_timout: 30s", "upstream_timout = \"30s\"", false),
         (
             "routes: [{name: a, retryable_statuses: [429, 503], max_attempts: 1}]",

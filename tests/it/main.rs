@@ -3,6 +3,7 @@
 
 mod support;
 
+mod access_log;
 mod alerts;
 mod budget;
 mod chat_example;

@@ -77,6 +77,19 @@ pub enum Outcome {
     Executed,
 }
 
+/// The attempt whose answer a keyed request got, carried on the answer for
+/// the access log (`docs/design.md` §12). A pass-through answer carries
+/// none: its upstream is the one its route (or none) sends it to.
+#[derive(Debug, Clone)]
+pub struct AnsweredBy {
+    /// The attempt.
+    pub attempt: crate::domain::id::AttemptId,
+    /// 1, 2, … in the order the job's attempts were made.
+    pub number: i32,
+    /// The upstream it went to.
+    pub upstream: std::sync::Arc<str>,
+}
+
 /// The client's address, put into request extensions by the server.
 #[derive(Debug, Clone)]
 pub struct ClientAddr {
