@@ -53,7 +53,7 @@ pub const SERIES: &[(&str, Kind, &str)] = &[
     ("idemgate_memory_budget_bytes", Kind::Gauge, "The memory budget: bytes keyed requests may make the gateway hold."),
     ("idemgate_memory_budget_in_use_bytes", Kind::Gauge, "Bytes of the memory budget held now."),
     ("idemgate_memory_budget_refusals_total", Kind::Counter, "Keyed requests answered 503 overloaded because the memory budget was spent."),
-    ("idemgate_reconcile_lookups_total", Kind::Counter, "Lookups of an unknown attempt on its upstream, by route and result (settled_succeeded, settled_no_effect, still_unknown, error)."),
+    ("idemgate_reconcile_lookups_total", Kind::Counter, "Lookups and resends of an unknown attempt on its upstream, by route, by (lookup, resend) and result (settled_succeeded, settled_no_effect, still_unknown, error)."),
     ("idemgate_upstream_probes_passing", Kind::Gauge, "1 while the upstream passes its contract's probes (a failover or hedge target), 0 while it fails them."),
     ("idemgate_task_restarts_total", Kind::Counter, "Background tasks restarted after a failure or panic, by task."),
 ];
