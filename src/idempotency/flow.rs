@@ -158,6 +158,8 @@ impl Flow {
         // entry once between them; any other replay from the store writes
         // it (which also repairs a lost or unusable entry).
         let mut write = Write::Always;
+        // A duplicate waits for evidence about an unknown job once at most.
+        let mut waited = false;
         for _ in 0..MAX_ROUNDS {
             match job.state {
                 JobState::Completed => {
@@ -175,6 +177,18 @@ impl Flow {
                             return Box::pin(self.drive(first, job.expires_at)).await;
                         }
                         None => job = self.shared.holds.reread(job.id).await?,
+                    }
+                }
+                // A lookup due soon may settle it: wait for that, as for a
+                // running attempt, rather than answer 409 (docs/design.md §5).
+                JobState::Unknown if !waited => {
+                    waited = true;
+                    let Some(limit) = self.evidence_due(job.id).await else {
+                        return Err(self.outcome_unknown(job.id).await);
+                    };
+                    match self.hold_for_evidence(job.id, limit).await? {
+                        Some(settled) => (job, write) = (settled, Write::Once),
+                        None => return Err(self.outcome_unknown(job.id).await),
                     }
                 }
                 JobState::Unknown => return Err(self.outcome_unknown(job.id).await),
@@ -337,6 +351,32 @@ impl Flow {
                 }
             }
         }
+    }
+
+    /// How long to wait for the next lookup of an unknown job's attempt to
+    /// settle it, when one is due within the hold timeout (its start, plus
+    /// the time the lookup or resend may take); `None` on a route that does
+    /// not reconcile, or when no lookup is due that soon.
+    async fn evidence_due(&self, job: JobId) -> Option<Duration> {
+        let route = &self.request.route;
+        route.reconcile.as_ref()?;
+        let limit = self.next_lookup(job).await? + route.primary.timeout;
+        (limit <= self.shared.config.hold.timeout).then_some(limit)
+    }
+
+    /// Holds a duplicate of an unknown job until evidence settles it or
+    /// `limit` passes (`None`: still unknown).
+    async fn hold_for_evidence(
+        &self,
+        job: JobId,
+        limit: Duration,
+    ) -> Result<Option<Job>, GatewayError> {
+        let tag = Tag::of(&self.request.owner, &self.request.key);
+        let live = &self.shared.live;
+        self.shared
+            .holds
+            .wait_for_evidence(job, limit, |job| live.streaming(&tag, job))
+            .await
     }
 
     /// `409` for a job whose outcome is unknown. On a route that looks

@@ -69,11 +69,53 @@ impl Holds {
         S: Fn(JobId) -> F,
         F: Future<Output = bool>,
     {
+        let deadline = Instant::now() + self.config.timeout;
+        let done = |seen: &Observed| {
+            seen.job.state != JobState::Running || (until == Until::Streaming && seen.streaming)
+        };
+        self.watch(job, deadline, &streaming, done)
+            .await?
+            .ok_or_else(|| self.in_progress())
+    }
+
+    /// Waits, for at most `limit`, until `job` (whose outcome is unknown)
+    /// is settled by evidence: a lookup due within `limit` on a route that
+    /// looks up (`docs/design.md` §5). `None` when it is still unknown.
+    ///
+    /// `streaming` is asked as in [`Holds::wait`]: waiters share what one
+    /// of them observed.
+    pub async fn wait_for_evidence<S, F>(
+        &self,
+        job: JobId,
+        limit: Duration,
+        streaming: S,
+    ) -> Result<Option<Job>, GatewayError>
+    where
+        S: Fn(JobId) -> F,
+        F: Future<Output = bool>,
+    {
+        let deadline = Instant::now() + limit.min(self.config.timeout);
+        let done = |seen: &Observed| seen.job.state != JobState::Unknown;
+        self.watch(job, deadline, &streaming, done).await
+    }
+
+    /// Reads `job` after every ring until `done` says so (`Some`) or
+    /// `deadline` passes (`None`).
+    async fn watch<S, F>(
+        &self,
+        job: JobId,
+        deadline: Instant,
+        streaming: &S,
+        done: impl Fn(&Observed) -> bool,
+    ) -> Result<Option<Job>, GatewayError>
+    where
+        S: Fn(JobId) -> F,
+        F: Future<Output = bool>,
+    {
         let bell = self.doorbell.bell(job);
         // Changes of a job are announced to other replicas only once
         // someone waits on it; the reads below follow the mark.
         bell.watched(|| self.store.watch(job)).await?;
-        let deadline = Instant::now() + self.config.timeout;
         metrics::counter!("idemgate_requests_held_total").increment(1);
         let _held = HeldGauge::new();
         loop {
@@ -82,17 +124,14 @@ impl Holds {
             rung.as_mut().enable();
             // What another waiter read since the last ring serves here too.
             let since = bell.rings();
-            let seen = bell
-                .observe(since, || self.observe(job, &streaming))
-                .await?;
+            let seen = bell.observe(since, || self.observe(job, streaming)).await?;
             // Settled, or streaming: the caller decides (and joins).
-            if seen.job.state != JobState::Running || (until == Until::Streaming && seen.streaming)
-            {
-                return Ok(seen.job);
+            if done(&seen) {
+                return Ok(Some(seen.job));
             }
             tokio::select! {
                 () = &mut rung => {}
-                () = tokio::time::sleep_until(deadline) => return Err(self.in_progress()),
+                () = tokio::time::sleep_until(deadline) => return Ok(None),
             }
         }
     }

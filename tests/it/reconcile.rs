@@ -162,6 +162,62 @@ async fn a_lookup_answering_200_commits_its_answer_for_every_retry(store: TestSt
     assert_eq!(replay.body, retry.body);
 }
 
+/// A duplicate that arrives while a lookup is under way is held for it,
+/// as for a running attempt, and gets the looked-up answer.
+async fn a_duplicate_held_meanwhile_gets_the_looked_up_answer(store: TestStore) {
+    let (silent, asked) = (Gate::new(), Gate::new());
+    let upstream = {
+        let asked = asked.clone();
+        FakeUpstream::start(move |r| {
+            let (silent, asked) = (silent.clone(), asked.clone());
+            async move {
+                if is_lookup(&r) {
+                    asked.pass().await;
+                    return json_response(200, json!({"charge": "ch_held"}));
+                }
+                silent.pass().await;
+                echo_response(&r)
+            }
+        })
+        .await
+    };
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("upstream_timeout", "\"2s\"")
+        .set("attempt_deadline", "\"30s\"")
+        .tables(ROUTE)
+        .start()
+        .await;
+    let url = gateway.path("/v1/charges");
+    let first = post(&url, "charge-held", "{}").await;
+    assert_eq!(first.status, 504);
+    // The lookup has arrived and waits at the upstream.
+    let arrived = upstream.arrival().await;
+    let lookup = if is_lookup(&arrived) {
+        arrived
+    } else {
+        upstream.arrival().await
+    };
+    assert!(is_lookup(&lookup));
+    let duplicate = {
+        let url = url.clone();
+        tokio::spawn(async move { post(&url, "charge-held", "{}").await })
+    };
+    eventually(
+        Duration::from_secs(1),
+        "the duplicate to be held for the lookup",
+        || async { gateway.metric("idemgate_held_requests").await == 1.0 },
+    )
+    .await;
+    asked.open(1);
+    let duplicate = duplicate.await.unwrap();
+    assert_eq!(duplicate.status, 200, "{:?}", duplicate.json());
+    assert_eq!(duplicate.json()["charge"], "ch_held");
+    let later = post(&url, "charge-held", "{}").await;
+    assert_eq!(later.header("idempotent-replayed"), Some("true"));
+    assert_eq!(later.json()["charge"], "ch_held");
+    assert_eq!(posts(&upstream), 1, "the POST ran once");
+}
+
 async fn a_lookup_answering_404_reopens_the_job_for_attempt_two(store: TestStore) {
     let silent = Gate::new();
     let upstream = upstream_with_lookups(&silent, |_| {
@@ -507,6 +563,7 @@ async fn a_resend_to_an_upstream_that_deduplicates_settles_the_attempt(store: Te
 }
 
 crate::on_both_stores!(
+    a_duplicate_held_meanwhile_gets_the_looked_up_answer,
     lookups_resume_after_the_gateway_that_asked_is_gone,
     a_resend_to_an_upstream_that_deduplicates_settles_the_attempt,
     a_duplicate_of_an_unknown_job_is_told_when_the_next_lookup_is,
