@@ -51,6 +51,7 @@ use crate::upkeep::lease::{LeaseGuard, Leases};
 /// it is answered anyway (the write goes on in the background).
 pub(super) const PATIENCE: Duration = Duration::from_secs(2);
 
+mod adopt;
 mod call;
 mod reconcile;
 mod record;
