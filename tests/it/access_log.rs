@@ -38,6 +38,7 @@ async fn each_request_is_logged_once_with_its_outcome_job_and_upstream() {
     let log = tempfile::NamedTempFile::new().unwrap();
     let gateway = Gateway::builder(&store, &upstream.url())
         .tables(ROUTE)
+        .set("access_log", "true")
         .env("RUST_LOG", "warn,idemgate::access=info")
         .env("IDEMGATE_LOG_FORMAT", "json")
         .stderr_to(log.path())
@@ -106,6 +107,11 @@ async fn each_request_is_logged_once_with_its_outcome_job_and_upstream() {
 async fn with_the_access_log_off_no_line_is_written_and_the_variable_turns_it_on() {
     let store = TestStore::embedded();
     let upstream = FakeUpstream::echo().await;
+    // Off by default (docs/performance.md, item 20).
+    let default = Gateway::builder(&store, &upstream.url()).tables(ROUTE);
+    let checked = default.run("check").await;
+    let printed = String::from_utf8_lossy(&checked.stdout);
+    assert!(printed.contains("access_log = off"), "{printed}");
     let builder = Gateway::builder(&store, &upstream.url())
         .tables(ROUTE)
         .set("access_log", "false")
@@ -151,6 +157,7 @@ async fn a_failed_over_request_names_the_attempt_and_upstream_that_answered() {
             "upstreams",
             &format!("[\"http://127.0.0.1:1\", {:?}]", fallback.url()),
         )
+        .set("access_log", "true")
         .env("RUST_LOG", "warn,idemgate::access=info")
         .env("IDEMGATE_LOG_FORMAT", "json")
         .stderr_to(log.path())
