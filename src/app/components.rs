@@ -244,6 +244,15 @@ impl Gateway {
             &settings.routes,
             settings.probe_interval,
         ));
+        for contract in config.proving_only_the_shape() {
+            // The seed's warning: valid JSON can still do the wrong thing
+            // with the prompt (docs/design.md §6, "Proven providers").
+            tracing::warn!(
+                %contract,
+                "contract's probes only prove the shape of answers: add `expect` (golden values) \
+                 or `prompt_tokens` to a probe so a fallback is proven to answer right"
+            );
+        }
         if config.needed() {
             let (upstreams, board) = (self.upstreams.clone(), self.probes.clone());
             let stuck_after = config.interval * 3 + Duration::from_secs(300);

@@ -1,7 +1,8 @@
 //! `[contracts.NAME]`: response contracts as written in the file, loaded
 //! into the domain's [`Contract`] (schemas compiled, probe bodies read)
 //! before anything starts, so a bad schema file stops start-up naming its
-//! key (`contracts.NAME.schema`).
+//! key (`contracts.NAME.schema`), and a bad `expect` names its pointer
+//! (`contracts.NAME.probes[0].expect."/answer"`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -12,6 +13,9 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::ConfigError;
+use crate::domain::contract::expect::{
+    Expectation, Expected, Target, TokenWindow, ENVELOPE_PREFIX,
+};
 use crate::domain::contract::{Contract, Embedded, Probe, Shape};
 
 /// A contract as written under `[contracts.NAME]`.
@@ -25,6 +29,9 @@ pub struct ContractFile {
     events: Option<PathBuf>,
     #[serde(default)]
     probes: Vec<ProbeFile>,
+    /// Passing verifications in a row an upstream needs to be eligible
+    /// again after failing one.
+    recover_after: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -53,7 +60,24 @@ struct ProbeFile {
     headers: BTreeMap<String, String>,
     schema: Option<PathBuf>,
     embedded_schema: Option<PathBuf>,
+    /// JSON pointer → expected value (TOML read as JSON).
+    #[serde(default)]
+    expect: BTreeMap<String, Value>,
+    prompt_tokens: Option<TokensFile>,
+    runs: Option<i64>,
+    same: Option<bool>,
 }
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TokensFile {
+    pointer: String,
+    min: Option<i64>,
+    max: Option<i64>,
+}
+
+/// Sends per verification at most: a probe costs the provider a call each.
+const MAX_RUNS: i64 = 20;
 
 /// Loads `[contracts.NAME]`; file paths are relative to `base` (the config
 /// file's folder).
@@ -94,6 +118,7 @@ pub fn load(name: &str, file: ContractFile, base: &Path) -> Result<Contract, Con
         shape: Shape { schema, embedded },
         events,
         probes,
+        recover_after: recover_after(&key("recover_after"), file.recover_after)?,
     })
 }
 
@@ -119,6 +144,7 @@ fn probe(
         ));
     }
     let body = read(&pkey("body"), base, &p.body)?;
+    let runs = runs(&pkey("runs"), p.runs)?;
     Ok(Probe {
         name: p.name.clone(),
         method,
@@ -126,7 +152,184 @@ fn probe(
         headers: probe_headers(&pkey("headers"), &p.headers)?,
         body: Bytes::from(body),
         shape: probe_shape(name, &pkey, p, contract, base)?,
+        expect: p
+            .expect
+            .iter()
+            .map(|(pointer, value)| expectation(&pkey("expect"), pointer, value))
+            .collect::<Result<_, _>>()?,
+        prompt_tokens: p
+            .prompt_tokens
+            .as_ref()
+            .map(|t| token_window(&pkey("prompt_tokens"), t))
+            .transpose()?,
+        runs,
+        // Comparing runs is the point of asking more than once.
+        same: p.same.unwrap_or(runs > 1),
     })
+}
+
+/// `recover_after`: 2 unless written, at least 1.
+fn recover_after(key: &str, written: Option<i64>) -> Result<u32, ConfigError> {
+    match written {
+        None => Ok(2),
+        Some(n) if (1..=1000).contains(&n) => Ok(n as u32),
+        Some(n) => Err(ConfigError::new(
+            key,
+            format!(
+                "{n} is not a number of verifications; write 1 (eligible again after one \
+                 passing verification) or more"
+            ),
+        )),
+    }
+}
+
+/// `runs`: 1 unless written, between 1 and [`MAX_RUNS`].
+fn runs(key: &str, written: Option<i64>) -> Result<u32, ConfigError> {
+    match written {
+        None => Ok(1),
+        Some(n) if (1..=MAX_RUNS).contains(&n) => Ok(n as u32),
+        Some(n) => Err(ConfigError::new(
+            key,
+            format!(
+                "{n} runs cannot prove anything; write between 1 and {MAX_RUNS} (each run is \
+                 one call to the provider per verification)"
+            ),
+        )),
+    }
+}
+
+/// One `expect` entry: `pointer` (a JSON pointer, `body:` for the envelope)
+/// and the value written for it.
+fn expectation(key: &str, pointer: &str, value: &Value) -> Result<Expectation, ConfigError> {
+    let key = format!("{key}.{pointer:?}");
+    let (target, bare) = match pointer.strip_prefix(ENVELOPE_PREFIX) {
+        Some(bare) => (Target::Envelope, bare),
+        None => (Target::Document, pointer),
+    };
+    if !bare.starts_with('/') {
+        return Err(ConfigError::new(
+            key,
+            format!(
+                "{pointer:?} is not a JSON pointer; write it like \"/answer\" (the embedded \
+                 document, or the body without one) or \"body:/model\" (always the body)"
+            ),
+        ));
+    }
+    Ok(Expectation {
+        written: pointer.to_owned(),
+        target,
+        pointer: bare.to_owned(),
+        expected: expected(&key, value)?,
+    })
+}
+
+/// The forms keys of an expected value: a table made only of them is a
+/// form; any other value is compared exactly.
+const FORMS: [&str; 4] = ["matches", "one_of", "min", "max"];
+
+fn expected(key: &str, value: &Value) -> Result<Expected, ConfigError> {
+    let Some(table) = value.as_object() else {
+        return Ok(Expected::Exact(value.clone()));
+    };
+    let forms: Vec<&str> = table
+        .keys()
+        .map(String::as_str)
+        .filter(|k| FORMS.contains(k))
+        .collect();
+    if forms.is_empty() {
+        return Ok(Expected::Exact(value.clone()));
+    }
+    let bad = |message: String| ConfigError::new(key, message);
+    if forms.len() != table.len()
+        || (forms.len() > 1 && forms.iter().any(|f| !["min", "max"].contains(f)))
+    {
+        return Err(bad(format!(
+            "mixes {}; write one of {{ matches = \"regex\" }}, {{ one_of = [ … ] }}, \
+             {{ min = …, max = … }}, or compare a table's fields one pointer each",
+            table
+                .keys()
+                .map(String::as_str)
+                .collect::<Vec<_>>()
+                .join(", ")
+        )));
+    }
+    match forms[0] {
+        "matches" => {
+            let pattern = table["matches"].as_str().ok_or_else(|| {
+                bad("`matches` takes a regular expression, as a string".to_owned())
+            })?;
+            regex::Regex::new(pattern)
+                .map(Expected::Matches)
+                .map_err(|e| bad(format!("`matches` is not a regular expression: {e}")))
+        }
+        "one_of" => match table["one_of"].as_array() {
+            Some(values) if !values.is_empty() => Ok(Expected::OneOf(values.clone())),
+            _ => Err(bad(
+                "`one_of` takes a list of the values allowed, like [\"Paris\", \"PARIS\"]"
+                    .to_owned(),
+            )),
+        },
+        _ => range(key, table.get("min"), table.get("max")),
+    }
+}
+
+fn range(key: &str, min: Option<&Value>, max: Option<&Value>) -> Result<Expected, ConfigError> {
+    let number = |v: Option<&Value>, name: &str| match v {
+        None => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| ConfigError::new(key, format!("`{name}` is {v}; write a number"))),
+    };
+    let (min, max) = (number(min, "min")?, number(max, "max")?);
+    if let (Some(lo), Some(hi)) = (min, max) {
+        if lo > hi {
+            return Err(ConfigError::new(
+                key,
+                format!("min {lo} is above max {hi}; no value could pass"),
+            ));
+        }
+    }
+    Ok(Expected::Range { min, max })
+}
+
+/// `prompt_tokens = { pointer, min, max }`: a pointer into the body and a
+/// window of whole numbers.
+fn token_window(key: &str, t: &TokensFile) -> Result<TokenWindow, ConfigError> {
+    if !t.pointer.starts_with('/') {
+        return Err(ConfigError::new(
+            format!("{key}.pointer"),
+            format!(
+                "{:?} is not a JSON pointer into the body; write it like \"/usage/prompt_tokens\"",
+                t.pointer
+            ),
+        ));
+    }
+    let count = |n: Option<i64>, name: &str| match n {
+        None => Ok(None),
+        Some(n) => u64::try_from(n).map(Some).map_err(|_| {
+            ConfigError::new(
+                format!("{key}.{name}"),
+                format!("{n} is not a count of tokens"),
+            )
+        }),
+    };
+    let (min, max) = (count(t.min, "min")?, count(t.max, "max")?);
+    match (min, max) {
+        (None, None) => Err(ConfigError::new(
+            key,
+            "a window needs `min`, `max` or both, like { pointer = \"/usage/prompt_tokens\", min = 20, max = 40 }",
+        )),
+        (Some(lo), Some(hi)) if lo > hi => Err(ConfigError::new(
+            key,
+            format!("min {lo} is above max {hi}; no count could pass"),
+        )),
+        _ => Ok(TokenWindow {
+            pointer: t.pointer.clone(),
+            min,
+            max,
+        }),
+    }
 }
 
 /// A probe's headers: JSON by default, then the ones it names.
@@ -260,6 +463,159 @@ mod tests {
         assert!(contract(dir.path(), false)
             .check(br#"{"choices": [{"content": "prose is fine here"}]}"#)
             .is_ok());
+    }
+
+    /// Contract `c` with one probe, the probe's extra lines `probe`, and the
+    /// contract's extra lines `extra`.
+    fn with_probe(dir: &Path, probe: &str, extra: &str) -> Result<Contract, ConfigError> {
+        contract(dir, true);
+        std::fs::write(dir.join("probe.json"), "{}").unwrap();
+        let text = format!(
+            "schema = \"envelope.json\"\n{extra}\n[embedded]\npointer = \"/choices/0/content\"\n\
+             schema = \"answer.json\"\n[[probes]]\nname = \"p\"\npath = \"/v1\"\nbody = \"probe.json\"\n{probe}"
+        );
+        load("c", toml::from_str(&text).unwrap(), dir)
+    }
+
+    #[test]
+    fn expect_reads_every_form_and_runs_default_to_compare() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = with_probe(
+            dir.path(),
+            r#"runs = 3
+expect = { "/answer" = "Paris", "/n" = 2, "body:/model" = { matches = "^gpt-" }, "/lang" = { one_of = ["fr", "en"] }, "/p" = { min = 0.5 }, "/o" = { a = 1 } }
+prompt_tokens = { pointer = "/usage/prompt_tokens", min = 20, max = 40 }"#,
+            "recover_after = 3",
+        )
+        .unwrap();
+        assert_eq!(c.recover_after, 3);
+        let p = &c.probes[0];
+        assert_eq!(
+            (p.runs, p.same),
+            (3, true),
+            "same defaults to true past one run"
+        );
+        let form = |w: &str| &p.expect.iter().find(|e| e.written == w).unwrap().expected;
+        assert!(matches!(form("/answer"), Expected::Exact(v) if v == "Paris"));
+        assert!(matches!(form("/n"), Expected::Exact(v) if v == 2));
+        assert!(
+            matches!(form("/o"), Expected::Exact(v) if v["a"] == 1),
+            "a table of other keys is a value"
+        );
+        assert!(matches!(form("body:/model"), Expected::Matches(r) if r.as_str() == "^gpt-"));
+        assert!(matches!(form("/lang"), Expected::OneOf(v) if v.len() == 2));
+        assert!(matches!(form("/p"), Expected::Range { min: Some(m), max: None } if *m == 0.5));
+        let model = p
+            .expect
+            .iter()
+            .find(|e| e.written == "body:/model")
+            .unwrap();
+        assert_eq!(
+            (model.target, model.pointer.as_str()),
+            (Target::Envelope, "/model")
+        );
+        let window = p.prompt_tokens.as_ref().unwrap();
+        assert_eq!((window.min, window.max), (Some(20), Some(40)));
+        assert!(!c.proves_only_the_shape());
+
+        let plain = with_probe(dir.path(), "", "").unwrap();
+        assert_eq!(
+            (
+                plain.recover_after,
+                plain.probes[0].runs,
+                plain.probes[0].same
+            ),
+            (2, 1, false)
+        );
+        assert!(plain.proves_only_the_shape());
+        let differ = with_probe(dir.path(), "runs = 2\nsame = false", "").unwrap();
+        assert!(!differ.probes[0].same);
+    }
+
+    #[test]
+    fn a_bad_expectation_names_its_pointer_and_the_fix() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = |probe: &str, extra: &str| with_probe(dir.path(), probe, extra).unwrap_err();
+        for (probe, key, says) in [
+            (
+                r#"expect = { "answer" = "Paris" }"#,
+                r#"contracts.c.probes[0].expect."answer""#,
+                "not a JSON pointer",
+            ),
+            (
+                r#"expect = { "body:answer" = 1 }"#,
+                r#"contracts.c.probes[0].expect."body:answer""#,
+                "\"body:/model\"",
+            ),
+            (
+                r#"expect = { "/a" = { matches = "(" } }"#,
+                r#"contracts.c.probes[0].expect."/a""#,
+                "not a regular expression",
+            ),
+            (
+                r#"expect = { "/a" = { matches = 3 } }"#,
+                r#"contracts.c.probes[0].expect."/a""#,
+                "as a string",
+            ),
+            (
+                r#"expect = { "/a" = { one_of = [] } }"#,
+                r#"contracts.c.probes[0].expect."/a""#,
+                "list of the values",
+            ),
+            (
+                r#"expect = { "/a" = { min = 5, max = 1 } }"#,
+                r#"contracts.c.probes[0].expect."/a""#,
+                "above max",
+            ),
+            (
+                r#"expect = { "/a" = { min = "low" } }"#,
+                r#"contracts.c.probes[0].expect."/a""#,
+                "write a number",
+            ),
+            (
+                r#"expect = { "/a" = { matches = "x", min = 1 } }"#,
+                r#"contracts.c.probes[0].expect."/a""#,
+                "mixes",
+            ),
+            (
+                r#"expect = { "/a" = { one_of = [1], b = 2 } }"#,
+                r#"contracts.c.probes[0].expect."/a""#,
+                "mixes",
+            ),
+            ("runs = 0", "contracts.c.probes[0].runs", "between 1 and 20"),
+            (
+                "runs = 21",
+                "contracts.c.probes[0].runs",
+                "between 1 and 20",
+            ),
+            (
+                r#"prompt_tokens = { pointer = "usage", min = 1 }"#,
+                "contracts.c.probes[0].prompt_tokens.pointer",
+                "/usage/prompt_tokens",
+            ),
+            (
+                r#"prompt_tokens = { pointer = "/u" }"#,
+                "contracts.c.probes[0].prompt_tokens",
+                "`min`, `max` or both",
+            ),
+            (
+                r#"prompt_tokens = { pointer = "/u", min = -1 }"#,
+                "contracts.c.probes[0].prompt_tokens.min",
+                "not a count",
+            ),
+            (
+                r#"prompt_tokens = { pointer = "/u", min = 9, max = 3 }"#,
+                "contracts.c.probes[0].prompt_tokens",
+                "above max",
+            ),
+        ] {
+            let e = err(probe, "");
+            assert_eq!(e.key, key, "{probe}: {}", e.message);
+            assert!(e.message.contains(says), "{probe}: {}", e.message);
+        }
+        let e = err("", "recover_after = 0");
+        assert_eq!(e.key, "contracts.c.recover_after");
+        assert!(e.message.contains("write 1"), "{}", e.message);
     }
 
     #[test]

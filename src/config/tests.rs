@@ -127,7 +127,11 @@ fn the_chat_example_is_valid() {
         vec![0, 1]
     );
     assert!(chat.side_effect_free && chat.hedge_after.is_some());
-    assert_eq!(chat.contract.as_ref().unwrap().probes.len(), 1);
+    let contract = chat.contract.as_ref().unwrap();
+    assert_eq!(contract.probes.len(), 1);
+    let probe = &contract.probes[0];
+    assert_eq!((probe.runs, probe.same, probe.expect.len()), (3, true, 2));
+    assert!(probe.prompt_tokens.is_some() && !contract.proves_only_the_shape());
     assert!(chat.require_client && s.clients.clients.len() == 1);
 }
 

@@ -8,10 +8,17 @@
 //! may commit; one that breaks it is `rejected`, kept for inspection and
 //! never replayed. Error answers (4xx, 5xx) are not checked: they are the
 //! upstream's own verdict, committed or retried as the route says.
+//!
+//! A probe may also say what its answer must contain ([`expect`]): golden
+//! values, the provider's count of the prompt, agreement across runs.
 
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Method};
 use serde_json::Value;
+
+pub mod expect;
+
+use expect::{Expectation, Observed, TokenWindow};
 
 /// What an answer must look like: a JSON Schema for the body and, for a
 /// document embedded as a string inside it, a pointer and a schema of its own.
@@ -46,6 +53,9 @@ pub struct Contract {
     pub events: Option<jsonschema::Validator>,
     /// The probes that prove an upstream honours it.
     pub probes: Vec<Probe>,
+    /// Passing verifications in a row an upstream needs to be eligible
+    /// again after failing one (docs/design.md §6).
+    pub recover_after: u32,
 }
 
 /// One probe request and the shape its answer must have.
@@ -62,6 +72,14 @@ pub struct Probe {
     pub body: Bytes,
     /// What its answer must look like.
     pub shape: Shape,
+    /// The golden values its answer must hold, by JSON pointer.
+    pub expect: Vec<Expectation>,
+    /// The window the provider's count of the prompt must fall in.
+    pub prompt_tokens: Option<TokenWindow>,
+    /// How many times one verification sends it (at least 1).
+    pub runs: u32,
+    /// Whether the values `expect` selects must be identical across runs.
+    pub same: bool,
 }
 
 impl std::fmt::Debug for Contract {
@@ -79,7 +97,16 @@ impl std::fmt::Debug for Contract {
 impl Contract {
     /// Checks a successful answer's body; the error says what broke.
     pub fn check(&self, body: &[u8]) -> Result<(), String> {
-        self.shape.check(body)
+        self.shape.parse(body).map(drop)
+    }
+
+    /// Whether its probes check only the shape of answers: none says what
+    /// an answer must contain (`expect`) or how the prompt rendered
+    /// (`prompt_tokens`).
+    pub fn proves_only_the_shape(&self) -> bool {
+        self.probes
+            .iter()
+            .all(|p| p.expect.is_empty() && p.prompt_tokens.is_none())
     }
 
     /// Checks a streamed answer (server-sent events): every event's data
@@ -110,38 +137,68 @@ impl Contract {
 }
 
 impl Probe {
-    /// Checks a probe's answer: a 2xx status and a body of the probe's shape.
-    pub fn check(&self, status: u16, body: &[u8]) -> Result<(), String> {
+    /// Checks one run's answer: a 2xx status, a body of the probe's shape,
+    /// every expected value, and the prompt's count in its window. Returns
+    /// what the run saw, for comparing runs; the error says what differed.
+    pub fn check(&self, status: u16, body: &[u8]) -> Result<Observed, String> {
         if !(200..300).contains(&status) {
             return Err(format!("answered {status}"));
         }
-        self.shape.check(body)
+        let (envelope, document) = self.shape.parse(body)?;
+        let mut values = Vec::with_capacity(self.expect.len());
+        let mut differed = Vec::new();
+        for e in &self.expect {
+            match e.check(&envelope, document.as_ref()) {
+                Ok(value) => values.push((e.written.clone(), value)),
+                Err(why) => differed.push(why),
+            }
+        }
+        let prompt_tokens = match self.prompt_tokens.as_ref().map(|w| w.check(&envelope)) {
+            None => None,
+            Some(Ok(count)) => Some(count),
+            Some(Err(why)) => {
+                differed.push(why);
+                None
+            }
+        };
+        if differed.is_empty() {
+            Ok(Observed {
+                values,
+                prompt_tokens,
+            })
+        } else {
+            Err(differed.join("; "))
+        }
     }
 }
 
 impl Shape {
-    fn check(&self, body: &[u8]) -> Result<(), String> {
+    /// The body, checked, and the embedded document when there is one.
+    fn parse(&self, body: &[u8]) -> Result<(Value, Option<Value>), String> {
         let value: Value =
             serde_json::from_slice(body).map_err(|e| format!("the body is not JSON: {e}"))?;
         validate(&self.schema, &value, "")?;
-        match &self.embedded {
-            Some(embedded) => embedded.check(&value),
-            None => Ok(()),
-        }
+        let document = match &self.embedded {
+            Some(embedded) => embedded.parse(&value)?,
+            None => None,
+        };
+        Ok((value, document))
     }
 }
 
 impl Embedded {
-    fn check(&self, body: &Value) -> Result<(), String> {
+    /// The embedded document, checked; `None` when it may be absent and is.
+    fn parse(&self, body: &Value) -> Result<Option<Value>, String> {
         let pointer = &self.pointer;
         let text = match body.pointer(pointer) {
-            None | Some(Value::Null) if !self.required => return Ok(()),
+            None | Some(Value::Null) if !self.required => return Ok(None),
             Some(Value::String(text)) => text,
             _ => return Err(format!("{pointer} is missing or not a string")),
         };
         let inner: Value = serde_json::from_str(text)
             .map_err(|e| format!("{pointer} is not JSON ({e}): {}", excerpt(text.as_bytes())))?;
-        validate(&self.schema, &inner, pointer)
+        validate(&self.schema, &inner, pointer)?;
+        Ok(Some(inner))
     }
 }
 

@@ -54,7 +54,9 @@ pub const SERIES: &[(&str, Kind, &str)] = &[
     ("idemgate_memory_budget_in_use_bytes", Kind::Gauge, "Bytes of the memory budget held now."),
     ("idemgate_memory_budget_refusals_total", Kind::Counter, "Keyed requests answered 503 overloaded because the memory budget was spent."),
     ("idemgate_reconcile_lookups_total", Kind::Counter, "Lookups and resends of an unknown attempt on its upstream, by route, by (lookup, resend) and result (settled_succeeded, settled_no_effect, still_unknown, error)."),
-    ("idemgate_upstream_probes_passing", Kind::Gauge, "1 while the upstream passes its contract's probes (a failover or hedge target), 0 while it fails them."),
+    ("idemgate_upstream_probes_passing", Kind::Gauge, "1 while the upstream's last verification passed its contract's probes, 0 while it did not (eligibility also needs recover_after passes after a failure: see idemgate_upstream_eligible)."),
+    ("idemgate_upstream_eligible", Kind::Gauge, "1 while the upstream may be a failover or hedge target under the contract (proven by its probes), 0 while it may not."),
+    ("idemgate_probe_runs_total", Kind::Counter, "Probe verifications, by upstream, contract, probe and result (pass, fail, unstable): one per probe per verification, however many runs it sends."),
     ("idemgate_task_restarts_total", Kind::Counter, "Background tasks restarted after a failure or panic, by task."),
 ];
 

@@ -1,10 +1,16 @@
 //! Proving upstreams before trusting them: a contract's probes are run
 //! against the upstreams of every route that names it, at start-up and
 //! every `probe_interval`, and the [`ProbeBoard`] says which upstreams may be
-//! failover or hedge targets. An upstream never probed, or whose last probe
-//! run failed, is not eligible; the primary is always tried regardless.
+//! failover or hedge targets (docs/design.md §6, "Proven providers").
+//!
+//! One *verification* sends every probe of the contract `runs` times and
+//! judges each probe (pass, fail, unstable). An upstream becomes eligible
+//! on its first passing verification, loses it on any verification that
+//! does not pass, and regains it only after the contract's `recover_after`
+//! passing verifications in a row: a provider that flaps is kept out. The
+//! primary is always tried regardless.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, SystemTime};
 
@@ -12,13 +18,17 @@ use http::Request;
 use tokio::sync::watch;
 
 use crate::config::{Route, UpstreamId, UpstreamSettings};
+use crate::domain::contract::expect::{judge, Finding, Observed};
 use crate::domain::contract::{excerpt, Contract, Probe};
 use crate::proxy::http::full;
 use crate::proxy::upstream::{fetch, Upstream, Upstreams};
 use crate::upkeep::supervise::Heartbeat;
 use crate::BoxError;
 
-/// One probe's result.
+/// Verdicts kept per upstream and contract.
+pub const HISTORY: usize = 20;
+
+/// One probe's finding in one verification.
 #[derive(Debug, Clone)]
 pub struct ProbeResult {
     /// The upstream probed.
@@ -27,25 +37,113 @@ pub struct ProbeResult {
     pub contract: String,
     /// The probe.
     pub probe: String,
-    /// Why it failed, if it did.
-    pub failure: Option<String>,
+    /// Its verdict over all its runs.
+    pub finding: Finding,
 }
 
-/// The last verdict for one upstream under one contract.
+/// A probe that did not pass in a verification, and what differed.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    /// The probe.
+    pub probe: String,
+    /// `fail` or `unstable`.
+    pub result: &'static str,
+    /// What differed.
+    pub why: String,
+}
+
+/// One verification of one upstream under one contract.
 #[derive(Debug, Clone)]
 pub struct Verdict {
-    /// Every probe passed.
-    pub passed: bool,
+    /// `pass`, `fail` (some probe failed) or `unstable` (none failed, some
+    /// answered differently from run to run).
+    pub result: &'static str,
     /// When the probes ran.
     pub checked_at: SystemTime,
-    /// The failed probes and why.
-    pub failures: Vec<(String, String)>,
+    /// The probes that did not pass, and why.
+    pub failures: Vec<Failure>,
 }
 
-/// Who passed which contract's probes, last time they ran.
+impl Verdict {
+    /// The verdict on a verification's probe results.
+    fn of(results: &[ProbeResult]) -> Verdict {
+        let failures: Vec<Failure> = results
+            .iter()
+            .filter_map(|r| {
+                r.finding.why().map(|why| Failure {
+                    probe: r.probe.clone(),
+                    result: r.finding.as_str(),
+                    why: why.to_owned(),
+                })
+            })
+            .collect();
+        let result = if failures.iter().any(|f| f.result == "fail") {
+            "fail"
+        } else if failures.is_empty() {
+            "pass"
+        } else {
+            "unstable"
+        };
+        Verdict {
+            result,
+            checked_at: SystemTime::now(),
+            failures,
+        }
+    }
+
+    /// Every probe passed.
+    pub fn passed(&self) -> bool {
+        self.result == "pass"
+    }
+}
+
+/// An upstream's standing under one contract: whether it may be a target
+/// now, and the verdicts that led there.
+#[derive(Debug, Clone, Default)]
+pub struct Standing {
+    /// It may be a failover or hedge target.
+    pub eligible: bool,
+    /// Passing verifications still needed before it is eligible (0 when it is).
+    pub needed: u32,
+    /// Passing verifications in a row, up to now.
+    pub passes_in_a_row: u32,
+    /// It has failed a verification once: from then on it needs
+    /// `recover_after` passes in a row, not one.
+    pub has_failed: bool,
+    /// The last verdicts, oldest first, at most [`HISTORY`].
+    pub history: VecDeque<Verdict>,
+}
+
+impl Standing {
+    /// The standing after `verdict`: the first verification passed makes
+    /// it eligible; any other verdict takes that away until
+    /// `recover_after` verifications in a row pass.
+    pub fn after(&mut self, verdict: Verdict, recover_after: u32) {
+        if verdict.passed() {
+            self.passes_in_a_row = self.passes_in_a_row.saturating_add(1);
+        } else {
+            self.passes_in_a_row = 0;
+            self.has_failed = true;
+        }
+        let required = if self.has_failed { recover_after } else { 1 };
+        self.needed = required.saturating_sub(self.passes_in_a_row);
+        self.eligible = self.needed == 0;
+        self.history.push_back(verdict);
+        while self.history.len() > HISTORY {
+            self.history.pop_front();
+        }
+    }
+
+    /// The newest verdict.
+    pub fn last(&self) -> Option<&Verdict> {
+        self.history.back()
+    }
+}
+
+/// Every upstream's standing under every contract it is probed for.
 #[derive(Debug, Default)]
 pub struct ProbeBoard {
-    verdicts: RwLock<BTreeMap<(String, String), Verdict>>,
+    standings: RwLock<BTreeMap<(String, String), Standing>>,
 }
 
 impl ProbeBoard {
@@ -57,53 +155,52 @@ impl ProbeBoard {
         };
         self.read()
             .get(&(upstream.to_owned(), contract.name.clone()))
-            .is_some_and(|v| v.passed)
+            .is_some_and(|s| s.eligible)
     }
 
-    /// Every verdict, by (upstream, contract).
-    pub fn snapshot(&self) -> BTreeMap<(String, String), Verdict> {
+    /// Every standing, by (upstream, contract).
+    pub fn snapshot(&self) -> BTreeMap<(String, String), Standing> {
         self.read().clone()
     }
 
-    fn record(&self, results: &[ProbeResult]) {
-        let mut grouped: BTreeMap<(String, String), Vec<&ProbeResult>> = BTreeMap::new();
+    /// Records one verification of `upstream` under `contract`.
+    fn record(&self, upstream: &str, contract: &Contract, results: &[ProbeResult]) {
         for r in results {
-            grouped
-                .entry((r.upstream.clone(), r.contract.clone()))
-                .or_default()
-                .push(r);
+            metrics::counter!("idemgate_probe_runs_total",
+                "upstream" => upstream.to_owned(), "contract" => contract.name.clone(),
+                "probe" => r.probe.clone(), "result" => r.finding.as_str())
+            .increment(1);
         }
-        let mut verdicts = self.verdicts.write().unwrap_or_else(|e| e.into_inner());
-        for (pair, results) in grouped {
-            let failures: Vec<(String, String)> = results
-                .iter()
-                .filter_map(|r| r.failure.clone().map(|f| (r.probe.clone(), f)))
-                .collect();
-            let passed = failures.is_empty();
-            metrics::gauge!("idemgate_upstream_probes_passing",
-                "upstream" => pair.0.clone(), "contract" => pair.1.clone())
-            .set(f64::from(u8::from(passed)));
-            let was = verdicts.get(&pair).map(|v| v.passed);
-            if was != Some(passed) {
-                if passed {
-                    tracing::info!(upstream = %pair.0, contract = %pair.1, "upstream passes its contract's probes; eligible for failover");
-                } else {
-                    tracing::warn!(upstream = %pair.0, contract = %pair.1, failures = ?failures, "upstream fails its contract's probes; not a failover target");
-                }
+        let verdict = Verdict::of(results);
+        let pair = (upstream.to_owned(), contract.name.clone());
+        let mut standings = self.standings.write().unwrap_or_else(|e| e.into_inner());
+        let standing = standings.entry(pair).or_default();
+        let was = standing.eligible;
+        let failures = verdict.failures.clone();
+        metrics::gauge!("idemgate_upstream_probes_passing",
+            "upstream" => upstream.to_owned(), "contract" => contract.name.clone())
+        .set(f64::from(u8::from(verdict.passed())));
+        standing.after(verdict, contract.recover_after);
+        metrics::gauge!("idemgate_upstream_eligible",
+            "upstream" => upstream.to_owned(), "contract" => contract.name.clone())
+        .set(f64::from(u8::from(standing.eligible)));
+        let contract = &contract.name;
+        match (was, standing.eligible) {
+            (false, true) => {
+                tracing::info!(%upstream, %contract, "upstream passes its contract's probes; eligible for failover")
             }
-            verdicts.insert(
-                pair,
-                Verdict {
-                    passed,
-                    checked_at: SystemTime::now(),
-                    failures,
-                },
-            );
+            (true, false) => {
+                tracing::warn!(%upstream, %contract, ?failures, "upstream fails its contract's probes; not a failover target")
+            }
+            (false, false) if failures.is_empty() => {
+                tracing::info!(%upstream, %contract, needed = standing.needed, "upstream passes its contract's probes again; not yet a failover target")
+            }
+            _ => {}
         }
     }
 
-    fn read(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<(String, String), Verdict>> {
-        self.verdicts.read().unwrap_or_else(|e| e.into_inner())
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<(String, String), Standing>> {
+        self.standings.read().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -140,23 +237,43 @@ impl Config {
     pub fn needed(&self) -> bool {
         !self.pairs.is_empty()
     }
+
+    /// The contracts relied on whose probes check only the shape of
+    /// answers: a provider answering valid JSON that says the wrong thing
+    /// passes them.
+    pub fn proving_only_the_shape(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = self
+            .pairs
+            .iter()
+            .filter(|(_, c)| c.proves_only_the_shape())
+            .map(|(_, c)| c.name.as_str())
+            .collect();
+        names.sort_unstable();
+        names.dedup();
+        names
+    }
 }
 
-/// Runs every probe of `contract` against `upstream`.
+/// Runs every probe of `contract` against `upstream`, each `runs` times,
+/// and judges each over its runs.
 pub async fn probe(upstream: &Upstream, contract: &Contract) -> Vec<ProbeResult> {
     let mut results = Vec::with_capacity(contract.probes.len());
     for probe in &contract.probes {
+        let mut runs = Vec::with_capacity(probe.runs as usize);
+        for _ in 0..probe.runs {
+            runs.push(run_one(upstream, probe).await);
+        }
         results.push(ProbeResult {
             upstream: upstream.settings().name().to_owned(),
             contract: contract.name.clone(),
             probe: probe.name.clone(),
-            failure: run_one(upstream, probe).await.err(),
+            finding: judge(&runs, probe.same),
         });
     }
     results
 }
 
-async fn run_one(upstream: &Upstream, probe: &Probe) -> Result<(), String> {
+async fn run_one(upstream: &Upstream, probe: &Probe) -> Result<Observed, String> {
     let mut req = Request::builder()
         .method(probe.method.clone())
         .uri(&probe.path)
@@ -176,21 +293,22 @@ async fn run_one(upstream: &Upstream, probe: &Probe) -> Result<(), String> {
         .map_err(|why| format!("{why} (answer: {})", excerpt(&fetched.body)))
 }
 
-/// Probes every (upstream, contract) pair the routes rely on, records the
+/// Verifies every (upstream, contract) pair the routes rely on, records the
 /// verdicts, and returns the results.
 pub async fn probe_all(
     config: &Config,
     upstreams: &Upstreams,
     board: &ProbeBoard,
 ) -> Vec<ProbeResult> {
-    let mut results = Vec::new();
+    let mut all = Vec::new();
     for (id, contract) in &config.pairs {
         if let Some(upstream) = upstreams.get(id) {
-            results.extend(probe(upstream, contract).await);
+            let results = probe(upstream, contract).await;
+            board.record(upstream.settings().name(), contract, &results);
+            all.extend(results);
         }
     }
-    board.record(&results);
-    results
+    all
 }
 
 /// Probes at once, then every `interval`, for as long as it runs (a
@@ -243,18 +361,102 @@ pub async fn verify(
         width(|r| &r.probe, "probe"),
     );
     println!(
-        "{:wu$}  {:wc$}  {:wp$}  result  why",
+        "{:wu$}  {:wc$}  {:wp$}  result    why",
         "upstream", "contract", "probe"
     );
     for r in &rows {
-        let (result, why) = match &r.failure {
-            None => ("pass", ""),
-            Some(why) => ("FAIL", why.as_str()),
+        let (result, why) = match &r.finding {
+            Finding::Pass => ("pass", ""),
+            Finding::Fail(why) => ("FAIL", why.as_str()),
+            Finding::Unstable(why) => ("UNSTABLE", why.as_str()),
         };
         println!(
-            "{:wu$}  {:wc$}  {:wp$}  {result:6}  {why}",
+            "{:wu$}  {:wc$}  {:wp$}  {result:8}  {why}",
             r.upstream, r.contract, r.probe
         );
     }
-    rows.iter().all(|r| r.failure.is_none())
+    rows.iter().all(|r| r.finding == Finding::Pass)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn verdict(result: &'static str) -> Verdict {
+        Verdict {
+            result,
+            checked_at: SystemTime::now(),
+            failures: Vec::new(),
+        }
+    }
+
+    /// Eligibility after each of `results`, in turn.
+    fn eligibility(results: &[&'static str], recover_after: u32) -> Vec<bool> {
+        let mut standing = Standing::default();
+        results
+            .iter()
+            .map(|r| {
+                standing.after(verdict(r), recover_after);
+                standing.eligible
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_first_pass_makes_eligible_and_a_failure_needs_recover_after_passes() {
+        assert_eq!(
+            eligibility(&["pass", "pass", "fail", "pass", "pass", "pass"], 2),
+            [true, true, false, false, true, true]
+        );
+        assert_eq!(
+            eligibility(
+                &["pass", "unstable", "pass", "unstable", "pass", "pass", "pass"],
+                3
+            ),
+            [true, false, false, false, false, false, true],
+            "unstable is not eligible, and interrupts a recovery"
+        );
+        assert_eq!(
+            eligibility(&["fail", "pass", "pass"], 2),
+            [false, false, true],
+            "failing the first verification counts as a failure"
+        );
+        assert_eq!(eligibility(&["fail", "pass"], 1), [false, true]);
+    }
+
+    #[test]
+    fn the_standing_says_how_many_passes_are_still_needed_and_keeps_twenty_verdicts() {
+        let mut standing = Standing::default();
+        standing.after(verdict("fail"), 3);
+        assert_eq!(standing.needed, 3);
+        standing.after(verdict("pass"), 3);
+        assert_eq!((standing.needed, standing.passes_in_a_row), (2, 1));
+        for _ in 0..30 {
+            standing.after(verdict("pass"), 3);
+        }
+        assert_eq!(standing.needed, 0);
+        assert_eq!(standing.history.len(), HISTORY);
+        assert!(standing.last().unwrap().passed());
+    }
+
+    #[test]
+    fn a_verification_fails_on_any_failed_probe_else_is_unstable_on_any_unstable_one() {
+        let result = |finding: Finding| ProbeResult {
+            upstream: "b".into(),
+            contract: "c".into(),
+            probe: format!("p-{}", finding.as_str()),
+            finding,
+        };
+        let unstable = || result(Finding::Unstable("differed".into()));
+        let failed = || result(Finding::Fail("wrong".into()));
+        assert_eq!(Verdict::of(&[result(Finding::Pass)]).result, "pass");
+        let v = Verdict::of(&[result(Finding::Pass), unstable()]);
+        assert_eq!(v.result, "unstable");
+        assert_eq!(
+            (v.failures[0].probe.as_str(), v.failures[0].why.as_str()),
+            ("p-unstable", "differed")
+        );
+        assert_eq!(Verdict::of(&[unstable(), failed()]).result, "fail");
+        assert_eq!(Verdict::of(&[unstable(), failed()]).failures.len(), 2);
+    }
 }

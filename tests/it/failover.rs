@@ -57,11 +57,12 @@ async fn chat(gateway: &Gateway, key: &str) -> Reply {
     post(&gateway.path("/v1/chat/completions"), key, CHAT_BODY).await
 }
 
-/// Waits until the admin listener reports `upstream`'s probes as `passed`.
+/// Waits until the admin listener reports `upstream` as eligible (proven by
+/// its probes) or not.
 async fn probed(gateway: &Gateway, upstream: &str, passed: bool) {
     eventually(
         WAIT,
-        &format!("{upstream} to be probed as passed={passed}"),
+        &format!("{upstream} to be probed as eligible={passed}"),
         || async {
             let status = gateway
                 .admin(Method::GET, "/admin/v1/upstreams", "")
@@ -73,7 +74,7 @@ async fn probed(gateway: &Gateway, upstream: &str, passed: bool) {
                 .iter()
                 .filter(|u| u["name"] == upstream)
                 .flat_map(|u| u["contracts"].as_array().cloned().unwrap_or_default())
-                .any(|c| c["passed"] == passed)
+                .any(|c| c["eligible"] == passed)
         },
     )
     .await;

@@ -34,6 +34,7 @@ mod paths;
 mod postgres_deployments;
 mod postgres_restart;
 mod postgres_tls;
+mod proven_providers;
 mod readme;
 mod real_clients;
 mod reconcile;

@@ -14,7 +14,7 @@ use crate::domain::attempt::Attempt;
 use crate::domain::job::{Job, JobDetail};
 use crate::domain::response::StoredResponse;
 use crate::proxy::http::{full, Body};
-use crate::upkeep::probe::Verdict;
+use crate::upkeep::probe::{Failure, Standing, Verdict};
 
 /// A JSON answer.
 pub(super) fn json_response(status: StatusCode, value: &Value) -> Response<Body> {
@@ -107,19 +107,19 @@ fn response(r: &StoredResponse) -> Value {
     out
 }
 
-/// Every upstream, with its verdict under each contract it is probed for
-/// (`verdicts` by upstream name and contract).
+/// Every upstream, with its standing under each contract it is probed for
+/// (`standings` by upstream name and contract).
 pub(super) fn upstreams(
     upstreams: &[Arc<UpstreamSettings>],
-    verdicts: &BTreeMap<(String, String), Verdict>,
+    standings: &BTreeMap<(String, String), Standing>,
 ) -> Value {
     let list: Vec<Value> = upstreams
         .iter()
         .map(|u| {
-            let contracts: Vec<Value> = verdicts
+            let contracts: Vec<Value> = standings
                 .iter()
                 .filter(|((name, _), _)| name == u.name())
-                .map(|((_, contract), v)| verdict(contract, v))
+                .map(|((_, contract), s)| standing(contract, s))
                 .collect();
             json!({"name": u.name(), "url": u.base.to_string(), "contracts": contracts})
         })
@@ -127,17 +127,38 @@ pub(super) fn upstreams(
     json!({ "upstreams": list })
 }
 
-fn verdict(contract: &str, v: &Verdict) -> Value {
-    json!({
+/// Eligibility, the last verdict (`passed`, `result`, `checked_at`,
+/// `failures`, as before verdicts were kept) and the last verdicts, newest
+/// first.
+fn standing(contract: &str, s: &Standing) -> Value {
+    let mut out = json!({
         "contract": contract,
-        "passed": v.passed,
+        "eligible": s.eligible,
+        "needed": s.needed,
+        "passes_in_a_row": s.passes_in_a_row,
+        "history": s.history.iter().rev().map(verdict).collect::<Vec<_>>(),
+    });
+    if let Some(last) = s.last() {
+        out["passed"] = json!(last.passed());
+        if let Value::Object(fields) = verdict(last) {
+            for (k, v) in fields {
+                out[k] = v;
+            }
+        }
+    }
+    out
+}
+
+fn verdict(v: &Verdict) -> Value {
+    json!({
+        "result": v.result,
         "checked_at": time(v.checked_at),
-        "failures": v
-            .failures
-            .iter()
-            .map(|(probe, why)| json!({"probe": probe, "why": why}))
-            .collect::<Vec<_>>(),
+        "failures": v.failures.iter().map(failure).collect::<Vec<_>>(),
     })
+}
+
+fn failure(f: &Failure) -> Value {
+    json!({"probe": f.probe, "result": f.result, "why": f.why})
 }
 
 /// RFC 3339, to the millisecond.

@@ -22,6 +22,14 @@ pub enum Drift {
     MissingField,
     /// Prose instead of the JSON-mode answer.
     Prose,
+    /// Valid JSON in the contract's shape, with the wrong answer (Lyon).
+    WrongAnswer,
+    /// Right on odd requests, wrong on even ones (counting every request
+    /// it receives).
+    Flapping,
+    /// Right, but its prompt counts 400 tokens: the template rendered
+    /// wrongly on its side.
+    LongPrompt,
 }
 
 /// When a provider answers.
@@ -91,10 +99,14 @@ impl Provider {
 }
 
 fn completion(name: &str, r: &Recorded, drift: Drift) -> Response<Full<Bytes>> {
+    let wrong =
+        drift == Drift::WrongAnswer || (drift == Drift::Flapping && r.hit.is_multiple_of(2));
+    let city = if wrong { "Lyon" } else { "Paris" };
     let content = match drift {
         Drift::Prose => "The capital of France is Paris.".to_owned(),
-        _ => serde_json::json!({"answer": format!("Paris, says {name}")}).to_string(),
+        _ => serde_json::json!({"answer": format!("{city}, says {name}")}).to_string(),
     };
+    let prompt_tokens = if drift == Drift::LongPrompt { 400 } else { 20 };
     let mut body = serde_json::json!({
         "id": format!("chatcmpl-{name}-{}", r.hit),
         "object": "chat.completion",
@@ -105,7 +117,7 @@ fn completion(name: &str, r: &Recorded, drift: Drift) -> Response<Full<Bytes>> {
             "message": {"role": "assistant", "content": content},
             "finish_reason": "stop"
         }],
-        "usage": {"prompt_tokens": 20, "completion_tokens": 5, "total_tokens": 25}
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 5, "total_tokens": prompt_tokens + 5}
     });
     match drift {
         Drift::WrongType => body["created"] = serde_json::json!("2025-11-24T00:00:00Z"),
