@@ -68,7 +68,8 @@ enum Job {
     Serve(Settings),
     Check(Settings),
     Jobs(JobsCommand),
-    VerifyProviders(Settings),
+    /// With `--json`.
+    VerifyProviders(Settings, bool),
     Migrate(StoreSettings),
 }
 
@@ -79,14 +80,16 @@ impl Job {
             Command::Serve(flags) => Job::Serve(Settings::load(config, flags)?),
             Command::Check(flags) => Job::Check(Settings::load(config, flags)?),
             Command::Jobs(command) => Job::Jobs(command),
-            Command::VerifyProviders(flags) => Job::VerifyProviders(Settings::load(config, flags)?),
+            Command::VerifyProviders(verify) => {
+                Job::VerifyProviders(Settings::load(config, verify.flags)?, verify.json)
+            }
             Command::Migrate(flags) => Job::Migrate(Settings::load_store(config, flags)?),
         })
     }
 
     fn worker_threads(&self) -> usize {
         match self {
-            Job::Serve(settings) | Job::VerifyProviders(settings) => settings.worker_threads,
+            Job::Serve(settings) | Job::VerifyProviders(settings, _) => settings.worker_threads,
             // Migrations run one statement at a time; a check runs nothing.
             Job::Migrate(_) | Job::Check(_) | Job::Jobs(_) => 1,
         }
@@ -113,8 +116,13 @@ impl Job {
                 }
                 Err(e) => fail(Chain(&e)),
             },
-            Job::VerifyProviders(settings) => {
-                if probe::verify(&settings.upstreams, &settings.contracts).await {
+            Job::VerifyProviders(settings, json) => {
+                let print = if json {
+                    probe::Print::Json
+                } else {
+                    probe::Print::Table
+                };
+                if probe::verify(&settings.upstreams, &settings.contracts, print).await {
                     ExitCode::SUCCESS
                 } else {
                     ExitCode::FAILURE

@@ -30,15 +30,27 @@ pub enum Command {
     Serve(Flags),
     /// Apply the database migrations and exit.
     Migrate(Flags),
-    /// Run every contract's probes against every upstream, print a table,
-    /// and exit non-zero if any fails.
-    VerifyProviders(Flags),
+    /// Run every contract's probes against every upstream, print a table
+    /// (or JSON), and exit non-zero unless every probe passes.
+    VerifyProviders(VerifyFlags),
     /// Read and validate the whole configuration (file, environment, flags,
     /// contracts, secrets) without connecting to anything; print what the
     /// gateway would run with, or name the first bad key and exit 2.
     Check(Flags),
     /// List, show and resolve jobs through a running gateway's admin API.
     Jobs(JobsCommand),
+}
+
+/// `idemgate verify-providers`: the gateway's flags, and how to print.
+#[derive(Debug, Args)]
+pub struct VerifyFlags {
+    /// The configuration, as for `serve`.
+    #[command(flatten)]
+    pub flags: Flags,
+    /// Print one JSON array of results (upstream, contract, probe, result,
+    /// why, prompt_tokens) instead of the table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `idemgate jobs …`: an operator's client of the admin API.

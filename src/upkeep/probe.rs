@@ -39,6 +39,9 @@ pub struct ProbeResult {
     pub probe: String,
     /// Its verdict over all its runs.
     pub finding: Finding,
+    /// The provider's counts of the prompt its passing runs reported, when
+    /// the probe asks for them (`prompt_tokens`).
+    pub prompt_tokens: Vec<u64>,
 }
 
 /// A probe that did not pass in a verification, and what differed.
@@ -268,6 +271,10 @@ pub async fn probe(upstream: &Upstream, contract: &Contract) -> Vec<ProbeResult>
             contract: contract.name.clone(),
             probe: probe.name.clone(),
             finding: judge(&runs, probe.same),
+            prompt_tokens: runs
+                .iter()
+                .filter_map(|r| r.as_ref().ok()?.prompt_tokens)
+                .collect(),
         });
     }
     results
@@ -328,19 +335,28 @@ pub async fn run(
     }
 }
 
+/// How `verify-providers` prints its results.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Print {
+    /// A table for a person.
+    Table,
+    /// One JSON array, for a pipeline.
+    Json,
+}
+
 /// `idemgate verify-providers`: every contract's probes against every
-/// upstream, as a table. True when everything passed.
+/// upstream, printed as `print` says. True when every probe passed.
 pub async fn verify(
     upstreams: &[Arc<UpstreamSettings>],
     contracts: &BTreeMap<String, Arc<Contract>>,
+    print: Print,
 ) -> bool {
     let Some(upstreams) = Upstreams::new(upstreams) else {
-        println!("no upstreams configured: nothing to verify");
+        eprintln!("no upstreams configured: nothing to verify");
         return false;
     };
     if contracts.is_empty() {
-        println!("no contracts configured: nothing to verify");
-        return true;
+        eprintln!("no contracts configured: nothing to verify");
     }
     let mut rows = Vec::new();
     for contract in contracts.values() {
@@ -348,34 +364,73 @@ pub async fn verify(
             rows.extend(probe(upstream, contract).await);
         }
     }
-    let width = |f: fn(&ProbeResult) -> &str, title: &str| {
+    match print {
+        Print::Table => print!("{}", table(&rows)),
+        Print::Json => println!("{}", json(&rows)),
+    }
+    rows.iter().all(|r| r.finding == Finding::Pass)
+}
+
+/// The prompt counts seen, as printed (`-` when the probe asks for none).
+fn tokens(r: &ProbeResult) -> String {
+    if r.prompt_tokens.is_empty() {
+        return "-".into();
+    }
+    let seen: Vec<String> = r.prompt_tokens.iter().map(u64::to_string).collect();
+    seen.join(",")
+}
+
+/// The results as a table: upstream × probe, the result (failures in
+/// capitals, to be seen), the prompt tokens seen, and why.
+fn table(rows: &[ProbeResult]) -> String {
+    let width = |f: &dyn Fn(&ProbeResult) -> String, title: &str| {
         rows.iter()
             .map(|r| f(r).len())
             .chain([title.len()])
             .max()
             .unwrap_or(0)
     };
-    let (wu, wc, wp) = (
-        width(|r| &r.upstream, "upstream"),
-        width(|r| &r.contract, "contract"),
-        width(|r| &r.probe, "probe"),
+    let (wu, wc, wp, wt) = (
+        width(&|r| r.upstream.clone(), "upstream"),
+        width(&|r| r.contract.clone(), "contract"),
+        width(&|r| r.probe.clone(), "probe"),
+        width(&tokens, "prompt tokens"),
     );
-    println!(
-        "{:wu$}  {:wc$}  {:wp$}  result    why",
-        "upstream", "contract", "probe"
+    let mut out = format!(
+        "{:wu$}  {:wc$}  {:wp$}  result    {:wt$}  why\n",
+        "upstream", "contract", "probe", "prompt tokens"
     );
-    for r in &rows {
-        let (result, why) = match &r.finding {
-            Finding::Pass => ("pass", ""),
-            Finding::Fail(why) => ("FAIL", why.as_str()),
-            Finding::Unstable(why) => ("UNSTABLE", why.as_str()),
+    for r in rows {
+        let (name, why) = (r.finding.as_str(), r.finding.why().unwrap_or_default());
+        let name = match r.finding {
+            Finding::Pass => name.to_owned(),
+            _ => name.to_ascii_uppercase(),
         };
-        println!(
-            "{:wu$}  {:wc$}  {:wp$}  {result:8}  {why}",
-            r.upstream, r.contract, r.probe
-        );
+        out.push_str(&format!(
+            "{:wu$}  {:wc$}  {:wp$}  {name:8}  {:wt$}  {why}\n",
+            r.upstream,
+            r.contract,
+            r.probe,
+            tokens(r)
+        ));
     }
-    rows.iter().all(|r| r.finding == Finding::Pass)
+    out
+}
+
+/// The results as one JSON array.
+fn json(rows: &[ProbeResult]) -> serde_json::Value {
+    rows.iter()
+        .map(|r| {
+            serde_json::json!({
+                "upstream": r.upstream,
+                "contract": r.contract,
+                "probe": r.probe,
+                "result": r.finding.as_str(),
+                "why": r.finding.why(),
+                "prompt_tokens": r.prompt_tokens,
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -446,6 +501,7 @@ mod tests {
             contract: "c".into(),
             probe: format!("p-{}", finding.as_str()),
             finding,
+            prompt_tokens: Vec::new(),
         };
         let unstable = || result(Finding::Unstable("differed".into()));
         let failed = || result(Finding::Fail("wrong".into()));
@@ -458,5 +514,37 @@ mod tests {
         );
         assert_eq!(Verdict::of(&[unstable(), failed()]).result, "fail");
         assert_eq!(Verdict::of(&[unstable(), failed()]).failures.len(), 2);
+    }
+
+    #[test]
+    fn the_table_and_the_json_show_each_result_with_the_prompt_tokens_seen() {
+        let rows = [
+            ProbeResult {
+                upstream: "provider-a".into(),
+                contract: "chat-json".into(),
+                probe: "capital".into(),
+                finding: Finding::Pass,
+                prompt_tokens: vec![27, 27, 27],
+            },
+            ProbeResult {
+                upstream: "provider-b".into(),
+                contract: "chat-json".into(),
+                probe: "capital".into(),
+                finding: Finding::Fail("/answer: expected \"Paris\", got \"Lyon\"".into()),
+                prompt_tokens: Vec::new(),
+            },
+        ];
+        let table = table(&rows);
+        let lines: Vec<&str> = table.lines().collect();
+        assert!(lines[0].contains("prompt tokens"), "{table}");
+        assert!(lines[1].starts_with("provider-a") && lines[1].contains("pass"));
+        assert!(lines[1].contains("27,27,27"), "{table}");
+        assert!(lines[2].contains("FAIL") && lines[2].contains("got \"Lyon\""));
+        let json = json(&rows);
+        assert_eq!(json[0]["result"], "pass");
+        assert_eq!(json[0]["prompt_tokens"], serde_json::json!([27, 27, 27]));
+        assert_eq!(json[0]["why"], serde_json::Value::Null);
+        assert_eq!(json[1]["result"], "fail");
+        assert!(json[1]["why"].as_str().unwrap().contains("Lyon"));
     }
 }

@@ -531,6 +531,31 @@ async fn the_worked_chat_example_runs_against_local_providers() {
         "provider-b drifts: {}",
         String::from_utf8_lossy(&out.stdout)
     );
+    // The same, for a pipeline: provider-a passes with the prompt counts
+    // it reported; provider-b fails, saying why.
+    let out = builder().run_with("verify-providers", &["--json"]).await;
+    assert!(!out.status.success());
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let of = |upstream: &str| -> Vec<serde_json::Value> {
+        rows.as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["upstream"] == upstream)
+            .cloned()
+            .collect()
+    };
+    assert!(!of("provider-a").is_empty(), "{rows:#}");
+    for row in of("provider-a") {
+        assert_eq!(row["result"], "pass", "{rows:#}");
+        let seen = row["prompt_tokens"].as_array().unwrap();
+        assert!(!seen.is_empty(), "{rows:#}");
+    }
+    assert!(
+        of("provider-b")
+            .iter()
+            .any(|r| r["result"] == "fail" && r["why"].is_string()),
+        "{rows:#}"
+    );
 
     let gateway = builder().start().await;
     probed(&gateway, "provider-a", true).await;

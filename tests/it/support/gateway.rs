@@ -221,11 +221,17 @@ impl Builder {
     /// Runs another subcommand (`verify-providers`, `migrate`) on this
     /// configuration, to completion (30 s at most).
     pub async fn run(self, subcommand: &str) -> std::process::Output {
+        self.run_with(subcommand, &[]).await
+    }
+
+    /// [`Builder::run`], with arguments after the subcommand.
+    pub async fn run_with(self, subcommand: &str, args: &[&str]) -> std::process::Output {
         let (dir, path) = self.write();
         let out = Command::new(env!("CARGO_BIN_EXE_idemgate"))
             .arg("--config")
             .arg(&path)
             .arg(subcommand)
+            .args(args)
             .env_remove("IDEMGATE_DATABASE_URL")
             .env_remove("IDEMGATE_EMBEDDED_PATH")
             .envs(SUITE_ENV)
