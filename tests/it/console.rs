@@ -467,3 +467,61 @@ async fn an_operator_resolves_one_upstreams_unknown_attempts_at_once() {
         "started after the preview"
     );
 }
+
+/// The upstreams page says which upstreams failover may use, and why not:
+/// a provider answering the probe's golden value wrong is not eligible,
+/// with what differed and its last verdicts; the one answering right is.
+#[tokio::test]
+async fn the_upstreams_page_shows_eligibility_and_the_last_verdicts() {
+    use crate::support::chat::{Drift, Provider, Timing};
+    let store = TestStore::embedded();
+    let a = Provider::start("a", Drift::None, Timing::Now).await;
+    let b = Provider::start("b", Drift::WrongAnswer, Timing::Now).await;
+    let gateway = crate::failover::chat_gateway(&store, &a.url(), &b.url(), "")
+        .tables(
+            "[[contracts.chat-json.probes]]\nname = \"golden\"\npath = \"/v1/chat/completions\"\n\
+             body = \"probe-capital.json\"\nexpect = { \"/answer\" = { matches = \"^Paris\" } }\n",
+        )
+        .start()
+        .await;
+    let browser = Browser::start().await;
+    browser
+        .client
+        .goto(&format!("{}/console/#/upstreams", gateway.admin_url))
+        .await
+        .unwrap();
+    browser.type_into("#token", ADMIN_TOKEN).await;
+    browser.click("#sign-in").await;
+    browser.click("#nav-upstreams").await;
+    // Verdicts come every probe_interval; the page shows them once reloaded.
+    let reloaded = || async {
+        browser.client.refresh().await.unwrap();
+        browser.wait_for("#upstreams tr[data-upstream='b']").await;
+    };
+    let mut rows = (String::new(), String::new());
+    for _ in 0..50 {
+        reloaded().await;
+        rows = (
+            browser.text("#upstreams tr[data-upstream='a']").await,
+            browser.text("#upstreams tr[data-upstream='b']").await,
+        );
+        if rows.0.contains("eligible") && rows.1.contains("last verdicts") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (row_a, row_b) = rows;
+    assert!(
+        row_a.contains("eligible") && !row_a.contains("not eligible"),
+        "{row_a}"
+    );
+    assert!(row_b.contains("not eligible"), "{row_b}");
+    assert!(
+        row_b.contains("golden") && row_b.contains("Lyon"),
+        "{row_b}"
+    );
+    assert!(
+        row_b.contains("last verdicts") && row_b.contains("fail"),
+        "{row_b}"
+    );
+}

@@ -40,7 +40,7 @@ fn upstream_table(name: &str, url: &str) -> String {
 
 /// Two named upstreams `a` and `b`, the chat contract, and a route using
 /// both with `route_extra` added.
-fn chat_gateway(store: &TestStore, a: &str, b: &str, route_extra: &str) -> Builder {
+pub(crate) fn chat_gateway(store: &TestStore, a: &str, b: &str, route_extra: &str) -> Builder {
     Gateway::builder(store, "http://unused")
         .unset("upstreams")
         .set("probe_interval", "\"200ms\"")

@@ -39,7 +39,7 @@ function el(tag, attrs, ...children) {
   return node;
 }
 
-const badge = (state) => el("span", { class: "badge " + state, "data-state": state }, state);
+const badge = (state, text) => el("span", { class: "badge " + state, "data-state": state }, text || state);
 const when = (t) => (t ? new Date(t).toLocaleString() : "—");
 const notice = (kind, text) => el("div", { class: "notice " + kind, role: kind === "error" ? "alert" : "status" }, text);
 
@@ -403,6 +403,24 @@ async function jobPage(id, flash) {
     el("h2", {}, "Stored response"), storedResponse(job.response));
 }
 
+// One contract's standing on an upstream: whether failover may use it (and
+// how many passing verifications it still needs), the last verdict's
+// failures, and the last verdicts, newest first (docs/design.md §6).
+function standing(c) {
+  const eligible = c.eligible
+    ? badge("succeeded", "eligible")
+    : badge("failed", c.needed > 0 && c.passes_in_a_row > 0
+      ? `not eligible: ${c.needed} more passing`
+      : "not eligible");
+  const history = (c.history || []).map((v) =>
+    el("span", { class: `verdict verdict-${v.result}`, title: when(v.checked_at) }, v.result));
+  return el("div", { class: "standing", "data-contract": c.contract },
+    eligible, " ", c.contract, " ",
+    el("span", { class: "muted" }, c.checked_at ? "checked " + when(c.checked_at) : "not checked yet"),
+    (c.failures || []).map((f) => el("div", { class: "muted failure" }, f.probe + ": " + f.why)),
+    history.length ? el("div", { class: "history" }, el("span", { class: "muted" }, "last verdicts: "), history) : []);
+}
+
 async function upstreams() {
   activate("upstreams");
   let data;
@@ -413,10 +431,7 @@ async function upstreams() {
   }
   const rows = data.upstreams.map((u) => el("tr", { "data-upstream": u.name },
     el("td", {}, el("strong", {}, u.name)), el("td", { class: "mono" }, u.url),
-    el("td", {}, u.contracts.length ? u.contracts.map((c) => el("div", {},
-      badge(c.passed ? "succeeded" : "failed"), " ", c.contract, " ",
-      el("span", { class: "muted" }, "checked " + when(c.checked_at)),
-      c.failures.map((f) => el("div", { class: "muted" }, f.probe + ": " + f.why)))) : el("span", { class: "muted" }, "no contract probes"))));
+    el("td", {}, u.contracts.length ? u.contracts.map(standing) : el("span", { class: "muted" }, "no contract probes"))));
   show(el("h1", {}, "Upstreams"),
     el("table", { id: "upstreams" }, el("thead", {}, el("tr", {}, ["Name", "URL", "Contract probes"].map((h) => el("th", {}, h)))), el("tbody", {}, rows)));
 }
