@@ -55,7 +55,11 @@ struct ProbeFile {
     name: String,
     method: Option<String>,
     path: String,
-    body: PathBuf,
+    /// The request body; or `cases`, a folder of them.
+    body: Option<PathBuf>,
+    /// A folder of real requests (`NAME.json`), each with its expected
+    /// answer (`NAME.expect.json`: pointer → value, as `expect`).
+    cases: Option<PathBuf>,
     #[serde(default)]
     headers: BTreeMap<String, String>,
     schema: Option<PathBuf>,
@@ -103,12 +107,10 @@ pub fn load(name: &str, file: ContractFile, base: &Path) -> Result<Contract, Con
             })
         }
     };
-    let probes = file
-        .probes
-        .iter()
-        .enumerate()
-        .map(|(i, p)| probe(name, i, p, &file, base))
-        .collect::<Result<Vec<_>, _>>()?;
+    let mut probes = Vec::new();
+    for (i, p) in file.probes.iter().enumerate() {
+        probes.extend(probe(name, i, p, &file, base)?);
+    }
     let events = match &file.events {
         None => None,
         Some(path) => Some(load_schema(&key("events"), base, path)?),
@@ -122,13 +124,119 @@ pub fn load(name: &str, file: ContractFile, base: &Path) -> Result<Contract, Con
     })
 }
 
-/// Probe `i` of contract `name`.
+/// Probe `i` of contract `name`: one, or one per case of its `cases`.
 fn probe(
     name: &str,
     i: usize,
     p: &ProbeFile,
     contract: &ContractFile,
     base: &Path,
+) -> Result<Vec<Probe>, ConfigError> {
+    let pkey = |field: &str| format!("contracts.{name}.probes[{i}].{field}");
+    let template = || one_probe(name, i, p, contract, base, Bytes::new());
+    match (&p.body, &p.cases) {
+        (Some(body), None) => {
+            let body = read(&pkey("body"), base, body)?;
+            Ok(vec![one_probe(
+                name,
+                i,
+                p,
+                contract,
+                base,
+                Bytes::from(body),
+            )?])
+        }
+        (None, Some(folder)) => cases(&pkey("cases"), base, folder)?
+            .into_iter()
+            .map(|case| {
+                let mut probe = template()?;
+                probe.name = format!("{}/{}", p.name, case.name);
+                probe.body = case.body;
+                let key = format!("{}[{:?}]", pkey("cases"), case.name);
+                for (pointer, value) in &case.expect {
+                    // The case's value wins over the probe's for a pointer.
+                    probe.expect.retain(|e| &e.written != pointer);
+                    probe.expect.push(expectation(&key, pointer, value)?);
+                }
+                Ok(probe)
+            })
+            .collect(),
+        _ => Err(ConfigError::new(
+            pkey("body"),
+            "give either `body` (a file holding the request body) or `cases` (a folder of \
+             NAME.json requests, each with its NAME.expect.json), not both and not neither",
+        )),
+    }
+}
+
+/// One request of a `cases` folder and what its answer must say.
+struct Case {
+    name: String,
+    body: Bytes,
+    expect: BTreeMap<String, Value>,
+}
+
+/// The `cases` folder, sorted by name: every `NAME.json` beside its
+/// `NAME.expect.json` (an object of pointer → expected value).
+fn cases(key: &str, base: &Path, folder: &Path) -> Result<Vec<Case>, ConfigError> {
+    let dir = base.join(folder);
+    let entries = std::fs::read_dir(&dir)
+        .map_err(|e| ConfigError::new(key, format!("cannot read {}: {e}", dir.display())))?;
+    let mut names: Vec<String> = entries
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|f| f.ends_with(".json") && !f.ends_with(".expect.json"))
+        .map(|f| f.trim_end_matches(".json").to_owned())
+        .collect();
+    names.sort();
+    if names.is_empty() {
+        return Err(ConfigError::new(
+            key,
+            format!(
+                "{} holds no NAME.json request: add at least one, each with its NAME.expect.json",
+                dir.display()
+            ),
+        ));
+    }
+    names
+        .into_iter()
+        .map(|name| {
+            let body = read(key, &dir, Path::new(&format!("{name}.json")))?;
+            let expected = dir.join(format!("{name}.expect.json"));
+            let text = std::fs::read(&expected).map_err(|e| {
+                ConfigError::new(
+                    key,
+                    format!(
+                        "cannot read {} (every case needs what its answer must say): {e}",
+                        expected.display()
+                    ),
+                )
+            })?;
+            let expect = serde_json::from_slice(&text).map_err(|e| {
+                ConfigError::new(
+                    key,
+                    format!(
+                        "{} is not a JSON object of pointer → expected value: {e}",
+                        expected.display()
+                    ),
+                )
+            })?;
+            Ok(Case {
+                name,
+                body: Bytes::from(body),
+                expect,
+            })
+        })
+        .collect()
+}
+
+/// Probe `i` of contract `name`, sending `body`.
+fn one_probe(
+    name: &str,
+    i: usize,
+    p: &ProbeFile,
+    contract: &ContractFile,
+    base: &Path,
+    body: Bytes,
 ) -> Result<Probe, ConfigError> {
     let pkey = |field: &str| format!("contracts.{name}.probes[{i}].{field}");
     let method = match p.method.as_deref() {
@@ -143,14 +251,13 @@ fn probe(
             format!("{:?} must start with `/`", p.path),
         ));
     }
-    let body = read(&pkey("body"), base, &p.body)?;
     let runs = runs(&pkey("runs"), p.runs)?;
     Ok(Probe {
         name: p.name.clone(),
         method,
         path: p.path.clone(),
         headers: probe_headers(&pkey("headers"), &p.headers)?,
-        body: Bytes::from(body),
+        body,
         shape: probe_shape(name, &pkey, p, contract, base)?,
         expect: p
             .expect
@@ -628,5 +735,89 @@ prompt_tokens = { pointer = "/usage/prompt_tokens", min = 20, max = 40 }"#,
         )
         .unwrap_err();
         assert_eq!(err.key, "contracts.c.schema");
+    }
+
+    /// Writes the probe `p` of contract `c` with `cases = "cases"` in `dir`.
+    fn with_cases(dir: &Path, files: &[(&str, &str)]) -> Result<Contract, ConfigError> {
+        contract(dir, true);
+        let folder = dir.join("cases");
+        std::fs::create_dir_all(&folder).unwrap();
+        for (name, text) in files {
+            std::fs::write(folder.join(name), text).unwrap();
+        }
+        let text = "schema = \"envelope.json\"\n[embedded]\npointer = \"/choices/0/content\"\n\
+             schema = \"answer.json\"\n[[probes]]\nname = \"real\"\npath = \"/v1\"\n\
+             cases = \"cases\"\nexpect = { \"/answer\" = \"Paris\", \"/lang\" = \"fr\" }\n";
+        load("c", toml::from_str(text).unwrap(), dir)
+    }
+
+    #[test]
+    fn each_case_is_a_probe_whose_expectations_win_over_the_probes() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = with_cases(
+            dir.path(),
+            &[
+                ("b-rome.json", r#"{"q": "italy"}"#),
+                ("b-rome.expect.json", r#"{"/answer": "Rome"}"#),
+                ("a-paris.json", r#"{"q": "france"}"#),
+                ("a-paris.expect.json", r#"{"/n": {"min": 1}}"#),
+                ("notes.txt", "not a case"),
+            ],
+        )
+        .unwrap();
+        let names: Vec<&str> = c.probes.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(names, ["real/a-paris", "real/b-rome"], "sorted by name");
+        assert_eq!(&c.probes[1].body[..], br#"{"q": "italy"}"#);
+        let expected = |p: &Probe, w: &str| {
+            p.expect
+                .iter()
+                .find(|e| e.written == w)
+                .map(|e| format!("{:?}", e.expected))
+        };
+        assert_eq!(
+            expected(&c.probes[1], "/answer").unwrap(),
+            "Exact(String(\"Rome\"))"
+        );
+        assert_eq!(
+            expected(&c.probes[1], "/lang").unwrap(),
+            "Exact(String(\"fr\"))"
+        );
+        assert_eq!(
+            expected(&c.probes[0], "/answer").unwrap(),
+            "Exact(String(\"Paris\"))"
+        );
+        assert!(expected(&c.probes[0], "/n").unwrap().starts_with("Range"));
+    }
+
+    #[test]
+    fn a_bad_cases_folder_is_named_with_the_fix() {
+        for (files, says) in [
+            (vec![], "holds no NAME.json request"),
+            (
+                vec![("a.json", "{}")],
+                "every case needs what its answer must say",
+            ),
+            (
+                vec![("a.json", "{}"), ("a.expect.json", "[1]")],
+                "not a JSON object",
+            ),
+            (
+                vec![("a.json", "{}"), ("a.expect.json", r#"{"answer": 1}"#)],
+                "is not a JSON pointer",
+            ),
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            let e = with_cases(dir.path(), &files).unwrap_err();
+            assert!(
+                e.key.starts_with("contracts.c.probes[0].cases"),
+                "{}",
+                e.key
+            );
+            assert!(e.to_string().contains(says), "{says}: {e}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let e = with_probe(dir.path(), "cases = \"cases\"", "").unwrap_err();
+        assert_eq!(e.key, "contracts.c.probes[0].body");
+        assert!(e.to_string().contains("not both"), "{e}");
     }
 }

@@ -128,7 +128,10 @@ fn the_chat_example_is_valid() {
     );
     assert!(chat.side_effect_free && chat.hedge_after.is_some());
     let contract = chat.contract.as_ref().unwrap();
-    assert_eq!(contract.probes.len(), 1);
+    // The golden probe, and one per real case of `cases/`.
+    let names: Vec<&str> = contract.probes.iter().map(|p| p.name.as_str()).collect();
+    assert_eq!(names, ["capital-of-france", "real/capital-one-word"]);
+    assert_eq!(contract.probes[1].expect.len(), 2);
     let probe = &contract.probes[0];
     assert_eq!((probe.runs, probe.same, probe.expect.len()), (3, true, 2));
     assert!(probe.prompt_tokens.is_some() && !contract.proves_only_the_shape());

@@ -544,7 +544,19 @@ async fn the_worked_chat_example_runs_against_local_providers() {
             .cloned()
             .collect()
     };
-    assert!(!of("provider-a").is_empty(), "{rows:#}");
+    // The golden probe and the real case from config/chat/cases/.
+    let probes: Vec<&str> = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["upstream"] == "provider-a")
+        .filter_map(|r| r["probe"].as_str())
+        .collect();
+    assert_eq!(
+        probes,
+        ["capital-of-france", "real/capital-one-word"],
+        "{rows:#}"
+    );
     for row in of("provider-a") {
         assert_eq!(row["result"], "pass", "{rows:#}");
         let seen = row["prompt_tokens"].as_array().unwrap();

@@ -201,13 +201,14 @@ async fn the_control_fallback_right_stable_and_in_the_window_is_used(store: Test
 }
 
 crate::on_both_stores!(
+    a_fallback_right_only_some_of_the_time_is_unstable_and_never_a_target,
+    a_fallback_whose_prompt_renders_out_of_the_window_is_never_a_target,
+    a_recovering_fallback_is_a_target_only_after_recover_after_passes,
     a_fallback_answering_the_wrong_value_is_never_a_target,
     the_control_fallback_right_stable_and_in_the_window_is_used,
 );
 
-#[tokio::test]
-async fn a_fallback_right_only_some_of_the_time_is_unstable_and_never_a_target() {
-    let store = TestStore::embedded();
+async fn a_fallback_right_only_some_of_the_time_is_unstable_and_never_a_target(store: TestStore) {
     let b = Provider::start("b", Drift::Flapping, Timing::Now).await;
     let gateway = behind_a_dead_primary(&store, &b, CONTRACT, "200ms")
         .await
@@ -226,9 +227,7 @@ async fn a_fallback_right_only_some_of_the_time_is_unstable_and_never_a_target()
     assert!(series(&gateway, "idemgate_probe_runs_total", &unstable).await >= 3.0);
 }
 
-#[tokio::test]
-async fn a_fallback_whose_prompt_renders_out_of_the_window_is_never_a_target() {
-    let store = TestStore::embedded();
+async fn a_fallback_whose_prompt_renders_out_of_the_window_is_never_a_target(store: TestStore) {
     let b = Provider::start("b", Drift::LongPrompt, Timing::Now).await;
     let gateway = behind_a_dead_primary(&store, &b, CONTRACT, "200ms")
         .await
@@ -245,9 +244,7 @@ async fn a_fallback_whose_prompt_renders_out_of_the_window_is_never_a_target() {
     not_a_target(&gateway, &b, "long-prompt").await;
 }
 
-#[tokio::test]
-async fn a_recovering_fallback_is_a_target_only_after_recover_after_passes() {
-    let store = TestStore::embedded();
+async fn a_recovering_fallback_is_a_target_only_after_recover_after_passes(store: TestStore) {
     let b = Provider::start("b", Drift::WrongAnswer, Timing::Now).await;
     // A verification a second: the test acts between two of them.
     let gateway = behind_a_dead_primary(&store, &b, CONTRACT, "1s")

@@ -249,10 +249,7 @@ impl Builder {
     fn write(&self) -> (tempfile::TempDir, std::path::PathBuf) {
         let dir = tempfile::tempdir().unwrap();
         if let Some(from) = &self.files_from {
-            for entry in std::fs::read_dir(from).unwrap() {
-                let entry = entry.unwrap();
-                std::fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
-            }
+            copy_folder(from, dir.path());
         }
         let mut toml = String::new();
         for (k, v) in &self.settings {
@@ -319,6 +316,20 @@ impl Builder {
             url,
             admin_url,
             _dir: dir,
+        }
+    }
+}
+
+/// Copies `from` into `to`, folders (a contract's `cases`) included.
+fn copy_folder(from: &std::path::Path, to: &std::path::Path) {
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            std::fs::create_dir_all(&target).unwrap();
+            copy_folder(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
         }
     }
 }
