@@ -75,8 +75,13 @@ fn posts(upstream: &FakeUpstream) -> usize {
 }
 
 /// The value of `idemgate_reconcile_lookups_total` for `result` on the
-/// route `charges` (0 when not yet counted).
+/// route `charges` (0 when not yet counted), lookups and resends together.
 async fn lookups_counted(gateway: &Gateway, result: &str) -> f64 {
+    counted_by(gateway, "", result).await
+}
+
+/// The same, only for asks `by` (`lookup`, `resend`; empty: any).
+async fn counted_by(gateway: &Gateway, by: &str, result: &str) -> f64 {
     let reply = send(
         Method::GET,
         &format!("{}/metrics", gateway.admin_url),
@@ -88,6 +93,7 @@ async fn lookups_counted(gateway: &Gateway, result: &str) -> f64 {
     text.lines()
         .filter(|l| l.starts_with("idemgate_reconcile_lookups_total{"))
         .filter(|l| l.contains("route=\"charges\"") && l.contains(&format!("result=\"{result}\"")))
+        .filter(|l| by.is_empty() || l.contains(&format!("by=\"{by}\"")))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
 }
@@ -537,28 +543,11 @@ async fn a_resend_to_an_upstream_that_deduplicates_settles_the_attempt(store: Te
     assert_eq!(retry.header("idempotent-replayed"), Some("true"));
     assert_eq!(retry.json()["charge"], "ch_1");
     assert_eq!(effects.load(Ordering::SeqCst), 1, "one charge");
-    let counted = |result: &'static str| {
-        let gateway = &gateway;
-        async move {
-            let reply = send(
-                Method::GET,
-                &format!("{}/metrics", gateway.admin_url),
-                &[],
-                "",
-            )
-            .await;
-            let text = String::from_utf8_lossy(&reply.body).into_owned();
-            text.lines()
-                .filter(|l| l.starts_with("idemgate_reconcile_lookups_total{"))
-                .filter(|l| {
-                    l.contains("by=\"resend\"") && l.contains(&format!("result=\"{result}\""))
-                })
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum::<f64>()
-        }
-    };
-    assert_eq!(counted("still_unknown").await, 1.0);
-    assert_eq!(counted("settled_succeeded").await, 1.0);
+    assert_eq!(counted_by(&gateway, "resend", "still_unknown").await, 1.0);
+    assert_eq!(
+        counted_by(&gateway, "resend", "settled_succeeded").await,
+        1.0
+    );
     silent.open(1);
 }
 

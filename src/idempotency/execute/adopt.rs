@@ -82,26 +82,13 @@ impl super::Runner {
             .as_ref()?
             .lookup_path(&detail.job.id.to_string())?;
         let target = route.upstreams().find(|u| u.name() == attempt.upstream)?;
-        Some(Reconciler {
-            store: self.store.clone(),
-            upstream: upstream.clone(),
-            target: target.id.clone(),
-            route: route.clone(),
-            ask: Ask::Lookup(path),
-            job: detail.job.id,
-            attempt: attempt.id,
-            started_at: attempt.started_at,
-            deadline: self.config.deadline,
-            timeout: target.timeout,
-            max_response_size: self.config.max_response_size,
-            key_header: self.config.forward_key_header.clone(),
-            // Only proven clients use a route whose upstream holds a
-            // credential (docs/design.md §15): the attempt was sent with it.
-            proven: route
-                .require_client
-                .then(|| ProvenClient(Arc::from("reconcile"))),
-            asking: self.asking.clone(),
-        })
+        // Only proven clients use a route whose upstream holds a
+        // credential (docs/design.md §15): the attempt was sent with it.
+        let proven = route
+            .require_client
+            .then(|| ProvenClient(Arc::from("reconcile")));
+        let ask = Ask::Lookup(path);
+        Some(self.asking_about(upstream, route, target, attempt, ask, proven))
     }
 
     /// Every `interval`, adopts the unknown attempts on routes that look

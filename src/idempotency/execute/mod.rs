@@ -266,11 +266,27 @@ impl Runner {
                 body: sent.body.clone(),
             })),
         };
+        let proven = request.parts.extensions.get::<ProvenClient>().cloned();
+        self.asking_about(upstream, &request.route, target, attempt, ask, proven)
+    }
+
+    /// The task that asks `target` about `attempt` of `route` by `ask`; the
+    /// one constructor of [`Reconciler`], for attempts started here and
+    /// attempts adopted from the store alike.
+    fn asking_about(
+        &self,
+        upstream: &UpstreamService,
+        route: &Arc<Route>,
+        target: &UpstreamSettings,
+        attempt: &Attempt,
+        ask: Ask,
+        proven: Option<ProvenClient>,
+    ) -> Reconciler {
         Reconciler {
             store: self.store.clone(),
             upstream: upstream.clone(),
             target: target.id.clone(),
-            route: request.route.clone(),
+            route: route.clone(),
             ask,
             job: attempt.job_id,
             attempt: attempt.id,
@@ -279,7 +295,7 @@ impl Runner {
             timeout: target.timeout,
             max_response_size: self.config.max_response_size,
             key_header: self.config.forward_key_header.clone(),
-            proven: request.parts.extensions.get::<ProvenClient>().cloned(),
+            proven,
             asking: self.asking.clone(),
         }
     }
