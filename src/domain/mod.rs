@@ -10,4 +10,5 @@ pub mod key;
 pub mod path;
 pub mod reconcile;
 pub mod response;
+pub mod sse;
 pub mod transition;

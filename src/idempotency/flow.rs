@@ -13,6 +13,11 @@
 //! | unknown | 409 attempt outcome unknown, `Retry-After` |
 //! | open | claim the next attempt by CAS on version, run it |
 //!
+//! A request that names a resume point (`docs/design.md` §10, "Resume")
+//! only ever meets a job: its answer (replayed or joined) is cut to what
+//! follows the point, and where it would start a job or an attempt there
+//! is nothing to resume, so it is refused with `416` and nothing is run.
+//!
 //! A request that owns a job runs its attempts through the `Dispatch`
 //! state machine; `drive` is the small driver that does its I/O. Beginning
 //! a job and claiming an attempt each run in a task of their own together
@@ -39,6 +44,7 @@ use super::hold::Until;
 use super::keyed::Keyed;
 use super::replay::tiers::Write;
 use super::replay::{self, Framing};
+use super::resume::resume;
 use super::shared::Shared;
 use crate::config::routes::{InProgress, OnUnknown};
 use crate::config::UpstreamSettings;
@@ -78,7 +84,10 @@ pub fn run(
     });
     async move {
         let mut job_id = None;
-        let result = flow.decide(&mut job_id).await;
+        let result = match (flow.decide(&mut job_id).await, &flow.request.resume) {
+            (Ok(replay), Some(point)) => resume(replay, point).await.map_err(GatewayError::from),
+            (result, _) => result,
+        };
         let response = result.unwrap_or_else(|e| {
             metrics::counter!("idemgate_requests_refused_total", "problem" => e.metric_label())
                 .increment(1);
@@ -130,6 +139,11 @@ impl Flow {
             *job_id = Some(job);
             return Ok(response);
         }
+        if self.request.resume.is_some() {
+            let job = self.to_resume().await?;
+            *job_id = Some(job.id);
+            return Box::pin(self.meet(job)).await;
+        }
         let job = match joined(self.begin()).await? {
             Begun::Created(first, expires_at) => {
                 *job_id = Some(first.attempt.job_id);
@@ -151,6 +165,26 @@ impl Flow {
         Box::pin(self.meet(job)).await
     }
 
+    /// The job a request that resumes a stream meets: never a new one.
+    async fn to_resume(&self) -> Result<Job, GatewayError> {
+        let (owner, key) = (&self.request.owner, &self.request.key);
+        let found = self.shared.store.find_job(owner, key).await?;
+        match found.map(|detail| detail.job) {
+            Some(job) if job.expires_at > SystemTime::now() => {
+                if job.fingerprint != self.request.fingerprint {
+                    return Err(ClientError::KeyMismatch {
+                        status: self.shared.config.mismatch_status,
+                    }
+                    .into());
+                }
+                Ok(job)
+            }
+            _ => Err(nothing_to_resume(
+                "no job has this Idempotency-Key (it never ran here, or it expired)",
+            )),
+        }
+    }
+
     /// Answers a request whose key names an existing job of the same intent,
     /// as the job's state says.
     async fn meet(self: &Arc<Self>, mut job: Job) -> Result<Response<Body>, GatewayError> {
@@ -164,6 +198,20 @@ impl Flow {
             match job.state {
                 JobState::Completed => {
                     return self.shared.replays.from_store(&self.request, &job, write)
+                }
+                // A resume continues an answer; it never starts another.
+                JobState::Open if self.request.resume.is_some() => {
+                    return Err(nothing_to_resume(
+                        "the job's last attempt failed without an answer",
+                    ))
+                }
+                JobState::Unknown
+                    if self.request.route.on_unknown == OnUnknown::NewAttempt
+                        && self.request.resume.is_some() =>
+                {
+                    return Err(nothing_to_resume(
+                        "the stream was cut and its outcome is unknown",
+                    ))
                 }
                 JobState::Unknown if self.request.route.on_unknown == OnUnknown::NewAttempt => {
                     // Side-effect-free: a second call, never a second effect
@@ -415,4 +463,17 @@ impl Flow {
             ttl: self.shared.config.key_ttl,
         }
     }
+}
+
+/// `416` for a resume that would have to start a job or an attempt.
+fn nothing_to_resume(why: &str) -> GatewayError {
+    metrics::counter!("idemgate_stream_resumes_total", "result" => "refused").increment(1);
+    ClientError::ResumeUnsatisfiable {
+        why: format!(
+            "{why}: there is no stream to resume; send the request without Last-Event-ID \
+             or Idempotency-Events-Received to run it"
+        ),
+        events: None,
+    }
+    .into()
 }

@@ -9,6 +9,7 @@ use tracing::Span;
 use crate::config::routes::Route;
 use crate::domain::fingerprint::Fingerprint;
 use crate::domain::key::{IdempotencyKey, Owner};
+use crate::domain::sse::ResumePoint;
 use crate::proxy::budget::Charge;
 
 /// One opted-in request, buffered and fingerprinted: who asks, for what.
@@ -29,6 +30,9 @@ pub struct Keyed {
     /// answers, replays copied for it (`docs/design.md` §18). Its attempts
     /// hold it too, and its answer until sent.
     pub charge: Arc<Charge>,
+    /// Where a retry of a streamed job picks the stream up; `None`: from
+    /// the start (`docs/design.md` §10, "Resume").
+    pub resume: Option<ResumePoint>,
     /// Its span: its attempts' spans are children of it.
     pub span: Span,
 }

@@ -14,7 +14,9 @@
 //!    pure state machine decides (failover, hedging);
 //! 5. [`execute`]: each attempt runs in its own task, so a client that hangs
 //!    up cannot cut it short; its answer is committed by CAS before anyone
-//!    sees it, and a streamed one is [recorded](recording) for every reader.
+//!    sees it, and a streamed one is [recorded](recording) for every reader;
+//! 6. [`resume`]: a retry that names where its stream broke off gets only
+//!    what follows.
 //!
 //! Everything else (no key on a route that does not require one, methods or
 //! paths that do not opt in) goes to the inner service untouched, streamed:
@@ -31,6 +33,7 @@ pub mod layer;
 pub mod opt_in;
 pub mod recording;
 pub mod replay;
+pub mod resume;
 pub mod shared;
 
 pub use execute::UpstreamService;

@@ -15,9 +15,12 @@ use tracing::Span;
 use crate::config::routes::{self, Route};
 use crate::domain::fingerprint::{fingerprint, RequestParts};
 use crate::domain::key::IdempotencyKey;
+use crate::domain::sse::ResumePoint;
 use crate::proxy::budget::Charge;
 use crate::proxy::error::{ClientError, GatewayError};
-use crate::proxy::http::{collect_charged, discard, Body, CollectError, IDEMPOTENCY_KEY};
+use crate::proxy::http::{
+    collect_charged, discard, Body, CollectError, EVENTS_RECEIVED, IDEMPOTENCY_KEY, LAST_EVENT_ID,
+};
 use crate::proxy::upstream::Target;
 use crate::trust::Trust;
 
@@ -75,7 +78,8 @@ pub fn classify(routes: &[Arc<Route>], trust: &Trust, mut req: Request<Body>) ->
 }
 
 /// Reads what the decision needs: the owner (as the route's owner rule
-/// says, `401` when it cannot be established), the body (within the route's
+/// says, `401` when it cannot be established), the resume point (`400`
+/// when it cannot be read), the body (within the route's
 /// limit, `413` past it; within the memory budget, `503` past it; `408`
 /// when its client pauses past the body-read timeout) and the fingerprint
 /// (`400` for a body the route canonicalises that names a JSON member
@@ -84,6 +88,9 @@ pub async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Keyed, GatewayEr
     let OptedIn { route, key, req } = opted;
     let (parts, body) = req.into_parts();
     let owner = shared.trust.owner(&route.owner, &parts)?;
+    let lines = |name| parts.headers.get_all(name).iter().map(HeaderValue::as_bytes);
+    let resume = ResumePoint::parse(lines(LAST_EVENT_ID), lines(EVENTS_RECEIVED))
+        .map_err(ClientError::from)?;
     let (body, charge) = read(shared, &route, &parts, body).await?;
     let fingerprint = fingerprint(
         &RequestParts {
@@ -112,6 +119,7 @@ pub async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Keyed, GatewayEr
         parts,
         body,
         charge,
+        resume,
         span: Span::current(),
     })
 }

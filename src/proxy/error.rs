@@ -12,6 +12,7 @@ use serde_json::{Map, Value};
 use crate::domain::fingerprint::AmbiguousJson;
 use crate::domain::key::KeyError;
 use crate::domain::path::Ambiguity;
+use crate::domain::sse::BadResumePoint;
 use crate::proxy::http::idle::BodyTimedOut;
 use crate::proxy::http::{full, Body, CollectError, Outcome};
 use crate::proxy::upstream::UpstreamError;
@@ -92,6 +93,18 @@ pub enum ClientError {
     OwnerMissing {
         /// The sources the route reads, in words.
         expected: String,
+    },
+    /// A resume point that cannot be read (`docs/design.md` §10, "Resume").
+    #[error(transparent)]
+    BadResumePoint(#[from] BadResumePoint),
+    /// A resume point the job's answer does not reach, or a job with no
+    /// event stream to resume: nothing was replayed, nothing run.
+    #[error("{why}")]
+    ResumeUnsatisfiable {
+        /// What the client should do instead.
+        why: String,
+        /// How many events the whole answer has, once it is known.
+        events: Option<usize>,
     },
     /// The route serves only clients that prove themselves with a client
     /// key, and none was presented (or it matched no client).
@@ -243,6 +256,16 @@ impl ClientError {
                 "Outcome of an earlier attempt unknown",
             )
             .retry_after(*retry_after),
+            ClientError::BadResumePoint(_) => p(
+                StatusCode::BAD_REQUEST,
+                "invalid-resume-point",
+                "Resume point that cannot be read",
+            ),
+            ClientError::ResumeUnsatisfiable { .. } => p(
+                StatusCode::RANGE_NOT_SATISFIABLE,
+                "resume-point-not-satisfiable",
+                "Nothing to resume from that point",
+            ),
             ClientError::OwnerMissing { .. } => p(
                 StatusCode::UNAUTHORIZED,
                 "owner-required",
@@ -353,6 +376,12 @@ impl GatewayError {
         let mut members = Map::new();
         if let Some(section) = draft_section(problem.slug) {
             members.insert("spec".into(), format!("{DRAFT}#section-{section}").into());
+        }
+        if let GatewayError::Client(ClientError::ResumeUnsatisfiable {
+            events: Some(n), ..
+        }) = &self
+        {
+            members.insert("events".into(), (*n).into());
         }
         let mut response = problem_response_with(
             problem.status,

@@ -50,6 +50,7 @@ pub const SERIES: &[(&str, Kind, &str)] = &[
     ("idemgate_streamed_bytes_total", Kind::Counter, "Bytes of streamed answers relayed."),
     ("idemgate_streams_cut_total", Kind::Counter, "Streams whose upstream stopped before the end (the attempt is unknown)."),
     ("idemgate_stream_joiners_total", Kind::Counter, "Duplicates that joined a stream in progress."),
+    ("idemgate_stream_resumes_total", Kind::Counter, "Retries that named a resume point (Last-Event-ID, Idempotency-Events-Received), by result (resumed, refused)."),
     ("idemgate_memory_budget_bytes", Kind::Gauge, "The memory budget: bytes keyed requests may make the gateway hold."),
     ("idemgate_memory_budget_in_use_bytes", Kind::Gauge, "Bytes of the memory budget held now."),
     ("idemgate_memory_budget_refusals_total", Kind::Counter, "Keyed requests answered 503 overloaded because the memory budget was spent."),

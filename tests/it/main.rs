@@ -41,6 +41,7 @@ mod reconcile;
 mod redis_deployments;
 mod redis_tls;
 mod replay_entries;
+mod resume;
 mod rollout;
 mod state_machine_props;
 mod store_conformance;

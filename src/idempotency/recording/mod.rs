@@ -14,7 +14,12 @@
 //!   can always get it again;
 //! - a stream cut before its end (reset, silence past the timeout, too
 //!   large, or its commit lost) ends every reader's body with an error, so
-//!   no client mistakes part of a stream for the whole.
+//!   no client mistakes part of a stream for the whole;
+//! - a server-sent event stream is recorded event by event (a partial
+//!   event waits for its end), and its heartbeats (comment lines before an
+//!   event) reach the readers of this recording but are not part of the
+//!   answer: what is committed, mirrored and replayed is the same whether
+//!   or not the upstream sent any (`docs/design.md` §10, "Heartbeats").
 
 pub mod join;
 
@@ -28,6 +33,7 @@ use http_body_util::{BodyExt, StreamBody};
 use tokio::sync::watch;
 
 use crate::domain::id::JobId;
+use crate::domain::sse::{Blocks, Kind};
 use crate::idempotency::fastpath::Piece;
 
 use crate::domain::response::StoredResponse;
@@ -51,12 +57,30 @@ struct Progress {
     end: End,
 }
 
+/// A recorded piece of a stream.
+#[derive(Debug, Clone)]
+struct Chunk {
+    bytes: Bytes,
+    /// A heartbeat: read live, not part of the answer.
+    beat: bool,
+}
+
+/// What a recording holds: its chunks, and for an event stream the part
+/// of an event that has not ended yet.
+#[derive(Debug, Default)]
+struct Chunks {
+    list: Vec<Chunk>,
+    /// Cuts an event stream at its events; `None` for other stream types,
+    /// recorded chunk by chunk as they come.
+    events: Option<Blocks>,
+}
+
 /// One streamed answer being recorded.
 pub struct Recording {
     job: JobId,
     status: u16,
     headers: Vec<(String, Bytes)>,
-    chunks: Mutex<Vec<Bytes>>,
+    chunks: Mutex<Chunks>,
     progress: watch::Sender<Progress>,
     /// What its chunks hold against the memory budget, for as long as any
     /// reader holds the recording (`docs/design.md` §18).
@@ -83,11 +107,15 @@ impl Recording {
         charge: Arc<Charge>,
     ) -> Arc<Self> {
         metrics::gauge!("idemgate_streams_in_flight").increment(1.0);
+        let events = is_event_stream(&headers).then(Blocks::default);
         Arc::new(Recording {
             job,
             status,
             headers,
-            chunks: Mutex::default(),
+            chunks: Mutex::new(Chunks {
+                list: Vec::new(),
+                events,
+            }),
             progress: watch::Sender::new(Progress {
                 chunks: 0,
                 end: End::Live,
@@ -96,7 +124,7 @@ impl Recording {
         })
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Bytes>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Chunks> {
         self.chunks.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -110,35 +138,44 @@ impl Recording {
         (self.status, &self.headers)
     }
 
-    /// Appends a chunk and wakes the readers.
+    /// Takes in what the upstream sent next and wakes the readers: an event
+    /// stream's whole events and heartbeats, anything else as it came.
     pub fn push(&self, chunk: Bytes) {
         metrics::counter!("idemgate_streamed_bytes_total").increment(chunk.len() as u64);
         self.charge.add(chunk.len());
         let chunks = {
             let mut all = self.lock();
-            all.push(chunk);
-            all.len()
+            let Chunks { list, events } = &mut *all;
+            match events {
+                None => list.push(Chunk {
+                    bytes: chunk,
+                    beat: false,
+                }),
+                Some(events) => list.extend(events.push(&chunk).into_iter().map(|b| Chunk {
+                    beat: b.kind == Kind::Beat,
+                    bytes: b.bytes,
+                })),
+            }
+            list.len()
         };
-        self.progress.send_modify(|p| p.chunks = chunks);
+        self.progress.send_if_modified(|p| {
+            let more = p.chunks != chunks;
+            p.chunks = chunks;
+            more
+        });
     }
 
-    /// How many bytes are recorded.
-    pub fn len(&self) -> usize {
-        self.lock().iter().map(Bytes::len).sum()
-    }
-
-    /// Whether nothing is recorded yet.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The answer as recorded so far, for the commit.
+    /// The answer as recorded so far, for the commit: every chunk but the
+    /// heartbeats, and an event not ended yet.
     pub fn stored(&self) -> StoredResponse {
         let chunks = self.lock();
-        let mut body = BytesMut::with_capacity(chunks.iter().map(Bytes::len).sum());
-        for chunk in chunks.iter() {
-            body.extend_from_slice(chunk);
+        let answer = || chunks.list.iter().filter(|c| !c.beat).map(|c| &c.bytes[..]);
+        let pending = chunks.events.as_ref().map_or(&[][..], Blocks::peek);
+        let mut body = BytesMut::with_capacity(answer().map(<[u8]>::len).sum::<usize>() + pending.len());
+        for bytes in answer() {
+            body.extend_from_slice(bytes);
         }
+        body.extend_from_slice(pending);
         StoredResponse {
             status: self.status,
             headers: self.headers.clone(),
@@ -146,8 +183,21 @@ impl Recording {
         }
     }
 
-    /// The answer is committed: readers get the end of the body.
+    /// The answer is committed: readers get the end of the body, after an
+    /// event the upstream never ended (it is part of the answer).
     pub fn finish(&self) {
+        let chunks = {
+            let mut all = self.lock();
+            let rest = all.events.as_mut().map(Blocks::rest).unwrap_or_default();
+            if !rest.is_empty() {
+                all.list.push(Chunk {
+                    bytes: rest,
+                    beat: false,
+                });
+            }
+            all.list.len()
+        };
+        self.progress.send_modify(|p| p.chunks = chunks);
         self.end(End::Committed);
     }
 
@@ -190,29 +240,38 @@ impl Recording {
         response
     }
 
-    fn chunk(&self, index: usize) -> Option<Bytes> {
-        self.lock().get(index).cloned()
+    fn chunk(&self, index: usize) -> Option<Chunk> {
+        self.lock().list.get(index).cloned()
     }
 
-    /// Everything recorded, from the first chunk, then each chunk as it
-    /// comes, then the verdict (a recording dropped without one counts as
-    /// cut).
+    /// The answer, from the first chunk, then each chunk as it comes, then
+    /// the verdict (a recording dropped without one counts as cut); without
+    /// heartbeats: what is mirrored.
     pub fn follow(self: &Arc<Self>) -> impl futures_util::Stream<Item = Piece> + Send + 'static {
+        self.pieces(false)
+    }
+
+    /// Every chunk in order, heartbeats too when `beats`, then the verdict.
+    fn pieces(
+        self: &Arc<Self>,
+        beats: bool,
+    ) -> impl futures_util::Stream<Item = Piece> + Send + 'static {
         let progress = self.progress.subscribe();
         futures_util::stream::unfold(
             (self.clone(), 0usize, progress, false),
-            |(recording, index, mut progress, done)| async move {
+            move |(recording, mut index, mut progress, done)| async move {
                 if done {
                     return None;
                 }
                 loop {
                     let now = *progress.borrow_and_update();
-                    if index < now.chunks {
+                    while index < now.chunks {
                         let chunk = recording.chunk(index)?;
-                        return Some((
-                            Piece::Chunk(chunk),
-                            (recording, index + 1, progress, false),
-                        ));
+                        index += 1;
+                        if beats || !chunk.beat {
+                            let next = (recording, index, progress, false);
+                            return Some((Piece::Chunk(chunk.bytes), next));
+                        }
                     }
                     if now.end != End::Live {
                         let committed = now.end == End::Committed;
@@ -230,11 +289,12 @@ impl Recording {
         )
     }
 
-    /// A body that reads the recording from its first chunk: it ends once
-    /// the answer is committed, and fails if it was cut.
+    /// A body that reads the recording from its first chunk, heartbeats
+    /// and all: it ends once the answer is committed, and fails if it was
+    /// cut.
     fn reader(self: &Arc<Self>) -> Body {
         use futures_util::StreamExt;
-        let frames = self.follow().filter_map(|next| async move {
+        let frames = self.pieces(true).filter_map(|next| async move {
             match next {
                 Piece::Chunk(chunk) => Some(Ok(Frame::data(chunk))),
                 Piece::End { committed: true } => None,
@@ -245,6 +305,14 @@ impl Recording {
         });
         BodyExt::boxed(StreamBody::new(frames))
     }
+}
+
+/// Whether an answer with these headers is a server-sent event stream.
+fn is_event_stream(headers: &[(String, Bytes)]) -> bool {
+    headers
+        .iter()
+        .find(|(name, _)| name.eq_ignore_ascii_case("content-type"))
+        .is_some_and(|(_, value)| crate::domain::sse::is_event_stream(value))
 }
 
 impl Drop for Recording {
@@ -282,6 +350,7 @@ impl Recordings {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use futures_util::StreamExt;
     use crate::proxy::budget::Budget;
 
     fn charge() -> Arc<Charge> {
@@ -346,6 +415,35 @@ mod tests {
         assert!(error.unwrap().contains("cut"));
         r.finish();
         assert_eq!(r.state(), End::Cut, "a verdict is final");
+    }
+
+    #[tokio::test]
+    async fn heartbeats_reach_readers_but_not_the_answer_and_events_come_whole() {
+        let sse = vec![("content-type".to_owned(), Bytes::from_static(b"text/event-stream"))];
+        let r = Recording::new(JobId::new(), 200, sse, charge());
+        let reader = tokio::spawn(frames(r.response(false).into_body()));
+        let mirror = tokio::spawn(r.follow().collect::<Vec<_>>());
+        r.push(Bytes::from_static(b"data: 1\n\n: keep-alive\n\ndata: "));
+        r.push(Bytes::from_static(b"2\n\n: keep-alive\n\ndata: cut sho"));
+        assert_eq!(r.stored().body, "data: 1\n\ndata: 2\n\ndata: cut sho");
+        r.finish();
+        let (chunks, error) = reader.await.unwrap();
+        assert_eq!(error, None);
+        assert_eq!(
+            chunks,
+            ["data: 1\n\n", ": keep-alive\n\n", "data: 2\n\n", ": keep-alive\n\n", "data: cut sho"],
+            "whole events, heartbeats between them, then what was never ended"
+        );
+        let mirrored: Vec<_> = mirror
+            .await
+            .unwrap()
+            .into_iter()
+            .filter_map(|p| match p {
+                Piece::Chunk(c) => Some(c),
+                Piece::End { .. } => None,
+            })
+            .collect();
+        assert_eq!(mirrored.concat(), b"data: 1\n\ndata: 2\n\ndata: cut sho");
     }
 
     #[tokio::test]

@@ -55,6 +55,14 @@ pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key
 pub const IDEMPOTENCY_JOB: HeaderName = HeaderName::from_static("idempotency-job");
 /// `Idempotent-Replayed: true` on replays.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+/// `Last-Event-ID`: the id of the last server-sent event a client has.
+pub const LAST_EVENT_ID: HeaderName = HeaderName::from_static("last-event-id");
+/// `Idempotency-Events-Received: <n>`: a client resuming a stream of events
+/// without ids has this many already (`docs/design.md` §10, "Resume").
+pub const EVENTS_RECEIVED: HeaderName = HeaderName::from_static("idempotency-events-received");
+/// `Idempotency-Events-Skipped: <n>` on a resumed answer: the events it
+/// leaves out, before the first it sends.
+pub const EVENTS_SKIPPED: HeaderName = HeaderName::from_static("idempotency-events-skipped");
 
 /// A body holding `bytes`.
 pub fn full(bytes: impl Into<Bytes>) -> Body {

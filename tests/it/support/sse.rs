@@ -50,22 +50,46 @@ pub enum Pace {
     Gate(Gate),
     /// This much time.
     Every(Duration),
+    /// A permit of the gate, sending a heartbeat this often meanwhile.
+    Beating(Gate, Duration),
 }
 
 impl Pace {
-    fn wait(self) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
+    /// Waits for the next event: `true` when it is due, `false` when a
+    /// heartbeat is.
+    fn wait(self) -> std::pin::Pin<Box<dyn std::future::Future<Output = bool> + Send>> {
         match self {
-            Pace::Gate(gate) => Box::pin(async move { gate.pass().await }),
-            Pace::Every(gap) => Box::pin(tokio::time::sleep(gap)),
+            Pace::Gate(gate) => Box::pin(async move {
+                gate.pass().await;
+                true
+            }),
+            Pace::Every(gap) => Box::pin(async move {
+                tokio::time::sleep(gap).await;
+                true
+            }),
+            Pace::Beating(gate, beat) => Box::pin(async move {
+                tokio::time::timeout(beat, gate.pass()).await.is_ok()
+            }),
         }
     }
 }
+
+/// The bytes of event `n` with an `id: e<n>` line first, `size` bytes in all.
+pub fn event_with_id(job: &str, n: usize, size: usize) -> String {
+    let id = format!("id: e{n}\n");
+    format!("{id}{}", event(job, n, size - id.len()))
+}
+
+/// The heartbeat [`SseUpstream::with_heartbeats`] sends.
+pub const HEARTBEAT: &str = ": keep-alive\n\n";
 
 /// What the events say.
 #[derive(Debug, Clone, Copy)]
 enum Events {
     /// [`event`]s of this size.
     Padded(usize),
+    /// [`event_with_id`]s of this size.
+    WithIds(usize),
     /// OpenAI chat completion chunks of these tokens, then `[DONE]`.
     OpenAi(&'static [&'static str]),
 }
@@ -74,6 +98,7 @@ impl Events {
     fn make(self, job: &str, n: usize) -> String {
         match self {
             Events::Padded(size) => event(job, n, size),
+            Events::WithIds(size) => event_with_id(job, n, size),
             Events::OpenAi(tokens) => openai_chunk(tokens, n),
         }
     }
@@ -106,6 +131,25 @@ impl SseUpstream {
             ending,
         )
         .await
+    }
+
+    /// Like [`SseUpstream::start`], each event with an `id:` line
+    /// ([`event_with_id`]).
+    pub async fn with_ids(events: usize, size: usize, gate: &Gate) -> SseUpstream {
+        let pace = Pace::Gate(gate.clone());
+        Self::serve(events, pace, Events::WithIds(size), Ending::Clean).await
+    }
+
+    /// Like [`SseUpstream::start`], sending a [`HEARTBEAT`] every `beat`
+    /// while it waits to send the next event.
+    pub async fn with_heartbeats(
+        events: usize,
+        size: usize,
+        gate: &Gate,
+        beat: Duration,
+    ) -> SseUpstream {
+        let pace = Pace::Beating(gate.clone(), beat);
+        Self::serve(events, pace, Events::Padded(size), Ending::Clean).await
     }
 
     /// Streams `tokens` as OpenAI chat completion chunks, one every `gap`,
@@ -159,7 +203,10 @@ impl SseUpstream {
                                         if n >= events {
                                             return None;
                                         }
-                                        pace.wait().await;
+                                        if !pace.wait().await {
+                                            let beat = Bytes::from_static(HEARTBEAT.as_bytes());
+                                            return Some((Ok(Frame::data(beat)), n));
+                                        }
                                         sent.fetch_add(1, Ordering::SeqCst);
                                         let bytes = Bytes::from(make.make(&job, n + 1));
                                         Some((Ok(Frame::data(bytes)), n + 1))
@@ -229,11 +276,19 @@ pub enum Finish {
 impl Reader {
     /// Sends a keyed POST and returns once the answer's head arrived.
     pub async fn post(url: &str, key: &str, body: &str) -> Reader {
-        let req = Request::post(url)
+        Self::post_with(url, key, body, &[]).await
+    }
+
+    /// Sends a keyed POST with `headers` besides and returns once the
+    /// answer's head arrived.
+    pub async fn post_with(url: &str, key: &str, body: &str, headers: &[(&str, &str)]) -> Reader {
+        let mut req = Request::post(url)
             .header("idempotency-key", key)
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(body.to_owned())))
-            .unwrap();
+            .header("content-type", "application/json");
+        for (name, value) in headers {
+            req = req.header(*name, *value);
+        }
+        let req = req.body(Full::new(Bytes::from(body.to_owned()))).unwrap();
         let response = tokio::time::timeout(Duration::from_secs(20), super::client().request(req))
             .await
             .expect("no answer head within 20 s")

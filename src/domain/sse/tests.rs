@@ -1,0 +1,186 @@
+use super::*;
+
+fn kinds(blocks: &[Block]) -> Vec<(String, Kind)> {
+    blocks
+        .iter()
+        .map(|b| (String::from_utf8_lossy(&b.bytes).into_owned(), b.kind.clone()))
+        .collect()
+}
+
+fn event(id: Option<&str>) -> Kind {
+    Kind::Event {
+        id: id.map(str::to_owned),
+    }
+}
+
+#[test]
+fn events_end_at_a_blank_line_whatever_the_line_endings() {
+    let mut blocks = Blocks::default();
+    let out = blocks.push(b"data: a\n\nid: 7\r\ndata: b\r\n\r\ndata: c\r\rdata: d\n\n");
+    assert_eq!(
+        kinds(&out),
+        vec![
+            ("data: a\n\n".into(), event(None)),
+            ("id: 7\r\ndata: b\r\n\r\n".into(), event(Some("7"))),
+            ("data: c\r\r".into(), event(None)),
+            ("data: d\n\n".into(), event(None)),
+        ]
+    );
+    assert!(blocks.peek().is_empty());
+}
+
+#[test]
+fn an_event_split_anywhere_comes_out_whole_once_its_blank_line_arrives() {
+    let stream = b"id: 1\r\ndata: {\"a\":1}\r\n\r\n: ping\r\n\r\ndata: two\r\n\r\n";
+    for cut in 0..stream.len() {
+        let mut blocks = Blocks::default();
+        let mut out = blocks.push(&stream[..cut]);
+        out.extend(blocks.push(&stream[cut..]));
+        let events: Vec<_> = out
+            .iter()
+            .filter(|b| b.kind != Kind::Beat)
+            .map(|b| b.bytes.clone())
+            .collect();
+        assert_eq!(
+            events,
+            vec![
+                Bytes::from_static(b"id: 1\r\ndata: {\"a\":1}\r\n\r\n"),
+                Bytes::from_static(b"data: two\r\n\r\n"),
+            ],
+            "cut at {cut}"
+        );
+        let all: Vec<u8> = out.iter().flat_map(|b| b.bytes.to_vec()).collect();
+        assert_eq!(all, stream, "no byte lost or changed, cut at {cut}");
+    }
+}
+
+#[test]
+fn a_cr_last_in_a_chunk_waits_to_know_whether_a_lf_follows() {
+    let mut blocks = Blocks::default();
+    assert!(blocks.push(b"data: a\r\n\r").is_empty());
+    let out = blocks.push(b"\ndata: b\n\n");
+    assert_eq!(
+        kinds(&out),
+        vec![
+            ("data: a\r\n\r\n".into(), event(None)),
+            ("data: b\n\n".into(), event(None)),
+        ]
+    );
+}
+
+#[test]
+fn comments_before_a_field_are_a_heartbeat_given_out_at_once() {
+    let mut blocks = Blocks::default();
+    let out = blocks.push(b": keep-alive\n\n");
+    assert_eq!(kinds(&out), vec![(": keep-alive\n\n".into(), Kind::Beat)]);
+    // Heartbeat lines with no blank line of their own, then an event.
+    let out = blocks.push(b":\n:\ndata: x\n: inside\n\n");
+    assert_eq!(
+        kinds(&out),
+        vec![
+            (":\n:\n".into(), Kind::Beat),
+            ("data: x\n: inside\n\n".into(), event(None)),
+        ]
+    );
+}
+
+#[test]
+fn an_event_never_ended_stays_pending_until_the_rest_is_taken() {
+    let mut blocks = Blocks::default();
+    let out = blocks.push(b"data: a\n\ndata: trunc");
+    assert_eq!(out.len(), 1);
+    assert_eq!(blocks.peek(), b"data: trunc");
+    assert_eq!(blocks.rest(), "data: trunc");
+    assert_eq!(count_events(b"data: a\n\ndata: trunc"), 1);
+}
+
+#[test]
+fn the_id_is_the_last_id_field_of_the_event_as_a_parser_reads_it() {
+    let mut blocks = Blocks::default();
+    let out = blocks.push(b"id: 1\nid:2\ndata: x\n\nid\ndata: y\n\nidx: 3\ndata: z\n\nid: a\0b\ndata: w\n\n");
+    let ids: Vec<_> = out.into_iter().map(|b| b.kind).collect();
+    assert_eq!(
+        ids,
+        vec![event(Some("2")), event(Some("")), event(None), event(None)]
+    );
+}
+
+#[test]
+fn a_byte_order_mark_before_the_first_line_is_not_part_of_its_field() {
+    let mut blocks = Blocks::default();
+    let out = blocks.push("\u{feff}id: 9\ndata: x\n\n".as_bytes());
+    assert_eq!(out[0].kind, event(Some("9")));
+    assert!(out[0].bytes.starts_with("\u{feff}".as_bytes()), "kept as sent");
+}
+
+fn point(id: Option<&str>, count: Option<&str>) -> Result<Option<ResumePoint>, BadResumePoint> {
+    ResumePoint::parse(
+        id.map(str::as_bytes).into_iter(),
+        count.map(str::as_bytes).into_iter(),
+    )
+}
+
+#[test]
+fn a_resume_point_is_one_header_sent_once_and_unambiguous() {
+    assert_eq!(point(None, None), Ok(None));
+    assert_eq!(point(None, Some("3")), Ok(Some(ResumePoint::After(3))));
+    assert_eq!(point(None, Some("0")), Ok(None), "nothing received: from the start");
+    assert_eq!(
+        point(Some("evt-3"), None),
+        Ok(Some(ResumePoint::AfterId("evt-3".into())))
+    );
+    for bad in ["", "-1", "+3", " 3", "3.0", "three", "99999999999999999999999"] {
+        assert!(
+            matches!(point(None, Some(bad)), Err(BadResumePoint::Count(_))),
+            "{bad:?}"
+        );
+    }
+    assert_eq!(point(Some(""), None), Err(BadResumePoint::Id));
+    assert_eq!(point(Some("1"), Some("1")), Err(BadResumePoint::Both));
+    let twice = ResumePoint::parse([&b"1"[..], b"2"], std::iter::empty());
+    assert_eq!(twice, Err(BadResumePoint::Repeated("Last-Event-ID")));
+}
+
+fn skip(point: ResumePoint, chunks: &[&[u8]]) -> (Option<Vec<u8>>, usize) {
+    let mut skip = Skip::new(point);
+    let mut out: Option<Vec<u8>> = None;
+    for chunk in chunks {
+        match &mut out {
+            Some(out) => out.extend_from_slice(chunk),
+            None => {
+                if let Skipped::Reached(after) = skip.push(chunk) {
+                    out = Some(after.to_vec());
+                }
+            }
+        }
+    }
+    (out, skip.skipped())
+}
+
+#[test]
+fn skipping_hands_on_exactly_the_bytes_after_the_point() {
+    let stream: &[u8] = b"id: e1\ndata: 1\n\n: ping\n\nid: e2\ndata: 2\n\nid: e3\ndata: 3\n\ndata: tail";
+    for cut in 0..stream.len() {
+        let chunks = [&stream[..cut], &stream[cut..]];
+        let (after, skipped) = skip(ResumePoint::After(2), &chunks);
+        assert_eq!(
+            after.as_deref(),
+            Some(&b"id: e3\ndata: 3\n\ndata: tail"[..]),
+            "cut at {cut}"
+        );
+        assert_eq!(skipped, 2);
+        let (after, _) = skip(ResumePoint::AfterId("e1".into()), &chunks);
+        assert_eq!(
+            after.as_deref(),
+            Some(&b": ping\n\nid: e2\ndata: 2\n\nid: e3\ndata: 3\n\ndata: tail"[..])
+        );
+    }
+    let (after, _) = skip(ResumePoint::After(0), &[stream]);
+    assert_eq!(after.as_deref(), Some(stream), "zero skips nothing");
+    let (after, _) = skip(ResumePoint::After(3), &[stream]);
+    assert_eq!(after.as_deref(), Some(&b"data: tail"[..]), "the end of the last event");
+    let (after, skipped) = skip(ResumePoint::After(4), &[stream]);
+    assert_eq!((after, skipped), (None, 3), "past the last event");
+    let (after, _) = skip(ResumePoint::AfterId("e9".into()), &[stream]);
+    assert_eq!(after, None, "an id the stream never sent");
+}

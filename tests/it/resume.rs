@@ -1,0 +1,267 @@
+//! Resuming a stream where its client lost it, through the real binary
+//! (`docs/design.md` §10, "Resume"): a retry naming a resume point gets only
+//! what follows it, live while the stream runs (on this replica, or on
+//! another through the Redis mirror) and from the stored answer once it
+//! ended; a point the answer never reaches is refused, nothing replayed or
+//! run. Heartbeats reach live readers but are not part of the answer.
+
+use std::time::Duration;
+
+use http::Method;
+
+use crate::support::sse::{event, event_with_id, Ending, Finish, Reader, SseUpstream, HEARTBEAT};
+use crate::support::{post, send, FakeUpstream, Gate, Gateway, TestStore};
+
+const EVENT: usize = 128;
+const EVENTS: usize = 8;
+
+fn events(job: &str, from: usize, to: usize) -> String {
+    (from..=to).map(|n| event(job, n, EVENT)).collect()
+}
+
+async fn gateway(store: &TestStore, upstream: &SseUpstream) -> Gateway {
+    Gateway::builder(store, &upstream.url())
+        .set("upstream_timeout", "\"5s\"")
+        .start()
+        .await
+}
+
+fn received(n: usize) -> [(&'static str, String); 1] {
+    [("idempotency-events-received", n.to_string())]
+}
+
+async fn resume(url: &str, key: &str, header: (&str, &str)) -> Reader {
+    Reader::post_with(url, key, "{}", &[header]).await
+}
+
+/// The first client reads 3 of 8 events and drops; a retry saying so gets
+/// events 4 to 8 only, live, then again once the stream ended; the whole
+/// answer is still there for a retry without a resume point.
+async fn a_retry_with_its_count_gets_only_what_follows_live_and_after_the_end(store: TestStore) {
+    let gate = Gate::new();
+    let upstream = SseUpstream::start(EVENTS, EVENT, &gate, Ending::Clean).await;
+    let gateway = gateway(&store, &upstream).await;
+    let url = gateway.path("/v1/chat");
+    gate.open(3);
+    let mut first = Reader::post(&url, "resume-count", "{}").await;
+    first.read_until(3 * EVENT).await;
+    let job = first.header("idempotency-job").unwrap().to_owned();
+    drop(first);
+    let [(name, three)] = received(3);
+    let mut live = resume(&url, "resume-count", (name, &three)).await;
+    assert_eq!(live.status, 200);
+    assert_eq!(live.header("idempotent-replayed"), Some("true"));
+    assert_eq!(live.header("idempotency-events-skipped"), Some("3"));
+    assert_eq!(live.header("content-type"), Some("text/event-stream"));
+    // Live: event 4 arrives before the upstream sends event 5.
+    gate.open(1);
+    live.read_until(EVENT).await;
+    assert_eq!(upstream.sent(), 4);
+    gate.open(EVENTS - 4);
+    assert_eq!(live.finish().await, Finish::Complete);
+    assert_eq!(String::from_utf8(live.read).unwrap(), events(&job, 4, EVENTS));
+    let mut whole = Reader::post(&url, "resume-count", "{}").await;
+    assert_eq!(whole.finish().await, Finish::Complete);
+    assert_eq!(String::from_utf8(whole.read.clone()).unwrap(), events(&job, 1, EVENTS));
+    let mut stored = resume(&url, "resume-count", (name, &three)).await;
+    assert_eq!(stored.finish().await, Finish::Complete);
+    assert_eq!(stored.read, whole.read[3 * EVENT..], "the original's tail, byte for byte");
+    let [(_, all)] = received(EVENTS);
+    let mut nothing_left = resume(&url, "resume-count", (name, &all)).await;
+    assert_eq!(nothing_left.finish().await, Finish::Complete);
+    assert!(nothing_left.read.is_empty(), "every event was received: only the end");
+    assert_eq!(upstream.hits(), 1);
+    assert_eq!(gateway.metric("idemgate_stream_resumes_total{result=\"resumed\"}").await, 3.0);
+}
+
+/// `Last-Event-ID` resumes after the event that carried the id.
+async fn a_retry_with_last_event_id_gets_what_follows_that_event(store: TestStore) {
+    let gate = Gate::new();
+    let upstream = SseUpstream::with_ids(EVENTS, EVENT, &gate).await;
+    let gateway = gateway(&store, &upstream).await;
+    let url = gateway.path("/v1/chat");
+    gate.open(3);
+    let mut first = Reader::post(&url, "resume-id", "{}").await;
+    first.read_until(3 * EVENT).await;
+    let job = first.header("idempotency-job").unwrap().to_owned();
+    drop(first);
+    let mut live = resume(&url, "resume-id", ("last-event-id", "e3")).await;
+    assert_eq!(live.header("idempotency-events-skipped"), Some("3"));
+    gate.open(EVENTS - 3);
+    assert_eq!(live.finish().await, Finish::Complete);
+    let tail: String = (4..=EVENTS).map(|n| event_with_id(&job, n, EVENT)).collect();
+    assert_eq!(String::from_utf8(live.read).unwrap(), tail);
+    let mut after_end = resume(&url, "resume-id", ("last-event-id", "e7")).await;
+    assert_eq!(after_end.finish().await, Finish::Complete);
+    assert_eq!(String::from_utf8(after_end.read).unwrap(), event_with_id(&job, 8, EVENT));
+    let unknown = send(
+        Method::POST,
+        &url,
+        &[
+            ("idempotency-key", "resume-id"),
+            ("content-type", "application/json"),
+            ("last-event-id", "e99"),
+        ],
+        "{}",
+    )
+    .await;
+    assert_eq!(unknown.status, 416);
+    assert_eq!(unknown.problem(), "resume-point-not-satisfiable");
+    assert_eq!(unknown.json()["events"], EVENTS);
+    assert_eq!(upstream.hits(), 1);
+}
+
+/// Points that cannot be read are `400`; points past the end, keys with no
+/// job and answers that are not event streams are `416`; none runs or
+/// replays anything, and none spends the key.
+async fn a_bad_resume_point_is_refused_and_nothing_is_run_or_replayed(store: TestStore) {
+    let gate = Gate::new();
+    gate.open(EVENTS);
+    let upstream = SseUpstream::start(EVENTS, EVENT, &gate, Ending::Clean).await;
+    let gateway = gateway(&store, &upstream).await;
+    let url = gateway.path("/v1/chat");
+    let refused = |headers: Vec<(&'static str, &'static str)>, key: &'static str| {
+        let url = url.clone();
+        async move {
+            let mut all = vec![("idempotency-key", key), ("content-type", "application/json")];
+            all.extend(headers);
+            send(Method::POST, &url, &all, "{}").await
+        }
+    };
+    // No job has this key: nothing to resume, and nothing is started.
+    let none = refused(vec![("idempotency-events-received", "3")], "resume-new").await;
+    assert_eq!(none.status, 416, "{}", none.problem_detail());
+    assert_eq!(none.header("content-type"), Some("application/problem+json"));
+    assert_eq!(upstream.hits(), 0);
+    let mut first = Reader::post(&url, "resume-new", "{}").await;
+    assert_eq!(first.finish().await, Finish::Complete);
+    assert_eq!(first.header("idempotent-replayed"), None, "the key was not spent");
+    for (headers, why) in [
+        (vec![("idempotency-events-received", "three")], "not a number"),
+        (vec![("idempotency-events-received", "-1")], "negative"),
+        (
+            vec![("idempotency-events-received", "1"), ("last-event-id", "e1")],
+            "two points",
+        ),
+    ] {
+        let bad = refused(headers, "resume-new").await;
+        assert_eq!(bad.status, 400, "{why}");
+        assert_eq!(bad.problem(), "invalid-resume-point", "{why}");
+    }
+    let past = refused(vec![("idempotency-events-received", "9")], "resume-new").await;
+    assert_eq!(past.status, 416);
+    assert_eq!(past.json()["events"], EVENTS);
+    assert!(past.problem_detail().contains("0 to 8"), "{}", past.problem_detail());
+    assert_eq!(upstream.hits(), 1);
+    let refusals = gateway.metric("idemgate_stream_resumes_total{result=\"refused\"}");
+    assert_eq!(refusals.await, 2.0, "the key with no job, the point past the end");
+}
+
+/// A resume point on an answer that is not an event stream is refused.
+async fn an_answer_that_is_not_an_event_stream_cannot_be_resumed(store: TestStore) {
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    let url = gateway.path("/v1/charges");
+    assert_eq!(post(&url, "resume-json", "{}").await.status, 200);
+    let refused = send(
+        Method::POST,
+        &url,
+        &[
+            ("idempotency-key", "resume-json"),
+            ("content-type", "application/json"),
+            ("idempotency-events-received", "1"),
+        ],
+        "{}",
+    )
+    .await;
+    assert_eq!(refused.status, 416);
+    assert!(refused.problem_detail().contains("not an event stream"));
+    assert_eq!(upstream.hits(), 1);
+}
+
+/// Heartbeats reach the client reading live and keep a quiet stream alive
+/// past the silence timeout, but a replay, and a resume, count and carry
+/// events only.
+async fn heartbeats_pass_live_but_are_not_part_of_the_answer(store: TestStore) {
+    let gate = Gate::new();
+    let beat = Duration::from_millis(100);
+    let upstream = SseUpstream::with_heartbeats(4, EVENT, &gate, beat).await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("upstream_timeout", "\"1s\"")
+        .start()
+        .await;
+    let url = gateway.path("/v1/chat");
+    gate.open(1);
+    let mut first = Reader::post(&url, "beats", "{}").await;
+    first.read_until(EVENT + 3 * HEARTBEAT.len()).await;
+    // Quiet for three times the timeout but for heartbeats: not cut.
+    let quiet = first.read.len();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    gate.open(3);
+    assert_eq!(first.finish().await, Finish::Complete);
+    let job = first.header("idempotency-job").unwrap().to_owned();
+    let sent = String::from_utf8(first.read).unwrap();
+    assert!(sent[quiet..].starts_with(HEARTBEAT), "heartbeats while quiet");
+    assert_eq!(sent.replace(HEARTBEAT, ""), events(&job, 1, 4), "heartbeats came between whole events");
+    let mut replay = Reader::post(&url, "beats", "{}").await;
+    assert_eq!(replay.finish().await, Finish::Complete);
+    assert_eq!(String::from_utf8(replay.read).unwrap(), events(&job, 1, 4));
+    let [(name, two)] = received(2);
+    let mut resumed = resume(&url, "beats", (name, &two)).await;
+    assert_eq!(resumed.finish().await, Finish::Complete);
+    assert_eq!(String::from_utf8(resumed.read).unwrap(), events(&job, 3, 4));
+    assert_eq!(upstream.hits(), 1);
+}
+
+crate::on_both_stores!(
+    a_retry_with_its_count_gets_only_what_follows_live_and_after_the_end,
+    a_retry_with_last_event_id_gets_what_follows_that_event,
+    a_bad_resume_point_is_refused_and_nothing_is_run_or_replayed,
+    an_answer_that_is_not_an_event_stream_cannot_be_resumed,
+    heartbeats_pass_live_but_are_not_part_of_the_answer,
+);
+
+async fn replica(
+    store: &TestStore,
+    upstream: &SseUpstream,
+    redis: &crate::support::ThrowawayRedis,
+) -> Gateway {
+    Gateway::builder(store, &upstream.url())
+        .set("upstream_timeout", "\"5s\"")
+        .set("redis_url", &format!("{:?}", redis.url()))
+        .start()
+        .await
+}
+
+/// Two replicas on PostgreSQL and Redis: the client drops on one and
+/// resumes on the other while the stream runs (through the Redis mirror),
+/// then again once it ended.
+#[tokio::test]
+async fn a_resume_on_another_replica_follows_the_mirror_live() {
+    let store = TestStore::postgres().await;
+    let redis = crate::support::ThrowawayRedis::start().await;
+    let gate = Gate::new();
+    let upstream = SseUpstream::start(EVENTS, EVENT, &gate, Ending::Clean).await;
+    let a = replica(&store, &upstream, &redis).await;
+    let b = replica(&store, &upstream, &redis).await;
+    gate.open(3);
+    let mut first = Reader::post(&a.path("/v1/chat"), "resume-far", "{}").await;
+    first.read_until(3 * EVENT).await;
+    let job = first.header("idempotency-job").unwrap().to_owned();
+    drop(first);
+    let [(name, three)] = received(3);
+    let mut far = resume(&b.path("/v1/chat"), "resume-far", (name, &three)).await;
+    assert_eq!(far.status, 200);
+    assert_eq!(far.header("idempotency-events-skipped"), Some("3"));
+    gate.open(1);
+    far.read_until(EVENT).await;
+    assert_eq!(upstream.sent(), 4, "live: event 4 before event 5 is sent");
+    gate.open(EVENTS - 4);
+    assert_eq!(far.finish().await, Finish::Complete);
+    assert_eq!(String::from_utf8(far.read).unwrap(), events(&job, 4, EVENTS));
+    let mut ended = resume(&b.path("/v1/chat"), "resume-far", (name, &three)).await;
+    assert_eq!(ended.finish().await, Finish::Complete);
+    assert_eq!(String::from_utf8(ended.read).unwrap(), events(&job, 4, EVENTS));
+    assert_eq!(upstream.hits(), 1);
+    assert_eq!(b.metric("idemgate_stream_joiners_total").await, 1.0);
+}
