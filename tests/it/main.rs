@@ -44,6 +44,7 @@ mod replay_entries;
 mod rollout;
 mod state_machine_props;
 mod store_conformance;
+mod stream_timeouts;
 mod streaming;
 mod tls;
 mod traces;
