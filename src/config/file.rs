@@ -142,6 +142,10 @@ pub(super) struct UpstreamTable {
     pub(super) connect_timeout: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
     pub(super) idle_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) first_byte_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) stream_idle_timeout: Option<Duration>,
     pub(super) ca_file: Option<PathBuf>,
     #[serde(default)]
     pub(super) headers: BTreeMap<String, HeaderSource>,
@@ -194,6 +198,10 @@ pub(super) struct RouteFile {
     pub(super) failover_deadline: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
     pub(super) hedge_after: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) first_byte_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) stream_idle_timeout: Option<Duration>,
     pub(super) side_effect_free: Option<bool>,
     pub(super) contract: Option<String>,
     pub(super) stream_types: Option<Vec<String>>,

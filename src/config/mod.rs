@@ -44,7 +44,7 @@ pub use libpq::{PgTls, PgUrl, SslMode};
 pub use limits::{BudgetSource, Limits, MemoryBudget};
 pub use redis::{RedisSettings, Topology};
 pub use replay::{ReplayKeySettings, ReplayKeySource};
-pub use routes::{OnUnknown, Reconcile, Route};
+pub use routes::{OnUnknown, Reconcile, Route, Silences};
 pub use store::{PgSettings, StoreSettings};
 pub use trust::{Clients, OwnerRule, OwnerSource, TrustedProxies};
 pub use upstreams::{UpstreamId, UpstreamSettings};

@@ -49,6 +49,12 @@ pub struct Route {
     pub hedge_after: Option<Duration>,
     /// The route's answers have no external side effects, so hedging is allowed.
     pub side_effect_free: bool,
+    /// Silence allowed before an answer's head, over each upstream's own
+    /// (`first_byte_timeout`; see [`Route::silences`]).
+    pub first_byte_timeout: Option<Duration>,
+    /// Silence allowed between body chunks, over each upstream's own
+    /// (`stream_idle_timeout`; see [`Route::silences`]).
+    pub stream_idle_timeout: Option<Duration>,
     /// The contract every answer must honour.
     pub contract: Option<Arc<Contract>>,
     /// Content types (lower case, without parameters) whose answers stream
@@ -69,6 +75,18 @@ pub struct Route {
     pub reconcile: Option<Reconcile>,
     /// What a retry of a job whose outcome is unknown meets.
     pub on_unknown: OnUnknown,
+}
+
+/// The silences an attempt allows its upstream before it is `unknown`
+/// (`docs/design.md` §11): one before the answer's head, while another
+/// upstream may still be tried, and one between body chunks, since a long
+/// generation may pause between tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Silences {
+    /// Before the answer's head (`first_byte_timeout`).
+    pub first_byte: Duration,
+    /// Between body chunks once the head has come (`stream_idle_timeout`).
+    pub stream_idle: Duration,
 }
 
 /// How an attempt of unknown outcome is settled by its upstream
@@ -254,6 +272,8 @@ impl Route {
             failover_deadline: Duration::from_secs(60),
             hedge_after: None,
             side_effect_free: false,
+            first_byte_timeout: None,
+            stream_idle_timeout: None,
             contract: None,
             stream_types: vec!["text/event-stream".into()],
             owner,
@@ -307,6 +327,19 @@ impl Route {
         self.stream_types
             .iter()
             .any(|t| t.eq_ignore_ascii_case(essence))
+    }
+
+    /// The silences an attempt of this route on `upstream` allows: the
+    /// route's keys, else the upstream's (which default to its `timeout`).
+    pub fn silences(&self, upstream: &UpstreamSettings) -> Silences {
+        Silences {
+            first_byte: self
+                .first_byte_timeout
+                .unwrap_or(upstream.first_byte_timeout),
+            stream_idle: self
+                .stream_idle_timeout
+                .unwrap_or(upstream.stream_idle_timeout),
+        }
     }
 
     /// Every upstream the route may use, the primary first.
@@ -409,6 +442,14 @@ fn parse(i: usize, r: RouteFile, cx: &Context<'_>) -> Result<Route, ConfigError>
         )?,
         hedge_after,
         side_effect_free,
+        first_byte_timeout: r
+            .first_byte_timeout
+            .map(|d| positive(&key("first_byte_timeout"), d))
+            .transpose()?,
+        stream_idle_timeout: r
+            .stream_idle_timeout
+            .map(|d| positive(&key("stream_idle_timeout"), d))
+            .transpose()?,
         contract,
         stream_types: r.stream_types.map_or(default.stream_types, |types| {
             types

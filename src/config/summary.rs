@@ -5,7 +5,7 @@
 use std::fmt::{self, Display, Formatter};
 use std::time::Duration;
 
-use super::{Settings, StoreSettings, Topology};
+use super::{Route, Settings, StoreSettings, Topology};
 
 /// The settings, as `idemgate check` prints them.
 pub struct Summary<'a>(pub &'a Settings);
@@ -36,23 +36,26 @@ impl Display for Summary<'_> {
             let role = if i == 0 { "primary" } else { "fallback" };
             writeln!(
                 f,
-                "upstream.{} = {} ({role}, timeout {})",
+                "upstream.{} = {} ({role}, timeout {}, first_byte_timeout {}, stream_idle_timeout {})",
                 upstream.name(),
                 upstream.base,
-                human(upstream.timeout)
+                human(upstream.timeout),
+                human(upstream.first_byte_timeout),
+                human(upstream.stream_idle_timeout)
             )?;
         }
         for route in &s.routes {
             let methods: Vec<&str> = route.methods.iter().map(http::Method::as_str).collect();
             writeln!(
                 f,
-                "route.{} = {} {} -> {} (max_attempts {}, failover_deadline {})",
+                "route.{} = {} {} -> {} (max_attempts {}, failover_deadline {}{})",
                 route.name,
                 methods.join(","),
                 route.path_prefix,
                 route.primary.name(),
                 route.max_attempts,
-                human(route.failover_deadline)
+                human(route.failover_deadline),
+                silences(route)
             )?;
         }
         timings(f, s)
@@ -82,6 +85,17 @@ fn timings(f: &mut Formatter<'_>, s: &Settings) -> fmt::Result {
         s.memory_budget.from
     )?;
     writeln!(f, "worker_threads = {}", s.worker_threads)
+}
+
+/// The route's own silences, those that override its upstreams'.
+fn silences(route: &Route) -> String {
+    [
+        ("first_byte_timeout", route.first_byte_timeout),
+        ("stream_idle_timeout", route.stream_idle_timeout),
+    ]
+    .into_iter()
+    .filter_map(|(key, value)| Some(format!(", {key} {}", human(value?))))
+    .collect()
 }
 
 fn human(d: Duration) -> humantime::FormattedDuration {

@@ -392,6 +392,84 @@ fn a_probeless_contract_on_a_route_with_fallbacks_is_refused() {
     assert!(Settings::from_sources(file, Flags::default()).is_ok());
 }
 
+/// The two silences of an attempt (`docs/design.md` §11): each defaults to
+/// the upstream's `timeout`, which defaults to `upstream_timeout`.
+#[test]
+fn stream_timeouts_default_to_the_upstreams_timeout() {
+    let text = "upstream_timeout = \"7s\"\n\
+                [[upstreams]]\nname = \"a\"\nurl = \"http://a:1\"\n\
+                [[upstreams]]\nname = \"b\"\nurl = \"http://b:1\"\ntimeout = \"3s\"\n";
+    let s = Settings::from_sources(Settings::parse_file(text).unwrap(), Flags::default()).unwrap();
+    let [a, b] = [&s.upstreams[0], &s.upstreams[1]];
+    assert_eq!(a.first_byte_timeout, Duration::from_secs(7));
+    assert_eq!(a.stream_idle_timeout, Duration::from_secs(7));
+    assert_eq!(b.first_byte_timeout, Duration::from_secs(3));
+    assert_eq!(b.stream_idle_timeout, Duration::from_secs(3));
+    let route = &s.routes[0];
+    assert_eq!(
+        (route.first_byte_timeout, route.stream_idle_timeout),
+        (None, None)
+    );
+    let silences = route.silences(b);
+    assert_eq!(silences.first_byte, Duration::from_secs(3));
+    assert_eq!(silences.stream_idle, Duration::from_secs(3));
+}
+
+/// A route's key over its upstream's, the upstream's over its `timeout`.
+#[test]
+fn stream_timeouts_take_the_route_then_the_upstream_then_the_timeout() {
+    let text = "upstream_timeout = \"30s\"\n\
+                [[upstreams]]\nname = \"a\"\nurl = \"http://a:1\"\n\
+                first_byte_timeout = \"2s\"\nstream_idle_timeout = \"20s\"\n\
+                [[upstreams]]\nname = \"b\"\nurl = \"http://b:1\"\n\
+                [[routes]]\npath_prefix = \"/v1/chat\"\nfirst_byte_timeout = \"500ms\"\n\
+                [[routes]]\npath_prefix = \"/v1/embeddings\"\nstream_idle_timeout = \"1m\"\n";
+    let s = Settings::from_sources(Settings::parse_file(text).unwrap(), Flags::default()).unwrap();
+    let route = |prefix: &str| s.routes.iter().find(|r| r.path_prefix == prefix).unwrap();
+    let [a, b] = [&s.upstreams[0], &s.upstreams[1]];
+    let (chat, embeddings) = (route("/v1/chat"), route("/v1/embeddings"));
+    let secs = Duration::from_secs;
+    // The route's own first byte; the upstream's (or its timeout's) idle.
+    assert_eq!(chat.silences(a).first_byte, Duration::from_millis(500));
+    assert_eq!(chat.silences(a).stream_idle, secs(20));
+    assert_eq!(chat.silences(b).first_byte, Duration::from_millis(500));
+    assert_eq!(chat.silences(b).stream_idle, secs(30));
+    // The upstream's (or its timeout's) first byte; the route's own idle.
+    assert_eq!(embeddings.silences(a).first_byte, secs(2));
+    assert_eq!(embeddings.silences(b).first_byte, secs(30));
+    assert_eq!(embeddings.silences(a).stream_idle, secs(60));
+    assert_eq!(embeddings.silences(b).stream_idle, secs(60));
+}
+
+#[test]
+fn a_zero_stream_timeout_is_refused_naming_its_key() {
+    let upstream = "[[upstreams]]\nurl = \"http://a:1\"\n";
+    let routes = "[[routes]]\npath_prefix = \"/a\"\n[[routes]]\npath_prefix = \"/b\"\n";
+    for (text, key) in [
+        (
+            format!("{upstream}first_byte_timeout = \"0s\"\n"),
+            "upstreams[0].first_byte_timeout",
+        ),
+        (
+            format!("{upstream}stream_idle_timeout = \"0ms\"\n"),
+            "upstreams[0].stream_idle_timeout",
+        ),
+        (
+            format!("{upstream}{routes}first_byte_timeout = \"0s\"\n"),
+            "routes[1].first_byte_timeout",
+        ),
+        (
+            format!("{upstream}{routes}stream_idle_timeout = \"0s\"\n"),
+            "routes[1].stream_idle_timeout",
+        ),
+    ] {
+        let file = Settings::parse_file(&text).unwrap();
+        let err = Settings::from_sources(file, Flags::default()).unwrap_err();
+        assert_eq!(err.key, key, "{text}");
+        assert!(err.message.contains("greater than zero"), "{}", err.message);
+    }
+}
+
 mod props {
     use super::super::*;
     use proptest::prelude::*;
@@ -458,7 +536,7 @@ mod props {
         fn any_settings_validate_or_name_a_key(
             pairs in proptest::collection::btree_map(key(), value(), 0..8),
             route in proptest::option::of(proptest::collection::btree_map(
-                prop::sample::select(vec!["path_prefix", "methods", "body_limit", "max_attempts", "hedge_after", "upstreams", "contract"]),
+                prop::sample::select(vec!["path_prefix", "methods", "body_limit", "max_attempts", "hedge_after", "first_byte_timeout", "stream_idle_timeout", "upstreams", "contract"]),
                 value(),
                 0..4,
             )),

@@ -53,8 +53,18 @@ pub struct UpstreamSettings {
     pub id: UpstreamId,
     /// Its base URL: scheme, authority and an optional path prefix.
     pub base: Uri,
-    /// Silence after which an attempt on it is unknown.
+    /// Silence after which a lookup or resend of an attempt on it gives
+    /// up, and the default of the two below.
     pub timeout: Duration,
+    /// Silence allowed before an answer's head (`first_byte_timeout`):
+    /// past it the attempt is unknown, and a side-effect-free route may
+    /// still try another upstream, as it can only before a head is taken
+    /// (`docs/design.md` §11).
+    pub first_byte_timeout: Duration,
+    /// Silence allowed between body chunks once the head has come
+    /// (`stream_idle_timeout`): past it the attempt is unknown, and a
+    /// stream is cut (`docs/design.md` §10).
+    pub stream_idle_timeout: Duration,
     /// How long connecting may take (a safe failure: nothing was sent).
     pub connect_timeout: Duration,
     /// How long a connection may sit unused and still carry the next
@@ -127,6 +137,11 @@ fn parse(
         format!("fallback-{i}")
     };
     let timeout = table.and_then(|t| t.timeout).unwrap_or(default_timeout);
+    // Both silences default to the upstream's one timeout, as before they
+    // were split.
+    let silence = |field: &str, set: Option<Duration>| {
+        positive(&format!("{key}.{field}"), set.unwrap_or(timeout))
+    };
     let mut headers = Vec::new();
     let mut credentials = false;
     for (name, source) in table.map(|t| &t.headers).into_iter().flatten() {
@@ -150,6 +165,14 @@ fn parse(
         },
         base,
         timeout: positive(&format!("{key}.timeout"), timeout)?,
+        first_byte_timeout: silence(
+            "first_byte_timeout",
+            table.and_then(|t| t.first_byte_timeout),
+        )?,
+        stream_idle_timeout: silence(
+            "stream_idle_timeout",
+            table.and_then(|t| t.stream_idle_timeout),
+        )?,
         connect_timeout: positive(
             &format!("{key}.connect_timeout"),
             table

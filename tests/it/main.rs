@@ -45,6 +45,7 @@ mod resume;
 mod rollout;
 mod state_machine_props;
 mod store_conformance;
+mod stream_timeouts;
 mod streaming;
 mod tls;
 mod traces;

@@ -1,9 +1,11 @@
-//! The upstream call of one attempt, watched (`docs/design.md` §5, §10):
-//! silence for the upstream's timeout (no headers, no body bytes) makes the
-//! attempt `unknown` at once and tells the request so, while the call goes
-//! on until the attempt's deadline and may still commit; cancelled because
-//! another attempt won, the call is dropped. A streamed answer is relayed
-//! into its recording as it comes, and its end released only once committed.
+//! The upstream call of one attempt, watched (`docs/design.md` §5, §10,
+//! §11): silence past `first_byte_timeout` before the answer's head, or past
+//! `stream_idle_timeout` between body chunks, makes the attempt `unknown` at
+//! once and tells the request so, while the call goes on until the
+//! attempt's deadline and may still commit; cancelled because another
+//! attempt won, the call is dropped. A streamed answer is relayed into its
+//! recording as it comes, and its end released only once committed; one
+//! that goes silent is cut.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::record::outcome;
 use super::{Reply, Task, UpstreamService};
+use crate::config::Silences;
 use crate::domain::attempt::{AttemptFailure, AttemptState};
 use crate::domain::contract::excerpt;
 use crate::idempotency::recording::Recording;
@@ -51,10 +54,49 @@ enum Relayed {
     Cancelled,
 }
 
-/// The silence timer of one call, across its head and its body.
+/// The silence timer of one call, across its head and its body: the
+/// first byte's allowance until the head comes, the idle one after.
 struct Clock {
     silence: std::pin::Pin<Box<tokio::time::Sleep>>,
+    /// The silence allowed now.
+    allowed: Duration,
+    /// Whether the answer's head has come.
+    head_came: bool,
     timed_out: bool,
+}
+
+impl Clock {
+    fn new(silences: Silences) -> Clock {
+        Clock {
+            silence: Box::pin(tokio::time::sleep(silences.first_byte)),
+            allowed: silences.first_byte,
+            head_came: false,
+            timed_out: false,
+        }
+    }
+
+    /// The head came: from now on the body's chunks are timed.
+    fn took_head(&mut self, silences: Silences) {
+        self.head_came = true;
+        self.allowed = silences.stream_idle;
+        self.restart();
+    }
+
+    /// Something came: the allowance starts over.
+    fn restart(&mut self) {
+        let at = Instant::now() + self.allowed;
+        self.silence.as_mut().reset(at);
+    }
+
+    /// What the silence that fired is recorded as, naming its key.
+    fn detail(&self) -> String {
+        let allowed = humantime::format_duration(self.allowed);
+        if self.head_came {
+            format!("the answer's body went silent for {allowed} (stream_idle_timeout)")
+        } else {
+            format!("no answer head within {allowed} (first_byte_timeout)")
+        }
+    }
 }
 
 impl Task {
@@ -70,10 +112,7 @@ impl Task {
     ) -> Call {
         use tower::ServiceExt;
         let (progress_tx, mut progress) = watch::channel(0u64);
-        let mut clock = Clock {
-            silence: Box::pin(tokio::time::sleep(self.timeout)),
-            timed_out: false,
-        };
+        let mut clock = Clock::new(self.silences);
         let head = async {
             let head = upstream.oneshot(request).await;
             progress_tx.send_modify(|n| *n += 1);
@@ -86,6 +125,9 @@ impl Task {
             Watched::DeadlinePassed => return Call::DeadlinePassed,
         };
         let (parts, body) = response.into_parts();
+        if !clock.timed_out {
+            clock.took_head(self.silences);
+        }
         // A stream whose first client was already told "unknown" is read
         // whole like any late answer.
         let retryable = self
@@ -105,9 +147,9 @@ impl Task {
         }
     }
 
-    /// Runs `work` while watching the clock: silence for the upstream's
-    /// timeout records the attempt `unknown` and tells the request (the work
-    /// goes on); cancellation and the deadline stop it.
+    /// Runs `work` while watching the clock: silence past what it allows
+    /// records the attempt `unknown` and tells the request (the work goes
+    /// on); cancellation and the deadline stop it.
     async fn watch<T>(
         &mut self,
         work: impl std::future::Future<Output = T>,
@@ -121,19 +163,17 @@ impl Task {
             tokio::select! {
                 done = &mut work => return Watched::Done(done),
                 changed = progress.changed(), if live && !clock.timed_out => match changed {
-                    Ok(()) => clock.silence.as_mut().reset(Instant::now() + self.timeout),
+                    Ok(()) => clock.restart(),
                     Err(_) => live = false,
                 },
                 () = &mut clock.silence, if !clock.timed_out => {
                     clock.timed_out = true;
-                    let failure = AttemptFailure::Unknown {
-                        detail: format!("no answer within {}", humantime::format_duration(self.timeout)),
-                    };
+                    let failure = AttemptFailure::Unknown { detail: clock.detail() };
                     // The job is unknown before anyone is told so; the call
                     // goes on, and its late answer may still settle or
                     // commit the attempt.
                     self.record(failure).await;
-                    self.send(Reply::Unknown(UpstreamError::TimedOut(self.timeout).into()));
+                    self.send(Reply::Unknown(UpstreamError::TimedOut(clock.allowed).into()));
                 }
                 () = cancel.cancelled() => return Watched::Cancelled,
                 () = tokio::time::sleep_until(self.deadline) => return Watched::DeadlinePassed,
@@ -188,8 +228,9 @@ impl Task {
     }
 
     /// Copies the upstream's body into `recording` until it ends, breaks,
-    /// goes silent for the timeout, outgrows what can be recorded, or the
-    /// attempt is cancelled or out of time.
+    /// goes silent past `stream_idle_timeout` (a pause between tokens may
+    /// be long, but not endless: `docs/design.md` §10), outgrows what can
+    /// be recorded, or the attempt is cancelled or out of time.
     async fn relay(
         &self,
         mut body: Body,
@@ -197,7 +238,8 @@ impl Task {
         cancel: &CancellationToken,
     ) -> Relayed {
         let limit = self.runner.config.max_response_size;
-        let silence = tokio::time::sleep(self.timeout);
+        let idle = self.silences.stream_idle;
+        let silence = tokio::time::sleep(idle);
         tokio::pin!(silence);
         let mut received = 0usize;
         loop {
@@ -211,12 +253,13 @@ impl Task {
                             return Relayed::Broke(format!("the stream grew past {limit} bytes and cannot be recorded"));
                         }
                         recording.push(data);
-                        silence.as_mut().reset(Instant::now() + self.timeout);
+                        silence.as_mut().reset(Instant::now() + idle);
                     }
                     Some(Err(e)) => return Relayed::Broke(format!("the stream broke after {received} bytes: {}", Chain(&e))),
                 },
                 () = &mut silence => {
-                    return Relayed::Broke(format!("the stream went silent for {}", humantime::format_duration(self.timeout)));
+                    let idle = humantime::format_duration(idle);
+                    return Relayed::Broke(format!("the stream went silent for {idle} (stream_idle_timeout)"));
                 }
                 () = cancel.cancelled() => return Relayed::Cancelled,
                 () = tokio::time::sleep_until(self.deadline) => return Relayed::Broke("attempt deadline passed mid-stream".to_owned()),

@@ -4,10 +4,11 @@
 //! up does not cancel it, and it still commits if the upstream answers late.
 //! It does three things, each its own function:
 //!
-//! 1. `call`: sends the request and watches the clock. Silence for
-//!    the upstream's timeout (no headers, no body bytes) makes the attempt
-//!    `unknown` at once and tells the request so; the call goes on until
-//!    `attempt_deadline` and may still commit. Cancelled because another
+//! 1. `call`: sends the request and watches the clock. Silence past
+//!    `first_byte_timeout` before the head, or past `stream_idle_timeout`
+//!    between body chunks, makes the attempt `unknown` at once and tells
+//!    the request so; the call goes on until `attempt_deadline` and may
+//!    still commit (a cut stream does not). Cancelled because another
 //!    attempt of the job won: `superseded`, and the call is dropped.
 //! 2. `verdict`: decides, from the answer alone, what it means (pure):
 //!    refused before sending → `failed`; broken after sending, or too large
@@ -34,7 +35,7 @@ use uuid::Uuid;
 
 use super::keyed::Keyed;
 use super::recording::join::Live;
-use crate::config::{Reconcile, Route, UpstreamSettings};
+use crate::config::{Reconcile, Route, Silences, UpstreamSettings};
 use crate::domain::attempt::{Attempt, AttemptFailure, NewAttempt};
 use crate::domain::id::AttemptId;
 use crate::domain::response::StoredResponse;
@@ -185,7 +186,8 @@ impl Runner {
         let task = Task {
             lease: Arc::new(self.leases.hold(attempt.id)),
             deadline,
-            timeout: target.timeout,
+            // The route's silences over the upstream's (docs/design.md §11).
+            silences: request.route.silences(target),
             reconciler: std::sync::Mutex::new(reconciler),
             route: request.route.clone(),
             runner: self.clone(),
@@ -307,7 +309,8 @@ struct Task {
     attempt: Attempt,
     /// Held until every write about the attempt is in.
     lease: Arc<LeaseGuard>,
-    timeout: Duration,
+    /// How long the upstream may be silent, before the head and after.
+    silences: Silences,
     deadline: Instant,
     /// Where the fast path, if any, mirrors a streamed answer.
     tag: Option<Tag>,
@@ -340,7 +343,8 @@ impl Task {
                     detail: "attempt deadline passed without an answer".into(),
                 };
                 self.record(failure).await;
-                self.send(Reply::Unknown(UpstreamError::TimedOut(self.timeout).into()));
+                let deadline = self.runner.config.deadline;
+                self.send(Reply::Unknown(UpstreamError::TimedOut(deadline).into()));
             }
             Call::Streaming(parts, body) => self.stream(parts, body, &cancel).await,
             Call::Answered(result) => match classify(result, &self.route) {
