@@ -17,8 +17,13 @@ use bytes::{Bytes, BytesMut};
 
 /// Whether a `Content-Type` value names an event stream.
 pub fn is_event_stream(content_type: &[u8]) -> bool {
-    let essence = content_type.split(|b| *b == b';').next().unwrap_or_default();
-    essence.trim_ascii().eq_ignore_ascii_case(b"text/event-stream")
+    let essence = content_type
+        .split(|b| *b == b';')
+        .next()
+        .unwrap_or_default();
+    essence
+        .trim_ascii()
+        .eq_ignore_ascii_case(b"text/event-stream")
 }
 
 /// What a block of the stream is.

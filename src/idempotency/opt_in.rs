@@ -88,7 +88,13 @@ pub async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Keyed, GatewayEr
     let OptedIn { route, key, req } = opted;
     let (parts, body) = req.into_parts();
     let owner = shared.trust.owner(&route.owner, &parts)?;
-    let lines = |name| parts.headers.get_all(name).iter().map(HeaderValue::as_bytes);
+    let lines = |name| {
+        parts
+            .headers
+            .get_all(name)
+            .iter()
+            .map(HeaderValue::as_bytes)
+    };
     let resume = ResumePoint::parse(lines(LAST_EVENT_ID), lines(EVENTS_RECEIVED))
         .map_err(ClientError::from)?;
     let (body, charge) = read(shared, &route, &parts, body).await?;

@@ -42,7 +42,9 @@ pub async fn resume(
         loop {
             match frames.next().await {
                 Some(Ok(frame)) => {
-                    let Ok(data) = frame.into_data() else { continue };
+                    let Ok(data) = frame.into_data() else {
+                        continue;
+                    };
                     if let Skipped::Reached(after) = skip.push(&data) {
                         break after;
                     }
@@ -51,7 +53,10 @@ pub async fn resume(
                 // reader's of a cut stream does.
                 Some(Err(e)) => {
                     let failed = futures_util::stream::once(async move { Err(e) });
-                    return Ok(Response::from_parts(parts, BodyExt::boxed(StreamBody::new(failed))));
+                    return Ok(Response::from_parts(
+                        parts,
+                        BodyExt::boxed(StreamBody::new(failed)),
+                    ));
                 }
                 None => return Err(past_the_end(point, skip.skipped())),
             }

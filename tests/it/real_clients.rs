@@ -157,3 +157,101 @@ async fn curl_over_http2_with_prior_knowledge_and_over_http1_share_one_key() {
     assert_eq!(body(&first), body(&second));
     assert_eq!(upstream.hits(), 1);
 }
+
+/// The README's `python` block under `heading`.
+fn readme_python(heading: &str) -> String {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let section = &readme[readme.find(heading).expect("the README's heading")..];
+    let block = &section[section.find("```python\n").expect("a python block") + 10..];
+    block[..block.find("```").unwrap()].to_owned()
+}
+
+/// A TCP relay to `to` that breaks its first connection in the middle of
+/// the answer's event number `events + 1` (after forwarding its first
+/// bytes), as a flaky network would; later connections pass whole.
+async fn flaky_network(to: std::net::SocketAddr, events: usize) -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut first = true;
+        while let Ok((client, _)) = listener.accept().await {
+            let server = tokio::net::TcpStream::connect(to).await.unwrap();
+            let (mut client_rx, mut client_tx) = client.into_split();
+            let (mut server_rx, mut server_tx) = server.into_split();
+            let up = tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut client_rx, &mut server_tx).await;
+            });
+            let cut_after = std::mem::take(&mut first).then_some(events + 1);
+            tokio::spawn(async move {
+                let (mut seen, mut buf) = (Vec::new(), vec![0u8; 16 * 1024]);
+                loop {
+                    let Ok(n) = server_rx.read(&mut buf).await else {
+                        break;
+                    };
+                    if n == 0 {
+                        break;
+                    }
+                    let sent = seen.len();
+                    seen.extend_from_slice(&buf[..n]);
+                    let cut = cut_after.and_then(|k| {
+                        let starts = seen.windows(6).enumerate().filter(|(_, w)| w == b"data: ");
+                        starts.map(|(i, _)| i).nth(k - 1).map(|i| i + 10)
+                    });
+                    let end = cut.map_or(seen.len(), |c| c.min(seen.len()));
+                    if client_tx.write_all(&seen[sent..end]).await.is_err() || cut.is_some() {
+                        break;
+                    }
+                }
+                // Dropping both halves resets the client's connection.
+                up.abort();
+            });
+        }
+    });
+    addr
+}
+
+/// The README's resume snippet, run as written with the official `openai`
+/// package, its connection broken in the middle of the fourth chunk: it
+/// resumes after the three it has and prints the whole answer, every token
+/// once, from one upstream execution.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_sdk_resumes_a_dropped_stream_with_the_readme_snippet() {
+    const EIGHT: &[&str] = &["A", " b", " c", " d", " e", " f", " g", " h."];
+    let python = tokio::task::spawn_blocking(python_with_openai)
+        .await
+        .unwrap();
+    let store = TestStore::postgres().await;
+    let upstream = SseUpstream::openai(EIGHT, Duration::from_millis(100)).await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    let gateway_addr = gateway
+        .path("")
+        .trim_start_matches("http://")
+        .parse()
+        .unwrap();
+    let flaky = flaky_network(gateway_addr, 3).await;
+    let out = tokio::time::timeout(
+        Duration::from_secs(60),
+        tokio::process::Command::new(&python)
+            .args(["-c", &readme_python("### Resuming a stream")])
+            .env("OPENAI_BASE_URL", format!("http://{flaky}/v1"))
+            .env("OPENAI_API_KEY", "not-a-real-key")
+            .output(),
+    )
+    .await
+    .expect("the snippet did not finish within 60 s")
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "the snippet failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim_end(),
+        EIGHT.concat()
+    );
+    assert_eq!(upstream.hits(), 1, "one upstream execution");
+    let resumed = gateway.metric("idemgate_stream_resumes_total{result=\"resumed\"}");
+    assert_eq!(resumed.await, 1.0, "the second try resumed after 3 events");
+}

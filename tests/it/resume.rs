@@ -59,19 +59,37 @@ async fn a_retry_with_its_count_gets_only_what_follows_live_and_after_the_end(st
     assert_eq!(upstream.sent(), 4);
     gate.open(EVENTS - 4);
     assert_eq!(live.finish().await, Finish::Complete);
-    assert_eq!(String::from_utf8(live.read).unwrap(), events(&job, 4, EVENTS));
+    assert_eq!(
+        String::from_utf8(live.read).unwrap(),
+        events(&job, 4, EVENTS)
+    );
     let mut whole = Reader::post(&url, "resume-count", "{}").await;
     assert_eq!(whole.finish().await, Finish::Complete);
-    assert_eq!(String::from_utf8(whole.read.clone()).unwrap(), events(&job, 1, EVENTS));
+    assert_eq!(
+        String::from_utf8(whole.read.clone()).unwrap(),
+        events(&job, 1, EVENTS)
+    );
     let mut stored = resume(&url, "resume-count", (name, &three)).await;
     assert_eq!(stored.finish().await, Finish::Complete);
-    assert_eq!(stored.read, whole.read[3 * EVENT..], "the original's tail, byte for byte");
+    assert_eq!(
+        stored.read,
+        whole.read[3 * EVENT..],
+        "the original's tail, byte for byte"
+    );
     let [(_, all)] = received(EVENTS);
     let mut nothing_left = resume(&url, "resume-count", (name, &all)).await;
     assert_eq!(nothing_left.finish().await, Finish::Complete);
-    assert!(nothing_left.read.is_empty(), "every event was received: only the end");
+    assert!(
+        nothing_left.read.is_empty(),
+        "every event was received: only the end"
+    );
     assert_eq!(upstream.hits(), 1);
-    assert_eq!(gateway.metric("idemgate_stream_resumes_total{result=\"resumed\"}").await, 3.0);
+    assert_eq!(
+        gateway
+            .metric("idemgate_stream_resumes_total{result=\"resumed\"}")
+            .await,
+        3.0
+    );
 }
 
 /// `Last-Event-ID` resumes after the event that carried the id.
@@ -89,11 +107,16 @@ async fn a_retry_with_last_event_id_gets_what_follows_that_event(store: TestStor
     assert_eq!(live.header("idempotency-events-skipped"), Some("3"));
     gate.open(EVENTS - 3);
     assert_eq!(live.finish().await, Finish::Complete);
-    let tail: String = (4..=EVENTS).map(|n| event_with_id(&job, n, EVENT)).collect();
+    let tail: String = (4..=EVENTS)
+        .map(|n| event_with_id(&job, n, EVENT))
+        .collect();
     assert_eq!(String::from_utf8(live.read).unwrap(), tail);
     let mut after_end = resume(&url, "resume-id", ("last-event-id", "e7")).await;
     assert_eq!(after_end.finish().await, Finish::Complete);
-    assert_eq!(String::from_utf8(after_end.read).unwrap(), event_with_id(&job, 8, EVENT));
+    assert_eq!(
+        String::from_utf8(after_end.read).unwrap(),
+        event_with_id(&job, 8, EVENT)
+    );
     let unknown = send(
         Method::POST,
         &url,
@@ -123,7 +146,10 @@ async fn a_bad_resume_point_is_refused_and_nothing_is_run_or_replayed(store: Tes
     let refused = |headers: Vec<(&'static str, &'static str)>, key: &'static str| {
         let url = url.clone();
         async move {
-            let mut all = vec![("idempotency-key", key), ("content-type", "application/json")];
+            let mut all = vec![
+                ("idempotency-key", key),
+                ("content-type", "application/json"),
+            ];
             all.extend(headers);
             send(Method::POST, &url, &all, "{}").await
         }
@@ -131,16 +157,29 @@ async fn a_bad_resume_point_is_refused_and_nothing_is_run_or_replayed(store: Tes
     // No job has this key: nothing to resume, and nothing is started.
     let none = refused(vec![("idempotency-events-received", "3")], "resume-new").await;
     assert_eq!(none.status, 416, "{}", none.problem_detail());
-    assert_eq!(none.header("content-type"), Some("application/problem+json"));
+    assert_eq!(
+        none.header("content-type"),
+        Some("application/problem+json")
+    );
     assert_eq!(upstream.hits(), 0);
     let mut first = Reader::post(&url, "resume-new", "{}").await;
     assert_eq!(first.finish().await, Finish::Complete);
-    assert_eq!(first.header("idempotent-replayed"), None, "the key was not spent");
+    assert_eq!(
+        first.header("idempotent-replayed"),
+        None,
+        "the key was not spent"
+    );
     for (headers, why) in [
-        (vec![("idempotency-events-received", "three")], "not a number"),
+        (
+            vec![("idempotency-events-received", "three")],
+            "not a number",
+        ),
         (vec![("idempotency-events-received", "-1")], "negative"),
         (
-            vec![("idempotency-events-received", "1"), ("last-event-id", "e1")],
+            vec![
+                ("idempotency-events-received", "1"),
+                ("last-event-id", "e1"),
+            ],
             "two points",
         ),
     ] {
@@ -151,10 +190,18 @@ async fn a_bad_resume_point_is_refused_and_nothing_is_run_or_replayed(store: Tes
     let past = refused(vec![("idempotency-events-received", "9")], "resume-new").await;
     assert_eq!(past.status, 416);
     assert_eq!(past.json()["events"], EVENTS);
-    assert!(past.problem_detail().contains("0 to 8"), "{}", past.problem_detail());
+    assert!(
+        past.problem_detail().contains("0 to 8"),
+        "{}",
+        past.problem_detail()
+    );
     assert_eq!(upstream.hits(), 1);
     let refusals = gateway.metric("idemgate_stream_resumes_total{result=\"refused\"}");
-    assert_eq!(refusals.await, 2.0, "the key with no job, the point past the end");
+    assert_eq!(
+        refusals.await,
+        2.0,
+        "the key with no job, the point past the end"
+    );
 }
 
 /// A resume point on an answer that is not an event stream is refused.
@@ -201,8 +248,15 @@ async fn heartbeats_pass_live_but_are_not_part_of_the_answer(store: TestStore) {
     assert_eq!(first.finish().await, Finish::Complete);
     let job = first.header("idempotency-job").unwrap().to_owned();
     let sent = String::from_utf8(first.read).unwrap();
-    assert!(sent[quiet..].starts_with(HEARTBEAT), "heartbeats while quiet");
-    assert_eq!(sent.replace(HEARTBEAT, ""), events(&job, 1, 4), "heartbeats came between whole events");
+    assert!(
+        sent[quiet..].starts_with(HEARTBEAT),
+        "heartbeats while quiet"
+    );
+    assert_eq!(
+        sent.replace(HEARTBEAT, ""),
+        events(&job, 1, 4),
+        "heartbeats came between whole events"
+    );
     let mut replay = Reader::post(&url, "beats", "{}").await;
     assert_eq!(replay.finish().await, Finish::Complete);
     assert_eq!(String::from_utf8(replay.read).unwrap(), events(&job, 1, 4));
@@ -258,10 +312,16 @@ async fn a_resume_on_another_replica_follows_the_mirror_live() {
     assert_eq!(upstream.sent(), 4, "live: event 4 before event 5 is sent");
     gate.open(EVENTS - 4);
     assert_eq!(far.finish().await, Finish::Complete);
-    assert_eq!(String::from_utf8(far.read).unwrap(), events(&job, 4, EVENTS));
+    assert_eq!(
+        String::from_utf8(far.read).unwrap(),
+        events(&job, 4, EVENTS)
+    );
     let mut ended = resume(&b.path("/v1/chat"), "resume-far", (name, &three)).await;
     assert_eq!(ended.finish().await, Finish::Complete);
-    assert_eq!(String::from_utf8(ended.read).unwrap(), events(&job, 4, EVENTS));
+    assert_eq!(
+        String::from_utf8(ended.read).unwrap(),
+        events(&job, 4, EVENTS)
+    );
     assert_eq!(upstream.hits(), 1);
     assert_eq!(b.metric("idemgate_stream_joiners_total").await, 1.0);
 }

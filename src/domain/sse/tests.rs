@@ -3,7 +3,12 @@ use super::*;
 fn kinds(blocks: &[Block]) -> Vec<(String, Kind)> {
     blocks
         .iter()
-        .map(|b| (String::from_utf8_lossy(&b.bytes).into_owned(), b.kind.clone()))
+        .map(|b| {
+            (
+                String::from_utf8_lossy(&b.bytes).into_owned(),
+                b.kind.clone(),
+            )
+        })
         .collect()
 }
 
@@ -97,7 +102,8 @@ fn an_event_never_ended_stays_pending_until_the_rest_is_taken() {
 #[test]
 fn the_id_is_the_last_id_field_of_the_event_as_a_parser_reads_it() {
     let mut blocks = Blocks::default();
-    let out = blocks.push(b"id: 1\nid:2\ndata: x\n\nid\ndata: y\n\nidx: 3\ndata: z\n\nid: a\0b\ndata: w\n\n");
+    let out = blocks
+        .push(b"id: 1\nid:2\ndata: x\n\nid\ndata: y\n\nidx: 3\ndata: z\n\nid: a\0b\ndata: w\n\n");
     let ids: Vec<_> = out.into_iter().map(|b| b.kind).collect();
     assert_eq!(
         ids,
@@ -110,7 +116,10 @@ fn a_byte_order_mark_before_the_first_line_is_not_part_of_its_field() {
     let mut blocks = Blocks::default();
     let out = blocks.push("\u{feff}id: 9\ndata: x\n\n".as_bytes());
     assert_eq!(out[0].kind, event(Some("9")));
-    assert!(out[0].bytes.starts_with("\u{feff}".as_bytes()), "kept as sent");
+    assert!(
+        out[0].bytes.starts_with("\u{feff}".as_bytes()),
+        "kept as sent"
+    );
 }
 
 fn point(id: Option<&str>, count: Option<&str>) -> Result<Option<ResumePoint>, BadResumePoint> {
@@ -124,12 +133,24 @@ fn point(id: Option<&str>, count: Option<&str>) -> Result<Option<ResumePoint>, B
 fn a_resume_point_is_one_header_sent_once_and_unambiguous() {
     assert_eq!(point(None, None), Ok(None));
     assert_eq!(point(None, Some("3")), Ok(Some(ResumePoint::After(3))));
-    assert_eq!(point(None, Some("0")), Ok(None), "nothing received: from the start");
+    assert_eq!(
+        point(None, Some("0")),
+        Ok(None),
+        "nothing received: from the start"
+    );
     assert_eq!(
         point(Some("evt-3"), None),
         Ok(Some(ResumePoint::AfterId("evt-3".into())))
     );
-    for bad in ["", "-1", "+3", " 3", "3.0", "three", "99999999999999999999999"] {
+    for bad in [
+        "",
+        "-1",
+        "+3",
+        " 3",
+        "3.0",
+        "three",
+        "99999999999999999999999",
+    ] {
         assert!(
             matches!(point(None, Some(bad)), Err(BadResumePoint::Count(_))),
             "{bad:?}"
@@ -159,7 +180,8 @@ fn skip(point: ResumePoint, chunks: &[&[u8]]) -> (Option<Vec<u8>>, usize) {
 
 #[test]
 fn skipping_hands_on_exactly_the_bytes_after_the_point() {
-    let stream: &[u8] = b"id: e1\ndata: 1\n\n: ping\n\nid: e2\ndata: 2\n\nid: e3\ndata: 3\n\ndata: tail";
+    let stream: &[u8] =
+        b"id: e1\ndata: 1\n\n: ping\n\nid: e2\ndata: 2\n\nid: e3\ndata: 3\n\ndata: tail";
     for cut in 0..stream.len() {
         let chunks = [&stream[..cut], &stream[cut..]];
         let (after, skipped) = skip(ResumePoint::After(2), &chunks);
@@ -178,7 +200,11 @@ fn skipping_hands_on_exactly_the_bytes_after_the_point() {
     let (after, _) = skip(ResumePoint::After(0), &[stream]);
     assert_eq!(after.as_deref(), Some(stream), "zero skips nothing");
     let (after, _) = skip(ResumePoint::After(3), &[stream]);
-    assert_eq!(after.as_deref(), Some(&b"data: tail"[..]), "the end of the last event");
+    assert_eq!(
+        after.as_deref(),
+        Some(&b"data: tail"[..]),
+        "the end of the last event"
+    );
     let (after, skipped) = skip(ResumePoint::After(4), &[stream]);
     assert_eq!((after, skipped), (None, 3), "past the last event");
     let (after, _) = skip(ResumePoint::AfterId("e9".into()), &[stream]);

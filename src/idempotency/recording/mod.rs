@@ -171,7 +171,8 @@ impl Recording {
         let chunks = self.lock();
         let answer = || chunks.list.iter().filter(|c| !c.beat).map(|c| &c.bytes[..]);
         let pending = chunks.events.as_ref().map_or(&[][..], Blocks::peek);
-        let mut body = BytesMut::with_capacity(answer().map(<[u8]>::len).sum::<usize>() + pending.len());
+        let mut body =
+            BytesMut::with_capacity(answer().map(<[u8]>::len).sum::<usize>() + pending.len());
         for bytes in answer() {
             body.extend_from_slice(bytes);
         }
@@ -350,8 +351,8 @@ impl Recordings {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use futures_util::StreamExt;
     use crate::proxy::budget::Budget;
+    use futures_util::StreamExt;
 
     fn charge() -> Arc<Charge> {
         Budget::new(1 << 20).open()
@@ -419,7 +420,10 @@ mod tests {
 
     #[tokio::test]
     async fn heartbeats_reach_readers_but_not_the_answer_and_events_come_whole() {
-        let sse = vec![("content-type".to_owned(), Bytes::from_static(b"text/event-stream"))];
+        let sse = vec![(
+            "content-type".to_owned(),
+            Bytes::from_static(b"text/event-stream"),
+        )];
         let r = Recording::new(JobId::new(), 200, sse, charge());
         let reader = tokio::spawn(frames(r.response(false).into_body()));
         let mirror = tokio::spawn(r.follow().collect::<Vec<_>>());
@@ -431,7 +435,13 @@ mod tests {
         assert_eq!(error, None);
         assert_eq!(
             chunks,
-            ["data: 1\n\n", ": keep-alive\n\n", "data: 2\n\n", ": keep-alive\n\n", "data: cut sho"],
+            [
+                "data: 1\n\n",
+                ": keep-alive\n\n",
+                "data: 2\n\n",
+                ": keep-alive\n\n",
+                "data: cut sho"
+            ],
             "whole events, heartbeats between them, then what was never ended"
         );
         let mirrored: Vec<_> = mirror

@@ -67,9 +67,9 @@ impl Pace {
                 tokio::time::sleep(gap).await;
                 true
             }),
-            Pace::Beating(gate, beat) => Box::pin(async move {
-                tokio::time::timeout(beat, gate.pass()).await.is_ok()
-            }),
+            Pace::Beating(gate, beat) => {
+                Box::pin(async move { tokio::time::timeout(beat, gate.pass()).await.is_ok() })
+            }
         }
     }
 }
