@@ -325,3 +325,31 @@ async fn a_resume_on_another_replica_follows_the_mirror_live() {
     assert_eq!(upstream.hits(), 1);
     assert_eq!(b.metric("idemgate_stream_joiners_total").await, 1.0);
 }
+
+/// Heartbeats are mirrored with the stream: a joiner on another replica
+/// gets them while it waits, and its replay afterwards has none.
+#[tokio::test]
+async fn heartbeats_reach_a_joiner_on_another_replica_but_not_the_answer() {
+    let store = TestStore::postgres().await;
+    let redis = crate::support::ThrowawayRedis::start().await;
+    let gate = Gate::new();
+    let upstream = SseUpstream::with_heartbeats(2, EVENT, &gate, Duration::from_millis(100)).await;
+    let a = replica(&store, &upstream, &redis).await;
+    let b = replica(&store, &upstream, &redis).await;
+    gate.open(1);
+    let mut first = Reader::post(&a.path("/v1/chat"), "beats-far", "{}").await;
+    first.read_until(EVENT).await;
+    let mut far = Reader::post(&b.path("/v1/chat"), "beats-far", "{}").await;
+    assert_eq!(far.header("idempotent-replayed"), Some("true"));
+    far.read_until(EVENT + 2 * HEARTBEAT.len()).await;
+    gate.open(1);
+    assert_eq!(first.finish().await, Finish::Complete);
+    assert_eq!(far.finish().await, Finish::Complete);
+    let job = first.header("idempotency-job").unwrap().to_owned();
+    let far_read = String::from_utf8(far.read).unwrap();
+    assert!(far_read.contains(HEARTBEAT), "heartbeats crossed replicas");
+    assert_eq!(far_read.replace(HEARTBEAT, ""), events(&job, 1, 2));
+    let mut replay = Reader::post(&b.path("/v1/chat"), "beats-far", "{}").await;
+    assert_eq!(replay.finish().await, Finish::Complete);
+    assert_eq!(String::from_utf8(replay.read).unwrap(), events(&job, 1, 2));
+}

@@ -241,38 +241,28 @@ impl Recording {
         response
     }
 
-    fn chunk(&self, index: usize) -> Option<Chunk> {
-        self.lock().list.get(index).cloned()
+    fn chunk(&self, index: usize) -> Option<Bytes> {
+        self.lock().list.get(index).map(|c| c.bytes.clone())
     }
 
-    /// The answer, from the first chunk, then each chunk as it comes, then
-    /// the verdict (a recording dropped without one counts as cut); without
-    /// heartbeats: what is mirrored.
+    /// Every chunk, heartbeats too, from the first, then each as it comes,
+    /// then the verdict (a recording dropped without one counts as cut):
+    /// what a reader here reads, and what is mirrored for readers on other
+    /// replicas (whose copies tell heartbeats apart again).
     pub fn follow(self: &Arc<Self>) -> impl futures_util::Stream<Item = Piece> + Send + 'static {
-        self.pieces(false)
-    }
-
-    /// Every chunk in order, heartbeats too when `beats`, then the verdict.
-    fn pieces(
-        self: &Arc<Self>,
-        beats: bool,
-    ) -> impl futures_util::Stream<Item = Piece> + Send + 'static {
         let progress = self.progress.subscribe();
         futures_util::stream::unfold(
             (self.clone(), 0usize, progress, false),
-            move |(recording, mut index, mut progress, done)| async move {
+            |(recording, index, mut progress, done)| async move {
                 if done {
                     return None;
                 }
                 loop {
                     let now = *progress.borrow_and_update();
-                    while index < now.chunks {
+                    if index < now.chunks {
                         let chunk = recording.chunk(index)?;
-                        index += 1;
-                        if beats || !chunk.beat {
-                            let next = (recording, index, progress, false);
-                            return Some((Piece::Chunk(chunk.bytes), next));
-                        }
+                        let next = (recording, index + 1, progress, false);
+                        return Some((Piece::Chunk(chunk), next));
                     }
                     if now.end != End::Live {
                         let committed = now.end == End::Committed;
@@ -295,7 +285,7 @@ impl Recording {
     /// cut.
     fn reader(self: &Arc<Self>) -> Body {
         use futures_util::StreamExt;
-        let frames = self.pieces(true).filter_map(|next| async move {
+        let frames = self.follow().filter_map(|next| async move {
             match next {
                 Piece::Chunk(chunk) => Some(Ok(Frame::data(chunk))),
                 Piece::End { committed: true } => None,
@@ -453,7 +443,7 @@ mod tests {
                 Piece::End { .. } => None,
             })
             .collect();
-        assert_eq!(mirrored.concat(), b"data: 1\n\ndata: 2\n\ndata: cut sho");
+        assert_eq!(mirrored, chunks, "mirrored as read: a copy tells heartbeats apart");
     }
 
     #[tokio::test]
