@@ -139,20 +139,19 @@ impl Flow {
             *job_id = Some(job);
             return Ok(response);
         }
-        if self.request.resume.is_some() {
-            let job = self.to_resume().await?;
-            *job_id = Some(job.id);
-            return Box::pin(self.meet(job)).await;
-        }
-        let job = match joined(self.begin()).await? {
-            Begun::Created(first, expires_at) => {
-                *job_id = Some(first.attempt.job_id);
-                metrics::counter!("idemgate_jobs_created_total").increment(1);
-                // Boxed: a held duplicate's future need not be as large as
-                // one that runs attempts.
-                return Box::pin(self.drive(first, expires_at)).await;
+        let job = if self.request.resume.is_some() {
+            self.to_resume().await?
+        } else {
+            match joined(self.begin()).await? {
+                Begun::Created(first, expires_at) => {
+                    *job_id = Some(first.attempt.job_id);
+                    metrics::counter!("idemgate_jobs_created_total").increment(1);
+                    // Boxed: a held duplicate's future need not be as large
+                    // as one that runs attempts.
+                    return Box::pin(self.drive(first, expires_at)).await;
+                }
+                Begun::Existing(job) => job,
             }
-            Begun::Existing(job) => job,
         };
         *job_id = Some(job.id);
         if job.fingerprint != self.request.fingerprint {
@@ -170,15 +169,7 @@ impl Flow {
         let (owner, key) = (&self.request.owner, &self.request.key);
         let found = self.shared.store.find_job(owner, key).await?;
         match found.map(|detail| detail.job) {
-            Some(job) if job.expires_at > SystemTime::now() => {
-                if job.fingerprint != self.request.fingerprint {
-                    return Err(ClientError::KeyMismatch {
-                        status: self.shared.config.mismatch_status,
-                    }
-                    .into());
-                }
-                Ok(job)
-            }
+            Some(job) if job.expires_at > SystemTime::now() => Ok(job),
             _ => Err(nothing_to_resume(
                 "no job has this Idempotency-Key (it never ran here, or it expired)",
             )),

@@ -187,6 +187,14 @@ async fn a_bad_resume_point_is_refused_and_nothing_is_run_or_replayed(store: Tes
         assert_eq!(bad.status, 400, "{why}");
         assert_eq!(bad.problem(), "invalid-resume-point", "{why}");
     }
+    // Another owner's key of the same name is not this job: nothing of it.
+    let stranger = vec![
+        ("idempotency-events-received", "1"),
+        ("authorization", "Bearer mallory"),
+    ];
+    let stranger = refused(stranger, "resume-new").await;
+    assert_eq!(stranger.status, 416);
+    assert!(!String::from_utf8_lossy(&stranger.body).contains("data:"));
     let past = refused(vec![("idempotency-events-received", "9")], "resume-new").await;
     assert_eq!(past.status, 416);
     assert_eq!(past.json()["events"], EVENTS);
@@ -199,8 +207,8 @@ async fn a_bad_resume_point_is_refused_and_nothing_is_run_or_replayed(store: Tes
     let refusals = gateway.metric("idemgate_stream_resumes_total{result=\"refused\"}");
     assert_eq!(
         refusals.await,
-        2.0,
-        "the key with no job, the point past the end"
+        3.0,
+        "no job, another owner's, past the end"
     );
 }
 
@@ -352,4 +360,58 @@ async fn heartbeats_reach_a_joiner_on_another_replica_but_not_the_answer() {
     let mut replay = Reader::post(&b.path("/v1/chat"), "beats-far", "{}").await;
     assert_eq!(replay.finish().await, Finish::Complete);
     assert_eq!(String::from_utf8(replay.read).unwrap(), events(&job, 1, 2));
+}
+
+/// Without Redis, a resume on another replica while the stream runs is held
+/// until the answer is committed, then cut from the store's copy; a replica
+/// that never saw the stream resumes from the store alone.
+#[tokio::test]
+async fn without_redis_a_resume_elsewhere_is_cut_from_the_store() {
+    let store = TestStore::postgres().await;
+    let gate = Gate::new();
+    let upstream = SseUpstream::start(EVENTS, EVENT, &gate, Ending::Clean).await;
+    let a = gateway(&store, &upstream).await;
+    let b = gateway(&store, &upstream).await;
+    gate.open(3);
+    let mut first = Reader::post(&a.path("/v1/chat"), "resume-store", "{}").await;
+    first.read_until(3 * EVENT).await;
+    let job = first.header("idempotency-job").unwrap().to_owned();
+    drop(first);
+    let far_url = b.path("/v1/chat");
+    let held = tokio::spawn(async move {
+        let mut far = resume(
+            &far_url,
+            "resume-store",
+            ("idempotency-events-received", "3"),
+        )
+        .await;
+        let finish = far.finish().await;
+        (far, finish)
+    });
+    let gauge = || async { b.metric("idemgate_held_requests").await == 1.0 };
+    crate::support::eventually(Duration::from_secs(20), "the resume to be held on b", gauge).await;
+    gate.open(EVENTS - 3);
+    let (far, finish) = held.await.unwrap();
+    assert_eq!(finish, Finish::Complete);
+    assert_eq!(far.header("idempotency-events-skipped"), Some("3"));
+    assert_eq!(
+        String::from_utf8(far.read).unwrap(),
+        events(&job, 4, EVENTS)
+    );
+    let c = gateway(&store, &upstream).await;
+    let mut fresh = resume(&c.path("/v1/chat"), "resume-store", ("last-event-id", "x")).await;
+    assert_eq!(fresh.status, 416, "no event has that id");
+    let mut late = resume(
+        &c.path("/v1/chat"),
+        "resume-store",
+        ("idempotency-events-received", "6"),
+    )
+    .await;
+    assert_eq!(late.finish().await, Finish::Complete);
+    assert_eq!(
+        String::from_utf8(late.read).unwrap(),
+        events(&job, 7, EVENTS)
+    );
+    fresh.finish().await;
+    assert_eq!(upstream.hits(), 1);
 }

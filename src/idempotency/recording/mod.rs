@@ -443,7 +443,10 @@ mod tests {
                 Piece::End { .. } => None,
             })
             .collect();
-        assert_eq!(mirrored, chunks, "mirrored as read: a copy tells heartbeats apart");
+        assert_eq!(
+            mirrored, chunks,
+            "mirrored as read: a copy tells heartbeats apart"
+        );
     }
 
     #[tokio::test]
