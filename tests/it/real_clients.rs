@@ -186,13 +186,7 @@ async fn flaky_network(to: std::net::SocketAddr, events: usize) -> std::net::Soc
             let cut_after = std::mem::take(&mut first).then_some(events + 1);
             tokio::spawn(async move {
                 let (mut seen, mut buf) = (Vec::new(), vec![0u8; 16 * 1024]);
-                loop {
-                    let Ok(n) = server_rx.read(&mut buf).await else {
-                        break;
-                    };
-                    if n == 0 {
-                        break;
-                    }
+                while let Ok(n @ 1..) = server_rx.read(&mut buf).await {
                     let sent = seen.len();
                     seen.extend_from_slice(&buf[..n]);
                     let cut = cut_after.and_then(|k| {

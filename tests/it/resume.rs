@@ -205,11 +205,7 @@ async fn a_bad_resume_point_is_refused_and_nothing_is_run_or_replayed(store: Tes
     );
     assert_eq!(upstream.hits(), 1);
     let refusals = gateway.metric("idemgate_stream_resumes_total{result=\"refused\"}");
-    assert_eq!(
-        refusals.await,
-        3.0,
-        "no job, another owner's, past the end"
-    );
+    assert_eq!(refusals.await, 3.0, "no job, another owner's, past the end");
 }
 
 /// A resume point on an answer that is not an event stream is refused.

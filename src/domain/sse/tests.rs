@@ -123,10 +123,7 @@ fn a_byte_order_mark_before_the_first_line_is_not_part_of_its_field() {
 }
 
 fn point(id: Option<&str>, count: Option<&str>) -> Result<Option<ResumePoint>, BadResumePoint> {
-    ResumePoint::parse(
-        id.map(str::as_bytes).into_iter(),
-        count.map(str::as_bytes).into_iter(),
-    )
+    ResumePoint::parse(id.map(str::as_bytes), count.map(str::as_bytes))
 }
 
 #[test]
