@@ -10,7 +10,7 @@ use std::time::Duration;
 use http::Method;
 
 use crate::support::sse::{event, event_with_id, Ending, Finish, Reader, SseUpstream, HEARTBEAT};
-use crate::support::{post, send, FakeUpstream, Gate, Gateway, TestStore};
+use crate::support::{send, FakeUpstream, Gate, Gateway, TestStore};
 
 const EVENT: usize = 128;
 const EVENTS: usize = 8;
@@ -213,7 +213,23 @@ async fn an_answer_that_is_not_an_event_stream_cannot_be_resumed(store: TestStor
     let upstream = FakeUpstream::echo().await;
     let gateway = Gateway::start(&store, &upstream.url()).await;
     let url = gateway.path("/v1/charges");
-    assert_eq!(post(&url, "resume-json", "{}").await.status, 200);
+    // A count of 0 is no resume point: the request runs, and the gateway's
+    // header stays the gateway's.
+    let first = send(
+        Method::POST,
+        &url,
+        &[
+            ("idempotency-key", "resume-json"),
+            ("content-type", "application/json"),
+            ("idempotency-events-received", "0"),
+        ],
+        "{}",
+    )
+    .await;
+    assert_eq!(first.status, 200);
+    assert_eq!(first.header("idempotent-replayed"), None);
+    let sent = &upstream.recorded()[0];
+    assert_eq!(sent.header("idempotency-events-received"), None);
     let refused = send(
         Method::POST,
         &url,

@@ -43,7 +43,7 @@ use crate::idempotency::fastpath::{FastPath, Tag};
 use crate::idempotency::recording::Recording;
 use crate::proxy::budget::Charge;
 use crate::proxy::error::GatewayError;
-use crate::proxy::http::{full, Body, ProvenClient, IDEMPOTENCY_KEY};
+use crate::proxy::http::{full, Body, ProvenClient, EVENTS_RECEIVED, IDEMPOTENCY_KEY};
 use crate::proxy::upstream::{Target, UpstreamError};
 use crate::store::{Doorbell, Store};
 use crate::upkeep::lease::{LeaseGuard, Leases};
@@ -234,6 +234,8 @@ impl Runner {
     ) -> Sent {
         let mut parts = request.parts.clone();
         parts.headers.remove(IDEMPOTENCY_KEY);
+        // The gateway's own (a resume point of 0 is none: the request runs).
+        parts.headers.remove(EVENTS_RECEIVED);
         if let Ok(v) = HeaderValue::from_str(&attempt.job_id.to_string()) {
             parts
                 .headers
