@@ -354,9 +354,20 @@ pub fn idempotency_config(settings: &Settings) -> crate::idempotency::Config {
             forward_key_header: settings.forward_key_header.clone(),
             forward_attempt_header: settings.forward_attempt_header.clone(),
         },
-        stream_stall: settings.upstream_timeout + settings.lease_ttl,
+        // A mirrored stream is quiet this long only if its recorder is
+        // gone: the longest silence any route allows between chunks, and
+        // the lease that outlives it (docs/design.md §10).
+        stream_stall: longest_stream_silence(settings) + settings.lease_ttl,
         replay_cache_size: settings.replay_cache_size,
     }
+}
+
+/// The longest silence between a stream's chunks any route allows on any
+/// of its upstreams (at least `upstream_timeout`).
+fn longest_stream_silence(settings: &Settings) -> std::time::Duration {
+    let routes = settings.routes.iter();
+    let idle = routes.flat_map(|r| r.upstreams().map(move |u| r.silences(u).stream_idle));
+    idle.fold(settings.upstream_timeout, std::cmp::max)
 }
 
 /// The Redis fast path, with its announcer and listener; its entries

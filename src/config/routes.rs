@@ -15,6 +15,7 @@ use super::upstreams::UpstreamSettings;
 use super::{at_least_one, bad, header_name, positive, ConfigError};
 use crate::domain::contract::Contract;
 use crate::domain::fingerprint::BodyRule;
+use crate::domain::sse;
 
 /// Which requests opt in, and how they are treated.
 #[derive(Debug, Clone)]
@@ -393,7 +394,7 @@ fn parse(i: usize, r: RouteFile, cx: &Context<'_>) -> Result<Route, ConfigError>
     };
     let significant_headers = match r.significant_headers {
         None => default.significant_headers,
-        Some(hs) => header_names(&key("significant_headers"), &hs)?,
+        Some(hs) => significant(&key("significant_headers"), &hs)?,
     };
     let retryable_statuses = statuses(
         &key("retryable_statuses"),
@@ -551,6 +552,21 @@ fn prefix(key: &str, path_prefix: Option<String>) -> Result<String, ConfigError>
 
 fn header_names(key: &str, names: &[String]) -> Result<Vec<HeaderName>, ConfigError> {
     names.iter().map(|h| header_name(key, h)).collect()
+}
+
+/// The headers a route fingerprints: never a resume point, which differs
+/// between the first try and a resume of the same request
+/// (`docs/design.md` §10, "Resume").
+fn significant(key: &str, names: &[String]) -> Result<Vec<HeaderName>, ConfigError> {
+    let names = header_names(key, names)?;
+    let resume = [sse::LAST_EVENT_ID, sse::EVENTS_RECEIVED];
+    match names.iter().find(|n| resume.contains(&n.as_str())) {
+        Some(name) => Err(bad(
+            key,
+            format!("{name} says where a retry resumes a stream, not what it asks; remove it"),
+        )),
+        None => Ok(names),
+    }
 }
 
 fn statuses(key: &str, statuses: Vec<u16>) -> Result<Vec<u16>, ConfigError> {

@@ -555,3 +555,16 @@ mod props {
         }
     }
 }
+
+#[test]
+fn a_resume_point_header_cannot_be_part_of_the_fingerprint() {
+    for name in ["Last-Event-ID", "idempotency-events-received"] {
+        let text = format!(
+            "upstreams = [\"http://a:1\"]\n[[routes]]\npath_prefix = \"/a\"\nsignificant_headers = [\"content-type\", \"{name}\"]\n"
+        );
+        let file = Settings::parse_file(&text).unwrap();
+        let err = Settings::from_sources(file, Flags::default()).unwrap_err();
+        assert_eq!(err.key, "routes[0].significant_headers");
+        assert!(err.message.contains("remove it"), "{}", err.message);
+    }
+}

@@ -5,7 +5,9 @@
 //!
 //! - An **event** is a block of lines ending with a blank line that holds at
 //!   least one field (`data:`, `event:`, `id:`, `retry:`, or any other
-//!   name). Counted from 1; what a client that "received n events" has.
+//!   name). Those with a `data` field are the ones a client's parser
+//!   dispatches (the format's rule; the OpenAI SDK yields one chunk for
+//!   each): what a client that "received n events" counted.
 //! - A **heartbeat** is a run of comment lines (`: keep-alive`) and blank
 //!   lines before a block's first field: forwarded to live readers, never
 //!   recorded, never counted, so a replay is the same whether or not the
@@ -15,25 +17,42 @@
 
 use bytes::{Bytes, BytesMut};
 
-/// Whether a `Content-Type` value names an event stream.
-pub fn is_event_stream(content_type: &[u8]) -> bool {
+/// The SSE standard's header naming the last event a client has.
+pub const LAST_EVENT_ID: &str = "last-event-id";
+/// The gateway's header counting the events a client has, for streams
+/// without ids.
+pub const EVENTS_RECEIVED: &str = "idempotency-events-received";
+
+/// Whether an answer with this `Content-Type` and `Content-Encoding` is an
+/// event stream whose bytes are its events: a compressed one is not (its
+/// bytes may hold a blank line anywhere), so it is never cut into events.
+pub fn is_event_stream(content_type: Option<&[u8]>, content_encoding: Option<&[u8]>) -> bool {
     let essence = content_type
-        .split(|b| *b == b';')
-        .next()
+        .and_then(|t| t.split(|b| *b == b';').next())
         .unwrap_or_default();
-    essence
-        .trim_ascii()
-        .eq_ignore_ascii_case(b"text/event-stream")
+    let plain = content_encoding.is_none_or(|e| e.trim_ascii().eq_ignore_ascii_case(b"identity"));
+    plain
+        && essence
+            .trim_ascii()
+            .eq_ignore_ascii_case(b"text/event-stream")
 }
 
 /// What a block of the stream is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Kind {
-    /// An event, with the value of its last `id` field if it has one.
+    /// The end of an event (with whatever of it was not given out before
+    /// as a [`Kind::Part`]), and what a client's parser makes of it.
     Event {
-        /// Its `id`, when it names one.
+        /// The value of its last `id` field, if it has one: what a client
+        /// then sends as `Last-Event-ID`.
         id: Option<String>,
+        /// Whether it has a `data` field, so a client's parser dispatches it
+        /// (the format's rule, and the OpenAI SDK's: one chunk each).
+        dispatched: bool,
     },
+    /// Whole lines of an event that has not ended yet: part of the answer,
+    /// given out as they come so a reader never waits on a blank line.
+    Part,
     /// Comment and blank lines only.
     Beat,
 }
@@ -41,15 +60,18 @@ pub enum Kind {
 /// A block of the stream: its bytes, exactly as they came.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Block {
-    /// The bytes, terminating blank line included.
+    /// The bytes.
     pub bytes: Bytes,
     /// What it is.
     pub kind: Kind,
 }
 
-/// Cuts a byte stream into [`Block`]s as it arrives. Bytes of an event not
-/// yet ended (and of a line not yet ended) stay pending until its blank
-/// line comes, or the stream ends ([`Blocks::rest`]).
+/// A line longer than this that has not ended is given out as it is (as
+/// part of an event): a stream that never ends its lines is not held.
+const LONGEST_LINE: usize = 64 * 1024;
+
+/// Cuts a byte stream into [`Block`]s as it arrives. Only a line not yet
+/// ended stays pending, until its end comes (or it grows past 64 KiB).
 #[derive(Debug, Default)]
 pub struct Blocks {
     /// Bytes not yet given out in a block.
@@ -60,11 +82,21 @@ pub struct Blocks {
     beat_end: usize,
     /// Whether the current block has a field (it is an event).
     field: bool,
+    /// Whether it has a `data` field.
+    data: bool,
     /// The current event's last `id`.
     id: Option<String>,
     /// Whether the stream's first line was seen (a byte order mark may
     /// precede it).
     started: bool,
+    /// The last line ended with a CR: an LF right after it is the rest of
+    /// that line's end, not a blank line.
+    after_cr: bool,
+    /// The start of the pending line was given out already: what remains
+    /// of it is content, whatever its first byte.
+    continued: bool,
+    /// Whether the last block given out was a heartbeat.
+    last_beat: bool,
 }
 
 impl Blocks {
@@ -72,7 +104,11 @@ impl Blocks {
     pub fn push(&mut self, chunk: &[u8]) -> Vec<Block> {
         self.pending.extend_from_slice(chunk);
         let mut out = Vec::new();
-        while let Some((content, end)) = self.next_line() {
+        loop {
+            self.absorb_lf(&mut out);
+            let Some((content, end)) = self.next_line() else {
+                break;
+            };
             self.line(content, end, &mut out);
         }
         // A heartbeat goes out as soon as it is whole, not with the event
@@ -80,17 +116,49 @@ impl Blocks {
         if !self.field && self.beat_end > 0 {
             out.push(self.cut(self.beat_end, Kind::Beat));
         }
+        if self.field && self.scanned > 0 {
+            out.push(self.cut(self.scanned, Kind::Part));
+        }
+        if self.pending.len() > LONGEST_LINE {
+            self.field = true;
+            self.continued = true;
+            out.push(self.cut(self.pending.len(), Kind::Part));
+        }
         out
     }
 
-    /// The bytes still pending (an event or a line the stream never ended),
-    /// given out as they are: they are part of the answer.
+    /// An LF right after a line that ended with a CR is the rest of that
+    /// line's end: it goes with that line, or, once the line was given
+    /// out, on its own as what that line was (a heartbeat's stays out of
+    /// the answer).
+    fn absorb_lf(&mut self, out: &mut Vec<Block>) {
+        if !self.after_cr || self.scanned >= self.pending.len() {
+            return;
+        }
+        self.after_cr = false;
+        if self.pending[self.scanned] != b'\n' {
+            return;
+        }
+        if self.scanned > 0 {
+            if self.beat_end == self.scanned {
+                self.beat_end += 1;
+            }
+            self.scanned += 1;
+            return;
+        }
+        let kind = if self.last_beat {
+            Kind::Beat
+        } else {
+            Kind::Part
+        };
+        self.scanned = 1;
+        out.push(self.cut(1, kind));
+    }
+
+    /// The bytes still pending (a line the stream never ended), given out
+    /// as they are: they are part of the answer.
     pub fn rest(&mut self) -> Bytes {
-        self.scanned = 0;
-        self.beat_end = 0;
-        self.field = false;
-        self.id = None;
-        self.pending.split().freeze()
+        std::mem::take(self).pending.freeze()
     }
 
     /// The bytes still pending, left in place.
@@ -99,16 +167,17 @@ impl Blocks {
     }
 
     /// The next whole line after `scanned`: its content's range and where
-    /// it ends, terminator included. A CR last in what came so far may be
-    /// the first half of a CRLF: it waits for the next byte.
+    /// it ends, terminator included. A line ends at CRLF, LF, or a CR (at
+    /// once, even last in what came so far: an LF that comes next is then
+    /// the rest of its end, [`Blocks::absorb_lf`]).
     fn next_line(&mut self) -> Option<(std::ops::Range<usize>, usize)> {
         let start = self.scanned;
         let at = start + memchr::memchr2(b'\n', b'\r', &self.pending[start..])?;
-        let end = match self.pending[at] {
-            b'\r' if at + 1 == self.pending.len() => return None,
-            b'\r' if self.pending[at + 1] == b'\n' => at + 2,
+        let end = match self.pending.get(at..at + 2) {
+            Some(b"\r\n") => at + 2,
             _ => at + 1,
         };
+        self.after_cr = end == self.pending.len() && self.pending[at] == b'\r';
         self.scanned = end;
         let mut content = start..at;
         if !self.started {
@@ -122,20 +191,32 @@ impl Blocks {
 
     fn line(&mut self, content: std::ops::Range<usize>, end: usize, out: &mut Vec<Block>) {
         let line = &self.pending[content];
-        match (line.first(), self.field) {
+        let first = match std::mem::take(&mut self.continued) {
+            // The rest of a line given out in part: content.
+            true => Some(b'x'),
+            false => line.first().copied(),
+        };
+        match (first, self.field) {
             // The blank line that ends an event.
             (None, true) => {
-                let id = self.id.take();
+                let kind = Kind::Event {
+                    id: self.id.take(),
+                    dispatched: std::mem::take(&mut self.data),
+                };
                 self.field = false;
-                out.push(self.cut(end, Kind::Event { id }));
+                out.push(self.cut(end, kind));
             }
             // Before any field, comments and blank lines are a heartbeat.
             (None | Some(b':'), false) => self.beat_end = end,
             // A comment inside an event is part of it.
             (Some(b':'), true) => {}
             (Some(_), _) => {
-                if let Some(id) = id_field(line) {
-                    self.id = Some(id);
+                match field(line) {
+                    (b"id", value) if !value.contains(&0) => {
+                        self.id = Some(String::from_utf8_lossy(value).into_owned());
+                    }
+                    (b"data", _) => self.data = true,
+                    _ => {}
                 }
                 if !self.field && self.beat_end > 0 {
                     let beat_end = self.beat_end;
@@ -149,34 +230,40 @@ impl Blocks {
     /// Gives out the first `end` pending bytes as one block.
     fn cut(&mut self, end: usize, kind: Kind) -> Block {
         let bytes = self.pending.split_to(end).freeze();
-        self.scanned -= end;
+        self.scanned = self.scanned.saturating_sub(end);
         self.beat_end = self.beat_end.saturating_sub(end);
+        self.last_beat = kind == Kind::Beat;
         Block { bytes, kind }
     }
 }
 
-/// The value of an `id` field line, as a client's parser keeps it (a value
-/// holding NUL is ignored by the format).
-fn id_field(line: &[u8]) -> Option<String> {
-    let value = match line.strip_prefix(b"id") {
-        Some([]) => &[][..],
-        Some([b':', b' ', value @ ..] | [b':', value @ ..]) => value,
-        _ => return None,
-    };
-    if value.contains(&0) {
-        return None;
+/// A field line's name and value, as a client's parser splits it (one
+/// space after the colon is not part of the value).
+fn field(line: &[u8]) -> (&[u8], &[u8]) {
+    match memchr::memchr(b':', line) {
+        None => (line, &[]),
+        Some(at) => {
+            let value = &line[at + 1..];
+            (&line[..at], value.strip_prefix(b" ").unwrap_or(value))
+        }
     }
-    Some(String::from_utf8_lossy(value).into_owned())
 }
 
-/// Every event of a whole stream (a stored answer): how many there are.
+/// How many events of a whole stream (a stored answer) a client's parser
+/// dispatches.
 pub fn count_events(body: &[u8]) -> usize {
     let mut blocks = Blocks::default();
     let whole = blocks.push(body);
-    whole
-        .iter()
-        .filter(|b| matches!(b.kind, Kind::Event { .. }))
-        .count()
+    let dispatched = |b: &Block| {
+        matches!(
+            b.kind,
+            Kind::Event {
+                dispatched: true,
+                ..
+            }
+        )
+    };
+    whole.iter().filter(|b| dispatched(b)).count()
 }
 
 /// Where a client asks to pick a stream up.
@@ -259,7 +346,7 @@ fn single<'a>(
 pub struct Skip {
     point: ResumePoint,
     blocks: Blocks,
-    /// Events skipped so far.
+    /// Dispatched events skipped so far.
     skipped: usize,
     /// Whether the point was reached: the rest passes as it is.
     reached: bool,
@@ -286,7 +373,7 @@ impl Skip {
         }
     }
 
-    /// Events skipped so far.
+    /// Dispatched events skipped so far.
     pub fn skipped(&self) -> usize {
         self.skipped
     }
@@ -303,12 +390,14 @@ impl Skip {
         }
         let mut blocks = self.blocks.push(chunk).into_iter();
         for block in blocks.by_ref() {
-            let Kind::Event { id } = block.kind else {
+            let Kind::Event { id, dispatched } = block.kind else {
                 continue;
             };
-            self.skipped += 1;
+            self.skipped += usize::from(dispatched);
+            // A count is of events a client's parser dispatched; an id is
+            // the client's last event id, which any event may set.
             self.reached = match &self.point {
-                ResumePoint::After(n) => self.skipped == *n,
+                ResumePoint::After(n) => dispatched && self.skipped == *n,
                 ResumePoint::AfterId(want) => id.as_deref() == Some(want),
             };
             if self.reached {

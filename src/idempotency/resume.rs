@@ -28,8 +28,9 @@ pub async fn resume(
 ) -> Result<Response<Body>, ClientError> {
     if !is_event_stream(replay.headers()) {
         return Err(unsatisfiable(
-            "the job's answer is not an event stream, so there is nothing to resume; \
-             send the request without Last-Event-ID or Idempotency-Events-Received to get it whole",
+            "the job's answer is not an event stream (or is a compressed one), so there is \
+             nothing to resume; send the request without Last-Event-ID or \
+             Idempotency-Events-Received to get it whole",
             None,
         ));
     }
@@ -96,9 +97,11 @@ fn unsatisfiable(why: &str, events: Option<usize>) -> ClientError {
     }
 }
 
-/// Whether an answer is a server-sent event stream.
+/// Whether an answer is an uncompressed server-sent event stream.
 fn is_event_stream(headers: &http::HeaderMap) -> bool {
-    headers
-        .get(http::header::CONTENT_TYPE)
-        .is_some_and(|v| sse::is_event_stream(v.as_bytes()))
+    let header = |name| headers.get(name).map(http::HeaderValue::as_bytes);
+    sse::is_event_stream(
+        header(http::header::CONTENT_TYPE),
+        header(http::header::CONTENT_ENCODING),
+    )
 }

@@ -287,12 +287,117 @@ async fn heartbeats_pass_live_but_are_not_part_of_the_answer(store: TestStore) {
     assert_eq!(upstream.hits(), 1);
 }
 
+/// A compressed event stream is recorded exactly as sent, whatever its
+/// bytes look like (a "heartbeat" inside gzip output is not one), and is
+/// not resumable.
+async fn a_compressed_event_stream_is_kept_as_sent_and_not_cut(store: TestStore) {
+    const BODY: &[u8] = b"\x1f\x8b\x08\0junk\n\n: not a heartbeat\n\nmore\r\rdata: x\n\n\xff";
+    let upstream = FakeUpstream::start(|_| async {
+        http::Response::builder()
+            .header("content-type", "text/event-stream")
+            .header("content-encoding", "gzip")
+            .body(http_body_util::Full::new(bytes::Bytes::from_static(BODY)))
+            .unwrap()
+    })
+    .await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    let url = gateway.path("/v1/chat");
+    let mut first = Reader::post(&url, "gzip", "{}").await;
+    assert_eq!(first.finish().await, Finish::Complete);
+    assert_eq!(first.read, BODY);
+    let mut replay = Reader::post(&url, "gzip", "{}").await;
+    assert_eq!(replay.finish().await, Finish::Complete);
+    assert_eq!(
+        replay.read, BODY,
+        "byte for byte, nothing taken for a heartbeat"
+    );
+    let resumed =
+        Reader::post_with(&url, "gzip", "{}", &[("idempotency-events-received", "1")]).await;
+    assert_eq!(resumed.status, 416);
+    assert_eq!(upstream.hits(), 1);
+}
+
+/// A resume only ever continues an answer: a job whose attempt failed (it
+/// is open), or whose stream was cut where the route would move on, is
+/// `416` with no new attempt; a cut stream on a route that blocks is `409`
+/// like any retry; a resume with another body is a key mismatch.
+async fn a_resume_never_starts_an_attempt(store: TestStore) {
+    let busy = FakeUpstream::start(|_| async {
+        crate::support::upstream::json_response(503, serde_json::json!({"busy": true}))
+    })
+    .await;
+    let gate = Gate::new();
+    gate.open(10);
+    let cut = SseUpstream::start(6, EVENT, &gate, Ending::ResetAfter(3)).await;
+    let routes = format!(
+        r#"
+[[upstreams]]
+name = "busy"
+url = "{}"
+
+[[upstreams]]
+name = "cut"
+url = "{}"
+
+[[routes]]
+path_prefix = "/v1/busy"
+upstreams = ["busy"]
+
+[[routes]]
+path_prefix = "/v1/cut"
+upstreams = ["cut"]
+
+[[routes]]
+path_prefix = "/v1/cut-moving-on"
+upstreams = ["cut"]
+side_effect_free = true
+on_unknown = "new_attempt"
+"#,
+        busy.url(),
+        cut.url()
+    );
+    let gateway = Gateway::builder(&store, &busy.url())
+        .unset("upstreams")
+        .tables(&routes)
+        .set("upstream_timeout", "\"5s\"")
+        .start()
+        .await;
+    let count = [("idempotency-events-received", "2")];
+    let open = Reader::post(&gateway.path("/v1/busy"), "open", "{}").await;
+    assert_eq!(open.status, 503, "passed on, the job open");
+    let refused = Reader::post_with(&gateway.path("/v1/busy"), "open", "{}", &count).await;
+    assert_eq!(refused.status, 416);
+    assert_eq!(busy.hits(), 1, "no attempt for a resume");
+    for (path, key, status) in [
+        ("/v1/cut", "blocked", 409),
+        ("/v1/cut-moving-on", "moving", 416),
+    ] {
+        let url = gateway.path(path);
+        let mut first = Reader::post(&url, key, "{}").await;
+        // Cut before or after its head: either way its outcome is unknown.
+        let _ = first.finish().await;
+        let job = first.header("idempotency-job").unwrap().to_owned();
+        let unknown = || async { gateway.job(&job).await["state"] == "unknown" };
+        crate::support::eventually(Duration::from_secs(10), "the job to be unknown", unknown).await;
+        let hits = cut.hits();
+        let resumed = Reader::post_with(&url, key, "{}", &count).await;
+        assert_eq!(resumed.status, status, "{path}");
+        assert_eq!(cut.hits(), hits, "{path}: no attempt for a resume");
+    }
+    let other_body =
+        Reader::post_with(&gateway.path("/v1/busy"), "open", "{\"x\":1}", &count).await;
+    assert_eq!(other_body.status, 409, "another request under the key");
+    assert_eq!(busy.hits(), 1);
+}
+
 crate::on_both_stores!(
     a_retry_with_its_count_gets_only_what_follows_live_and_after_the_end,
     a_retry_with_last_event_id_gets_what_follows_that_event,
     a_bad_resume_point_is_refused_and_nothing_is_run_or_replayed,
     an_answer_that_is_not_an_event_stream_cannot_be_resumed,
     heartbeats_pass_live_but_are_not_part_of_the_answer,
+    a_compressed_event_stream_is_kept_as_sent_and_not_cut,
+    a_resume_never_starts_an_attempt,
 );
 
 async fn replica(

@@ -15,7 +15,14 @@ fn kinds(blocks: &[Block]) -> Vec<(String, Kind)> {
 fn event(id: Option<&str>) -> Kind {
     Kind::Event {
         id: id.map(str::to_owned),
+        dispatched: true,
     }
+}
+
+/// Every block's bytes but heartbeats', concatenated: what is recorded.
+fn answer(blocks: &[Block]) -> Vec<u8> {
+    let answer = blocks.iter().filter(|b| b.kind != Kind::Beat);
+    answer.flat_map(|b| b.bytes.to_vec()).collect()
 }
 
 #[test]
@@ -35,41 +42,80 @@ fn events_end_at_a_blank_line_whatever_the_line_endings() {
 }
 
 #[test]
-fn an_event_split_anywhere_comes_out_whole_once_its_blank_line_arrives() {
+fn however_the_stream_is_split_its_bytes_and_events_are_the_same() {
     let stream = b"id: 1\r\ndata: {\"a\":1}\r\n\r\n: ping\r\n\r\ndata: two\r\n\r\n";
     for cut in 0..stream.len() {
         let mut blocks = Blocks::default();
         let mut out = blocks.push(&stream[..cut]);
         out.extend(blocks.push(&stream[cut..]));
-        let events: Vec<_> = out
-            .iter()
-            .filter(|b| b.kind != Kind::Beat)
-            .map(|b| b.bytes.clone())
-            .collect();
         assert_eq!(
-            events,
-            vec![
-                Bytes::from_static(b"id: 1\r\ndata: {\"a\":1}\r\n\r\n"),
-                Bytes::from_static(b"data: two\r\n\r\n"),
-            ],
+            String::from_utf8(answer(&out)).unwrap(),
+            "id: 1\r\ndata: {\"a\":1}\r\n\r\ndata: two\r\n\r\n",
             "cut at {cut}"
         );
+        let ids: Vec<_> = out
+            .iter()
+            .filter_map(|b| match &b.kind {
+                Kind::Event { id, .. } => Some(id.clone()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(ids, vec![Some("1".to_owned()), None], "cut at {cut}");
         let all: Vec<u8> = out.iter().flat_map(|b| b.bytes.to_vec()).collect();
         assert_eq!(all, stream, "no byte lost or changed, cut at {cut}");
+        assert!(blocks.peek().is_empty());
     }
 }
 
 #[test]
-fn a_cr_last_in_a_chunk_waits_to_know_whether_a_lf_follows() {
+fn a_cr_ends_its_line_at_once_and_an_lf_after_it_goes_with_it() {
     let mut blocks = Blocks::default();
-    assert!(blocks.push(b"data: a\r\n\r").is_empty());
-    let out = blocks.push(b"\ndata: b\n\n");
+    let out = blocks.push(b"data: a\r\n\r");
+    assert_eq!(kinds(&out), vec![("data: a\r\n\r".into(), event(None))]);
+    let out = blocks.push(b"\ndata: b\r\r");
     assert_eq!(
         kinds(&out),
         vec![
-            ("data: a\r\n\r\n".into(), event(None)),
-            ("data: b\n\n".into(), event(None)),
-        ]
+            ("\n".into(), Kind::Part),
+            ("data: b\r\r".into(), event(None)),
+        ],
+        "the LF is the answer's, the last event ends without waiting"
+    );
+    let out = blocks.push(b": hb\r");
+    assert_eq!(kinds(&out), vec![(": hb\r".into(), Kind::Beat)]);
+    let out = blocks.push(b"\n\r\n");
+    assert_eq!(
+        kinds(&out),
+        vec![("\n".into(), Kind::Beat), ("\r\n".into(), Kind::Beat)],
+        "a heartbeat's LF stays out of the answer"
+    );
+}
+
+#[test]
+fn lines_of_an_event_not_ended_go_out_as_they_come() {
+    let mut blocks = Blocks::default();
+    let out = blocks.push(b"data: a\ndata: b");
+    assert_eq!(kinds(&out), vec![("data: a\n".into(), Kind::Part)]);
+    assert_eq!(blocks.peek(), b"data: b", "only a line not ended waits");
+    let out = blocks.push(b"\n\n");
+    assert_eq!(kinds(&out), vec![("data: b\n\n".into(), event(None))]);
+    // A line that never ends is not held past 64 KiB.
+    let long = vec![b'x'; 70 * 1024];
+    let mut blocks = Blocks::default();
+    let out = blocks.push(&long);
+    assert_eq!(out.len(), 1);
+    assert_eq!(out[0].kind, Kind::Part);
+    let out = blocks.push(b":not a comment\n\n");
+    assert_eq!(
+        kinds(&out),
+        vec![(
+            ":not a comment\n\n".into(),
+            Kind::Event {
+                id: None,
+                dispatched: false
+            }
+        )],
+        "the rest of a long line is content"
     );
 }
 
@@ -90,13 +136,28 @@ fn comments_before_a_field_are_a_heartbeat_given_out_at_once() {
 }
 
 #[test]
-fn an_event_never_ended_stays_pending_until_the_rest_is_taken() {
+fn a_line_never_ended_stays_pending_until_the_rest_is_taken() {
     let mut blocks = Blocks::default();
     let out = blocks.push(b"data: a\n\ndata: trunc");
     assert_eq!(out.len(), 1);
     assert_eq!(blocks.peek(), b"data: trunc");
     assert_eq!(blocks.rest(), "data: trunc");
     assert_eq!(count_events(b"data: a\n\ndata: trunc"), 1);
+}
+
+#[test]
+fn only_events_with_data_are_dispatched_and_counted() {
+    let stream = b"retry: 100\n\nid: 1\n\nevent: x\ndata: a\n\nfoo: bar\n\ndata\n\n";
+    let dispatched: Vec<_> = Blocks::default()
+        .push(stream)
+        .into_iter()
+        .filter_map(|b| match b.kind {
+            Kind::Event { dispatched, .. } => Some(dispatched),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(dispatched, vec![false, false, true, false, true]);
+    assert_eq!(count_events(stream), 2);
 }
 
 #[test]
@@ -108,6 +169,12 @@ fn the_id_is_the_last_id_field_of_the_event_as_a_parser_reads_it() {
     assert_eq!(
         ids,
         vec![event(Some("2")), event(Some("")), event(None), event(None)]
+    );
+    let (name, value) = field(b"data:  two spaces");
+    assert_eq!(
+        (name, value),
+        (&b"data"[..], &b" two spaces"[..]),
+        "one space dropped"
     );
 }
 

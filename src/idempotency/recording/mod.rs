@@ -298,12 +298,14 @@ impl Recording {
     }
 }
 
-/// Whether an answer with these headers is a server-sent event stream.
+/// Whether an answer with these headers is an uncompressed server-sent
+/// event stream.
 fn is_event_stream(headers: &[(String, Bytes)]) -> bool {
-    headers
-        .iter()
-        .find(|(name, _)| name.eq_ignore_ascii_case("content-type"))
-        .is_some_and(|(_, value)| crate::domain::sse::is_event_stream(value))
+    let header = |name: &str| {
+        let found = headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name));
+        found.map(|(_, value)| &value[..])
+    };
+    crate::domain::sse::is_event_stream(header("content-type"), header("content-encoding"))
 }
 
 impl Drop for Recording {

@@ -56,10 +56,11 @@ pub const IDEMPOTENCY_JOB: HeaderName = HeaderName::from_static("idempotency-job
 /// `Idempotent-Replayed: true` on replays.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 /// `Last-Event-ID`: the id of the last server-sent event a client has.
-pub const LAST_EVENT_ID: HeaderName = HeaderName::from_static("last-event-id");
+pub const LAST_EVENT_ID: HeaderName = HeaderName::from_static(crate::domain::sse::LAST_EVENT_ID);
 /// `Idempotency-Events-Received: <n>`: a client resuming a stream of events
 /// without ids has this many already (`docs/design.md` §10, "Resume").
-pub const EVENTS_RECEIVED: HeaderName = HeaderName::from_static("idempotency-events-received");
+pub const EVENTS_RECEIVED: HeaderName =
+    HeaderName::from_static(crate::domain::sse::EVENTS_RECEIVED);
 /// `Idempotency-Events-Skipped: <n>` on a resumed answer: the events it
 /// leaves out, before the first it sends.
 pub const EVENTS_SKIPPED: HeaderName = HeaderName::from_static("idempotency-events-skipped");
