@@ -249,9 +249,82 @@ async fn an_upstreams_first_byte_timeout_holds_unless_the_route_sets_one(store: 
     silent.open(1);
 }
 
+/// Answers a JSON head and the first half of its body at once, then the
+/// rest only when `gate` opens.
+async fn half_a_body(gate: &Gate) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let gate = gate.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let gate = gate.clone();
+            let svc = hyper::service::service_fn(move |_req: Request<Incoming>| {
+                let gate = gate.clone();
+                async move {
+                    let halves = futures_util::stream::unfold(0, move |n| {
+                        let gate = gate.clone();
+                        async move {
+                            let half = match n {
+                                0 => "{\"half\": ",
+                                1 => {
+                                    gate.pass().await;
+                                    "\"and the rest\"}"
+                                }
+                                _ => return None,
+                            };
+                            let frame = Frame::data(Bytes::from_static(half.as_bytes()));
+                            Some((Ok::<_, Infallible>(frame), n + 1))
+                        }
+                    });
+                    let response = Response::builder()
+                        .header("content-type", "application/json")
+                        .body(StreamBody::new(halves))
+                        .unwrap();
+                    Ok::<_, Infallible>(response)
+                }
+            });
+            tokio::spawn(async move {
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    url
+}
+
+/// A buffered (not streamed) answer whose body goes silent after its head
+/// is timed by `stream_idle_timeout` too: unknown, its detail naming it,
+/// long before the first-byte and global timeouts.
+async fn a_buffered_body_gone_silent_is_unknown_by_the_idle_allowance(store: TestStore) {
+    let gate = Gate::new();
+    let url = half_a_body(&gate).await;
+    let keys = "first_byte_timeout = \"30s\"\nstream_idle_timeout = \"1s\"";
+    let gateway = gateway(&store, &[("half", url.as_str(), "")], keys).await;
+    let started = Instant::now();
+    let unknown = post(&gateway.path("/v1/charges"), "half-1", "{}").await;
+    assert_eq!(unknown.status, 504, "{:?}", unknown.json());
+    assert_eq!(unknown.problem(), "attempt-outcome-unknown");
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        started.elapsed()
+    );
+    let job = unknown.job().unwrap();
+    let first = attempt(&gateway, &job, 0).await;
+    assert_eq!(first["state"], "unknown", "{first}");
+    let detail = first["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("the answer's body went silent for 1s (stream_idle_timeout)"),
+        "{detail}"
+    );
+    gate.open(1);
+}
+
 crate::on_both_stores!(
     a_silent_head_fails_over_to_the_next_upstream,
     a_stream_that_stalls_midway_is_cut_and_unknown,
     the_idle_allowance_does_not_time_the_head,
     an_upstreams_first_byte_timeout_holds_unless_the_route_sets_one,
+    a_buffered_body_gone_silent_is_unknown_by_the_idle_allowance,
 );
