@@ -78,6 +78,24 @@ impl Holds {
             .ok_or_else(|| self.in_progress())
     }
 
+    /// Waits, for at most `limit` (not the hold timeout: the caller is not a
+    /// client's request but what completes one), until `job` is no longer
+    /// running; `None` when it still is.
+    pub async fn wait_settled<S, F>(
+        &self,
+        job: JobId,
+        limit: Duration,
+        streaming: S,
+    ) -> Result<Option<Job>, GatewayError>
+    where
+        S: Fn(JobId) -> F,
+        F: Future<Output = bool>,
+    {
+        let done = |seen: &Observed| seen.job.state != JobState::Running;
+        self.watch(job, Instant::now() + limit, &streaming, done)
+            .await
+    }
+
     /// Waits, for at most `limit`, until `job` (whose outcome is unknown)
     /// is settled by evidence: a lookup due within `limit` on a route that
     /// looks up (`docs/design.md` §5). `None` when it is still unknown.

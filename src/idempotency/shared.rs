@@ -119,7 +119,7 @@ impl Shared {
         let live = Arc::new(Live::new(
             fastpath.clone(),
             holds.clone(),
-            config.stream_stall,
+            (config.stream_stall, config.attempt.deadline),
             budget.clone(),
         ));
         let replays = Replays::new(config.replay_cache_size, fastpath.clone(), store.clone());

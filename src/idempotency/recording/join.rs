@@ -12,7 +12,7 @@ use super::{Recording, Recordings};
 use crate::domain::id::JobId;
 use crate::domain::job::JobState;
 use crate::idempotency::fastpath::{FastPath, Tag};
-use crate::idempotency::hold::{Holds, Until};
+use crate::idempotency::hold::Holds;
 use crate::proxy::budget::Budget;
 use crate::proxy::http::Body;
 use crate::telemetry::Chain;
@@ -25,18 +25,21 @@ pub struct Live {
     /// Silence on a mirrored stream after which its copy here is completed
     /// from the store instead.
     stall: Duration,
+    /// How long such a copy waits for the job to settle: as long as its
+    /// attempt may still run.
+    settle: Duration,
     /// What copies of mirrored streams are held against.
     budget: Arc<Budget>,
 }
 
 impl Live {
     /// Streams recorded here, and with `fastpath` mirrored ones; a copy of a
-    /// mirrored stream silent for `stall` is completed from the store. Copies
-    /// are held against `budget`.
+    /// mirrored stream silent for `stall` is completed from the store once
+    /// its job settles (`settle` at most). Copies are held against `budget`.
     pub fn new(
         fastpath: Option<Arc<FastPath>>,
         holds: Arc<Holds>,
-        stall: Duration,
+        (stall, settle): (Duration, Duration),
         budget: Arc<Budget>,
     ) -> Self {
         Live {
@@ -44,6 +47,7 @@ impl Live {
             fastpath,
             holds,
             stall,
+            settle,
             budget,
         }
     }
@@ -105,10 +109,10 @@ impl Live {
     async fn complete_from_store(&self, tag: &Tag, copy: &Recording) {
         let settled = self
             .holds
-            .wait(copy.job(), Until::Settled, |job| self.streaming(tag, job))
+            .wait_settled(copy.job(), self.settle, |job| self.streaming(tag, job))
             .await;
         let committed = match settled {
-            Ok(job) if job.state == JobState::Completed => job.response,
+            Ok(Some(job)) if job.state == JobState::Completed => job.response,
             _ => None,
         };
         let sent = copy.stored().body;
