@@ -151,10 +151,7 @@ impl Recording {
                     bytes: chunk,
                     beat: false,
                 }),
-                Some(events) => list.extend(events.push(&chunk).into_iter().map(|b| Chunk {
-                    beat: b.kind == Kind::Beat,
-                    bytes: b.bytes,
-                })),
+                Some(events) => coalesce(events.push(&chunk), list),
             }
             list.len()
         };
@@ -295,6 +292,24 @@ impl Recording {
             }
         });
         BodyExt::boxed(StreamBody::new(frames))
+    }
+}
+
+/// Appends `blocks` to `list`, the answer's blocks that follow one another
+/// as one chunk (one frame to each reader, one mirrored entry), each run of
+/// heartbeats as one of its own.
+fn coalesce(blocks: Vec<crate::domain::sse::Block>, list: &mut Vec<Chunk>) {
+    let mut blocks = blocks.into_iter().peekable();
+    while let Some(first) = blocks.next() {
+        let beat = first.kind == Kind::Beat;
+        // One block is kept as it is; a run is copied once.
+        let mut run: Option<BytesMut> = None;
+        while let Some(next) = blocks.next_if(|b| (b.kind == Kind::Beat) == beat) {
+            let run = run.get_or_insert_with(|| BytesMut::from(&first.bytes[..]));
+            run.extend_from_slice(&next.bytes);
+        }
+        let bytes = run.map_or(first.bytes, BytesMut::freeze);
+        list.push(Chunk { bytes, beat });
     }
 }
 
@@ -448,6 +463,30 @@ mod tests {
         assert_eq!(
             mirrored, chunks,
             "mirrored as read: a copy tells heartbeats apart"
+        );
+    }
+
+    #[tokio::test]
+    async fn events_that_came_together_are_read_together() {
+        let sse = vec![(
+            "content-type".to_owned(),
+            Bytes::from_static(b"text/event-stream"),
+        )];
+        let r = Recording::new(JobId::new(), 200, sse, charge());
+        let reader = tokio::spawn(frames(r.response(false).into_body()));
+        r.push(Bytes::from_static(
+            b"data: 1\n\ndata: 2\n\n: hb\n\n: hb\n\ndata: 3\n\ndata: 4",
+        ));
+        r.finish();
+        let (chunks, _) = reader.await.unwrap();
+        assert_eq!(
+            chunks,
+            [
+                "data: 1\n\ndata: 2\n\n",
+                ": hb\n\n: hb\n\n",
+                "data: 3\n\n",
+                "data: 4"
+            ],
         );
     }
 
