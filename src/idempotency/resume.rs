@@ -64,6 +64,8 @@ pub async fn resume(
         }
     };
     metrics::counter!("idemgate_stream_resumes_total", "result" => "resumed").increment(1);
+    // The body is shorter now: whatever length was set is not its own.
+    parts.headers.remove(http::header::CONTENT_LENGTH);
     parts
         .headers
         .insert(EVENTS_SKIPPED, HeaderValue::from(skip.skipped()));

@@ -390,6 +390,40 @@ on_unknown = "new_attempt"
     assert_eq!(busy.hits(), 1);
 }
 
+/// On a route that does not stream event streams, an answer is buffered and
+/// replayed whole, with its length: a resume of it is still cut at its
+/// events, and sent without that length.
+async fn an_event_stream_kept_whole_resumes_too(store: TestStore) {
+    let gate = Gate::new();
+    gate.open(4);
+    let upstream = SseUpstream::start(4, EVENT, &gate, Ending::Clean).await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .tables("[[routes]]\npath_prefix = \"/\"\nstream_types = [\"application/x-ndjson\"]\n")
+        .start()
+        .await;
+    let url = gateway.path("/v1/chat");
+    let whole = send(
+        Method::POST,
+        &url,
+        &[
+            ("idempotency-key", "whole"),
+            ("content-type", "application/json"),
+        ],
+        "{}",
+    )
+    .await;
+    assert_eq!(
+        whole.header("content-length"),
+        Some(&*(4 * EVENT).to_string())
+    );
+    let job = whole.job().unwrap();
+    let mut resumed = resume(&url, "whole", ("idempotency-events-received", "2")).await;
+    assert_eq!(resumed.header("content-length"), None);
+    assert_eq!(resumed.finish().await, Finish::Complete);
+    assert_eq!(String::from_utf8(resumed.read).unwrap(), events(&job, 3, 4));
+    assert_eq!(upstream.hits(), 1);
+}
+
 crate::on_both_stores!(
     a_retry_with_its_count_gets_only_what_follows_live_and_after_the_end,
     a_retry_with_last_event_id_gets_what_follows_that_event,
@@ -398,6 +432,7 @@ crate::on_both_stores!(
     heartbeats_pass_live_but_are_not_part_of_the_answer,
     a_compressed_event_stream_is_kept_as_sent_and_not_cut,
     a_resume_never_starts_an_attempt,
+    an_event_stream_kept_whole_resumes_too,
 );
 
 async fn replica(
