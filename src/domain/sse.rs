@@ -67,11 +67,26 @@ pub struct Block {
 }
 
 /// A line longer than this that has not ended is given out as it is (as
-/// part of an event): a stream that never ends its lines is not held.
+/// what its start says it is): a stream that never ends its lines is not
+/// held. An `id` field this long is ignored, however it arrives.
 const LONGEST_LINE: usize = 64 * 1024;
+
+const BOM: &[u8] = "\u{feff}".as_bytes();
+
+/// What the rest of a line given out in part is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Continued {
+    /// A comment's.
+    Comment,
+    /// A field's.
+    Field,
+}
 
 /// Cuts a byte stream into [`Block`]s as it arrives. Only a line not yet
 /// ended stays pending, until its end comes (or it grows past 64 KiB).
+///
+/// Between two pushes nothing but that line is pending: every whole line
+/// is given out by the end of each push.
 #[derive(Debug, Default)]
 pub struct Blocks {
     /// Bytes not yet given out in a block.
@@ -89,12 +104,11 @@ pub struct Blocks {
     /// Whether the stream's first line was seen (a byte order mark may
     /// precede it).
     started: bool,
-    /// The last line ended with a CR: an LF right after it is the rest of
-    /// that line's end, not a blank line.
+    /// The last push ended with a line ended by a lone CR: an LF first in
+    /// the next is the rest of that line's end, not a blank line.
     after_cr: bool,
-    /// The start of the pending line was given out already: what remains
-    /// of it is content, whatever its first byte.
-    continued: bool,
+    /// The start of the pending line was given out already, as this.
+    continued: Option<Continued>,
     /// Whether the last block given out was a heartbeat.
     last_beat: bool,
 }
@@ -104,11 +118,8 @@ impl Blocks {
     pub fn push(&mut self, chunk: &[u8]) -> Vec<Block> {
         self.pending.extend_from_slice(chunk);
         let mut out = Vec::new();
-        loop {
-            self.absorb_lf(&mut out);
-            let Some((content, end)) = self.next_line() else {
-                break;
-            };
+        self.absorb_lf(&mut out);
+        while let Some((content, end)) = self.next_line() {
             self.line(content, end, &mut out);
         }
         // A heartbeat goes out as soon as it is whole, not with the event
@@ -120,50 +131,96 @@ impl Blocks {
             out.push(self.cut(self.scanned, Kind::Part));
         }
         if self.pending.len() > LONGEST_LINE {
-            self.field = true;
-            self.continued = true;
-            out.push(self.cut(self.pending.len(), Kind::Part));
+            let kind = self.continue_line();
+            out.push(self.cut(self.pending.len(), kind));
         }
         out
     }
 
-    /// An LF right after a line that ended with a CR is the rest of that
-    /// line's end: it goes with that line, or, once the line was given
-    /// out, on its own as what that line was (a heartbeat's stays out of
-    /// the answer).
-    fn absorb_lf(&mut self, out: &mut Vec<Block>) {
-        if !self.after_cr || self.scanned >= self.pending.len() {
-            return;
-        }
-        self.after_cr = false;
-        if self.pending[self.scanned] != b'\n' {
-            return;
-        }
-        if self.scanned > 0 {
-            if self.beat_end == self.scanned {
-                self.beat_end += 1;
-            }
-            self.scanned += 1;
-            return;
-        }
-        let kind = if self.last_beat {
-            Kind::Beat
-        } else {
-            Kind::Part
-        };
-        self.scanned = 1;
-        out.push(self.cut(1, kind));
+    /// What is still pending at the end of the stream (a line it never
+    /// ended), as what its start says it is: a comment's before any field
+    /// is a heartbeat's, anything else part of the answer.
+    pub fn finish(&mut self) -> Option<Block> {
+        let kind = self.pending_kind();
+        let rest = std::mem::take(self).pending.freeze();
+        (!rest.is_empty()).then_some(Block { bytes: rest, kind })
     }
 
-    /// The bytes still pending (a line the stream never ended), given out
-    /// as they are: they are part of the answer.
+    /// The bytes still pending, whatever they are, given out as they are.
     pub fn rest(&mut self) -> Bytes {
         std::mem::take(self).pending.freeze()
     }
 
-    /// The bytes still pending, left in place.
-    pub fn peek(&self) -> &[u8] {
-        &self.pending
+    /// The pending bytes that are part of the answer, left in place.
+    pub fn pending_answer(&self) -> &[u8] {
+        match self.pending_kind() {
+            Kind::Beat => &[],
+            _ => &self.pending,
+        }
+    }
+
+    /// Whether the pending line (the start of which may have been given
+    /// out) is a heartbeat's, or the answer's.
+    fn pending_kind(&self) -> Kind {
+        let comment = match self.continued {
+            Some(continued) => continued == Continued::Comment,
+            None => self.unended_line().first() == Some(&b':'),
+        };
+        if comment && !self.field {
+            Kind::Beat
+        } else {
+            Kind::Part
+        }
+    }
+
+    /// The line not yet ended, without a byte order mark before the first.
+    fn unended_line(&self) -> &[u8] {
+        let line = &self.pending[self.scanned..];
+        match self.started {
+            true => line,
+            false => line.strip_prefix(BOM).unwrap_or(line),
+        }
+    }
+
+    /// A line too long to hold: what it is, told from its start; the rest
+    /// of it will be the same.
+    fn continue_line(&mut self) -> Kind {
+        let kind = self.pending_kind();
+        if self.continued.is_none()
+            && kind == Kind::Part
+            && self.unended_line().first() != Some(&b':')
+        {
+            // A field's line: `data` makes its event dispatched; an `id`
+            // this long is ignored, as it is when it arrives whole.
+            if field(self.unended_line()).0 == b"data" {
+                self.data = true;
+            }
+            self.field = true;
+            self.continued = Some(Continued::Field);
+        } else if self.continued.is_none() {
+            self.continued = Some(Continued::Comment);
+        }
+        self.started = true;
+        kind
+    }
+
+    /// An LF first in what came after a line ended by a lone CR is the rest
+    /// of that line's end: it goes out on its own as what that line was (a
+    /// heartbeat's stays out of the answer).
+    fn absorb_lf(&mut self, out: &mut Vec<Block>) {
+        if !self.after_cr || self.pending.is_empty() {
+            return;
+        }
+        self.after_cr = false;
+        if self.pending[0] == b'\n' {
+            let kind = if self.last_beat {
+                Kind::Beat
+            } else {
+                Kind::Part
+            };
+            self.scanned = 1;
+            out.push(self.cut(1, kind));
+        }
     }
 
     /// The next whole line after `scanned`: its content's range and where
@@ -177,26 +234,33 @@ impl Blocks {
             Some(b"\r\n") => at + 2,
             _ => at + 1,
         };
-        self.after_cr = end == self.pending.len() && self.pending[at] == b'\r';
+        let lone_cr = self.pending[at] == b'\r' && end == at + 1;
+        self.after_cr = lone_cr && end == self.pending.len();
         self.scanned = end;
         let mut content = start..at;
         if !self.started {
             self.started = true;
-            if self.pending[content.clone()].starts_with("\u{feff}".as_bytes()) {
-                content.start += 3;
+            if self.pending[content.clone()].starts_with(BOM) {
+                content.start += BOM.len();
             }
         }
         Some((content, end))
     }
 
     fn line(&mut self, content: std::ops::Range<usize>, end: usize, out: &mut Vec<Block>) {
+        match self.continued.take() {
+            // The rest of a field's line: content, told apart already.
+            Some(Continued::Field) => return,
+            Some(Continued::Comment) => {
+                if !self.field {
+                    self.beat_end = end;
+                }
+                return;
+            }
+            None => {}
+        }
         let line = &self.pending[content];
-        let first = match std::mem::take(&mut self.continued) {
-            // The rest of a line given out in part: content.
-            true => Some(b'x'),
-            false => line.first().copied(),
-        };
-        match (first, self.field) {
+        match (line.first(), self.field) {
             // The blank line that ends an event.
             (None, true) => {
                 let kind = Kind::Event {
@@ -212,7 +276,7 @@ impl Blocks {
             (Some(b':'), true) => {}
             (Some(_), _) => {
                 match field(line) {
-                    (b"id", value) if !value.contains(&0) => {
+                    (b"id", value) if !value.contains(&0) && line.len() <= LONGEST_LINE => {
                         self.id = Some(String::from_utf8_lossy(value).into_owned());
                     }
                     (b"data", _) => self.data = true,
@@ -350,6 +414,9 @@ pub struct Skip {
     skipped: usize,
     /// Whether the point was reached: the rest passes as it is.
     reached: bool,
+    /// The point's event ended with a lone CR last in what came: an LF
+    /// first in what comes next is still that event's.
+    drops_lf: bool,
 }
 
 /// What one chunk did to a [`Skip`].
@@ -370,6 +437,7 @@ impl Skip {
             point,
             blocks: Blocks::default(),
             skipped: 0,
+            drops_lf: false,
         }
     }
 
@@ -381,6 +449,13 @@ impl Skip {
     /// Whether the point was reached.
     pub fn reached(&self) -> bool {
         self.reached
+    }
+
+    /// Whether an LF first in what follows the point (once it is reached,
+    /// with nothing after it yet) belongs to the point's event: it is then
+    /// not handed on.
+    pub fn drops_lf(&self) -> bool {
+        self.drops_lf
     }
 
     /// Takes in the next chunk of the stream.
@@ -405,7 +480,9 @@ impl Skip {
                 for rest in blocks.by_ref() {
                     after.extend_from_slice(&rest.bytes);
                 }
+                let after_cr = self.blocks.after_cr;
                 after.extend_from_slice(&self.blocks.rest());
+                self.drops_lf = after_cr && after.is_empty();
                 return Skipped::Reached(after.freeze());
             }
         }

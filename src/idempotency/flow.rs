@@ -85,7 +85,12 @@ pub fn run(
     async move {
         let mut job_id = None;
         let result = match (flow.decide(&mut job_id).await, &flow.request.resume) {
-            (Ok(replay), Some(point)) => resume(replay, point).await.map_err(GatewayError::from),
+            (Ok(replay), Some(point)) => {
+                let retry_after = flow.shared.config.retry_after;
+                resume(replay, point, retry_after)
+                    .await
+                    .map_err(GatewayError::from)
+            }
             (result, _) => result,
         };
         let response = result.unwrap_or_else(|e| {

@@ -10,6 +10,8 @@
 //! for, and a point the whole answer never reaches is refused with `416`,
 //! nothing replayed.
 
+use std::time::Duration;
+
 use bytes::Bytes;
 use futures_util::StreamExt;
 use http::{HeaderValue, Response};
@@ -21,10 +23,13 @@ use crate::proxy::error::ClientError;
 use crate::proxy::http::{Body, BodyError, EVENTS_SKIPPED};
 
 /// The part of `replay` (an answer of the job, replayed or joined) after
-/// `point`; `416` when it is not an event stream or never reaches it.
+/// `point`; `416` when it is not an event stream or never reaches it, and
+/// `409` (retry after `retry_after`) when it was cut before the point: its
+/// outcome is unknown.
 pub async fn resume(
     replay: Response<Body>,
     point: &ResumePoint,
+    retry_after: Duration,
 ) -> Result<Response<Body>, ClientError> {
     if !is_event_stream(replay.headers()) {
         return Err(unsatisfiable(
@@ -50,15 +55,9 @@ pub async fn resume(
                         break after;
                     }
                 }
-                // Cut before the point: the client's body fails, as every
-                // reader's of a cut stream does.
-                Some(Err(e)) => {
-                    let failed = futures_util::stream::once(async move { Err(e) });
-                    return Ok(Response::from_parts(
-                        parts,
-                        BodyExt::boxed(StreamBody::new(failed)),
-                    ));
-                }
+                // Cut before the point: as for any retry of a job whose
+                // attempt was cut.
+                Some(Err(_)) => return Err(ClientError::OutcomeUnknown { retry_after }),
                 None => return Err(past_the_end(point, skip.skipped())),
             }
         }
@@ -70,10 +69,34 @@ pub async fn resume(
         .headers
         .insert(EVENTS_SKIPPED, HeaderValue::from(skip.skipped()));
     let first = futures_util::stream::once(async move { Ok::<_, BodyError>(Frame::data(after)) });
+    let rest = without_leading_lf(frames, skip.drops_lf());
     Ok(Response::from_parts(
         parts,
-        BodyExt::boxed(StreamBody::new(first.chain(frames))),
+        BodyExt::boxed(StreamBody::new(first.chain(rest))),
     ))
+}
+
+/// `frames`, an LF first in them dropped when `drop` says it is still the
+/// point's event's (the rest of its CRLF, cut after its CR).
+fn without_leading_lf(
+    frames: BodyStream<Body>,
+    mut drop: bool,
+) -> impl futures_util::Stream<Item = Result<Frame<Bytes>, BodyError>> {
+    frames.map(move |frame| {
+        let frame = frame?;
+        if !drop {
+            return Ok(frame);
+        }
+        match frame.into_data() {
+            Ok(data) if data.is_empty() => Ok(Frame::data(data)),
+            Ok(data) => {
+                drop = false;
+                let lf = usize::from(data[0] == b'\n');
+                Ok(Frame::data(data.slice(lf..)))
+            }
+            Err(frame) => Ok(frame),
+        }
+    })
 }
 
 /// Why a point the whole answer never reaches is refused.

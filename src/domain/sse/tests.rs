@@ -38,7 +38,7 @@ fn events_end_at_a_blank_line_whatever_the_line_endings() {
             ("data: d\n\n".into(), event(None)),
         ]
     );
-    assert!(blocks.peek().is_empty());
+    assert!(blocks.pending_answer().is_empty());
 }
 
 #[test]
@@ -63,7 +63,7 @@ fn however_the_stream_is_split_its_bytes_and_events_are_the_same() {
         assert_eq!(ids, vec![Some("1".to_owned()), None], "cut at {cut}");
         let all: Vec<u8> = out.iter().flat_map(|b| b.bytes.to_vec()).collect();
         assert_eq!(all, stream, "no byte lost or changed, cut at {cut}");
-        assert!(blocks.peek().is_empty());
+        assert!(blocks.pending_answer().is_empty());
     }
 }
 
@@ -96,7 +96,11 @@ fn lines_of_an_event_not_ended_go_out_as_they_come() {
     let mut blocks = Blocks::default();
     let out = blocks.push(b"data: a\ndata: b");
     assert_eq!(kinds(&out), vec![("data: a\n".into(), Kind::Part)]);
-    assert_eq!(blocks.peek(), b"data: b", "only a line not ended waits");
+    assert_eq!(
+        blocks.pending_answer(),
+        b"data: b",
+        "only a line not ended waits"
+    );
     let out = blocks.push(b"\n\n");
     assert_eq!(kinds(&out), vec![("data: b\n\n".into(), event(None))]);
     // A line that never ends is not held past 64 KiB.
@@ -140,7 +144,7 @@ fn a_line_never_ended_stays_pending_until_the_rest_is_taken() {
     let mut blocks = Blocks::default();
     let out = blocks.push(b"data: a\n\ndata: trunc");
     assert_eq!(out.len(), 1);
-    assert_eq!(blocks.peek(), b"data: trunc");
+    assert_eq!(blocks.pending_answer(), b"data: trunc");
     assert_eq!(blocks.rest(), "data: trunc");
     assert_eq!(count_events(b"data: a\n\ndata: trunc"), 1);
 }
@@ -226,15 +230,24 @@ fn a_resume_point_is_one_header_sent_once_and_unambiguous() {
     assert_eq!(twice, Err(BadResumePoint::Repeated("Last-Event-ID")));
 }
 
+/// What a resume hands on after `point`, the stream coming in `chunks`
+/// (as `idempotency::resume` does: an LF the point's event still owns is
+/// dropped from what follows).
 fn skip(point: ResumePoint, chunks: &[&[u8]]) -> (Option<Vec<u8>>, usize) {
     let mut skip = Skip::new(point);
     let mut out: Option<Vec<u8>> = None;
+    let mut drop_lf = false;
     for chunk in chunks {
         match &mut out {
-            Some(out) => out.extend_from_slice(chunk),
+            Some(out) => {
+                let lf = drop_lf && chunk.first() == Some(&b'\n');
+                drop_lf &= chunk.is_empty();
+                out.extend_from_slice(&chunk[usize::from(lf)..]);
+            }
             None => {
                 if let Skipped::Reached(after) = skip.push(chunk) {
                     out = Some(after.to_vec());
+                    drop_lf = skip.drops_lf();
                 }
             }
         }
@@ -273,4 +286,140 @@ fn skipping_hands_on_exactly_the_bytes_after_the_point() {
     assert_eq!((after, skipped), (None, 3), "past the last event");
     let (after, _) = skip(ResumePoint::AfterId("e9".into()), &[stream]);
     assert_eq!(after, None, "an id the stream never sent");
+}
+
+/// The answer, the events and every byte of a stream cut into blocks as it
+/// comes in `chunks`.
+fn cut(chunks: &[&[u8]]) -> (Vec<u8>, Vec<Kind>, Vec<u8>) {
+    let mut blocks = Blocks::default();
+    let mut out: Vec<Block> = chunks.iter().flat_map(|c| blocks.push(c)).collect();
+    out.extend(blocks.finish());
+    let events = out
+        .iter()
+        .filter(|b| matches!(b.kind, Kind::Event { .. }))
+        .map(|b| b.kind.clone())
+        .collect();
+    let all = out.iter().flat_map(|b| b.bytes.to_vec()).collect();
+    (answer(&out), events, all)
+}
+
+const STREAMS: [&[u8]; 4] = [
+    b"data: 1\r\n\ndata: 2\n\n: ping\n\ndata: 3\n\n",
+    b"id: a\rdata: 1\r\r\n: hb\r\r\ndata: 2\r\n\r\n:\n\nevent: e\ndata\n\n",
+    b"\r\n: x\n\r\rid: 7\r\n\r\ndata: z\r\r\r\ndata: tail",
+    b": only\r: beats\n\r\n",
+];
+
+#[test]
+fn every_way_of_splitting_a_stream_gives_the_same_answer_and_events() {
+    for stream in STREAMS {
+        let whole = cut(&[stream]);
+        assert_eq!(whole.2, stream);
+        for i in 0..=stream.len() {
+            for j in i..=stream.len() {
+                let split = cut(&[&stream[..i], &stream[i..j], &stream[j..]]);
+                assert_eq!(
+                    split,
+                    whole,
+                    "{:?} cut at {i} and {j}",
+                    String::from_utf8_lossy(stream)
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_resume_hands_on_the_same_bytes_however_the_stream_was_split() {
+    for stream in STREAMS {
+        for n in 1..=3 {
+            let whole = skip(ResumePoint::After(n), &[stream]);
+            for i in 0..=stream.len() {
+                for j in i..=stream.len() {
+                    let split = skip(
+                        ResumePoint::After(n),
+                        &[&stream[..i], &stream[i..j], &stream[j..]],
+                    );
+                    assert_eq!(
+                        split,
+                        whole,
+                        "{:?} after {n}, cut at {i} and {j}",
+                        String::from_utf8_lossy(stream)
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn heartbeats_never_change_the_answer_however_they_come() {
+    let events: [&[u8]; 3] = [b"data: 1\r\n\r\n", b"id: 2\rdata: 2\r\r", b"data: 3\n\n"];
+    // (A heartbeat starts with its comment: a blank line right after an
+    // event ended by a CR would be the rest of that event's CRLF.)
+    let beats: [&[u8]; 3] = [b": ping\r\n\r\n", b":\r", b": a\n: b\n\n\n"];
+    let bare: Vec<u8> = events.concat();
+    for beat in beats {
+        let mut beaten = Vec::new();
+        for event in events {
+            beaten.extend_from_slice(beat);
+            beaten.extend_from_slice(event);
+        }
+        beaten.extend_from_slice(beat);
+        for i in 0..=beaten.len() {
+            let (answer, kinds, _) = cut(&[&beaten[..i], &beaten[i..]]);
+            assert_eq!(
+                answer,
+                cut(&[&bare]).0,
+                "{:?} cut at {i}",
+                String::from_utf8_lossy(&beaten)
+            );
+            assert_eq!(kinds.len(), 3);
+        }
+    }
+}
+
+#[test]
+fn a_line_too_long_to_hold_is_what_its_start_says() {
+    let long = |head: &str| {
+        let mut line = head.as_bytes().to_vec();
+        line.extend(std::iter::repeat_n(b'x', 100_000));
+        line
+    };
+    let frames = |stream: &[u8]| {
+        stream
+            .chunks(16 * 1024)
+            .map(<[u8]>::to_vec)
+            .collect::<Vec<_>>()
+    };
+    for (head, events) in [("data: ", 2), ("id: ", 1), (":", 1), ("retry: ", 1)] {
+        let mut stream = long(head);
+        stream.extend_from_slice(b"\n\ndata: 2\n\n");
+        let whole = cut(&[&stream]);
+        let framed = frames(&stream);
+        let framed = cut(&framed.iter().map(Vec::as_slice).collect::<Vec<_>>());
+        assert_eq!(framed, whole, "{head}");
+        assert_eq!(count_events(&stream), events, "{head}");
+        let ids = whole
+            .1
+            .iter()
+            .filter(|k| matches!(k, Kind::Event { id: Some(_), .. }));
+        assert_eq!(ids.count(), 0, "{head}: an id this long is ignored");
+    }
+    let mut comment = long(":");
+    comment.extend_from_slice(b"\n\ndata: 1\n\n");
+    let framed = frames(&comment);
+    let (answer, ..) = cut(&framed.iter().map(Vec::as_slice).collect::<Vec<_>>());
+    assert_eq!(
+        answer, b"data: 1\n\n",
+        "a long comment is still a heartbeat"
+    );
+}
+
+#[test]
+fn an_unended_comment_at_the_end_is_a_heartbeat_not_the_answer() {
+    let (answer, ..) = cut(&[b"data: 1\n\n: ping"]);
+    assert_eq!(answer, b"data: 1\n\n");
+    let (answer, ..) = cut(&[b"data: 1\n\ndata: tr"]);
+    assert_eq!(answer, b"data: 1\n\ndata: tr");
 }

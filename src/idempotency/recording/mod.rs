@@ -167,7 +167,10 @@ impl Recording {
     pub fn stored(&self) -> StoredResponse {
         let chunks = self.lock();
         let answer = || chunks.list.iter().filter(|c| !c.beat).map(|c| &c.bytes[..]);
-        let pending = chunks.events.as_ref().map_or(&[][..], Blocks::peek);
+        let pending = chunks
+            .events
+            .as_ref()
+            .map_or(&[][..], Blocks::pending_answer);
         let mut body =
             BytesMut::with_capacity(answer().map(<[u8]>::len).sum::<usize>() + pending.len());
         for bytes in answer() {
@@ -181,16 +184,16 @@ impl Recording {
         }
     }
 
-    /// The answer is committed: readers get the end of the body, after an
-    /// event the upstream never ended (it is part of the answer).
+    /// The answer is committed: readers get the end of the body, after a
+    /// line the upstream never ended (part of the answer, unless it is a
+    /// heartbeat's).
     pub fn finish(&self) {
         let chunks = {
             let mut all = self.lock();
-            let rest = all.events.as_mut().map(Blocks::rest).unwrap_or_default();
-            if !rest.is_empty() {
+            if let Some(rest) = all.events.as_mut().and_then(Blocks::finish) {
                 all.list.push(Chunk {
-                    bytes: rest,
-                    beat: false,
+                    beat: rest.kind == Kind::Beat,
+                    bytes: rest.bytes,
                 });
             }
             all.list.len()
