@@ -1,5 +1,22 @@
 use super::*;
 
+/// How many events of a whole stream (a stored answer) a client's parser
+/// dispatches.
+fn count_events(body: &[u8]) -> usize {
+    let mut blocks = Blocks::default();
+    let whole = blocks.push(body);
+    let dispatched = |b: &Block| {
+        matches!(
+            b.kind,
+            Kind::Event {
+                dispatched: true,
+                ..
+            }
+        )
+    };
+    whole.iter().filter(|b| dispatched(b)).count()
+}
+
 fn kinds(blocks: &[Block]) -> Vec<(String, Kind)> {
     blocks
         .iter()
