@@ -435,18 +435,6 @@ crate::on_both_stores!(
     an_event_stream_kept_whole_resumes_too,
 );
 
-async fn replica(
-    store: &TestStore,
-    upstream: &SseUpstream,
-    redis: &crate::support::ThrowawayRedis,
-) -> Gateway {
-    Gateway::builder(store, &upstream.url())
-        .set("upstream_timeout", "\"5s\"")
-        .set("redis_url", &format!("{:?}", redis.url()))
-        .start()
-        .await
-}
-
 /// Two replicas on PostgreSQL and Redis: the client drops on one and
 /// resumes on the other while the stream runs (through the Redis mirror),
 /// then again once it ended.
@@ -456,8 +444,8 @@ async fn a_resume_on_another_replica_follows_the_mirror_live() {
     let redis = crate::support::ThrowawayRedis::start().await;
     let gate = Gate::new();
     let upstream = SseUpstream::start(EVENTS, EVENT, &gate, Ending::Clean).await;
-    let a = replica(&store, &upstream, &redis).await;
-    let b = replica(&store, &upstream, &redis).await;
+    let a = upstream.replica(&store, &redis).await;
+    let b = upstream.replica(&store, &redis).await;
     gate.open(3);
     let mut first = Reader::post(&a.path("/v1/chat"), "resume-far", "{}").await;
     first.read_until(3 * EVENT).await;
@@ -494,8 +482,8 @@ async fn heartbeats_reach_a_joiner_on_another_replica_but_not_the_answer() {
     let redis = crate::support::ThrowawayRedis::start().await;
     let gate = Gate::new();
     let upstream = SseUpstream::with_heartbeats(2, EVENT, &gate, Duration::from_millis(100)).await;
-    let a = replica(&store, &upstream, &redis).await;
-    let b = replica(&store, &upstream, &redis).await;
+    let a = upstream.replica(&store, &redis).await;
+    let b = upstream.replica(&store, &redis).await;
     gate.open(1);
     let mut first = Reader::post(&a.path("/v1/chat"), "beats-far", "{}").await;
     first.read_until(EVENT).await;

@@ -334,26 +334,14 @@ async fn a_hedge_that_streams_first_wins_and_the_silent_primary_is_superseded() 
     assert_eq!(replay.read, client.read);
 }
 
-async fn replica(
-    store: &TestStore,
-    upstream: &SseUpstream,
-    redis: &crate::support::ThrowawayRedis,
-) -> Gateway {
-    Gateway::builder(store, &upstream.url())
-        .set("upstream_timeout", "\"5s\"")
-        .set("redis_url", &format!("{:?}", redis.url()))
-        .start()
-        .await
-}
-
 #[tokio::test]
 async fn with_redis_a_duplicate_on_another_replica_joins_live() {
     let store = TestStore::postgres().await;
     let redis = crate::support::ThrowawayRedis::start().await;
     let gate = Gate::new();
     let upstream = SseUpstream::start(6, EVENT, &gate, Ending::Clean).await;
-    let a = replica(&store, &upstream, &redis).await;
-    let b = replica(&store, &upstream, &redis).await;
+    let a = upstream.replica(&store, &redis).await;
+    let b = upstream.replica(&store, &redis).await;
     gate.open(2);
     let mut first = Reader::post(&a.path("/v1/chat"), "sse-redis", "{}").await;
     first.read_until(2 * EVENT).await;
@@ -379,8 +367,8 @@ async fn a_joiner_across_replicas_completes_from_the_store_when_redis_dies() {
     let mut redis = crate::support::ThrowawayRedis::start().await;
     let gate = Gate::new();
     let upstream = SseUpstream::start(4, EVENT, &gate, Ending::Clean).await;
-    let a = replica(&store, &upstream, &redis).await;
-    let b = replica(&store, &upstream, &redis).await;
+    let a = upstream.replica(&store, &redis).await;
+    let b = upstream.replica(&store, &redis).await;
     gate.open(1);
     let mut first = Reader::post(&a.path("/v1/chat"), "sse-redis-gone", "{}").await;
     first.read_until(EVENT).await;

@@ -239,6 +239,20 @@ impl SseUpstream {
         format!("http://{}", self.addr)
     }
 
+    /// A gateway in front of it on `store`, mirroring streams on `redis`:
+    /// one of several replicas (5 s upstream timeout).
+    pub async fn replica(
+        &self,
+        store: &super::TestStore,
+        redis: &super::ThrowawayRedis,
+    ) -> super::Gateway {
+        super::Gateway::builder(store, &self.url())
+            .set("upstream_timeout", "\"5s\"")
+            .set("redis_url", &format!("{:?}", redis.url()))
+            .start()
+            .await
+    }
+
     /// How many requests it got.
     pub fn hits(&self) -> usize {
         self.hits.load(Ordering::SeqCst)
