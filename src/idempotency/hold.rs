@@ -91,8 +91,7 @@ impl Holds {
         S: Fn(JobId) -> F,
         F: Future<Output = bool>,
     {
-        let done = |seen: &Observed| seen.job.state != JobState::Running;
-        self.watch(job, Instant::now() + limit, &streaming, done)
+        self.wait_out(job, JobState::Running, limit, streaming)
             .await
     }
 
@@ -112,9 +111,27 @@ impl Holds {
         S: Fn(JobId) -> F,
         F: Future<Output = bool>,
     {
-        let deadline = Instant::now() + limit.min(self.config.timeout);
-        let done = |seen: &Observed| seen.job.state != JobState::Unknown;
-        self.watch(job, deadline, &streaming, done).await
+        let limit = limit.min(self.config.timeout);
+        self.wait_out(job, JobState::Unknown, limit, streaming)
+            .await
+    }
+
+    /// Waits, for at most `limit`, until `job` leaves `state`; `None` when
+    /// it has not.
+    async fn wait_out<S, F>(
+        &self,
+        job: JobId,
+        state: JobState,
+        limit: Duration,
+        streaming: S,
+    ) -> Result<Option<Job>, GatewayError>
+    where
+        S: Fn(JobId) -> F,
+        F: Future<Output = bool>,
+    {
+        let done = |seen: &Observed| seen.job.state != state;
+        self.watch(job, Instant::now() + limit, &streaming, done)
+            .await
     }
 
     /// Reads `job` after every ring until `done` says so (`Some`) or

@@ -134,36 +134,22 @@ async fn a_stream_that_stalls_midway_is_cut_and_unknown(store: TestStore) {
     gate.open(4);
 }
 
-/// Streams `events` events spaced by `gap` after a head that takes `head`.
-async fn slow_head_stream(head: Duration, events: usize, gap: Duration) -> String {
+/// Answers every request on a fresh port with `answer(request)`: a head,
+/// then a body streamed as its frames come. The port's URL.
+async fn serve<F, Fut, S>(answer: F) -> String
+where
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Response<StreamBody<S>>> + Send + 'static,
+    S: futures_util::Stream<Item = Result<Frame<Bytes>, Infallible>> + Send + 'static,
+{
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move {
         while let Ok((stream, _)) = listener.accept().await {
-            let svc = hyper::service::service_fn(move |req: Request<Incoming>| async move {
-                let job = req.headers()["idempotency-key"]
-                    .to_str()
-                    .unwrap()
-                    .to_owned();
-                tokio::time::sleep(head).await;
-                let frames = futures_util::stream::unfold(1usize, move |n| {
-                    let job = job.clone();
-                    async move {
-                        if n > events {
-                            return None;
-                        }
-                        if n > 1 {
-                            tokio::time::sleep(gap).await;
-                        }
-                        let data = Bytes::from(event(&job, n, EVENT));
-                        Some((Ok::<_, Infallible>(Frame::data(data)), n + 1))
-                    }
-                });
-                let response = Response::builder()
-                    .header("content-type", "text/event-stream")
-                    .body(StreamBody::new(frames))
-                    .unwrap();
-                Ok::<_, Infallible>(response)
+            let answer = answer.clone();
+            let svc = hyper::service::service_fn(move |req| {
+                let answer = answer.clone();
+                async move { Ok::<_, Infallible>(answer(req).await) }
             });
             tokio::spawn(async move {
                 let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
@@ -173,6 +159,35 @@ async fn slow_head_stream(head: Duration, events: usize, gap: Duration) -> Strin
         }
     });
     url
+}
+
+/// Streams `events` events spaced by `gap` after a head that takes `head`.
+async fn slow_head_stream(head: Duration, events: usize, gap: Duration) -> String {
+    serve(move |req: Request<Incoming>| async move {
+        let job = req.headers()["idempotency-key"]
+            .to_str()
+            .unwrap()
+            .to_owned();
+        tokio::time::sleep(head).await;
+        let frames = futures_util::stream::unfold(1usize, move |n| {
+            let job = job.clone();
+            async move {
+                if n > events {
+                    return None;
+                }
+                if n > 1 {
+                    tokio::time::sleep(gap).await;
+                }
+                let data = Bytes::from(event(&job, n, EVENT));
+                Some((Ok::<_, Infallible>(Frame::data(data)), n + 1))
+            }
+        });
+        Response::builder()
+            .header("content-type", "text/event-stream")
+            .body(StreamBody::new(frames))
+            .unwrap()
+    })
+    .await
 }
 
 /// A head slower than `stream_idle_timeout` but within
@@ -252,45 +267,32 @@ async fn an_upstreams_first_byte_timeout_holds_unless_the_route_sets_one(store: 
 /// Answers a JSON head and the first half of its body at once, then the
 /// rest only when `gate` opens.
 async fn half_a_body(gate: &Gate) -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
     let gate = gate.clone();
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            let gate = gate.clone();
-            let svc = hyper::service::service_fn(move |_req: Request<Incoming>| {
+    serve(move |_req| {
+        let gate = gate.clone();
+        async move {
+            let halves = futures_util::stream::unfold(0, move |n| {
                 let gate = gate.clone();
                 async move {
-                    let halves = futures_util::stream::unfold(0, move |n| {
-                        let gate = gate.clone();
-                        async move {
-                            let half = match n {
-                                0 => "{\"half\": ",
-                                1 => {
-                                    gate.pass().await;
-                                    "\"and the rest\"}"
-                                }
-                                _ => return None,
-                            };
-                            let frame = Frame::data(Bytes::from_static(half.as_bytes()));
-                            Some((Ok::<_, Infallible>(frame), n + 1))
+                    let half = match n {
+                        0 => "{\"half\": ",
+                        1 => {
+                            gate.pass().await;
+                            "\"and the rest\"}"
                         }
-                    });
-                    let response = Response::builder()
-                        .header("content-type", "application/json")
-                        .body(StreamBody::new(halves))
-                        .unwrap();
-                    Ok::<_, Infallible>(response)
+                        _ => return None,
+                    };
+                    let frame = Frame::data(Bytes::from_static(half.as_bytes()));
+                    Some((Ok::<_, Infallible>(frame), n + 1))
                 }
             });
-            tokio::spawn(async move {
-                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                    .serve_connection(TokioIo::new(stream), svc)
-                    .await;
-            });
+            Response::builder()
+                .header("content-type", "application/json")
+                .body(StreamBody::new(halves))
+                .unwrap()
         }
-    });
-    url
+    })
+    .await
 }
 
 /// A buffered (not streamed) answer whose body goes silent after its head

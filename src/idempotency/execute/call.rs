@@ -58,8 +58,7 @@ enum Relayed {
 /// first byte's allowance until the head comes, the idle one after.
 struct Clock {
     silence: std::pin::Pin<Box<tokio::time::Sleep>>,
-    /// The silence allowed now.
-    allowed: Duration,
+    silences: Silences,
     /// Whether the answer's head has come.
     head_came: bool,
     timed_out: bool,
@@ -69,28 +68,36 @@ impl Clock {
     fn new(silences: Silences) -> Clock {
         Clock {
             silence: Box::pin(tokio::time::sleep(silences.first_byte)),
-            allowed: silences.first_byte,
+            silences,
             head_came: false,
             timed_out: false,
         }
     }
 
+    /// The silence allowed now.
+    fn allowed(&self) -> Duration {
+        if self.head_came {
+            self.silences.stream_idle
+        } else {
+            self.silences.first_byte
+        }
+    }
+
     /// The head came: from now on the body's chunks are timed.
-    fn took_head(&mut self, silences: Silences) {
+    fn took_head(&mut self) {
         self.head_came = true;
-        self.allowed = silences.stream_idle;
         self.restart();
     }
 
     /// Something came: the allowance starts over.
     fn restart(&mut self) {
-        let at = Instant::now() + self.allowed;
+        let at = Instant::now() + self.allowed();
         self.silence.as_mut().reset(at);
     }
 
     /// What the silence that fired is recorded as, naming its key.
     fn detail(&self) -> String {
-        let allowed = humantime::format_duration(self.allowed);
+        let allowed = humantime::format_duration(self.allowed());
         if self.head_came {
             format!("the answer's body went silent for {allowed} (stream_idle_timeout)")
         } else {
@@ -126,7 +133,7 @@ impl Task {
         };
         let (parts, body) = response.into_parts();
         if !clock.timed_out {
-            clock.took_head(self.silences);
+            clock.took_head();
         }
         // A stream whose first client was already told "unknown" is read
         // whole like any late answer.
@@ -173,7 +180,7 @@ impl Task {
                     // goes on, and its late answer may still settle or
                     // commit the attempt.
                     self.record(failure).await;
-                    self.send(Reply::Unknown(UpstreamError::TimedOut(clock.allowed).into()));
+                    self.send(Reply::Unknown(UpstreamError::TimedOut(clock.allowed()).into()));
                 }
                 () = cancel.cancelled() => return Watched::Cancelled,
                 () = tokio::time::sleep_until(self.deadline) => return Watched::DeadlinePassed,

@@ -163,7 +163,7 @@ impl Recording {
     }
 
     /// The answer as recorded so far, for the commit: every chunk but the
-    /// heartbeats, and an event not ended yet.
+    /// heartbeats, and a line not ended yet (unless it is a heartbeat's).
     pub fn stored(&self) -> StoredResponse {
         let chunks = self.lock();
         let answer = || chunks.list.iter().filter(|c| !c.beat).map(|c| &c.bytes[..]);
