@@ -51,6 +51,24 @@ async fn attempt(gateway: &Gateway, job: &str, i: usize) -> serde_json::Value {
     gateway.job(job).await["attempts"][i].clone()
 }
 
+/// A keyed POST to `/v1/charges` is answered `504` unknown well before the
+/// 30 s the other timeouts allow, its attempt recorded unknown with `detail`.
+async fn unknown_soon(gateway: &Gateway, key: &str, detail: &str) {
+    let started = Instant::now();
+    let unknown = post(&gateway.path("/v1/charges"), key, "{}").await;
+    assert_eq!(unknown.status, 504, "{:?}", unknown.json());
+    assert_eq!(unknown.problem(), "attempt-outcome-unknown");
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(15),
+        "answered after {took:?}, as if by a 30 s timeout"
+    );
+    let first = attempt(gateway, &unknown.job().unwrap(), 0).await;
+    assert_eq!(first["state"], "unknown", "{first}");
+    let recorded = first["detail"].as_str().unwrap();
+    assert!(recorded.contains(detail), "{recorded}");
+}
+
 /// The primary sends no head within `first_byte_timeout`: the attempt is
 /// unknown, and since nothing has streamed yet the route fails over; the
 /// client gets the fallback's whole stream.
@@ -241,23 +259,12 @@ async fn an_upstreams_first_byte_timeout_holds_unless_the_route_sets_one(store: 
         .start()
         .await;
 
-    let started = Instant::now();
-    let unknown = post(&gateway.path("/v1/charges"), "ufb-1", "{}").await;
-    assert_eq!(unknown.status, 504, "{:?}", unknown.json());
-    assert_eq!(unknown.problem(), "attempt-outcome-unknown");
-    assert!(
-        started.elapsed() < Duration::from_secs(15),
-        "answered after {:?}, as if by the upstream's 30 s timeout",
-        started.elapsed()
-    );
-    let job = unknown.job().unwrap();
-    let first = attempt(&gateway, &job, 0).await;
-    assert_eq!(first["state"], "unknown", "{first}");
-    let detail = first["detail"].as_str().unwrap();
-    assert!(
-        detail.contains("no answer head within 300ms (first_byte_timeout)"),
-        "{detail}"
-    );
+    unknown_soon(
+        &gateway,
+        "ufb-1",
+        "no answer head within 300ms (first_byte_timeout)",
+    )
+    .await;
 
     let patient = post(&gateway.path("/patient/charges"), "ufb-2", "{}").await;
     assert_eq!(patient.status, 200, "{:?}", patient.json());
@@ -303,23 +310,8 @@ async fn a_buffered_body_gone_silent_is_unknown_by_the_idle_allowance(store: Tes
     let url = half_a_body(&gate).await;
     let keys = "first_byte_timeout = \"30s\"\nstream_idle_timeout = \"1s\"";
     let gateway = gateway(&store, &[("half", url.as_str(), "")], keys).await;
-    let started = Instant::now();
-    let unknown = post(&gateway.path("/v1/charges"), "half-1", "{}").await;
-    assert_eq!(unknown.status, 504, "{:?}", unknown.json());
-    assert_eq!(unknown.problem(), "attempt-outcome-unknown");
-    assert!(
-        started.elapsed() < Duration::from_secs(15),
-        "{:?}",
-        started.elapsed()
-    );
-    let job = unknown.job().unwrap();
-    let first = attempt(&gateway, &job, 0).await;
-    assert_eq!(first["state"], "unknown", "{first}");
-    let detail = first["detail"].as_str().unwrap();
-    assert!(
-        detail.contains("the answer's body went silent for 1s (stream_idle_timeout)"),
-        "{detail}"
-    );
+    let detail = "the answer's body went silent for 1s (stream_idle_timeout)";
+    unknown_soon(&gateway, "half-1", detail).await;
     gate.open(1);
 }
 
