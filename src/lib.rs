@@ -19,7 +19,6 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 pub mod app;
 pub mod config;
-pub mod domain;
 pub mod idempotency;
 pub mod operations;
 pub mod proxy;

@@ -28,7 +28,7 @@ use tower::{Layer, Service};
 
 use crate::config::routes;
 use crate::config::{Route, UpstreamId};
-use crate::domain::id::JobId;
+use idemgate_domain::id::JobId;
 use crate::proxy::http::{AnsweredBy, Outcome};
 
 /// Times, counts and (when on) logs every request of the inner service.
@@ -231,7 +231,7 @@ impl Line {
         // The path as routes and upstreams read it (the normal form; a path
         // refused as ambiguous as it came), never the query.
         let raw = uri.path();
-        let path = crate::domain::path::normalize(raw).unwrap_or(Cow::Borrowed(raw));
+        let path = idemgate_domain::path::normalize(raw).unwrap_or(Cow::Borrowed(raw));
         let route = routes::find(&context.routes, &method, &path);
         // A pass-through request goes where the idempotency layer sends it:
         // its route's primary, or the first upstream (`opt_in::classify`).

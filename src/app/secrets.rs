@@ -7,7 +7,7 @@ use std::path::Path;
 
 use super::StartError;
 use crate::config::{EncryptionSettings, OwnerSaltSetting, ReplayKeySettings, ReplayKeySource};
-use crate::domain::key::OwnerSalt;
+use idemgate_domain::key::OwnerSalt;
 use crate::idempotency::fastpath::keys::{derive_from_encryption_key, EntryKeys};
 
 /// The owner salt: configured, or (embedded store) kept beside the database.

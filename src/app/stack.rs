@@ -16,7 +16,7 @@ use tower_http::trace::{DefaultOnFailure, TraceLayer};
 use super::access::{AccessLogLayer, Counted};
 use crate::config::routes;
 use crate::config::{Route, Settings};
-use crate::domain::id::JobId;
+use idemgate_domain::id::JobId;
 use crate::idempotency::{IdempotencyLayer, Shared};
 use crate::proxy::http::idle::IdleTimeout;
 use crate::proxy::http::request_id::RequestIds;

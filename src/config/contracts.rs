@@ -13,10 +13,10 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::ConfigError;
-use crate::domain::contract::expect::{
+use idemgate_domain::contract::expect::{
     Expectation, Expected, Target, TokenWindow, ENVELOPE_PREFIX,
 };
-use crate::domain::contract::{Contract, Embedded, Probe, Shape};
+use idemgate_domain::contract::{Contract, Embedded, Probe, Shape};
 
 /// A contract as written under `[contracts.NAME]`.
 #[derive(Debug, Deserialize)]

@@ -36,7 +36,7 @@ use std::time::Duration;
 
 use http::{HeaderName, Method, StatusCode};
 
-use crate::domain::contract::Contract;
+use idemgate_domain::contract::Contract;
 
 pub use file::FileConfig;
 pub use flags::{Cli, Command, Flags, JobsAction, JobsCommand};

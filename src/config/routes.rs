@@ -13,9 +13,9 @@ use super::file::{ReconcileFile, RouteFile};
 use super::trust::{owner_rule, Clients, OwnerFile, OwnerRule};
 use super::upstreams::UpstreamSettings;
 use super::{at_least_one, bad, header_name, positive, ConfigError};
-use crate::domain::contract::Contract;
-use crate::domain::fingerprint::BodyRule;
-use crate::domain::sse;
+use idemgate_domain::contract::Contract;
+use idemgate_domain::fingerprint::BodyRule;
+use idemgate_domain::sse;
 
 /// Which requests opt in, and how they are treated.
 #[derive(Debug, Clone)]
@@ -112,7 +112,7 @@ impl Reconcile {
     /// The `GET` path that looks up `job`, on a route that looks up.
     pub fn lookup_path(&self, job: &str) -> Option<String> {
         match self {
-            Reconcile::Lookup { path } => Some(crate::domain::reconcile::lookup_path(path, job)),
+            Reconcile::Lookup { path } => Some(idemgate_domain::reconcile::lookup_path(path, job)),
             Reconcile::Resend => None,
         }
     }
@@ -138,7 +138,7 @@ impl Reconcile {
     }
 
     fn lookup(key: &str, file: ReconcileFile) -> Result<Reconcile, ConfigError> {
-        let placeholder = crate::domain::reconcile::JOB_PLACEHOLDER;
+        let placeholder = idemgate_domain::reconcile::JOB_PLACEHOLDER;
         let example = "path = \"/v1/charges/lookup/{job}\"";
         let Some(path) = file.path else {
             return Err(bad(
@@ -162,7 +162,7 @@ impl Reconcile {
             ));
         }
         let sample =
-            crate::domain::reconcile::lookup_path(&path, "00000000-0000-0000-0000-000000000000");
+            idemgate_domain::reconcile::lookup_path(&path, "00000000-0000-0000-0000-000000000000");
         if sample.parse::<http::uri::PathAndQuery>().is_err() {
             return Err(bad(
                 key,
@@ -311,7 +311,7 @@ impl Route {
 
     /// Whether a stored answer of this route was streamed (its content
     /// type is one of the route's stream types), so a replay streams too.
-    pub fn streamed(&self, stored: &crate::domain::response::StoredResponse) -> bool {
+    pub fn streamed(&self, stored: &idemgate_domain::response::StoredResponse) -> bool {
         let content_type = stored
             .headers
             .iter()
@@ -534,7 +534,7 @@ fn prefix(key: &str, path_prefix: Option<String>) -> Result<String, ConfigError>
     if !path_prefix.starts_with('/') {
         return Err(bad(key, format!("{path_prefix:?} must start with `/`")));
     }
-    match crate::domain::path::normalize(&path_prefix) {
+    match idemgate_domain::path::normalize(&path_prefix) {
         Ok(Cow::Borrowed(_)) => Ok(path_prefix),
         Ok(Cow::Owned(normal)) => Err(bad(
             key,

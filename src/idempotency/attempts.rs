@@ -9,8 +9,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::dispatch::Joining;
 use super::execute::{Reply, Running};
-use crate::domain::attempt::Attempt;
-use crate::domain::id::AttemptId;
+use idemgate_domain::attempt::Attempt;
+use idemgate_domain::id::AttemptId;
 use crate::proxy::error::GatewayError;
 use crate::proxy::http::AnsweredBy;
 use crate::store::StoreError;

@@ -29,10 +29,10 @@ use tokio::time::Instant;
 
 use super::execute::{Reply, Uncommitted};
 use crate::config::{Route, UpstreamSettings};
-use crate::domain::attempt::Attempt;
-use crate::domain::id::AttemptId;
-use crate::domain::job::{Job, JobState};
-use crate::domain::response::StoredResponse;
+use idemgate_domain::attempt::Attempt;
+use idemgate_domain::id::AttemptId;
+use idemgate_domain::job::{Job, JobState};
+use idemgate_domain::response::StoredResponse;
 use crate::idempotency::recording::Recording;
 use crate::proxy::error::{ClientError, GatewayError};
 use crate::store::StoreError;

@@ -17,8 +17,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::domain::id::JobId;
-use crate::domain::job::{Job, JobState};
+use idemgate_domain::id::JobId;
+use idemgate_domain::job::{Job, JobState};
 use crate::proxy::error::{ClientError, GatewayError};
 use crate::store::{Doorbell, Observed, Store};
 

@@ -7,9 +7,9 @@ use bytes::Bytes;
 use tracing::Span;
 
 use crate::config::routes::Route;
-use crate::domain::fingerprint::Fingerprint;
-use crate::domain::key::{IdempotencyKey, Owner};
-use crate::domain::sse::ResumePoint;
+use idemgate_domain::fingerprint::Fingerprint;
+use idemgate_domain::key::{IdempotencyKey, Owner};
+use idemgate_domain::sse::ResumePoint;
 use crate::proxy::budget::Charge;
 
 /// One opted-in request, buffered and fingerprinted: who asks, for what.

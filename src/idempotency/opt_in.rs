@@ -13,9 +13,9 @@ use http::{header, HeaderValue, Request};
 use tracing::Span;
 
 use crate::config::routes::{self, Route};
-use crate::domain::fingerprint::{fingerprint, RequestParts};
-use crate::domain::key::IdempotencyKey;
-use crate::domain::sse::ResumePoint;
+use idemgate_domain::fingerprint::{fingerprint, RequestParts};
+use idemgate_domain::key::IdempotencyKey;
+use idemgate_domain::sse::ResumePoint;
 use crate::proxy::budget::Charge;
 use crate::proxy::error::{ClientError, GatewayError};
 use crate::proxy::http::{

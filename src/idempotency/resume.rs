@@ -18,7 +18,7 @@ use http::{HeaderValue, Response};
 use http_body::Frame;
 use http_body_util::{BodyExt, BodyStream, StreamBody};
 
-use crate::domain::sse::{self, ResumePoint, Skip, Skipped};
+use idemgate_domain::sse::{self, ResumePoint, Skip, Skipped};
 use crate::proxy::error::ClientError;
 use crate::proxy::http::{Body, BodyError, EVENTS_SKIPPED};
 

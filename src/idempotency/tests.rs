@@ -22,11 +22,11 @@ use uuid::Uuid;
 
 use super::*;
 use crate::config::{Flags, Settings};
-use crate::domain::attempt::{Attempt, AttemptFailure, NewAttempt, Resolution};
-use crate::domain::id::{AttemptId, JobId};
-use crate::domain::job::{Job, JobDetail, JobState, NewJob};
-use crate::domain::key::{IdempotencyKey, Owner};
-use crate::domain::response::StoredResponse;
+use idemgate_domain::attempt::{Attempt, AttemptFailure, NewAttempt, Resolution};
+use idemgate_domain::id::{AttemptId, JobId};
+use idemgate_domain::job::{Job, JobDetail, JobState, NewJob};
+use idemgate_domain::key::{IdempotencyKey, Owner};
+use idemgate_domain::response::StoredResponse;
 use crate::proxy::http::Body;
 use crate::proxy::upstream::Target;
 use crate::proxy::upstream::UpstreamError;
@@ -72,7 +72,7 @@ impl Records for Faulty {
         &self,
         after: Option<crate::store::Cursor>,
         limit: u32,
-    ) -> Result<Vec<crate::domain::job::Job>, StoreError> {
+    ) -> Result<Vec<idemgate_domain::job::Job>, StoreError> {
         self.inner.unknown_jobs(after, limit).await
     }
     async fn unknown_attempts(
@@ -101,7 +101,7 @@ impl Records for Faulty {
     async fn record_lookup(
         &self,
         attempt: AttemptId,
-        lookup: &crate::domain::reconcile::Lookup,
+        lookup: &idemgate_domain::reconcile::Lookup,
     ) -> Result<(), StoreError> {
         self.inner.record_lookup(attempt, lookup).await
     }
@@ -292,7 +292,7 @@ fn layer(toml: &str, faults: Faults) -> (IdempotencyLayer, Arc<Faults>, Arc<dyn 
             leases: Arc::default(),
             instance: Uuid::nil(),
             trust: Arc::new(crate::trust::Trust::with_salt(
-                crate::domain::key::OwnerSalt::new(b"test salt, not a secret"),
+                idemgate_domain::key::OwnerSalt::new(b"test salt, not a secret"),
             )),
             budget: crate::proxy::budget::Budget::new(settings.memory_budget.bytes),
         },

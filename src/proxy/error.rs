@@ -9,10 +9,10 @@ use std::time::Duration;
 use http::{header, HeaderValue, Response, StatusCode};
 use serde_json::{Map, Value};
 
-use crate::domain::fingerprint::AmbiguousJson;
-use crate::domain::key::KeyError;
-use crate::domain::path::Ambiguity;
-use crate::domain::sse::BadResumePoint;
+use idemgate_domain::fingerprint::AmbiguousJson;
+use idemgate_domain::key::KeyError;
+use idemgate_domain::path::Ambiguity;
+use idemgate_domain::sse::BadResumePoint;
 use crate::proxy::http::idle::BodyTimedOut;
 use crate::proxy::http::{full, Body, CollectError, Outcome};
 use crate::proxy::upstream::UpstreamError;

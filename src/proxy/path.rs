@@ -17,7 +17,7 @@ use http::{Request, Response, Uri};
 use pin_project_lite::pin_project;
 use tower::{Layer, Service};
 
-use crate::domain::path::normalize;
+use idemgate_domain::path::normalize;
 use crate::proxy::error::{ClientError, GatewayError};
 use crate::proxy::http::Body;
 

@@ -15,8 +15,8 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use tokio::sync::{mpsc, Notify, OnceCell};
 
-use crate::domain::id::JobId;
-use crate::domain::job::Job;
+use idemgate_domain::id::JobId;
+use idemgate_domain::job::Job;
 
 /// One bell per job that someone waits on.
 #[derive(Debug, Default)]
@@ -248,11 +248,11 @@ mod tests {
     fn test_job() -> Job {
         Job {
             id: JobId::new(),
-            owner: crate::domain::key::Owner::anonymous(),
-            key: crate::domain::key::IdempotencyKey::new("k").unwrap(),
-            fingerprint: crate::domain::fingerprint::Fingerprint([0; 32]),
+            owner: idemgate_domain::key::Owner::anonymous(),
+            key: idemgate_domain::key::IdempotencyKey::new("k").unwrap(),
+            fingerprint: idemgate_domain::fingerprint::Fingerprint([0; 32]),
             route: "r".into(),
-            state: crate::domain::job::JobState::Running,
+            state: idemgate_domain::job::JobState::Running,
             version: 1,
             attempt_count: 1,
             completed_by: None,

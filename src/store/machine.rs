@@ -2,7 +2,7 @@
 //! [`Store`].
 //!
 //! Each operation asks the backend to lock the job, hands the snapshot to a
-//! function of [`crate::domain::transition`], and lets the backend write what it
+//! function of [`idemgate_domain::transition`], and lets the backend write what it
 //! returns. A change that moves a job's state rings the doorbell here, and
 //! only here, once. With encryption configured, responses are sealed here on
 //! their way in and opened on their way out (see [`crate::store::seal`]).
@@ -21,13 +21,13 @@ use super::{
     Backend, Begin, CommitOutcome, Cursor, Decide, Doorbell, Lapsed, Lock, Records, Store,
     StoreError,
 };
-use crate::domain::attempt::{Attempt, AttemptFailure, NewAttempt, Resolution};
-use crate::domain::id::{AttemptId, JobId};
-use crate::domain::job::{Job, JobDetail, NewJob};
-use crate::domain::key::{IdempotencyKey, Owner};
-use crate::domain::reconcile::Lookup;
-use crate::domain::response::StoredResponse;
-use crate::domain::transition::{self, Change, Refusal};
+use idemgate_domain::attempt::{Attempt, AttemptFailure, NewAttempt, Resolution};
+use idemgate_domain::id::{AttemptId, JobId};
+use idemgate_domain::job::{Job, JobDetail, NewJob};
+use idemgate_domain::key::{IdempotencyKey, Owner};
+use idemgate_domain::reconcile::Lookup;
+use idemgate_domain::response::StoredResponse;
+use idemgate_domain::transition::{self, Change, Refusal};
 use crate::store::seal::{self, Sealer};
 
 /// A [`Store`] over a [`Backend`].

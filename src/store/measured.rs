@@ -14,14 +14,14 @@ use async_trait::async_trait;
 use super::{
     Applied, Backend, Begin, Committed, Cursor, Decide, Lock, Records, StoreError, StoreErrorKind,
 };
-use crate::domain::attempt::{Attempt, NewAttempt};
-use crate::domain::id::AttemptId;
-use crate::domain::id::JobId;
-use crate::domain::job::{Job, JobDetail, NewJob};
-use crate::domain::key::{IdempotencyKey, Owner};
-use crate::domain::reconcile::Lookup;
-use crate::domain::response::StoredResponse;
-use crate::domain::transition::{Change, Refusal};
+use idemgate_domain::attempt::{Attempt, NewAttempt};
+use idemgate_domain::id::AttemptId;
+use idemgate_domain::id::JobId;
+use idemgate_domain::job::{Job, JobDetail, NewJob};
+use idemgate_domain::key::{IdempotencyKey, Owner};
+use idemgate_domain::reconcile::Lookup;
+use idemgate_domain::response::StoredResponse;
+use idemgate_domain::transition::{Change, Refusal};
 
 /// A [`Backend`] whose every call is measured.
 pub(super) struct Measured<B>(pub(super) B);
@@ -146,9 +146,9 @@ mod tests {
     use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusRecorder};
 
     use super::*;
-    use crate::domain::attempt::{AttemptFailure, Resolution};
-    use crate::domain::fingerprint::Fingerprint;
-    use crate::domain::key::OwnerSalt;
+    use idemgate_domain::attempt::{AttemptFailure, Resolution};
+    use idemgate_domain::fingerprint::Fingerprint;
+    use idemgate_domain::key::OwnerSalt;
     use crate::store::memory::Memory;
     use crate::store::{Doorbell, Machine, Store};
 

@@ -16,13 +16,13 @@ use super::{
     commit_under_lock, expire_each, Applied, Backend, Begin, Committed, Cursor, Decide, Lock,
     Records, StoreError,
 };
-use crate::domain::attempt::{Attempt, AttemptState, NewAttempt};
-use crate::domain::id::{AttemptId, JobId};
-use crate::domain::job::{Job, JobDetail, JobState, NewJob};
-use crate::domain::key::{IdempotencyKey, Owner};
-use crate::domain::reconcile::{Lookup, Lookups};
-use crate::domain::response::StoredResponse;
-use crate::domain::transition::{AttemptHead, Change, JobHead, Refusal, Snapshot};
+use idemgate_domain::attempt::{Attempt, AttemptState, NewAttempt};
+use idemgate_domain::id::{AttemptId, JobId};
+use idemgate_domain::job::{Job, JobDetail, JobState, NewJob};
+use idemgate_domain::key::{IdempotencyKey, Owner};
+use idemgate_domain::reconcile::{Lookup, Lookups};
+use idemgate_domain::response::StoredResponse;
+use idemgate_domain::transition::{AttemptHead, Change, JobHead, Refusal, Snapshot};
 
 /// Jobs and attempts in a map.
 #[derive(Debug, Default)]

@@ -14,7 +14,7 @@
 //!   reference ([`memory`]) implement it.
 //!
 //! [`Machine`] joins the two: it runs every transition of
-//! [`crate::domain::transition`] on a backend and rings the [`Doorbell`] once per
+//! [`idemgate_domain::transition`] on a backend and rings the [`Doorbell`] once per
 //! change of a job's state. Every call it makes to the backend goes through
 //! one measuring wrapper (`measured.rs`: `idemgate_store_seconds`,
 //! `idemgate_store_errors_total`). No backend decides anything; the same
@@ -41,13 +41,13 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 
-use crate::domain::attempt::{Attempt, AttemptFailure, NewAttempt, Resolution};
-use crate::domain::id::{AttemptId, JobId};
-use crate::domain::job::{Job, JobDetail, NewJob};
-use crate::domain::key::{IdempotencyKey, Owner};
-use crate::domain::reconcile::Lookup;
-use crate::domain::response::StoredResponse;
-use crate::domain::transition::{self, Change, Refusal, Snapshot};
+use idemgate_domain::attempt::{Attempt, AttemptFailure, NewAttempt, Resolution};
+use idemgate_domain::id::{AttemptId, JobId};
+use idemgate_domain::job::{Job, JobDetail, NewJob};
+use idemgate_domain::key::{IdempotencyKey, Owner};
+use idemgate_domain::reconcile::Lookup;
+use idemgate_domain::response::StoredResponse;
+use idemgate_domain::transition::{self, Change, Refusal, Snapshot};
 use crate::BoxError;
 
 pub use doorbell::{Bell, Doorbell, Observed};
@@ -324,7 +324,7 @@ pub enum Lock {
 }
 
 /// The decision a [`Backend::change`] asks for: given the locked job and the
-/// backend's clock, the writes to make (see [`crate::domain::transition`]).
+/// backend's clock, the writes to make (see [`idemgate_domain::transition`]).
 pub type Decide = Box<dyn FnOnce(&Snapshot, SystemTime) -> Result<Change, Refusal> + Send>;
 
 /// A change as written.
@@ -400,13 +400,13 @@ pub(crate) fn expire_each(snapshots: &[Snapshot], now: SystemTime) -> Vec<Change
 }
 
 /// A job state read back from a backend.
-pub(crate) fn job_state(s: &str) -> Result<crate::domain::job::JobState, StoreError> {
-    crate::domain::job::JobState::parse(s).ok_or(StoreError::Corrupt("job state"))
+pub(crate) fn job_state(s: &str) -> Result<idemgate_domain::job::JobState, StoreError> {
+    idemgate_domain::job::JobState::parse(s).ok_or(StoreError::Corrupt("job state"))
 }
 
 /// An attempt state read back from a backend.
-pub(crate) fn attempt_state(s: &str) -> Result<crate::domain::attempt::AttemptState, StoreError> {
-    crate::domain::attempt::AttemptState::parse(s).ok_or(StoreError::Corrupt("attempt state"))
+pub(crate) fn attempt_state(s: &str) -> Result<idemgate_domain::attempt::AttemptState, StoreError> {
+    idemgate_domain::attempt::AttemptState::parse(s).ok_or(StoreError::Corrupt("attempt state"))
 }
 
 /// An attempt's lookups read back from a backend: the count, and the last
@@ -416,8 +416,8 @@ pub(crate) fn lookups(
     at: Option<SystemTime>,
     status: Option<u16>,
     result: Option<&str>,
-) -> Result<crate::domain::reconcile::Lookups, StoreError> {
-    use crate::domain::reconcile::{Lookup, LookupResult, Lookups};
+) -> Result<idemgate_domain::reconcile::Lookups, StoreError> {
+    use idemgate_domain::reconcile::{Lookup, LookupResult, Lookups};
     let last = match (at, result) {
         (Some(at), Some(result)) => Some(Lookup {
             at,

@@ -24,9 +24,9 @@ use aes_gcm::aead::{Aead, AeadCore, KeyInit, OsRng, Payload};
 use aes_gcm::{Aes256Gcm, Key, Nonce};
 use bytes::Bytes;
 
-use crate::domain::id::JobId;
+use idemgate_domain::id::JobId;
 
-use crate::domain::response::StoredResponse;
+use idemgate_domain::response::StoredResponse;
 use crate::store::codec::{decode_headers, encode_headers};
 
 /// The pseudo-header naming the key a response was sealed with.

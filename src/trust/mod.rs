@@ -16,7 +16,7 @@ use std::sync::Arc;
 use http::HeaderMap;
 
 use crate::config::{Clients, OwnerRule, OwnerSource};
-use crate::domain::key::{Owner, OwnerSalt};
+use idemgate_domain::key::{Owner, OwnerSalt};
 use crate::proxy::error::ClientError;
 use crate::proxy::http::ProvenClient;
 

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use crate::domain::attempt::AttemptFailure;
-use crate::domain::id::AttemptId;
+use idemgate_domain::attempt::AttemptFailure;
+use idemgate_domain::id::AttemptId;
 use crate::store::Store;
 use crate::telemetry::Chain;
 use crate::upkeep::supervise::Heartbeat;

@@ -18,8 +18,8 @@ use http::Request;
 use tokio::sync::watch;
 
 use crate::config::{Route, UpstreamId, UpstreamSettings};
-use crate::domain::contract::expect::{judge, Finding, Observed};
-use crate::domain::contract::{excerpt, Contract, Probe};
+use idemgate_domain::contract::expect::{judge, Finding, Observed};
+use idemgate_domain::contract::{excerpt, Contract, Probe};
 use crate::proxy::http::full;
 use crate::proxy::upstream::{fetch, Upstream, Upstreams};
 use crate::upkeep::supervise::Heartbeat;

@@ -83,8 +83,8 @@ async fn the_database_and_redis_hold_no_plaintext_response() {
     assert_eq!(values, vec![b"a".to_vec()], "only the key id");
 
     let (owner, key) = (
-        idemgate::domain::key::Owner::anonymous(),
-        idemgate::domain::key::IdempotencyKey::new("sealed-1").unwrap(),
+        idemgate_domain::key::Owner::anonymous(),
+        idemgate_domain::key::IdempotencyKey::new("sealed-1").unwrap(),
     );
     let binding = idemgate::idempotency::fastpath::Binding::of(&owner, &key);
     let redis_key = idemgate::idempotency::fastpath::redis_key(&binding, &owner, &key);

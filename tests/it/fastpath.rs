@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use futures_util::future::join_all;
-use idemgate::domain::fingerprint::Fingerprint;
-use idemgate::domain::id::JobId;
+use idemgate_domain::fingerprint::Fingerprint;
+use idemgate_domain::id::JobId;
 use idemgate::idempotency::fastpath::Entry;
 
 use crate::support::entries::{self, redis_key, suite_keys};
@@ -252,7 +252,7 @@ async fn corrupt_and_stale_entries_are_ignored_and_repaired() {
         job: JobId::new(),
         fingerprint: Fingerprint([1; 32]),
         expires_at: SystemTime::now() + Duration::from_secs(3600),
-        response: Some(idemgate::domain::response::StoredResponse {
+        response: Some(idemgate_domain::response::StoredResponse {
             status: 200,
             headers: vec![],
             body: bytes::Bytes::from_static(b"stale"),

@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::join_all;
-use idemgate::domain::id::JobId;
-use idemgate::domain::key::{IdempotencyKey, Owner};
+use idemgate_domain::id::JobId;
+use idemgate_domain::key::{IdempotencyKey, Owner};
 use idemgate::idempotency::fastpath::{self, Binding, Tag};
 
 use crate::support::redis_cluster::{ThrowawayCluster, ThrowawaySentinel};

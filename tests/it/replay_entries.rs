@@ -10,8 +10,8 @@
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
-use idemgate::domain::id::JobId;
-use idemgate::domain::response::StoredResponse;
+use idemgate_domain::id::JobId;
+use idemgate_domain::response::StoredResponse;
 use idemgate::idempotency::fastpath::keys::HEAD_LEN;
 use idemgate::idempotency::fastpath::stream::{record, Part};
 use idemgate::idempotency::fastpath::{stream_key, Entry, EntryKeys, Tag};

@@ -13,12 +13,12 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use uuid::Uuid;
 
-use idemgate::domain::attempt::{AttemptFailure, AttemptState, NewAttempt, Resolution};
-use idemgate::domain::fingerprint::Fingerprint;
-use idemgate::domain::id::{AttemptId, JobId};
-use idemgate::domain::job::{JobDetail, JobState, NewJob};
-use idemgate::domain::key::{IdempotencyKey, Owner, OwnerSalt};
-use idemgate::domain::response::StoredResponse;
+use idemgate_domain::attempt::{AttemptFailure, AttemptState, NewAttempt, Resolution};
+use idemgate_domain::fingerprint::Fingerprint;
+use idemgate_domain::id::{AttemptId, JobId};
+use idemgate_domain::job::{JobDetail, JobState, NewJob};
+use idemgate_domain::key::{IdempotencyKey, Owner, OwnerSalt};
+use idemgate_domain::response::StoredResponse;
 use idemgate::store::memory::Memory;
 use idemgate::store::{Begin, Doorbell, Machine, Store, StoreErrorKind};
 

@@ -9,14 +9,14 @@ use bytes::Bytes;
 use futures_util::future::join_all;
 use tokio::sync::Barrier;
 
-use idemgate::domain::attempt::{AttemptFailure, AttemptState, NewAttempt, Resolution};
-use idemgate::domain::fingerprint::Fingerprint;
-use idemgate::domain::id::{AttemptId, JobId};
-use idemgate::domain::job::{JobState, NewJob};
-use idemgate::domain::key::{IdempotencyKey, Owner, OwnerSalt};
-use idemgate::domain::reconcile::{Lookup, LookupResult};
-use idemgate::domain::response::StoredResponse;
-use idemgate::domain::transition::Refusal;
+use idemgate_domain::attempt::{AttemptFailure, AttemptState, NewAttempt, Resolution};
+use idemgate_domain::fingerprint::Fingerprint;
+use idemgate_domain::id::{AttemptId, JobId};
+use idemgate_domain::job::{JobState, NewJob};
+use idemgate_domain::key::{IdempotencyKey, Owner, OwnerSalt};
+use idemgate_domain::reconcile::{Lookup, LookupResult};
+use idemgate_domain::response::StoredResponse;
+use idemgate_domain::transition::Refusal;
 use idemgate::store::{Begin, CommitOutcome, Doorbell, Store, StoreError};
 
 fn new_job(key: &str) -> NewJob {
@@ -61,8 +61,8 @@ async fn created(
     store: &dyn Store,
     key: &str,
 ) -> (
-    idemgate::domain::job::Job,
-    idemgate::domain::attempt::Attempt,
+    idemgate_domain::job::Job,
+    idemgate_domain::attempt::Attempt,
 ) {
     match store.begin_job(new_job(key), new_attempt()).await.unwrap() {
         Begin::Created(job, attempt) => (job, attempt),
@@ -155,7 +155,7 @@ pub async fn concurrent_commits_have_exactly_one_winner(store: Arc<dyn Store>) {
             "a hedge does not move the version"
         );
         let barrier = Arc::new(Barrier::new(2));
-        let commit = |attempt: idemgate::domain::attempt::Attempt, tag: &'static str| {
+        let commit = |attempt: idemgate_domain::attempt::Attempt, tag: &'static str| {
             let store = store.clone();
             let barrier = barrier.clone();
             tokio::spawn(async move {
@@ -250,7 +250,7 @@ pub async fn unknown_jobs_are_listed_newest_first_a_page_at_a_time(store: Arc<dy
     // Newest first: by creation, then by id, both descending.
     unknown.sort_by_key(|j| std::cmp::Reverse((j.created_at, j.id.0)));
     let first = store.unknown_jobs(None, 2).await.unwrap();
-    let ids = |jobs: &[idemgate::domain::job::Job]| jobs.iter().map(|j| j.id).collect::<Vec<_>>();
+    let ids = |jobs: &[idemgate_domain::job::Job]| jobs.iter().map(|j| j.id).collect::<Vec<_>>();
     assert_eq!(ids(&first), ids(&unknown[..2]));
     assert!(first.iter().all(|j| j.state == JobState::Unknown));
     let cursor = idemgate::store::Cursor::after(&first[1]);
@@ -267,7 +267,7 @@ pub async fn unknown_jobs_are_listed_newest_first_a_page_at_a_time(store: Arc<dy
     store
         .resolve_attempt(
             detail.attempts[0].id,
-            idemgate::domain::attempt::Resolution::Failed,
+            idemgate_domain::attempt::Resolution::Failed,
         )
         .await
         .unwrap();

@@ -8,8 +8,8 @@ use uuid::Uuid;
 
 use super::*;
 use crate::config::{Flags, Settings};
-use crate::domain::attempt::AttemptState;
-use crate::domain::id::JobId;
+use idemgate_domain::attempt::AttemptState;
+use idemgate_domain::id::JobId;
 use crate::proxy::upstream::UpstreamError;
 
 const THREE_UPSTREAMS: &str = r#"

@@ -8,7 +8,7 @@
 //!
 //! - a lookup (`[routes.reconcile] path`): `GET` the path, with the
 //!   upstream's headers as the attempt had them; what the answer means is
-//!   [`crate::domain::reconcile::verdict`]: `2xx` succeeded (its answer is
+//!   [`idemgate_domain::reconcile::verdict`]: `2xx` succeeded (its answer is
 //!   the job's result), `404`/`410` no effect (the job reopens), anything
 //!   else still unknown;
 //! - a resend (`reconcile = "resend"`): the attempt's request again, byte
@@ -37,11 +37,11 @@ use tracing::Instrument;
 use super::verdict::{classify, Verdict};
 use super::UpstreamService;
 use crate::config::{Route, UpstreamId};
-use crate::domain::attempt::{AttemptFailure, AttemptState, Resolution};
-use crate::domain::id::{AttemptId, JobId};
-use crate::domain::reconcile::{backoff, next_lookup, verdict, Lookup, LookupResult, Lookups};
-use crate::domain::response::StoredResponse;
-use crate::domain::transition::Refusal;
+use idemgate_domain::attempt::{AttemptFailure, AttemptState, Resolution};
+use idemgate_domain::id::{AttemptId, JobId};
+use idemgate_domain::reconcile::{backoff, next_lookup, verdict, Lookup, LookupResult, Lookups};
+use idemgate_domain::response::StoredResponse;
+use idemgate_domain::transition::Refusal;
 use crate::idempotency::replay;
 use crate::proxy::http::{full, ProvenClient};
 use crate::proxy::upstream::{self, Fetched, Target, UpstreamError};

@@ -11,9 +11,9 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{Reply, Task, PATIENCE};
-use crate::domain::attempt::{AttemptFailure, AttemptState};
-use crate::domain::id::AttemptId;
-use crate::domain::response::StoredResponse;
+use idemgate_domain::attempt::{AttemptFailure, AttemptState};
+use idemgate_domain::id::AttemptId;
+use idemgate_domain::response::StoredResponse;
 use crate::proxy::error::GatewayError;
 use crate::store::{CommitOutcome, StoreError};
 use crate::telemetry::Chain;

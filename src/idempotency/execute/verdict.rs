@@ -8,9 +8,9 @@ use http::Response;
 
 use super::Uncommitted;
 use crate::config::Route;
-use crate::domain::attempt::AttemptFailure;
-use crate::domain::contract::excerpt;
-use crate::domain::response::StoredResponse;
+use idemgate_domain::attempt::AttemptFailure;
+use idemgate_domain::contract::excerpt;
+use idemgate_domain::response::StoredResponse;
 use crate::idempotency::replay;
 use crate::proxy::error::GatewayError;
 use crate::proxy::http::full;

@@ -9,11 +9,11 @@ use bytes::Bytes;
 use sha2::{Digest, Sha256};
 
 use super::keys::{EntryKeys, Fields, Rejection, HEAD_LEN};
-use crate::domain::fingerprint::Fingerprint;
-use crate::domain::id::JobId;
-use crate::domain::job::EXPIRY_MARGIN;
-use crate::domain::key::{IdempotencyKey, Owner};
-use crate::domain::response::StoredResponse;
+use idemgate_domain::fingerprint::Fingerprint;
+use idemgate_domain::id::JobId;
+use idemgate_domain::job::EXPIRY_MARGIN;
+use idemgate_domain::key::{IdempotencyKey, Owner};
+use idemgate_domain::response::StoredResponse;
 use crate::store::codec::{decode_headers, encode_headers};
 
 /// A cached entry, verified.

@@ -32,11 +32,11 @@ use tokio::sync::mpsc;
 use uuid::Uuid;
 
 use crate::config::RedisSettings;
-use crate::domain::fingerprint::Fingerprint;
-use crate::domain::id::JobId;
-use crate::domain::job::EXPIRY_MARGIN;
-use crate::domain::key::{IdempotencyKey, Owner};
-use crate::domain::response::StoredResponse;
+use idemgate_domain::fingerprint::Fingerprint;
+use idemgate_domain::id::JobId;
+use idemgate_domain::job::EXPIRY_MARGIN;
+use idemgate_domain::key::{IdempotencyKey, Owner};
+use idemgate_domain::response::StoredResponse;
 use crate::store::Doorbell;
 use crate::BoxError;
 

@@ -18,7 +18,7 @@ use futures_util::{Stream, StreamExt};
 use super::entry::{stream_key, Tag};
 use super::keys::{EntryKeys, Fields, Rejection, HEAD_LEN};
 use super::FastPath;
-use crate::domain::id::JobId;
+use idemgate_domain::id::JobId;
 use crate::store::codec::{decode_headers, encode_headers};
 use crate::store::Doorbell;
 use crate::BoxError;

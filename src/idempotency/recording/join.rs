@@ -9,8 +9,8 @@ use std::time::Duration;
 use http::Response;
 
 use super::{Recording, Recordings};
-use crate::domain::id::JobId;
-use crate::domain::job::JobState;
+use idemgate_domain::id::JobId;
+use idemgate_domain::job::JobState;
 use crate::idempotency::fastpath::{FastPath, Tag};
 use crate::idempotency::hold::Holds;
 use crate::proxy::budget::Budget;

@@ -32,11 +32,11 @@ use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
 use tokio::sync::watch;
 
-use crate::domain::id::JobId;
-use crate::domain::sse::{Blocks, Kind};
+use idemgate_domain::id::JobId;
+use idemgate_domain::sse::{Blocks, Kind};
 use crate::idempotency::fastpath::Piece;
 
-use crate::domain::response::StoredResponse;
+use idemgate_domain::response::StoredResponse;
 use crate::proxy::budget::Charge;
 use crate::proxy::http::{Body, BodyError};
 
@@ -301,7 +301,7 @@ impl Recording {
 /// Appends `blocks` to `list`, the answer's blocks that follow one another
 /// as one chunk (one frame to each reader, one mirrored entry), each run of
 /// heartbeats as one of its own.
-fn coalesce(blocks: Vec<crate::domain::sse::Block>, list: &mut Vec<Chunk>) {
+fn coalesce(blocks: Vec<idemgate_domain::sse::Block>, list: &mut Vec<Chunk>) {
     let mut blocks = blocks.into_iter().peekable();
     while let Some(first) = blocks.next() {
         let beat = first.kind == Kind::Beat;
@@ -323,7 +323,7 @@ fn is_event_stream(headers: &[(String, Bytes)]) -> bool {
         let found = headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name));
         found.map(|(_, value)| &value[..])
     };
-    crate::domain::sse::is_event_stream(header("content-type"), header("content-encoding"))
+    idemgate_domain::sse::is_event_stream(header("content-type"), header("content-encoding"))
 }
 
 impl Drop for Recording {

@@ -23,11 +23,11 @@ use quick_cache::sync::Cache;
 use quick_cache::{Equivalent, Weighter};
 
 use super::Framing;
-use crate::domain::fingerprint::Fingerprint;
-use crate::domain::id::JobId;
-use crate::domain::job::EXPIRY_MARGIN;
-use crate::domain::key::{IdempotencyKey, Owner};
-use crate::domain::response::StoredResponse;
+use idemgate_domain::fingerprint::Fingerprint;
+use idemgate_domain::id::JobId;
+use idemgate_domain::job::EXPIRY_MARGIN;
+use idemgate_domain::key::{IdempotencyKey, Owner};
+use idemgate_domain::response::StoredResponse;
 use crate::proxy::http::{Body, Outcome};
 
 /// Bookkeeping counted against the budget besides an answer's own bytes.
@@ -179,7 +179,7 @@ impl Equivalent<Slot> for Borrowed<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::domain::key::OwnerSalt;
+    use idemgate_domain::key::OwnerSalt;
     use bytes::Bytes;
     use std::time::Duration;
 

@@ -5,8 +5,8 @@ use bytes::Bytes;
 use http::{header, HeaderName, HeaderValue, Response, StatusCode};
 
 use crate::config::Route;
-use crate::domain::id::JobId;
-use crate::domain::response::StoredResponse;
+use idemgate_domain::id::JobId;
+use idemgate_domain::response::StoredResponse;
 use crate::proxy::http::{full, Body, Outcome, IDEMPOTENCY_JOB, IDEMPOTENT_REPLAYED};
 use crate::proxy::upstream::Fetched;
 

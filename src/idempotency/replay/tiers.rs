@@ -21,9 +21,9 @@ use std::time::SystemTime;
 use http::Response;
 
 use super::{response, Framing, Kept, ReplayCache};
-use crate::domain::id::JobId;
-use crate::domain::job::Job;
-use crate::domain::response::StoredResponse;
+use idemgate_domain::id::JobId;
+use idemgate_domain::job::Job;
+use idemgate_domain::response::StoredResponse;
 use crate::idempotency::fastpath::{FastPath, Lookup};
 use crate::idempotency::keyed::Keyed;
 use crate::proxy::error::GatewayError;

@@ -20,7 +20,7 @@ use serde_json::{json, Value};
 use super::error::AdminError;
 use super::views::json_response;
 use super::Admin;
-use crate::domain::attempt::{AttemptState, Resolution};
+use idemgate_domain::attempt::{AttemptState, Resolution};
 use crate::proxy::http::{collect_limited, Body};
 use crate::store::Cursor;
 use crate::telemetry::Chain;
@@ -50,7 +50,7 @@ struct Bulk {
 /// One unknown attempt the window holds.
 struct Matched {
     job: String,
-    attempt: crate::domain::id::AttemptId,
+    attempt: idemgate_domain::id::AttemptId,
     started_at: SystemTime,
 }
 

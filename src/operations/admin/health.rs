@@ -116,7 +116,7 @@ mod tests {
     use http_body_util::BodyExt;
     use tokio_util::sync::CancellationToken;
 
-    use crate::domain::key::OwnerSalt;
+    use idemgate_domain::key::OwnerSalt;
     use crate::trust::Trust;
 
     use std::sync::Arc;
@@ -125,11 +125,11 @@ mod tests {
     use http::Request;
 
     use super::*;
-    use crate::domain::attempt::{Attempt, AttemptFailure, NewAttempt, Resolution};
-    use crate::domain::id::{AttemptId, JobId};
-    use crate::domain::job::{Job, JobDetail, NewJob};
-    use crate::domain::key::{IdempotencyKey, Owner};
-    use crate::domain::response::StoredResponse;
+    use idemgate_domain::attempt::{Attempt, AttemptFailure, NewAttempt, Resolution};
+    use idemgate_domain::id::{AttemptId, JobId};
+    use idemgate_domain::job::{Job, JobDetail, NewJob};
+    use idemgate_domain::key::{IdempotencyKey, Owner};
+    use idemgate_domain::response::StoredResponse;
     use crate::operations::console::{self, Console};
     use crate::store::{Begin, CommitOutcome, Cursor, Records, Store, StoreError};
     use crate::upkeep::health::Dependencies;
@@ -178,7 +178,7 @@ mod tests {
         async fn record_lookup(
             &self,
             _: AttemptId,
-            _: &crate::domain::reconcile::Lookup,
+            _: &idemgate_domain::reconcile::Lookup,
         ) -> Result<(), StoreError> {
             unimplemented!()
         }

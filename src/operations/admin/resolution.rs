@@ -7,8 +7,8 @@ use http::{HeaderName, HeaderValue};
 use serde::Deserialize;
 
 use super::error::AdminError;
-use crate::domain::attempt::Resolution;
-use crate::domain::response::StoredResponse;
+use idemgate_domain::attempt::Resolution;
+use idemgate_domain::response::StoredResponse;
 
 /// A resolution as posted: `{"outcome": "failed"}`, `{"outcome":
 /// "cancelled"}` or `{"outcome": "succeeded", "response": {…}}`.

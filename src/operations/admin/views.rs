@@ -10,9 +10,9 @@ use http::{header, HeaderValue, Response, StatusCode};
 use serde_json::{json, Value};
 
 use crate::config::UpstreamSettings;
-use crate::domain::attempt::Attempt;
-use crate::domain::job::{Job, JobDetail};
-use crate::domain::response::StoredResponse;
+use idemgate_domain::attempt::Attempt;
+use idemgate_domain::job::{Job, JobDetail};
+use idemgate_domain::response::StoredResponse;
 use crate::proxy::http::{full, Body};
 use crate::upkeep::probe::{Failure, Standing, Verdict};
 
@@ -79,7 +79,7 @@ fn attempt(a: &Attempt) -> Value {
 
 /// The lookups made to reconcile an attempt (`docs/design.md` §5): how
 /// many, and the last one.
-fn lookups(l: &crate::domain::reconcile::Lookups) -> Value {
+fn lookups(l: &idemgate_domain::reconcile::Lookups) -> Value {
     json!({
         "count": l.count,
         "last": l.last.as_ref().map(|last| json!({

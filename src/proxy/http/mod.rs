@@ -56,11 +56,11 @@ pub const IDEMPOTENCY_JOB: HeaderName = HeaderName::from_static("idempotency-job
 /// `Idempotent-Replayed: true` on replays.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 /// `Last-Event-ID`: the id of the last server-sent event a client has.
-pub const LAST_EVENT_ID: HeaderName = HeaderName::from_static(crate::domain::sse::LAST_EVENT_ID);
+pub const LAST_EVENT_ID: HeaderName = HeaderName::from_static(idemgate_domain::sse::LAST_EVENT_ID);
 /// `Idempotency-Events-Received: <n>`: a client resuming a stream of events
 /// without ids has this many already (`docs/design.md` §10, "Resume").
 pub const EVENTS_RECEIVED: HeaderName =
-    HeaderName::from_static(crate::domain::sse::EVENTS_RECEIVED);
+    HeaderName::from_static(idemgate_domain::sse::EVENTS_RECEIVED);
 /// `Idempotency-Events-Skipped: <n>` on a resumed answer: the events it
 /// leaves out, before the first it sends.
 pub const EVENTS_SKIPPED: HeaderName = HeaderName::from_static("idempotency-events-skipped");
@@ -75,7 +75,7 @@ pub fn full(bytes: impl Into<Bytes>) -> Body {
 /// How the gateway answered a request, carried on the answer as an
 /// extension for whoever logs and counts answers; an answer without one was
 /// passed through. The job an answer belongs to rides along as a
-/// [`JobId`](crate::domain::id::JobId) extension.
+/// [`JobId`](idemgate_domain::id::JobId) extension.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
     /// The gateway refused or failed the request with a problem answer.
@@ -92,7 +92,7 @@ pub enum Outcome {
 #[derive(Debug, Clone)]
 pub struct AnsweredBy {
     /// The attempt.
-    pub attempt: crate::domain::id::AttemptId,
+    pub attempt: idemgate_domain::id::AttemptId,
     /// 1, 2, … in the order the job's attempts were made.
     pub number: i32,
     /// The upstream it went to.

@@ -10,10 +10,10 @@ use super::rows::{answer, snapshots, split_headers};
 use super::sql::{begin_statement, SNAPSHOT_COLUMNS};
 use super::write::write;
 use super::{map_pg, Postgres};
-use crate::domain::attempt::{Attempt, AttemptState, NewAttempt};
-use crate::domain::job::{JobState, NewJob};
-use crate::domain::response::StoredResponse;
-use crate::domain::transition::{Change, Refusal};
+use idemgate_domain::attempt::{Attempt, AttemptState, NewAttempt};
+use idemgate_domain::job::{JobState, NewJob};
+use idemgate_domain::response::StoredResponse;
+use idemgate_domain::transition::{Change, Refusal};
 use crate::store::{
     commit_under_lock, expire_each, millis, Applied, Backend, Begin, Committed, Decide, Lock,
     StoreError,

@@ -7,7 +7,7 @@ use tokio_postgres::AsyncMessage;
 use uuid::Uuid;
 
 use super::{map_pg, Budget, Postgres, Replication};
-use crate::domain::id::JobId;
+use idemgate_domain::id::JobId;
 use crate::store::{Doorbell, StoreError};
 
 /// The channel job-state changes are announced on.

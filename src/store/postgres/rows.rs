@@ -8,13 +8,13 @@ use tokio_postgres::Row;
 use uuid::Uuid;
 
 use super::sql::{ATTEMPT_WIDTH, JOB_WIDTH};
-use crate::domain::attempt::Attempt;
-use crate::domain::fingerprint::Fingerprint;
-use crate::domain::id::{AttemptId, JobId};
-use crate::domain::job::Job;
-use crate::domain::key::{IdempotencyKey, Owner};
-use crate::domain::response::StoredResponse;
-use crate::domain::transition::{AttemptHead, JobHead, Snapshot};
+use idemgate_domain::attempt::Attempt;
+use idemgate_domain::fingerprint::Fingerprint;
+use idemgate_domain::id::{AttemptId, JobId};
+use idemgate_domain::job::Job;
+use idemgate_domain::key::{IdempotencyKey, Owner};
+use idemgate_domain::response::StoredResponse;
+use idemgate_domain::transition::{AttemptHead, JobHead, Snapshot};
 use crate::store::{attempt_state, job_state, lookups, Begin, StoreError};
 
 /// Reads the snapshots in `rows` (of [`SNAPSHOT_COLUMNS`](super::sql::SNAPSHOT_COLUMNS), ordered by job),

@@ -4,9 +4,9 @@
 use super::map_pg;
 use super::rows::{attempt_from_row, split_headers};
 use super::sql::ATTEMPT_COLUMNS;
-use crate::domain::attempt::{Attempt, AttemptState};
-use crate::domain::id::JobId;
-use crate::domain::transition::{Change, Start};
+use idemgate_domain::attempt::{Attempt, AttemptState};
+use idemgate_domain::id::JobId;
+use idemgate_domain::transition::{Change, Start};
 use crate::store::{millis, StoreError};
 
 /// Writes a change inside the transaction holding its job's lock; returns

@@ -9,9 +9,9 @@ use rusqlite::{
 };
 
 use super::rows::{map_sqlite, read_attempt, read_detail, read_job, to_ms, uuid};
-use crate::domain::attempt::{Attempt, AttemptState, NewAttempt};
-use crate::domain::id::JobId;
-use crate::domain::transition::{AttemptHead, Change, JobHead, Refusal, Snapshot};
+use idemgate_domain::attempt::{Attempt, AttemptState, NewAttempt};
+use idemgate_domain::id::JobId;
+use idemgate_domain::transition::{AttemptHead, Change, JobHead, Refusal, Snapshot};
 use crate::store::codec::encode_headers;
 use crate::store::{millis, Applied, Decide, Lock, StoreError};
 

@@ -12,9 +12,9 @@ use super::change::change_blocking;
 use super::group_commit::writer;
 use super::rows::{map_sqlite, uuid};
 use super::Sqlite;
-use crate::domain::attempt::{AttemptFailure, AttemptState};
-use crate::domain::id::AttemptId;
-use crate::domain::transition::{self};
+use idemgate_domain::attempt::{AttemptFailure, AttemptState};
+use idemgate_domain::id::AttemptId;
+use idemgate_domain::transition::{self};
 use crate::store::{Decide, Lock, StoreError};
 
 mod embedded {

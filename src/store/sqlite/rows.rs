@@ -7,12 +7,12 @@ use bytes::Bytes;
 use rusqlite::{Connection, OptionalExtension, Row};
 use uuid::Uuid;
 
-use crate::domain::attempt::Attempt;
-use crate::domain::fingerprint::Fingerprint;
-use crate::domain::id::{AttemptId, JobId};
-use crate::domain::job::{Job, JobDetail};
-use crate::domain::key::{IdempotencyKey, Owner};
-use crate::domain::response::StoredResponse;
+use idemgate_domain::attempt::Attempt;
+use idemgate_domain::fingerprint::Fingerprint;
+use idemgate_domain::id::{AttemptId, JobId};
+use idemgate_domain::job::{Job, JobDetail};
+use idemgate_domain::key::{IdempotencyKey, Owner};
+use idemgate_domain::response::StoredResponse;
 use crate::store::codec::decode_headers;
 use crate::store::{attempt_state, job_state, lookups, millis, StoreError};
 

@@ -5,7 +5,7 @@ use std::time::SystemTime;
 
 use base64::Engine;
 use bytes::Bytes;
-use idemgate::domain::key::{IdempotencyKey, Owner};
+use idemgate_domain::key::{IdempotencyKey, Owner};
 use idemgate::idempotency::fastpath::keys::derive_from_encryption_key;
 use idemgate::idempotency::fastpath::{self, Binding, Entry, EntryKeys, Unusable};
 

@@ -9,7 +9,7 @@ use std::time::SystemTime;
 
 use uuid::Uuid;
 
-use crate::domain::id::{AttemptId, JobId};
+use crate::id::{AttemptId, JobId};
 
 /// Where an attempt stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -125,7 +125,7 @@ pub struct Attempt {
     /// Why it ended the way it did, for the operator.
     pub detail: Option<String>,
     /// The lookups made to reconcile it, when its outcome was unknown.
-    pub lookups: crate::domain::reconcile::Lookups,
+    pub lookups: crate::reconcile::Lookups,
 }
 
 /// How an attempt ended without a committed result.
@@ -196,7 +196,7 @@ pub enum Resolution {
     /// It is abandoned: the job may be retried.
     Cancelled,
     /// It took effect, with this response, which is committed through the same CAS.
-    Succeeded(crate::domain::response::StoredResponse),
+    Succeeded(crate::response::StoredResponse),
 }
 
 impl Resolution {

@@ -37,11 +37,11 @@
 use std::fmt;
 use std::time::{Duration, SystemTime};
 
-use crate::domain::attempt::{Attempt, AttemptState};
-use crate::domain::fingerprint::Fingerprint;
-use crate::domain::id::{AttemptId, JobId};
-use crate::domain::key::{IdempotencyKey, Owner};
-use crate::domain::response::StoredResponse;
+use crate::attempt::{Attempt, AttemptState};
+use crate::fingerprint::Fingerprint;
+use crate::id::{AttemptId, JobId};
+use crate::key::{IdempotencyKey, Owner};
+use crate::response::StoredResponse;
 
 /// Where a job stands. See the module docs for the transitions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -18,10 +18,10 @@
 
 use std::time::SystemTime;
 
-use crate::domain::attempt::{AttemptFailure, AttemptState, NewAttempt, Resolution};
-use crate::domain::id::{AttemptId, JobId};
-use crate::domain::job::JobState;
-use crate::domain::response::StoredResponse;
+use crate::attempt::{AttemptFailure, AttemptState, NewAttempt, Resolution};
+use crate::id::{AttemptId, JobId};
+use crate::job::JobState;
+use crate::response::StoredResponse;
 
 /// Why an attempt that answered was not committed.
 pub const SUPERSEDED: &str = "answered after another attempt had won, or after the job moved on";
@@ -205,7 +205,7 @@ impl Change {
 
 impl JobHead {
     /// The head of a job as read.
-    pub fn of(job: &crate::domain::job::Job) -> Self {
+    pub fn of(job: &crate::job::Job) -> Self {
         JobHead {
             id: job.id,
             state: job.state,
@@ -218,7 +218,7 @@ impl JobHead {
 
 impl AttemptHead {
     /// The head of an attempt as read.
-    pub fn of(attempt: &crate::domain::attempt::Attempt) -> Self {
+    pub fn of(attempt: &crate::attempt::Attempt) -> Self {
         AttemptHead {
             id: attempt.id,
             number: attempt.number,
