@@ -23,6 +23,5 @@ pub mod idempotency;
 pub mod operations;
 pub mod proxy;
 pub mod store;
-pub mod telemetry;
 pub mod trust;
 pub mod upkeep;

@@ -12,8 +12,8 @@ use idemgate::operations::cli;
 use idemgate::store::postgres::Postgres;
 use idemgate::store::sqlite::Sqlite;
 use idemgate::store::StoreError;
-use idemgate::telemetry;
-use idemgate::telemetry::Chain;
+use idemgate_telemetry as telemetry;
+use idemgate_telemetry::Chain;
 use idemgate::upkeep::probe;
 
 /// mimalloc: a gateway allocates many small, short-lived buffers per

@@ -22,7 +22,7 @@ use crate::store::postgres::Postgres;
 use crate::store::seal::Sealer;
 use crate::store::sqlite::Sqlite;
 use crate::store::{Doorbell, Lapsed, Machine, Store, StoreError};
-use crate::telemetry::{self, Chain};
+use idemgate_telemetry::{self as telemetry, Chain};
 use crate::trust::Trust;
 use crate::upkeep::health::{self, Dependencies, Ping};
 use crate::upkeep::lease::Leases;

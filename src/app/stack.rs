@@ -129,7 +129,7 @@ fn enter(
 /// item 16).
 fn span(req: &Request<Incoming>, routes: &[Arc<Route>]) -> tracing::Span {
     let span =
-        if req.headers().contains_key(IDEMPOTENCY_KEY) || crate::telemetry::trace::exporting() {
+        if req.headers().contains_key(IDEMPOTENCY_KEY) || idemgate_telemetry::trace::exporting() {
             let route = routes::find(routes, req.method(), req.uri().path())
                 .map(|r| r.path_prefix.as_str());
             let name = match route {
@@ -140,7 +140,7 @@ fn span(req: &Request<Incoming>, routes: &[Arc<Route>]) -> tracing::Span {
         } else {
             request_span!(tracing::Level::DEBUG, req, req.method(), None::<&str>)
         };
-    crate::telemetry::trace::continue_from(&span, req.headers());
+    idemgate_telemetry::trace::continue_from(&span, req.headers());
     span
 }
 

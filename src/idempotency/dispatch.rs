@@ -36,7 +36,7 @@ use idemgate_domain::response::StoredResponse;
 use crate::idempotency::recording::Recording;
 use crate::proxy::error::{ClientError, GatewayError};
 use crate::store::StoreError;
-use crate::telemetry::Chain;
+use idemgate_telemetry::Chain;
 
 /// How a new attempt joins the job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

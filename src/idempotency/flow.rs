@@ -56,7 +56,7 @@ use crate::proxy::budget::until_sent;
 use crate::proxy::error::{ClientError, GatewayError};
 use crate::proxy::http::{Body, Outcome, IDEMPOTENCY_JOB};
 use crate::store::{Begin, StoreError};
-use crate::telemetry::Chain;
+use idemgate_telemetry::Chain;
 
 /// How many times one request re-decides before giving up with 409; each
 /// round follows a real state change, so this is never reached in practice.

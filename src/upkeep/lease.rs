@@ -14,7 +14,7 @@ use tokio::sync::watch;
 use idemgate_domain::attempt::AttemptFailure;
 use idemgate_domain::id::AttemptId;
 use crate::store::Store;
-use crate::telemetry::Chain;
+use idemgate_telemetry::Chain;
 use crate::upkeep::supervise::Heartbeat;
 use crate::BoxError;
 

@@ -22,7 +22,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::telemetry::Chain;
+use idemgate_telemetry::Chain;
 use crate::BoxError;
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);

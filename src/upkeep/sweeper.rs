@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::store::Store;
-use crate::telemetry::Chain;
+use idemgate_telemetry::Chain;
 use crate::upkeep::supervise::Heartbeat;
 use crate::BoxError;
 

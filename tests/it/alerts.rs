@@ -6,7 +6,7 @@
 
 use std::collections::BTreeSet;
 
-use idemgate::telemetry::catalogue::SERIES;
+use idemgate_telemetry::catalogue::SERIES;
 
 use crate::support::chart::{chart, render, repo};
 use crate::support::promql::names;

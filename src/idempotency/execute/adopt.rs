@@ -17,7 +17,7 @@ use idemgate_domain::job::JobDetail;
 use idemgate_domain::reconcile::orphaned;
 use crate::proxy::http::ProvenClient;
 use crate::store::{Lapsed, StoreError};
-use crate::telemetry::Chain;
+use idemgate_telemetry::Chain;
 use crate::upkeep::supervise::Heartbeat;
 use crate::BoxError;
 

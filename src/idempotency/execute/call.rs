@@ -26,7 +26,7 @@ use crate::idempotency::replay;
 use crate::proxy::http::Body;
 use crate::proxy::upstream::{self, Fetched, UpstreamError};
 use crate::store::CommitOutcome;
-use crate::telemetry::Chain;
+use idemgate_telemetry::Chain;
 
 /// How the upstream call ended.
 pub(super) enum Call {

@@ -46,7 +46,7 @@ use crate::idempotency::replay;
 use crate::proxy::http::{full, ProvenClient};
 use crate::proxy::upstream::{self, Fetched, Target, UpstreamError};
 use crate::store::{Store, StoreError};
-use crate::telemetry::Chain;
+use idemgate_telemetry::Chain;
 
 /// How the upstream is asked about an attempt.
 pub(super) enum Ask {

@@ -16,7 +16,7 @@ use idemgate_domain::id::AttemptId;
 use idemgate_domain::response::StoredResponse;
 use crate::proxy::error::GatewayError;
 use crate::store::{CommitOutcome, StoreError};
-use crate::telemetry::Chain;
+use idemgate_telemetry::Chain;
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 const MAX_BACKOFF: Duration = Duration::from_secs(2);

@@ -15,7 +15,7 @@ use crate::idempotency::replay;
 use crate::proxy::error::GatewayError;
 use crate::proxy::http::full;
 use crate::proxy::upstream::{Fetched, UpstreamError, UpstreamErrorKind};
-use crate::telemetry::Chain;
+use idemgate_telemetry::Chain;
 
 /// What an upstream's answer means for its attempt.
 #[derive(Debug)]

@@ -15,7 +15,7 @@ use crate::idempotency::fastpath::{FastPath, Tag};
 use crate::idempotency::hold::Holds;
 use crate::proxy::budget::Budget;
 use crate::proxy::http::Body;
-use crate::telemetry::Chain;
+use idemgate_telemetry::Chain;
 
 /// The streams duplicates may join: recorded here, or mirrored elsewhere.
 pub struct Live {

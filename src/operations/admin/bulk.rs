@@ -23,7 +23,7 @@ use super::Admin;
 use idemgate_domain::attempt::{AttemptState, Resolution};
 use crate::proxy::http::{collect_limited, Body};
 use crate::store::Cursor;
-use crate::telemetry::Chain;
+use idemgate_telemetry::Chain;
 use crate::BoxError;
 
 /// Most unknown jobs one bulk resolution reads.

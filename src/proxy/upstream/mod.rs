@@ -164,7 +164,7 @@ impl Upstream {
         let host = headers.insert(header::HOST, self.host.clone());
         forwarding(headers, client.as_ref(), host);
         // The trace continues upstream from the current span (the attempt's).
-        crate::telemetry::trace::propagate(headers);
+        idemgate_telemetry::trace::propagate(headers);
         // The upstream's own headers; its credentials (which clients never
         // hold) only for a client that proved itself (docs/design.md §15).
         if !self.target.credentials || proven {

@@ -16,7 +16,7 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 /// says, the PostgreSQL driver never logs below `info`: at `debug` it prints
 /// every statement's parameters, which hold stored responses and owners.
 /// Nothing the gateway itself logs carries a body, a credential or a key.
-pub fn init() -> Result<Option<crate::telemetry::trace::Traces>, String> {
+pub fn init() -> Result<Option<crate::trace::Traces>, String> {
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
     use tracing_subscriber::Layer;
@@ -50,7 +50,7 @@ pub fn init() -> Result<Option<crate::telemetry::trace::Traces>, String> {
             .with_filter(filter)
             .boxed()
     };
-    let (spans, traces) = match crate::telemetry::trace::init()? {
+    let (spans, traces) = match crate::trace::init()? {
         Some((layer, traces)) => (Some(layer), Some(traces)),
         None => (None, None),
     };
