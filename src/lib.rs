@@ -14,14 +14,12 @@
 //! beside it, [`operations`] (admin API, console) → [`app`], which assembles
 //! one gateway for the binary to run.
 
-/// Any error, boxed, as kept for its `source()` by the typed errors.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub use idemgate_domain::BoxError;
 
 pub mod app;
 pub mod config;
 pub mod idempotency;
 pub mod operations;
 pub mod proxy;
-pub mod store;
 pub mod trust;
 pub mod upkeep;

@@ -7,14 +7,13 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use idemgate::app::{self, Listeners};
-use idemgate::config::{Cli, Command, JobsCommand, Settings, StoreSettings};
+use idemgate::config::{Cli, Command, JobsCommand, Settings};
 use idemgate::operations::cli;
-use idemgate::store::postgres::Postgres;
-use idemgate::store::sqlite::Sqlite;
-use idemgate::store::StoreError;
-use idemgate_telemetry as telemetry;
-use idemgate_telemetry::Chain;
 use idemgate::upkeep::probe;
+use idemgate_store::postgres::Postgres;
+use idemgate_store::sqlite::Sqlite;
+use idemgate_store::{StoreError, StoreSettings};
+use idemgate_telemetry::{self as telemetry, Chain};
 
 /// mimalloc: a gateway allocates many small, short-lived buffers per
 /// request; in the benchmark it cut the CPU per passed-through request by

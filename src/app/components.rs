@@ -11,17 +11,18 @@ use uuid::Uuid;
 
 use super::secrets::{owner_salt, replay_keys};
 use super::StartError;
-use crate::config::{BudgetSource, MemoryBudget, Settings, StoreSettings};
-use crate::idempotency::fastpath::{EntryKeys, FastPath};
+use crate::config::{BudgetSource, MemoryBudget, Settings};
+use idemgate_store::StoreSettings;
+use idemgate_store::fastpath::{EntryKeys, FastPath};
 use crate::idempotency::{execute, hold, Runtime, Shared};
 use crate::operations::admin::Admin;
 use crate::operations::console::{self, Console};
 use crate::proxy::budget::Budget;
 use crate::proxy::upstream::Upstreams;
-use crate::store::postgres::Postgres;
-use crate::store::seal::Sealer;
-use crate::store::sqlite::Sqlite;
-use crate::store::{Doorbell, Lapsed, Machine, Store, StoreError};
+use idemgate_store::postgres::Postgres;
+use idemgate_store::seal::Sealer;
+use idemgate_store::sqlite::Sqlite;
+use idemgate_store::{Doorbell, Lapsed, Machine, Store, StoreError};
 use idemgate_telemetry::{self as telemetry, Chain};
 use crate::trust::Trust;
 use crate::upkeep::health::{self, Dependencies, Ping};
@@ -373,7 +374,7 @@ fn longest_stream_silence(settings: &Settings) -> std::time::Duration {
 /// The Redis fast path, with its announcer and listener; its entries
 /// authenticated with `keys`.
 fn start_fastpath(
-    settings: &crate::config::RedisSettings,
+    settings: &idemgate_store::fastpath::RedisSettings,
     instance: Uuid,
     keys: EntryKeys,
     doorbell: &Arc<Doorbell>,

@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::Settings;
 use crate::proxy::server;
-use crate::store::StoreError;
+use idemgate_store::StoreError;
 
 pub use components::idempotency_config;
 

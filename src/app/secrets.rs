@@ -8,7 +8,7 @@ use std::path::Path;
 use super::StartError;
 use crate::config::{EncryptionSettings, OwnerSaltSetting, ReplayKeySettings, ReplayKeySource};
 use idemgate_domain::key::OwnerSalt;
-use crate::idempotency::fastpath::keys::{derive_from_encryption_key, EntryKeys};
+use idemgate_store::fastpath::keys::{derive_from_encryption_key, EntryKeys};
 
 /// The owner salt: configured, or (embedded store) kept beside the database.
 pub(super) fn owner_salt(setting: &OwnerSaltSetting) -> Result<OwnerSalt, StartError> {

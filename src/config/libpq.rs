@@ -12,127 +12,10 @@ use std::path::Path;
 
 use rustls::pki_types::CertificateDer;
 
-use super::tls::{pem_certificates, system_roots, ClientIdentity};
+use idemgate_store::postgres::{ClientIdentity, PgTls, PgUrl, SslMode};
+
+use super::tls::{client_identity, pem_certificates, system_roots};
 use super::{bad, ConfigError};
-
-/// libpq's `sslmode`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SslMode {
-    /// Never TLS.
-    Disable,
-    /// TLS when the server offers it, plaintext otherwise (the default).
-    Prefer,
-    /// TLS or no connection.
-    Require,
-    /// TLS, the server's chain checked against the roots.
-    VerifyCa,
-    /// TLS, the chain checked and the host name matched against it.
-    VerifyFull,
-}
-
-impl SslMode {
-    const ALL: [SslMode; 5] = [
-        SslMode::Disable,
-        SslMode::Prefer,
-        SslMode::Require,
-        SslMode::VerifyCa,
-        SslMode::VerifyFull,
-    ];
-
-    /// As libpq spells it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            SslMode::Disable => "disable",
-            SslMode::Prefer => "prefer",
-            SslMode::Require => "require",
-            SslMode::VerifyCa => "verify-ca",
-            SslMode::VerifyFull => "verify-full",
-        }
-    }
-}
-
-/// What a connection checks of the server's certificate.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Check {
-    /// Nothing: encrypted, but anyone on the path can pose as the server.
-    Nothing,
-    /// The chain, against the roots; not the host name (`verify-ca`).
-    Chain,
-    /// The chain and the host name (`verify-full`).
-    ChainAndHost,
-}
-
-/// How one connection string uses TLS.
-#[derive(Debug, Clone)]
-pub struct PgTls {
-    /// The mode, as given or libpq's default.
-    pub mode: SslMode,
-    /// The CA certificates the server's chain is checked against; empty
-    /// when nothing is checked.
-    pub roots: Vec<CertificateDer<'static>>,
-    /// Where [`roots`](Self::roots) came from, for the start-up log.
-    pub roots_from: String,
-    /// The client certificate (`sslcert` + `sslkey`), when given.
-    pub identity: Option<ClientIdentity>,
-}
-
-impl PgTls {
-    /// What is checked of the server: libpq's rule, where a root file
-    /// given to `prefer` or `require` makes them check the chain.
-    pub fn check(&self) -> Check {
-        match self.mode {
-            SslMode::VerifyFull => Check::ChainAndHost,
-            SslMode::VerifyCa => Check::Chain,
-            _ if !self.roots.is_empty() => Check::Chain,
-            _ => Check::Nothing,
-        }
-    }
-
-    /// One line for the start-up log: the mode and what it proves.
-    pub fn describe(&self) -> String {
-        let client = match &self.identity {
-            Some(_) => ", with a client certificate",
-            None => "",
-        };
-        let what = match (self.mode, self.check()) {
-            (SslMode::Disable, _) => "no TLS: the connection is plaintext".to_owned(),
-            (mode, Check::Nothing) => format!(
-                "sslmode={}: {}encrypted, the server's certificate NOT verified (anyone on \
-                 the path can pose as the server; use verify-full with the CA's file)",
-                mode.as_str(),
-                if mode == SslMode::Prefer {
-                    "if the server offers TLS, "
-                } else {
-                    ""
-                }
-            ),
-            (mode, Check::Chain) => format!(
-                "sslmode={}: TLS, the chain checked against {} (not the host name)",
-                mode.as_str(),
-                self.roots_from
-            ),
-            (mode, Check::ChainAndHost) => format!(
-                "sslmode={}: TLS, the chain checked against {} and the host name matched",
-                mode.as_str(),
-                self.roots_from
-            ),
-        };
-        format!("{what}{client}")
-    }
-}
-
-/// A PostgreSQL connection string, its TLS taken out.
-#[derive(Debug, Clone)]
-pub struct PgUrl {
-    /// The setting it came from (`database_url`, `database_direct_url`):
-    /// what an error about it names.
-    pub key: &'static str,
-    /// The string without `sslmode`, `sslrootcert`, `sslcert`, `sslkey`,
-    /// for tokio-postgres.
-    pub url: String,
-    /// Its TLS.
-    pub tls: PgTls,
-}
 
 /// The TLS keys this module reads; any other `ssl…` key libpq knows is
 /// refused by name rather than left to a vaguer error.
@@ -239,7 +122,7 @@ fn identity(
         _ if mode == SslMode::Disable => Ok(None),
         (None, None) => Ok(None),
         (Some(cert), Some(private)) => {
-            ClientIdentity::load(key, &base.join(cert), key, &base.join(private))
+            client_identity(key, &base.join(cert), key, &base.join(private))
                 .map(Some)
                 .map_err(|e| in_file(key, "sslcert/sslkey", e))
         }

@@ -39,13 +39,12 @@ use http::{HeaderName, Method, StatusCode};
 use idemgate_domain::contract::Contract;
 
 pub use file::FileConfig;
+use idemgate_store::fastpath::{RedisSettings, Topology};
+use idemgate_store::StoreSettings;
 pub use flags::{Cli, Command, Flags, JobsAction, JobsCommand};
-pub use libpq::{PgTls, PgUrl, SslMode};
 pub use limits::{BudgetSource, Limits, MemoryBudget};
-pub use redis::{RedisSettings, Topology};
 pub use replay::{ReplayKeySettings, ReplayKeySource};
 pub use routes::{OnUnknown, Reconcile, Route, Silences};
-pub use store::{PgSettings, StoreSettings};
 pub use trust::{Clients, OwnerRule, OwnerSource, TrustedProxies};
 pub use upstreams::{UpstreamId, UpstreamSettings};
 
@@ -521,7 +520,7 @@ fn timings(file: &FileConfig, flags: &Flags) -> Result<Timings, ConfigError> {
 /// The Redis fast path, when a Redis URL is given.
 fn redis_settings(file: &FileConfig, flags: &Flags) -> Result<Option<RedisSettings>, ConfigError> {
     let Some(url) = flags.redis_url.clone().or(file.redis_url.clone()) else {
-        redis::read_tls(file, flags, None)?; // refuses TLS keys without a URL
+        redis::read(file, flags, None)?; // refuses TLS keys without a URL
         return Ok(None);
     };
     let topology = Topology::parse(&url).map_err(|e| {
@@ -530,7 +529,7 @@ fn redis_settings(file: &FileConfig, flags: &Flags) -> Result<Option<RedisSettin
             format!("not a Redis this gateway can reach: {e}"),
         )
     })?;
-    let tls = redis::read_tls(file, flags, Some(&topology))?;
+    let tls = redis::read(file, flags, Some(&topology))?;
     Ok(Some(RedisSettings {
         topology,
         timeout: positive(

@@ -1,301 +1,390 @@
-//! `redis_url`: where the Redis fast path is, as it is deployed: one node,
-//! a Redis Cluster, or a master watched by Sentinel (`docs/design.md` §13),
-//! in the clear or over TLS (`rediss…`, with the keys read in [`tls`]:
-//! `docs/design.md` §16).
+//! TLS to Redis: what the server's certificate is checked against
+//! (`redis_ca_file`, or the system roots, which honour `SSL_CERT_FILE` and
+//! `SSL_CERT_DIR`) and the gateway's own certificate (`redis_client_cert`,
+//! `redis_client_key`), read and checked once at start-up
+//! (`docs/design.md` §16).
 
-use std::time::Duration;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::RootCertStore;
 
-mod tls;
+use idemgate_store::fastpath::{ClientCert, RedisTls, Topology};
+use crate::config::tls::pem_certificates;
+use crate::config::{bad, ConfigError, FileConfig, Flags};
 
-pub(super) use tls::read as read_tls;
-pub use tls::{ClientCert, RedisTls};
-
-/// The Redis fast path's settings.
-#[derive(Debug, Clone)]
-pub struct RedisSettings {
-    /// Where Redis is: one node, a cluster or a Sentinel-managed master.
-    pub topology: Topology,
-    /// Longest a Redis call may take before the request goes on without it.
-    pub timeout: Duration,
-    /// Largest response body kept inline; larger ones are kept by reference.
-    pub inline_max: usize,
-    /// What a TLS Redis's certificate is checked against, and the client's
-    /// own; `Some` exactly when `redis_url` is a `rediss…` URL.
-    pub tls: Option<RedisTls>,
-}
-
-/// Where Redis is, as `redis_url` names it.
-#[derive(Debug, Clone)]
-pub enum Topology {
-    /// One node: `redis://[user:password@]host:6379/0` (or `rediss://`,
-    /// `redis+unix://`).
-    Node(ConnectionInfo),
-    /// A Redis Cluster, found from seed nodes:
-    /// `redis+cluster://[user:password@]host:port,host:port,…` (or
-    /// `rediss+cluster://`: every node over TLS).
-    Cluster(Vec<ConnectionInfo>),
-    /// A master watched by Sentinel:
-    /// `redis+sentinel://[user:password@]host:26379,host:26379,…/service[/db]`;
-    /// the credentials and database are the Redis nodes', not the sentinels'.
-    /// `rediss+sentinel://` speaks TLS to the sentinels and to the nodes alike.
-    Sentinel {
-        /// The sentinels.
-        sentinels: Vec<ConnectionAddr>,
-        /// The name the sentinels know the master by.
-        service: String,
-        /// How to talk to the master once found.
-        node: redis::RedisConnectionInfo,
-        /// Whether the sentinels and the nodes are reached over TLS.
-        tls: bool,
-    },
-}
-
-/// Why `redis_url` does not name a Redis.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct TopologyError(String);
-
-impl Topology {
-    /// Reads `redis_url`.
-    pub fn parse(url: &str) -> Result<Self, TopologyError> {
-        let bad = |why: String| TopologyError(why);
-        if url.contains('#') {
-            // `#insecure` is the redis crate's way of skipping the check of
-            // the server's certificate: never wanted (docs/design.md §16).
+/// The TLS settings for `topology`: `None` for a plain connection (where
+/// any of the three keys is a mistake), the roots and client certificate
+/// otherwise.
+pub(in crate::config) fn read(
+    file: &FileConfig,
+    flags: &Flags,
+    topology: Option<&Topology>,
+) -> Result<Option<RedisTls>, ConfigError> {
+    // A flag's path is the shell's; a file's is relative to the file.
+    let path = |flag: &Option<PathBuf>, in_file: &Option<PathBuf>| {
+        flag.clone()
+            .or_else(|| in_file.as_ref().map(|p| file.base_dir.join(p)))
+    };
+    let ca = path(&flags.redis_ca_file, &file.redis_ca_file);
+    let cert = path(&flags.redis_client_cert, &file.redis_client_cert);
+    let key = path(&flags.redis_client_key, &file.redis_client_key);
+    if !topology.is_some_and(Topology::is_tls) {
+        let given = [
+            ("redis_ca_file", &ca),
+            ("redis_client_cert", &cert),
+            ("redis_client_key", &key),
+        ];
+        if let Some((name, _)) = given.iter().find(|(_, p)| p.is_some()) {
+            let why = match topology {
+                None => "no redis_url is set",
+                Some(_) => "redis_url does not use TLS",
+            };
             return Err(bad(
-                "idemgate always checks Redis's certificate: remove the `#…` fragment and name the CA in redis_ca_file".into(),
+                *name,
+                format!("{why}: write a rediss:// (rediss+cluster://, rediss+sentinel://) URL in redis_url, or remove this key"),
             ));
         }
-        if let Some((scheme, rest)) = url
-            .strip_prefix("redis+cluster://")
-            .map(|r| ("redis", r))
-            .or_else(|| url.strip_prefix("rediss+cluster://").map(|r| ("rediss", r)))
-        {
-            let (auth, hosts, path) = split(rest);
-            if !path.is_empty() {
-                return Err(bad(format!(
-                    "a cluster has no database to choose (`/{path}`); remove it"
-                )));
-            }
-            let seeds = hosts
-                .iter()
-                .map(|host| {
-                    format!("{scheme}://{auth}{host}")
-                        .into_connection_info()
-                        .map_err(|e| bad(format!("seed `{host}`: {e}")))
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            return Ok(Topology::Cluster(seeds));
-        }
-        if let Some((scheme, rest)) = url
-            .strip_prefix("redis+sentinel://")
-            .map(|r| ("redis", r))
-            .or_else(|| {
-                url.strip_prefix("rediss+sentinel://")
-                    .map(|r| ("rediss", r))
-            })
-        {
-            let (auth, hosts, path) = split(rest);
-            let mut path = path.split('/');
-            let service = path.next().unwrap_or_default().to_owned();
-            if service.is_empty() {
-                return Err(bad(
-                    "name the master's service after the sentinels: redis+sentinel://host:26379/mymaster".into(),
-                ));
-            }
-            let db = path.next().filter(|d| !d.is_empty()).unwrap_or("0");
-            let node = format!("redis://{auth}localhost/{db}")
-                .into_connection_info()
-                .map_err(|e| bad(format!("credentials or database: {e}")))?
-                .redis_settings()
-                .clone();
-            let sentinels = hosts
-                .iter()
-                .map(|host| {
-                    format!("{scheme}://{host}")
-                        .into_connection_info()
-                        .map(|info| info.addr().clone())
-                        .map_err(|e| bad(format!("sentinel `{host}`: {e}")))
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            return Ok(Topology::Sentinel {
-                sentinels,
-                service,
-                node,
-                tls: scheme == "rediss",
-            });
-        }
-        url.into_connection_info().map(Topology::Node).map_err(|e| {
-            bad(format!(
-                "{e}; use redis://host:6379/0, redis+cluster://host:7000,host:7001 or redis+sentinel://host:26379/mymaster (rediss… for TLS)"
+        return Ok(None);
+    }
+    let (roots, roots_from) = match &ca {
+        Some(path) => (
+            ca_file(path)?,
+            format!("redis_ca_file ({})", path.display()),
+        ),
+        None => system_roots()?,
+    };
+    let client = match (cert, key) {
+        (None, None) => None,
+        (Some(_), None) => {
+            return Err(bad(
+                "redis_client_key",
+                "redis_client_cert is set without its key: name the PEM private key in redis_client_key",
             ))
-        })
-    }
-
-    /// Whether Redis is reached over TLS (`rediss://`, `rediss+cluster://`,
-    /// `rediss+sentinel://`).
-    pub fn is_tls(&self) -> bool {
-        let tls = |addr: &ConnectionAddr| matches!(addr, ConnectionAddr::TcpTls { .. });
-        match self {
-            Topology::Node(info) => tls(info.addr()),
-            Topology::Cluster(seeds) => seeds.iter().any(|s| tls(s.addr())),
-            Topology::Sentinel { tls, .. } => *tls,
         }
-    }
+        (None, Some(_)) => {
+            return Err(bad(
+                "redis_client_cert",
+                "redis_client_key is set without its certificate: name the PEM certificate in redis_client_cert",
+            ))
+        }
+        (Some(cert), Some(key)) => Some(client_cert(&roots, &cert, &key)?),
+    };
+    Ok(Some(RedisTls {
+        roots,
+        roots_from,
+        client,
+    }))
 }
 
-/// `[auth@]host,host[/path]` → (`auth@` or empty, hosts, path).
-fn split(rest: &str) -> (&str, Vec<&str>, &str) {
-    let (auth, rest) = match rest.rfind('@') {
-        Some(at) => rest.split_at(at + 1),
-        None => ("", rest),
+/// `redis_ca_file`: every certificate in it must be usable as a trust
+/// anchor (the redis crate refuses the whole file otherwise).
+fn ca_file(path: &Path) -> Result<Vec<CertificateDer<'static>>, ConfigError> {
+    let key = "redis_ca_file";
+    let certs = pem_certificates(key, path)?;
+    let mut store = RootCertStore::empty();
+    for cert in &certs {
+        store.add(cert.clone()).map_err(|e| {
+            bad(
+                key,
+                format!(
+                    "{} holds a certificate that cannot be a trust anchor: {e}",
+                    path.display()
+                ),
+            )
+        })?;
+    }
+    Ok(certs)
+}
+
+/// The system's roots, as OpenSSL-based clients find them: the files named
+/// by `SSL_CERT_FILE` / `SSL_CERT_DIR` when either is set (a private CA
+/// mounted into the container), the platform's store otherwise. Read once
+/// here, so that the redis crate never reads them per connection.
+fn system_roots() -> Result<(Vec<CertificateDer<'static>>, String), ConfigError> {
+    let named: Vec<String> = ["SSL_CERT_FILE", "SSL_CERT_DIR"]
+        .iter()
+        .filter_map(|var| {
+            let value = std::env::var_os(var)?;
+            Some(format!("{var}={}", Path::new(&value).display()))
+        })
+        .collect();
+    let found = rustls_native_certs::load_native_certs();
+    let errors: Vec<String> = found.errors.iter().map(ToString::to_string).collect();
+    // A location the operator named must be readable; the platform's store
+    // is taken for what it holds.
+    if !named.is_empty() && !errors.is_empty() {
+        return Err(bad(
+            "redis_ca_file",
+            format!(
+                "without redis_ca_file, Redis's certificate is checked against {} and reading it failed: {}; fix the variable or name the CA in redis_ca_file",
+                named.join(", "),
+                errors.join("; ")
+            ),
+        ));
+    }
+    // Only what the crate will take: one unusable anchor would fail it all.
+    let mut store = RootCertStore::empty();
+    let roots: Vec<_> = found
+        .certs
+        .into_iter()
+        .filter(|cert| store.add(cert.clone()).is_ok())
+        .collect();
+    if roots.is_empty() {
+        return Err(bad(
+            "redis_ca_file",
+            "rediss:// needs a CA to check Redis's certificate against and the system has none: name the CA's PEM file in redis_ca_file (or set SSL_CERT_FILE)",
+        ));
+    }
+    let from = if named.is_empty() {
+        "the system roots".to_owned()
+    } else {
+        named.join(", ")
     };
-    let (hosts, path) = rest.split_once('/').unwrap_or((rest, ""));
-    let hosts = hosts.split(',').filter(|h| !h.is_empty()).collect();
-    (auth, hosts, path.trim_end_matches('/'))
+    Ok((roots, from))
+}
+
+/// `redis_client_cert` and `redis_client_key`: both PEM, the key the
+/// certificate's (checked as rustls will when a server asks for them).
+fn client_cert(
+    roots: &[CertificateDer<'static>],
+    cert: &Path,
+    key: &Path,
+) -> Result<ClientCert, ConfigError> {
+    let chain = pem_certificates("redis_client_cert", cert)?;
+    let private = PrivateKeyDer::from_pem_file(key).map_err(|e| {
+        bad(
+            "redis_client_key",
+            format!("cannot read a PEM private key from {}: {e}", key.display()),
+        )
+    })?;
+    let mut store = RootCertStore::empty();
+    store.add_parsable_certificates(roots.iter().cloned());
+    rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| bad("redis_client_key", e.to_string()))?
+        .with_root_certificates(store)
+        .with_client_auth_cert(chain, private)
+        .map_err(|e| {
+            bad(
+                "redis_client_key",
+                format!(
+                    "{} is not the key of the certificate in redis_client_cert ({}): {e}",
+                    key.display(),
+                    cert.display()
+                ),
+            )
+        })?;
+    let read = |name: &str, path: &Path| {
+        std::fs::read(path).map_err(|e| bad(name, format!("cannot read {}: {e}", path.display())))
+    };
+    Ok(ClientCert {
+        chain_pem: read("redis_client_cert", cert)?,
+        key_pem: read("redis_client_key", key)?,
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Settings;
 
-    #[test]
-    fn urls_name_a_node_a_cluster_or_a_sentinel_master() {
-        assert!(matches!(
-            Topology::parse("redis://127.0.0.1:6379/2").unwrap(),
-            Topology::Node(info) if info.redis_settings().db() == 2
-        ));
-        let Topology::Cluster(seeds) =
-            Topology::parse("redis+cluster://u:p@10.0.0.1:7000,10.0.0.2:7001").unwrap()
-        else {
-            panic!("not a cluster")
-        };
-        assert_eq!(seeds.len(), 2);
-        assert_eq!(
-            seeds[1].addr(),
-            &ConnectionAddr::Tcp("10.0.0.2".into(), 7001)
-        );
-        assert_eq!(seeds[0].redis_settings().password(), Some("p"));
-        let Topology::Sentinel {
-            sentinels,
-            service,
-            node,
-            ..
-        } = Topology::parse("redis+sentinel://:secret@s1:26379,s2:26380/mymaster/3").unwrap()
-        else {
-            panic!("not sentinel")
-        };
-        assert_eq!(sentinels[1], ConnectionAddr::Tcp("s2".into(), 26380));
-        assert_eq!(service, "mymaster");
-        assert_eq!((node.db(), node.password()), (3, Some("secret")));
+    /// A CA, a client certificate it signed and that certificate's key,
+    /// plus a key of nobody's, written as PEM files into a folder.
+    fn pki() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        let ca_key = rcgen::KeyPair::generate().unwrap();
+        let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let ca = ca.self_signed(&ca_key).unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let client = rcgen::CertificateParams::new(vec!["idemgate".to_owned()])
+            .unwrap()
+            .signed_by(&key, &ca, &ca_key)
+            .unwrap();
+        let other = rcgen::KeyPair::generate().unwrap();
+        for (name, pem) in [
+            ("ca.pem", ca.pem()),
+            ("client.pem", client.pem()),
+            ("client.key", key.serialize_pem()),
+            ("other.key", other.serialize_pem()),
+            ("empty.pem", "no certificate here\n".to_owned()),
+        ] {
+            std::fs::write(dir.path().join(name), pem).unwrap();
+        }
+        dir
     }
 
-    fn tls(addr: &ConnectionAddr) -> bool {
-        matches!(
-            addr,
-            ConnectionAddr::TcpTls {
-                insecure: false,
-                ..
-            }
+    fn load(dir: &Path, toml: &str, flags: Flags) -> Result<Option<RedisTls>, ConfigError> {
+        let file = Settings::parse_file(toml).unwrap().relative_to(dir);
+        let flags = Flags {
+            upstreams: vec!["http://127.0.0.1:1".into()],
+            ..flags
+        };
+        Settings::from_sources(file, flags).map(|s| s.redis.and_then(|r| r.tls))
+    }
+
+    #[test]
+    fn the_ca_and_client_certificate_are_read_relative_to_the_file() {
+        let dir = pki();
+        let tls = load(
+            dir.path(),
+            "redis_url = \"rediss://alice:pw@127.0.0.1:6380\"\n\
+             redis_ca_file = \"ca.pem\"\n\
+             redis_client_cert = \"client.pem\"\n\
+             redis_client_key = \"client.key\"\n",
+            Flags::default(),
         )
+        .unwrap()
+        .expect("rediss:// is TLS");
+        assert!(
+            tls.roots_from.contains("redis_ca_file"),
+            "{}",
+            tls.roots_from
+        );
+        let ca = pem_certificates("ca", &dir.path().join("ca.pem")).unwrap();
+        assert_eq!(tls.roots, ca);
+        // What the redis crate is handed parses back to the same anchors.
+        let again: Vec<_> = CertificateDer::pem_slice_iter(&tls.roots_pem())
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(again, ca);
+        let client = tls.client.expect("a client certificate");
+        assert_eq!(
+            client.key_pem,
+            std::fs::read(dir.path().join("client.key")).unwrap()
+        );
     }
 
     #[test]
-    fn acl_users_are_kept_for_one_node() {
-        for (url, over_tls) in [
-            ("redis://alice:p%40ss@10.0.0.1:6379/2", false),
-            ("rediss://alice:p%40ss@redis.example:6380/2", true),
+    fn a_flag_names_its_file_from_where_the_gateway_runs() {
+        let dir = pki();
+        let flags = Flags {
+            redis_ca_file: Some(dir.path().join("ca.pem")),
+            ..Flags::default()
+        };
+        let tls = load(
+            Path::new("/nowhere"),
+            "redis_url = \"rediss+cluster://a:7000,b:7001\"\nredis_ca_file = \"missing.pem\"\n",
+            flags,
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(tls.roots.len(), 1);
+        assert!(tls.client.is_none());
+    }
+
+    #[test]
+    fn without_a_ca_file_the_system_roots_are_used() {
+        let dir = pki();
+        // The test machine has a CA bundle (ca-certificates): it is read.
+        let tls = load(
+            dir.path(),
+            "redis_url = \"rediss+sentinel://s:26379/mymaster\"\n",
+            Flags::default(),
+        )
+        .unwrap()
+        .unwrap();
+        assert!(!tls.roots.is_empty());
+        assert!(tls.roots_from.contains("system") || tls.roots_from.contains("SSL_CERT"));
+    }
+
+    /// The Redis lines the example file leaves commented out
+    /// (`config/idemgate.example.toml`) load once uncommented: every
+    /// `redis_url`, and the TLS block with its files beside the config.
+    #[test]
+    fn the_example_files_redis_lines_load() {
+        let text = include_str!("../../config/idemgate.example.toml");
+        let lines: Vec<String> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# redis_"))
+            .filter(|l| l.contains(" = "))
+            .map(|l| format!("redis_{l}"))
+            .collect();
+        let dir = pki();
+        for (from, to) in [
+            ("ca.pem", "redis-ca.pem"),
+            ("client.pem", "redis-client.pem"),
+            ("client.key", "redis-client.key"),
         ] {
-            let topology = Topology::parse(url).unwrap();
-            let Topology::Node(info) = &topology else {
-                panic!("{url}: not one node")
-            };
-            let redis = info.redis_settings();
-            assert_eq!(
-                (redis.username(), redis.password(), redis.db()),
-                (Some("alice"), Some("p@ss"), 2),
-                "{url}"
-            );
-            assert_eq!(tls(info.addr()), over_tls, "{url}");
-            assert_eq!(topology.is_tls(), over_tls, "{url}");
+            std::fs::copy(dir.path().join(from), dir.path().join(to)).unwrap();
         }
+        let urls: Vec<_> = lines
+            .iter()
+            .filter(|l| l.starts_with("redis_url"))
+            .collect();
+        assert!(urls.len() >= 4, "{lines:?}");
+        for url in &urls {
+            load(dir.path(), url, Flags::default()).unwrap_or_else(|e| panic!("{url}: {e}"));
+        }
+        let tls_block: Vec<_> = lines
+            .iter()
+            .filter(|l| !l.starts_with("redis_url") || l.contains("rediss://"))
+            .map(String::as_str)
+            .collect();
+        assert_eq!(tls_block.len(), 4, "{tls_block:?}");
+        let tls = load(dir.path(), &tls_block.join("\n"), Flags::default())
+            .unwrap()
+            .expect("the example is TLS");
+        assert!(tls.roots_from.contains("redis-ca.pem"));
+        assert!(tls.client.is_some());
     }
 
     #[test]
-    fn acl_users_are_kept_for_every_cluster_seed() {
-        for (url, over_tls) in [
-            ("redis+cluster://alice:pw@a:7000,b:7001", false),
-            ("rediss+cluster://alice:pw@a:7000,b:7001", true),
-        ] {
-            let topology = Topology::parse(url).unwrap();
-            let Topology::Cluster(seeds) = &topology else {
-                panic!("{url}: not a cluster")
-            };
-            assert_eq!(seeds.len(), 2);
-            for seed in seeds {
-                let redis = seed.redis_settings();
-                assert_eq!(
-                    (redis.username(), redis.password()),
-                    (Some("alice"), Some("pw"))
-                );
-                assert_eq!(tls(seed.addr()), over_tls, "{url}");
-            }
-            assert_eq!(topology.is_tls(), over_tls, "{url}");
-        }
-    }
-
-    #[test]
-    fn acl_users_are_the_sentinel_masters_and_tls_reaches_both() {
-        for (url, over_tls) in [
+    fn mistakes_name_their_key_and_the_fix() {
+        let dir = pki();
+        let tls = "redis_url = \"rediss://127.0.0.1:6380\"\n";
+        for (toml, key, says) in [
             (
-                "redis+sentinel://alice:pw@s1:26379,s2:26380/mymaster/1",
-                false,
+                "redis_url = \"redis://127.0.0.1:6379\"\nredis_ca_file = \"ca.pem\"\n".to_owned(),
+                "redis_ca_file",
+                "write a rediss://",
             ),
             (
-                "rediss+sentinel://alice:pw@s1:26379,s2:26380/mymaster/1",
-                true,
+                "redis_client_cert = \"client.pem\"\n".to_owned(),
+                "redis_client_cert",
+                "no redis_url is set",
             ),
-        ] {
-            let topology = Topology::parse(url).unwrap();
-            let Topology::Sentinel {
-                sentinels,
-                service,
-                node,
-                tls: tls_on,
-            } = &topology
-            else {
-                panic!("{url}: not sentinel")
-            };
-            assert_eq!(service, "mymaster");
-            assert_eq!(
-                (node.username(), node.password(), node.db()),
-                (Some("alice"), Some("pw"), 1),
-                "{url}"
-            );
-            assert_eq!(*tls_on, over_tls);
-            assert!(sentinels.iter().all(|s| tls(s) == over_tls), "{url}");
-            assert_eq!(sentinels[1].to_string(), "s2:26380");
-            assert_eq!(topology.is_tls(), over_tls, "{url}");
-        }
-    }
-
-    #[test]
-    fn bad_urls_say_what_to_write() {
-        for (url, says) in [
-            ("http://x", "redis+cluster://"),
-            ("redis+sentinel://s1:26379", "name the master's service"),
-            ("redis+cluster://a:7000/1", "no database"),
-            ("redis+cluster://a:notaport", "seed `a:notaport`"),
             (
-                "rediss://h:6380/#insecure",
-                "always checks Redis's certificate",
+                format!("{tls}redis_ca_file = \"missing.pem\"\n"),
+                "redis_ca_file",
+                "missing.pem",
             ),
-            ("rediss+cluster://a:7000,b:7001#insecure", "redis_ca_file"),
+            (
+                format!("{tls}redis_ca_file = \"empty.pem\"\n"),
+                "redis_ca_file",
+                "holds no certificate",
+            ),
+            (
+                format!("{tls}redis_ca_file = \"ca.pem\"\nredis_client_cert = \"client.pem\"\n"),
+                "redis_client_key",
+                "without its key",
+            ),
+            (
+                format!("{tls}redis_ca_file = \"ca.pem\"\nredis_client_key = \"client.key\"\n"),
+                "redis_client_cert",
+                "without its certificate",
+            ),
+            (
+                format!(
+                    "{tls}redis_ca_file = \"ca.pem\"\nredis_client_cert = \"client.pem\"\nredis_client_key = \"other.key\"\n"
+                ),
+                "redis_client_key",
+                "is not the key of the certificate",
+            ),
+            (
+                format!(
+                    "{tls}redis_ca_file = \"ca.pem\"\nredis_client_cert = \"client.pem\"\nredis_client_key = \"ca.pem\"\n"
+                ),
+                "redis_client_key",
+                "cannot read a PEM private key",
+            ),
         ] {
-            let why = Topology::parse(url).unwrap_err().to_string();
-            assert!(why.contains(says), "{url}: {why}");
+            let err = load(dir.path(), &toml, Flags::default()).unwrap_err();
+            assert_eq!(err.key, key, "{toml}: {err}");
+            assert!(err.message.contains(says), "{toml}: {err}");
         }
     }
 }

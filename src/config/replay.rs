@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use super::file::FileConfig;
 use super::flags::Flags;
-use super::store::StoreSettings;
+use idemgate_store::StoreSettings;
 use super::{bad, ConfigError};
 
 /// Where the replay key comes from, and the previous keys that still

@@ -6,47 +6,21 @@ use std::time::Duration;
 
 use super::file::FileConfig;
 use super::flags::Flags;
-use super::libpq::{self, PgUrl};
+use idemgate_store::postgres::{PgSettings, PgUrl};
+use idemgate_store::StoreSettings;
+
+use super::libpq;
 use super::{bad, positive, ConfigError};
 
-/// Which store to use.
-#[derive(Debug, Clone)]
-pub enum StoreSettings {
-    /// PostgreSQL: the production store, shared by any number of replicas
-    /// (boxed: its certificates make it many times the other's size).
-    Postgres(Box<PgSettings>),
-    /// SQLite in a local file: zero set-up, one gateway.
-    Embedded {
-        /// The database file.
-        path: PathBuf,
-    },
-}
-
-/// Connection settings for the PostgreSQL store.
-#[derive(Debug, Clone)]
-pub struct PgSettings {
-    /// `database_url`: a libpq-style URL or key=value string, its TLS read.
-    pub url: PgUrl,
-    /// Where sessions that must stay one session go (LISTEN, the migration
-    /// lock), when `url` is a transaction pooler; `url` when unset.
-    pub direct_url: Option<PgUrl>,
-    /// Most connections in the pool.
-    pub pool_size: usize,
-    /// How long to wait for a connection (new or pooled) before answering 503.
-    pub connect_timeout: Duration,
-}
-
-impl PgSettings {
-    /// The defaults for `database_url` = `url` (relative certificate paths
-    /// taken from the working folder): what tests and tools start from.
-    pub fn new(url: &str) -> Result<PgSettings, ConfigError> {
-        Ok(PgSettings {
-            url: postgres_url("database_url", url, Path::new(""))?,
-            direct_url: None,
-            pool_size: 16,
-            connect_timeout: Duration::from_secs(2),
-        })
-    }
+/// The defaults for `database_url` = `url` (relative certificate paths
+/// taken from the working folder): what tests and tools start from.
+pub fn pg_settings(url: &str) -> Result<PgSettings, ConfigError> {
+    Ok(PgSettings {
+        url: postgres_url("database_url", url, Path::new(""))?,
+        direct_url: None,
+        pool_size: 16,
+        connect_timeout: Duration::from_secs(2),
+    })
 }
 
 /// PostgreSQL when a database URL is given, the embedded store otherwise.

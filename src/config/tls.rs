@@ -6,10 +6,11 @@
 //! Everything is read at start-up, so a missing, unreadable or mismatched
 //! file stops the gateway with a [`ConfigError`] naming the key that named
 //! it, never later on a connection. Three calls make up the API:
-//! [`pem_certificates`], [`system_roots`] and [`ClientIdentity::load`].
+//! [`pem_certificates`], [`system_roots`] and [`client_identity`].
 
 use std::path::Path;
-use std::sync::Arc;
+
+use idemgate_store::postgres::ClientIdentity;
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -77,78 +78,51 @@ pub fn system_roots(key: &str) -> Result<Vec<CertificateDer<'static>>, ConfigErr
     Ok(found.certs)
 }
 
-/// A client certificate chain (the leaf first) and its private key, for
-/// servers that ask the gateway to prove who it is.
-#[derive(Clone)]
-pub struct ClientIdentity {
-    /// The leaf, then any intermediates.
-    pub chain: Vec<CertificateDer<'static>>,
-    key: Arc<PrivateKeyDer<'static>>,
-}
-
-impl ClientIdentity {
-    /// Reads the chain from `cert` (named by the key `cert_key`) and the
-    /// unencrypted PKCS#8, PKCS#1 or SEC1 private key from `key` (named by
-    /// `key_key`), and checks that the key is the leaf's.
-    pub fn load(
-        cert_key: &str,
-        cert: &Path,
-        key_key: &str,
-        key: &Path,
-    ) -> Result<ClientIdentity, ConfigError> {
-        let chain = pem_certificates(cert_key, cert)?;
-        let private = PrivateKeyDer::from_pem_file(key).map_err(|e| {
+/// Reads the chain from `cert` (named by the key `cert_key`) and the
+/// unencrypted PKCS#8, PKCS#1 or SEC1 private key from `key` (named by
+/// `key_key`), and checks that the key is the leaf's.
+pub fn client_identity(
+    cert_key: &str,
+    cert: &Path,
+    key_key: &str,
+    key: &Path,
+) -> Result<ClientIdentity, ConfigError> {
+    let chain = pem_certificates(cert_key, cert)?;
+    let private = PrivateKeyDer::from_pem_file(key).map_err(|e| {
+        bad(
+            key_key,
+            format!(
+                "cannot read a private key from {}: {e}; give an unencrypted PEM key \
+                 (PKCS#8, PKCS#1 or SEC1)",
+                key.display()
+            ),
+        )
+    })?;
+    let provider = rustls::crypto::ring::default_provider();
+    let signing = provider
+        .key_provider
+        .load_private_key(private.clone_key())
+        .map_err(|e| {
             bad(
                 key_key,
-                format!(
-                    "cannot read a private key from {}: {e}; give an unencrypted PEM key \
-                     (PKCS#8, PKCS#1 or SEC1)",
-                    key.display()
-                ),
+                format!("{} is not a usable key: {e}", key.display()),
             )
         })?;
-        let provider = rustls::crypto::ring::default_provider();
-        let signing = provider
-            .key_provider
-            .load_private_key(private.clone_key())
-            .map_err(|e| {
-                bad(
-                    key_key,
-                    format!("{} is not a usable key: {e}", key.display()),
-                )
-            })?;
-        match rustls::sign::CertifiedKey::new(chain.clone(), signing).keys_match() {
-            // A key whose public half the provider cannot tell: the server judges.
-            Ok(()) | Err(rustls::Error::InconsistentKeys(rustls::InconsistentKeys::Unknown)) => {}
-            Err(e) => {
-                return Err(bad(
-                    key_key,
-                    format!(
-                        "{} is not the key of the certificate in {} ({e}); give the pair \
-                         issued together",
-                        key.display(),
-                        cert.display()
-                    ),
-                ))
-            }
+    match rustls::sign::CertifiedKey::new(chain.clone(), signing).keys_match() {
+        // A key whose public half the provider cannot tell: the server judges.
+        Ok(()) | Err(rustls::Error::InconsistentKeys(rustls::InconsistentKeys::Unknown)) => {}
+        Err(e) => {
+            return Err(bad(
+                key_key,
+                format!(
+                    "{} is not the key of the certificate in {} ({e}); give the pair \
+                     issued together",
+                    key.display(),
+                    cert.display()
+                ),
+            ))
         }
-        Ok(ClientIdentity {
-            chain,
-            key: Arc::new(private),
-        })
     }
-
-    /// The private key, for a TLS client configuration.
-    pub fn key(&self) -> PrivateKeyDer<'static> {
-        self.key.clone_key()
-    }
+    Ok(ClientIdentity::new(chain, private))
 }
 
-impl std::fmt::Debug for ClientIdentity {
-    /// The key never shows.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ClientIdentity")
-            .field("certificates", &self.chain.len())
-            .finish_non_exhaustive()
-    }
-}

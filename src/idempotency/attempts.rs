@@ -13,7 +13,7 @@ use idemgate_domain::attempt::Attempt;
 use idemgate_domain::id::AttemptId;
 use crate::proxy::error::GatewayError;
 use crate::proxy::http::AnsweredBy;
-use crate::store::StoreError;
+use idemgate_store::StoreError;
 
 /// The attempts one request runs: their replies, and how to cancel them.
 #[derive(Default)]

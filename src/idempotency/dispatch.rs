@@ -35,7 +35,7 @@ use idemgate_domain::job::{Job, JobState};
 use idemgate_domain::response::StoredResponse;
 use crate::idempotency::recording::Recording;
 use crate::proxy::error::{ClientError, GatewayError};
-use crate::store::StoreError;
+use idemgate_store::StoreError;
 use idemgate_telemetry::Chain;
 
 /// How a new attempt joins the job.

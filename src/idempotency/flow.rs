@@ -39,7 +39,7 @@ use super::attempts::{joined, Attempts};
 use super::dispatch::{Dispatch, Event, Joining, Step};
 use super::execute::Running;
 use super::execute::UpstreamService;
-use super::fastpath::Tag;
+use idemgate_store::fastpath::Tag;
 use super::hold::Until;
 use super::keyed::Keyed;
 use super::replay::tiers::Write;
@@ -55,7 +55,7 @@ use idemgate_domain::reconcile;
 use crate::proxy::budget::until_sent;
 use crate::proxy::error::{ClientError, GatewayError};
 use crate::proxy::http::{Body, Outcome, IDEMPOTENCY_JOB};
-use crate::store::{Begin, StoreError};
+use idemgate_store::{Begin, StoreError};
 use idemgate_telemetry::Chain;
 
 /// How many times one request re-decides before giving up with 409; each

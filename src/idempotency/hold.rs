@@ -20,7 +20,7 @@ use tokio::time::Instant;
 use idemgate_domain::id::JobId;
 use idemgate_domain::job::{Job, JobState};
 use crate::proxy::error::{ClientError, GatewayError};
-use crate::store::{Doorbell, Observed, Store};
+use idemgate_store::{Doorbell, Observed, Store};
 
 /// How long duplicates are held, and what they are told after.
 #[derive(Debug, Clone, Copy)]

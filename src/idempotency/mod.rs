@@ -25,7 +25,6 @@
 mod attempts;
 pub mod dispatch;
 pub mod execute;
-pub mod fastpath;
 pub mod flow;
 pub mod hold;
 pub mod keyed;

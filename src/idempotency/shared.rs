@@ -9,13 +9,13 @@ use http::StatusCode;
 use uuid::Uuid;
 
 use super::execute::{self, Runner};
-use super::fastpath::FastPath;
+use idemgate_store::fastpath::FastPath;
 use super::hold::{self, Holds};
 use super::recording::join::Live;
 use super::replay::tiers::Replays;
 use crate::config::Route;
 use crate::proxy::budget::Budget;
-use crate::store::{Doorbell, Store};
+use idemgate_store::{Doorbell, Store};
 use crate::trust::Trust;
 use crate::upkeep::lease::Leases;
 use crate::upkeep::probe::ProbeBoard;
@@ -82,7 +82,7 @@ impl Shared {
     /// runs until `lapsed` closes.
     pub fn reconcile_lapsed(
         &self,
-        lapsed: tokio::sync::mpsc::UnboundedReceiver<crate::store::Lapsed>,
+        lapsed: tokio::sync::mpsc::UnboundedReceiver<idemgate_store::Lapsed>,
         upstream: super::execute::UpstreamService,
     ) -> impl std::future::Future<Output = ()> + Send + 'static {
         self.runner

@@ -30,9 +30,9 @@ use idemgate_domain::response::StoredResponse;
 use crate::proxy::http::Body;
 use crate::proxy::upstream::Target;
 use crate::proxy::upstream::UpstreamError;
-use crate::store::memory::Memory;
-use crate::store::{Begin, CommitOutcome, Machine, StoreError};
-use crate::store::{Doorbell, Records, Store};
+use idemgate_store::memory::Memory;
+use idemgate_store::{Begin, CommitOutcome, Machine, StoreError};
+use idemgate_store::{Doorbell, Records, Store};
 
 /// Which store calls fail, and signals when they happen.
 #[derive(Default)]
@@ -70,7 +70,7 @@ impl Records for Faulty {
     }
     async fn unknown_jobs(
         &self,
-        after: Option<crate::store::Cursor>,
+        after: Option<idemgate_store::Cursor>,
         limit: u32,
     ) -> Result<Vec<idemgate_domain::job::Job>, StoreError> {
         self.inner.unknown_jobs(after, limit).await

@@ -16,7 +16,7 @@ use idemgate_domain::sse::BadResumePoint;
 use crate::proxy::http::idle::BodyTimedOut;
 use crate::proxy::http::{full, Body, CollectError, Outcome};
 use crate::proxy::upstream::UpstreamError;
-use crate::store::{StoreError, StoreErrorKind};
+use idemgate_store::{StoreError, StoreErrorKind};
 use crate::BoxError;
 
 /// Problem types are this base followed by a slug.

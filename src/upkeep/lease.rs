@@ -13,7 +13,7 @@ use tokio::sync::watch;
 
 use idemgate_domain::attempt::AttemptFailure;
 use idemgate_domain::id::AttemptId;
-use crate::store::Store;
+use idemgate_store::Store;
 use idemgate_telemetry::Chain;
 use crate::upkeep::supervise::Heartbeat;
 use crate::BoxError;

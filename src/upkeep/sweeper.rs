@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::store::Store;
+use idemgate_store::Store;
 use idemgate_telemetry::Chain;
 use crate::upkeep::supervise::Heartbeat;
 use crate::BoxError;

@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime};
 use futures_util::future::join_all;
 use idemgate_domain::fingerprint::Fingerprint;
 use idemgate_domain::id::JobId;
-use idemgate::idempotency::fastpath::Entry;
+use idemgate_store::fastpath::Entry;
 
 use crate::support::entries::{self, redis_key, suite_keys};
 use crate::support::{eventually, post, FakeUpstream, Gateway, TestStore, ThrowawayRedis};

@@ -12,7 +12,7 @@ use std::time::Duration;
 use futures_util::future::join_all;
 use idemgate_domain::id::JobId;
 use idemgate_domain::key::{IdempotencyKey, Owner};
-use idemgate::idempotency::fastpath::{self, Binding, Tag};
+use idemgate_store::fastpath::{self, Binding, Tag};
 
 use crate::support::redis_cluster::{ThrowawayCluster, ThrowawaySentinel};
 use crate::support::sse::{Ending, Finish, Reader, SseUpstream};

@@ -12,9 +12,9 @@ use std::time::{Duration, SystemTime};
 use bytes::Bytes;
 use idemgate_domain::id::JobId;
 use idemgate_domain::response::StoredResponse;
-use idemgate::idempotency::fastpath::keys::HEAD_LEN;
-use idemgate::idempotency::fastpath::stream::{record, Part};
-use idemgate::idempotency::fastpath::{stream_key, Entry, EntryKeys, Tag};
+use idemgate_store::fastpath::keys::HEAD_LEN;
+use idemgate_store::fastpath::stream::{record, Part};
+use idemgate_store::fastpath::{stream_key, Entry, EntryKeys, Tag};
 use sha2::{Digest, Sha256};
 
 use crate::support::entries::{
@@ -209,7 +209,7 @@ async fn with_encryption_on_a_well_tagged_entry_in_the_clear_is_refused() {
     let (_, genuine) = written(&redis, "clear", &sealed).await;
 
     // Tagged with the gateway's very key, but not sealed.
-    let secret = idemgate::idempotency::fastpath::keys::derive_from_encryption_key(
+    let secret = idemgate_store::fastpath::keys::derive_from_encryption_key(
         &entries::bytes_of(ENCRYPTION_KEY).try_into().unwrap(),
     );
     let in_the_clear = EntryKeys::new(&secret, [], false);

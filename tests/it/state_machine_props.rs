@@ -19,8 +19,8 @@ use idemgate_domain::id::{AttemptId, JobId};
 use idemgate_domain::job::{JobDetail, JobState, NewJob};
 use idemgate_domain::key::{IdempotencyKey, Owner, OwnerSalt};
 use idemgate_domain::response::StoredResponse;
-use idemgate::store::memory::Memory;
-use idemgate::store::{Begin, Doorbell, Machine, Store, StoreErrorKind};
+use idemgate_store::memory::Memory;
+use idemgate_store::{Begin, Doorbell, Machine, Store, StoreErrorKind};
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -171,7 +171,7 @@ async fn step(
     new_attempt: NewAttempt,
     version: i64,
 ) -> Outcome {
-    let refused = |e: idemgate::store::StoreError| Outcome::Refused(e.kind());
+    let refused = |e: idemgate_store::StoreError| Outcome::Refused(e.kind());
     let pick = |i: usize| (!s.attempts.is_empty()).then(|| s.attempts[i % s.attempts.len()]);
     match op {
         Op::Begin { .. } => match s.store.begin_job(new_job, new_attempt).await {
@@ -209,7 +209,7 @@ async fn step(
             let attempt = detail.attempts.into_iter().find(|a| a.id == id).unwrap();
             match s.store.commit(&attempt, &response(&id.to_string())).await {
                 Ok(outcome) => {
-                    Outcome::Committed(outcome == idemgate::store::CommitOutcome::Committed)
+                    Outcome::Committed(outcome == idemgate_store::CommitOutcome::Committed)
                 }
                 Err(e) => refused(e),
             }
@@ -372,7 +372,7 @@ fn run_property(cases: u32, make: impl Fn() -> Arc<dyn Store>) {
         .unwrap();
 }
 
-fn machine(backend: impl idemgate::store::Backend) -> Arc<dyn Store> {
+fn machine(backend: impl idemgate_store::Backend) -> Arc<dyn Store> {
     Arc::new(Machine::new(backend, Arc::new(Doorbell::default())))
 }
 
@@ -382,7 +382,7 @@ fn sqlite_follows_the_reference_and_never_breaks_the_rules() {
     let path = dir.path().join("props.db");
     let rt = tokio::runtime::Runtime::new().unwrap();
     let backend = rt
-        .block_on(idemgate::store::sqlite::Sqlite::open(&path))
+        .block_on(idemgate_store::sqlite::Sqlite::open(&path))
         .unwrap();
     drop(rt);
     run_property(128, move || machine(backend.clone()));
@@ -392,11 +392,11 @@ fn sqlite_follows_the_reference_and_never_breaks_the_rules() {
 fn postgres_follows_the_reference_and_never_breaks_the_rules() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let db = rt.block_on(crate::support::TestDb::new());
-    let backend = idemgate::store::postgres::Postgres::new(
-        &idemgate::config::PgSettings {
+    let backend = idemgate_store::postgres::Postgres::new(
+        &idemgate_store::postgres::PgSettings {
             pool_size: 4,
             connect_timeout: Duration::from_secs(5),
-            ..idemgate::config::PgSettings::new(&db.url).unwrap()
+            ..idemgate::config::store::pg_settings(&db.url).unwrap()
         },
         Uuid::new_v4(),
     )

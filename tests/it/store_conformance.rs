@@ -17,7 +17,7 @@ use idemgate_domain::key::{IdempotencyKey, Owner, OwnerSalt};
 use idemgate_domain::reconcile::{Lookup, LookupResult};
 use idemgate_domain::response::StoredResponse;
 use idemgate_domain::transition::Refusal;
-use idemgate::store::{Begin, CommitOutcome, Doorbell, Store, StoreError};
+use idemgate_store::{Begin, CommitOutcome, Doorbell, Store, StoreError};
 
 fn new_job(key: &str) -> NewJob {
     NewJob {
@@ -253,10 +253,10 @@ pub async fn unknown_jobs_are_listed_newest_first_a_page_at_a_time(store: Arc<dy
     let ids = |jobs: &[idemgate_domain::job::Job]| jobs.iter().map(|j| j.id).collect::<Vec<_>>();
     assert_eq!(ids(&first), ids(&unknown[..2]));
     assert!(first.iter().all(|j| j.state == JobState::Unknown));
-    let cursor = idemgate::store::Cursor::after(&first[1]);
+    let cursor = idemgate_store::Cursor::after(&first[1]);
     let second = store.unknown_jobs(Some(cursor), 2).await.unwrap();
     assert_eq!(ids(&second), ids(&unknown[2..]));
-    let cursor = idemgate::store::Cursor::after(&second[0]);
+    let cursor = idemgate_store::Cursor::after(&second[0]);
     assert!(store
         .unknown_jobs(Some(cursor), 2)
         .await
@@ -839,21 +839,21 @@ macro_rules! conformance_suite {
     };
 }
 
-fn machine<B: idemgate::store::Backend>(backend: B) -> (Arc<dyn Store>, Arc<Doorbell>) {
+fn machine<B: idemgate_store::Backend>(backend: B) -> (Arc<dyn Store>, Arc<Doorbell>) {
     let doorbell = Arc::new(Doorbell::default());
     (
-        Arc::new(idemgate::store::Machine::new(backend, doorbell.clone())),
+        Arc::new(idemgate_store::Machine::new(backend, doorbell.clone())),
         doorbell,
     )
 }
 
 async fn postgres_store() -> (Arc<dyn Store>, Arc<Doorbell>, crate::support::TestDb) {
     let db = crate::support::TestDb::new().await;
-    let backend = idemgate::store::postgres::Postgres::new(
-        &idemgate::config::PgSettings {
+    let backend = idemgate_store::postgres::Postgres::new(
+        &idemgate_store::postgres::PgSettings {
             pool_size: 20,
             connect_timeout: Duration::from_secs(5),
-            ..idemgate::config::PgSettings::new(&db.url).unwrap()
+            ..idemgate::config::store::pg_settings(&db.url).unwrap()
         },
         uuid::Uuid::new_v4(),
     )
@@ -896,11 +896,11 @@ async fn corrupt_rows_are_typed_errors_on_both_stores() {
     for store in [TestStore::postgres().await, TestStore::embedded()] {
         let (subject, damage): (Arc<dyn Store>, &[&str]) = match &store {
             TestStore::Postgres(db) => {
-                let backend = idemgate::store::postgres::Postgres::new(
-                    &idemgate::config::PgSettings {
+                let backend = idemgate_store::postgres::Postgres::new(
+                    &idemgate_store::postgres::PgSettings {
                         pool_size: 2,
                         connect_timeout: Duration::from_secs(5),
-                        ..idemgate::config::PgSettings::new(&db.url).unwrap()
+                        ..idemgate::config::store::pg_settings(&db.url).unwrap()
                     },
                     uuid::Uuid::new_v4(),
                 )
@@ -916,7 +916,7 @@ async fn corrupt_rows_are_typed_errors_on_both_stores() {
             }
             TestStore::Embedded(dir) => {
                 let backend =
-                    idemgate::store::sqlite::Sqlite::open(&dir.path().join("idemgate.db"))
+                    idemgate_store::sqlite::Sqlite::open(&dir.path().join("idemgate.db"))
                         .await
                         .unwrap();
                 (
@@ -948,7 +948,7 @@ async fn corrupt_rows_are_typed_errors_on_both_stores() {
 
 async fn embedded_store() -> (Arc<dyn Store>, Arc<Doorbell>, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
-    let backend = idemgate::store::sqlite::Sqlite::open(&dir.path().join("idemgate.db"))
+    let backend = idemgate_store::sqlite::Sqlite::open(&dir.path().join("idemgate.db"))
         .await
         .unwrap();
     let (store, doorbell) = machine(backend);
@@ -958,7 +958,7 @@ async fn embedded_store() -> (Arc<dyn Store>, Arc<Doorbell>, tempfile::TempDir) 
 conformance_suite!(embedded, embedded_store);
 
 async fn memory_store() -> (Arc<dyn Store>, Arc<Doorbell>, ()) {
-    let (store, doorbell) = machine(idemgate::store::memory::Memory::default());
+    let (store, doorbell) = machine(idemgate_store::memory::Memory::default());
     (store, doorbell, ())
 }
 

@@ -1,6 +1,8 @@
 use std::path::Path;
 
-use super::{parse, Check, SslMode};
+use idemgate_store::postgres::{Check, SslMode};
+
+use super::parse;
 
 /// A CA certificate and a client certificate with its key, written to `dir`
 /// as ca.pem, client.pem, client.key, and other.key (a key of no certificate).

@@ -16,7 +16,7 @@ use idemgate_domain::id::AttemptId;
 use idemgate_domain::job::JobDetail;
 use idemgate_domain::reconcile::orphaned;
 use crate::proxy::http::ProvenClient;
-use crate::store::{Lapsed, StoreError};
+use idemgate_store::{Lapsed, StoreError};
 use idemgate_telemetry::Chain;
 use crate::upkeep::supervise::Heartbeat;
 use crate::BoxError;

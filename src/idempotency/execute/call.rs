@@ -25,7 +25,7 @@ use crate::idempotency::recording::Recording;
 use crate::idempotency::replay;
 use crate::proxy::http::Body;
 use crate::proxy::upstream::{self, Fetched, UpstreamError};
-use crate::store::CommitOutcome;
+use idemgate_store::CommitOutcome;
 use idemgate_telemetry::Chain;
 
 /// How the upstream call ended.

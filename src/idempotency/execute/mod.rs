@@ -39,13 +39,13 @@ use crate::config::{Reconcile, Route, Silences, UpstreamSettings};
 use idemgate_domain::attempt::{Attempt, AttemptFailure, NewAttempt};
 use idemgate_domain::id::AttemptId;
 use idemgate_domain::response::StoredResponse;
-use crate::idempotency::fastpath::{FastPath, Tag};
+use idemgate_store::fastpath::{FastPath, Tag};
 use crate::idempotency::recording::Recording;
 use crate::proxy::budget::Charge;
 use crate::proxy::error::GatewayError;
 use crate::proxy::http::{full, Body, ProvenClient, EVENTS_RECEIVED, IDEMPOTENCY_KEY};
 use crate::proxy::upstream::{Target, UpstreamError};
-use crate::store::{Doorbell, Store};
+use idemgate_store::{Doorbell, Store};
 use crate::upkeep::lease::{LeaseGuard, Leases};
 
 /// How long a request waits for its attempt's outcome to be recorded before

@@ -45,7 +45,7 @@ use idemgate_domain::transition::Refusal;
 use crate::idempotency::replay;
 use crate::proxy::http::{full, ProvenClient};
 use crate::proxy::upstream::{self, Fetched, Target, UpstreamError};
-use crate::store::{Store, StoreError};
+use idemgate_store::{Store, StoreError};
 use idemgate_telemetry::Chain;
 
 /// How the upstream is asked about an attempt.

@@ -15,7 +15,7 @@ use idemgate_domain::attempt::{AttemptFailure, AttemptState};
 use idemgate_domain::id::AttemptId;
 use idemgate_domain::response::StoredResponse;
 use crate::proxy::error::GatewayError;
-use crate::store::{CommitOutcome, StoreError};
+use idemgate_store::{CommitOutcome, StoreError};
 use idemgate_telemetry::Chain;
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(50);

@@ -11,7 +11,7 @@ use http::Response;
 use super::{Recording, Recordings};
 use idemgate_domain::id::JobId;
 use idemgate_domain::job::JobState;
-use crate::idempotency::fastpath::{FastPath, Tag};
+use idemgate_store::fastpath::{FastPath, Tag};
 use crate::idempotency::hold::Holds;
 use crate::proxy::budget::Budget;
 use crate::proxy::http::Body;

@@ -34,7 +34,7 @@ use tokio::sync::watch;
 
 use idemgate_domain::id::JobId;
 use idemgate_domain::sse::{Blocks, Kind};
-use crate::idempotency::fastpath::Piece;
+use idemgate_store::fastpath::Piece;
 
 use idemgate_domain::response::StoredResponse;
 use crate::proxy::budget::Charge;

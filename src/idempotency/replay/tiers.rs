@@ -24,11 +24,11 @@ use super::{response, Framing, Kept, ReplayCache};
 use idemgate_domain::id::JobId;
 use idemgate_domain::job::Job;
 use idemgate_domain::response::StoredResponse;
-use crate::idempotency::fastpath::{FastPath, Lookup};
+use idemgate_store::fastpath::{FastPath, Lookup};
 use crate::idempotency::keyed::Keyed;
 use crate::proxy::error::GatewayError;
 use crate::proxy::http::Body;
-use crate::store::Store;
+use idemgate_store::Store;
 
 /// When a replay writes the job's fast-path entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

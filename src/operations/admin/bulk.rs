@@ -22,7 +22,7 @@ use super::views::json_response;
 use super::Admin;
 use idemgate_domain::attempt::{AttemptState, Resolution};
 use crate::proxy::http::{collect_limited, Body};
-use crate::store::Cursor;
+use idemgate_store::Cursor;
 use idemgate_telemetry::Chain;
 use crate::BoxError;
 

@@ -7,7 +7,7 @@ use http::{header, HeaderValue, Response, StatusCode};
 
 use crate::proxy::error::problem_response;
 use crate::proxy::http::Body;
-use crate::store::{StoreError, StoreErrorKind};
+use idemgate_store::{StoreError, StoreErrorKind};
 use idemgate_telemetry::Chain;
 
 /// An admin answer that is not a success. Its `Display` is the problem's

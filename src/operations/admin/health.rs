@@ -131,7 +131,7 @@ mod tests {
     use idemgate_domain::key::{IdempotencyKey, Owner};
     use idemgate_domain::response::StoredResponse;
     use crate::operations::console::{self, Console};
-    use crate::store::{Begin, CommitOutcome, Cursor, Records, Store, StoreError};
+    use idemgate_store::{Begin, CommitOutcome, Cursor, Records, Store, StoreError};
     use crate::upkeep::health::Dependencies;
     use crate::upkeep::supervise::{Beats, Supervisor};
 

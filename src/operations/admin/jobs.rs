@@ -1,7 +1,7 @@
 //! The job API: a job by id, or by owner and key; the operator's inbox of
 //! unknown jobs, a page at a time; and the resolution of an attempt whose
 //! outcome is unknown (`docs/design.md`, §14), which goes through
-//! [`Store::resolve_attempt`](crate::store::Store::resolve_attempt) and
+//! [`Store::resolve_attempt`](idemgate_store::Store::resolve_attempt) and
 //! the commit rule (§4).
 
 use std::time::{Duration, SystemTime};
@@ -18,7 +18,7 @@ use idemgate_domain::id::{AttemptId, JobId};
 use idemgate_domain::job::JobDetail;
 use idemgate_domain::key::{IdempotencyKey, Owner};
 use crate::proxy::http::{collect_limited, Body};
-use crate::store::Cursor;
+use idemgate_store::Cursor;
 use crate::BoxError;
 
 /// Largest resolution body accepted.

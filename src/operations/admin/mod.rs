@@ -28,7 +28,7 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use crate::config::UpstreamSettings;
 use crate::operations::console::{self, Console};
 use crate::proxy::http::{collect_limited, Body};
-use crate::store::Store;
+use idemgate_store::Store;
 use crate::trust::Trust;
 use crate::upkeep::health::Dependencies;
 use crate::upkeep::probe::ProbeBoard;

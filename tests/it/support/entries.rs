@@ -6,8 +6,8 @@ use std::time::SystemTime;
 use base64::Engine;
 use bytes::Bytes;
 use idemgate_domain::key::{IdempotencyKey, Owner};
-use idemgate::idempotency::fastpath::keys::derive_from_encryption_key;
-use idemgate::idempotency::fastpath::{self, Binding, Entry, EntryKeys, Unusable};
+use idemgate_store::fastpath::keys::derive_from_encryption_key;
+use idemgate_store::fastpath::{self, Binding, Entry, EntryKeys, Unusable};
 
 /// The replay key of every gateway of the suite (`SUITE_ENV`).
 pub const SUITE_REPLAY_KEY: &str =

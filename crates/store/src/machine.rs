@@ -5,7 +5,7 @@
 //! function of [`idemgate_domain::transition`], and lets the backend write what it
 //! returns. A change that moves a job's state rings the doorbell here, and
 //! only here, once. With encryption configured, responses are sealed here on
-//! their way in and opened on their way out (see [`crate::store::seal`]).
+//! their way in and opened on their way out (see [`crate::seal`]).
 //!
 //! The backend is held [`Measured`]: every call to it is timed and counted
 //! there, so the operations below forward to it without measuring anything
@@ -28,7 +28,7 @@ use idemgate_domain::key::{IdempotencyKey, Owner};
 use idemgate_domain::reconcile::Lookup;
 use idemgate_domain::response::StoredResponse;
 use idemgate_domain::transition::{self, Change, Refusal};
-use crate::store::seal::{self, Sealer};
+use crate::seal::{self, Sealer};
 
 /// A [`Store`] over a [`Backend`].
 pub struct Machine<B> {

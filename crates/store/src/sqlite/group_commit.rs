@@ -7,7 +7,7 @@ use std::sync::{mpsc, Arc};
 use rusqlite::Connection;
 
 use super::rows::map_sqlite;
-use crate::store::StoreError;
+use crate::StoreError;
 
 /// An operation for the store's thread: it runs on the connection and
 /// returns how to hand its result back once the batch's commit is known.

@@ -15,10 +15,10 @@ use super::Sqlite;
 use idemgate_domain::attempt::{AttemptFailure, AttemptState};
 use idemgate_domain::id::AttemptId;
 use idemgate_domain::transition::{self};
-use crate::store::{Decide, Lock, StoreError};
+use crate::{Decide, Lock, StoreError};
 
 mod embedded {
-    refinery::embed_migrations!("migrations/sqlite");
+    refinery::embed_migrations!("../../migrations/sqlite");
 }
 
 impl Sqlite {

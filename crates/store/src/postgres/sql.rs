@@ -16,7 +16,7 @@ pub(super) const SNAPSHOT_COLUMNS: &str =
     "j.id, j.state, j.version, j.attempt_count, j.completed_by, now(), \
      a.id, a.number, a.state, a.job_version, a.lease_expires_at";
 
-/// [`Backend::begin`](crate::store::Backend::begin)'s statement: one round trip for a new key and for a
+/// [`Backend::begin`](crate::Backend::begin)'s statement: one round trip for a new key and for a
 /// duplicate alike. The job of `(owner, key)` ($2, $3) is read, and
 /// inserted ($1, $4-$6, $12) with its first attempt ($7-$11, $13) only when
 /// there is none. The insert's `ON CONFLICT DO NOTHING` stays the only

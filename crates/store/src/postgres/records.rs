@@ -15,7 +15,7 @@ use idemgate_domain::id::{AttemptId, JobId};
 use idemgate_domain::job::{Job, JobDetail};
 use idemgate_domain::key::{IdempotencyKey, Owner};
 use idemgate_domain::reconcile::Lookup;
-use crate::store::{millis, Cursor, Records, StoreError};
+use crate::{millis, Cursor, Records, StoreError};
 
 #[async_trait]
 impl Records for Postgres {

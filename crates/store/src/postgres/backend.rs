@@ -14,7 +14,7 @@ use idemgate_domain::attempt::{Attempt, AttemptState, NewAttempt};
 use idemgate_domain::job::{JobState, NewJob};
 use idemgate_domain::response::StoredResponse;
 use idemgate_domain::transition::{Change, Refusal};
-use crate::store::{
+use crate::{
     commit_under_lock, expire_each, millis, Applied, Backend, Begin, Committed, Decide, Lock,
     StoreError,
 };

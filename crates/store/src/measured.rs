@@ -149,8 +149,8 @@ mod tests {
     use idemgate_domain::attempt::{AttemptFailure, Resolution};
     use idemgate_domain::fingerprint::Fingerprint;
     use idemgate_domain::key::OwnerSalt;
-    use crate::store::memory::Memory;
-    use crate::store::{Doorbell, Machine, Store};
+    use crate::memory::Memory;
+    use crate::{Doorbell, Machine, Store};
 
     fn new_job() -> NewJob {
         NewJob {

@@ -14,7 +14,7 @@ use idemgate_domain::id::JobId;
 use idemgate_domain::job::EXPIRY_MARGIN;
 use idemgate_domain::key::{IdempotencyKey, Owner};
 use idemgate_domain::response::StoredResponse;
-use crate::store::codec::{decode_headers, encode_headers};
+use crate::codec::{decode_headers, encode_headers};
 
 /// A cached entry, verified.
 #[derive(Debug, Clone, PartialEq, Eq)]

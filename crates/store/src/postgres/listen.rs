@@ -8,7 +8,7 @@ use uuid::Uuid;
 
 use super::{map_pg, Budget, Postgres, Replication};
 use idemgate_domain::id::JobId;
-use crate::store::{Doorbell, StoreError};
+use crate::{Doorbell, StoreError};
 
 /// The channel job-state changes are announced on.
 const CHANNEL: &str = "idemgate_jobs";

@@ -17,8 +17,8 @@ use redis::cluster_async::ClusterConnection;
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{ClientTlsConfig, Cmd, ConnectionInfo, RedisResult, TlsCertificates, TlsMode, Value};
 
-use crate::config::redis::RedisTls;
-use crate::config::{RedisSettings, Topology};
+use super::settings::RedisTls;
+use super::settings::{RedisSettings, Topology};
 
 /// The fast path's handle on Redis.
 pub struct Redis {

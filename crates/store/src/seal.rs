@@ -27,7 +27,7 @@ use bytes::Bytes;
 use idemgate_domain::id::JobId;
 
 use idemgate_domain::response::StoredResponse;
-use crate::store::codec::{decode_headers, encode_headers};
+use crate::codec::{decode_headers, encode_headers};
 
 /// The pseudo-header naming the key a response was sealed with.
 pub const SEALED: &str = ":sealed";

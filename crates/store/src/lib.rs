@@ -30,6 +30,7 @@
 
 pub(crate) mod codec;
 mod doorbell;
+pub mod fastpath;
 mod machine;
 mod measured;
 pub mod memory;
@@ -37,6 +38,7 @@ pub mod postgres;
 pub mod seal;
 pub mod sqlite;
 
+use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
@@ -48,10 +50,23 @@ use idemgate_domain::key::{IdempotencyKey, Owner};
 use idemgate_domain::reconcile::Lookup;
 use idemgate_domain::response::StoredResponse;
 use idemgate_domain::transition::{self, Change, Refusal, Snapshot};
-use crate::BoxError;
+use idemgate_domain::BoxError;
 
 pub use doorbell::{Bell, Doorbell, Observed};
 pub use machine::Machine;
+
+/// Which store to use.
+#[derive(Debug, Clone)]
+pub enum StoreSettings {
+    /// PostgreSQL: the production store, shared by any number of replicas
+    /// (boxed: its certificates make it many times the other's size).
+    Postgres(Box<postgres::PgSettings>),
+    /// SQLite in a local file: zero set-up, one gateway.
+    Embedded {
+        /// The database file.
+        path: PathBuf,
+    },
+}
 
 /// What [`Store::begin_job`] found.
 #[derive(Debug)]
@@ -104,7 +119,7 @@ pub enum StoreError {
     Corrupt(&'static str),
     /// A sealed response cannot be opened (a key is missing, or it is damaged).
     #[error(transparent)]
-    Sealed(#[from] crate::store::seal::SealError),
+    Sealed(#[from] crate::seal::SealError),
     /// The store answered with an error the gateway cannot act on.
     #[error("the store failed")]
     Internal(#[source] BoxError),

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use redis::{ConnectionAddr, ErrorKind};
 
-use crate::config::{RedisSettings, Topology};
+use super::settings::{RedisSettings, Topology};
 
 impl super::FastPath {
     /// Connects once and logs how that went.

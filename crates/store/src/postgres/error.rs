@@ -2,8 +2,8 @@
 //! at start-up, refusals that name the setting to fix (docs/design.md §16).
 
 use super::{replication, tls};
-use crate::config::SslMode;
-use crate::store::StoreError;
+use super::settings::SslMode;
+use crate::StoreError;
 
 /// A database that cannot be reached, or that is read-only (a standby),
 /// is `Unavailable` (503, nothing proxied); anything else the database

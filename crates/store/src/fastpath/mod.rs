@@ -31,25 +31,26 @@ use futures_util::StreamExt;
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
-use crate::config::RedisSettings;
 use idemgate_domain::fingerprint::Fingerprint;
 use idemgate_domain::id::JobId;
 use idemgate_domain::job::EXPIRY_MARGIN;
 use idemgate_domain::key::{IdempotencyKey, Owner};
 use idemgate_domain::response::StoredResponse;
-use crate::store::Doorbell;
-use crate::BoxError;
+use crate::Doorbell;
+use idemgate_domain::BoxError;
 
 mod connection;
 mod contact;
 mod entry;
 pub mod keys;
+mod settings;
 pub mod stream;
 
 use connection::Redis;
 
 pub use entry::{decode, encode, redis_key, stream_key, Binding, Entry, Tag, Unusable};
 pub use keys::{EntryKeys, Rejection};
+pub use settings::{ClientCert, RedisSettings, RedisTls, Topology, TopologyError};
 pub use stream::Piece;
 
 /// The pub/sub channel job changes are announced on; the payload is the job id.

@@ -19,9 +19,9 @@ use super::entry::{stream_key, Tag};
 use super::keys::{EntryKeys, Fields, Rejection, HEAD_LEN};
 use super::FastPath;
 use idemgate_domain::id::JobId;
-use crate::store::codec::{decode_headers, encode_headers};
-use crate::store::Doorbell;
-use crate::BoxError;
+use crate::codec::{decode_headers, encode_headers};
+use crate::Doorbell;
+use idemgate_domain::BoxError;
 
 /// The parts of a mirrored stream, each in a Redis Stream entry of its own
 /// under a field that names it.

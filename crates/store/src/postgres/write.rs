@@ -7,7 +7,7 @@ use super::sql::ATTEMPT_COLUMNS;
 use idemgate_domain::attempt::{Attempt, AttemptState};
 use idemgate_domain::id::JobId;
 use idemgate_domain::transition::{Change, Start};
-use crate::store::{millis, StoreError};
+use crate::{millis, StoreError};
 
 /// Writes a change inside the transaction holding its job's lock; returns
 /// the attempt it started, as stored.

@@ -2,10 +2,10 @@
 //! however many replicas start together.
 
 use super::{map_pg, Postgres};
-use crate::store::StoreError;
+use crate::StoreError;
 
 mod embedded {
-    refinery::embed_migrations!("migrations/postgres");
+    refinery::embed_migrations!("../../migrations/postgres");
 }
 
 /// Serialises migrations when several replicas start at once.

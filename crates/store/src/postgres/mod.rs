@@ -28,8 +28,6 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 use uuid::Uuid;
 
 use super::StoreError;
-use crate::config::libpq::Check;
-use crate::config::{PgSettings, PgUrl, SslMode};
 
 mod backend;
 mod budget;
@@ -39,6 +37,7 @@ mod migrate;
 mod records;
 mod replication;
 mod rows;
+mod settings;
 mod sql;
 mod tls;
 mod write;
@@ -47,9 +46,10 @@ pub use budget::Budget;
 pub use replication::Replication;
 
 pub use error::Refused;
+pub use settings::{Check, ClientIdentity, PgSettings, PgTls, PgUrl, SslMode};
 use error::{at_start, map_pg};
 
-/// The PostgreSQL [`Backend`](crate::store::Backend).
+/// The PostgreSQL [`Backend`](crate::Backend).
 #[derive(Clone)]
 pub struct Postgres {
     pool: Pool,

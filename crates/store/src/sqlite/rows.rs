@@ -13,8 +13,8 @@ use idemgate_domain::id::{AttemptId, JobId};
 use idemgate_domain::job::{Job, JobDetail};
 use idemgate_domain::key::{IdempotencyKey, Owner};
 use idemgate_domain::response::StoredResponse;
-use crate::store::codec::decode_headers;
-use crate::store::{attempt_state, job_state, lookups, millis, StoreError};
+use crate::codec::decode_headers;
+use crate::{attempt_state, job_state, lookups, millis, StoreError};
 
 pub(super) const JOB_COLUMNS: &str =
     "j.id, j.owner, j.key, j.fingerprint, j.route, j.state, j.version, \

@@ -15,7 +15,7 @@ use idemgate_domain::job::Job;
 use idemgate_domain::key::{IdempotencyKey, Owner};
 use idemgate_domain::response::StoredResponse;
 use idemgate_domain::transition::{AttemptHead, JobHead, Snapshot};
-use crate::store::{attempt_state, job_state, lookups, Begin, StoreError};
+use crate::{attempt_state, job_state, lookups, Begin, StoreError};
 
 /// Reads the snapshots in `rows` (of [`SNAPSHOT_COLUMNS`](super::sql::SNAPSHOT_COLUMNS), ordered by job),
 /// with the database's clock.

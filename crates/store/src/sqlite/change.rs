@@ -12,8 +12,8 @@ use super::rows::{map_sqlite, read_attempt, read_detail, read_job, to_ms, uuid};
 use idemgate_domain::attempt::{Attempt, AttemptState, NewAttempt};
 use idemgate_domain::id::JobId;
 use idemgate_domain::transition::{AttemptHead, Change, JobHead, Refusal, Snapshot};
-use crate::store::codec::encode_headers;
-use crate::store::{millis, Applied, Decide, Lock, StoreError};
+use crate::codec::encode_headers;
+use crate::{millis, Applied, Decide, Lock, StoreError};
 
 /// none, a savepoint inside the batch's transaction (see [`super::group_commit::writer`]).
 pub(super) enum Tx<'c> {
@@ -78,7 +78,7 @@ pub(super) fn job_of(conn: &Connection, lock: Lock) -> Result<JobId, StoreError>
     }
 }
 
-/// Locks, decides and writes one change (see [`crate::store::Backend::change`]).
+/// Locks, decides and writes one change (see [`crate::Backend::change`]).
 pub(super) fn change_blocking(
     conn: &mut Connection,
     lock: Lock,

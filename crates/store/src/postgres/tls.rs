@@ -13,9 +13,9 @@ use rustls::{DigitallySignedStruct, RootCertStore, SignatureScheme};
 use tokio_postgres::config::SslMode as WireMode;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
-use crate::config::libpq::Check;
-use crate::config::{PgTls, SslMode};
-use crate::store::StoreError;
+use super::settings::Check;
+use super::settings::{PgTls, SslMode};
+use crate::StoreError;
 
 /// The TLS connector for connections made with `tls`.
 pub(super) fn connector(tls: &PgTls) -> Result<MakeRustlsConnect, StoreError> {

@@ -52,7 +52,7 @@ use idemgate_domain::key::{IdempotencyKey, Owner};
 use idemgate_domain::reconcile::Lookup;
 use idemgate_domain::response::StoredResponse;
 use idemgate_domain::transition::{Change, Refusal};
-use crate::store::{
+use crate::{
     commit_under_lock, expire_each, millis, Applied, Backend, Begin, Committed, Cursor, Decide,
     Lock, Records, StoreError,
 };
