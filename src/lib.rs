@@ -20,6 +20,5 @@ pub mod app;
 pub mod config;
 pub mod idempotency;
 pub mod operations;
-pub mod proxy;
 pub mod trust;
 pub mod upkeep;

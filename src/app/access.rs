@@ -27,9 +27,10 @@ use pin_project_lite::pin_project;
 use tower::{Layer, Service};
 
 use crate::config::routes;
-use crate::config::{Route, UpstreamId};
+use crate::config::Route;
+use idemgate_proxy::upstream::UpstreamId;
 use idemgate_domain::id::JobId;
-use crate::proxy::http::{AnsweredBy, Outcome};
+use idemgate_proxy::http::{AnsweredBy, Outcome};
 
 /// Times, counts and (when on) logs every request of the inner service.
 #[derive(Clone)]

@@ -10,7 +10,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Settings;
-use crate::proxy::server;
+use idemgate_proxy::server;
 use idemgate_store::StoreError;
 
 pub use components::idempotency_config;

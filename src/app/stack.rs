@@ -18,12 +18,12 @@ use crate::config::routes;
 use crate::config::{Route, Settings};
 use idemgate_domain::id::JobId;
 use crate::idempotency::{IdempotencyLayer, Shared};
-use crate::proxy::http::idle::IdleTimeout;
-use crate::proxy::http::request_id::RequestIds;
-use crate::proxy::http::{cookie, hop, IDEMPOTENCY_KEY};
-use crate::proxy::path::NormalizePathLayer;
-use crate::proxy::shed::ShedLayer;
-use crate::proxy::upstream::Upstreams;
+use idemgate_proxy::http::idle::IdleTimeout;
+use idemgate_proxy::http::request_id::RequestIds;
+use idemgate_proxy::http::{cookie, hop, IDEMPOTENCY_KEY};
+use idemgate_proxy::path::NormalizePathLayer;
+use idemgate_proxy::shed::ShedLayer;
+use idemgate_proxy::upstream::Upstreams;
 use crate::BoxError;
 
 /// A request's span at `$level` (a constant, as `tracing` needs it): its
@@ -115,7 +115,7 @@ pub(super) fn proxy(
 fn enter(
     mut req: Request<Counted<Incoming>>,
     body_read_timeout: std::time::Duration,
-) -> Request<crate::proxy::http::Body> {
+) -> Request<idemgate_proxy::http::Body> {
     hop::strip_but(req.headers_mut(), Some(&IDEMPOTENCY_KEY));
     // A console session is the gateway's alone: no owner, fingerprint or
     // upstream sees it (docs/design.md §14).

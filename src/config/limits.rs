@@ -6,33 +6,9 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{at_least_one, bad, positive, size, ConfigError, FileConfig, Flags, Route};
+use idemgate_proxy::server::Limits;
 
-/// What a listener allows its clients.
-#[derive(Debug, Clone, Copy)]
-pub struct Limits {
-    /// Open connections at most.
-    pub max_connections: usize,
-    /// How long a client may take to send a request's headers, from their
-    /// first byte (or from the connection's opening).
-    pub header_read_timeout: Duration,
-    /// How long an HTTP/1.1 connection may sit idle between requests; above
-    /// the idle timeouts of the balancers and client pools in front, so
-    /// that they close first (docs/design.md §18).
-    pub keepalive_timeout: Duration,
-    /// Largest request header block, in bytes.
-    pub max_header_size: usize,
-    /// How long a client may pause in the middle of a request body (between
-    /// two pieces of it, not for the whole body).
-    pub body_read_timeout: Duration,
-    /// How often an HTTP/2 connection is pinged; `None`: never.
-    pub http2_keepalive_interval: Option<Duration>,
-    /// How long a ping may go unanswered before the connection is closed.
-    pub http2_keepalive_timeout: Duration,
-    /// How long an HTTP/2 connection may have no open stream before it is
-    /// closed; `None`: never.
-    pub http2_idle_timeout: Option<Duration>,
-}
+use super::{at_least_one, bad, positive, size, ConfigError, FileConfig, Flags, Route};
 
 /// What each listener allows its clients.
 pub(super) fn limits(file: &FileConfig) -> Result<Limits, ConfigError> {

@@ -42,11 +42,12 @@ pub use file::FileConfig;
 use idemgate_store::fastpath::{RedisSettings, Topology};
 use idemgate_store::StoreSettings;
 pub use flags::{Cli, Command, Flags, JobsAction, JobsCommand};
-pub use limits::{BudgetSource, Limits, MemoryBudget};
+pub use limits::{BudgetSource, MemoryBudget};
 pub use replay::{ReplayKeySettings, ReplayKeySource};
 pub use routes::{OnUnknown, Reconcile, Route, Silences};
-pub use trust::{Clients, OwnerRule, OwnerSource, TrustedProxies};
-pub use upstreams::{UpstreamId, UpstreamSettings};
+pub use trust::{Clients, OwnerRule, OwnerSource};
+use idemgate_proxy::server::{Limits, TrustedProxies};
+use idemgate_proxy::upstream::UpstreamSettings;
 
 use file::UpstreamFile;
 

@@ -11,7 +11,7 @@ use http::{HeaderName, Method};
 
 use super::file::{ReconcileFile, RouteFile};
 use super::trust::{owner_rule, Clients, OwnerFile, OwnerRule};
-use super::upstreams::UpstreamSettings;
+use idemgate_proxy::upstream::UpstreamSettings;
 use super::{at_least_one, bad, header_name, positive, ConfigError};
 use idemgate_domain::contract::Contract;
 use idemgate_domain::fingerprint::BodyRule;

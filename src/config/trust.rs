@@ -14,23 +14,9 @@ use ipnet::IpNet;
 use jsonwebtoken::{Algorithm, DecodingKey, Validation};
 use serde::Deserialize;
 
+use idemgate_proxy::server::TrustedProxies;
+
 use super::{bad, header_name, ConfigError};
-
-/// Proxies in front of the gateway: their forwarding headers (and owner
-/// sources marked `trusted_header`) are believed; anyone else's are not.
-#[derive(Debug, Clone, Default)]
-pub struct TrustedProxies(Vec<IpNet>);
-
-impl TrustedProxies {
-    /// Whether a connection from `ip` comes from a trusted proxy.
-    pub fn contains(&self, ip: IpAddr) -> bool {
-        let ip = match ip {
-            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
-            v4 => v4,
-        };
-        self.0.iter().any(|net| net.contains(&ip))
-    }
-}
 
 /// Where the owner of a key comes from, and whether a keyed request may go
 /// without one.
@@ -209,8 +195,8 @@ pub(super) fn trusted_proxies(written: &[String]) -> Result<TrustedProxies, Conf
                     )
                 })
         })
-        .collect::<Result<_, _>>()
-        .map(TrustedProxies)
+        .collect::<Result<Vec<IpNet>, _>>()
+        .map(TrustedProxies::from)
 }
 
 /// The owner rule `[owner]` (or a route's) describes; `inherited` fills

@@ -11,8 +11,8 @@ use super::dispatch::Joining;
 use super::execute::{Reply, Running};
 use idemgate_domain::attempt::Attempt;
 use idemgate_domain::id::AttemptId;
-use crate::proxy::error::GatewayError;
-use crate::proxy::http::AnsweredBy;
+use crate::idempotency::error::GatewayError;
+use idemgate_proxy::http::AnsweredBy;
 use idemgate_store::StoreError;
 
 /// The attempts one request runs: their replies, and how to cancel them.

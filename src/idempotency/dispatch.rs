@@ -28,13 +28,14 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::execute::{Reply, Uncommitted};
-use crate::config::{Route, UpstreamSettings};
+use crate::config::Route;
+use idemgate_proxy::upstream::UpstreamSettings;
 use idemgate_domain::attempt::Attempt;
 use idemgate_domain::id::AttemptId;
 use idemgate_domain::job::{Job, JobState};
 use idemgate_domain::response::StoredResponse;
 use crate::idempotency::recording::Recording;
-use crate::proxy::error::{ClientError, GatewayError};
+use crate::idempotency::error::{ClientError, GatewayError};
 use idemgate_store::StoreError;
 use idemgate_telemetry::Chain;
 
@@ -96,7 +97,7 @@ pub(super) enum Step {
     /// Answer with the job's committed response, as a replay.
     Replay(Job),
     /// Answer without a result.
-    Answer(Result<http::Response<crate::proxy::http::Body>, GatewayError>),
+    Answer(Result<http::Response<idemgate_proxy::http::Body>, GatewayError>),
 }
 
 /// The state of one request's attempts.
@@ -295,7 +296,7 @@ impl Dispatch {
     }
 
     /// The answer when no attempt of this request produced the job's result.
-    fn finish(&mut self) -> Result<http::Response<crate::proxy::http::Body>, GatewayError> {
+    fn finish(&mut self) -> Result<http::Response<idemgate_proxy::http::Body>, GatewayError> {
         if let Some(error) = self.unknown.take() {
             return Err(error);
         }

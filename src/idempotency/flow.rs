@@ -47,14 +47,14 @@ use super::replay::{self, Framing};
 use super::resume::resume;
 use super::shared::Shared;
 use crate::config::routes::{InProgress, OnUnknown};
-use crate::config::UpstreamSettings;
+use idemgate_proxy::upstream::UpstreamSettings;
 use idemgate_domain::attempt::{Attempt, AttemptState};
 use idemgate_domain::id::JobId;
 use idemgate_domain::job::{Job, JobState, NewJob};
 use idemgate_domain::reconcile;
-use crate::proxy::budget::until_sent;
-use crate::proxy::error::{ClientError, GatewayError};
-use crate::proxy::http::{Body, Outcome, IDEMPOTENCY_JOB};
+use idemgate_proxy::budget::until_sent;
+use crate::idempotency::error::{ClientError, GatewayError};
+use idemgate_proxy::http::{Body, Outcome, IDEMPOTENCY_JOB};
 use idemgate_store::{Begin, StoreError};
 use idemgate_telemetry::Chain;
 

@@ -19,7 +19,7 @@ use tokio::time::Instant;
 
 use idemgate_domain::id::JobId;
 use idemgate_domain::job::{Job, JobState};
-use crate::proxy::error::{ClientError, GatewayError};
+use crate::idempotency::error::{ClientError, GatewayError};
 use idemgate_store::{Doorbell, Observed, Store};
 
 /// How long duplicates are held, and what they are told after.

@@ -10,7 +10,7 @@ use crate::config::routes::Route;
 use idemgate_domain::fingerprint::Fingerprint;
 use idemgate_domain::key::{IdempotencyKey, Owner};
 use idemgate_domain::sse::ResumePoint;
-use crate::proxy::budget::Charge;
+use idemgate_proxy::budget::Charge;
 
 /// One opted-in request, buffered and fingerprinted: who asks, for what.
 pub struct Keyed {

@@ -17,10 +17,10 @@ use super::execute::UpstreamService;
 use super::flow;
 use super::opt_in::{self, Classified};
 use super::shared::Shared;
-use crate::proxy::error::{ClientError, GatewayError};
-use crate::proxy::http::idle::BodyTimedOut;
-use crate::proxy::http::Body;
-use crate::proxy::upstream::UpstreamError;
+use crate::idempotency::error::{ClientError, GatewayError};
+use idemgate_proxy::http::idle::BodyTimedOut;
+use idemgate_proxy::http::Body;
+use idemgate_proxy::upstream::UpstreamError;
 
 /// Wraps an upstream service with the idempotency flow.
 #[derive(Clone)]

@@ -24,6 +24,7 @@
 
 mod attempts;
 pub mod dispatch;
+pub mod error;
 pub mod execute;
 pub mod flow;
 pub mod hold;

@@ -16,12 +16,12 @@ use crate::config::routes::{self, Route};
 use idemgate_domain::fingerprint::{fingerprint, RequestParts};
 use idemgate_domain::key::IdempotencyKey;
 use idemgate_domain::sse::ResumePoint;
-use crate::proxy::budget::Charge;
-use crate::proxy::error::{ClientError, GatewayError};
-use crate::proxy::http::{
+use idemgate_proxy::budget::Charge;
+use crate::idempotency::error::{ClientError, GatewayError};
+use idemgate_proxy::http::{
     collect_charged, discard, Body, CollectError, EVENTS_RECEIVED, IDEMPOTENCY_KEY, LAST_EVENT_ID,
 };
-use crate::proxy::upstream::Target;
+use idemgate_proxy::upstream::Target;
 use crate::trust::Trust;
 
 use super::keyed::Keyed;

@@ -19,8 +19,8 @@ use http_body::Frame;
 use http_body_util::{BodyExt, BodyStream, StreamBody};
 
 use idemgate_domain::sse::{self, ResumePoint, Skip, Skipped};
-use crate::proxy::error::ClientError;
-use crate::proxy::http::{Body, BodyError, EVENTS_SKIPPED};
+use crate::idempotency::error::ClientError;
+use idemgate_proxy::http::{Body, BodyError, EVENTS_SKIPPED};
 
 /// The part of `replay` (an answer of the job, replayed or joined) after
 /// `point`; `416` when it is not an event stream or never reaches it, and

@@ -14,7 +14,7 @@ use super::hold::{self, Holds};
 use super::recording::join::Live;
 use super::replay::tiers::Replays;
 use crate::config::Route;
-use crate::proxy::budget::Budget;
+use idemgate_proxy::budget::Budget;
 use idemgate_store::{Doorbell, Store};
 use crate::trust::Trust;
 use crate::upkeep::lease::Leases;

@@ -27,9 +27,9 @@ use idemgate_domain::id::{AttemptId, JobId};
 use idemgate_domain::job::{Job, JobDetail, JobState, NewJob};
 use idemgate_domain::key::{IdempotencyKey, Owner};
 use idemgate_domain::response::StoredResponse;
-use crate::proxy::http::Body;
-use crate::proxy::upstream::Target;
-use crate::proxy::upstream::UpstreamError;
+use idemgate_proxy::http::Body;
+use idemgate_proxy::upstream::Target;
+use idemgate_proxy::upstream::UpstreamError;
 use idemgate_store::memory::Memory;
 use idemgate_store::{Begin, CommitOutcome, Machine, StoreError};
 use idemgate_store::{Doorbell, Records, Store};
@@ -226,7 +226,7 @@ impl Scripted {
                 } else {
                     200
                 };
-                let mut response = Response::new(crate::proxy::http::full(name));
+                let mut response = Response::new(idemgate_proxy::http::full(name));
                 *response.status_mut() = http::StatusCode::from_u16(status).unwrap();
                 Ok::<_, UpstreamError>(response)
             }
@@ -294,7 +294,7 @@ fn layer(toml: &str, faults: Faults) -> (IdempotencyLayer, Arc<Faults>, Arc<dyn 
             trust: Arc::new(crate::trust::Trust::with_salt(
                 idemgate_domain::key::OwnerSalt::new(b"test salt, not a secret"),
             )),
-            budget: crate::proxy::budget::Budget::new(settings.memory_budget.bytes),
+            budget: idemgate_proxy::budget::Budget::new(settings.memory_budget.bytes),
         },
     ));
     (IdempotencyLayer::new(shared), faults, store)
@@ -303,7 +303,7 @@ fn layer(toml: &str, faults: Faults) -> (IdempotencyLayer, Arc<Faults>, Arc<dyn 
 fn keyed(key: &str) -> Request<Body> {
     Request::post("/v1/jobs")
         .header("idempotency-key", key)
-        .body(crate::proxy::http::full("{}"))
+        .body(idemgate_proxy::http::full("{}"))
         .unwrap()
 }
 
@@ -403,7 +403,7 @@ async fn a_pass_through_request_gets_the_upstream_handles_readiness_error() {
     let (layer, _, _) = layer(FAILOVER, Faults::default());
     let service = layer.layer(NeverReady);
     let request = Request::post("/v1/jobs")
-        .body(crate::proxy::http::full("{}"))
+        .body(idemgate_proxy::http::full("{}"))
         .unwrap();
     let response = tower::ServiceExt::oneshot(service, request).await.unwrap();
     assert_eq!(response.status(), http::StatusCode::BAD_GATEWAY);

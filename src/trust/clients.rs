@@ -7,7 +7,7 @@ use subtle::ConstantTimeEq;
 
 use super::headers::{bearer, only};
 use crate::config::Clients;
-use crate::proxy::http::ProvenClient;
+use idemgate_proxy::http::ProvenClient;
 
 /// The client whose key `headers` carry, if any.
 pub(super) fn prove(clients: &Clients, headers: &HeaderMap) -> Option<ProvenClient> {

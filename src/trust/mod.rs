@@ -17,8 +17,8 @@ use http::HeaderMap;
 
 use crate::config::{Clients, OwnerRule, OwnerSource};
 use idemgate_domain::key::{Owner, OwnerSalt};
-use crate::proxy::error::ClientError;
-use crate::proxy::http::ProvenClient;
+use crate::idempotency::error::ClientError;
+use idemgate_proxy::http::ProvenClient;
 
 /// What the gateway trusts, built once at start-up.
 pub struct Trust {

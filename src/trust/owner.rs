@@ -9,7 +9,7 @@ use http::HeaderMap;
 use super::headers::only;
 use super::jwt;
 use crate::config::OwnerSource;
-use crate::proxy::http::{ClientAddr, ProvenClient};
+use idemgate_proxy::http::{ClientAddr, ProvenClient};
 
 /// What `source` finds in `head`: its label and value(s), or `None` when it
 /// finds nothing it can stand behind (absent, empty, ambiguous, unverified,

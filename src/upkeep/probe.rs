@@ -17,11 +17,13 @@ use std::time::{Duration, SystemTime};
 use http::Request;
 use tokio::sync::watch;
 
-use crate::config::{Route, UpstreamId, UpstreamSettings};
+use crate::config::Route;
+
+use idemgate_proxy::upstream::{UpstreamId, UpstreamSettings};
 use idemgate_domain::contract::expect::{judge, Finding, Observed};
 use idemgate_domain::contract::{excerpt, Contract, Probe};
-use crate::proxy::http::full;
-use crate::proxy::upstream::{fetch, Upstream, Upstreams};
+use idemgate_proxy::http::full;
+use idemgate_proxy::upstream::{fetch, Upstream, Upstreams};
 use crate::upkeep::supervise::Heartbeat;
 use crate::BoxError;
 

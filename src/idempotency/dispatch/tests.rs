@@ -10,7 +10,7 @@ use super::*;
 use crate::config::{Flags, Settings};
 use idemgate_domain::attempt::AttemptState;
 use idemgate_domain::id::JobId;
-use crate::proxy::upstream::UpstreamError;
+use idemgate_proxy::upstream::UpstreamError;
 
 const THREE_UPSTREAMS: &str = r#"
 upstreams = ["http://a:1", "http://b:1", "http://c:1"]

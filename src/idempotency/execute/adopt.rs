@@ -15,7 +15,7 @@ use crate::config::{Reconcile, Route};
 use idemgate_domain::id::AttemptId;
 use idemgate_domain::job::JobDetail;
 use idemgate_domain::reconcile::orphaned;
-use crate::proxy::http::ProvenClient;
+use idemgate_proxy::http::ProvenClient;
 use idemgate_store::{Lapsed, StoreError};
 use idemgate_telemetry::Chain;
 use crate::upkeep::supervise::Heartbeat;

@@ -23,8 +23,8 @@ use idemgate_domain::attempt::{AttemptFailure, AttemptState};
 use idemgate_domain::contract::excerpt;
 use crate::idempotency::recording::Recording;
 use crate::idempotency::replay;
-use crate::proxy::http::Body;
-use crate::proxy::upstream::{self, Fetched, UpstreamError};
+use idemgate_proxy::http::Body;
+use idemgate_proxy::upstream::{self, Fetched, UpstreamError};
 use idemgate_store::CommitOutcome;
 use idemgate_telemetry::Chain;
 

@@ -35,16 +35,17 @@ use uuid::Uuid;
 
 use super::keyed::Keyed;
 use super::recording::join::Live;
-use crate::config::{Reconcile, Route, Silences, UpstreamSettings};
+use crate::config::{Reconcile, Route, Silences};
+use idemgate_proxy::upstream::UpstreamSettings;
 use idemgate_domain::attempt::{Attempt, AttemptFailure, NewAttempt};
 use idemgate_domain::id::AttemptId;
 use idemgate_domain::response::StoredResponse;
 use idemgate_store::fastpath::{FastPath, Tag};
 use crate::idempotency::recording::Recording;
-use crate::proxy::budget::Charge;
-use crate::proxy::error::GatewayError;
-use crate::proxy::http::{full, Body, ProvenClient, EVENTS_RECEIVED, IDEMPOTENCY_KEY};
-use crate::proxy::upstream::{Target, UpstreamError};
+use idemgate_proxy::budget::Charge;
+use crate::idempotency::error::GatewayError;
+use idemgate_proxy::http::{full, Body, ProvenClient, EVENTS_RECEIVED, IDEMPOTENCY_KEY};
+use idemgate_proxy::upstream::{Target, UpstreamError};
 use idemgate_store::{Doorbell, Store};
 use crate::upkeep::lease::{LeaseGuard, Leases};
 

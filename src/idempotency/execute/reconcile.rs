@@ -36,15 +36,16 @@ use tracing::Instrument;
 
 use super::verdict::{classify, Verdict};
 use super::UpstreamService;
-use crate::config::{Route, UpstreamId};
+use crate::config::Route;
+use idemgate_proxy::upstream::UpstreamId;
 use idemgate_domain::attempt::{AttemptFailure, AttemptState, Resolution};
 use idemgate_domain::id::{AttemptId, JobId};
 use idemgate_domain::reconcile::{backoff, next_lookup, verdict, Lookup, LookupResult, Lookups};
 use idemgate_domain::response::StoredResponse;
 use idemgate_domain::transition::Refusal;
 use crate::idempotency::replay;
-use crate::proxy::http::{full, ProvenClient};
-use crate::proxy::upstream::{self, Fetched, Target, UpstreamError};
+use idemgate_proxy::http::{full, ProvenClient};
+use idemgate_proxy::upstream::{self, Fetched, Target, UpstreamError};
 use idemgate_store::{Store, StoreError};
 use idemgate_telemetry::Chain;
 
@@ -282,7 +283,7 @@ impl Reconciler {
 
     async fn fetch(
         &self,
-        request: Request<crate::proxy::http::Body>,
+        request: Request<idemgate_proxy::http::Body>,
     ) -> Result<Fetched, UpstreamError> {
         let (progress, _) = tokio::sync::watch::channel(0u64);
         let fetch = upstream::fetch(

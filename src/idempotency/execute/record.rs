@@ -14,7 +14,7 @@ use super::{Reply, Task, PATIENCE};
 use idemgate_domain::attempt::{AttemptFailure, AttemptState};
 use idemgate_domain::id::AttemptId;
 use idemgate_domain::response::StoredResponse;
-use crate::proxy::error::GatewayError;
+use crate::idempotency::error::GatewayError;
 use idemgate_store::{CommitOutcome, StoreError};
 use idemgate_telemetry::Chain;
 

@@ -12,9 +12,9 @@ use idemgate_domain::attempt::AttemptFailure;
 use idemgate_domain::contract::excerpt;
 use idemgate_domain::response::StoredResponse;
 use crate::idempotency::replay;
-use crate::proxy::error::GatewayError;
-use crate::proxy::http::full;
-use crate::proxy::upstream::{Fetched, UpstreamError, UpstreamErrorKind};
+use crate::idempotency::error::GatewayError;
+use idemgate_proxy::http::full;
+use idemgate_proxy::upstream::{Fetched, UpstreamError, UpstreamErrorKind};
 use idemgate_telemetry::Chain;
 
 /// What an upstream's answer means for its attempt.

@@ -13,8 +13,8 @@ use idemgate_domain::id::JobId;
 use idemgate_domain::job::JobState;
 use idemgate_store::fastpath::{FastPath, Tag};
 use crate::idempotency::hold::Holds;
-use crate::proxy::budget::Budget;
-use crate::proxy::http::Body;
+use idemgate_proxy::budget::Budget;
+use idemgate_proxy::http::Body;
 use idemgate_telemetry::Chain;
 
 /// The streams duplicates may join: recorded here, or mirrored elsewhere.

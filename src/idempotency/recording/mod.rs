@@ -37,8 +37,8 @@ use idemgate_domain::sse::{Blocks, Kind};
 use idemgate_store::fastpath::Piece;
 
 use idemgate_domain::response::StoredResponse;
-use crate::proxy::budget::Charge;
-use crate::proxy::http::{Body, BodyError};
+use idemgate_proxy::budget::Charge;
+use idemgate_proxy::http::{Body, BodyError};
 
 /// Where a recording stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -361,7 +361,7 @@ impl Recordings {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proxy::budget::Budget;
+    use idemgate_proxy::budget::Budget;
     use futures_util::StreamExt;
 
     fn charge() -> Arc<Charge> {

@@ -28,7 +28,7 @@ use idemgate_domain::id::JobId;
 use idemgate_domain::job::EXPIRY_MARGIN;
 use idemgate_domain::key::{IdempotencyKey, Owner};
 use idemgate_domain::response::StoredResponse;
-use crate::proxy::http::{Body, Outcome};
+use idemgate_proxy::http::{Body, Outcome};
 
 /// Bookkeeping counted against the budget besides an answer's own bytes.
 const OVERHEAD: usize = 256;

@@ -7,8 +7,8 @@ use http::{header, HeaderName, HeaderValue, Response, StatusCode};
 use crate::config::Route;
 use idemgate_domain::id::JobId;
 use idemgate_domain::response::StoredResponse;
-use crate::proxy::http::{full, Body, Outcome, IDEMPOTENCY_JOB, IDEMPOTENT_REPLAYED};
-use crate::proxy::upstream::Fetched;
+use idemgate_proxy::http::{full, Body, Outcome, IDEMPOTENCY_JOB, IDEMPOTENT_REPLAYED};
+use idemgate_proxy::upstream::Fetched;
 
 mod cache;
 pub mod tiers;

@@ -26,8 +26,8 @@ use idemgate_domain::job::Job;
 use idemgate_domain::response::StoredResponse;
 use idemgate_store::fastpath::{FastPath, Lookup};
 use crate::idempotency::keyed::Keyed;
-use crate::proxy::error::GatewayError;
-use crate::proxy::http::Body;
+use crate::idempotency::error::GatewayError;
+use idemgate_proxy::http::Body;
 use idemgate_store::Store;
 
 /// When a replay writes the job's fast-path entry.

@@ -21,7 +21,7 @@ use super::error::AdminError;
 use super::views::json_response;
 use super::Admin;
 use idemgate_domain::attempt::{AttemptState, Resolution};
-use crate::proxy::http::{collect_limited, Body};
+use idemgate_proxy::http::{collect_limited, Body};
 use idemgate_store::Cursor;
 use idemgate_telemetry::Chain;
 use crate::BoxError;

@@ -1,12 +1,12 @@
 //! Why an admin request failed, by who caused it, and the one mapping of
 //! each cause to its problem answer. The answer itself is rendered by
-//! [`crate::proxy::error::problem_response`], as the proxy's are: one
+//! [`idemgate_proxy::problem::problem_response`], as the proxy's are: one
 //! problem+json format on both listeners.
 
 use http::{header, HeaderValue, Response, StatusCode};
 
-use crate::proxy::error::problem_response;
-use crate::proxy::http::Body;
+use idemgate_proxy::problem::problem_response;
+use idemgate_proxy::http::Body;
 use idemgate_store::{StoreError, StoreErrorKind};
 use idemgate_telemetry::Chain;
 

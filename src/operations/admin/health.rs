@@ -8,8 +8,8 @@ use serde_json::{json, Map, Value};
 
 use super::views::json_response;
 use super::Admin;
-use crate::proxy::error::problem_response_with;
-use crate::proxy::http::{full, Body};
+use idemgate_proxy::problem::problem_response_with;
+use idemgate_proxy::http::{full, Body};
 use crate::upkeep::health::Health;
 use crate::upkeep::supervise::{Report, Status};
 

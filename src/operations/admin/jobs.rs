@@ -17,7 +17,7 @@ use super::{resolution, Admin};
 use idemgate_domain::id::{AttemptId, JobId};
 use idemgate_domain::job::JobDetail;
 use idemgate_domain::key::{IdempotencyKey, Owner};
-use crate::proxy::http::{collect_limited, Body};
+use idemgate_proxy::http::{collect_limited, Body};
 use idemgate_store::Cursor;
 use crate::BoxError;
 

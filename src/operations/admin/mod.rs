@@ -25,9 +25,9 @@ use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode};
 use metrics_exporter_prometheus::PrometheusHandle;
 
-use crate::config::UpstreamSettings;
+use idemgate_proxy::upstream::UpstreamSettings;
 use crate::operations::console::{self, Console};
-use crate::proxy::http::{collect_limited, Body};
+use idemgate_proxy::http::{collect_limited, Body};
 use idemgate_store::Store;
 use crate::trust::Trust;
 use crate::upkeep::health::Dependencies;

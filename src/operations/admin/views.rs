@@ -9,11 +9,11 @@ use base64::Engine;
 use http::{header, HeaderValue, Response, StatusCode};
 use serde_json::{json, Value};
 
-use crate::config::UpstreamSettings;
+use idemgate_proxy::upstream::UpstreamSettings;
 use idemgate_domain::attempt::Attempt;
 use idemgate_domain::job::{Job, JobDetail};
 use idemgate_domain::response::StoredResponse;
-use crate::proxy::http::{full, Body};
+use idemgate_proxy::http::{full, Body};
 use crate::upkeep::probe::{Failure, Standing, Verdict};
 
 /// A JSON answer.

@@ -17,8 +17,8 @@ use bytes::Bytes;
 use http::{header, HeaderMap, HeaderValue, Response, StatusCode};
 use subtle::ConstantTimeEq;
 
-use crate::proxy::http::cookie::{CONSOLE_COOKIE, CONSOLE_COOKIE_SECURE};
-use crate::proxy::http::{full, Body};
+use idemgate_proxy::http::cookie::{CONSOLE_COOKIE, CONSOLE_COOKIE_SECURE};
+use idemgate_proxy::http::{full, Body};
 
 pub use session::Limits;
 use session::Sessions;

@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use http_body_util::BodyExt;
 
-use crate::proxy::http::{Body, Holding};
+use crate::http::{Body, Holding};
 
 /// The gateway's memory budget: bytes held for requests, at most `limit`
 /// for new ones.
@@ -197,7 +197,7 @@ mod tests {
     async fn an_answer_holds_its_charge_until_it_is_sent() {
         let budget = Budget::new(100);
         let charge = budget.admit(10).unwrap();
-        let body = until_sent(crate::proxy::http::full("answer"), charge);
+        let body = until_sent(crate::http::full("answer"), charge);
         assert_eq!(budget.in_use(), 10);
         let sent = body.collect().await.unwrap().to_bytes();
         assert_eq!(sent, "answer");

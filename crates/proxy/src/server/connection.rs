@@ -11,7 +11,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use super::activity::{Head, OpenStream, Streams};
-use crate::proxy::http::Holding;
+use crate::http::Holding;
 
 /// Runs `conn` to its end. When `drain` is cancelled, `shutdown` asks it
 /// to finish what it has open and close. When it has been idle for its

@@ -1,12 +1,12 @@
 //! The proxy plumbing: accepting connections, normalising paths, shedding
 //! load, counting the bytes requests hold against the memory budget,
-//! forwarding to the upstreams over pooled connections, and answering
-//! errors as `application/problem+json`. Knows nothing of jobs.
+//! forwarding to the upstreams over pooled connections, and rendering
+//! problem answers (`application/problem+json`). Knows nothing of jobs.
 
 pub mod budget;
-pub mod error;
 pub mod http;
 pub mod path;
+pub mod problem;
 pub mod server;
 pub mod shed;
 pub mod upstream;

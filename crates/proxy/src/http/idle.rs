@@ -103,7 +103,7 @@ mod tests {
     use tokio::sync::mpsc;
 
     use super::*;
-    use crate::proxy::http::Body;
+    use crate::http::Body;
 
     fn channel() -> (mpsc::Sender<Result<Frame<Bytes>, BodyError>>, Body) {
         let (tx, rx) = mpsc::channel(4);

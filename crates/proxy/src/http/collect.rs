@@ -5,7 +5,7 @@ use bytes::{Bytes, BytesMut};
 use http_body_util::{BodyExt, Limited};
 
 use super::{Body, BoxError};
-use crate::proxy::budget::Charge;
+use crate::budget::Charge;
 
 /// Why a body could not be collected.
 #[derive(Debug, thiserror::Error)]
@@ -110,8 +110,8 @@ mod tests {
     use http_body_util::StreamBody;
 
     use super::*;
-    use crate::proxy::budget::Budget;
-    use crate::proxy::http::BodyError;
+    use crate::budget::Budget;
+    use crate::http::BodyError;
 
     /// A body of `pieces`, with no declared length.
     fn chunked(pieces: Vec<&'static [u8]>) -> Body {
@@ -124,7 +124,7 @@ mod tests {
     #[tokio::test]
     async fn a_declared_body_is_read_into_the_buffer_it_was_admitted_for() {
         let budget = Budget::new(1000);
-        let mut body = crate::proxy::http::full(vec![7u8; 600]);
+        let mut body = crate::http::full(vec![7u8; 600]);
         let charge = budget.admit(600).unwrap();
         let read = collect_charged(&mut body, 1000, &charge).await.unwrap();
         assert_eq!(read.len(), 600);

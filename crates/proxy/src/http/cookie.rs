@@ -1,5 +1,5 @@
 //! The operator console's session cookie, as the proxy sees it: its names
-//! (set by the console, `crate::operations::console`) and its removal from
+//! (set by the console, in the operations layer) and its removal from
 //! every request forwarded upstream (`docs/design.md`, §14).
 //!
 //! Browsers keep cookies per host, not per port: a console signed in at

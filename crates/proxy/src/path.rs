@@ -13,13 +13,13 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http::uri::PathAndQuery;
-use http::{Request, Response, Uri};
+use http::{Request, Response, StatusCode, Uri};
 use pin_project_lite::pin_project;
 use tower::{Layer, Service};
 
 use idemgate_domain::path::normalize;
-use crate::proxy::error::{ClientError, GatewayError};
-use crate::proxy::http::Body;
+use crate::http::Body;
+use crate::problem::problem_response;
 
 /// Normalises every request's path before the inner service sees it.
 #[derive(Debug, Clone, Copy, Default)]
@@ -55,12 +55,26 @@ where
         let rewritten = match normalize(req.uri().path()) {
             Ok(Cow::Borrowed(_)) => None,
             Ok(Cow::Owned(path)) => Some(path),
-            Err(why) => return ResponseFuture::answer(ClientError::from(why).into()),
+            Err(why) => {
+                return ResponseFuture::answer(
+                    StatusCode::BAD_REQUEST,
+                    "ambiguous-path",
+                    "Path that upstreams could read two ways",
+                    &why.to_string(),
+                )
+            }
         };
         if let Some(path) = rewritten {
             match with_path(std::mem::take(req.uri_mut()), path) {
                 Ok(uri) => *req.uri_mut() = uri,
-                Err(e) => return ResponseFuture::answer(e),
+                Err(e) => {
+                    return ResponseFuture::answer(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "internal-error",
+                        "Internal gateway error",
+                        &e,
+                    )
+                }
             }
         }
         ResponseFuture {
@@ -73,7 +87,7 @@ where
 
 /// `uri` with its path replaced by `path`, its query (and scheme and
 /// authority, for an absolute-form target) as they were.
-fn with_path(uri: Uri, path: String) -> Result<Uri, GatewayError> {
+fn with_path(uri: Uri, path: String) -> Result<Uri, String> {
     let mut parts = uri.into_parts();
     let query = parts.path_and_query.as_ref().and_then(PathAndQuery::query);
     let path_and_query = match query {
@@ -84,10 +98,10 @@ fn with_path(uri: Uri, path: String) -> Result<Uri, GatewayError> {
     // was parsed before: neither can fail unless the normaliser is wrong.
     parts.path_and_query = Some(
         PathAndQuery::from_maybe_shared(Bytes::from(path_and_query))
-            .map_err(|e| GatewayError::internal(format!("a normalised path did not parse: {e}")))?,
+            .map_err(|e| format!("a normalised path did not parse: {e}"))?,
     );
     Uri::from_parts(parts)
-        .map_err(|e| GatewayError::internal(format!("a normalised URI did not parse: {e}")))
+        .map_err(|e| format!("a normalised URI did not parse: {e}"))
 }
 
 pin_project! {
@@ -113,10 +127,11 @@ pin_project! {
 }
 
 impl<F> ResponseFuture<F> {
-    fn answer(e: GatewayError) -> Self {
+    /// A problem answer made here: the path never reaches the inner service.
+    fn answer(status: StatusCode, slug: &str, title: &str, detail: &str) -> Self {
         ResponseFuture {
             kind: Kind::Refused {
-                response: Some(e.into_response()),
+                response: Some(problem_response(status, slug, title, detail, None)),
             },
         }
     }
@@ -154,7 +169,7 @@ mod tests {
             let seen = seen.clone();
             service_fn(move |req: Request<()>| {
                 *seen.lock().unwrap() = Some(req.uri().clone());
-                std::future::ready(Ok(Response::new(crate::proxy::http::full("ok"))))
+                std::future::ready(Ok(Response::new(crate::http::full("ok"))))
             })
         };
         let req = Request::builder().uri(uri).body(()).unwrap();

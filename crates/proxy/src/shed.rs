@@ -12,12 +12,12 @@ use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
-use http::{Request, Response};
+use http::{Request, Response, StatusCode};
 use pin_project_lite::pin_project;
 use tower::{Layer, Service};
 
-use crate::proxy::error::GatewayError;
-use crate::proxy::http::Body;
+use crate::http::Body;
+use crate::problem::problem_response;
 
 /// Wraps a service with load shedding.
 #[derive(Clone)]
@@ -87,12 +87,16 @@ where
         if counter.fetch_add(1, Ordering::AcqRel) >= self.layer.limit {
             counter.fetch_sub(1, Ordering::AcqRel);
             metrics::counter!("idemgate_requests_shed_total").increment(1);
-            let shed = GatewayError::Overloaded {
-                retry_after: self.layer.retry_after,
-            };
+            let shed = problem_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "overloaded",
+                "Gateway overloaded; nothing was done",
+                "the gateway has too many requests in progress; retry later",
+                Some(self.layer.retry_after),
+            );
             return ResponseFuture {
                 kind: Kind::Shed {
-                    response: Some(shed.into_response()),
+                    response: Some(shed),
                 },
             };
         }
@@ -168,7 +172,7 @@ mod tests {
             let mut held = held.clone();
             async move {
                 let _ = held.wait_for(|go| *go).await;
-                Ok::<_, Infallible>(Response::new(crate::proxy::http::full("ok")))
+                Ok::<_, Infallible>(Response::new(crate::http::full("ok")))
             }
         });
         let mut shed = ShedLayer::new(2, Duration::from_secs(1)).layer(inner);

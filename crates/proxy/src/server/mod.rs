@@ -19,6 +19,7 @@ mod activity;
 mod connection;
 mod keepalive;
 mod opening;
+mod settings;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -41,9 +42,9 @@ use self::connection::{drive, Counted, Idle};
 use self::keepalive::Watched;
 use self::opening::sniff;
 
-use crate::config::{Limits, TrustedProxies};
-use crate::proxy::http::BoxError;
-use crate::proxy::http::ClientAddr;
+pub use settings::{Limits, TrustedProxies};
+use crate::http::BoxError;
+use crate::http::ClientAddr;
 
 /// Serves `service` on every connection `listener` accepts (HTTP/1.1 and
 /// HTTP/2) within `limits`, tagging each request with the peer's address,

@@ -8,6 +8,7 @@
 //! decides between `failed` (safe to retry) and `unknown`.
 
 mod pool;
+mod settings;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -24,10 +25,10 @@ use tokio::sync::watch;
 
 use self::pool::Pool;
 
-use crate::config::{UpstreamId, UpstreamSettings};
-use crate::proxy::budget::Charge;
-use crate::proxy::http::{hop, Body, ClientAddr, ProvenClient};
-use crate::BoxError;
+pub use settings::{UpstreamId, UpstreamSettings, DEFAULT_IDLE_TIMEOUT};
+use crate::budget::Charge;
+use crate::http::{hop, Body, ClientAddr, ProvenClient};
+use idemgate_domain::BoxError;
 
 /// Which upstream a request goes to, put into request extensions by the
 /// idempotency layer; a request without one goes to the first configured

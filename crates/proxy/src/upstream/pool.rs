@@ -38,7 +38,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use tower::ServiceExt;
 
 use super::UpstreamError;
-use crate::proxy::http::{Body, BodyError};
+use crate::http::{Body, BodyError};
 
 /// Idle connections kept per upstream, at most: pingora's default for its
 /// whole pool (`upstream_keepalive_pool_size`), here per upstream. Only idle
@@ -425,7 +425,7 @@ mod tests {
         Request::builder()
             .uri("/")
             .header(http::header::HOST, base.authority().unwrap().as_str())
-            .body(crate::proxy::http::full(""))
+            .body(crate::http::full(""))
             .unwrap()
     }
 

@@ -19,7 +19,7 @@ use http_body_util::{combinators::BoxBody, BodyExt, Full};
 pub use collect::{collect_charged, collect_limited, discard, CollectError};
 pub use holding::Holding;
 
-pub use crate::BoxError;
+pub use idemgate_domain::BoxError;
 
 /// The one body type of the request path: streamed or buffered, boxed.
 pub type Body = BoxBody<Bytes, BodyError>;

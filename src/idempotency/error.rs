@@ -1,26 +1,24 @@
-//! Errors by who caused them, and the one place they become HTTP answers.
-//!
-//! Every answer the gateway makes up itself is `application/problem+json`
-//! (RFC 9457) with a stable `type` under [`PROBLEM_BASE`]. Logging happens at
-//! the edge (the request span), not here.
+//! Errors of a request the idempotency layer handles, by who caused them
+//! (the client, the upstream, the store, the gateway), and the one table
+//! that maps each to its problem answer (rendered by
+//! [`idemgate_proxy::problem`]). Logging happens at the edge (the request
+//! span), not here.
 
 use std::time::Duration;
 
-use http::{header, HeaderValue, Response, StatusCode};
-use serde_json::{Map, Value};
+use http::{Response, StatusCode};
+use serde_json::Map;
 
 use idemgate_domain::fingerprint::AmbiguousJson;
 use idemgate_domain::key::KeyError;
 use idemgate_domain::path::Ambiguity;
 use idemgate_domain::sse::BadResumePoint;
-use crate::proxy::http::idle::BodyTimedOut;
-use crate::proxy::http::{full, Body, CollectError, Outcome};
-use crate::proxy::upstream::UpstreamError;
+use idemgate_domain::BoxError;
+use idemgate_proxy::http::idle::BodyTimedOut;
+use idemgate_proxy::http::{Body, CollectError};
+use idemgate_proxy::problem::problem_response_with;
+use idemgate_proxy::upstream::UpstreamError;
 use idemgate_store::{StoreError, StoreErrorKind};
-use crate::BoxError;
-
-/// Problem types are this base followed by a slug.
-pub const PROBLEM_BASE: &str = "https://idemgate.dev/problems/";
 
 /// The IETF draft whose answers the key problems give; each links the
 /// section it answers to in a `spec` member (RFC 9457 §3.2), the link to
@@ -383,76 +381,14 @@ impl GatewayError {
         {
             members.insert("events".into(), (*n).into());
         }
-        let mut response = problem_response_with(
+        problem_response_with(
             problem.status,
             problem.slug,
             problem.title,
             &self.to_string(),
             problem.retry_after,
             members,
-        );
-        if problem.status == StatusCode::REQUEST_TIMEOUT {
-            // RFC 9110 §15.5.9: the connection is closed after a 408.
-            response
-                .headers_mut()
-                .insert(header::CONNECTION, HeaderValue::from_static("close"));
-        }
-        if problem.status == StatusCode::UNAUTHORIZED {
-            // RFC 9110 §15.5.2: a 401 says how to authenticate.
-            response.headers_mut().insert(
-                header::WWW_AUTHENTICATE,
-                HeaderValue::from_static("Bearer realm=\"idemgate\""),
-            );
-        }
-        response.extensions_mut().insert(Outcome::Problem);
-        response
+        )
     }
 }
 
-/// Renders a problem+json answer.
-pub fn problem_response(
-    status: StatusCode,
-    slug: &str,
-    title: &str,
-    detail: &str,
-    retry_after: Option<Duration>,
-) -> Response<Body> {
-    problem_response_with(status, slug, title, detail, retry_after, Map::new())
-}
-
-/// Renders a problem+json answer with extension `members` beside the
-/// standard ones (RFC 9457, section 3.2), as `/readyz` lists its tasks; a
-/// member named like a standard one is dropped.
-pub fn problem_response_with(
-    status: StatusCode,
-    slug: &str,
-    title: &str,
-    detail: &str,
-    retry_after: Option<Duration>,
-    members: Map<String, Value>,
-) -> Response<Body> {
-    let mut body = serde_json::json!({
-        "type": format!("{PROBLEM_BASE}{slug}"),
-        "title": title,
-        "status": status.as_u16(),
-        "detail": detail,
-    });
-    if let Value::Object(standard) = &mut body {
-        for (name, value) in members {
-            standard.entry(name).or_insert(value);
-        }
-    }
-    let mut response = Response::new(full(body.to_string()));
-    *response.status_mut() = status;
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/problem+json"),
-    );
-    if let Some(after) = retry_after {
-        let secs = after.as_secs_f64().ceil().max(1.0) as u64;
-        response
-            .headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from(secs));
-    }
-    response
-}
