@@ -20,5 +20,4 @@ pub mod app;
 pub mod config;
 pub mod idempotency;
 pub mod operations;
-pub mod trust;
 pub mod upkeep;

@@ -28,9 +28,9 @@ use tower::{Layer, Service};
 
 use crate::config::routes;
 use crate::config::Route;
-use idemgate_proxy::upstream::UpstreamId;
 use idemgate_domain::id::JobId;
 use idemgate_proxy::http::{AnsweredBy, Outcome};
+use idemgate_proxy::upstream::UpstreamId;
 
 /// Times, counts and (when on) logs every request of the inner service.
 #[derive(Clone)]

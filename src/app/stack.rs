@@ -16,15 +16,15 @@ use tower_http::trace::{DefaultOnFailure, TraceLayer};
 use super::access::{AccessLogLayer, Counted};
 use crate::config::routes;
 use crate::config::{Route, Settings};
-use idemgate_domain::id::JobId;
 use crate::idempotency::{IdempotencyLayer, Shared};
+use crate::BoxError;
+use idemgate_domain::id::JobId;
 use idemgate_proxy::http::idle::IdleTimeout;
 use idemgate_proxy::http::request_id::RequestIds;
 use idemgate_proxy::http::{cookie, hop, IDEMPOTENCY_KEY};
 use idemgate_proxy::path::NormalizePathLayer;
 use idemgate_proxy::shed::ShedLayer;
 use idemgate_proxy::upstream::Upstreams;
-use crate::BoxError;
 
 /// A request's span at `$level` (a constant, as `tracing` needs it): its
 /// method, path and id, with its status and job recorded when it is answered.

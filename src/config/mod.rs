@@ -39,15 +39,15 @@ use http::{HeaderName, Method, StatusCode};
 use idemgate_domain::contract::Contract;
 
 pub use file::FileConfig;
+pub use flags::{Cli, Command, Flags, JobsAction, JobsCommand};
+use idemgate_proxy::server::{Limits, TrustedProxies};
+use idemgate_proxy::upstream::UpstreamSettings;
 use idemgate_store::fastpath::{RedisSettings, Topology};
 use idemgate_store::StoreSettings;
-pub use flags::{Cli, Command, Flags, JobsAction, JobsCommand};
+use idemgate_trust::{Clients, OwnerRule};
 pub use limits::{BudgetSource, MemoryBudget};
 pub use replay::{ReplayKeySettings, ReplayKeySource};
 pub use routes::{OnUnknown, Reconcile, Route, Silences};
-pub use trust::{Clients, OwnerRule, OwnerSource};
-use idemgate_proxy::server::{Limits, TrustedProxies};
-use idemgate_proxy::upstream::UpstreamSettings;
 
 use file::UpstreamFile;
 

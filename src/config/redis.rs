@@ -11,9 +11,9 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::RootCertStore;
 
-use idemgate_store::fastpath::{ClientCert, RedisTls, Topology};
 use crate::config::tls::pem_certificates;
 use crate::config::{bad, ConfigError, FileConfig, Flags};
+use idemgate_store::fastpath::{ClientCert, RedisTls, Topology};
 
 /// The TLS settings for `topology`: `None` for a plain connection (where
 /// any of the three keys is a mistake), the roots and client certificate

@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 
 use super::file::FileConfig;
 use super::flags::Flags;
-use idemgate_store::StoreSettings;
 use super::{bad, ConfigError};
+use idemgate_store::StoreSettings;
 
 /// Where the replay key comes from, and the previous keys that still
 /// verify what they wrote.

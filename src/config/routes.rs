@@ -10,12 +10,13 @@ use std::time::Duration;
 use http::{HeaderName, Method};
 
 use super::file::{ReconcileFile, RouteFile};
-use super::trust::{owner_rule, Clients, OwnerFile, OwnerRule};
-use idemgate_proxy::upstream::UpstreamSettings;
+use super::trust::{owner_rule, OwnerFile};
 use super::{at_least_one, bad, header_name, positive, ConfigError};
 use idemgate_domain::contract::Contract;
 use idemgate_domain::fingerprint::BodyRule;
 use idemgate_domain::sse;
+use idemgate_proxy::upstream::UpstreamSettings;
+use idemgate_trust::{Clients, OwnerRule};
 
 /// Which requests opt in, and how they are treated.
 #[derive(Debug, Clone)]

@@ -125,4 +125,3 @@ pub fn client_identity(
     }
     Ok(ClientIdentity::new(chain, private))
 }
-

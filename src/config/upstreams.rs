@@ -81,9 +81,7 @@ fn parse(
     Ok(UpstreamSettings {
         id: UpstreamId::new(
             i,
-            &table
-                .and_then(|t| t.name.clone())
-                .unwrap_or(default_name),
+            &table.and_then(|t| t.name.clone()).unwrap_or(default_name),
         ),
         base,
         timeout: positive(&format!("{key}.timeout"), timeout)?,

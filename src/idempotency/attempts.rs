@@ -9,9 +9,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::dispatch::Joining;
 use super::execute::{Reply, Running};
+use crate::idempotency::error::GatewayError;
 use idemgate_domain::attempt::Attempt;
 use idemgate_domain::id::AttemptId;
-use crate::idempotency::error::GatewayError;
 use idemgate_proxy::http::AnsweredBy;
 use idemgate_store::StoreError;
 

@@ -29,13 +29,13 @@ use tokio::time::Instant;
 
 use super::execute::{Reply, Uncommitted};
 use crate::config::Route;
-use idemgate_proxy::upstream::UpstreamSettings;
+use crate::idempotency::error::{ClientError, GatewayError};
+use crate::idempotency::recording::Recording;
 use idemgate_domain::attempt::Attempt;
 use idemgate_domain::id::AttemptId;
 use idemgate_domain::job::{Job, JobState};
 use idemgate_domain::response::StoredResponse;
-use crate::idempotency::recording::Recording;
-use crate::idempotency::error::{ClientError, GatewayError};
+use idemgate_proxy::upstream::UpstreamSettings;
 use idemgate_store::StoreError;
 use idemgate_telemetry::Chain;
 

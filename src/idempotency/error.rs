@@ -19,6 +19,7 @@ use idemgate_proxy::http::{Body, CollectError};
 use idemgate_proxy::problem::problem_response_with;
 use idemgate_proxy::upstream::UpstreamError;
 use idemgate_store::{StoreError, StoreErrorKind};
+use idemgate_trust::TrustError;
 
 /// The IETF draft whose answers the key problems give; each links the
 /// section it answers to in a `spec` member (RFC 9457 §3.2), the link to
@@ -85,13 +86,10 @@ pub enum ClientError {
         /// When to try again.
         retry_after: Duration,
     },
-    /// A keyed request whose owner could not be established, on a route
-    /// that does not allow anonymous owners.
-    #[error("this route needs to know who owns the key: send {expected}")]
-    OwnerMissing {
-        /// The sources the route reads, in words.
-        expected: String,
-    },
+    /// Who is asking could not be established: no owner for a keyed
+    /// request, or no proven client on a route that serves only those.
+    #[error(transparent)]
+    Unproven(#[from] TrustError),
     /// A resume point that cannot be read (`docs/design.md` §10, "Resume").
     #[error(transparent)]
     BadResumePoint(#[from] BadResumePoint),
@@ -103,13 +101,6 @@ pub enum ClientError {
         why: String,
         /// How many events the whole answer has, once it is known.
         events: Option<usize>,
-    },
-    /// The route serves only clients that prove themselves with a client
-    /// key, and none was presented (or it matched no client).
-    #[error("this route serves only the gateway's clients: send your client key in the {header} header (as `Bearer <key>`)")]
-    ClientUnproven {
-        /// Where the key goes.
-        header: String,
     },
 }
 
@@ -162,6 +153,12 @@ pub enum GatewayError {
     /// The gateway itself.
     #[error("internal gateway error")]
     Internal(#[source] BoxError),
+}
+
+impl From<TrustError> for GatewayError {
+    fn from(e: TrustError) -> Self {
+        GatewayError::Client(e.into())
+    }
 }
 
 impl GatewayError {
@@ -264,12 +261,12 @@ impl ClientError {
                 "resume-point-not-satisfiable",
                 "Nothing to resume from that point",
             ),
-            ClientError::OwnerMissing { .. } => p(
+            ClientError::Unproven(TrustError::OwnerMissing { .. }) => p(
                 StatusCode::UNAUTHORIZED,
                 "owner-required",
                 "Who owns this Idempotency-Key could not be established",
             ),
-            ClientError::ClientUnproven { .. } => p(
+            ClientError::Unproven(TrustError::ClientUnproven { .. }) => p(
                 StatusCode::UNAUTHORIZED,
                 "client-unauthenticated",
                 "This route serves only the gateway's clients",
@@ -391,4 +388,3 @@ impl GatewayError {
         )
     }
 }
-

@@ -17,9 +17,9 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::idempotency::error::{ClientError, GatewayError};
 use idemgate_domain::id::JobId;
 use idemgate_domain::job::{Job, JobState};
-use crate::idempotency::error::{ClientError, GatewayError};
 use idemgate_store::{Doorbell, Observed, Store};
 
 /// How long duplicates are held, and what they are told after.

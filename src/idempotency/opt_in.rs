@@ -13,16 +13,16 @@ use http::{header, HeaderValue, Request};
 use tracing::Span;
 
 use crate::config::routes::{self, Route};
+use crate::idempotency::error::{ClientError, GatewayError};
 use idemgate_domain::fingerprint::{fingerprint, RequestParts};
 use idemgate_domain::key::IdempotencyKey;
 use idemgate_domain::sse::ResumePoint;
 use idemgate_proxy::budget::Charge;
-use crate::idempotency::error::{ClientError, GatewayError};
 use idemgate_proxy::http::{
     collect_charged, discard, Body, CollectError, EVENTS_RECEIVED, IDEMPOTENCY_KEY, LAST_EVENT_ID,
 };
 use idemgate_proxy::upstream::Target;
-use crate::trust::Trust;
+use idemgate_trust::Trust;
 
 use super::keyed::Keyed;
 use super::shared::Shared;

@@ -18,8 +18,8 @@ use http::{HeaderValue, Response};
 use http_body::Frame;
 use http_body_util::{BodyExt, BodyStream, StreamBody};
 
-use idemgate_domain::sse::{self, ResumePoint, Skip, Skipped};
 use crate::idempotency::error::ClientError;
+use idemgate_domain::sse::{self, ResumePoint, Skip, Skipped};
 use idemgate_proxy::http::{Body, BodyError, EVENTS_SKIPPED};
 
 /// The part of `replay` (an answer of the job, replayed or joined) after

@@ -9,16 +9,16 @@ use http::StatusCode;
 use uuid::Uuid;
 
 use super::execute::{self, Runner};
-use idemgate_store::fastpath::FastPath;
 use super::hold::{self, Holds};
 use super::recording::join::Live;
 use super::replay::tiers::Replays;
 use crate::config::Route;
-use idemgate_proxy::budget::Budget;
-use idemgate_store::{Doorbell, Store};
-use crate::trust::Trust;
 use crate::upkeep::lease::Leases;
 use crate::upkeep::probe::ProbeBoard;
+use idemgate_proxy::budget::Budget;
+use idemgate_store::fastpath::FastPath;
+use idemgate_store::{Doorbell, Store};
+use idemgate_trust::Trust;
 
 /// How the idempotency layer runs.
 #[derive(Debug, Clone)]

@@ -291,7 +291,7 @@ fn layer(toml: &str, faults: Faults) -> (IdempotencyLayer, Arc<Faults>, Arc<dyn 
             probes: Arc::default(),
             leases: Arc::default(),
             instance: Uuid::nil(),
-            trust: Arc::new(crate::trust::Trust::with_salt(
+            trust: Arc::new(idemgate_trust::Trust::with_salt(
                 idemgate_domain::key::OwnerSalt::new(b"test salt, not a secret"),
             )),
             budget: idemgate_proxy::budget::Budget::new(settings.memory_budget.bytes),

@@ -11,12 +11,12 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
+use crate::upkeep::supervise::Heartbeat;
+use crate::BoxError;
 use idemgate_domain::attempt::AttemptFailure;
 use idemgate_domain::id::AttemptId;
 use idemgate_store::Store;
 use idemgate_telemetry::Chain;
-use crate::upkeep::supervise::Heartbeat;
-use crate::BoxError;
 
 /// The attempts this instance holds leases on.
 #[derive(Debug)]

@@ -19,13 +19,13 @@ use tokio::sync::watch;
 
 use crate::config::Route;
 
-use idemgate_proxy::upstream::{UpstreamId, UpstreamSettings};
+use crate::upkeep::supervise::Heartbeat;
+use crate::BoxError;
 use idemgate_domain::contract::expect::{judge, Finding, Observed};
 use idemgate_domain::contract::{excerpt, Contract, Probe};
 use idemgate_proxy::http::full;
 use idemgate_proxy::upstream::{fetch, Upstream, Upstreams};
-use crate::upkeep::supervise::Heartbeat;
-use crate::BoxError;
+use idemgate_proxy::upstream::{UpstreamId, UpstreamSettings};
 
 /// Verdicts kept per upstream and contract.
 pub const HISTORY: usize = 20;

@@ -22,8 +22,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use idemgate_telemetry::Chain;
 use crate::BoxError;
+use idemgate_telemetry::Chain;
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);

@@ -6,10 +6,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idemgate_store::Store;
-use idemgate_telemetry::Chain;
 use crate::upkeep::supervise::Heartbeat;
 use crate::BoxError;
+use idemgate_store::Store;
+use idemgate_telemetry::Chain;
 
 const BATCH: u32 = 500;
 const BATCHES_PER_TICK: usize = 20;

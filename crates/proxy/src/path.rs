@@ -17,9 +17,9 @@ use http::{Request, Response, StatusCode, Uri};
 use pin_project_lite::pin_project;
 use tower::{Layer, Service};
 
-use idemgate_domain::path::normalize;
 use crate::http::Body;
 use crate::problem::problem_response;
+use idemgate_domain::path::normalize;
 
 /// Normalises every request's path before the inner service sees it.
 #[derive(Debug, Clone, Copy, Default)]
@@ -100,8 +100,7 @@ fn with_path(uri: Uri, path: String) -> Result<Uri, String> {
         PathAndQuery::from_maybe_shared(Bytes::from(path_and_query))
             .map_err(|e| format!("a normalised path did not parse: {e}"))?,
     );
-    Uri::from_parts(parts)
-        .map_err(|e| format!("a normalised URI did not parse: {e}"))
+    Uri::from_parts(parts).map_err(|e| format!("a normalised URI did not parse: {e}"))
 }
 
 pin_project! {

@@ -21,6 +21,7 @@ use super::{
     Backend, Begin, CommitOutcome, Cursor, Decide, Doorbell, Lapsed, Lock, Records, Store,
     StoreError,
 };
+use crate::seal::{self, Sealer};
 use idemgate_domain::attempt::{Attempt, AttemptFailure, NewAttempt, Resolution};
 use idemgate_domain::id::{AttemptId, JobId};
 use idemgate_domain::job::{Job, JobDetail, NewJob};
@@ -28,7 +29,6 @@ use idemgate_domain::key::{IdempotencyKey, Owner};
 use idemgate_domain::reconcile::Lookup;
 use idemgate_domain::response::StoredResponse;
 use idemgate_domain::transition::{self, Change, Refusal};
-use crate::seal::{self, Sealer};
 
 /// A [`Store`] over a [`Backend`].
 pub struct Machine<B> {

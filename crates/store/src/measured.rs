@@ -146,11 +146,11 @@ mod tests {
     use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusRecorder};
 
     use super::*;
+    use crate::memory::Memory;
+    use crate::{Doorbell, Machine, Store};
     use idemgate_domain::attempt::{AttemptFailure, Resolution};
     use idemgate_domain::fingerprint::Fingerprint;
     use idemgate_domain::key::OwnerSalt;
-    use crate::memory::Memory;
-    use crate::{Doorbell, Machine, Store};
 
     fn new_job() -> NewJob {
         NewJob {

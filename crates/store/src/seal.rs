@@ -26,8 +26,8 @@ use bytes::Bytes;
 
 use idemgate_domain::id::JobId;
 
-use idemgate_domain::response::StoredResponse;
 use crate::codec::{decode_headers, encode_headers};
+use idemgate_domain::response::StoredResponse;
 
 /// The pseudo-header naming the key a response was sealed with.
 pub const SEALED: &str = ":sealed";

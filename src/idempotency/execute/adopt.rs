@@ -12,14 +12,14 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use super::reconcile::{Ask, Reconciler};
 use super::UpstreamService;
 use crate::config::{Reconcile, Route};
+use crate::upkeep::supervise::Heartbeat;
+use crate::BoxError;
 use idemgate_domain::id::AttemptId;
 use idemgate_domain::job::JobDetail;
 use idemgate_domain::reconcile::orphaned;
 use idemgate_proxy::http::ProvenClient;
 use idemgate_store::{Lapsed, StoreError};
 use idemgate_telemetry::Chain;
-use crate::upkeep::supervise::Heartbeat;
-use crate::BoxError;
 
 /// Most unknown attempts one scan reads.
 const SCAN_LIMIT: u32 = 1000;

@@ -36,18 +36,18 @@ use uuid::Uuid;
 use super::keyed::Keyed;
 use super::recording::join::Live;
 use crate::config::{Reconcile, Route, Silences};
-use idemgate_proxy::upstream::UpstreamSettings;
+use crate::idempotency::error::GatewayError;
+use crate::idempotency::recording::Recording;
+use crate::upkeep::lease::{LeaseGuard, Leases};
 use idemgate_domain::attempt::{Attempt, AttemptFailure, NewAttempt};
 use idemgate_domain::id::AttemptId;
 use idemgate_domain::response::StoredResponse;
-use idemgate_store::fastpath::{FastPath, Tag};
-use crate::idempotency::recording::Recording;
 use idemgate_proxy::budget::Charge;
-use crate::idempotency::error::GatewayError;
 use idemgate_proxy::http::{full, Body, ProvenClient, EVENTS_RECEIVED, IDEMPOTENCY_KEY};
+use idemgate_proxy::upstream::UpstreamSettings;
 use idemgate_proxy::upstream::{Target, UpstreamError};
+use idemgate_store::fastpath::{FastPath, Tag};
 use idemgate_store::{Doorbell, Store};
-use crate::upkeep::lease::{LeaseGuard, Leases};
 
 /// How long a request waits for its attempt's outcome to be recorded before
 /// it is answered anyway (the write goes on in the background).

@@ -11,10 +11,10 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{Reply, Task, PATIENCE};
+use crate::idempotency::error::GatewayError;
 use idemgate_domain::attempt::{AttemptFailure, AttemptState};
 use idemgate_domain::id::AttemptId;
 use idemgate_domain::response::StoredResponse;
-use crate::idempotency::error::GatewayError;
 use idemgate_store::{CommitOutcome, StoreError};
 use idemgate_telemetry::Chain;
 

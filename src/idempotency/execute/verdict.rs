@@ -8,11 +8,11 @@ use http::Response;
 
 use super::Uncommitted;
 use crate::config::Route;
+use crate::idempotency::error::GatewayError;
+use crate::idempotency::replay;
 use idemgate_domain::attempt::AttemptFailure;
 use idemgate_domain::contract::excerpt;
 use idemgate_domain::response::StoredResponse;
-use crate::idempotency::replay;
-use crate::idempotency::error::GatewayError;
 use idemgate_proxy::http::full;
 use idemgate_proxy::upstream::{Fetched, UpstreamError, UpstreamErrorKind};
 use idemgate_telemetry::Chain;

@@ -9,12 +9,12 @@ use std::time::Duration;
 use http::Response;
 
 use super::{Recording, Recordings};
+use crate::idempotency::hold::Holds;
 use idemgate_domain::id::JobId;
 use idemgate_domain::job::JobState;
-use idemgate_store::fastpath::{FastPath, Tag};
-use crate::idempotency::hold::Holds;
 use idemgate_proxy::budget::Budget;
 use idemgate_proxy::http::Body;
+use idemgate_store::fastpath::{FastPath, Tag};
 use idemgate_telemetry::Chain;
 
 /// The streams duplicates may join: recorded here, or mirrored elsewhere.

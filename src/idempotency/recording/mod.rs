@@ -361,8 +361,8 @@ impl Recordings {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use idemgate_proxy::budget::Budget;
     use futures_util::StreamExt;
+    use idemgate_proxy::budget::Budget;
 
     fn charge() -> Arc<Charge> {
         Budget::new(1 << 20).open()

@@ -179,8 +179,8 @@ impl Equivalent<Slot> for Borrowed<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use idemgate_domain::key::OwnerSalt;
     use bytes::Bytes;
+    use idemgate_domain::key::OwnerSalt;
     use std::time::Duration;
 
     fn owner() -> Owner {

@@ -21,13 +21,13 @@ use std::time::SystemTime;
 use http::Response;
 
 use super::{response, Framing, Kept, ReplayCache};
+use crate::idempotency::error::GatewayError;
+use crate::idempotency::keyed::Keyed;
 use idemgate_domain::id::JobId;
 use idemgate_domain::job::Job;
 use idemgate_domain::response::StoredResponse;
-use idemgate_store::fastpath::{FastPath, Lookup};
-use crate::idempotency::keyed::Keyed;
-use crate::idempotency::error::GatewayError;
 use idemgate_proxy::http::Body;
+use idemgate_store::fastpath::{FastPath, Lookup};
 use idemgate_store::Store;
 
 /// When a replay writes the job's fast-path entry.

@@ -20,11 +20,11 @@ use serde_json::{json, Value};
 use super::error::AdminError;
 use super::views::json_response;
 use super::Admin;
+use crate::BoxError;
 use idemgate_domain::attempt::{AttemptState, Resolution};
 use idemgate_proxy::http::{collect_limited, Body};
 use idemgate_store::Cursor;
 use idemgate_telemetry::Chain;
-use crate::BoxError;
 
 /// Most unknown jobs one bulk resolution reads.
 const MAX_JOBS: usize = 10_000;

@@ -5,8 +5,8 @@
 
 use http::{header, HeaderValue, Response, StatusCode};
 
-use idemgate_proxy::problem::problem_response;
 use idemgate_proxy::http::Body;
+use idemgate_proxy::problem::problem_response;
 use idemgate_store::{StoreError, StoreErrorKind};
 use idemgate_telemetry::Chain;
 

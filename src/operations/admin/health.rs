@@ -8,10 +8,10 @@ use serde_json::{json, Map, Value};
 
 use super::views::json_response;
 use super::Admin;
-use idemgate_proxy::problem::problem_response_with;
-use idemgate_proxy::http::{full, Body};
 use crate::upkeep::health::Health;
 use crate::upkeep::supervise::{Report, Status};
+use idemgate_proxy::http::{full, Body};
+use idemgate_proxy::problem::problem_response_with;
 
 /// `GET /healthz`: alive, whatever the store says.
 pub(super) fn healthz() -> Response<Body> {
@@ -117,7 +117,7 @@ mod tests {
     use tokio_util::sync::CancellationToken;
 
     use idemgate_domain::key::OwnerSalt;
-    use crate::trust::Trust;
+    use idemgate_trust::Trust;
 
     use std::sync::Arc;
 
@@ -125,15 +125,15 @@ mod tests {
     use http::Request;
 
     use super::*;
+    use crate::operations::console::{self, Console};
+    use crate::upkeep::health::Dependencies;
+    use crate::upkeep::supervise::{Beats, Supervisor};
     use idemgate_domain::attempt::{Attempt, AttemptFailure, NewAttempt, Resolution};
     use idemgate_domain::id::{AttemptId, JobId};
     use idemgate_domain::job::{Job, JobDetail, NewJob};
     use idemgate_domain::key::{IdempotencyKey, Owner};
     use idemgate_domain::response::StoredResponse;
-    use crate::operations::console::{self, Console};
     use idemgate_store::{Begin, CommitOutcome, Cursor, Records, Store, StoreError};
-    use crate::upkeep::health::Dependencies;
-    use crate::upkeep::supervise::{Beats, Supervisor};
 
     /// A store that answers pings and panics when swept.
     struct SweepPanics;

@@ -14,12 +14,12 @@ use uuid::Uuid;
 use super::error::AdminError;
 use super::views::{self, json_response};
 use super::{resolution, Admin};
+use crate::BoxError;
 use idemgate_domain::id::{AttemptId, JobId};
 use idemgate_domain::job::JobDetail;
 use idemgate_domain::key::{IdempotencyKey, Owner};
 use idemgate_proxy::http::{collect_limited, Body};
 use idemgate_store::Cursor;
-use crate::BoxError;
 
 /// Largest resolution body accepted.
 const MAX_BODY: usize = 16 * 1024 * 1024;

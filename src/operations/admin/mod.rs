@@ -25,15 +25,15 @@ use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode};
 use metrics_exporter_prometheus::PrometheusHandle;
 
-use idemgate_proxy::upstream::UpstreamSettings;
 use crate::operations::console::{self, Console};
-use idemgate_proxy::http::{collect_limited, Body};
-use idemgate_store::Store;
-use crate::trust::Trust;
 use crate::upkeep::health::Dependencies;
 use crate::upkeep::probe::ProbeBoard;
 use crate::upkeep::supervise::Supervisor;
 use crate::BoxError;
+use idemgate_proxy::http::{collect_limited, Body};
+use idemgate_proxy::upstream::UpstreamSettings;
+use idemgate_store::Store;
+use idemgate_trust::Trust;
 
 mod auth;
 mod bulk;

@@ -42,9 +42,9 @@ use self::connection::{drive, Counted, Idle};
 use self::keepalive::Watched;
 use self::opening::sniff;
 
-pub use settings::{Limits, TrustedProxies};
 use crate::http::BoxError;
 use crate::http::ClientAddr;
+pub use settings::{Limits, TrustedProxies};
 
 /// Serves `service` on every connection `listener` accepts (HTTP/1.1 and
 /// HTTP/2) within `limits`, tagging each request with the peer's address,

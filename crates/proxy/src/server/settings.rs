@@ -53,4 +53,3 @@ impl TrustedProxies {
         self.0.iter().any(|net| net.contains(&ip))
     }
 }
-

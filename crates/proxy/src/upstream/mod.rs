@@ -25,10 +25,10 @@ use tokio::sync::watch;
 
 use self::pool::Pool;
 
-pub use settings::{UpstreamId, UpstreamSettings, DEFAULT_IDLE_TIMEOUT};
 use crate::budget::Charge;
 use crate::http::{hop, Body, ClientAddr, ProvenClient};
 use idemgate_domain::BoxError;
+pub use settings::{UpstreamId, UpstreamSettings, DEFAULT_IDLE_TIMEOUT};
 
 /// Which upstream a request goes to, put into request extensions by the
 /// idempotency layer; a request without one goes to the first configured

@@ -94,4 +94,3 @@ impl UpstreamSettings {
         self.id.name()
     }
 }
-

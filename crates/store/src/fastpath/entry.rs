@@ -9,12 +9,12 @@ use bytes::Bytes;
 use sha2::{Digest, Sha256};
 
 use super::keys::{EntryKeys, Fields, Rejection, HEAD_LEN};
+use crate::codec::{decode_headers, encode_headers};
 use idemgate_domain::fingerprint::Fingerprint;
 use idemgate_domain::id::JobId;
 use idemgate_domain::job::EXPIRY_MARGIN;
 use idemgate_domain::key::{IdempotencyKey, Owner};
 use idemgate_domain::response::StoredResponse;
-use crate::codec::{decode_headers, encode_headers};
 
 /// A cached entry, verified.
 #[derive(Debug, Clone, PartialEq, Eq)]

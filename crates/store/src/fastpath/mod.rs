@@ -31,12 +31,12 @@ use futures_util::StreamExt;
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
+use crate::Doorbell;
 use idemgate_domain::fingerprint::Fingerprint;
 use idemgate_domain::id::JobId;
 use idemgate_domain::job::EXPIRY_MARGIN;
 use idemgate_domain::key::{IdempotencyKey, Owner};
 use idemgate_domain::response::StoredResponse;
-use crate::Doorbell;
 use idemgate_domain::BoxError;
 
 mod connection;

@@ -9,7 +9,6 @@ use std::time::Duration;
 use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo};
 use rustls::pki_types::CertificateDer;
 
-
 /// The Redis fast path's settings.
 #[derive(Debug, Clone)]
 pub struct RedisSettings {

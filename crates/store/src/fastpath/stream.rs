@@ -18,9 +18,9 @@ use futures_util::{Stream, StreamExt};
 use super::entry::{stream_key, Tag};
 use super::keys::{EntryKeys, Fields, Rejection, HEAD_LEN};
 use super::FastPath;
-use idemgate_domain::id::JobId;
 use crate::codec::{decode_headers, encode_headers};
 use crate::Doorbell;
+use idemgate_domain::id::JobId;
 use idemgate_domain::BoxError;
 
 /// The parts of a mirrored stream, each in a Redis Stream entry of its own

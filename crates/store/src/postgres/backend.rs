@@ -10,14 +10,14 @@ use super::rows::{answer, snapshots, split_headers};
 use super::sql::{begin_statement, SNAPSHOT_COLUMNS};
 use super::write::write;
 use super::{map_pg, Postgres};
-use idemgate_domain::attempt::{Attempt, AttemptState, NewAttempt};
-use idemgate_domain::job::{JobState, NewJob};
-use idemgate_domain::response::StoredResponse;
-use idemgate_domain::transition::{Change, Refusal};
 use crate::{
     commit_under_lock, expire_each, millis, Applied, Backend, Begin, Committed, Decide, Lock,
     StoreError,
 };
+use idemgate_domain::attempt::{Attempt, AttemptState, NewAttempt};
+use idemgate_domain::job::{JobState, NewJob};
+use idemgate_domain::response::StoredResponse;
+use idemgate_domain::transition::{Change, Refusal};
 
 #[async_trait]
 impl Backend for Postgres {

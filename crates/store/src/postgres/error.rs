@@ -1,8 +1,8 @@
 //! The database's errors as [`StoreError`]s, by what the caller can do;
 //! at start-up, refusals that name the setting to fix (docs/design.md §16).
 
-use super::{replication, tls};
 use super::settings::SslMode;
+use super::{replication, tls};
 use crate::StoreError;
 
 /// A database that cannot be reached, or that is read-only (a standby),

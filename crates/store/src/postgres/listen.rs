@@ -7,8 +7,8 @@ use tokio_postgres::AsyncMessage;
 use uuid::Uuid;
 
 use super::{map_pg, Budget, Postgres, Replication};
-use idemgate_domain::id::JobId;
 use crate::{Doorbell, StoreError};
+use idemgate_domain::id::JobId;
 
 /// The channel job-state changes are announced on.
 const CHANNEL: &str = "idemgate_jobs";

@@ -46,8 +46,8 @@ pub use budget::Budget;
 pub use replication::Replication;
 
 pub use error::Refused;
-pub use settings::{Check, ClientIdentity, PgSettings, PgTls, PgUrl, SslMode};
 use error::{at_start, map_pg};
+pub use settings::{Check, ClientIdentity, PgSettings, PgTls, PgUrl, SslMode};
 
 /// The PostgreSQL [`Backend`](crate::Backend).
 #[derive(Clone)]

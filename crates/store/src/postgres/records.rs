@@ -10,12 +10,12 @@ use uuid::Uuid;
 use super::rows::{attempt_from_row, job_from_row};
 use super::sql::{ATTEMPT_COLUMNS, JOB_COLUMNS, JOB_WIDTH};
 use super::{map_pg, Postgres};
+use crate::{millis, Cursor, Records, StoreError};
 use idemgate_domain::attempt::AttemptState;
 use idemgate_domain::id::{AttemptId, JobId};
 use idemgate_domain::job::{Job, JobDetail};
 use idemgate_domain::key::{IdempotencyKey, Owner};
 use idemgate_domain::reconcile::Lookup;
-use crate::{millis, Cursor, Records, StoreError};
 
 #[async_trait]
 impl Records for Postgres {

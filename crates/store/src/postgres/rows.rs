@@ -8,6 +8,7 @@ use tokio_postgres::Row;
 use uuid::Uuid;
 
 use super::sql::{ATTEMPT_WIDTH, JOB_WIDTH};
+use crate::{attempt_state, job_state, lookups, Begin, StoreError};
 use idemgate_domain::attempt::Attempt;
 use idemgate_domain::fingerprint::Fingerprint;
 use idemgate_domain::id::{AttemptId, JobId};
@@ -15,7 +16,6 @@ use idemgate_domain::job::Job;
 use idemgate_domain::key::{IdempotencyKey, Owner};
 use idemgate_domain::response::StoredResponse;
 use idemgate_domain::transition::{AttemptHead, JobHead, Snapshot};
-use crate::{attempt_state, job_state, lookups, Begin, StoreError};
 
 /// Reads the snapshots in `rows` (of [`SNAPSHOT_COLUMNS`](super::sql::SNAPSHOT_COLUMNS), ordered by job),
 /// with the database's clock.

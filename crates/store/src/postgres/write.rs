@@ -4,10 +4,10 @@
 use super::map_pg;
 use super::rows::{attempt_from_row, split_headers};
 use super::sql::ATTEMPT_COLUMNS;
+use crate::{millis, StoreError};
 use idemgate_domain::attempt::{Attempt, AttemptState};
 use idemgate_domain::id::JobId;
 use idemgate_domain::transition::{Change, Start};
-use crate::{millis, StoreError};
 
 /// Writes a change inside the transaction holding its job's lock; returns
 /// the attempt it started, as stored.

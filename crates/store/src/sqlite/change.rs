@@ -9,11 +9,11 @@ use rusqlite::{
 };
 
 use super::rows::{map_sqlite, read_attempt, read_detail, read_job, to_ms, uuid};
+use crate::codec::encode_headers;
+use crate::{millis, Applied, Decide, Lock, StoreError};
 use idemgate_domain::attempt::{Attempt, AttemptState, NewAttempt};
 use idemgate_domain::id::JobId;
 use idemgate_domain::transition::{AttemptHead, Change, JobHead, Refusal, Snapshot};
-use crate::codec::encode_headers;
-use crate::{millis, Applied, Decide, Lock, StoreError};
 
 /// none, a savepoint inside the batch's transaction (see [`super::group_commit::writer`]).
 pub(super) enum Tx<'c> {

@@ -45,6 +45,10 @@ use self::group_commit::Op;
 use self::rows::{
     job_from_row, map_sqlite, now_ms, read_detail, read_job, to_ms, uuid, JOB_COLUMNS,
 };
+use crate::{
+    commit_under_lock, expire_each, millis, Applied, Backend, Begin, Committed, Cursor, Decide,
+    Lock, Records, StoreError,
+};
 use idemgate_domain::attempt::{Attempt, AttemptState, NewAttempt};
 use idemgate_domain::id::{AttemptId, JobId};
 use idemgate_domain::job::{Job, JobDetail, JobState, NewJob};
@@ -52,10 +56,6 @@ use idemgate_domain::key::{IdempotencyKey, Owner};
 use idemgate_domain::reconcile::Lookup;
 use idemgate_domain::response::StoredResponse;
 use idemgate_domain::transition::{Change, Refusal};
-use crate::{
-    commit_under_lock, expire_each, millis, Applied, Backend, Begin, Committed, Cursor, Decide,
-    Lock, Records, StoreError,
-};
 
 /// The SQLite [`Backend`].
 #[derive(Clone)]

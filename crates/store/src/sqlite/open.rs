@@ -12,10 +12,10 @@ use super::change::change_blocking;
 use super::group_commit::writer;
 use super::rows::{map_sqlite, uuid};
 use super::Sqlite;
+use crate::{Decide, Lock, StoreError};
 use idemgate_domain::attempt::{AttemptFailure, AttemptState};
 use idemgate_domain::id::AttemptId;
 use idemgate_domain::transition::{self};
-use crate::{Decide, Lock, StoreError};
 
 mod embedded {
     refinery::embed_migrations!("../../migrations/sqlite");

@@ -7,14 +7,14 @@ use bytes::Bytes;
 use rusqlite::{Connection, OptionalExtension, Row};
 use uuid::Uuid;
 
+use crate::codec::decode_headers;
+use crate::{attempt_state, job_state, lookups, millis, StoreError};
 use idemgate_domain::attempt::Attempt;
 use idemgate_domain::fingerprint::Fingerprint;
 use idemgate_domain::id::{AttemptId, JobId};
 use idemgate_domain::job::{Job, JobDetail};
 use idemgate_domain::key::{IdempotencyKey, Owner};
 use idemgate_domain::response::StoredResponse;
-use crate::codec::decode_headers;
-use crate::{attempt_state, job_state, lookups, millis, StoreError};
 
 pub(super) const JOB_COLUMNS: &str =
     "j.id, j.owner, j.key, j.fingerprint, j.route, j.state, j.version, \

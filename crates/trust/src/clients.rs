@@ -6,7 +6,7 @@ use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
 use super::headers::{bearer, only};
-use crate::config::Clients;
+use crate::settings::Clients;
 use idemgate_proxy::http::ProvenClient;
 
 /// The client whose key `headers` carry, if any.

@@ -10,15 +10,35 @@ mod clients;
 mod headers;
 mod jwt;
 mod owner;
+mod settings;
 
 use std::sync::Arc;
 
 use http::HeaderMap;
 
-use crate::config::{Clients, OwnerRule, OwnerSource};
 use idemgate_domain::key::{Owner, OwnerSalt};
-use crate::idempotency::error::ClientError;
 use idemgate_proxy::http::ProvenClient;
+
+pub use settings::{ClientSettings, Clients, JwtSource, OwnerRule, OwnerSource};
+
+/// Why who is asking could not be established (answered `401`).
+#[derive(Debug, thiserror::Error)]
+pub enum TrustError {
+    /// A keyed request whose owner could not be established, on a route
+    /// that does not allow anonymous owners.
+    #[error("this route needs to know who owns the key: send {expected}")]
+    OwnerMissing {
+        /// The sources the route reads, in words.
+        expected: String,
+    },
+    /// The route serves only clients that prove themselves with a client
+    /// key, and none was presented (or it matched no client).
+    #[error("this route serves only the gateway's clients: send your client key in the {header} header (as `Bearer <key>`)")]
+    ClientUnproven {
+        /// Where the key goes.
+        header: String,
+    },
+}
 
 /// What the gateway trusts, built once at start-up.
 pub struct Trust {
@@ -53,8 +73,8 @@ impl Trust {
     }
 
     /// The client whose key `headers` carry, or why there is none.
-    pub fn prove_client(&self, headers: &HeaderMap) -> Result<ProvenClient, ClientError> {
-        clients::prove(&self.clients, headers).ok_or_else(|| ClientError::ClientUnproven {
+    pub fn prove_client(&self, headers: &HeaderMap) -> Result<ProvenClient, TrustError> {
+        clients::prove(&self.clients, headers).ok_or_else(|| TrustError::ClientUnproven {
             header: self.clients.header.to_string(),
         })
     }
@@ -65,7 +85,7 @@ impl Trust {
         &self,
         rule: &OwnerRule,
         head: &http::request::Parts,
-    ) -> Result<Owner, ClientError> {
+    ) -> Result<Owner, TrustError> {
         for source in &rule.sources {
             if let Some(evidence) = owner::evidence(source, head) {
                 let parts: Vec<&[u8]> = evidence.iter().map(Vec::as_slice).collect();
@@ -75,7 +95,7 @@ impl Trust {
         if rule.allow_anonymous {
             return Ok(Owner::anonymous());
         }
-        Err(ClientError::OwnerMissing {
+        Err(TrustError::OwnerMissing {
             expected: owner::expected(&rule.sources),
         })
     }

@@ -8,7 +8,7 @@ use http::HeaderMap;
 
 use super::headers::only;
 use super::jwt;
-use crate::config::OwnerSource;
+use crate::settings::OwnerSource;
 use idemgate_proxy::http::{ClientAddr, ProvenClient};
 
 /// What `source` finds in `head`: its label and value(s), or `None` when it

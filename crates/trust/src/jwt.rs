@@ -7,7 +7,7 @@ use http::HeaderMap;
 use serde_json::Value;
 
 use super::headers::{bearer, only};
-use crate::config::trust::JwtSource;
+use crate::settings::JwtSource;
 
 /// The owner claim of the token `headers` carry, if it verifies.
 pub(super) fn claim(source: &JwtSource, headers: &HeaderMap) -> Option<String> {
