@@ -20,4 +20,3 @@ pub mod app;
 pub mod config;
 pub mod idempotency;
 pub mod operations;
-pub mod upkeep;

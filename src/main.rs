@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 use idemgate::app::{self, Listeners};
 use idemgate::config::{Cli, Command, JobsCommand, Settings};
 use idemgate::operations::cli;
-use idemgate::upkeep::probe;
+use idemgate_upkeep::probe;
 use idemgate_store::postgres::Postgres;
 use idemgate_store::sqlite::Sqlite;
 use idemgate_store::{StoreError, StoreSettings};

@@ -11,15 +11,17 @@ use uuid::Uuid;
 
 use super::secrets::{owner_salt, replay_keys};
 use super::StartError;
-use crate::config::{BudgetSource, MemoryBudget, Settings};
+use crate::config::{BudgetSource, MemoryBudget, Route, Settings};
+use idemgate_domain::contract::Contract;
+use idemgate_proxy::upstream::UpstreamId;
 use crate::idempotency::{execute, hold, Runtime, Shared};
 use crate::operations::admin::Admin;
 use crate::operations::console::{self, Console};
-use crate::upkeep::health::{self, Dependencies, Ping};
-use crate::upkeep::lease::Leases;
-use crate::upkeep::probe::{self, ProbeBoard};
-use crate::upkeep::supervise::{Beats, Supervisor};
-use crate::upkeep::sweeper;
+use idemgate_upkeep::health::{self, Dependencies, Ping};
+use idemgate_upkeep::lease::Leases;
+use idemgate_upkeep::probe::{self, ProbeBoard};
+use idemgate_upkeep::supervise::{Beats, Supervisor};
+use idemgate_upkeep::sweeper;
 use idemgate_proxy::budget::Budget;
 use idemgate_proxy::upstream::Upstreams;
 use idemgate_store::fastpath::{EntryKeys, FastPath};
@@ -241,9 +243,9 @@ impl Gateway {
             Beats::Every(health::INTERVAL * 15),
             move |beat| watched.clone().watch(beat),
         );
-        let config = Arc::new(probe::Config::of_routes(
-            &settings.routes,
+        let config = Arc::new(probe::Config::new(
             settings.probe_interval,
+            relied_on(&settings.routes),
         ));
         for contract in config.proving_only_the_shape() {
             // The seed's warning: valid JSON can still do the wrong thing
@@ -467,4 +469,16 @@ fn looks_up(route: &Arc<crate::config::Route>) -> bool {
         route.reconcile,
         Some(crate::config::Reconcile::Lookup { .. })
     )
+}
+
+/// What the routes rely on probes for: each upstream a route may use,
+/// against the route's contract.
+fn relied_on(routes: &[Arc<Route>]) -> impl Iterator<Item = (UpstreamId, Arc<Contract>)> + '_ {
+    routes.iter().flat_map(|route| {
+        route.contract.iter().flat_map(move |contract| {
+            route
+                .upstreams()
+                .map(move |upstream| (upstream.id.clone(), contract.clone()))
+        })
+    })
 }

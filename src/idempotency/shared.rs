@@ -13,8 +13,8 @@ use super::hold::{self, Holds};
 use super::recording::join::Live;
 use super::replay::tiers::Replays;
 use crate::config::Route;
-use crate::upkeep::lease::Leases;
-use crate::upkeep::probe::ProbeBoard;
+use idemgate_upkeep::lease::Leases;
+use idemgate_upkeep::probe::ProbeBoard;
 use idemgate_proxy::budget::Budget;
 use idemgate_store::fastpath::FastPath;
 use idemgate_store::{Doorbell, Store};
@@ -96,7 +96,7 @@ impl Shared {
         &self,
         upstream: super::execute::UpstreamService,
         interval: std::time::Duration,
-        beat: crate::upkeep::supervise::Heartbeat,
+        beat: idemgate_upkeep::supervise::Heartbeat,
     ) -> impl std::future::Future<Output = Result<(), crate::BoxError>> + Send + 'static {
         self.runner
             .clone()

@@ -12,7 +12,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use super::reconcile::{Ask, Reconciler};
 use super::UpstreamService;
 use crate::config::{Reconcile, Route};
-use crate::upkeep::supervise::Heartbeat;
+use idemgate_upkeep::supervise::Heartbeat;
 use crate::BoxError;
 use idemgate_domain::id::AttemptId;
 use idemgate_domain::job::JobDetail;

@@ -38,7 +38,7 @@ use super::recording::join::Live;
 use crate::config::{Reconcile, Route, Silences};
 use crate::idempotency::error::GatewayError;
 use crate::idempotency::recording::Recording;
-use crate::upkeep::lease::{LeaseGuard, Leases};
+use idemgate_upkeep::lease::{LeaseGuard, Leases};
 use idemgate_domain::attempt::{Attempt, AttemptFailure, NewAttempt};
 use idemgate_domain::id::AttemptId;
 use idemgate_domain::response::StoredResponse;

@@ -8,8 +8,8 @@ use serde_json::{json, Map, Value};
 
 use super::views::json_response;
 use super::Admin;
-use crate::upkeep::health::Health;
-use crate::upkeep::supervise::{Report, Status};
+use idemgate_upkeep::health::Health;
+use idemgate_upkeep::supervise::{Report, Status};
 use idemgate_proxy::http::{full, Body};
 use idemgate_proxy::problem::problem_response_with;
 
@@ -126,8 +126,8 @@ mod tests {
 
     use super::*;
     use crate::operations::console::{self, Console};
-    use crate::upkeep::health::Dependencies;
-    use crate::upkeep::supervise::{Beats, Supervisor};
+    use idemgate_upkeep::health::Dependencies;
+    use idemgate_upkeep::supervise::{Beats, Supervisor};
     use idemgate_domain::attempt::{Attempt, AttemptFailure, NewAttempt, Resolution};
     use idemgate_domain::id::{AttemptId, JobId};
     use idemgate_domain::job::{Job, JobDetail, NewJob};
@@ -293,7 +293,7 @@ mod tests {
         tasks.spawn(
             "sweeper",
             Beats::Every(Duration::from_secs(60)),
-            move |beat| crate::upkeep::sweeper::run(sweeping.clone(), Duration::from_secs(5), beat),
+            move |beat| idemgate_upkeep::sweeper::run(sweeping.clone(), Duration::from_secs(5), beat),
         );
         let admin = Arc::new(Admin {
             store,

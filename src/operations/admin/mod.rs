@@ -26,9 +26,9 @@ use http::{Method, Request, Response, StatusCode};
 use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::operations::console::{self, Console};
-use crate::upkeep::health::Dependencies;
-use crate::upkeep::probe::ProbeBoard;
-use crate::upkeep::supervise::Supervisor;
+use idemgate_upkeep::health::Dependencies;
+use idemgate_upkeep::probe::ProbeBoard;
+use idemgate_upkeep::supervise::Supervisor;
 use crate::BoxError;
 use idemgate_proxy::http::{collect_limited, Body};
 use idemgate_proxy::upstream::UpstreamSettings;

@@ -9,7 +9,7 @@ use base64::Engine;
 use http::{header, HeaderValue, Response, StatusCode};
 use serde_json::{json, Value};
 
-use crate::upkeep::probe::{Failure, Standing, Verdict};
+use idemgate_upkeep::probe::{Failure, Standing, Verdict};
 use idemgate_domain::attempt::Attempt;
 use idemgate_domain::job::{Job, JobDetail};
 use idemgate_domain::response::StoredResponse;

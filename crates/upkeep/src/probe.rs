@@ -17,10 +17,9 @@ use std::time::{Duration, SystemTime};
 use http::Request;
 use tokio::sync::watch;
 
-use crate::config::Route;
 
-use crate::upkeep::supervise::Heartbeat;
-use crate::BoxError;
+use crate::supervise::Heartbeat;
+use idemgate_domain::BoxError;
 use idemgate_domain::contract::expect::{judge, Finding, Observed};
 use idemgate_domain::contract::{excerpt, Contract, Probe};
 use idemgate_proxy::http::full;
@@ -219,18 +218,18 @@ pub struct Config {
 }
 
 impl Config {
-    /// Probes every `interval` what `routes` rely on: each upstream a route
-    /// may use, against the route's contract.
-    pub fn of_routes(routes: &[Arc<Route>], interval: Duration) -> Config {
+    /// Probes every `interval` what the routes rely on: each upstream a
+    /// route may use against the route's contract (`relied_on`), each pair
+    /// once however many routes rely on it.
+    pub fn new(
+        interval: Duration,
+        relied_on: impl IntoIterator<Item = (UpstreamId, Arc<Contract>)>,
+    ) -> Config {
         let mut pairs: BTreeMap<(UpstreamId, String), Arc<Contract>> = BTreeMap::new();
-        for route in routes {
-            let Some(contract) = &route.contract else {
-                continue;
-            };
-            for upstream in route.upstreams() {
-                let pair = (upstream.id.clone(), contract.name.clone());
-                pairs.entry(pair).or_insert_with(|| contract.clone());
-            }
+        for (upstream, contract) in relied_on {
+            pairs
+                .entry((upstream, contract.name.clone()))
+                .or_insert(contract);
         }
         Config {
             interval,

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use crate::upkeep::supervise::Heartbeat;
-use crate::BoxError;
+use crate::supervise::Heartbeat;
+use idemgate_domain::BoxError;
 use idemgate_domain::attempt::AttemptFailure;
 use idemgate_domain::id::AttemptId;
 use idemgate_store::Store;

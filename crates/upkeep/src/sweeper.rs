@@ -6,8 +6,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::upkeep::supervise::Heartbeat;
-use crate::BoxError;
+use crate::supervise::Heartbeat;
+use idemgate_domain::BoxError;
 use idemgate_store::Store;
 use idemgate_telemetry::Chain;
 

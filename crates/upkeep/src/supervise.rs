@@ -22,7 +22,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::BoxError;
+use idemgate_domain::BoxError;
 use idemgate_telemetry::Chain;
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);

@@ -14,8 +14,8 @@ use std::pin::Pin;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, SystemTime};
 
-use crate::upkeep::supervise::Heartbeat;
-use crate::BoxError;
+use crate::supervise::Heartbeat;
+use idemgate_domain::BoxError;
 
 /// Asks one dependency whether it answers.
 pub type Ping =
