@@ -18,5 +18,4 @@ pub use idemgate_domain::BoxError;
 
 pub mod app;
 pub mod config;
-pub mod idempotency;
 pub mod operations;

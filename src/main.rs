@@ -9,11 +9,11 @@ use tokio_util::sync::CancellationToken;
 use idemgate::app::{self, Listeners};
 use idemgate::config::{Cli, Command, JobsCommand, Settings};
 use idemgate::operations::cli;
-use idemgate_upkeep::probe;
 use idemgate_store::postgres::Postgres;
 use idemgate_store::sqlite::Sqlite;
 use idemgate_store::{StoreError, StoreSettings};
 use idemgate_telemetry::{self as telemetry, Chain};
+use idemgate_upkeep::probe;
 
 /// mimalloc: a gateway allocates many small, short-lived buffers per
 /// request; in the benchmark it cut the CPU per passed-through request by

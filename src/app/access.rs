@@ -26,9 +26,8 @@ use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 use tower::{Layer, Service};
 
-use crate::config::routes;
-use crate::config::Route;
 use idemgate_domain::id::JobId;
+use idemgate_idempotency::route::{self, Route};
 use idemgate_proxy::http::{AnsweredBy, Outcome};
 use idemgate_proxy::upstream::UpstreamId;
 
@@ -233,7 +232,7 @@ impl Line {
         // refused as ambiguous as it came), never the query.
         let raw = uri.path();
         let path = idemgate_domain::path::normalize(raw).unwrap_or(Cow::Borrowed(raw));
-        let route = routes::find(&context.routes, &method, &path);
+        let route = route::find(&context.routes, &method, &path);
         // A pass-through request goes where the idempotency layer sends it:
         // its route's primary, or the first upstream (`opt_in::classify`).
         let upstream = match (&self.by, self.outcome) {

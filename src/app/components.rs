@@ -11,18 +11,14 @@ use uuid::Uuid;
 
 use super::secrets::{owner_salt, replay_keys};
 use super::StartError;
-use crate::config::{BudgetSource, MemoryBudget, Route, Settings};
-use idemgate_domain::contract::Contract;
-use idemgate_proxy::upstream::UpstreamId;
-use crate::idempotency::{execute, hold, Runtime, Shared};
+use crate::config::{BudgetSource, MemoryBudget, Settings};
 use crate::operations::admin::Admin;
 use crate::operations::console::{self, Console};
-use idemgate_upkeep::health::{self, Dependencies, Ping};
-use idemgate_upkeep::lease::Leases;
-use idemgate_upkeep::probe::{self, ProbeBoard};
-use idemgate_upkeep::supervise::{Beats, Supervisor};
-use idemgate_upkeep::sweeper;
+use idemgate_domain::contract::Contract;
+use idemgate_idempotency::route::Route;
+use idemgate_idempotency::{execute, hold, Runtime, Shared};
 use idemgate_proxy::budget::Budget;
+use idemgate_proxy::upstream::UpstreamId;
 use idemgate_proxy::upstream::Upstreams;
 use idemgate_store::fastpath::{EntryKeys, FastPath};
 use idemgate_store::postgres::Postgres;
@@ -32,6 +28,11 @@ use idemgate_store::StoreSettings;
 use idemgate_store::{Doorbell, Lapsed, Machine, Store, StoreError};
 use idemgate_telemetry::{self as telemetry, Chain};
 use idemgate_trust::Trust;
+use idemgate_upkeep::health::{self, Dependencies, Ping};
+use idemgate_upkeep::lease::Leases;
+use idemgate_upkeep::probe::{self, ProbeBoard};
+use idemgate_upkeep::supervise::{Beats, Supervisor};
+use idemgate_upkeep::sweeper;
 use tokio::sync::mpsc;
 
 /// The runtime handles of a started gateway, shared by its two listeners.
@@ -340,8 +341,8 @@ fn sealer(settings: &Settings) -> Result<Option<Arc<Sealer>>, StartError> {
 
 /// The idempotency layer's configuration, and its components', from the
 /// settings: no component reads the whole settings.
-pub fn idempotency_config(settings: &Settings) -> crate::idempotency::Config {
-    crate::idempotency::Config {
+pub fn idempotency_config(settings: &Settings) -> idemgate_idempotency::Config {
+    idemgate_idempotency::Config {
         routes: settings.routes.clone(),
         mismatch_status: settings.mismatch_status,
         key_ttl: settings.key_ttl,
@@ -464,10 +465,10 @@ async fn open_store(
 
 /// Whether a route asks its upstream about unknown attempts by a lookup
 /// (a resend needs the request, which only the attempt's own process has).
-fn looks_up(route: &Arc<crate::config::Route>) -> bool {
+fn looks_up(route: &Arc<Route>) -> bool {
     matches!(
         route.reconcile,
-        Some(crate::config::Reconcile::Lookup { .. })
+        Some(idemgate_idempotency::route::Reconcile::Lookup { .. })
     )
 }
 

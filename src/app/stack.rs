@@ -14,11 +14,12 @@ use tower_http::request_id::{PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::{DefaultOnFailure, TraceLayer};
 
 use super::access::{AccessLogLayer, Counted};
-use crate::config::routes;
-use crate::config::{Route, Settings};
-use crate::idempotency::{IdempotencyLayer, Shared};
+
+use crate::config::Settings;
 use crate::BoxError;
 use idemgate_domain::id::JobId;
+use idemgate_idempotency::route::{self, Route};
+use idemgate_idempotency::{IdempotencyLayer, Shared};
 use idemgate_proxy::http::idle::IdleTimeout;
 use idemgate_proxy::http::request_id::RequestIds;
 use idemgate_proxy::http::{cookie, hop, IDEMPOTENCY_KEY};
@@ -130,8 +131,8 @@ fn enter(
 fn span(req: &Request<Incoming>, routes: &[Arc<Route>]) -> tracing::Span {
     let span =
         if req.headers().contains_key(IDEMPOTENCY_KEY) || idemgate_telemetry::trace::exporting() {
-            let route = routes::find(routes, req.method(), req.uri().path())
-                .map(|r| r.path_prefix.as_str());
+            let route =
+                route::find(routes, req.method(), req.uri().path()).map(|r| r.path_prefix.as_str());
             let name = match route {
                 Some(route) => format!("{} {route}", req.method()),
                 None => req.method().to_string(),

@@ -40,6 +40,7 @@ use idemgate_domain::contract::Contract;
 
 pub use file::FileConfig;
 pub use flags::{Cli, Command, Flags, JobsAction, JobsCommand};
+use idemgate_idempotency::route::{self, Route};
 use idemgate_proxy::server::{Limits, TrustedProxies};
 use idemgate_proxy::upstream::UpstreamSettings;
 use idemgate_store::fastpath::{RedisSettings, Topology};
@@ -47,7 +48,6 @@ use idemgate_store::StoreSettings;
 use idemgate_trust::{Clients, OwnerRule};
 pub use limits::{BudgetSource, MemoryBudget};
 pub use replay::{ReplayKeySettings, ReplayKeySource};
-pub use routes::{OnUnknown, Reconcile, Route, Silences};
 
 use file::UpstreamFile;
 
@@ -324,7 +324,7 @@ impl Settings {
 
     /// The route an opted-in request falls under, if any.
     pub fn route_for(&self, method: &Method, path: &str) -> Option<&Arc<Route>> {
-        routes::find(&self.routes, method, path)
+        route::find(&self.routes, method, path)
     }
 }
 

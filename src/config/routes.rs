@@ -1,5 +1,5 @@
-//! Routes: which requests opt in, and how their jobs are run (upstreams,
-//! failover, hedging, contracts, fingerprints).
+//! `[[routes]]`: read into the idempotency layer's [`Route`]s, each value
+//! checked, its defaults filled in, its mistakes named by key.
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -15,229 +15,101 @@ use super::{at_least_one, bad, header_name, positive, ConfigError};
 use idemgate_domain::contract::Contract;
 use idemgate_domain::fingerprint::BodyRule;
 use idemgate_domain::sse;
+use idemgate_idempotency::route::{InProgress, OnUnknown, Reconcile, Route};
 use idemgate_proxy::upstream::UpstreamSettings;
 use idemgate_trust::{Clients, OwnerRule};
 
-/// Which requests opt in, and how they are treated.
-#[derive(Debug, Clone)]
-pub struct Route {
-    /// Its name, recorded on jobs.
-    pub name: String,
-    /// Requests whose path is this, or continues it with `/`, match: the
-    /// prefix `/v1/chat` takes `/v1/chat` and `/v1/chat/completions`, not
-    /// `/v1/chatty`.
-    pub path_prefix: String,
-    /// Methods that opt in.
-    pub methods: Vec<Method>,
-    /// Whether a request without a key is refused (400) rather than passed through.
-    pub require_key: bool,
-    /// Largest request body accepted (413 past it).
-    pub body_limit: usize,
-    /// Headers that are part of the fingerprint.
-    pub significant_headers: Vec<HeaderName>,
-    /// Upstream statuses that mean "had no effect, safe to retry".
-    pub retryable_statuses: Vec<u16>,
-    /// How bodies are fingerprinted.
-    pub body: BodyRule,
-    /// Where every first attempt goes.
-    pub primary: Arc<UpstreamSettings>,
-    /// Where failover and hedged attempts may go, in order.
-    pub fallbacks: Vec<Arc<UpstreamSettings>>,
-    /// Most attempts the gateway makes within one client request (failover).
-    pub max_attempts: usize,
-    /// Overall time the gateway may spend on one client request's attempts.
-    pub failover_deadline: Duration,
-    /// Silence after which a second attempt races the first (side-effect-free routes only).
-    pub hedge_after: Option<Duration>,
-    /// The route's answers have no external side effects, so hedging is allowed.
-    pub side_effect_free: bool,
-    /// Silence allowed before an answer's head, over each upstream's own
-    /// (`first_byte_timeout`; see [`Route::silences`]).
-    pub first_byte_timeout: Option<Duration>,
-    /// Silence allowed between body chunks, over each upstream's own
-    /// (`stream_idle_timeout`; see [`Route::silences`]).
-    pub stream_idle_timeout: Option<Duration>,
-    /// The contract every answer must honour.
-    pub contract: Option<Arc<Contract>>,
-    /// Content types (lower case, without parameters) whose answers stream
-    /// through while they are recorded, instead of being buffered.
-    pub stream_types: Vec<String>,
-    /// Where the owner of a key comes from (the route's `[routes.owner]`,
-    /// else `[owner]`).
-    pub owner: Arc<OwnerRule>,
-    /// Whether only a client that proved itself with a client key may use
-    /// the route (keyed or not): required where an upstream holds the
-    /// operator's credentials.
-    pub require_client: bool,
-    /// What a duplicate of a running job is answered.
-    pub in_progress: InProgress,
-    /// How an attempt of unknown outcome is looked up on its upstream
-    /// (`[routes.reconcile]`); `None`: it waits for its late answer or an
-    /// operator.
-    pub reconcile: Option<Reconcile>,
-    /// What a retry of a job whose outcome is unknown meets.
-    pub on_unknown: OnUnknown,
-}
-
-/// The silences an attempt allows its upstream before it is `unknown`
-/// (`docs/design.md` §11): one before the answer's head, while another
-/// upstream may still be tried, and one between body chunks, since a long
-/// generation may pause between tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Silences {
-    /// Before the answer's head (`first_byte_timeout`).
-    pub first_byte: Duration,
-    /// Between body chunks once the head has come (`stream_idle_timeout`).
-    pub stream_idle: Duration,
-}
-
-/// How an attempt of unknown outcome is settled by its upstream
-/// (`docs/design.md` §5, "Unknown attempts are looked up").
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Reconcile {
-    /// `[routes.reconcile] path = …`: the upstream answers what became of a
-    /// job at a path of its own, asked with `GET` on the attempt's upstream.
-    Lookup {
-        /// The lookup path, `{job}` standing for the job id the gateway
-        /// forwarded as the idempotency key.
-        path: String,
-    },
-    /// `reconcile = "resend"`: the upstream honours the forwarded
-    /// idempotency key itself (the operator's promise, for at least
-    /// `attempt_deadline`), so the attempt's request is sent again, byte for
-    /// byte, and its answer settles the attempt.
-    Resend,
-}
-
-impl Reconcile {
-    /// The `GET` path that looks up `job`, on a route that looks up.
-    pub fn lookup_path(&self, job: &str) -> Option<String> {
-        match self {
-            Reconcile::Lookup { path } => Some(idemgate_domain::reconcile::lookup_path(path, job)),
-            Reconcile::Resend => None,
+/// The route's `reconcile`: `"resend"`, or a table with the lookup path.
+fn reconcile(key: &str, value: toml::Value) -> Result<Reconcile, ConfigError> {
+    let either = "write `reconcile = \"resend\"` (the upstream honours the idempotency \
+                  key) or a `[routes.reconcile]` table with `path = \"/…/{job}\"` (it \
+                  answers lookups)";
+    match value {
+        toml::Value::String(s) if s == "resend" => Ok(Reconcile::Resend),
+        toml::Value::Table(table) => {
+            let file: ReconcileFile = toml::Value::Table(table)
+                .try_into()
+                .map_err(|e| bad(key, format!("{}; {either}", e.message())))?;
+            lookup(&format!("{key}.path"), file)
         }
-    }
-
-    /// The route's `reconcile`: `"resend"`, or a table with the lookup path.
-    fn parse(key: &str, value: toml::Value) -> Result<Reconcile, ConfigError> {
-        let either = "write `reconcile = \"resend\"` (the upstream honours the idempotency \
-                      key) or a `[routes.reconcile]` table with `path = \"/…/{job}\"` (it \
-                      answers lookups)";
-        match value {
-            toml::Value::String(s) if s == "resend" => Ok(Reconcile::Resend),
-            toml::Value::Table(table) => {
-                let file: ReconcileFile = toml::Value::Table(table)
-                    .try_into()
-                    .map_err(|e| bad(key, format!("{}; {either}", e.message())))?;
-                Reconcile::lookup(&format!("{key}.path"), file)
-            }
-            other => Err(bad(
-                key,
-                format!("{other} is not a way to reconcile; {either}"),
-            )),
-        }
-    }
-
-    fn lookup(key: &str, file: ReconcileFile) -> Result<Reconcile, ConfigError> {
-        let placeholder = idemgate_domain::reconcile::JOB_PLACEHOLDER;
-        let example = "path = \"/v1/charges/lookup/{job}\"";
-        let Some(path) = file.path else {
-            return Err(bad(
-                key,
-                format!("give the lookup path, with {placeholder} for the job id: {example}"),
-            ));
-        };
-        if !path.starts_with('/') {
-            return Err(bad(
-                key,
-                format!("{path:?} must start with `/` (a path on the upstream, like {example})"),
-            ));
-        }
-        if !path.contains(placeholder) {
-            return Err(bad(
-                key,
-                format!(
-                    "{path:?} does not say where the job goes: put {placeholder} where the \
-                     upstream expects the idempotency key the gateway forwarded, like {example}"
-                ),
-            ));
-        }
-        let sample =
-            idemgate_domain::reconcile::lookup_path(&path, "00000000-0000-0000-0000-000000000000");
-        if sample.parse::<http::uri::PathAndQuery>().is_err() {
-            return Err(bad(
-                key,
-                format!("{path:?} is not a valid request path; percent-encode what it holds beside {placeholder}"),
-            ));
-        }
-        Ok(Reconcile::Lookup { path })
+        other => Err(bad(
+            key,
+            format!("{other} is not a way to reconcile; {either}"),
+        )),
     }
 }
 
-/// What a retry of a job whose outcome is unknown meets (`on_unknown`,
-/// `docs/design.md` §5, "Side-effect-free routes may move on").
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OnUnknown {
-    /// `409` until evidence settles the unknown attempt (the default).
-    Block,
-    /// A new attempt at once, beside the unknown one; the first answer wins.
-    /// Only on a `side_effect_free` route: the cost is a second call,
-    /// never a second effect.
-    NewAttempt,
+fn lookup(key: &str, file: ReconcileFile) -> Result<Reconcile, ConfigError> {
+    let placeholder = idemgate_domain::reconcile::JOB_PLACEHOLDER;
+    let example = "path = \"/v1/charges/lookup/{job}\"";
+    let Some(path) = file.path else {
+        return Err(bad(
+            key,
+            format!("give the lookup path, with {placeholder} for the job id: {example}"),
+        ));
+    };
+    if !path.starts_with('/') {
+        return Err(bad(
+            key,
+            format!("{path:?} must start with `/` (a path on the upstream, like {example})"),
+        ));
+    }
+    if !path.contains(placeholder) {
+        return Err(bad(
+            key,
+            format!(
+                "{path:?} does not say where the job goes: put {placeholder} where the \
+                 upstream expects the idempotency key the gateway forwarded, like {example}"
+            ),
+        ));
+    }
+    let sample =
+        idemgate_domain::reconcile::lookup_path(&path, "00000000-0000-0000-0000-000000000000");
+    if sample.parse::<http::uri::PathAndQuery>().is_err() {
+        return Err(bad(
+            key,
+            format!("{path:?} is not a valid request path; percent-encode what it holds beside {placeholder}"),
+        ));
+    }
+    Ok(Reconcile::Lookup { path })
 }
 
-impl OnUnknown {
-    fn parse(
-        key: &str,
-        value: Option<&str>,
-        side_effect_free: bool,
-    ) -> Result<OnUnknown, ConfigError> {
-        match value {
-            None | Some("block") => Ok(OnUnknown::Block),
-            Some("new_attempt") if side_effect_free => Ok(OnUnknown::NewAttempt),
-            Some("new_attempt") => Err(bad(
-                key,
-                "\"new_attempt\" calls the upstream again while the first call may have taken \
-                 effect; allow it only on a route declared `side_effect_free = true`, or \
-                 remove it to keep retries blocked until the outcome is known",
-            )),
-            Some(other) => Err(bad(
-                key,
-                format!(
-                    "{other:?} is neither \"block\" (a retry is answered 409 until the \
-                     outcome is known) nor \"new_attempt\" (a retry starts a new attempt; \
-                     side-effect-free routes only)"
-                ),
-            )),
-        }
+fn on_unknown(
+    key: &str,
+    value: Option<&str>,
+    side_effect_free: bool,
+) -> Result<OnUnknown, ConfigError> {
+    match value {
+        None | Some("block") => Ok(OnUnknown::Block),
+        Some("new_attempt") if side_effect_free => Ok(OnUnknown::NewAttempt),
+        Some("new_attempt") => Err(bad(
+            key,
+            "\"new_attempt\" calls the upstream again while the first call may have taken \
+             effect; allow it only on a route declared `side_effect_free = true`, or \
+             remove it to keep retries blocked until the outcome is known",
+        )),
+        Some(other) => Err(bad(
+            key,
+            format!(
+                "{other:?} is neither \"block\" (a retry is answered 409 until the \
+                 outcome is known) nor \"new_attempt\" (a retry starts a new attempt; \
+                 side-effect-free routes only)"
+            ),
+        )),
     }
 }
 
-/// What a duplicate arriving while its job runs is answered
-/// (`docs/design.md` §11, "A duplicate of a running job").
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum InProgress {
-    /// Held until the job settles, then answered with its result (or it
-    /// joins the job's stream): a retry gets the answer (the default).
-    Hold,
-    /// `409 …/request-in-progress` with `Retry-After` at once, as the IETF
-    /// draft says a server SHOULD.
-    Conflict,
-}
-
-impl InProgress {
-    fn parse(key: &str, value: Option<&str>) -> Result<InProgress, ConfigError> {
-        match value {
-            None | Some("hold") => Ok(InProgress::Hold),
-            Some("conflict") => Ok(InProgress::Conflict),
-            Some(other) => Err(bad(
-                key,
-                format!(
-                    "{other:?} is neither \"hold\" (a duplicate of a running job waits for \
-                     its answer) nor \"conflict\" (it is answered 409 at once)"
-                ),
-            )),
-        }
+fn in_progress(key: &str, value: Option<&str>) -> Result<InProgress, ConfigError> {
+    match value {
+        None | Some("hold") => Ok(InProgress::Hold),
+        Some("conflict") => Ok(InProgress::Conflict),
+        Some(other) => Err(bad(
+            key,
+            format!(
+                "{other:?} is neither \"hold\" (a duplicate of a running job waits for \
+                 its answer) nor \"conflict\" (it is answered 409 at once)"
+            ),
+        )),
     }
 }
 
@@ -249,113 +121,6 @@ pub(super) struct Context<'a> {
     pub(super) owner: &'a Arc<OwnerRule>,
     pub(super) clients: &'a Clients,
     pub(super) base_dir: &'a Path,
-}
-
-impl Route {
-    /// The route used when the file names none: POST and PATCH everywhere,
-    /// key optional, every upstream in order.
-    pub fn default_route(
-        upstreams: &[Arc<UpstreamSettings>],
-        owner: Arc<OwnerRule>,
-    ) -> Option<Route> {
-        let (primary, fallbacks) = upstreams.split_first()?;
-        Some(Route {
-            name: "default".into(),
-            path_prefix: "/".into(),
-            methods: vec![Method::POST, Method::PATCH],
-            require_key: false,
-            body_limit: 10 * 1024 * 1024,
-            significant_headers: vec![http::header::CONTENT_TYPE],
-            retryable_statuses: vec![429, 502, 503],
-            body: BodyRule::default(),
-            primary: primary.clone(),
-            fallbacks: fallbacks.to_vec(),
-            max_attempts: upstreams.len(),
-            failover_deadline: Duration::from_secs(60),
-            hedge_after: None,
-            side_effect_free: false,
-            first_byte_timeout: None,
-            stream_idle_timeout: None,
-            contract: None,
-            stream_types: vec!["text/event-stream".into()],
-            owner,
-            require_client: false,
-            in_progress: InProgress::Hold,
-            reconcile: None,
-            on_unknown: OnUnknown::Block,
-        })
-    }
-
-    /// Whether this route matches a (normalised) path, on whole segments,
-    /// ASCII case aside: Express and ASP.NET route `/V1/Charges` to the
-    /// handler of `/v1/charges`, so it must meet that route's rules too
-    /// (`docs/design.md` §11). The path keeps its case everywhere else.
-    pub fn matches_path(&self, path: &str) -> bool {
-        let prefix = self.path_prefix.trim_end_matches('/').as_bytes();
-        match path.as_bytes().split_at_checked(prefix.len()) {
-            Some((head, rest)) => {
-                head.eq_ignore_ascii_case(prefix) && matches!(rest, [] | [b'/', ..])
-            }
-            None => false,
-        }
-    }
-
-    /// Whether an answer with these headers streams (its content type is
-    /// one of the route's stream types).
-    pub fn streams(&self, headers: &http::HeaderMap) -> bool {
-        self.streams_type(
-            headers
-                .get(http::header::CONTENT_TYPE)
-                .map(|v| v.as_bytes()),
-        )
-    }
-
-    /// Whether a stored answer of this route was streamed (its content
-    /// type is one of the route's stream types), so a replay streams too.
-    pub fn streamed(&self, stored: &idemgate_domain::response::StoredResponse) -> bool {
-        let content_type = stored
-            .headers
-            .iter()
-            .find(|(n, _)| n.eq_ignore_ascii_case("content-type"))
-            .map(|(_, v)| v.as_ref());
-        self.streams_type(content_type)
-    }
-
-    fn streams_type(&self, content_type: Option<&[u8]>) -> bool {
-        let Some(value) = content_type.and_then(|v| std::str::from_utf8(v).ok()) else {
-            return false;
-        };
-        let essence = value.split(';').next().unwrap_or("").trim();
-        self.stream_types
-            .iter()
-            .any(|t| t.eq_ignore_ascii_case(essence))
-    }
-
-    /// The silences an attempt of this route on `upstream` allows: the
-    /// route's keys, else the upstream's (which default to its `timeout`).
-    pub fn silences(&self, upstream: &UpstreamSettings) -> Silences {
-        Silences {
-            first_byte: self
-                .first_byte_timeout
-                .unwrap_or(upstream.first_byte_timeout),
-            stream_idle: self
-                .stream_idle_timeout
-                .unwrap_or(upstream.stream_idle_timeout),
-        }
-    }
-
-    /// Every upstream the route may use, the primary first.
-    pub fn upstreams(&self) -> impl Iterator<Item = &Arc<UpstreamSettings>> {
-        std::iter::once(&self.primary).chain(&self.fallbacks)
-    }
-}
-
-/// The route a request falls under, if any: the first of `routes` (most
-/// specific prefix first) whose methods and path prefix match.
-pub fn find<'a>(routes: &'a [Arc<Route>], method: &Method, path: &str) -> Option<&'a Arc<Route>> {
-    routes
-        .iter()
-        .find(|r| r.methods.contains(method) && r.matches_path(path))
 }
 
 /// The routes of the file, most specific prefix first; the default route
@@ -461,12 +226,12 @@ fn parse(i: usize, r: RouteFile, cx: &Context<'_>) -> Result<Route, ConfigError>
         }),
         owner: route_owner(&key("owner"), r.owner.as_ref(), cx)?,
         require_client: require_client(&key("require_client"), r.require_client, cx)?,
-        in_progress: InProgress::parse(&key("in_progress"), r.in_progress.as_deref())?,
+        in_progress: in_progress(&key("in_progress"), r.in_progress.as_deref())?,
         reconcile: r
             .reconcile
-            .map(|v| Reconcile::parse(&key("reconcile"), v))
+            .map(|v| reconcile(&key("reconcile"), v))
             .transpose()?,
-        on_unknown: OnUnknown::parse(
+        on_unknown: on_unknown(
             &key("on_unknown"),
             r.on_unknown.as_deref(),
             side_effect_free,

@@ -1,6 +1,7 @@
 //! The settings as a whole: sources, precedence, validation, the shipped examples.
 
 use super::*;
+use idemgate_idempotency::route::{OnUnknown, Reconcile};
 use idemgate_trust::OwnerSource;
 
 fn flags_with_upstream() -> Flags {

@@ -100,11 +100,12 @@ mod tests {
                 }
             }
         }
+        // Every crate of the workspace records series: the binary's and
+        // the layers' under crates/.
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
         let mut found = std::collections::BTreeSet::new();
-        walk(
-            &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
-            &mut found,
-        );
+        walk(&root.join("src"), &mut found);
+        walk(&root.join("crates"), &mut found);
         found
     }
 

@@ -12,9 +12,9 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use crate::supervise::Heartbeat;
-use idemgate_domain::BoxError;
 use idemgate_domain::attempt::AttemptFailure;
 use idemgate_domain::id::AttemptId;
+use idemgate_domain::BoxError;
 use idemgate_store::Store;
 use idemgate_telemetry::Chain;
 

@@ -17,11 +17,10 @@ use std::time::{Duration, SystemTime};
 use http::Request;
 use tokio::sync::watch;
 
-
 use crate::supervise::Heartbeat;
-use idemgate_domain::BoxError;
 use idemgate_domain::contract::expect::{judge, Finding, Observed};
 use idemgate_domain::contract::{excerpt, Contract, Probe};
+use idemgate_domain::BoxError;
 use idemgate_proxy::http::full;
 use idemgate_proxy::upstream::{fetch, Upstream, Upstreams};
 use idemgate_proxy::upstream::{UpstreamId, UpstreamSettings};

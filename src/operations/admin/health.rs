@@ -8,10 +8,10 @@ use serde_json::{json, Map, Value};
 
 use super::views::json_response;
 use super::Admin;
-use idemgate_upkeep::health::Health;
-use idemgate_upkeep::supervise::{Report, Status};
 use idemgate_proxy::http::{full, Body};
 use idemgate_proxy::problem::problem_response_with;
+use idemgate_upkeep::health::Health;
+use idemgate_upkeep::supervise::{Report, Status};
 
 /// `GET /healthz`: alive, whatever the store says.
 pub(super) fn healthz() -> Response<Body> {
@@ -126,14 +126,14 @@ mod tests {
 
     use super::*;
     use crate::operations::console::{self, Console};
-    use idemgate_upkeep::health::Dependencies;
-    use idemgate_upkeep::supervise::{Beats, Supervisor};
     use idemgate_domain::attempt::{Attempt, AttemptFailure, NewAttempt, Resolution};
     use idemgate_domain::id::{AttemptId, JobId};
     use idemgate_domain::job::{Job, JobDetail, NewJob};
     use idemgate_domain::key::{IdempotencyKey, Owner};
     use idemgate_domain::response::StoredResponse;
     use idemgate_store::{Begin, CommitOutcome, Cursor, Records, Store, StoreError};
+    use idemgate_upkeep::health::Dependencies;
+    use idemgate_upkeep::supervise::{Beats, Supervisor};
 
     /// A store that answers pings and panics when swept.
     struct SweepPanics;
@@ -293,7 +293,9 @@ mod tests {
         tasks.spawn(
             "sweeper",
             Beats::Every(Duration::from_secs(60)),
-            move |beat| idemgate_upkeep::sweeper::run(sweeping.clone(), Duration::from_secs(5), beat),
+            move |beat| {
+                idemgate_upkeep::sweeper::run(sweeping.clone(), Duration::from_secs(5), beat)
+            },
         );
         let admin = Arc::new(Admin {
             store,

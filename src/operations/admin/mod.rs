@@ -26,14 +26,14 @@ use http::{Method, Request, Response, StatusCode};
 use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::operations::console::{self, Console};
-use idemgate_upkeep::health::Dependencies;
-use idemgate_upkeep::probe::ProbeBoard;
-use idemgate_upkeep::supervise::Supervisor;
 use crate::BoxError;
 use idemgate_proxy::http::{collect_limited, Body};
 use idemgate_proxy::upstream::UpstreamSettings;
 use idemgate_store::Store;
 use idemgate_trust::Trust;
+use idemgate_upkeep::health::Dependencies;
+use idemgate_upkeep::probe::ProbeBoard;
+use idemgate_upkeep::supervise::Supervisor;
 
 mod auth;
 mod bulk;

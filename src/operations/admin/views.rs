@@ -9,12 +9,12 @@ use base64::Engine;
 use http::{header, HeaderValue, Response, StatusCode};
 use serde_json::{json, Value};
 
-use idemgate_upkeep::probe::{Failure, Standing, Verdict};
 use idemgate_domain::attempt::Attempt;
 use idemgate_domain::job::{Job, JobDetail};
 use idemgate_domain::response::StoredResponse;
 use idemgate_proxy::http::{full, Body};
 use idemgate_proxy::upstream::UpstreamSettings;
+use idemgate_upkeep::probe::{Failure, Standing, Verdict};
 
 /// A JSON answer.
 pub(super) fn json_response(status: StatusCode, value: &Value) -> Response<Body> {

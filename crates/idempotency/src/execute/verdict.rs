@@ -7,9 +7,9 @@
 use http::Response;
 
 use super::Uncommitted;
-use crate::config::Route;
-use crate::idempotency::error::GatewayError;
-use crate::idempotency::replay;
+use crate::error::GatewayError;
+use crate::replay;
+use crate::route::Route;
 use idemgate_domain::attempt::AttemptFailure;
 use idemgate_domain::contract::excerpt;
 use idemgate_domain::response::StoredResponse;

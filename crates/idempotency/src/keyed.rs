@@ -6,7 +6,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use tracing::Span;
 
-use crate::config::routes::Route;
+use crate::route::Route;
 use idemgate_domain::fingerprint::Fingerprint;
 use idemgate_domain::key::{IdempotencyKey, Owner};
 use idemgate_domain::sse::ResumePoint;

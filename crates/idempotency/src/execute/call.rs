@@ -18,9 +18,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::record::outcome;
 use super::{Reply, Task, UpstreamService};
-use crate::config::Silences;
-use crate::idempotency::recording::Recording;
-use crate::idempotency::replay;
+use crate::recording::Recording;
+use crate::replay;
+use crate::route::Silences;
 use idemgate_domain::attempt::{AttemptFailure, AttemptState};
 use idemgate_domain::contract::excerpt;
 use idemgate_proxy::http::Body;

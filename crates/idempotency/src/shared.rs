@@ -12,13 +12,13 @@ use super::execute::{self, Runner};
 use super::hold::{self, Holds};
 use super::recording::join::Live;
 use super::replay::tiers::Replays;
-use crate::config::Route;
-use idemgate_upkeep::lease::Leases;
-use idemgate_upkeep::probe::ProbeBoard;
+use crate::route::Route;
 use idemgate_proxy::budget::Budget;
 use idemgate_store::fastpath::FastPath;
 use idemgate_store::{Doorbell, Store};
 use idemgate_trust::Trust;
+use idemgate_upkeep::lease::Leases;
+use idemgate_upkeep::probe::ProbeBoard;
 
 /// How the idempotency layer runs.
 #[derive(Debug, Clone)]
@@ -97,7 +97,8 @@ impl Shared {
         upstream: super::execute::UpstreamService,
         interval: std::time::Duration,
         beat: idemgate_upkeep::supervise::Heartbeat,
-    ) -> impl std::future::Future<Output = Result<(), crate::BoxError>> + Send + 'static {
+    ) -> impl std::future::Future<Output = Result<(), idemgate_domain::BoxError>> + Send + 'static
+    {
         self.runner
             .clone()
             .reconcile_orphans(self.config.routes.clone(), upstream, interval, beat)

@@ -18,7 +18,7 @@ use http::{HeaderValue, Response};
 use http_body::Frame;
 use http_body_util::{BodyExt, BodyStream, StreamBody};
 
-use crate::idempotency::error::ClientError;
+use crate::error::ClientError;
 use idemgate_domain::sse::{self, ResumePoint, Skip, Skipped};
 use idemgate_proxy::http::{Body, BodyError, EVENTS_SKIPPED};
 

@@ -11,7 +11,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{Reply, Task, PATIENCE};
-use crate::idempotency::error::GatewayError;
+use crate::error::GatewayError;
 use idemgate_domain::attempt::{AttemptFailure, AttemptState};
 use idemgate_domain::id::AttemptId;
 use idemgate_domain::response::StoredResponse;

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::idempotency::error::{ClientError, GatewayError};
+use crate::error::{ClientError, GatewayError};
 use idemgate_domain::id::JobId;
 use idemgate_domain::job::{Job, JobState};
 use idemgate_store::{Doorbell, Observed, Store};

@@ -11,15 +11,15 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use super::reconcile::{Ask, Reconciler};
 use super::UpstreamService;
-use crate::config::{Reconcile, Route};
-use idemgate_upkeep::supervise::Heartbeat;
-use crate::BoxError;
+use crate::route::{Reconcile, Route};
 use idemgate_domain::id::AttemptId;
 use idemgate_domain::job::JobDetail;
 use idemgate_domain::reconcile::orphaned;
+use idemgate_domain::BoxError;
 use idemgate_proxy::http::ProvenClient;
 use idemgate_store::{Lapsed, StoreError};
 use idemgate_telemetry::Chain;
+use idemgate_upkeep::supervise::Heartbeat;
 
 /// Most unknown attempts one scan reads.
 const SCAN_LIMIT: u32 = 1000;

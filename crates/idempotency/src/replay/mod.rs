@@ -4,7 +4,7 @@
 use bytes::Bytes;
 use http::{header, HeaderName, HeaderValue, Response, StatusCode};
 
-use crate::config::Route;
+use crate::route::Route;
 use idemgate_domain::id::JobId;
 use idemgate_domain::response::StoredResponse;
 use idemgate_proxy::http::{full, Body, Outcome, IDEMPOTENCY_JOB, IDEMPOTENT_REPLAYED};

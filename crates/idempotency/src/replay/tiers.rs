@@ -21,8 +21,8 @@ use std::time::SystemTime;
 use http::Response;
 
 use super::{response, Framing, Kept, ReplayCache};
-use crate::idempotency::error::GatewayError;
-use crate::idempotency::keyed::Keyed;
+use crate::error::GatewayError;
+use crate::keyed::Keyed;
 use idemgate_domain::id::JobId;
 use idemgate_domain::job::Job;
 use idemgate_domain::response::StoredResponse;

@@ -7,31 +7,14 @@ use bytes::Bytes;
 use uuid::Uuid;
 
 use super::*;
-use crate::config::{Flags, Settings};
+use crate::testing;
 use idemgate_domain::attempt::AttemptState;
 use idemgate_domain::id::JobId;
 use idemgate_proxy::upstream::UpstreamError;
 
-const THREE_UPSTREAMS: &str = r#"
-upstreams = ["http://a:1", "http://b:1", "http://c:1"]
-[[routes]]
-path_prefix = "/"
-"#;
-
-const HEDGED: &str = r#"
-upstreams = ["http://a:1", "http://b:1"]
-[[routes]]
-path_prefix = "/"
-side_effect_free = true
-hedge_after = "500ms"
-"#;
-
-fn route(toml: &str) -> Arc<Route> {
-    let file = Settings::parse_file(toml).unwrap();
-    Settings::from_sources(file, Flags::default())
-        .unwrap()
-        .routes[0]
-        .clone()
+/// `upstreams = ["http://a:1", "http://b:1", "http://c:1"]`, one route.
+fn three_upstreams() -> Arc<Route> {
+    testing::route(&["http://a:1", "http://b:1", "http://c:1"], |_| {})
 }
 
 fn attempt(number: i32, version: i64) -> Attempt {
@@ -73,9 +56,9 @@ fn all(_: &UpstreamSettings) -> bool {
     true
 }
 
-fn dispatch(toml: &str) -> (Dispatch, Attempt) {
+fn dispatch(route: Arc<Route>) -> (Dispatch, Attempt) {
     let first = attempt(1, 1);
-    let d = Dispatch::new(route(toml), &first, Instant::now(), Duration::from_secs(1));
+    let d = Dispatch::new(route, &first, Instant::now(), Duration::from_secs(1));
     (d, first)
 }
 
@@ -100,7 +83,7 @@ fn answer_status(steps: Vec<Step>) -> u16 {
 
 #[tokio::test(start_paused = true)]
 async fn a_safe_failure_fails_over_to_the_next_upstream_in_order() {
-    let (mut d, first) = dispatch(THREE_UPSTREAMS);
+    let (mut d, first) = dispatch(three_upstreams());
     let steps = d.on(Event::Replied(first.id, refused()), Instant::now(), &all);
     assert_eq!(
         claim_target(&steps),
@@ -110,7 +93,7 @@ async fn a_safe_failure_fails_over_to_the_next_upstream_in_order() {
     let steps = d.on(
         Event::Claimed(
             Joining::Claim,
-            route(THREE_UPSTREAMS).fallbacks[0].clone(),
+            three_upstreams().fallbacks[0].clone(),
             Ok(Some(second.clone())),
         ),
         Instant::now(),
@@ -127,7 +110,7 @@ async fn a_safe_failure_fails_over_to_the_next_upstream_in_order() {
 
 #[tokio::test(start_paused = true)]
 async fn ineligible_upstreams_are_skipped_and_running_out_answers_the_last_failure() {
-    let (mut d, first) = dispatch(THREE_UPSTREAMS);
+    let (mut d, first) = dispatch(three_upstreams());
     let none = |_: &UpstreamSettings| false;
     let steps = d.on(Event::Replied(first.id, refused()), Instant::now(), &none);
     assert_eq!(answer_status(steps), 502);
@@ -135,15 +118,14 @@ async fn ineligible_upstreams_are_skipped_and_running_out_answers_the_last_failu
 
 #[tokio::test(start_paused = true)]
 async fn max_attempts_and_the_failover_deadline_stop_failover() {
-    let one = THREE_UPSTREAMS.replace(
-        "path_prefix = \"/\"",
-        "path_prefix = \"/\"\nmax_attempts = 1",
-    );
-    let (mut d, first) = dispatch(&one);
+    let one = testing::route(&["http://a:1", "http://b:1", "http://c:1"], |r| {
+        r.max_attempts = 1
+    });
+    let (mut d, first) = dispatch(one);
     let steps = d.on(Event::Replied(first.id, refused()), Instant::now(), &all);
     assert_eq!(answer_status(steps), 502);
 
-    let (mut d, first) = dispatch(THREE_UPSTREAMS);
+    let (mut d, first) = dispatch(three_upstreams());
     tokio::time::advance(Duration::from_secs(61)).await;
     let steps = d.on(Event::Replied(first.id, refused()), Instant::now(), &all);
     assert_eq!(answer_status(steps), 502, "past failover_deadline (60s)");
@@ -151,14 +133,14 @@ async fn max_attempts_and_the_failover_deadline_stop_failover() {
 
 #[tokio::test(start_paused = true)]
 async fn an_unknown_outcome_never_fails_over_on_a_route_with_side_effects() {
-    let (mut d, first) = dispatch(THREE_UPSTREAMS);
+    let (mut d, first) = dispatch(three_upstreams());
     let steps = d.on(Event::Replied(first.id, timed_out()), Instant::now(), &all);
     assert_eq!(answer_status(steps), 504);
 }
 
 #[tokio::test(start_paused = true)]
 async fn an_unknown_outcome_on_a_side_effect_free_route_is_followed_by_a_hedged_attempt() {
-    let (mut d, first) = dispatch(HEDGED);
+    let (mut d, first) = dispatch(testing::hedged());
     let steps = d.on(Event::Replied(first.id, timed_out()), Instant::now(), &all);
     assert_eq!(
         claim_target(&steps),
@@ -169,14 +151,14 @@ async fn an_unknown_outcome_on_a_side_effect_free_route_is_followed_by_a_hedged_
 
 #[tokio::test(start_paused = true)]
 async fn hedging_starts_a_second_attempt_once_and_the_first_commit_wins() {
-    let (mut d, first) = dispatch(HEDGED);
+    let (mut d, first) = dispatch(testing::hedged());
     assert!(d.hedge_armed());
     let steps = d.on(Event::HedgeDue, Instant::now(), &all);
     let (name, how, _) = claim_target(&steps);
     assert_eq!((name.as_str(), how), ("fallback-1", Joining::Hedge));
     assert!(!d.hedge_armed(), "one hedge per request");
     let hedge = attempt(2, 1);
-    let target = route(HEDGED).fallbacks[0].clone();
+    let target = testing::hedged().fallbacks[0].clone();
     assert!(d
         .on(
             Event::Claimed(Joining::Hedge, target, Ok(Some(hedge.clone()))),
@@ -201,10 +183,10 @@ async fn hedging_starts_a_second_attempt_once_and_the_first_commit_wins() {
 
 #[tokio::test(start_paused = true)]
 async fn a_store_error_claiming_a_hedge_keeps_waiting_for_the_running_attempt() {
-    let (mut d, first) = dispatch(HEDGED);
+    let (mut d, first) = dispatch(testing::hedged());
     let steps = d.on(Event::HedgeDue, Instant::now(), &all);
     let (_, how, _) = claim_target(&steps);
-    let target = route(HEDGED).fallbacks[0].clone();
+    let target = testing::hedged().fallbacks[0].clone();
     let steps = d.on(
         Event::Claimed(how, target, Err(StoreError::Unavailable("down".into()))),
         Instant::now(),
@@ -226,10 +208,10 @@ async fn a_store_error_claiming_a_hedge_keeps_waiting_for_the_running_attempt() 
 
 #[tokio::test(start_paused = true)]
 async fn a_store_error_claiming_a_failover_answers_with_what_the_upstream_said() {
-    let (mut d, first) = dispatch(THREE_UPSTREAMS);
+    let (mut d, first) = dispatch(three_upstreams());
     let steps = d.on(Event::Replied(first.id, refused()), Instant::now(), &all);
     let (_, how, _) = claim_target(&steps);
-    let target = route(THREE_UPSTREAMS).fallbacks[0].clone();
+    let target = three_upstreams().fallbacks[0].clone();
     let steps = d.on(
         Event::Claimed(how, target, Err(StoreError::Unavailable("down".into()))),
         Instant::now(),
@@ -244,17 +226,17 @@ async fn a_store_error_claiming_a_failover_answers_with_what_the_upstream_said()
 
 #[tokio::test(start_paused = true)]
 async fn a_failover_claim_someone_else_beat_waits_like_a_duplicate() {
-    let (mut d, first) = dispatch(THREE_UPSTREAMS);
+    let (mut d, first) = dispatch(three_upstreams());
     let steps = d.on(Event::Replied(first.id, refused()), Instant::now(), &all);
     let (_, how, _) = claim_target(&steps);
-    let target = route(THREE_UPSTREAMS).fallbacks[0].clone();
+    let target = three_upstreams().fallbacks[0].clone();
     let steps = d.on(Event::Claimed(how, target, Ok(None)), Instant::now(), &all);
     assert!(matches!(steps.as_slice(), [Step::Hold]));
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_hedge_refused_after_the_primary_failed_fails_over_to_the_same_upstream() {
-    let (mut d, first) = dispatch(HEDGED);
+    let (mut d, first) = dispatch(testing::hedged());
     let steps = d.on(Event::HedgeDue, Instant::now(), &all);
     let (hedge_target, _, _) = claim_target(&steps);
     // The primary fails while the hedge is being claimed…
@@ -262,7 +244,7 @@ async fn a_hedge_refused_after_the_primary_failed_fails_over_to_the_same_upstrea
         .on(Event::Replied(first.id, refused()), Instant::now(), &all)
         .is_empty());
     // …so the job reopened and no longer takes a hedge: claim it instead.
-    let target = route(HEDGED).fallbacks[0].clone();
+    let target = testing::hedged().fallbacks[0].clone();
     let steps = d.on(
         Event::Claimed(Joining::Hedge, target, Ok(None)),
         Instant::now(),
@@ -273,7 +255,7 @@ async fn a_hedge_refused_after_the_primary_failed_fails_over_to_the_same_upstrea
 
 #[tokio::test(start_paused = true)]
 async fn a_lost_race_with_nothing_else_running_reads_the_winner() {
-    let (mut d, first) = dispatch(THREE_UPSTREAMS);
+    let (mut d, first) = dispatch(three_upstreams());
     let steps = d.on(
         Event::Replied(first.id, Reply::Superseded),
         Instant::now(),

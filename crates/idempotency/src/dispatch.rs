@@ -28,9 +28,9 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::execute::{Reply, Uncommitted};
-use crate::config::Route;
-use crate::idempotency::error::{ClientError, GatewayError};
-use crate::idempotency::recording::Recording;
+use crate::error::{ClientError, GatewayError};
+use crate::recording::Recording;
+use crate::route::Route;
 use idemgate_domain::attempt::Attempt;
 use idemgate_domain::id::AttemptId;
 use idemgate_domain::job::{Job, JobState};

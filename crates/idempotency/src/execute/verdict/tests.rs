@@ -8,20 +8,32 @@ use http::StatusCode;
 use std::sync::Arc;
 
 use super::*;
-use crate::config::{Flags, Settings};
+use crate::testing;
+use idemgate_domain::contract::{Contract, Shape};
 
-fn route(extra: &str) -> Arc<Route> {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/chat");
-    let text = format!(
-        "upstreams = [\"http://a:1\"]\n\
-         [contracts.chat]\nschema = \"response.schema.json\"\n\
-         [[routes]]\npath_prefix = \"/\"\n{extra}"
-    );
-    let file = Settings::parse_file(&text).unwrap().relative_to(dir);
-    Settings::from_sources(file, Flags::default())
-        .unwrap()
-        .routes[0]
-        .clone()
+/// One route over one upstream, without a contract.
+fn plain() -> Arc<Route> {
+    testing::route(&["http://a:1"], |_| {})
+}
+
+/// The route with the worked chat example's response schema as its
+/// contract (`config/chat/response.schema.json`).
+fn chat() -> Arc<Route> {
+    let schema: serde_json::Value = serde_json::from_str(include_str!(
+        "../../../../../config/chat/response.schema.json"
+    ))
+    .unwrap();
+    let contract = Contract {
+        name: "chat".into(),
+        shape: Shape {
+            schema: jsonschema::validator_for(&schema).unwrap(),
+            embedded: None,
+        },
+        events: None,
+        probes: Vec::new(),
+        recover_after: 2,
+    };
+    testing::route(&["http://a:1"], |r| r.contract = Some(Arc::new(contract)))
 }
 
 fn answered(status: u16, body: &'static str) -> Result<Fetched, UpstreamError> {
@@ -35,7 +47,7 @@ fn answered(status: u16, body: &'static str) -> Result<Fetched, UpstreamError> {
 
 #[test]
 fn refused_before_sending_is_a_safe_failure() {
-    let verdict = classify(Err(UpstreamError::Refused("refused".into())), &route(""));
+    let verdict = classify(Err(UpstreamError::Refused("refused".into())), &plain());
     assert!(matches!(
         verdict,
         Verdict::Fail(
@@ -53,7 +65,7 @@ fn anything_that_may_have_reached_the_upstream_is_unknown() {
         UpstreamError::ResponseTooLarge { limit: 10 },
     ] {
         assert!(matches!(
-            classify(Err(error), &route("")),
+            classify(Err(error), &plain()),
             Verdict::Unknown(AttemptFailure::Unknown { .. }, _)
         ));
     }
@@ -61,7 +73,7 @@ fn anything_that_may_have_reached_the_upstream_is_unknown() {
 
 #[test]
 fn a_retryable_status_is_passed_on_uncommitted() {
-    match classify(answered(503, "busy"), &route("")) {
+    match classify(answered(503, "busy"), &plain()) {
         Verdict::Fail(AttemptFailure::Failed { status, .. }, Uncommitted::Response(r)) => {
             assert_eq!(status, Some(503));
             assert_eq!(r.status(), 503);
@@ -74,7 +86,7 @@ fn a_retryable_status_is_passed_on_uncommitted() {
 fn other_answers_errors_included_are_committed() {
     for status in [200, 201, 400, 404, 500] {
         assert!(
-            matches!(classify(answered(status, "{}"), &route("")), Verdict::Commit(s) if s.status == status),
+            matches!(classify(answered(status, "{}"), &plain()), Verdict::Commit(s) if s.status == status),
             "{status}"
         );
     }
@@ -82,7 +94,7 @@ fn other_answers_errors_included_are_committed() {
 
 #[test]
 fn a_success_that_breaks_the_contract_is_rejected_and_an_error_is_not_checked() {
-    let chat = route("contract = \"chat\"");
+    let chat = chat();
     assert!(matches!(
         classify(answered(200, "not json"), &chat),
         Verdict::Fail(

@@ -36,8 +36,8 @@ use tracing::Instrument;
 
 use super::verdict::{classify, Verdict};
 use super::UpstreamService;
-use crate::config::Route;
-use crate::idempotency::replay;
+use crate::replay;
+use crate::route::Route;
 use idemgate_domain::attempt::{AttemptFailure, AttemptState, Resolution};
 use idemgate_domain::id::{AttemptId, JobId};
 use idemgate_domain::reconcile::{backoff, next_lookup, verdict, Lookup, LookupResult, Lookups};

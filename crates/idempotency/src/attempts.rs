@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::dispatch::Joining;
 use super::execute::{Reply, Running};
-use crate::idempotency::error::GatewayError;
+use crate::error::GatewayError;
 use idemgate_domain::attempt::Attempt;
 use idemgate_domain::id::AttemptId;
 use idemgate_proxy::http::AnsweredBy;

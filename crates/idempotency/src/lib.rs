@@ -34,11 +34,14 @@ pub mod opt_in;
 pub mod recording;
 pub mod replay;
 pub mod resume;
+pub mod route;
 pub mod shared;
 
 pub use execute::UpstreamService;
 pub use layer::{Idempotency, IdempotencyLayer};
 pub use shared::{Config, Runtime, Shared};
 
+#[cfg(test)]
+mod testing;
 #[cfg(test)]
 mod tests;

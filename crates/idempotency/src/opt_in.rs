@@ -12,8 +12,8 @@ use bytes::Bytes;
 use http::{header, HeaderValue, Request};
 use tracing::Span;
 
-use crate::config::routes::{self, Route};
-use crate::idempotency::error::{ClientError, GatewayError};
+use crate::error::{ClientError, GatewayError};
+use crate::route::{self, Route};
 use idemgate_domain::fingerprint::{fingerprint, RequestParts};
 use idemgate_domain::key::IdempotencyKey;
 use idemgate_domain::sse::ResumePoint;
@@ -48,7 +48,7 @@ pub struct OptedIn {
 /// route that serves only proven clients, the client is proven first,
 /// keyed request or not (`docs/design.md` §15).
 pub fn classify(routes: &[Arc<Route>], trust: &Trust, mut req: Request<Body>) -> Classified {
-    let Some(route) = routes::find(routes, req.method(), req.uri().path()) else {
+    let Some(route) = route::find(routes, req.method(), req.uri().path()) else {
         return Classified::PassThrough(req);
     };
     if route.require_client {

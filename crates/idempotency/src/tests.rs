@@ -21,7 +21,8 @@ use tower::{Layer, Service};
 use uuid::Uuid;
 
 use super::*;
-use crate::config::{Flags, Settings};
+use crate::route::Route;
+use crate::testing;
 use idemgate_domain::attempt::{Attempt, AttemptFailure, NewAttempt, Resolution};
 use idemgate_domain::id::{AttemptId, JobId};
 use idemgate_domain::job::{Job, JobDetail, JobState, NewJob};
@@ -234,22 +235,13 @@ impl Scripted {
     }
 }
 
-const HEDGED: &str = r#"
-upstreams = ["http://a:1", "http://b:1"]
-[[routes]]
-path_prefix = "/"
-side_effect_free = true
-hedge_after = "500ms"
-"#;
-
-const FAILOVER: &str = r#"
-upstreams = ["http://a:1", "http://b:1"]
-[[routes]]
-path_prefix = "/"
-"#;
+/// Two upstreams, failing over from the first to the second.
+fn failover() -> Arc<Route> {
+    testing::route(&["http://a:1", "http://b:1"], |_| {})
+}
 
 fn gateway(
-    toml: &str,
+    route: Arc<Route>,
     faults: Faults,
 ) -> (
     Idempotency<UpstreamService>,
@@ -257,25 +249,16 @@ fn gateway(
     Arc<dyn Store>,
     Scripted,
 ) {
-    let (layer, faults, store) = layer(toml, faults);
+    let (layer, faults, store) = layer(route, faults);
     let upstream = Scripted::default();
     let service = layer.layer(upstream.service());
     (service, faults, store, upstream)
 }
 
-/// The flags these tests run with: their requests are one tenant's, sent
-/// without credentials (owners are tested in `tests/it/owners.rs`).
-fn anonymous() -> Flags {
-    Flags {
-        allow_anonymous: true,
-        ..Flags::default()
-    }
-}
-
-/// The layer over the faulty in-memory store, configured by `toml`.
-fn layer(toml: &str, faults: Faults) -> (IdempotencyLayer, Arc<Faults>, Arc<dyn Store>) {
-    let settings =
-        Settings::from_sources(Settings::parse_file(toml).unwrap(), anonymous()).unwrap();
+/// The layer over the faulty in-memory store, with one `route` (whose
+/// requests are one tenant's, sent without credentials: owners are tested
+/// through the binary).
+fn layer(route: Arc<Route>, faults: Faults) -> (IdempotencyLayer, Arc<Faults>, Arc<dyn Store>) {
     let doorbell = Arc::new(Doorbell::default());
     let faults = Arc::new(faults);
     let store: Arc<dyn Store> = Arc::new(Faulty {
@@ -283,7 +266,7 @@ fn layer(toml: &str, faults: Faults) -> (IdempotencyLayer, Arc<Faults>, Arc<dyn 
         faults: faults.clone(),
     });
     let shared = Arc::new(Shared::new(
-        crate::app::idempotency_config(&settings),
+        testing::config(vec![route]),
         Runtime {
             store: store.clone(),
             doorbell,
@@ -294,7 +277,7 @@ fn layer(toml: &str, faults: Faults) -> (IdempotencyLayer, Arc<Faults>, Arc<dyn 
             trust: Arc::new(idemgate_trust::Trust::with_salt(
                 idemgate_domain::key::OwnerSalt::new(b"test salt, not a secret"),
             )),
-            budget: idemgate_proxy::budget::Budget::new(settings.memory_budget.bytes),
+            budget: idemgate_proxy::budget::Budget::new(256 << 20),
         },
     ));
     (IdempotencyLayer::new(shared), faults, store)
@@ -321,7 +304,7 @@ async fn a_store_error_during_a_hedge_claim_answers_with_the_primarys_commit() {
         fail_hedges: true,
         ..Faults::default()
     };
-    let (mut service, faults, _, upstream) = gateway(HEDGED, faults);
+    let (mut service, faults, _, upstream) = gateway(testing::hedged(), faults);
     let request = tokio::spawn(service.call(keyed("k")));
     // The hedge timer fires, and the store fails the hedge's claim…
     faults.hedged.notified().await;
@@ -337,7 +320,7 @@ async fn a_store_error_claiming_a_failover_answers_the_upstreams_safe_failure() 
         fail_claims: true,
         ..Faults::default()
     };
-    let (mut service, _, _, upstream) = gateway(FAILOVER, faults);
+    let (mut service, _, _, upstream) = gateway(failover(), faults);
     upstream.answer_busy("primary");
     let request = tokio::spawn(service.call(keyed("k")));
     upstream.release("primary");
@@ -351,7 +334,7 @@ async fn a_store_error_claiming_a_failover_answers_the_upstreams_safe_failure() 
 
 #[tokio::test(start_paused = true)]
 async fn a_client_that_hangs_up_right_after_the_job_is_begun_does_not_block_its_key() {
-    let (mut service, faults, store, upstream) = gateway(FAILOVER, Faults::default());
+    let (mut service, faults, store, upstream) = gateway(failover(), Faults::default());
     let request = tokio::spawn(service.call(keyed("gone")));
     faults.begun.notified().await;
     // The client goes away the moment its job is recorded.
@@ -400,7 +383,7 @@ impl Service<Request<Body>> for NeverReady {
 /// sent), and the handle is not called.
 #[tokio::test]
 async fn a_pass_through_request_gets_the_upstream_handles_readiness_error() {
-    let (layer, _, _) = layer(FAILOVER, Faults::default());
+    let (layer, _, _) = layer(failover(), Faults::default());
     let service = layer.layer(NeverReady);
     let request = Request::post("/v1/jobs")
         .body(idemgate_proxy::http::full("{}"))

@@ -9,7 +9,7 @@ use std::time::Duration;
 use http::Response;
 
 use super::{Recording, Recordings};
-use crate::idempotency::hold::Holds;
+use crate::hold::Holds;
 use idemgate_domain::id::JobId;
 use idemgate_domain::job::JobState;
 use idemgate_proxy::budget::Budget;

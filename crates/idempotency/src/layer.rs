@@ -17,7 +17,7 @@ use super::execute::UpstreamService;
 use super::flow;
 use super::opt_in::{self, Classified};
 use super::shared::Shared;
-use crate::idempotency::error::{ClientError, GatewayError};
+use crate::error::{ClientError, GatewayError};
 use idemgate_proxy::http::idle::BodyTimedOut;
 use idemgate_proxy::http::Body;
 use idemgate_proxy::upstream::UpstreamError;

@@ -35,10 +35,9 @@ use uuid::Uuid;
 
 use super::keyed::Keyed;
 use super::recording::join::Live;
-use crate::config::{Reconcile, Route, Silences};
-use crate::idempotency::error::GatewayError;
-use crate::idempotency::recording::Recording;
-use idemgate_upkeep::lease::{LeaseGuard, Leases};
+use crate::error::GatewayError;
+use crate::recording::Recording;
+use crate::route::{Reconcile, Route, Silences};
 use idemgate_domain::attempt::{Attempt, AttemptFailure, NewAttempt};
 use idemgate_domain::id::AttemptId;
 use idemgate_domain::response::StoredResponse;
@@ -48,6 +47,7 @@ use idemgate_proxy::upstream::UpstreamSettings;
 use idemgate_proxy::upstream::{Target, UpstreamError};
 use idemgate_store::fastpath::{FastPath, Tag};
 use idemgate_store::{Doorbell, Store};
+use idemgate_upkeep::lease::{LeaseGuard, Leases};
 
 /// How long a request waits for its attempt's outcome to be recorded before
 /// it is answered anyway (the write goes on in the background).

@@ -233,10 +233,10 @@ impl Recording {
         let mut response = Response::new(self.reader());
         *response.status_mut() =
             StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        crate::idempotency::replay::set_headers(&mut response, &self.headers);
-        crate::idempotency::replay::set_job(&mut response, self.job);
+        crate::replay::set_headers(&mut response, &self.headers);
+        crate::replay::set_job(&mut response, self.job);
         if replayed {
-            crate::idempotency::replay::mark_replayed(&mut response);
+            crate::replay::mark_replayed(&mut response);
         }
         response
     }
