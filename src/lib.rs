@@ -18,4 +18,3 @@ pub use idemgate_domain::BoxError;
 
 pub mod app;
 pub mod config;
-pub mod operations;

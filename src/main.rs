@@ -7,8 +7,9 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use idemgate::app::{self, Listeners};
-use idemgate::config::{Cli, Command, JobsCommand, Settings};
-use idemgate::operations::cli;
+use idemgate::config::{Cli, Command, Settings};
+use idemgate_operations::cli::{self, JobsCommand};
+
 use idemgate_store::postgres::Postgres;
 use idemgate_store::sqlite::Sqlite;
 use idemgate_store::{StoreError, StoreSettings};

@@ -39,7 +39,7 @@ use http::{HeaderName, Method, StatusCode};
 use idemgate_domain::contract::Contract;
 
 pub use file::FileConfig;
-pub use flags::{Cli, Command, Flags, JobsAction, JobsCommand};
+pub use flags::{Cli, Command, Flags};
 use idemgate_idempotency::route::{self, Route};
 use idemgate_proxy::server::{Limits, TrustedProxies};
 use idemgate_proxy::upstream::UpstreamSettings;

@@ -125,7 +125,7 @@ mod tests {
     use http::Request;
 
     use super::*;
-    use crate::operations::console::{self, Console};
+    use crate::console::{self, Console};
     use idemgate_domain::attempt::{Attempt, AttemptFailure, NewAttempt, Resolution};
     use idemgate_domain::id::{AttemptId, JobId};
     use idemgate_domain::job::{Job, JobDetail, NewJob};

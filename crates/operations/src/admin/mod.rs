@@ -25,8 +25,8 @@ use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode};
 use metrics_exporter_prometheus::PrometheusHandle;
 
-use crate::operations::console::{self, Console};
-use crate::BoxError;
+use crate::console::{self, Console};
+use idemgate_domain::BoxError;
 use idemgate_proxy::http::{collect_limited, Body};
 use idemgate_proxy::upstream::UpstreamSettings;
 use idemgate_store::Store;

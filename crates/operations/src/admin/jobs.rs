@@ -14,10 +14,10 @@ use uuid::Uuid;
 use super::error::AdminError;
 use super::views::{self, json_response};
 use super::{resolution, Admin};
-use crate::BoxError;
 use idemgate_domain::id::{AttemptId, JobId};
 use idemgate_domain::job::JobDetail;
 use idemgate_domain::key::{IdempotencyKey, Owner};
+use idemgate_domain::BoxError;
 use idemgate_proxy::http::{collect_limited, Body};
 use idemgate_store::Cursor;
 

@@ -4,14 +4,117 @@
 //! one request to `/admin/v1`, with the admin token from the flag, the
 //! environment or a file (a mounted Secret).
 
+use std::path::PathBuf;
+
 use bytes::Bytes;
+use clap::{Args, Subcommand};
 use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{json, Value};
 
-use crate::config::{JobsAction, JobsCommand};
+/// `idemgate jobs …`: an operator's client of the admin API.
+#[derive(Debug, Args)]
+pub struct JobsCommand {
+    /// The gateway's admin listener.
+    #[arg(
+        long,
+        env = "IDEMGATE_ADMIN_URL",
+        default_value = "http://127.0.0.1:9090",
+        global = true
+    )]
+    pub admin_url: String,
+    /// The admin token (or `--admin-token-file`).
+    #[arg(
+        long,
+        env = "IDEMGATE_ADMIN_TOKEN",
+        hide_env_values = true,
+        global = true
+    )]
+    pub admin_token: Option<String>,
+    /// A file holding the admin token (a mounted Secret).
+    #[arg(long, env = "IDEMGATE_ADMIN_TOKEN_FILE", global = true)]
+    pub admin_token_file: Option<PathBuf>,
+    /// What to do.
+    #[command(subcommand)]
+    pub action: JobsAction,
+}
+
+/// What `idemgate jobs` does.
+#[derive(Debug, Subcommand)]
+pub enum JobsAction {
+    /// The jobs waiting for an operator (outcome unknown), newest first.
+    List {
+        /// Only `unknown` is listed (find others with `show`).
+        #[arg(long, default_value = "unknown")]
+        state: String,
+        /// Jobs per page.
+        #[arg(long, default_value_t = 50)]
+        limit: u32,
+        /// The page after this cursor (the `next` a listing printed).
+        #[arg(long)]
+        before: Option<String>,
+        /// The admin API's JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// One job, its attempts and its response, as JSON.
+    Show {
+        /// The job id (the `Idempotency-Job` header of its answers).
+        job: String,
+    },
+    /// Say what an attempt of unknown outcome did.
+    Resolve {
+        /// The attempt id (`idemgate jobs show` lists them).
+        attempt: String,
+        /// It had no effect: the job reopens and the next retry runs again.
+        #[arg(
+            long,
+            conflicts_with = "succeeded",
+            required_unless_present = "succeeded"
+        )]
+        no_effect: bool,
+        /// It took effect, with this answer: committed as the job's result.
+        #[arg(long, requires = "status")]
+        succeeded: bool,
+        /// The answer's status.
+        #[arg(long)]
+        status: Option<u16>,
+        /// An answer header, `name: value`; repeat it.
+        #[arg(long = "header", value_name = "NAME: VALUE")]
+        headers: Vec<String>,
+        /// The answer's body, or `@FILE` to read it from a file.
+        #[arg(long)]
+        body: Option<String>,
+    },
+    /// Say what every unknown attempt on one upstream, started within a
+    /// window, did (after an outage): it had no effect, or abandon them.
+    ResolveMany {
+        /// The upstream the attempts were sent to (its name).
+        #[arg(long)]
+        upstream: String,
+        /// Started at or after this instant (RFC 3339).
+        #[arg(long)]
+        since: String,
+        /// Started before this instant (RFC 3339); now by default.
+        #[arg(long)]
+        until: Option<String>,
+        /// They had no effect: their jobs reopen.
+        #[arg(
+            long,
+            conflicts_with = "cancelled",
+            required_unless_present = "cancelled"
+        )]
+        no_effect: bool,
+        /// Abandon them: their jobs reopen.
+        #[arg(long)]
+        cancelled: bool,
+        /// List what would be resolved; change nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+}
 
 /// Why a command failed, for the terminal.
 #[derive(Debug, thiserror::Error)]

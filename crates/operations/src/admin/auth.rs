@@ -6,7 +6,7 @@ use http::{header, HeaderMap};
 use subtle::ConstantTimeEq;
 
 use super::error::AdminError;
-use crate::operations::console::{self, Console};
+use crate::console::{self, Console};
 
 /// Lets a request through when it carries the admin `token` (compared in
 /// constant time) or a live session of `console` on a request from the
