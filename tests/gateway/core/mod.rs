@@ -1,4 +1,4 @@
-//! The HTTP contract of a keyed request: answers and replays, how attempts end, races, keys, fingerprints, paths, duplicates in progress, the IETF draft's conformance suite and clients nobody here wrote.
+//! The HTTP contract of a keyed request: answers, outcomes, races, keys, paths, duplicates.
 
 mod answers;
 mod draft_conformance;

@@ -1,4 +1,4 @@
-//! What operators use: the console and its session, the jobs CLI, `idemgate check`, the access log, traces, and rollouts.
+//! What operators use: the console, the jobs CLI, `idemgate check`, logs, traces, rollouts.
 
 mod access_log;
 mod check;

@@ -1,4 +1,4 @@
-//! Whose key it is and what the gateway trusts: owners, defences of its listeners (HTTP/1 and HTTP/2), TLS to upstreams, and its memory budget.
+//! Whose key it is and what the gateway trusts: owners, defences, upstream TLS, its budget.
 
 mod budget;
 mod defences;

@@ -1,4 +1,4 @@
-//! Where jobs and answers are kept: the store conformance suite and its properties, the embedded store, PostgreSQL and Redis as operators deploy them (TLS included), the Redis fast path, replay entries, encryption at rest, and outcomes surviving faults.
+//! Where jobs and answers are kept: every store, PostgreSQL and Redis as deployed, Redis entries.
 
 mod conformance;
 mod embedded;

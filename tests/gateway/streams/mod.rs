@@ -1,4 +1,4 @@
-//! Streamed answers (server-sent events): streamed through while recorded, resumed where a client lost them, and cut when they fall silent.
+//! Streamed answers (server-sent events): streamed, resumed, and cut when they fall silent.
 
 mod resume;
 mod stream_timeouts;

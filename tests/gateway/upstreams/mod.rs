@@ -1,4 +1,4 @@
-//! Upstreams: failover and hedging, moving on from unknown outcomes, reconciling by asking, proven providers, and the connection pool.
+//! Upstreams: failover, moving on, reconciling by asking, proven providers, the pool.
 
 pub(crate) mod failover;
 mod move_on;
