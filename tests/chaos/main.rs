@@ -12,7 +12,7 @@
 //! higher for a long run.
 
 #[allow(unused_imports)]
-#[path = "../it/support/mod.rs"]
+#[path = "../support/mod.rs"]
 mod support;
 
 use std::collections::{BTreeMap, HashMap};

@@ -1,6 +1,6 @@
 """Chat completion answers as the OpenAI API sends them, built from the types
 the official `openai` package ships (every field it knows, nulls included),
-printed as a JSON object {case: answer}. Run by tests/it/chat_example.rs to
+printed as a JSON object {case: answer}. Run by tests/deploy/chat_example.rs to
 check config/chat's contract against real answers, not answers we imagined."""
 
 import json

@@ -1,6 +1,6 @@
 """Two concurrent streamed chat completions with one Idempotency-Key, through
 idemgate, with the official `openai` package: prints the token sequences each
-call saw, as JSON. Run by tests/it/real_clients.rs."""
+call saw, as JSON. Run by tests/gateway/core/real_clients.rs."""
 
 import json
 import sys

@@ -16,7 +16,7 @@
 //! would slow their timing-sensitive ones (and be slowed by them).
 
 #[allow(unused_imports)]
-#[path = "../it/support/mod.rs"]
+#[path = "../support/mod.rs"]
 mod support;
 
 use std::collections::HashMap;

@@ -1,0 +1,220 @@
+//! What users copy must run: the README's quick start, executed as written
+//! (its three `sh` blocks, in order), with only its fixed ports swapped for
+//! free ones and `cargo run` for the binaries this build made.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::Command;
+
+use crate::support::process::ProcessGroup;
+
+/// The `sh` blocks of the README's section `heading`, in order.
+fn sh_blocks(heading: &str) -> Vec<String> {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let start = readme
+        .find(heading)
+        .unwrap_or_else(|| panic!("no {heading} in the README"));
+    let section = &readme[start + heading.len()..];
+    let section = &section[..section.find("\n## ").unwrap_or(section.len())];
+    section
+        .split("```sh\n")
+        .skip(1)
+        .map(|block| block[..block.find("```").unwrap()].to_owned())
+        .collect()
+}
+
+/// The example binary `name`, built beside this test binary (or now).
+fn example(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let path = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join(name);
+    if !path.exists() {
+        let built = std::process::Command::new(env!("CARGO"))
+            .args(["build", "--example", name])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .unwrap();
+        assert!(built.success(), "cargo build --example {name}");
+    }
+    path
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A command of the README's, running; it and whatever it started are
+/// killed when this is dropped.
+struct Started {
+    _group: ProcessGroup,
+    _child: tokio::process::Child,
+}
+
+/// Starts `script` with bash, in a process group of its own; resolves once
+/// a line of its output holds `ready` (20 s at most).
+async fn started(
+    script: &str,
+    envs: &[(&str, String)],
+    cwd: &std::path::Path,
+    ready: &str,
+) -> Started {
+    let mut child = Command::new("bash")
+        .args(["-c", &format!("exec {script}")])
+        .envs(envs.iter().map(|(k, v)| (*k, v.as_str())))
+        .current_dir(cwd)
+        .stdout(Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let group = ProcessGroup::of(&child);
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let seen = tokio::time::timeout(Duration::from_secs(20), async {
+        while let Some(line) = lines.next_line().await.unwrap() {
+            if line.contains(ready) {
+                return;
+            }
+        }
+        panic!("{script} ended before saying {ready:?}");
+    })
+    .await;
+    assert!(seen.is_ok(), "{script} did not say {ready:?} within 20 s");
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Started {
+        _group: group,
+        _child: child,
+    }
+}
+
+#[tokio::test]
+async fn the_quick_start_runs_as_written() {
+    let blocks = sh_blocks("## Quick start");
+    assert_eq!(blocks.len(), 3, "the quick start has three commands to run");
+    let (api, proxy, admin) = (free_port(), free_port(), free_port());
+    let dir = tempfile::tempdir().unwrap();
+    let ports = |text: &str| {
+        text.replace("localhost:8000", &format!("127.0.0.1:{api}"))
+            .replace("127.0.0.1:8000", &format!("127.0.0.1:{api}"))
+            .replace("localhost:8080", &format!("127.0.0.1:{proxy}"))
+    };
+
+    let upstream = blocks[0].trim().replace(
+        "cargo run --release --example demo_upstream",
+        example("demo_upstream").to_str().unwrap(),
+    );
+    let demo_env = [
+        ("DEMO_LISTEN", format!("127.0.0.1:{api}")),
+        ("DEMO_DELAY_MS", "500".to_owned()),
+    ];
+    let _upstream = started(&upstream, &demo_env, dir.path(), "demo upstream on").await;
+
+    let gateway = ports(blocks[1].trim()).replace(
+        "cargo run --release -- serve",
+        &format!(
+            "{} serve --listen 127.0.0.1:{proxy} --admin-listen 127.0.0.1:{admin}",
+            env!("CARGO_BIN_EXE_idemgate")
+        ),
+    );
+    // As on a fresh machine: the embedded store in the working folder, its
+    // owner salt made beside it, none of the suite's own settings.
+    let gateway_env = [("RUST_LOG", "warn".to_owned())];
+    let _gateway = started(&gateway, &gateway_env, dir.path(), "idemgate listening on").await;
+    assert!(dir.path().join("idemgate.db.owner-salt").exists());
+
+    let out = Command::new("bash")
+        .args(["-c", &ports(&blocks[2])])
+        .kill_on_drop(true)
+        .output()
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_lowercase();
+    assert!(out.status.success(), "{text}");
+    assert_eq!(
+        text.matches("http/1.1 200 ok").count(),
+        2,
+        "two answers: {text}"
+    );
+    assert_eq!(
+        text.matches("idempotent-replayed: true").count(),
+        1,
+        "{text}"
+    );
+    let jobs: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("idempotency-job: "))
+        .map(str::trim)
+        .collect();
+    assert!(jobs.len() == 2 && jobs[0] == jobs[1], "one job: {jobs:?}");
+    assert!(
+        text.trim_end().ends_with(r#"{"charges":1}"#),
+        "one charge: {text}"
+    );
+}
+
+#[tokio::test]
+async fn the_configuration_check_runs_as_written_on_the_example_config() {
+    let blocks = sh_blocks("## Configuration");
+    assert_eq!(blocks.len(), 1, "one sh block: the check");
+    let bin = PathBuf::from(env!("CARGO_BIN_EXE_idemgate"));
+    let path = format!(
+        "{}:{}",
+        bin.parent().unwrap().display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let out = Command::new("bash")
+        .args(["-euo", "pipefail", "-c", &blocks[0]])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("PATH", path)
+        .env_remove("IDEMGATE_CONFIG")
+        .kill_on_drop(true)
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("upstream.primary = http://127.0.0.1:8000/ (primary"),
+        "{stdout}"
+    );
+    assert!(stdout.ends_with("configuration ok\n"), "{stdout}");
+
+    // What the check accepted, the gateway serves: the example file started
+    // as it is, only its ports and store file moved out of the way.
+    let dir = tempfile::tempdir().unwrap();
+    let mut gateway = Command::new(&bin)
+        .args(["--config", "config/idemgate.example.toml", "serve"])
+        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .arg("--embedded-path")
+        .arg(dir.path().join("example.db"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env_remove("IDEMGATE_CONFIG")
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(gateway.stdout.take().unwrap()).lines();
+    let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+        .await
+        .expect("the example config's gateway did not start within 30 s")
+        .unwrap()
+        .expect("the example config's gateway exited before listening");
+    assert!(line.starts_with("idemgate listening on"), "{line}");
+    let _ = gateway.start_kill();
+}

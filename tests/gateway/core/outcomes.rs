@@ -1,0 +1,440 @@
+//! How attempts end: timeouts, late answers, refusals, retryable statuses,
+//! a gateway killed mid-attempt, and resolution by an operator.
+
+use std::time::Duration;
+
+use http::Method;
+use serde_json::Value;
+
+use crate::support::upstream::{echo_response, json_response};
+use crate::support::{eventually, post, send, FakeUpstream, Gate, Gateway, TestStore};
+
+/// An upstream whose first answer waits for `gate`; later ones are immediate.
+async fn first_answer_gated(gate: &Gate) -> FakeUpstream {
+    FakeUpstream::gated_echo(gate, |r| r.hit == 1).await
+}
+
+/// A gateway that calls an attempt unknown after 300 ms of silence, and lets
+/// its late answer commit for 30 s.
+async fn impatient_gateway(store: &TestStore, upstream: &FakeUpstream) -> Gateway {
+    Gateway::builder(store, &upstream.url())
+        .set("upstream_timeout", "\"300ms\"")
+        .set("attempt_deadline", "\"30s\"")
+        .start()
+        .await
+}
+
+fn attempts(job: &Value) -> &Vec<Value> {
+    job["attempts"].as_array().unwrap()
+}
+
+async fn timeout_makes_the_job_unknown_until_resolved_then_attempt_two_runs(store: TestStore) {
+    let gate = Gate::new();
+    let upstream = first_answer_gated(&gate).await;
+    let gateway = impatient_gateway(&store, &upstream).await;
+    let url = gateway.path("/v1/jobs");
+
+    let first = post(&url, "slow-1", "{}").await;
+    assert_eq!(first.status, 504);
+    assert_eq!(first.problem(), "attempt-outcome-unknown");
+    let job_id = first.job().expect("the 504 names the job");
+
+    let job = gateway.job(&job_id).await;
+    assert_eq!(job["state"], "unknown");
+    assert_eq!(attempts(&job)[0]["state"], "unknown");
+
+    // Blocked: no new attempt while the outcome is unknown.
+    let retry = post(&url, "slow-1", "{}").await;
+    assert_eq!(retry.status, 409);
+    assert_eq!(retry.problem(), "attempt-outcome-unknown");
+    assert!(retry.header("retry-after").is_some());
+    assert_eq!(retry.job().as_deref(), Some(job_id.as_str()));
+    assert_eq!(upstream.hits(), 1);
+
+    // An operator says attempt 1 had no effect.
+    let attempt_1 = attempts(&job)[0]["id"].as_str().unwrap().to_owned();
+    let resolved = gateway
+        .resolve(&attempt_1, r#"{"outcome": "failed"}"#)
+        .await;
+    assert_eq!(resolved.status, 200, "{:?}", resolved.body);
+    assert_eq!(resolved.json()["state"], "open");
+
+    // The next retry is attempt 2 under the same job, with the same identity upstream.
+    let second = post(&url, "slow-1", "{}").await;
+    assert_eq!(second.status, 200);
+    assert_eq!(second.job().as_deref(), Some(job_id.as_str()));
+    let body = second.json();
+    assert_eq!(body["attempt"], "2");
+    assert_eq!(body["job"], job_id.as_str());
+    let recorded = upstream.recorded();
+    assert_eq!(recorded.len(), 2);
+    assert_eq!(
+        recorded[0].header("idempotency-key"),
+        recorded[1].header("idempotency-key")
+    );
+
+    // Attempt 1's late answer cannot commit any more: the resolution moved the version.
+    gate.open(1);
+    let replay = post(&url, "slow-1", "{}").await;
+    assert_eq!(replay.body, second.body);
+    let job = gateway.job(&job_id).await;
+    assert_eq!(job["state"], "completed");
+    assert_eq!(job["completed_by"], attempts(&job)[1]["id"]);
+}
+
+async fn late_answer_before_the_deadline_is_committed_and_replayed(store: TestStore) {
+    let gate = Gate::new();
+    let upstream = first_answer_gated(&gate).await;
+    let gateway = impatient_gateway(&store, &upstream).await;
+    let url = gateway.path("/v1/jobs");
+
+    let first = post(&url, "late-1", "{}").await;
+    assert_eq!(first.status, 504);
+    let job_id = first.job().unwrap();
+
+    // The upstream answers after the client gave up, but before the deadline.
+    gate.open(1);
+    eventually(
+        Duration::from_secs(10),
+        "the late answer to be committed",
+        || async { gateway.job(&job_id).await["state"] == "completed" },
+    )
+    .await;
+
+    let replay = post(&url, "late-1", "{}").await;
+    assert_eq!(replay.status, 200);
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.json()["hit"], 1);
+    assert_eq!(upstream.hits(), 1);
+    let job = gateway.job(&job_id).await;
+    assert_eq!(attempts(&job)[0]["state"], "succeeded");
+}
+
+async fn refused_connection_fails_the_attempt_and_the_retry_makes_attempt_two(store: TestStore) {
+    // Reserve a port, then free it: nothing listens there yet.
+    let reserved = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = reserved.local_addr().unwrap();
+    drop(reserved);
+    let gateway = Gateway::start(&store, &format!("http://{addr}")).await;
+    let url = gateway.path("/v1/jobs");
+
+    let first = post(&url, "refused-1", "{}").await;
+    assert_eq!(first.status, 502);
+    assert_eq!(first.problem(), "upstream-unreachable");
+    let job_id = first.job().unwrap();
+    let job = gateway.job(&job_id).await;
+    assert_eq!(job["state"], "open");
+    assert_eq!(attempts(&job)[0]["state"], "failed");
+
+    // The upstream comes up; the client's retry is attempt 2 of the same job.
+    let upstream = FakeUpstream::serve(
+        tokio::net::TcpListener::bind(addr).await.unwrap(),
+        |r| async move { echo_response(&r) },
+    );
+    let retry = post(&url, "refused-1", "{}").await;
+    assert_eq!(retry.status, 200);
+    assert_eq!(retry.job().as_deref(), Some(job_id.as_str()));
+    assert_eq!(retry.json()["attempt"], "2");
+    assert_eq!(upstream.hits(), 1);
+}
+
+async fn retryable_status_is_passed_on_uncommitted_and_the_retry_runs_again(store: TestStore) {
+    let upstream = FakeUpstream::start(|r| async move {
+        if r.hit == 1 {
+            json_response(503, serde_json::json!({"error": "overloaded"}))
+        } else {
+            echo_response(&r)
+        }
+    })
+    .await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    let url = gateway.path("/v1/jobs");
+
+    let first = post(&url, "busy-1", "{}").await;
+    assert_eq!(
+        first.status, 503,
+        "the upstream's own answer reaches the client"
+    );
+    assert_eq!(first.json()["error"], "overloaded");
+    let job_id = first.job().unwrap();
+    assert_eq!(gateway.job(&job_id).await["state"], "open");
+
+    let retry = post(&url, "busy-1", "{}").await;
+    assert_eq!(retry.status, 200);
+    assert_eq!(retry.json()["attempt"], "2");
+    // A non-retryable error status is terminal: committed and replayed.
+    let job = gateway.job(&job_id).await;
+    assert_eq!(job["state"], "completed");
+    assert_eq!(attempts(&job)[0]["upstream_status"], 503);
+}
+
+async fn error_answers_that_are_not_retryable_are_committed(store: TestStore) {
+    let upstream = FakeUpstream::start(|_| async move {
+        json_response(400, serde_json::json!({"error": "card declined"}))
+    })
+    .await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    let url = gateway.path("/v1/charges");
+    let first = post(&url, "declined", "{}").await;
+    assert_eq!(first.status, 400);
+    let again = post(&url, "declined", "{}").await;
+    assert_eq!(again.status, 400);
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(again.body, first.body);
+    assert_eq!(upstream.hits(), 1);
+}
+
+async fn a_held_duplicate_past_the_hold_timeout_gets_409_in_progress(store: TestStore) {
+    let gate = Gate::new();
+    let upstream = first_answer_gated(&gate).await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("hold_timeout", "\"300ms\"")
+        .start()
+        .await;
+    let url = gateway.path("/v1/jobs");
+    let first = tokio::spawn({
+        let url = url.clone();
+        async move { post(&url, "held-1", "{}").await }
+    });
+    upstream.arrival().await;
+    let duplicate = post(&url, "held-1", "{}").await;
+    assert_eq!(duplicate.status, 409);
+    assert_eq!(duplicate.problem(), "request-in-progress");
+    assert!(duplicate.header("retry-after").is_some());
+    gate.open(1);
+    assert_eq!(first.await.unwrap().status, 200);
+    assert_eq!(upstream.hits(), 1);
+}
+
+async fn a_running_attempt_keeps_renewing_its_lease(store: TestStore) {
+    let gate = Gate::new();
+    let upstream = first_answer_gated(&gate).await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("lease_ttl", "\"600ms\"")
+        .start()
+        .await;
+    let first = tokio::spawn({
+        let url = gateway.path("/v1/jobs");
+        async move { post(&url, "long-1", "{}").await }
+    });
+    let job_id = upstream
+        .arrival()
+        .await
+        .header("idempotency-key")
+        .unwrap()
+        .to_owned();
+    let lease = |job: &Value| {
+        attempts(job)[0]["lease_expires_at"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let initial = lease(&gateway.job(&job_id).await);
+    // Several lease lengths pass with the sweeper running every 200 ms: the
+    // lease moves forward and the attempt stays started.
+    for _ in 0..3 {
+        let before = lease(&gateway.job(&job_id).await);
+        eventually(
+            Duration::from_secs(10),
+            "the lease to be renewed",
+            || async { lease(&gateway.job(&job_id).await) > before },
+        )
+        .await;
+    }
+    let job = gateway.job(&job_id).await;
+    assert!(lease(&job) > initial);
+    assert_eq!(attempts(&job)[0]["state"], "started");
+    assert_eq!(job["state"], "running");
+    gate.open(1);
+    assert_eq!(first.await.unwrap().status, 200);
+}
+
+async fn expired_jobs_are_purged_in_the_background(store: TestStore) {
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("key_ttl", "\"1s\"")
+        .start()
+        .await;
+    let url = gateway.path("/v1/jobs");
+    let first = post(&url, "short-lived", "{}").await;
+    let job_id = first.job().unwrap();
+    eventually(
+        Duration::from_secs(10),
+        "the expired job to be purged",
+        || async {
+            gateway
+                .admin(Method::GET, &format!("/admin/v1/jobs/{job_id}"), "")
+                .await
+                .status
+                == 404
+        },
+    )
+    .await;
+    // The key is free again: a new job, a new upstream call.
+    let again = post(&url, "short-lived", "{}").await;
+    assert_ne!(again.job(), first.job());
+    assert_eq!(upstream.hits(), 2);
+}
+
+async fn a_gateway_stopped_mid_attempt_records_it_unknown_at_once(store: TestStore) {
+    let gate = Gate::new();
+    let upstream = first_answer_gated(&gate).await;
+    // A lease far longer than the test: only the shutdown can explain `unknown`.
+    let builder = || {
+        Gateway::builder(&store, &upstream.url())
+            .set("lease_ttl", "\"10m\"")
+            .set("shutdown_grace", "\"300ms\"")
+    };
+    let mut stopping = builder().start().await;
+    let in_flight = crate::support::post_detached(stopping.path("/v1/jobs"), "stopped-1");
+    let job_id = upstream
+        .arrival()
+        .await
+        .header("idempotency-key")
+        .unwrap()
+        .to_owned();
+    assert!(
+        stopping.terminate().await.success(),
+        "a clean exit on SIGTERM"
+    );
+    let _ = in_flight.await;
+
+    let next = builder().start().await;
+    let job = next.job(&job_id).await;
+    assert_eq!(job["state"], "unknown");
+    let detail = attempts(&job)[0]["detail"].as_str().unwrap().to_owned();
+    assert!(detail.contains("shut down"), "{detail}");
+    let retry = post(&next.path("/v1/jobs"), "stopped-1", "{}").await;
+    assert_eq!(retry.status, 409);
+    assert_eq!(upstream.hits(), 1);
+    gate.open(1);
+}
+
+#[tokio::test]
+async fn a_gateway_killed_mid_attempt_leaves_the_attempt_unknown_once_its_lease_lapses() {
+    let store = TestStore::postgres().await;
+    let gate = Gate::new();
+    let upstream = first_answer_gated(&gate).await;
+    let mut doomed = Gateway::builder(&store, &upstream.url())
+        .set("lease_ttl", "\"600ms\"")
+        .start()
+        .await;
+    let survivor = Gateway::builder(&store, &upstream.url())
+        .set("lease_ttl", "\"600ms\"")
+        .set("hold_timeout", "\"20s\"")
+        .start()
+        .await;
+
+    let in_flight = crate::support::post_detached(doomed.path("/v1/jobs"), "killed-1");
+    let arrived = upstream.arrival().await;
+    let job_id = arrived.header("idempotency-key").unwrap().to_owned();
+    doomed.kill().await;
+    assert!(
+        in_flight.await.unwrap().is_err(),
+        "the client lost its connection"
+    );
+
+    // A duplicate on the survivor is held while the job runs, and released
+    // with 409 when the survivor's sweeper finds the lapsed lease.
+    let duplicate = post(&survivor.path("/v1/jobs"), "killed-1", "{}").await;
+    assert_eq!(duplicate.status, 409);
+    assert_eq!(duplicate.problem(), "attempt-outcome-unknown");
+    assert_eq!(duplicate.job().as_deref(), Some(job_id.as_str()));
+
+    let job = survivor.job(&job_id).await;
+    assert_eq!(job["state"], "unknown");
+    assert_eq!(
+        job["response"],
+        Value::Null,
+        "nothing that never finished is stored"
+    );
+    let attempt = &attempts(&job)[0];
+    assert_eq!(attempt["state"], "unknown");
+    assert!(attempt["detail"].as_str().unwrap().contains("lease"));
+
+    // The upstream finishing into the void changes nothing.
+    gate.open(1);
+    let again = post(&survivor.path("/v1/jobs"), "killed-1", "{}").await;
+    assert_eq!(again.status, 409);
+    assert_eq!(upstream.hits(), 1);
+}
+
+async fn resolving_an_unknown_attempt_as_succeeded_commits_the_given_response(store: TestStore) {
+    let gate = Gate::new();
+    let upstream = first_answer_gated(&gate).await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("upstream_timeout", "\"300ms\"")
+        .start()
+        .await;
+    let url = gateway.path("/v1/jobs");
+    let first = post(&url, "manual-1", "{}").await;
+    assert_eq!(first.status, 504);
+    let job = gateway.job(&first.job().unwrap()).await;
+    let attempt = attempts(&job)[0]["id"].as_str().unwrap().to_owned();
+
+    let resolved = gateway
+        .resolve(
+            &attempt,
+            r#"{"outcome": "succeeded", "response": {"status": 201, "headers": [["content-type", "application/json"]], "body": "{\"settled\": true}"}}"#,
+        )
+        .await;
+    assert_eq!(resolved.status, 200, "{:?}", resolved.body);
+    assert_eq!(resolved.json()["state"], "completed");
+
+    let replay = post(&url, "manual-1", "{}").await;
+    assert_eq!(replay.status, 201);
+    assert_eq!(replay.header("content-type"), Some("application/json"));
+    assert_eq!(replay.body.as_ref(), br#"{"settled": true}"#);
+
+    // A settled attempt cannot be resolved again.
+    let again = gateway.resolve(&attempt, r#"{"outcome": "failed"}"#).await;
+    assert_eq!(again.status, 409);
+    gate.open(1);
+}
+
+async fn admin_rejects_malformed_resolutions(store: TestStore) {
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    let missing = gateway
+        .resolve(
+            &uuid::Uuid::new_v4().to_string(),
+            r#"{"outcome": "failed"}"#,
+        )
+        .await;
+    assert_eq!(missing.status, 404);
+    let bad = gateway
+        .resolve(&uuid::Uuid::new_v4().to_string(), r#"{"outcome": "maybe"}"#)
+        .await;
+    assert_eq!(bad.status, 400);
+    assert_eq!(bad.problem(), "invalid-admin-request");
+    let no_response = gateway
+        .resolve(
+            &uuid::Uuid::new_v4().to_string(),
+            r#"{"outcome": "succeeded"}"#,
+        )
+        .await;
+    assert_eq!(no_response.status, 400);
+    let not_json = send(
+        Method::POST,
+        &format!("{}/admin/v1/attempts/x/resolve", gateway.admin_url),
+        &[],
+        "{",
+    )
+    .await;
+    assert_eq!(not_json.status, 401, "auth is checked before anything else");
+}
+
+crate::on_each_deployment!(
+    [embedded, postgres]
+    a_gateway_stopped_mid_attempt_records_it_unknown_at_once,
+    a_running_attempt_keeps_renewing_its_lease,
+    expired_jobs_are_purged_in_the_background,
+    timeout_makes_the_job_unknown_until_resolved_then_attempt_two_runs,
+    late_answer_before_the_deadline_is_committed_and_replayed,
+    refused_connection_fails_the_attempt_and_the_retry_makes_attempt_two,
+    retryable_status_is_passed_on_uncommitted_and_the_retry_runs_again,
+    error_answers_that_are_not_retryable_are_committed,
+    a_held_duplicate_past_the_hold_timeout_gets_409_in_progress,
+    resolving_an_unknown_attempt_as_succeeded_commits_the_given_response,
+    admin_rejects_malformed_resolutions,
+);

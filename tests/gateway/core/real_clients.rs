@@ -1,0 +1,255 @@
+//! Clients nobody here wrote, against the real binary.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::support::sse::SseUpstream;
+use crate::support::{python, Gateway, TestStore};
+
+const TOKENS: &[&str] = &["One", ", two", ", three", ", four", ", five."];
+
+/// A Python with the `openai` package: the one `IDEMGATE_TEST_PYTHON` names,
+/// or a throwaway virtualenv under `target/`.
+fn python_with_openai() -> PathBuf {
+    if let Ok(python) = std::env::var("IDEMGATE_TEST_PYTHON") {
+        return PathBuf::from(python);
+    }
+    python::venv("test-venv", &["openai"], "import openai").join("python")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_sdk_streaming_twice_with_one_key_sees_one_execution() {
+    let python = tokio::task::spawn_blocking(python_with_openai)
+        .await
+        .unwrap();
+    let store = TestStore::postgres().await;
+    let upstream = SseUpstream::openai(TOKENS, Duration::from_millis(150)).await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/clients/openai_stream.py");
+    let base_url = gateway.path("/v1");
+    let out = tokio::time::timeout(
+        Duration::from_secs(60),
+        tokio::process::Command::new(&python)
+            .arg(&script)
+            .arg(&base_url)
+            .arg("sdk-stream-1")
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("the SDK script did not finish within 60 s")
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "the SDK script failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let seen: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let expected: Vec<&str> = TOKENS.to_vec();
+    assert_eq!(seen["first"], serde_json::json!(expected));
+    assert_eq!(seen["second"], seen["first"], "identical token sequences");
+    assert_eq!(upstream.hits(), 1, "one upstream execution");
+}
+
+/// curl, twice with one key, then with the same key and another body: the
+/// second is a replay (same body, `Idempotent-Replayed: true`), the third a
+/// problem answer curl's `--fail-with-body` reports as an error.
+#[tokio::test]
+async fn curl_retrying_with_one_key_gets_the_recorded_answer_then_a_mismatch_problem() {
+    let store = TestStore::postgres().await;
+    let upstream = crate::support::FakeUpstream::echo().await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    let url = gateway.path("/v1/charges");
+    let curl = |body: &'static str| {
+        let url = url.clone();
+        async move {
+            tokio::process::Command::new("curl")
+                .args(["--silent", "--show-error", "--include", "--fail-with-body"])
+                .args([
+                    "--max-time",
+                    "20",
+                    "-X",
+                    "POST",
+                    "-H",
+                    "Idempotency-Key: curl-1",
+                ])
+                .args(["-H", "Content-Type: application/json", "--data", body, &url])
+                .kill_on_drop(true)
+                .output()
+                .await
+                .expect("curl is installed")
+        }
+    };
+    let first = curl(r#"{"amount": 10}"#).await;
+    let second = curl(r#"{"amount": 10}"#).await;
+    assert!(
+        first.status.success(),
+        "{}",
+        String::from_utf8_lossy(&first.stderr)
+    );
+    assert!(second.status.success());
+    let (first, second) = (
+        String::from_utf8(first.stdout).unwrap(),
+        String::from_utf8(second.stdout).unwrap(),
+    );
+    let body = |s: &str| s.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned();
+    assert_eq!(body(&first), body(&second));
+    assert!(!first
+        .to_ascii_lowercase()
+        .contains("idempotent-replayed: true"));
+    assert!(
+        second
+            .to_ascii_lowercase()
+            .contains("idempotent-replayed: true"),
+        "{second}"
+    );
+    assert_eq!(upstream.hits(), 1);
+
+    let changed = curl(r#"{"amount": 99}"#).await;
+    assert!(
+        !changed.status.success(),
+        "a different body under the same key passed"
+    );
+    let said = String::from_utf8(changed.stdout).unwrap();
+    assert!(said.starts_with("HTTP/1.1 409"), "{said}");
+    assert!(said
+        .to_ascii_lowercase()
+        .contains("content-type: application/problem+json"));
+    assert_eq!(
+        upstream.hits(),
+        1,
+        "the mismatched body reached the upstream"
+    );
+}
+
+/// curl speaking HTTP/2 with prior knowledge (no upgrade, the preface
+/// first) and HTTP/1.1 to one gateway: each is answered in its own
+/// protocol, and a retry over HTTP/2 of a key first sent over HTTP/1.1 is
+/// a replay of the same answer.
+#[tokio::test]
+async fn curl_over_http2_with_prior_knowledge_and_over_http1_share_one_key() {
+    let store = TestStore::embedded();
+    let upstream = crate::support::FakeUpstream::echo().await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    let url = gateway.path("/v1/charges");
+    let curl = |version: &'static str| {
+        let url = url.clone();
+        async move {
+            let out = tokio::process::Command::new("curl")
+                .args(["--silent", "--show-error", "--include", "--fail-with-body"])
+                .args(["--max-time", "20", version, "-X", "POST"])
+                .args(["-H", "Idempotency-Key: curl-h2", "--data", "{}", &url])
+                .kill_on_drop(true)
+                .output()
+                .await
+                .expect("curl is installed");
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            String::from_utf8(out.stdout).unwrap().to_ascii_lowercase()
+        }
+    };
+    let first = curl("--http1.1").await;
+    let second = curl("--http2-prior-knowledge").await;
+    assert!(first.starts_with("http/1.1 200"), "{first}");
+    assert!(second.starts_with("http/2 200"), "{second}");
+    assert!(second.contains("idempotent-replayed: true"), "{second}");
+    let body = |s: &str| s.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned();
+    assert_eq!(body(&first), body(&second));
+    assert_eq!(upstream.hits(), 1);
+}
+
+/// The README's `python` block under `heading`.
+fn readme_python(heading: &str) -> String {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let section = &readme[readme.find(heading).expect("the README's heading")..];
+    let block = &section[section.find("```python\n").expect("a python block") + 10..];
+    block[..block.find("```").unwrap()].to_owned()
+}
+
+/// A TCP relay to `to` that breaks its first connection in the middle of
+/// the answer's event number `events + 1` (after forwarding its first
+/// bytes), as a flaky network would; later connections pass whole.
+async fn flaky_network(to: std::net::SocketAddr, events: usize) -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut first = true;
+        while let Ok((client, _)) = listener.accept().await {
+            let server = tokio::net::TcpStream::connect(to).await.unwrap();
+            let (mut client_rx, mut client_tx) = client.into_split();
+            let (mut server_rx, mut server_tx) = server.into_split();
+            let up = tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut client_rx, &mut server_tx).await;
+            });
+            let cut_after = std::mem::take(&mut first).then_some(events + 1);
+            tokio::spawn(async move {
+                let (mut seen, mut buf) = (Vec::new(), vec![0u8; 16 * 1024]);
+                while let Ok(n @ 1..) = server_rx.read(&mut buf).await {
+                    let sent = seen.len();
+                    seen.extend_from_slice(&buf[..n]);
+                    let cut = cut_after.and_then(|k| {
+                        let starts = seen.windows(6).enumerate().filter(|(_, w)| w == b"data: ");
+                        starts.map(|(i, _)| i).nth(k - 1).map(|i| i + 10)
+                    });
+                    let end = cut.map_or(seen.len(), |c| c.min(seen.len()));
+                    if client_tx.write_all(&seen[sent..end]).await.is_err() || cut.is_some() {
+                        break;
+                    }
+                }
+                // Dropping both halves resets the client's connection.
+                up.abort();
+            });
+        }
+    });
+    addr
+}
+
+/// The README's resume snippet, run as written with the official `openai`
+/// package, its connection broken in the middle of the fourth chunk: it
+/// resumes after the three it has and prints the whole answer, every token
+/// once, from one upstream execution.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_sdk_resumes_a_dropped_stream_with_the_readme_snippet() {
+    const EIGHT: &[&str] = &["A", " b", " c", " d", " e", " f", " g", " h."];
+    let python = tokio::task::spawn_blocking(python_with_openai)
+        .await
+        .unwrap();
+    let store = TestStore::postgres().await;
+    let upstream = SseUpstream::openai(EIGHT, Duration::from_millis(100)).await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    let gateway_addr = gateway
+        .path("")
+        .trim_start_matches("http://")
+        .parse()
+        .unwrap();
+    let flaky = flaky_network(gateway_addr, 3).await;
+    let out = tokio::time::timeout(
+        Duration::from_secs(60),
+        tokio::process::Command::new(&python)
+            .args(["-c", &readme_python("### Resuming a stream")])
+            .env("OPENAI_BASE_URL", format!("http://{flaky}/v1"))
+            .env("OPENAI_API_KEY", "not-a-real-key")
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("the snippet did not finish within 60 s")
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "the snippet failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim_end(),
+        EIGHT.concat()
+    );
+    assert_eq!(upstream.hits(), 1, "one upstream execution");
+    let resumed = gateway.metric("idemgate_stream_resumes_total{result=\"resumed\"}");
+    assert_eq!(resumed.await, 1.0, "the second try resumed after 3 events");
+}

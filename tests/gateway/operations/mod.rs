@@ -1,0 +1,9 @@
+//! What operators use: the console, the jobs CLI, `idemgate check`, logs, traces, rollouts.
+
+mod access_log;
+mod check;
+mod console;
+mod console_session;
+mod jobs_cli;
+mod rollout;
+mod traces;

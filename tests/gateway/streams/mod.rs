@@ -1,0 +1,5 @@
+//! Streamed answers (server-sent events): streamed, resumed, and cut when they fall silent.
+
+mod resume;
+mod stream_timeouts;
+mod streaming;

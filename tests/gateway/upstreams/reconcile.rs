@@ -1,0 +1,616 @@
+//! Reconciling an attempt of unknown outcome by asking the upstream
+//! (`[routes.reconcile]`, `docs/design.md` §5): a `2xx` lookup commits its
+//! answer, a `404` reopens the job, anything else asks again.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::Method;
+use serde_json::{json, Value};
+
+use crate::support::upstream::{echo_response, json_response, Recorded};
+use crate::support::{eventually, post, send, FakeUpstream, Gate, Gateway, TestStore};
+
+const ROUTE: &str = r#"
+[[routes]]
+name = "charges"
+path_prefix = "/v1/charges"
+[routes.reconcile]
+path = "/v1/charges/lookup/{job}"
+"#;
+
+fn is_lookup(r: &Recorded) -> bool {
+    r.method == "GET" && r.path.starts_with("/v1/charges/lookup/")
+}
+
+type Answer = http::Response<http_body_util::Full<bytes::Bytes>>;
+
+/// An upstream that never answers the first POST (the attempt goes
+/// unknown) until `silent` opens, echoes later POSTs, and answers lookups
+/// with `lookup`.
+async fn upstream_with_lookups<F>(silent: &Gate, lookup: F) -> FakeUpstream
+where
+    F: Fn(&Recorded) -> Answer + Send + Sync + 'static,
+{
+    let (silent, lookup) = (silent.clone(), Arc::new(lookup));
+    let posts = Arc::new(AtomicUsize::new(0));
+    FakeUpstream::start(move |r| {
+        let (silent, lookup) = (silent.clone(), lookup.clone());
+        let posts = posts.clone();
+        async move {
+            if is_lookup(&r) {
+                return lookup(&r);
+            }
+            if posts.fetch_add(1, Ordering::SeqCst) == 0 {
+                silent.pass().await;
+            }
+            echo_response(&r)
+        }
+    })
+    .await
+}
+
+/// A gateway that calls an attempt unknown after 300 ms of silence and lets
+/// it be reconciled for 30 s.
+async fn gateway(store: &TestStore, upstream: &FakeUpstream) -> Gateway {
+    Gateway::builder(store, &upstream.url())
+        .set("upstream_timeout", "\"300ms\"")
+        .set("attempt_deadline", "\"30s\"")
+        .tables(ROUTE)
+        .start()
+        .await
+}
+
+fn first_attempt(job: &Value) -> &Value {
+    &job["attempts"][0]
+}
+
+fn posts(upstream: &FakeUpstream) -> usize {
+    upstream
+        .recorded()
+        .iter()
+        .filter(|r| r.method == "POST")
+        .count()
+}
+
+/// The value of `idemgate_reconcile_lookups_total` for `result` on the
+/// route `charges` (0 when not yet counted), lookups and resends together.
+async fn lookups_counted(gateway: &Gateway, result: &str) -> f64 {
+    counted_by(gateway, "", result).await
+}
+
+/// The same, only for asks `by` (`lookup`, `resend`; empty: any).
+async fn counted_by(gateway: &Gateway, by: &str, result: &str) -> f64 {
+    let reply = send(
+        Method::GET,
+        &format!("{}/metrics", gateway.admin_url),
+        &[],
+        "",
+    )
+    .await;
+    let text = String::from_utf8_lossy(&reply.body).into_owned();
+    text.lines()
+        .filter(|l| l.starts_with("idemgate_reconcile_lookups_total{"))
+        .filter(|l| l.contains("route=\"charges\"") && l.contains(&format!("result=\"{result}\"")))
+        .filter(|l| by.is_empty() || l.contains(&format!("by=\"{by}\"")))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+async fn a_lookup_answering_200_commits_its_answer_for_every_retry(store: TestStore) {
+    let silent = Gate::new();
+    let upstream = upstream_with_lookups(&silent, |r| {
+        let mut response = json_response(
+            200,
+            json!({"charge": "ch_1", "looked_up": r.path, "job": r.header("idempotency-key")}),
+        );
+        response
+            .headers_mut()
+            .insert("x-charge", "ch_1".parse().unwrap());
+        response
+    })
+    .await;
+    let gateway = gateway(&store, &upstream).await;
+    let url = gateway.path("/v1/charges");
+
+    let first = post(&url, "charge-1", r#"{"amount": 5}"#).await;
+    assert_eq!(first.status, 504);
+    assert_eq!(first.problem(), "attempt-outcome-unknown");
+    let job_id = first.job().unwrap();
+
+    // The gateway asks at once, on the attempt's upstream.
+    let lookup = upstream.arrival().await;
+    let lookup = if is_lookup(&lookup) {
+        lookup
+    } else {
+        upstream.arrival().await
+    };
+    assert!(is_lookup(&lookup), "{lookup:?}");
+    assert_eq!(lookup.path, format!("/v1/charges/lookup/{job_id}"));
+    assert_eq!(lookup.header("idempotency-key"), Some(job_id.as_str()));
+    eventually(
+        Duration::from_secs(10),
+        "the lookup's answer to be committed",
+        || async { gateway.job(&job_id).await["state"] == "completed" },
+    )
+    .await;
+
+    let retry = post(&url, "charge-1", r#"{"amount": 5}"#).await;
+    assert_eq!(retry.status, 200);
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(retry.header("x-charge"), Some("ch_1"));
+    let body = retry.json();
+    assert_eq!(body["charge"], "ch_1");
+    assert_eq!(body["job"], job_id.as_str());
+    let again = post(&url, "charge-1", r#"{"amount": 5}"#).await;
+    assert_eq!(again.status, 200);
+    assert_eq!(again.body, retry.body);
+    assert_eq!(posts(&upstream), 1, "the charge reached the upstream once");
+
+    let job = gateway.job(&job_id).await;
+    let attempt = first_attempt(&job);
+    assert_eq!(attempt["state"], "succeeded");
+    assert_eq!(job["completed_by"], attempt["id"]);
+    assert_eq!(attempt["lookups"]["count"], 1);
+    assert_eq!(attempt["lookups"]["last"]["status"], 200);
+    assert_eq!(attempt["lookups"]["last"]["result"], "settled_succeeded");
+    assert!(attempt["lookups"]["last"]["at"].is_string());
+    assert!(attempt["detail"]
+        .as_str()
+        .unwrap()
+        .starts_with("reconciled"));
+    assert_eq!(lookups_counted(&gateway, "settled_succeeded").await, 1.0);
+
+    // The attempt's own late answer can no longer commit.
+    silent.open(1);
+    let replay = post(&url, "charge-1", r#"{"amount": 5}"#).await;
+    assert_eq!(replay.body, retry.body);
+}
+
+/// A duplicate that arrives while a lookup is under way is held for it,
+/// as for a running attempt, and gets the looked-up answer.
+async fn a_duplicate_held_meanwhile_gets_the_looked_up_answer(store: TestStore) {
+    let (silent, asked) = (Gate::new(), Gate::new());
+    let upstream = {
+        let asked = asked.clone();
+        FakeUpstream::start(move |r| {
+            let (silent, asked) = (silent.clone(), asked.clone());
+            async move {
+                if is_lookup(&r) {
+                    asked.pass().await;
+                    return json_response(200, json!({"charge": "ch_held"}));
+                }
+                silent.pass().await;
+                echo_response(&r)
+            }
+        })
+        .await
+    };
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("upstream_timeout", "\"2s\"")
+        .set("attempt_deadline", "\"30s\"")
+        .tables(ROUTE)
+        .start()
+        .await;
+    let url = gateway.path("/v1/charges");
+    let first = post(&url, "charge-held", "{}").await;
+    assert_eq!(first.status, 504);
+    // The lookup has arrived and waits at the upstream.
+    let arrived = upstream.arrival().await;
+    let lookup = if is_lookup(&arrived) {
+        arrived
+    } else {
+        upstream.arrival().await
+    };
+    assert!(is_lookup(&lookup));
+    let duplicate = {
+        let url = url.clone();
+        tokio::spawn(async move { post(&url, "charge-held", "{}").await })
+    };
+    eventually(
+        Duration::from_secs(1),
+        "the duplicate to be held for the lookup",
+        || async { gateway.metric("idemgate_held_requests").await == 1.0 },
+    )
+    .await;
+    asked.open(1);
+    let duplicate = duplicate.await.unwrap();
+    assert_eq!(duplicate.status, 200, "{:?}", duplicate.json());
+    assert_eq!(duplicate.json()["charge"], "ch_held");
+    let later = post(&url, "charge-held", "{}").await;
+    assert_eq!(later.header("idempotent-replayed"), Some("true"));
+    assert_eq!(later.json()["charge"], "ch_held");
+    assert_eq!(posts(&upstream), 1, "the POST ran once");
+}
+
+async fn a_lookup_answering_404_reopens_the_job_for_attempt_two(store: TestStore) {
+    let silent = Gate::new();
+    let upstream = upstream_with_lookups(&silent, |_| {
+        json_response(404, json!({"error": "no such charge"}))
+    })
+    .await;
+    let gateway = gateway(&store, &upstream).await;
+    let url = gateway.path("/v1/charges");
+
+    let first = post(&url, "charge-2", "{}").await;
+    assert_eq!(first.status, 504);
+    let job_id = first.job().unwrap();
+    eventually(
+        Duration::from_secs(10),
+        "the lookup to reopen the job",
+        || async { gateway.job(&job_id).await["state"] == "open" },
+    )
+    .await;
+    let job = gateway.job(&job_id).await;
+    assert_eq!(first_attempt(&job)["state"], "failed");
+    assert_eq!(first_attempt(&job)["lookups"]["count"], 1);
+    assert_eq!(
+        first_attempt(&job)["lookups"]["last"]["result"],
+        "settled_no_effect"
+    );
+    assert_eq!(first_attempt(&job)["lookups"]["last"]["status"], 404);
+
+    let second = post(&url, "charge-2", "{}").await;
+    assert_eq!(second.status, 200);
+    assert_eq!(second.job().as_deref(), Some(job_id.as_str()));
+    assert_eq!(second.json()["attempt"], "2");
+    assert_eq!(posts(&upstream), 2);
+    assert_eq!(lookups_counted(&gateway, "settled_no_effect").await, 1.0);
+    silent.open(1);
+}
+
+async fn a_lookup_answering_500_asks_again_until_it_answers_200(store: TestStore) {
+    let silent = Gate::new();
+    // Lookups answer 500 until the test says the upstream knows.
+    let knows = Arc::new(AtomicBool::new(false));
+    let upstream = upstream_with_lookups(&silent, {
+        let knows = knows.clone();
+        move |_| match knows.load(Ordering::SeqCst) {
+            false => json_response(500, json!({"error": "try later"})),
+            true => json_response(200, json!({"charge": "ch_3"})),
+        }
+    })
+    .await;
+    let gateway = gateway(&store, &upstream).await;
+    let url = gateway.path("/v1/charges");
+
+    let first = post(&url, "charge-3", "{}").await;
+    assert_eq!(first.status, 504);
+    let job_id = first.job().unwrap();
+
+    // The first lookup says nothing: still unknown, and recorded as such.
+    eventually(
+        Duration::from_secs(10),
+        "the first lookup to be recorded",
+        || async { first_attempt(&gateway.job(&job_id).await)["lookups"]["count"] != 0 },
+    )
+    .await;
+    let job = gateway.job(&job_id).await;
+    assert_eq!(job["state"], "unknown");
+    assert_eq!(first_attempt(&job)["state"], "unknown");
+    assert_eq!(
+        first_attempt(&job)["lookups"]["last"]["result"],
+        "still_unknown"
+    );
+    assert_eq!(first_attempt(&job)["lookups"]["last"]["status"], 500);
+    assert_eq!(post(&url, "charge-3", "{}").await.status, 409);
+    assert!(lookups_counted(&gateway, "still_unknown").await >= 1.0);
+
+    // The next one, after the backoff, settles it.
+    knows.store(true, Ordering::SeqCst);
+    eventually(
+        Duration::from_secs(10),
+        "the second lookup to commit its answer",
+        || async { gateway.job(&job_id).await["state"] == "completed" },
+    )
+    .await;
+    let job = gateway.job(&job_id).await;
+    assert!(first_attempt(&job)["lookups"]["count"].as_u64().unwrap() >= 2);
+    assert_eq!(
+        first_attempt(&job)["lookups"]["last"]["result"],
+        "settled_succeeded"
+    );
+    let retry = post(&url, "charge-3", "{}").await;
+    assert_eq!(retry.status, 200);
+    assert_eq!(retry.json()["charge"], "ch_3");
+    assert_eq!(posts(&upstream), 1);
+    silent.open(1);
+}
+
+async fn a_bad_lookup_path_is_refused_at_start_up_naming_the_key(store: TestStore) {
+    for (path, says) in [
+        ("v1/charges/lookup/{job}", "must start with `/`"),
+        ("/v1/charges/lookup", "put {job} where"),
+    ] {
+        let stderr = Gateway::builder(&store, "http://127.0.0.1:9")
+            .tables(&format!(
+                "[[routes]]\npath_prefix = \"/v1/charges\"\n[routes.reconcile]\npath = {path:?}\n"
+            ))
+            .start_and_fail()
+            .await;
+        assert!(
+            stderr.contains("routes[0].reconcile.path"),
+            "{path}: {stderr}"
+        );
+        assert!(stderr.contains(says), "{path}: {stderr}");
+    }
+}
+
+/// The lookup goes to the attempt's upstream with that upstream's headers,
+/// its credential included, as the attempt did.
+#[tokio::test]
+async fn the_lookup_carries_the_upstreams_credential() {
+    let store = TestStore::embedded();
+    let silent = Gate::new();
+    let upstream =
+        upstream_with_lookups(&silent, |_| json_response(200, json!({"charge": "ch_4"}))).await;
+    let gateway = Gateway::builder(&store, "http://unused")
+        .unset("upstreams")
+        .set("upstream_timeout", "\"300ms\"")
+        .set("attempt_deadline", "\"30s\"")
+        .env("TEST_PROVIDER_KEY", "sk-provider-secret")
+        .tables(&format!(
+            "[[upstreams]]\nname = \"provider\"\nurl = {:?}\n[upstreams.headers]\nauthorization = {{ env = \"TEST_PROVIDER_KEY\", prefix = \"Bearer \" }}\n\
+             [[clients]]\nname = \"app\"\nkey_sha256 = {{ value = {:?} }}\n\
+             [[routes]]\nname = \"charges\"\npath_prefix = \"/v1/charges\"\nrequire_client = true\n\
+             [routes.reconcile]\npath = \"/v1/charges/lookup/{{job}}\"\n",
+            upstream.url(),
+            crate::support::sha256_hex("client-token"),
+        ))
+        .start()
+        .await;
+    let headers = [
+        ("idempotency-key", "charge-4"),
+        ("authorization", "Bearer client-token"),
+    ];
+    let first = send(Method::POST, &gateway.path("/v1/charges"), &headers, "{}").await;
+    assert_eq!(first.status, 504);
+    let job_id = first.job().unwrap();
+    eventually(
+        Duration::from_secs(10),
+        "the lookup's answer to be committed",
+        || async { gateway.job(&job_id).await["state"] == "completed" },
+    )
+    .await;
+    let recorded = upstream.recorded();
+    let lookup = recorded.iter().find(|r| is_lookup(r)).unwrap();
+    assert_eq!(
+        lookup.header("authorization"),
+        Some("Bearer sk-provider-secret")
+    );
+    let retry = send(Method::POST, &gateway.path("/v1/charges"), &headers, "{}").await;
+    assert_eq!(retry.status, 200);
+    assert_eq!(retry.json()["charge"], "ch_4");
+    silent.open(1);
+}
+
+/// An attempt whose gateway died is made unknown by another replica's
+/// sweeper when its lease lapses, and that replica looks it up.
+#[tokio::test]
+async fn an_attempt_the_sweeper_makes_unknown_is_looked_up_too() {
+    let store = TestStore::postgres().await;
+    let silent = Gate::new();
+    let upstream =
+        upstream_with_lookups(&silent, |_| json_response(200, json!({"charge": "ch_5"}))).await;
+    let builder = || {
+        Gateway::builder(&store, &upstream.url())
+            .set("lease_ttl", "\"600ms\"")
+            .set("upstream_timeout", "\"30s\"")
+            .set("attempt_deadline", "\"60s\"")
+            .tables(ROUTE)
+    };
+    let mut doomed = builder().start().await;
+    let survivor = builder().start().await;
+    let in_flight = crate::support::post_detached(doomed.path("/v1/charges"), "charge-5");
+    let job_id = upstream
+        .arrival()
+        .await
+        .header("idempotency-key")
+        .unwrap()
+        .to_owned();
+    doomed.kill().await;
+    let _ = in_flight.await;
+
+    eventually(
+        Duration::from_secs(15),
+        "the lapsed attempt to be looked up and its answer committed",
+        || async { survivor.job(&job_id).await["state"] == "completed" },
+    )
+    .await;
+    let job = survivor.job(&job_id).await;
+    assert_eq!(first_attempt(&job)["state"], "succeeded");
+    assert_eq!(first_attempt(&job)["lookups"]["count"], 1);
+    let retry = post(&survivor.path("/v1/charges"), "charge-5", "{}").await;
+    assert_eq!(retry.status, 200);
+    assert_eq!(retry.json()["charge"], "ch_5");
+    assert_eq!(posts(&upstream), 1);
+    silent.open(1);
+}
+
+async fn a_duplicate_of_an_unknown_job_is_told_when_the_next_lookup_is(store: TestStore) {
+    let silent = Gate::new();
+    let upstream = upstream_with_lookups(&silent, |_| {
+        json_response(500, json!({"error": "try later"}))
+    })
+    .await;
+    let gateway = gateway(&store, &upstream).await;
+    let url = gateway.path("/v1/charges");
+    let first = post(&url, "charge-4", "{}").await;
+    assert_eq!(first.status, 504);
+    let job_id = first.job().unwrap();
+    // Three lookups made (at once, after 1 s, after 2 s more): the next
+    // comes 4 s after the third.
+    eventually(Duration::from_secs(15), "three lookups", || async {
+        first_attempt(&gateway.job(&job_id).await)["lookups"]["count"]
+            .as_u64()
+            .unwrap()
+            >= 3
+    })
+    .await;
+    let duplicate = post(&url, "charge-4", "{}").await;
+    assert_eq!(duplicate.status, 409);
+    assert_eq!(duplicate.problem(), "attempt-outcome-unknown");
+    let after: u64 = duplicate.header("retry-after").unwrap().parse().unwrap();
+    let count = first_attempt(&gateway.job(&job_id).await)["lookups"]["count"]
+        .as_u64()
+        .unwrap();
+    // The backoff after lookup n is 2^(n-1) s: at most that, and (checked
+    // soon after the lookup) more than the fixed 1 s it used to say.
+    let backoff = 1u64 << (count - 1).min(4);
+    assert!(
+        after > 1 && after <= backoff,
+        "Retry-After {after} with {count} lookups made (next in at most {backoff} s)"
+    );
+    silent.open(1);
+}
+
+/// An upstream that deduplicates by the forwarded key, as payment APIs
+/// do: the first POST of a key acts (counted in `effects`) and stores its
+/// answer, then is silent until `silent` opens; a POST of a stored key
+/// answers the stored answer without acting, except that the first such
+/// resend is answered `503` (the upstream busy: that proves nothing).
+async fn deduplicating_upstream(silent: &Gate) -> (FakeUpstream, Arc<AtomicUsize>) {
+    let effects = Arc::new(AtomicUsize::new(0));
+    let stored = Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
+    let busy_once = Arc::new(AtomicBool::new(true));
+    let (silent, counted) = (silent.clone(), effects.clone());
+    let upstream = FakeUpstream::start(move |r| {
+        let (silent, effects, stored) = (silent.clone(), counted.clone(), stored.clone());
+        let busy_once = busy_once.clone();
+        async move {
+            let key = r.header("idempotency-key").unwrap_or_default().to_owned();
+            let known = stored.lock().unwrap().get(&key).cloned();
+            if let Some(answer) = known {
+                if busy_once.swap(false, Ordering::SeqCst) {
+                    return json_response(503, json!({"error": "busy"}));
+                }
+                return json_response(201, answer);
+            }
+            let n = effects.fetch_add(1, Ordering::SeqCst) + 1;
+            let answer =
+                json!({"charge": format!("ch_{n}"), "body": String::from_utf8_lossy(&r.body)});
+            stored.lock().unwrap().insert(key, answer.clone());
+            silent.pass().await;
+            json_response(201, answer)
+        }
+    })
+    .await;
+    (upstream, effects)
+}
+
+async fn a_resend_to_an_upstream_that_deduplicates_settles_the_attempt(store: TestStore) {
+    let silent = Gate::new();
+    let (upstream, effects) = deduplicating_upstream(&silent).await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("upstream_timeout", "\"300ms\"")
+        .set("attempt_deadline", "\"30s\"")
+        .tables(
+            "[[routes]]\nname = \"charges\"\npath_prefix = \"/v1/charges\"\nreconcile = \"resend\"\n",
+        )
+        .start()
+        .await;
+    let url = gateway.path("/v1/charges");
+    let body = r#"{"amount": 7}"#;
+    let first = post(&url, "charge-7", body).await;
+    assert_eq!(first.status, 504);
+    let job_id = first.job().unwrap();
+
+    // Resent at once (answered 503: still unknown), then after a second
+    // (the stored answer): settled with it.
+    eventually(
+        Duration::from_secs(10),
+        "the resend's answer to be committed",
+        || async { gateway.job(&job_id).await["state"] == "completed" },
+    )
+    .await;
+    let job = gateway.job(&job_id).await;
+    assert_eq!(first_attempt(&job)["state"], "succeeded");
+    assert_eq!(first_attempt(&job)["lookups"]["count"], 2);
+    assert_eq!(first_attempt(&job)["lookups"]["last"]["status"], 201);
+    let recorded = upstream.recorded();
+    assert_eq!(recorded.len(), 3, "the attempt and two resends");
+    for resend in &recorded[1..] {
+        assert_eq!(resend.method, "POST");
+        assert_eq!(resend.path, recorded[0].path);
+        assert_eq!(resend.body, recorded[0].body, "byte for byte");
+        assert_eq!(resend.header("idempotency-key"), Some(job_id.as_str()));
+        assert_eq!(resend.header("idempotency-attempt"), Some("1"));
+    }
+
+    let retry = post(&url, "charge-7", body).await;
+    assert_eq!(retry.status, 201);
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(retry.json()["charge"], "ch_1");
+    assert_eq!(effects.load(Ordering::SeqCst), 1, "one charge");
+    assert_eq!(counted_by(&gateway, "resend", "still_unknown").await, 1.0);
+    assert_eq!(
+        counted_by(&gateway, "resend", "settled_succeeded").await,
+        1.0
+    );
+    silent.open(1);
+}
+
+crate::on_each_deployment!(
+    [embedded, postgres]
+    a_duplicate_held_meanwhile_gets_the_looked_up_answer,
+    lookups_resume_after_the_gateway_that_asked_is_gone,
+    a_resend_to_an_upstream_that_deduplicates_settles_the_attempt,
+    a_duplicate_of_an_unknown_job_is_told_when_the_next_lookup_is,
+    a_lookup_answering_200_commits_its_answer_for_every_retry,
+    a_lookup_answering_404_reopens_the_job_for_attempt_two,
+    a_lookup_answering_500_asks_again_until_it_answers_200,
+    a_bad_lookup_path_is_refused_at_start_up_naming_the_key,
+);
+
+/// Lookups outlive the process that asked: after a restart (or on another
+/// replica, when the one that asked stopped), the scan finds the unknown
+/// attempt whose next lookup is overdue and asks again.
+async fn lookups_resume_after_the_gateway_that_asked_is_gone(store: TestStore) {
+    let silent = Gate::new();
+    let settled = Arc::new(AtomicBool::new(false));
+    let answer = settled.clone();
+    let upstream = upstream_with_lookups(&silent, move |_| {
+        if answer.load(Ordering::SeqCst) {
+            json_response(200, json!({"charge": "ch_9"}))
+        } else {
+            json_response(503, json!({"error": "not yet"}))
+        }
+    })
+    .await;
+    let builder = || {
+        Gateway::builder(&store, &upstream.url())
+            .set("upstream_timeout", "\"300ms\"")
+            .set("attempt_deadline", "\"60s\"")
+            .set("sweep_interval", "\"200ms\"")
+            .tables(ROUTE)
+    };
+    let mut first = builder().start().await;
+    let reply = post(&first.path("/v1/charges"), "charge-9", "{}").await;
+    assert_eq!(reply.status, 504);
+    let job_id = reply.job().unwrap();
+    eventually(Duration::from_secs(10), "a first lookup", || async {
+        first_attempt(&first.job(&job_id).await)["lookups"]["count"] == 1
+    })
+    .await;
+    first.kill().await;
+
+    settled.store(true, Ordering::SeqCst);
+    let second = builder().start().await;
+    eventually(
+        Duration::from_secs(15),
+        "the restarted gateway to look the attempt up again and commit its answer",
+        || async { second.job(&job_id).await["state"] == "completed" },
+    )
+    .await;
+    let job = second.job(&job_id).await;
+    assert_eq!(first_attempt(&job)["lookups"]["count"], 2);
+    assert_eq!(
+        first_attempt(&job)["lookups"]["last"]["result"],
+        "settled_succeeded"
+    );
+    let retry = post(&second.path("/v1/charges"), "charge-9", "{}").await;
+    assert_eq!(retry.json()["charge"], "ch_9");
+    assert_eq!(posts(&upstream), 1);
+    silent.open(1);
+}
