@@ -16,11 +16,11 @@ use std::time::Duration;
 use http::Request;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use idemgate::config::Limits;
+
 use idemgate::config::{Flags, Settings};
-use idemgate::proxy::http::BodyError;
-use idemgate::proxy::server;
-use idemgate::proxy::upstream::Upstreams;
+use idemgate_proxy::http::BodyError;
+use idemgate_proxy::server::{self, Limits};
+use idemgate_proxy::upstream::Upstreams;
 use tower::{Service, ServiceExt};
 
 #[global_allocator]

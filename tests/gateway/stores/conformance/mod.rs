@@ -68,10 +68,7 @@ fn response(tag: &str) -> StoredResponse {
 async fn created(
     store: &dyn Store,
     key: &str,
-) -> (
-    idemgate_domain::job::Job,
-    idemgate_domain::attempt::Attempt,
-) {
+) -> (idemgate_domain::job::Job, idemgate_domain::attempt::Attempt) {
     match store.begin_job(new_job(key), new_attempt()).await.unwrap() {
         Begin::Created(job, attempt) => (job, attempt),
         Begin::Existing(_) => panic!("key {key} already existed"),
@@ -199,10 +196,9 @@ async fn corrupt_rows_are_typed_errors_on_both_stores() {
                 )
             }
             TestStore::Embedded(dir) => {
-                let backend =
-                    idemgate_store::sqlite::Sqlite::open(&dir.path().join("idemgate.db"))
-                        .await
-                        .unwrap();
+                let backend = idemgate_store::sqlite::Sqlite::open(&dir.path().join("idemgate.db"))
+                    .await
+                    .unwrap();
                 (
                     machine(backend).0,
                     &[
