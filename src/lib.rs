@@ -14,6 +14,8 @@
 //! beside it, [`operations`] (admin API, console) → [`app`], which assembles
 //! one gateway for the binary to run.
 
+#![warn(unreachable_pub, missing_docs)]
+
 pub use idemgate_domain::BoxError;
 
 pub mod app;

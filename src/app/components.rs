@@ -14,7 +14,7 @@ use super::StartError;
 use crate::config::{BudgetSource, MemoryBudget, Settings};
 use idemgate_domain::contract::Contract;
 use idemgate_idempotency::route::Route;
-use idemgate_idempotency::{execute, hold, Runtime, Shared};
+use idemgate_idempotency::{AttemptConfig, HoldConfig, Runtime, Shared};
 use idemgate_operations::admin::Admin;
 use idemgate_operations::console::{self, Console};
 use idemgate_proxy::budget::Budget;
@@ -347,11 +347,11 @@ pub fn idempotency_config(settings: &Settings) -> idemgate_idempotency::Config {
         mismatch_status: settings.mismatch_status,
         key_ttl: settings.key_ttl,
         retry_after: settings.retry_after,
-        hold: hold::Config {
+        hold: HoldConfig {
             timeout: settings.hold_timeout,
             retry_after: settings.retry_after,
         },
-        attempt: execute::Config {
+        attempt: AttemptConfig {
             deadline: settings.attempt_deadline,
             lease_ttl: settings.lease_ttl,
             max_response_size: settings.max_response_size,

@@ -1,6 +1,8 @@
 //! The domain: what a job, an attempt, a key and a fingerprint are, and how
 //! they may change. Pure: no HTTP server, no database, no clock of its own.
 
+#![warn(unreachable_pub, missing_docs)]
+
 /// Any error, boxed, as kept for its `source()` by the typed errors of
 /// every layer.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

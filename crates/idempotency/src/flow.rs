@@ -39,7 +39,6 @@ use super::attempts::{joined, Attempts};
 use super::dispatch::{Dispatch, Event, Joining, Step};
 use super::execute::Running;
 use super::execute::UpstreamService;
-use super::hold::Until;
 use super::keyed::Keyed;
 use super::replay::tiers::Write;
 use super::replay::{self, Framing};
@@ -72,7 +71,7 @@ struct Flow {
 /// Decides and answers; every answer names the job once it exists. The
 /// request is moved to the heap before the first await, so a held
 /// duplicate's future carries a pointer, not the request.
-pub fn run(
+pub(crate) fn run(
     shared: Arc<Shared>,
     request: Keyed,
     upstream: UpstreamService,
@@ -136,11 +135,11 @@ impl Flow {
         job_id: &mut Option<JobId>,
     ) -> Result<Response<Body>, GatewayError> {
         let replays = &self.shared.replays;
-        if let Some((job, response)) = replays.from_memory(&self.request) {
+        if let Some((job, response)) = replays.in_memory(&self.request) {
             *job_id = Some(job);
             return Ok(response);
         }
-        if let Some((job, response)) = replays.from_redis(&self.request).await {
+        if let Some((job, response)) = replays.in_redis(&self.request).await {
             *job_id = Some(job);
             return Ok(response);
         }
@@ -193,7 +192,7 @@ impl Flow {
         for _ in 0..MAX_ROUNDS {
             match job.state {
                 JobState::Completed => {
-                    return self.shared.replays.from_store(&self.request, &job, write)
+                    return self.shared.replays.of_job(&self.request, &job, write)
                 }
                 // A resume continues an answer; it never starts another.
                 JobState::Open if self.request.resume.is_some() => {
@@ -268,7 +267,7 @@ impl Flow {
         let live = &self.shared.live;
         self.shared
             .holds
-            .wait(job, Until::Streaming, |job| live.streaming(&tag, job))
+            .wait(job, |job| live.streaming(&tag, job))
             .await
     }
 
@@ -383,11 +382,10 @@ impl Flow {
                         return Ok(attempts.mark(winner, recording.response(false)))
                     }
                     Step::Replay(current) => {
-                        return self.shared.replays.from_store(
-                            &self.request,
-                            &current,
-                            Write::Always,
-                        )
+                        return self
+                            .shared
+                            .replays
+                            .of_job(&self.request, &current, Write::Always)
                     }
                     Step::Answer(answer) => {
                         return answer.map(|r| attempts.mark(dispatch.failed_last(), r))

@@ -31,17 +31,8 @@ pub struct Config {
     pub retry_after: Duration,
 }
 
-/// When a hold ends, besides the job no longer running.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Until {
-    /// Also once its answer streams: the duplicate joins the stream.
-    Streaming,
-    /// Only once it has settled: the waiter wants the committed answer.
-    Settled,
-}
-
 /// Holds duplicates of running jobs.
-pub struct Holds {
+pub(crate) struct Holds {
     store: Arc<dyn Store>,
     doorbell: Arc<Doorbell>,
     config: Config,
@@ -49,7 +40,7 @@ pub struct Holds {
 
 impl Holds {
     /// Holds on `store`, woken by `doorbell`.
-    pub fn new(store: Arc<dyn Store>, doorbell: Arc<Doorbell>, config: Config) -> Self {
+    pub(crate) fn new(store: Arc<dyn Store>, doorbell: Arc<Doorbell>, config: Config) -> Self {
         Holds {
             store,
             doorbell,
@@ -57,22 +48,15 @@ impl Holds {
         }
     }
 
-    /// Waits until `job` is no longer running — or, with [`Until::Streaming`],
-    /// until `streaming` says its answer streams — or the hold timeout.
-    pub async fn wait<S, F>(
-        &self,
-        job: JobId,
-        until: Until,
-        streaming: S,
-    ) -> Result<Job, GatewayError>
+    /// Waits until `job` is no longer running, or `streaming` says its
+    /// answer streams (the duplicate joins the stream), or the hold timeout.
+    pub(crate) async fn wait<S, F>(&self, job: JobId, streaming: S) -> Result<Job, GatewayError>
     where
         S: Fn(JobId) -> F,
         F: Future<Output = bool>,
     {
         let deadline = Instant::now() + self.config.timeout;
-        let done = |seen: &Observed| {
-            seen.job.state != JobState::Running || (until == Until::Streaming && seen.streaming)
-        };
+        let done = |seen: &Observed| seen.job.state != JobState::Running || seen.streaming;
         self.watch(job, deadline, &streaming, done)
             .await?
             .ok_or_else(|| self.in_progress())
@@ -81,7 +65,7 @@ impl Holds {
     /// Waits, for at most `limit` (not the hold timeout: the caller is not a
     /// client's request but what completes one), until `job` is no longer
     /// running; `None` when it still is.
-    pub async fn wait_settled<S, F>(
+    pub(crate) async fn wait_settled<S, F>(
         &self,
         job: JobId,
         limit: Duration,
@@ -101,7 +85,7 @@ impl Holds {
     ///
     /// `streaming` is asked as in [`Holds::wait`]: waiters share what one
     /// of them observed.
-    pub async fn wait_for_evidence<S, F>(
+    pub(crate) async fn wait_for_evidence<S, F>(
         &self,
         job: JobId,
         limit: Duration,
@@ -183,13 +167,13 @@ impl Holds {
     }
 
     /// The job as the store has it now.
-    pub async fn reread(&self, job: JobId) -> Result<Job, GatewayError> {
+    pub(crate) async fn reread(&self, job: JobId) -> Result<Job, GatewayError> {
         // Purged under our feet (expired): the client may simply retry.
         self.store.job(job).await?.ok_or_else(|| self.in_progress())
     }
 
     /// The answer to a duplicate that cannot be held (longer).
-    pub fn in_progress(&self) -> GatewayError {
+    pub(crate) fn in_progress(&self) -> GatewayError {
         ClientError::InProgress {
             retry_after: self.config.retry_after,
         }

@@ -13,7 +13,7 @@ use idemgate_domain::sse::ResumePoint;
 use idemgate_proxy::budget::Charge;
 
 /// One opted-in request, buffered and fingerprinted: who asks, for what.
-pub struct Keyed {
+pub(crate) struct Keyed {
     /// The route it matched.
     pub route: Arc<Route>,
     /// Who the key belongs to.

@@ -22,22 +22,25 @@
 //! paths that do not opt in) goes to the inner service untouched, streamed:
 //! it never enters the flow.
 
-mod attempts;
-pub mod dispatch;
-pub mod error;
-pub mod execute;
-pub mod flow;
-pub mod hold;
-pub mod keyed;
-pub mod layer;
-pub mod opt_in;
-pub mod recording;
-pub mod replay;
-pub mod resume;
-pub mod route;
-pub mod shared;
+#![warn(unreachable_pub, missing_docs)]
 
-pub use execute::UpstreamService;
+mod attempts;
+mod dispatch;
+pub mod error;
+mod execute;
+mod flow;
+mod hold;
+mod keyed;
+mod layer;
+mod opt_in;
+mod recording;
+mod replay;
+mod resume;
+pub mod route;
+mod shared;
+
+pub use execute::{Config as AttemptConfig, UpstreamService};
+pub use hold::Config as HoldConfig;
 pub use layer::{Idempotency, IdempotencyLayer};
 pub use shared::{Config, Runtime, Shared};
 

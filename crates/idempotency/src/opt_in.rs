@@ -28,7 +28,7 @@ use super::keyed::Keyed;
 use super::shared::Shared;
 
 /// What a request is, told from its head.
-pub enum Classified {
+pub(crate) enum Classified {
     /// Not opted in: forward it untouched.
     PassThrough(Request<Body>),
     /// Opted in, but refused before touching the store.
@@ -38,7 +38,7 @@ pub enum Classified {
 }
 
 /// An opted-in request whose key parsed.
-pub struct OptedIn {
+pub(crate) struct OptedIn {
     route: Arc<Route>,
     key: IdempotencyKey,
     req: Request<Body>,
@@ -47,7 +47,7 @@ pub struct OptedIn {
 /// Tells pass-through from opted-in by the first route that matches. On a
 /// route that serves only proven clients, the client is proven first,
 /// keyed request or not (`docs/design.md` §15).
-pub fn classify(routes: &[Arc<Route>], trust: &Trust, mut req: Request<Body>) -> Classified {
+pub(crate) fn classify(routes: &[Arc<Route>], trust: &Trust, mut req: Request<Body>) -> Classified {
     let Some(route) = route::find(routes, req.method(), req.uri().path()) else {
         return Classified::PassThrough(req);
     };
@@ -84,7 +84,7 @@ pub fn classify(routes: &[Arc<Route>], trust: &Trust, mut req: Request<Body>) ->
 /// when its client pauses past the body-read timeout) and the fingerprint
 /// (`400` for a body the route canonicalises that names a JSON member
 /// twice).
-pub async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Keyed, GatewayError> {
+pub(crate) async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Keyed, GatewayError> {
     let OptedIn { route, key, req } = opted;
     let (parts, body) = req.into_parts();
     let owner = shared.trust.owner(&route.owner, &parts)?;

@@ -26,7 +26,7 @@ use idemgate_proxy::http::{Body, BodyError, EVENTS_SKIPPED};
 /// `point`; `416` when it is not an event stream or never reaches it, and
 /// `409` (retry after `retry_after`) when it was cut before the point: its
 /// outcome is unknown.
-pub async fn resume(
+pub(crate) async fn resume(
     replay: Response<Body>,
     point: &ResumePoint,
     retry_after: Duration,

@@ -3,6 +3,8 @@
 //! forwarding to the upstreams over pooled connections, and rendering
 //! problem answers (`application/problem+json`). Knows nothing of jobs.
 
+#![warn(unreachable_pub, missing_docs)]
+
 pub mod budget;
 pub mod http;
 pub mod path;

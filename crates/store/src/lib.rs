@@ -28,6 +28,8 @@
 //! - the next attempt of an open job is claimed by a CAS on `version`, so two
 //!   simultaneous retries make one attempt.
 
+#![warn(unreachable_pub, missing_docs)]
+
 pub(crate) mod codec;
 mod doorbell;
 pub mod fastpath;

@@ -1,5 +1,7 @@
 //! Logs, metrics, and the subscriber that carries spans to OTLP.
 
+#![warn(unreachable_pub, missing_docs)]
+
 pub mod catalogue;
 pub mod trace;
 

@@ -6,6 +6,8 @@
 //!
 //! Pure decisions over a request's head; no I/O.
 
+#![warn(unreachable_pub, missing_docs)]
+
 mod clients;
 mod headers;
 mod jwt;

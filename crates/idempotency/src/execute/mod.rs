@@ -118,7 +118,7 @@ pub struct Config {
 }
 
 /// Runs attempts: the handles every attempt task needs.
-pub struct Runner {
+pub(crate) struct Runner {
     config: Config,
     store: Arc<dyn Store>,
     leases: Arc<Leases>,
@@ -133,7 +133,7 @@ pub struct Runner {
 
 impl Runner {
     /// Runs attempts for gateway `instance`, recording them in `store`.
-    pub fn new(
+    pub(crate) fn new(
         config: Config,
         store: Arc<dyn Store>,
         leases: Arc<Leases>,

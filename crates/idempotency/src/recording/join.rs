@@ -18,7 +18,7 @@ use idemgate_store::fastpath::{FastPath, Tag};
 use idemgate_telemetry::Chain;
 
 /// The streams duplicates may join: recorded here, or mirrored elsewhere.
-pub struct Live {
+pub(crate) struct Live {
     recordings: Recordings,
     fastpath: Option<Arc<FastPath>>,
     holds: Arc<Holds>,
@@ -36,7 +36,7 @@ impl Live {
     /// Streams recorded here, and with `fastpath` mirrored ones; a copy of a
     /// mirrored stream silent for `stall` is completed from the store once
     /// its job settles (`settle` at most). Copies are held against `budget`.
-    pub fn new(
+    pub(crate) fn new(
         fastpath: Option<Arc<FastPath>>,
         holds: Arc<Holds>,
         (stall, settle): (Duration, Duration),
@@ -53,12 +53,12 @@ impl Live {
     }
 
     /// Makes `recording` joinable until it ends.
-    pub fn insert(&self, recording: &Arc<Recording>) {
+    pub(crate) fn insert(&self, recording: &Arc<Recording>) {
         self.recordings.insert(recording);
     }
 
     /// Whether the job's answer streams here or, with Redis, elsewhere.
-    pub async fn streaming(&self, tag: &Tag, job: JobId) -> bool {
+    pub(crate) async fn streaming(&self, tag: &Tag, job: JobId) -> bool {
         if self.recordings.live(job).is_some() {
             return true;
         }
@@ -69,7 +69,7 @@ impl Live {
     }
 
     /// Joins the job's answer while it streams; `None` when it does not.
-    pub async fn join(self: &Arc<Self>, tag: &Tag, job: JobId) -> Option<Response<Body>> {
+    pub(crate) async fn join(self: &Arc<Self>, tag: &Tag, job: JobId) -> Option<Response<Body>> {
         let recording = match self.recordings.live(job) {
             Some(recording) => recording,
             None => self.mirrored(tag, job).await?,

@@ -21,7 +21,7 @@
 //!   answer: what is committed, mirrored and replayed is the same whether
 //!   or not the upstream sent any (`docs/design.md` §10, "Heartbeats").
 
-pub mod join;
+pub(crate) mod join;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
@@ -42,7 +42,7 @@ use idemgate_proxy::http::{Body, BodyError};
 
 /// Where a recording stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum End {
+pub(crate) enum End {
     /// Chunks are still coming.
     Live,
     /// The whole answer is committed: readers may end.
@@ -76,7 +76,7 @@ struct Chunks {
 }
 
 /// One streamed answer being recorded.
-pub struct Recording {
+pub(crate) struct Recording {
     job: JobId,
     status: u16,
     headers: Vec<(String, Bytes)>,
@@ -100,7 +100,7 @@ impl std::fmt::Debug for Recording {
 impl Recording {
     /// A recording of job `job`'s answer, with the status and end-to-end
     /// headers every reader gets, its chunks counted on `charge`.
-    pub fn new(
+    pub(crate) fn new(
         job: JobId,
         status: u16,
         headers: Vec<(String, Bytes)>,
@@ -129,18 +129,13 @@ impl Recording {
     }
 
     /// The job it records.
-    pub fn job(&self) -> JobId {
+    pub(crate) fn job(&self) -> JobId {
         self.job
-    }
-
-    /// Its status and end-to-end headers.
-    pub fn head(&self) -> (u16, &[(String, Bytes)]) {
-        (self.status, &self.headers)
     }
 
     /// Takes in what the upstream sent next and wakes the readers: an event
     /// stream's whole events and heartbeats, anything else as it came.
-    pub fn push(&self, chunk: Bytes) {
+    pub(crate) fn push(&self, chunk: Bytes) {
         metrics::counter!("idemgate_streamed_bytes_total").increment(chunk.len() as u64);
         self.charge.add(chunk.len());
         let chunks = {
@@ -164,7 +159,7 @@ impl Recording {
 
     /// The answer as recorded so far, for the commit: every chunk but the
     /// heartbeats, and a line not ended yet (unless it is a heartbeat's).
-    pub fn stored(&self) -> StoredResponse {
+    pub(crate) fn stored(&self) -> StoredResponse {
         let chunks = self.lock();
         let answer = || chunks.list.iter().filter(|c| !c.beat).map(|c| &c.bytes[..]);
         let pending = chunks
@@ -187,7 +182,7 @@ impl Recording {
     /// The answer is committed: readers get the end of the body, after a
     /// line the upstream never ended (part of the answer, unless it is a
     /// heartbeat's).
-    pub fn finish(&self) {
+    pub(crate) fn finish(&self) {
         let chunks = {
             let mut all = self.lock();
             if let Some(rest) = all.events.as_mut().and_then(Blocks::finish) {
@@ -203,7 +198,7 @@ impl Recording {
     }
 
     /// The stream was cut: readers' bodies fail.
-    pub fn cut(&self) {
+    pub(crate) fn cut(&self) {
         metrics::counter!("idemgate_streams_cut_total").increment(1);
         self.end(End::Cut);
     }
@@ -223,13 +218,13 @@ impl Recording {
     }
 
     /// Where it stands.
-    pub fn state(&self) -> End {
+    pub(crate) fn state(&self) -> End {
         self.progress.borrow().end
     }
 
     /// The answer for one reader: everything recorded so far, then the rest
     /// as it comes. A joiner's is marked `Idempotent-Replayed: true`.
-    pub fn response(self: &Arc<Self>, replayed: bool) -> Response<Body> {
+    pub(crate) fn response(self: &Arc<Self>, replayed: bool) -> Response<Body> {
         let mut response = Response::new(self.reader());
         *response.status_mut() =
             StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
@@ -249,7 +244,9 @@ impl Recording {
     /// then the verdict (a recording dropped without one counts as cut):
     /// what a reader here reads, and what is mirrored for readers on other
     /// replicas (whose copies tell heartbeats apart again).
-    pub fn follow(self: &Arc<Self>) -> impl futures_util::Stream<Item = Piece> + Send + 'static {
+    pub(crate) fn follow(
+        self: &Arc<Self>,
+    ) -> impl futures_util::Stream<Item = Piece> + Send + 'static {
         let progress = self.progress.subscribe();
         futures_util::stream::unfold(
             (self.clone(), 0usize, progress, false),
@@ -337,20 +334,20 @@ impl Drop for Recording {
 
 /// The streams this gateway is recording, by job, for duplicates to join.
 #[derive(Debug, Default)]
-pub struct Recordings {
+pub(crate) struct Recordings {
     live: Mutex<HashMap<JobId, Weak<Recording>>>,
 }
 
 impl Recordings {
     /// Makes `recording` joinable until it ends.
-    pub fn insert(&self, recording: &Arc<Recording>) {
+    pub(crate) fn insert(&self, recording: &Arc<Recording>) {
         let mut live = self.live.lock().unwrap_or_else(|e| e.into_inner());
         live.retain(|_, r| r.upgrade().is_some_and(|r| r.state() == End::Live));
         live.insert(recording.job, Arc::downgrade(recording));
     }
 
     /// The live recording of `job`, if this gateway has one.
-    pub fn live(&self, job: JobId) -> Option<Arc<Recording>> {
+    pub(crate) fn live(&self, job: JobId) -> Option<Arc<Recording>> {
         let live = self.live.lock().unwrap_or_else(|e| e.into_inner());
         live.get(&job)
             .and_then(Weak::upgrade)

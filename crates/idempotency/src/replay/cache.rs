@@ -36,7 +36,7 @@ const OVERHEAD: usize = 256;
 /// A committed answer, as the replay cache keeps it: with the head of its
 /// replay made once, when it is kept, rather than per replay.
 #[derive(Debug)]
-pub struct Kept {
+pub(crate) struct Kept {
     /// Its job.
     pub job: JobId,
     /// The fingerprint of the request that made it.
@@ -51,7 +51,7 @@ pub struct Kept {
 
 impl Kept {
     /// `response`, committed for `job`, replayed with `framing`.
-    pub fn new(
+    pub(crate) fn new(
         job: JobId,
         fingerprint: Fingerprint,
         expires_at: SystemTime,
@@ -71,7 +71,7 @@ impl Kept {
     }
 
     /// Its replay, as [`super::response`] makes it.
-    pub fn replay(&self) -> Response<Body> {
+    pub(crate) fn replay(&self) -> Response<Body> {
         let mut replay = Response::new(super::body(&self.response, self.framing));
         *replay.status_mut() = self.status;
         *replay.headers_mut() = self.headers.clone();
@@ -83,7 +83,7 @@ impl Kept {
 type Slot = (Owner, IdempotencyKey);
 
 /// The answers kept here, at most `replay_cache_size` bytes of them.
-pub struct ReplayCache {
+pub(crate) struct ReplayCache {
     cache: Option<Cache<Slot, Arc<Kept>, ByBytes>>,
 }
 
@@ -97,7 +97,7 @@ impl std::fmt::Debug for ReplayCache {
 
 impl ReplayCache {
     /// A cache of at most `bytes` of answers; none at all for 0.
-    pub fn new(bytes: usize) -> Self {
+    pub(crate) fn new(bytes: usize) -> Self {
         let cache = (bytes > 0).then(|| {
             // A guess at how many fit, which only sizes the table.
             let items = (bytes / 2048).clamp(64, 1 << 20);
@@ -109,7 +109,7 @@ impl ReplayCache {
     /// Keeps the answer `make` makes of `job` for `(owner, key)`; one too
     /// large for the whole budget is not kept. The duplicates one commit
     /// releases all offer the same answer: it is made and kept once.
-    pub fn insert(
+    pub(crate) fn insert(
         &self,
         owner: &Owner,
         key: &IdempotencyKey,
@@ -130,7 +130,12 @@ impl ReplayCache {
 
     /// The answer kept for `(owner, key)`, unless it is (nearly) expired at
     /// `now`.
-    pub fn get(&self, owner: &Owner, key: &IdempotencyKey, now: SystemTime) -> Option<Arc<Kept>> {
+    pub(crate) fn get(
+        &self,
+        owner: &Owner,
+        key: &IdempotencyKey,
+        now: SystemTime,
+    ) -> Option<Arc<Kept>> {
         let cache = self.cache.as_ref()?;
         let slot = Borrowed(owner, key);
         let answer = cache.get(&slot)?;

@@ -11,14 +11,14 @@ use idemgate_proxy::http::{full, Body, Outcome, IDEMPOTENCY_JOB, IDEMPOTENT_REPL
 use idemgate_proxy::upstream::Fetched;
 
 mod cache;
-pub mod tiers;
+pub(crate) mod tiers;
 
-pub use cache::{Kept, ReplayCache};
+pub(crate) use cache::{Kept, ReplayCache};
 
 /// What is kept of an upstream answer: status, end-to-end headers (the
 /// upstream service already removed hop-by-hop ones; the length is
 /// recomputed from the stored body) and the body bytes.
-pub fn capture(fetched: &Fetched) -> StoredResponse {
+pub(crate) fn capture(fetched: &Fetched) -> StoredResponse {
     StoredResponse {
         status: fetched.parts.status.as_u16(),
         headers: capture_headers(&fetched.parts.headers),
@@ -27,7 +27,7 @@ pub fn capture(fetched: &Fetched) -> StoredResponse {
 }
 
 /// The end-to-end headers kept of an answer, in order, without its length.
-pub fn capture_headers(headers: &http::HeaderMap) -> Vec<(String, Bytes)> {
+pub(crate) fn capture_headers(headers: &http::HeaderMap) -> Vec<(String, Bytes)> {
     headers
         .iter()
         .filter(|(name, _)| **name != header::CONTENT_LENGTH)
@@ -42,7 +42,7 @@ pub fn capture_headers(headers: &http::HeaderMap) -> Vec<(String, Bytes)> {
 
 /// How a replayed body is sent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Framing {
+pub(crate) enum Framing {
     /// Whole, with its length.
     Whole,
     /// As a stream (chunked, no length), as a streamed answer was first sent.
@@ -51,7 +51,7 @@ pub enum Framing {
 
 impl Framing {
     /// How `route` replays `stored`: as a stream when it was one.
-    pub fn of(route: &Route, stored: &StoredResponse) -> Framing {
+    pub(crate) fn of(route: &Route, stored: &StoredResponse) -> Framing {
         if route.streamed(stored) {
             Framing::Streamed
         } else {
@@ -66,7 +66,7 @@ const STREAM_FRAME: usize = 16 * 1024;
 
 /// The answer for a stored response: the one first sent (`replayed` false)
 /// or a replay of it (`Idempotent-Replayed: true`), both naming the job.
-pub fn response(
+pub(crate) fn response(
     stored: &StoredResponse,
     job: JobId,
     replayed: bool,
@@ -85,7 +85,7 @@ pub fn response(
 
 /// Marks an answer as a replay: for the client (`Idempotent-Replayed:
 /// true`) and for the gateway's own logs and metrics ([`Outcome`]).
-pub fn mark_replayed<B>(response: &mut Response<B>) {
+pub(crate) fn mark_replayed<B>(response: &mut Response<B>) {
     response
         .headers_mut()
         .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
@@ -110,7 +110,7 @@ fn body(stored: &StoredResponse, framing: Framing) -> Body {
 }
 
 /// Appends stored end-to-end headers to an answer, in their order.
-pub fn set_headers<B>(response: &mut Response<B>, stored: &[(String, Bytes)]) {
+pub(crate) fn set_headers<B>(response: &mut Response<B>, stored: &[(String, Bytes)]) {
     let headers = response.headers_mut();
     for (name, value) in stored {
         if let (Ok(name), Ok(value)) = (
@@ -123,7 +123,7 @@ pub fn set_headers<B>(response: &mut Response<B>, stored: &[(String, Bytes)]) {
 }
 
 /// Names the job on an answer.
-pub fn set_job<B>(response: &mut Response<B>, job: JobId) {
+pub(crate) fn set_job<B>(response: &mut Response<B>, job: JobId) {
     if let Ok(v) = HeaderValue::from_str(&job.to_string()) {
         response.headers_mut().insert(IDEMPOTENCY_JOB, v);
     }

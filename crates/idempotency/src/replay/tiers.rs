@@ -32,7 +32,7 @@ use idemgate_store::Store;
 
 /// When a replay writes the job's fast-path entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Write {
+pub(crate) enum Write {
     /// Always (a commit, a replay from the store that found none).
     Always,
     /// Unless another replay of the job wrote it within the last second (the
@@ -41,7 +41,7 @@ pub enum Write {
 }
 
 /// The replay tiers of one gateway.
-pub struct Replays {
+pub(crate) struct Replays {
     cache: ReplayCache,
     fastpath: Option<Arc<FastPath>>,
     store: Arc<dyn Store>,
@@ -50,7 +50,11 @@ pub struct Replays {
 impl Replays {
     /// Replays from `cache_size` bytes of memory, then `fastpath`, then
     /// `store`.
-    pub fn new(cache_size: usize, fastpath: Option<Arc<FastPath>>, store: Arc<dyn Store>) -> Self {
+    pub(crate) fn new(
+        cache_size: usize,
+        fastpath: Option<Arc<FastPath>>,
+        store: Arc<dyn Store>,
+    ) -> Self {
         Replays {
             cache: ReplayCache::new(cache_size),
             fastpath,
@@ -59,7 +63,7 @@ impl Replays {
     }
 
     /// A replay from this replica's memory, for this very request only.
-    pub fn from_memory(&self, request: &Keyed) -> Option<(JobId, Response<Body>)> {
+    pub(crate) fn in_memory(&self, request: &Keyed) -> Option<(JobId, Response<Body>)> {
         let kept = self
             .cache
             .get(&request.owner, &request.key, SystemTime::now())?;
@@ -73,7 +77,7 @@ impl Replays {
     /// A replay from the Redis fast path, when it has a valid entry for this
     /// very request. Anything else (a miss, Redis down, an entry with another
     /// fingerprint) goes on to the store.
-    pub async fn from_redis(&self, request: &Keyed) -> Option<(JobId, Response<Body>)> {
+    pub(crate) async fn in_redis(&self, request: &Keyed) -> Option<(JobId, Response<Body>)> {
         let fast = self.fastpath.as_ref()?;
         let Lookup::Hit(entry) = fast.lookup(&request.owner, &request.key).await else {
             return None;
@@ -106,7 +110,7 @@ impl Replays {
 
     /// The replay of a completed job the store returned; written back to the
     /// tiers above (which also repairs a lost or unusable Redis entry).
-    pub fn from_store(
+    pub(crate) fn of_job(
         &self,
         request: &Keyed,
         job: &Job,
@@ -125,7 +129,7 @@ impl Replays {
 
     /// Keeps a committed answer in memory and, off the request path, on the
     /// fast path.
-    pub fn remember(
+    pub(crate) fn remember(
         &self,
         request: &Keyed,
         job: JobId,

@@ -38,7 +38,7 @@ impl Default for Limits {
 }
 
 /// The sessions of this process.
-pub struct Sessions {
+pub(super) struct Sessions {
     table: Mutex<HashMap<[u8; 32], Session>>,
     limits: Limits,
 }
@@ -58,7 +58,7 @@ impl Session {
 
 impl Sessions {
     /// An empty table.
-    pub fn new(limits: Limits) -> Self {
+    pub(super) fn new(limits: Limits) -> Self {
         Sessions {
             table: Mutex::default(),
             limits,
@@ -66,22 +66,22 @@ impl Sessions {
     }
 
     /// Its limits.
-    pub fn limits(&self) -> &Limits {
+    pub(super) fn limits(&self) -> &Limits {
         &self.limits
     }
 
     /// Opens a session: its id, for the cookie (never kept here).
-    pub fn open(&self) -> String {
+    pub(super) fn open(&self) -> String {
         self.open_at(Instant::now())
     }
 
     /// Whether `id` names a live session; using it keeps it from idling out.
-    pub fn check(&self, id: &str) -> bool {
+    pub(super) fn check(&self, id: &str) -> bool {
         self.check_at(id, Instant::now())
     }
 
     /// Ends the session `id`, if there is one.
-    pub fn close(&self, id: &str) {
+    pub(super) fn close(&self, id: &str) {
         self.table().remove(&digest(id));
     }
 

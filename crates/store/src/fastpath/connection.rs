@@ -21,7 +21,7 @@ use super::settings::RedisTls;
 use super::settings::{RedisSettings, Topology};
 
 /// The fast path's handle on Redis.
-pub struct Redis {
+pub(super) struct Redis {
     reach: Reach,
     /// For connections of their own (blocking reads, subscriptions).
     timeout: Duration,
@@ -47,7 +47,7 @@ impl Redis {
     /// within `timeout` or fails. Over TLS, every connection (commands,
     /// subscriptions, blocking reads, sentinels) checks the server's
     /// certificate against the configured roots (docs/design.md §16).
-    pub fn new(settings: &RedisSettings) -> RedisResult<Self> {
+    pub(super) fn new(settings: &RedisSettings) -> RedisResult<Self> {
         let timeout = settings.timeout;
         let connect = timeout.max(Duration::from_millis(100));
         let managed = ConnectionManagerConfig::new()
@@ -101,7 +101,7 @@ impl Redis {
     }
 
     /// A connection for commands: cheap to take, shared underneath.
-    pub fn conn(&self) -> Connection {
+    pub(super) fn conn(&self) -> Connection {
         match &self.reach {
             Reach::Node { conn, .. } => Connection::Managed(conn.clone()),
             Reach::Cluster { conn, .. } => Connection::Cluster(conn.clone()),
@@ -110,7 +110,7 @@ impl Redis {
     }
 
     /// A subscription on a node that hears every announcement.
-    pub async fn subscriber(&self) -> RedisResult<PubSub> {
+    pub(super) async fn subscriber(&self) -> RedisResult<PubSub> {
         match &self.reach {
             Reach::Node { client, .. } => self.bounded(client.get_async_pubsub()).await,
             Reach::Cluster { seeds, .. } => {
@@ -131,7 +131,7 @@ impl Redis {
     }
 
     /// A connection of its own, for reads that block it.
-    pub async fn dedicated(&self) -> RedisResult<Connection> {
+    pub(super) async fn dedicated(&self) -> RedisResult<Connection> {
         match &self.reach {
             Reach::Node { client, .. } => self
                 .bounded(client.get_multiplexed_async_connection())
@@ -226,7 +226,7 @@ fn no_node(why: &'static str) -> redis::RedisError {
 /// A connection to Redis however deployed, usable wherever the `redis` crate
 /// takes one (`cmd.query_async(&mut conn)`).
 #[derive(Clone)]
-pub enum Connection {
+pub(super) enum Connection {
     /// One node, reconnecting by itself.
     Managed(ConnectionManager),
     /// One node, a connection of its own.
@@ -285,7 +285,7 @@ impl redis::aio::ConnectionLike for Connection {
 
 /// The master Sentinel names, found again whenever it stops answering as
 /// one (gone, or come back as a replica after a failover: `READONLY`).
-pub struct Master {
+pub(super) struct Master {
     sentinel: tokio::sync::Mutex<SentinelClient>,
     current: RwLock<Option<(redis::Client, ConnectionManager)>>,
     /// A lookup is on its way (requests do not wait for it: they go on
