@@ -18,54 +18,40 @@
 //! follows the point, and where it would start a job or an attempt there
 //! is nothing to resume, so it is refused with `416` and nothing is run.
 //!
-//! A request that owns a job runs its attempts through the `Dispatch`
-//! state machine; `drive` is the small driver that does its I/O. Beginning
-//! a job and claiming an attempt each run in a task of their own together
-//! with starting the attempt: once an attempt is recorded, it runs whatever
-//! the client does (a hang-up cannot leave a key blocked by an attempt that
-//! never left the gateway).
+//! A request that owns a job (it began it, or claimed its next attempt)
+//! hands it to [`dispatch`](super::dispatch), which runs the attempts.
 
-use std::collections::VecDeque;
 use std::future::Future;
-use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use futures_util::stream::{FuturesUnordered, StreamExt};
 use http::Response;
-use tokio::task::JoinHandle;
-use tokio::time::Instant;
 
-use super::attempts::{joined, Attempts};
-use super::dispatch::{Dispatch, Event, Joining, Step};
-use super::execute::Running;
+use super::dispatch::{joined, Begun, Driver, Joining};
 use super::execute::UpstreamService;
 use super::keyed::Keyed;
+use super::replay;
 use super::replay::tiers::Write;
-use super::replay::{self, Framing};
 use super::resume::resume;
 use super::shared::Shared;
 use crate::error::{ClientError, GatewayError};
 use crate::route::{InProgress, OnUnknown};
-use idemgate_domain::attempt::{Attempt, AttemptState};
+use idemgate_domain::attempt::AttemptState;
 use idemgate_domain::id::JobId;
-use idemgate_domain::job::{Job, JobState, NewJob};
+use idemgate_domain::job::{Job, JobState};
 use idemgate_domain::reconcile;
 use idemgate_proxy::budget::until_sent;
 use idemgate_proxy::http::{Body, Outcome, IDEMPOTENCY_JOB};
-use idemgate_proxy::upstream::UpstreamSettings;
 use idemgate_store::fastpath::Tag;
-use idemgate_store::{Begin, StoreError};
 use idemgate_telemetry::Chain;
+use std::sync::Arc;
 
 /// How many times one request re-decides before giving up with 409; each
 /// round follows a real state change, so this is never reached in practice.
 const MAX_ROUNDS: usize = 16;
 
-/// One opted-in request in flight.
+/// One opted-in request in flight, meeting its job.
 struct Flow {
-    shared: Arc<Shared>,
-    request: Keyed,
-    upstream: UpstreamService,
+    driver: Arc<Driver>,
 }
 
 /// Decides and answers; every answer names the job once it exists. The
@@ -76,16 +62,14 @@ pub(crate) fn run(
     request: Keyed,
     upstream: UpstreamService,
 ) -> impl Future<Output = Response<Body>> + Send {
-    let flow = Arc::new(Flow {
-        shared,
-        request,
-        upstream,
-    });
+    let flow = Flow {
+        driver: Driver::new(shared, request, upstream),
+    };
     async move {
         let mut job_id = None;
-        let result = match (flow.decide(&mut job_id).await, &flow.request.resume) {
+        let result = match (flow.decide(&mut job_id).await, &flow.driver.request.resume) {
             (Ok(replay), Some(point)) => {
-                let retry_after = flow.shared.config.retry_after;
+                let retry_after = flow.driver.shared.config.retry_after;
                 resume(replay, point, retry_after)
                     .await
                     .map_err(GatewayError::from)
@@ -99,7 +83,7 @@ pub(crate) fn run(
             e.into_response()
         });
         // Whatever the request holds stays counted until its answer is sent.
-        let charge = flow.request.charge.clone();
+        let charge = flow.driver.request.charge.clone();
         finish(response, job_id).map(|body| until_sent(body, charge))
     }
 }
@@ -121,46 +105,35 @@ fn finish(mut response: Response<Body>, job_id: Option<JobId>) -> Response<Body>
     response
 }
 
-/// What beginning a job found.
-enum Begun {
-    /// A new job, its first attempt running; and when the job expires.
-    Created(Running, SystemTime),
-    /// The key was seen before.
-    Existing(Job),
-}
-
 impl Flow {
-    async fn decide(
-        self: &Arc<Self>,
-        job_id: &mut Option<JobId>,
-    ) -> Result<Response<Body>, GatewayError> {
-        let replays = &self.shared.replays;
-        if let Some((job, response)) = replays.in_memory(&self.request) {
+    async fn decide(&self, job_id: &mut Option<JobId>) -> Result<Response<Body>, GatewayError> {
+        let replays = &self.driver.shared.replays;
+        if let Some((job, response)) = replays.in_memory(&self.driver.request) {
             *job_id = Some(job);
             return Ok(response);
         }
-        if let Some((job, response)) = replays.in_redis(&self.request).await {
+        if let Some((job, response)) = replays.in_redis(&self.driver.request).await {
             *job_id = Some(job);
             return Ok(response);
         }
-        let job = if self.request.resume.is_some() {
+        let job = if self.driver.request.resume.is_some() {
             self.to_resume().await?
         } else {
-            match joined(self.begin()).await? {
+            match joined(self.driver.begin()).await? {
                 Begun::Created(first, expires_at) => {
                     *job_id = Some(first.attempt.job_id);
                     metrics::counter!("idemgate_jobs_created_total").increment(1);
                     // Boxed: a held duplicate's future need not be as large
                     // as one that runs attempts.
-                    return Box::pin(self.drive(first, expires_at)).await;
+                    return Box::pin(self.driver.drive(first, expires_at)).await;
                 }
                 Begun::Existing(job) => job,
             }
         };
         *job_id = Some(job.id);
-        if job.fingerprint != self.request.fingerprint {
+        if job.fingerprint != self.driver.request.fingerprint {
             return Err(ClientError::KeyMismatch {
-                status: self.shared.config.mismatch_status,
+                status: self.driver.shared.config.mismatch_status,
             }
             .into());
         }
@@ -170,8 +143,8 @@ impl Flow {
 
     /// The job a request that resumes a stream meets: never a new one.
     async fn to_resume(&self) -> Result<Job, GatewayError> {
-        let (owner, key) = (&self.request.owner, &self.request.key);
-        let found = self.shared.store.find_job(owner, key).await?;
+        let (owner, key) = (&self.driver.request.owner, &self.driver.request.key);
+        let found = self.driver.shared.store.find_job(owner, key).await?;
         match found.map(|detail| detail.job) {
             Some(job) if job.expires_at > SystemTime::now() => Ok(job),
             _ => Err(nothing_to_resume(
@@ -182,7 +155,7 @@ impl Flow {
 
     /// Answers a request whose key names an existing job of the same intent,
     /// as the job's state says.
-    async fn meet(self: &Arc<Self>, mut job: Job) -> Result<Response<Body>, GatewayError> {
+    async fn meet(&self, mut job: Job) -> Result<Response<Body>, GatewayError> {
         // Duplicates released together by one commit write its fast-path
         // entry once between them; any other replay from the store writes
         // it (which also repairs a lost or unusable entry).
@@ -192,34 +165,42 @@ impl Flow {
         for _ in 0..MAX_ROUNDS {
             match job.state {
                 JobState::Completed => {
-                    return self.shared.replays.of_job(&self.request, &job, write)
+                    return self
+                        .driver
+                        .shared
+                        .replays
+                        .of_job(&self.driver.request, &job, write)
                 }
                 // A resume continues an answer; it never starts another.
-                JobState::Open if self.request.resume.is_some() => {
+                JobState::Open if self.driver.request.resume.is_some() => {
                     return Err(nothing_to_resume(
                         "the job's last attempt failed without an answer",
                     ))
                 }
                 JobState::Unknown
-                    if self.request.route.on_unknown == OnUnknown::NewAttempt
-                        && self.request.resume.is_some() =>
+                    if self.driver.request.route.on_unknown == OnUnknown::NewAttempt
+                        && self.driver.request.resume.is_some() =>
                 {
                     return Err(nothing_to_resume(
                         "the stream was cut and its outcome is unknown",
                     ))
                 }
-                JobState::Unknown if self.request.route.on_unknown == OnUnknown::NewAttempt => {
+                JobState::Unknown
+                    if self.driver.request.route.on_unknown == OnUnknown::NewAttempt =>
+                {
                     // Side-effect-free: a second call, never a second effect
                     // (docs/design.md §5). Of simultaneous retries one moves
                     // on; the others find the job running and are held.
-                    let primary = self.request.route.primary.clone();
-                    let next = self.claim(job.id, job.version, &primary, Joining::MoveOn);
+                    let primary = self.driver.request.route.primary.clone();
+                    let next = self
+                        .driver
+                        .claim(job.id, job.version, &primary, Joining::MoveOn);
                     match joined(next).await? {
                         Some(first) => {
                             tracing::info!(job = %job.id, attempt = %first.attempt.id, number = first.attempt.number, "a retry moves on from an unknown attempt (on_unknown = \"new_attempt\")");
-                            return Box::pin(self.drive(first, job.expires_at)).await;
+                            return Box::pin(self.driver.drive(first, job.expires_at)).await;
                         }
-                        None => job = self.shared.holds.reread(job.id).await?,
+                        None => job = self.driver.shared.holds.reread(job.id).await?,
                     }
                 }
                 // A lookup due soon may settle it: wait for that, as for a
@@ -238,161 +219,31 @@ impl Flow {
                 JobState::Running => {
                     // The IETF draft's answer, on routes that ask for it:
                     // no hold, no joining a stream (design §11).
-                    if self.request.route.in_progress == InProgress::Conflict {
-                        return Err(self.shared.holds.in_progress());
+                    if self.driver.request.route.in_progress == InProgress::Conflict {
+                        return Err(self.driver.shared.holds.in_progress());
                     }
-                    let tag = Tag::of(&self.request.owner, &self.request.key);
-                    if let Some(joined) = self.shared.live.join(&tag, job.id).await {
+                    let tag = Tag::of(&self.driver.request.owner, &self.driver.request.key);
+                    if let Some(joined) = self.driver.shared.live.join(&tag, job.id).await {
                         return Ok(joined);
                     }
-                    job = self.hold(job.id).await?;
+                    job = self.driver.hold(job.id).await?;
                     write = Write::Once;
                 }
                 JobState::Open => {
-                    let primary = self.request.route.primary.clone();
-                    let claim = self.claim(job.id, job.version, &primary, Joining::Claim);
+                    let primary = self.driver.request.route.primary.clone();
+                    let claim = self
+                        .driver
+                        .claim(job.id, job.version, &primary, Joining::Claim);
                     match joined(claim).await? {
-                        Some(first) => return Box::pin(self.drive(first, job.expires_at)).await,
-                        None => job = self.shared.holds.reread(job.id).await?,
+                        Some(first) => {
+                            return Box::pin(self.driver.drive(first, job.expires_at)).await
+                        }
+                        None => job = self.driver.shared.holds.reread(job.id).await?,
                     }
                 }
             }
         }
-        Err(self.shared.holds.in_progress())
-    }
-
-    /// Holds a duplicate until the job settles or its answer streams.
-    async fn hold(&self, job: JobId) -> Result<Job, GatewayError> {
-        let tag = Tag::of(&self.request.owner, &self.request.key);
-        let live = &self.shared.live;
-        self.shared
-            .holds
-            .wait(job, |job| live.streaming(&tag, job))
-            .await
-    }
-
-    /// Begins the job and, when it is new, starts its first attempt, in a
-    /// task of its own (see the module docs).
-    fn begin(self: &Arc<Self>) -> JoinHandle<Result<Begun, StoreError>> {
-        let flow = self.clone();
-        tokio::spawn(async move {
-            let primary = flow.request.route.primary.clone();
-            let runner = &flow.shared.runner;
-            let begun = flow
-                .shared
-                .store
-                .begin_job(flow.new_job(), runner.new_attempt(&primary))
-                .await?;
-            Ok(match begun {
-                Begin::Created(job, attempt) => {
-                    Begun::Created(flow.start(&primary, attempt), job.expires_at)
-                }
-                Begin::Existing(job) => Begun::Existing(job),
-            })
-        })
-    }
-
-    /// Claims (hedges, or moves on to) the job's next attempt on `target` and starts it,
-    /// in a task of its own (see the module docs); `None` when the job moved on.
-    fn claim(
-        self: &Arc<Self>,
-        job: JobId,
-        version: i64,
-        target: &Arc<UpstreamSettings>,
-        how: Joining,
-    ) -> JoinHandle<Result<Option<Running>, StoreError>> {
-        let (flow, target) = (self.clone(), target.clone());
-        tokio::spawn(async move {
-            let store = &flow.shared.store;
-            let next = flow.shared.runner.new_attempt(&target);
-            let claimed = match how {
-                Joining::Claim => store.claim_attempt(job, version, next).await?,
-                Joining::Hedge => store.hedge_attempt(job, version, next).await?,
-                Joining::MoveOn => store.move_on_attempt(job, version, next).await?,
-            };
-            Ok(claimed.map(|attempt| flow.start(&target, attempt)))
-        })
-    }
-
-    fn start(&self, target: &UpstreamSettings, attempt: Attempt) -> Running {
-        let upstream = self.upstream.clone();
-        self.shared
-            .runner
-            .start(upstream, &self.request, target, attempt)
-    }
-
-    /// Runs the request's attempts, starting with `first` on the route's
-    /// primary, as [`Dispatch`] decides, and answers with the job's result.
-    async fn drive(
-        self: &Arc<Self>,
-        first: Running,
-        expires_at: SystemTime,
-    ) -> Result<Response<Body>, GatewayError> {
-        let (job, route) = (first.attempt.job_id, &self.request.route);
-        let retry_after = self.shared.config.retry_after;
-        let mut dispatch =
-            Dispatch::new(route.clone(), &first.attempt, Instant::now(), retry_after);
-        let mut attempts = Attempts::default();
-        attempts.watch(first);
-        // The attempt whose answer won the race, once one has.
-        let mut winner = None;
-        let mut claims = FuturesUnordered::new();
-        let hedge = tokio::time::sleep(route.hedge_after.unwrap_or_default());
-        tokio::pin!(hedge);
-        let mut queued = VecDeque::new();
-        let probes = &self.shared.probes;
-        let eligible = |u: &UpstreamSettings| probes.eligible(u.name(), route.contract.as_deref());
-        loop {
-            let event = match queued.pop_front() {
-                Some(event) => event,
-                None => tokio::select! {
-                    Some((id, reply)) = attempts.replies.next() => Event::Replied(id, reply),
-                    Some((how, target, claimed)) = claims.next() => {
-                        Event::Claimed(how, target, attempts.started(how, claimed))
-                    }
-                    () = &mut hedge, if dispatch.hedge_armed() => Event::HedgeDue,
-                },
-            };
-            for step in dispatch.on(event, Instant::now(), &eligible) {
-                match step {
-                    Step::Claim {
-                        target,
-                        how,
-                        version,
-                    } => {
-                        let claim = self.claim(job, version, &target, how);
-                        claims.push(async move { (how, target, joined(claim).await) });
-                    }
-                    Step::CancelAllBut(won) => {
-                        attempts.cancel_all_but(won);
-                        winner = Some(won);
-                    }
-                    Step::Reread => {
-                        let job = self.shared.holds.reread(job).await;
-                        queued.push_back(Event::Reread(job));
-                    }
-                    Step::Hold => queued.push_back(Event::Held(self.hold(job).await)),
-                    Step::Committed(stored) => {
-                        let replays = &self.shared.replays;
-                        replays.remember(&self.request, job, expires_at, &stored, Write::Always);
-                        let response = replay::response(&stored, job, false, Framing::Whole);
-                        return Ok(attempts.mark(winner, response));
-                    }
-                    Step::Stream(recording) => {
-                        return Ok(attempts.mark(winner, recording.response(false)))
-                    }
-                    Step::Replay(current) => {
-                        return self
-                            .shared
-                            .replays
-                            .of_job(&self.request, &current, Write::Always)
-                    }
-                    Step::Answer(answer) => {
-                        return answer.map(|r| attempts.mark(dispatch.failed_last(), r))
-                    }
-                }
-            }
-        }
+        Err(self.driver.shared.holds.in_progress())
     }
 
     /// How long to wait for the next lookup of an unknown job's attempt to
@@ -400,10 +251,10 @@ impl Flow {
     /// the time the lookup or resend may take); `None` on a route that does
     /// not reconcile, or when no lookup is due that soon.
     async fn evidence_due(&self, job: JobId) -> Option<Duration> {
-        let route = &self.request.route;
+        let route = &self.driver.request.route;
         route.reconcile.as_ref()?;
         let limit = self.next_lookup(job).await? + route.primary.timeout;
-        (limit <= self.shared.config.hold.timeout).then_some(limit)
+        (limit <= self.driver.shared.config.hold.timeout).then_some(limit)
     }
 
     /// Holds a duplicate of an unknown job until evidence settles it or
@@ -413,9 +264,10 @@ impl Flow {
         job: JobId,
         limit: Duration,
     ) -> Result<Option<Job>, GatewayError> {
-        let tag = Tag::of(&self.request.owner, &self.request.key);
-        let live = &self.shared.live;
-        self.shared
+        let tag = Tag::of(&self.driver.request.owner, &self.driver.request.key);
+        let live = &self.driver.shared.live;
+        self.driver
+            .shared
             .holds
             .wait_for_evidence(job, limit, |job| live.streaming(&tag, job))
             .await
@@ -426,8 +278,8 @@ impl Flow {
     /// (a retry sooner would only meet the same answer); otherwise, or once
     /// no lookup is left, the fixed `retry_after` (docs/design.md §5).
     async fn outcome_unknown(&self, job: JobId) -> GatewayError {
-        let fixed = self.shared.config.retry_after;
-        let retry_after = match &self.request.route.reconcile {
+        let fixed = self.driver.shared.config.retry_after;
+        let retry_after = match &self.driver.request.route.reconcile {
             Some(_) => self.next_lookup(job).await.unwrap_or(fixed),
             None => fixed,
         };
@@ -437,25 +289,17 @@ impl Flow {
     /// The soonest next lookup among the job's unknown attempts (a store
     /// that does not answer gives none: the fixed answer is still true).
     async fn next_lookup(&self, job: JobId) -> Option<Duration> {
-        let detail = self.shared.store.job_detail(job).await.ok()??;
-        let (deadline, now) = (self.shared.config.attempt.deadline, SystemTime::now());
+        let detail = self.driver.shared.store.job_detail(job).await.ok()??;
+        let (deadline, now) = (
+            self.driver.shared.config.attempt.deadline,
+            SystemTime::now(),
+        );
         detail
             .attempts
             .iter()
             .filter(|a| a.state == AttemptState::Unknown)
             .filter_map(|a| reconcile::next_lookup(&a.lookups, a.started_at, deadline, now))
             .min()
-    }
-
-    fn new_job(&self) -> NewJob {
-        NewJob {
-            id: JobId::new(),
-            owner: self.request.owner.clone(),
-            key: self.request.key.clone(),
-            fingerprint: self.request.fingerprint,
-            route: self.request.route.name.clone(),
-            ttl: self.shared.config.key_ttl,
-        }
     }
 }
 

@@ -10,8 +10,9 @@
 //! 3. [`flow`]: the store's uniqueness constraint decides whether the
 //!    request owns a new job; an existing one is decided on by its state:
 //!    replay, [hold] a duplicate, refuse, or claim the next attempt;
-//! 4. [`dispatch`]: the attempts of a request that owns its job run as this
-//!    pure state machine decides (failover, hedging);
+//! 4. [`dispatch`]: the attempts of a request that owns its job run as a
+//!    pure state machine decides (failover, hedging), driven by a small
+//!    driver beside it;
 //! 5. [`execute`]: each attempt runs in its own task, so a client that hangs
 //!    up cannot cut it short; its answer is committed by CAS before anyone
 //!    sees it, and a streamed one is [recorded](recording) for every reader;
@@ -24,7 +25,6 @@
 
 #![warn(unreachable_pub, missing_docs)]
 
-mod attempts;
 mod dispatch;
 pub mod error;
 mod execute;

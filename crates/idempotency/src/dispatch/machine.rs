@@ -3,8 +3,8 @@
 //!
 //! A request that owns a job (it created it, or claimed its next attempt)
 //! runs attempts until one produces the job's result or nothing more may be
-//! tried. `Dispatch` decides; it does no I/O. The driver in
-//! [`super::flow`] feeds it `Event`s (an attempt replied, the hedge timer
+//! tried. `Dispatch` decides; it does no I/O. The driver beside it
+//! ([`super::drive`]) feeds it `Event`s (an attempt replied, the hedge timer
 //! fired, a claim came back from the store, the job was read) and carries
 //! out the `Step`s it returns.
 //!
@@ -27,8 +27,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::execute::{Reply, Uncommitted};
 use crate::error::{ClientError, GatewayError};
+use crate::execute::{Reply, Uncommitted};
 use crate::recording::Recording;
 use crate::route::Route;
 use idemgate_domain::attempt::Attempt;
@@ -41,7 +41,7 @@ use idemgate_telemetry::Chain;
 
 /// How a new attempt joins the job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Joining {
+pub(crate) enum Joining {
     /// The next try of an `open` job (moves the version).
     Claim,
     /// Beside a running or unknown attempt (keeps the version).
@@ -53,7 +53,7 @@ pub(super) enum Joining {
 
 /// What happened.
 #[derive(Debug)]
-pub(super) enum Event {
+pub(crate) enum Event {
     /// An attempt of this request replied.
     Replied(AttemptId, Reply),
     /// `hedge_after` passed since the first attempt started.
@@ -72,7 +72,7 @@ pub(super) enum Event {
 
 /// What to do next.
 #[derive(Debug)]
-pub(super) enum Step {
+pub(crate) enum Step {
     /// Ask the store for a new attempt on `target` and start it; the result
     /// comes back as [`Event::Claimed`].
     Claim {
@@ -101,7 +101,7 @@ pub(super) enum Step {
 }
 
 /// The state of one request's attempts.
-pub(super) struct Dispatch {
+pub(crate) struct Dispatch {
     route: Arc<Route>,
     retry_after: Duration,
     deadline: Instant,
@@ -122,7 +122,7 @@ pub(super) struct Dispatch {
 
 impl Dispatch {
     /// A request whose first attempt, on the route's primary, is `first`.
-    pub(super) fn new(
+    pub(crate) fn new(
         route: Arc<Route>,
         first: &Attempt,
         now: Instant,
@@ -146,13 +146,13 @@ impl Dispatch {
     }
 
     /// Whether the hedge timer still matters.
-    pub(super) fn hedge_armed(&self) -> bool {
+    pub(crate) fn hedge_armed(&self) -> bool {
         self.hedge_pending
     }
 
     /// Takes in one event and says what to do. `eligible` tells whether an
     /// upstream may take a failover or hedged attempt now (its probes pass).
-    pub(super) fn on(
+    pub(crate) fn on(
         &mut self,
         event: Event,
         now: Instant,
@@ -291,7 +291,7 @@ impl Dispatch {
     }
 
     /// The attempt whose failure an [`Step::Answer`] passes on, if any.
-    pub(super) fn failed_last(&self) -> Option<AttemptId> {
+    pub(crate) fn failed_last(&self) -> Option<AttemptId> {
         self.last_by
     }
 

@@ -7,9 +7,9 @@ use futures_util::stream::FuturesUnordered;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::dispatch::Joining;
-use super::execute::{Reply, Running};
+use super::machine::Joining;
 use crate::error::GatewayError;
+use crate::execute::{Reply, Running};
 use idemgate_domain::attempt::Attempt;
 use idemgate_domain::id::AttemptId;
 use idemgate_proxy::http::AnsweredBy;
@@ -17,8 +17,8 @@ use idemgate_store::StoreError;
 
 /// The attempts one request runs: their replies, and how to cancel them.
 #[derive(Default)]
-pub(super) struct Attempts {
-    pub(super) replies:
+pub(crate) struct Attempts {
+    pub(crate) replies:
         FuturesUnordered<futures_util::future::BoxFuture<'static, (AttemptId, Reply)>>,
     cancels: Vec<(AttemptId, CancellationToken)>,
     /// Who each attempt is, for the answer's [`AnsweredBy`].
@@ -26,7 +26,7 @@ pub(super) struct Attempts {
 }
 
 impl Attempts {
-    pub(super) fn watch(&mut self, running: Running) {
+    pub(crate) fn watch(&mut self, running: Running) {
         let id = running.attempt.id;
         let attempt = &running.attempt;
         self.started
@@ -44,7 +44,7 @@ impl Attempts {
     }
 
     /// Watches an attempt a claim started; hands the attempt to the dispatch.
-    pub(super) fn started(
+    pub(crate) fn started(
         &mut self,
         how: Joining,
         claimed: Result<Option<Running>, StoreError>,
@@ -72,7 +72,7 @@ impl Attempts {
 
     /// `response`, marked as `by`'s answer for the access log
     /// (`docs/design.md` §12).
-    pub(super) fn mark<B>(
+    pub(crate) fn mark<B>(
         &self,
         by: Option<AttemptId>,
         mut response: http::Response<B>,
@@ -89,7 +89,7 @@ impl Attempts {
     }
 
     /// Cancels every attempt but the winner.
-    pub(super) fn cancel_all_but(&self, winner: AttemptId) {
+    pub(crate) fn cancel_all_but(&self, winner: AttemptId) {
         for (id, cancel) in &self.cancels {
             if *id != winner && !cancel.is_cancelled() {
                 tracing::info!(winner = %winner, loser = %id, "race decided; cancelling the losing attempt");
@@ -100,7 +100,7 @@ impl Attempts {
 }
 
 /// The result of a task begun for this request.
-pub(super) async fn joined<T>(task: JoinHandle<Result<T, StoreError>>) -> Result<T, StoreError> {
+pub(crate) async fn joined<T>(task: JoinHandle<Result<T, StoreError>>) -> Result<T, StoreError> {
     task.await
         .unwrap_or_else(|e| Err(StoreError::Internal(Box::new(e))))
 }

@@ -1,0 +1,206 @@
+//! The driver of one request that owns its job: it begins the job, claims
+//! and starts attempts, and carries out what the [machine](super::machine)
+//! decides until the job has an answer (`docs/design.md` §6).
+//!
+//! Beginning a job and claiming an attempt each run in a task of their own
+//! together with starting the attempt: once an attempt is recorded, it runs
+//! whatever the client does (a hang-up cannot leave a key blocked by an
+//! attempt that never left the gateway; `docs/design.md` §3).
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use http::Response;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use super::attempts::{joined, Attempts};
+use super::machine::{Dispatch, Event, Joining, Step};
+use crate::error::GatewayError;
+use crate::execute::{Running, UpstreamService};
+use crate::keyed::Keyed;
+use crate::replay::tiers::Write;
+use crate::replay::{self, Framing};
+use crate::shared::Shared;
+use idemgate_domain::attempt::Attempt;
+use idemgate_domain::id::JobId;
+use idemgate_domain::job::{Job, NewJob};
+use idemgate_proxy::http::Body;
+use idemgate_proxy::upstream::UpstreamSettings;
+use idemgate_store::fastpath::Tag;
+use idemgate_store::{Begin, StoreError};
+
+/// What beginning a job found.
+pub(crate) enum Begun {
+    /// A new job, its first attempt running; and when the job expires.
+    Created(Running, SystemTime),
+    /// The key was seen before.
+    Existing(Job),
+}
+
+/// One keyed request in flight: the layer's shared parts, the request, and
+/// the upstream its attempts go to.
+pub(crate) struct Driver {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) request: Keyed,
+    upstream: UpstreamService,
+}
+
+impl Driver {
+    /// The request, on the heap: a held duplicate's future then carries a
+    /// pointer, not the request.
+    pub(crate) fn new(shared: Arc<Shared>, request: Keyed, upstream: UpstreamService) -> Arc<Self> {
+        Arc::new(Driver {
+            shared,
+            request,
+            upstream,
+        })
+    }
+
+    /// Holds a duplicate until the job settles or its answer streams.
+    pub(crate) async fn hold(&self, job: JobId) -> Result<Job, GatewayError> {
+        let tag = Tag::of(&self.request.owner, &self.request.key);
+        let live = &self.shared.live;
+        self.shared
+            .holds
+            .wait(job, |job| live.streaming(&tag, job))
+            .await
+    }
+
+    /// Begins the job and, when it is new, starts its first attempt, in a
+    /// task of its own (see the module docs).
+    pub(crate) fn begin(self: &Arc<Self>) -> JoinHandle<Result<Begun, StoreError>> {
+        let driver = self.clone();
+        tokio::spawn(async move {
+            let primary = driver.request.route.primary.clone();
+            let runner = &driver.shared.runner;
+            let begun = driver
+                .shared
+                .store
+                .begin_job(driver.new_job(), runner.new_attempt(&primary))
+                .await?;
+            Ok(match begun {
+                Begin::Created(job, attempt) => {
+                    Begun::Created(driver.start(&primary, attempt), job.expires_at)
+                }
+                Begin::Existing(job) => Begun::Existing(job),
+            })
+        })
+    }
+
+    /// Claims (hedges, or moves on to) the job's next attempt on `target` and starts it,
+    /// in a task of its own (see the module docs); `None` when the job moved on.
+    pub(crate) fn claim(
+        self: &Arc<Self>,
+        job: JobId,
+        version: i64,
+        target: &Arc<UpstreamSettings>,
+        how: Joining,
+    ) -> JoinHandle<Result<Option<Running>, StoreError>> {
+        let (driver, target) = (self.clone(), target.clone());
+        tokio::spawn(async move {
+            let store = &driver.shared.store;
+            let next = driver.shared.runner.new_attempt(&target);
+            let claimed = match how {
+                Joining::Claim => store.claim_attempt(job, version, next).await?,
+                Joining::Hedge => store.hedge_attempt(job, version, next).await?,
+                Joining::MoveOn => store.move_on_attempt(job, version, next).await?,
+            };
+            Ok(claimed.map(|attempt| driver.start(&target, attempt)))
+        })
+    }
+
+    fn start(&self, target: &UpstreamSettings, attempt: Attempt) -> Running {
+        let upstream = self.upstream.clone();
+        self.shared
+            .runner
+            .start(upstream, &self.request, target, attempt)
+    }
+
+    /// Runs the request's attempts, starting with `first` on the route's
+    /// primary, as [`Dispatch`] decides, and answers with the job's result.
+    pub(crate) async fn drive(
+        self: &Arc<Self>,
+        first: Running,
+        expires_at: SystemTime,
+    ) -> Result<Response<Body>, GatewayError> {
+        let (job, route) = (first.attempt.job_id, &self.request.route);
+        let retry_after = self.shared.config.retry_after;
+        let mut dispatch =
+            Dispatch::new(route.clone(), &first.attempt, Instant::now(), retry_after);
+        let mut attempts = Attempts::default();
+        attempts.watch(first);
+        // The attempt whose answer won the race, once one has.
+        let mut winner = None;
+        let mut claims = FuturesUnordered::new();
+        let hedge = tokio::time::sleep(route.hedge_after.unwrap_or_default());
+        tokio::pin!(hedge);
+        let mut queued = VecDeque::new();
+        let probes = &self.shared.probes;
+        let eligible = |u: &UpstreamSettings| probes.eligible(u.name(), route.contract.as_deref());
+        loop {
+            let event = match queued.pop_front() {
+                Some(event) => event,
+                None => tokio::select! {
+                    Some((id, reply)) = attempts.replies.next() => Event::Replied(id, reply),
+                    Some((how, target, claimed)) = claims.next() => {
+                        Event::Claimed(how, target, attempts.started(how, claimed))
+                    }
+                    () = &mut hedge, if dispatch.hedge_armed() => Event::HedgeDue,
+                },
+            };
+            for step in dispatch.on(event, Instant::now(), &eligible) {
+                match step {
+                    Step::Claim {
+                        target,
+                        how,
+                        version,
+                    } => {
+                        let claim = self.claim(job, version, &target, how);
+                        claims.push(async move { (how, target, joined(claim).await) });
+                    }
+                    Step::CancelAllBut(won) => {
+                        attempts.cancel_all_but(won);
+                        winner = Some(won);
+                    }
+                    Step::Reread => {
+                        let job = self.shared.holds.reread(job).await;
+                        queued.push_back(Event::Reread(job));
+                    }
+                    Step::Hold => queued.push_back(Event::Held(self.hold(job).await)),
+                    Step::Committed(stored) => {
+                        let replays = &self.shared.replays;
+                        replays.remember(&self.request, job, expires_at, &stored, Write::Always);
+                        let response = replay::response(&stored, job, false, Framing::Whole);
+                        return Ok(attempts.mark(winner, response));
+                    }
+                    Step::Stream(recording) => {
+                        return Ok(attempts.mark(winner, recording.response(false)))
+                    }
+                    Step::Replay(current) => {
+                        return self
+                            .shared
+                            .replays
+                            .of_job(&self.request, &current, Write::Always)
+                    }
+                    Step::Answer(answer) => {
+                        return answer.map(|r| attempts.mark(dispatch.failed_last(), r))
+                    }
+                }
+            }
+        }
+    }
+
+    fn new_job(&self) -> NewJob {
+        NewJob {
+            id: JobId::new(),
+            owner: self.request.owner.clone(),
+            key: self.request.key.clone(),
+            fingerprint: self.request.fingerprint,
+            route: self.request.route.name.clone(),
+            ttl: self.shared.config.key_ttl,
+        }
+    }
+}
