@@ -5,34 +5,12 @@
 //! fast-path errors (docs/design.md §16). Nothing waits for it: Redis is a
 //! fast path, and the requests go on from the store either way.
 
-use std::sync::Arc;
-
 use redis::{ConnectionAddr, ErrorKind};
 
 use super::settings::{RedisSettings, Topology};
 
-impl super::FastPath {
-    /// Connects once and logs how that went.
-    pub async fn first_contact(self: Arc<Self>) {
-        let reached = async {
-            let mut conn = self.redis.dedicated().await?;
-            redis::cmd("PING").query_async::<String>(&mut conn).await
-        }
-        .await;
-        let what = describe(&self.settings);
-        match reached {
-            Ok(_) => tracing::info!(redis = %what, "Redis reached"),
-            Err(e) => tracing::warn!(
-                error = %e,
-                "redis_url: Redis not reached ({what}): {}; requests go on from the store",
-                hint(&e, &self.settings)
-            ),
-        }
-    }
-}
-
 /// Where Redis is and how it is reached, without the credentials.
-fn describe(settings: &RedisSettings) -> String {
+pub(super) fn describe(settings: &RedisSettings) -> String {
     let addrs = |addrs: &mut dyn Iterator<Item = &ConnectionAddr>| {
         addrs.map(ToString::to_string).collect::<Vec<_>>().join(",")
     };
@@ -65,7 +43,7 @@ fn describe(settings: &RedisSettings) -> String {
 
 /// What to look at, by what went wrong (rustls names the TLS failures:
 /// `invalid peer certificate: …`, `received fatal alert: …`).
-fn hint(e: &redis::RedisError, settings: &RedisSettings) -> &'static str {
+pub(super) fn hint(e: &redis::RedisError, settings: &RedisSettings) -> &'static str {
     let refused = e.kind() == ErrorKind::AuthenticationFailed
         || e.code()
             .is_some_and(|c| c == "WRONGPASS" || c == "NOAUTH" || c == "NOPERM");
