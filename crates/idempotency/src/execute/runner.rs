@@ -1,0 +1,364 @@
+//! The runner: what every attempt task is started with, and the asking
+//! about attempts of unknown outcome that outlive the request that started
+//! them (`docs/design.md` §5, "Lookups outlive the process that asked"):
+//! those the sweeper makes `unknown` (their gateway died), at once; and, on
+//! every replica, every `sweep_interval`, those nobody asks about any more
+//! (the replica that asked stopped or restarted). The asking itself is
+//! [`super::reconcile`].
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use http::{HeaderValue, Request};
+use idemgate_domain::attempt::{Attempt, NewAttempt};
+use idemgate_domain::id::AttemptId;
+use idemgate_domain::job::JobDetail;
+use idemgate_domain::reconcile::orphaned;
+use idemgate_domain::BoxError;
+use idemgate_proxy::http::{full, ProvenClient, EVENTS_RECEIVED, IDEMPOTENCY_KEY};
+use idemgate_proxy::upstream::{Target, UpstreamSettings};
+use idemgate_store::fastpath::{FastPath, Tag};
+use idemgate_store::{Doorbell, Lapsed, Store, StoreError};
+use idemgate_telemetry::Chain;
+use idemgate_upkeep::lease::Leases;
+use idemgate_upkeep::supervise::Heartbeat;
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+use uuid::Uuid;
+
+use super::reconcile::{Ask, Reconciler, Sent};
+use super::task::Task;
+use super::{reconcile, Config, Running, UpstreamService};
+use crate::keyed::Keyed;
+use crate::recording::join::Live;
+use crate::route::{Reconcile, Route};
+
+/// Most unknown attempts one scan reads.
+const SCAN_LIMIT: u32 = 1000;
+
+/// Runs attempts: the handles every attempt task needs.
+pub(crate) struct Runner {
+    pub(super) config: Config,
+    pub(super) store: Arc<dyn Store>,
+    pub(super) leases: Arc<Leases>,
+    pub(super) doorbell: Arc<Doorbell>,
+    pub(super) fastpath: Option<Arc<FastPath>>,
+    pub(super) live: Arc<Live>,
+    /// This gateway instance, recorded on the attempts it runs.
+    pub(super) instance: Uuid,
+    /// The attempts a task here asks its upstream about.
+    pub(super) asking: Arc<reconcile::Asking>,
+}
+
+impl Runner {
+    /// Runs attempts for gateway `instance`, recording them in `store`.
+    pub(crate) fn new(
+        config: Config,
+        store: Arc<dyn Store>,
+        leases: Arc<Leases>,
+        doorbell: Arc<Doorbell>,
+        fastpath: Option<Arc<FastPath>>,
+        live: Arc<Live>,
+        instance: Uuid,
+    ) -> Self {
+        Runner {
+            config,
+            store,
+            leases,
+            doorbell,
+            fastpath,
+            live,
+            instance,
+            asking: Arc::default(),
+        }
+    }
+
+    /// What the store is asked to record for a new attempt on `target`.
+    pub(crate) fn new_attempt(&self, target: &UpstreamSettings) -> NewAttempt {
+        NewAttempt {
+            id: AttemptId::new(),
+            upstream: target.name().to_owned(),
+            instance: self.instance,
+            lease: self.config.lease_ttl,
+            deadline: self.config.deadline,
+        }
+    }
+
+    /// Starts `attempt` of `request`'s job against `target`, in a task of
+    /// its own.
+    pub(crate) fn start(
+        self: &Arc<Self>,
+        upstream: UpstreamService,
+        request: &Keyed,
+        target: &UpstreamSettings,
+        attempt: Attempt,
+    ) -> Running {
+        let (tx, rx) = oneshot::channel();
+        let cancel = CancellationToken::new();
+        let forwarded = self.upstream_request(request, target, &attempt);
+        let deadline = Instant::now() + self.config.deadline;
+        let reconciler = request
+            .route
+            .reconcile
+            .as_ref()
+            .map(|how| self.reconciler(&upstream, request, target, &attempt, how, &forwarded));
+        let forwarded = Request::from_parts(forwarded.parts, full(forwarded.body));
+        let task = Task {
+            lease: Arc::new(self.leases.hold(attempt.id)),
+            deadline,
+            // The route's silences over the upstream's (docs/design.md §11).
+            silences: request.route.silences(target),
+            reconciler: std::sync::Mutex::new(reconciler),
+            route: request.route.clone(),
+            runner: self.clone(),
+            attempt: attempt.clone(),
+            // Only a fast path needs it: no digest per attempt without one.
+            tag: self
+                .fastpath
+                .as_ref()
+                .map(|_| Tag::of(&request.owner, &request.key)),
+            reply: Some(tx),
+            // The attempt may outlive the client: what it holds stays
+            // counted until it ends (docs/design.md §18).
+            charge: request.charge.clone(),
+        };
+        // A child of the request's span, though it may outlive the request.
+        let span = tracing::info_span!(
+            parent: &request.span,
+            "attempt",
+            otel.kind = "client",
+            job.id = %attempt.job_id,
+            attempt.id = %attempt.id,
+            attempt.number = attempt.number,
+            upstream = %attempt.upstream,
+            outcome = tracing::field::Empty,
+        );
+        tokio::spawn(
+            task.run(upstream, forwarded, cancel.clone())
+                .instrument(span),
+        );
+        Running {
+            attempt,
+            cancel,
+            reply: rx,
+        }
+    }
+
+    /// The request as `target` receives it: the client's, with the job id
+    /// in place of the client's key and the attempt's number.
+    fn upstream_request(
+        &self,
+        request: &Keyed,
+        target: &UpstreamSettings,
+        attempt: &Attempt,
+    ) -> Sent {
+        let mut parts = request.parts.clone();
+        parts.headers.remove(IDEMPOTENCY_KEY);
+        // The gateway's own (a resume point of 0 is none: the request runs).
+        parts.headers.remove(EVENTS_RECEIVED);
+        if let Ok(v) = HeaderValue::from_str(&attempt.job_id.to_string()) {
+            parts
+                .headers
+                .insert(self.config.forward_key_header.clone(), v);
+        }
+        parts.headers.insert(
+            self.config.forward_attempt_header.clone(),
+            HeaderValue::from(attempt.number),
+        );
+        parts.extensions.insert(Target(target.id.clone()));
+        Sent {
+            parts,
+            body: request.body.clone(),
+        }
+    }
+
+    /// What asks `target` about `attempt` once it is unknown, the route's
+    /// way: a lookup, or the request `sent` again (kept only then).
+    fn reconciler(
+        &self,
+        upstream: &UpstreamService,
+        request: &Keyed,
+        target: &UpstreamSettings,
+        attempt: &Attempt,
+        how: &Reconcile,
+        sent: &Sent,
+    ) -> Reconciler {
+        let ask = match how.lookup_path(&attempt.job_id.to_string()) {
+            Some(path) => Ask::Lookup(path),
+            None => Ask::Resend(Box::new(Sent {
+                parts: sent.parts.clone(),
+                body: sent.body.clone(),
+            })),
+        };
+        let proven = request.parts.extensions.get::<ProvenClient>().cloned();
+        self.asking_about(upstream, &request.route, target, attempt, ask, proven)
+    }
+
+    /// The task that asks `target` about `attempt` of `route` by `ask`; the
+    /// one constructor of [`Reconciler`], for attempts started here and
+    /// attempts adopted from the store alike.
+    fn asking_about(
+        &self,
+        upstream: &UpstreamService,
+        route: &Arc<Route>,
+        target: &UpstreamSettings,
+        attempt: &Attempt,
+        ask: Ask,
+        proven: Option<ProvenClient>,
+    ) -> Reconciler {
+        Reconciler {
+            store: self.store.clone(),
+            upstream: upstream.clone(),
+            target: target.id.clone(),
+            route: route.clone(),
+            ask,
+            job: attempt.job_id,
+            attempt: attempt.id,
+            started_at: attempt.started_at,
+            deadline: self.config.deadline,
+            timeout: target.timeout,
+            max_response_size: self.config.max_response_size,
+            key_header: self.config.forward_key_header.clone(),
+            proven,
+            asking: self.asking.clone(),
+        }
+    }
+
+    /// Looks up, on their upstreams, the attempts the sweeper makes
+    /// `unknown` (their gateway died), on routes that look up; runs until
+    /// `lapsed` closes. A route that resends cannot: the request died with
+    /// its gateway (`docs/design.md` §5).
+    pub(crate) async fn reconcile_lapsed(
+        self: Arc<Self>,
+        mut lapsed: tokio::sync::mpsc::UnboundedReceiver<Lapsed>,
+        routes: Vec<Arc<Route>>,
+        upstream: UpstreamService,
+    ) {
+        while let Some(l) = lapsed.recv().await {
+            match self.reconciler_for(l, &routes, &upstream).await {
+                Ok(Some(reconciler)) => reconciler.spawn(),
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(attempt = %l.attempt, error = %Chain(&e), "could not read an attempt whose lease lapsed; it is not looked up")
+                }
+            }
+        }
+    }
+
+    /// The lookup task for a lapsed attempt, when its route looks up and
+    /// its upstream is still configured.
+    async fn reconciler_for(
+        &self,
+        lapsed: Lapsed,
+        routes: &[Arc<Route>],
+        upstream: &UpstreamService,
+    ) -> Result<Option<Reconciler>, StoreError> {
+        let Some(detail) = self.store.job_detail(lapsed.job).await? else {
+            return Ok(None);
+        };
+        let Some(route) = routes.iter().find(|r| r.name == detail.job.route) else {
+            return Ok(None);
+        };
+        if route.reconcile == Some(Reconcile::Resend) {
+            tracing::info!(attempt = %lapsed.attempt, job = %lapsed.job, "an attempt whose gateway died cannot be resent (its request died with it); it waits for an operator");
+            return Ok(None);
+        }
+        Ok(self.reconciler_of(&detail, lapsed.attempt, route, upstream))
+    }
+
+    /// The lookup task for `attempt` of `detail`'s job on `route`, when the
+    /// route looks up and the attempt's upstream is still configured.
+    fn reconciler_of(
+        &self,
+        detail: &JobDetail,
+        attempt: AttemptId,
+        route: &Arc<Route>,
+        upstream: &UpstreamService,
+    ) -> Option<Reconciler> {
+        let attempt = detail.attempts.iter().find(|a| a.id == attempt)?;
+        let path = route
+            .reconcile
+            .as_ref()?
+            .lookup_path(&detail.job.id.to_string())?;
+        let target = route.upstreams().find(|u| u.name() == attempt.upstream)?;
+        // Only proven clients use a route whose upstream holds a
+        // credential (docs/design.md §15): the attempt was sent with it.
+        let proven = route
+            .require_client
+            .then(|| ProvenClient(Arc::from("reconcile")));
+        let ask = Ask::Lookup(path);
+        Some(self.asking_about(upstream, route, target, attempt, ask, proven))
+    }
+
+    /// Every `interval`, adopts the unknown attempts on routes that look
+    /// up that nobody asks about any more (the replica that asked stopped,
+    /// or restarted): read from the store, so any replica may (a
+    /// supervised task, stopped at shutdown).
+    pub(crate) async fn reconcile_orphans(
+        self: Arc<Self>,
+        routes: Vec<Arc<Route>>,
+        upstream: UpstreamService,
+        interval: Duration,
+        beat: Heartbeat,
+    ) -> Result<(), BoxError> {
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut awaiting_first = HashSet::new();
+        loop {
+            tick.tick().await;
+            beat.beat();
+            awaiting_first = self
+                .adopt_orphans(&routes, &upstream, interval, &awaiting_first)
+                .await;
+        }
+    }
+
+    /// One scan; returns the attempts found waiting for their first lookup
+    /// (orphaned if still waiting at the next scan).
+    async fn adopt_orphans(
+        &self,
+        routes: &[Arc<Route>],
+        upstream: &UpstreamService,
+        interval: Duration,
+        awaited: &HashSet<AttemptId>,
+    ) -> HashSet<AttemptId> {
+        let now = SystemTime::now();
+        let since = now.checked_sub(self.config.deadline).unwrap_or(UNIX_EPOCH);
+        let pending = match self.store.unknown_attempts(since, SCAN_LIMIT).await {
+            Ok(pending) => pending,
+            Err(e) => {
+                tracing::debug!(error = %Chain(&e), "could not list unknown attempts to look up");
+                return awaited.clone();
+            }
+        };
+        let mut awaiting = HashSet::new();
+        for (job, attempt) in pending {
+            if self.asking.has(attempt) {
+                continue;
+            }
+            let Ok(Some(detail)) = self.store.job_detail(job).await else {
+                continue;
+            };
+            let Some(route) = routes.iter().find(|r| r.name == detail.job.route) else {
+                continue;
+            };
+            let Some(record) = detail.attempts.iter().find(|a| a.id == attempt) else {
+                continue;
+            };
+            if record.lookups.count == 0 {
+                awaiting.insert(attempt);
+            }
+            let first_awaited = awaited.contains(&attempt);
+            if orphaned(&record.lookups, first_awaited, interval, now) {
+                if let Some(reconciler) = self.reconciler_of(&detail, attempt, route, upstream) {
+                    tracing::info!(%attempt, %job, lookups = record.lookups.count, "adopting the lookups of an unknown attempt nobody asks about");
+                    reconciler.spawn();
+                }
+            }
+        }
+        awaiting
+    }
+}

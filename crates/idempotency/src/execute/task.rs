@@ -1,0 +1,431 @@
+//! One attempt's task, which owns the attempt (`docs/design.md` §5): it
+//! calls the upstream and watches the clock ([`super::call`]), decides what
+//! the answer means ([`super::verdict`]), and records how the attempt ended
+//! ([`super::record`]): a client that hangs up does not cancel it, and it
+//! still commits if the upstream answers late.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::Request;
+use http_body_util::BodyExt;
+use idemgate_domain::attempt::{Attempt, AttemptFailure, AttemptState};
+use idemgate_domain::contract::excerpt;
+use idemgate_domain::response::StoredResponse;
+use idemgate_proxy::budget::Charge;
+use idemgate_proxy::http::Body;
+use idemgate_proxy::upstream;
+use idemgate_proxy::upstream::UpstreamError;
+use idemgate_store::fastpath::Tag;
+use idemgate_store::{CommitOutcome, StoreError};
+use idemgate_telemetry::Chain;
+use idemgate_upkeep::lease::LeaseGuard;
+use tokio::sync::{oneshot, watch};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::call::{Call, Clock, Relayed, Watched};
+use super::reconcile::Reconciler;
+use super::record::{outcome, retrying};
+use super::verdict::{classify, Verdict};
+use super::{Reply, Runner, UpstreamService, PATIENCE};
+use crate::error::GatewayError;
+use crate::recording::Recording;
+use crate::replay;
+use crate::route::{Route, Silences};
+
+pub(super) struct Task {
+    pub(super) runner: Arc<Runner>,
+    pub(super) route: Arc<Route>,
+    pub(super) attempt: Attempt,
+    /// Held until every write about the attempt is in.
+    pub(super) lease: Arc<LeaseGuard>,
+    /// How long the upstream may be silent, before the head and after.
+    pub(super) silences: Silences,
+    pub(super) deadline: Instant,
+    /// Where the fast path, if any, mirrors a streamed answer.
+    pub(super) tag: Option<Tag>,
+    pub(super) reply: Option<oneshot::Sender<Reply>>,
+    /// The request's charge on the memory budget, which its answer grows.
+    pub(super) charge: Arc<Charge>,
+    /// Looks the attempt up on its upstream once it is recorded `unknown`
+    /// (taken then: one lookup task per attempt), on a route that
+    /// reconciles.
+    pub(super) reconciler: std::sync::Mutex<Option<Reconciler>>,
+}
+
+impl Task {
+    pub(super) async fn run(
+        mut self,
+        upstream: UpstreamService,
+        request: Request<Body>,
+        cancel: CancellationToken,
+    ) {
+        match self.call(upstream, request, &cancel).await {
+            Call::Cancelled => {
+                let failure = AttemptFailure::Superseded {
+                    detail: "cancelled: another attempt of the job won".into(),
+                };
+                self.record(failure).await;
+                self.send(Reply::Superseded);
+            }
+            Call::DeadlinePassed => {
+                let failure = AttemptFailure::Unknown {
+                    detail: "attempt deadline passed without an answer".into(),
+                };
+                self.record(failure).await;
+                let deadline = self.runner.config.deadline;
+                self.send(Reply::Unknown(UpstreamError::TimedOut(deadline).into()));
+            }
+            Call::Streaming(parts, body) => self.stream(parts, body, &cancel).await,
+            Call::Answered(result) => match classify(result, &self.route) {
+                Verdict::Commit(stored) => self.commit(stored).await,
+                Verdict::Fail(failure, answer) => {
+                    if matches!(failure, AttemptFailure::Rejected { .. }) {
+                        metrics::counter!("idemgate_attempts_rejected_total").increment(1);
+                    }
+                    self.record(failure).await;
+                    self.send(Reply::Failed(answer));
+                }
+                Verdict::Unknown(failure, error) => {
+                    self.record(failure).await;
+                    self.send(Reply::Unknown(error));
+                }
+            },
+        }
+    }
+
+    fn send(&mut self, reply: Reply) {
+        if let Some(tx) = self.reply.take() {
+            // The client may have gone; the attempt's record is what matters.
+            let _ = tx.send(reply);
+        }
+    }
+
+    /// Commits `stored`, retrying while the store is unreachable (in a task
+    /// of its own, holding the lease), until the attempt's deadline.
+    fn spawn_commit(
+        &self,
+        stored: StoredResponse,
+    ) -> tokio::task::JoinHandle<Result<CommitOutcome, StoreError>> {
+        let (store, attempt) = (self.runner.store.clone(), self.attempt.clone());
+        let response = stored;
+        // The answer stays counted against the memory budget while the
+        // write goes on, which may outlast the attempt (docs/design.md §18).
+        let (lease, charge) = (self.lease.clone(), self.charge.clone());
+        tokio::spawn(retrying("commit", attempt.id, self.deadline, move || {
+            let (store, attempt, response, _lease, _charge) = (
+                store.clone(),
+                attempt.clone(),
+                response.clone(),
+                lease.clone(),
+                charge.clone(),
+            );
+            async move { store.commit(&attempt, &response).await }
+        }))
+    }
+
+    /// Commits a streamed answer, waiting as long as it takes: its readers
+    /// are waiting for the end, which only the commit releases.
+    pub(super) async fn write_commit(
+        &self,
+        stored: StoredResponse,
+    ) -> Result<CommitOutcome, StoreError> {
+        self.spawn_commit(stored)
+            .await
+            .unwrap_or_else(|e| Err(StoreError::Internal(Box::new(e))))
+    }
+
+    /// Commits the answer, then tells the request how that went.
+    pub(super) async fn commit(&mut self, stored: StoredResponse) {
+        let mut write = self.spawn_commit(stored.clone());
+        let reply = match tokio::time::timeout(PATIENCE, &mut write).await {
+            Ok(Ok(Ok(CommitOutcome::Committed))) => {
+                metrics::counter!("idemgate_commits_total").increment(1);
+                outcome(AttemptState::Succeeded);
+                Reply::Committed(stored)
+            }
+            Ok(Ok(Ok(CommitOutcome::Superseded))) => {
+                metrics::counter!("idemgate_commits_superseded_total").increment(1);
+                outcome(AttemptState::Superseded);
+                Reply::Superseded
+            }
+            Ok(Ok(Err(e))) => Reply::Unknown(e.into()),
+            Ok(Err(e)) => Reply::Unknown(GatewayError::Internal(Box::new(e))),
+            // Not recorded yet, so not sent: the write goes on, and the
+            // client's retry is held until it lands, then replays it.
+            Err(_) => {
+                tracing::warn!(attempt = %self.attempt.id, "the upstream answered but the store is not taking the commit yet; still trying");
+                Reply::Unknown(GatewayError::Unrecorded(StoreError::Unavailable(
+                    "the commit is still being retried".into(),
+                )))
+            }
+        };
+        self.send(reply);
+    }
+
+    /// Records how the attempt ended without a result, waiting at most
+    /// [`PATIENCE`] for the write (which goes on after that).
+    pub(super) async fn record(&self, failure: AttemptFailure) {
+        self.log_end(&failure);
+        let write = self.spawn_write(failure);
+        let _ = tokio::time::timeout(PATIENCE, write).await;
+    }
+
+    fn log_end(&self, failure: &AttemptFailure) {
+        outcome(failure.state());
+        metrics::counter!("idemgate_attempts_ended_total", "state" => failure.state().as_str())
+            .increment(1);
+        // A rejected answer's detail quotes the answer: it is kept for the
+        // operator in the store, never logged.
+        let detail = match failure {
+            AttemptFailure::Rejected { .. } => "broke the route's contract",
+            other => other.detail(),
+        };
+        tracing::info!(
+            attempt = %self.attempt.id, job = %self.attempt.job_id, upstream = %self.attempt.upstream,
+            state = %failure.state(), detail, "attempt ended without a result"
+        );
+    }
+
+    /// Writes `failure` in the background, retrying while the store is
+    /// unreachable, holding the lease until it is in.
+    ///
+    /// Once an `unknown` outcome is in, on a route that reconciles, the
+    /// attempt is looked up on its upstream in a task of its own
+    /// (`reconcile.rs`), whatever the request does meanwhile.
+    fn spawn_write(
+        &self,
+        failure: AttemptFailure,
+    ) -> tokio::task::JoinHandle<Result<(), StoreError>> {
+        let (store, attempt, lease) = (
+            self.runner.store.clone(),
+            self.attempt.id,
+            self.lease.clone(),
+        );
+        let reconciler = match failure {
+            AttemptFailure::Unknown { .. } => self
+                .reconciler
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take(),
+            _ => None,
+        };
+        let write = retrying("record the end of", attempt, self.deadline, move || {
+            let (store, failure, _lease) = (store.clone(), failure.clone(), lease.clone());
+            async move { store.fail_attempt(attempt, failure).await }
+        });
+        tokio::spawn(async move {
+            let written = write.await;
+            if let (Ok(()), Some(reconciler)) = (&written, reconciler) {
+                reconciler.spawn();
+            }
+            written
+        })
+    }
+
+    /// Sends the request and waits for the answer's head, then for its
+    /// whole body, unless the route streams it; all the while watching for
+    /// silence (then `unknown` at once, the call going on), cancellation and
+    /// the attempt's deadline.
+    pub(super) async fn call(
+        &mut self,
+        upstream: UpstreamService,
+        request: Request<Body>,
+        cancel: &CancellationToken,
+    ) -> Call {
+        use tower::ServiceExt;
+        let (progress_tx, mut progress) = watch::channel(0u64);
+        let mut clock = Clock::new(self.silences);
+        let head = async {
+            let head = upstream.oneshot(request).await;
+            progress_tx.send_modify(|n| *n += 1);
+            head
+        };
+        let response = match self.watch(head, &mut progress, &mut clock, cancel).await {
+            Watched::Done(Ok(response)) => response,
+            Watched::Done(Err(e)) => return Call::Answered(Err(e)),
+            Watched::Cancelled => return Call::Cancelled,
+            Watched::DeadlinePassed => return Call::DeadlinePassed,
+        };
+        let (parts, body) = response.into_parts();
+        if !clock.timed_out {
+            clock.took_head();
+        }
+        // A stream whose first client was already told "unknown" is read
+        // whole like any late answer.
+        let retryable = self
+            .route
+            .retryable_statuses
+            .contains(&parts.status.as_u16());
+        if !clock.timed_out && !retryable && self.route.streams(&parts.headers) {
+            return Call::Streaming(parts, body);
+        }
+        let limit = self.runner.config.max_response_size;
+        let charge = self.charge.clone();
+        let rest = upstream::read_body(parts, body, limit, &progress_tx, Some(&charge));
+        match self.watch(rest, &mut progress, &mut clock, cancel).await {
+            Watched::Done(result) => Call::Answered(result),
+            Watched::Cancelled => Call::Cancelled,
+            Watched::DeadlinePassed => Call::DeadlinePassed,
+        }
+    }
+
+    /// Runs `work` while watching the clock: silence past what it allows
+    /// records the attempt `unknown` and tells the request (the work goes
+    /// on); cancellation and the deadline stop it.
+    async fn watch<T>(
+        &mut self,
+        work: impl std::future::Future<Output = T>,
+        progress: &mut watch::Receiver<u64>,
+        clock: &mut Clock,
+        cancel: &CancellationToken,
+    ) -> Watched<T> {
+        tokio::pin!(work);
+        let mut live = true;
+        loop {
+            tokio::select! {
+                done = &mut work => return Watched::Done(done),
+                changed = progress.changed(), if live && !clock.timed_out => match changed {
+                    Ok(()) => clock.restart(),
+                    Err(_) => live = false,
+                },
+                () = &mut clock.silence, if !clock.timed_out => {
+                    clock.timed_out = true;
+                    let failure = AttemptFailure::Unknown { detail: clock.detail() };
+                    // The job is unknown before anyone is told so; the call
+                    // goes on, and its late answer may still settle or
+                    // commit the attempt.
+                    self.record(failure).await;
+                    self.send(Reply::Unknown(UpstreamError::TimedOut(clock.allowed()).into()));
+                }
+                () = cancel.cancelled() => return Watched::Cancelled,
+                () = tokio::time::sleep_until(self.deadline) => return Watched::DeadlinePassed,
+            }
+        }
+    }
+
+    /// Streams the answer through its recording: every client of the job
+    /// reads it as it comes; the end is released once it is committed. A
+    /// stream cut before its end is `unknown` (the upstream acted) and every
+    /// reader's body fails.
+    pub(super) async fn stream(
+        &mut self,
+        parts: http::response::Parts,
+        body: Body,
+        cancel: &CancellationToken,
+    ) {
+        let recording = self.open_recording(&parts);
+        self.send(Reply::Streaming(recording.clone()));
+        match self.relay(body, &recording, cancel).await {
+            Relayed::Ended => self.settle_stream(&recording).await,
+            // Recorded before any reader hears of the cut, like any outcome.
+            Relayed::Broke(detail) => {
+                self.record(AttemptFailure::Unknown { detail }).await;
+                recording.cut();
+            }
+            Relayed::Cancelled => {
+                let detail = "cancelled: another attempt of the job won".into();
+                self.record(AttemptFailure::Superseded { detail }).await;
+                recording.cut();
+            }
+        }
+    }
+
+    /// The answer's recording, joinable at once: duplicates held on the job
+    /// here look again, and join; with Redis, the stream is mirrored there
+    /// and other replicas are told once its head is.
+    fn open_recording(&self, parts: &http::response::Parts) -> Arc<Recording> {
+        let job = self.attempt.job_id;
+        let headers = replay::capture_headers(&parts.headers);
+        let status = parts.status.as_u16();
+        let recording = Recording::new(job, status, headers.clone(), self.charge.clone());
+        self.runner.live.insert(&recording);
+        self.runner.doorbell.ring_local(job);
+        if let (Some(fast), Some(tag)) = (&self.runner.fastpath, &self.tag) {
+            let ttl = self.runner.config.deadline + Duration::from_secs(60);
+            let doorbell = self.runner.doorbell.clone();
+            let head = (parts.status.as_u16(), &headers[..]);
+            fast.mirror(tag, job, head, recording.follow(), ttl, doorbell);
+        }
+        recording
+    }
+
+    /// Copies the upstream's body into `recording` until it ends, breaks,
+    /// goes silent past `stream_idle_timeout` (a pause between tokens may
+    /// be long, but not endless: `docs/design.md` §10), outgrows what can
+    /// be recorded, or the attempt is cancelled or out of time.
+    async fn relay(
+        &self,
+        mut body: Body,
+        recording: &Recording,
+        cancel: &CancellationToken,
+    ) -> Relayed {
+        let limit = self.runner.config.max_response_size;
+        let idle = self.silences.stream_idle;
+        let silence = tokio::time::sleep(idle);
+        tokio::pin!(silence);
+        let mut received = 0usize;
+        loop {
+            tokio::select! {
+                frame = body.frame() => match frame {
+                    None => return Relayed::Ended,
+                    Some(Ok(frame)) => {
+                        let Ok(data) = frame.into_data() else { continue };
+                        received += data.len();
+                        if received > limit {
+                            return Relayed::Broke(format!("the stream grew past {limit} bytes and cannot be recorded"));
+                        }
+                        recording.push(data);
+                        silence.as_mut().reset(Instant::now() + idle);
+                    }
+                    Some(Err(e)) => return Relayed::Broke(format!("the stream broke after {received} bytes: {}", Chain(&e))),
+                },
+                () = &mut silence => {
+                    let idle = humantime::format_duration(idle);
+                    return Relayed::Broke(format!("the stream went silent for {idle} (stream_idle_timeout)"));
+                }
+                () = cancel.cancelled() => return Relayed::Cancelled,
+                () = tokio::time::sleep_until(self.deadline) => return Relayed::Broke("attempt deadline passed mid-stream".to_owned()),
+            }
+        }
+    }
+
+    /// A whole stream: checked against the contract's events, then
+    /// committed; only the commit releases its end to the readers. A breach
+    /// is a safe failure, and every copy is cut.
+    async fn settle_stream(&self, recording: &Recording) {
+        let stored = recording.stored();
+        // The whole answer, copied out of the chunks for the commit.
+        self.charge.add(stored.body.len());
+        if let Some(contract) = &self.route.contract {
+            if let Some(Err(why)) = contract.check_stream(&stored.body) {
+                metrics::counter!("idemgate_attempts_rejected_total").increment(1);
+                let detail = format!(
+                    "broke contract {}: {why}; answer: {}",
+                    contract.name,
+                    excerpt(&stored.body)
+                );
+                let status = stored.status;
+                self.record(AttemptFailure::Rejected { status, detail })
+                    .await;
+                recording.cut();
+                return;
+            }
+        }
+        // Retried as long as the attempt lives.
+        match self.write_commit(stored).await {
+            Ok(CommitOutcome::Committed) => {
+                metrics::counter!("idemgate_commits_total").increment(1);
+                outcome(AttemptState::Succeeded);
+                recording.finish();
+            }
+            Ok(CommitOutcome::Superseded) => {
+                metrics::counter!("idemgate_commits_superseded_total").increment(1);
+                outcome(AttemptState::Superseded);
+                recording.cut();
+            }
+            Err(_) => recording.cut(),
+        }
+    }
+}
