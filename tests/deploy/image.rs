@@ -36,7 +36,11 @@ fn cargo_version() -> String {
         .unwrap()
         .parse()
         .unwrap();
-    cargo["package"]["version"].as_str().unwrap().to_owned()
+    // Every crate of the workspace takes its version from there.
+    cargo["workspace"]["package"]["version"]
+        .as_str()
+        .unwrap()
+        .to_owned()
 }
 
 /// Builds the image from the binary under test; the layout's directory.
