@@ -48,7 +48,6 @@ where
 
     fn layer(&self, inner: S) -> Self::Service {
         Idempotency {
-            attempts: BoxCloneSyncService::new(inner.clone()),
             inner,
             shared: self.shared.clone(),
             not_ready: None,
@@ -56,12 +55,14 @@ where
     }
 }
 
-/// The service built by [`IdempotencyLayer`].
+/// The service built by [`IdempotencyLayer`]. The server clones the stack
+/// for every request (the Tower contract: a service is called through
+/// `&mut`), so a clone of this costs reference counts, never an allocation
+/// (`docs/performance.md`, item 22).
 pub struct Idempotency<S> {
-    /// What a passed-through request is sent to, as it is: no box.
+    /// What a passed-through request is sent to, as it is: no box. An
+    /// opted-in request's attempts get a boxed clone of it.
     inner: S,
-    /// The same, boxed for the attempt tasks (which need no generics).
-    attempts: UpstreamService,
     shared: Arc<Shared>,
     /// The upstream handle's readiness error, answered to the request that
     /// follows (the pooled clients are always ready: this is for a service
@@ -73,7 +74,6 @@ impl<S: Clone> Clone for Idempotency<S> {
     fn clone(&self) -> Self {
         Idempotency {
             inner: self.inner.clone(),
-            attempts: self.attempts.clone(),
             shared: self.shared.clone(),
             not_ready: None,
         }
@@ -82,7 +82,12 @@ impl<S: Clone> Clone for Idempotency<S> {
 
 impl<S> Service<Request<Body>> for Idempotency<S>
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = UpstreamError>,
+    S: Service<Request<Body>, Response = Response<Body>, Error = UpstreamError>
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send + 'static,
 {
     type Response = Response<Body>;
     type Error = Infallible;
@@ -120,7 +125,9 @@ where
             },
             Classified::OptedIn(opted) => {
                 let shared = self.shared.clone();
-                let attempts = self.attempts.clone();
+                // Boxed here, for the attempt tasks (which need no generics):
+                // only an opted-in request pays for it.
+                let attempts: UpstreamService = BoxCloneSyncService::new(self.inner.clone());
                 Answer::Guarded {
                     answer: Box::pin(async move {
                         match opt_in::prepare(&shared, opted).await {
