@@ -24,6 +24,8 @@ use aes_gcm::{Aes256Gcm, Nonce, Tag as GcmTag};
 use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
 
+use crate::seal::KeyRing;
+
 /// Bytes of a key id.
 pub const KEY_ID_LEN: usize = 8;
 /// Bytes of the head every record starts with: mode, then key id.
@@ -150,11 +152,11 @@ pub fn derive_from_encryption_key(key: &[u8; 32]) -> [u8; 32] {
     )
 }
 
-/// The keys of one gateway: the current one writes, every one verifies.
+/// The keys of one gateway: the current one writes, every one verifies
+/// (one [`KeyRing`], as the database's sealed answers have).
 #[derive(Clone)]
 pub struct EntryKeys {
-    /// The current key first, then the previous ones.
-    keys: Vec<Key>,
+    ring: KeyRing<[u8; KEY_ID_LEN], Key>,
     sealed: bool,
 }
 
@@ -162,14 +164,7 @@ impl std::fmt::Debug for EntryKeys {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // Only the ids, never the keys.
         f.debug_struct("EntryKeys")
-            .field(
-                "ids",
-                &self
-                    .keys
-                    .iter()
-                    .map(|k| hex::encode(k.id))
-                    .collect::<Vec<_>>(),
-            )
+            .field("ids", &self.ring.ids().map(hex::encode).collect::<Vec<_>>())
             .field("sealed", &self.sealed)
             .finish()
     }
@@ -183,14 +178,14 @@ impl EntryKeys {
         previous: impl IntoIterator<Item = &'a [u8]>,
         sealed: bool,
     ) -> Self {
-        let mut keys = vec![Key::new(current)];
-        for secret in previous {
+        let keyed = |secret: &[u8]| {
             let key = Key::new(secret);
-            if keys.iter().all(|k| k.id != key.id) {
-                keys.push(key);
-            }
+            (key.id, key)
+        };
+        EntryKeys {
+            ring: KeyRing::new(keyed(current), previous.into_iter().map(keyed)),
+            sealed,
         }
-        EntryKeys { keys, sealed }
     }
 
     /// Whether records are sealed (`[encryption]` on).
@@ -200,7 +195,7 @@ impl EntryKeys {
 
     /// The ids of the keys, current first.
     pub fn ids(&self) -> Vec<[u8; KEY_ID_LEN]> {
-        self.keys.iter().map(|k| k.id).collect()
+        self.ring.ids().copied().collect()
     }
 
     fn mode(&self) -> Mode {
@@ -216,7 +211,7 @@ impl EntryKeys {
     pub fn head(&self) -> [u8; HEAD_LEN] {
         let mut head = [0; HEAD_LEN];
         head[0] = self.mode().byte();
-        head[1..].copy_from_slice(&self.keys[0].id);
+        head[1..].copy_from_slice(self.ring.current().0);
         head
     }
 
@@ -225,7 +220,7 @@ impl EntryKeys {
     /// [`Fields`]): appends the HMAC, or seals it in place and appends the
     /// GCM tag and nonce.
     pub fn protect(&self, bound: &[u8], out: &mut Vec<u8>, start: usize) {
-        let key = &self.keys[0];
+        let (_, key) = self.ring.current();
         if !self.sealed {
             let tag = mac(key, bound, &out[start..]);
             out.extend_from_slice(&tag);
@@ -255,11 +250,7 @@ impl EntryKeys {
         if id.len() != KEY_ID_LEN {
             return Err(Rejection::Malformed);
         }
-        let key = self
-            .keys
-            .iter()
-            .find(|k| k.id == id)
-            .ok_or(Rejection::UnknownKey)?;
+        let key = self.ring.find(id).ok_or(Rejection::UnknownKey)?;
         if self.sealed && mode != Mode::Sealed {
             return Err(Rejection::Plaintext);
         }

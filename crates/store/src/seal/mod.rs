@@ -18,8 +18,6 @@
 //!
 //! The status stays in the clear (the stores' own checks need it).
 
-use std::collections::HashMap;
-
 use aes_gcm::aead::{Aead, AeadCore, KeyInit, OsRng, Payload};
 use aes_gcm::{Aes256Gcm, Key, Nonce};
 use bytes::Bytes;
@@ -29,22 +27,25 @@ use idemgate_domain::id::JobId;
 use crate::codec::{decode_headers, encode_headers};
 use idemgate_domain::response::StoredResponse;
 
+mod ring;
+
+pub use ring::KeyRing;
+
 /// The pseudo-header naming the key a response was sealed with.
 pub const SEALED: &str = ":sealed";
 
-/// Seals and opens stored responses.
+/// Seals and opens stored responses: the `[encryption]` keys by name, the
+/// active one first.
 pub struct Sealer {
-    active: String,
-    sealing: Aes256Gcm,
-    keys: HashMap<String, Aes256Gcm>,
+    ring: KeyRing<String, Aes256Gcm>,
 }
 
 impl std::fmt::Debug for Sealer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // Never the keys themselves.
         f.debug_struct("Sealer")
-            .field("active", &self.active)
-            .field("keys", &self.keys.keys().collect::<Vec<_>>())
+            .field("active", &self.active())
+            .field("keys", &self.ring.ids().collect::<Vec<_>>())
             .finish()
     }
 }
@@ -67,21 +68,18 @@ impl Sealer {
     /// A sealer with `keys` (id, 32-byte key), sealing with `active`;
     /// `None` when `active` is not among them.
     pub fn new(active: &str, keys: Vec<(String, [u8; 32])>) -> Option<Self> {
-        let keys: HashMap<String, Aes256Gcm> = keys
-            .into_iter()
-            .map(|(id, key)| (id, Aes256Gcm::new(Key::<Aes256Gcm>::from_slice(&key))))
-            .collect();
-        let sealing = keys.get(active)?.clone();
+        let cipher = |key: &[u8; 32]| Aes256Gcm::new(Key::<Aes256Gcm>::from_slice(key));
+        let current = keys.iter().find(|(id, _)| id == active)?;
+        let current = (current.0.clone(), cipher(&current.1));
+        let previous = keys.iter().map(|(id, key)| (id.clone(), cipher(key)));
         Some(Sealer {
-            active: active.to_owned(),
-            sealing,
-            keys,
+            ring: KeyRing::new(current, previous),
         })
     }
 
     /// The key new responses are sealed with.
     pub fn active(&self) -> &str {
-        &self.active
+        self.ring.current().0
     }
 
     /// Seals `response` for `job` with the active key.
@@ -93,7 +91,7 @@ impl Sealer {
         plain.extend_from_slice(&response.body);
         StoredResponse {
             status: response.status,
-            headers: vec![(SEALED.to_owned(), Bytes::from(self.active.clone()))],
+            headers: vec![(SEALED.to_owned(), Bytes::from(self.active().to_owned()))],
             body: Bytes::from(self.seal_bytes(job, &plain)),
         }
     }
@@ -104,7 +102,9 @@ impl Sealer {
         let aad = job.0.as_bytes();
         // Encryption with a valid key and a fresh nonce cannot fail.
         let sealed = self
-            .sealing
+            .ring
+            .current()
+            .1
             .encrypt(&nonce, Payload { msg: plain, aad })
             .unwrap_or_default();
         let mut out = Vec::with_capacity(nonce.len() + sealed.len());
@@ -116,8 +116,8 @@ impl Sealer {
     /// Opens bytes [`Sealer::seal_bytes`] sealed for `job` with key `key`.
     pub fn open_bytes(&self, key: &str, job: JobId, sealed: &[u8]) -> Result<Vec<u8>, SealError> {
         let cipher = self
-            .keys
-            .get(key)
+            .ring
+            .find(key)
             .ok_or_else(|| SealError::UnknownKey(key.to_owned()))?;
         let (nonce, sealed) = sealed.split_at_checked(12).ok_or(SealError::Damaged)?;
         let aad = job.0.as_bytes();
