@@ -4,15 +4,16 @@
 //! every try is an **attempt** under it; exactly one attempt's answer is
 //! committed, by compare-and-swap, and replayed to every duplicate.
 //!
-//! The folders are the layers, and imports only point down
+//! The layers are crates of the workspace, and imports only point down
 //! (`docs/design.md`, "Where things are"). From the ground up:
-//! [`domain`] (jobs, attempts, keys, transitions: no I/O) and [`telemetry`]
-//! (logs, metrics, traces) → [`config`] (plain settings) → [`store`] (the
-//! arbiter) → [`proxy`] (server, upstream pool, errors as problems) →
-//! [`trust`] (who is asking: clients, owners) → [`upkeep`] (background
-//! tasks) → [`idempotency`] (the Tower layer) and,
-//! beside it, [`operations`] (admin API, console) → [`app`], which assembles
-//! one gateway for the binary to run.
+//! `idemgate-domain` (jobs, attempts, keys, transitions: no I/O) and
+//! `idemgate-telemetry` → `idemgate-store` (the arbiter, and the Redis fast
+//! path) → `idemgate-proxy` (server, upstream pool, problem answers; no
+//! jobs) → `idemgate-trust` (who is asking) → `idemgate-upkeep` (background
+//! tasks) → `idemgate-idempotency` (the Tower layer) and, beside it,
+//! `idemgate-operations` (admin API, console) → this crate: [`config`],
+//! which reads the settings and builds each crate's own, and [`app`], which
+//! assembles one gateway for the binary to run.
 
 #![warn(unreachable_pub, missing_docs)]
 

@@ -18,7 +18,7 @@
 //! change of a job's state. Every call it makes to the backend goes through
 //! one measuring wrapper (`measured.rs`: `idemgate_store_seconds`,
 //! `idemgate_store_errors_total`). No backend decides anything; the same
-//! conformance suite (`tests/it/store_conformance.rs`) holds all of them to:
+//! conformance suite (`tests/gateway/stores/conformance/`) holds all of them to:
 //!
 //! - a uniqueness constraint on `(owner, key)` is the only arbiter of "seen
 //!   before" ([`Store::begin_job`]);
