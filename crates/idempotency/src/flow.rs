@@ -131,7 +131,7 @@ impl Flow {
             }
         };
         *job_id = Some(job.id);
-        if job.fingerprint != self.driver.request.fingerprint {
+        if job.fingerprint != self.driver.request.intent.fingerprint {
             return Err(ClientError::KeyMismatch {
                 status: self.driver.shared.config.mismatch_status,
             }
@@ -143,7 +143,10 @@ impl Flow {
 
     /// The job a request that resumes a stream meets: never a new one.
     async fn to_resume(&self) -> Result<Job, GatewayError> {
-        let (owner, key) = (&self.driver.request.owner, &self.driver.request.key);
+        let (owner, key) = (
+            &self.driver.request.intent.owner,
+            &self.driver.request.intent.key,
+        );
         let found = self.driver.shared.store.find_job(owner, key).await?;
         match found.map(|detail| detail.job) {
             Some(job) if job.expires_at > SystemTime::now() => Ok(job),
@@ -178,7 +181,7 @@ impl Flow {
                     ))
                 }
                 JobState::Unknown
-                    if self.driver.request.route.on_unknown == OnUnknown::NewAttempt
+                    if self.driver.request.intent.route.on_unknown == OnUnknown::NewAttempt
                         && self.driver.request.resume.is_some() =>
                 {
                     return Err(nothing_to_resume(
@@ -186,15 +189,18 @@ impl Flow {
                     ))
                 }
                 JobState::Unknown
-                    if self.driver.request.route.on_unknown == OnUnknown::NewAttempt =>
+                    if self.driver.request.intent.route.on_unknown == OnUnknown::NewAttempt =>
                 {
                     // Side-effect-free: a second call, never a second effect
                     // (docs/design.md §5). Of simultaneous retries one moves
                     // on; the others find the job running and are held.
-                    let primary = self.driver.request.route.primary.clone();
-                    let next = self
-                        .driver
-                        .claim(job.id, job.version, &primary, Joining::MoveOn);
+                    let primary = self.driver.request.intent.route.primary.clone();
+                    let next = self.driver.claim(
+                        (job.id, job.expires_at),
+                        job.version,
+                        &primary,
+                        Joining::MoveOn,
+                    );
                     match joined(next).await? {
                         Some(first) => {
                             tracing::info!(job = %job.id, attempt = %first.attempt.id, number = first.attempt.number, "a retry moves on from an unknown attempt (on_unknown = \"new_attempt\")");
@@ -219,10 +225,13 @@ impl Flow {
                 JobState::Running => {
                     // The IETF draft's answer, on routes that ask for it:
                     // no hold, no joining a stream (design §11).
-                    if self.driver.request.route.in_progress == InProgress::Conflict {
+                    if self.driver.request.intent.route.in_progress == InProgress::Conflict {
                         return Err(self.driver.shared.holds.in_progress());
                     }
-                    let tag = Tag::of(&self.driver.request.owner, &self.driver.request.key);
+                    let tag = Tag::of(
+                        &self.driver.request.intent.owner,
+                        &self.driver.request.intent.key,
+                    );
                     if let Some(joined) = self.driver.shared.live.join(&tag, job.id).await {
                         return Ok(joined);
                     }
@@ -230,10 +239,13 @@ impl Flow {
                     write = Write::Once;
                 }
                 JobState::Open => {
-                    let primary = self.driver.request.route.primary.clone();
-                    let claim = self
-                        .driver
-                        .claim(job.id, job.version, &primary, Joining::Claim);
+                    let primary = self.driver.request.intent.route.primary.clone();
+                    let claim = self.driver.claim(
+                        (job.id, job.expires_at),
+                        job.version,
+                        &primary,
+                        Joining::Claim,
+                    );
                     match joined(claim).await? {
                         Some(first) => {
                             return Box::pin(self.driver.drive(first, job.expires_at)).await
@@ -251,7 +263,7 @@ impl Flow {
     /// the time the lookup or resend may take); `None` on a route that does
     /// not reconcile, or when no lookup is due that soon.
     async fn evidence_due(&self, job: JobId) -> Option<Duration> {
-        let route = &self.driver.request.route;
+        let route = &self.driver.request.intent.route;
         route.reconcile.as_ref()?;
         let limit = self.next_lookup(job).await? + route.primary.timeout;
         (limit <= self.driver.shared.config.hold.timeout).then_some(limit)
@@ -264,7 +276,10 @@ impl Flow {
         job: JobId,
         limit: Duration,
     ) -> Result<Option<Job>, GatewayError> {
-        let tag = Tag::of(&self.driver.request.owner, &self.driver.request.key);
+        let tag = Tag::of(
+            &self.driver.request.intent.owner,
+            &self.driver.request.intent.key,
+        );
         let live = &self.driver.shared.live;
         self.driver
             .shared
@@ -279,7 +294,7 @@ impl Flow {
     /// no lookup is left, the fixed `retry_after` (docs/design.md §5).
     async fn outcome_unknown(&self, job: JobId) -> GatewayError {
         let fixed = self.driver.shared.config.retry_after;
-        let retry_after = match &self.driver.request.route.reconcile {
+        let retry_after = match &self.driver.request.intent.route.reconcile {
             Some(_) => self.next_lookup(job).await.unwrap_or(fixed),
             None => fixed,
         };

@@ -12,8 +12,11 @@ use idemgate_domain::key::{IdempotencyKey, Owner};
 use idemgate_domain::sse::ResumePoint;
 use idemgate_proxy::budget::Charge;
 
-/// One opted-in request, buffered and fingerprinted: who asks, for what.
-pub(crate) struct Keyed {
+/// Who asks, for what, on which route: what a job is the job of, and
+/// whom its committed answer is kept for in the replay tiers above the
+/// store (only the very request that made it: same owner, key and
+/// fingerprint).
+pub(crate) struct Intent {
     /// The route it matched.
     pub route: Arc<Route>,
     /// Who the key belongs to.
@@ -22,6 +25,13 @@ pub(crate) struct Keyed {
     pub key: IdempotencyKey,
     /// What a duplicate must match.
     pub fingerprint: Fingerprint,
+}
+
+/// One opted-in request, buffered and fingerprinted.
+pub(crate) struct Keyed {
+    /// Who asks, for what: shared with its attempts, which keep the
+    /// answer they commit for it.
+    pub intent: Arc<Intent>,
     /// Its head, as received.
     pub parts: http::request::Parts,
     /// Its whole body.

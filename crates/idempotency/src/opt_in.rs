@@ -24,7 +24,7 @@ use idemgate_proxy::http::{
 use idemgate_proxy::upstream::Target;
 use idemgate_trust::Trust;
 
-use super::keyed::Keyed;
+use super::keyed::{Intent, Keyed};
 use super::shared::Shared;
 
 /// What a request is, told from its head.
@@ -118,10 +118,12 @@ pub(crate) async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Keyed, Ga
     )
     .map_err(ClientError::from)?;
     Ok(Keyed {
-        route,
-        owner,
-        key,
-        fingerprint,
+        intent: Arc::new(Intent {
+            route,
+            owner,
+            key,
+            fingerprint,
+        }),
         parts,
         body,
         charge,

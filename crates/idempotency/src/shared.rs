@@ -71,7 +71,7 @@ pub struct Shared {
     pub(super) trust: Arc<Trust>,
     pub(super) holds: Arc<Holds>,
     pub(super) live: Arc<Live>,
-    pub(super) replays: Replays,
+    pub(super) replays: Arc<Replays>,
     pub(super) runner: Arc<Runner>,
     pub(super) budget: Arc<Budget>,
 }
@@ -123,13 +123,17 @@ impl Shared {
             (config.stream_stall, config.attempt.deadline),
             budget.clone(),
         ));
-        let replays = Replays::new(config.replay_cache_size, fastpath.clone(), store.clone());
+        let replays = Arc::new(Replays::new(
+            config.replay_cache_size,
+            fastpath,
+            store.clone(),
+        ));
         let runner = Arc::new(Runner::new(
             config.attempt.clone(),
             store.clone(),
             leases,
             doorbell,
-            fastpath,
+            replays.clone(),
             live.clone(),
             instance,
         ));

@@ -182,3 +182,48 @@ async fn clients_that_hang_up_right_after_sending_never_block_their_keys() {
     let retry = post(&gateway.path("/v1/charges"), "gone-7", "{}").await;
     assert_eq!(retry.status, 200);
 }
+
+/// The attempt that commits an answer keeps it for replays itself: its
+/// client hung up before the upstream answered, yet the retry is served
+/// from memory, not read back from the store.
+async fn an_answer_whose_client_hung_up_is_kept_for_replays(store: TestStore) {
+    let gate = Gate::new();
+    let upstream = FakeUpstream::gated_echo(&gate, |_| true).await;
+    let gateway = Gateway::builder(&store, &upstream.url()).start().await;
+    let authority = gateway.url.trim_start_matches("http://").to_owned();
+    let mut client = tokio::net::TcpStream::connect(&authority).await.unwrap();
+    let request = format!(
+        "POST /v1/charges HTTP/1.1\r\nhost: {authority}\r\nidempotency-key: left\r\n\
+         content-type: application/json\r\ncontent-length: 2\r\n\r\n{{}}"
+    );
+    client.write_all(request.as_bytes()).await.unwrap();
+    upstream.arrival().await;
+    drop(client);
+    gate.open(1);
+    crate::support::eventually(Duration::from_secs(10), "the commit", || async {
+        store
+            .column("SELECT state FROM jobs")
+            .await
+            .first()
+            .is_some_and(|s| s == "completed")
+    })
+    .await;
+    let retry = post(&gateway.path("/v1/charges"), "left", "{}").await;
+    assert_eq!(retry.status, 200);
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(
+        gateway
+            .metric("idemgate_replays_total{source=\"memory\"}")
+            .await,
+        1.0
+    );
+    assert_eq!(
+        gateway
+            .metric("idemgate_replays_total{source=\"store\"}")
+            .await,
+        0.0
+    );
+    assert_eq!(upstream.hits(), 1);
+}
+
+crate::on_each_deployment!([embedded, postgres] an_answer_whose_client_hung_up_is_kept_for_replays);

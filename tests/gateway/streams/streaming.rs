@@ -143,6 +143,20 @@ async fn a_client_hanging_up_mid_stream_does_not_cancel_it(store: TestStore) {
         events(&job, 1, 5, EVENT)
     );
     assert_eq!(upstream.hits(), 1);
+    // The attempt that committed the stream kept it for replays, though
+    // nobody was reading any more: the retry is served from memory.
+    assert_eq!(
+        gateway
+            .metric("idemgate_replays_total{source=\"memory\"}")
+            .await,
+        1.0
+    );
+    assert_eq!(
+        gateway
+            .metric("idemgate_replays_total{source=\"store\"}")
+            .await,
+        0.0
+    );
 }
 
 /// Memory of the gateway process, from the kernel.

@@ -61,7 +61,7 @@ impl Driver {
 
     /// Holds a duplicate until the job settles or its answer streams.
     pub(crate) async fn hold(&self, job: JobId) -> Result<Job, GatewayError> {
-        let tag = Tag::of(&self.request.owner, &self.request.key);
+        let tag = Tag::of(&self.request.intent.owner, &self.request.intent.key);
         let live = &self.shared.live;
         self.shared
             .holds
@@ -74,7 +74,7 @@ impl Driver {
     pub(crate) fn begin(self: &Arc<Self>) -> JoinHandle<Result<Begun, StoreError>> {
         let driver = self.clone();
         tokio::spawn(async move {
-            let primary = driver.request.route.primary.clone();
+            let primary = driver.request.intent.route.primary.clone();
             let runner = &driver.shared.runner;
             let begun = driver
                 .shared
@@ -82,19 +82,21 @@ impl Driver {
                 .begin_job(driver.new_job(), runner.new_attempt(&primary))
                 .await?;
             Ok(match begun {
-                Begin::Created(job, attempt) => {
-                    Begun::Created(driver.start(&primary, attempt), job.expires_at)
-                }
+                Begin::Created(job, attempt) => Begun::Created(
+                    driver.start(&primary, attempt, job.expires_at),
+                    job.expires_at,
+                ),
                 Begin::Existing(job) => Begun::Existing(job),
             })
         })
     }
 
-    /// Claims (hedges, or moves on to) the job's next attempt on `target` and starts it,
-    /// in a task of its own (see the module docs); `None` when the job moved on.
+    /// Claims (hedges, or moves on to) the next attempt of `job` (which
+    /// expires at `expires_at`) on `target` and starts it, in a task of its
+    /// own (see the module docs); `None` when the job moved on.
     pub(crate) fn claim(
         self: &Arc<Self>,
-        job: JobId,
+        (job, expires_at): (JobId, SystemTime),
         version: i64,
         target: &Arc<UpstreamSettings>,
         how: Joining,
@@ -108,15 +110,19 @@ impl Driver {
                 Joining::Hedge => store.hedge_attempt(job, version, next).await?,
                 Joining::MoveOn => store.move_on_attempt(job, version, next).await?,
             };
-            Ok(claimed.map(|attempt| driver.start(&target, attempt)))
+            Ok(claimed.map(|attempt| driver.start(&target, attempt, expires_at)))
         })
     }
 
-    fn start(&self, target: &UpstreamSettings, attempt: Attempt) -> Running {
+    fn start(
+        &self,
+        target: &UpstreamSettings,
+        attempt: Attempt,
+        expires_at: SystemTime,
+    ) -> Running {
         let upstream = self.upstream.clone();
-        self.shared
-            .runner
-            .start(upstream, &self.request, target, attempt)
+        let runner = &self.shared.runner;
+        runner.start(upstream, &self.request, target, attempt, expires_at)
     }
 
     /// Runs the request's attempts, starting with `first` on the route's
@@ -126,7 +132,7 @@ impl Driver {
         first: Running,
         expires_at: SystemTime,
     ) -> Result<Response<Body>, GatewayError> {
-        let (job, route) = (first.attempt.job_id, &self.request.route);
+        let (job, route) = (first.attempt.job_id, &self.request.intent.route);
         let retry_after = self.shared.config.retry_after;
         let mut dispatch =
             Dispatch::new(route.clone(), &first.attempt, Instant::now(), retry_after);
@@ -158,7 +164,7 @@ impl Driver {
                         how,
                         version,
                     } => {
-                        let claim = self.claim(job, version, &target, how);
+                        let claim = self.claim((job, expires_at), version, &target, how);
                         claims.push(async move { (how, target, joined(claim).await) });
                     }
                     Step::CancelAllBut(won) => {
@@ -170,9 +176,8 @@ impl Driver {
                         queued.push_back(Event::Reread(job));
                     }
                     Step::Hold => queued.push_back(Event::Held(self.hold(job).await)),
+                    // Kept for replays by the attempt that committed it.
                     Step::Committed(stored) => {
-                        let replays = &self.shared.replays;
-                        replays.remember(&self.request, job, expires_at, &stored, Write::Always);
                         let response = replay::response(&stored, job, false, Framing::Whole);
                         return Ok(attempts.mark(winner, response));
                     }
@@ -196,10 +201,10 @@ impl Driver {
     fn new_job(&self) -> NewJob {
         NewJob {
             id: JobId::new(),
-            owner: self.request.owner.clone(),
-            key: self.request.key.clone(),
-            fingerprint: self.request.fingerprint,
-            route: self.request.route.name.clone(),
+            owner: self.request.intent.owner.clone(),
+            key: self.request.intent.key.clone(),
+            fingerprint: self.request.intent.fingerprint,
+            route: self.request.intent.route.name.clone(),
             ttl: self.shared.config.key_ttl,
         }
     }

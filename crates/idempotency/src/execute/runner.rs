@@ -18,7 +18,7 @@ use idemgate_domain::reconcile::orphaned;
 use idemgate_domain::BoxError;
 use idemgate_proxy::http::{full, ProvenClient, EVENTS_RECEIVED, IDEMPOTENCY_KEY};
 use idemgate_proxy::upstream::{Target, UpstreamSettings};
-use idemgate_store::fastpath::{FastPath, Tag};
+use idemgate_store::fastpath::Tag;
 use idemgate_store::{Doorbell, Lapsed, Store, StoreError};
 use idemgate_telemetry::Chain;
 use idemgate_upkeep::lease::Leases;
@@ -34,6 +34,7 @@ use super::task::Task;
 use super::{reconcile, Config, Running, UpstreamService};
 use crate::keyed::Keyed;
 use crate::recording::join::Live;
+use crate::replay::tiers::Replays;
 use crate::route::{Reconcile, Route};
 
 /// Most unknown attempts one scan reads.
@@ -45,7 +46,9 @@ pub(crate) struct Runner {
     pub(super) store: Arc<dyn Store>,
     pub(super) leases: Arc<Leases>,
     pub(super) doorbell: Arc<Doorbell>,
-    pub(super) fastpath: Option<Arc<FastPath>>,
+    /// Where a committed answer is kept for replays, the attempt's own
+    /// request's or not; and the fast path a streamed answer is mirrored on.
+    pub(super) replays: Arc<Replays>,
     pub(super) live: Arc<Live>,
     /// This gateway instance, recorded on the attempts it runs.
     pub(super) instance: Uuid,
@@ -60,7 +63,7 @@ impl Runner {
         store: Arc<dyn Store>,
         leases: Arc<Leases>,
         doorbell: Arc<Doorbell>,
-        fastpath: Option<Arc<FastPath>>,
+        replays: Arc<Replays>,
         live: Arc<Live>,
         instance: Uuid,
     ) -> Self {
@@ -69,7 +72,7 @@ impl Runner {
             store,
             leases,
             doorbell,
-            fastpath,
+            replays,
             live,
             instance,
             asking: Arc::default(),
@@ -95,12 +98,14 @@ impl Runner {
         request: &Keyed,
         target: &UpstreamSettings,
         attempt: Attempt,
+        expires_at: SystemTime,
     ) -> Running {
         let (tx, rx) = oneshot::channel();
         let cancel = CancellationToken::new();
         let forwarded = self.upstream_request(request, target, &attempt);
         let deadline = Instant::now() + self.config.deadline;
         let reconciler = request
+            .intent
             .route
             .reconcile
             .as_ref()
@@ -110,16 +115,18 @@ impl Runner {
             lease: Arc::new(self.leases.hold(attempt.id)),
             deadline,
             // The route's silences over the upstream's (docs/design.md §11).
-            silences: request.route.silences(target),
+            silences: request.intent.route.silences(target),
             reconciler: std::sync::Mutex::new(reconciler),
-            route: request.route.clone(),
+            route: request.intent.route.clone(),
+            intent: request.intent.clone(),
+            expires_at,
             runner: self.clone(),
             attempt: attempt.clone(),
             // Only a fast path needs it: no digest per attempt without one.
             tag: self
-                .fastpath
-                .as_ref()
-                .map(|_| Tag::of(&request.owner, &request.key)),
+                .replays
+                .fastpath()
+                .map(|_| Tag::of(&request.intent.owner, &request.intent.key)),
             reply: Some(tx),
             // The attempt may outlive the client: what it holds stays
             // counted until it ends (docs/design.md §18).
@@ -194,7 +201,14 @@ impl Runner {
             })),
         };
         let proven = request.parts.extensions.get::<ProvenClient>().cloned();
-        self.asking_about(upstream, &request.route, target, attempt, ask, proven)
+        self.asking_about(
+            upstream,
+            &request.intent.route,
+            target,
+            attempt,
+            ask,
+            proven,
+        )
     }
 
     /// The task that asks `target` about `attempt` of `route` by `ask`; the

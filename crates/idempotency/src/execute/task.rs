@@ -5,7 +5,7 @@
 //! still commits if the upstream answers late.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use http::Request;
 use http_body_util::BodyExt;
@@ -30,13 +30,19 @@ use super::record::{outcome, retrying};
 use super::verdict::{classify, Verdict};
 use super::{Reply, Runner, UpstreamService, PATIENCE};
 use crate::error::GatewayError;
+use crate::keyed::Intent;
 use crate::recording::Recording;
 use crate::replay;
+use crate::replay::tiers::Write;
 use crate::route::{Route, Silences};
 
 pub(super) struct Task {
     pub(super) runner: Arc<Runner>,
     pub(super) route: Arc<Route>,
+    /// The request that started it: the answer it commits is kept for it.
+    pub(super) intent: Arc<Intent>,
+    /// When its job expires: how long a kept answer may be replayed.
+    pub(super) expires_at: SystemTime,
     pub(super) attempt: Attempt,
     /// Held until every write about the attempt is in.
     pub(super) lease: Arc<LeaseGuard>,
@@ -103,26 +109,37 @@ impl Task {
     }
 
     /// Commits `stored`, retrying while the store is unreachable (in a task
-    /// of its own, holding the lease), until the attempt's deadline.
+    /// of its own, holding the lease), until the attempt's deadline. Once
+    /// the store takes it, the answer is kept for replays (memory, then
+    /// Redis): this is the one place a commit is made known to the replay
+    /// tiers, whole answer or stream, whether or not its client still
+    /// waits (`docs/design.md` §11, "Replay cache").
     fn spawn_commit(
         &self,
         stored: StoredResponse,
     ) -> tokio::task::JoinHandle<Result<CommitOutcome, StoreError>> {
         let (store, attempt) = (self.runner.store.clone(), self.attempt.clone());
-        let response = stored;
+        let (replays, intent, expires_at) = (
+            self.runner.replays.clone(),
+            self.intent.clone(),
+            self.expires_at,
+        );
         // The answer stays counted against the memory budget while the
         // write goes on, which may outlast the attempt (docs/design.md §18).
         let (lease, charge) = (self.lease.clone(), self.charge.clone());
-        tokio::spawn(retrying("commit", attempt.id, self.deadline, move || {
-            let (store, attempt, response, _lease, _charge) = (
-                store.clone(),
-                attempt.clone(),
-                response.clone(),
-                lease.clone(),
-                charge.clone(),
-            );
-            async move { store.commit(&attempt, &response).await }
-        }))
+        let (id, deadline) = (attempt.id, self.deadline);
+        tokio::spawn(async move {
+            let write = || {
+                let (store, attempt, response) = (store.clone(), attempt.clone(), stored.clone());
+                let (_lease, _charge) = (lease.clone(), charge.clone());
+                async move { store.commit(&attempt, &response).await }
+            };
+            let outcome = retrying("commit", id, deadline, write).await;
+            if let Ok(CommitOutcome::Committed) = outcome {
+                replays.remember(&intent, attempt.job_id, expires_at, &stored, Write::Always);
+            }
+            outcome
+        })
     }
 
     /// Commits a streamed answer, waiting as long as it takes: its readers
@@ -342,7 +359,7 @@ impl Task {
         let recording = Recording::new(job, status, headers.clone(), self.charge.clone());
         self.runner.live.insert(&recording);
         self.runner.doorbell.ring_local(job);
-        if let (Some(fast), Some(tag)) = (&self.runner.fastpath, &self.tag) {
+        if let (Some(fast), Some(tag)) = (self.runner.replays.fastpath(), &self.tag) {
             let ttl = self.runner.config.deadline + Duration::from_secs(60);
             let doorbell = self.runner.doorbell.clone();
             let head = (parts.status.as_u16(), &headers[..]);

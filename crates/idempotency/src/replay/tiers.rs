@@ -22,7 +22,7 @@ use http::Response;
 
 use super::{response, Framing, Kept, ReplayCache};
 use crate::error::GatewayError;
-use crate::keyed::Keyed;
+use crate::keyed::{Intent, Keyed};
 use idemgate_domain::id::JobId;
 use idemgate_domain::job::Job;
 use idemgate_domain::response::StoredResponse;
@@ -62,12 +62,19 @@ impl Replays {
         }
     }
 
+    /// The Redis fast path, when configured.
+    pub(crate) fn fastpath(&self) -> Option<&Arc<FastPath>> {
+        self.fastpath.as_ref()
+    }
+
     /// A replay from this replica's memory, for this very request only.
     pub(crate) fn in_memory(&self, request: &Keyed) -> Option<(JobId, Response<Body>)> {
-        let kept = self
-            .cache
-            .get(&request.owner, &request.key, SystemTime::now())?;
-        if kept.fingerprint != request.fingerprint {
+        let kept = self.cache.get(
+            &request.intent.owner,
+            &request.intent.key,
+            SystemTime::now(),
+        )?;
+        if kept.fingerprint != request.intent.fingerprint {
             return None;
         }
         metrics::counter!("idemgate_replays_total", "source" => "memory").increment(1);
@@ -79,10 +86,13 @@ impl Replays {
     /// fingerprint) goes on to the store.
     pub(crate) async fn in_redis(&self, request: &Keyed) -> Option<(JobId, Response<Body>)> {
         let fast = self.fastpath.as_ref()?;
-        let Lookup::Hit(entry) = fast.lookup(&request.owner, &request.key).await else {
+        let Lookup::Hit(entry) = fast
+            .lookup(&request.intent.owner, &request.intent.key)
+            .await
+        else {
             return None;
         };
-        if entry.fingerprint != request.fingerprint {
+        if entry.fingerprint != request.intent.fingerprint {
             return None;
         }
         let stored = match entry.response {
@@ -91,9 +101,9 @@ impl Replays {
             // insert-or-select; it must still be this request's job.
             None => match self.store.job(entry.job).await {
                 Ok(Some(job))
-                    if job.owner == request.owner
-                        && job.key == request.key
-                        && job.fingerprint == request.fingerprint =>
+                    if job.owner == request.intent.owner
+                        && job.key == request.intent.key
+                        && job.fingerprint == request.intent.fingerprint =>
                 {
                     job.response?
                 }
@@ -103,8 +113,8 @@ impl Replays {
         metrics::counter!("idemgate_replays_total", "source" => "redis").increment(1);
         // A copy, held until it is sent (docs/design.md §18).
         request.charge.add(stored.body.len());
-        self.keep(request, entry.job, entry.expires_at, &stored);
-        let framing = Framing::of(&request.route, &stored);
+        self.keep(&request.intent, entry.job, entry.expires_at, &stored);
+        let framing = Framing::of(&request.intent.route, &stored);
         Some((entry.job, response(&stored, entry.job, true, framing)))
     }
 
@@ -122,22 +132,23 @@ impl Replays {
         metrics::counter!("idemgate_replays_total", "source" => "store").increment(1);
         // A copy, held until it is sent (docs/design.md §18).
         request.charge.add(stored.body.len());
-        self.remember(request, job.id, job.expires_at, stored, write);
-        let framing = Framing::of(&request.route, stored);
+        self.remember(&request.intent, job.id, job.expires_at, stored, write);
+        let framing = Framing::of(&request.intent.route, stored);
         Ok(response(stored, job.id, true, framing))
     }
 
-    /// Keeps a committed answer in memory and, off the request path, on the
-    /// fast path.
+    /// Keeps a committed answer for `intent` in memory and, off the request
+    /// path, on the fast path: what the attempt that committed it does at
+    /// once (whoever is still waiting), and a replay from the store again.
     pub(crate) fn remember(
         &self,
-        request: &Keyed,
+        intent: &Intent,
         job: JobId,
         expires_at: SystemTime,
         stored: &StoredResponse,
         write: Write,
     ) {
-        self.keep(request, job, expires_at, stored);
+        self.keep(intent, job, expires_at, stored);
         let Some(fast) = self.fastpath.clone() else {
             return;
         };
@@ -145,9 +156,9 @@ impl Replays {
             return;
         }
         let (owner, key, fingerprint, stored) = (
-            request.owner.clone(),
-            request.key.clone(),
-            request.fingerprint,
+            intent.owner.clone(),
+            intent.key.clone(),
+            intent.fingerprint,
             stored.clone(),
         );
         tokio::spawn(async move {
@@ -157,14 +168,14 @@ impl Replays {
     }
 
     /// Keeps a committed answer in this replica's memory.
-    fn keep(&self, request: &Keyed, job: JobId, expires_at: SystemTime, stored: &StoredResponse) {
-        self.cache.insert(&request.owner, &request.key, job, || {
+    fn keep(&self, intent: &Intent, job: JobId, expires_at: SystemTime, stored: &StoredResponse) {
+        self.cache.insert(&intent.owner, &intent.key, job, || {
             Kept::new(
                 job,
-                request.fingerprint,
+                intent.fingerprint,
                 expires_at,
                 stored.clone(),
-                Framing::of(&request.route, stored),
+                Framing::of(&intent.route, stored),
             )
         });
     }
