@@ -71,15 +71,7 @@ async fn main() {
     let db = create_database(&args.database).await;
     // The bench's own Redis database starts empty: entries from an earlier
     // run name jobs of a database that no longer exists.
-    let mut redis = redis::Client::open(args.redis.as_str())
-        .expect("Redis URL")
-        .get_multiplexed_async_connection()
-        .await
-        .expect("Redis is not reachable; run scripts/bench.sh, which starts it");
-    redis::cmd("FLUSHDB")
-        .query_async::<()>(&mut redis)
-        .await
-        .expect("flush the bench's Redis database");
+    flush_redis(&args.redis).await;
 
     let direct = format!("http://{upstream}");
     let without = Gateway::start(&args.binary, &direct, Store::Postgres(&db), None, &[]).await;
@@ -114,6 +106,51 @@ async fn main() {
         ("replay, PostgreSQL + Redis", &with.url, true),
         ("replay, embedded store (SQLite)", &embedded.url, true),
     ];
+    replay_table(&args, &configs).await;
+    let redis_hits = with
+        .metric("idemgate_fastpath_lookups_total{result=\"hit\"}")
+        .await;
+    println!();
+    println!("fast-path hits on the Redis gateway: {redis_hits:.0}");
+
+    // A streamed answer's first byte: what a keyed (recorded) stream adds
+    // over a keyless one through the same gateway.
+    let streams: [(&str, &str, bool); 4] = [
+        ("upstream alone (no idemgate)", &direct, false),
+        ("through idemgate, no key (pass-through)", &with.url, false),
+        (
+            "through idemgate, new key (PostgreSQL + Redis)",
+            &with.url,
+            true,
+        ),
+        (
+            "through idemgate, new key (embedded store)",
+            &embedded.url,
+            true,
+        ),
+    ];
+    stream_table(&args, &streams).await;
+    drop((without, with, embedded));
+    drop_database(&args.database, &db).await;
+    let _ = std::fs::remove_dir_all(&scratch);
+}
+
+/// Empties the Redis database at `url`.
+async fn flush_redis(url: &str) {
+    let mut redis = redis::Client::open(url)
+        .expect("Redis URL")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("Redis is not reachable; run scripts/bench.sh, which starts it");
+    redis::cmd("FLUSHDB")
+        .query_async::<()>(&mut redis)
+        .await
+        .expect("flush the bench's Redis database");
+}
+
+/// The replay table: `args.rounds` rounds of replays through each of
+/// `configs` (name, URL), alternating between them, and their means.
+async fn replay_table(args: &Args, configs: &[(&str, &str, bool)]) {
     let mut results: Vec<Vec<Stats>> = vec![Vec::new(); configs.len()];
     for _ in 0..args.rounds {
         for (i, (_, url, _)) in configs.iter().enumerate() {
@@ -141,28 +178,11 @@ async fn main() {
             results[i].iter().map(|s| s.errors).sum::<usize>(),
         );
     }
-    let redis_hits = with
-        .metric("idemgate_fastpath_lookups_total{result=\"hit\"}")
-        .await;
-    println!();
-    println!("fast-path hits on the Redis gateway: {redis_hits:.0}");
+}
 
-    // A streamed answer's first byte: what a keyed (recorded) stream adds
-    // over a keyless one through the same gateway.
-    let streams: [(&str, &str, bool); 4] = [
-        ("upstream alone (no idemgate)", &direct, false),
-        ("through idemgate, no key (pass-through)", &with.url, false),
-        (
-            "through idemgate, new key (PostgreSQL + Redis)",
-            &with.url,
-            true,
-        ),
-        (
-            "through idemgate, new key (embedded store)",
-            &embedded.url,
-            true,
-        ),
-    ];
+/// The first-byte table: `args.rounds` rounds of streams through each of
+/// `streams` (name, URL, keyed), alternating between them.
+async fn stream_table(args: &Args, streams: &[(&str, &str, bool)]) {
     let mut first_bytes: Vec<Vec<(Duration, Duration)>> = vec![Vec::new(); streams.len()];
     for round in 0..args.rounds {
         for (i, (_, url, keyed)) in streams.iter().enumerate() {
@@ -193,9 +213,6 @@ async fn main() {
             pct(|t| t.1, 0.5)
         );
     }
-    drop((without, with, embedded));
-    drop_database(&args.database, &db).await;
-    let _ = std::fs::remove_dir_all(&scratch);
 }
 
 #[derive(Clone, Default)]

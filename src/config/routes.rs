@@ -147,35 +147,122 @@ pub(super) fn parse_all(
     Ok(routes.into_iter().map(Arc::new).collect())
 }
 
+/// Route `i` of the file, read step by step: what it matches, how it fails
+/// over, what it waits for, who may use it, and what meets a duplicate.
+/// The steps check their keys in the order they have always been checked,
+/// so a route with two mistakes is told of the same one first.
 fn parse(i: usize, r: RouteFile, cx: &Context<'_>) -> Result<Route, ConfigError> {
-    let (upstreams, contracts) = (cx.upstreams, cx.contracts);
     let key = |field: &str| format!("routes[{i}].{field}");
-    let Some(default) = Route::default_route(upstreams, cx.owner.clone()) else {
+    let Some(default) = Route::default_route(cx.upstreams, cx.owner.clone()) else {
         return Err(bad("upstreams", "no upstream configured"));
     };
-    let path_prefix = prefix(&key("path_prefix"), r.path_prefix)?;
-    let methods = match r.methods {
-        None => default.methods,
-        Some(ms) => methods(&key("methods"), &ms)?,
+    let matching = matching(&key, &r, &default)?;
+    let failover = failover(&key, &r, &default, cx)?;
+    let waits = waits(&key, &r, &default)?;
+    let owner = route_owner(&key("owner"), r.owner.as_ref(), cx)?;
+    let require_client = require_client(&key("require_client"), r.require_client, cx)?;
+    let unsettled = unsettled(&key, &r, failover.side_effect_free)?;
+    Ok(Route {
+        name: r.name.unwrap_or_else(|| format!("route-{i}")),
+        path_prefix: matching.path_prefix,
+        methods: matching.methods,
+        require_key: r.require_key.unwrap_or(false),
+        body_limit: matching.body_limit,
+        significant_headers: matching.significant_headers,
+        retryable_statuses: matching.retryable_statuses,
+        body: matching.body,
+        primary: failover.primary,
+        fallbacks: failover.fallbacks,
+        max_attempts: failover.max_attempts,
+        failover_deadline: failover.failover_deadline,
+        hedge_after: failover.hedge_after,
+        side_effect_free: failover.side_effect_free,
+        first_byte_timeout: waits.first_byte_timeout,
+        stream_idle_timeout: waits.stream_idle_timeout,
+        contract: failover.contract,
+        stream_types: waits.stream_types,
+        owner,
+        require_client,
+        in_progress: unsettled.in_progress,
+        reconcile: unsettled.reconcile,
+        on_unknown: unsettled.on_unknown,
+    })
+}
+
+/// A route's key, `routes[i].FIELD`, from its field.
+type Key<'a> = &'a dyn Fn(&str) -> String;
+
+/// Which requests the route takes, what of them its fingerprint reads, and
+/// which of the upstream's statuses may be retried.
+struct Matching {
+    path_prefix: String,
+    methods: Vec<Method>,
+    significant_headers: Vec<HeaderName>,
+    retryable_statuses: Vec<u16>,
+    body: BodyRule,
+    body_limit: usize,
+}
+
+fn matching(key: Key<'_>, r: &RouteFile, default: &Route) -> Result<Matching, ConfigError> {
+    let path_prefix = prefix(&key("path_prefix"), r.path_prefix.clone())?;
+    let methods = match &r.methods {
+        None => default.methods.clone(),
+        Some(ms) => methods(&key("methods"), ms)?,
     };
-    let significant_headers = match r.significant_headers {
-        None => default.significant_headers,
-        Some(hs) => significant(&key("significant_headers"), &hs)?,
+    let significant_headers = match &r.significant_headers {
+        None => default.significant_headers.clone(),
+        Some(hs) => significant(&key("significant_headers"), hs)?,
     };
     let retryable_statuses = statuses(
         &key("retryable_statuses"),
-        r.retryable_statuses.unwrap_or(default.retryable_statuses),
+        r.retryable_statuses
+            .clone()
+            .unwrap_or_else(|| default.retryable_statuses.clone()),
     )?;
-    let ignore = pointers(&key("ignore_fields"), r.ignore_fields.unwrap_or_default())?;
+    let ignore = pointers(
+        &key("ignore_fields"),
+        r.ignore_fields.clone().unwrap_or_default(),
+    )?;
     let body_limit = r
         .body_limit
         .map_or(default.body_limit, |b| b.as_u64() as usize);
     if body_limit == 0 {
         return Err(bad(key("body_limit"), "must be greater than zero"));
     }
+    Ok(Matching {
+        path_prefix,
+        methods,
+        significant_headers,
+        retryable_statuses,
+        body: BodyRule {
+            canonical_json: r.canonical_json.unwrap_or(false),
+            ignore,
+        },
+        body_limit,
+    })
+}
+
+/// Where the route's attempts go, how many, for how long, whether a second
+/// one may race the first, and the contract a fallback must be proven on.
+struct Failover {
+    primary: Arc<UpstreamSettings>,
+    fallbacks: Vec<Arc<UpstreamSettings>>,
+    max_attempts: usize,
+    failover_deadline: Duration,
+    hedge_after: Option<Duration>,
+    side_effect_free: bool,
+    contract: Option<Arc<Contract>>,
+}
+
+fn failover(
+    key: Key<'_>,
+    r: &RouteFile,
+    default: &Route,
+    cx: &Context<'_>,
+) -> Result<Failover, ConfigError> {
     let (primary, fallbacks) = match &r.upstreams {
-        None => (default.primary, default.fallbacks),
-        Some(names) => by_name(&key("upstreams"), names, upstreams)?,
+        None => (default.primary.clone(), default.fallbacks.clone()),
+        Some(names) => by_name(&key("upstreams"), names, cx.upstreams)?,
     };
     let max_attempts = at_least_one(
         &key("max_attempts"),
@@ -186,29 +273,33 @@ fn parse(i: usize, r: RouteFile, cx: &Context<'_>) -> Result<Route, ConfigError>
     let contract = r
         .contract
         .as_ref()
-        .map(|name| contract(&key("contract"), name, contracts, !fallbacks.is_empty()))
+        .map(|name| contract(&key("contract"), name, cx.contracts, !fallbacks.is_empty()))
         .transpose()?;
-    Ok(Route {
-        name: r.name.unwrap_or_else(|| format!("route-{i}")),
-        path_prefix,
-        methods,
-        require_key: r.require_key.unwrap_or(false),
-        body_limit,
-        significant_headers,
-        retryable_statuses,
-        body: BodyRule {
-            canonical_json: r.canonical_json.unwrap_or(false),
-            ignore,
-        },
+    let failover_deadline = positive(
+        &key("failover_deadline"),
+        r.failover_deadline.unwrap_or(default.failover_deadline),
+    )?;
+    Ok(Failover {
         primary,
         fallbacks,
         max_attempts,
-        failover_deadline: positive(
-            &key("failover_deadline"),
-            r.failover_deadline.unwrap_or(default.failover_deadline),
-        )?,
+        failover_deadline,
         hedge_after,
         side_effect_free,
+        contract,
+    })
+}
+
+/// The silences the route allows over its upstreams' own, and the answers
+/// that stream through as they come.
+struct Waits {
+    first_byte_timeout: Option<Duration>,
+    stream_idle_timeout: Option<Duration>,
+    stream_types: Vec<String>,
+}
+
+fn waits(key: Key<'_>, r: &RouteFile, default: &Route) -> Result<Waits, ConfigError> {
+    Ok(Waits {
         first_byte_timeout: r
             .first_byte_timeout
             .map(|d| positive(&key("first_byte_timeout"), d))
@@ -217,18 +308,36 @@ fn parse(i: usize, r: RouteFile, cx: &Context<'_>) -> Result<Route, ConfigError>
             .stream_idle_timeout
             .map(|d| positive(&key("stream_idle_timeout"), d))
             .transpose()?,
-        contract,
-        stream_types: r.stream_types.map_or(default.stream_types, |types| {
-            types
-                .iter()
-                .map(|t| t.trim().to_ascii_lowercase())
-                .collect()
-        }),
-        owner: route_owner(&key("owner"), r.owner.as_ref(), cx)?,
-        require_client: require_client(&key("require_client"), r.require_client, cx)?,
+        stream_types: r.stream_types.as_ref().map_or_else(
+            || default.stream_types.clone(),
+            |types| {
+                types
+                    .iter()
+                    .map(|t| t.trim().to_ascii_lowercase())
+                    .collect()
+            },
+        ),
+    })
+}
+
+/// What meets a duplicate of a job that is not settled: one still running,
+/// or one whose attempt's outcome is unknown.
+struct Unsettled {
+    in_progress: InProgress,
+    reconcile: Option<Reconcile>,
+    on_unknown: OnUnknown,
+}
+
+fn unsettled(
+    key: Key<'_>,
+    r: &RouteFile,
+    side_effect_free: bool,
+) -> Result<Unsettled, ConfigError> {
+    Ok(Unsettled {
         in_progress: in_progress(&key("in_progress"), r.in_progress.as_deref())?,
         reconcile: r
             .reconcile
+            .clone()
             .map(|v| reconcile(&key("reconcile"), v))
             .transpose()?,
         on_unknown: on_unknown(

@@ -1,0 +1,95 @@
+//! The benchmark: idemgate beside nginx as a plain reverse proxy, in one run,
+//! on one machine, against one fast upstream (nginx serving a fixed answer).
+//!
+//! Rows: the upstream alone; nginx proxying it (twice, an A/A pair that shows
+//! the run's noise); the floor under idemgate (its listener and upstream
+//! pool with no layers, on two threads and on one: examples/floor.rs);
+//! idemgate passing requests through (as deployed, on one worker thread as
+//! nginx has one worker, at the default log level, and with the access log
+//! on: nginx runs with its own off); replays of finished
+//! keys (Redis, PostgreSQL alone, the embedded store); a new key per request
+//! (PostgreSQL + Redis, embedded); the pgbench ceiling for the statements a
+//! new key needs; a duplicate storm (thousands of holders of one key); and
+//! the first byte of streamed answers. Load comes from `wrk` (1 thread);
+//! each row is the median of `--rounds` rounds of `--seconds`, rounds
+//! alternating between rows. CPU µs per request is the serving processes'
+//! user + system time over the requests answered.
+//!
+//! Loopback only, bounded in time, stops by itself. `scripts/bench.sh`
+//! installs what is missing, builds, and runs it.
+//!
+//! The parts: `args` (the flags), `servers` (nginx and the floor, the
+//! reference servers), `gateways` (the idemgate processes the main table
+//! loads), `rows` (its rows, by scenario), `wrk` (a round of load),
+//! `pgbench` (the new-key ceiling), `table` (the main table), `scale_out`
+//! and `storm` (the two tables after it), `usage` (CPU and memory, from
+//! /proc), and `client` (priming keys, emptying Redis).
+
+#[path = "../harness/mod.rs"]
+mod harness;
+
+mod args;
+mod client;
+mod gateways;
+mod pgbench;
+mod rows;
+mod scale_out;
+mod servers;
+mod storm;
+mod table;
+mod usage;
+mod wrk;
+
+use client::flush_redis;
+use gateways::Gateways;
+use harness::{create_database, drop_database};
+use servers::{Floor, Nginx};
+
+#[tokio::main]
+async fn main() {
+    let args = args::args();
+    let scratch = std::env::temp_dir().join(format!("idemgate-bench-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    std::fs::create_dir_all(&scratch).unwrap();
+    let scripts = wrk::write_wrk_scripts(&scratch);
+
+    let upstream = Nginx::upstream(&scratch.join("upstream")).await;
+    let nginx_a = Nginx::proxy(&scratch.join("nginx-a"), &upstream.url).await;
+    let nginx_b = Nginx::proxy(&scratch.join("nginx-b"), &upstream.url).await;
+    let db = create_database(&args.database).await;
+    flush_redis(&args.redis).await;
+    let gateways = Gateways::start(&args, &upstream.url, &db, &scratch).await;
+    let floor_two = Floor::start(&args.floor, "mt2", &upstream.url).await;
+    let floor_one = Floor::start(&args.floor, "ct", &upstream.url).await;
+    gateways.fill().await;
+
+    let mut rows = rows::references(&upstream, &nginx_a, &nginx_b, &floor_two, &floor_one);
+    rows.extend(rows::pass_through(&gateways));
+    rows.extend(rows::replays(&gateways));
+    rows.extend(rows::new_keys(&gateways));
+    if let Some(only) = &args.only {
+        rows.retain(|r| r.name.contains(only.as_str()) || r.name.starts_with("nginx"));
+    }
+    for round in 0..args.rounds {
+        for (i, r) in rows.iter_mut().enumerate() {
+            let result = wrk::wrk(&args, &scripts, r, round * 100 + i).await;
+            r.rounds.push(result);
+        }
+    }
+    let ceiling = pgbench::pgbench_ceiling(&args, &db).await;
+    table::print(&args, &rows, ceiling);
+
+    if !args.replicas.is_empty() {
+        let table = scale_out::scale_out(&args, &scripts, &upstream.url, &db).await;
+        println!();
+        println!("{table}");
+    }
+    if args.storm > 0 {
+        let storm = storm::storm(&args, &scratch, &db).await;
+        println!();
+        println!("{storm}");
+    }
+    drop((gateways, floor_two, floor_one, nginx_a, nginx_b, upstream));
+    drop_database(&args.database, &db).await;
+    let _ = std::fs::remove_dir_all(&scratch);
+}
