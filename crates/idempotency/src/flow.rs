@@ -49,6 +49,15 @@ use std::sync::Arc;
 /// round follows a real state change, so this is never reached in practice.
 const MAX_ROUNDS: usize = 16;
 
+/// Where one round of meeting a job left the request.
+enum Next {
+    /// It has its answer.
+    Answered(Response<Body>),
+    /// The job changed (another request claimed it, or a hold ended): decide
+    /// again on it as it is now.
+    Reread(Job),
+}
+
 /// One opted-in request in flight, meeting its job.
 struct Flow {
     driver: Arc<Driver>,
@@ -159,6 +168,12 @@ impl Flow {
     /// Answers a request whose key names an existing job of the same intent,
     /// as the job's state says.
     async fn meet(&self, mut job: Job) -> Result<Response<Body>, GatewayError> {
+        let (request, shared) = (&self.driver.request, &self.driver.shared);
+        let route = &request.intent.route;
+        let (resuming, moves_on) = (
+            request.resume.is_some(),
+            route.on_unknown == OnUnknown::NewAttempt,
+        );
         // Duplicates released together by one commit write its fast-path
         // entry once between them; any other replay from the store writes
         // it (which also repairs a lost or unusable entry).
@@ -167,48 +182,25 @@ impl Flow {
         let mut waited = false;
         for _ in 0..MAX_ROUNDS {
             match job.state {
-                JobState::Completed => {
-                    return self
-                        .driver
-                        .shared
-                        .replays
-                        .of_job(&self.driver.request, &job, write)
-                }
+                JobState::Completed => return shared.replays.of_job(request, &job, write),
                 // A resume continues an answer; it never starts another.
-                JobState::Open if self.driver.request.resume.is_some() => {
+                JobState::Open if resuming => {
                     return Err(nothing_to_resume(
                         "the job's last attempt failed without an answer",
                     ))
                 }
-                JobState::Unknown
-                    if self.driver.request.intent.route.on_unknown == OnUnknown::NewAttempt
-                        && self.driver.request.resume.is_some() =>
-                {
+                JobState::Unknown if moves_on && resuming => {
                     return Err(nothing_to_resume(
                         "the stream was cut and its outcome is unknown",
                     ))
                 }
-                JobState::Unknown
-                    if self.driver.request.intent.route.on_unknown == OnUnknown::NewAttempt =>
-                {
-                    // Side-effect-free: a second call, never a second effect
-                    // (docs/design.md §5). Of simultaneous retries one moves
-                    // on; the others find the job running and are held.
-                    let primary = self.driver.request.intent.route.primary.clone();
-                    let next = self.driver.claim(
-                        (job.id, job.expires_at),
-                        job.version,
-                        &primary,
-                        Joining::MoveOn,
-                    );
-                    match joined(next).await? {
-                        Some(first) => {
-                            tracing::info!(job = %job.id, attempt = %first.attempt.id, number = first.attempt.number, "a retry moves on from an unknown attempt (on_unknown = \"new_attempt\")");
-                            return Box::pin(self.driver.drive(first, job.expires_at)).await;
-                        }
-                        None => job = self.driver.shared.holds.reread(job.id).await?,
-                    }
-                }
+                // Side-effect-free: a second call, never a second effect
+                // (docs/design.md §5). Of simultaneous retries one moves
+                // on; the others find the job running and are held.
+                JobState::Unknown if moves_on => match self.next(&job, Joining::MoveOn).await? {
+                    Next::Answered(answer) => return Ok(answer),
+                    Next::Reread(reread) => job = reread,
+                },
                 // A lookup due soon may settle it: wait for that, as for a
                 // running attempt, rather than answer 409 (docs/design.md §5).
                 JobState::Unknown if !waited => {
@@ -222,40 +214,50 @@ impl Flow {
                     }
                 }
                 JobState::Unknown => return Err(self.outcome_unknown(job.id).await),
-                JobState::Running => {
-                    // The IETF draft's answer, on routes that ask for it:
-                    // no hold, no joining a stream (design §11).
-                    if self.driver.request.intent.route.in_progress == InProgress::Conflict {
-                        return Err(self.driver.shared.holds.in_progress());
-                    }
-                    let tag = Tag::of(
-                        &self.driver.request.intent.owner,
-                        &self.driver.request.intent.key,
-                    );
-                    if let Some(joined) = self.driver.shared.live.join(&tag, job.id).await {
-                        return Ok(joined);
-                    }
-                    job = self.driver.hold(job.id).await?;
-                    write = Write::Once;
-                }
-                JobState::Open => {
-                    let primary = self.driver.request.intent.route.primary.clone();
-                    let claim = self.driver.claim(
-                        (job.id, job.expires_at),
-                        job.version,
-                        &primary,
-                        Joining::Claim,
-                    );
-                    match joined(claim).await? {
-                        Some(first) => {
-                            return Box::pin(self.driver.drive(first, job.expires_at)).await
-                        }
-                        None => job = self.driver.shared.holds.reread(job.id).await?,
-                    }
-                }
+                JobState::Running => match self.running(&job).await? {
+                    Next::Answered(answer) => return Ok(answer),
+                    Next::Reread(held) => (job, write) = (held, Write::Once),
+                },
+                JobState::Open => match self.next(&job, Joining::Claim).await? {
+                    Next::Answered(answer) => return Ok(answer),
+                    Next::Reread(reread) => job = reread,
+                },
             }
         }
-        Err(self.driver.shared.holds.in_progress())
+        Err(shared.holds.in_progress())
+    }
+
+    /// A duplicate of a running job: `409` on a route that asks for it (the
+    /// IETF draft's answer: no hold, no joining a stream, design §11);
+    /// otherwise it joins the job's stream, or is held until the job changes.
+    async fn running(&self, job: &Job) -> Result<Next, GatewayError> {
+        let (request, shared) = (&self.driver.request, &self.driver.shared);
+        if request.intent.route.in_progress == InProgress::Conflict {
+            return Err(shared.holds.in_progress());
+        }
+        let tag = Tag::of(&request.intent.owner, &request.intent.key);
+        if let Some(joined) = shared.live.join(&tag, job.id).await {
+            return Ok(Next::Answered(joined));
+        }
+        Ok(Next::Reread(self.driver.hold(job.id).await?))
+    }
+
+    /// Claims the job's next attempt on the route's primary (`how`: the next
+    /// try of an open job, or moving on from an unknown one) and drives it;
+    /// the job as it is now when another request claimed it first.
+    async fn next(&self, job: &Job, how: Joining) -> Result<Next, GatewayError> {
+        let primary = self.driver.request.intent.route.primary.clone();
+        let claim = self
+            .driver
+            .claim((job.id, job.expires_at), job.version, &primary, how);
+        let Some(first) = joined(claim).await? else {
+            return Ok(Next::Reread(self.driver.shared.holds.reread(job.id).await?));
+        };
+        if how == Joining::MoveOn {
+            tracing::info!(job = %job.id, attempt = %first.attempt.id, number = first.attempt.number, "a retry moves on from an unknown attempt (on_unknown = \"new_attempt\")");
+        }
+        let answer = Box::pin(self.driver.drive(first, job.expires_at)).await?;
+        Ok(Next::Answered(answer))
     }
 
     /// How long to wait for the next lookup of an unknown job's attempt to
