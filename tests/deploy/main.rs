@@ -8,4 +8,5 @@ mod support;
 mod chart;
 mod chat_example;
 mod image;
+mod layers;
 mod readme;
