@@ -205,6 +205,8 @@ pub(super) struct RouteFile {
     pub(super) side_effect_free: Option<bool>,
     pub(super) contract: Option<String>,
     pub(super) stream_types: Option<Vec<String>>,
+    pub(super) stream_errors: Option<StreamErrorsFile>,
+    pub(super) stream_end_events: Option<Vec<String>>,
     pub(super) owner: Option<OwnerFile>,
     pub(super) require_client: Option<bool>,
     pub(super) in_progress: Option<String>,
@@ -212,6 +214,15 @@ pub(super) struct RouteFile {
     /// value so that each spelling gets its own error.
     pub(super) reconcile: Option<toml::Value>,
     pub(super) on_unknown: Option<String>,
+}
+
+/// `[routes.stream_errors]`: what an error an event stream reports after
+/// its head does (`docs/design.md` §10).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct StreamErrorsFile {
+    pub(super) enabled: Option<bool>,
+    pub(super) retryable: Option<Vec<String>>,
 }
 
 /// `[routes.reconcile]`: where the route's upstream answers what became of

@@ -9,13 +9,13 @@ use std::time::Duration;
 
 use http::{HeaderName, Method};
 
-use super::file::{ReconcileFile, RouteFile};
+use super::file::{ReconcileFile, RouteFile, StreamErrorsFile};
 use super::trust::{owner_rule, OwnerFile};
 use super::{at_least_one, bad, header_name, positive, ConfigError};
 use idemgate_domain::contract::Contract;
 use idemgate_domain::fingerprint::BodyRule;
 use idemgate_domain::sse;
-use idemgate_idempotency::route::{InProgress, OnUnknown, Reconcile, Route};
+use idemgate_idempotency::route::{InProgress, OnUnknown, Reconcile, Route, StreamErrors};
 use idemgate_proxy::upstream::UpstreamSettings;
 use idemgate_trust::{Clients, OwnerRule};
 
@@ -181,6 +181,8 @@ fn parse(i: usize, r: RouteFile, cx: &Context<'_>) -> Result<Route, ConfigError>
         stream_idle_timeout: waits.stream_idle_timeout,
         contract: failover.contract,
         stream_types: waits.stream_types,
+        stream_errors: waits.stream_errors,
+        stream_end_events: waits.stream_end_events,
         owner,
         require_client,
         in_progress: unsettled.in_progress,
@@ -290,12 +292,15 @@ fn failover(
     })
 }
 
-/// The silences the route allows over its upstreams' own, and the answers
-/// that stream through as they come.
+/// The silences the route allows over its upstreams' own, the answers that
+/// stream through as they come, and what such a stream must say to be
+/// committed whole.
 struct Waits {
     first_byte_timeout: Option<Duration>,
     stream_idle_timeout: Option<Duration>,
     stream_types: Vec<String>,
+    stream_errors: StreamErrors,
+    stream_end_events: Vec<String>,
 }
 
 fn waits(key: Key<'_>, r: &RouteFile, default: &Route) -> Result<Waits, ConfigError> {
@@ -317,7 +322,47 @@ fn waits(key: Key<'_>, r: &RouteFile, default: &Route) -> Result<Waits, ConfigEr
                     .collect()
             },
         ),
+        stream_errors: stream_errors(&key("stream_errors"), r.stream_errors.as_ref())?,
+        stream_end_events: end_events(&key("stream_end_events"), r.stream_end_events.clone())?,
     })
+}
+
+/// `[routes.stream_errors]` over the defaults (on, the providers'
+/// transient types retryable).
+fn stream_errors(key: &str, file: Option<&StreamErrorsFile>) -> Result<StreamErrors, ConfigError> {
+    let default = StreamErrors::default();
+    let Some(file) = file else {
+        return Ok(default);
+    };
+    let retryable = file.retryable.clone().unwrap_or(default.retryable);
+    if let Some(blank) = retryable.iter().find(|t| t.trim().is_empty()) {
+        return Err(bad(
+            format!("{key}.retryable"),
+            format!("{blank:?} names no error type; list types like \"overloaded_error\""),
+        ));
+    }
+    Ok(StreamErrors {
+        enabled: file.enabled.unwrap_or(default.enabled),
+        retryable,
+    })
+}
+
+/// `stream_end_events`: each an event's name or its whole data.
+fn end_events(key: &str, written: Option<Vec<String>>) -> Result<Vec<String>, ConfigError> {
+    let ends = written.unwrap_or_default();
+    match ends
+        .iter()
+        .find(|e| e.trim().is_empty() || e.contains(['\r', '\n']))
+    {
+        Some(bad_end) => Err(bad(
+            key,
+            format!(
+                "{bad_end:?} cannot be an event's name or data; write the names or data that \
+                 end a whole answer, like [\"[DONE]\", \"message_stop\", \"response.completed\"]"
+            ),
+        )),
+        None => Ok(ends),
+    }
 }
 
 /// What meets a duplicate of a job that is not settled: one still running,

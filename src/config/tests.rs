@@ -570,3 +570,35 @@ fn a_resume_point_header_cannot_be_part_of_the_fingerprint() {
         assert!(err.message.contains("remove it"), "{}", err.message);
     }
 }
+
+#[test]
+fn stream_errors_and_end_events_are_read_with_their_defaults() {
+    let load = |route: &str| {
+        Settings::from_sources(
+            Settings::parse_file(&format!("[[routes]]\n{route}")).unwrap(),
+            flags_with_upstream(),
+        )
+    };
+    let plain = load("").unwrap();
+    let route = &plain.routes[0];
+    assert!(route.stream_errors.enabled);
+    assert!(route.stream_errors.is_retryable("overloaded_error"));
+    assert!(route.stream_errors.is_retryable("rate_limit_exceeded"));
+    assert!(!route.stream_errors.is_retryable("invalid_request_error"));
+    assert!(route.stream_end_events.is_empty(), "any clean end is whole");
+    let set = load(
+        "stream_end_events = [\"[DONE]\", \"message_stop\"]\n\
+         [routes.stream_errors]\nenabled = false\nretryable = [\"busy\"]",
+    )
+    .unwrap();
+    let route = &set.routes[0];
+    assert!(!route.stream_errors.enabled);
+    assert_eq!(route.stream_errors.retryable, ["busy"]);
+    assert_eq!(route.stream_end_events, ["[DONE]", "message_stop"]);
+    let err = load("stream_end_events = [\"\"]").unwrap_err();
+    assert_eq!(err.key, "routes[0].stream_end_events");
+    let err = load("[routes.stream_errors]\nretryable = [\" \"]").unwrap_err();
+    assert_eq!(err.key, "routes[0].stream_errors.retryable");
+    let err = Settings::parse_file("[[routes]]\n[routes.stream_errors]\nretry = []").unwrap_err();
+    assert!(err.to_string().contains("retry"), "{err}");
+}

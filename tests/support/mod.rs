@@ -21,6 +21,7 @@ pub mod python;
 pub mod redis;
 pub mod redis_cluster;
 pub mod redis_tls;
+pub mod scripted_sse;
 pub mod sink;
 pub mod sse;
 pub mod store;

@@ -314,6 +314,7 @@ fn field(line: &[u8]) -> (&[u8], &[u8]) {
 }
 
 mod resume;
+pub mod verdict;
 
 pub use resume::{BadResumePoint, ResumePoint, Skip, Skipped};
 

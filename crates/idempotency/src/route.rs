@@ -57,6 +57,13 @@ pub struct Route {
     /// Content types (lower case, without parameters) whose answers stream
     /// through while they are recorded, instead of being buffered.
     pub stream_types: Vec<String>,
+    /// What an error an event stream reports after its head does
+    /// (`[routes.stream_errors]`, `docs/design.md` §10).
+    pub stream_errors: StreamErrors,
+    /// The events that mark a whole answer's end (`stream_end_events`): an
+    /// event stream that ends without one as its last event stopped short,
+    /// and is cut. Empty: any clean end is whole.
+    pub stream_end_events: Vec<String>,
     /// Where the owner of a key comes from (the route's `[routes.owner]`,
     /// else `[owner]`).
     pub owner: Arc<OwnerRule>,
@@ -84,6 +91,46 @@ pub struct Silences {
     pub first_byte: Duration,
     /// Between body chunks once the head has come (`stream_idle_timeout`).
     pub stream_idle: Duration,
+}
+
+/// What an error reported inside an event stream, after its `200` head,
+/// does (`docs/design.md` §10, "In-band errors and whole streams").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamErrors {
+    /// Whether in-band errors are looked for at all.
+    pub enabled: bool,
+    /// The error types that had no effect, like a `503`: the attempt
+    /// fails, nothing is committed, and the next retry runs again. Any
+    /// other type is the answer, committed.
+    pub retryable: Vec<String>,
+}
+
+impl Default for StreamErrors {
+    /// On, with the providers' transient types: Anthropic's
+    /// `overloaded_error`, `rate_limit_error` and `api_error`, OpenAI's
+    /// `server_error`, `rate_limit_exceeded` and `timeout`.
+    fn default() -> Self {
+        StreamErrors {
+            enabled: true,
+            retryable: [
+                "overloaded_error",
+                "rate_limit_error",
+                "api_error",
+                "server_error",
+                "rate_limit_exceeded",
+                "timeout",
+            ]
+            .map(String::from)
+            .to_vec(),
+        }
+    }
+}
+
+impl StreamErrors {
+    /// Whether an in-band error of type `kind` had no effect.
+    pub fn is_retryable(&self, kind: &str) -> bool {
+        self.retryable.iter().any(|r| r == kind)
+    }
 }
 
 /// How an attempt of unknown outcome is settled by its upstream
@@ -165,6 +212,8 @@ impl Route {
             stream_idle_timeout: None,
             contract: None,
             stream_types: vec!["text/event-stream".into()],
+            stream_errors: StreamErrors::default(),
+            stream_end_events: Vec::new(),
             owner,
             require_client: false,
             in_progress: InProgress::Hold,

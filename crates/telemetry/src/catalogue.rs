@@ -49,6 +49,7 @@ pub const SERIES: &[(&str, Kind, &str)] = &[
     ("idemgate_streams_in_flight", Kind::Gauge, "Streamed answers being relayed and recorded now."),
     ("idemgate_streamed_bytes_total", Kind::Counter, "Bytes of streamed answers relayed."),
     ("idemgate_streams_cut_total", Kind::Counter, "Streams whose upstream stopped before the end (the attempt is unknown)."),
+    ("idemgate_stream_errors_total", Kind::Counter, "Errors streams reported in band after their head, by route, upstream, type and whether the route retries it (retryable: the attempt failed, nothing committed)."),
     ("idemgate_stream_joiners_total", Kind::Counter, "Duplicates that joined a stream in progress."),
     ("idemgate_stream_resumes_total", Kind::Counter, "Retries that named a resume point (Last-Event-ID, Idempotency-Events-Received), by result (resumed, refused)."),
     ("idemgate_memory_budget_bytes", Kind::Gauge, "The memory budget: bytes keyed requests may make the gateway hold."),

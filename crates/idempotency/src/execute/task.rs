@@ -27,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 use super::call::{Call, Clock, Relayed, Watched};
 use super::reconcile::Reconciler;
 use super::record::{outcome, retrying};
-use super::verdict::{classify, Verdict};
+use super::verdict::{classify, ended, Ended, Verdict};
 use super::{Reply, Runner, UpstreamService, PATIENCE};
 use crate::error::GatewayError;
 use crate::keyed::Intent;
@@ -408,14 +408,70 @@ impl Task {
         }
     }
 
-    /// A whole stream: checked against the contract's events, then
-    /// committed; only the commit releases its end to the readers. A breach
-    /// is a safe failure, and every copy is cut.
+    /// Counts an error a stream reported in band
+    /// (`idemgate_stream_errors_total`), its type as a label only when it
+    /// is spelled like one (it is the upstream's text).
+    fn count_stream_error(&self, kind: &str, retryable: bool) {
+        let plain = kind.len() <= 64
+            && kind
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
+        let label = if plain {
+            kind.to_owned()
+        } else {
+            "other".to_owned()
+        };
+        metrics::counter!(
+            "idemgate_stream_errors_total",
+            "route" => self.route.name.clone(),
+            "upstream" => self.attempt.upstream.clone(),
+            "type" => label,
+            "retryable" => if retryable { "true" } else { "false" },
+        )
+        .increment(1);
+        tracing::info!(attempt = %self.attempt.id, r#type = kind, retryable, "the stream reported an error in band");
+    }
+
+    /// A whole stream: what it says of itself read first (an error in
+    /// band, an end short of the route's end events), then checked against
+    /// the contract's events, then committed; only the commit releases its
+    /// end to the readers. A breach is a safe failure, and every copy is cut.
     async fn settle_stream(&self, recording: &Recording) {
         let stored = recording.stored();
         // The whole answer, copied out of the chunks for the commit.
         self.charge.add(stored.body.len());
-        if let Some(contract) = &self.route.contract {
+        let reported = match ended(&self.route, &stored) {
+            Ended::Whole => false,
+            Ended::Error { kind, retryable } => {
+                self.count_stream_error(&kind, retryable);
+                if retryable {
+                    let detail = format!(
+                        "the stream reported {kind} in band after its {} head: a type the \
+                         route retries ([routes.stream_errors]); nothing committed",
+                        stored.status
+                    );
+                    let failure = AttemptFailure::Failed {
+                        status: Some(stored.status),
+                        detail,
+                    };
+                    self.record(failure).await;
+                    recording.end_uncommitted();
+                    return;
+                }
+                true
+            }
+            Ended::Unended => {
+                let detail = "the stream ended without one of the route's end events \
+                              (stream_end_events): it stopped short"
+                    .to_owned();
+                self.record(AttemptFailure::Unknown { detail }).await;
+                recording.cut();
+                return;
+            }
+        };
+        // An error the upstream reported is its own verdict, like a `4xx`:
+        // never checked against the contract.
+        if let Some(contract) = self.route.contract.as_ref().filter(|_| !reported) {
             if let Some(Err(why)) = contract.check_stream(&stored.body) {
                 metrics::counter!("idemgate_attempts_rejected_total").increment(1);
                 let detail = format!(

@@ -13,6 +13,7 @@ use crate::route::Route;
 use idemgate_domain::attempt::AttemptFailure;
 use idemgate_domain::contract::excerpt;
 use idemgate_domain::response::StoredResponse;
+use idemgate_domain::sse::verdict::{said, Said};
 use idemgate_proxy::http::full;
 use idemgate_proxy::upstream::{Fetched, UpstreamError, UpstreamErrorKind};
 use idemgate_telemetry::Chain;
@@ -76,6 +77,44 @@ pub(super) fn classify(result: Result<Fetched, UpstreamError>, route: &Route) ->
         }
     }
     Verdict::Commit(replay::capture(&fetched))
+}
+
+/// What a streamed answer that ended cleanly means, beyond its status
+/// (`docs/design.md` §10, "In-band errors and whole streams"). Only an
+/// event stream says more than its bytes.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Ended {
+    /// Nothing against it: checked against the contract, then committed.
+    Whole,
+    /// It reported an error in band after its head: a type the route
+    /// retries had no effect (nothing is committed, the job reopens); any
+    /// other is the answer, committed as the upstream's own verdict (like
+    /// a `400`, never checked against the contract).
+    Error {
+        /// The error's type (`/error/type`, else `/error/code`).
+        kind: String,
+        /// Whether the route retries it.
+        retryable: bool,
+    },
+    /// It stopped short: none of the route's end events came last. Cut,
+    /// as a reset is: its outcome is unknown.
+    Unended,
+}
+
+/// What `stored`, a whole streamed answer of `route`, means.
+pub(super) fn ended(route: &Route, stored: &StoredResponse) -> Ended {
+    if !crate::recording::is_event_stream(&stored.headers) {
+        return Ended::Whole;
+    }
+    let errors = &route.stream_errors;
+    match said(&stored.body, errors.enabled, &route.stream_end_events) {
+        Said::Whole => Ended::Whole,
+        Said::Unended => Ended::Unended,
+        Said::Error(kind) => Ended::Error {
+            retryable: errors.is_retryable(&kind),
+            kind,
+        },
+    }
 }
 
 #[cfg(test)]

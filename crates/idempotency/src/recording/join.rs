@@ -14,7 +14,7 @@ use idemgate_domain::id::JobId;
 use idemgate_domain::job::JobState;
 use idemgate_proxy::budget::Budget;
 use idemgate_proxy::http::Body;
-use idemgate_store::fastpath::{FastPath, Tag};
+use idemgate_store::fastpath::{Ending, FastPath, Tag};
 use idemgate_telemetry::Chain;
 
 /// The streams duplicates may join: recorded here, or mirrored elsewhere.
@@ -94,8 +94,9 @@ impl Live {
                 .feed(&tag, job, live.stall, |chunk| copy.push(chunk))
                 .await
             {
-                Ok(true) => copy.finish(),
-                Ok(false) => copy.cut(),
+                Ok(Ending::Committed) => copy.finish(),
+                Ok(Ending::Cut) => copy.cut(),
+                Ok(Ending::Uncommitted) => copy.end_uncommitted(),
                 Err(e) => {
                     tracing::info!(%job, error = %Chain(e.as_ref()), "the mirrored stream failed; completing it from the store");
                     live.complete_from_store(&tag, &copy).await;

@@ -34,7 +34,7 @@ use tokio::sync::watch;
 
 use idemgate_domain::id::JobId;
 use idemgate_domain::sse::{Blocks, Kind};
-use idemgate_store::fastpath::Piece;
+use idemgate_store::fastpath::{Ending, Piece};
 
 use idemgate_domain::response::StoredResponse;
 use idemgate_proxy::budget::Charge;
@@ -49,6 +49,10 @@ pub(crate) enum End {
     Committed,
     /// Cut before its end: readers fail.
     Cut,
+    /// Its end came, but it is not the job's answer (an error the route
+    /// retries, reported in band): readers end as the upstream ended, and
+    /// nothing was committed (`docs/design.md` §10).
+    Uncommitted,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -183,6 +187,19 @@ impl Recording {
     /// line the upstream never ended (part of the answer, unless it is a
     /// heartbeat's).
     pub(crate) fn finish(&self) {
+        self.flush();
+        self.end(End::Committed);
+    }
+
+    /// The stream ended, and is not the job's answer: readers get what the
+    /// upstream sent and its end, and nothing is committed.
+    pub(crate) fn end_uncommitted(&self) {
+        self.flush();
+        self.end(End::Uncommitted);
+    }
+
+    /// Gives readers an event stream's last line the upstream never ended.
+    fn flush(&self) {
         let chunks = {
             let mut all = self.lock();
             if let Some(rest) = all.events.as_mut().and_then(Blocks::finish) {
@@ -194,7 +211,6 @@ impl Recording {
             all.list.len()
         };
         self.progress.send_modify(|p| p.chunks = chunks);
-        self.end(End::Committed);
     }
 
     /// The stream was cut: readers' bodies fail.
@@ -261,15 +277,17 @@ impl Recording {
                         let next = (recording, index + 1, progress, false);
                         return Some((Piece::Chunk(chunk), next));
                     }
-                    if now.end != End::Live {
-                        let committed = now.end == End::Committed;
-                        return Some((
-                            Piece::End { committed },
-                            (recording, index, progress, true),
-                        ));
+                    let ending = match now.end {
+                        End::Live => None,
+                        End::Committed => Some(Ending::Committed),
+                        End::Cut => Some(Ending::Cut),
+                        End::Uncommitted => Some(Ending::Uncommitted),
+                    };
+                    if let Some(ending) = ending {
+                        return Some((Piece::End(ending), (recording, index, progress, true)));
                     }
                     if progress.changed().await.is_err() {
-                        let cut = Piece::End { committed: false };
+                        let cut = Piece::End(Ending::Cut);
                         return Some((cut, (recording, index, progress, true)));
                     }
                 }
@@ -285,8 +303,8 @@ impl Recording {
         let frames = self.follow().filter_map(|next| async move {
             match next {
                 Piece::Chunk(chunk) => Some(Ok(Frame::data(chunk))),
-                Piece::End { committed: true } => None,
-                Piece::End { committed: false } => Some(Err(BodyError::new(
+                Piece::End(Ending::Committed | Ending::Uncommitted) => None,
+                Piece::End(Ending::Cut) => Some(Err(BodyError::new(
                     "the upstream's stream was cut before its end",
                 ))),
             }
@@ -315,7 +333,7 @@ fn coalesce(blocks: Vec<idemgate_domain::sse::Block>, list: &mut Vec<Chunk>) {
 
 /// Whether an answer with these headers is an uncompressed server-sent
 /// event stream.
-fn is_event_stream(headers: &[(String, Bytes)]) -> bool {
+pub(crate) fn is_event_stream(headers: &[(String, Bytes)]) -> bool {
     let header = |name: &str| {
         let found = headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name));
         found.map(|(_, value)| &value[..])

@@ -54,7 +54,7 @@ use stream::{open_record, record, Part};
 pub use entry::{decode, encode, redis_key, stream_key, Binding, Entry, Tag, Unusable};
 pub use keys::{EntryKeys, Rejection};
 pub use settings::{ClientCert, RedisSettings, RedisTls, Topology, TopologyError};
-pub use stream::Piece;
+pub use stream::{Ending, Piece};
 
 /// The pub/sub channel job changes are announced on; the payload is the job id.
 pub const CHANNEL: &str = "idemgate:jobs";
@@ -392,9 +392,7 @@ impl FastPath {
                         (Part::Chunk, chunks - 1, chunk)
                     }
                     // The end counts the chunks before it.
-                    Piece::End { committed } => {
-                        (Part::End, chunks, Bytes::from(vec![committed as u8]))
-                    }
+                    Piece::End(ending) => (Part::End, chunks, Bytes::from(vec![ending.byte()])),
                 };
                 let (field, value) = (part.field(), record(&fast.keys, job, part, index, &value));
                 let add = redis::cmd("XADD")
@@ -442,8 +440,7 @@ impl FastPath {
     }
 
     /// Hands each chunk of the Redis Stream `job`'s answer is mirrored on to
-    /// `push`, from the start, until the verdict: whether the answer was
-    /// committed. Fails when Redis fails, nothing arrives for `stall` (the
+    /// `push`, from the start, until the verdict: how the stream ended. Fails when Redis fails, nothing arrives for `stall` (the
     /// replica recording it may have died), or a part does not verify or
     /// comes out of order (counted as a rejection): the caller then
     /// completes the answer from the store, which only appends to what was
@@ -454,7 +451,7 @@ impl FastPath {
         job: JobId,
         stall: Duration,
         mut push: impl FnMut(Bytes),
-    ) -> Result<bool, BoxError> {
+    ) -> Result<Ending, BoxError> {
         let key = stream_key(tag, job);
         // Blocking reads hold their connection: one of its own.
         let mut conn = self.redis.dedicated().await?;
@@ -497,7 +494,9 @@ impl FastPath {
                 }
                 if part == Part::End {
                     return match payload.as_slice() {
-                        [committed] => Ok(*committed == 1),
+                        [byte] => {
+                            Ending::of_byte(*byte).ok_or_else(|| self.refuse(Rejection::Malformed))
+                        }
                         _ => Err(self.refuse(Rejection::Malformed)),
                     };
                 }

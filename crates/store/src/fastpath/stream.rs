@@ -49,11 +49,43 @@ const FORMAT: &[u8; 4] = b"IGS2";
 pub enum Piece {
     /// The next chunk of the body.
     Chunk(Bytes),
-    /// The end: committed (the whole answer), or cut.
-    End {
-        /// Whether the answer was committed.
-        committed: bool,
-    },
+    /// The end, and how the stream ended.
+    End(Ending),
+}
+
+/// How a stream ended: what its readers' bodies do at the end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// Committed, the whole answer: the bodies end.
+    Committed,
+    /// Cut before its end: the bodies fail.
+    Cut,
+    /// Its end came, but it is not the job's answer (it reported an error
+    /// the route retries, `docs/design.md` §10): the bodies end, as the
+    /// upstream ended them, and nothing was committed.
+    Uncommitted,
+}
+
+impl Ending {
+    /// Its byte in an end record. A release that knew only the first two
+    /// reads any other byte as a cut.
+    pub fn byte(self) -> u8 {
+        match self {
+            Ending::Cut => 0,
+            Ending::Committed => 1,
+            Ending::Uncommitted => 2,
+        }
+    }
+
+    /// The ending an end record's byte names.
+    pub fn of_byte(byte: u8) -> Option<Ending> {
+        match byte {
+            0 => Some(Ending::Cut),
+            1 => Some(Ending::Committed),
+            2 => Some(Ending::Uncommitted),
+            _ => None,
+        }
+    }
 }
 
 /// The record of the part at position `index` of `job`'s stream

@@ -1,0 +1,249 @@
+//! What a whole event stream says about itself, besides its status
+//! (`docs/design.md` §10, "In-band errors and whole streams"): an AI
+//! backend that fails after its `200` head reports it in an event, and a
+//! provider marks a whole answer's end with an event of its own. Pure: the
+//! attempt that recorded the stream decides what follows.
+
+use serde_json::Value;
+
+/// One event of a stream as a client's parser dispatches it: its `event`
+/// field (the last one) and its `data` lines, joined by `\n`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Event {
+    /// The `event` field, if it has one.
+    pub name: Option<String>,
+    /// The `data` field's lines, joined by `\n`.
+    pub data: String,
+    /// Whether it has a `data` field at all.
+    has_data: bool,
+}
+
+/// The events of a whole stream, in order: each block of lines ended by a
+/// blank line that holds a field. A last block the stream never ended is
+/// not an event (the format's rule: a client never dispatches it).
+pub fn events(body: &[u8]) -> Vec<Event> {
+    let mut all = Vec::new();
+    let mut current = Event::default();
+    let mut fields = false;
+    for line in lines(strip_bom(body)) {
+        if line.is_empty() {
+            if fields {
+                all.push(std::mem::take(&mut current));
+            }
+            fields = false;
+            continue;
+        }
+        if line.first() == Some(&b':') {
+            continue;
+        }
+        fields = true;
+        let (name, value) = field(line);
+        match name {
+            b"event" => current.name = Some(String::from_utf8_lossy(value).into_owned()),
+            b"data" => {
+                if current.has_data {
+                    current.data.push('\n');
+                }
+                current.data.push_str(&String::from_utf8_lossy(value));
+                current.has_data = true;
+            }
+            _ => {}
+        }
+    }
+    all
+}
+
+/// The lines of `body`, each without its end (CRLF, LF or CR). A last line
+/// without an end is given too: its block is still never an event, as no
+/// blank line follows it.
+fn lines(body: &[u8]) -> impl Iterator<Item = &[u8]> {
+    let mut rest = body;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let end = rest.iter().position(|b| *b == b'\n' || *b == b'\r');
+        let Some(at) = end else {
+            let line = rest;
+            rest = &[];
+            return Some(line);
+        };
+        let line = &rest[..at];
+        let skip = if rest[at..].starts_with(b"\r\n") {
+            2
+        } else {
+            1
+        };
+        rest = &rest[at + skip..];
+        Some(line)
+    })
+}
+
+fn strip_bom(body: &[u8]) -> &[u8] {
+    body.strip_prefix("\u{feff}".as_bytes()).unwrap_or(body)
+}
+
+/// A field's name and value: the value after the first colon, one space
+/// after it dropped (the format's rule).
+fn field(line: &[u8]) -> (&[u8], &[u8]) {
+    match line.iter().position(|b| *b == b':') {
+        Some(at) => {
+            let value = &line[at + 1..];
+            (&line[..at], value.strip_prefix(b" ").unwrap_or(value))
+        }
+        None => (line, &[]),
+    }
+}
+
+/// An error the stream reports in band: an event named `error`, or one
+/// whose `data` is a JSON object with a top-level `error` member. Its type
+/// is what `/error/type` says, else `/error/code`, else `unknown`.
+pub fn in_band_error(event: &Event) -> Option<String> {
+    let json: Option<Value> = serde_json::from_str(&event.data).ok();
+    let error = json.as_ref().and_then(|v| v.as_object()?.get("error"));
+    if error.is_none() && event.name.as_deref() != Some("error") {
+        return None;
+    }
+    let kind = error.and_then(|e| {
+        let named = |key: &str| match e.get(key)? {
+            Value::String(s) if !s.is_empty() => Some(s.clone()),
+            Value::Number(n) => Some(n.to_string()),
+            _ => None,
+        };
+        named("type").or_else(|| named("code"))
+    });
+    Some(kind.unwrap_or_else(|| "unknown".to_owned()))
+}
+
+/// Whether `event` is one of a route's end events: its name, or its whole
+/// `data` (`[DONE]`), is one of `ends`.
+pub fn is_end(event: &Event, ends: &[String]) -> bool {
+    ends.iter()
+        .any(|end| event.name.as_deref() == Some(end.as_str()) || event.data == *end)
+}
+
+/// What a whole event stream that ended cleanly says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Said {
+    /// Nothing against it: it may be committed.
+    Whole,
+    /// It reports an error in band, of this type.
+    Error(String),
+    /// It ended without any of the route's end events: it stopped short.
+    Unended,
+}
+
+/// What `body`, a whole event stream, says: the first in-band error it
+/// reports (when `errors` are looked for), else whether its last event is
+/// one of `ends` (when the route names any).
+pub fn said(body: &[u8], errors: bool, ends: &[String]) -> Said {
+    let events = events(body);
+    if errors {
+        if let Some(kind) = events.iter().find_map(in_band_error) {
+            return Said::Error(kind);
+        }
+    }
+    match events.last() {
+        _ if ends.is_empty() => Said::Whole,
+        Some(last) if is_end(last, ends) => Said::Whole,
+        _ => Said::Unended,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ANTHROPIC_OVERLOADED: &str = "event: message_start\ndata: {\"type\":\"message_start\"}\n\n\
+        event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"delta\":{\"text\":\"Hi\"}}\n\n\
+        event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\",\"message\":\"Overloaded\"}}\n\n";
+
+    #[test]
+    fn an_anthropic_error_event_is_read_with_its_type() {
+        let events = events(ANTHROPIC_OVERLOADED.as_bytes());
+        assert_eq!(events.len(), 3);
+        assert_eq!(events[2].name.as_deref(), Some("error"));
+        assert_eq!(
+            said(ANTHROPIC_OVERLOADED.as_bytes(), true, &[]),
+            Said::Error("overloaded_error".into())
+        );
+        assert_eq!(
+            said(ANTHROPIC_OVERLOADED.as_bytes(), false, &[]),
+            Said::Whole,
+            "not looked for"
+        );
+    }
+
+    #[test]
+    fn an_openai_error_chunk_is_read_by_type_else_code() {
+        let typed = "data: {\"choices\":[]}\n\ndata: {\"error\":{\"message\":\"boom\",\"type\":\"server_error\"}}\n\n";
+        assert_eq!(
+            said(typed.as_bytes(), true, &[]),
+            Said::Error("server_error".into())
+        );
+        let coded = "data: {\"error\":{\"message\":\"slow down\",\"code\":\"rate_limit_exceeded\"}}\r\n\r\n";
+        assert_eq!(
+            said(coded.as_bytes(), true, &[]),
+            Said::Error("rate_limit_exceeded".into())
+        );
+        let numbered = "data: {\"error\":{\"code\":529}}\r\r";
+        assert_eq!(
+            said(numbered.as_bytes(), true, &[]),
+            Said::Error("529".into())
+        );
+        let bare = "event: error\ndata: not json\n\n";
+        assert_eq!(
+            said(bare.as_bytes(), true, &[]),
+            Said::Error("unknown".into())
+        );
+    }
+
+    #[test]
+    fn error_words_elsewhere_are_not_errors() {
+        for body in [
+            "data: {\"choices\":[{\"delta\":{\"content\":\"error\"}}]}\n\n",
+            "data: {\"result\":{\"error\":\"nested, not top-level\"}}\n\n",
+            "data: [\"error\"]\n\n",
+            ": error\n\n",
+            "event: errors\ndata: {}\n\n",
+            // Never ended: a client never dispatches it.
+            "data: {\"error\":{\"type\":\"server_error\"}}",
+        ] {
+            assert_eq!(said(body.as_bytes(), true, &[]), Said::Whole, "{body:?}");
+        }
+    }
+
+    #[test]
+    fn a_stream_is_whole_only_when_its_last_event_is_an_end_event() {
+        let ends: Vec<String> = ["[DONE]", "message_stop", "response.completed"]
+            .map(String::from)
+            .to_vec();
+        let openai = "data: {\"choices\":[]}\n\ndata: [DONE]\n\n";
+        let anthropic = "event: content_block_delta\ndata: {}\n\nevent: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
+        let responses = "event: response.output_text.delta\ndata: {}\n\nevent: response.completed\ndata: {}\n\n";
+        for whole in [openai, anthropic, responses] {
+            assert_eq!(said(whole.as_bytes(), true, &ends), Said::Whole, "{whole}");
+        }
+        let short = "data: {\"choices\":[]}\n\n: keep-alive\n\n";
+        assert_eq!(said(short.as_bytes(), true, &ends), Said::Unended);
+        assert_eq!(said(b"", true, &ends), Said::Unended, "no event at all");
+        let cut_end = "data: {\"choices\":[]}\n\ndata: [DONE]";
+        assert_eq!(
+            said(cut_end.as_bytes(), true, &ends),
+            Said::Unended,
+            "the end event itself never ended"
+        );
+        assert_eq!(
+            said(short.as_bytes(), true, &[]),
+            Said::Whole,
+            "no end events named"
+        );
+    }
+
+    #[test]
+    fn data_lines_join_and_one_space_after_the_colon_is_dropped() {
+        let events = events(b"\xef\xbb\xbfdata:a\ndata:  b\nevent:x\n\n");
+        assert_eq!(events[0].data, "a\n b");
+        assert_eq!(events[0].name.as_deref(), Some("x"));
+    }
+}

@@ -1,0 +1,225 @@
+//! Answers that fail after their `200` head, through the real binary: an
+//! error an event stream reports in band that the route retries ends the
+//! attempt `failed` (the next retry runs again); any other is the answer;
+//! a stream that stops before its route's end event is cut, unknown
+//! (`docs/design.md` §10, "In-band errors and whole streams").
+
+use std::time::Duration;
+
+use crate::support::scripted_sse::ScriptedSse;
+use crate::support::sse::{Finish, Reader};
+use crate::support::{eventually, post, Gate, Gateway, TestStore};
+
+/// An Anthropic Messages stream: its start, `text`, then `ending` (events).
+fn anthropic(text: &str, ending: &[&str]) -> Vec<String> {
+    let mut events = vec![
+        "event: message_start\ndata: {\"type\":\"message_start\"}\n\n".to_owned(),
+        format!(
+            "event: content_block_delta\ndata: {{\"type\":\"content_block_delta\",\
+             \"delta\":{{\"type\":\"text_delta\",\"text\":\"{text}\"}}}}\n\n"
+        ),
+    ];
+    events.extend(ending.iter().map(|e| (*e).to_owned()));
+    events
+}
+
+const MESSAGE_STOP: &str = "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
+
+/// Anthropic's in-band error event, of `kind`.
+fn error_event(kind: &str) -> String {
+    format!(
+        "event: error\ndata: {{\"type\":\"error\",\"error\":{{\"type\":\"{kind}\",\
+         \"message\":\"{kind}\"}}}}\n\n"
+    )
+}
+
+async fn gateway(store: &TestStore, upstream: &ScriptedSse, tables: &str) -> Gateway {
+    // A contract whose events are a message's own: an error event breaks
+    // it, and must be seen as an error before the contract could reject it.
+    let schemas = tempfile::tempdir().unwrap();
+    let event = serde_json::json!({
+        "type": "object",
+        "required": ["type"],
+        "properties": {"type": {"enum": ["message_start", "content_block_delta", "message_stop"]}}
+    });
+    std::fs::write(schemas.path().join("event.json"), event.to_string()).unwrap();
+    std::fs::write(schemas.path().join("any.json"), "{}").unwrap();
+    Gateway::builder(store, &upstream.url())
+        .set("upstream_timeout", "\"5s\"")
+        .tables(tables)
+        .files_from(schemas.path())
+        .start()
+        .await
+}
+
+/// The route the worked chat example has: every provider's end event; and
+/// a contract on the events of Anthropic's messages.
+const CHAT_ROUTE: &str = r#"
+[contracts.messages]
+schema = "any.json"
+events = "event.json"
+
+[[routes]]
+path_prefix = "/v1/messages"
+contract = "messages"
+stream_end_events = ["[DONE]", "message_stop", "response.completed"]
+
+[[routes]]
+path_prefix = "/v1"
+stream_end_events = ["[DONE]", "message_stop", "response.completed"]
+"#;
+
+async fn read_all(url: &str, key: &str) -> (Reader, Finish) {
+    let mut reader = Reader::post(url, key, "{}").await;
+    let finish = reader.finish().await;
+    (reader, finish)
+}
+
+fn text(reader: &Reader) -> String {
+    String::from_utf8(reader.read.clone()).unwrap()
+}
+
+async fn an_overloaded_stream_is_run_again_then_its_whole_answer_replayed(store: TestStore) {
+    let overloaded = anthropic("Hel", &[&error_event("overloaded_error")]);
+    let whole = anthropic("Hello", &[MESSAGE_STOP]);
+    let upstream = ScriptedSse::start(vec![overloaded, whole.clone()], None).await;
+    let gateway = gateway(&store, &upstream, CHAT_ROUTE).await;
+    let url = gateway.path("/v1/messages");
+
+    let (first, finish) = read_all(&url, "busy").await;
+    assert_eq!(first.status, 200);
+    assert_eq!(finish, Finish::Complete, "the events as sent, then the end");
+    assert!(text(&first).ends_with(&error_event("overloaded_error")));
+    let job = first.header("idempotency-job").unwrap().to_owned();
+    let detail = gateway.job(&job).await;
+    assert_eq!(detail["state"], "open", "{detail}");
+    assert_eq!(detail["attempts"][0]["state"], "failed");
+    let why = detail["attempts"][0]["detail"].as_str().unwrap();
+    assert!(why.contains("overloaded_error"), "{why}");
+
+    let (retry, finish) = read_all(&url, "busy").await;
+    assert_eq!((retry.status, finish), (200, Finish::Complete));
+    assert_eq!(text(&retry), whole.concat(), "the upstream ran again");
+    assert_eq!(upstream.hits(), 2);
+
+    let (third, finish) = read_all(&url, "busy").await;
+    assert_eq!((third.status, finish), (200, Finish::Complete));
+    assert_eq!(third.header("idempotent-replayed"), Some("true"));
+    assert_eq!(text(&third), whole.concat());
+    assert_eq!(upstream.hits(), 2, "replayed, not run a third time");
+    let counted = "idemgate_stream_errors_total{route=\"route-0\",upstream=\"primary\",\
+                   type=\"overloaded_error\",retryable=\"true\"}";
+    assert_eq!(gateway.metric(counted).await, 1.0);
+}
+
+async fn an_invalid_request_error_is_the_answer_and_is_replayed(store: TestStore) {
+    let invalid = anthropic("", &[&error_event("invalid_request_error")]);
+    let upstream = ScriptedSse::start(vec![invalid.clone()], None).await;
+    // The contract's events would refuse the error event: the upstream's
+    // own verdict is never checked against it.
+    let gateway = gateway(&store, &upstream, CHAT_ROUTE).await;
+    let url = gateway.path("/v1/messages");
+    let (first, finish) = read_all(&url, "bad").await;
+    assert_eq!((first.status, finish), (200, Finish::Complete));
+    let (again, finish) = read_all(&url, "bad").await;
+    assert_eq!((again.status, finish), (200, Finish::Complete));
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(text(&again), invalid.concat());
+    assert_eq!(upstream.hits(), 1, "committed, never run again");
+}
+
+async fn an_openai_error_chunk_is_retried(store: TestStore) {
+    let chunk = |content: &str| {
+        format!(
+            "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{content}\"}}}}]}}\n\n"
+        )
+    };
+    let failing = vec![
+        chunk("He"),
+        "data: {\"error\":{\"message\":\"The server had an error\",\"type\":\"server_error\"}}\n\n"
+            .to_owned(),
+    ];
+    let whole = vec![chunk("Hello"), "data: [DONE]\n\n".to_owned()];
+    let upstream = ScriptedSse::start(vec![failing, whole.clone()], None).await;
+    let gateway = gateway(&store, &upstream, CHAT_ROUTE).await;
+    let url = gateway.path("/v1/chat/completions");
+    let (first, finish) = read_all(&url, "oai").await;
+    assert_eq!((first.status, finish), (200, Finish::Complete));
+    assert!(text(&first).contains("server_error"));
+    let (retry, _) = read_all(&url, "oai").await;
+    assert_eq!(text(&retry), whole.concat());
+    assert_eq!(upstream.hits(), 2);
+}
+
+async fn a_live_joiner_of_a_stream_that_fails_in_band_gets_it_as_sent(store: TestStore) {
+    let gate = Gate::new();
+    let overloaded = anthropic("Hel", &[&error_event("overloaded_error")]);
+    let upstream = ScriptedSse::start(vec![overloaded.clone()], Some(gate.clone())).await;
+    let gateway = gateway(&store, &upstream, CHAT_ROUTE).await;
+    let url = gateway.path("/v1/messages");
+    let mut first = Reader::post(&url, "joined", "{}").await;
+    first.read_until(overloaded[0].len()).await;
+    let mut joiner = Reader::post(&url, "joined", "{}").await;
+    assert_eq!(joiner.status, 200);
+    joiner.read_until(overloaded[0].len()).await;
+    gate.open(2);
+    assert_eq!(first.finish().await, Finish::Complete);
+    assert_eq!(
+        joiner.finish().await,
+        Finish::Complete,
+        "an end, not an error"
+    );
+    assert_eq!(text(&joiner), overloaded.concat());
+    assert_eq!(text(&first), overloaded.concat());
+    let job = first.header("idempotency-job").unwrap().to_owned();
+    assert_eq!(gateway.job(&job).await["state"], "open");
+    assert_eq!(upstream.hits(), 1);
+}
+
+async fn a_stream_that_stops_before_its_end_event_is_cut(store: TestStore) {
+    let short = anthropic("Hel", &[]);
+    let upstream = ScriptedSse::start(vec![short], None).await;
+    let gateway = gateway(&store, &upstream, CHAT_ROUTE).await;
+    let url = gateway.path("/v1/messages");
+    let (first, finish) = read_all(&url, "short").await;
+    assert_eq!(first.status, 200);
+    assert_eq!(finish, Finish::Aborted, "never passed off as whole");
+    let job = first.header("idempotency-job").unwrap().to_owned();
+    eventually(
+        Duration::from_secs(5),
+        "the attempt to be unknown",
+        || async { gateway.job(&job).await["attempts"][0]["state"] == "unknown" },
+    )
+    .await;
+    let why = gateway.job(&job).await["attempts"][0]["detail"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(why.contains("stream_end_events"), "{why}");
+    let retry = post(&url, "short", "{}").await;
+    assert_eq!(retry.status, 409);
+    assert_eq!(retry.problem(), "attempt-outcome-unknown");
+    assert_eq!(upstream.hits(), 1);
+}
+
+async fn a_route_that_turns_stream_errors_off_commits_them(store: TestStore) {
+    let overloaded = anthropic("Hel", &[&error_event("overloaded_error")]);
+    let upstream = ScriptedSse::start(vec![overloaded.clone()], None).await;
+    let route = "[[routes]]\npath_prefix = \"/v1\"\n[routes.stream_errors]\nenabled = false\n";
+    let gateway = gateway(&store, &upstream, route).await;
+    let url = gateway.path("/v1/messages");
+    read_all(&url, "off").await;
+    let (again, _) = read_all(&url, "off").await;
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(upstream.hits(), 1);
+}
+
+crate::on_each_deployment!(
+    [embedded, postgres]
+    an_overloaded_stream_is_run_again_then_its_whole_answer_replayed,
+    an_invalid_request_error_is_the_answer_and_is_replayed,
+    an_openai_error_chunk_is_retried,
+    a_live_joiner_of_a_stream_that_fails_in_band_gets_it_as_sent,
+    a_stream_that_stops_before_its_end_event_is_cut,
+    a_route_that_turns_stream_errors_off_commits_them,
+);
