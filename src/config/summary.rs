@@ -48,14 +48,15 @@ impl Display for Summary<'_> {
             let methods: Vec<&str> = route.methods.iter().map(http::Method::as_str).collect();
             writeln!(
                 f,
-                "route.{} = {} {} -> {} (max_attempts {}, failover_deadline {}{})",
+                "route.{} = {} {} -> {} (max_attempts {}, failover_deadline {}{}{})",
                 route.name,
                 methods.join(","),
                 route.path_prefix,
                 route.primary.name(),
                 route.max_attempts,
                 human(route.failover_deadline),
-                silences(route)
+                silences(route),
+                stream_ends(route)
             )?;
         }
         timings(f, s)
@@ -96,6 +97,22 @@ fn silences(route: &Route) -> String {
     .into_iter()
     .filter_map(|(key, value)| Some(format!(", {key} {}", human(value?))))
     .collect()
+}
+
+/// What a route reads of a finished event stream, where it is not the
+/// default: its end events, and errors in band.
+fn stream_ends(route: &Route) -> String {
+    let mut said = String::new();
+    if !route.stream_end_events.is_empty() {
+        said += &format!(", stream_end_events {:?}", route.stream_end_events);
+    }
+    let errors = &route.stream_errors;
+    if !errors.enabled {
+        said += ", stream_errors off";
+    } else if *errors != Default::default() {
+        said += &format!(", stream_errors retryable {:?}", errors.retryable);
+    }
+    said
 }
 
 fn human(d: Duration) -> humantime::FormattedDuration {

@@ -218,3 +218,46 @@ async fn the_configuration_check_runs_as_written_on_the_example_config() {
     assert!(line.starts_with("idemgate listening on"), "{line}");
     let _ = gateway.start_kill();
 }
+
+/// The README's route tables (its ```toml blocks that start with
+/// `[[routes]]`), each checked by `idemgate check` as written, in a file
+/// with an upstream: what `check` says of the route is what the block says.
+#[tokio::test]
+async fn the_readmes_route_tables_pass_the_check_as_written() {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let blocks: Vec<&str> = readme
+        .split("```toml\n")
+        .skip(1)
+        .filter_map(|rest| rest.split_once("```").map(|(block, _)| block))
+        .filter(|block| block.starts_with("[[routes]]"))
+        .collect();
+    assert!(!blocks.is_empty(), "the README has route tables");
+    let dir = tempfile::tempdir().unwrap();
+    for block in blocks {
+        let file = dir.path().join("idemgate.toml");
+        std::fs::write(
+            &file,
+            format!("upstreams = [\"http://127.0.0.1:1\"]\n{block}"),
+        )
+        .unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_idemgate"))
+            .arg("--config")
+            .arg(&file)
+            .arg("check")
+            .env_remove("IDEMGATE_CONFIG")
+            .kill_on_drop(true)
+            .output()
+            .await
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{block}\n{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if block.contains("stream_end_events") {
+            assert!(stdout.contains("stream_end_events [\"[DONE]\""), "{stdout}");
+        }
+    }
+}
