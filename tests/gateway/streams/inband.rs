@@ -40,7 +40,10 @@ async fn gateway(store: &TestStore, upstream: &ScriptedSse, tables: &str) -> Gat
     let event = serde_json::json!({
         "type": "object",
         "required": ["type"],
-        "properties": {"type": {"enum": ["message_start", "content_block_delta", "message_stop"]}}
+        "properties": {"type": {"enum": [
+            "message_start", "content_block_start", "content_block_delta",
+            "content_block_stop", "message_delta", "message_stop", "ping"
+        ]}}
     });
     std::fs::write(schemas.path().join("event.json"), event.to_string()).unwrap();
     std::fs::write(schemas.path().join("any.json"), "{}").unwrap();
@@ -212,6 +215,93 @@ async fn a_route_that_turns_stream_errors_off_commits_them(store: TestStore) {
     let (again, _) = read_all(&url, "off").await;
     assert_eq!(again.header("idempotent-replayed"), Some("true"));
     assert_eq!(upstream.hits(), 1);
+}
+
+/// A whole Anthropic Messages stream of `text`, as the SDK parses it.
+fn anthropic_message(text: &str) -> Vec<String> {
+    let data = |event: &str, json: serde_json::Value| format!("event: {event}\ndata: {json}\n\n");
+    let message = serde_json::json!({
+        "id": "msg_fake", "type": "message", "role": "assistant", "content": [],
+        "model": "claude-fake", "stop_reason": null, "stop_sequence": null,
+        "usage": {"input_tokens": 10, "output_tokens": 1}
+    });
+    vec![
+        data(
+            "message_start",
+            serde_json::json!({"type": "message_start", "message": message}),
+        ),
+        data(
+            "content_block_start",
+            serde_json::json!({"type": "content_block_start", "index": 0,
+                               "content_block": {"type": "text", "text": ""}}),
+        ),
+        data("ping", serde_json::json!({"type": "ping"})),
+        data(
+            "content_block_delta",
+            serde_json::json!({"type": "content_block_delta", "index": 0,
+                               "delta": {"type": "text_delta", "text": text}}),
+        ),
+        data(
+            "content_block_stop",
+            serde_json::json!({"type": "content_block_stop", "index": 0}),
+        ),
+        data(
+            "message_delta",
+            serde_json::json!({"type": "message_delta",
+                               "delta": {"stop_reason": "end_turn", "stop_sequence": null},
+                               "usage": {"output_tokens": 2}}),
+        ),
+        MESSAGE_STOP.to_owned(),
+    ]
+}
+
+/// The official `anthropic` SDK, as an app uses it: the first try's stream
+/// ends in an in-band `overloaded_error` and the SDK raises; the app tries
+/// again with the same key and gets the whole message (the upstream ran
+/// again); a third try replays it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_anthropic_sdk_retrying_an_overloaded_stream_gets_the_message() {
+    let python = tokio::task::spawn_blocking(|| {
+        crate::support::python::venv("anthropic-venv", &["anthropic"], "import anthropic")
+            .join("python")
+    })
+    .await
+    .unwrap();
+    let store = TestStore::postgres().await;
+    let mut overloaded = anthropic_message("Hel");
+    overloaded.truncate(4);
+    overloaded.push(error_event("overloaded_error"));
+    let upstream = ScriptedSse::start(vec![overloaded, anthropic_message("Hello!")], None).await;
+    let gateway = gateway(&store, &upstream, CHAT_ROUTE).await;
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/clients/anthropic_overloaded.py");
+    let out = tokio::time::timeout(
+        Duration::from_secs(60),
+        tokio::process::Command::new(&python)
+            .arg(&script)
+            .arg(gateway.url.clone())
+            .arg("sdk-overloaded")
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("the SDK script did not finish within 60 s")
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "the SDK script failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let seen: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let errors = seen["errors"].as_array().unwrap();
+    assert_eq!(errors.len(), 1, "{seen}");
+    assert!(errors[0].as_str().unwrap().contains("verloaded"), "{seen}");
+    assert_eq!(
+        seen["texts"],
+        serde_json::json!(["Hello!", "Hello!"]),
+        "{seen}"
+    );
+    assert_eq!(upstream.hits(), 2, "run again once, then replayed");
 }
 
 crate::on_each_deployment!(
