@@ -33,10 +33,11 @@ fn error_event(kind: &str) -> String {
     )
 }
 
-async fn gateway(store: &TestStore, upstream: &ScriptedSse, tables: &str) -> Gateway {
-    // A contract whose events are a message's own: an error event breaks
-    // it, and must be seen as an error before the contract could reject it.
-    let schemas = tempfile::tempdir().unwrap();
+/// The contract's schemas: events that are a message's own (an error event
+/// breaks it, and must be seen as an error before the contract could
+/// reject it), and any whole answer.
+fn schemas() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
     let event = serde_json::json!({
         "type": "object",
         "required": ["type"],
@@ -45,8 +46,13 @@ async fn gateway(store: &TestStore, upstream: &ScriptedSse, tables: &str) -> Gat
             "content_block_stop", "message_delta", "message_stop", "ping"
         ]}}
     });
-    std::fs::write(schemas.path().join("event.json"), event.to_string()).unwrap();
-    std::fs::write(schemas.path().join("any.json"), "{}").unwrap();
+    std::fs::write(dir.path().join("event.json"), event.to_string()).unwrap();
+    std::fs::write(dir.path().join("any.json"), "{}").unwrap();
+    dir
+}
+
+async fn gateway(store: &TestStore, upstream: &ScriptedSse, tables: &str) -> Gateway {
+    let schemas = schemas();
     Gateway::builder(store, &upstream.url())
         .set("upstream_timeout", "\"5s\"")
         .tables(tables)
@@ -215,6 +221,44 @@ async fn a_route_that_turns_stream_errors_off_commits_them(store: TestStore) {
     let (again, _) = read_all(&url, "off").await;
     assert_eq!(again.header("idempotent-replayed"), Some("true"));
     assert_eq!(upstream.hits(), 1);
+}
+
+/// A joiner on another replica, fed through the Redis mirror, ends as the
+/// first client does: the events as sent, then a clean end, though nothing
+/// was committed; the retry on that replica runs again.
+#[tokio::test]
+async fn a_joiner_on_another_replica_gets_an_in_band_failure_as_sent() {
+    let store = TestStore::postgres().await;
+    let redis = crate::support::ThrowawayRedis::start().await;
+    let gate = Gate::new();
+    let overloaded = anthropic("Hel", &[&error_event("overloaded_error")]);
+    let whole = anthropic("Hello", &[MESSAGE_STOP]);
+    let upstream =
+        ScriptedSse::start(vec![overloaded.clone(), whole.clone()], Some(gate.clone())).await;
+    let schemas = schemas();
+    let replica = || {
+        Gateway::builder(&store, &upstream.url())
+            .set("upstream_timeout", "\"5s\"")
+            .set("redis_url", &format!("{:?}", redis.url()))
+            .tables(CHAT_ROUTE)
+            .files_from(schemas.path())
+            .start()
+    };
+    let (a, b) = (replica().await, replica().await);
+    let mut first = Reader::post(&a.path("/v1/chat"), "far", "{}").await;
+    first.read_until(overloaded[0].len()).await;
+    let mut far = Reader::post(&b.path("/v1/chat"), "far", "{}").await;
+    assert_eq!(far.header("idempotent-replayed"), Some("true"));
+    far.read_until(overloaded[0].len()).await;
+    gate.open(2);
+    assert_eq!(first.finish().await, Finish::Complete);
+    assert_eq!(far.finish().await, Finish::Complete, "an end, not a cut");
+    assert_eq!(text(&far), overloaded.concat());
+    gate.open(2);
+    let (retry, finish) = read_all(&b.path("/v1/chat"), "far").await;
+    assert_eq!((retry.status, finish), (200, Finish::Complete));
+    assert_eq!(text(&retry), whole.concat());
+    assert_eq!(upstream.hits(), 2);
 }
 
 /// A whole Anthropic Messages stream of `text`, as the SDK parses it.
