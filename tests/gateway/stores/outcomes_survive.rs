@@ -200,14 +200,13 @@ async fn an_answer_whose_client_hung_up_is_kept_for_replays(store: TestStore) {
     upstream.arrival().await;
     drop(client);
     gate.open(1);
+    // Counted once the commit's task has kept the answer for replays (the
+    // job reads completed a moment before).
     crate::support::eventually(Duration::from_secs(10), "the commit", || async {
-        store
-            .column("SELECT state FROM jobs")
-            .await
-            .first()
-            .is_some_and(|s| s == "completed")
+        gateway.metric("idemgate_commits_total").await == 1.0
     })
     .await;
+    assert_eq!(store.column("SELECT state FROM jobs").await, ["completed"]);
     let retry = post(&gateway.path("/v1/charges"), "left", "{}").await;
     assert_eq!(retry.status, 200);
     assert_eq!(retry.header("idempotent-replayed"), Some("true"));

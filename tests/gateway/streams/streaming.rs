@@ -130,12 +130,15 @@ async fn a_client_hanging_up_mid_stream_does_not_cancel_it(store: TestStore) {
     let job = first.header("idempotency-job").unwrap().to_owned();
     drop(first);
     gate.open(4);
+    // Counted once the commit's task has kept the answer for replays (the
+    // job reads completed a moment before).
     eventually(
         Duration::from_secs(10),
         "the stream to be committed",
-        || async { gateway.job(&job).await["state"] == "completed" },
+        || async { gateway.metric("idemgate_commits_total").await == 1.0 },
     )
     .await;
+    assert_eq!(gateway.job(&job).await["state"], "completed");
     let mut retry = Reader::post(&url, "sse-gone", "{}").await;
     assert_eq!(retry.finish().await, Finish::Complete);
     assert_eq!(
