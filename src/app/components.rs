@@ -363,6 +363,7 @@ pub fn idempotency_config(settings: &Settings) -> idemgate_idempotency::Config {
         // the lease that outlives it (docs/design.md §10).
         stream_stall: longest_stream_silence(settings) + settings.lease_ttl,
         replay_cache_size: settings.replay_cache_size,
+        respond_async_path: settings.respond_async_path.clone(),
     }
 }
 

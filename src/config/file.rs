@@ -77,6 +77,7 @@ pub struct FileConfig {
     pub(super) mismatch_status: Option<u16>,
     pub(super) max_response_size: Option<bytesize::ByteSize>,
     pub(super) replay_cache_size: Option<bytesize::ByteSize>,
+    pub(super) respond_async_path: Option<String>,
     #[serde(default, with = "humantime_serde")]
     pub(super) probe_interval: Option<Duration>,
     #[serde(default)]
@@ -214,6 +215,7 @@ pub(super) struct RouteFile {
     /// value so that each spelling gets its own error.
     pub(super) reconcile: Option<toml::Value>,
     pub(super) on_unknown: Option<String>,
+    pub(super) respond_async: Option<bool>,
 }
 
 /// `[routes.stream_errors]`: what an error an event stream reports after

@@ -136,6 +136,9 @@ pub struct Settings {
     pub max_response_size: usize,
     /// Bytes of committed answers kept in memory for replay; 0 keeps none.
     pub replay_cache_size: usize,
+    /// Where a request answered `202` polls its job (`Prefer:
+    /// respond-async`): `{respond_async_path}/{job}` on the proxy listener.
+    pub respond_async_path: String,
     /// Opt-in routes, most specific prefix first (shared, not copied, by
     /// the requests that match them).
     pub routes: Vec<Arc<Route>>,
@@ -304,6 +307,7 @@ impl Settings {
             replay_cache_size: file
                 .replay_cache_size
                 .map_or(64 << 20, |b| b.as_u64() as usize),
+            respond_async_path: respond_async_path(file.respond_async_path.as_deref(), &routes)?,
             routes,
             contracts,
             probe_interval: positive(
@@ -644,3 +648,35 @@ fn header_name(key: &str, name: &str) -> Result<HeaderName, ConfigError> {
 
 #[cfg(test)]
 mod tests;
+
+/// `respond_async_path`: where a job answered `202` is polled, on the proxy
+/// listener; a path of its own, in normal form, that no route takes (a poll
+/// must never reach an upstream, nor a route's request be read as a poll).
+fn respond_async_path(written: Option<&str>, routes: &[Arc<Route>]) -> Result<String, ConfigError> {
+    let key = "respond_async_path";
+    let path = written.unwrap_or("/.well-known/idemgate/jobs");
+    let normal = idemgate_domain::path::normalize(path);
+    if !path.starts_with('/')
+        || path.ends_with('/')
+        || !matches!(normal, Ok(std::borrow::Cow::Borrowed(_)))
+    {
+        return Err(bad(
+            key,
+            format!("{path:?} must be a path in normal form, starting with `/` and not ending with one, like \"/.well-known/idemgate/jobs\""),
+        ));
+    }
+    match routes
+        .iter()
+        .find(|r| r.path_prefix != "/" && r.matches_path(path))
+    {
+        Some(route) => Err(bad(
+            key,
+            format!(
+                "{path:?} is under route {:?} ({}): polls would be read as its requests; \
+                 choose a path no route takes",
+                route.name, route.path_prefix
+            ),
+        )),
+        None => Ok(path.to_owned()),
+    }
+}

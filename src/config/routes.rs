@@ -188,6 +188,7 @@ fn parse(i: usize, r: RouteFile, cx: &Context<'_>) -> Result<Route, ConfigError>
         in_progress: unsettled.in_progress,
         reconcile: unsettled.reconcile,
         on_unknown: unsettled.on_unknown,
+        respond_async: r.respond_async.unwrap_or(true),
     })
 }
 

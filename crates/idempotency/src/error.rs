@@ -86,6 +86,14 @@ pub enum ClientError {
         /// When to try again.
         retry_after: Duration,
     },
+    /// A polled job that does not exist, expired, or is another owner's
+    /// (`Prefer: respond-async`): the same answer for each.
+    #[error("no job of yours is at this place: it never existed, it expired, or it is not yours")]
+    NoSuchJob,
+    /// A polled job whose attempts failed without effect: nothing runs
+    /// for it now, and it has no answer.
+    #[error("the job's attempts failed without effect and nothing runs for it now: send the request again with the same Idempotency-Key to run it")]
+    NothingRunning,
     /// Who is asking could not be established: no owner for a keyed
     /// request, or no proven client on a route that serves only those.
     #[error(transparent)]
@@ -260,6 +268,12 @@ impl ClientError {
                 StatusCode::RANGE_NOT_SATISFIABLE,
                 "resume-point-not-satisfiable",
                 "Nothing to resume from that point",
+            ),
+            ClientError::NoSuchJob => p(StatusCode::NOT_FOUND, "job-not-found", "No such job"),
+            ClientError::NothingRunning => p(
+                StatusCode::CONFLICT,
+                "job-not-running",
+                "The job has no answer and nothing runs for it",
             ),
             ClientError::Unproven(TrustError::OwnerMissing { .. }) => p(
                 StatusCode::UNAUTHORIZED,

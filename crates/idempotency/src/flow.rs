@@ -235,6 +235,7 @@ impl Flow {
         if request.intent.route.in_progress == InProgress::Conflict {
             return Err(shared.holds.in_progress());
         }
+        request.waits_on(job.id);
         let tag = Tag::of(&request.intent.owner, &request.intent.key);
         if let Some(joined) = shared.live.join(&tag, job.id).await {
             return Ok(Next::Answered(joined));

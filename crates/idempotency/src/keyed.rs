@@ -4,10 +4,12 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
+use tokio::sync::watch;
 use tracing::Span;
 
 use crate::route::Route;
 use idemgate_domain::fingerprint::Fingerprint;
+use idemgate_domain::id::JobId;
 use idemgate_domain::key::{IdempotencyKey, Owner};
 use idemgate_domain::sse::ResumePoint;
 use idemgate_proxy::budget::Charge;
@@ -45,4 +47,17 @@ pub(crate) struct Keyed {
     pub resume: Option<ResumePoint>,
     /// Its span: its attempts' spans are children of it.
     pub span: Span,
+    /// Told the job once the request would wait for it (its attempts run,
+    /// or it is held): a request that prefers to be answered at once then
+    /// gets `202` (`Prefer: respond-async`, `docs/design.md` §10).
+    pub waiting: Option<watch::Sender<Option<JobId>>>,
+}
+
+impl Keyed {
+    /// Says the request waits on `job` from now on.
+    pub(crate) fn waits_on(&self, job: JobId) {
+        if let Some(waiting) = &self.waiting {
+            waiting.send_replace(Some(job));
+        }
+    }
 }

@@ -15,8 +15,10 @@ use tower::{Layer, Service};
 
 use super::execute::UpstreamService;
 use super::flow;
+use super::keyed::Keyed;
 use super::opt_in::{self, Classified};
 use super::shared::Shared;
+use super::{poll, respond_async};
 use crate::error::{ClientError, GatewayError};
 use idemgate_proxy::http::idle::BodyTimedOut;
 use idemgate_proxy::http::Body;
@@ -108,6 +110,15 @@ where
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
+        let prefix = &self.shared.config.respond_async_path;
+        if let Some(job) = poll::polled(prefix, req.method(), req.uri().path()) {
+            let shared = self.shared.clone();
+            return ResponseFuture {
+                answer: Answer::Guarded {
+                    answer: Box::pin(poll::answer(shared, job, req)),
+                },
+            };
+        }
         let answer = match opt_in::classify(&self.shared.config.routes, &self.shared.trust, req) {
             // Straight to the upstream: no clone of it, no box, and none of
             // the opted-in flow's state (kilobytes) allocated for a request
@@ -131,7 +142,12 @@ where
                 Answer::Guarded {
                     answer: Box::pin(async move {
                         match opt_in::prepare(&shared, opted).await {
-                            Ok(request) => flow::run(shared, request, attempts).await,
+                            Ok(request) => match async_wait(&shared, &request) {
+                                Some(wait) => {
+                                    respond_async::answer(shared, request, attempts, wait).await
+                                }
+                                None => flow::run(shared, request, attempts).await,
+                            },
                             Err(error) => error.into_response(),
                         }
                     }),
@@ -192,4 +208,15 @@ where
         };
         Poll::Ready(Ok(response))
     }
+}
+
+/// How long a request that prefers `respond-async` waits before `202`
+/// (its `wait`, at most the hold timeout); `None` when it does not prefer
+/// it, its route does not answer that way, or it resumes a stream (which
+/// only ever continues an answer).
+fn async_wait(shared: &Shared, request: &Keyed) -> Option<std::time::Duration> {
+    if !request.intent.route.respond_async || request.resume.is_some() {
+        return None;
+    }
+    respond_async::preference(&request.parts.headers, shared.config.hold.timeout)
 }

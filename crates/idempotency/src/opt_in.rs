@@ -129,6 +129,7 @@ pub(crate) async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Keyed, Ga
         charge,
         resume,
         span: Span::current(),
+        waiting: None,
     })
 }
 

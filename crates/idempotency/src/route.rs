@@ -79,6 +79,10 @@ pub struct Route {
     pub reconcile: Option<Reconcile>,
     /// What a retry of a job whose outcome is unknown meets.
     pub on_unknown: OnUnknown,
+    /// Whether a request that prefers it (`Prefer: respond-async`) is
+    /// answered `202` with where to poll once its answer would keep it
+    /// waiting (`respond_async`, `docs/design.md` §10).
+    pub respond_async: bool,
 }
 
 /// The silences an attempt allows its upstream before it is `unknown`
@@ -219,6 +223,7 @@ impl Route {
             in_progress: InProgress::Hold,
             reconcile: None,
             on_unknown: OnUnknown::Block,
+            respond_async: true,
         })
     }
 

@@ -41,6 +41,9 @@ pub struct Config {
     pub stream_stall: Duration,
     /// Bytes of committed answers kept in memory for replay; 0 keeps none.
     pub replay_cache_size: usize,
+    /// Where a request answered `202` polls its job, on the proxy
+    /// listener: `{respond_async_path}/{job}` (`Prefer: respond-async`).
+    pub respond_async_path: String,
 }
 
 /// The handles the layer is given by the app.

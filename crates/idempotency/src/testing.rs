@@ -83,5 +83,6 @@ pub(crate) fn config(routes: Vec<Arc<Route>>) -> Config {
         },
         stream_stall: UPSTREAM_TIMEOUT + Duration::from_secs(30),
         replay_cache_size: 64 << 20,
+        respond_async_path: "/.well-known/idemgate/jobs".into(),
     }
 }

@@ -133,6 +133,7 @@ impl Driver {
         expires_at: SystemTime,
     ) -> Result<Response<Body>, GatewayError> {
         let (job, route) = (first.attempt.job_id, &self.request.intent.route);
+        self.request.waits_on(job);
         let retry_after = self.shared.config.retry_after;
         let mut dispatch =
             Dispatch::new(route.clone(), &first.attempt, Instant::now(), retry_after);

@@ -1,0 +1,115 @@
+//! Polling a job answered `202` (`Prefer: respond-async`, `docs/design.md`
+//! §10, "Answered later"): `GET {respond_async_path}/{job}` on the proxy
+//! listener, by the job's own owner (read as the job's route reads owners),
+//! answers `202` while the job runs (or joins its stream live, for a client
+//! that accepts `text/event-stream`), its committed answer once it has one,
+//! `409` while its outcome is unknown or when nothing runs for it any more.
+//! Another owner, or a job that does not exist (or expired), gets `404`:
+//! the same answer, so a job id proves nothing to a stranger. Nothing is
+//! proxied.
+
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use http::{header, Method, Request, Response};
+use uuid::Uuid;
+
+use crate::error::{ClientError, GatewayError};
+use crate::replay::{self, Framing};
+use crate::respond_async::accepted;
+use crate::route::Route;
+use crate::shared::Shared;
+use idemgate_domain::id::JobId;
+use idemgate_domain::job::{Job, JobState};
+use idemgate_proxy::http::{Body, Outcome};
+use idemgate_store::fastpath::Tag;
+
+/// The job a request polls, if it is a poll: a `GET` (or `HEAD`) on
+/// `{prefix}/{job}`; `Some(None)` for a poll whose job id does not parse.
+pub(crate) fn polled(prefix: &str, method: &Method, path: &str) -> Option<Option<JobId>> {
+    if method != Method::GET && method != Method::HEAD {
+        return None;
+    }
+    let id = path.strip_prefix(prefix)?.strip_prefix('/')?;
+    Some(Uuid::parse_str(id).ok().map(JobId))
+}
+
+/// The answer to a poll of `job`.
+pub(crate) async fn answer(
+    shared: Arc<Shared>,
+    job: Option<JobId>,
+    req: Request<Body>,
+) -> Response<Body> {
+    let answer = match job {
+        Some(job) => poll(&shared, job, req).await,
+        None => Err(ClientError::NoSuchJob.into()),
+    };
+    let mut response = answer.unwrap_or_else(GatewayError::into_response);
+    if response.extensions().get::<Outcome>().is_none() {
+        response.extensions_mut().insert(Outcome::Replayed);
+    }
+    response
+}
+
+async fn poll(
+    shared: &Shared,
+    id: JobId,
+    req: Request<Body>,
+) -> Result<Response<Body>, GatewayError> {
+    let (parts, _) = req.into_parts();
+    let found = shared.store.job(id).await?;
+    let Some((job, route)) = found.and_then(|job| owned(shared, job)) else {
+        return Err(ClientError::NoSuchJob.into());
+    };
+    if route.require_client {
+        shared.trust.prove_client(&parts.headers)?;
+    }
+    // Not the job's owner: the same answer as no job at all.
+    if shared.trust.owner(&route.owner, &parts)? != job.owner {
+        return Err(ClientError::NoSuchJob.into());
+    }
+    let config = &shared.config;
+    match job.state {
+        JobState::Completed => {
+            let stored = job.response.as_ref().ok_or_else(|| {
+                GatewayError::internal(format!("completed job {id} has no response"))
+            })?;
+            let framing = Framing::of(&route, stored);
+            Ok(replay::response(stored, id, true, framing))
+        }
+        JobState::Running => {
+            let streams = parts
+                .headers
+                .get_all(header::ACCEPT)
+                .iter()
+                .any(|v| v.to_str().is_ok_and(|v| v.contains("text/event-stream")));
+            let tag = Tag::of(&job.owner, &job.key);
+            if streams {
+                if let Some(joined) = shared.live.join(&tag, id).await {
+                    return Ok(joined);
+                }
+            }
+            Ok(accepted(
+                id,
+                &config.respond_async_path,
+                config.retry_after,
+                false,
+            ))
+        }
+        JobState::Unknown => Err(ClientError::OutcomeUnknown {
+            retry_after: config.retry_after,
+        }
+        .into()),
+        JobState::Open => Err(ClientError::NothingRunning.into()),
+    }
+}
+
+/// The job, while it has not expired, and the route it was made on (a job
+/// of a route the configuration no longer has cannot be polled).
+fn owned(shared: &Shared, job: Job) -> Option<(Job, Arc<Route>)> {
+    if job.expires_at <= SystemTime::now() {
+        return None;
+    }
+    let route = shared.config.routes.iter().find(|r| r.name == job.route)?;
+    Some((job, route.clone()))
+}
