@@ -28,6 +28,16 @@ pub struct ScriptedSse {
 
 impl ScriptedSse {
     pub async fn start(scripts: Vec<Vec<String>>, gate: Option<Gate>) -> ScriptedSse {
+        Self::serve(scripts, gate, false).await
+    }
+
+    /// Like [`ScriptedSse::start`], the answer's head held too: the gate's
+    /// first permit releases the head with the first event.
+    pub async fn head_held(scripts: Vec<Vec<String>>, gate: Gate) -> ScriptedSse {
+        Self::serve(scripts, Some(gate), true).await
+    }
+
+    async fn serve(scripts: Vec<Vec<String>>, gate: Option<Gate>, held: bool) -> ScriptedSse {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let hits = Arc::new(AtomicUsize::new(0));
@@ -46,7 +56,13 @@ impl ScriptedSse {
                                 .header("content-type", "text/event-stream")
                                 .body(StreamBody::new(frames))
                                 .unwrap();
-                            async move { Ok::<_, Infallible>(response) }
+                            let head = gate.clone().filter(|_| held);
+                            async move {
+                                if let Some(gate) = head {
+                                    gate.pass().await;
+                                }
+                                Ok::<_, Infallible>(response)
+                            }
                         });
                         let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
                             .serve_connection(TokioIo::new(stream), svc)

@@ -302,7 +302,19 @@ impl Reader {
         for (name, value) in headers {
             req = req.header(*name, *value);
         }
-        let req = req.body(Full::new(Bytes::from(body.to_owned()))).unwrap();
+        Self::send(req.body(Full::new(Bytes::from(body.to_owned()))).unwrap()).await
+    }
+
+    /// Sends a GET with `headers` and returns once the answer's head arrived.
+    pub async fn get_with(url: &str, headers: &[(&str, &str)]) -> Reader {
+        let mut req = Request::get(url);
+        for (name, value) in headers {
+            req = req.header(*name, *value);
+        }
+        Self::send(req.body(Full::new(Bytes::new())).unwrap()).await
+    }
+
+    async fn send(req: Request<Full<Bytes>>) -> Reader {
         let response = tokio::time::timeout(Duration::from_secs(20), super::client().request(req))
             .await
             .expect("no answer head within 20 s")

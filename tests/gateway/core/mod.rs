@@ -10,5 +10,6 @@ mod pass_through;
 mod paths;
 mod races;
 mod real_clients;
+mod respond_async;
 mod start_up;
 mod store_down;
