@@ -602,3 +602,24 @@ fn stream_errors_and_end_events_are_read_with_their_defaults() {
     let err = Settings::parse_file("[[routes]]\n[routes.stream_errors]\nretry = []").unwrap_err();
     assert!(err.to_string().contains("retry"), "{err}");
 }
+
+#[test]
+fn respond_async_is_on_by_default_and_its_path_is_under_no_route() {
+    let load = |toml: &str| {
+        Settings::from_sources(Settings::parse_file(toml).unwrap(), flags_with_upstream())
+    };
+    let plain = load("[[routes]]\npath_prefix = \"/v1\"").unwrap();
+    assert!(plain.routes[0].respond_async);
+    assert_eq!(plain.respond_async_path, "/.well-known/idemgate/jobs");
+    let off = load("[[routes]]\nrespond_async = false").unwrap();
+    assert!(!off.routes[0].respond_async);
+    let moved = load("respond_async_path = \"/jobs\"\n[[routes]]\npath_prefix = \"/v1\"").unwrap();
+    assert_eq!(moved.respond_async_path, "/jobs");
+    for bad in ["jobs", "/jobs/", "/a/../jobs", "/v1/jobs"] {
+        let err = load(&format!(
+            "respond_async_path = \"{bad}\"\n[[routes]]\npath_prefix = \"/v1\""
+        ))
+        .unwrap_err();
+        assert_eq!(err.key, "respond_async_path", "{bad}");
+    }
+}

@@ -9,7 +9,10 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
+use http::Method;
+
 use crate::support::process::ProcessGroup;
+use crate::support::send;
 
 /// The `sh` blocks of the README's section `heading`, in order.
 fn sh_blocks(heading: &str) -> Vec<String> {
@@ -260,4 +263,64 @@ async fn the_readmes_route_tables_pass_the_check_as_written() {
             assert!(stdout.contains("stream_end_events [\"[DONE]\""), "{stdout}");
         }
     }
+}
+
+/// The long-call example, as written, against the quick start's gateway
+/// and stand-in API (each POST taking two seconds): `202` at once, polled
+/// to the answer, one charge.
+#[tokio::test]
+async fn the_long_call_example_runs_as_written() {
+    let blocks = sh_blocks("## Long calls: answered later");
+    assert_eq!(blocks.len(), 1, "one sh block: the long call");
+    let (api, proxy, admin) = (free_port(), free_port(), free_port());
+    let dir = tempfile::tempdir().unwrap();
+    let demo = example("demo_upstream");
+    let demo_env = [
+        ("DEMO_LISTEN", format!("127.0.0.1:{api}")),
+        ("DEMO_DELAY_MS", "2000".to_owned()),
+    ];
+    let _upstream = started(
+        demo.to_str().unwrap(),
+        &demo_env,
+        dir.path(),
+        "demo upstream on",
+    )
+    .await;
+    let gateway = format!(
+        "{} serve --upstream http://127.0.0.1:{api} --listen 127.0.0.1:{proxy} --admin-listen 127.0.0.1:{admin}",
+        env!("CARGO_BIN_EXE_idemgate")
+    );
+    let gateway_env = [("RUST_LOG", "warn".to_owned())];
+    let _gateway = started(&gateway, &gateway_env, dir.path(), "idemgate listening on").await;
+    let script = blocks[0].replace("localhost:8080", &format!("127.0.0.1:{proxy}"));
+    let out = tokio::time::timeout(
+        Duration::from_secs(30),
+        Command::new("bash")
+            .args(["-euo", "pipefail", "-c", &script])
+            .current_dir(dir.path())
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("the long-call example did not end within 30 s")
+    .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.starts_with("polling /.well-known/idemgate/jobs/"),
+        "{text}"
+    );
+    assert!(text.contains("\"charge\":1"), "the answer: {text}");
+    let calls = send(
+        Method::GET,
+        &format!("http://127.0.0.1:{api}/calls"),
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(calls.body.trim_ascii(), b"{\"charges\":1}", "one charge");
 }
