@@ -204,6 +204,7 @@ impl Problem {
 }
 
 impl ClientError {
+    /// What the request itself got wrong, else what its job says.
     fn problem(&self) -> Problem {
         let p = Problem::new;
         match self {
@@ -242,6 +243,29 @@ impl ClientError {
                 "ambiguous-json",
                 "JSON body names a member twice",
             ),
+            ClientError::BadResumePoint(_) => p(
+                StatusCode::BAD_REQUEST,
+                "invalid-resume-point",
+                "Resume point that cannot be read",
+            ),
+            ClientError::Unproven(TrustError::OwnerMissing { .. }) => p(
+                StatusCode::UNAUTHORIZED,
+                "owner-required",
+                "Who owns this Idempotency-Key could not be established",
+            ),
+            ClientError::Unproven(TrustError::ClientUnproven { .. }) => p(
+                StatusCode::UNAUTHORIZED,
+                "client-unauthenticated",
+                "This route serves only the gateway's clients",
+            ),
+            about_the_job => about_the_job.job_problem(),
+        }
+    }
+
+    /// What the job the request's key names says to it.
+    fn job_problem(&self) -> Problem {
+        let p = Problem::new;
+        match self {
             ClientError::KeyMismatch { status } => p(
                 *status,
                 "idempotency-key-mismatch",
@@ -259,11 +283,6 @@ impl ClientError {
                 "Outcome of an earlier attempt unknown",
             )
             .retry_after(*retry_after),
-            ClientError::BadResumePoint(_) => p(
-                StatusCode::BAD_REQUEST,
-                "invalid-resume-point",
-                "Resume point that cannot be read",
-            ),
             ClientError::ResumeUnsatisfiable { .. } => p(
                 StatusCode::RANGE_NOT_SATISFIABLE,
                 "resume-point-not-satisfiable",
@@ -275,16 +294,8 @@ impl ClientError {
                 "job-not-running",
                 "The job has no answer and nothing runs for it",
             ),
-            ClientError::Unproven(TrustError::OwnerMissing { .. }) => p(
-                StatusCode::UNAUTHORIZED,
-                "owner-required",
-                "Who owns this Idempotency-Key could not be established",
-            ),
-            ClientError::Unproven(TrustError::ClientUnproven { .. }) => p(
-                StatusCode::UNAUTHORIZED,
-                "client-unauthenticated",
-                "This route serves only the gateway's clients",
-            ),
+            // The request's own mistakes are answered by `problem`.
+            _ => INTERNAL,
         }
     }
 }
