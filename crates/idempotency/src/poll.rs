@@ -45,6 +45,14 @@ pub(crate) async fn answer(
         None => Err(ClientError::NoSuchJob.into()),
     };
     let mut response = answer.unwrap_or_else(GatewayError::into_response);
+    let found = match response.status().as_u16() {
+        202 => "running",
+        404 => "not_found",
+        409 => "unsettled",
+        401 => "unproven",
+        _ => "answered",
+    };
+    metrics::counter!("idemgate_polls_total", "found" => found).increment(1);
     if response.extensions().get::<Outcome>().is_none() {
         response.extensions_mut().insert(Outcome::Replayed);
     }

@@ -50,6 +50,7 @@ pub const SERIES: &[(&str, Kind, &str)] = &[
     ("idemgate_streamed_bytes_total", Kind::Counter, "Bytes of streamed answers relayed."),
     ("idemgate_streams_cut_total", Kind::Counter, "Streams whose upstream stopped before the end (the attempt is unknown)."),
     ("idemgate_stream_errors_total", Kind::Counter, "Errors streams reported in band after their head, by route, upstream, type and whether the route retries it (retryable: the attempt failed, nothing committed)."),
+    ("idemgate_polls_total", Kind::Counter, "Polls of jobs answered 202 (Prefer: respond-async), by what they found: running, answered, unsettled (unknown, or nothing runs), not_found, unproven."),
     ("idemgate_stream_joiners_total", Kind::Counter, "Duplicates that joined a stream in progress."),
     ("idemgate_stream_resumes_total", Kind::Counter, "Retries that named a resume point (Last-Event-ID, Idempotency-Events-Received), by result (resumed, refused)."),
     ("idemgate_memory_budget_bytes", Kind::Gauge, "The memory budget: bytes keyed requests may make the gateway hold."),

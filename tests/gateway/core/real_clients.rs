@@ -253,3 +253,69 @@ async fn the_openai_sdk_resumes_a_dropped_stream_with_the_readme_snippet() {
     let resumed = gateway.metric("idemgate_stream_resumes_total{result=\"resumed\"}");
     assert_eq!(resumed.await, 1.0, "the second try resumed after 3 events");
 }
+
+/// The README's long-call snippet, run as written with the official
+/// `openai` package in front of a completion that takes until the test
+/// lets it: `202` at once, polled (the poll seen running before the
+/// upstream may answer), then the completion, from one upstream call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_sdk_polls_a_long_completion_with_the_readme_snippet() {
+    let python = tokio::task::spawn_blocking(python_with_openai)
+        .await
+        .unwrap();
+    let store = TestStore::postgres().await;
+    let gate = crate::support::Gate::new();
+    let held = gate.clone();
+    let upstream = crate::support::FakeUpstream::start(move |_| {
+        let gate = held.clone();
+        async move {
+            gate.pass().await;
+            crate::support::upstream::json_response(
+                200,
+                serde_json::json!({
+                    "id": "chatcmpl-long", "object": "chat.completion",
+                    "created": 1_700_000_000, "model": "m",
+                    "choices": [{"index": 0, "finish_reason": "stop",
+                                 "message": {"role": "assistant", "content": "The report."}}],
+                }),
+            )
+        }
+    })
+    .await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    let snippet = tokio::process::Command::new(&python)
+        .args(["-c", &readme_python("## Long calls: answered later")])
+        .env("OPENAI_BASE_URL", gateway.path("/v1"))
+        .env("OPENAI_API_KEY", "not-a-real-key")
+        .kill_on_drop(true)
+        .output();
+    let snippet = tokio::spawn(snippet);
+    upstream.arrival().await;
+    crate::support::eventually(
+        Duration::from_secs(20),
+        "a poll of the running job",
+        || async {
+            gateway
+                .metric("idemgate_polls_total{found=\"running\"}")
+                .await
+                >= 1.0
+        },
+    )
+    .await;
+    gate.open(1);
+    let out = tokio::time::timeout(Duration::from_secs(60), snippet)
+        .await
+        .expect("the snippet did not finish within 60 s")
+        .unwrap()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "the snippet failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim_end(),
+        "The report."
+    );
+    assert_eq!(upstream.hits(), 1, "one upstream call");
+}
