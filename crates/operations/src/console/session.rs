@@ -11,7 +11,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 // The OS's CSPRNG, through the crate that already draws the sealing nonces
-// (`store/seal.rs`): nothing hand-rolled.
+// (`idemgate_store::seal`): nothing hand-rolled.
 use aes_gcm::aead::rand_core::RngCore;
 use aes_gcm::aead::OsRng;
 use sha2::{Digest, Sha256};
