@@ -11,6 +11,7 @@ use std::time::Duration;
 use http::header::{HeaderValue, LOCATION, RETRY_AFTER};
 use http::{HeaderMap, Response, StatusCode};
 use tokio::sync::watch;
+use tracing::Instrument;
 
 use crate::error::GatewayError;
 use crate::execute::UpstreamService;
@@ -69,7 +70,9 @@ pub(crate) async fn answer(
     request.waiting = Some(tx);
     let retry_after = shared.config.retry_after;
     let path = shared.config.respond_async_path.clone();
-    let mut run = tokio::spawn(flow::run(shared, request, upstream));
+    // In the request's span still: what the flow logs names the request.
+    let flow = flow::run(shared, request, upstream).instrument(tracing::Span::current());
+    let mut run = tokio::spawn(flow);
     let finished = |done: Result<Response<Body>, tokio::task::JoinError>| {
         done.unwrap_or_else(|e| {
             GatewayError::internal(format!("the request's task: {e}")).into_response()
