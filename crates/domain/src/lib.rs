@@ -12,6 +12,7 @@ pub mod contract;
 pub mod fingerprint;
 pub mod id;
 pub mod job;
+pub mod jsonrpc;
 pub mod key;
 pub mod path;
 pub mod reconcile;

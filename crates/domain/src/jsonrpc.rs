@@ -1,0 +1,318 @@
+//! JSON-RPC 2.0 as the Model Context Protocol carries it (`docs/design.md`
+//! §19): which request is a tool call, what its intent is (the tool and its
+//! arguments, never the request's `id`), where its key is, and an answer
+//! readdressed to another request's `id`, byte for byte otherwise.
+//!
+//! Members are found by a small scanner over the bytes, not by parsing into
+//! values and writing them again: the arguments are fingerprinted as the
+//! client wrote them (numbers as written), and an answer is replayed as the
+//! server sent it, only its `id` changed.
+
+use std::ops::Range;
+
+use serde_json::Value;
+
+/// A `tools/call` request: what its answer is addressed to, what it asks,
+/// and the key it carries in `params._meta.idempotencyKey`, if any.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolCall {
+    /// The request's `id`, as written (a number or a string).
+    pub id: Vec<u8>,
+    /// The tool.
+    pub name: String,
+    /// Its `arguments`, as written (`{}` when absent).
+    pub arguments: Vec<u8>,
+    /// `params._meta.idempotencyKey`.
+    pub key: Option<String>,
+}
+
+/// What a POST to an MCP endpoint is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Request {
+    /// A `tools/call` request (not a notification): it may be keyed.
+    ToolCall(ToolCall),
+    /// A batch holding a `tools/call`: never keyed, refused when the call
+    /// carries a key (one answer would have to hold several ids).
+    BatchWithToolCall,
+    /// Anything else: another method, a notification, a response, a batch
+    /// without a tool call, or not JSON-RPC at all. Passed through.
+    Other,
+}
+
+/// Why a tool call's key cannot be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("params._meta.idempotencyKey must be a string")]
+pub struct KeyNotAString;
+
+/// What `body`, a POST to an MCP endpoint, is.
+pub fn request(body: &[u8]) -> Result<Request, KeyNotAString> {
+    let trimmed = body.trim_ascii_start();
+    if trimmed.first() == Some(&b'[') {
+        let Ok(Value::Array(items)) = serde_json::from_slice::<Value>(body) else {
+            return Ok(Request::Other);
+        };
+        let calls = items.iter().any(|item| is_tool_call(item));
+        return Ok(if calls {
+            Request::BatchWithToolCall
+        } else {
+            Request::Other
+        });
+    }
+    let Ok(value) = serde_json::from_slice::<Value>(body) else {
+        return Ok(Request::Other);
+    };
+    if !is_tool_call(&value) {
+        return Ok(Request::Other);
+    }
+    let key = match value.pointer("/params/_meta/idempotencyKey") {
+        None => None,
+        Some(Value::String(key)) => Some(key.clone()),
+        Some(_) => return Err(KeyNotAString),
+    };
+    let name = value
+        .pointer("/params/name")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_owned();
+    let members = members(body).unwrap_or_default();
+    let id = span(body, &members, "id").unwrap_or(b"null").to_vec();
+    let arguments = span(body, &members, "params")
+        .and_then(|params| {
+            let inner = members_at(params)?;
+            span(params, &inner, "arguments").map(<[u8]>::to_vec)
+        })
+        .unwrap_or_else(|| b"{}".to_vec());
+    Ok(Request::ToolCall(ToolCall {
+        id,
+        name,
+        arguments,
+        key,
+    }))
+}
+
+/// A request (it has an `id`) whose method is `tools/call`.
+fn is_tool_call(value: &Value) -> bool {
+    value.get("method").and_then(Value::as_str) == Some("tools/call")
+        && value.get("id").is_some_and(|id| !id.is_null())
+}
+
+/// `response`, a JSON-RPC response object, addressed to `id` instead: its
+/// top-level `id` member's value replaced, every other byte as it was.
+/// `None` when it is not an object with an `id`.
+pub fn with_id(response: &[u8], id: &[u8]) -> Option<Vec<u8>> {
+    let members = members(response)?;
+    let (_, at) = members.iter().find(|(name, _)| name == "id")?;
+    let mut out = Vec::with_capacity(response.len() + id.len());
+    out.extend_from_slice(&response[..at.start]);
+    out.extend_from_slice(id);
+    out.extend_from_slice(&response[at.end..]);
+    Some(out)
+}
+
+/// Whether `message` is a JSON-RPC response (it has an `id` and a `result`
+/// or an `error`), as opposed to a request or a notification.
+pub fn is_response(message: &[u8]) -> bool {
+    let Some(members) = members(message) else {
+        return false;
+    };
+    let has = |key: &str| members.iter().any(|(name, _)| name == key);
+    has("id") && (has("result") || has("error"))
+}
+
+/// The `code` of a JSON-RPC error response, if `message` is one.
+pub fn error_code(message: &[u8]) -> Option<i64> {
+    let members = members(message)?;
+    let error = span(message, &members, "error")?;
+    let inner = members_at(error)?;
+    let code = span(error, &inner, "code")?;
+    std::str::from_utf8(code).ok()?.parse().ok()
+}
+
+fn span<'a>(json: &'a [u8], members: &[(String, Range<usize>)], key: &str) -> Option<&'a [u8]> {
+    members
+        .iter()
+        .find(|(name, _)| name == key)
+        .map(|(_, at)| &json[at.clone()])
+}
+
+/// The members of `json`, which must hold one JSON object (whitespace
+/// around it allowed): each key, unescaped, and where its value lies.
+pub fn members(json: &[u8]) -> Option<Vec<(String, Range<usize>)>> {
+    let start = skip_ws(json, 0);
+    let list = members_from(json, start)?;
+    (skip_ws(json, value_end(json, start)?) == json.len()).then_some(list)
+}
+
+fn members_at(json: &[u8]) -> Option<Vec<(String, Range<usize>)>> {
+    members(json)
+}
+
+fn members_from(b: &[u8], start: usize) -> Option<Vec<(String, Range<usize>)>> {
+    if b.get(start) != Some(&b'{') {
+        return None;
+    }
+    let mut out = Vec::new();
+    let mut i = skip_ws(b, start + 1);
+    if b.get(i) == Some(&b'}') {
+        return Some(out);
+    }
+    loop {
+        let key_end = string_end(b, i)?;
+        let key: String = serde_json::from_slice(&b[i..key_end]).ok()?;
+        i = skip_ws(b, key_end);
+        if b.get(i) != Some(&b':') {
+            return None;
+        }
+        let from = skip_ws(b, i + 1);
+        let to = value_end(b, from)?;
+        out.push((key, from..to));
+        i = skip_ws(b, to);
+        match b.get(i)? {
+            b',' => i = skip_ws(b, i + 1),
+            b'}' => return Some(out),
+            _ => return None,
+        }
+    }
+}
+
+fn skip_ws(b: &[u8], mut i: usize) -> usize {
+    while b
+        .get(i)
+        .is_some_and(|c| matches!(c, b' ' | b'\t' | b'\n' | b'\r'))
+    {
+        i += 1;
+    }
+    i
+}
+
+/// Where the string starting at `i` (its opening quote) ends, past its
+/// closing quote.
+fn string_end(b: &[u8], i: usize) -> Option<usize> {
+    if b.get(i) != Some(&b'"') {
+        return None;
+    }
+    let mut j = i + 1;
+    loop {
+        match b.get(j)? {
+            b'\\' => j += 2,
+            b'"' => return Some(j + 1),
+            _ => j += 1,
+        }
+    }
+}
+
+/// Where the value starting at `i` ends.
+fn value_end(b: &[u8], i: usize) -> Option<usize> {
+    match b.get(i)? {
+        b'"' => string_end(b, i),
+        b'{' | b'[' => {
+            let mut depth = 0usize;
+            let mut j = i;
+            loop {
+                match b.get(j)? {
+                    b'"' => {
+                        j = string_end(b, j)?;
+                        continue;
+                    }
+                    b'{' | b'[' => depth += 1,
+                    b'}' | b']' => {
+                        depth -= 1;
+                        if depth == 0 {
+                            return Some(j + 1);
+                        }
+                    }
+                    _ => {}
+                }
+                j += 1;
+            }
+        }
+        _ => {
+            let end = b[i..]
+                .iter()
+                .position(|c| matches!(c, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r'))
+                .map_or(b.len(), |at| i + at);
+            (end > i).then_some(end)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tool_call(body: &str) -> ToolCall {
+        match request(body.as_bytes()).unwrap() {
+            Request::ToolCall(call) => call,
+            other => panic!("not a tool call: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_tool_call_is_read_with_its_id_key_and_arguments_as_written() {
+        let body = r#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"charge","arguments":{"amount": 1.50, "to":"acct"},"_meta":{"idempotencyKey":"k-1","progressToken":3}}}"#;
+        let call = tool_call(body);
+        assert_eq!(call.id, b"7");
+        assert_eq!(call.name, "charge");
+        assert_eq!(call.arguments, br#"{"amount": 1.50, "to":"acct"}"#);
+        assert_eq!(call.key.as_deref(), Some("k-1"));
+        let no_key = tool_call(
+            r#"{"jsonrpc":"2.0","id":"a\"b","method":"tools/call","params":{"name":"x"}}"#,
+        );
+        assert_eq!(no_key.id, br#""a\"b""#);
+        assert_eq!(no_key.arguments, b"{}");
+        assert_eq!(no_key.key, None);
+    }
+
+    #[test]
+    fn other_messages_pass_and_a_keyed_batch_is_told_apart() {
+        for other in [
+            r#"{"jsonrpc":"2.0","id":1,"method":"tools/list"}"#,
+            r#"{"jsonrpc":"2.0","method":"tools/call","params":{"name":"x"}}"#,
+            r#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#,
+            r#"{"jsonrpc":"2.0","id":1,"result":{}}"#,
+            r#"[{"jsonrpc":"2.0","id":1,"method":"tools/list"}]"#,
+            "not json",
+        ] {
+            assert_eq!(request(other.as_bytes()), Ok(Request::Other), "{other}");
+        }
+        let batch = r#"[{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"x"}}]"#;
+        assert_eq!(request(batch.as_bytes()), Ok(Request::BatchWithToolCall));
+        let bad = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"x","_meta":{"idempotencyKey":5}}}"#;
+        assert_eq!(request(bad.as_bytes()), Err(KeyNotAString));
+    }
+
+    #[test]
+    fn an_answer_is_readdressed_byte_for_byte() {
+        let answer = br#"{"result":{"content":[{"type":"text","text":"id: 7"}],"isError":false},"jsonrpc":"2.0","id": 7 }"#;
+        let readdressed = with_id(answer, br#""req-9""#).unwrap();
+        assert_eq!(
+            readdressed,
+            br#"{"result":{"content":[{"type":"text","text":"id: 7"}],"isError":false},"jsonrpc":"2.0","id": "req-9" }"#
+        );
+        assert!(is_response(answer));
+        assert!(!is_response(
+            br#"{"jsonrpc":"2.0","method":"notifications/progress","params":{}}"#
+        ));
+        assert_eq!(with_id(b"[1]", b"2"), None);
+        assert_eq!(with_id(b"{\"result\":1}", b"2"), None);
+    }
+
+    #[test]
+    fn an_error_response_says_its_code() {
+        let error = br#"{"jsonrpc":"2.0","id":1,"error":{"code":-32603,"message":"boom"}}"#;
+        assert_eq!(error_code(error), Some(-32603));
+        assert_eq!(error_code(br#"{"jsonrpc":"2.0","id":1,"result":{}}"#), None);
+    }
+
+    #[test]
+    fn the_scanner_refuses_what_is_not_one_object() {
+        assert_eq!(members(b"{\"a\":1} {}"), None);
+        assert_eq!(members(b"{\"a\":}"), None);
+        assert_eq!(members(b"{\"a\":\"unterminated}"), None);
+        let nested = members(br#" {"a":[1,{"b":"]}"}],"c":null} "#).unwrap();
+        assert_eq!(
+            nested.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(),
+            ["a", "c"]
+        );
+    }
+}
