@@ -216,6 +216,9 @@ pub(super) struct RouteFile {
     pub(super) reconcile: Option<toml::Value>,
     pub(super) on_unknown: Option<String>,
     pub(super) respond_async: Option<bool>,
+    pub(super) protocol: Option<String>,
+    pub(super) keyed_tools: Option<Vec<String>>,
+    pub(super) retryable_rpc_codes: Option<Vec<i64>>,
 }
 
 /// `[routes.stream_errors]`: what an error an event stream reports after

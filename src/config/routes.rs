@@ -15,7 +15,9 @@ use super::{at_least_one, bad, header_name, positive, ConfigError};
 use idemgate_domain::contract::Contract;
 use idemgate_domain::fingerprint::BodyRule;
 use idemgate_domain::sse;
-use idemgate_idempotency::route::{InProgress, OnUnknown, Reconcile, Route, StreamErrors};
+use idemgate_idempotency::route::{
+    InProgress, Mcp, OnUnknown, Protocol, Reconcile, Route, StreamErrors,
+};
 use idemgate_proxy::upstream::UpstreamSettings;
 use idemgate_trust::{Clients, OwnerRule};
 
@@ -162,6 +164,7 @@ fn parse(i: usize, r: RouteFile, cx: &Context<'_>) -> Result<Route, ConfigError>
     let owner = route_owner(&key("owner"), r.owner.as_ref(), cx)?;
     let require_client = require_client(&key("require_client"), r.require_client, cx)?;
     let unsettled = unsettled(&key, &r, failover.side_effect_free)?;
+    let protocol = protocol(&key, &r)?;
     Ok(Route {
         name: r.name.unwrap_or_else(|| format!("route-{i}")),
         path_prefix: matching.path_prefix,
@@ -189,6 +192,7 @@ fn parse(i: usize, r: RouteFile, cx: &Context<'_>) -> Result<Route, ConfigError>
         reconcile: unsettled.reconcile,
         on_unknown: unsettled.on_unknown,
         respond_async: r.respond_async.unwrap_or(true),
+        protocol,
     })
 }
 
@@ -600,4 +604,32 @@ fn contract(
         ));
     }
     Ok(contract)
+}
+
+/// `protocol`: `"http"` (the default) or `"mcp"`, with the MCP route's own
+/// keys, which only an MCP route may set.
+fn protocol(key: Key<'_>, r: &RouteFile) -> Result<Protocol, ConfigError> {
+    match r.protocol.as_deref() {
+        None | Some("http") => {
+            let mcp_only = [
+                ("keyed_tools", r.keyed_tools.is_some()),
+                ("retryable_rpc_codes", r.retryable_rpc_codes.is_some()),
+            ];
+            match mcp_only.iter().find(|(_, set)| *set) {
+                Some((name, _)) => Err(bad(
+                    key(name),
+                    "only a route with protocol = \"mcp\" keys tool calls; set it, or remove this key",
+                )),
+                None => Ok(Protocol::Http),
+            }
+        }
+        Some("mcp") => Ok(Protocol::Mcp(Mcp {
+            keyed_tools: r.keyed_tools.clone(),
+            retryable_codes: r.retryable_rpc_codes.clone().unwrap_or_default(),
+        })),
+        Some(other) => Err(bad(
+            key("protocol"),
+            format!("{other:?} is neither \"http\" nor \"mcp\" (JSON-RPC tool calls over Streamable HTTP)"),
+        )),
+    }
 }

@@ -12,6 +12,8 @@ use std::ops::Range;
 
 use serde_json::Value;
 
+use crate::key::KeyError;
+
 /// A `tools/call` request: what its answer is addressed to, what it asks,
 /// and the key it carries in `params._meta.idempotencyKey`, if any.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -22,8 +24,8 @@ pub struct ToolCall {
     pub name: String,
     /// Its `arguments`, as written (`{}` when absent).
     pub arguments: Vec<u8>,
-    /// `params._meta.idempotencyKey`.
-    pub key: Option<String>,
+    /// `params._meta.idempotencyKey`, which must be a string.
+    pub key: Option<Result<String, KeyError>>,
 }
 
 /// What a POST to an MCP endpoint is.
@@ -31,64 +33,64 @@ pub struct ToolCall {
 pub enum Request {
     /// A `tools/call` request (not a notification): it may be keyed.
     ToolCall(ToolCall),
-    /// A batch holding a `tools/call`: never keyed, refused when the call
-    /// carries a key (one answer would have to hold several ids).
-    BatchWithToolCall,
+    /// A batch holding a `tools/call`: never keyed, refused when a call in
+    /// it carries a key (one answer would have to hold several ids).
+    BatchWithToolCall {
+        /// Whether a call in it carries `params._meta.idempotencyKey`.
+        keyed: bool,
+    },
     /// Anything else: another method, a notification, a response, a batch
     /// without a tool call, or not JSON-RPC at all. Passed through.
     Other,
 }
 
-/// Why a tool call's key cannot be read.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("params._meta.idempotencyKey must be a string")]
-pub struct KeyNotAString;
-
 /// What `body`, a POST to an MCP endpoint, is.
-pub fn request(body: &[u8]) -> Result<Request, KeyNotAString> {
+pub fn request(body: &[u8]) -> Request {
     let trimmed = body.trim_ascii_start();
     if trimmed.first() == Some(&b'[') {
         let Ok(Value::Array(items)) = serde_json::from_slice::<Value>(body) else {
-            return Ok(Request::Other);
+            return Request::Other;
         };
-        let calls = items.iter().any(|item| is_tool_call(item));
-        return Ok(if calls {
-            Request::BatchWithToolCall
-        } else {
-            Request::Other
-        });
+        let calls: Vec<&Value> = items.iter().filter(|item| is_tool_call(item)).collect();
+        if calls.is_empty() {
+            return Request::Other;
+        }
+        let keyed = calls.iter().any(|call| call.pointer(KEY).is_some());
+        return Request::BatchWithToolCall { keyed };
     }
     let Ok(value) = serde_json::from_slice::<Value>(body) else {
-        return Ok(Request::Other);
+        return Request::Other;
     };
     if !is_tool_call(&value) {
-        return Ok(Request::Other);
+        return Request::Other;
     }
-    let key = match value.pointer("/params/_meta/idempotencyKey") {
-        None => None,
-        Some(Value::String(key)) => Some(key.clone()),
-        Some(_) => return Err(KeyNotAString),
-    };
+    let key = value.pointer(KEY).map(|key| match key {
+        Value::String(key) => Ok(key.clone()),
+        _ => Err(KeyError::NotAString),
+    });
     let name = value
         .pointer("/params/name")
         .and_then(Value::as_str)
         .unwrap_or_default()
         .to_owned();
-    let members = members(body).unwrap_or_default();
-    let id = span(body, &members, "id").unwrap_or(b"null").to_vec();
-    let arguments = span(body, &members, "params")
+    let top = members(body).unwrap_or_default();
+    let id = span(body, &top, "id").unwrap_or(b"null").to_vec();
+    let arguments = span(body, &top, "params")
         .and_then(|params| {
-            let inner = members_at(params)?;
+            let inner = members(params)?;
             span(params, &inner, "arguments").map(<[u8]>::to_vec)
         })
         .unwrap_or_else(|| b"{}".to_vec());
-    Ok(Request::ToolCall(ToolCall {
+    Request::ToolCall(ToolCall {
         id,
         name,
         arguments,
         key,
-    }))
+    })
 }
+
+/// Where a tool call carries its key.
+const KEY: &str = "/params/_meta/idempotencyKey";
 
 /// A request (it has an `id`) whose method is `tools/call`.
 fn is_tool_call(value: &Value) -> bool {
@@ -109,6 +111,38 @@ pub fn with_id(response: &[u8], id: &[u8]) -> Option<Vec<u8>> {
     Some(out)
 }
 
+/// `event`, a server-sent event's bytes, addressed to `id` when its data
+/// is a JSON-RPC response on one `data:` line (as MCP servers send it):
+/// that line's message readdressed, every other byte as it was. `None`
+/// when it carries no response (a notification, a heartbeat).
+pub fn readdress_event(event: &[u8], id: &[u8]) -> Option<Vec<u8>> {
+    let mut data = event
+        .split_inclusive(|b| *b == b'\n')
+        .enumerate()
+        .filter(|(_, line)| line.starts_with(b"data:"));
+    let (index, line) = data.next()?;
+    if data.next().is_some() {
+        return None;
+    }
+    let value_at = if line.starts_with(b"data: ") { 6 } else { 5 };
+    let value = line[value_at..].trim_ascii_end();
+    if !is_response(value) {
+        return None;
+    }
+    let readdressed = with_id(value, id)?;
+    let mut out = Vec::with_capacity(event.len() + id.len());
+    for (i, part) in event.split_inclusive(|b| *b == b'\n').enumerate() {
+        if i == index {
+            out.extend_from_slice(&part[..value_at]);
+            out.extend_from_slice(&readdressed);
+            out.extend_from_slice(&part[value_at + value.len()..]);
+        } else {
+            out.extend_from_slice(part);
+        }
+    }
+    Some(out)
+}
+
 /// Whether `message` is a JSON-RPC response (it has an `id` and a `result`
 /// or an `error`), as opposed to a request or a notification.
 pub fn is_response(message: &[u8]) -> bool {
@@ -121,9 +155,9 @@ pub fn is_response(message: &[u8]) -> bool {
 
 /// The `code` of a JSON-RPC error response, if `message` is one.
 pub fn error_code(message: &[u8]) -> Option<i64> {
-    let members = members(message)?;
-    let error = span(message, &members, "error")?;
-    let inner = members_at(error)?;
+    let top = members(message)?;
+    let error = span(message, &top, "error")?;
+    let inner = members(error)?;
     let code = span(error, &inner, "code")?;
     std::str::from_utf8(code).ok()?.parse().ok()
 }
@@ -141,10 +175,6 @@ pub fn members(json: &[u8]) -> Option<Vec<(String, Range<usize>)>> {
     let start = skip_ws(json, 0);
     let list = members_from(json, start)?;
     (skip_ws(json, value_end(json, start)?) == json.len()).then_some(list)
-}
-
-fn members_at(json: &[u8]) -> Option<Vec<(String, Range<usize>)>> {
-    members(json)
 }
 
 fn members_from(b: &[u8], start: usize) -> Option<Vec<(String, Range<usize>)>> {
@@ -241,7 +271,7 @@ mod tests {
     use super::*;
 
     fn tool_call(body: &str) -> ToolCall {
-        match request(body.as_bytes()).unwrap() {
+        match request(body.as_bytes()) {
             Request::ToolCall(call) => call,
             other => panic!("not a tool call: {other:?}"),
         }
@@ -254,7 +284,7 @@ mod tests {
         assert_eq!(call.id, b"7");
         assert_eq!(call.name, "charge");
         assert_eq!(call.arguments, br#"{"amount": 1.50, "to":"acct"}"#);
-        assert_eq!(call.key.as_deref(), Some("k-1"));
+        assert_eq!(call.key, Some(Ok("k-1".to_owned())));
         let no_key = tool_call(
             r#"{"jsonrpc":"2.0","id":"a\"b","method":"tools/call","params":{"name":"x"}}"#,
         );
@@ -273,12 +303,20 @@ mod tests {
             r#"[{"jsonrpc":"2.0","id":1,"method":"tools/list"}]"#,
             "not json",
         ] {
-            assert_eq!(request(other.as_bytes()), Ok(Request::Other), "{other}");
+            assert_eq!(request(other.as_bytes()), Request::Other, "{other}");
         }
         let batch = r#"[{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"x"}}]"#;
-        assert_eq!(request(batch.as_bytes()), Ok(Request::BatchWithToolCall));
+        assert_eq!(
+            request(batch.as_bytes()),
+            Request::BatchWithToolCall { keyed: false }
+        );
+        let keyed = r#"[{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"x","_meta":{"idempotencyKey":"k"}}}]"#;
+        assert_eq!(
+            request(keyed.as_bytes()),
+            Request::BatchWithToolCall { keyed: true }
+        );
         let bad = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"x","_meta":{"idempotencyKey":5}}}"#;
-        assert_eq!(request(bad.as_bytes()), Err(KeyNotAString));
+        assert_eq!(tool_call(bad).key, Some(Err(KeyError::NotAString)));
     }
 
     #[test]
@@ -295,6 +333,19 @@ mod tests {
         ));
         assert_eq!(with_id(b"[1]", b"2"), None);
         assert_eq!(with_id(b"{\"result\":1}", b"2"), None);
+    }
+
+    #[test]
+    fn a_response_event_is_readdressed_and_a_notification_left_alone() {
+        let event =
+            b"event: message\nid: 12\ndata: {\"jsonrpc\":\"2.0\",\"id\":1,\"result\":{}}\r\n\r\n";
+        assert_eq!(
+            readdress_event(event, b"99").unwrap(),
+            b"event: message\nid: 12\ndata: {\"jsonrpc\":\"2.0\",\"id\":99,\"result\":{}}\r\n\r\n"
+        );
+        let note = b"data: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\"}\n\n";
+        assert_eq!(readdress_event(note, b"99"), None);
+        assert_eq!(readdress_event(b": ping\n\n", b"99"), None);
     }
 
     #[test]

@@ -15,6 +15,10 @@ pub enum KeyError {
     /// The header was present but empty.
     #[error("the idempotency key is empty")]
     Empty,
+    /// An MCP tool call's `params._meta.idempotencyKey` that is not a
+    /// string.
+    #[error("params._meta.idempotencyKey must be a string")]
+    NotAString,
     /// Longer than 255 characters.
     #[error("the idempotency key is longer than 255 characters")]
     TooLong,

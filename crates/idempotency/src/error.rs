@@ -15,8 +15,9 @@ use idemgate_domain::path::Ambiguity;
 use idemgate_domain::sse::BadResumePoint;
 use idemgate_domain::BoxError;
 use idemgate_proxy::http::idle::BodyTimedOut;
+use idemgate_proxy::http::{full, Outcome};
 use idemgate_proxy::http::{Body, CollectError};
-use idemgate_proxy::problem::problem_response_with;
+use idemgate_proxy::problem::{problem_response_with, PROBLEM_BASE};
 use idemgate_proxy::upstream::UpstreamError;
 use idemgate_store::{StoreError, StoreErrorKind};
 use idemgate_trust::TrustError;
@@ -86,6 +87,10 @@ pub enum ClientError {
         /// When to try again.
         retry_after: Duration,
     },
+    /// A JSON-RPC batch holding a keyed `tools/call` (`docs/design.md`
+    /// §19): one answer cannot be addressed to several calls.
+    #[error("a batch may not hold a keyed tools/call: send each keyed call as a request of its own")]
+    KeyedBatch,
     /// A polled job that does not exist, expired, or is another owner's
     /// (`Prefer: respond-async`): the same answer for each.
     #[error("no job of yours is at this place: it never existed, it expired, or it is not yours")]
@@ -242,6 +247,11 @@ impl ClientError {
                 StatusCode::BAD_REQUEST,
                 "ambiguous-json",
                 "JSON body names a member twice",
+            ),
+            ClientError::KeyedBatch => p(
+                StatusCode::BAD_REQUEST,
+                "keyed-batch",
+                "A JSON-RPC batch holds a keyed tool call",
             ),
             ClientError::BadResumePoint(_) => p(
                 StatusCode::BAD_REQUEST,
@@ -411,5 +421,53 @@ impl GatewayError {
             problem.retry_after,
             members,
         )
+    }
+
+    /// Whether an MCP client is told this as a JSON-RPC error of the tool
+    /// call it made: what its key met (a mismatch, a call in progress, an
+    /// unknown outcome) or a key missing or malformed. Who is asking, the
+    /// body and the gateway's own state stay HTTP answers (an MCP client
+    /// answers a `401` by authorising, for one).
+    pub fn is_the_calls(&self) -> bool {
+        matches!(
+            self,
+            GatewayError::Client(
+                ClientError::KeyMismatch { .. }
+                    | ClientError::InProgress { .. }
+                    | ClientError::OutcomeUnknown { .. }
+                    | ClientError::MissingKey
+                    | ClientError::InvalidKey(_)
+            )
+        )
+    }
+
+    /// The JSON-RPC error response to the request `id` (HTTP `200`, as
+    /// MCP carries errors; `docs/design.md` §19): the problem's title as its
+    /// message, the problem document as its `data`.
+    pub fn into_jsonrpc(self, id: &[u8]) -> Response<Body> {
+        let problem = self.problem();
+        let document = serde_json::json!({
+            "type": format!("{PROBLEM_BASE}{}", problem.slug),
+            "title": problem.title,
+            "status": problem.status.as_u16(),
+            "detail": self.to_string(),
+        });
+        let error =
+            serde_json::json!({ "code": -32000, "message": problem.title, "data": document });
+        let id = String::from_utf8_lossy(id);
+        let body = format!("{{\"jsonrpc\":\"2.0\",\"id\":{id},\"error\":{error}}}");
+        let mut response = Response::new(full(body));
+        response.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/json"),
+        );
+        if let Some(after) = problem.retry_after {
+            let seconds = after.as_secs_f64().ceil().max(1.0) as u64;
+            response
+                .headers_mut()
+                .insert(http::header::RETRY_AFTER, http::HeaderValue::from(seconds));
+        }
+        response.extensions_mut().insert(Outcome::Problem);
+        response
     }
 }

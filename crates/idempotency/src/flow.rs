@@ -40,7 +40,7 @@ use idemgate_domain::id::JobId;
 use idemgate_domain::job::{Job, JobState};
 use idemgate_domain::reconcile;
 use idemgate_proxy::budget::until_sent;
-use idemgate_proxy::http::{Body, Outcome, IDEMPOTENCY_JOB};
+use idemgate_proxy::http::{Body, Outcome, IDEMPOTENCY_JOB, IDEMPOTENT_REPLAYED};
 use idemgate_store::fastpath::Tag;
 use idemgate_telemetry::Chain;
 use std::sync::Arc;
@@ -85,12 +85,23 @@ pub(crate) fn run(
             }
             (result, _) => result,
         };
+        let rpc_id = flow.driver.request.rpc_id.clone();
         let response = result.unwrap_or_else(|e| {
             metrics::counter!("idemgate_requests_refused_total", "problem" => e.metric_label())
                 .increment(1);
             tracing::info!(error = %Chain(&e), job = ?job_id.map(|j: JobId| j.to_string()), "request refused");
-            e.into_response()
+            match &rpc_id {
+                Some(id) if e.is_the_calls() => e.into_jsonrpc(id),
+                _ => e.into_response(),
+            }
         });
+        // A tool call's answer made by another call's attempt is its own.
+        let response = match rpc_id {
+            Some(id) if response.headers().contains_key(IDEMPOTENT_REPLAYED) => {
+                crate::mcp::readdressed(response, id)
+            }
+            _ => response,
+        };
         // Whatever the request holds stays counted until its answer is sent.
         let charge = flow.driver.request.charge.clone();
         finish(response, job_id).map(|body| until_sent(body, charge))

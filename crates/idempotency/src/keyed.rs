@@ -51,6 +51,10 @@ pub(crate) struct Keyed {
     /// or it is held): a request that prefers to be answered at once then
     /// gets `202` (`Prefer: respond-async`, `docs/design.md` §10).
     pub waiting: Option<watch::Sender<Option<JobId>>>,
+    /// The JSON-RPC `id` of an MCP tool call: every answer it gets that
+    /// its own attempt did not make (a replay, a held duplicate's, a
+    /// joined stream) is readdressed to it (`docs/design.md` §19).
+    pub rpc_id: Option<Vec<u8>>,
 }
 
 impl Keyed {

@@ -11,12 +11,12 @@ use std::task::{Context, Poll};
 use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tower::util::BoxCloneSyncService;
-use tower::{Layer, Service};
+use tower::{Layer, Service, ServiceExt};
 
 use super::execute::UpstreamService;
 use super::flow;
 use super::keyed::Keyed;
-use super::opt_in::{self, Classified};
+use super::opt_in::{self, Classified, OptedIn, Prepared};
 use super::shared::Shared;
 use super::{poll, respond_async};
 use crate::error::{ClientError, GatewayError};
@@ -140,17 +140,7 @@ where
                 // only an opted-in request pays for it.
                 let attempts: UpstreamService = BoxCloneSyncService::new(self.inner.clone());
                 Answer::Guarded {
-                    answer: Box::pin(async move {
-                        match opt_in::prepare(&shared, opted).await {
-                            Ok(request) => match async_wait(&shared, &request) {
-                                Some(wait) => {
-                                    respond_async::answer(shared, request, attempts, wait).await
-                                }
-                                None => flow::run(shared, request, attempts).await,
-                            },
-                            Err(error) => error.into_response(),
-                        }
-                    }),
+                    answer: Box::pin(opted_in(shared, opted, attempts)),
                 }
             }
         };
@@ -219,4 +209,24 @@ fn async_wait(shared: &Shared, request: &Keyed) -> Option<std::time::Duration> {
         return None;
     }
     respond_async::preference(&request.parts.headers, shared.config.hold.timeout)
+}
+
+/// An opted-in request's answer: prepared (its body read), then run through
+/// the flow, at once or answered later as it prefers; or, an MCP route's
+/// message that is not a keyed tool call after all, passed through.
+async fn opted_in(shared: Arc<Shared>, opted: OptedIn, upstream: UpstreamService) -> Response<Body> {
+    let request = match opt_in::prepare(&shared, opted).await {
+        Ok(Prepared::Keyed(request)) => request,
+        Ok(Prepared::Passing(req)) => {
+            return match upstream.oneshot(req).await {
+                Ok(response) => response,
+                Err(e) => passing_failed(e).into_response(),
+            }
+        }
+        Err(refused) => return refused.into_response(),
+    };
+    match async_wait(&shared, &request) {
+        Some(wait) => respond_async::answer(shared, request, upstream, wait).await,
+        None => flow::run(shared, request, upstream).await,
+    }
 }

@@ -32,6 +32,7 @@ mod flow;
 mod hold;
 mod keyed;
 mod layer;
+mod mcp;
 mod opt_in;
 mod poll;
 mod recording;

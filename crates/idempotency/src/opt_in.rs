@@ -13,7 +13,7 @@ use http::{header, HeaderValue, Request};
 use tracing::Span;
 
 use crate::error::{ClientError, GatewayError};
-use crate::route::{self, Route};
+use crate::route::{self, Protocol, Route};
 use idemgate_domain::fingerprint::{fingerprint, RequestParts};
 use idemgate_domain::key::IdempotencyKey;
 use idemgate_domain::sse::ResumePoint;
@@ -37,11 +37,60 @@ pub(crate) enum Classified {
     OptedIn(OptedIn),
 }
 
-/// An opted-in request whose key parsed.
+/// An opted-in request whose key parsed (an MCP route's `POST`, whose key
+/// may be in its body, with the header's key if any).
 pub(crate) struct OptedIn {
-    route: Arc<Route>,
-    key: IdempotencyKey,
-    req: Request<Body>,
+    pub(crate) route: Arc<Route>,
+    pub(crate) key: Option<IdempotencyKey>,
+    pub(crate) req: Request<Body>,
+}
+
+/// What a prepared request is: keyed, or, on an MCP route, a message that
+/// is not a keyed tool call, to be passed through with its body as read.
+pub(crate) enum Prepared {
+    /// Keyed: it runs through the flow.
+    Keyed(Keyed),
+    /// Not keyed after all: forwarded as it is.
+    Passing(Request<Body>),
+}
+
+/// Why a request was refused while it was prepared, and, for a tool call,
+/// the JSON-RPC `id` its refusal is addressed to.
+pub(crate) struct Refused {
+    pub(crate) error: GatewayError,
+    pub(crate) rpc_id: Option<Vec<u8>>,
+}
+
+impl From<GatewayError> for Refused {
+    fn from(error: GatewayError) -> Self {
+        Refused {
+            error,
+            rpc_id: None,
+        }
+    }
+}
+
+impl From<ClientError> for Refused {
+    fn from(error: ClientError) -> Self {
+        GatewayError::from(error).into()
+    }
+}
+
+impl From<idemgate_trust::TrustError> for Refused {
+    fn from(error: idemgate_trust::TrustError) -> Self {
+        GatewayError::from(error).into()
+    }
+}
+
+impl Refused {
+    /// The answer: a JSON-RPC error to a tool call, for what its key met
+    /// (`docs/design.md` §19); a problem otherwise.
+    pub(crate) fn into_response(self) -> http::Response<Body> {
+        match self.rpc_id {
+            Some(id) if self.error.is_the_calls() => self.error.into_jsonrpc(&id),
+            _ => self.error.into_response(),
+        }
+    }
 }
 
 /// Tells pass-through from opted-in by the first route that matches. On a
@@ -51,6 +100,12 @@ pub(crate) fn classify(routes: &[Arc<Route>], trust: &Trust, mut req: Request<Bo
     let Some(route) = route::find(routes, req.method(), req.uri().path()) else {
         return Classified::PassThrough(req);
     };
+    if matches!(route.protocol, Protocol::Mcp(_)) && req.method() != http::Method::POST {
+        // The transport's event stream (`GET`) and session end (`DELETE`).
+        req.extensions_mut()
+            .insert(Target(route.primary.id.clone()));
+        return Classified::PassThrough(req);
+    }
     if route.require_client {
         match trust.prove_client(req.headers()) {
             Ok(client) => drop(req.extensions_mut().insert(client)),
@@ -60,6 +115,14 @@ pub(crate) fn classify(routes: &[Arc<Route>], trust: &Trust, mut req: Request<Bo
     // Every line of the header: a key sent twice is refused, not the first taken.
     let lines = req.headers().get_all(IDEMPOTENCY_KEY).iter();
     let key = match IdempotencyKey::from_lines(lines.map(HeaderValue::as_bytes)) {
+        // A tool call's key may be in its body: its route reads it there.
+        None if matches!(route.protocol, Protocol::Mcp(_)) => {
+            return Classified::OptedIn(OptedIn {
+                route: route.clone(),
+                key: None,
+                req,
+            })
+        }
         None if route.require_key => return Classified::Refused(ClientError::MissingKey.into()),
         None => {
             let mut req = req;
@@ -72,7 +135,7 @@ pub(crate) fn classify(routes: &[Arc<Route>], trust: &Trust, mut req: Request<Bo
     };
     Classified::OptedIn(OptedIn {
         route: route.clone(),
-        key,
+        key: Some(key),
         req,
     })
 }
@@ -84,19 +147,16 @@ pub(crate) fn classify(routes: &[Arc<Route>], trust: &Trust, mut req: Request<Bo
 /// when its client pauses past the body-read timeout) and the fingerprint
 /// (`400` for a body the route canonicalises that names a JSON member
 /// twice).
-pub(crate) async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Keyed, GatewayError> {
+pub(crate) async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Prepared, Refused> {
+    if let Protocol::Mcp(mcp) = &opted.route.protocol {
+        let mcp = mcp.clone();
+        return crate::mcp::prepare(shared, &mcp, opted).await;
+    }
     let OptedIn { route, key, req } = opted;
+    let key = key.ok_or(ClientError::MissingKey)?;
     let (parts, body) = req.into_parts();
     let owner = shared.trust.owner(&route.owner, &parts)?;
-    let lines = |name| {
-        parts
-            .headers
-            .get_all(name)
-            .iter()
-            .map(HeaderValue::as_bytes)
-    };
-    let resume = ResumePoint::parse(lines(LAST_EVENT_ID), lines(EVENTS_RECEIVED))
-        .map_err(ClientError::from)?;
+    let resume = resume_point(&parts)?;
     let (body, charge) = read(shared, &route, &parts, body).await?;
     let fingerprint = fingerprint(
         &RequestParts {
@@ -117,7 +177,7 @@ pub(crate) async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Keyed, Ga
         &route.body,
     )
     .map_err(ClientError::from)?;
-    Ok(Keyed {
+    Ok(Prepared::Keyed(Keyed {
         intent: Arc::new(Intent {
             route,
             owner,
@@ -130,14 +190,22 @@ pub(crate) async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Keyed, Ga
         resume,
         span: Span::current(),
         waiting: None,
-    })
+        rpc_id: None,
+    }))
+}
+
+/// Where a retry of a streamed job picks its stream up (`400` when that
+/// cannot be read).
+pub(crate) fn resume_point(parts: &http::request::Parts) -> Result<Option<ResumePoint>, ClientError> {
+    let lines = |name| parts.headers.get_all(name).iter().map(HeaderValue::as_bytes);
+    Ok(ResumePoint::parse(lines(LAST_EVENT_ID), lines(EVENTS_RECEIVED))?)
 }
 
 /// The whole body, held against the memory budget: a request is taken only
 /// while the budget has room for the length it declares, and one without a
 /// length only while its body keeps fitting. A refused body's rest is read
 /// and dropped, so its client reads the `503` (`docs/design.md` §18).
-async fn read(
+pub(crate) async fn read(
     shared: &Shared,
     route: &Route,
     parts: &http::request::Parts,

@@ -79,6 +79,10 @@ pub struct Route {
     pub reconcile: Option<Reconcile>,
     /// What a retry of a job whose outcome is unknown meets.
     pub on_unknown: OnUnknown,
+    /// What the route's requests speak: plain HTTP, keyed by the header, or
+    /// MCP's JSON-RPC, whose tool calls are keyed (`protocol`,
+    /// `docs/design.md` §19).
+    pub protocol: Protocol,
     /// Whether a request that prefers it (`Prefer: respond-async`) is
     /// answered `202` with where to poll once its answer would keep it
     /// waiting (`respond_async`, `docs/design.md` §10).
@@ -95,6 +99,41 @@ pub struct Silences {
     pub first_byte: Duration,
     /// Between body chunks once the head has come (`stream_idle_timeout`).
     pub stream_idle: Duration,
+}
+
+/// What a route's requests speak (`docs/design.md` §19).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Protocol {
+    /// HTTP: a request is keyed by its `Idempotency-Key` header, its
+    /// intent is its method, path, significant headers and body.
+    #[default]
+    Http,
+    /// The Model Context Protocol over Streamable HTTP (JSON-RPC 2.0): a
+    /// `tools/call` is keyed by `params._meta.idempotencyKey` (else the
+    /// header), its intent is the tool and its canonical arguments, and
+    /// every answer replayed is addressed to the request that asked.
+    Mcp(Mcp),
+}
+
+/// An MCP route's own settings.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Mcp {
+    /// Only these tools are keyed (`keyed_tools`); `None`: every tool.
+    pub keyed_tools: Option<Vec<String>>,
+    /// JSON-RPC error codes a server's error answer may carry and still
+    /// have had no effect, like a `503` (`retryable_rpc_codes`): nothing is
+    /// committed and the next retry calls the tool again. Any other error
+    /// answer is committed, like a `4xx`.
+    pub retryable_codes: Vec<i64>,
+}
+
+impl Mcp {
+    /// Whether a call of `tool` is keyed on this route.
+    pub fn keys(&self, tool: &str) -> bool {
+        self.keyed_tools
+            .as_ref()
+            .is_none_or(|tools| tools.iter().any(|t| t == tool))
+    }
 }
 
 /// What an error reported inside an event stream, after its `200` head,
@@ -223,6 +262,7 @@ impl Route {
             in_progress: InProgress::Hold,
             reconcile: None,
             on_unknown: OnUnknown::Block,
+            protocol: Protocol::Http,
             respond_async: true,
         })
     }

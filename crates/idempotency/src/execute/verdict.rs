@@ -9,9 +9,10 @@ use http::Response;
 use super::Uncommitted;
 use crate::error::GatewayError;
 use crate::replay;
-use crate::route::Route;
+use crate::route::{Protocol, Route};
 use idemgate_domain::attempt::AttemptFailure;
 use idemgate_domain::contract::excerpt;
+use idemgate_domain::jsonrpc;
 use idemgate_domain::response::StoredResponse;
 use idemgate_domain::sse::verdict::{said, Said};
 use idemgate_proxy::http::full;
@@ -58,6 +59,17 @@ pub(super) fn classify(result: Result<Fetched, UpstreamError>, route: &Route) ->
         let response = Response::from_parts(fetched.parts, full(fetched.body));
         return Verdict::Fail(failure, Uncommitted::Response(response));
     }
+    if let Some(code) = retryable_rpc_error(route, &fetched.body) {
+        let failure = AttemptFailure::Failed {
+            status: Some(status),
+            detail: format!(
+                "the tool call was answered JSON-RPC error {code}, configured as retryable \
+                 (retryable_rpc_codes)"
+            ),
+        };
+        let response = Response::from_parts(fetched.parts, full(fetched.body));
+        return Verdict::Fail(failure, Uncommitted::Response(response));
+    }
     if let Some(contract) = route
         .contract
         .as_ref()
@@ -77,6 +89,27 @@ pub(super) fn classify(result: Result<Fetched, UpstreamError>, route: &Route) ->
         }
     }
     Verdict::Commit(replay::capture(&fetched))
+}
+
+/// The code of a JSON-RPC error answer that had no effect on an MCP route
+/// (one of its `retryable_rpc_codes`, `docs/design.md` §19): not
+/// committed, like a retryable status. Any other error answer is the
+/// tool call's answer.
+fn retryable_rpc_error(route: &Route, message: &[u8]) -> Option<i64> {
+    let Protocol::Mcp(mcp) = &route.protocol else {
+        return None;
+    };
+    let code = jsonrpc::error_code(message)?;
+    mcp.retryable_codes.contains(&code).then_some(code)
+}
+
+/// Whether `kind`, an in-band error's type, is one of an MCP route's
+/// retryable JSON-RPC codes.
+fn rpc_code_retryable(route: &Route, kind: &str) -> bool {
+    match (&route.protocol, kind.parse::<i64>()) {
+        (Protocol::Mcp(mcp), Ok(code)) => mcp.retryable_codes.contains(&code),
+        _ => false,
+    }
 }
 
 /// What a streamed answer that ended cleanly means, beyond its status
@@ -110,8 +143,10 @@ pub(super) fn ended(route: &Route, stored: &StoredResponse) -> Ended {
     match said(&stored.body, errors.enabled, &route.stream_end_events) {
         Said::Whole => Ended::Whole,
         Said::Unended => Ended::Unended,
+        // An MCP server's JSON-RPC error answer in a stream is one too:
+        // its code is its type.
         Said::Error(kind) => Ended::Error {
-            retryable: errors.is_retryable(&kind),
+            retryable: errors.is_retryable(&kind) || rpc_code_retryable(route, &kind),
             kind,
         },
     }

@@ -1,0 +1,172 @@
+//! Tool calls of the Model Context Protocol, exactly once (`docs/design.md`
+//! §19): on a route with `protocol = "mcp"` (Streamable HTTP, JSON-RPC 2.0)
+//! a `POST` is read before it is known to be keyed. A `tools/call` with a
+//! key (`params._meta.idempotencyKey`, else the header) is a job like any
+//! keyed request, whose intent is the tool and its canonical arguments;
+//! everything else passes through as it came. Every answer a call gets
+//! that its own attempt did not make is addressed to the call's own `id`.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures_util::StreamExt;
+use http::{header, Request, Response};
+use http_body::Frame;
+use http_body_util::{BodyExt, StreamBody};
+use tracing::Span;
+
+use crate::error::ClientError;
+use crate::keyed::{Intent, Keyed};
+use crate::opt_in::{read, resume_point, OptedIn, Prepared, Refused};
+use crate::route::Mcp;
+use crate::shared::Shared;
+use idemgate_domain::fingerprint::{fingerprint, BodyRule, Fingerprint, RequestParts};
+use idemgate_domain::jsonrpc::{self, ToolCall};
+use idemgate_domain::key::IdempotencyKey;
+use idemgate_domain::sse::Blocks;
+use idemgate_proxy::http::{full, Body, BodyError};
+use idemgate_proxy::upstream::Target;
+
+/// Reads an MCP route's `POST`: a keyed tool call, prepared like any keyed
+/// request; a keyed batch, refused; anything else, passed through.
+pub(crate) async fn prepare(
+    shared: &Shared,
+    mcp: &Mcp,
+    opted: OptedIn,
+) -> Result<Prepared, Refused> {
+    let OptedIn { route, key, req } = opted;
+    let (parts, body) = req.into_parts();
+    let (body, charge) = read(shared, &route, &parts, body).await?;
+    let passing = |parts, body: Bytes| {
+        let mut req = Request::from_parts(parts, full(body));
+        req.extensions_mut().insert(Target(route.primary.id.clone()));
+        Ok(Prepared::Passing(req))
+    };
+    let call = match jsonrpc::request(&body) {
+        jsonrpc::Request::ToolCall(call) if mcp.keys(&call.name) => call,
+        jsonrpc::Request::BatchWithToolCall { keyed } if keyed || key.is_some() => {
+            return Err(ClientError::KeyedBatch.into())
+        }
+        _ => return passing(parts, body),
+    };
+    let refused = |error: ClientError| Refused {
+        error: error.into(),
+        rpc_id: Some(call.id.clone()),
+    };
+    let key = match call.key.clone() {
+        Some(written) => Some(
+            written
+                .and_then(IdempotencyKey::new)
+                .map_err(|e| refused(e.into()))?,
+        ),
+        None => key,
+    };
+    let Some(key) = key else {
+        if route.require_key {
+            return Err(refused(ClientError::MissingKey));
+        }
+        return passing(parts, body);
+    };
+    let owner = shared.trust.owner(&route.owner, &parts)?;
+    let resume = resume_point(&parts)?;
+    let path = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
+    let fingerprint = intent_of(&call, path).map_err(|e| refused(e.into()))?;
+    Ok(Prepared::Keyed(Keyed {
+        intent: Arc::new(Intent {
+            route: route.clone(),
+            owner,
+            key,
+            fingerprint,
+        }),
+        parts,
+        body,
+        charge,
+        resume,
+        span: Span::current(),
+        waiting: None,
+        rpc_id: Some(call.id),
+    }))
+}
+
+/// A call's intent: its method, the endpoint, the tool and its arguments
+/// in canonical form. Never its `id`, its `_meta` (a progress token, the
+/// key itself) or its session: an agent that reconnected as a new session
+/// asks the same.
+fn intent_of(
+    call: &ToolCall,
+    path: &str,
+) -> Result<Fingerprint, idemgate_domain::fingerprint::AmbiguousJson> {
+    let mut asked = Vec::with_capacity(call.arguments.len() + call.name.len() + 32);
+    asked.extend_from_slice(b"{\"name\":");
+    asked.extend_from_slice(&serde_json::to_vec(&call.name).unwrap_or_default());
+    asked.extend_from_slice(b",\"arguments\":");
+    asked.extend_from_slice(&call.arguments);
+    asked.push(b'}');
+    let canonical = BodyRule {
+        canonical_json: true,
+        ignore: Vec::new(),
+    };
+    let parts = RequestParts {
+        method: "tools/call",
+        path_and_query: path,
+        headers: Vec::new(),
+        body: &asked,
+    };
+    fingerprint(&parts, &canonical)
+}
+
+/// `response`, which another request's attempt made, addressed to `id`:
+/// the JSON-RPC response in a JSON body, or the response event of an event
+/// stream, readdressed as it comes; every other byte as it was.
+pub(crate) fn readdressed(response: Response<Body>, id: Vec<u8>) -> Response<Body> {
+    let (mut parts, body) = response.into_parts();
+    let streams = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|t| t.as_bytes().starts_with(b"text/event-stream"));
+    // Written anew: the length may change with the id.
+    parts.headers.remove(header::CONTENT_LENGTH);
+    let body = if streams {
+        readdressed_events(body, id)
+    } else {
+        readdressed_message(body, id)
+    };
+    Response::from_parts(parts, body)
+}
+
+/// A JSON body with its response addressed to `id`.
+fn readdressed_message(body: Body, id: Vec<u8>) -> Body {
+    let whole = async move {
+        let bytes = body.collect().await?.to_bytes();
+        let readdressed = jsonrpc::with_id(&bytes, &id).map_or(bytes, Bytes::from);
+        Ok::<_, BodyError>(Frame::data(readdressed))
+    };
+    BodyExt::boxed(StreamBody::new(futures_util::stream::once(whole)))
+}
+
+/// An event stream's body with its response event addressed to `id`, cut
+/// at its lines as it comes (`docs/design.md` §10, "Events and
+/// heartbeats"), what its end leaves pending given out last.
+fn readdressed_events(body: Body, id: Vec<u8>) -> Body {
+    let state = (Some(body.into_data_stream()), Blocks::default());
+    let frames = futures_util::stream::unfold(state, move |(stream, mut blocks)| {
+        let id = id.clone();
+        async move {
+            let mut stream = stream?;
+            let (bytes, stream) = match stream.next().await {
+                Some(Ok(chunk)) => (blocks.push(&chunk), Some(stream)),
+                Some(Err(e)) => return Some((Err(e), (None, blocks))),
+                None => (blocks.finish().into_iter().collect(), None),
+            };
+            let mut out = Vec::new();
+            for block in bytes {
+                match jsonrpc::readdress_event(&block.bytes, &id) {
+                    Some(readdressed) => out.extend_from_slice(&readdressed),
+                    None => out.extend_from_slice(&block.bytes),
+                }
+            }
+            Some((Ok(Frame::data(Bytes::from(out))), (stream, blocks)))
+        }
+    });
+    BodyExt::boxed(StreamBody::new(frames))
+}
