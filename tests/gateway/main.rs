@@ -5,6 +5,7 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod agents;
 mod core;
 mod operations;
 mod owners_and_trust;

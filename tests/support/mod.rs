@@ -11,6 +11,7 @@ pub mod deployment;
 pub mod entries;
 pub mod gateway;
 pub mod h2;
+pub mod mcp;
 pub mod otlp;
 pub mod pki;
 pub mod postgres;

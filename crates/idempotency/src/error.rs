@@ -89,7 +89,9 @@ pub enum ClientError {
     },
     /// A JSON-RPC batch holding a keyed `tools/call` (`docs/design.md`
     /// §19): one answer cannot be addressed to several calls.
-    #[error("a batch may not hold a keyed tools/call: send each keyed call as a request of its own")]
+    #[error(
+        "a batch may not hold a keyed tools/call: send each keyed call as a request of its own"
+    )]
     KeyedBatch,
     /// A polled job that does not exist, expired, or is another owner's
     /// (`Prefer: respond-async`): the same answer for each.

@@ -214,7 +214,11 @@ fn async_wait(shared: &Shared, request: &Keyed) -> Option<std::time::Duration> {
 /// An opted-in request's answer: prepared (its body read), then run through
 /// the flow, at once or answered later as it prefers; or, an MCP route's
 /// message that is not a keyed tool call after all, passed through.
-async fn opted_in(shared: Arc<Shared>, opted: OptedIn, upstream: UpstreamService) -> Response<Body> {
+async fn opted_in(
+    shared: Arc<Shared>,
+    opted: OptedIn,
+    upstream: UpstreamService,
+) -> Response<Body> {
     let request = match opt_in::prepare(&shared, opted).await {
         Ok(Prepared::Keyed(request)) => request,
         Ok(Prepared::Passing(req)) => {

@@ -39,7 +39,8 @@ pub(crate) async fn prepare(
     let (body, charge) = read(shared, &route, &parts, body).await?;
     let passing = |parts, body: Bytes| {
         let mut req = Request::from_parts(parts, full(body));
-        req.extensions_mut().insert(Target(route.primary.id.clone()));
+        req.extensions_mut()
+            .insert(Target(route.primary.id.clone()));
         Ok(Prepared::Passing(req))
     };
     let call = match jsonrpc::request(&body) {

@@ -196,9 +196,20 @@ pub(crate) async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Prepared,
 
 /// Where a retry of a streamed job picks its stream up (`400` when that
 /// cannot be read).
-pub(crate) fn resume_point(parts: &http::request::Parts) -> Result<Option<ResumePoint>, ClientError> {
-    let lines = |name| parts.headers.get_all(name).iter().map(HeaderValue::as_bytes);
-    Ok(ResumePoint::parse(lines(LAST_EVENT_ID), lines(EVENTS_RECEIVED))?)
+pub(crate) fn resume_point(
+    parts: &http::request::Parts,
+) -> Result<Option<ResumePoint>, ClientError> {
+    let lines = |name| {
+        parts
+            .headers
+            .get_all(name)
+            .iter()
+            .map(HeaderValue::as_bytes)
+    };
+    Ok(ResumePoint::parse(
+        lines(LAST_EVENT_ID),
+        lines(EVENTS_RECEIVED),
+    )?)
 }
 
 /// The whole body, held against the memory budget: a request is taken only

@@ -1,0 +1,231 @@
+//! MCP tool calls through the real binary (`docs/design.md` §19): a
+//! `tools/call` keyed in `params._meta.idempotencyKey` runs once, and every
+//! answer is addressed to the request that asked; other messages pass.
+
+use http::Method;
+use serde_json::{json, Value};
+
+use crate::support::mcp::{tool_call, Answering, FakeMcp};
+use crate::support::{send, Gate, Gateway, Reply, TestStore};
+
+const ROUTE: &str = "[[routes]]\npath_prefix = \"/mcp\"\nprotocol = \"mcp\"\n";
+
+async fn gateway(store: &TestStore, server: &FakeMcp) -> Gateway {
+    Gateway::builder(store, &server.url())
+        .tables(ROUTE)
+        .start()
+        .await
+}
+
+/// POSTs `message` to the MCP endpoint, in session `session`.
+async fn post(gateway: &Gateway, message: &Value, session: &str) -> Reply {
+    let headers = [
+        ("content-type", "application/json"),
+        ("accept", "application/json, text/event-stream"),
+        ("mcp-session-id", session),
+    ];
+    send(
+        Method::POST,
+        &gateway.path("/mcp"),
+        &headers,
+        message.to_string(),
+    )
+    .await
+}
+
+/// The JSON-RPC response an answer carries: its body, or the response
+/// event of an event stream.
+fn response(reply: &Reply) -> Value {
+    assert_eq!(
+        reply.status,
+        200,
+        "{:?}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    if reply.header("content-type") == Some("text/event-stream") {
+        let text = String::from_utf8_lossy(&reply.body).into_owned();
+        return text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .map(|d| serde_json::from_str::<Value>(d).unwrap())
+            .find(|m| m.get("id").is_some())
+            .expect("a response event");
+    }
+    reply.json()
+}
+
+async fn a_retried_call_runs_once_and_answers_its_own_id(store: TestStore) {
+    let server = FakeMcp::start(Answering::Json, None).await;
+    let gateway = gateway(&store, &server).await;
+    let args = json!({"amount": 1500, "to": "acct-9"});
+    let first = post(
+        &gateway,
+        &tool_call(json!(1), "charge", args.clone(), Some("pay-1")),
+        "s1",
+    )
+    .await;
+    let first = response(&first);
+    assert_eq!(first["id"], 1);
+    // The agent's harness retries: a new id, the same key, arguments in
+    // another order (the same intent).
+    let args = json!({"to": "acct-9", "amount": 1500});
+    let retry = post(
+        &gateway,
+        &tool_call(json!("r-2"), "charge", args, Some("pay-1")),
+        "s1",
+    )
+    .await;
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    let retry = response(&retry);
+    assert_eq!(retry["id"], "r-2", "addressed to the retry");
+    assert_eq!(retry["result"], first["result"]);
+    assert_eq!(server.runs("charge"), 1);
+}
+
+async fn other_methods_are_never_keyed(store: TestStore) {
+    let server = FakeMcp::start(Answering::Json, None).await;
+    let gateway = gateway(&store, &server).await;
+    let list = json!({"jsonrpc": "2.0", "id": 5, "method": "tools/list"});
+    for _ in 0..2 {
+        let headers = [
+            ("content-type", "application/json"),
+            ("idempotency-key", "not-for-lists"),
+        ];
+        let reply = send(
+            Method::POST,
+            &gateway.path("/mcp"),
+            &headers,
+            list.to_string(),
+        )
+        .await;
+        assert_eq!(response(&reply)["id"], 5);
+        assert_eq!(reply.header("idempotent-replayed"), None);
+    }
+    let unkeyed = tool_call(json!(6), "lookup", json!({}), None);
+    post(&gateway, &unkeyed, "s").await;
+    post(&gateway, &unkeyed, "s").await;
+    let posted = server.posts();
+    assert_eq!(
+        posted.len(),
+        4,
+        "every message reached the server: {posted:?}"
+    );
+    assert_eq!(server.runs("lookup"), 2, "a call without a key is not kept");
+}
+
+async fn the_same_key_with_other_arguments_is_a_json_rpc_error(store: TestStore) {
+    let server = FakeMcp::start(Answering::Json, None).await;
+    let gateway = gateway(&store, &server).await;
+    post(
+        &gateway,
+        &tool_call(json!(1), "charge", json!({"amount": 1}), Some("k")),
+        "s",
+    )
+    .await;
+    let other = tool_call(json!(2), "charge", json!({"amount": 2}), Some("k"));
+    let reply = post(&gateway, &other, "s").await;
+    let error = response(&reply);
+    assert_eq!(error["id"], 2);
+    assert_eq!(error["error"]["code"], -32000);
+    let problem = error["error"]["data"]["type"].as_str().unwrap();
+    assert!(problem.ends_with("/idempotency-key-mismatch"), "{error}");
+    assert_eq!(server.runs("charge"), 1, "nothing ran for the mismatch");
+}
+
+/// Three calls with one key at once, each with its own id: the tool runs
+/// once, and each gets the answer addressed to it.
+async fn concurrent_calls(store: TestStore, answering: Answering) {
+    let gate = Gate::new();
+    let server = FakeMcp::start(answering, Some(gate.clone())).await;
+    let gateway = std::sync::Arc::new(gateway(&store, &server).await);
+    let calls: Vec<_> = (1..=3)
+        .map(|n| {
+            let gateway = gateway.clone();
+            let call = tool_call(json!(n), "send_email", json!({"to": "a@b"}), Some("mail-1"));
+            tokio::spawn(async move { post(&gateway, &call, &format!("s{n}")).await })
+        })
+        .collect();
+    crate::support::eventually(
+        std::time::Duration::from_secs(10),
+        "the call in flight",
+        || async {
+            server.posts().len() == 1 && gateway.metric("idemgate_held_requests").await == 2.0
+                || server.posts().len() == 1
+                    && gateway.metric("idemgate_stream_joiners_total").await == 2.0
+        },
+    )
+    .await;
+    gate.open(1);
+    let mut results = Vec::new();
+    for (n, call) in calls.into_iter().enumerate() {
+        let answer = response(&call.await.unwrap());
+        assert_eq!(answer["id"], n as i64 + 1);
+        results.push(answer["result"].clone());
+    }
+    assert!(results.iter().all(|r| *r == results[0]), "{results:?}");
+    assert_eq!(server.runs("send_email"), 1);
+}
+
+async fn concurrent_calls_with_one_key_run_the_tool_once(store: TestStore) {
+    concurrent_calls(store, Answering::Json).await;
+}
+
+async fn concurrent_calls_answered_as_a_stream_run_the_tool_once(store: TestStore) {
+    concurrent_calls(store, Answering::Stream).await;
+}
+
+async fn a_new_session_gets_the_answer_of_the_old_one(store: TestStore) {
+    let server = FakeMcp::start(Answering::Stream, None).await;
+    let gateway = gateway(&store, &server).await;
+    let call = |id| {
+        tool_call(
+            json!(id),
+            "create_ticket",
+            json!({"title": "x"}),
+            Some("t-1"),
+        )
+    };
+    let first = post(&gateway, &call(1), "session-before-crash").await;
+    let again = post(&gateway, &call(1001), "session-after-reconnect").await;
+    assert_eq!(again.header("content-type"), Some("text/event-stream"));
+    let (first, again) = (response(&first), response(&again));
+    assert_eq!(again["id"], 1001);
+    assert_eq!(again["result"], first["result"]);
+    assert_eq!(server.runs("create_ticket"), 1);
+}
+
+async fn a_keyed_batch_is_refused_and_an_error_answer_is_the_tools(store: TestStore) {
+    let server = FakeMcp::start(Answering::Json, None).await;
+    let gateway = gateway(&store, &server).await;
+    let batch = json!([tool_call(json!(1), "charge", json!({}), Some("b"))]);
+    let reply = post(&gateway, &batch, "s").await;
+    assert_eq!(reply.status, 400);
+    assert_eq!(reply.problem(), "keyed-batch");
+    assert_eq!(server.runs("charge"), 0);
+    // The server's JSON-RPC error, its code not retryable: the call's answer.
+    let flaky = tool_call(json!(2), "flaky", json!({}), Some("f"));
+    let first = response(&post(&gateway, &flaky, "s").await);
+    assert_eq!(first["error"]["code"], -32603);
+    let again = response(
+        &post(
+            &gateway,
+            &tool_call(json!(3), "flaky", json!({}), Some("f")),
+            "s",
+        )
+        .await,
+    );
+    assert_eq!(again["id"], 3);
+    assert_eq!(again["error"], first["error"]);
+    assert_eq!(server.runs("flaky"), 1);
+}
+
+crate::on_each_deployment!(
+    [embedded, postgres]
+    a_retried_call_runs_once_and_answers_its_own_id,
+    other_methods_are_never_keyed,
+    the_same_key_with_other_arguments_is_a_json_rpc_error,
+    concurrent_calls_with_one_key_run_the_tool_once,
+    concurrent_calls_answered_as_a_stream_run_the_tool_once,
+    a_new_session_gets_the_answer_of_the_old_one,
+    a_keyed_batch_is_refused_and_an_error_answer_is_the_tools,
+);

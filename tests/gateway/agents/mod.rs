@@ -1,0 +1,3 @@
+//! Agents' tool calls: MCP's `tools/call` over Streamable HTTP, run once per key.
+
+mod mcp;
