@@ -623,3 +623,38 @@ fn respond_async_is_on_by_default_and_its_path_is_under_no_route() {
         assert_eq!(err.key, "respond_async_path", "{bad}");
     }
 }
+
+#[test]
+fn an_mcp_route_reads_its_protocol_and_the_worked_example_loads() {
+    use idemgate_idempotency::route::Protocol;
+    let load = |route: &str| {
+        Settings::from_sources(
+            Settings::parse_file(&format!("[[routes]]\n{route}")).unwrap(),
+            flags_with_upstream(),
+        )
+    };
+    assert_eq!(load("").unwrap().routes[0].protocol, Protocol::Http);
+    let mcp =
+        load("protocol = \"mcp\"\nkeyed_tools = [\"charge\"]\nretryable_rpc_codes = [-32001]")
+            .unwrap();
+    let Protocol::Mcp(mcp) = &mcp.routes[0].protocol else {
+        panic!("not mcp")
+    };
+    assert!(mcp.keys("charge") && !mcp.keys("lookup"));
+    assert_eq!(mcp.retryable_codes, [-32001]);
+    assert_eq!(
+        load("protocol = \"grpc\"").unwrap_err().key,
+        "routes[0].protocol"
+    );
+    let err = load("keyed_tools = [\"charge\"]").unwrap_err();
+    assert_eq!(
+        err.key, "routes[0].keyed_tools",
+        "only an MCP route keys tools"
+    );
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/mcp");
+    let text = std::fs::read_to_string(dir.join("idemgate.toml")).unwrap();
+    let example =
+        Settings::from_sources(Settings::parse_file(&text).unwrap(), Flags::default()).unwrap();
+    assert!(matches!(example.routes[0].protocol, Protocol::Mcp(_)));
+    assert!(!example.routes[0].owner.allow_anonymous);
+}

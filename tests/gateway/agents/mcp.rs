@@ -229,3 +229,113 @@ crate::on_each_deployment!(
     a_new_session_gets_the_answer_of_the_old_one,
     a_keyed_batch_is_refused_and_an_error_answer_is_the_tools,
 );
+
+/// The README's `python` block under `heading`.
+fn readme_python(heading: &str) -> String {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let section = &readme[readme.find(heading).expect("the README's heading")..];
+    let block = &section[section.find("```python\n").expect("a python block") + 10..];
+    block[..block.find("```").unwrap()].to_owned()
+}
+
+/// The official `mcp` Python SDK (2.x), client and server over Streamable
+/// HTTP, the gateway between them started with the worked configuration
+/// (`config/mcp/idemgate.toml`) as written: the README's agent, run twice
+/// (two sessions, as an agent that crashed and reconnected), runs the tool
+/// once and both print its result; another agent's token is another owner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_official_mcp_sdk_calls_a_tool_once_across_sessions() {
+    use tokio::io::AsyncBufReadExt;
+    let python = tokio::task::spawn_blocking(|| {
+        crate::support::python::venv("mcp-venv", &["mcp>=2,<3"], "import mcp.server.mcpserver")
+            .join("python")
+    })
+    .await
+    .unwrap();
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = tempfile::tempdir().unwrap();
+    let runs = dir.path().join("runs.txt");
+    let port = crate::support::redis::free_port().await;
+    let server = tokio::process::Command::new(&python)
+        .arg(repo.join("tests/clients/mcp_server.py"))
+        .arg(port.to_string())
+        .arg(&runs)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .process_group(0)
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let _server = crate::support::process::ProcessGroup::of(&server);
+    let mut gateway = tokio::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .args(["--config", "config/mcp/idemgate.toml", "serve"])
+        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .arg("--upstream")
+        .arg(format!("http://127.0.0.1:{port}"))
+        .arg("--embedded-path")
+        .arg(dir.path().join("idemgate.db"))
+        .current_dir(repo)
+        .env_remove("IDEMGATE_CONFIG")
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(gateway.stdout.take().unwrap()).lines();
+    let line = tokio::time::timeout(std::time::Duration::from_secs(30), lines.next_line())
+        .await
+        .expect("the gateway did not start within 30 s")
+        .unwrap()
+        .unwrap();
+    let url = line
+        .strip_prefix("idemgate listening on ")
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("{line}"))
+        .to_owned();
+    crate::support::eventually(
+        std::time::Duration::from_secs(20),
+        "the MCP server",
+        || async {
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+        },
+    )
+    .await;
+    let agent = readme_python("## Agents and MCP");
+    let run = |token: &'static str| {
+        let (python, agent, url) = (python.clone(), agent.clone(), url.clone());
+        async move {
+            let out = tokio::time::timeout(
+                std::time::Duration::from_secs(60),
+                tokio::process::Command::new(&python)
+                    .args(["-c", &agent])
+                    .env("MCP_URL", format!("{url}/mcp"))
+                    .env("MCP_TOKEN", token)
+                    .kill_on_drop(true)
+                    .output(),
+            )
+            .await
+            .expect("the agent did not finish within 60 s")
+            .unwrap();
+            assert!(
+                out.status.success(),
+                "the agent failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            String::from_utf8(out.stdout).unwrap().trim_end().to_owned()
+        }
+    };
+    let first = run("agent-7").await;
+    assert_eq!(first, "charged 5000 to acct-9 (run 1)");
+    assert_eq!(
+        run("agent-7").await,
+        first,
+        "the reconnected agent's call replayed"
+    );
+    let ran = || std::fs::read_to_string(&runs).unwrap().lines().count();
+    assert_eq!(ran(), 1, "the tool ran once");
+    // Another agent's key of the same name is its own: its call runs.
+    assert_eq!(run("agent-8").await, "charged 5000 to acct-9 (run 2)");
+    assert_eq!(ran(), 2);
+}
