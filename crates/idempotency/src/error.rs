@@ -427,19 +427,21 @@ impl GatewayError {
 
     /// Whether an MCP client is told this as a JSON-RPC error of the tool
     /// call it made: what its key met (a mismatch, a call in progress, an
-    /// unknown outcome) or a key missing or malformed. Who is asking, the
-    /// body and the gateway's own state stay HTTP answers (an MCP client
-    /// answers a `401` by authorising, for one).
+    /// unknown outcome), a key missing or malformed, or how its own call
+    /// went upstream (silent past the timeout: unknown; refused; broken).
+    /// Who is asking, the body and the gateway's own state stay HTTP
+    /// answers (an MCP client answers a `401` by authorising, for one).
     pub fn is_the_calls(&self) -> bool {
         matches!(
             self,
-            GatewayError::Client(
-                ClientError::KeyMismatch { .. }
-                    | ClientError::InProgress { .. }
-                    | ClientError::OutcomeUnknown { .. }
-                    | ClientError::MissingKey
-                    | ClientError::InvalidKey(_)
-            )
+            GatewayError::Upstream(_)
+                | GatewayError::Client(
+                    ClientError::KeyMismatch { .. }
+                        | ClientError::InProgress { .. }
+                        | ClientError::OutcomeUnknown { .. }
+                        | ClientError::MissingKey
+                        | ClientError::InvalidKey(_)
+                )
         )
     }
 

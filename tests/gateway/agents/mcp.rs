@@ -219,8 +219,73 @@ async fn a_keyed_batch_is_refused_and_an_error_answer_is_the_tools(store: TestSt
     assert_eq!(server.runs("flaky"), 1);
 }
 
+/// What a call's key meets, told as a JSON-RPC error of that call: its key
+/// missing on a route that requires one, a call in progress past
+/// `hold_timeout`, an outcome unknown.
+async fn refusals_are_json_rpc_errors_of_the_call(store: TestStore) {
+    let gate = Gate::new();
+    let server = FakeMcp::start(Answering::Json, Some(gate.clone())).await;
+    let gateway = std::sync::Arc::new(
+        Gateway::builder(&store, &server.url())
+            .set("hold_timeout", "\"300ms\"")
+            .set("upstream_timeout", "\"2s\"")
+            .tables(&format!("{ROUTE}require_key = true\n"))
+            .start()
+            .await,
+    );
+    let problem = |reply: &Reply, id: i64, slug: &str| {
+        let error = response(reply);
+        assert_eq!(error["id"], id, "{error}");
+        let kind = error["error"]["data"]["type"].as_str().unwrap_or_default();
+        assert!(kind.ends_with(slug), "{slug}: {error}");
+    };
+    let unkeyed = post(
+        &gateway,
+        &tool_call(json!(1), "charge", json!({}), None),
+        "s",
+    )
+    .await;
+    problem(&unkeyed, 1, "/idempotency-key-missing");
+    let first = {
+        let gateway = gateway.clone();
+        tokio::spawn(async move {
+            post(
+                &gateway,
+                &tool_call(json!(2), "charge", json!({}), Some("k")),
+                "s",
+            )
+            .await
+        })
+    };
+    crate::support::eventually(
+        std::time::Duration::from_secs(10),
+        "the call in flight",
+        || async { server.posts().len() == 1 },
+    )
+    .await;
+    let held = post(
+        &gateway,
+        &tool_call(json!(3), "charge", json!({}), Some("k")),
+        "s",
+    )
+    .await;
+    problem(&held, 3, "/request-in-progress");
+    // The first call falls silent past upstream_timeout: its outcome unknown.
+    problem(&first.await.unwrap(), 2, "/attempt-outcome-unknown");
+    let unknown = post(
+        &gateway,
+        &tool_call(json!(4), "charge", json!({}), Some("k")),
+        "s",
+    )
+    .await;
+    problem(&unknown, 4, "/attempt-outcome-unknown");
+    gate.open(1);
+    assert_eq!(server.posts().len(), 1, "nothing ran but the first call");
+}
+
 crate::on_each_deployment!(
     [embedded, postgres]
+    refusals_are_json_rpc_errors_of_the_call,
     a_retried_call_runs_once_and_answers_its_own_id,
     other_methods_are_never_keyed,
     the_same_key_with_other_arguments_is_a_json_rpc_error,
