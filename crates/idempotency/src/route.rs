@@ -332,9 +332,34 @@ impl Route {
 }
 
 /// The route a request falls under, if any: the first of `routes` (most
-/// specific prefix first) whose methods and path prefix match.
+/// specific prefix first) whose methods and path prefix match. An MCP
+/// route takes every method on its path: its transport's `GET` and
+/// `DELETE` pass through to its own upstream.
 pub fn find<'a>(routes: &'a [Arc<Route>], method: &Method, path: &str) -> Option<&'a Arc<Route>> {
-    routes
-        .iter()
-        .find(|r| r.methods.contains(method) && r.matches_path(path))
+    routes.iter().find(|r| {
+        let mcp = matches!(r.protocol, Protocol::Mcp(_));
+        (mcp || r.methods.contains(method)) && r.matches_path(path)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing;
+
+    #[test]
+    fn an_mcp_route_takes_every_method_on_its_path_and_an_http_route_its_own() {
+        let mcp = testing::route(&["http://a:1", "http://b:1"], |r| {
+            r.path_prefix = "/mcp".into();
+            r.protocol = Protocol::Mcp(Mcp::default());
+        });
+        let http = testing::route(&["http://a:1"], |r| r.path_prefix = "/v1".into());
+        let routes = [mcp.clone(), http];
+        for method in [Method::GET, Method::DELETE, Method::POST] {
+            let found = find(&routes, &method, "/mcp").map(|r| r.path_prefix.as_str());
+            assert_eq!(found, Some("/mcp"), "{method}");
+        }
+        assert!(find(&routes, &Method::GET, "/v1/x").is_none());
+        assert!(find(&routes, &Method::POST, "/v1/x").is_some());
+    }
 }
