@@ -283,8 +283,45 @@ async fn refusals_are_json_rpc_errors_of_the_call(store: TestStore) {
     assert_eq!(server.posts().len(), 1, "nothing ran but the first call");
 }
 
+/// A server's error answer with one of the route's retryable codes had no
+/// effect: passed on uncommitted, and the retry calls the tool again. A
+/// batch without a keyed call passes through.
+async fn a_retryable_error_code_runs_again_and_an_unkeyed_batch_passes(store: TestStore) {
+    let server = FakeMcp::start(Answering::Json, None).await;
+    let gateway = Gateway::builder(&store, &server.url())
+        .tables(&format!("{ROUTE}retryable_rpc_codes = [-32603]\n"))
+        .start()
+        .await;
+    for id in [1, 2] {
+        let call = tool_call(json!(id), "flaky", json!({}), Some("again"));
+        let error = response(&post(&gateway, &call, "s").await);
+        assert_eq!(
+            (error["id"].clone(), error["error"]["code"].clone()),
+            (json!(id), json!(-32603))
+        );
+    }
+    assert_eq!(
+        server.runs("flaky"),
+        2,
+        "not kept: the retry ran the tool again"
+    );
+    let batch = json!([
+        {"jsonrpc": "2.0", "id": 7, "method": "tools/list"},
+        tool_call(json!(8), "lookup", json!({}), None)
+    ]);
+    let reply = post(&gateway, &batch, "s").await;
+    assert_eq!(reply.status, 202, "the fake server's own answer to a batch");
+    assert_eq!(reply.header("idempotency-job"), None, "never a job");
+    assert_eq!(
+        server.posts().last().unwrap(),
+        &batch,
+        "the batch reached the server"
+    );
+}
+
 crate::on_each_deployment!(
     [embedded, postgres]
+    a_retryable_error_code_runs_again_and_an_unkeyed_batch_passes,
     refusals_are_json_rpc_errors_of_the_call,
     a_retried_call_runs_once_and_answers_its_own_id,
     other_methods_are_never_keyed,
