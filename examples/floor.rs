@@ -105,6 +105,7 @@ async fn serve(settings: &Settings, listen: SocketAddr, reuse_port: bool) {
         keepalive_timeout: Duration::from_secs(75),
         max_header_size: 16 * 1024,
         body_read_timeout: Duration::from_secs(30),
+        body_min_rate: 0,
         http2_keepalive_interval: None,
         http2_keepalive_timeout: Duration::from_secs(20),
         http2_idle_timeout: None,

@@ -306,7 +306,7 @@ fn memory_budget(budget: MemoryBudget) -> Arc<Budget> {
             "memory budget: the default (no container memory limit found; set memory_budget)"
         ),
     }
-    Budget::new(budget.bytes)
+    Budget::with_owner_limit(budget.bytes, budget.per_owner)
 }
 
 /// Says at start-up what allowing anonymous owners means, naming the

@@ -20,7 +20,7 @@ use crate::BoxError;
 use idemgate_domain::id::JobId;
 use idemgate_idempotency::route::{self, Route};
 use idemgate_idempotency::{IdempotencyLayer, Shared};
-use idemgate_proxy::http::idle::IdleTimeout;
+use idemgate_proxy::http::idle::{IdleTimeout, Pace};
 use idemgate_proxy::http::request_id::RequestIds;
 use idemgate_proxy::http::{cookie, hop, IDEMPOTENCY_KEY};
 use idemgate_proxy::path::NormalizePathLayer;
@@ -70,7 +70,10 @@ pub(super) fn proxy(
        + Send
        + Sync
        + 'static {
-    let body_read_timeout = settings.limits.body_read_timeout;
+    let pace = Pace {
+        timeout: settings.limits.body_read_timeout,
+        min_rate: settings.limits.body_min_rate,
+    };
     // Shared, not copied, by the per-request clones of the stack.
     let routes: Arc<[Arc<Route>]> = settings.routes.iter().cloned().collect();
     let span_routes = routes.clone();
@@ -96,7 +99,7 @@ pub(super) fn proxy(
             routes.clone(),
             settings.upstreams[0].id.clone(),
         ))
-        .map_request(move |req| enter(req, body_read_timeout))
+        .map_request(move |req| enter(req, pace))
         // One spelling of each path: routes match, and the upstream gets,
         // what the upstream will read (`400` for a path read two ways).
         .layer(NormalizePathLayer)
@@ -113,15 +116,12 @@ pub(super) fn proxy(
 /// and its hop-by-hop headers (and those its `Connection` names) removed
 /// before any layer adds a header of the gateway's own (§15). The client's
 /// `Idempotency-Key` is for the gateway: naming it there does not hide it.
-fn enter(
-    mut req: Request<Counted<Incoming>>,
-    body_read_timeout: std::time::Duration,
-) -> Request<idemgate_proxy::http::Body> {
+fn enter(mut req: Request<Counted<Incoming>>, pace: Pace) -> Request<idemgate_proxy::http::Body> {
     hop::strip_but(req.headers_mut(), Some(&IDEMPOTENCY_KEY));
     // A console session is the gateway's alone: no owner, fingerprint or
     // upstream sees it (docs/design.md §14).
     cookie::strip_console(req.headers_mut());
-    req.map(|b| IdleTimeout::new(b, body_read_timeout).boxed())
+    req.map(|b| IdleTimeout::paced(b, pace).boxed())
 }
 
 /// A request's span. A request without a key is only proxied, and its span

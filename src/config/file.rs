@@ -64,6 +64,7 @@ pub struct FileConfig {
     pub(super) max_header_size: Option<bytesize::ByteSize>,
     #[serde(default, with = "humantime_serde")]
     pub(super) body_read_timeout: Option<Duration>,
+    pub(super) body_min_rate: Option<bytesize::ByteSize>,
     #[serde(default, with = "humantime_serde")]
     pub(super) http2_keepalive_interval: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
@@ -71,6 +72,7 @@ pub struct FileConfig {
     #[serde(default, with = "humantime_serde")]
     pub(super) http2_idle_timeout: Option<Duration>,
     pub(super) memory_budget: Option<bytesize::ByteSize>,
+    pub(super) memory_budget_owner_share: Option<f64>,
     pub(super) owner_header: Option<String>,
     pub(super) forward_key_header: Option<String>,
     pub(super) forward_attempt_header: Option<String>,

@@ -36,6 +36,8 @@ pub(super) fn limits(file: &FileConfig) -> Result<Limits, ConfigError> {
             "body_read_timeout",
             file.body_read_timeout.unwrap_or(Duration::from_secs(30)),
         )?,
+        // Zero: any rate (only the pause timeout applies).
+        body_min_rate: file.body_min_rate.map_or(1024, |b| b.as_u64()),
         http2_keepalive_interval: off_when_zero(
             file.http2_keepalive_interval
                 .unwrap_or(Duration::from_secs(20)),
@@ -56,6 +58,9 @@ pub(super) fn limits(file: &FileConfig) -> Result<Limits, ConfigError> {
 pub struct MemoryBudget {
     /// Bytes.
     pub bytes: usize,
+    /// The most one owner may hold, in bytes (`memory_budget_owner_share`
+    /// of `bytes`).
+    pub per_owner: usize,
     /// Where the number came from.
     pub from: BudgetSource,
 }
@@ -85,19 +90,28 @@ pub(super) fn memory_budget(
     container_limit: Option<u64>,
 ) -> Result<MemoryBudget, ConfigError> {
     let configured = flags.memory_budget.or(file.memory_budget);
-    let budget = match (configured, container_limit) {
-        (Some(bytes), _) => MemoryBudget {
-            bytes: size("memory_budget", Some(bytes), 0)?,
-            from: BudgetSource::Configured,
-        },
-        (None, Some(limit)) => MemoryBudget {
-            bytes: usize::try_from(limit / 2).unwrap_or(usize::MAX),
-            from: BudgetSource::Container(limit),
-        },
-        (None, None) => MemoryBudget {
-            bytes: DEFAULT_BUDGET,
-            from: BudgetSource::Default,
-        },
+    let (bytes, from) = match (configured, container_limit) {
+        (Some(bytes), _) => (
+            size("memory_budget", Some(bytes), 0)?,
+            BudgetSource::Configured,
+        ),
+        (None, Some(limit)) => (
+            usize::try_from(limit / 2).unwrap_or(usize::MAX),
+            BudgetSource::Container(limit),
+        ),
+        (None, None) => (DEFAULT_BUDGET, BudgetSource::Default),
+    };
+    let share = file.memory_budget_owner_share.unwrap_or(0.5);
+    if !(share > 0.0 && share <= 1.0) {
+        return Err(bad(
+            "memory_budget_owner_share",
+            format!("{share} is not a share of the budget: give a number above 0 and at most 1 (0.5: one owner may hold half the budget; 1: no cap)"),
+        ));
+    }
+    let budget = MemoryBudget {
+        bytes,
+        per_owner: (bytes as f64 * share) as usize,
+        from,
     };
     if let Some(route) = routes.iter().find(|r| r.body_limit > budget.bytes) {
         let why = match budget.from {
@@ -247,6 +261,28 @@ mod tests {
         );
         let err = settings("body_read_timeout = \"0s\"").err().unwrap();
         assert_eq!(err.key, "body_read_timeout");
+        assert_eq!(limits.body_min_rate, 1024);
+        let any = settings("body_min_rate = \"0B\"").unwrap().limits;
+        assert_eq!(any.body_min_rate, 0, "zero: any rate");
+    }
+
+    #[test]
+    fn an_owner_holds_half_the_budget_unless_told_and_a_share_past_one_stops_start_up() {
+        let budget = settings("memory_budget = \"100MiB\"")
+            .unwrap()
+            .memory_budget;
+        assert_eq!(budget.per_owner, 50 << 20);
+        let all = settings("memory_budget = \"100MiB\"\nmemory_budget_owner_share = 1.0")
+            .unwrap()
+            .memory_budget;
+        assert_eq!(all.per_owner, 100 << 20);
+        for bad in ["0", "0.0", "1.5", "-0.5", "nan"] {
+            let err = settings(&format!("memory_budget_owner_share = {bad}"))
+                .err()
+                .unwrap_or_else(|| panic!("{bad} was taken"));
+            assert_eq!(err.key, "memory_budget_owner_share", "{bad}");
+            assert!(err.message.contains("at most 1"), "{}", err.message);
+        }
     }
 
     fn write(root: &Path, path: &str, text: &str) {

@@ -191,10 +191,17 @@ impl FakeUpstream {
 
     /// Waits for the next request to arrive (10 s at most).
     pub async fn arrival(&self) -> Recorded {
+        self.arrival_within(Duration::from_secs(10)).await
+    }
+
+    /// Waits for the next request to arrive, `limit` at most: for a client
+    /// that is a process of its own (a Python interpreter importing an SDK
+    /// takes seconds on a loaded machine).
+    pub async fn arrival_within(&self, limit: Duration) -> Recorded {
         let mut rx = self.arrivals.lock().await;
-        tokio::time::timeout(Duration::from_secs(10), rx.recv())
+        tokio::time::timeout(limit, rx.recv())
             .await
-            .expect("no request reached the upstream within 10 s")
+            .unwrap_or_else(|_| panic!("no request reached the upstream within {limit:?}"))
             .expect("upstream stopped")
     }
 }

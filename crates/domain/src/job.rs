@@ -147,6 +147,12 @@ pub struct NewJob {
 /// the expiry the key may already name a new job.
 pub const EXPIRY_MARGIN: Duration = Duration::from_secs(5);
 
+/// The largest committed body read together with its job. A larger one is
+/// read on its own, by a replay that has room for it in the memory budget:
+/// duplicates that are refused, mismatched or told to wait never read it
+/// (`docs/design.md` §18).
+pub const INLINE_ANSWER: usize = 256 << 10;
+
 /// A job as read from the store.
 #[derive(Debug, Clone)]
 pub struct Job {
@@ -168,8 +174,15 @@ pub struct Job {
     pub attempt_count: i32,
     /// The attempt whose result was committed.
     pub completed_by: Option<AttemptId>,
-    /// The committed response, once completed.
+    /// The committed response, once completed, when it was read with the
+    /// job: one whose body is larger than [`INLINE_ANSWER`] is left in the
+    /// store (see `response_in_store`).
     pub response: Option<StoredResponse>,
+    /// The size in bytes of a committed body left in the store, so that a
+    /// replay can make room for it in the memory budget before reading it
+    /// (`docs/design.md` §18); `None` when `response` holds it, or there is
+    /// none.
+    pub response_in_store: Option<usize>,
     /// When the first request arrived.
     pub created_at: SystemTime,
     /// When the key is forgotten.

@@ -341,6 +341,14 @@ fn upstream_problem(e: &UpstreamError) -> Problem {
             "upstream-response-too-large",
             "Upstream response too large to record; outcome unknown",
         ),
+        // The answer was not delivered, like a cut one; the client's retry
+        // meets the attempt's unknown outcome (docs/design.md §18).
+        UpstreamError::OverBudget => p(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "overloaded",
+            "Gateway overloaded: no room in its memory budget for the upstream's answer; outcome unknown",
+        )
+        .retry_after(Duration::from_secs(1)),
         UpstreamError::Unconfigured(_) => INTERNAL,
     }
 }

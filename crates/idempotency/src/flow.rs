@@ -193,7 +193,7 @@ impl Flow {
         let mut waited = false;
         for _ in 0..MAX_ROUNDS {
             match job.state {
-                JobState::Completed => return shared.replays.of_job(request, &job, write),
+                JobState::Completed => return shared.replays.of_job(request, &job, write).await,
                 // A resume continues an answer; it never starts another.
                 JobState::Open if resuming => {
                     return Err(nothing_to_resume(

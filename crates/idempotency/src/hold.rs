@@ -20,6 +20,7 @@ use tokio::time::Instant;
 use crate::error::{ClientError, GatewayError};
 use idemgate_domain::id::JobId;
 use idemgate_domain::job::{Job, JobState};
+use idemgate_domain::response::StoredResponse;
 use idemgate_store::{Doorbell, Observed, Store};
 
 /// How long duplicates are held, and what they are told after.
@@ -170,6 +171,16 @@ impl Holds {
     pub(crate) async fn reread(&self, job: JobId) -> Result<Job, GatewayError> {
         // Purged under our feet (expired): the client may simply retry.
         self.store.job(job).await?.ok_or_else(|| self.in_progress())
+    }
+
+    /// The committed answer of a completed `job`, read from the store when
+    /// it was too large to come with the job (`docs/design.md` §18).
+    pub(crate) async fn committed(&self, job: Job) -> Result<Option<StoredResponse>, GatewayError> {
+        match (job.response, job.response_in_store) {
+            (Some(stored), _) => Ok(Some(stored)),
+            (None, Some(_)) => Ok(self.store.response(job.id).await?),
+            (None, None) => Ok(None),
+        }
     }
 
     /// The answer to a duplicate that cannot be held (longer).

@@ -36,7 +36,10 @@ pub(crate) async fn prepare(
 ) -> Result<Prepared, Refused> {
     let OptedIn { route, key, req } = opted;
     let (parts, body) = req.into_parts();
-    let (body, charge) = read(shared, &route, &parts, body).await?;
+    // Its owner, if its evidence holds, for its share of the budget; a tool
+    // call without it is refused below, once it is known to be one.
+    let sharer = shared.trust.owner(&route.owner, &parts).ok();
+    let (body, charge) = read(shared, &route, &parts, sharer.as_ref(), body).await?;
     let passing = |parts, body: Bytes| {
         let mut req = Request::from_parts(parts, full(body));
         req.extensions_mut()

@@ -15,7 +15,7 @@ use tracing::Span;
 use crate::error::{ClientError, GatewayError};
 use crate::route::{self, Protocol, Route};
 use idemgate_domain::fingerprint::{fingerprint, RequestParts};
-use idemgate_domain::key::IdempotencyKey;
+use idemgate_domain::key::{IdempotencyKey, Owner};
 use idemgate_domain::sse::ResumePoint;
 use idemgate_proxy::budget::Charge;
 use idemgate_proxy::http::{
@@ -157,7 +157,7 @@ pub(crate) async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Prepared,
     let (parts, body) = req.into_parts();
     let owner = shared.trust.owner(&route.owner, &parts)?;
     let resume = resume_point(&parts)?;
-    let (body, charge) = read(shared, &route, &parts, body).await?;
+    let (body, charge) = read(shared, &route, &parts, Some(&owner), body).await?;
     let fingerprint = fingerprint(
         &RequestParts {
             method: parts.method.as_str(),
@@ -215,11 +215,13 @@ pub(crate) fn resume_point(
 /// The whole body, held against the memory budget: a request is taken only
 /// while the budget has room for the length it declares, and one without a
 /// length only while its body keeps fitting. A refused body's rest is read
-/// and dropped, so its client reads the `503` (`docs/design.md` §18).
+/// and dropped, so its client reads the `503` (`docs/design.md` §18). Its
+/// `owner` (when known and not the anonymous one) holds at most its share.
 pub(crate) async fn read(
     shared: &Shared,
     route: &Route,
     parts: &http::request::Parts,
+    owner: Option<&Owner>,
     mut body: Body,
 ) -> Result<(Bytes, Arc<Charge>), GatewayError> {
     let limit = route.body_limit;
@@ -238,7 +240,10 @@ pub(crate) async fn read(
             retry_after: shared.config.retry_after,
         })
     };
-    let Some(charge) = shared.budget.admit(declared) else {
+    let share = owner
+        .filter(|o| **o != Owner::anonymous())
+        .map(Owner::as_str);
+    let Some(charge) = shared.budget.admit_for(share, declared) else {
         return refused(body);
     };
     match collect_charged(&mut body, limit, &charge).await {

@@ -21,6 +21,7 @@ use crate::route::Route;
 use crate::shared::Shared;
 use idemgate_domain::id::JobId;
 use idemgate_domain::job::{Job, JobState};
+use idemgate_proxy::budget::until_sent;
 use idemgate_proxy::http::{Body, Outcome};
 use idemgate_store::fastpath::Tag;
 
@@ -78,13 +79,7 @@ async fn poll(
     }
     let config = &shared.config;
     match job.state {
-        JobState::Completed => {
-            let stored = job.response.as_ref().ok_or_else(|| {
-                GatewayError::internal(format!("completed job {id} has no response"))
-            })?;
-            let framing = Framing::of(&route, stored);
-            Ok(replay::response(stored, id, true, framing))
-        }
+        JobState::Completed => committed(shared, &job, &route).await,
         JobState::Running => {
             let streams = parts
                 .headers
@@ -120,4 +115,38 @@ fn owned(shared: &Shared, job: Job) -> Option<(Job, Arc<Route>)> {
     }
     let route = shared.config.routes.iter().find(|r| r.name == job.route)?;
     Some((job, route.clone()))
+}
+
+/// A completed job's answer, held against the memory budget until it is
+/// sent; one left in the store is read only once the budget has room for
+/// it (`docs/design.md` §18).
+async fn committed(
+    shared: &Shared,
+    job: &Job,
+    route: &Route,
+) -> Result<Response<Body>, GatewayError> {
+    let no_response =
+        || GatewayError::internal(format!("completed job {} has no response", job.id));
+    let size = job
+        .response
+        .as_ref()
+        .map_or(job.response_in_store, |r| Some(r.body.len()));
+    let over = || GatewayError::OverBudget {
+        retry_after: shared.config.retry_after,
+    };
+    let charge = shared
+        .budget
+        .admit(size.ok_or_else(no_response)?)
+        .ok_or_else(over)?;
+    let stored = match &job.response {
+        Some(stored) => stored.clone(),
+        None => shared
+            .store
+            .response(job.id)
+            .await?
+            .ok_or_else(no_response)?,
+    };
+    let framing = Framing::of(route, &stored);
+    let answer = replay::response(&stored, job.id, true, framing);
+    Ok(answer.map(|body| until_sent(body, charge)))
 }

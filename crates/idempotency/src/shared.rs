@@ -130,6 +130,7 @@ impl Shared {
             config.replay_cache_size,
             fastpath,
             store.clone(),
+            config.retry_after,
         ));
         let runner = Arc::new(Runner::new(
             config.attempt.clone(),

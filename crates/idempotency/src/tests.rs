@@ -59,6 +59,12 @@ impl Records for Faulty {
     async fn job(&self, id: JobId) -> Result<Option<Job>, StoreError> {
         self.inner.job(id).await
     }
+    async fn response(
+        &self,
+        job: JobId,
+    ) -> Result<Option<idemgate_domain::response::StoredResponse>, StoreError> {
+        self.inner.response(job).await
+    }
     async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError> {
         self.inner.job_detail(id).await
     }

@@ -13,11 +13,17 @@
 //! the total past the limit until they are sent, and new requests wait for
 //! that.
 //!
+//! One owner may hold at most its share of the budget
+//! ([`Budget::with_owner_limit`]): uploads that trickle, or large answers,
+//! of one caller cannot take every other caller's room. Requests with no
+//! owner to tell apart (one anonymous owner for everyone) are not capped.
+//!
 //! A counter rather than a semaphore of permits: an answer must be able to
 //! take more than is left, and a semaphore cannot go below zero.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use http_body_util::BodyExt;
 
@@ -28,7 +34,10 @@ use crate::http::{Body, Holding};
 #[derive(Debug)]
 pub struct Budget {
     limit: usize,
+    owner_limit: usize,
     used: AtomicUsize,
+    /// Bytes held by each owner that holds any.
+    owners: Mutex<HashMap<Arc<str>, usize>>,
     in_use: metrics::Gauge,
     refused: metrics::Counter,
 }
@@ -36,10 +45,17 @@ pub struct Budget {
 impl Budget {
     /// A budget of `limit` bytes.
     pub fn new(limit: usize) -> Arc<Budget> {
+        Self::with_owner_limit(limit, limit)
+    }
+
+    /// A budget of `limit` bytes, of which one owner may hold `owner_limit`.
+    pub fn with_owner_limit(limit: usize, owner_limit: usize) -> Arc<Budget> {
         metrics::gauge!("idemgate_memory_budget_bytes").set(limit as f64);
         Arc::new(Budget {
             limit,
+            owner_limit,
             used: AtomicUsize::new(0),
+            owners: Mutex::default(),
             in_use: metrics::gauge!("idemgate_memory_budget_in_use_bytes"),
             refused: metrics::counter!("idemgate_memory_budget_refusals_total"),
         })
@@ -60,11 +76,30 @@ impl Budget {
     /// the budget. Refusals, here and by [`Charge::try_add`], are counted
     /// in `idemgate_memory_budget_refusals_total`.
     pub fn admit(self: &Arc<Self>, bytes: usize) -> Option<Arc<Charge>> {
+        self.admit_for(None, bytes)
+    }
+
+    /// [`admit`](Self::admit) for a request of `owner`, within the owner's
+    /// share as well; `None` for requests whose owners cannot be told apart.
+    pub fn admit_for(self: &Arc<Self>, owner: Option<&str>, bytes: usize) -> Option<Arc<Charge>> {
         let charge = Charge {
             budget: self.clone(),
             bytes: AtomicUsize::new(0),
+            owner: owner.map(Arc::from),
         };
         charge.try_add(bytes.max(1)).then(|| Arc::new(charge))
+    }
+
+    /// Bytes `owner` holds now.
+    pub fn held_by(&self, owner: &str) -> usize {
+        self.owners().get(owner).copied().unwrap_or(0)
+    }
+
+    fn owners(&self) -> std::sync::MutexGuard<'_, HashMap<Arc<str>, usize>> {
+        // A panic elsewhere leaves the counts whole: each is one write.
+        self.owners
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// An empty charge that is not refused: for bytes held on behalf of
@@ -73,6 +108,7 @@ impl Budget {
         Arc::new(Charge {
             budget: self.clone(),
             bytes: AtomicUsize::new(0),
+            owner: None,
         })
     }
 
@@ -107,6 +143,7 @@ impl Budget {
 pub struct Charge {
     budget: Arc<Budget>,
     bytes: AtomicUsize,
+    owner: Option<Arc<str>>,
 }
 
 impl Charge {
@@ -116,7 +153,18 @@ impl Charge {
         if bytes == 0 {
             return true;
         }
-        let taken = self.budget.try_take(bytes);
+        let taken = match &self.owner {
+            None => self.budget.try_take(bytes),
+            Some(owner) => {
+                let mut owners = self.budget.owners();
+                let held = owners.get(owner).copied().unwrap_or(0);
+                let fits = held + bytes <= self.budget.owner_limit && self.budget.try_take(bytes);
+                if fits {
+                    *owners.entry(owner.clone()).or_default() += bytes;
+                }
+                fits
+            }
+        };
         if taken {
             self.bytes.fetch_add(bytes, Ordering::AcqRel);
         } else {
@@ -133,6 +181,9 @@ impl Charge {
             return;
         }
         self.budget.take(bytes);
+        if let Some(owner) = &self.owner {
+            *self.budget.owners().entry(owner.clone()).or_default() += bytes;
+        }
         self.bytes.fetch_add(bytes, Ordering::AcqRel);
     }
 
@@ -145,8 +196,18 @@ impl Charge {
 impl Drop for Charge {
     fn drop(&mut self) {
         let bytes = *self.bytes.get_mut();
-        if bytes > 0 {
-            self.budget.give_back(bytes);
+        if bytes == 0 {
+            return;
+        }
+        self.budget.give_back(bytes);
+        if let Some(owner) = &self.owner {
+            let mut owners = self.budget.owners();
+            if let Some(held) = owners.get_mut(owner) {
+                *held = held.saturating_sub(bytes);
+                if *held == 0 {
+                    owners.remove(owner);
+                }
+            }
         }
     }
 }
@@ -191,6 +252,26 @@ mod tests {
         drop(held);
         assert_eq!(budget.in_use(), 0);
         assert!(budget.admit(100).is_some());
+    }
+
+    #[test]
+    fn one_owner_holds_at_most_its_share_and_others_are_still_admitted() {
+        let budget = Budget::with_owner_limit(100, 50);
+        let first = budget.admit_for(Some("a"), 30).unwrap();
+        assert!(
+            budget.admit_for(Some("a"), 30).is_none(),
+            "30 + 30 > a's 50"
+        );
+        assert!(!first.try_add(21), "nor may a body grow past it");
+        let other = budget
+            .admit_for(Some("b"), 50)
+            .expect("b has its own share");
+        assert_eq!((budget.held_by("a"), budget.held_by("b")), (30, 50));
+        let anonymous = budget.admit(20).expect("not capped, within the budget");
+        assert!(budget.admit(1).is_none(), "the budget is full");
+        drop((first, other, anonymous));
+        assert_eq!((budget.in_use(), budget.held_by("a")), (0, 0));
+        assert!(budget.admit_for(Some("a"), 50).is_some());
     }
 
     #[tokio::test]

@@ -257,6 +257,7 @@ mod tests {
             attempt_count: 1,
             completed_by: None,
             response: None,
+            response_in_store: None,
             created_at: std::time::SystemTime::now(),
             expires_at: std::time::SystemTime::now(),
         }

@@ -173,6 +173,12 @@ pub trait Records: Send + Sync + 'static {
     /// Reads a job.
     async fn job(&self, id: JobId) -> Result<Option<Job>, StoreError>;
 
+    /// Reads the committed response of a job, body and all: what reading
+    /// the job leaves in the store when the body is larger than
+    /// [`INLINE_ANSWER`](idemgate_domain::job::INLINE_ANSWER) (see
+    /// [`Job::response_in_store`]).
+    async fn response(&self, job: JobId) -> Result<Option<StoredResponse>, StoreError>;
+
     /// Reads a job with its attempts, as of one moment.
     async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError>;
 

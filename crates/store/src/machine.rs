@@ -154,6 +154,14 @@ impl<B: Backend> Records for Machine<B> {
             .transpose()
     }
 
+    async fn response(&self, job: JobId) -> Result<Option<StoredResponse>, StoreError> {
+        self.backend
+            .response(job)
+            .await?
+            .map(|r| Ok(seal::open(self.sealer.as_deref(), job, r)?))
+            .transpose()
+    }
+
     async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError> {
         self.open_detail(self.backend.job_detail(id).await?)
     }

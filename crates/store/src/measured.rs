@@ -32,6 +32,10 @@ impl<B: Backend> Records for Measured<B> {
         measure("job", self.0.job(id)).await
     }
 
+    async fn response(&self, job: JobId) -> Result<Option<StoredResponse>, StoreError> {
+        measure("response", self.0.response(job)).await
+    }
+
     async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError> {
         measure("job_detail", self.0.job_detail(id)).await
     }

@@ -143,6 +143,11 @@ impl Records for Memory {
         Ok(self.records().jobs.get(&id).map(|e| e.job.clone()))
     }
 
+    async fn response(&self, job: JobId) -> Result<Option<StoredResponse>, StoreError> {
+        let records = self.records();
+        Ok(records.jobs.get(&job).and_then(|e| e.job.response.clone()))
+    }
+
     async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError> {
         Ok(self.records().jobs.get(&id).map(Entry::detail))
     }
@@ -286,6 +291,7 @@ impl Backend for Memory {
             attempt_count: 1,
             completed_by: None,
             response: None,
+            response_in_store: None,
             created_at: now,
             expires_at: now + new.ttl,
         };

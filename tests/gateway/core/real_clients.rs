@@ -290,7 +290,7 @@ async fn the_openai_sdk_polls_a_long_completion_with_the_readme_snippet() {
         .kill_on_drop(true)
         .output();
     let snippet = tokio::spawn(snippet);
-    upstream.arrival().await;
+    upstream.arrival_within(Duration::from_secs(60)).await;
     crate::support::eventually(
         Duration::from_secs(20),
         "a poll of the running job",

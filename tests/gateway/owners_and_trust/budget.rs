@@ -349,3 +349,108 @@ async fn a_passed_through_upload_streams_rather_than_being_held() {
         grew >> 20
     );
 }
+
+/// A keyed upload by cookie owner `sid` that declares `len` bytes and then
+/// trickles ten bytes every 200 ms (50 B/s, every pause well within the
+/// body-read timeout) until the gateway answers; that answer's head and
+/// how long it took.
+async fn trickle(url: &str, sid: &str, key: &str, len: usize) -> (String, Duration) {
+    let authority = url.trim_start_matches("http://").to_owned();
+    let mut stream = TcpStream::connect(&authority).await.unwrap();
+    let head = format!(
+        "POST /v1/uploads?key={key} HTTP/1.1\r\nhost: x\r\nidempotency-key: {key}\r\n\
+         cookie: sid={sid}\r\ncontent-type: application/octet-stream\r\ncontent-length: {len}\r\n\r\n"
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let started = tokio::time::Instant::now();
+    let (mut read, mut write) = stream.into_split();
+    let sending = tokio::spawn(async move {
+        for _ in 0..len / 10 {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            if write.write_all(&[b't'; 10]).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut answer = vec![0; 512];
+    let n = tokio::time::timeout(Duration::from_secs(20), read.read(&mut answer))
+        .await
+        .expect("a trickled upload was held for 20 s")
+        .unwrap();
+    sending.abort();
+    (
+        String::from_utf8_lossy(&answer[..n]).into_owned(),
+        started.elapsed(),
+    )
+}
+
+/// Uploads that trickle cannot sit on the budget (design §18): one owner
+/// holds at most its share (half, by default), so another owner's keyed
+/// request is served while the trickles last; and a body slower than
+/// `body_min_rate` once past the body-read timeout is answered `408` and
+/// its bytes given back, though it never paused for long.
+async fn trickled_uploads_neither_starve_other_owners_nor_hold_their_bytes(store: TestStore) {
+    let upstream = FakeUpstream::start(|r| async move {
+        json_response(200, serde_json::json!({ "len": r.body.len() }))
+    })
+    .await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("memory_budget", "\"2MiB\"")
+        .set("body_read_timeout", "\"2s\"")
+        .set("body_min_rate", "\"1KiB\"")
+        .tables(
+            "[owner]\nsources = [{ cookie = \"sid\" }]\n\n\
+             [[routes]]\npath_prefix = \"/\"\nbody_limit = \"1MiB\"",
+        )
+        .start()
+        .await;
+    // Mallory declares 1 MiB twice: her share is 1 MiB, so the second is
+    // refused at once, and half the budget stays for everyone else.
+    let url = gateway.url.clone();
+    let first = tokio::spawn(async move { trickle(&url, "mallory", "m1", 1 << 20).await });
+    eventually(
+        Duration::from_secs(5),
+        "the first trickle is admitted",
+        || async { in_use(&gateway).await >= (1 << 20) as f64 },
+    )
+    .await;
+    let (second, _) = trickle(&gateway.url, "mallory", "m2", 1 << 20).await;
+    assert!(
+        second.starts_with("HTTP/1.1 503"),
+        "past her share: {second}"
+    );
+
+    let alice = send(
+        Method::POST,
+        &gateway.path("/v1/uploads?key=alice"),
+        &[("idempotency-key", "a1"), ("cookie", "sid=alice")],
+        vec![b'a'; 600 * KIB],
+    )
+    .await;
+    assert_eq!(
+        alice.status, 200,
+        "another owner is served: {:?}",
+        alice.body
+    );
+
+    let (cut, after) = first.await.unwrap();
+    assert!(cut.starts_with("HTTP/1.1 408"), "{cut}");
+    assert!(cut.contains("/request-body-timeout"), "{cut}");
+    assert!(
+        after < Duration::from_secs(8),
+        "cut once behind 1 KiB/s past the 2 s grace, not when the 1 MiB would end: {after:?}"
+    );
+    eventually(
+        Duration::from_secs(5),
+        "its bytes are given back",
+        || async { in_use(&gateway).await == 0.0 },
+    )
+    .await;
+    assert_eq!(jobs_for(&store, "m1").await, 0, "no job for a cut upload");
+    assert_eq!(jobs_for(&store, "m2").await, 0);
+}
+
+crate::on_each_deployment!(
+    [embedded, postgres]
+    trickled_uploads_neither_starve_other_owners_nor_hold_their_bytes
+);

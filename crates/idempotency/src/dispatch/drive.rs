@@ -190,6 +190,7 @@ impl Driver {
                             .shared
                             .replays
                             .of_job(&self.request, &current, Write::Always)
+                            .await
                     }
                     Step::Answer(answer) => {
                         return answer.map(|r| attempts.mark(dispatch.failed_last(), r))

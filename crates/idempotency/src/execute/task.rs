@@ -36,6 +36,14 @@ use crate::replay;
 use crate::replay::tiers::Write;
 use crate::route::{Route, Silences};
 
+/// What an answer read whole costs the memory budget per byte while it is
+/// held: itself, and the two copies its commit makes on the way to the
+/// store (the client library's encoding of the statement, and its socket
+/// buffer; SQLite's private copy of a bound blob, and the record it
+/// builds). Counted before the buffer grows, so answers that do not fit
+/// are refused before they are read (`docs/design.md` §18).
+const ANSWER_WEIGHT: usize = 4;
+
 pub(super) struct Task {
     pub(super) runner: Arc<Runner>,
     pub(super) route: Arc<Route>,
@@ -280,7 +288,8 @@ impl Task {
         }
         let limit = self.runner.config.max_response_size;
         let charge = self.charge.clone();
-        let rest = upstream::read_body(parts, body, limit, &progress_tx, Some(&charge));
+        let held = (&*charge, ANSWER_WEIGHT);
+        let rest = upstream::read_body(parts, body, limit, &progress_tx, Some(held));
         match self.watch(rest, &mut progress, &mut clock, cancel).await {
             Watched::Done(result) => Call::Answered(result),
             Watched::Cancelled => Call::Cancelled,

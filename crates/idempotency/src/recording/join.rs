@@ -112,8 +112,12 @@ impl Live {
             .holds
             .wait_settled(copy.job(), self.settle, |job| self.streaming(tag, job))
             .await;
+        // A copy of this stream is already held here: what is left of the
+        // answer is read whatever its size.
         let committed = match settled {
-            Ok(Some(job)) if job.state == JobState::Completed => job.response,
+            Ok(Some(job)) if job.state == JobState::Completed => {
+                self.holds.committed(job).await.ok().flatten()
+            }
             _ => None,
         };
         let sent = copy.stored().body;

@@ -8,7 +8,9 @@
 //!
 //! A copy read from Redis or the store counts against the memory budget
 //! until it is sent; a replay from memory copies nothing (the cache's bytes
-//! are bounded by `replay_cache_size`).
+//! are bounded by `replay_cache_size`). An answer too large to be read with
+//! its job is read only once the budget has room for it, and refused
+//! (`503 …/overloaded`) when it has none (`docs/design.md` §18).
 //!
 //! The first two answer only the very request that made the answer (same
 //! owner, key and fingerprint); anything else goes on to the store, which
@@ -16,7 +18,7 @@
 //! ones above it.
 
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use http::Response;
 
@@ -29,6 +31,12 @@ use idemgate_domain::response::StoredResponse;
 use idemgate_proxy::http::Body;
 use idemgate_store::fastpath::{FastPath, Lookup};
 use idemgate_store::Store;
+
+/// What a large answer read from the store costs the memory budget per
+/// byte: the copy handed to the client, and the one the store's client
+/// reads it into (SQLite assembles a blob before it is copied out; the
+/// PostgreSQL row is kept, not copied, but its read buffer is sized to it).
+const READ_WEIGHT: usize = 2;
 
 /// When a replay writes the job's fast-path entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,6 +53,7 @@ pub(crate) struct Replays {
     cache: ReplayCache,
     fastpath: Option<Arc<FastPath>>,
     store: Arc<dyn Store>,
+    retry_after: Duration,
 }
 
 impl Replays {
@@ -54,11 +63,13 @@ impl Replays {
         cache_size: usize,
         fastpath: Option<Arc<FastPath>>,
         store: Arc<dyn Store>,
+        retry_after: Duration,
     ) -> Self {
         Replays {
             cache: ReplayCache::new(cache_size),
             fastpath,
             store,
+            retry_after,
         }
     }
 
@@ -96,7 +107,11 @@ impl Replays {
             return None;
         }
         let stored = match entry.response {
-            Some(stored) => stored,
+            Some(stored) => {
+                // A copy, held until it is sent (docs/design.md §18).
+                request.charge.add(stored.body.len());
+                stored
+            }
             // Kept by reference: one read by primary key instead of the
             // insert-or-select; it must still be this request's job.
             None => match self.store.job(entry.job).await {
@@ -105,14 +120,13 @@ impl Replays {
                         && job.key == request.intent.key
                         && job.fingerprint == request.intent.fingerprint =>
                 {
-                    job.response?
+                    // Past the budget, the store's answer refuses it too.
+                    self.committed(request, &job).await.ok()?
                 }
                 _ => return None,
             },
         };
         metrics::counter!("idemgate_replays_total", "source" => "redis").increment(1);
-        // A copy, held until it is sent (docs/design.md §18).
-        request.charge.add(stored.body.len());
         self.keep(&request.intent, entry.job, entry.expires_at, &stored);
         let framing = Framing::of(&request.intent.route, &stored);
         Some((entry.job, response(&stored, entry.job, true, framing)))
@@ -120,21 +134,36 @@ impl Replays {
 
     /// The replay of a completed job the store returned; written back to the
     /// tiers above (which also repairs a lost or unusable Redis entry).
-    pub(crate) fn of_job(
+    pub(crate) async fn of_job(
         &self,
         request: &Keyed,
         job: &Job,
         write: Write,
     ) -> Result<Response<Body>, GatewayError> {
-        let stored = job.response.as_ref().ok_or_else(|| {
-            GatewayError::internal(format!("completed job {} has no response", job.id))
-        })?;
+        let stored = self.committed(request, job).await?;
         metrics::counter!("idemgate_replays_total", "source" => "store").increment(1);
-        // A copy, held until it is sent (docs/design.md §18).
-        request.charge.add(stored.body.len());
-        self.remember(&request.intent, job.id, job.expires_at, stored, write);
-        let framing = Framing::of(&request.intent.route, stored);
-        Ok(response(stored, job.id, true, framing))
+        self.remember(&request.intent, job.id, job.expires_at, &stored, write);
+        let framing = Framing::of(&request.intent.route, &stored);
+        Ok(response(&stored, job.id, true, framing))
+    }
+
+    /// The committed answer of `job`, a copy held on the request's charge
+    /// until it is sent (`docs/design.md` §18). One left in the store is
+    /// read only once the budget has room for its body.
+    async fn committed(&self, request: &Keyed, job: &Job) -> Result<StoredResponse, GatewayError> {
+        if let Some(stored) = &job.response {
+            request.charge.add(stored.body.len());
+            return Ok(stored.clone());
+        }
+        let no_response =
+            || GatewayError::internal(format!("completed job {} has no response", job.id));
+        let len = job.response_in_store.ok_or_else(no_response)?;
+        if !request.charge.try_add(len * READ_WEIGHT) {
+            return Err(GatewayError::OverBudget {
+                retry_after: self.retry_after,
+            });
+        }
+        self.store.response(job.id).await?.ok_or_else(no_response)
     }
 
     /// Keeps a committed answer for `intent` in memory and, off the request

@@ -143,6 +143,12 @@ mod tests {
         async fn job(&self, _: JobId) -> Result<Option<Job>, StoreError> {
             unimplemented!()
         }
+        async fn response(
+            &self,
+            _: JobId,
+        ) -> Result<Option<idemgate_domain::response::StoredResponse>, StoreError> {
+            unimplemented!()
+        }
         async fn job_detail(&self, _: JobId) -> Result<Option<JobDetail>, StoreError> {
             unimplemented!()
         }

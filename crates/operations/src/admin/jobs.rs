@@ -58,7 +58,7 @@ impl Admin {
     pub(super) async fn job(&self, id: &str) -> Result<Response<Body>, AdminError> {
         let id = JobId(parse_uuid(id)?);
         let detail = self.store.job_detail(id).await?;
-        found(detail, "no job with this id")
+        found(self.whole(detail).await?, "no job with this id")
     }
 
     /// `GET /admin/v1/jobs?…`: the inbox when a `state` is asked for, else
@@ -82,7 +82,20 @@ impl Admin {
         let key = IdempotencyKey::parse(key.as_bytes())
             .map_err(|e| AdminError::bad_request(e.to_string()))?;
         let detail = self.store.find_job(&owner, &key).await?;
-        found(detail, "no job for this owner and key")
+        found(self.whole(detail).await?, "no job for this owner and key")
+    }
+
+    /// `detail` with its committed response, read on its own when it was too
+    /// large to come with the job (`docs/design.md` §18): an operator
+    /// asking for one job sees all of it.
+    async fn whole(&self, detail: Option<JobDetail>) -> Result<Option<JobDetail>, AdminError> {
+        let Some(mut detail) = detail else {
+            return Ok(None);
+        };
+        if detail.job.response_in_store.is_some() {
+            detail.job.response = self.store.response(detail.job.id).await?;
+        }
+        Ok(Some(detail))
     }
 
     /// The operator's inbox: unknown jobs, newest first, a page at a time;

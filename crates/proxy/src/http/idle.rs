@@ -12,14 +12,25 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body::{Frame, SizeHint};
 use pin_project_lite::pin_project;
-use tokio::time::Sleep;
+use tokio::time::{Instant, Sleep};
 
 use super::{BodyError, BoxError};
 
-/// Why a body failed: its client sent nothing more for the timeout.
-#[derive(Debug, Clone, Copy, thiserror::Error)]
-#[error("the client sent no more of the request body for {}", humantime::format_duration(*.0))]
-pub struct BodyTimedOut(pub Duration);
+/// Why a body failed: its client paused for longer than the timeout, or
+/// sent it slower than the minimum rate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum BodyTimedOut {
+    /// Nothing more came for this long.
+    #[error("the client sent no more of the request body for {}", humantime::format_duration(*.0))]
+    Paused(Duration),
+    /// Past the first `grace`, it came slower than `min_rate` bytes a
+    /// second on average.
+    #[error("the client sent the request body slower than {min_rate} bytes a second")]
+    TooSlow {
+        /// Bytes a second, averaged since the body started.
+        min_rate: u64,
+    },
+}
 
 impl BodyTimedOut {
     /// The timeout, when `error` or one of its sources is one.
@@ -35,8 +46,19 @@ impl BodyTimedOut {
     }
 }
 
+/// How fast a request body must come (`docs/design.md` §18).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pace {
+    /// The longest pause between two pieces; also the grace before the
+    /// minimum rate applies.
+    pub timeout: Duration,
+    /// Bytes a second a body must average once past `timeout` (0: any).
+    pub min_rate: u64,
+}
+
 pin_project! {
-    /// A body that fails when its client pauses for longer than `timeout`.
+    /// A body that fails when its client pauses for longer than its pace's
+    /// timeout, or sends it slower than its minimum rate.
     pub struct IdleTimeout<B> {
         #[pin]
         inner: B,
@@ -44,18 +66,46 @@ pin_project! {
         // waits (an empty one, one already in the buffer) costs no timer.
         #[pin]
         pause: Option<Sleep>,
-        timeout: Duration,
+        pace: Pace,
+        // When the body was first asked for, and how much of it came.
+        started: Option<Instant>,
+        received: u64,
     }
 }
 
 impl<B> IdleTimeout<B> {
     /// `inner`, failing after a pause of `timeout`.
     pub fn new(inner: B, timeout: Duration) -> Self {
+        Self::paced(
+            inner,
+            Pace {
+                timeout,
+                min_rate: 0,
+            },
+        )
+    }
+
+    /// `inner`, failing when it falls behind `pace`.
+    pub fn paced(inner: B, pace: Pace) -> Self {
         IdleTimeout {
             inner,
             pause: None,
-            timeout,
+            pace,
+            started: None,
+            received: 0,
         }
+    }
+}
+
+impl Pace {
+    /// When a body that started at `started` and brought `received` bytes
+    /// falls behind the minimum rate, if one is set.
+    fn behind(&self, started: Instant, received: u64) -> Option<Instant> {
+        if self.min_rate == 0 {
+            return None;
+        }
+        let earned = Duration::from_secs_f64(received as f64 / self.min_rate as f64);
+        Some(started + self.timeout + earned)
     }
 }
 
@@ -72,17 +122,30 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         let mut this = self.project();
+        let started = *this.started.get_or_insert_with(Instant::now);
         if let Poll::Ready(frame) = this.inner.poll_frame(cx) {
             // Something came: the next pause starts from nothing.
             this.pause.set(None);
+            if let Some(Ok(data)) = frame.as_ref().map(|f| f.as_ref().map(Frame::data_ref)) {
+                *this.received += data.map_or(0, |d| d.len() as u64);
+            }
             return Poll::Ready(frame.map(|f| f.map_err(BodyError::new)));
         }
+        let behind = this.pace.behind(started, *this.received);
         if this.pause.is_none() {
-            this.pause.set(Some(tokio::time::sleep(*this.timeout)));
+            let paused = Instant::now() + this.pace.timeout;
+            let at = behind.map_or(paused, |behind| behind.min(paused));
+            this.pause.set(Some(tokio::time::sleep_until(at)));
         }
         match this.pause.as_pin_mut().map(|pause| pause.poll(cx)) {
             Some(Poll::Ready(())) => {
-                Poll::Ready(Some(Err(BodyError::new(BodyTimedOut(*this.timeout)))))
+                let failed = match behind {
+                    Some(behind) if Instant::now() >= behind => BodyTimedOut::TooSlow {
+                        min_rate: this.pace.min_rate,
+                    },
+                    _ => BodyTimedOut::Paused(this.pace.timeout),
+                };
+                Poll::Ready(Some(Err(BodyError::new(failed))))
             }
             _ => Poll::Pending,
         }
@@ -145,7 +208,72 @@ mod tests {
         let error = body.frame().await.unwrap().unwrap_err();
         assert_eq!(started.elapsed(), Duration::from_secs(2));
         let timed_out = BodyTimedOut::within(&error).expect("a timeout, found in the chain");
-        assert_eq!(timed_out.0, Duration::from_secs(2));
+        assert_eq!(timed_out, BodyTimedOut::Paused(Duration::from_secs(2)));
         drop(tx);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_that_trickles_fails_once_it_falls_behind_the_minimum_rate() {
+        let (tx, rx) = mpsc::channel(4);
+        let frames = futures_util::stream::unfold(rx, |mut rx: mpsc::Receiver<_>| async move {
+            rx.recv().await.map(|item| (item, rx))
+        });
+        let pace = Pace {
+            timeout: Duration::from_secs(2),
+            min_rate: 100,
+        };
+        let mut body = IdleTimeout::paced(StreamBody::new(frames), pace).boxed();
+        let started = tokio::time::Instant::now();
+        let sender = tokio::spawn(async move {
+            // 10 bytes a second, each pause within the timeout.
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let frame = Ok::<_, BodyError>(Frame::data(Bytes::from_static(&[7; 10])));
+                if tx.send(frame).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let error = loop {
+            match body.frame().await.unwrap() {
+                Ok(_) => continue,
+                Err(e) => break e,
+            }
+        };
+        let failed = BodyTimedOut::within(&error).expect("a timeout");
+        assert_eq!(failed, BodyTimedOut::TooSlow { min_rate: 100 });
+        // 2 s of grace, then 10 bytes earn a tenth of a second each: at
+        // 10 B/s it falls behind 100 B/s a little after the grace.
+        let took = started.elapsed();
+        assert!(
+            took >= Duration::from_secs(2) && took < Duration::from_secs(4),
+            "{took:?}"
+        );
+        sender.abort();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_at_the_minimum_rate_is_read_whole() {
+        let (tx, rx) = mpsc::channel(4);
+        let frames = futures_util::stream::unfold(rx, |mut rx: mpsc::Receiver<_>| async move {
+            rx.recv().await.map(|item| (item, rx))
+        });
+        let pace = Pace {
+            timeout: Duration::from_secs(2),
+            min_rate: 100,
+        };
+        let mut body = IdleTimeout::paced(StreamBody::new(frames), pace).boxed();
+        tokio::spawn(async move {
+            for _ in 0..20 {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let frame = Ok::<_, BodyError>(Frame::data(Bytes::from_static(&[7; 100])));
+                tx.send(frame).await.unwrap();
+            }
+        });
+        let mut read = 0;
+        while let Some(frame) = body.frame().await {
+            read += frame.unwrap().into_data().unwrap().len();
+        }
+        assert_eq!(read, 2000, "20 s at the minimum rate is never cut");
     }
 }

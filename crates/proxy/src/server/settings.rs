@@ -23,6 +23,10 @@ pub struct Limits {
     /// How long a client may pause in the middle of a request body (between
     /// two pieces of it, not for the whole body).
     pub body_read_timeout: Duration,
+    /// Bytes a second a request body must average once past the first
+    /// `body_read_timeout` (0: any rate), so that a trickled upload cannot
+    /// hold what it declared for long (`docs/design.md` §18).
+    pub body_min_rate: u64,
     /// How often an HTTP/2 connection is pinged; `None`: never.
     pub http2_keepalive_interval: Option<Duration>,
     /// How long a ping may go unanswered before the connection is closed.

@@ -57,6 +57,12 @@ pub enum UpstreamError {
         /// The limit.
         limit: usize,
     },
+    /// It answered with more than the memory budget has room for
+    /// (`docs/design.md` §18): the rest was not read.
+    #[error(
+        "the upstream's answer does not fit the gateway's memory budget and cannot be recorded"
+    )]
+    OverBudget,
     /// The request named an upstream this gateway does not have (a defect:
     /// configuration makes every [`UpstreamId`]); nothing was sent.
     #[error("no upstream {0} is configured")]
@@ -83,7 +89,8 @@ impl UpstreamError {
             }
             UpstreamError::Broken(_)
             | UpstreamError::TimedOut(_)
-            | UpstreamError::ResponseTooLarge { .. } => UpstreamErrorKind::MayHaveActed,
+            | UpstreamError::ResponseTooLarge { .. }
+            | UpstreamError::OverBudget => UpstreamErrorKind::MayHaveActed,
             UpstreamError::ContractViolation(_) => UpstreamErrorKind::Unusable,
         }
     }
@@ -402,30 +409,33 @@ where
 
 /// Reads the rest of an answer whose head arrived, at most `limit` bytes,
 /// counting every received frame on `progress`, and the buffer it fills on
-/// `charge` (never refused: the upstream has acted, `docs/design.md` §18).
-/// The buffer is sized by the answer's length when it gives one.
+/// `charge`, each byte `weight` times (itself and the copies its commit
+/// makes): an answer the memory budget has no room for is not read on
+/// ([`UpstreamError::OverBudget`], `docs/design.md` §18). The buffer is
+/// sized by the answer's length when it gives one.
 pub async fn read_body(
     parts: http::response::Parts,
     mut body: Body,
     limit: usize,
     progress: &watch::Sender<u64>,
-    charge: Option<&Charge>,
+    charge: Option<(&Charge, usize)>,
 ) -> Result<Fetched, UpstreamError> {
     let declared = http_body::Body::size_hint(&body).exact();
     let declared = declared.map_or(0, |n| usize::try_from(n).unwrap_or(usize::MAX));
-    let mut buf = bytes::BytesMut::with_capacity(declared.min(limit));
-    let mut charged = 0;
+    let mut buf = bytes::BytesMut::new();
+    let mut room = Room { charge, taken: 0 };
+    room.grow(&mut buf, declared.min(limit))?;
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| UpstreamError::Broken(Box::new(e)))?;
         if let Some(data) = frame.data_ref() {
             if buf.len() + data.len() > limit {
                 return Err(UpstreamError::ResponseTooLarge { limit });
             }
-            buf.extend_from_slice(data);
-            if let Some(charge) = charge.filter(|_| buf.capacity() > charged) {
-                charge.add(buf.capacity() - charged);
-                charged = buf.capacity();
+            if buf.len() + data.len() > buf.capacity() {
+                let wanted = (buf.len() + data.len()).max(buf.capacity() * 2).min(limit);
+                room.grow(&mut buf, wanted)?;
             }
+            buf.extend_from_slice(data);
             progress.send_modify(|n| *n += 1);
         }
     }
@@ -433,4 +443,34 @@ pub async fn read_body(
         parts,
         body: buf.freeze(),
     })
+}
+
+/// An answer's buffer, grown only once the memory budget has room for its
+/// new capacity (`docs/design.md` §18): the bytes are counted before they
+/// are allocated, so a burst of large answers cannot outrun the budget.
+struct Room<'a> {
+    charge: Option<(&'a Charge, usize)>,
+    /// The capacity counted so far.
+    taken: usize,
+}
+
+impl Room<'_> {
+    fn grow(&mut self, buf: &mut bytes::BytesMut, capacity: usize) -> Result<(), UpstreamError> {
+        if capacity <= buf.capacity() {
+            return Ok(());
+        }
+        if let Some((charge, weight)) = self.charge {
+            if !charge.try_add((capacity - self.taken) * weight) {
+                return Err(UpstreamError::OverBudget);
+            }
+            self.taken = capacity;
+        }
+        buf.reserve(capacity - buf.len());
+        if let Some((charge, weight)) = self.charge.filter(|_| buf.capacity() > self.taken) {
+            // The allocator may round up: count what it gave.
+            charge.add((buf.capacity() - self.taken) * weight);
+            self.taken = buf.capacity();
+        }
+        Ok(())
+    }
 }

@@ -113,7 +113,7 @@ impl Backend for Postgres {
             )
             .await
             .map_err(map_pg)?;
-        drop(client);
+        Postgres::release(client, response.body.len());
         if row.get(0) {
             return Ok(Committed {
                 won: true,
@@ -164,6 +164,7 @@ impl Backend for Postgres {
         };
         let started = write(&tx, &change).await?;
         tx.commit().await.map_err(map_pg)?;
+        Postgres::release(client, change.response.as_ref().map_or(0, |r| r.body.len()));
         Ok(Ok(Applied { change, started }))
     }
 

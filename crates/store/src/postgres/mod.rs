@@ -164,6 +164,17 @@ impl Postgres {
         }
     }
 
+    /// Gives `client` back to the pool, unless it just carried a body
+    /// larger than [`INLINE_ANSWER`](idemgate_domain::job::INLINE_ANSWER):
+    /// its connection then keeps buffers that size (the encoder's and the
+    /// socket's, which never shrink), so it is closed instead, and its
+    /// memory returns (`docs/design.md` §18).
+    fn release(client: deadpool_postgres::Client, carried: usize) {
+        if carried > idemgate_domain::job::INLINE_ANSWER {
+            drop(deadpool_postgres::Object::take(client));
+        }
+    }
+
     async fn client(&self) -> Result<deadpool_postgres::Client, StoreError> {
         self.pool
             .get()

@@ -7,7 +7,7 @@ use async_trait::async_trait;
 use deadpool_postgres::GenericClient;
 use uuid::Uuid;
 
-use super::rows::{attempt_from_row, job_from_row};
+use super::rows::{attempt_from_row, job_from_row, response_of};
 use super::sql::{ATTEMPT_COLUMNS, JOB_COLUMNS, JOB_WIDTH};
 use super::{map_pg, Postgres};
 use crate::{millis, Cursor, Records, StoreError};
@@ -16,6 +16,7 @@ use idemgate_domain::id::{AttemptId, JobId};
 use idemgate_domain::job::{Job, JobDetail};
 use idemgate_domain::key::{IdempotencyKey, Owner};
 use idemgate_domain::reconcile::Lookup;
+use idemgate_domain::response::StoredResponse;
 
 #[async_trait]
 impl Records for Postgres {
@@ -27,6 +28,21 @@ impl Records for Postgres {
             .map_err(map_pg)?;
         let row = client.query_opt(&select, &[&id.0]).await.map_err(map_pg)?;
         row.map(|r| job_from_row(&r)).transpose()
+    }
+
+    async fn response(&self, job: JobId) -> Result<Option<StoredResponse>, StoreError> {
+        let client = self.client().await?;
+        let select = client
+            .prepare_cached(
+                "SELECT response_status, response_header_names, response_header_values, \
+                 response_body FROM jobs WHERE id = $1",
+            )
+            .await
+            .map_err(map_pg)?;
+        let row = client.query_opt(&select, &[&job.0]).await.map_err(map_pg)?;
+        let response = row.map(response_of).transpose()?.flatten();
+        Postgres::release(client, response.as_ref().map_or(0, |r| r.body.len()));
+        Ok(response)
     }
 
     async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError> {

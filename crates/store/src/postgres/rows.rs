@@ -73,26 +73,68 @@ pub(super) fn split_headers(response: &StoredResponse) -> (Vec<&str>, Vec<&[u8]>
         .unzip()
 }
 
+/// The response in the four columns from `at` (status, header names,
+/// header values, body), if there is one, without its body.
+fn head_at(row: &Row, at: usize) -> Result<Option<StoredResponse>, StoreError> {
+    let Some(status) = row.get::<_, Option<i16>>(at) else {
+        return Ok(None);
+    };
+    let names: Vec<String> = row.get::<_, Option<_>>(at + 1).unwrap_or_default();
+    let values: Vec<Vec<u8>> = row.get::<_, Option<_>>(at + 2).unwrap_or_default();
+    if names.len() != values.len() {
+        return Err(StoreError::Corrupt("response headers"));
+    }
+    Ok(Some(StoredResponse {
+        status: status as u16,
+        headers: names
+            .into_iter()
+            .zip(values.into_iter().map(Bytes::from))
+            .collect(),
+        body: Bytes::new(),
+    }))
+}
+
+/// The response a row of status, header names, header values and body
+/// holds, its body not copied: the bytes stay in the row as it was read
+/// (a large answer is held once, not twice; `docs/design.md` §18).
+pub(super) fn response_of(row: Row) -> Result<Option<StoredResponse>, StoreError> {
+    let Some(mut response) = head_at(&row, 0)? else {
+        return Ok(None);
+    };
+    response.body = match row.get::<_, Option<&[u8]>>(3) {
+        Some(_) => Bytes::from_owner(BodyOf(row)),
+        None => Bytes::new(),
+    };
+    Ok(Some(response))
+}
+
+/// The body column (the fourth) of a response row, as bytes.
+struct BodyOf(Row);
+
+impl AsRef<[u8]> for BodyOf {
+    fn as_ref(&self) -> &[u8] {
+        self.0.get::<_, Option<&[u8]>>(3).unwrap_or_default()
+    }
+}
+
 pub(super) fn job_from_row(row: &Row) -> Result<Job, StoreError> {
     let fingerprint: &[u8] = row.get(3);
-    let response = match row.get::<_, Option<i16>>(9) {
-        None => None,
-        Some(status) => {
-            let names: Vec<String> = row.get::<_, Option<_>>(10).unwrap_or_default();
-            let values: Vec<Vec<u8>> = row.get::<_, Option<_>>(11).unwrap_or_default();
-            if names.len() != values.len() {
-                return Err(StoreError::Corrupt("response headers"));
-            }
+    // A body over INLINE_ANSWER was left unread (docs/design.md §18).
+    let response_in_store = match (
+        row.get::<_, Option<i16>>(9),
+        row.get::<_, Option<&[u8]>>(12),
+        row.get::<_, Option<i32>>(15),
+    ) {
+        (Some(_), None, Some(len)) if len > 0 => Some(len as usize),
+        _ => None,
+    };
+    let response = match response_in_store {
+        None => head_at(row, 9)?.map(|mut response| {
             let body: Vec<u8> = row.get::<_, Option<_>>(12).unwrap_or_default();
-            Some(StoredResponse {
-                status: status as u16,
-                headers: names
-                    .into_iter()
-                    .zip(values.into_iter().map(Bytes::from))
-                    .collect(),
-                body: Bytes::from(body),
-            })
-        }
+            response.body = Bytes::from(body);
+            response
+        }),
+        Some(_) => None,
     };
     Ok(Job {
         id: JobId(row.get(0)),
@@ -107,6 +149,7 @@ pub(super) fn job_from_row(row: &Row) -> Result<Job, StoreError> {
         attempt_count: row.get(7),
         completed_by: row.get::<_, Option<Uuid>>(8).map(AttemptId),
         response,
+        response_in_store,
         created_at: row.get(13),
         expires_at: row.get(14),
     })

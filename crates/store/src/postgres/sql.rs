@@ -1,11 +1,17 @@
 //! The columns the statements read, in the order the row readers
 //! (`rows.rs`) expect them, and the begin statement.
 
+/// A body over [`INLINE_ANSWER`](idemgate_domain::job::INLINE_ANSWER)
+/// (262144 bytes) is left unread, only its length read
+/// (`docs/design.md` §18); `octet_length` reads a stored value's size
+/// without fetching it.
 pub(super) const JOB_COLUMNS: &str =
     "j.id, j.owner, j.key, j.fingerprint, j.route, j.state, j.version, \
      j.attempt_count, j.completed_by, j.response_status, j.response_header_names, \
-     j.response_header_values, j.response_body, j.created_at, j.expires_at";
-pub(super) const JOB_WIDTH: usize = 15;
+     j.response_header_values, \
+     CASE WHEN octet_length(j.response_body) <= 262144 THEN j.response_body END, \
+     j.created_at, j.expires_at, octet_length(j.response_body)";
+pub(super) const JOB_WIDTH: usize = 16;
 pub(super) const ATTEMPT_COLUMNS: &str =
     "a.id, a.job_id, a.number, a.upstream, a.state, a.job_version, \
      a.started_at, a.finished_at, a.lease_expires_at, a.upstream_status, a.detail, \
@@ -25,7 +31,7 @@ pub(super) const SNAPSHOT_COLUMNS: &str =
 pub(super) fn begin_statement() -> String {
     format!(
         "WITH existing AS ( \
-           SELECT {JOB_COLUMNS}, j.expires_at <= now() AS expired FROM jobs j \
+           SELECT j.*, j.expires_at <= now() AS expired FROM jobs j \
            WHERE j.owner = $2 AND j.key = $3 \
          ), j AS ( \
            INSERT INTO jobs (id, owner, key, fingerprint, route, state, version, attempt_count, expires_at) \

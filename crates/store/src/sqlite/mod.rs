@@ -43,7 +43,8 @@ use rusqlite::{params, Connection};
 use self::change::{change_blocking, immediate, insert_attempt, snapshot, write};
 use self::group_commit::Op;
 use self::rows::{
-    job_from_row, map_sqlite, now_ms, read_detail, read_job, to_ms, uuid, JOB_COLUMNS,
+    job_from_row, map_sqlite, now_ms, read_detail, read_job, read_response, to_ms, uuid,
+    JOB_COLUMNS,
 };
 use crate::{
     commit_under_lock, expire_each, millis, Applied, Backend, Begin, Committed, Cursor, Decide,
@@ -118,6 +119,10 @@ impl Records for Sqlite {
     async fn job(&self, id: JobId) -> Result<Option<Job>, StoreError> {
         self.call(move |conn| read_job(conn, "j.id = ?1", [id.0.to_string()]))
             .await
+    }
+
+    async fn response(&self, job: JobId) -> Result<Option<StoredResponse>, StoreError> {
+        self.call(move |conn| read_response(conn, job)).await
     }
 
     async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError> {

@@ -18,8 +18,9 @@ use idemgate_domain::response::StoredResponse;
 
 pub(super) const JOB_COLUMNS: &str =
     "j.id, j.owner, j.key, j.fingerprint, j.route, j.state, j.version, \
-     j.attempt_count, j.completed_by, j.response_status, j.response_headers, j.response_body, \
-     j.created_at, j.expires_at";
+     j.attempt_count, j.completed_by, j.response_status, j.response_headers, \
+     CASE WHEN length(j.response_body) <= 262144 THEN j.response_body END, \
+     length(j.response_body), j.created_at, j.expires_at";
 pub(super) const ATTEMPT_COLUMNS: &str =
     "a.id, a.job_id, a.number, a.upstream, a.state, a.job_version, \
      a.started_at, a.finished_at, a.lease_expires_at, a.upstream_status, a.detail, \
@@ -96,6 +97,45 @@ pub(super) fn read_detail(
     Ok(Some(JobDetail { job, attempts }))
 }
 
+fn response(
+    status: u16,
+    headers: Option<&[u8]>,
+    body: Option<Vec<u8>>,
+) -> Result<StoredResponse, StoreError> {
+    Ok(StoredResponse {
+        status,
+        headers: decode_headers(headers.unwrap_or_default())
+            .ok_or(StoreError::Corrupt("response headers"))?,
+        body: Bytes::from(body.unwrap_or_default()),
+    })
+}
+
+/// The committed response of `job`, body and all: what a job read leaves
+/// in the store when its body is large.
+pub(super) fn read_response(
+    conn: &Connection,
+    job: JobId,
+) -> Result<Option<StoredResponse>, StoreError> {
+    let row = conn
+        .query_row(
+            "SELECT response_status, response_headers, response_body FROM jobs WHERE id = ?1",
+            [job.0.to_string()],
+            |row| {
+                Ok((
+                    row.get::<_, Option<u16>>(0)?,
+                    row.get::<_, Option<Vec<u8>>>(1)?,
+                    row.get::<_, Option<Vec<u8>>>(2)?,
+                ))
+            },
+        )
+        .optional()
+        .map_err(map_sqlite)?;
+    match row {
+        Some((Some(status), headers, body)) => response(status, headers.as_deref(), body).map(Some),
+        _ => Ok(None),
+    }
+}
+
 /// Reads a job row; the outer `Result` is rusqlite's, the inner ours.
 pub(super) fn job_from_row(row: &Row<'_>) -> rusqlite::Result<Result<Job, StoreError>> {
     let id: String = row.get(0)?;
@@ -110,17 +150,20 @@ pub(super) fn job_from_row(row: &Row<'_>) -> rusqlite::Result<Result<Job, StoreE
     let status: Option<u16> = row.get(9)?;
     let headers: Option<Vec<u8>> = row.get(10)?;
     let body: Option<Vec<u8>> = row.get(11)?;
-    let created_at: i64 = row.get(12)?;
-    let expires_at: i64 = row.get(13)?;
+    let body_len: Option<i64> = row.get(12)?;
+    let created_at: i64 = row.get(13)?;
+    let expires_at: i64 = row.get(14)?;
     Ok((|| {
+        // A body over INLINE_ANSWER was left unread (docs/design.md §18).
+        let response_in_store = match (status, &body, body_len) {
+            (Some(_), None, Some(len)) if len > 0 => Some(len as usize),
+            _ => None,
+        };
         let response = match status {
-            None => None,
-            Some(status) => Some(StoredResponse {
-                status,
-                headers: decode_headers(headers.as_deref().unwrap_or_default())
-                    .ok_or(StoreError::Corrupt("response headers"))?,
-                body: Bytes::from(body.unwrap_or_default()),
-            }),
+            Some(status) if response_in_store.is_none() => {
+                Some(response(status, headers.as_deref(), body)?)
+            }
+            _ => None,
         };
         Ok(Job {
             id: JobId(uuid(&id)?),
@@ -134,6 +177,7 @@ pub(super) fn job_from_row(row: &Row<'_>) -> rusqlite::Result<Result<Job, StoreE
             attempt_count,
             completed_by: attempt_id(completed_by.as_deref())?,
             response,
+            response_in_store,
             created_at: from_ms(created_at),
             expires_at: from_ms(expires_at),
         })
