@@ -664,12 +664,12 @@ fn an_mcp_route_reads_its_protocol_and_the_worked_example_loads() {
 /// source are refused, not ignored (`docs/design.md` §15).
 #[test]
 fn a_jwt_leeway_is_checked_at_start_up() {
+    let settings = |text: &str| {
+        Settings::from_sources(Settings::parse_file(text).unwrap(), flags_with_upstream())
+    };
+    let secret = "s".repeat(32);
     let jwt = |options: &str| {
-        let text = format!(
-            "[owner]\nsources = [{{ jwt = \"sub\", secret = {{ value = \"{}\" }}, algorithms = [\"HS256\"]{options} }}]\n",
-            "s".repeat(32)
-        );
-        Settings::from_sources(Settings::parse_file(&text).unwrap(), flags_with_upstream())
+        settings(&format!("[owner]\nsources = [{{ jwt = \"sub\", secret = {{ value = {secret:?} }}, algorithms = [\"HS256\"]{options} }}]\n"))
     };
     let leeway = |s: &Settings| match &s.owner.sources[0] {
         OwnerSource::Jwt(jwt) => jwt.validation.leeway,
@@ -687,15 +687,8 @@ fn a_jwt_leeway_is_checked_at_start_up() {
         .unwrap_err();
     assert!(err.key.ends_with("sources"), "{err}");
     assert!(err.message.contains("soon"), "{}", err.message);
-    let misplaced = "[owner]\nsources = [{ header = \"x-user\", audience = \"api\" }]\n";
-    let err = Settings::from_sources(
-        Settings::parse_file(misplaced).unwrap(),
-        flags_with_upstream(),
-    )
-    .unwrap_err();
+    let misplaced = settings("[owner]\nsources = [{ header = \"x-user\", audience = \"api\" }]\n");
+    let err = misplaced.unwrap_err();
     assert_eq!(err.key, "owner.sources[0]");
-    assert!(
-        err.to_string().contains("belong to a `jwt` source"),
-        "{err}"
-    );
+    assert!(err.message.contains("belong to a `jwt` source"), "{err}");
 }
