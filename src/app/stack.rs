@@ -6,7 +6,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::{Request, Response};
+use http::{HeaderName, Request, Response};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use tower::{Service, ServiceBuilder};
@@ -22,7 +22,7 @@ use idemgate_idempotency::route::{self, Route};
 use idemgate_idempotency::{IdempotencyLayer, Shared};
 use idemgate_proxy::http::idle::{IdleTimeout, Pace};
 use idemgate_proxy::http::request_id::RequestIds;
-use idemgate_proxy::http::{cookie, hop, IDEMPOTENCY_KEY};
+use idemgate_proxy::http::{cookie, hop, ClientAddr, IDEMPOTENCY_KEY};
 use idemgate_proxy::path::NormalizePathLayer;
 use idemgate_proxy::shed::ShedLayer;
 use idemgate_proxy::upstream::Upstreams;
@@ -77,6 +77,7 @@ pub(super) fn proxy(
     // Shared, not copied, by the per-request clones of the stack.
     let routes: Arc<[Arc<Route>]> = settings.routes.iter().cloned().collect();
     let span_routes = routes.clone();
+    let trusted_only = trusted_only(settings);
     ServiceBuilder::new()
         // Every request gets an id (kept if the client sent one)…
         .layer(SetRequestIdLayer::x_request_id(RequestIds))
@@ -99,7 +100,7 @@ pub(super) fn proxy(
             routes.clone(),
             settings.upstreams[0].id.clone(),
         ))
-        .map_request(move |req| enter(req, pace))
+        .map_request(move |req| enter(req, pace, &trusted_only))
         // One spelling of each path: routes match, and the upstream gets,
         // what the upstream will read (`400` for a path read two ways).
         .layer(NormalizePathLayer)
@@ -116,12 +117,50 @@ pub(super) fn proxy(
 /// and its hop-by-hop headers (and those its `Connection` names) removed
 /// before any layer adds a header of the gateway's own (§15). The client's
 /// `Idempotency-Key` is for the gateway: naming it there does not hide it.
-fn enter(mut req: Request<Counted<Incoming>>, pace: Pace) -> Request<idemgate_proxy::http::Body> {
+/// From a peer that is not a trusted proxy, the headers only a trusted
+/// proxy is believed in are removed too.
+fn enter(
+    mut req: Request<Counted<Incoming>>,
+    pace: Pace,
+    trusted_only: &[HeaderName],
+) -> Request<idemgate_proxy::http::Body> {
     hop::strip_but(req.headers_mut(), Some(&IDEMPOTENCY_KEY));
+    let trusted = req
+        .extensions()
+        .get::<ClientAddr>()
+        .is_some_and(|c| c.trusted);
+    if !trusted {
+        for name in trusted_only {
+            req.headers_mut().remove(name);
+        }
+    }
     // A console session is the gateway's alone: no owner, fingerprint or
     // upstream sees it (docs/design.md §14).
     cookie::strip_console(req.headers_mut());
     req.map(|b| IdleTimeout::paced(b, pace).boxed())
+}
+
+/// Headers that speak for a trusted proxy: the client addresses some
+/// proxies set (`X-Real-IP`, `True-Client-IP`) and every `trusted_header`
+/// owner source. The gateway believes them only from `trusted_proxies`;
+/// an upstream that believes them from anyone could be told another
+/// client's address or user, so from anyone else they are not forwarded
+/// (`docs/design.md` §15). (`X-Forwarded-*` and `Forwarded` are replaced
+/// where the request is sent, `idemgate_proxy::upstream`.)
+fn trusted_only(settings: &Settings) -> Arc<[HeaderName]> {
+    let mut names = vec![
+        HeaderName::from_static("x-real-ip"),
+        HeaderName::from_static("true-client-ip"),
+    ];
+    let rules = std::iter::once(&settings.owner).chain(settings.routes.iter().map(|r| &r.owner));
+    for source in rules.flat_map(|rule| rule.sources.iter()) {
+        for name in source.trusted_headers() {
+            if !names.contains(&name) {
+                names.push(name);
+            }
+        }
+    }
+    names.into()
 }
 
 /// A request's span. A request without a key is only proxied, and its span

@@ -658,3 +658,37 @@ fn an_mcp_route_reads_its_protocol_and_the_worked_example_loads() {
     assert!(matches!(example.routes[0].protocol, Protocol::Mcp(_)));
     assert!(!example.routes[0].owner.allow_anonymous);
 }
+
+/// A JWT source's `leeway`: 60 s unless written; whole seconds up to five
+/// minutes; anything else names the key. JWT options on another kind of
+/// source are refused, not ignored (`docs/design.md` §15).
+#[test]
+fn a_jwt_leeway_is_checked_at_start_up() {
+    let settings = |text: &str| {
+        Settings::from_sources(Settings::parse_file(text).unwrap(), flags_with_upstream())
+    };
+    let secret = "s".repeat(32);
+    let jwt = |options: &str| {
+        settings(&format!("[owner]\nsources = [{{ jwt = \"sub\", secret = {{ value = {secret:?} }}, algorithms = [\"HS256\"]{options} }}]\n"))
+    };
+    let leeway = |s: &Settings| match &s.owner.sources[0] {
+        OwnerSource::Jwt(jwt) => jwt.validation.leeway,
+        other => panic!("not a JWT source: {other:?}"),
+    };
+    assert_eq!(leeway(&jwt("").unwrap()), 60);
+    assert_eq!(leeway(&jwt(", leeway = \"5s\"").unwrap()), 5);
+    assert_eq!(leeway(&jwt(", leeway = \"0s\"").unwrap()), 0);
+    for bad in ["\"10m\"", "\"1500ms\""] {
+        let err = jwt(&format!(", leeway = {bad}")).unwrap_err();
+        assert_eq!(err.key, "owner.sources[0].leeway", "{bad}");
+        assert!(err.to_string().contains("whole seconds"), "{err}");
+    }
+    let err = Settings::parse_file("[owner]\nsources = [{ jwt = \"sub\", leeway = \"soon\" }]\n")
+        .unwrap_err();
+    assert!(err.key.ends_with("sources"), "{err}");
+    assert!(err.message.contains("soon"), "{}", err.message);
+    let misplaced = settings("[owner]\nsources = [{ header = \"x-user\", audience = \"api\" }]\n");
+    let err = misplaced.unwrap_err();
+    assert_eq!(err.key, "owner.sources[0]");
+    assert!(err.message.contains("belong to a `jwt` source"), "{err}");
+}

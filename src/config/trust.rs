@@ -8,6 +8,7 @@ use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use http::HeaderName;
 use ipnet::IpNet;
@@ -46,6 +47,8 @@ pub(super) struct SourceFile {
     algorithms: Option<Vec<String>>,
     audience: Option<String>,
     issuer: Option<String>,
+    #[serde(default, with = "humantime_serde")]
+    leeway: Option<Duration>,
 }
 
 /// A secret read at start-up: from the environment or a file (a mounted
@@ -156,11 +159,17 @@ fn source(key: &str, s: &SourceFile, base: &Path) -> Result<OwnerSource, ConfigE
         ));
     }
     if s.jwt.is_none()
-        && (s.from.is_some() || s.keys.is_some() || s.secret.is_some() || s.algorithms.is_some())
+        && (s.from.is_some()
+            || s.keys.is_some()
+            || s.secret.is_some()
+            || s.algorithms.is_some()
+            || s.audience.is_some()
+            || s.issuer.is_some()
+            || s.leeway.is_some())
     {
         return Err(bad(
             key,
-            "`from`, `keys`, `secret` and `algorithms` belong to a `jwt` source",
+            "`from`, `keys`, `secret`, `algorithms`, `audience`, `issuer` and `leeway` belong to a `jwt` source",
         ));
     }
     Ok(match s {
@@ -234,13 +243,22 @@ fn jwt(key: &str, claim: &str, s: &SourceFile, base: &Path) -> Result<JwtSource,
     let mut validation = Validation::new(first);
     validation.algorithms = algorithms;
     validation.validate_nbf = true;
+    validation.leeway = leeway(&format!("{key}.leeway"), s.leeway)?;
+    // A configured audience or issuer must be in the token, not merely
+    // match when present (docs/design.md §15).
+    let mut required = vec!["exp"];
     match &s.audience {
-        Some(aud) => validation.set_audience(&[aud]),
+        Some(aud) => {
+            validation.set_audience(&[aud]);
+            required.push("aud");
+        }
         None => validation.validate_aud = false,
     }
     if let Some(iss) = &s.issuer {
         validation.set_issuer(&[iss]);
+        required.push("iss");
     }
+    validation.set_required_spec_claims(&required);
     Ok(JwtSource {
         claim: claim.to_owned(),
         from: header_name(
@@ -250,6 +268,23 @@ fn jwt(key: &str, claim: &str, s: &SourceFile, base: &Path) -> Result<JwtSource,
         keys,
         validation,
     })
+}
+
+/// The longest leeway: past it, `exp` no longer bounds a stolen token's
+/// use by much.
+const MAX_LEEWAY: Duration = Duration::from_secs(300);
+
+/// How far clocks may disagree when `exp` and `nbf` are checked: 60 s
+/// unless written, whole seconds, five minutes at most.
+fn leeway(key: &str, written: Option<Duration>) -> Result<u64, ConfigError> {
+    let leeway = written.unwrap_or(Duration::from_secs(60));
+    if leeway.subsec_nanos() != 0 || leeway > MAX_LEEWAY {
+        return Err(bad(
+            key,
+            "write whole seconds, five minutes at most, e.g. leeway = \"60s\" (the default); it is how far the issuer's clock may be from the gateway's",
+        ));
+    }
+    Ok(leeway.as_secs())
 }
 
 /// The public keys in `path`: a JWK set (JSON), or one PEM key (RSA or EC).

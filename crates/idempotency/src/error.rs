@@ -260,10 +260,19 @@ impl ClientError {
                 "invalid-resume-point",
                 "Resume point that cannot be read",
             ),
-            ClientError::Unproven(TrustError::OwnerMissing { .. }) => p(
+            // A token that does not verify is answered as one never sent
+            // (docs/design.md §15).
+            ClientError::Unproven(
+                TrustError::OwnerMissing { .. } | TrustError::OwnerUnproven { .. },
+            ) => p(
                 StatusCode::UNAUTHORIZED,
                 "owner-required",
                 "Who owns this Idempotency-Key could not be established",
+            ),
+            ClientError::Unproven(TrustError::OwnerAmbiguous { .. }) => p(
+                StatusCode::BAD_REQUEST,
+                "owner-ambiguous",
+                "Who owns this Idempotency-Key is ambiguous",
             ),
             ClientError::Unproven(TrustError::ClientUnproven { .. }) => p(
                 StatusCode::UNAUTHORIZED,

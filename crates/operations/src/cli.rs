@@ -4,14 +4,18 @@
 //! one request to `/admin/v1`, with the admin token from the flag, the
 //! environment or a file (a mounted Secret).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use bytes::Bytes;
 use clap::{Args, Subcommand};
 use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::CertificateDer;
 use serde_json::{json, Value};
 
 /// `idemgate jobs …`: an operator's client of the admin API.
@@ -36,6 +40,10 @@ pub struct JobsCommand {
     /// A file holding the admin token (a mounted Secret).
     #[arg(long, env = "IDEMGATE_ADMIN_TOKEN_FILE", global = true)]
     pub admin_token_file: Option<PathBuf>,
+    /// A PEM file of the CA certificate(s) an `https://` admin URL's
+    /// certificate is checked against, instead of the system's.
+    #[arg(long, alias = "ca-file", env = "IDEMGATE_ADMIN_CA_FILE", global = true)]
+    pub admin_ca_file: Option<PathBuf>,
     /// What to do.
     #[command(subcommand)]
     pub action: JobsAction,
@@ -298,6 +306,7 @@ fn pretty(value: &Value) -> String {
 struct Admin {
     base: String,
     token: String,
+    client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
 }
 
 impl Admin {
@@ -313,6 +322,7 @@ impl Admin {
         Ok(Admin {
             base: command.admin_url.trim_end_matches('/').to_owned(),
             token,
+            client: client(command.admin_ca_file.as_deref())?,
         })
     }
 
@@ -333,9 +343,18 @@ impl Admin {
                 body.map(|b| b.to_string()).unwrap_or_default(),
             )))
             .map_err(|e| CliError::Usage(format!("{url}: {e}")))?;
-        let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-        let unreachable =
-            |e: &dyn std::fmt::Display| CliError::Unreachable(self.base.clone(), e.to_string());
+        let client = &self.client;
+        // With every cause: "client error (Connect)" alone does not say a
+        // certificate was refused.
+        let unreachable = |e: &dyn std::error::Error| {
+            let mut why = e.to_string();
+            let mut cause = e.source();
+            while let Some(e) = cause {
+                why.push_str(&format!(": {e}"));
+                cause = e.source();
+            }
+            CliError::Unreachable(self.base.clone(), why)
+        };
         let response = client.request(request).await.map_err(|e| unreachable(&e))?;
         let status = response.status();
         let bytes = response
@@ -354,4 +373,49 @@ impl Admin {
             .unwrap_or_else(|| String::from_utf8_lossy(&bytes).into_owned());
         Err(CliError::Refused { status, detail })
     }
+}
+
+/// A client for `http://` and `https://` admin URLs: an `https://` one's
+/// certificate is checked against `ca_file`'s certificates where given (a
+/// private CA in front of the admin listener, `docs/design.md` §14), the
+/// system's CA certificates otherwise.
+fn client(
+    ca_file: Option<&Path>,
+) -> Result<Client<HttpsConnector<HttpConnector>, Full<Bytes>>, CliError> {
+    let mut roots = rustls::RootCertStore::empty();
+    let certs = match ca_file {
+        Some(path) => ca_certificates(path)?,
+        None => rustls_native_certs::load_native_certs().certs,
+    };
+    roots.add_parsable_certificates(certs);
+    let tls = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|e| CliError::Usage(format!("TLS cannot be set up: {e}")))?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let connector = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .build();
+    Ok(Client::builder(TokioExecutor::new()).build(connector))
+}
+
+/// The certificates of the PEM file `path` (at least one).
+fn ca_certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, CliError> {
+    let unusable = |why: String| {
+        CliError::Usage(format!(
+            "--admin-ca-file {}: {why}; name a PEM file holding the CA certificate(s) of the admin URL",
+            path.display()
+        ))
+    };
+    let certs = CertificateDer::pem_file_iter(path)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| unusable(e.to_string()))?;
+    if certs.is_empty() {
+        return Err(unusable("it holds no certificate".to_owned()));
+    }
+    Ok(certs)
 }

@@ -13,6 +13,8 @@ mod headers;
 mod jwt;
 mod owner;
 mod settings;
+#[cfg(test)]
+mod tests;
 
 use std::sync::Arc;
 
@@ -23,7 +25,8 @@ use idemgate_proxy::http::ProvenClient;
 
 pub use settings::{ClientSettings, Clients, JwtSource, OwnerRule, OwnerSource};
 
-/// Why who is asking could not be established (answered `401`).
+/// Why who is asking could not be established (answered `401`, or `400`
+/// for owner evidence sent in a form that names no one).
 #[derive(Debug, thiserror::Error)]
 pub enum TrustError {
     /// A keyed request whose owner could not be established, on a route
@@ -32,6 +35,25 @@ pub enum TrustError {
     OwnerMissing {
         /// The sources the route reads, in words.
         expected: String,
+    },
+    /// A source's credential was sent but proves no owner: a token that
+    /// does not verify, or names no owner (`docs/design.md` §15).
+    #[error("the token sent for {what} proves no owner: {why}; send a valid one")]
+    OwnerUnproven {
+        /// The source, in words.
+        what: String,
+        /// What is wrong with what was sent.
+        why: String,
+    },
+    /// A source's value was sent in a form that names no one for certain
+    /// (twice, or empty): refused, never skipped for a wider owner's
+    /// source that follows (`docs/design.md` §15).
+    #[error("this key's owner cannot be read from {what}: {why}; send it once, with a value")]
+    OwnerAmbiguous {
+        /// The source, in words.
+        what: String,
+        /// What is wrong with what was sent.
+        why: String,
     },
     /// The route serves only clients that prove themselves with a client
     /// key, and none was presented (or it matched no client).
@@ -82,14 +104,16 @@ impl Trust {
     }
 
     /// The owner of a keyed request on a route with `rule`: the first source
-    /// that yields a value, or `anonymous` where the rule allows it.
+    /// that yields a value, or `anonymous` where the rule allows it. A
+    /// source sent in a form that names no owner refuses the request,
+    /// whatever follows it (`docs/design.md` §15).
     pub fn owner(
         &self,
         rule: &OwnerRule,
         head: &http::request::Parts,
     ) -> Result<Owner, TrustError> {
         for source in &rule.sources {
-            if let Some(evidence) = owner::evidence(source, head) {
+            if let Some(evidence) = owner::evidence(source, head)? {
                 let parts: Vec<&[u8]> = evidence.iter().map(Vec::as_slice).collect();
                 return Ok(Owner::of(&self.salt, &parts));
             }

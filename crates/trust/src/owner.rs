@@ -1,66 +1,147 @@
 //! Reading an owner source off a request's head. What a source reads is
 //! its evidence: the source's label, then the value(s) it found; the owner
-//! is their salted digest.
+//! is their salted digest. A source that was not sent lets the next one be
+//! tried; one that was sent but cannot name an owner (twice, empty, a
+//! token that does not verify) refuses the request, whatever sources
+//! follow (`docs/design.md` §15): skipping it would hand the request to a
+//! wider owner, and that owner's stored answer to it.
 
 use http::header::COOKIE;
 use http::request::Parts;
 use http::HeaderMap;
 
-use super::headers::only;
+use super::headers::{one, One};
 use super::jwt;
 use crate::settings::OwnerSource;
+use crate::TrustError;
 use idemgate_proxy::http::{ClientAddr, ProvenClient};
 
-/// What `source` finds in `head`: its label and value(s), or `None` when it
-/// finds nothing it can stand behind (absent, empty, ambiguous, unverified,
-/// or not from a trusted proxy).
-pub(super) fn evidence(source: &OwnerSource, head: &Parts) -> Option<Vec<Vec<u8>>> {
-    let mut found = vec![source.label().into_bytes()];
-    values(source, head, &mut found)?;
-    Some(found)
+/// What a source makes of a request.
+pub(super) enum Read {
+    /// Nothing of it was sent (or, for a trusted header, not by a trusted
+    /// proxy): the next source is tried.
+    Absent,
+    /// Its values, pushed onto the evidence.
+    Found,
 }
 
-fn values(source: &OwnerSource, head: &Parts, found: &mut Vec<Vec<u8>>) -> Option<()> {
+/// What `source` finds in `head`: its label and value(s); `None` when it
+/// finds nothing; an error when what it finds cannot name an owner.
+pub(super) fn evidence(
+    source: &OwnerSource,
+    head: &Parts,
+) -> Result<Option<Vec<Vec<u8>>>, TrustError> {
+    let mut found = vec![source.label().into_bytes()];
+    match values(source, head, &mut found)? {
+        Read::Absent => Ok(None),
+        Read::Found => Ok(Some(found)),
+    }
+}
+
+fn values(
+    source: &OwnerSource,
+    head: &Parts,
+    found: &mut Vec<Vec<u8>>,
+) -> Result<Read, TrustError> {
     let value = match source {
-        OwnerSource::Header(name) => only(&head.headers, name)?.to_vec(),
-        OwnerSource::Cookie(name) => cookie(&head.headers, name)?.into_bytes(),
-        OwnerSource::Jwt(source) => jwt::claim(source, &head.headers)?.into_bytes(),
+        OwnerSource::Header(name) => header(source, one(&head.headers, name))?,
+        OwnerSource::Cookie(name) => cookie(source, &head.headers, name)?,
+        OwnerSource::Jwt(jwt) => {
+            jwt::claim(jwt, &head.headers).map_err(|why| refusal(source, why))?
+        }
         OwnerSource::TrustedHeader(name) => {
-            let peer = head.extensions.get::<ClientAddr>()?;
-            if !peer.trusted {
-                return None;
+            let trusted = head
+                .extensions
+                .get::<ClientAddr>()
+                .is_some_and(|c| c.trusted);
+            // From anyone else the header is not believed, nor forwarded
+            // (`src/app/stack.rs`): as good as not sent.
+            if !trusted {
+                return Ok(Read::Absent);
             }
-            only(&head.headers, name)?.to_vec()
+            header(source, one(&head.headers, name))?
         }
-        OwnerSource::Client => head.extensions.get::<ProvenClient>()?.0.as_bytes().to_vec(),
-        OwnerSource::All(all) => {
-            for source in all {
-                values(source, head, found)?;
-            }
-            return Some(());
-        }
+        OwnerSource::Client => head
+            .extensions
+            .get::<ProvenClient>()
+            .map(|client| client.0.as_bytes().to_vec()),
+        OwnerSource::All(all) => return every(all, head, found),
     };
-    found.push(value);
-    Some(())
+    Ok(match value {
+        Some(value) => {
+            found.push(value);
+            Read::Found
+        }
+        None => Read::Absent,
+    })
+}
+
+/// Every part of an `all`: absent if one part is not sent (the next source
+/// is tried), refused if one part is refused, even after an absent one.
+fn every(all: &[OwnerSource], head: &Parts, found: &mut Vec<Vec<u8>>) -> Result<Read, TrustError> {
+    let mut absent = false;
+    for part in all {
+        if let Read::Absent = values(part, head, found)? {
+            absent = true;
+        }
+    }
+    Ok(if absent { Read::Absent } else { Read::Found })
+}
+
+/// A header's one value, or why it cannot be one.
+fn header(source: &OwnerSource, sent: One<'_>) -> Result<Option<Vec<u8>>, TrustError> {
+    if let Some(why) = sent.flaw() {
+        return Err(ambiguous(source, why));
+    }
+    Ok(match sent {
+        One::Value(value) => Some(value.to_vec()),
+        _ => None,
+    })
 }
 
 /// A cookie's value, from every `Cookie` header; a name sent twice with
-/// two values is ambiguous.
-fn cookie(headers: &HeaderMap, name: &str) -> Option<String> {
+/// two values, or sent empty, is ambiguous.
+fn cookie(
+    source: &OwnerSource,
+    headers: &HeaderMap,
+    name: &str,
+) -> Result<Option<Vec<u8>>, TrustError> {
     let mut found: Option<String> = None;
     for line in headers.get_all(COOKIE) {
         let Ok(line) = line.to_str() else { continue };
         for parsed in cookie::Cookie::split_parse(line).flatten() {
-            if parsed.name() != name || parsed.value().is_empty() {
+            if parsed.name() != name {
                 continue;
             }
+            if parsed.value().is_empty() {
+                return Err(ambiguous(source, "it was sent empty"));
+            }
             match &found {
-                Some(seen) if seen != parsed.value() => return None,
+                Some(seen) if seen != parsed.value() => {
+                    return Err(ambiguous(source, "it was sent twice, with two values"))
+                }
                 _ => found = Some(parsed.value().to_owned()),
             }
         }
     }
-    found
+    Ok(found.map(String::into_bytes))
+}
+
+fn ambiguous(source: &OwnerSource, why: &str) -> TrustError {
+    TrustError::OwnerAmbiguous {
+        what: describe(source),
+        why: why.to_owned(),
+    }
+}
+
+fn refusal(source: &OwnerSource, why: jwt::Refusal) -> TrustError {
+    match why {
+        jwt::Refusal::Ambiguous(why) => ambiguous(source, why),
+        jwt::Refusal::Unverified(why) => TrustError::OwnerUnproven {
+            what: describe(source),
+            why,
+        },
+    }
 }
 
 /// The sources a route reads, in words for a 401's detail.

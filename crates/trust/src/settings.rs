@@ -45,7 +45,8 @@ pub struct JwtSource {
     pub from: HeaderName,
     /// The keys a signature may verify with, by `kid` where the keys name one.
     pub keys: Vec<(Option<String>, DecodingKey)>,
-    /// Algorithms, expiry, not-before, audience and issuer.
+    /// Algorithms, expiry, not-before (within `leeway`), audience and
+    /// issuer (required where configured).
     pub validation: Validation,
 }
 
@@ -60,6 +61,16 @@ impl std::fmt::Debug for JwtSource {
 }
 
 impl OwnerSource {
+    /// The headers this source believes only from a trusted proxy: removed
+    /// from the requests of anyone else (`docs/design.md` §15).
+    pub fn trusted_headers(&self) -> Vec<HeaderName> {
+        match self {
+            OwnerSource::TrustedHeader(name) => vec![name.clone()],
+            OwnerSource::All(all) => all.iter().flat_map(OwnerSource::trusted_headers).collect(),
+            _ => Vec::new(),
+        }
+    }
+
     /// What the source is, as part of an owner's digest and in answers that
     /// say which source was expected.
     pub fn label(&self) -> String {

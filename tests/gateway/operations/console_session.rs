@@ -236,3 +236,52 @@ async fn the_console_works_in_a_browser_under_either_cookie_name() {
         browser.wait_for("#token").await;
     }
 }
+
+/// A sign-in form with `token`, sent from the local address `from`.
+async fn sign_in_from(gateway: &Gateway, from: &str, token: &str) -> Reply {
+    use http_body_util::{BodyExt, Full};
+    let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
+    connector.set_local_address(Some(from.parse().unwrap()));
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build::<_, Full<bytes::Bytes>>(connector);
+    let request = http::Request::post(format!("{}/console/login", gateway.admin_url))
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(Full::new(format!("token={token}").into()))
+        .unwrap();
+    let response = client.request(request).await.unwrap();
+    let (parts, body) = response.into_parts();
+    Reply {
+        status: parts.status.as_u16(),
+        headers: parts.headers,
+        body: body.collect().await.unwrap().to_bytes(),
+    }
+}
+
+/// Past five failed sign-ins within a minute, an address is answered 429
+/// with `Retry-After` — the right token included, which opens no session
+/// — while another address signs in as before (`docs/design.md` §14).
+#[tokio::test]
+async fn failed_sign_ins_are_throttled_per_client_address() {
+    let store = TestStore::embedded();
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    for i in 0..5 {
+        let wrong = sign_in_from(&gateway, "127.0.0.1", &format!("guess-{i}")).await;
+        assert_eq!(wrong.status, 401, "guess {i}");
+    }
+    for token in ["guess-5", ADMIN_TOKEN] {
+        let throttled = sign_in_from(&gateway, "127.0.0.1", token).await;
+        assert_eq!(throttled.status, 429);
+        assert_eq!(throttled.problem(), "sign-in-throttled");
+        assert_eq!(
+            throttled.header("content-type"),
+            Some("application/problem+json")
+        );
+        let wait: u64 = throttled.header("retry-after").unwrap().parse().unwrap();
+        assert!((1..=60).contains(&wait), "{wait}");
+        assert!(throttled.header("set-cookie").is_none(), "no session");
+    }
+    let elsewhere = sign_in_from(&gateway, "127.0.0.2", ADMIN_TOKEN).await;
+    assert_eq!(elsewhere.status, 303, "another address is not throttled");
+    assert!(elsewhere.header("set-cookie").is_some());
+}

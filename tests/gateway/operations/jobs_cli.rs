@@ -225,3 +225,94 @@ async fn after_an_outage_every_unknown_attempt_of_one_upstream_is_resolved_at_on
     assert_eq!(upstream.hits(), 4);
     gate.open(3);
 }
+
+/// A TLS front of `admin` (a balancer terminating TLS before the admin
+/// listener) with a certificate for 127.0.0.1 issued by `ca`: its
+/// `https://` URL.
+async fn tls_front(admin: &str, ca: &crate::support::pki::TestCa) -> String {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let issued = ca.issue("admin", &["127.0.0.1"]);
+    let config = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(
+        vec![CertificateDer::from_pem_slice(issued.cert_pem.as_bytes()).unwrap()],
+        PrivateKeyDer::from_pem_slice(issued.key_pem.as_bytes()).unwrap(),
+    )
+    .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("https://{}", listener.local_addr().unwrap());
+    let admin = admin.trim_start_matches("http://").to_owned();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let (acceptor, admin) = (acceptor.clone(), admin.clone());
+            tokio::spawn(async move {
+                let Ok(mut tls) = acceptor.accept(stream).await else {
+                    return;
+                };
+                let mut plain = tokio::net::TcpStream::connect(admin).await.unwrap();
+                let _ = tokio::io::copy_bidirectional(&mut tls, &mut plain).await;
+            });
+        }
+    });
+    url
+}
+
+/// `idemgate jobs` reaches an `https://` admin URL, its certificate
+/// checked against `--ca-file` (or `IDEMGATE_ADMIN_CA_FILE`); a
+/// certificate of another CA is refused, and the terminal says so.
+#[tokio::test]
+async fn an_https_admin_url_is_reached_with_its_ca() {
+    let store = TestStore::embedded();
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    let job = post(&gateway.path("/v1/charges"), "over-tls", "{}")
+        .await
+        .job()
+        .unwrap();
+    let ca = crate::support::pki::TestCa::new("admin CA");
+    let url = tls_front(&gateway.admin_url, &ca).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (ours, theirs) = (dir.path().join("ca.pem"), dir.path().join("other.pem"));
+    std::fs::write(&ours, ca.pem()).unwrap();
+    std::fs::write(&theirs, crate::support::pki::TestCa::new("other CA").pem()).unwrap();
+    let run = |args: Vec<String>, env: Option<&std::path::Path>| {
+        let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_idemgate"));
+        command
+            .arg("jobs")
+            .args(args)
+            .env("IDEMGATE_ADMIN_URL", &url)
+            .env("IDEMGATE_ADMIN_TOKEN", ADMIN_TOKEN)
+            .env_remove("IDEMGATE_ADMIN_CA_FILE")
+            .kill_on_drop(true);
+        if let Some(ca) = env {
+            command.env("IDEMGATE_ADMIN_CA_FILE", ca);
+        }
+        async move {
+            tokio::time::timeout(Duration::from_secs(20), command.output())
+                .await
+                .expect("idemgate jobs finished")
+                .unwrap()
+        }
+    };
+    let flag = vec![
+        "show".to_owned(),
+        job.clone(),
+        "--ca-file".to_owned(),
+        ours.display().to_string(),
+    ];
+    let shown: Value = serde_json::from_str(&stdout(&run(flag, None).await)).unwrap();
+    assert_eq!(shown["id"], job.as_str());
+    let listed = stdout(&run(vec!["list".to_owned()], Some(&ours)).await);
+    assert!(listed.starts_with("JOB"), "{listed}");
+
+    let refused = run(vec!["list".to_owned()], Some(&theirs)).await;
+    assert_eq!(refused.status.code(), Some(1));
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(said.contains("certificate"), "{said}");
+}

@@ -2,6 +2,9 @@
 
 mod budget;
 mod defences;
+mod evidence;
+mod forwarded;
 mod http2_listener;
+mod jwt_claims;
 mod owners;
 mod tls;

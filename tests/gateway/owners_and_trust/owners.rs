@@ -15,17 +15,17 @@ use crate::support::gateway::Builder;
 use crate::support::{send, sha256_hex, FakeUpstream, Gateway, Reply, TestStore, ThrowawayRedis};
 
 /// A scenario's gateways, on its deployment's Redis when it has one.
-struct Gateways(Option<ThrowawayRedis>);
+pub(super) struct Gateways(Option<ThrowawayRedis>);
 
 impl Gateways {
     /// The deployment's store, and the maker of its gateways.
-    fn of(deployment: Deployment) -> (TestStore, Gateways) {
+    pub(super) fn of(deployment: Deployment) -> (TestStore, Gateways) {
         (deployment.store, Gateways(deployment.redis))
     }
 
     /// A gateway on this deployment with default owner rules (keyed
     /// requests without an owner refused).
-    fn gateway(&self, store: &TestStore, upstream: &str) -> Builder {
+    pub(super) fn gateway(&self, store: &TestStore, upstream: &str) -> Builder {
         let builder = Gateway::builder(store, upstream).owners_required();
         match &self.0 {
             None => builder,
@@ -35,7 +35,12 @@ impl Gateways {
 }
 
 /// A keyed POST with these extra headers.
-async fn keyed(gateway: &Gateway, path: &str, key: &str, headers: &[(&str, &str)]) -> Reply {
+pub(super) async fn keyed(
+    gateway: &Gateway,
+    path: &str,
+    key: &str,
+    headers: &[(&str, &str)],
+) -> Reply {
     let all: Vec<(&str, &str)> = [
         ("idempotency-key", key),
         ("content-type", "application/json"),
@@ -47,7 +52,7 @@ async fn keyed(gateway: &Gateway, path: &str, key: &str, headers: &[(&str, &str)
 }
 
 /// A 401 problem of `kind`, with nothing stored or sent.
-async fn refused(
+pub(super) async fn refused(
     reply: &Reply,
     kind: &str,
     store: &TestStore,
@@ -132,14 +137,14 @@ async fn cookie_users_with_one_key_are_two_owners(on: Deployment) {
     assert!(anonymous.problem_detail().contains("authorization header"));
 }
 
-fn now() -> u64 {
+pub(super) fn now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap()
         .as_secs()
 }
 
-fn token(alg: Algorithm, key: &EncodingKey, claims: serde_json::Value) -> String {
+pub(super) fn token(alg: Algorithm, key: &EncodingKey, claims: serde_json::Value) -> String {
     jsonwebtoken::encode(&Header::new(alg), &claims, key).unwrap()
 }
 
@@ -230,7 +235,7 @@ async fn jwt_claims_are_owners_only_when_the_token_verifies(on: Deployment) {
     }
 }
 
-fn base64_url(text: &str) -> String {
+pub(super) fn base64_url(text: &str) -> String {
     use base64::Engine;
     base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(text)
 }

@@ -29,6 +29,10 @@ pub(super) enum AdminError {
     /// The caller: no job matches; says what was looked for.
     #[error("{0}")]
     JobNotFound(&'static str),
+    /// The caller: too many failed console sign-ins from its address
+    /// lately; it may try again after this long (`docs/design.md` §14).
+    #[error("too many failed sign-ins from your address: try again in {} s", .0.as_secs().max(1))]
+    SignInThrottled(std::time::Duration),
     /// The store: its error, whole chain, is the detail (a missing attempt
     /// and a refused resolution are the store's answers too).
     #[error("{}", Chain(.0))]
@@ -57,6 +61,11 @@ impl AdminError {
                 "Invalid admin request",
             ),
             AdminError::JobNotFound(_) => (StatusCode::NOT_FOUND, "job-not-found", "Job not found"),
+            AdminError::SignInThrottled(_) => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "sign-in-throttled",
+                "Too many failed sign-ins",
+            ),
             AdminError::Store(e) => match e.kind() {
                 StoreErrorKind::NotFound => (StatusCode::NOT_FOUND, "not-found", "Not found"),
                 StoreErrorKind::Conflict => (
@@ -81,7 +90,11 @@ impl AdminError {
     /// The problem+json answer; a 401 says the scheme it wants.
     pub(super) fn into_response(self) -> Response<Body> {
         let (status, slug, title) = self.problem();
-        let mut response = problem_response(status, slug, title, &self.to_string(), None);
+        let retry_after = match &self {
+            AdminError::SignInThrottled(wait) => Some(*wait),
+            _ => None,
+        };
+        let mut response = problem_response(status, slug, title, &self.to_string(), retry_after);
         if matches!(self, AdminError::Unauthorized) {
             response
                 .headers_mut()

@@ -19,6 +19,7 @@
 //! problem+json by the proxy's renderer.
 
 use std::convert::Infallible;
+use std::net::IpAddr;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -27,7 +28,7 @@ use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::console::{self, Console};
 use idemgate_domain::BoxError;
-use idemgate_proxy::http::{collect_limited, Body};
+use idemgate_proxy::http::{collect_limited, Body, ClientAddr};
 use idemgate_proxy::upstream::UpstreamSettings;
 use idemgate_store::Store;
 use idemgate_trust::Trust;
@@ -135,13 +136,41 @@ impl Admin {
             (&Method::GET, []) => console::asset("", signed_in),
             (&Method::GET, [file]) => console::asset(file, signed_in),
             (&Method::POST, ["login"]) => {
+                // Throttled before the token is compared (docs/design.md §14).
+                let addr = client_ip(&req);
+                if let Some(wait) = self.console.sign_in_wait(addr) {
+                    return Err(AdminError::SignInThrottled(wait));
+                }
                 let form = collect_limited(req.into_body(), 4096)
                     .await
                     .map_err(|e| AdminError::bad_request(e.to_string()))?;
-                self.console.sign_in(&form, token)
+                self.console.sign_in(addr, &form, token)
             }
             (&Method::POST, ["logout"]) => self.console.sign_out(req.headers()),
             _ => console::not_found(),
         })
+    }
+}
+
+/// The address a console sign-in is counted against: the peer's, or where
+/// the peer is a trusted proxy, the client it forwarded for (the last
+/// address of `X-Forwarded-For`, the one it appended), so that one
+/// balancer's clients are not one address (`docs/design.md` §14, §15).
+fn client_ip<B>(req: &Request<B>) -> IpAddr {
+    let Some(peer) = req.extensions().get::<ClientAddr>() else {
+        return IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED);
+    };
+    let forwarded = || {
+        let last = req
+            .headers()
+            .get_all("x-forwarded-for")
+            .iter()
+            .next_back()?;
+        let hop = last.to_str().ok()?.rsplit(',').next()?.trim();
+        hop.parse::<IpAddr>().ok()
+    };
+    match peer.trusted.then(forwarded).flatten() {
+        Some(client) => client,
+        None => peer.addr.ip(),
     }
 }

@@ -12,6 +12,10 @@
 //! cross-site request forgery). `docs/design.md`, §14.
 
 mod session;
+mod throttle;
+
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{header, HeaderMap, HeaderValue, Response, StatusCode};
@@ -22,6 +26,8 @@ use idemgate_proxy::http::{full, Body};
 
 pub use session::Limits;
 use session::Sessions;
+use throttle::Throttle;
+pub use throttle::{MAX_FAILURES, WINDOW};
 
 const LOGIN: &str = include_str!("login.html");
 const INDEX: &str = include_str!("index.html");
@@ -46,6 +52,7 @@ pub struct Config {
 pub struct Console {
     sessions: Sessions,
     secure: bool,
+    throttle: Throttle,
 }
 
 impl Console {
@@ -54,6 +61,7 @@ impl Console {
         Console {
             sessions: Sessions::new(config.sessions),
             secure: config.secure_cookie,
+            throttle: Throttle::default(),
         }
     }
 
@@ -84,14 +92,22 @@ impl Console {
         self.presented(headers).any(|id| self.sessions.check(id))
     }
 
-    /// Answers the sign-in form (`token=…`, form-encoded) for admin `token`:
-    /// a new session, or the form again.
-    pub fn sign_in(&self, form: &[u8], token: &str) -> Response<Body> {
+    /// How long the client at `addr` must wait before its next sign-in,
+    /// if it failed too often lately (`throttle.rs`).
+    pub fn sign_in_wait(&self, addr: IpAddr) -> Option<Duration> {
+        self.throttle.wait(addr, Instant::now())
+    }
+
+    /// Answers the sign-in form (`token=…`, form-encoded) of the client at
+    /// `addr` for admin `token`: a new session, or the form again (a
+    /// failure counted against `addr`).
+    pub fn sign_in(&self, addr: IpAddr, form: &[u8], token: &str) -> Response<Body> {
         let given = form_urlencoded::parse(form)
             .find(|(name, _)| name == "token")
             .map(|(_, value)| value.into_owned())
             .unwrap_or_default();
         if !bool::from(given.as_bytes().ct_eq(token.as_bytes())) {
+            self.throttle.failed(addr, Instant::now());
             return login(
                 StatusCode::UNAUTHORIZED,
                 Some(
@@ -99,6 +115,7 @@ impl Console {
                 ),
             );
         }
+        self.throttle.succeeded(addr);
         let id = self.sessions.open();
         let max_age = self.sessions.limits().absolute.as_secs();
         redirect(self.set_cookie(&id, max_age))
@@ -216,6 +233,8 @@ fn escape(text: &str) -> String {
 mod tests {
     use super::*;
 
+    const LOCAL: IpAddr = IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
+
     fn set_cookie_of(response: &Response<Body>) -> &str {
         response.headers()[header::SET_COOKIE].to_str().unwrap()
     }
@@ -238,12 +257,12 @@ mod tests {
     #[test]
     fn only_the_token_signs_in_and_each_sign_in_is_a_new_session() {
         let console = console(false);
-        let wrong = console.sign_in(b"token=nope", "s3cret");
+        let wrong = console.sign_in(LOCAL, b"token=nope", "s3cret");
         assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED);
         assert!(wrong.headers().get(header::SET_COOKIE).is_none());
-        let first = console.sign_in(b"token=s3cret", "s3cret");
+        let first = console.sign_in(LOCAL, b"token=s3cret", "s3cret");
         assert_eq!(first.status(), StatusCode::SEE_OTHER);
-        let second = console.sign_in(b"token=s3cret", "s3cret");
+        let second = console.sign_in(LOCAL, b"token=s3cret", "s3cret");
         let (a, b) = (cookie_after(&first), cookie_after(&second));
         assert_ne!(a, b, "a random id, not a digest of the token");
         assert!(!set_cookie_of(&first).contains("s3cret"));
@@ -258,7 +277,7 @@ mod tests {
     #[test]
     fn signing_out_ends_the_session_for_good() {
         let console = console(false);
-        let cookie = cookie_after(&console.sign_in(b"token=t", "t"));
+        let cookie = cookie_after(&console.sign_in(LOCAL, b"token=t", "t"));
         let out = console.sign_out(&cookie);
         assert_eq!(out.status(), StatusCode::SEE_OTHER);
         assert_eq!(
@@ -270,7 +289,7 @@ mod tests {
 
     #[test]
     fn the_cookie_is_secure_and_host_prefixed_when_configured() {
-        let plain = console(false).sign_in(b"token=t", "t");
+        let plain = console(false).sign_in(LOCAL, b"token=t", "t");
         let plain = set_cookie_of(&plain);
         assert!(plain.starts_with("idemgate_console="), "{plain}");
         assert!(
@@ -279,7 +298,7 @@ mod tests {
         );
 
         let console = console(true);
-        let signed_in = console.sign_in(b"token=t", "t");
+        let signed_in = console.sign_in(LOCAL, b"token=t", "t");
         let secure = set_cookie_of(&signed_in);
         assert!(secure.starts_with("__Host-idemgate_console="), "{secure}");
         assert!(

@@ -1,0 +1,178 @@
+//! Owner evidence read off a request's head (`docs/design.md` §15): what
+//! is not sent falls through, what is sent ambiguously or does not verify
+//! refuses, and a claim's JSON type is part of the owner.
+
+use std::sync::Arc;
+
+use base64::engine::general_purpose::URL_SAFE_NO_PAD as URL_SAFE;
+use base64::Engine;
+use http::{HeaderName, Request};
+use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
+use serde_json::{json, Value};
+
+use super::*;
+use idemgate_domain::key::OwnerSalt;
+
+const SECRET: &[u8] = b"an HS256 secret of more than 32 bytes, for tests";
+
+fn trust() -> Trust {
+    Trust::with_salt(OwnerSalt::new(b"a salt of tests, sixteen bytes+"))
+}
+
+fn head(headers: &[(&str, &str)]) -> http::request::Parts {
+    let mut req = Request::builder();
+    for (name, value) in headers {
+        req = req.header(*name, *value);
+    }
+    req.body(()).unwrap().into_parts().0
+}
+
+fn header(name: &'static str) -> OwnerSource {
+    OwnerSource::Header(HeaderName::from_static(name))
+}
+
+fn rule(sources: Vec<OwnerSource>) -> OwnerRule {
+    OwnerRule {
+        sources,
+        allow_anonymous: false,
+    }
+}
+
+fn jwt(claim: &str, audience: Option<&str>) -> OwnerSource {
+    let mut validation = Validation::new(Algorithm::HS256);
+    match audience {
+        Some(aud) => {
+            validation.set_audience(&[aud]);
+            validation.set_required_spec_claims(&["exp", "aud"]);
+        }
+        None => validation.validate_aud = false,
+    }
+    OwnerSource::Jwt(Arc::new(JwtSource {
+        claim: claim.to_owned(),
+        from: http::header::AUTHORIZATION,
+        keys: vec![(None, DecodingKey::from_secret(SECRET))],
+        validation,
+    }))
+}
+
+fn bearer(claims: Value) -> String {
+    let token = jsonwebtoken::encode(
+        &Header::new(Algorithm::HS256),
+        &claims,
+        &EncodingKey::from_secret(SECRET),
+    )
+    .unwrap();
+    format!("Bearer {token}")
+}
+
+fn exp() -> u64 {
+    jsonwebtoken::get_current_timestamp() + 600
+}
+
+#[test]
+fn a_source_not_sent_falls_through_and_one_sent_ambiguously_refuses() {
+    let trust = trust();
+    let tenant_user = rule(vec![
+        OwnerSource::All(vec![header("x-tenant"), header("x-user")]),
+        header("x-tenant"),
+    ]);
+    let tenant = trust
+        .owner(&tenant_user, &head(&[("x-tenant", "acme")]))
+        .unwrap();
+    let user = trust
+        .owner(
+            &tenant_user,
+            &head(&[("x-tenant", "acme"), ("x-user", "u1")]),
+        )
+        .unwrap();
+    assert_ne!(tenant, user);
+    for ambiguous in [
+        &[("x-tenant", "acme"), ("x-user", "u1"), ("x-user", "u2")][..],
+        &[("x-tenant", "acme"), ("x-user", "")][..],
+        &[
+            ("x-tenant", "acme"),
+            ("x-tenant", "globex"),
+            ("x-user", "u1"),
+        ][..],
+    ] {
+        let refused = trust.owner(&tenant_user, &head(ambiguous)).unwrap_err();
+        assert!(
+            matches!(refused, TrustError::OwnerAmbiguous { .. }),
+            "{refused}"
+        );
+    }
+}
+
+#[test]
+fn a_cookie_sent_twice_or_empty_refuses() {
+    let trust = trust();
+    let cookie = rule(vec![
+        OwnerSource::Cookie("sid".into()),
+        header("authorization"),
+    ]);
+    for sent in ["sid=a; sid=b", "sid=", "theme=dark; sid="] {
+        let refused = trust
+            .owner(&cookie, &head(&[("cookie", sent), ("authorization", "x")]))
+            .unwrap_err();
+        assert!(
+            matches!(refused, TrustError::OwnerAmbiguous { .. }),
+            "{sent}"
+        );
+    }
+    trust
+        .owner(&cookie, &head(&[("cookie", "sid=a; sid=a")]))
+        .expect("one value sent twice names one owner");
+}
+
+#[test]
+fn a_token_that_does_not_verify_refuses_rather_than_falls_through() {
+    let trust = trust();
+    let rule = rule(vec![jwt("sub", Some("orders")), header("x-api-key")]);
+    let good = bearer(json!({ "sub": "alice", "aud": ["x", "orders"], "exp": exp() }));
+    trust
+        .owner(&rule, &head(&[("authorization", &good)]))
+        .unwrap();
+    let crit = {
+        let header = URL_SAFE.encode(r#"{"alg":"HS256","crit":["exp"]}"#);
+        let claims =
+            URL_SAFE.encode(json!({ "sub": "a", "aud": "orders", "exp": exp() }).to_string());
+        let message = format!("{header}.{claims}");
+        let key = EncodingKey::from_secret(SECRET);
+        let signature =
+            jsonwebtoken::crypto::sign(message.as_bytes(), &key, Algorithm::HS256).unwrap();
+        format!("Bearer {message}.{signature}")
+    };
+    for bad in [
+        bearer(json!({ "sub": "alice", "exp": exp() })),
+        bearer(json!({ "sub": "alice", "aud": 5, "exp": exp() })),
+        bearer(json!({ "sub": "alice", "aud": ["orders", 5], "exp": exp() })),
+        bearer(json!({ "sub": "alice", "aud": "orders", "exp": exp(), "nbf": "0" })),
+        bearer(json!({ "aud": "orders", "exp": exp() })),
+        crit,
+        "Bearer not-a-token".to_owned(),
+    ] {
+        let sent = head(&[("authorization", &bad), ("x-api-key", "k")]);
+        let refused = trust.owner(&rule, &sent).unwrap_err();
+        assert!(
+            matches!(refused, TrustError::OwnerUnproven { .. }),
+            "{bad}: {refused}"
+        );
+    }
+    let none = trust.owner(&rule, &head(&[("x-api-key", "k")]));
+    assert!(none.is_ok(), "no token sent: the next source");
+}
+
+#[test]
+fn a_claims_json_type_is_part_of_its_owner() {
+    let trust = trust();
+    let rule = rule(vec![jwt("uid", None)]);
+    let owner = |uid: Value| {
+        let token = bearer(json!({ "uid": uid, "exp": exp() }));
+        trust
+            .owner(&rule, &head(&[("authorization", &token)]))
+            .unwrap()
+    };
+    assert_ne!(owner(json!(123)), owner(json!("123")));
+    assert_ne!(owner(json!(true)), owner(json!("true")));
+    assert_eq!(owner(json!(123)), owner(json!(123)));
+}
