@@ -35,8 +35,31 @@ impl BodyTimedOut {
     }
 }
 
+/// Why a request body failed as its client sent it (a malformed chunk, a
+/// connection cut mid-body): the client's doing, so a request passed through
+/// is answered `400`, not as if the upstream had failed (`docs/design.md`
+/// §2).
+#[derive(Debug, thiserror::Error)]
+#[error("the client's request body could not be read: {0}")]
+pub struct ClientBodyFailed(#[source] BoxError);
+
+impl ClientBodyFailed {
+    /// Whether `error` or one of its sources is one, and why, if so.
+    pub fn within(error: &(dyn std::error::Error + 'static)) -> Option<String> {
+        let mut next = Some(error);
+        while let Some(e) = next {
+            if let Some(failed) = e.downcast_ref::<ClientBodyFailed>() {
+                return Some(failed.to_string());
+            }
+            next = e.source();
+        }
+        None
+    }
+}
+
 pin_project! {
-    /// A body that fails when its client pauses for longer than `timeout`.
+    /// A client's request body, that fails when its client pauses for
+    /// longer than `timeout`; its own errors are [`ClientBodyFailed`].
     pub struct IdleTimeout<B> {
         #[pin]
         inner: B,
@@ -75,7 +98,9 @@ where
         if let Poll::Ready(frame) = this.inner.poll_frame(cx) {
             // Something came: the next pause starts from nothing.
             this.pause.set(None);
-            return Poll::Ready(frame.map(|f| f.map_err(BodyError::new)));
+            return Poll::Ready(
+                frame.map(|f| f.map_err(|e| BodyError::new(ClientBodyFailed(e.into())))),
+            );
         }
         if this.pause.is_none() {
             this.pause.set(Some(tokio::time::sleep(*this.timeout)));
