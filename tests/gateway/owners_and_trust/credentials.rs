@@ -53,8 +53,9 @@ async fn an_injected_header_of_any_name_is_a_credential_unless_marked() {
     assert_eq!(upstream.hits(), 0);
 }
 
-/// A header marked `credential = false` goes to every request, proven or
-/// not, with no guard needed.
+/// A header marked `credential = false` goes with every request, proven or
+/// not, with no guard needed; beside a credential, it still goes with every
+/// request, and the credential only with a proven client's.
 #[tokio::test]
 async fn a_header_marked_as_no_credential_goes_with_every_request() {
     let store = TestStore::embedded();
@@ -68,6 +69,45 @@ async fn a_header_marked_as_no_credential_goes_with_every_request() {
     let reply = send(Method::GET, &gateway.path("/v1/models"), &[], "").await;
     assert_eq!(reply.status, 200);
     assert_eq!(upstream.recorded()[0].header("x-tenant"), Some("acme"));
+
+    // Another store: one embedded store serves one gateway.
+    let store = TestStore::embedded();
+    let provider = FakeUpstream::echo().await;
+    let guarded = Gateway::builder(&store, "http://unused")
+        .unset("upstreams")
+        .tables(&upstream_with(
+            &provider.url(),
+            &format!("{tenant}\nx-goog-api-key = {{ value = \"AIza-operator\" }}"),
+            &format!(
+                "[[clients]]\nname = \"web\"\nkey_sha256 = {{ value = {:?} }}\n\
+                 [[routes]]\npath_prefix = \"/v1\"\nrequire_client = true\n",
+                sha256_hex("web-key")
+            ),
+        ))
+        .start()
+        .await;
+    let client = [("authorization", "Bearer web-key")];
+    assert_eq!(
+        send(Method::POST, &guarded.path("/v1/x"), &client, "{}")
+            .await
+            .status,
+        200
+    );
+    assert_eq!(
+        send(Method::GET, &guarded.path("/status"), &[], "")
+            .await
+            .status,
+        200
+    );
+    let seen = provider.recorded();
+    let sent: Vec<_> = seen
+        .iter()
+        .map(|r| (r.header("x-tenant"), r.header("x-goog-api-key")))
+        .collect();
+    assert_eq!(
+        sent,
+        [(Some("acme"), Some("AIza-operator")), (Some("acme"), None)]
+    );
 }
 
 /// A gateway whose clients present their key in `authorization`, in front

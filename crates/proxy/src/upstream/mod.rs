@@ -173,9 +173,10 @@ impl Upstream {
             headers.remove(withheld);
         }
         // The upstream's own headers; its credentials (which clients never
-        // hold) only for a client that proved itself (docs/design.md §15).
-        if self.target.credentials.is_empty() || proven {
-            for (name, value) in &self.target.headers {
+        // hold) only for a client that proved itself, those marked
+        // `credential = false` for every request (docs/design.md §15).
+        for (name, value) in &self.target.headers {
+            if proven || !self.target.credentials.contains(name) {
                 headers.insert(name.clone(), value.clone());
             }
         }

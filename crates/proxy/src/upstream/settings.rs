@@ -79,8 +79,9 @@ pub struct UpstreamSettings {
     /// Headers set on every request to it (values may be secrets).
     pub headers: Vec<(HeaderName, HeaderValue)>,
     /// Those of its headers that hold a credential of the operator's (every
-    /// one not marked `credential = false`): when there is one, only proven
-    /// clients' requests are sent with its headers (`docs/design.md` §15).
+    /// one not marked `credential = false`): only proven clients' requests
+    /// are sent with these; the others go with every request
+    /// (`docs/design.md` §15).
     pub credentials: Vec<HeaderName>,
     /// The header the gateway's own clients present their client key in,
     /// when there are clients: the gateway's alone, removed from every
