@@ -157,6 +157,8 @@ pub(super) struct UpstreamTable {
 /// A header an upstream gets on every request: a fixed value, or one read
 /// from an environment variable at start-up (a provider's API key, which
 /// clients then never hold), with an optional prefix such as `Bearer `.
+/// Every such header is a credential of the operator's unless it is marked
+/// `credential = false` (`docs/design.md` §15).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct HeaderSource {
@@ -164,6 +166,7 @@ pub(super) struct HeaderSource {
     pub(super) env: Option<String>,
     #[serde(default)]
     pub(super) prefix: String,
+    pub(super) credential: Option<bool>,
 }
 
 /// `[encryption]`: keys that seal stored responses.

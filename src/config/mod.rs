@@ -358,7 +358,11 @@ fn traffic(
             .map(UpstreamFile::Url)
             .collect()
     };
-    let upstreams = upstreams::parse_all(&upstream_files, upstream_timeout, &file.base_dir)?;
+    // With clients, their key's header is the gateway's: no upstream gets it
+    // (`docs/design.md` §15).
+    let withheld = (!trust.clients.clients.is_empty()).then_some(&trust.clients.header);
+    let upstreams =
+        upstreams::parse_all(&upstream_files, upstream_timeout, &file.base_dir, withheld)?;
     let mut contracts = BTreeMap::new();
     for (name, contract_file) in std::mem::take(&mut file.contracts) {
         let contract = contracts::load(&name, contract_file, &file.base_dir)?;

@@ -427,9 +427,13 @@ fn require_client(key: &str, written: Option<bool>, cx: &Context<'_>) -> Result<
 }
 
 /// A route whose upstreams hold the operator's credentials serves only
-/// proven clients (`docs/design.md` §15).
+/// proven clients (`docs/design.md` §15). Every injected header counts as
+/// one unless marked `credential = false`.
 fn guarded(route: Route, name: &str) -> Result<Route, ConfigError> {
-    let Some(holder) = route.upstreams().find(|u| u.credentials) else {
+    let Some((holder, header)) = route
+        .upstreams()
+        .find_map(|u| u.credentials.first().map(|h| (u, h)))
+    else {
         return Ok(route);
     };
     if route.require_client {
@@ -444,8 +448,9 @@ fn guarded(route: Route, name: &str) -> Result<Route, ConfigError> {
         key,
         format!(
             "{name} sends requests to upstream {:?}, which is given a credential of yours \
-             ([upstreams.headers]); only proven clients may spend it: set require_client = true \
-             on the route and declare [[clients]] with their key digests",
+             ([upstreams.headers] {header}); only proven clients may spend it: set \
+             require_client = true on the route and declare [[clients]] with their key \
+             digests, or, if {header} proves nothing, mark it `credential = false`",
             holder.name()
         ),
     ))

@@ -174,7 +174,7 @@ fn the_owner_examples_are_valid() {
     );
     let ai = load("ai-gateway.toml");
     let chat = &ai.routes[0];
-    assert!(chat.require_client && chat.primary.credentials);
+    assert!(chat.require_client && !chat.primary.credentials.is_empty());
     assert!(ai.trusted_proxies.contains("10.1.2.3".parse().unwrap()));
     assert!(!ai.trusted_proxies.contains("192.0.2.1".parse().unwrap()));
     assert!(matches!(

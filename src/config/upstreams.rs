@@ -13,10 +13,13 @@ use super::file::{HeaderSource, UpstreamFile};
 use super::{bad, header_name, positive, ConfigError};
 
 /// Every upstream, in configured order, names unique.
+/// `withheld` is the header the gateway's own clients present their client
+/// key in, when there are clients: never sent to any upstream.
 pub(super) fn parse_all(
     files: &[UpstreamFile],
     default_timeout: Duration,
     base_dir: &Path,
+    withheld: Option<&HeaderName>,
 ) -> Result<Vec<Arc<UpstreamSettings>>, ConfigError> {
     if files.is_empty() {
         return Err(bad(
@@ -27,7 +30,8 @@ pub(super) fn parse_all(
     }
     let mut all: Vec<Arc<UpstreamSettings>> = Vec::with_capacity(files.len());
     for (i, file) in files.iter().enumerate() {
-        let upstream = parse(i, file, default_timeout, base_dir)?;
+        let mut upstream = parse(i, file, default_timeout, base_dir)?;
+        upstream.withheld = withheld.cloned();
         if all.iter().any(|other| other.name() == upstream.name()) {
             return Err(bad(
                 format!("upstreams[{i}].name"),
@@ -66,10 +70,13 @@ fn parse(
         positive(&format!("{key}.{field}"), set.unwrap_or(timeout))
     };
     let mut headers = Vec::new();
-    let mut credentials = false;
+    let mut credentials = Vec::new();
     for (name, source) in table.map(|t| &t.headers).into_iter().flatten() {
-        let (name, value) = header(&format!("{key}.headers.{name}"), name, source)?;
-        credentials |= source.env.is_some() || authenticates(&name);
+        let entry = format!("{key}.headers.{name}");
+        let (name, value) = header(&entry, name, source)?;
+        if credential(&entry, &name, source)? {
+            credentials.push(name.clone());
+        }
         headers.push((name, value));
     }
     let extra_roots = match table.and_then(|t| t.ca_file.as_ref()) {
@@ -104,8 +111,29 @@ fn parse(
             .unwrap_or(DEFAULT_IDLE_TIMEOUT),
         headers,
         credentials,
+        withheld: None,
         extra_roots,
     })
+}
+
+/// Whether an injected header is a credential of the operator's: each is,
+/// unless marked `credential = false`, because which of a provider's headers
+/// authenticates (`x-goog-api-key`, `x-subscription-token`, …) cannot be told
+/// from its name (`docs/design.md` §15). One that authenticates by its very
+/// name cannot be marked otherwise.
+fn credential(key: &str, name: &HeaderName, source: &HeaderSource) -> Result<bool, ConfigError> {
+    match source.credential {
+        None | Some(true) => Ok(true),
+        Some(false) if authenticates(name) => Err(bad(
+            format!("{key}.credential"),
+            format!(
+                "{name} authenticates whoever sends it, so it is a credential of yours however \
+                 it is marked: remove `credential = false`, and set require_client = true on \
+                 the routes to this upstream"
+            ),
+        )),
+        Some(false) => Ok(false),
+    }
 }
 
 /// Headers whose value authenticates the sender, whatever it is written as.
@@ -172,4 +200,50 @@ fn header(
     // Often a provider's credential: never shown by `Debug`.
     value.set_sensitive(true);
     Ok((name, value))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Flags, Settings};
+
+    /// The settings of `rest`, and one upstream given `headers`.
+    fn with_headers(headers: &str, rest: &str) -> Result<Settings, super::ConfigError> {
+        let text = format!(
+            "{rest}\n[[upstreams]]\nurl = \"http://127.0.0.1:1\"\n[upstreams.headers]\n{headers}\n"
+        );
+        Settings::from_sources(Settings::parse_file(&text).unwrap(), Flags::default())
+    }
+
+    #[test]
+    fn every_injected_header_is_a_credential_unless_marked() {
+        let routed = "[[routes]]\npath_prefix = \"/v1\"\n";
+        let err = with_headers("x-goog-api-key = { value = \"AIza\" }", routed).unwrap_err();
+        assert_eq!(err.key, "routes[0].require_client");
+        assert!(err.message.contains("x-goog-api-key"), "{}", err.message);
+        assert!(
+            err.message.contains("credential = false"),
+            "{}",
+            err.message
+        );
+        let marked = "x-tenant = { value = \"acme\", credential = false }";
+        let s = with_headers(marked, routed).unwrap();
+        assert!(s.upstreams[0].credentials.is_empty());
+        assert_eq!(s.upstreams[0].headers.len(), 1);
+        let err = with_headers("cookie = { value = \"s=1\", credential = false }", "").unwrap_err();
+        assert_eq!(err.key, "upstreams[0].headers.cookie.credential");
+    }
+
+    #[test]
+    fn the_client_key_header_is_withheld_only_with_clients() {
+        let s = with_headers("x-tenant = { value = \"a\", credential = false }", "").unwrap();
+        assert_eq!(s.upstreams[0].withheld, None);
+        let clients = format!(
+            "client_key_header = \"x-client-key\"\n[[clients]]\nname = \"web\"\n\
+             key_sha256 = {{ value = \"{}\" }}\n",
+            "0".repeat(64)
+        );
+        let s = with_headers("x-tenant = { value = \"a\", credential = false }", &clients);
+        let withheld = s.unwrap().upstreams[0].withheld.clone();
+        assert_eq!(withheld.as_ref().map(|h| h.as_str()), Some("x-client-key"));
+    }
 }

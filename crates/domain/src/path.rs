@@ -33,6 +33,11 @@ pub enum Ambiguity {
     /// `;`: the start of path parameters, cut before routing by some.
     #[error("the path contains `;`, where Java servlet containers cut path parameters off a segment before routing and other upstreams keep them; send a literal `;` as `%3B`, parameters in the query string")]
     PathParameter,
+    /// A segment that ends in `.` but is no dot segment (`charges.`, also
+    /// spelled `charges%2e`): Windows, IIS and frameworks that strip an
+    /// empty extension read it without the dot, as another path.
+    #[error("the path has a segment ending in `.` (such as `charges.`, or `charges%2e`), which some upstreams read without the dot; send the segment without it")]
+    TrailingDot,
     /// A `..` with nothing left to remove.
     #[error("the path's `..` segments climb above `/`; send the path they lead to")]
     AboveRoot,
@@ -61,6 +66,8 @@ fn is_normal(path: &[u8]) -> bool {
     while let Some(&byte) = path.get(i) {
         match byte {
             b'/' if starts_dot_or_empty_segment(&path[i + 1..]) => return false,
+            // A segment ending in `.`: refused by `rewrite`.
+            b'.' if matches!(path.get(i + 1), None | Some(b'/')) => return false,
             b'%' => {
                 if !is_kept_encoding(path.get(i + 1..i + 3)) {
                     return false;
@@ -115,6 +122,7 @@ fn rewrite(path: &str) -> Result<String, Ambiguity> {
                 let parent = out.rfind('/').ok_or(Ambiguity::AboveRoot)?;
                 out.truncate(parent);
             }
+            dotted if dotted.ends_with('.') => return Err(Ambiguity::TrailingDot),
             _ => trailing = false,
         }
     }

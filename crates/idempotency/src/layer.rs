@@ -20,7 +20,7 @@ use super::opt_in::{self, Classified, OptedIn, Prepared};
 use super::shared::Shared;
 use super::{poll, respond_async};
 use crate::error::{ClientError, GatewayError};
-use idemgate_proxy::http::idle::BodyTimedOut;
+use idemgate_proxy::http::idle::{BodyTimedOut, ClientBodyFailed};
 use idemgate_proxy::http::Body;
 use idemgate_proxy::upstream::UpstreamError;
 
@@ -149,11 +149,16 @@ where
 }
 
 /// What a passed-through request that failed is answered: `408` when its
-/// own client paused mid-body past the body-read timeout (the upstream
-/// saw the request cut short), the upstream's failure otherwise.
+/// own client paused mid-body past the body-read timeout, `400` when its
+/// client's body could not be read (a malformed chunk; the upstream saw the
+/// request cut short either way), the upstream's failure otherwise: each
+/// by who caused it (`docs/design.md` §2).
 fn passing_failed(e: UpstreamError) -> GatewayError {
-    match BodyTimedOut::within(&e) {
-        Some(timed_out) => ClientError::BodyTimedOut(timed_out).into(),
+    if let Some(timed_out) = BodyTimedOut::within(&e) {
+        return ClientError::BodyTimedOut(timed_out).into();
+    }
+    match ClientBodyFailed::within(&e) {
+        Some(why) => ClientError::BodyUnreadable(why.into()).into(),
         None => e.into(),
     }
 }

@@ -35,7 +35,8 @@ pub(crate) fn upstreams(urls: &[&str]) -> Vec<Arc<UpstreamSettings>> {
                 connect_timeout: Duration::from_secs(10),
                 idle_timeout: DEFAULT_IDLE_TIMEOUT,
                 headers: Vec::new(),
-                credentials: false,
+                credentials: Vec::new(),
+                withheld: None,
                 extra_roots: Vec::new(),
             })
         })

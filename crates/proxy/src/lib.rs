@@ -7,6 +7,7 @@
 
 pub mod budget;
 pub mod http;
+mod line;
 pub mod path;
 pub mod problem;
 pub mod server;

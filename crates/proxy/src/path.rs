@@ -1,4 +1,6 @@
-//! Paths normalised before anything reads them (`docs/design.md` §2): the
+//! Request lines read one way, and paths normalised, before anything reads
+//! them (`docs/design.md` §2): a method, target or `Host` upstreams could
+//! read otherwise is refused (`crate::line`); then the
 //! request's URI is rewritten to the normal form of its path, its query
 //! kept byte for byte, so routing, the fingerprint and the upstream all see
 //! the one path; a path upstreams could read two ways is answered
@@ -52,6 +54,16 @@ where
     }
 
     fn call(&mut self, mut req: Request<B>) -> Self::Future {
+        // The method, the target's form and `Host` are read one way first:
+        // the path is the route's only once the rest of the line is certain.
+        if let Some(misread) = crate::line::misread(&req) {
+            return ResponseFuture::answer(
+                StatusCode::BAD_REQUEST,
+                misread.slug,
+                misread.title,
+                &misread.detail,
+            );
+        }
         let rewritten = match normalize(req.uri().path()) {
             Ok(Cow::Borrowed(_)) => None,
             Ok(Cow::Owned(path)) => Some(path),

@@ -10,6 +10,7 @@ mod pass_through;
 mod paths;
 mod races;
 mod real_clients;
+mod request_lines;
 mod respond_async;
 mod start_up;
 mod store_down;

@@ -58,14 +58,14 @@ const AMBIGUOUS: [&str; 12] = [
 const QUERY: &str = "?a=%2f&b=..&c=%63";
 
 /// An answer read off the wire.
-struct Raw {
-    status: u16,
+pub(super) struct Raw {
+    pub(super) status: u16,
     headers: Vec<(String, String)>,
-    body: String,
+    pub(super) body: String,
 }
 
 impl Raw {
-    fn header(&self, name: &str) -> Option<&str> {
+    pub(super) fn header(&self, name: &str) -> Option<&str> {
         self.headers
             .iter()
             .find(|(n, _)| n == name)
@@ -73,7 +73,7 @@ impl Raw {
     }
 
     /// Asserts a problem answer of type `slug`.
-    fn assert_problem(&self, status: u16, slug: &str, sent: &str) {
+    pub(super) fn assert_problem(&self, status: u16, slug: &str, sent: &str) {
         assert_eq!(self.status, status, "{sent}: {}", self.body);
         assert_eq!(
             self.header("content-type"),
@@ -86,19 +86,27 @@ impl Raw {
 }
 
 /// Sends `POST <target>` (or another method) exactly as written.
-async fn raw(gateway: &Gateway, method: &str, target: &str, key: Option<&str>) -> Raw {
+pub(super) async fn raw(gateway: &Gateway, method: &str, target: &str, key: Option<&str>) -> Raw {
     let authority = gateway.url.trim_start_matches("http://");
-    let mut stream = TcpStream::connect(authority).await.unwrap();
     let key = key.map_or(String::new(), |k| format!("idempotency-key: {k}\r\n"));
     let request = format!(
         "{method} {target} HTTP/1.1\r\nhost: {authority}\r\nconnection: close\r\n\
          content-type: application/json\r\n{key}content-length: 2\r\n\r\n{{}}"
     );
+    raw_bytes(gateway, &request).await
+}
+
+/// Sends `request` exactly as written and reads the answer until the
+/// gateway closes the connection (20 s at most).
+pub(super) async fn raw_bytes(gateway: &Gateway, request: &str) -> Raw {
+    let authority = gateway.url.trim_start_matches("http://");
+    let mut stream = TcpStream::connect(authority).await.unwrap();
+    let line = request.lines().next().unwrap_or_default().to_owned();
     stream.write_all(request.as_bytes()).await.unwrap();
     let mut out = Vec::new();
     tokio::time::timeout(Duration::from_secs(20), stream.read_to_end(&mut out))
         .await
-        .unwrap_or_else(|_| panic!("no answer to {method} {target} within 20 s"))
+        .unwrap_or_else(|_| panic!("no answer to {line} within 20 s"))
         .unwrap();
     let text = String::from_utf8_lossy(&out).into_owned();
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
@@ -107,7 +115,7 @@ async fn raw(gateway: &Gateway, method: &str, target: &str, key: Option<&str>) -
         .next()
         .and_then(|l| l.split_whitespace().nth(1))
         .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("{method} {target}: not an HTTP answer: {text:?}"));
+        .unwrap_or_else(|| panic!("{line}: not an HTTP answer: {text:?}"));
     let headers = lines
         .filter_map(|l| l.split_once(':'))
         .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
@@ -121,7 +129,11 @@ async fn raw(gateway: &Gateway, method: &str, target: &str, key: Option<&str>) -
 
 /// A gateway with one route, `POST /v1/charges`, that requires a key; on
 /// PostgreSQL it replays from Redis (its memory of answers off).
-async fn gateway(store: &TestStore, redis: Option<&ThrowawayRedis>, upstream: &str) -> Gateway {
+pub(super) async fn gateway(
+    store: &TestStore,
+    redis: Option<&ThrowawayRedis>,
+    upstream: &str,
+) -> Gateway {
     let builder = Gateway::builder(store, upstream).tables(
         "[[routes]]\nname = \"charges\"\npath_prefix = \"/v1/charges\"\n\
          methods = [\"POST\"]\nrequire_key = true\n",

@@ -1,6 +1,7 @@
 //! Whose key it is and what the gateway trusts: owners, defences, upstream TLS, its budget.
 
 mod budget;
+mod credentials;
 mod defences;
 mod evidence;
 mod forwarded;

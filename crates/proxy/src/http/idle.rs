@@ -35,14 +35,7 @@ pub enum BodyTimedOut {
 impl BodyTimedOut {
     /// The timeout, when `error` or one of its sources is one.
     pub fn within(error: &(dyn std::error::Error + 'static)) -> Option<BodyTimedOut> {
-        let mut next = Some(error);
-        while let Some(e) = next {
-            if let Some(timed_out) = e.downcast_ref::<BodyTimedOut>() {
-                return Some(*timed_out);
-            }
-            next = e.source();
-        }
-        None
+        found::<BodyTimedOut>(error).copied()
     }
 }
 
@@ -56,9 +49,32 @@ pub struct Pace {
     pub min_rate: u64,
 }
 
+/// Why a request body failed as its client sent it (a malformed chunk, a
+/// connection cut mid-body): the client's doing, so a request passed through
+/// is answered `400`, not as if the upstream had failed (`docs/design.md`
+/// §2).
+#[derive(Debug, thiserror::Error)]
+#[error("the client's request body could not be read: {0}")]
+pub struct ClientBodyFailed(#[source] BoxError);
+
+impl ClientBodyFailed {
+    /// Whether `error` or one of its sources is one, and why, if so.
+    pub fn within(error: &(dyn std::error::Error + 'static)) -> Option<String> {
+        found::<ClientBodyFailed>(error).map(ToString::to_string)
+    }
+}
+
+/// The first `E` in `error`'s chain of sources, itself included.
+fn found<'a, E: std::error::Error + 'static>(
+    error: &'a (dyn std::error::Error + 'static),
+) -> Option<&'a E> {
+    std::iter::successors(Some(error), |e| e.source()).find_map(|e| e.downcast_ref::<E>())
+}
+
 pin_project! {
-    /// A body that fails when its client pauses for longer than its pace's
-    /// timeout, or sends it slower than its minimum rate.
+    /// A client's request body, that fails when its client pauses for
+    /// longer than its pace's timeout or sends it slower than its minimum
+    /// rate; its own errors are [`ClientBodyFailed`].
     pub struct IdleTimeout<B> {
         #[pin]
         inner: B,
@@ -129,7 +145,9 @@ where
             if let Some(Ok(data)) = frame.as_ref().map(|f| f.as_ref().map(Frame::data_ref)) {
                 *this.received += data.map_or(0, |d| d.len() as u64);
             }
-            return Poll::Ready(frame.map(|f| f.map_err(BodyError::new)));
+            return Poll::Ready(
+                frame.map(|f| f.map_err(|e| BodyError::new(ClientBodyFailed(e.into())))),
+            );
         }
         let behind = this.pace.behind(started, *this.received);
         if this.pause.is_none() {

@@ -173,10 +173,17 @@ impl Upstream {
         forwarding(headers, client.as_ref(), host);
         // The trace continues upstream from the current span (the attempt's).
         idemgate_telemetry::trace::propagate(headers);
+        // The gateway's own client key is never spent upstream, whether or
+        // not the request was routed; it is removed before the upstream's
+        // own headers go in, so an upstream's `authorization` is kept.
+        if let Some(withheld) = &self.target.withheld {
+            headers.remove(withheld);
+        }
         // The upstream's own headers; its credentials (which clients never
-        // hold) only for a client that proved itself (docs/design.md §15).
-        if !self.target.credentials || proven {
-            for (name, value) in &self.target.headers {
+        // hold) only for a client that proved itself, those marked
+        // `credential = false` for every request (docs/design.md §15).
+        for (name, value) in &self.target.headers {
+            if proven || !self.target.credentials.contains(name) {
                 headers.insert(name.clone(), value.clone());
             }
         }

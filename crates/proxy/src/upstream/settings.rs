@@ -78,11 +78,15 @@ pub struct UpstreamSettings {
     pub idle_timeout: Duration,
     /// Headers set on every request to it (values may be secrets).
     pub headers: Vec<(HeaderName, HeaderValue)>,
-    /// Whether those headers hold a credential of the operator's (a value
-    /// from the environment, or a header that authenticates by its name):
-    /// then only proven clients' requests are sent with them
+    /// Those of its headers that hold a credential of the operator's (every
+    /// one not marked `credential = false`): only proven clients' requests
+    /// are sent with these; the others go with every request
     /// (`docs/design.md` §15).
-    pub credentials: bool,
+    pub credentials: Vec<HeaderName>,
+    /// The header the gateway's own clients present their client key in,
+    /// when there are clients: the gateway's alone, removed from every
+    /// request before it is sent, routed or not (`docs/design.md` §15).
+    pub withheld: Option<HeaderName>,
     /// Certificate authorities trusted for `https://` besides the public
     /// web PKI roots (a private CA, a self-signed provider).
     pub extra_roots: Vec<rustls::pki_types::CertificateDer<'static>>,

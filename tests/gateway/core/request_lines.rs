@@ -1,0 +1,131 @@
+//! One reading of a request line (`docs/design.md` §2): a method, target,
+//! path or `Host` an upstream could read otherwise than the gateway does is
+//! refused `400` before any route is matched, so nothing reaches a route's
+//! upstream without the route's rules; and a body its client broke is the
+//! client's `400`, not the upstream's `502`. Sent as raw bytes over TCP,
+//! since HTTP clients tidy these themselves.
+
+use super::paths::{gateway, raw, raw_bytes};
+use crate::support::deployment::Deployment;
+use crate::support::FakeUpstream;
+
+/// `POST /v1/charges` requires a key; these spellings of its path are read
+/// as it by some upstreams (a trailing `.` dropped), so none goes through.
+const TRAILING_DOTS: [&str; 6] = [
+    "/v1/charges.",
+    "/v1/charges%2e",
+    "/v1/charges%2E",
+    "/v1/charges./",
+    "/v1/charges..",
+    "/v1/charges%2e?a=1",
+];
+
+async fn a_standard_method_in_another_case_is_refused(Deployment { store, redis }: Deployment) {
+    let upstream = FakeUpstream::echo().await;
+    let gateway = gateway(&store, redis.as_ref(), &upstream.url()).await;
+    for method in ["post", "Post", "pOST"] {
+        for key in [None, Some("order-1")] {
+            let reply = raw(&gateway, method, "/v1/charges", key).await;
+            reply.assert_problem(400, "invalid-method", method);
+            assert!(reply.body.contains("send POST"), "{}", reply.body);
+        }
+    }
+    for method in ["get", "Delete"] {
+        raw(&gateway, method, "/v1/models", None)
+            .await
+            .assert_problem(400, "invalid-method", method);
+    }
+    assert_eq!(
+        upstream.hits(),
+        0,
+        "no method in another case went upstream"
+    );
+    assert_eq!(store.job_count().await, 0);
+    // The control: an extension method is passed through as it is.
+    assert_eq!(raw(&gateway, "PURGE", "/v1/cache", None).await.status, 200);
+}
+
+async fn a_trailing_dot_never_reaches_the_routes_upstream_without_a_key(
+    Deployment { store, redis }: Deployment,
+) {
+    let upstream = FakeUpstream::echo().await;
+    let gateway = gateway(&store, redis.as_ref(), &upstream.url()).await;
+    for target in TRAILING_DOTS {
+        for (method, key) in [("POST", None), ("POST", Some("order-2")), ("GET", None)] {
+            let reply = raw(&gateway, method, target, key).await;
+            reply.assert_problem(400, "ambiguous-path", target);
+            assert!(reply.body.contains("without"), "{target}: {}", reply.body);
+        }
+    }
+    assert_eq!(upstream.hits(), 0, "no trailing dot went upstream");
+    assert_eq!(store.job_count().await, 0);
+    // The control: a dot inside a segment is part of its name.
+    assert_eq!(
+        raw(&gateway, "GET", "/v1/charges.json", None).await.status,
+        200
+    );
+}
+
+async fn targets_that_are_not_paths_are_refused(Deployment { store, redis }: Deployment) {
+    let upstream = FakeUpstream::echo().await;
+    let gateway = gateway(&store, redis.as_ref(), &upstream.url()).await;
+    let authority = gateway.url.trim_start_matches("http://").to_owned();
+    for line in [
+        "POST * HTTP/1.1".to_owned(),
+        "OPTIONS * HTTP/1.1".to_owned(),
+        format!("CONNECT {authority} HTTP/1.1"),
+    ] {
+        let request = format!(
+            "{line}\r\nhost: {authority}\r\nconnection: close\r\nidempotency-key: k\r\n\
+             content-length: 0\r\n\r\n"
+        );
+        raw_bytes(&gateway, &request)
+            .await
+            .assert_problem(400, "invalid-request-target", &line);
+    }
+    assert_eq!(upstream.hits(), 0, "nothing forwarded");
+    assert_eq!(store.job_count().await, 0);
+}
+
+async fn two_host_headers_are_refused(Deployment { store, redis }: Deployment) {
+    let upstream = FakeUpstream::echo().await;
+    let gateway = gateway(&store, redis.as_ref(), &upstream.url()).await;
+    for (line, key) in [
+        ("POST /v1/charges HTTP/1.1", "idempotency-key: order-3\r\n"),
+        ("GET /v1/models HTTP/1.1", ""),
+    ] {
+        let request = format!(
+            "{line}\r\nhost: a.example\r\nhost: b.example\r\nconnection: close\r\n{key}\
+             content-type: application/json\r\ncontent-length: 2\r\n\r\n{{}}"
+        );
+        raw_bytes(&gateway, &request)
+            .await
+            .assert_problem(400, "invalid-host", line);
+    }
+    assert_eq!(upstream.hits(), 0, "nothing forwarded");
+    assert_eq!(store.job_count().await, 0);
+}
+
+/// A passed-through request whose chunks do not parse failed by its
+/// client's doing: `400`, told apart from an upstream's failure (`502`).
+async fn a_malformed_chunked_body_passed_through_is_the_clients_400(
+    Deployment { store, redis }: Deployment,
+) {
+    let upstream = FakeUpstream::echo().await;
+    let gateway = gateway(&store, redis.as_ref(), &upstream.url()).await;
+    let request = "POST /v1/uploads HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\
+                   content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n\
+                   2\r\n{}\r\nzz\r\nnot a chunk\r\n0\r\n\r\n";
+    let reply = raw_bytes(&gateway, request).await;
+    reply.assert_problem(400, "request-body-unreadable", "a malformed chunk");
+    assert_eq!(store.job_count().await, 0);
+}
+
+crate::on_each_deployment!(
+    [embedded, postgres, postgres_redis]
+    a_standard_method_in_another_case_is_refused,
+    a_trailing_dot_never_reaches_the_routes_upstream_without_a_key,
+    targets_that_are_not_paths_are_refused,
+    two_host_headers_are_refused,
+    a_malformed_chunked_body_passed_through_is_the_clients_400,
+);
