@@ -17,8 +17,9 @@ use super::execute::UpstreamService;
 use super::flow;
 use super::keyed::Keyed;
 use super::opt_in::{self, Classified, OptedIn, Prepared};
+use super::route::Protocol;
 use super::shared::Shared;
-use super::{poll, respond_async};
+use super::{mcp, poll, respond_async};
 use crate::error::{ClientError, GatewayError};
 use idemgate_proxy::http::idle::{BodyTimedOut, ClientBodyFailed};
 use idemgate_proxy::http::Body;
@@ -224,7 +225,15 @@ async fn opted_in(
     opted: OptedIn,
     upstream: UpstreamService,
 ) -> Response<Body> {
-    let request = match opt_in::prepare(&shared, opted).await {
+    // An MCP route reads its body before it knows whether it is keyed.
+    let prepared = match &opted.route.protocol {
+        Protocol::Mcp(mcp) => {
+            let mcp = mcp.clone();
+            mcp::prepare(&shared, &mcp, opted).await
+        }
+        _ => opt_in::prepare(&shared, opted).await,
+    };
+    let request = match prepared {
         Ok(Prepared::Keyed(request)) => request,
         Ok(Prepared::Passing(req)) => {
             return match upstream.oneshot(req).await {

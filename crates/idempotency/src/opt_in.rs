@@ -146,12 +146,8 @@ pub(crate) fn classify(routes: &[Arc<Route>], trust: &Trust, mut req: Request<Bo
 /// limit, `413` past it; within the memory budget, `503` past it; `408`
 /// when its client pauses past the body-read timeout) and the fingerprint
 /// (`400` for a body the route canonicalises that names a JSON member
-/// twice).
+/// twice). An MCP route's messages are prepared by `mcp::prepare` instead.
 pub(crate) async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Prepared, Refused> {
-    if let Protocol::Mcp(mcp) = &opted.route.protocol {
-        let mcp = mcp.clone();
-        return crate::mcp::prepare(shared, &mcp, opted).await;
-    }
     let OptedIn { route, key, req } = opted;
     let key = key.ok_or(ClientError::MissingKey)?;
     let (parts, body) = req.into_parts();
