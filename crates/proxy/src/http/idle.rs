@@ -230,17 +230,25 @@ mod tests {
         drop(tx);
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_body_that_trickles_fails_once_it_falls_behind_the_minimum_rate() {
+    /// A body fed by a channel, paced at 100 B/s after a 2 s grace.
+    fn paced_channel() -> (mpsc::Sender<Result<Frame<Bytes>, BodyError>>, Body) {
         let (tx, rx) = mpsc::channel(4);
-        let frames = futures_util::stream::unfold(rx, |mut rx: mpsc::Receiver<_>| async move {
+        let frames = futures_util::stream::unfold(rx, |mut rx| async move {
             rx.recv().await.map(|item| (item, rx))
         });
         let pace = Pace {
             timeout: Duration::from_secs(2),
             min_rate: 100,
         };
-        let mut body = IdleTimeout::paced(StreamBody::new(frames), pace).boxed();
+        (
+            tx,
+            IdleTimeout::paced(StreamBody::new(frames), pace).boxed(),
+        )
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_that_trickles_fails_once_it_falls_behind_the_minimum_rate() {
+        let (tx, mut body) = paced_channel();
         let started = tokio::time::Instant::now();
         let sender = tokio::spawn(async move {
             // 10 bytes a second, each pause within the timeout.
@@ -272,15 +280,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_body_at_the_minimum_rate_is_read_whole() {
-        let (tx, rx) = mpsc::channel(4);
-        let frames = futures_util::stream::unfold(rx, |mut rx: mpsc::Receiver<_>| async move {
-            rx.recv().await.map(|item| (item, rx))
-        });
-        let pace = Pace {
-            timeout: Duration::from_secs(2),
-            min_rate: 100,
-        };
-        let mut body = IdleTimeout::paced(StreamBody::new(frames), pace).boxed();
+        let (tx, mut body) = paced_channel();
         tokio::spawn(async move {
             for _ in 0..20 {
                 tokio::time::sleep(Duration::from_secs(1)).await;
