@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use http::{Response, StatusCode};
+use http::{HeaderName, HeaderValue, Response, StatusCode};
 use serde_json::Map;
 
 use idemgate_domain::fingerprint::AmbiguousJson;
@@ -21,6 +21,10 @@ use idemgate_proxy::problem::{problem_response_with, PROBLEM_BASE};
 use idemgate_proxy::upstream::UpstreamError;
 use idemgate_store::{StoreError, StoreErrorKind};
 use idemgate_trust::TrustError;
+
+/// Tells a client's SDK whether to retry on its own (the OpenAI and
+/// Anthropic SDKs read it), for refusals no retry can win.
+const SHOULD_RETRY: HeaderName = HeaderName::from_static("x-should-retry");
 
 /// The IETF draft whose answers the key problems give; each links the
 /// section it answers to in a `spec` member (RFC 9457 §3.2), the link to
@@ -432,14 +436,38 @@ impl GatewayError {
         {
             members.insert("events".into(), (*n).into());
         }
-        problem_response_with(
+        let unwinnable = self.unwinnable();
+        let mut response = problem_response_with(
             problem.status,
             problem.slug,
             problem.title,
             &self.to_string(),
             problem.retry_after,
             members,
-        )
+        );
+        if unwinnable {
+            response
+                .headers_mut()
+                .insert(SHOULD_RETRY, HeaderValue::from_static("false"));
+        }
+        response
+    }
+
+    /// Whether sending the same request again can never succeed: the key
+    /// is already another request's, malformed or missing, or the caller is
+    /// not who it must be. The official OpenAI and Anthropic SDKs retry a
+    /// `409` on their own unless told not to (`x-should-retry: false`).
+    fn unwinnable(&self) -> bool {
+        let problem = self.problem();
+        problem.status == StatusCode::UNAUTHORIZED
+            || matches!(
+                self,
+                GatewayError::Client(
+                    ClientError::KeyMismatch { .. }
+                        | ClientError::InvalidKey(_)
+                        | ClientError::MissingKey
+                )
+            )
     }
 
     /// Whether an MCP client is told this as a JSON-RPC error of the tool

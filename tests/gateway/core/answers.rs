@@ -230,6 +230,7 @@ async fn a_route_that_requires_a_key_refuses_requests_without_one(store: TestSto
     let refused = send(Method::POST, &gateway.path("/v1/payments"), &[], "{}").await;
     assert_eq!(refused.status, 400);
     assert_eq!(refused.problem(), "idempotency-key-missing");
+    assert_eq!(refused.header("x-should-retry"), Some("false"));
     // Outside that route, POST without a key is not opted in: passed through.
     let passed = send(Method::POST, &gateway.path("/v1/other"), &[], "{}").await;
     assert_eq!(passed.status, 200);

@@ -69,6 +69,8 @@ async fn numbers_are_the_text_the_client_wrote(env: Deployment) {
         let mismatch = post(&url, key, &format!(r#"{{"amount":{other},"to":"x"}}"#)).await;
         assert_eq!(mismatch.status, 409, "{first} and {other} are two intents");
         assert_eq!(mismatch.problem(), "idempotency-key-mismatch");
+        // No retry can win it: the SDKs that retry a 409 are told not to.
+        assert_eq!(mismatch.header("x-should-retry"), Some("false"));
     }
     assert_eq!(upstream.hits(), 3, "one execution per key");
 }

@@ -71,6 +71,11 @@ async fn conflict_answers_409_at_once_and_the_retry_replays(env: Deployment) {
     assert_eq!(duplicate.status, 409);
     assert_eq!(duplicate.problem(), "request-in-progress");
     assert_eq!(duplicate.header("retry-after"), Some("2"));
+    assert_eq!(
+        duplicate.header("x-should-retry"),
+        None,
+        "a retry later wins"
+    );
     assert!(duplicate.job().is_some(), "names the running job");
     assert_eq!(gateway.metric("idemgate_requests_held_total").await, 0.0);
     gate.open(1);

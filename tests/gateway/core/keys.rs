@@ -55,6 +55,11 @@ fn assert_refused(reply: &RawReply, says: &str) {
     assert!(reply
         .head
         .contains("content-type: application/problem+json"));
+    assert!(
+        reply.head.contains("x-should-retry: false"),
+        "{}",
+        reply.head
+    );
     assert_eq!(
         reply.body["type"],
         "https://idemgate.dev/problems/invalid-idempotency-key"

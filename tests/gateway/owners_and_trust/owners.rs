@@ -66,6 +66,11 @@ pub(super) async fn refused(
         String::from_utf8_lossy(&reply.body)
     );
     assert_eq!(reply.problem(), kind);
+    assert_eq!(
+        reply.header("x-should-retry"),
+        Some("false"),
+        "the same request cannot win: the SDKs are told not to retry"
+    );
     assert!(
         reply.header("www-authenticate").is_some(),
         "a 401 says how to authenticate"
