@@ -32,6 +32,7 @@ pub struct FileConfig {
     #[serde(default, with = "humantime_serde")]
     pub(super) redis_timeout: Option<Duration>,
     pub(super) redis_inline_max: Option<bytesize::ByteSize>,
+    pub(super) redis_key_prefix: Option<String>,
     pub(super) redis_ca_file: Option<PathBuf>,
     pub(super) redis_client_cert: Option<PathBuf>,
     pub(super) redis_client_key: Option<PathBuf>,

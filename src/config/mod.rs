@@ -548,8 +548,22 @@ fn redis_settings(file: &FileConfig, flags: &Flags) -> Result<Option<RedisSettin
         inline_max: file
             .redis_inline_max
             .map_or(64 * 1024, |b| b.as_u64() as usize),
+        key_prefix: key_prefix(file.redis_key_prefix.as_deref())?,
         tls,
     }))
+}
+
+/// `redis_key_prefix`: `idemgate:` unless set; never braces, which would
+/// move a key's Redis Cluster slot away from its hash tag.
+fn key_prefix(configured: Option<&str>) -> Result<String, ConfigError> {
+    let prefix = configured.unwrap_or("idemgate:");
+    if prefix.is_empty() || prefix.contains(['{', '}']) || prefix.chars().any(char::is_whitespace) {
+        return Err(bad(
+            "redis_key_prefix",
+            format!("{prefix:?} cannot start every Redis key: give a non-empty prefix without braces or spaces, such as \"payments:\""),
+        ));
+    }
+    Ok(prefix.to_owned())
 }
 
 fn at_least_one(key: &str, n: usize) -> Result<usize, ConfigError> {

@@ -72,6 +72,18 @@ fn bad_values_name_their_key() {
     .unwrap_err();
     assert_eq!(err.key, "redis_url");
     assert!(err.to_string().contains("mymaster"), "{err}");
+    for bad in ["\"\"", "\"a{b}:\"", "\"two words\""] {
+        let err = Settings::from_sources(
+            Settings::parse_file(&format!(
+                "redis_url = \"redis://127.0.0.1:6379\"\nredis_key_prefix = {bad}"
+            ))
+            .unwrap(),
+            flags_with_upstream(),
+        )
+        .unwrap_err();
+        assert_eq!(err.key, "redis_key_prefix", "{bad}");
+        assert!(err.to_string().contains("without braces"), "{err}");
+    }
     let err = Settings::from_sources(
         Settings::parse_file("database_url = \"postgres://u@a:5432,b:5432/db\"").unwrap(),
         flags_with_upstream(),
@@ -510,6 +522,7 @@ mod props {
             "redis_url",
             "redis_timeout",
             "redis_inline_max",
+            "redis_key_prefix",
             "upstream_timeout",
             "attempt_deadline",
             "hold_timeout",

@@ -47,7 +47,12 @@ pub fn key(k: &str) -> IdempotencyKey {
 
 /// The Redis key of the anonymous owner's `k`.
 pub fn redis_key(k: &str) -> String {
-    fastpath::redis_key(&Binding::of(&owner(), &key(k)), &owner(), &key(k))
+    fastpath::redis_key(
+        "idemgate:",
+        &Binding::of(&owner(), &key(k)),
+        &owner(),
+        &key(k),
+    )
 }
 
 /// Reads an entry of the anonymous owner's `k` as a gateway with `keys`.

@@ -87,7 +87,7 @@ async fn the_database_and_redis_hold_no_plaintext_response() {
         idemgate_domain::key::IdempotencyKey::new("sealed-1").unwrap(),
     );
     let binding = idemgate_store::fastpath::Binding::of(&owner, &key);
-    let redis_key = idemgate_store::fastpath::redis_key(&binding, &owner, &key);
+    let redis_key = idemgate_store::fastpath::redis_key("idemgate:", &binding, &owner, &key);
     eventually(Duration::from_secs(5), "the fast-path entry", || async {
         redis.get(&redis_key).await.is_some()
     })

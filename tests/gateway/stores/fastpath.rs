@@ -305,3 +305,54 @@ async fn a_redis_that_never_answers_cannot_stall_requests() {
     assert_eq!(first.status, 200);
     assert_eq!(replay.body, first.body);
 }
+
+/// Two deployments on one Redis, each with its own `redis_key_prefix`
+/// (design §13): the same owner and key in both are two entries, neither
+/// deployment replays the other's answer, and nothing is written under the
+/// default prefix.
+#[tokio::test]
+async fn deployments_sharing_a_redis_keep_apart_under_their_own_prefixes() {
+    let redis = ThrowawayRedis::start().await;
+    let mut deployments = Vec::new();
+    for name in ["tenant-a", "tenant-b"] {
+        let store = TestStore::postgres().await;
+        let answer = serde_json::json!({ "from": name });
+        let upstream = FakeUpstream::start(move |_| {
+            let answer = answer.clone();
+            async move { crate::support::upstream::json_response(200, answer) }
+        })
+        .await;
+        let gateway = Gateway::builder(&store, &upstream.url())
+            .replaying_from_redis(&redis.url())
+            .set("redis_key_prefix", &format!("\"{name}:\""))
+            .start()
+            .await;
+        deployments.push((name, store, upstream, gateway));
+    }
+    for (name, _, upstream, gateway) in &deployments {
+        let first = post(&gateway.path("/v1/charges"), "shared", "{}").await;
+        assert_eq!(first.json()["from"], *name, "its own upstream answered");
+        assert_eq!(upstream.hits(), 1);
+        let prefixed = redis_key("shared").replacen("idemgate:", &format!("{name}:"), 1);
+        eventually(
+            WAIT,
+            "the answer to reach Redis under its prefix",
+            || async { redis.get(&prefixed).await.is_some() },
+        )
+        .await;
+    }
+    assert!(
+        redis.get(&redis_key("shared")).await.is_none(),
+        "nothing under the default prefix"
+    );
+    for (name, _, upstream, gateway) in &deployments {
+        let again = post(&gateway.path("/v1/charges"), "shared", "{}").await;
+        assert_eq!(again.json()["from"], *name, "its own answer, replayed");
+        assert_eq!(again.header("idempotent-replayed"), Some("true"));
+        let from_redis = gateway
+            .metric("idemgate_replays_total{source=\"redis\"}")
+            .await;
+        assert_eq!(from_redis, 1.0, "{name} replayed from its own entry");
+        assert_eq!(upstream.hits(), 1);
+    }
+}

@@ -32,7 +32,12 @@ fn key(k: &str) -> IdempotencyKey {
 }
 
 fn redis_key(k: &str) -> String {
-    fastpath::redis_key(&Binding::of(&owner(), &key(k)), &owner(), &key(k))
+    fastpath::redis_key(
+        "idemgate:",
+        &Binding::of(&owner(), &key(k)),
+        &owner(),
+        &key(k),
+    )
 }
 
 fn cached(bytes: Option<Vec<u8>>, k: &str) -> bool {
@@ -58,7 +63,9 @@ async fn a_jobs_keys_share_one_cluster_slot() {
     for k in ["a", "{b}", "}{", "with:colons", "{x}{y}", "k-0123456789"] {
         let tag = Tag::of(&owner(), &key(k));
         let entry = cluster.slot(&redis_key(k)).await;
-        let stream = cluster.slot(&fastpath::stream_key(&tag, job)).await;
+        let stream = cluster
+            .slot(&fastpath::stream_key("idemgate:", &tag, job))
+            .await;
         assert_eq!(entry, stream, "key {k:?}");
     }
     // And different keys spread over the slots (and so over the masters).

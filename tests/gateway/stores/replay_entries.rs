@@ -454,7 +454,7 @@ async fn a_spoiled_stream_is_never_served_as_complete(spoil: Spoil) -> Gateway {
         let mut other = Reader::post(&a.path("/v1/chat"), "another", "{}").await;
         assert_eq!(other.finish().await, Finish::Complete);
         let job = job_of(&other);
-        let stream = stream_key(&Tag::of(&owner(), &key("another")), job);
+        let stream = stream_key("idemgate:", &Tag::of(&owner(), &key("another")), job);
         eventually(WAIT, "another job's end to be mirrored", || async {
             Raw::connect(&redis.url())
                 .await
@@ -470,7 +470,7 @@ async fn a_spoiled_stream_is_never_served_as_complete(spoil: Spoil) -> Gateway {
     let mut first = Reader::post(&a.path("/v1/chat"), "spoiled", "{}").await;
     first.read_until(2 * EVENT).await;
     let job = job_of(&first);
-    let stream = stream_key(&Tag::of(&owner(), &key("spoiled")), job);
+    let stream = stream_key("idemgate:", &Tag::of(&owner(), &key("spoiled")), job);
     eventually(WAIT, "the head and two chunks to be mirrored", || async {
         Raw::connect(&redis.url())
             .await

@@ -73,17 +73,18 @@ impl Binding {
     }
 }
 
-/// The Redis key of a replay: the tag, then owner (`anonymous` or
-/// `sha256:<hex>`, never a colon beyond that) and key, readable in
-/// `redis-cli`. `binding` is that of `(owner, key)`.
-pub fn redis_key(binding: &Binding, owner: &Owner, key: &IdempotencyKey) -> String {
-    format!("idemgate:{{{}}}:replay:{owner}:{key}", binding.tag())
+/// The Redis key of a replay: the deployment's `prefix` (`idemgate:` by
+/// default), the tag, then owner (`anonymous` or `hmac:<hex>`, never a
+/// colon beyond that) and key, readable in `redis-cli`. `binding` is that
+/// of `(owner, key)`.
+pub fn redis_key(prefix: &str, binding: &Binding, owner: &Owner, key: &IdempotencyKey) -> String {
+    format!("{prefix}{{{}}}:replay:{owner}:{key}", binding.tag())
 }
 
 /// The Redis Stream a streamed answer of `job`, made for the `(owner, key)`
-/// of `tag`, is mirrored on.
-pub fn stream_key(tag: &Tag, job: JobId) -> String {
-    format!("idemgate:{{{tag}}}:stream:{job}")
+/// of `tag`, is mirrored on, under the deployment's `prefix`.
+pub fn stream_key(prefix: &str, tag: &Tag, job: JobId) -> String {
+    format!("{prefix}{{{tag}}}:stream:{job}")
 }
 
 /// Entries of this format start with these bytes; any other `IGR` entry was

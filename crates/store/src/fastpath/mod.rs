@@ -56,8 +56,9 @@ pub use keys::{EntryKeys, Rejection};
 pub use settings::{ClientCert, RedisSettings, RedisTls, Topology, TopologyError};
 pub use stream::{Ending, Piece};
 
-/// The pub/sub channel job changes are announced on; the payload is the job id.
-pub const CHANNEL: &str = "idemgate:jobs";
+/// The pub/sub channel job changes are announced on, after the
+/// deployment's key prefix; the payload is the job id.
+pub const CHANNEL: &str = "jobs";
 
 /// What a lookup found.
 #[derive(Debug)]
@@ -118,7 +119,7 @@ impl FastPath {
         let mut conn = self.redis.conn();
         let binding = Binding::of(owner, key);
         let cmd = redis::cmd("GET")
-            .arg(redis_key(&binding, owner, key))
+            .arg(redis_key(&self.settings.key_prefix, &binding, owner, key))
             .clone();
         let found: Option<Vec<u8>> = match self.call(cmd.query_async(&mut conn)).await {
             Some(found) => found,
@@ -217,7 +218,7 @@ impl FastPath {
         let bytes = encode(&entry, owner, key, &self.keys);
         let mut conn = self.redis.conn();
         let cmd = redis::cmd("SET")
-            .arg(redis_key(&binding, owner, key))
+            .arg(redis_key(&self.settings.key_prefix, &binding, owner, key))
             .arg(bytes)
             .arg("PX")
             .arg(ttl.as_millis() as u64)
@@ -292,7 +293,7 @@ impl FastPath {
         while let Some(job) = changes.recv().await {
             let mut conn = self.redis.conn();
             let cmd = redis::cmd("PUBLISH")
-                .arg(CHANNEL)
+                .arg(format!("{}{CHANNEL}", self.settings.key_prefix))
                 .arg(format!("{job} {}", self.instance))
                 .clone();
             let _ = self.call(cmd.query_async::<i64>(&mut conn)).await;
@@ -306,7 +307,9 @@ impl FastPath {
     /// nobody listened were lost.
     pub async fn listen(self: Arc<Self>, doorbell: Arc<Doorbell>) -> Result<(), BoxError> {
         let mut pubsub = self.redis.subscriber().await?;
-        pubsub.subscribe(CHANNEL).await?;
+        pubsub
+            .subscribe(format!("{}{CHANNEL}", self.settings.key_prefix))
+            .await?;
         doorbell.ring_all();
         let mut messages = pubsub.into_on_message();
         while let Some(message) = messages.next().await {
@@ -358,7 +361,7 @@ impl FastPath {
         doorbell: Arc<Doorbell>,
     ) {
         let fast = self.clone();
-        let key = stream_key(tag, job);
+        let key = stream_key(&self.settings.key_prefix, tag, job);
         let mut head = status.to_be_bytes().to_vec();
         head.extend_from_slice(&encode_headers(headers));
         tokio::spawn(async move {
@@ -417,7 +420,7 @@ impl FastPath {
     pub async fn stream_head(&self, tag: &Tag, job: JobId) -> Option<(u16, Vec<(String, Bytes)>)> {
         let mut conn = self.redis.conn();
         let first = redis::cmd("XRANGE")
-            .arg(stream_key(tag, job))
+            .arg(stream_key(&self.settings.key_prefix, tag, job))
             .arg("-")
             .arg("+")
             .arg("COUNT")
@@ -452,7 +455,7 @@ impl FastPath {
         stall: Duration,
         mut push: impl FnMut(Bytes),
     ) -> Result<Ending, BoxError> {
-        let key = stream_key(tag, job);
+        let key = stream_key(&self.settings.key_prefix, tag, job);
         // Blocking reads hold their connection: one of its own.
         let mut conn = self.redis.dedicated().await?;
         let mut last = "0".to_owned();

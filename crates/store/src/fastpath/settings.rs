@@ -18,6 +18,9 @@ pub struct RedisSettings {
     pub timeout: Duration,
     /// Largest response body kept inline; larger ones are kept by reference.
     pub inline_max: usize,
+    /// What every Redis key and channel of this deployment starts with, so
+    /// that deployments sharing one Redis never meet (`docs/design.md` §13).
+    pub key_prefix: String,
     /// What a TLS Redis's certificate is checked against, and the client's
     /// own; `Some` exactly when `redis_url` is a `rediss…` URL.
     pub tls: Option<RedisTls>,
