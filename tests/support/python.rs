@@ -45,3 +45,21 @@ pub fn venv(name: &str, packages: &[&str], probe: &str) -> PathBuf {
     }
     bin
 }
+
+/// Runs a client process (a Python SDK script or README snippet) to its
+/// end, 60 s at most, and asserts it succeeded; its standard output.
+pub async fn run_client(what: &str, command: &mut tokio::process::Command) -> Vec<u8> {
+    let out = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        command.kill_on_drop(true).output(),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("the {what} did not finish within 60 s"))
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "the {what} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
+}

@@ -408,24 +408,15 @@ async fn the_official_mcp_sdk_calls_a_tool_once_across_sessions() {
     let run = |token: &'static str| {
         let (python, agent, url) = (python.clone(), agent.clone(), url.clone());
         async move {
-            let out = tokio::time::timeout(
-                std::time::Duration::from_secs(60),
+            let out = crate::support::python::run_client(
+                "agent",
                 tokio::process::Command::new(&python)
                     .args(["-c", &agent])
                     .env("MCP_URL", format!("{url}/mcp"))
-                    .env("MCP_TOKEN", token)
-                    .kill_on_drop(true)
-                    .output(),
+                    .env("MCP_TOKEN", token),
             )
-            .await
-            .expect("the agent did not finish within 60 s")
-            .unwrap();
-            assert!(
-                out.status.success(),
-                "the agent failed: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            String::from_utf8(out.stdout).unwrap().trim_end().to_owned()
+            .await;
+            String::from_utf8(out).unwrap().trim_end().to_owned()
         }
     };
     let first = run("agent-7").await;

@@ -27,24 +27,15 @@ async fn the_openai_sdk_streaming_twice_with_one_key_sees_one_execution() {
     let gateway = Gateway::start(&store, &upstream.url()).await;
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/clients/openai_stream.py");
     let base_url = gateway.path("/v1");
-    let out = tokio::time::timeout(
-        Duration::from_secs(60),
+    let out = crate::support::python::run_client(
+        "SDK script",
         tokio::process::Command::new(&python)
             .arg(&script)
             .arg(&base_url)
-            .arg("sdk-stream-1")
-            .kill_on_drop(true)
-            .output(),
+            .arg("sdk-stream-1"),
     )
-    .await
-    .expect("the SDK script did not finish within 60 s")
-    .unwrap();
-    assert!(
-        out.status.success(),
-        "the SDK script failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let seen: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    .await;
+    let seen: serde_json::Value = serde_json::from_slice(&out).unwrap();
     let expected: Vec<&str> = TOKENS.to_vec();
     assert_eq!(seen["first"], serde_json::json!(expected));
     assert_eq!(seen["second"], seen["first"], "identical token sequences");
@@ -228,27 +219,15 @@ async fn the_openai_sdk_resumes_a_dropped_stream_with_the_readme_snippet() {
         .parse()
         .unwrap();
     let flaky = flaky_network(gateway_addr, 3).await;
-    let out = tokio::time::timeout(
-        Duration::from_secs(60),
+    let out = crate::support::python::run_client(
+        "snippet",
         tokio::process::Command::new(&python)
             .args(["-c", &readme_python("### Resuming a stream")])
             .env("OPENAI_BASE_URL", format!("http://{flaky}/v1"))
-            .env("OPENAI_API_KEY", "not-a-real-key")
-            .kill_on_drop(true)
-            .output(),
+            .env("OPENAI_API_KEY", "not-a-real-key"),
     )
-    .await
-    .expect("the snippet did not finish within 60 s")
-    .unwrap();
-    assert!(
-        out.status.success(),
-        "the snippet failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(
-        String::from_utf8_lossy(&out.stdout).trim_end(),
-        EIGHT.concat()
-    );
+    .await;
+    assert_eq!(String::from_utf8_lossy(&out).trim_end(), EIGHT.concat());
     assert_eq!(upstream.hits(), 1, "one upstream execution");
     let resumed = gateway.metric("idemgate_stream_resumes_total{result=\"resumed\"}");
     assert_eq!(resumed.await, 1.0, "the second try resumed after 3 events");
