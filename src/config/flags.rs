@@ -54,7 +54,7 @@ pub struct VerifyFlags {
     pub json: bool,
 }
 
-/// The flags of the README's "Configuration" table; each overrides the file
+/// The flags of `docs/configuration.md`'s table; each overrides the file
 /// and has an `IDEMGATE_*` twin.
 #[derive(Debug, Default, Args)]
 pub struct Flags {

@@ -101,3 +101,30 @@ async fn the_chat_contract_accepts_what_the_openai_api_answers() {
         }
     }
 }
+
+/// `docs/providers.md`'s probe is the worked example's (whose probes the
+/// tests above run against drifting providers): every key it shows, with
+/// the value it shows.
+#[test]
+fn the_providers_guides_probe_is_the_worked_examples() {
+    let excerpt: toml::Value =
+        toml::from_str(&crate::support::docs::block("contract-probe-excerpt")).unwrap();
+    let example: toml::Value =
+        toml::from_str(&std::fs::read_to_string(chat_dir().join("idemgate.toml")).unwrap())
+            .unwrap();
+    let probes = |v: &toml::Value| {
+        v["contracts"]["chat-json"]["probes"]
+            .as_array()
+            .unwrap()
+            .clone()
+    };
+    let shown = &probes(&excerpt)[0];
+    let name = shown["name"].as_str().unwrap();
+    let there = probes(&example)
+        .into_iter()
+        .find(|p| p["name"].as_str() == Some(name))
+        .unwrap_or_else(|| panic!("the example has no probe {name}"));
+    for (key, value) in shown.as_table().unwrap() {
+        assert_eq!(Some(value), there.get(key), "{name}.{key}");
+    }
+}

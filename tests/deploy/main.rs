@@ -7,6 +7,7 @@ mod support;
 
 mod chart;
 mod chat_example;
+mod docs;
 mod image;
 mod layers;
 mod readme;

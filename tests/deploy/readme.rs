@@ -1,6 +1,7 @@
-//! What users copy must run: the README's quick start, executed as written
-//! (its three `sh` blocks, in order), with only its fixed ports swapped for
-//! free ones and `cargo run` for the binaries this build made.
+//! What users copy must run: the README's commands and the guides' shell
+//! examples, executed as written (taken by label: `crate::support::docs`),
+//! with only their fixed ports swapped for free ones and `cargo run` for
+//! the binaries this build made.
 
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -11,24 +12,9 @@ use tokio::process::Command;
 
 use http::Method;
 
+use crate::support::docs;
 use crate::support::process::ProcessGroup;
 use crate::support::send;
-
-/// The `sh` blocks of the README's section `heading`, in order.
-fn sh_blocks(heading: &str) -> Vec<String> {
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
-    let start = readme
-        .find(heading)
-        .unwrap_or_else(|| panic!("no {heading} in the README"));
-    let section = &readme[start + heading.len()..];
-    let section = &section[..section.find("\n## ").unwrap_or(section.len())];
-    section
-        .split("```sh\n")
-        .skip(1)
-        .map(|block| block[..block.find("```").unwrap()].to_owned())
-        .collect()
-}
 
 /// The example binary `name`, built beside this test binary (or now).
 fn example(name: &str) -> PathBuf {
@@ -74,8 +60,14 @@ async fn started(
     cwd: &std::path::Path,
     ready: &str,
 ) -> Started {
+    // A one-line command replaces the shell; a script's last command runs
+    // under it (the process group goes down with it either way).
+    let script = match script.trim().contains('\n') {
+        true => script.to_owned(),
+        false => format!("exec {script}"),
+    };
     let mut child = Command::new("bash")
-        .args(["-c", &format!("exec {script}")])
+        .args(["-c", &script])
         .envs(envs.iter().map(|(k, v)| (*k, v.as_str())))
         .current_dir(cwd)
         .stdout(Stdio::piped())
@@ -104,8 +96,16 @@ async fn started(
 
 #[tokio::test]
 async fn the_quick_start_runs_as_written() {
-    let blocks = sh_blocks("## Quick start");
-    assert_eq!(blocks.len(), 3, "the quick start has three commands to run");
+    let blocks = [
+        docs::block("quick-start-upstream"),
+        docs::block("quick-start-gateway"),
+        docs::block("quick-start-double-submit"),
+    ];
+    assert_eq!(
+        docs::block("two-commands-gateway"),
+        blocks[1],
+        "the README's first command is the quick start's gateway"
+    );
     let (api, proxy, admin) = (free_port(), free_port(), free_port());
     let dir = tempfile::tempdir().unwrap();
     let ports = |text: &str| {
@@ -165,12 +165,33 @@ async fn the_quick_start_runs_as_written() {
         text.trim_end().ends_with(r#"{"charges":1}"#),
         "one charge: {text}"
     );
+    the_quick_starts_files_are_ignored_by_git(dir.path());
+}
+
+/// What the quick start leaves in the working folder (the store, its WAL,
+/// its lock and the owner salt, a secret) is ignored by the repository's
+/// `.gitignore`, so `git add -A` in a clone never commits it.
+fn the_quick_starts_files_are_ignored_by_git(dir: &std::path::Path) {
+    let made: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    for name in ["idemgate.db", "idemgate.db.owner-salt", "idemgate.db.lock"] {
+        assert!(made.iter().any(|m| m == name), "{name} in {made:?}");
+    }
+    for name in &made {
+        let ignored = std::process::Command::new("git")
+            .args(["check-ignore", "--no-index", "-q", name])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .unwrap();
+        assert!(ignored.success(), "{name} is not ignored by .gitignore");
+    }
 }
 
 #[tokio::test]
 async fn the_configuration_check_runs_as_written_on_the_example_config() {
-    let blocks = sh_blocks("## Configuration");
-    assert_eq!(blocks.len(), 1, "one sh block: the check");
+    let blocks = [docs::block("configuration-check")];
     let bin = PathBuf::from(env!("CARGO_BIN_EXE_idemgate"));
     let path = format!(
         "{}:{}",
@@ -222,22 +243,16 @@ async fn the_configuration_check_runs_as_written_on_the_example_config() {
     let _ = gateway.start_kill();
 }
 
-/// The README's route tables (its ```toml blocks that start with
-/// `[[routes]]`), each checked by `idemgate check` as written, in a file
+/// The guides' route tables (the `toml` blocks labelled `route-table…`), each checked by `idemgate check` as written, in a file
 /// with an upstream: what `check` says of the route is what the block says.
 #[tokio::test]
 async fn the_readmes_route_tables_pass_the_check_as_written() {
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
-    let blocks: Vec<&str> = readme
-        .split("```toml\n")
-        .skip(1)
-        .filter_map(|rest| rest.split_once("```").map(|(block, _)| block))
-        .filter(|block| block.starts_with("[[routes]]"))
+    let blocks: Vec<String> = docs::blocks("route-table")
+        .into_iter()
+        .map(|(_, text)| text)
         .collect();
-    assert!(!blocks.is_empty(), "the README has route tables");
     let dir = tempfile::tempdir().unwrap();
-    for block in blocks {
+    for block in &blocks {
         let file = dir.path().join("idemgate.toml");
         std::fs::write(
             &file,
@@ -270,8 +285,7 @@ async fn the_readmes_route_tables_pass_the_check_as_written() {
 /// to the answer, one charge.
 #[tokio::test]
 async fn the_long_call_example_runs_as_written() {
-    let blocks = sh_blocks("## Long calls: answered later");
-    assert_eq!(blocks.len(), 1, "one sh block: the long call");
+    let blocks = [docs::block("long-call-curl")];
     let (api, proxy, admin) = (free_port(), free_port(), free_port());
     let dir = tempfile::tempdir().unwrap();
     let demo = example("demo_upstream");
@@ -323,4 +337,97 @@ async fn the_long_call_example_runs_as_written() {
     )
     .await;
     assert_eq!(calls.body.trim_ascii(), b"{\"charges\":1}", "one charge");
+}
+
+/// `PATH` with this build's `idemgate` first, as after the README's
+/// "Install the binary".
+fn path_with_the_binary() -> String {
+    let bin = PathBuf::from(env!("CARGO_BIN_EXE_idemgate"));
+    format!(
+        "{}:{}",
+        bin.parent().unwrap().display(),
+        std::env::var("PATH").unwrap_or_default()
+    )
+}
+
+/// The README's production command, as written but for its database (one
+/// of the test's own) and ports: it starts on PostgreSQL and Redis with the
+/// two secrets it makes, and a keyed request is answered and replayed.
+/// Without the two `export` lines it refuses to start, naming the owner
+/// salt, as the README says.
+#[tokio::test]
+async fn the_production_command_starts_on_postgres_and_redis_and_refuses_without_its_secrets() {
+    let block = docs::block("production-postgres-redis");
+    let db = crate::support::TestDb::new().await;
+    let (api, proxy, admin) = (free_port(), free_port(), free_port());
+    let script = block
+        .replace("postgres://postgres@127.0.0.1:5432/postgres", &db.url)
+        .replace("127.0.0.1:8000", &format!("127.0.0.1:{api}"))
+        .replace(
+            "idemgate serve",
+            &format!("idemgate serve --listen 127.0.0.1:{proxy} --admin-listen 127.0.0.1:{admin}"),
+        );
+    let dir = tempfile::tempdir().unwrap();
+    let env = [
+        ("PATH", path_with_the_binary()),
+        ("RUST_LOG", "warn".to_owned()),
+    ];
+    let without: String = script
+        .lines()
+        .filter(|l| !l.starts_with("export "))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let refused = Command::new("bash")
+        .args(["-c", &without])
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .env_remove("IDEMGATE_OWNER_SALT")
+        .env_remove("IDEMGATE_REPLAY_KEY")
+        .current_dir(dir.path())
+        .kill_on_drop(true)
+        .output()
+        .await
+        .unwrap();
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "{said}");
+    assert!(
+        (said.contains("owner.salt") || said.contains("replay_key"))
+            && said.contains("openssl rand"),
+        "{said}"
+    );
+
+    let demo = example("demo_upstream");
+    let demo_env = [
+        ("DEMO_LISTEN", format!("127.0.0.1:{api}")),
+        ("DEMO_DELAY_MS", "0".to_owned()),
+    ];
+    let _upstream = started(
+        demo.to_str().unwrap(),
+        &demo_env,
+        dir.path(),
+        "demo upstream on",
+    )
+    .await;
+    let _gateway = started(&script, &env, dir.path(), "idemgate listening on").await;
+    let url = format!("http://127.0.0.1:{proxy}/charges");
+    let headers = [
+        ("idempotency-key", "prod-1"),
+        ("authorization", "Bearer alice"),
+    ];
+    let first = send(Method::POST, &url, &headers, "{}").await;
+    let second = send(Method::POST, &url, &headers, "{}").await;
+    assert_eq!(first.status, 200);
+    assert_eq!(second.body, first.body, "replayed");
+    assert_eq!(second.header("idempotent-replayed"), Some("true"));
+    let ready = send(
+        Method::GET,
+        &format!("http://127.0.0.1:{admin}/readyz"),
+        &[],
+        "",
+    )
+    .await;
+    let ready: serde_json::Value = serde_json::from_slice(&ready.body).unwrap();
+    assert_ne!(ready["status"], "degraded", "{ready}");
+    for dependency in ["store", "redis"] {
+        assert!(ready["dependencies"][dependency].is_object(), "{ready}");
+    }
 }

@@ -20,6 +20,7 @@
 mod support;
 
 mod answers;
+mod install;
 
 /// One load at a time: each test measures its own gateway's memory, and
 /// two bursts at once would slow each other past their timeouts.

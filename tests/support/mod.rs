@@ -8,6 +8,7 @@ pub mod chart;
 pub mod chat;
 pub mod db;
 pub mod deployment;
+pub mod docs;
 pub mod entries;
 pub mod gateway;
 pub mod h2;

@@ -3,6 +3,7 @@
 //! commands the docs give, rendered as written.
 
 use super::*;
+use crate::support::docs;
 
 #[test]
 fn the_worked_example_runs_idemgate_as_a_native_sidecar_behind_the_apps_service() {
@@ -115,22 +116,29 @@ async fn the_worked_examples_sidecar_runs_in_front_of_the_app_as_rendered() {
     assert!(exit.success(), "exit {exit}:\n{}", pod.log());
 }
 
-/// The `helm install` commands the READMEs and the examples' comments give
-/// users to copy: each renders as written (from the repository's root) and
-/// holds the invariants.
+/// The `helm install` commands `docs/kubernetes.md`, the chart's README and
+/// the examples' comments give users to copy: each renders as written (from
+/// the repository's root) and holds the invariants.
 #[test]
 fn the_install_commands_the_docs_give_render_as_written() {
     let repo = chart::repo();
     let mut commands = Vec::new();
-    for doc in ["README.md", "helm/idemgate/README.md"] {
-        let text = std::fs::read_to_string(repo.join(doc)).unwrap();
-        for block in text.split("```sh\n").skip(1) {
-            let block = &block[..block.find("```").unwrap()];
-            let joined = block.replace("\\\n", " ");
-            for line in joined.lines() {
-                if line.trim_start().starts_with("helm install") {
-                    commands.push((doc.to_owned(), line.trim().to_owned()));
-                }
+    let chart_readme = std::fs::read_to_string(repo.join("helm/idemgate/README.md")).unwrap();
+    let blocks = chart_readme
+        .split("```sh\n")
+        .skip(1)
+        .map(|block| {
+            (
+                "helm/idemgate/README.md",
+                block[..block.find("```").unwrap()].to_owned(),
+            )
+        })
+        .chain([("docs/kubernetes.md", docs::block("kubernetes-helm-install"))]);
+    for (doc, block) in blocks {
+        let joined = block.replace("\\\n", " ");
+        for line in joined.lines() {
+            if line.trim_start().starts_with("helm install") {
+                commands.push((doc.to_owned(), line.trim().to_owned()));
             }
         }
     }
@@ -182,5 +190,55 @@ fn the_install_commands_the_docs_give_render_as_written() {
         let m = chart::render(chart_dir, &files, &sets)
             .unwrap_or_else(|e| panic!("{doc}: `{command}` does not render: {e}"));
         check_invariants(&command, &m);
+    }
+}
+
+/// `docs/kubernetes.md`'s sidecar excerpt says what the worked example
+/// (`examples/app-with-sidecar`, installed by the tests above) does: the
+/// same dependency, values and template calls.
+#[test]
+fn the_sidecar_excerpt_is_what_the_worked_example_does() {
+    let repo = chart::repo();
+    let example = repo.join("helm/idemgate/examples/app-with-sidecar");
+    let excerpt = docs::block("kubernetes-sidecar-excerpt");
+    let part = |from: &str, to: &str| -> String {
+        let start = excerpt
+            .find(from)
+            .unwrap_or_else(|| panic!("{from} in {excerpt}"));
+        let rest = &excerpt[start..];
+        rest[..rest.find(to).unwrap_or(rest.len())].to_owned()
+    };
+    let yaml = |text: &str| -> serde_yaml_ng::Value { serde_yaml_ng::from_str(text).unwrap() };
+    let read = |path: &Path| std::fs::read_to_string(path).unwrap();
+
+    let chart = yaml(&part("# your chart's Chart.yaml", "# your values.yaml"));
+    let theirs = yaml(&read(&example.join("Chart.yaml")));
+    let ours = yaml(&read(&repo.join("helm/idemgate/Chart.yaml")));
+    let dependency = &chart["dependencies"][0];
+    assert_eq!(dependency["name"], theirs["dependencies"][0]["name"]);
+    assert_eq!(
+        dependency["version"], ours["version"],
+        "the chart's version"
+    );
+
+    let values = yaml(&part("# your values.yaml", "# your Deployment's pod spec"));
+    let theirs = yaml(&read(&example.join("values.yaml")));
+    for key in ["mode", "upstreams", "database"] {
+        assert_eq!(values["idemgate"][key], theirs["idemgate"][key], "{key}");
+    }
+
+    let template = read(&example.join("templates/deployment.yaml"));
+    let calls: Vec<&str> = excerpt
+        .lines()
+        .filter(|l| l.contains("include \"idemgate."))
+        .collect();
+    assert_eq!(calls.len(), 3, "{excerpt}");
+    for call in calls {
+        let what = call
+            .trim()
+            .trim_start_matches("- ")
+            .trim_start_matches("{{-");
+        let what = &what[..what.find("| nindent").unwrap_or(what.len())];
+        assert!(template.contains(what.trim()), "the example does {what}");
     }
 }

@@ -332,18 +332,9 @@ crate::on_each_deployment!(
     a_keyed_batch_is_refused_and_an_error_answer_is_the_tools,
 );
 
-/// The README's `python` block under `heading`.
-fn readme_python(heading: &str) -> String {
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
-    let section = &readme[readme.find(heading).expect("the README's heading")..];
-    let block = &section[section.find("```python\n").expect("a python block") + 10..];
-    block[..block.find("```").unwrap()].to_owned()
-}
-
 /// The official `mcp` Python SDK (2.x), client and server over Streamable
 /// HTTP, the gateway between them started with the worked configuration
-/// (`config/mcp/idemgate.toml`) as written: the README's agent, run twice
+/// (`config/mcp/idemgate.toml`) as written: `docs/agents.md`'s agent, run twice
 /// (two sessions, as an agent that crashed and reconnected), runs the tool
 /// once and both print its result; another agent's token is another owner.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -404,7 +395,7 @@ async fn the_official_mcp_sdk_calls_a_tool_once_across_sessions() {
         },
     )
     .await;
-    let agent = readme_python("## Agents and MCP");
+    let agent = crate::support::docs::block("agents-mcp");
     let run = |token: &'static str| {
         let (python, agent, url) = (python.clone(), agent.clone(), url.clone());
         async move {

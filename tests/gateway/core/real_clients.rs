@@ -152,15 +152,6 @@ async fn curl_over_http2_with_prior_knowledge_and_over_http1_share_one_key() {
     assert_eq!(upstream.hits(), 1);
 }
 
-/// The README's `python` block under `heading`.
-fn readme_python(heading: &str) -> String {
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
-    let section = &readme[readme.find(heading).expect("the README's heading")..];
-    let block = &section[section.find("```python\n").expect("a python block") + 10..];
-    block[..block.find("```").unwrap()].to_owned()
-}
-
 /// A TCP relay to `to` that breaks its first connection in the middle of
 /// the answer's event number `events + 1` (after forwarding its first
 /// bytes), as a flaky network would; later connections pass whole.
@@ -200,7 +191,7 @@ async fn flaky_network(to: std::net::SocketAddr, events: usize) -> std::net::Soc
     addr
 }
 
-/// The README's resume snippet, run as written with the official `openai`
+/// `docs/streaming.md`'s resume snippet, run as written with the official `openai`
 /// package, its connection broken in the middle of the fourth chunk: it
 /// resumes after the three it has and prints the whole answer, every token
 /// once, from one upstream execution.
@@ -222,7 +213,7 @@ async fn the_openai_sdk_resumes_a_dropped_stream_with_the_readme_snippet() {
     let out = crate::support::python::run_client(
         "snippet",
         tokio::process::Command::new(&python)
-            .args(["-c", &readme_python("### Resuming a stream")])
+            .args(["-c", &crate::support::docs::block("streaming-resume")])
             .env("OPENAI_BASE_URL", format!("http://{flaky}/v1"))
             .env("OPENAI_API_KEY", "not-a-real-key"),
     )
@@ -233,7 +224,7 @@ async fn the_openai_sdk_resumes_a_dropped_stream_with_the_readme_snippet() {
     assert_eq!(resumed.await, 1.0, "the second try resumed after 3 events");
 }
 
-/// The README's long-call snippet, run as written with the official
+/// `docs/streaming.md`'s long-call snippet, run as written with the official
 /// `openai` package in front of a completion that takes until the test
 /// lets it: `202` at once, polled (the poll seen running before the
 /// upstream may answer), then the completion, from one upstream call.
@@ -263,7 +254,7 @@ async fn the_openai_sdk_polls_a_long_completion_with_the_readme_snippet() {
     .await;
     let gateway = Gateway::start(&store, &upstream.url()).await;
     let snippet = tokio::process::Command::new(&python)
-        .args(["-c", &readme_python("## Long calls: answered later")])
+        .args(["-c", &crate::support::docs::block("long-call-openai")])
         .env("OPENAI_BASE_URL", gateway.path("/v1"))
         .env("OPENAI_API_KEY", "not-a-real-key")
         .kill_on_drop(true)
@@ -297,4 +288,109 @@ async fn the_openai_sdk_polls_a_long_completion_with_the_readme_snippet() {
         "The report."
     );
     assert_eq!(upstream.hits(), 1, "one upstream call");
+}
+
+/// A documented snippet with the quick start's `localhost:8080` pointed at
+/// `gateway`, as a user running it against their own gateway would.
+fn pointed_at(snippet: &str, gateway: &Gateway) -> String {
+    let here = gateway.path("");
+    let addr = here.trim_start_matches("http://");
+    snippet.replace("localhost:8080", addr)
+}
+
+/// The README's client snippet, run as written with the official `openai`
+/// package (its `api_key` the owner), twice: one completion upstream, the
+/// same answer printed both times.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_readmes_openai_snippet_runs_once_however_often_it_is_run() {
+    let python = tokio::task::spawn_blocking(python_with_openai)
+        .await
+        .unwrap();
+    let store = TestStore::postgres().await;
+    let upstream = crate::support::FakeUpstream::start(|_| async {
+        crate::support::upstream::json_response(
+            200,
+            serde_json::json!({
+                "id": "chatcmpl-1", "object": "chat.completion",
+                "created": 1_700_000_000, "model": "m",
+                "choices": [{"index": 0, "finish_reason": "stop",
+                             "message": {"role": "assistant", "content": "Hello."}}],
+            }),
+        )
+    })
+    .await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    let snippet = pointed_at(&crate::support::docs::block("clients-openai"), &gateway);
+    for _ in 0..2 {
+        let out = python::run_client(
+            "snippet",
+            tokio::process::Command::new(&python)
+                .args(["-c", &snippet])
+                .env_remove("OPENAI_API_KEY")
+                .env_remove("OPENAI_BASE_URL"),
+        )
+        .await;
+        assert_eq!(String::from_utf8_lossy(&out).trim_end(), "Hello.");
+    }
+    assert_eq!(upstream.hits(), 1, "one upstream call for one key");
+}
+
+/// `docs/streaming.md`'s SDK snippet, run as written twice: every token
+/// printed both times, from one upstream execution.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_streaming_guides_openai_snippet_streams_once() {
+    let python = tokio::task::spawn_blocking(python_with_openai)
+        .await
+        .unwrap();
+    let store = TestStore::postgres().await;
+    let upstream = SseUpstream::openai(TOKENS, Duration::from_millis(20)).await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    let snippet = pointed_at(&crate::support::docs::block("streaming-openai"), &gateway);
+    for _ in 0..2 {
+        let out = python::run_client(
+            "snippet",
+            tokio::process::Command::new(&python)
+                .args(["-c", &snippet])
+                .env_remove("OPENAI_API_KEY")
+                .env_remove("OPENAI_BASE_URL"),
+        )
+        .await;
+        assert_eq!(String::from_utf8_lossy(&out).trim_end(), TOKENS.concat());
+    }
+    assert_eq!(upstream.hits(), 1, "one upstream execution");
+}
+
+/// `docs/streaming.md`'s curl command, run as written twice: the events
+/// as the upstream sent them, the second time replayed from the record.
+#[tokio::test]
+async fn the_streaming_guides_curl_command_streams_once() {
+    let store = TestStore::postgres().await;
+    let upstream = SseUpstream::openai(TOKENS, Duration::from_millis(20)).await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    let command = pointed_at(&crate::support::docs::block("streaming-curl"), &gateway);
+    let mut seen = Vec::new();
+    for _ in 0..2 {
+        let out = tokio::process::Command::new("bash")
+            .args(["-euo", "pipefail", "-c", &command])
+            .kill_on_drop(true)
+            .output()
+            .await
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for token in TOKENS {
+            assert!(
+                text.contains(&format!("\"content\":\"{token}\"")),
+                "{token}: {text}"
+            );
+        }
+        assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+        seen.push(text);
+    }
+    assert_eq!(seen[0], seen[1], "the replay is the stream, byte for byte");
+    assert_eq!(upstream.hits(), 1, "one upstream execution");
 }

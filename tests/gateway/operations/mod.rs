@@ -4,6 +4,7 @@ mod access_log;
 mod check;
 mod console;
 mod console_session;
+mod documented;
 mod jobs_cli;
 mod rollout;
 mod traces;
