@@ -4,6 +4,7 @@ mod alerts;
 mod dashboard;
 mod examples;
 mod pods;
+mod runbook;
 mod secrets_and_notes;
 mod sidecar;
 mod values;

@@ -127,3 +127,76 @@ async fn the_admin_api_calls_of_the_operations_guide_run_as_written() {
     assert_eq!(replay.body.as_ref(), br#"{"ok": true}"#);
     assert_eq!(upstream.hits(), 3, "nothing sent upstream for it");
 }
+
+/// `docs/runbook.md`'s commands for unknown jobs, as an on-call engineer
+/// runs them after the port-forward (`IDEMGATE_ADMIN_URL` standing for it,
+/// the token in `IDEMGATE_ADMIN_TOKEN`), with the job and attempt ids they
+/// name: the jobs listed, one shown, one resolved with an answer every
+/// retry then gets, one reopened so that its retry runs again.
+#[tokio::test]
+async fn the_runbooks_commands_for_unknown_jobs_run_as_written() {
+    let store = TestStore::embedded();
+    let (gateway, upstream, _gate) = with_unknown_jobs(&store, 2).await;
+    let (_, took) = charge(&gateway, "runbook-took-effect").await;
+    let (_, none) = charge(&gateway, "runbook-no-effect").await;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("answer.json"), r#"{"charged": true}"#).unwrap();
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_idemgate"));
+    let on_call = |script: String| {
+        let mut command = tokio::process::Command::new("bash");
+        command
+            .args(["-euo", "pipefail", "-c", &script])
+            .current_dir(dir.path())
+            .env(
+                "PATH",
+                format!(
+                    "{}:{}",
+                    bin.parent().unwrap().display(),
+                    std::env::var("PATH").unwrap()
+                ),
+            )
+            .env("IDEMGATE_ADMIN_URL", &gateway.admin_url)
+            .env("IDEMGATE_ADMIN_TOKEN", "change-me")
+            .env_remove("IDEMGATE_ADMIN_TOKEN_FILE")
+            .kill_on_drop(true);
+        async move {
+            let out = tokio::time::timeout(Duration::from_secs(30), command.output())
+                .await
+                .expect("the command ended within 30 s")
+                .unwrap();
+            let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "{script}\n{stdout}\n{stderr}");
+            stdout
+        }
+    };
+
+    let listed = on_call(docs::block("runbook-jobs-list")).await;
+    assert!(listed.contains(&took) && listed.contains(&none), "{listed}");
+    let shown = on_call(docs::block("runbook-jobs-show").replace("<job>", &took)).await;
+    assert!(
+        shown.contains(&took) && shown.contains("unknown"),
+        "{shown}"
+    );
+
+    let attempt = unknown_attempt(&gateway, &took).await;
+    on_call(docs::block("runbook-resolve-succeeded").replace("<attempt>", &attempt)).await;
+    let attempt = unknown_attempt(&gateway, &none).await;
+    on_call(docs::block("runbook-resolve-no-effect").replace("<attempt>", &attempt)).await;
+
+    let headers = [
+        ("idempotency-key", "runbook-took-effect"),
+        ("authorization", "Bearer alice"),
+    ];
+    let replay = send(Method::POST, &gateway.path("/charges"), &headers, "{}").await;
+    assert_eq!(
+        (replay.status, replay.body.as_ref()),
+        (200, br#"{"charged": true}"#.as_slice())
+    );
+    assert_eq!(
+        charge(&gateway, "runbook-no-effect").await.0,
+        200,
+        "the retry ran"
+    );
+    assert_eq!(upstream.hits(), 3, "one new call: the reopened job's retry");
+}
