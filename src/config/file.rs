@@ -282,6 +282,9 @@ impl FileConfig {
                         .flatten()
                 })
                 .unwrap_or_else(|| "config file".to_owned());
+            if let Some(said) = unknown_key(&message) {
+                message = said;
+            }
             if message.contains("invalid type: floating point") && message.contains("expected u") {
                 // Helm and some templating tools write 32 as 32.0.
                 message.push_str("; write it as a whole number (32, not 32.0)");
@@ -305,4 +308,37 @@ fn key_at(text: &str, at: usize) -> Option<String> {
     let (key, _) = line.split_once('=')?;
     let key = key.trim();
     (!key.is_empty() && !key.starts_with('[')).then(|| key.to_owned())
+}
+
+/// serde's "unknown field `x`, expected one of `a`, `b`, …" (the whole
+/// table's keys, some fifty at the top level) as a person wants it: the
+/// key nearest to the one written, when one is near; the table's keys only
+/// when they are few.
+fn unknown_key(message: &str) -> Option<String> {
+    let (written, rest) = message
+        .strip_prefix("unknown field `")?
+        .split_once('`')?;
+    // ", expected one of `a`, `b`": every other piece between backquotes.
+    let expected: Vec<&str> = rest.split('`').skip(1).step_by(2).collect();
+    Some(match nearest(written, &expected) {
+        Some(key) => format!("unknown key `{written}`; did you mean `{key}`?"),
+        None if expected.is_empty() => format!("unknown key `{written}`: this table takes none"),
+        None if expected.len() <= 8 => format!(
+            "unknown key `{written}`; this table takes `{}`",
+            expected.join("`, `")
+        ),
+        None => format!("unknown key `{written}`, and none of this table's keys is near it"),
+    })
+}
+
+/// The key of `keys` fewest edits away from `written` (case, `-` for `_`
+/// and transposed letters forgiven or cheap), if it is near enough to be
+/// the one meant: at most a third of its letters changed.
+fn nearest<'a>(written: &str, keys: &[&'a str]) -> Option<&'a str> {
+    let written = written.to_ascii_lowercase().replace('-', "_");
+    keys.iter()
+        .map(|key| (strsim::damerau_levenshtein(&written, key), *key))
+        .filter(|(edits, key)| *edits <= (key.len().max(written.len()) / 3).max(1))
+        .min_by_key(|(edits, _)| *edits)
+        .map(|(_, key)| key)
 }

@@ -49,9 +49,16 @@ pub struct VerifyFlags {
     #[command(flatten)]
     pub flags: Flags,
     /// Print one JSON array of results (upstream, contract, probe, result,
-    /// why, prompt_tokens) instead of the table.
+    /// why, prompt_tokens) instead of the table; the progress lines go to
+    /// stderr either way.
     #[arg(long)]
     pub json: bool,
+    /// How long each probe waits on a silent upstream, before the answer's
+    /// head and between its chunks (e.g. 10s). [default: the silences of
+    /// the route naming the contract (`first_byte_timeout`,
+    /// `stream_idle_timeout`), else the upstream's]
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    pub timeout: Option<Duration>,
 }
 
 /// The flags of the README's "Configuration" table; each overrides the file
