@@ -114,6 +114,9 @@ pub enum StartError {
     /// The replay key cannot be had.
     #[error("replay_key: the replay key {0}; fix or remove the file, set IDEMGATE_REPLAY_KEY, or configure [encryption] to derive it")]
     ReplayKey(String),
+    /// Several secrets are unusable: each is told.
+    #[error("{}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n  and "))]
+    Secrets(Vec<StartError>),
 }
 
 /// Runs a gateway until `shutdown` is cancelled, then drains and returns:

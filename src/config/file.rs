@@ -314,7 +314,7 @@ fn key_at(text: &str, at: usize) -> Option<String> {
 /// table's keys, some fifty at the top level) as a person wants it: the
 /// key nearest to the one written, when one is near; the table's keys only
 /// when they are few.
-fn unknown_key(message: &str) -> Option<String> {
+pub(super) fn unknown_key(message: &str) -> Option<String> {
     let (written, rest) = message
         .strip_prefix("unknown field `")?
         .split_once('`')?;

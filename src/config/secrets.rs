@@ -111,7 +111,10 @@ fn encryption_keys(file: &FileConfig, base: &Path) -> Vec<ConfigError> {
                 }
                 (None, Some(path)) => {
                     let e = std::fs::File::open(base.join(path)).err()?;
-                    format!("cannot read {}: {e}", path.display())
+                    format!(
+                        "cannot read {}: {e}; put the key there, or point `file` at it",
+                        path.display()
+                    )
                 }
                 _ => return None,
             };

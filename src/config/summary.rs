@@ -29,6 +29,8 @@ impl Display for Summary<'_> {
             "off"
         };
         writeln!(f, "access_log = {access}")?;
+        writeln!(f, "owner = {}", route::owner(&s.owner))?;
+        writeln!(f, "allow_anonymous = {}", s.owner.allow_anonymous)?;
         writeln!(f, "store = {}", store(&s.store))?;
         match &s.redis {
             Some(redis) => writeln!(f, "redis = {}", topology(&redis.topology))?,

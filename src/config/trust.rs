@@ -81,7 +81,12 @@ impl SecretFile {
             }
             (None, Some(path), None) => std::fs::File::open(base.join(path))
                 .err()
-                .map(|e| format!("cannot read {}: {e}", path.display())),
+                .map(|e| {
+                    format!(
+                        "cannot read {}: {e}; put the secret there, or point `file` at it",
+                        path.display()
+                    )
+                }),
             _ => None,
         }
     }

@@ -105,20 +105,17 @@ fn streams(route: &Route) -> String {
 /// Who owns a key, and who may use the route.
 fn trust(route: &Route) -> String {
     format!(
-        "owner {}, require_client {}",
+        "owner {}, allow_anonymous {}, require_client {}",
         owner(&route.owner),
+        route.owner.allow_anonymous,
         route.require_client
     )
 }
 
-fn owner(rule: &OwnerRule) -> String {
+/// Where owners come from, in the words of `[owner] sources`.
+pub(super) fn owner(rule: &OwnerRule) -> String {
     let sources: Vec<String> = rule.sources.iter().map(source).collect();
-    let anonymous = if rule.allow_anonymous {
-        "; without one, the owner `anonymous` (allow_anonymous)"
-    } else {
-        ""
-    };
-    format!("from [{}]{anonymous}", sources.join(", "))
+    format!("from [{}]", sources.join(", "))
 }
 
 /// A source in the words of `[owner] sources`.

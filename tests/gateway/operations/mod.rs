@@ -6,4 +6,5 @@ mod console;
 mod console_session;
 mod jobs_cli;
 mod rollout;
+mod tools;
 mod traces;
