@@ -54,7 +54,11 @@ pub async fn verify_providers(
 /// How long a probe of `contract` on `upstream` waits on silence: as the
 /// routes naming the contract would (those that use the upstream, else any;
 /// the most patient of them), else as the upstream's own silences say.
-fn patience(routes: &[std::sync::Arc<Route>], contract: &Contract, upstream: &UpstreamSettings) -> Patience {
+fn patience(
+    routes: &[std::sync::Arc<Route>],
+    contract: &Contract,
+    upstream: &UpstreamSettings,
+) -> Patience {
     let naming: Vec<&Route> = routes
         .iter()
         .filter(|r| r.contract.as_ref().is_some_and(|c| c.name == contract.name))
@@ -86,7 +90,11 @@ fn route_patience(route: &Route, upstream: &UpstreamSettings) -> Patience {
     };
     Patience {
         head: set(route.first_byte_timeout, "first_byte_timeout", own.head),
-        between: set(route.stream_idle_timeout, "stream_idle_timeout", own.between),
+        between: set(
+            route.stream_idle_timeout,
+            "stream_idle_timeout",
+            own.between,
+        ),
     }
 }
 

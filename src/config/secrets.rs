@@ -137,10 +137,7 @@ fn needed(file: &FileConfig, flags: &Flags, store: &StoreSettings) -> Vec<Config
         missing.push(bad("owner.salt", OWNER_SALT_NEEDED));
     }
     let redis = flags.redis_url.is_some() || file.redis_url.is_some();
-    if redis
-        && !given(&flags.replay_key)
-        && file.replay_key.is_none()
-        && file.encryption.is_none()
+    if redis && !given(&flags.replay_key) && file.replay_key.is_none() && file.encryption.is_none()
     {
         missing.push(bad("replay_key", REPLAY_KEY_NEEDED));
     }

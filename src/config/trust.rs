@@ -79,14 +79,12 @@ impl SecretFile {
             (Some(var), None, None) if std::env::var_os(var).is_none() => {
                 Some(format!("environment variable {var} is not set; export it"))
             }
-            (None, Some(path), None) => std::fs::File::open(base.join(path))
-                .err()
-                .map(|e| {
-                    format!(
-                        "cannot read {}: {e}; put the secret there, or point `file` at it",
-                        path.display()
-                    )
-                }),
+            (None, Some(path), None) => std::fs::File::open(base.join(path)).err().map(|e| {
+                format!(
+                    "cannot read {}: {e}; put the secret there, or point `file` at it",
+                    path.display()
+                )
+            }),
             _ => None,
         }
     }

@@ -501,7 +501,8 @@ pub async fn verify(
         for upstream in upstreams.iter() {
             let patience = patience(contract, upstream.settings());
             let name = upstream.settings().name();
-            let mut told = |told: Told<'_>| eprintln!("{}", progress(name, contract, &patience, told));
+            let mut told =
+                |told: Told<'_>| eprintln!("{}", progress(name, contract, &patience, told));
             rows.extend(probe(upstream, contract, &patience, &mut told).await);
         }
     }

@@ -124,7 +124,10 @@ async fn verify_providers_tells_each_probe_while_a_silent_provider_still_holds_i
         "still waiting on b: {told:#?}"
     );
     let told = told.join("\n");
-    assert!(line_of(&told, "probing a with chat-json/capital ") < line_of(&told, "a chat-json/capital: pass"));
+    assert!(
+        line_of(&told, "probing a with chat-json/capital ")
+            < line_of(&told, "a chat-json/capital: pass")
+    );
     assert!(line_of(&told, "a chat-json/capital-again: pass") < line_of(&told, "probing b "));
     assert!(told.contains("gives up after 1h"), "{told}");
     assert!(told.contains("--timeout"), "{told}");
@@ -205,7 +208,10 @@ async fn verify_providers_gives_up_on_a_silent_provider_when_the_route_would() {
         .unwrap();
     let table = String::from_utf8_lossy(&out.stdout);
     assert!(!out.status.success());
-    let row = table.lines().find(|l| l.starts_with("b ")).unwrap_or_default();
+    let row = table
+        .lines()
+        .find(|l| l.starts_with("b "))
+        .unwrap_or_default();
     assert!(
         row.contains("FAIL") && row.contains("silent for 1s before the answer's head (--timeout)"),
         "{table}"
@@ -321,11 +327,23 @@ async fn a_disabled_admin_api_answers_what_check_says() {
         .unwrap_or_else(|| panic!("no status in {said:?}"));
     let gateway = builder.start().await;
     for path in ["/admin/v1/jobs?state=unknown", "/console/"] {
-        let reply = send(Method::GET, &format!("{}{path}", gateway.admin_url), &[], "").await;
+        let reply = send(
+            Method::GET,
+            &format!("{}{path}", gateway.admin_url),
+            &[],
+            "",
+        )
+        .await;
         assert_eq!(reply.status, status, "{path}: {said}");
     }
     for open in ["/healthz", "/metrics"] {
-        let reply = send(Method::GET, &format!("{}{open}", gateway.admin_url), &[], "").await;
+        let reply = send(
+            Method::GET,
+            &format!("{}{open}", gateway.admin_url),
+            &[],
+            "",
+        )
+        .await;
         assert_eq!(reply.status, 200, "{open} stays open: {said}");
     }
 }
@@ -390,7 +408,10 @@ async fn a_misspelled_key_is_answered_with_the_nearest_not_every_key() {
             Some("first_byte_timeout"),
         ),
         ("Hold_Timeout = \"1s\"\n", Some("hold_timeout")),
-        ("[[routes]]\npath_prefix = \"/v1\"\n[routes.reconcile]\npth = \"/x\"\n", Some("path")),
+        (
+            "[[routes]]\npath_prefix = \"/v1\"\n[routes.reconcile]\npth = \"/x\"\n",
+            Some("path"),
+        ),
         ("frobnicate = true\n", None),
     ];
     for (toml, meant) in cases {
@@ -437,9 +458,11 @@ async fn bare(args: &[&str]) -> String {
 fn flags_of(help: &str) -> Vec<(String, String)> {
     let mut flags: Vec<(String, String)> = Vec::new();
     for line in help.lines().map(str::trim_start) {
-        let named = line
-            .strip_prefix("--")
-            .or_else(|| line.split_once(", --").map(|(_, rest)| rest).filter(|_| line.starts_with('-')));
+        let named = line.strip_prefix("--").or_else(|| {
+            line.split_once(", --")
+                .map(|(_, rest)| rest)
+                .filter(|_| line.starts_with('-'))
+        });
         match (named, flags.last_mut()) {
             (Some(rest), _) => {
                 let name = rest
@@ -472,7 +495,10 @@ fn same_value(a: &str, b: &str) -> bool {
     if let (Some(a), Some(b)) = (switch(a), switch(b)) {
         return a == b;
     }
-    if let (Ok(a), Ok(b)) = (a.parse::<bytesize::ByteSize>(), b.parse::<bytesize::ByteSize>()) {
+    if let (Ok(a), Ok(b)) = (
+        a.parse::<bytesize::ByteSize>(),
+        b.parse::<bytesize::ByteSize>(),
+    ) {
         return a == b;
     }
     a == b
@@ -504,13 +530,19 @@ async fn every_default_the_help_states_is_the_default_check_reports() {
             continue;
         };
         let (expected, actual) = match (key.as_str(), stated) {
-            ("embedded_path", _) => (stated.to_owned(), reported("store").replace("embedded ", "")),
+            ("embedded_path", _) => (
+                stated.to_owned(),
+                reported("store").replace("embedded ", ""),
+            ),
             (_, "one per CPU") => {
                 let cpus = std::thread::available_parallelism().unwrap().get();
                 (cpus.to_string(), reported(&key))
             }
             ("memory_budget", _) => {
-                let line = checked.lines().find(|l| l.starts_with("memory_budget = ")).unwrap();
+                let line = checked
+                    .lines()
+                    .find(|l| l.starts_with("memory_budget = "))
+                    .unwrap();
                 let fallback = stated.rsplit("else ").next().unwrap();
                 match line.split("(Container(").nth(1) {
                     Some(limit) => {
@@ -534,8 +566,19 @@ async fn every_default_the_help_states_is_the_default_check_reports() {
         );
         compared.push(key);
     }
-    for key in ["listen", "admin_listen", "access_log", "upstream_timeout", "hold_timeout", "key_ttl", "allow_anonymous"] {
-        assert!(compared.iter().any(|k| k == key), "--{key} not compared: {compared:?}");
+    for key in [
+        "listen",
+        "admin_listen",
+        "access_log",
+        "upstream_timeout",
+        "hold_timeout",
+        "key_ttl",
+        "allow_anonymous",
+    ] {
+        assert!(
+            compared.iter().any(|k| k == key),
+            "--{key} not compared: {compared:?}"
+        );
     }
 
     // `jobs` finds the admin listener where a gateway puts it by default.
@@ -544,6 +587,12 @@ async fn every_default_the_help_states_is_the_default_check_reports() {
         .into_iter()
         .find(|(key, _)| key == "admin_url")
         .expect("jobs --admin-url");
-    let stated = url.split("[default: ").nth(1).and_then(|r| r.split(']').next());
-    assert_eq!(stated, Some(format!("http://{}", reported("admin_listen")).as_str()));
+    let stated = url
+        .split("[default: ")
+        .nth(1)
+        .and_then(|r| r.split(']').next());
+    assert_eq!(
+        stated,
+        Some(format!("http://{}", reported("admin_listen")).as_str())
+    );
 }
