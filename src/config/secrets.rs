@@ -143,3 +143,65 @@ fn needed(file: &FileConfig, flags: &Flags, store: &StoreSettings) -> Vec<Config
     }
     missing
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Flags, Settings};
+
+    /// The error of `text` with an upstream from the flags (so the file's
+    /// own upstreams are not read) or without.
+    fn error(text: &str, flags: Flags) -> super::ConfigError {
+        Settings::from_sources(Settings::parse_file(text).unwrap(), flags).unwrap_err()
+    }
+
+    #[test]
+    fn every_missing_secret_is_one_error_each_with_its_key() {
+        let text = r#"
+upstreams = [{ url = "http://127.0.0.1:1", headers = { x-key = { env = "IDEMGATE_UNIT_NEVER_SET_1" } } }]
+replay_previous_keys = [{ env = "IDEMGATE_UNIT_NEVER_SET_2" }]
+[owner]
+salt = { file = "no-such-salt" }
+[encryption]
+active = "k1"
+keys = [{ id = "k1", env = "IDEMGATE_UNIT_NEVER_SET_3" }, { id = "k0", file = "no-such-key" }]
+"#;
+        let e = error(text, Flags::default());
+        let keys: Vec<&str> = e.each().map(|p| p.key.as_str()).collect();
+        assert_eq!(
+            keys,
+            [
+                "owner.salt",
+                "replay_previous_keys[0]",
+                "upstreams[0].headers.x-key",
+                "encryption.keys[0]",
+                "encryption.keys[1]",
+            ],
+            "{e}"
+        );
+        assert!(e.to_string().contains("5 problems"), "{e}");
+        for said in [
+            "IDEMGATE_UNIT_NEVER_SET_1",
+            "IDEMGATE_UNIT_NEVER_SET_3",
+            "no-such-key",
+        ] {
+            assert!(e.to_string().contains(said), "{said}: {e}");
+        }
+        // Replaced by `--upstream`, the file's upstreams need no credential.
+        let flags = Flags {
+            upstreams: vec!["http://127.0.0.1:8000".into()],
+            ..Flags::default()
+        };
+        let e = error(text, flags);
+        assert!(e.each().all(|p| !p.key.starts_with("upstreams")), "{e}");
+        // One problem reads as it always has.
+        let e = error(
+            "[owner]\nsalt = { env = \"IDEMGATE_UNIT_NEVER_SET_4\" }",
+            Flags::default(),
+        );
+        assert!(e.others.is_empty());
+        assert_eq!(
+            e.to_string(),
+            "invalid configuration: `owner.salt`: environment variable IDEMGATE_UNIT_NEVER_SET_4 is not set; export it"
+        );
+    }
+}
