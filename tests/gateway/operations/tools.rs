@@ -218,6 +218,56 @@ async fn verify_providers_gives_up_on_a_silent_provider_when_the_route_would() {
     );
 }
 
+/// An upstream that answers every request's head and the start of its
+/// body, then falls silent: a provider stalled mid-answer.
+async fn stalled() -> (String, tokio::task::JoinHandle<()>) {
+    use tokio::io::AsyncWriteExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let task = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let mut buf = [0u8; 4096];
+            let _ = stream.read(&mut buf).await;
+            let head = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"id\":";
+            let _ = stream.write_all(head.as_bytes()).await;
+            held.push(stream);
+        }
+    });
+    (url, task)
+}
+
+#[tokio::test]
+async fn verify_providers_gives_up_on_a_stalled_answer_after_the_routes_stream_idle_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = Provider::start("a", Drift::None, Timing::Now).await;
+    let (b, server) = stalled().await;
+    let config = chat_config(
+        dir.path(),
+        &a.url(),
+        &b,
+        "first_byte_timeout = \"1h\"\nstream_idle_timeout = \"1s\"",
+    );
+    let out = idemgate(&config, &["verify-providers"])
+        .output()
+        .await
+        .unwrap();
+    server.abort();
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success(), "{table}");
+    let row = table
+        .lines()
+        .find(|l| l.starts_with("b "))
+        .unwrap_or_default();
+    assert!(
+        row.contains("FAIL")
+            && row.contains(
+                "silent for 1s before the answer's next chunk (route chat's stream_idle_timeout)"
+            ),
+        "{table}"
+    );
+}
+
 /// A port with nothing listening on it.
 async fn closed_port() -> u16 {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
