@@ -68,8 +68,8 @@ enum Job {
     Serve(Settings),
     Check(Settings),
     Jobs(JobsCommand),
-    /// With `--json`.
-    VerifyProviders(Settings, bool),
+    /// With `--json`, and `--timeout`.
+    VerifyProviders(Settings, bool, Option<std::time::Duration>),
     Migrate(StoreSettings),
 }
 
@@ -80,16 +80,18 @@ impl Job {
             Command::Serve(flags) => Job::Serve(Settings::load(config, flags)?),
             Command::Check(flags) => Job::Check(Settings::load(config, flags)?),
             Command::Jobs(command) => Job::Jobs(command),
-            Command::VerifyProviders(verify) => {
-                Job::VerifyProviders(Settings::load(config, verify.flags)?, verify.json)
-            }
+            Command::VerifyProviders(verify) => Job::VerifyProviders(
+                Settings::load(config, verify.flags)?,
+                verify.json,
+                verify.timeout,
+            ),
             Command::Migrate(flags) => Job::Migrate(Settings::load_store(config, flags)?),
         })
     }
 
     fn worker_threads(&self) -> usize {
         match self {
-            Job::Serve(settings) | Job::VerifyProviders(settings, _) => settings.worker_threads,
+            Job::Serve(settings) | Job::VerifyProviders(settings, ..) => settings.worker_threads,
             // Migrations run one statement at a time; a check runs nothing.
             Job::Migrate(_) | Job::Check(_) | Job::Jobs(_) => 1,
         }
@@ -116,13 +118,13 @@ impl Job {
                 }
                 Err(e) => fail(Chain(&e)),
             },
-            Job::VerifyProviders(settings, json) => {
+            Job::VerifyProviders(settings, json, timeout) => {
                 let print = if json {
                     probe::Print::Json
                 } else {
                     probe::Print::Table
                 };
-                if probe::verify(&settings.upstreams, &settings.contracts, print).await {
+                if app::verify_providers(&settings, timeout, print).await {
                     ExitCode::SUCCESS
                 } else {
                     ExitCode::FAILURE

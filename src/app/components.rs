@@ -474,13 +474,16 @@ fn looks_up(route: &Arc<Route>) -> bool {
 }
 
 /// What the routes rely on probes for: each upstream a route may use,
-/// against the route's contract.
-fn relied_on(routes: &[Arc<Route>]) -> impl Iterator<Item = (UpstreamId, Arc<Contract>)> + '_ {
+/// against the route's contract, waiting on silence as the route would.
+fn relied_on(
+    routes: &[Arc<Route>],
+) -> impl Iterator<Item = (UpstreamId, Arc<Contract>, probe::Patience)> + '_ {
     routes.iter().flat_map(|route| {
         route.contract.iter().flat_map(move |contract| {
-            route
-                .upstreams()
-                .map(move |upstream| (upstream.id.clone(), contract.clone()))
+            route.upstreams().map(move |upstream| {
+                let patience = super::route_patience(route, upstream);
+                (upstream.id.clone(), contract.clone(), patience)
+            })
         })
     })
 }

@@ -6,12 +6,18 @@ mod components;
 mod secrets;
 mod stack;
 
+use std::time::Duration;
+
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Settings;
+use idemgate_domain::contract::Contract;
+use idemgate_idempotency::route::Route;
 use idemgate_proxy::server;
+use idemgate_proxy::upstream::UpstreamSettings;
 use idemgate_store::StoreError;
+use idemgate_upkeep::probe::{self, Patience, Silence};
 
 pub use components::idempotency_config;
 
@@ -28,6 +34,69 @@ pub fn check(settings: &Settings) -> Result<String, StartError> {
     Ok(report)
 }
 use components::Gateway;
+
+/// `idemgate verify-providers`: every contract's probes against every
+/// upstream, each giving up on a silent upstream when the route relying on
+/// the contract would (its `first_byte_timeout` and `stream_idle_timeout`),
+/// or after `timeout` (`--timeout`). True when every probe passed.
+pub async fn verify_providers(
+    settings: &Settings,
+    timeout: Option<Duration>,
+    print: probe::Print,
+) -> bool {
+    let patience = |contract: &Contract, upstream: &UpstreamSettings| match timeout {
+        Some(limit) => Patience::uniform(limit, "--timeout"),
+        None => patience(&settings.routes, contract, upstream),
+    };
+    probe::verify(&settings.upstreams, &settings.contracts, &patience, print).await
+}
+
+/// How long a probe of `contract` on `upstream` waits on silence: as the
+/// routes naming the contract would (those that use the upstream, else any;
+/// the most patient of them), else as the upstream's own silences say.
+fn patience(
+    routes: &[std::sync::Arc<Route>],
+    contract: &Contract,
+    upstream: &UpstreamSettings,
+) -> Patience {
+    let naming: Vec<&Route> = routes
+        .iter()
+        .filter(|r| r.contract.as_ref().is_some_and(|c| c.name == contract.name))
+        .map(|r| &**r)
+        .collect();
+    let using: Vec<&Route> = naming
+        .iter()
+        .copied()
+        .filter(|r| r.upstreams().any(|u| u.id == upstream.id))
+        .collect();
+    let relied = if using.is_empty() { naming } else { using };
+    relied
+        .into_iter()
+        .map(|route| route_patience(route, upstream))
+        .reduce(Patience::or_longer)
+        .unwrap_or_else(|| Patience::of_upstream(upstream))
+}
+
+/// The silences an attempt of `route` on `upstream` allows
+/// ([`Route::silences`]), named by the key that sets each.
+fn route_patience(route: &Route, upstream: &UpstreamSettings) -> Patience {
+    let own = Patience::of_upstream(upstream);
+    let set = |limit: Option<Duration>, key: &str, otherwise: Silence| match limit {
+        Some(limit) => Silence {
+            limit,
+            source: format!("route {}'s {key}", route.name),
+        },
+        None => otherwise,
+    };
+    Patience {
+        head: set(route.first_byte_timeout, "first_byte_timeout", own.head),
+        between: set(
+            route.stream_idle_timeout,
+            "stream_idle_timeout",
+            own.between,
+        ),
+    }
+}
 
 /// The two listeners a gateway serves on; bound by the caller, so tests can
 /// use OS-assigned ports.
@@ -53,6 +122,9 @@ pub enum StartError {
     /// The replay key cannot be had.
     #[error("replay_key: the replay key {0}; fix or remove the file, set IDEMGATE_REPLAY_KEY, or configure [encryption] to derive it")]
     ReplayKey(String),
+    /// Several secrets are unusable: each is told.
+    #[error("{}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n  and "))]
+    Secrets(Vec<StartError>),
 }
 
 /// Runs a gateway until `shutdown` is cancelled, then drains and returns:

@@ -97,20 +97,25 @@ fn beside_store(path: &Path, what: &str) -> Result<Vec<u8>, String> {
 /// start-up.
 pub(super) fn describe(settings: &crate::config::Settings) -> Result<Vec<String>, StartError> {
     let mut lines = Vec::new();
+    // Both files are told when both are broken: one run, every fix.
+    let mut broken = Vec::new();
     match &settings.owner_salt {
         OwnerSaltSetting::Given(_) => lines.push("owner_salt = given".to_owned()),
-        OwnerSaltSetting::BesideStore(path) => {
-            let state = kept_in(path).map_err(StartError::OwnerSalt)?;
-            lines.push(format!("owner_salt = {state}"));
-        }
+        OwnerSaltSetting::BesideStore(path) => match kept_in(path) {
+            Ok(state) => lines.push(format!("owner_salt = {state}")),
+            Err(e) => broken.push(StartError::OwnerSalt(e)),
+        },
     }
     if let Some(replay) = &settings.replay_keys {
         let state = match &replay.current {
-            ReplayKeySource::Given(_) => "given".to_owned(),
-            ReplayKeySource::FromEncryption => "derived from [encryption]".to_owned(),
-            ReplayKeySource::BesideStore(path) => kept_in(path).map_err(StartError::ReplayKey)?,
+            ReplayKeySource::Given(_) => Ok("given".to_owned()),
+            ReplayKeySource::FromEncryption => Ok("derived from [encryption]".to_owned()),
+            ReplayKeySource::BesideStore(path) => kept_in(path).map_err(StartError::ReplayKey),
         };
-        lines.push(format!("replay_key = {state}"));
+        match state {
+            Ok(state) => lines.push(format!("replay_key = {state}")),
+            Err(e) => broken.push(e),
+        }
     }
     if let Some(encryption) = &settings.encryption {
         lines.push(format!(
@@ -119,7 +124,11 @@ pub(super) fn describe(settings: &crate::config::Settings) -> Result<Vec<String>
             encryption.keys.len()
         ));
     }
-    Ok(lines)
+    match broken.len() {
+        0 => Ok(lines),
+        1 => Err(broken.remove(0)),
+        _ => Err(StartError::Secrets(broken)),
+    }
 }
 
 /// A secret file beside the embedded store: whether it is there and reads.

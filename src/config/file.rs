@@ -282,6 +282,9 @@ impl FileConfig {
                         .flatten()
                 })
                 .unwrap_or_else(|| "config file".to_owned());
+            if let Some(said) = unknown_key(&message) {
+                message = said;
+            }
             if message.contains("invalid type: floating point") && message.contains("expected u") {
                 // Helm and some templating tools write 32 as 32.0.
                 message.push_str("; write it as a whole number (32, not 32.0)");
@@ -305,4 +308,72 @@ fn key_at(text: &str, at: usize) -> Option<String> {
     let (key, _) = line.split_once('=')?;
     let key = key.trim();
     (!key.is_empty() && !key.starts_with('[')).then(|| key.to_owned())
+}
+
+/// serde's "unknown field `x`, expected one of `a`, `b`, …" (the whole
+/// table's keys, some fifty at the top level) as a person wants it: the
+/// key nearest to the one written, when one is near; the table's keys only
+/// when they are few.
+pub(super) fn unknown_key(message: &str) -> Option<String> {
+    let (written, rest) = message.strip_prefix("unknown field `")?.split_once('`')?;
+    // ", expected one of `a`, `b`": every other piece between backquotes.
+    let expected: Vec<&str> = rest.split('`').skip(1).step_by(2).collect();
+    Some(match nearest(written, &expected) {
+        Some(key) => format!("unknown key `{written}`; did you mean `{key}`?"),
+        None if expected.is_empty() => format!("unknown key `{written}`: this table takes none"),
+        None if expected.len() <= 8 => format!(
+            "unknown key `{written}`; this table takes `{}`",
+            expected.join("`, `")
+        ),
+        None => format!("unknown key `{written}`, and none of this table's keys is near it"),
+    })
+}
+
+/// The key of `keys` fewest edits away from `written` (case, `-` for `_`
+/// and transposed letters forgiven or cheap), if it is near enough to be
+/// the one meant: at most a third of its letters changed.
+fn nearest<'a>(written: &str, keys: &[&'a str]) -> Option<&'a str> {
+    let written = written.to_ascii_lowercase().replace('-', "_");
+    keys.iter()
+        .map(|key| (strsim::damerau_levenshtein(&written, key), *key))
+        .filter(|(edits, key)| *edits <= (key.len().max(written.len()) / 3).max(1))
+        .min_by_key(|(edits, _)| *edits)
+        .map(|(_, key)| key)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{unknown_key, FileConfig};
+
+    #[test]
+    fn a_misspelled_key_is_named_with_the_nearest_and_a_far_one_with_none() {
+        let said = |text: &str| FileConfig::parse(text).unwrap_err().message;
+        let near = said("upstream_timout = \"1s\"");
+        assert!(near.contains("did you mean `upstream_timeout`?"), "{near}");
+        assert!(!near.contains("admin_listen"), "not every key: {near}");
+        let case = said("First-Byte-Timeout = \"1s\"\n");
+        assert!(case.contains("unknown key"), "{case}");
+        let far = said("frobnicate = 1");
+        assert!(
+            !far.contains("did you mean") && !far.contains("admin_listen"),
+            "{far}"
+        );
+        let route = said("[[routes]]\nfirst_byte_timout = \"2s\"");
+        assert!(
+            route.contains("did you mean `first_byte_timeout`?"),
+            "{route}"
+        );
+    }
+
+    #[test]
+    fn a_small_table_lists_its_keys_when_none_is_near() {
+        let said = unknown_key("unknown field `zzz`, expected `enabled` or `retryable`").unwrap();
+        assert_eq!(
+            said,
+            "unknown key `zzz`; this table takes `enabled`, `retryable`"
+        );
+        let said = unknown_key("unknown field `pth`, expected `path`").unwrap();
+        assert_eq!(said, "unknown key `pth`; did you mean `path`?");
+        assert_eq!(unknown_key("invalid type: string"), None);
+    }
 }

@@ -15,6 +15,7 @@
 //! - this module: the settings as a whole, their defaults and validation.
 
 pub mod contracts;
+mod error;
 pub mod file;
 pub mod flags;
 pub mod libpq;
@@ -22,6 +23,7 @@ pub mod limits;
 pub mod redis;
 pub mod replay;
 pub mod routes;
+mod secrets;
 pub mod store;
 pub mod summary;
 pub mod tls;
@@ -38,6 +40,7 @@ use http::{HeaderName, Method, StatusCode};
 
 use idemgate_domain::contract::Contract;
 
+pub use error::ConfigError;
 pub use file::FileConfig;
 pub use flags::{Cli, Command, Flags};
 use idemgate_idempotency::route::{self, Route};
@@ -50,26 +53,6 @@ pub use limits::{BudgetSource, MemoryBudget};
 pub use replay::{ReplayKeySettings, ReplayKeySource};
 
 use file::UpstreamFile;
-
-/// A start-up configuration problem, naming the key and the fix.
-#[derive(Debug, thiserror::Error)]
-#[error("invalid configuration: `{key}`: {message}")]
-pub struct ConfigError {
-    /// The offending key (as written in the file; flags and variables named in the message).
-    pub key: String,
-    /// What is wrong and how to fix it.
-    pub message: String,
-}
-
-impl ConfigError {
-    /// A problem with `key`, and how to fix it.
-    pub fn new(key: impl Into<String>, message: impl Into<String>) -> Self {
-        ConfigError {
-            key: key.into(),
-            message: message.into(),
-        }
-    }
-}
 
 fn bad(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
     ConfigError::new(key, message)
@@ -247,6 +230,8 @@ impl Settings {
     /// Merges parsed sources, flags winning, and validates.
     pub fn from_sources(mut file: FileConfig, flags: Flags) -> Result<Settings, ConfigError> {
         let store = store::store_settings(&file, &flags)?;
+        // Every missing secret at once, before any is read.
+        secrets::all_present(&file, &flags, &store)?;
         let replay_keys = replay::settings(&file, &flags, &store)?;
         let timings = timings(&file, &flags)?;
         let trust = trust(&mut file, &flags, &store)?;
@@ -462,11 +447,7 @@ fn owner_salt(
                     beside.push(".owner-salt");
                     Ok(OwnerSaltSetting::BesideStore(beside.into()))
                 }
-                StoreSettings::Postgres(_) => Err(bad(
-                    "owner.salt",
-                    "every replica sharing PostgreSQL must salt owner digests with one secret kept outside the database: \
-                     set IDEMGATE_OWNER_SALT (or [owner] salt = { env = \"…\" }) to `openssl rand -base64 32`",
-                )),
+                StoreSettings::Postgres(_) => Err(bad("owner.salt", secrets::OWNER_SALT_NEEDED)),
             };
         }
     };

@@ -82,12 +82,7 @@ pub(super) fn settings(
             ReplayKeySource::BesideStore(beside.into())
         }
         (None, StoreSettings::Postgres(_)) => {
-            return Err(bad(
-                "replay_key",
-                "every replica sharing Redis must authenticate its replay entries with one secret kept outside Redis: \
-                 set IDEMGATE_REPLAY_KEY (or replay_key = { env = \"…\" }) to `openssl rand -base64 32`, \
-                 or configure [encryption] to derive it from the encryption keys",
-            ))
+            return Err(bad("replay_key", super::secrets::REPLAY_KEY_NEEDED))
         }
     };
     Ok(Some(ReplayKeySettings { current, previous }))

@@ -29,9 +29,11 @@ fn reconcile(key: &str, value: toml::Value) -> Result<Reconcile, ConfigError> {
     match value {
         toml::Value::String(s) if s == "resend" => Ok(Reconcile::Resend),
         toml::Value::Table(table) => {
-            let file: ReconcileFile = toml::Value::Table(table)
-                .try_into()
-                .map_err(|e| bad(key, format!("{}; {either}", e.message())))?;
+            let file: ReconcileFile = toml::Value::Table(table).try_into().map_err(|e| {
+                let said = super::file::unknown_key(e.message());
+                let said = said.as_deref().unwrap_or(e.message());
+                bad(key, format!("{said}; {either}"))
+            })?;
             lookup(&format!("{key}.path"), file)
         }
         other => Err(bad(

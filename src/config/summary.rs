@@ -5,7 +5,9 @@
 use std::fmt::{self, Display, Formatter};
 use std::time::Duration;
 
-use super::{Route, Settings, StoreSettings, Topology};
+use super::{Settings, StoreSettings, Topology};
+
+mod route;
 
 /// The settings, as `idemgate check` prints them.
 pub struct Summary<'a>(pub &'a Settings);
@@ -18,7 +20,7 @@ impl Display for Summary<'_> {
         let admin = if s.admin_token.is_some() {
             "on (a token is set)"
         } else {
-            "off (no admin_token): /admin/v1 and the console answer 404"
+            "off (no admin_token): /admin/v1 and the console answer 403, saying why; /healthz, /readyz and /metrics stay open"
         };
         writeln!(f, "admin_api = {admin}")?;
         let access = if s.access_log {
@@ -27,6 +29,8 @@ impl Display for Summary<'_> {
             "off"
         };
         writeln!(f, "access_log = {access}")?;
+        writeln!(f, "owner = {}", route::owner(&s.owner))?;
+        writeln!(f, "allow_anonymous = {}", s.owner.allow_anonymous)?;
         writeln!(f, "store = {}", store(&s.store))?;
         match &s.redis {
             Some(redis) => writeln!(f, "redis = {}", topology(&redis.topology))?,
@@ -45,19 +49,7 @@ impl Display for Summary<'_> {
             )?;
         }
         for route in &s.routes {
-            let methods: Vec<&str> = route.methods.iter().map(http::Method::as_str).collect();
-            writeln!(
-                f,
-                "route.{} = {} {} -> {} (max_attempts {}, failover_deadline {}{}{})",
-                route.name,
-                methods.join(","),
-                route.path_prefix,
-                route.primary.name(),
-                route.max_attempts,
-                human(route.failover_deadline),
-                silences(route),
-                stream_ends(route)
-            )?;
+            route::write(f, route)?;
         }
         timings(f, s)
     }
@@ -86,33 +78,6 @@ fn timings(f: &mut Formatter<'_>, s: &Settings) -> fmt::Result {
         s.memory_budget.from
     )?;
     writeln!(f, "worker_threads = {}", s.worker_threads)
-}
-
-/// The route's own silences, those that override its upstreams'.
-fn silences(route: &Route) -> String {
-    [
-        ("first_byte_timeout", route.first_byte_timeout),
-        ("stream_idle_timeout", route.stream_idle_timeout),
-    ]
-    .into_iter()
-    .filter_map(|(key, value)| Some(format!(", {key} {}", human(value?))))
-    .collect()
-}
-
-/// What a route reads of a finished event stream, where it is not the
-/// default: its end events, and errors in band.
-fn stream_ends(route: &Route) -> String {
-    let mut said = String::new();
-    if !route.stream_end_events.is_empty() {
-        said += &format!(", stream_end_events {:?}", route.stream_end_events);
-    }
-    let errors = &route.stream_errors;
-    if !errors.enabled {
-        said += ", stream_errors off";
-    } else if *errors != Default::default() {
-        said += &format!(", stream_errors retryable {:?}", errors.retryable);
-    }
-    said
 }
 
 fn human(d: Duration) -> humantime::FormattedDuration {

@@ -348,7 +348,7 @@ fn reconcile_is_resend_or_a_lookup_table() {
     for (line, says) in [
         ("reconcile = \"lookup\"", "reconcile = \"resend\""),
         ("reconcile = true", "[routes.reconcile]"),
-        ("[routes.reconcile]\npathh = \"/x/{job}\"", "unknown field"),
+        ("[routes.reconcile]\npathh = \"/x/{job}\"", "mean `path`?"),
     ] {
         let file = Settings::parse_file(&route(line)).unwrap();
         let e = Settings::from_sources(file, flags_with_upstream()).unwrap_err();

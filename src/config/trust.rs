@@ -70,6 +70,25 @@ pub(super) struct ClientFile {
 }
 
 impl SecretFile {
+    /// Why the secret cannot be had (its variable unset, its file
+    /// unreadable), looked up without reading it; `None` when it is there,
+    /// or is written in the file, or is written wrongly (which
+    /// [`SecretFile::read`] tells).
+    pub(super) fn absent(&self, base: &Path) -> Option<String> {
+        match (&self.env, &self.file, &self.value) {
+            (Some(var), None, None) if std::env::var_os(var).is_none() => {
+                Some(format!("environment variable {var} is not set; export it"))
+            }
+            (None, Some(path), None) => std::fs::File::open(base.join(path)).err().map(|e| {
+                format!(
+                    "cannot read {}: {e}; put the secret there, or point `file` at it",
+                    path.display()
+                )
+            }),
+            _ => None,
+        }
+    }
+
     /// The secret's text, trimmed.
     pub(super) fn read(&self, key: &str, base: &Path) -> Result<String, ConfigError> {
         let text = match (&self.env, &self.file, &self.value) {
@@ -104,6 +123,24 @@ pub(super) fn trusted_proxies(written: &[String]) -> Result<TrustedProxies, Conf
         })
         .collect::<Result<Vec<IpNet>, _>>()
         .map(TrustedProxies::from)
+}
+
+impl OwnerFile {
+    /// The secrets its sources name (`key.sources[i].secret`, HS256 keys),
+    /// by key.
+    pub(super) fn secrets<'a>(&'a self, key: &str, found: &mut Vec<(String, &'a SecretFile)>) {
+        fn walk<'a>(key: String, s: &'a SourceFile, found: &mut Vec<(String, &'a SecretFile)>) {
+            if let Some(secret) = &s.secret {
+                found.push((format!("{key}.secret"), secret));
+            }
+            for (i, part) in s.all.iter().flatten().enumerate() {
+                walk(format!("{key}.all[{i}]"), part, found);
+            }
+        }
+        for (i, s) in self.sources.iter().flatten().enumerate() {
+            walk(format!("{key}.sources[{i}]"), s, found);
+        }
+    }
 }
 
 /// The owner rule `[owner]` (or a route's) describes; `inherited` fills

@@ -212,27 +212,36 @@ impl ProbeBoard {
 pub struct Config {
     /// How often every pair is probed.
     pub interval: Duration,
-    /// The (upstream, contract) pairs the routes rely on, each once.
-    pub pairs: Vec<(UpstreamId, Arc<Contract>)>,
+    /// The (upstream, contract) pairs the routes rely on, each once, with
+    /// the patience of the most patient route relying on it.
+    pub pairs: Vec<(UpstreamId, Arc<Contract>, Patience)>,
 }
 
 impl Config {
     /// Probes every `interval` what the routes rely on: each upstream a
-    /// route may use against the route's contract (`relied_on`), each pair
-    /// once however many routes rely on it.
+    /// route may use against the route's contract, with the route's
+    /// silences (`relied_on`), each pair once however many routes rely on
+    /// it.
     pub fn new(
         interval: Duration,
-        relied_on: impl IntoIterator<Item = (UpstreamId, Arc<Contract>)>,
+        relied_on: impl IntoIterator<Item = (UpstreamId, Arc<Contract>, Patience)>,
     ) -> Config {
-        let mut pairs: BTreeMap<(UpstreamId, String), Arc<Contract>> = BTreeMap::new();
-        for (upstream, contract) in relied_on {
-            pairs
-                .entry((upstream, contract.name.clone()))
-                .or_insert(contract);
+        let mut pairs: BTreeMap<(UpstreamId, String), (Arc<Contract>, Patience)> = BTreeMap::new();
+        for (upstream, contract, patience) in relied_on {
+            let pair = (upstream, contract.name.clone());
+            match pairs.get_mut(&pair) {
+                Some((_, kept)) => *kept = kept.clone().or_longer(patience),
+                None => {
+                    pairs.insert(pair, (contract, patience));
+                }
+            }
         }
         Config {
             interval,
-            pairs: pairs.into_iter().map(|((id, _), c)| (id, c)).collect(),
+            pairs: pairs
+                .into_iter()
+                .map(|((id, _), (c, p))| (id, c, p))
+                .collect(),
         }
     }
 
@@ -248,8 +257,8 @@ impl Config {
         let mut names: Vec<&str> = self
             .pairs
             .iter()
-            .filter(|(_, c)| c.proves_only_the_shape())
-            .map(|(_, c)| c.name.as_str())
+            .filter(|(_, c, _)| c.proves_only_the_shape())
+            .map(|(_, c, _)| c.name.as_str())
             .collect();
         names.sort_unstable();
         names.dedup();
@@ -257,47 +266,172 @@ impl Config {
     }
 }
 
-/// Runs every probe of `contract` against `upstream`, each `runs` times,
-/// and judges each over its runs.
-pub async fn probe(upstream: &Upstream, contract: &Contract) -> Vec<ProbeResult> {
-    let mut results = Vec::with_capacity(contract.probes.len());
-    for probe in &contract.probes {
-        let mut runs = Vec::with_capacity(probe.runs as usize);
-        for _ in 0..probe.runs {
-            runs.push(run_one(upstream, probe).await);
+/// How long a probe waits on a silent upstream: the silences an attempt
+/// of the route relying on the contract allows (`docs/design.md` §11), so
+/// a probe gives up when a real request would, not on a longer timeout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Patience {
+    /// Before the answer's head (`first_byte_timeout`).
+    pub head: Silence,
+    /// Between the answer's chunks once its head has come
+    /// (`stream_idle_timeout`).
+    pub between: Silence,
+}
+
+/// One silence a probe allows, and the setting it comes from (named in
+/// the finding of a probe that waited it out).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Silence {
+    /// How long.
+    pub limit: Duration,
+    /// Where it is set, in the operator's words ("route chat's
+    /// first_byte_timeout").
+    pub source: String,
+}
+
+impl Patience {
+    /// The upstream's own silences, for a probe no route says more of.
+    pub fn of_upstream(upstream: &UpstreamSettings) -> Patience {
+        let name = upstream.name();
+        Patience {
+            head: Silence {
+                limit: upstream.first_byte_timeout,
+                source: format!("upstream {name}'s first_byte_timeout"),
+            },
+            between: Silence {
+                limit: upstream.stream_idle_timeout,
+                source: format!("upstream {name}'s stream_idle_timeout"),
+            },
         }
-        results.push(ProbeResult {
+    }
+
+    /// Each silence the longer of the two: a pair two routes rely on is
+    /// probed with the more patient's.
+    pub fn or_longer(self, other: Patience) -> Patience {
+        let longer = |a: Silence, b: Silence| if b.limit > a.limit { b } else { a };
+        Patience {
+            head: longer(self.head, other.head),
+            between: longer(self.between, other.between),
+        }
+    }
+
+    /// One silence for both, set by `source` (`--timeout`).
+    pub fn uniform(limit: Duration, source: &str) -> Patience {
+        let silence = Silence {
+            limit,
+            source: source.to_owned(),
+        };
+        Patience {
+            head: silence.clone(),
+            between: silence,
+        }
+    }
+}
+
+/// What a probing says as it goes, for whoever watches it run.
+#[allow(missing_debug_implementations)] // `Probe` has none
+pub enum Told<'a> {
+    /// A probe is about to be sent.
+    Asking(&'a Probe),
+    /// A probe's finding.
+    Found(&'a ProbeResult),
+}
+
+/// Runs every probe of `contract` against `upstream`, each `runs` times,
+/// and judges each over its runs; `told` hears of each probe as it starts
+/// and ends. An upstream silent past `patience` is a provider that is down,
+/// not one that answers wrong: its remaining probes are not sent, so a
+/// silent provider costs one silence, not one per probe and run.
+pub async fn probe(
+    upstream: &Upstream,
+    contract: &Contract,
+    patience: &Patience,
+    told: &mut (dyn FnMut(Told<'_>) + Send),
+) -> Vec<ProbeResult> {
+    let mut results = Vec::with_capacity(contract.probes.len());
+    let mut silent: Option<String> = None;
+    for probe in &contract.probes {
+        let result = |finding, prompt_tokens| ProbeResult {
             upstream: upstream.settings().name().to_owned(),
             contract: contract.name.clone(),
             probe: probe.name.clone(),
-            finding: judge(&runs, probe.same),
-            prompt_tokens: runs
-                .iter()
+            finding,
+            prompt_tokens,
+        };
+        if let Some(earlier) = &silent {
+            let skipped = result(Finding::Fail(format!("not sent: {earlier}")), Vec::new());
+            told(Told::Found(&skipped));
+            results.push(skipped);
+            continue;
+        }
+        told(Told::Asking(probe));
+        let mut runs = Vec::with_capacity(probe.runs as usize);
+        for _ in 0..probe.runs {
+            match run_one(upstream, probe, patience).await {
+                Err(Run::Silent(why)) => {
+                    silent = Some(format!("the upstream was silent on probe {}", probe.name));
+                    runs.push(Err(why));
+                    break;
+                }
+                Err(Run::Failed(why)) => runs.push(Err(why)),
+                Ok(observed) => runs.push(Ok(observed)),
+            }
+        }
+        let found = result(
+            judge(&runs, probe.same),
+            runs.iter()
                 .filter_map(|r| r.as_ref().ok()?.prompt_tokens)
                 .collect(),
-        });
+        );
+        told(Told::Found(&found));
+        results.push(found);
     }
     results
 }
 
-async fn run_one(upstream: &Upstream, probe: &Probe) -> Result<Observed, String> {
+/// Why a run did not pass: the upstream stayed silent past the probe's
+/// patience, or answered (or broke) in a way that fails the probe.
+enum Run {
+    Silent(String),
+    Failed(String),
+}
+
+async fn run_one(upstream: &Upstream, probe: &Probe, patience: &Patience) -> Result<Observed, Run> {
     let mut req = Request::builder()
         .method(probe.method.clone())
         .uri(&probe.path)
         .body(full(probe.body.clone()))
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| Run::Failed(e.to_string()))?;
     for (name, value) in &probe.headers {
         req.headers_mut().insert(name.clone(), value.clone());
     }
-    let (progress, _) = watch::channel(0);
-    let timeout = upstream.settings().timeout;
-    let fetched = tokio::time::timeout(timeout, fetch(upstream.clone(), req, 10 << 20, progress))
-        .await
-        .map_err(|_| format!("no answer within {}", humantime::format_duration(timeout)))?
-        .map_err(|e| e.to_string())?;
+    let (progress, mut seen) = watch::channel(0);
+    let fetched = fetch(upstream.clone(), req, 10 << 20, progress);
+    tokio::pin!(fetched);
+    // Every frame (the head first) moves `seen`: the silence allowed is
+    // the head's until it comes, then the one between chunks.
+    let fetched = loop {
+        let (silence, before) = match *seen.borrow_and_update() {
+            0 => (&patience.head, "the answer's head"),
+            _ => (&patience.between, "the answer's next chunk"),
+        };
+        tokio::select! {
+            biased;
+            fetched = &mut fetched => break fetched.map_err(|e| Run::Failed(e.to_string()))?,
+            moved = tokio::time::timeout(silence.limit, seen.changed()) => {
+                if moved.is_err() {
+                    return Err(Run::Silent(format!(
+                        "silent for {} before {before} ({})",
+                        humantime::format_duration(silence.limit),
+                        silence.source
+                    )));
+                }
+            }
+        }
+    };
     probe
         .check(fetched.parts.status.as_u16(), &fetched.body)
-        .map_err(|why| format!("{why} (answer: {})", excerpt(&fetched.body)))
+        .map_err(|why| Run::Failed(format!("{why} (answer: {})", excerpt(&fetched.body))))
 }
 
 /// Verifies every (upstream, contract) pair the routes rely on, records the
@@ -308,9 +442,9 @@ pub async fn probe_all(
     board: &ProbeBoard,
 ) -> Vec<ProbeResult> {
     let mut all = Vec::new();
-    for (id, contract) in &config.pairs {
+    for (id, contract, patience) in &config.pairs {
         if let Some(upstream) = upstreams.get(id) {
-            let results = probe(upstream, contract).await;
+            let results = probe(upstream, contract, patience, &mut |_| {}).await;
             board.record(upstream.settings().name(), contract, &results);
             all.extend(results);
         }
@@ -345,10 +479,14 @@ pub enum Print {
 }
 
 /// `idemgate verify-providers`: every contract's probes against every
-/// upstream, printed as `print` says. True when every probe passed.
+/// upstream, each waiting on a silent upstream as long as `patience` says
+/// (the route's silences), printed as `print` says at the end, and each
+/// probe told on stderr as it starts and ends (stdout keeps one table or
+/// one JSON document). True when every probe passed.
 pub async fn verify(
     upstreams: &[Arc<UpstreamSettings>],
     contracts: &BTreeMap<String, Arc<Contract>>,
+    patience: &dyn Fn(&Contract, &UpstreamSettings) -> Patience,
     print: Print,
 ) -> bool {
     let Some(upstreams) = Upstreams::new(upstreams) else {
@@ -361,7 +499,11 @@ pub async fn verify(
     let mut rows = Vec::new();
     for contract in contracts.values() {
         for upstream in upstreams.iter() {
-            rows.extend(probe(upstream, contract).await);
+            let patience = patience(contract, upstream.settings());
+            let name = upstream.settings().name();
+            let mut told =
+                |told: Told<'_>| eprintln!("{}", progress(name, contract, &patience, told));
+            rows.extend(probe(upstream, contract, &patience, &mut told).await);
         }
     }
     match print {
@@ -369,6 +511,32 @@ pub async fn verify(
         Print::Json => println!("{}", json(&rows)),
     }
     rows.iter().all(|r| r.finding == Finding::Pass)
+}
+
+/// One line of `verify-providers`' progress: a probe starting (with how
+/// long it waits on silence), or its finding.
+fn progress(upstream: &str, contract: &Contract, patience: &Patience, told: Told<'_>) -> String {
+    match told {
+        Told::Asking(probe) => format!(
+            "probing {upstream} with {}/{} ({} run{}; gives up after {} without the head ({}), {} between chunks)",
+            contract.name,
+            probe.name,
+            probe.runs,
+            if probe.runs == 1 { "" } else { "s" },
+            humantime::format_duration(patience.head.limit),
+            patience.head.source,
+            humantime::format_duration(patience.between.limit),
+        ),
+        Told::Found(r) => match r.finding.why() {
+            None => format!("  {upstream} {}/{}: {}", r.contract, r.probe, r.finding.as_str()),
+            Some(why) => format!(
+                "  {upstream} {}/{}: {}: {why}",
+                r.contract,
+                r.probe,
+                r.finding.as_str().to_ascii_uppercase()
+            ),
+        },
+    }
 }
 
 /// The prompt counts seen, as printed (`-` when the probe asks for none).
@@ -434,117 +602,4 @@ fn json(rows: &[ProbeResult]) -> serde_json::Value {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn verdict(result: &'static str) -> Verdict {
-        Verdict {
-            result,
-            checked_at: SystemTime::now(),
-            failures: Vec::new(),
-        }
-    }
-
-    /// Eligibility after each of `results`, in turn.
-    fn eligibility(results: &[&'static str], recover_after: u32) -> Vec<bool> {
-        let mut standing = Standing::default();
-        results
-            .iter()
-            .map(|r| {
-                standing.after(verdict(r), recover_after);
-                standing.eligible
-            })
-            .collect()
-    }
-
-    #[test]
-    fn the_first_pass_makes_eligible_and_a_failure_needs_recover_after_passes() {
-        assert_eq!(
-            eligibility(&["pass", "pass", "fail", "pass", "pass", "pass"], 2),
-            [true, true, false, false, true, true]
-        );
-        assert_eq!(
-            eligibility(
-                &["pass", "unstable", "pass", "unstable", "pass", "pass", "pass"],
-                3
-            ),
-            [true, false, false, false, false, false, true],
-            "unstable is not eligible, and interrupts a recovery"
-        );
-        assert_eq!(
-            eligibility(&["fail", "pass", "pass"], 2),
-            [false, false, true],
-            "failing the first verification counts as a failure"
-        );
-        assert_eq!(eligibility(&["fail", "pass"], 1), [false, true]);
-    }
-
-    #[test]
-    fn the_standing_says_how_many_passes_are_still_needed_and_keeps_twenty_verdicts() {
-        let mut standing = Standing::default();
-        standing.after(verdict("fail"), 3);
-        assert_eq!(standing.needed, 3);
-        standing.after(verdict("pass"), 3);
-        assert_eq!((standing.needed, standing.passes_in_a_row), (2, 1));
-        for _ in 0..30 {
-            standing.after(verdict("pass"), 3);
-        }
-        assert_eq!(standing.needed, 0);
-        assert_eq!(standing.history.len(), HISTORY);
-        assert!(standing.last().unwrap().passed());
-    }
-
-    #[test]
-    fn a_verification_fails_on_any_failed_probe_else_is_unstable_on_any_unstable_one() {
-        let result = |finding: Finding| ProbeResult {
-            upstream: "b".into(),
-            contract: "c".into(),
-            probe: format!("p-{}", finding.as_str()),
-            finding,
-            prompt_tokens: Vec::new(),
-        };
-        let unstable = || result(Finding::Unstable("differed".into()));
-        let failed = || result(Finding::Fail("wrong".into()));
-        assert_eq!(Verdict::of(&[result(Finding::Pass)]).result, "pass");
-        let v = Verdict::of(&[result(Finding::Pass), unstable()]);
-        assert_eq!(v.result, "unstable");
-        assert_eq!(
-            (v.failures[0].probe.as_str(), v.failures[0].why.as_str()),
-            ("p-unstable", "differed")
-        );
-        assert_eq!(Verdict::of(&[unstable(), failed()]).result, "fail");
-        assert_eq!(Verdict::of(&[unstable(), failed()]).failures.len(), 2);
-    }
-
-    #[test]
-    fn the_table_and_the_json_show_each_result_with_the_prompt_tokens_seen() {
-        let rows = [
-            ProbeResult {
-                upstream: "provider-a".into(),
-                contract: "chat-json".into(),
-                probe: "capital".into(),
-                finding: Finding::Pass,
-                prompt_tokens: vec![27, 27, 27],
-            },
-            ProbeResult {
-                upstream: "provider-b".into(),
-                contract: "chat-json".into(),
-                probe: "capital".into(),
-                finding: Finding::Fail("/answer: expected \"Paris\", got \"Lyon\"".into()),
-                prompt_tokens: Vec::new(),
-            },
-        ];
-        let table = table(&rows);
-        let lines: Vec<&str> = table.lines().collect();
-        assert!(lines[0].contains("prompt tokens"), "{table}");
-        assert!(lines[1].starts_with("provider-a") && lines[1].contains("pass"));
-        assert!(lines[1].contains("27,27,27"), "{table}");
-        assert!(lines[2].contains("FAIL") && lines[2].contains("got \"Lyon\""));
-        let json = json(&rows);
-        assert_eq!(json[0]["result"], "pass");
-        assert_eq!(json[0]["prompt_tokens"], serde_json::json!([27, 27, 27]));
-        assert_eq!(json[0]["why"], serde_json::Value::Null);
-        assert_eq!(json[1]["result"], "fail");
-        assert!(json[1]["why"].as_str().unwrap().contains("Lyon"));
-    }
-}
+mod tests;

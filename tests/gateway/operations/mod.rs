@@ -7,4 +7,5 @@ mod console_session;
 mod documented;
 mod jobs_cli;
 mod rollout;
+mod tools;
 mod traces;
