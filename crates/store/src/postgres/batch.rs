@@ -29,9 +29,9 @@ use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio_postgres::types::ToSql;
 use uuid::Uuid;
 
-use super::map_pg;
 use super::rows::answer;
 use super::sql::begin_statement;
+use super::{map_pg, Postgres};
 use crate::{millis, Begin, StoreError};
 use idemgate_domain::attempt::{AttemptState, NewAttempt};
 use idemgate_domain::job::{JobState, NewJob};
@@ -40,6 +40,10 @@ use idemgate_domain::job::{JobState, NewJob};
 /// collects, so the database is never idle waiting for the gateway, and
 /// the pool keeps its other connections for commits and reads.
 pub const IN_FLIGHT: usize = 2;
+
+/// The column of [`JOB_COLUMNS`](super::sql::JOB_COLUMNS) holding a
+/// found job's answer body.
+const ANSWER_BODY: usize = 12;
 
 /// The most begins one statement carries.
 pub(super) const MAX_BATCH: usize = 64;
@@ -205,6 +209,17 @@ async fn begin_many(
         .query(&statement, &columns.params())
         .await
         .map_err(map_pg)?;
+    // Found jobs carry their answers (up to INLINE_ANSWER each), so a batch
+    // of them can leave a connection with buffers that size: released as a
+    // replay's would be.
+    let carried = rows
+        .iter()
+        .map(|row| {
+            row.get::<_, Option<&[u8]>>(ANSWER_BODY)
+                .map_or(0, <[u8]>::len)
+        })
+        .sum();
+    Postgres::release(client, carried);
     let mut settled = HashMap::with_capacity(rows.len());
     for row in rows {
         let key: (String, String) = (row.get(1), row.get(2));
