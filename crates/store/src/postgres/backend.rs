@@ -3,16 +3,13 @@
 
 use async_trait::async_trait;
 use deadpool_postgres::GenericClient;
-use tokio_postgres::types::ToSql;
-use uuid::Uuid;
 
-use super::rows::{answer, snapshots, split_headers};
-use super::sql::{begin_statement, SNAPSHOT_COLUMNS};
+use super::rows::{snapshots, split_headers};
+use super::sql::SNAPSHOT_COLUMNS;
 use super::write::write;
 use super::{map_pg, Postgres};
 use crate::{
-    commit_under_lock, expire_each, millis, Applied, Backend, Begin, Committed, Decide, Lock,
-    StoreError,
+    commit_under_lock, expire_each, Applied, Backend, Begin, Committed, Decide, Lock, StoreError,
 };
 use idemgate_domain::attempt::{Attempt, AttemptState, NewAttempt};
 use idemgate_domain::job::{JobState, NewJob};
@@ -22,45 +19,7 @@ use idemgate_domain::transition::{Change, Refusal};
 #[async_trait]
 impl Backend for Postgres {
     async fn begin(&self, job: NewJob, attempt: NewAttempt) -> Result<Begin, StoreError> {
-        let client = self.client().await?;
-        let begin = client
-            .prepare_cached(&begin_statement())
-            .await
-            .map_err(map_pg)?;
-        let params: [&(dyn ToSql + Sync); 13] = [
-            &job.id.0,
-            &job.owner.as_str(),
-            &job.key.as_str(),
-            &job.fingerprint.0.as_slice(),
-            &job.route,
-            &millis(job.ttl),
-            &attempt.id.0,
-            &attempt.upstream,
-            &attempt.instance,
-            &millis(attempt.lease),
-            &millis(attempt.deadline),
-            &JobState::Running.as_str(),
-            &AttemptState::Started.as_str(),
-        ];
-        // Bounded: each round either answers, deletes the expired job that
-        // blocked the key, or lost an insert race whose winner the next
-        // round reads.
-        for _ in 0..3 {
-            let row = client.query_opt(&begin, &params).await.map_err(map_pg)?;
-            let Some(row) = row else { continue };
-            if let Some(begin) = answer(&row)? {
-                return Ok(begin);
-            }
-            // Expired but not purged yet: forgotten, the key starts afresh.
-            client
-                .execute(
-                    "DELETE FROM jobs WHERE id = $1 AND expires_at <= now()",
-                    &[&row.get::<_, Uuid>(0)],
-                )
-                .await
-                .map_err(map_pg)?;
-        }
-        Err(StoreError::Contended)
+        self.batcher().begin(job, attempt).await
     }
 
     async fn commit(

@@ -1,7 +1,8 @@
 //! The PostgreSQL backend: the source of truth in production.
 //!
 //! The hot path is two single statements: `Backend::begin` (a read, then
-//! `INSERT … ON CONFLICT DO NOTHING` of the job and its first attempt) and
+//! `INSERT … ON CONFLICT DO NOTHING` of the job and its first attempt,
+//! sent in batches with the begins of concurrent requests: `batch.rs`) and
 //! `Backend::commit` (the CAS). Every other change locks the job row
 //! (`FOR UPDATE`), reads its attempts, and writes what the domain decided,
 //! in one transaction; all writers of a job take its row lock first, so
@@ -30,6 +31,7 @@ use uuid::Uuid;
 use super::StoreError;
 
 mod backend;
+mod batch;
 mod budget;
 mod error;
 mod listen;
@@ -42,6 +44,7 @@ mod sql;
 mod tls;
 mod write;
 
+pub use batch::IN_FLIGHT as BEGIN_BATCHES_IN_FLIGHT;
 pub use budget::Budget;
 pub use replication::Replication;
 
@@ -59,6 +62,9 @@ pub struct Postgres {
     /// (`database_direct_url`, or the pool's).
     direct: Session,
     instance: Uuid,
+    /// Begins go to the database in batches (`batch.rs`); started on first
+    /// use, on the runtime that uses it, and shared by the clones.
+    batcher: std::sync::Arc<std::sync::OnceLock<batch::Batcher>>,
 }
 
 /// A session's connection, which its owner drives.
@@ -142,6 +148,7 @@ impl Postgres {
             pooled,
             direct,
             instance,
+            batcher: Default::default(),
         })
     }
 
@@ -173,6 +180,17 @@ impl Postgres {
         if carried > idemgate_domain::job::INLINE_ANSWER {
             drop(deadpool_postgres::Object::take(client));
         }
+    }
+
+    /// Begins sent to the batcher and not yet in a batch on their way: they
+    /// wait for one of the [`BEGIN_BATCHES_IN_FLIGHT`] batches to return.
+    pub fn begins_waiting(&self) -> usize {
+        self.batcher.get().map_or(0, batch::Batcher::waiting)
+    }
+
+    fn batcher(&self) -> &batch::Batcher {
+        self.batcher
+            .get_or_init(|| batch::Batcher::start(self.pool.clone()))
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Client, StoreError> {

@@ -22,33 +22,53 @@ pub(super) const SNAPSHOT_COLUMNS: &str =
     "j.id, j.state, j.version, j.attempt_count, j.completed_by, now(), \
      a.id, a.number, a.state, a.job_version, a.lease_expires_at";
 
-/// [`Backend::begin`](crate::Backend::begin)'s statement: one round trip for a new key and for a
-/// duplicate alike. The job of `(owner, key)` ($2, $3) is read, and
-/// inserted ($1, $4-$6, $12) with its first attempt ($7-$11, $13) only when
-/// there is none. The insert's `ON CONFLICT DO NOTHING` stays the only
-/// arbiter of creation; for a duplicate it inserts nothing, so its commit
-/// writes nothing either. See [`answer`](super::rows::answer) for what its row says.
+/// [`Backend::begin`](crate::Backend::begin)'s statement, for a batch of
+/// new requests at once (`batch.rs`): one round trip and one commit for all
+/// of them, a new key and a duplicate alike. The parameters are arrays, one
+/// element per request, sorted by `(owner, key)` so that two batches
+/// inserting the same keys take their index locks in the same order and
+/// never deadlock: job ids ($1), owners ($2), keys ($3), fingerprints
+/// ($4), routes ($5), key lifetimes in ms ($6), attempt ids ($7),
+/// upstreams ($8), instances ($9), leases ($10) and deadlines ($11) in ms;
+/// $12 and $13 are the new job's and attempt's states.
+///
+/// Each request's job of `(owner, key)` is read, and inserted with its
+/// first attempt only when there is none. The insert's `ON CONFLICT DO
+/// NOTHING` stays the only arbiter of creation; for a duplicate it inserts
+/// nothing. One row per job read or made, carrying its owner and key, by
+/// which the batcher maps rows back to requests (never by position); a
+/// request with no row lost an insert race to another writer and is asked
+/// again alone. See [`answer`](super::rows::answer) for what a row says.
 pub(super) fn begin_statement() -> String {
     format!(
-        "WITH existing AS ( \
+        "WITH input AS ( \
+           SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::bytea[], $5::text[], \
+                                $6::bigint[], $7::uuid[], $8::text[], $9::uuid[], $10::bigint[], \
+                                $11::bigint[]) \
+             AS i(job_id, owner, key, fingerprint, route, ttl, attempt_id, upstream, instance, \
+                  lease, deadline) \
+         ), existing AS ( \
            SELECT j.*, j.expires_at <= now() AS expired FROM jobs j \
-           WHERE j.owner = $2 AND j.key = $3 \
+           JOIN input i ON j.owner = i.owner AND j.key = i.key \
          ), j AS ( \
            INSERT INTO jobs (id, owner, key, fingerprint, route, state, version, attempt_count, expires_at) \
-           SELECT $1, $2, $3, $4, $5, $12, 1, 1, now() + $6::bigint * interval '1 millisecond' \
-           WHERE NOT EXISTS (SELECT 1 FROM existing) \
+           SELECT i.job_id, i.owner, i.key, i.fingerprint, i.route, $12, 1, 1, \
+                  now() + i.ttl * interval '1 millisecond' \
+           FROM input i \
+           WHERE NOT EXISTS (SELECT 1 FROM existing e WHERE e.owner = i.owner AND e.key = i.key) \
+           ORDER BY i.owner, i.key \
            ON CONFLICT (owner, key) DO NOTHING \
            RETURNING * \
          ), a AS ( \
            INSERT INTO attempts (id, job_id, number, upstream, state, job_version, instance, \
                                  lease_expires_at, deadline_at) \
-           SELECT $7, j.id, 1, $8, $13, j.version, $9, \
-                  now() + $10::bigint * interval '1 millisecond', \
-                  now() + $11::bigint * interval '1 millisecond' \
-           FROM j \
+           SELECT i.attempt_id, j.id, 1, i.upstream, $13, j.version, i.instance, \
+                  now() + i.lease * interval '1 millisecond', \
+                  now() + i.deadline * interval '1 millisecond' \
+           FROM j JOIN input i ON i.job_id = j.id \
            RETURNING * \
          ) \
-         SELECT {JOB_COLUMNS}, {ATTEMPT_COLUMNS}, false FROM j, a \
+         SELECT {JOB_COLUMNS}, {ATTEMPT_COLUMNS}, false FROM j JOIN a ON a.job_id = j.id \
          UNION ALL \
          SELECT {JOB_COLUMNS}, NULL::uuid, NULL::uuid, NULL::integer, NULL::text, NULL::text, \
                 NULL::bigint, NULL::timestamptz, NULL::timestamptz, NULL::timestamptz, \

@@ -5,6 +5,7 @@
 // than timing.
 
 mod answers;
+mod batches;
 mod lifecycle;
 
 use std::sync::Arc;
@@ -25,6 +26,7 @@ use idemgate_domain::transition::Refusal;
 use idemgate_store::{Begin, CommitOutcome, Doorbell, Store, StoreError};
 
 use answers::*;
+use batches::*;
 use lifecycle::*;
 
 fn new_job(key: &str) -> NewJob {
@@ -101,6 +103,7 @@ macro_rules! conformance_suite {
                 lookups_are_recorded_and_reconcile_applies_only_to_an_unknown_attempt,
                 concurrent_moves_on_from_an_unknown_job_make_one_attempt,
                 unknown_attempts_are_listed_by_start_after_a_time,
+                many_keys_begun_twice_at_once_make_one_job_each,
             );
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn every_change_of_a_jobs_state_rings_once() {
