@@ -401,8 +401,8 @@ fn bulk_report(done: &Value) -> String {
 /// and how to get the next page.
 fn table(page: &Value) -> String {
     let mut out = format!(
-        "{:<36}  {:<36}  {:<12}  {:<16}  {:<24}  KEY\n",
-        "JOB", "UNKNOWN ATTEMPT", "UPSTREAM", "ROUTE", "CREATED (UTC)"
+        "{:<36}  {:<7}  {:<36}  {:<12}  {:<16}  {:<24}  KEY\n",
+        "JOB", "STATE", "UNKNOWN ATTEMPT", "UPSTREAM", "ROUTE", "CREATED (UTC)"
     );
     for job in page["jobs"].as_array().into_iter().flatten() {
         let unknown = job["unknown_attempts"]
@@ -418,8 +418,9 @@ fn table(page: &Value) -> String {
             }
         };
         out.push_str(&format!(
-            "{:<36}  {:<36}  {:<12}  {:<16}  {:<24}  {}\n",
+            "{:<36}  {:<7}  {:<36}  {:<12}  {:<16}  {:<24}  {}\n",
             job["id"].as_str().unwrap_or_default(),
+            job["state"].as_str().unwrap_or_default(),
             field("id"),
             field("upstream"),
             job["route"].as_str().unwrap_or_default(),

@@ -7,3 +7,4 @@ mod console_session;
 mod jobs_cli;
 mod rollout;
 mod traces;
+mod who_decided;
