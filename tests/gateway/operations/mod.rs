@@ -3,6 +3,7 @@
 mod access_log;
 mod check;
 mod console;
+mod console_decided;
 mod console_session;
 mod jobs_cli;
 mod rollout;
