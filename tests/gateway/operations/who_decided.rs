@@ -299,3 +299,79 @@ async fn find_takes_the_stored_hmac_owner_or_the_raw_value_and_refuses_sha256() 
         "{said}"
     );
 }
+
+/// A route that looks its unknown attempts up; its upstream never answers
+/// the first POST in time and answers every lookup `503` (not yet known).
+#[tokio::test]
+async fn the_job_api_says_how_many_lookups_their_last_result_the_next_and_when_they_stopped() {
+    use crate::support::eventually;
+    use crate::support::upstream::json_response;
+    let store = TestStore::embedded();
+    let gate = Gate::new();
+    let silent = gate.clone();
+    let upstream = FakeUpstream::start(move |r| {
+        let silent = silent.clone();
+        async move {
+            if r.method == "GET" {
+                return json_response(503, serde_json::json!({"error": "not yet"}));
+            }
+            silent.pass().await;
+            crate::support::upstream::echo_response(&r)
+        }
+    })
+    .await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("upstream_timeout", "\"300ms\"")
+        .set("attempt_deadline", "\"4s\"")
+        .tables(
+            r#"
+[[routes]]
+name = "charges"
+path_prefix = "/v1/charges"
+[routes.reconcile]
+path = "/v1/charges/lookup/{job}"
+"#,
+        )
+        .start()
+        .await;
+    let job = unknown_job(&gateway, "looked-up").await;
+
+    // Asked, answered 503: counted, the last kept, the next one scheduled.
+    let lookups = || async { gateway.job(&job).await["attempts"][0]["lookups"].clone() };
+    eventually(Duration::from_secs(10), "a lookup recorded", || async {
+        lookups().await["count"].as_u64() >= Some(1)
+    })
+    .await;
+    let seen = lookups().await;
+    assert_eq!(seen["last"]["status"], 503, "{seen}");
+    assert_eq!(seen["last"]["result"], "still_unknown", "{seen}");
+    let started = gateway.job(&job).await["attempts"][0]["started_at"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let started = humantime::parse_rfc3339(&started).unwrap();
+    if seen["stopped"].is_null() {
+        let next = humantime::parse_rfc3339(seen["next_at"].as_str().unwrap()).unwrap();
+        let last = humantime::parse_rfc3339(seen["last"]["at"].as_str().unwrap()).unwrap();
+        assert!(
+            next > last && next < started + Duration::from_secs(4),
+            "{seen}"
+        );
+    }
+
+    // Past the deadline: stopped, and why; the count stays what was made.
+    eventually(Duration::from_secs(15), "the lookups to stop", || async {
+        lookups().await["stopped"].is_string()
+    })
+    .await;
+    let seen = lookups().await;
+    assert_eq!(seen["next_at"], Value::Null, "{seen}");
+    let why = seen["stopped"].as_str().unwrap();
+    assert!(
+        why.contains("deadline passed") && why.contains("only an operator settles it now"),
+        "{why}"
+    );
+    assert!(seen["count"].as_u64().unwrap() >= 2, "{seen}");
+    assert_eq!(gateway.job(&job).await["state"], "unknown");
+    gate.open(1);
+}
