@@ -128,8 +128,9 @@ pub struct Attempt {
     pub detail: Option<String>,
     /// The lookups made to reconcile it, when its outcome was unknown.
     pub lookups: crate::reconcile::Lookups,
-    /// Who settled it by hand, and when, when an operator did.
-    pub resolved_by: Option<ResolvedBy>,
+    /// Who settled it by hand, and when, when an operator did (boxed: most
+    /// attempts have none, and an attempt travels in every `Begin`).
+    pub resolved_by: Option<Box<ResolvedBy>>,
 }
 
 /// An operator's resolution, as recorded on its attempt (`docs/design.md`

@@ -451,11 +451,11 @@ pub(crate) fn attempt_state(s: &str) -> Result<idemgate_domain::attempt::Attempt
 pub(crate) fn resolved_by(
     operator: Option<String>,
     at: Option<SystemTime>,
-) -> Option<idemgate_domain::attempt::ResolvedBy> {
-    Some(idemgate_domain::attempt::ResolvedBy {
+) -> Option<Box<idemgate_domain::attempt::ResolvedBy>> {
+    Some(Box::new(idemgate_domain::attempt::ResolvedBy {
         operator: operator?,
         at: at?,
-    })
+    }))
 }
 
 /// An attempt's lookups read back from a backend: the count, and the last

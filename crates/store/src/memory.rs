@@ -83,10 +83,10 @@ impl Entry {
                 a.upstream_status = settled.status.or(a.upstream_status);
                 a.detail = settled.detail.clone().or(a.detail.take());
                 if let Some(operator) = &settled.resolved_by {
-                    a.resolved_by = Some(ResolvedBy {
+                    a.resolved_by = Some(Box::new(ResolvedBy {
                         operator: operator.clone(),
                         at: now,
-                    });
+                    }));
                 }
             }
         }
