@@ -78,6 +78,7 @@ async fn the_console_says_who_decided_and_shows_keys_upstreams_and_one_time_form
     let browser = Browser::start().await;
     browser.client.goto(&console).await.unwrap();
     browser.type_into("#token", ADMIN_TOKEN).await;
+    browser.type_into("#operator", "carol").await;
     browser.click("#sign-in").await;
 
     // The inbox: key, upstream, age, and an owner that does not take the row.
@@ -129,7 +130,7 @@ async fn the_console_says_who_decided_and_shows_keys_upstreams_and_one_time_form
             && lookups.contains("does not look attempts up"),
         "{lookups}"
     );
-    // Resolved here: the console session decided, and it shows.
+    // Resolved here: carol, signed in to the console, decided, and it shows.
     browser.click("#no-effect").await;
     browser.click("#confirm-ok").await;
     browser
@@ -137,7 +138,7 @@ async fn the_console_says_who_decided_and_shows_keys_upstreams_and_one_time_form
         .await;
     let decided = browser.text("#decided-1").await;
     assert!(
-        decided.starts_with("resolved by console session at ")
+        decided.starts_with("resolved by carol (console session) at ")
             && decided.ends_with(": it had no effect"),
         "{decided}"
     );

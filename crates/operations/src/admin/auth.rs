@@ -9,9 +9,10 @@ use subtle::ConstantTimeEq;
 use super::error::AdminError;
 use crate::console::{self, Console};
 
-/// The header in which an operator may give their name, recorded with what
-/// they resolve (`idemgate jobs --operator`, the console's sign-in): the
-/// token is shared, so this is who they say they are, beside how they came.
+/// The header in which an operator calling with the token may give their
+/// name, recorded with what they resolve (`idemgate jobs --operator`; the
+/// console's operator gives it at sign-in): the token is shared, so this is
+/// who they say they are, beside how they came.
 pub const OPERATOR_HEADER: &str = "x-idemgate-operator";
 
 /// The longest operator name kept.
@@ -36,14 +37,15 @@ pub(super) fn authorize(
         .and_then(|v| v.strip_prefix("Bearer "))
         .unwrap_or("");
     let bearer = bool::from(given.as_bytes().ct_eq(token.as_bytes()));
-    let how = if bearer {
-        "admin token"
+    let (how, named) = if bearer {
+        ("admin token", name(headers)?)
     } else if console::from_console(headers) && console.signed_in(headers) {
-        "console session"
+        // The name given at sign-in: the console's page sends no other.
+        ("console session", console.operator(headers))
     } else {
         return Err(AdminError::Unauthorized);
     };
-    Ok(match name(headers)? {
+    Ok(match named {
         Some(name) => format!("{name} ({how})"),
         None => how.to_owned(),
     })
