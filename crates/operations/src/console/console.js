@@ -352,7 +352,9 @@ function header(response, name) {
   return found ? found[1] : "";
 }
 
-function storedResponse(response) {
+// The stored response; `typedBy` is the winning attempt's resolution when
+// an operator typed it (then it is said: no upstream sent it).
+function storedResponse(response, typedBy) {
   if (!response) return el("div", { class: "card muted", id: "response" }, "No response is stored: the job has no result yet.");
   const type = header(response, "content-type");
   let body;
@@ -368,6 +370,8 @@ function storedResponse(response) {
     body = el("pre", { class: "body", id: "body" }, cut ? text.slice(0, 65536) + "\n… (cut: " + text.length + " characters)" : text);
   }
   return el("div", { class: "card", id: "response" },
+    typedBy ? el("p", { class: "notice status", id: "response-typed" }, "Typed by ", el("strong", {}, typedBy.operator),
+      " at ", when(typedBy.at), ": what the operator said the upstream answered, not an answer the gateway received.") : null,
     el("dl", { class: "facts" }, el("dt", {}, "Status"), el("dd", { id: "response-status" }, String(response.status))),
     el("h2", {}, "Headers"),
     el("table", {}, el("tbody", {}, (response.headers || []).map(([n, v]) => el("tr", {}, el("td", { class: "mono" }, n), el("td", { class: "mono" }, v))))),
@@ -454,7 +458,8 @@ async function jobPage(id, flash) {
       el("dt", {}, "Version"), el("dd", {}, String(job.version)))),
     el("h2", {}, `Attempts (${job.attempts.length})`), timeline(job),
     unknown.map((a) => resolver(job, a, (text) => jobPage(id, text))),
-    el("h2", {}, "Stored response"), storedResponse(job.response));
+    el("h2", {}, "Stored response"),
+    storedResponse(job.response, (job.attempts.find((a) => a.id === job.completed_by) || {}).resolved_by));
 }
 
 // One contract's standing on an upstream: whether failover may use it (and
