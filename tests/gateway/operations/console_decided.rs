@@ -192,5 +192,8 @@ async fn the_console_says_who_decided_and_shows_keys_upstreams_and_one_time_form
     assert!(!lane.contains("upstream answered"), "{lane}");
     assert_eq!(browser.text("#response-status").await, "200");
     let typed = browser.text("#response-typed").await;
-    assert!(typed.starts_with("Typed by bob (admin token) at "), "{typed}");
+    assert!(
+        typed.starts_with("Typed by bob (admin token) at "),
+        "{typed}"
+    );
 }
