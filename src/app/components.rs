@@ -15,7 +15,7 @@ use crate::config::{BudgetSource, MemoryBudget, Settings};
 use idemgate_domain::contract::Contract;
 use idemgate_idempotency::route::Route;
 use idemgate_idempotency::{AttemptConfig, HoldConfig, Runtime, Shared};
-use idemgate_operations::admin::Admin;
+use idemgate_operations::admin::{Admin, Reconciling};
 use idemgate_operations::console::{self, Console};
 use idemgate_proxy::budget::Budget;
 use idemgate_proxy::upstream::UpstreamId;
@@ -195,6 +195,14 @@ impl Gateway {
             tasks: self.tasks.clone(),
             dependencies: self.dependencies.clone(),
             trust: self.trust.clone(),
+            reconciling: Reconciling {
+                routes: settings
+                    .routes
+                    .iter()
+                    .filter_map(|r| Some((r.name.clone(), reconcile_name(r.reconcile.as_ref()?))))
+                    .collect(),
+                deadline: settings.attempt_deadline,
+            },
         })
     }
 
@@ -486,4 +494,13 @@ fn relied_on(
             })
         })
     })
+}
+
+/// How a route asks its upstream about an unknown attempt, as the job API
+/// names it.
+fn reconcile_name(how: &idemgate_idempotency::route::Reconcile) -> &'static str {
+    match how {
+        idemgate_idempotency::route::Reconcile::Lookup { .. } => "lookup",
+        idemgate_idempotency::route::Reconcile::Resend => "resend",
+    }
 }

@@ -120,13 +120,32 @@ pub struct Attempt {
     pub finished_at: Option<SystemTime>,
     /// When its lease lapses unless renewed.
     pub lease_expires_at: SystemTime,
-    /// The status the upstream answered with, if it did.
+    /// The status the upstream answered with, if it did: never an
+    /// operator's typed answer (that is the job's response, and
+    /// `resolved_by` says who gave it).
     pub upstream_status: Option<u16>,
     /// Why it ended the way it did, for the operator.
     pub detail: Option<String>,
     /// The lookups made to reconcile it, when its outcome was unknown.
     pub lookups: crate::reconcile::Lookups,
+    /// Who settled it by hand, and when, when an operator did (boxed: most
+    /// attempts have none, and an attempt travels in every `Begin`).
+    pub resolved_by: Option<Box<ResolvedBy>>,
 }
+
+/// An operator's resolution, as recorded on its attempt (`docs/design.md`
+/// §14): who decided, as the admin API knew them, and when.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResolvedBy {
+    /// Who: `admin token`, `console session`, with the name the operator
+    /// gave when they gave one (`alice (admin token)`).
+    pub operator: String,
+    /// When the resolution was written.
+    pub at: SystemTime,
+}
+
+/// Who resolved attempts settled by hand before who was recorded.
+pub const UNRECORDED_OPERATOR: &str = "an operator (not recorded)";
 
 /// How an attempt ended without a committed result.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -92,6 +92,9 @@ pub struct Settle {
     pub status: Option<u16>,
     /// Why, for the operator.
     pub detail: Option<String>,
+    /// The operator who decided it, when one did (written with the time
+    /// of the change).
+    pub resolved_by: Option<String>,
 }
 
 impl Settle {
@@ -340,6 +343,7 @@ pub fn commit(
             state: AttemptState::Succeeded,
             status: Some(response.status),
             detail: None,
+            resolved_by: None,
         });
         if !change.before.can_become(JobState::Completed) {
             return Err(Refusal::Forbidden {
@@ -355,6 +359,7 @@ pub fn commit(
             state: AttemptState::Superseded,
             status: Some(response.status),
             detail: Some(SUPERSEDED.into()),
+            resolved_by: None,
         });
     }
     change.rederive(snapshot)
@@ -391,16 +396,36 @@ pub fn settle(
         state: failure.state(),
         status: failure.status(),
         detail: Some(failure.detail().to_owned()),
+        resolved_by: None,
     });
     change.rederive(snapshot)
 }
 
-/// An operator's decision about an unsettled attempt. The version moves, so
-/// the attempt's own late answer can no longer commit.
+/// An operator's decision about an unsettled attempt, by an operator
+/// whose name was not given: [`resolve_as`].
 pub fn resolve(
     snapshot: &Snapshot,
     attempt: AttemptId,
     resolution: &Resolution,
+) -> Result<Change, Refusal> {
+    resolve_as(
+        snapshot,
+        attempt,
+        resolution,
+        crate::attempt::UNRECORDED_OPERATOR,
+    )
+}
+
+/// An operator's decision about an unsettled attempt, recorded as
+/// `operator`'s. The version moves, so the attempt's own late answer can no
+/// longer commit. A status the operator typed is the job's response, never
+/// the attempt's upstream status: the upstream said nothing (`docs/design.md`
+/// §14, "who decided").
+pub fn resolve_as(
+    snapshot: &Snapshot,
+    attempt: AttemptId,
+    resolution: &Resolution,
+    operator: &str,
 ) -> Result<Change, Refusal> {
     let head = snapshot.attempt(attempt)?;
     if !head.state.is_unsettled() {
@@ -409,7 +434,8 @@ pub fn resolve(
             state: head.state,
         });
     }
-    resolved(snapshot, attempt, resolution, "resolved by an operator")
+    let by = Decider::Operator(operator);
+    resolved(snapshot, attempt, resolution, by)
 }
 
 /// The upstream's own answer about an `unknown` attempt, found by a lookup
@@ -429,12 +455,16 @@ pub fn reconcile(
             state: head.state,
         });
     }
-    resolved(
-        snapshot,
-        attempt,
-        resolution,
-        "reconciled: the upstream answered for it (a lookup, or a resend it deduplicated)",
-    )
+    resolved(snapshot, attempt, resolution, Decider::Upstream)
+}
+
+/// Who settled an attempt its own answer did not.
+#[derive(Clone, Copy)]
+enum Decider<'a> {
+    /// The upstream, asked again (a lookup, a resend).
+    Upstream,
+    /// An operator, by this name.
+    Operator(&'a str),
 }
 
 /// The writes of a resolution of an unsettled attempt, by whoever decided it.
@@ -442,9 +472,16 @@ fn resolved(
     snapshot: &Snapshot,
     attempt: AttemptId,
     resolution: &Resolution,
-    by: &str,
+    by: Decider<'_>,
 ) -> Result<Change, Refusal> {
-    let detail = Some(by.to_owned());
+    let (detail, resolved_by) = match by {
+        Decider::Upstream => (
+            "reconciled: the upstream answered for it (a lookup, or a resend it deduplicated)",
+            None,
+        ),
+        Decider::Operator(who) => ("resolved by an operator", Some(who.to_owned())),
+    };
+    let detail = Some(detail.to_owned());
     let mut change = Change::of(snapshot);
     match resolution {
         Resolution::Succeeded(response) => {
@@ -457,8 +494,10 @@ fn resolved(
             change.settled.push(Settle {
                 attempt,
                 state: AttemptState::Succeeded,
-                status: Some(response.status),
+                // The upstream's status only when the upstream answered.
+                status: resolved_by.is_none().then_some(response.status),
                 detail,
+                resolved_by,
             });
         }
         Resolution::Failed | Resolution::Cancelled => {
@@ -467,6 +506,7 @@ fn resolved(
                 state: resolution.state(),
                 status: None,
                 detail,
+                resolved_by,
             });
             change = change.rederive(snapshot)?;
         }
@@ -492,6 +532,7 @@ pub fn expire(snapshot: &Snapshot, now: SystemTime) -> Option<Result<Change, Ref
             detail: Some(
                 "lease lapsed: the gateway running this attempt stopped renewing it".into(),
             ),
+            resolved_by: None,
         })
         .collect();
     if change.settled.is_empty() {

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use bytes::Bytes;
 use clap::{Args, Subcommand};
-use http::{Method, Request, StatusCode};
+use http::{HeaderValue, Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -44,6 +44,10 @@ pub struct JobsCommand {
     /// certificate is checked against, instead of the system's.
     #[arg(long, alias = "ca-file", env = "IDEMGATE_ADMIN_CA_FILE", global = true)]
     pub admin_ca_file: Option<PathBuf>,
+    /// Your name, recorded with what you resolve (the token is shared);
+    /// `$USER` by default.
+    #[arg(long, env = "IDEMGATE_OPERATOR", global = true)]
+    pub operator: Option<String>,
     /// What to do.
     #[command(subcommand)]
     pub action: JobsAction,
@@ -52,9 +56,10 @@ pub struct JobsCommand {
 /// What `idemgate jobs` does.
 #[derive(Debug, Subcommand)]
 pub enum JobsAction {
-    /// The jobs waiting for an operator (outcome unknown), newest first.
+    /// The jobs waiting for an operator (outcome unknown), newest first,
+    /// with the attempt to resolve.
     List {
-        /// Only `unknown` is listed (find others with `show`).
+        /// Only `unknown` is listed (find others with `show` or `find`).
         #[arg(long, default_value = "unknown")]
         state: String,
         /// Jobs per page.
@@ -72,19 +77,32 @@ pub enum JobsAction {
         /// The job id (the `Idempotency-Job` header of its answers).
         job: String,
     },
-    /// Say what an attempt of unknown outcome did.
+    /// The job of an owner and a key, as JSON.
+    Find {
+        /// Whose key: the stored form `hmac:<hex>` (as `show` prints it),
+        /// `anonymous`, or the raw value of the owner's source (the
+        /// `Authorization` header's value, by default).
+        #[arg(long, default_value = "anonymous")]
+        owner: String,
+        /// The `Idempotency-Key`.
+        #[arg(long)]
+        key: String,
+    },
+    /// Say what an attempt of unknown outcome did: `--succeeded` or
+    /// `--no-effect`, one of them always (nothing is assumed).
     Resolve {
-        /// The attempt id (`idemgate jobs show` lists them).
-        attempt: String,
-        /// It had no effect: the job reopens and the next retry runs again.
-        #[arg(
-            long,
-            conflicts_with = "succeeded",
-            required_unless_present = "succeeded"
-        )]
+        /// The attempt id, or the job id (its attempt of unknown outcome
+        /// is resolved).
+        id: String,
+        /// It did nothing upstream: the job reopens, and the client's next
+        /// retry runs a new attempt against the upstream (a charge is made
+        /// again).
+        #[arg(long, conflicts_with = "succeeded")]
         no_effect: bool,
-        /// It took effect, with this answer: committed as the job's result.
-        #[arg(long, requires = "status")]
+        /// It took effect, with this answer: committed as the job's result,
+        /// which every retry gets replayed (the upstream is not called
+        /// again). Needs `--status`.
+        #[arg(long)]
         succeeded: bool,
         /// The answer's status.
         #[arg(long)]
@@ -97,9 +115,11 @@ pub enum JobsAction {
         body: Option<String>,
     },
     /// Say what every unknown attempt on one upstream, started within a
-    /// window, did (after an outage): it had no effect, or abandon them.
+    /// window, did (after an outage): `--no-effect` or `--cancelled`, one
+    /// of them always.
     ResolveMany {
-        /// The upstream the attempts were sent to (its name).
+        /// The upstream the attempts were sent to (its name, as
+        /// configured; another is refused).
         #[arg(long)]
         upstream: String,
         /// Started at or after this instant (RFC 3339).
@@ -108,14 +128,12 @@ pub enum JobsAction {
         /// Started before this instant (RFC 3339); now by default.
         #[arg(long)]
         until: Option<String>,
-        /// They had no effect: their jobs reopen.
-        #[arg(
-            long,
-            conflicts_with = "cancelled",
-            required_unless_present = "cancelled"
-        )]
+        /// They did nothing upstream: their jobs reopen, and each client's
+        /// next retry runs a new attempt (charging again).
+        #[arg(long, conflicts_with = "cancelled")]
         no_effect: bool,
-        /// Abandon them: their jobs reopen.
+        /// Abandon them, whatever they did: their jobs reopen, and each
+        /// client's next retry runs a new attempt.
         #[arg(long)]
         cancelled: bool,
         /// List what would be resolved; change nothing.
@@ -123,6 +141,26 @@ pub enum JobsAction {
         dry_run: bool,
     },
 }
+
+/// What `resolve` says when no outcome is given: both, and what each does
+/// to the client's next retry, so that the message leads to neither.
+pub const NO_OUTCOME: &str = "say what the attempt did; nothing is assumed:\n  \
+     --succeeded --status N [--header 'name: value'] [--body TEXT|@FILE]\n      \
+     it took effect: this answer becomes the job's result, and the client's next retry gets it \
+     replayed; the upstream is not called again\n  \
+     --no-effect\n      \
+     it did nothing upstream: the job reopens, and the client's next retry runs a new attempt \
+     against the upstream (a payment is charged again)\n\
+     check the upstream first (`idemgate jobs show JOB` lists what is known)";
+
+/// What `resolve-many` says when no outcome is given.
+pub const NO_BULK_OUTCOME: &str = "say what the attempts did; nothing is assumed:\n  \
+     --no-effect\n      \
+     they did nothing upstream: their jobs reopen, and each client's next retry runs a new \
+     attempt against the upstream (a payment is charged again)\n  \
+     --cancelled\n      \
+     abandon them, whatever they did: their jobs reopen the same way\n\
+     an attempt that took effect is resolved on its own: idemgate jobs resolve ID --succeeded …";
 
 /// Why a command failed, for the terminal.
 #[derive(Debug, thiserror::Error)]
@@ -163,26 +201,36 @@ pub async fn run(command: JobsCommand) -> Result<String, CliError> {
         } => {
             let mut path = format!("/admin/v1/jobs?state={state}&limit={limit}");
             if let Some(before) = before {
-                path.push_str(&format!("&before={before}"));
+                path.push_str(&format!("&before={}", encode(&before)));
             }
             let page = admin.call(Method::GET, &path, None).await?;
             Ok(if json { pretty(&page) } else { table(&page) })
         }
         JobsAction::Show { job } => {
-            let job = admin
-                .call(Method::GET, &format!("/admin/v1/jobs/{job}"), None)
-                .await?;
-            Ok(pretty(&job))
+            let path = format!("/admin/v1/jobs/{}", encode(&job));
+            Ok(pretty(&admin.call(Method::GET, &path, None).await?))
+        }
+        JobsAction::Find { owner, key } => {
+            let path = format!(
+                "/admin/v1/jobs?owner={}&key={}",
+                encode(&owner),
+                encode(&key)
+            );
+            Ok(pretty(&admin.call(Method::GET, &path, None).await?))
         }
         JobsAction::ResolveMany {
             upstream,
             since,
             until,
-            no_effect: _,
+            no_effect,
             cancelled,
             dry_run,
         } => {
-            let outcome = if cancelled { "cancelled" } else { "failed" };
+            let outcome = match (no_effect, cancelled) {
+                (true, _) => "failed",
+                (_, true) => "cancelled",
+                _ => return Err(CliError::Usage(NO_BULK_OUTCOME.into())),
+            };
             let request = json!({"upstream": upstream, "since": since, "until": until, "outcome": outcome, "dry_run": dry_run});
             let done = admin
                 .call(Method::POST, "/admin/v1/attempts/resolve", Some(request))
@@ -190,28 +238,105 @@ pub async fn run(command: JobsCommand) -> Result<String, CliError> {
             Ok(bulk_report(&done))
         }
         JobsAction::Resolve {
-            attempt,
-            no_effect: _,
+            id,
+            no_effect,
             succeeded,
             status,
             headers,
             body,
         } => {
-            let resolution = if succeeded {
-                let status = status.ok_or(CliError::Usage("--succeeded needs --status".into()))?;
-                json!({"outcome": "succeeded", "response": answer(status, &headers, body)?})
-            } else {
-                json!({"outcome": "failed"})
+            let resolution = match (succeeded, no_effect) {
+                (true, _) => {
+                    let status = status.ok_or(CliError::Usage(
+                        "--succeeded needs --status: the status the upstream answered with".into(),
+                    ))?;
+                    json!({"outcome": "succeeded", "response": answer(status, &headers, body)?})
+                }
+                (_, true) => json!({"outcome": "failed"}),
+                _ => return Err(CliError::Usage(NO_OUTCOME.into())),
             };
-            let path = format!("/admin/v1/attempts/{attempt}/resolve");
-            let job = admin.call(Method::POST, &path, Some(resolution)).await?;
-            Ok(format!(
-                "job {} is now {}\n",
-                job["id"].as_str().unwrap_or_default(),
-                job["state"].as_str().unwrap_or_default()
-            ))
+            resolve(&admin, &id, resolution).await
         }
     }
+}
+
+/// Resolves the attempt `id` names: an attempt's id, or a job's (its one
+/// attempt of unknown outcome). Says what was resolved and what the next
+/// retry meets.
+async fn resolve(admin: &Admin, id: &str, resolution: Value) -> Result<String, CliError> {
+    let (attempt, of_job) = attempt_of(admin, id).await?;
+    let path = format!("/admin/v1/attempts/{}/resolve", encode(&attempt));
+    let job = match admin.call(Method::POST, &path, Some(resolution)).await {
+        Err(CliError::Refused { status, .. }) if status == StatusCode::NOT_FOUND && !of_job => {
+            return Err(CliError::Usage(format!(
+                "no job or attempt has id {id} (`idemgate jobs list` shows the jobs waiting, with their attempts)"
+            )))
+        }
+        done => done?,
+    };
+    let state = job["state"].as_str().unwrap_or_default();
+    let settled = job["attempts"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|a| a["id"] == attempt.as_str());
+    let by = settled
+        .and_then(|a| a["resolved_by"]["operator"].as_str())
+        .unwrap_or("an operator");
+    let next = match state {
+        "completed" => "every retry with its key gets its result replayed",
+        "open" => "the client's next retry runs a new attempt against the upstream",
+        _ => "another attempt is still in flight or unknown",
+    };
+    Ok(format!(
+        "attempt {attempt} resolved by {by}\njob {} is now {state}: {next}\n",
+        job["id"].as_str().unwrap_or_default(),
+    ))
+}
+
+/// The attempt `id` names, and whether it was a job's id: a job's id
+/// stands for its one attempt of unknown outcome; an id no job has is
+/// taken for an attempt's.
+async fn attempt_of(admin: &Admin, id: &str) -> Result<(String, bool), CliError> {
+    let path = format!("/admin/v1/jobs/{}", encode(id));
+    let job = match admin.call(Method::GET, &path, None).await {
+        Ok(job) => job,
+        Err(CliError::Refused { status, .. }) if status == StatusCode::NOT_FOUND => {
+            return Ok((id.to_owned(), false))
+        }
+        Err(e) => return Err(e),
+    };
+    let attempts = job["attempts"].as_array().cloned().unwrap_or_default();
+    let unknown: Vec<&Value> = attempts
+        .iter()
+        .filter(|a| a["state"] == "unknown")
+        .collect();
+    let describe = |a: &Value| {
+        format!(
+            "#{} {} {}",
+            a["number"],
+            a["id"].as_str().unwrap_or_default(),
+            a["state"].as_str().unwrap_or_default()
+        )
+    };
+    match unknown.as_slice() {
+        [one] => Ok((one["id"].as_str().unwrap_or_default().to_owned(), true)),
+        [] => Err(CliError::Usage(format!(
+            "job {id} is {} and has no attempt of unknown outcome: nothing to resolve (its attempts: {})",
+            job["state"].as_str().unwrap_or_default(),
+            attempts.iter().map(describe).collect::<Vec<_>>().join(", ")
+        ))),
+        many => Err(CliError::Usage(format!(
+            "job {id} has {} attempts of unknown outcome; resolve each by its attempt id: {}",
+            many.len(),
+            many.iter().map(|a| describe(a)).collect::<Vec<_>>().join(", ")
+        ))),
+    }
+}
+
+/// `text` as one query or path component.
+fn encode(text: &str) -> String {
+    form_urlencoded::byte_serialize(text.as_bytes()).collect()
 }
 
 /// The answer a succeeded attempt gave, as the admin API takes it.
@@ -272,19 +397,33 @@ fn bulk_report(done: &Value) -> String {
     out
 }
 
-/// A listing as a table, and how to get the next page.
+/// A listing as a table, with the attempt to resolve and its upstream,
+/// and how to get the next page.
 fn table(page: &Value) -> String {
     let mut out = format!(
-        "{:<36}  {:<9}  {:<16}  {:>8}  {:<24}  KEY\n",
-        "JOB", "STATE", "ROUTE", "ATTEMPTS", "CREATED"
+        "{:<36}  {:<7}  {:<36}  {:<12}  {:<16}  {:<24}  KEY\n",
+        "JOB", "STATE", "UNKNOWN ATTEMPT", "UPSTREAM", "ROUTE", "CREATED (UTC)"
     );
     for job in page["jobs"].as_array().into_iter().flatten() {
+        let unknown = job["unknown_attempts"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let field = |key: &str| {
+            let values: Vec<&str> = unknown.iter().filter_map(|a| a[key].as_str()).collect();
+            if values.is_empty() {
+                "-".to_owned()
+            } else {
+                values.join(",")
+            }
+        };
         out.push_str(&format!(
-            "{:<36}  {:<9}  {:<16}  {:>8}  {:<24}  {}\n",
+            "{:<36}  {:<7}  {:<36}  {:<12}  {:<16}  {:<24}  {}\n",
             job["id"].as_str().unwrap_or_default(),
             job["state"].as_str().unwrap_or_default(),
+            field("id"),
+            field("upstream"),
             job["route"].as_str().unwrap_or_default(),
-            job["attempt_count"],
             job["created_at"].as_str().unwrap_or_default(),
             job["key"].as_str().unwrap_or_default(),
         ));
@@ -306,6 +445,8 @@ fn pretty(value: &Value) -> String {
 struct Admin {
     base: String,
     token: String,
+    /// Who runs the command, sent with every request (see `--operator`).
+    operator: Option<String>,
     client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
 }
 
@@ -319,9 +460,15 @@ impl Admin {
                 .to_owned(),
             _ => return Err(CliError::NoToken),
         };
+        let operator = command
+            .operator
+            .clone()
+            .or_else(|| std::env::var("USER").ok())
+            .filter(|name| !name.trim().is_empty());
         Ok(Admin {
             base: command.admin_url.trim_end_matches('/').to_owned(),
             token,
+            operator,
             client: client(command.admin_ca_file.as_deref())?,
         })
     }
@@ -334,11 +481,17 @@ impl Admin {
         body: Option<Value>,
     ) -> Result<Value, CliError> {
         let url = format!("{}{path}", self.base);
-        let request = Request::builder()
+        let mut request = Request::builder()
             .method(method)
             .uri(&url)
             .header("authorization", format!("Bearer {}", self.token))
-            .header("content-type", "application/json")
+            .header("content-type", "application/json");
+        if let Some(name) = &self.operator {
+            let name = HeaderValue::from_bytes(name.trim().as_bytes())
+                .map_err(|_| CliError::Usage(format!("--operator {name:?}: not a name")))?;
+            request = request.header(crate::admin::OPERATOR_HEADER, name);
+        }
+        let request = request
             .body(Full::new(Bytes::from(
                 body.map(|b| b.to_string()).unwrap_or_default(),
             )))

@@ -291,6 +291,20 @@ pub trait Store: Records {
         resolution: Resolution,
     ) -> Result<JobDetail, StoreError>;
 
+    /// [`resolve_attempt`](Store::resolve_attempt), recording on the attempt
+    /// that `operator` (as the admin API knew them) decided it, and when
+    /// (`docs/design.md` §14). A wrapper that does not forward it (a test's)
+    /// resolves as an operator not named.
+    async fn resolve_attempt_as(
+        &self,
+        attempt: AttemptId,
+        resolution: Resolution,
+        operator: &str,
+    ) -> Result<JobDetail, StoreError> {
+        let _ = operator;
+        self.resolve_attempt(attempt, resolution).await
+    }
+
     /// Applies what a lookup of the upstream found about an `unknown`
     /// attempt ([`transition::reconcile`]): the same writes, and the same
     /// CAS, as an operator's resolution, refused (`AttemptIs`) once the
@@ -430,6 +444,18 @@ pub(crate) fn job_state(s: &str) -> Result<idemgate_domain::job::JobState, Store
 /// An attempt state read back from a backend.
 pub(crate) fn attempt_state(s: &str) -> Result<idemgate_domain::attempt::AttemptState, StoreError> {
     idemgate_domain::attempt::AttemptState::parse(s).ok_or(StoreError::Corrupt("attempt state"))
+}
+
+/// Who resolved an attempt by hand and when, read back from a backend:
+/// both or neither.
+pub(crate) fn resolved_by(
+    operator: Option<String>,
+    at: Option<SystemTime>,
+) -> Option<Box<idemgate_domain::attempt::ResolvedBy>> {
+    Some(Box::new(idemgate_domain::attempt::ResolvedBy {
+        operator: operator?,
+        at: at?,
+    }))
 }
 
 /// An attempt's lookups read back from a backend: the count, and the last

@@ -105,13 +105,14 @@ impl<B: Backend> Machine<B> {
         Ok(applied)
     }
 
-    /// Applies a resolution by `rule` (an operator's or a lookup's), sealing
-    /// a given response first; answers the job as it is after.
+    /// Applies a resolution, sealing a given response first: an operator's
+    /// (`operator`, recorded on the attempt) or, with none, a lookup's;
+    /// answers the job as it is after.
     async fn resolve_by(
         &self,
         attempt: AttemptId,
         resolution: Resolution,
-        rule: fn(&transition::Snapshot, AttemptId, &Resolution) -> Result<Change, Refusal>,
+        operator: Option<String>,
     ) -> Result<JobDetail, StoreError> {
         let sealer = self.sealer.clone();
         let decide: Decide = Box::new(move |s, _| {
@@ -121,7 +122,10 @@ impl<B: Backend> Machine<B> {
                 }
                 (resolution, _) => resolution,
             };
-            rule(s, attempt, &resolution)
+            match &operator {
+                Some(who) => transition::resolve_as(s, attempt, &resolution, who),
+                None => transition::reconcile(s, attempt, &resolution),
+            }
         });
         let applied = self.apply(Lock::JobOf(attempt), decide).await?;
         self.job_detail(applied.change.job.id)
@@ -308,7 +312,17 @@ impl<B: Backend> Store for Machine<B> {
         attempt: AttemptId,
         resolution: Resolution,
     ) -> Result<JobDetail, StoreError> {
-        self.resolve_by(attempt, resolution, transition::resolve)
+        let unnamed = idemgate_domain::attempt::UNRECORDED_OPERATOR;
+        self.resolve_attempt_as(attempt, resolution, unnamed).await
+    }
+
+    async fn resolve_attempt_as(
+        &self,
+        attempt: AttemptId,
+        resolution: Resolution,
+        operator: &str,
+    ) -> Result<JobDetail, StoreError> {
+        self.resolve_by(attempt, resolution, Some(operator.to_owned()))
             .await
     }
 
@@ -317,8 +331,7 @@ impl<B: Backend> Store for Machine<B> {
         attempt: AttemptId,
         resolution: Resolution,
     ) -> Result<JobDetail, StoreError> {
-        self.resolve_by(attempt, resolution, transition::reconcile)
-            .await
+        self.resolve_by(attempt, resolution, None).await
     }
 
     async fn expire_leases(&self, batch: u32) -> Result<u64, StoreError> {

@@ -16,7 +16,7 @@ use super::{
     commit_under_lock, expire_each, Applied, Backend, Begin, Committed, Cursor, Decide, Lock,
     Records, StoreError,
 };
-use idemgate_domain::attempt::{Attempt, AttemptState, NewAttempt};
+use idemgate_domain::attempt::{Attempt, AttemptState, NewAttempt, ResolvedBy};
 use idemgate_domain::id::{AttemptId, JobId};
 use idemgate_domain::job::{Job, JobDetail, JobState, NewJob};
 use idemgate_domain::key::{IdempotencyKey, Owner};
@@ -82,6 +82,12 @@ impl Entry {
                 }
                 a.upstream_status = settled.status.or(a.upstream_status);
                 a.detail = settled.detail.clone().or(a.detail.take());
+                if let Some(operator) = &settled.resolved_by {
+                    a.resolved_by = Some(Box::new(ResolvedBy {
+                        operator: operator.clone(),
+                        at: now,
+                    }));
+                }
             }
         }
         let start = change.started.as_ref()?;
@@ -111,6 +117,7 @@ fn new_attempt(
         upstream_status: None,
         detail: None,
         lookups: Lookups::default(),
+        resolved_by: None,
     }
 }
 

@@ -461,3 +461,25 @@ fn operations_on_a_foreign_attempt_are_refused() {
         Err(Refusal::NoSuchAttempt(stranger))
     );
 }
+
+/// Issue 38: an operator's answer is the operator's, never an upstream
+/// status; a lookup's answer is the upstream's.
+#[test]
+fn an_operators_answer_is_recorded_as_theirs_and_a_lookups_as_the_upstreams() {
+    let s = snapshot(&[Unknown], false);
+    let typed = Resolution::Succeeded(response());
+    let by_hand = resolve_as(&s, first(&s), &typed, "alice (admin token)").unwrap();
+    assert_eq!(by_hand.settled[0].status, None);
+    assert_eq!(
+        by_hand.settled[0].resolved_by.as_deref(),
+        Some("alice (admin token)")
+    );
+    let failed = resolve_as(&s, first(&s), &Resolution::Failed, "console session").unwrap();
+    assert_eq!(
+        failed.settled[0].resolved_by.as_deref(),
+        Some("console session")
+    );
+    let looked_up = reconcile(&s, first(&s), &typed).unwrap();
+    assert_eq!(looked_up.settled[0].status, Some(response().status));
+    assert_eq!(looked_up.settled[0].resolved_by, None);
+}

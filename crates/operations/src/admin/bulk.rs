@@ -50,14 +50,19 @@ struct Bulk {
 /// One unknown attempt the window holds.
 struct Matched {
     job: String,
+    key: String,
     attempt: idemgate_domain::id::AttemptId,
     started_at: SystemTime,
 }
 
 impl Admin {
     /// Resolves (or with `dry_run` lists) every unknown attempt on one
-    /// upstream that started within the window.
-    pub(super) async fn resolve_many<B>(&self, body: B) -> Result<Response<Body>, AdminError>
+    /// upstream that started within the window, as `caller`'s resolutions.
+    pub(super) async fn resolve_many<B>(
+        &self,
+        body: B,
+        caller: &str,
+    ) -> Result<Response<Body>, AdminError>
     where
         B: http_body::Body<Data = Bytes> + Send,
         B::Error: Into<BoxError>,
@@ -80,6 +85,7 @@ impl Admin {
                 ))
             }
         };
+        self.known_upstream(&bulk.upstream)?;
         let since = time("since", &bulk.since)?;
         let until = bulk
             .until
@@ -93,11 +99,11 @@ impl Admin {
             for m in &matched {
                 match self
                     .store
-                    .resolve_attempt(m.attempt, resolution.clone())
+                    .resolve_attempt_as(m.attempt, resolution.clone(), caller)
                     .await
                 {
                     Ok(_) => {
-                        tracing::info!(attempt = %m.attempt, job = %m.job, upstream = %bulk.upstream, "attempt resolved by an operator (bulk)");
+                        tracing::info!(attempt = %m.attempt, job = %m.job, upstream = %bulk.upstream, operator = caller, "attempt resolved by an operator (bulk)");
                         resolved.push(m.attempt.to_string());
                     }
                     Err(e) => skipped.push(
@@ -108,7 +114,7 @@ impl Admin {
         }
         let listed: Vec<Value> = matched
             .iter()
-            .map(|m| json!({"job": m.job, "attempt": m.attempt.to_string(), "started_at": humantime::format_rfc3339_millis(m.started_at).to_string()}))
+            .map(|m| json!({"job": m.job, "key": m.key, "attempt": m.attempt.to_string(), "started_at": humantime::format_rfc3339_millis(m.started_at).to_string()}))
             .collect();
         Ok(json_response(
             StatusCode::OK,
@@ -121,6 +127,20 @@ impl Admin {
                 "skipped": skipped,
             }),
         ))
+    }
+
+    /// Refuses an upstream no configuration names: a misspelling would
+    /// match nothing and look like "nothing to resolve". Lists those that
+    /// exist.
+    fn known_upstream(&self, upstream: &str) -> Result<(), AdminError> {
+        if self.upstreams.iter().any(|u| u.name() == upstream) {
+            return Ok(());
+        }
+        let names: Vec<&str> = self.upstreams.iter().map(|u| u.name()).collect();
+        Err(AdminError::bad_request(format!(
+            "no upstream is named {upstream:?}; the upstreams are: {} (an attempt on an upstream no longer configured is resolved on its own, by its id)",
+            names.join(", ")
+        )))
     }
 
     /// The unknown attempts on `upstream` that started in `[since, until)`.
@@ -146,6 +166,7 @@ impl Admin {
                         .filter(|a| a.started_at >= since && a.started_at < until)
                         .map(|a| Matched {
                             job: job.id.to_string(),
+                            key: job.key.as_str().to_owned(),
                             attempt: a.id,
                             started_at: a.started_at,
                         }),

@@ -29,6 +29,10 @@ pub(super) enum AdminError {
     /// The caller: no job matches; says what was looked for.
     #[error("{0}")]
     JobNotFound(&'static str),
+    /// The caller: no attempt has the id given; says what it is instead
+    /// when it is a job's.
+    #[error("{0}")]
+    AttemptNotFound(String),
     /// The caller: too many failed console sign-ins from its address
     /// lately; it may try again after this long (`docs/design.md` §14).
     #[error("too many failed sign-ins from your address: try again in {} s", .0.as_secs().max(1))]
@@ -61,6 +65,7 @@ impl AdminError {
                 "Invalid admin request",
             ),
             AdminError::JobNotFound(_) => (StatusCode::NOT_FOUND, "job-not-found", "Job not found"),
+            AdminError::AttemptNotFound(_) => (StatusCode::NOT_FOUND, "not-found", "Not found"),
             AdminError::SignInThrottled(_) => (
                 StatusCode::TOO_MANY_REQUESTS,
                 "sign-in-throttled",

@@ -313,6 +313,7 @@ mod tests {
             tasks,
             dependencies: Arc::new(Dependencies::new(Vec::new())),
             trust: Arc::new(Trust::with_salt(OwnerSalt::new(b"test salt, not a secret"))),
+            reconciling: Default::default(),
         });
         tokio::time::sleep(Duration::from_millis(10)).await;
 
@@ -359,6 +360,7 @@ mod tests {
             tasks,
             dependencies: Arc::new(Dependencies::new(Vec::new())),
             trust: Arc::new(Trust::with_salt(OwnerSalt::new(b"test salt, not a secret"))),
+            reconciling: Default::default(),
         });
         let (status, body) = readyz(&admin).await;
         assert_eq!(status, StatusCode::OK);

@@ -14,12 +14,13 @@ use uuid::Uuid;
 use super::error::AdminError;
 use super::views::{self, json_response};
 use super::{resolution, Admin};
+use idemgate_domain::attempt::AttemptState;
 use idemgate_domain::id::{AttemptId, JobId};
 use idemgate_domain::job::JobDetail;
 use idemgate_domain::key::{IdempotencyKey, Owner};
 use idemgate_domain::BoxError;
 use idemgate_proxy::http::{collect_limited, Body};
-use idemgate_store::Cursor;
+use idemgate_store::{Cursor, StoreErrorKind};
 
 /// Largest resolution body accepted.
 const MAX_BODY: usize = 16 * 1024 * 1024;
@@ -58,7 +59,7 @@ impl Admin {
     pub(super) async fn job(&self, id: &str) -> Result<Response<Body>, AdminError> {
         let id = JobId(parse_uuid(id)?);
         let detail = self.store.job_detail(id).await?;
-        found(self.whole(detail).await?, "no job with this id")
+        self.found(self.whole(detail).await?, "no job with this id")
     }
 
     /// `GET /admin/v1/jobs?…`: the inbox when a `state` is asked for, else
@@ -70,11 +71,7 @@ impl Admin {
         }
         let owner = match query.owner.as_deref() {
             None => Owner::anonymous(),
-            Some(text) => self.trust.owner_from_admin(text).ok_or_else(|| {
-                AdminError::bad_request(
-                    "`owner` is not an owner: give its stored form (anonymous, hmac:<hex>) or the raw value [owner]'s first source reads",
-                )
-            })?,
+            Some(text) => self.owner(text)?,
         };
         let key = query
             .key
@@ -82,7 +79,40 @@ impl Admin {
         let key = IdempotencyKey::parse(key.as_bytes())
             .map_err(|e| AdminError::bad_request(e.to_string()))?;
         let detail = self.store.find_job(&owner, &key).await?;
-        found(self.whole(detail).await?, "no job for this owner and key")
+        self.found(self.whole(detail).await?, "no job for this owner and key")
+    }
+
+    /// The owner an operator typed: its stored form (`anonymous`,
+    /// `hmac:<64 hex>`) or the raw value `[owner]`'s first source reads. A
+    /// text that looks like a stored form but is not one is refused rather
+    /// than taken as a raw value that finds nothing.
+    fn owner(&self, text: &str) -> Result<Owner, AdminError> {
+        const FORMS: &str = "give its stored form (anonymous, hmac:<64 hex>, as the job API shows it) \
+                             or the raw value [owner]'s first source reads (the Authorization header's value)";
+        if Owner::parse_stored(text).is_none() {
+            if let Some((prefix, _)) = text
+                .split_once(':')
+                .filter(|(p, _)| ["hmac", "sha256"].contains(&p.to_ascii_lowercase().as_str()))
+            {
+                return Err(AdminError::bad_request(format!(
+                    "`owner` {prefix}:… is not an owner: stored owners are hmac: and 64 hex digits; {FORMS}"
+                )));
+            }
+        }
+        self.trust
+            .owner_from_admin(text)
+            .ok_or_else(|| AdminError::bad_request(format!("`owner` is not an owner: {FORMS}")))
+    }
+
+    /// A job's view, or 404 saying what was looked for.
+    fn found(
+        &self,
+        detail: Option<JobDetail>,
+        missing: &'static str,
+    ) -> Result<Response<Body>, AdminError> {
+        detail
+            .map(|d| json_response(StatusCode::OK, &views::job(&d, &self.reconciling)))
+            .ok_or(AdminError::JobNotFound(missing))
     }
 
     /// `detail` with its committed response, read on its own when it was too
@@ -119,18 +149,29 @@ impl Admin {
         let next = (jobs.len() == limit as usize)
             .then(|| jobs.last().map(|j| cursor_text(Cursor::after(j))))
             .flatten();
+        // Each with its attempts: the unknown one's id and upstream are what
+        // the operator acts on. A job gone meanwhile (purged) is left out.
+        let mut listed = Vec::with_capacity(jobs.len());
+        for job in &jobs {
+            if let Some(detail) = self.store.job_detail(job.id).await? {
+                listed.push(views::job_summary(&detail));
+            }
+        }
         Ok(json_response(
             StatusCode::OK,
-            &json!({
-                "jobs": jobs.iter().map(views::job_summary).collect::<Vec<_>>(),
-                "next": next,
-            }),
+            &json!({"jobs": listed, "next": next}),
         ))
     }
 
-    /// `POST /admin/v1/attempts/{id}/resolve`: the operator says what the
-    /// attempt did; the answer is its job as it now stands.
-    pub(super) async fn resolve<B>(&self, id: &str, body: B) -> Result<Response<Body>, AdminError>
+    /// `POST /admin/v1/attempts/{id}/resolve`: the operator (`caller`)
+    /// says what the attempt did, recorded as theirs; the answer is its job
+    /// as it now stands.
+    pub(super) async fn resolve<B>(
+        &self,
+        id: &str,
+        body: B,
+        caller: &str,
+    ) -> Result<Response<Body>, AdminError>
     where
         B: http_body::Body<Data = Bytes> + Send,
         B::Error: Into<BoxError>,
@@ -140,17 +181,36 @@ impl Admin {
             .await
             .map_err(|e| AdminError::bad_request(e.to_string()))?;
         let resolution = resolution::parse(&body)?;
-        let detail = self.store.resolve_attempt(id, resolution).await?;
-        tracing::info!(attempt = %id, job = %detail.job.id, state = %detail.job.state, "attempt resolved by an operator");
-        Ok(json_response(StatusCode::OK, &views::job(&detail)))
+        let detail = match self.store.resolve_attempt_as(id, resolution, caller).await {
+            Err(e) if e.kind() == StoreErrorKind::NotFound => {
+                return Err(self.not_an_attempt(id).await)
+            }
+            done => done?,
+        };
+        tracing::info!(attempt = %id, job = %detail.job.id, state = %detail.job.state, operator = caller, "attempt resolved by an operator");
+        Ok(json_response(
+            StatusCode::OK,
+            &views::job(&detail, &self.reconciling),
+        ))
     }
-}
 
-/// A job's view, or 404 saying what was looked for.
-fn found(detail: Option<JobDetail>, missing: &'static str) -> Result<Response<Body>, AdminError> {
-    detail
-        .map(|d| json_response(StatusCode::OK, &views::job(&d)))
-        .ok_or(AdminError::JobNotFound(missing))
+    /// Why no attempt has `id`: when it is a job's id (the two share their
+    /// first characters), says so and names the job's unknown attempts.
+    async fn not_an_attempt(&self, id: AttemptId) -> AdminError {
+        let Ok(Some(detail)) = self.store.job_detail(JobId(id.0)).await else {
+            return AdminError::AttemptNotFound(format!("no attempt has id {id}"));
+        };
+        let unknown: Vec<String> = detail
+            .attempts
+            .iter()
+            .filter(|a| a.state == AttemptState::Unknown)
+            .map(|a| format!("#{} {}", a.number, a.id))
+            .collect();
+        AdminError::AttemptNotFound(match unknown.as_slice() {
+            [] => format!("{id} is a job's id, not an attempt's, and the job ({}) has no attempt of unknown outcome", detail.job.state),
+            _ => format!("{id} is a job's id, not an attempt's: resolve its unknown attempt ({})", unknown.join(", ")),
+        })
+    }
 }
 
 fn parse_uuid(s: &str) -> Result<Uuid, AdminError> {

@@ -6,11 +6,14 @@
 //! | method | path | |
 //! |---|---|---|
 //! | GET | `/admin/v1/jobs/{id}` | a job and its attempts |
-//! | GET | `/admin/v1/jobs?owner=…&key=…` | the same, by owner (raw header value, `sha256:<hex>` or `anonymous`) and key |
-//! | GET | `/admin/v1/jobs?state=unknown&limit=…&before=…` | unknown jobs, newest first, paged (`next` is the following page's `before`) |
+//! | GET | `/admin/v1/jobs?owner=…&key=…` | the same, by owner (its stored form `hmac:<hex>` or `anonymous`, or the raw value of `[owner]`'s first source) and key |
+//! | GET | `/admin/v1/jobs?state=unknown&limit=…&before=…` | unknown jobs, newest first, paged (`next` is the following page's `before`), each with its unknown attempts |
 //! | GET | `/admin/v1/upstreams` | upstreams and whether they pass their contracts' probes |
 //! | POST | `/admin/v1/attempts/resolve` | `{"upstream", "since", "until", "outcome": "failed" \| "cancelled", "dry_run"}`: every unknown attempt on one upstream started in the window (the answer echoes the window read) |
 //! | POST | `/admin/v1/attempts/{id}/resolve` | `{"outcome": "failed" \| "cancelled"}` or `{"outcome": "succeeded", "response": {…}}` |
+//!
+//! A resolution is recorded as the operator's (`resolved_by`: who, as
+//! `auth.rs` knew them, and when), never as an upstream status.
 //!
 //! Here: the router, path to handler. Beside it: `auth.rs` decides who may
 //! call `/admin/v1/*`; `jobs.rs` answers the job API (`resolution.rs` reads
@@ -44,6 +47,7 @@ mod jobs;
 mod resolution;
 mod views;
 
+pub use auth::OPERATOR_HEADER;
 use error::AdminError;
 
 /// What the admin listener needs.
@@ -67,6 +71,21 @@ pub struct Admin {
     pub dependencies: Arc<Dependencies>,
     /// How an owner written in a query is read.
     pub trust: Arc<Trust>,
+    /// Which routes look unknown attempts up, and until when: what the job
+    /// page says of an attempt's next lookup.
+    pub reconciling: Reconciling,
+}
+
+/// How unknown attempts are looked up on their upstream (`docs/design.md`
+/// §5), as far as the job API tells of it.
+#[derive(Debug, Clone, Default)]
+pub struct Reconciling {
+    /// The routes with `reconcile`, by name, and how they ask (`lookup`,
+    /// `resend`).
+    pub routes: std::collections::BTreeMap<String, &'static str>,
+    /// `attempt_deadline`: an attempt is asked about this long after it
+    /// started, no longer.
+    pub deadline: std::time::Duration,
 }
 
 impl Admin {
@@ -96,15 +115,20 @@ impl Admin {
             (&Method::GET, ["metrics"]) => Ok(self.metrics()),
             (_, ["console", rest @ ..]) => self.console(req, rest).await,
             (_, ["admin", "v1", rest @ ..]) => {
-                auth::authorize(self.token.as_deref(), &self.console, req.headers())?;
-                self.api(req, rest).await
+                let caller = auth::authorize(self.token.as_deref(), &self.console, req.headers())?;
+                self.api(req, rest, caller).await
             }
             _ => Err(AdminError::NoSuchEndpoint),
         }
     }
 
-    /// `/admin/v1/*`, authorized.
-    async fn api<B>(&self, req: Request<B>, rest: &[&str]) -> Result<Response<Body>, AdminError>
+    /// `/admin/v1/*`, authorized: `caller` is who called (see `auth.rs`).
+    async fn api<B>(
+        &self,
+        req: Request<B>,
+        rest: &[&str],
+        caller: String,
+    ) -> Result<Response<Body>, AdminError>
     where
         B: http_body::Body<Data = Bytes> + Send,
         B::Error: Into<BoxError>,
@@ -116,8 +140,12 @@ impl Admin {
                 let upstreams = views::upstreams(&self.upstreams, &self.probes.snapshot());
                 Ok(views::json_response(StatusCode::OK, &upstreams))
             }
-            (&Method::POST, ["attempts", "resolve"]) => self.resolve_many(req.into_body()).await,
-            (&Method::POST, ["attempts", id, "resolve"]) => self.resolve(id, req.into_body()).await,
+            (&Method::POST, ["attempts", "resolve"]) => {
+                self.resolve_many(req.into_body(), &caller).await
+            }
+            (&Method::POST, ["attempts", id, "resolve"]) => {
+                self.resolve(id, req.into_body(), &caller).await
+            }
             _ => Err(AdminError::NoSuchEndpoint),
         }
     }

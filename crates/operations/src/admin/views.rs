@@ -9,8 +9,10 @@ use base64::Engine;
 use http::{header, HeaderValue, Response, StatusCode};
 use serde_json::{json, Value};
 
-use idemgate_domain::attempt::Attempt;
-use idemgate_domain::job::{Job, JobDetail};
+use super::Reconciling;
+use idemgate_domain::attempt::{Attempt, AttemptState};
+use idemgate_domain::job::JobDetail;
+use idemgate_domain::reconcile::{self, Lookups};
 use idemgate_domain::response::StoredResponse;
 use idemgate_proxy::http::{full, Body};
 use idemgate_proxy::upstream::UpstreamSettings;
@@ -27,9 +29,16 @@ pub(super) fn json_response(status: StatusCode, value: &Value) -> Response<Body>
     response
 }
 
-/// A job with its attempts and its response.
-pub(super) fn job(detail: &JobDetail) -> Value {
+/// A job with its attempts and its response; `reconciling` says what
+/// becomes of its unknown attempts' lookups.
+pub(super) fn job(detail: &JobDetail, reconciling: &Reconciling) -> Value {
     let job = &detail.job;
+    let now = SystemTime::now();
+    let attempts: Vec<Value> = detail
+        .attempts
+        .iter()
+        .map(|a| attempt(a, schedule(&job.route, a, reconciling, now)))
+        .collect();
     json!({
         "id": job.id.to_string(),
         "owner": job.owner.as_str(),
@@ -43,12 +52,27 @@ pub(super) fn job(detail: &JobDetail) -> Value {
         "created_at": time(job.created_at),
         "expires_at": time(job.expires_at),
         "response": job.response.as_ref().map(response),
-        "attempts": detail.attempts.iter().map(attempt).collect::<Vec<_>>(),
+        "attempts": attempts,
     })
 }
 
-/// A job without its attempts or response, for listings.
-pub(super) fn job_summary(job: &Job) -> Value {
+/// A job without its response, for listings: its unknown attempts (id,
+/// upstream, start) are what an operator acts on.
+pub(super) fn job_summary(detail: &JobDetail) -> Value {
+    let job = &detail.job;
+    let unknown: Vec<Value> = detail
+        .attempts
+        .iter()
+        .filter(|a| a.state == AttemptState::Unknown)
+        .map(|a| {
+            json!({
+                "id": a.id.to_string(),
+                "number": a.number,
+                "upstream": a.upstream,
+                "started_at": time(a.started_at),
+            })
+        })
+        .collect();
     json!({
         "id": job.id.to_string(),
         "owner": job.owner.as_str(),
@@ -58,10 +82,13 @@ pub(super) fn job_summary(job: &Job) -> Value {
         "attempt_count": job.attempt_count,
         "created_at": time(job.created_at),
         "expires_at": time(job.expires_at),
+        "unknown_attempts": unknown,
     })
 }
 
-fn attempt(a: &Attempt) -> Value {
+/// An attempt. Its `upstream_status` is only ever the upstream's; an
+/// operator's answer is `resolved_by`'s (who, when) and the job's response.
+fn attempt(a: &Attempt, schedule: Schedule) -> Value {
     json!({
         "id": a.id.to_string(),
         "number": a.number,
@@ -73,13 +100,63 @@ fn attempt(a: &Attempt) -> Value {
         "lease_expires_at": time(a.lease_expires_at),
         "upstream_status": a.upstream_status,
         "detail": a.detail,
-        "lookups": lookups(&a.lookups),
+        "resolved_by": a.resolved_by.as_ref().map(|r| json!({
+            "operator": r.operator,
+            "at": time(r.at),
+        })),
+        "lookups": lookups(&a.lookups, schedule),
     })
 }
 
+/// Where an attempt's lookups stand: the next one due, or why none
+/// follows.
+enum Schedule {
+    /// The next lookup is due then (overdue when past: nobody asks now,
+    /// and a replica's scan adopts it).
+    Next(SystemTime),
+    /// None follows, for this reason.
+    Stopped(String),
+    /// Nothing to say: the attempt was never unknown on a route that looks
+    /// up.
+    None,
+}
+
+/// What follows an attempt's lookups on `route` (`docs/design.md` §5):
+/// the backoff's next one while it is unknown and within its deadline.
+fn schedule(route: &str, a: &Attempt, reconciling: &Reconciling, now: SystemTime) -> Schedule {
+    let Some(how) = reconciling.routes.get(route) else {
+        return match a.state {
+            AttemptState::Unknown => Schedule::Stopped(format!(
+                "route {route} does not look attempts up (no `reconcile`): only an operator settles it"
+            )),
+            _ => Schedule::None,
+        };
+    };
+    if a.state != AttemptState::Unknown {
+        return match a.lookups.count {
+            0 => Schedule::None,
+            _ => Schedule::Stopped(format!("the attempt is {}", a.state)),
+        };
+    }
+    let deadline = reconciling.deadline;
+    match reconcile::next_lookup(&a.lookups, a.started_at, deadline, now) {
+        Some(wait) => Schedule::Next(now + wait),
+        None => Schedule::Stopped(format!(
+            "its deadline passed at {} (attempt_deadline, {} s after it started) with no {how} settling it: only an operator settles it now",
+            time(a.started_at + deadline),
+            deadline.as_secs()
+        )),
+    }
+}
+
 /// The lookups made to reconcile an attempt (`docs/design.md` §5): how
-/// many, and the last one.
-fn lookups(l: &idemgate_domain::reconcile::Lookups) -> Value {
+/// many, the last one, and when the next is or why none follows.
+fn lookups(l: &Lookups, schedule: Schedule) -> Value {
+    let (next, stopped) = match schedule {
+        Schedule::Next(at) => (Some(time(at)), None),
+        Schedule::Stopped(why) => (None, Some(why)),
+        Schedule::None => (None, None),
+    };
     json!({
         "count": l.count,
         "last": l.last.as_ref().map(|last| json!({
@@ -87,6 +164,8 @@ fn lookups(l: &idemgate_domain::reconcile::Lookups) -> Value {
             "status": last.status,
             "result": last.result.as_str(),
         })),
+        "next_at": next,
+        "stopped": stopped,
     })
 }
 

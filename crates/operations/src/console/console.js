@@ -40,7 +40,22 @@ function el(tag, attrs, ...children) {
 }
 
 const badge = (state, text) => el("span", { class: "badge " + state, "data-state": state }, text || state);
-const when = (t) => (t ? new Date(t).toLocaleString() : "—");
+// Every time on every page one way: UTC, to the second, as the gateway
+// logs it; the reader's local time on hover.
+const utcText = (t) => new Date(t).toISOString().replace("T", " ").replace(/\.\d+Z$/, " UTC");
+const when = (t) => (t
+  ? el("time", { datetime: t, title: new Date(t).toLocaleString() + " (your time)" }, utcText(t))
+  : "—");
+// How long ago, for a listing: "42 s", "5 min", "3 h", "2 d".
+function age(t) {
+  const s = Math.max(0, Math.round((Date.now() - Date.parse(t)) / 1000));
+  const [n, unit] = s < 120 ? [s, "s"] : s < 7200 ? [Math.round(s / 60), "min"]
+    : s < 172800 ? [Math.round(s / 3600), "h"] : [Math.round(s / 86400), "d"];
+  return el("span", { class: "age", title: utcText(t) }, n + " " + unit);
+}
+// A long value (an owner, an id) cut to its start, the whole on hover.
+const cut = (text, keep) => el("span", { class: "mono cut", title: text },
+  text.length > keep + 1 ? text.slice(0, keep) + "…" : text);
 const notice = (kind, text) => el("div", { class: "notice " + kind, role: kind === "error" ? "alert" : "status" }, text);
 
 function show(...nodes) {
@@ -65,14 +80,17 @@ async function inbox(before, flash) {
   } catch (e) {
     return show(el("h1", {}, "Unknown jobs"), notice("error", e.message));
   }
-  const rows = page.jobs.map((job) =>
-    el("tr", { "data-job": job.id },
-      el("td", {}, el("a", { href: "#/jobs/" + job.id, class: "mono" }, job.id)),
+  const rows = page.jobs.map((job) => {
+    const unknown = job.unknown_attempts || [];
+    return el("tr", { "data-job": job.id },
+      el("td", { class: "key" }, el("a", { href: "#/jobs/" + job.id, class: "mono", title: "job " + job.id }, job.key)),
+      el("td", { class: "upstream" }, unknown.map((a) => a.upstream).join(", ") || "—"),
+      el("td", {}, age(job.created_at)),
       el("td", {}, when(job.created_at)),
       el("td", {}, job.route),
-      el("td", { class: "mono" }, job.key),
-      el("td", { class: "mono" }, job.owner),
-      el("td", {}, String(job.attempt_count))));
+      el("td", { class: "owner" }, cut(job.owner, 14)),
+      el("td", {}, String(job.attempt_count)));
+  });
   show(
     el("h1", {}, "Unknown jobs"),
     flash,
@@ -82,7 +100,7 @@ async function inbox(before, flash) {
     rows.length ? bulkResolver() : null,
     rows.length
       ? el("table", { id: "inbox" },
-          el("thead", {}, el("tr", {}, ["Job", "Created", "Route", "Key", "Owner", "Attempts"].map((h) => el("th", {}, h)))),
+          el("thead", {}, el("tr", {}, ["Key", "Upstream", "Age", "Created (UTC)", "Route", "Owner", "Attempts"].map((h) => el("th", {}, h)))),
           el("tbody", {}, rows))
       : el("div", { class: "card", id: "inbox-empty" }, "No job is unknown. Nothing waits for you."),
     page.next ? el("div", { class: "actions" }, el("button", { id: "older", onclick: () => inbox(page.next) }, "Older")) : null);
@@ -215,11 +233,12 @@ function matchedList(request, answer) {
       `${plural(matched.length, "attempt")} would change: unknown, sent to ${request.upstream}, ` +
       `started from ${shown(answer.since)} to ${shown(answer.until)}. Nothing is changed yet.`),
     el("table", { id: "bulk-matched" },
-      el("thead", {}, el("tr", {}, ["Job", "Attempt", "Started (UTC)"].map((h) => el("th", {}, h)))),
+      el("thead", {}, el("tr", {}, ["Key", "Job", "Attempt", "Started (UTC)"].map((h) => el("th", {}, h)))),
       el("tbody", {}, rows.map((m) => el("tr", { "data-job": m.job, "data-attempt": m.attempt },
-        el("td", {}, el("a", { href: "#/jobs/" + m.job, class: "mono" }, m.job)),
-        el("td", { class: "mono" }, m.attempt),
-        el("td", { class: "mono" }, m.started_at))))),
+        el("td", { class: "mono key" }, m.key),
+        el("td", {}, el("a", { href: "#/jobs/" + m.job }, cut(m.job, 13))),
+        el("td", {}, cut(m.attempt, 13)),
+        el("td", {}, when(m.started_at)))))),
     matched.length > rows.length
       ? el("p", { class: "muted" }, `… and ${matched.length - rows.length} more.`) : null);
 }
@@ -259,7 +278,7 @@ function find() {
     }
   } },
     el("div", {}, el("label", { for: "owner" }, "Owner"),
-      el("input", { id: "owner", size: 36, placeholder: "Authorization value, sha256:… or anonymous" })),
+      el("input", { id: "owner", size: 36, placeholder: "hmac:… (as a job shows it), anonymous, or the Authorization value" })),
     el("div", {}, el("label", { for: "key" }, "Idempotency-Key"), el("input", { id: "key", size: 28, required: "" })),
     el("button", { class: "primary", type: "submit" }, "Find"));
   const result = el("div", {});
@@ -267,7 +286,38 @@ function find() {
     el("div", { class: "card" }, byId), el("h2", {}, "By owner and key"), el("div", { class: "card" }, byKey), result);
 }
 
+// Who settled an attempt, said plainly: an operator's answer is the
+// operator's (who, when), never the upstream's.
+function decided(a) {
+  if (a.resolved_by) {
+    const what = { succeeded: "it took effect (the response below is the operator's)",
+      failed: "it had no effect", cancelled: "abandoned" }[a.state] || a.state;
+    return el("span", { class: "decided", id: "decided-" + a.number },
+      "resolved by ", el("strong", {}, a.resolved_by.operator), " at ", when(a.resolved_by.at), ": " + what);
+  }
+  return a.upstream_status ? "upstream answered " + a.upstream_status : null;
+}
+
+// The lookups of an attempt (docs/design.md §5): how many, the last, and
+// the next or why none follows.
+function lookupsOf(a) {
+  const l = a.lookups || {};
+  if (!l.count && !l.next_at && !l.stopped) return null;
+  const parts = [plural(l.count || 0, "lookup")];
+  if (l.last) {
+    parts.push(" · last ", when(l.last.at), ": " + l.last.result.replace(/_/g, " ") +
+      (l.last.status ? " (" + l.last.status + ")" : " (no answer)"));
+  }
+  if (l.next_at) {
+    parts.push(Date.parse(l.next_at) < Date.now() ? " · next overdue since " : " · next at ", when(l.next_at));
+  }
+  if (l.stopped) parts.push(" · stopped: " + l.stopped);
+  return el("div", { class: "lookups", id: "lookups-" + a.number, "data-count": String(l.count || 0) }, parts);
+}
+
 // Attempts on one time axis, from the first start to the last end (or now).
+// An attempt an operator settled is drawn as waiting on the operator, not
+// as a call that ran until they answered.
 function timeline(job) {
   const start = Math.min(...job.attempts.map((a) => Date.parse(a.started_at)));
   const end = Math.max(Date.now() > start ? Math.min(Date.now(), start + 3600e3) : start + 1,
@@ -279,16 +329,20 @@ function timeline(job) {
     const left = (100 * (from - start)) / span;
     const width = Math.max((100 * (to - from)) / span, 0.5);
     const won = job.completed_by === a.id;
-    return el("div", { class: "lane", "data-attempt": a.id, "data-number": a.number, "data-state": a.state },
+    const drawn = a.resolved_by ? "operator" : a.state;
+    return el("div", { class: "lane", "data-attempt": a.id, "data-number": a.number, "data-state": a.state,
+      "data-decided": a.resolved_by ? "operator" : null },
       el("div", { class: "who" },
-        el("strong", {}, "#" + a.number), " ", a.upstream, " ", badge(a.state),
+        el("strong", {}, "#" + a.number), " ", a.upstream, " ",
+        a.resolved_by ? badge("operator", "resolved: " + a.state) : badge(a.state),
         won ? el("span", { class: "winner", title: "its answer is the job's result" }, " ★ winner") : null),
-      el("div", { class: "track", title: when(a.started_at) + " → " + (a.finished_at ? when(a.finished_at) : "still running") },
-        el("div", { class: "bar " + a.state, style: `left:${left}%;width:${width}%` })),
+      el("div", { class: "track", title: utcText(a.started_at) + " → " + (a.finished_at ? utcText(a.finished_at) : "still running") },
+        el("div", { class: "bar " + drawn, style: `left:${left}%;width:${width}%` })),
       el("div", { class: "why" },
         when(a.started_at), " → ", a.finished_at ? when(a.finished_at) : "not finished",
-        a.upstream_status ? " · upstream answered " + a.upstream_status : "",
-        a.detail ? " · " + a.detail : ""));
+        decided(a) ? [" · ", decided(a)] : null,
+        a.detail && !a.resolved_by ? " · " + a.detail : ""),
+      lookupsOf(a));
   });
   return el("div", { class: "timeline", id: "timeline" }, lanes);
 }
@@ -298,7 +352,9 @@ function header(response, name) {
   return found ? found[1] : "";
 }
 
-function storedResponse(response) {
+// The stored response; `typedBy` is the winning attempt's resolution when
+// an operator typed it (then it is said: no upstream sent it).
+function storedResponse(response, typedBy) {
   if (!response) return el("div", { class: "card muted", id: "response" }, "No response is stored: the job has no result yet.");
   const type = header(response, "content-type");
   let body;
@@ -314,6 +370,8 @@ function storedResponse(response) {
     body = el("pre", { class: "body", id: "body" }, cut ? text.slice(0, 65536) + "\n… (cut: " + text.length + " characters)" : text);
   }
   return el("div", { class: "card", id: "response" },
+    typedBy ? el("p", { class: "notice status", id: "response-typed" }, "Typed by ", el("strong", {}, typedBy.operator),
+      " at ", when(typedBy.at), ": what the operator said the upstream answered, not an answer the gateway received.") : null,
     el("dl", { class: "facts" }, el("dt", {}, "Status"), el("dd", { id: "response-status" }, String(response.status))),
     el("h2", {}, "Headers"),
     el("table", {}, el("tbody", {}, (response.headers || []).map(([n, v]) => el("tr", {}, el("td", { class: "mono" }, n), el("td", { class: "mono" }, v))))),
@@ -400,7 +458,8 @@ async function jobPage(id, flash) {
       el("dt", {}, "Version"), el("dd", {}, String(job.version)))),
     el("h2", {}, `Attempts (${job.attempts.length})`), timeline(job),
     unknown.map((a) => resolver(job, a, (text) => jobPage(id, text))),
-    el("h2", {}, "Stored response"), storedResponse(job.response));
+    el("h2", {}, "Stored response"),
+    storedResponse(job.response, (job.attempts.find((a) => a.id === job.completed_by) || {}).resolved_by));
 }
 
 // One contract's standing on an upstream: whether failover may use it (and
@@ -413,10 +472,10 @@ function standing(c) {
       ? `not eligible: ${c.needed} more passing`
       : "not eligible");
   const history = (c.history || []).map((v) =>
-    el("span", { class: `verdict verdict-${v.result}`, title: when(v.checked_at) }, v.result));
+    el("span", { class: `verdict verdict-${v.result}`, title: v.checked_at ? utcText(v.checked_at) : "" }, v.result));
   return el("div", { class: "standing", "data-contract": c.contract },
     eligible, " ", c.contract, " ",
-    el("span", { class: "muted" }, c.checked_at ? "checked " + when(c.checked_at) : "not checked yet"),
+    el("span", { class: "muted" }, c.checked_at ? ["checked ", when(c.checked_at)] : "not checked yet"),
     (c.failures || []).map((f) => el("div", { class: "muted failure" }, f.probe + ": " + f.why)),
     history.length ? el("div", { class: "history" }, el("span", { class: "muted" }, "last verdicts: "), history) : []);
 }

@@ -92,6 +92,13 @@ impl Console {
         self.presented(headers).any(|id| self.sessions.check(id))
     }
 
+    /// The name the operator of the live session `headers` carry gave at
+    /// sign-in, if they gave one.
+    pub fn operator(&self, headers: &HeaderMap) -> Option<String> {
+        self.presented(headers)
+            .find_map(|id| self.sessions.name(id))
+    }
+
     /// How long the client at `addr` must wait before its next sign-in,
     /// if it failed too often lately (`throttle.rs`).
     pub fn sign_in_wait(&self, addr: IpAddr) -> Option<Duration> {
@@ -116,7 +123,7 @@ impl Console {
             );
         }
         self.throttle.succeeded(addr);
-        let id = self.sessions.open();
+        let id = self.sessions.open_named(operator_name(form));
         let max_age = self.sessions.limits().absolute.as_secs();
         redirect(self.set_cookie(&id, max_age))
     }
@@ -137,6 +144,22 @@ impl Console {
             self.cookie_name()
         )
     }
+}
+
+/// The name the sign-in form gives (`operator=…`), recorded with what the
+/// session resolves: trimmed, without control characters, at most 64
+/// characters; none when empty.
+fn operator_name(form: &[u8]) -> Option<String> {
+    let given = form_urlencoded::parse(form)
+        .find(|(name, _)| name == "operator")?
+        .1;
+    let name: String = given
+        .trim()
+        .chars()
+        .filter(|c| !c.is_control())
+        .take(64)
+        .collect();
+    (!name.is_empty()).then_some(name)
 }
 
 /// Whether a request comes from the console's own page.

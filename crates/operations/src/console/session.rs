@@ -43,10 +43,13 @@ pub(super) struct Sessions {
     limits: Limits,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Session {
     opened: Instant,
     seen: Instant,
+    /// The name the operator gave at sign-in, recorded with what they
+    /// resolve.
+    name: Option<String>,
 }
 
 impl Session {
@@ -71,8 +74,28 @@ impl Sessions {
     }
 
     /// Opens a session: its id, for the cookie (never kept here).
-    pub(super) fn open(&self) -> String {
+    #[cfg(test)]
+    fn open(&self) -> String {
         self.open_at(Instant::now())
+    }
+
+    /// Opens a session for the operator who gave `name` at sign-in.
+    pub(super) fn open_named(&self, name: Option<String>) -> String {
+        let id = self.open_at(Instant::now());
+        if let Some(session) = self.table().get_mut(&digest(&id)) {
+            session.name = name;
+        }
+        id
+    }
+
+    /// The name given at sign-in to the live session `id`, if any.
+    pub(super) fn name(&self, id: &str) -> Option<String> {
+        let now = Instant::now();
+        let table = self.table();
+        let session = table
+            .get(&digest(id))
+            .filter(|s| s.live(now, &self.limits))?;
+        session.name.clone()
     }
 
     /// Whether `id` names a live session; using it keeps it from idling out.
@@ -101,6 +124,7 @@ impl Sessions {
         let session = Session {
             opened: now,
             seen: now,
+            name: None,
         };
         table.insert(digest(&id), session);
         id

@@ -8,7 +8,7 @@ use tokio_postgres::Row;
 use uuid::Uuid;
 
 use super::sql::{ATTEMPT_WIDTH, JOB_WIDTH};
-use crate::{attempt_state, job_state, lookups, Begin, StoreError};
+use crate::{attempt_state, job_state, lookups, resolved_by, Begin, StoreError};
 use idemgate_domain::attempt::Attempt;
 use idemgate_domain::fingerprint::Fingerprint;
 use idemgate_domain::id::{AttemptId, JobId};
@@ -174,5 +174,6 @@ pub(super) fn attempt_from_row(row: &Row, at: usize) -> Result<Attempt, StoreErr
             row.get::<_, Option<i16>>(at + 13).map(|s| s as u16),
             row.get(at + 14),
         )?,
+        resolved_by: resolved_by(row.get(at + 15), row.get(at + 16)),
     })
 }

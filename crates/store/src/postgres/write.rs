@@ -46,7 +46,9 @@ pub(super) async fn write(
             "UPDATE attempts SET state = $2, \
                     finished_at = CASE WHEN $3 THEN now() ELSE finished_at END, \
                     upstream_status = COALESCE($4, upstream_status), \
-                    detail = COALESCE($5, detail) \
+                    detail = COALESCE($5, detail), \
+                    resolved_by = COALESCE($6, resolved_by), \
+                    resolved_at = CASE WHEN $6::text IS NULL THEN resolved_at ELSE now() END \
              WHERE id = $1",
             &[
                 &settled.attempt.0,
@@ -54,6 +56,7 @@ pub(super) async fn write(
                 &settled.finishes(),
                 &settled.status.map(|s| s as i16),
                 &settled.detail,
+                &settled.resolved_by,
             ],
         )
         .await

@@ -132,7 +132,9 @@ pub(super) fn write(
             "UPDATE attempts SET state = ?2, \
                     finished_at = CASE WHEN ?3 THEN ?4 ELSE finished_at END, \
                     upstream_status = COALESCE(?5, upstream_status), \
-                    detail = COALESCE(?6, detail) \
+                    detail = COALESCE(?6, detail), \
+                    resolved_by = COALESCE(?7, resolved_by), \
+                    resolved_at = CASE WHEN ?7 IS NULL THEN resolved_at ELSE ?4 END \
              WHERE id = ?1",
             params![
                 settled.attempt.0.to_string(),
@@ -141,6 +143,7 @@ pub(super) fn write(
                 now,
                 settled.status,
                 settled.detail,
+                settled.resolved_by,
             ],
         )
         .map_err(map_sqlite)?;

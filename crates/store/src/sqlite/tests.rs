@@ -96,3 +96,78 @@ fn the_bundled_sqlite_is_recent() {
         rusqlite::version()
     );
 }
+
+/// Issue 38: an attempt an operator resolved before who was recorded reads
+/// back as an unnamed operator's, at its finish, the status they typed no
+/// longer standing as the upstream's; a lookup's settlement keeps the
+/// upstream's status and has no operator.
+#[tokio::test]
+async fn attempts_resolved_before_who_was_recorded_read_as_an_unnamed_operators() {
+    use crate::Records;
+    mod before {
+        refinery::embed_migrations!("../../migrations/sqlite");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("old.db");
+    let job = JobId(uuid::Uuid::new_v4());
+    let (by_hand, looked_up) = (uuid::Uuid::new_v4(), uuid::Uuid::new_v4());
+    {
+        let mut conn = Connection::open(&path).unwrap();
+        before::migrations::runner()
+            .set_target(refinery::Target::Version(3))
+            .run(&mut conn)
+            .unwrap();
+        conn.execute(
+            "INSERT INTO jobs (id, owner, key, fingerprint, route, state, version, attempt_count, \
+                               completed_by, response_status, response_headers, response_body, \
+                               created_at, updated_at, expires_at) \
+             VALUES (?1, 'anonymous', 'k', ?2, 'default', 'completed', 3, 2, ?3, 201, NULL, x'', \
+                     1000, 5000, 99999999999999)",
+            params![job.0.to_string(), vec![0u8; 32], by_hand.to_string()],
+        )
+        .unwrap();
+        let attempt = "INSERT INTO attempts (id, job_id, number, upstream, state, job_version, \
+                       instance, started_at, finished_at, lease_expires_at, deadline_at, \
+                       upstream_status, detail) \
+                       VALUES (?1, ?2, ?3, 'primary', ?4, 1, 'x', 1000, ?5, 2000, 9000, ?6, ?7)";
+        conn.execute(
+            attempt,
+            params![
+                looked_up.to_string(),
+                job.0.to_string(),
+                1,
+                "failed",
+                3000,
+                404,
+                "reconciled: the upstream answered for it (a lookup, or a resend it deduplicated)"
+            ],
+        )
+        .unwrap();
+        conn.execute(
+            attempt,
+            params![
+                by_hand.to_string(),
+                job.0.to_string(),
+                2,
+                "succeeded",
+                5000,
+                201,
+                "resolved by an operator"
+            ],
+        )
+        .unwrap();
+    }
+    let store = Sqlite::open(&path).await.unwrap();
+    let detail = store.job_detail(job).await.unwrap().unwrap();
+    let (first, second) = (&detail.attempts[0], &detail.attempts[1]);
+    assert_eq!(first.upstream_status, Some(404));
+    assert!(first.resolved_by.is_none());
+    assert_eq!(second.upstream_status, None, "typed by an operator");
+    let resolved = second.resolved_by.as_deref().unwrap();
+    assert_eq!(
+        resolved.operator,
+        idemgate_domain::attempt::UNRECORDED_OPERATOR
+    );
+    assert_eq!(Some(resolved.at), second.finished_at);
+    assert_eq!(detail.job.response.unwrap().status, 201);
+}

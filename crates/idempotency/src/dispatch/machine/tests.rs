@@ -31,6 +31,7 @@ fn attempt(number: i32, version: i64) -> Attempt {
         upstream_status: None,
         detail: None,
         lookups: Default::default(),
+        resolved_by: None,
     }
 }
 
