@@ -179,10 +179,18 @@ async fn the_runbooks_commands_for_unknown_jobs_run_as_written() {
         "{shown}"
     );
 
-    let attempt = unknown_attempt(&gateway, &took).await;
-    on_call(docs::block("runbook-resolve-succeeded").replace("<attempt>", &attempt)).await;
-    let attempt = unknown_attempt(&gateway, &none).await;
-    on_call(docs::block("runbook-resolve-no-effect").replace("<attempt>", &attempt)).await;
+    on_call(docs::block("runbook-resolve-succeeded").replace("<job>", &took)).await;
+    on_call(docs::block("runbook-resolve-no-effect").replace("<job>", &none)).await;
+    let url = format!("{}/admin/v1/jobs/{took}", gateway.admin_url);
+    let auth = [("authorization", "Bearer change-me")];
+    let job = send(Method::GET, &url, &auth, "").await.json();
+    let by = job["attempts"][0]["resolved_by"]["operator"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        by.contains("admin token"),
+        "recorded as the operator's: {job}"
+    );
 
     let headers = [
         ("idempotency-key", "runbook-took-effect"),
