@@ -119,6 +119,7 @@ impl Shared {
             trust,
             budget,
         } = runtime;
+        crate::execute::zero(&config.routes);
         let holds = Arc::new(Holds::new(store.clone(), doorbell.clone(), config.hold));
         let live = Arc::new(Live::new(
             fastpath.clone(),

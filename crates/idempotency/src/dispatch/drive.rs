@@ -27,7 +27,7 @@ use crate::shared::Shared;
 use idemgate_domain::attempt::Attempt;
 use idemgate_domain::id::JobId;
 use idemgate_domain::job::{Job, NewJob};
-use idemgate_proxy::http::Body;
+use idemgate_proxy::http::{AnsweredBy, Body};
 use idemgate_proxy::upstream::UpstreamSettings;
 use idemgate_store::fastpath::Tag;
 use idemgate_store::{Begin, StoreError};
@@ -46,6 +46,9 @@ pub(crate) struct Driver {
     pub(crate) shared: Arc<Shared>,
     pub(crate) request: Keyed,
     upstream: UpstreamService,
+    /// The attempt a problem answer is about (an unknown outcome's), for
+    /// the access log (`docs/design.md` §12).
+    answered_by: std::sync::Mutex<Option<AnsweredBy>>,
 }
 
 impl Driver {
@@ -56,7 +59,16 @@ impl Driver {
             shared,
             request,
             upstream,
+            answered_by: std::sync::Mutex::new(None),
         })
+    }
+
+    /// The attempt a problem answer of [`Driver::drive`] is about.
+    pub(crate) fn answered_by(&self) -> Option<AnsweredBy> {
+        self.answered_by
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Holds a duplicate until the job settles or its answer streams.
@@ -192,8 +204,15 @@ impl Driver {
                             .of_job(&self.request, &current, Write::Always)
                             .await
                     }
-                    Step::Answer(answer) => {
-                        return answer.map(|r| attempts.mark(dispatch.failed_last(), r))
+                    Step::Answer(Ok(response)) => {
+                        return Ok(attempts.mark(dispatch.failed_last(), response))
+                    }
+                    // A problem answer (an unknown outcome, most often):
+                    // the flow renders it, and names the attempt on it.
+                    Step::Answer(Err(e)) => {
+                        let by = attempts.answered_by(dispatch.failed_last());
+                        *self.answered_by.lock().unwrap_or_else(|e| e.into_inner()) = by;
+                        return Err(e);
                     }
                 }
             }

@@ -96,7 +96,8 @@ impl Admin {
                     .resolve_attempt(m.attempt, resolution.clone())
                     .await
                 {
-                    Ok(_) => {
+                    Ok(detail) => {
+                        super::jobs::counted(&detail, m.attempt);
                         tracing::info!(attempt = %m.attempt, job = %m.job, upstream = %bulk.upstream, "attempt resolved by an operator (bulk)");
                         resolved.push(m.attempt.to_string());
                     }

@@ -141,8 +141,19 @@ impl Admin {
             .map_err(|e| AdminError::bad_request(e.to_string()))?;
         let resolution = resolution::parse(&body)?;
         let detail = self.store.resolve_attempt(id, resolution).await?;
+        counted(&detail, id);
         tracing::info!(attempt = %id, job = %detail.job.id, state = %detail.job.state, "attempt resolved by an operator");
         Ok(json_response(StatusCode::OK, &views::job(&detail)))
+    }
+}
+
+/// Counts an operator's resolution the store took as the attempt's end
+/// (`idemgate_attempts_ended_total{by="operator"}`, and a commit when it
+/// succeeded: `docs/design.md` §12, "Metrics").
+pub(super) fn counted(detail: &JobDetail, attempt: AttemptId) {
+    use idemgate_telemetry::ends::{ended, By};
+    if let Some(a) = detail.attempts.iter().find(|a| a.id == attempt) {
+        ended(&detail.job.route, &a.upstream, a.state.as_str(), By::Operator);
     }
 }
 
