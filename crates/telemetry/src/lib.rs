@@ -177,6 +177,7 @@ fn zero_labelled() {
             metrics::counter!("idemgate_requests_total", "outcome" => outcome, "status" => status)
                 .absolute(0);
         }
+        let _ = metrics::histogram!("idemgate_request_duration_seconds", "outcome" => outcome);
     }
     for operation in [
         "begin",
@@ -196,5 +197,6 @@ fn zero_labelled() {
             metrics::counter!("idemgate_store_errors_total", "operation" => operation, "kind" => kind)
                 .absolute(0);
         }
+        let _ = metrics::histogram!("idemgate_store_seconds", "operation" => operation);
     }
 }

@@ -5,5 +5,6 @@ mod check;
 mod console;
 mod console_session;
 mod jobs_cli;
+mod metrics_count_once;
 mod rollout;
 mod traces;

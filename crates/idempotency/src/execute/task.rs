@@ -161,8 +161,8 @@ impl Task {
                     replays.remember(&intent, attempt.job_id, expires_at, &stored, Write::Always);
                 }
                 Ok(CommitOutcome::Superseded) => {
-                    metrics::counter!("idemgate_commits_superseded_total").increment(1);
                     ends.lost(store.as_ref()).await;
+                    metrics::counter!("idemgate_commits_superseded_total").increment(1);
                 }
                 Err(_) => {}
             }

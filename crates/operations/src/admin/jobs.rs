@@ -153,7 +153,12 @@ impl Admin {
 pub(super) fn counted(detail: &JobDetail, attempt: AttemptId) {
     use idemgate_telemetry::ends::{ended, By};
     if let Some(a) = detail.attempts.iter().find(|a| a.id == attempt) {
-        ended(&detail.job.route, &a.upstream, a.state.as_str(), By::Operator);
+        ended(
+            &detail.job.route,
+            &a.upstream,
+            a.state.as_str(),
+            By::Operator,
+        );
     }
 }
 
