@@ -204,17 +204,28 @@ impl Driver {
                             .of_job(&self.request, &current, Write::Always)
                             .await
                     }
-                    Step::Answer(Ok(response)) => {
-                        return Ok(attempts.mark(dispatch.failed_last(), response))
-                    }
-                    // A problem answer (an unknown outcome, most often):
-                    // the flow renders it, and names the attempt on it.
-                    Step::Answer(Err(e)) => {
-                        let by = attempts.answered_by(dispatch.failed_last());
-                        *self.answered_by.lock().unwrap_or_else(|e| e.into_inner()) = by;
-                        return Err(e);
-                    }
+                    Step::Answer(answer) => return self.answer(answer, &attempts, &dispatch),
                 }
+            }
+        }
+    }
+
+    /// The answer when no attempt of this request produced the job's
+    /// result, marked with the attempt it is about. A problem answer (an
+    /// unknown outcome, most often) is rendered by the flow, which names
+    /// the attempt on it.
+    fn answer(
+        &self,
+        answer: Result<Response<Body>, GatewayError>,
+        attempts: &Attempts,
+        dispatch: &Dispatch,
+    ) -> Result<Response<Body>, GatewayError> {
+        match answer {
+            Ok(response) => Ok(attempts.mark(dispatch.failed_last(), response)),
+            Err(e) => {
+                let by = attempts.answered_by(dispatch.failed_last());
+                *self.answered_by.lock().unwrap_or_else(|e| e.into_inner()) = by;
+                Err(e)
             }
         }
     }
