@@ -1,4 +1,4 @@
-//! What operators use: the console, the jobs CLI, `idemgate check`, logs, traces, rollouts.
+//! What operators use: the console, the jobs CLI, `idemgate check`, logs, metrics, traces, rollouts.
 
 mod access_log;
 mod check;
