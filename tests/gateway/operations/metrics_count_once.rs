@@ -317,13 +317,18 @@ async fn an_answer_counts_one_success_and_one_commit_and_a_retryable_status_one_
 /// An upstream whose first POST answers only once `late` opens; later
 /// POSTs (resends) are echoed, and lookups answered 200.
 async fn late_upstream(late: &Gate) -> FakeUpstream {
+    late_upstream_looked_up(late, 200).await
+}
+
+/// The same, lookups answered `looked_up`.
+async fn late_upstream_looked_up(late: &Gate, looked_up: u16) -> FakeUpstream {
     let late = late.clone();
     let posts = Arc::new(AtomicUsize::new(0));
     FakeUpstream::start(move |r: Recorded| {
         let (late, posts) = (late.clone(), posts.clone());
         async move {
             if r.method == "GET" {
-                return json_response(200, serde_json::json!({"looked_up": r.path}));
+                return json_response(looked_up, serde_json::json!({"looked_up": r.path}));
             }
             if posts.fetch_add(1, Ordering::SeqCst) == 0 {
                 late.pass().await;
@@ -429,6 +434,32 @@ async fn a_lookup_settles_an_unknown_attempt_once_and_is_timed_apart() {
     let last = Scrape::of(&gateway).await;
     assert!(moved(&after, &last, "idemgate_attempts_ended_total").is_empty());
     assert!(moved(&after, &last, "idemgate_commits_total").is_empty());
+}
+
+#[tokio::test]
+async fn a_lookup_that_finds_no_effect_counts_one_failure_by_the_lookup() {
+    let store = TestStore::embedded();
+    let late = Gate::new();
+    let upstream = late_upstream_looked_up(&late, 404).await;
+    let route = format!("{ROUTE}[routes.reconcile]\npath = \"/v1/charges/lookup/{{job}}\"\n");
+    let gateway = patient_gateway(&store, &upstream, &route).await;
+    let before = Scrape::of(&gateway).await;
+    goes_unknown(&gateway, &before).await;
+    let expected = one(&[end("unknown", "deadline"), end("failed", "lookup")]);
+    settles(
+        &gateway,
+        &before,
+        "idemgate_attempts_ended_total",
+        &expected,
+    )
+    .await;
+    assert!(moved(
+        &before,
+        &Scrape::of(&gateway).await,
+        "idemgate_commits_total"
+    )
+    .is_empty());
+    late.open(1);
 }
 
 #[tokio::test]
