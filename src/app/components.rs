@@ -54,7 +54,7 @@ pub(super) struct Gateway {
     /// renewed while open requests finish).
     stop_tasks: CancellationToken,
     /// Attempts the sweeper made `unknown`, for the idempotency layer to
-    /// look up (only when a route has `[routes.reconcile]`).
+    /// count, and look up when a route has `[routes.reconcile]`.
     lapsed: std::sync::Mutex<Option<mpsc::UnboundedReceiver<Lapsed>>>,
 }
 
@@ -70,22 +70,17 @@ impl Gateway {
         let stop_tasks = CancellationToken::new();
         let tasks = Supervisor::new(stop_tasks.clone());
         let sealer = sealer(settings)?;
-        // Attempts the sweeper makes unknown are looked up on their
-        // upstreams only where a route says how (docs/design.md §5).
-        let (lapsed_tx, lapsed) = match settings.routes.iter().any(looks_up) {
-            true => {
-                let (tx, rx) = mpsc::unbounded_channel();
-                (Some(tx), Some(rx))
-            }
-            false => (None, None),
-        };
+        // Attempts the sweeper makes unknown are counted (docs/design.md
+        // §12, "Metrics"), and looked up on their upstreams where a route
+        // says how (§5).
+        let (lapsed_tx, lapsed) = mpsc::unbounded_channel();
         let store = open_store(
             settings,
             instance,
             &doorbell,
             &tasks,
             sealer.clone(),
-            lapsed_tx,
+            Some(lapsed_tx),
         )
         .await?;
         let runtime = tokio::runtime::Handle::current();
@@ -129,7 +124,7 @@ impl Gateway {
             upstreams,
             tasks,
             stop_tasks,
-            lapsed: std::sync::Mutex::new(lapsed),
+            lapsed: std::sync::Mutex::new(Some(lapsed)),
         };
         gateway.spawn_upkeep(settings);
         Ok(gateway)
@@ -152,7 +147,9 @@ impl Gateway {
         ));
         let lapsed = self.lapsed.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(lapsed) = lapsed {
-            self.adopt_orphans(&shared, settings);
+            if settings.routes.iter().any(looks_up) {
+                self.adopt_orphans(&shared, settings);
+            }
             let upstream = tower::util::BoxCloneSyncService::new(self.upstreams.clone());
             let reconciling = shared.reconcile_lapsed(lapsed, upstream);
             let stop = self.stop_tasks.clone();

@@ -153,6 +153,17 @@ impl Gateway {
             })
             .unwrap_or(0.0)
     }
+
+    /// The sum of every series of `name`, whatever its labels (0 when
+    /// there is none).
+    pub async fn metric_sum(&self, name: &str) -> f64 {
+        let reply = send(Method::GET, &format!("{}/metrics", self.admin_url), &[], "").await;
+        let text = String::from_utf8_lossy(&reply.body).into_owned();
+        text.lines()
+            .filter(|line| line.split(['{', ' ']).next() == Some(name))
+            .filter_map(|line| line.rsplit_once(' ')?.1.trim().parse::<f64>().ok())
+            .sum()
+    }
 }
 
 impl Builder {

@@ -520,3 +520,71 @@ impl GatewayError {
         response
     }
 }
+
+/// Every problem type a refusal is counted by
+/// (`idemgate_requests_refused_total{problem}`), each set at zero when the
+/// layer starts, so that a rate over a type reads 0 before its first
+/// (`docs/design.md` §12, "Metrics"). The test below keeps it whole.
+const PROBLEM_TYPES: [&str; 25] = [
+    "ambiguous-json",
+    "ambiguous-path",
+    "attempt-outcome-unknown",
+    "client-unauthenticated",
+    "idempotency-key-mismatch",
+    "idempotency-key-missing",
+    "internal-error",
+    "invalid-idempotency-key",
+    "invalid-resume-point",
+    "job-not-found",
+    "job-not-running",
+    "keyed-batch",
+    "outcome-not-recorded",
+    "overloaded",
+    "owner-ambiguous",
+    "owner-required",
+    "request-body-timeout",
+    "request-body-unreadable",
+    "request-in-progress",
+    "request-too-large",
+    "resume-point-not-satisfiable",
+    "store-unavailable",
+    "upstream-contract-violation",
+    "upstream-response-too-large",
+    "upstream-unreachable",
+];
+
+/// Sets `idemgate_requests_refused_total` at zero for every problem type.
+pub(crate) fn zero_refusals() {
+    for problem in PROBLEM_TYPES {
+        metrics::counter!("idemgate_requests_refused_total", "problem" => problem).increment(0);
+    }
+}
+
+#[cfg(test)]
+mod problem_types {
+    /// Every slug given to a `Problem` above (the line after its status)
+    /// is listed in `PROBLEM_TYPES`, and nothing else is.
+    #[test]
+    fn every_problem_type_is_set_at_zero() {
+        let text = include_str!("error.rs");
+        let text = &text[..text.find("const PROBLEM_TYPES").unwrap()];
+        let lines: Vec<&str> = text.lines().map(str::trim).collect();
+        // The status is a `StatusCode`, or a key mismatch's own `*status`.
+        let status = |l: &str| l.starts_with("StatusCode::") || l == "*status,";
+        let mut slugs: Vec<&str> = lines
+            .windows(2)
+            .filter(|w| status(w[0]) && w[1].starts_with('"'))
+            .map(|w| w[1].trim_end_matches(',').trim_matches('"'))
+            .collect();
+        // One on a line of its own: `p(StatusCode::X, "slug", "title")`.
+        slugs.extend(
+            lines
+                .iter()
+                .filter(|l| l.contains("p(StatusCode::") && l.contains('"'))
+                .filter_map(|l| l.split('"').nth(1)),
+        );
+        slugs.sort_unstable();
+        slugs.dedup();
+        assert_eq!(slugs, super::PROBLEM_TYPES);
+    }
+}

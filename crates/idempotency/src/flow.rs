@@ -90,10 +90,16 @@ pub(crate) fn run(
             metrics::counter!("idemgate_requests_refused_total", "problem" => e.metric_label())
                 .increment(1);
             tracing::info!(error = %Chain(&e), job = ?job_id.map(|j: JobId| j.to_string()), "request refused");
-            match &rpc_id {
+            let mut response = match &rpc_id {
                 Some(id) if e.is_the_calls() => e.into_jsonrpc(id),
                 _ => e.into_response(),
+            };
+            // The attempt whose outcome it is (an unknown one's), for the
+            // access log.
+            if let Some(by) = flow.driver.answered_by() {
+                response.extensions_mut().insert(by);
             }
+            response
         });
         // A tool call's answer made by another call's attempt is its own.
         let response = match rpc_id {

@@ -119,6 +119,8 @@ impl Shared {
             trust,
             budget,
         } = runtime;
+        crate::execute::zero(&config.routes);
+        crate::error::zero_refusals();
         let holds = Arc::new(Holds::new(store.clone(), doorbell.clone(), config.hold));
         let live = Arc::new(Live::new(
             fastpath.clone(),

@@ -166,7 +166,7 @@ impl Store for Faulty {
         &self,
         attempt: AttemptId,
         failure: AttemptFailure,
-    ) -> Result<(), StoreError> {
+    ) -> Result<bool, StoreError> {
         self.inner.fail_attempt(attempt, failure).await
     }
     async fn resolve_attempt(

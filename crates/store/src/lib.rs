@@ -276,12 +276,13 @@ pub trait Store: Records {
 
     /// Records how an attempt ended without a result; the job's state is
     /// derived again from all its attempts. An attempt that was settled
-    /// meanwhile (a commit, an operator) is left as it is.
+    /// meanwhile (a commit, an operator) is left as it is: `false` says so,
+    /// so that the end is not counted twice (`docs/design.md` §12).
     async fn fail_attempt(
         &self,
         attempt: AttemptId,
         failure: AttemptFailure,
-    ) -> Result<(), StoreError>;
+    ) -> Result<bool, StoreError>;
 
     /// Applies an operator's resolution to an unsettled attempt. Moves the
     /// job's version, so the attempt's own late answer can no longer commit.

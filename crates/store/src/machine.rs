@@ -295,13 +295,13 @@ impl<B: Backend> Store for Machine<B> {
         &self,
         attempt: AttemptId,
         failure: AttemptFailure,
-    ) -> Result<(), StoreError> {
+    ) -> Result<bool, StoreError> {
         let decide: Decide = Box::new(move |s, _| transition::settle(s, attempt, &failure));
         match self.apply(Lock::JobOf(attempt), decide).await {
-            Ok(_) => Ok(()),
+            Ok(_) => Ok(true),
             Err(StoreError::Refused(Refusal::AttemptIs { state, .. })) => {
                 tracing::debug!(%attempt, %state, "attempt already settled; its end is not recorded again");
-                Ok(())
+                Ok(false)
             }
             Err(e) => Err(e),
         }

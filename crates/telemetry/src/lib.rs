@@ -3,6 +3,7 @@
 #![warn(unreachable_pub, missing_docs)]
 
 pub mod catalogue;
+pub mod ends;
 pub mod trace;
 
 use std::sync::OnceLock;
@@ -113,7 +114,7 @@ impl std::fmt::Display for Chain<'_> {
 fn zero() {
     for name in [
         "idemgate_jobs_created_total",
-        "idemgate_commits_total",
+        "idemgate_jobs_purged_total",
         "idemgate_commits_superseded_total",
         "idemgate_failovers_total",
         "idemgate_hedges_total",
@@ -122,6 +123,12 @@ fn zero() {
         "idemgate_streams_cut_total",
         "idemgate_stream_joiners_total",
         "idemgate_fastpath_errors_total",
+        "idemgate_fastpath_writes_total",
+        "idemgate_requests_held_total",
+        "idemgate_attempts_rejected_total",
+        "idemgate_database_read_only_total",
+        "idemgate_streamed_bytes_total",
+        "idemgate_memory_budget_refusals_total",
     ] {
         metrics::counter!(name).absolute(0);
     }
@@ -133,8 +140,22 @@ fn zero() {
     ] {
         metrics::gauge!(name).set(0.0);
     }
-    for source in ["redis", "store"] {
+    zero_labelled();
+}
+
+/// The series with bounded labels, each label set at zero.
+fn zero_labelled() {
+    for source in ["memory", "redis", "store"] {
         metrics::counter!("idemgate_replays_total", "source" => source).absolute(0);
+    }
+    for source in ["postgres", "redis"] {
+        metrics::counter!("idemgate_wakeups_total", "source" => source).absolute(0);
+    }
+    for found in ["running", "answered", "unsettled", "not_found", "unproven"] {
+        metrics::counter!("idemgate_polls_total", "found" => found).absolute(0);
+    }
+    for result in ["resumed", "refused"] {
+        metrics::counter!("idemgate_stream_resumes_total", "result" => result).absolute(0);
     }
     for result in ["hit", "miss", "invalid", "error"] {
         metrics::counter!("idemgate_fastpath_lookups_total", "result" => result).absolute(0);
@@ -156,6 +177,7 @@ fn zero() {
             metrics::counter!("idemgate_requests_total", "outcome" => outcome, "status" => status)
                 .absolute(0);
         }
+        let _ = metrics::histogram!("idemgate_request_duration_seconds", "outcome" => outcome);
     }
     for operation in [
         "begin",
@@ -175,5 +197,6 @@ fn zero() {
             metrics::counter!("idemgate_store_errors_total", "operation" => operation, "kind" => kind)
                 .absolute(0);
         }
+        let _ = metrics::histogram!("idemgate_store_seconds", "operation" => operation);
     }
 }

@@ -5,7 +5,7 @@
 //! third of the lease. If the instance dies, renewals stop and the sweeper of
 //! any surviving instance turns the attempt `unknown`.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -16,12 +16,14 @@ use idemgate_domain::attempt::AttemptFailure;
 use idemgate_domain::id::AttemptId;
 use idemgate_domain::BoxError;
 use idemgate_store::Store;
+use idemgate_telemetry::ends::{self, By};
 use idemgate_telemetry::Chain;
 
-/// The attempts this instance holds leases on.
+/// The attempts this instance holds leases on, each with its route and
+/// upstream (the labels its end is counted with, should it be abandoned).
 #[derive(Debug)]
 pub struct Leases {
-    held: Mutex<HashSet<AttemptId>>,
+    held: Mutex<HashMap<AttemptId, Held>>,
     /// How many are held, for a drain waiting for the last to end.
     count: watch::Sender<usize>,
 }
@@ -35,6 +37,15 @@ impl Default for Leases {
     }
 }
 
+/// Who a held attempt is, for the metrics.
+#[derive(Debug, Clone)]
+pub struct Held {
+    /// Its job's route.
+    pub route: String,
+    /// Its upstream.
+    pub upstream: String,
+}
+
 /// Releases the lease registration when the attempt's task ends.
 #[derive(Debug)]
 pub struct LeaseGuard {
@@ -44,9 +55,9 @@ pub struct LeaseGuard {
 
 impl Leases {
     /// Registers `attempt` until the guard is dropped.
-    pub fn hold(self: &Arc<Self>, attempt: AttemptId) -> LeaseGuard {
+    pub fn hold(self: &Arc<Self>, attempt: AttemptId, who: Held) -> LeaseGuard {
         let mut held = self.lock();
-        held.insert(attempt);
+        held.insert(attempt, who);
         self.count.send_replace(held.len());
         drop(held);
         LeaseGuard {
@@ -55,12 +66,12 @@ impl Leases {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashSet<AttemptId>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<AttemptId, Held>> {
         self.held.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn snapshot(&self) -> Vec<AttemptId> {
-        self.lock().iter().copied().collect()
+        self.lock().keys().copied().collect()
     }
 
     /// How many attempts this instance is running.
@@ -79,14 +90,20 @@ impl Leases {
     /// Records every attempt still held as `unknown`: this instance is going
     /// away and can no longer tell how they end.
     pub async fn abandon(&self, store: &dyn Store) {
-        for attempt in self.snapshot() {
+        let held: Vec<(AttemptId, Held)> =
+            self.lock().iter().map(|(a, h)| (*a, h.clone())).collect();
+        for (attempt, who) in held {
             let failure = AttemptFailure::Unknown {
                 detail: "the gateway shut down while this attempt was in flight".into(),
             };
             match store.fail_attempt(attempt, failure).await {
-                Ok(()) => {
-                    tracing::warn!(%attempt, "attempt in flight at shutdown; outcome unknown")
+                // The gateway stopped waiting: counted once, as any end
+                // (docs/design.md §12, "Metrics").
+                Ok(true) => {
+                    ends::ended(&who.route, &who.upstream, "unknown", By::Deadline);
+                    tracing::warn!(%attempt, route = %who.route, upstream = %who.upstream, "attempt in flight at shutdown; outcome unknown")
                 }
+                Ok(false) => {}
                 Err(e) => {
                     tracing::error!(error = %Chain(&e), %attempt, "could not record an attempt abandoned at shutdown; its lease will lapse")
                 }

@@ -145,6 +145,8 @@ impl Supervisor {
         F: FnMut(Heartbeat) -> Fut + Send + 'static,
         Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
     {
+        // At zero from the start: one series per task (docs/design.md §12).
+        metrics::counter!("idemgate_task_restarts_total", "task" => name).increment(0);
         let watched = Arc::new(Watched {
             name,
             beats,

@@ -114,7 +114,7 @@ async fn admin_api_needs_the_bearer_token_and_probes_do_not(store: TestStore) {
         .await;
         assert_eq!(r.status, 200, "{probe}");
     }
-    assert!(gateway.metric("idemgate_commits_total").await >= 1.0);
+    assert!(gateway.metric_sum("idemgate_commits_total").await >= 1.0);
 
     let other_store = TestStore::embedded();
     let without_token = Gateway::builder(&other_store, &upstream.url())

@@ -182,7 +182,7 @@ async fn every_series_has_help_text_and_latencies_are_timed_by_outcome_and_upstr
     for series in [
         "idemgate_request_duration_seconds_count{outcome=\"executed\"} 1",
         "idemgate_request_duration_seconds_count{outcome=\"passed_through\"} 1",
-        "idemgate_upstream_response_seconds_count{upstream=\"primary\"} 2",
+        "idemgate_upstream_response_seconds_count{upstream=\"primary\",outcome=\"answered\"} 2",
     ] {
         assert!(text.contains(series), "missing {series} in:\n{text}");
     }

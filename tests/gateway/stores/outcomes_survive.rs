@@ -203,7 +203,7 @@ async fn an_answer_whose_client_hung_up_is_kept_for_replays(store: TestStore) {
     // Counted once the commit's task has kept the answer for replays (the
     // job reads completed a moment before).
     crate::support::eventually(Duration::from_secs(10), "the commit", || async {
-        gateway.metric("idemgate_commits_total").await == 1.0
+        gateway.metric_sum("idemgate_commits_total").await == 1.0
     })
     .await;
     assert_eq!(store.column("SELECT state FROM jobs").await, ["completed"]);

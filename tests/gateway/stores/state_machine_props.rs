@@ -219,7 +219,7 @@ async fn step(
                 return Outcome::Done;
             };
             match s.store.fail_attempt(id, failure(*kind)).await {
-                Ok(()) => Outcome::Done,
+                Ok(_) => Outcome::Done,
                 Err(e) => refused(e),
             }
         }

@@ -135,7 +135,7 @@ async fn a_client_hanging_up_mid_stream_does_not_cancel_it(store: TestStore) {
     eventually(
         Duration::from_secs(10),
         "the stream to be committed",
-        || async { gateway.metric("idemgate_commits_total").await == 1.0 },
+        || async { gateway.metric_sum("idemgate_commits_total").await == 1.0 },
     )
     .await;
     assert_eq!(gateway.job(&job).await["state"], "completed");

@@ -77,15 +77,20 @@ impl Attempts {
         by: Option<AttemptId>,
         mut response: http::Response<B>,
     ) -> http::Response<B> {
-        let found = by.and_then(|by| self.started.iter().find(|(id, ..)| *id == by));
-        if let Some((attempt, number, upstream)) = found {
-            response.extensions_mut().insert(AnsweredBy {
-                attempt: *attempt,
-                number: *number,
-                upstream: upstream.clone(),
-            });
+        if let Some(by) = self.answered_by(by) {
+            response.extensions_mut().insert(by);
         }
         response
+    }
+
+    /// Who attempt `by` is, when this request started it.
+    pub(crate) fn answered_by(&self, by: Option<AttemptId>) -> Option<AnsweredBy> {
+        let found = by.and_then(|by| self.started.iter().find(|(id, ..)| *id == by));
+        found.map(|(attempt, number, upstream)| AnsweredBy {
+            attempt: *attempt,
+            number: *number,
+            upstream: upstream.clone(),
+        })
     }
 
     /// Cancels every attempt but the winner.

@@ -27,7 +27,7 @@ use crate::shared::Shared;
 use idemgate_domain::attempt::Attempt;
 use idemgate_domain::id::JobId;
 use idemgate_domain::job::{Job, NewJob};
-use idemgate_proxy::http::Body;
+use idemgate_proxy::http::{AnsweredBy, Body};
 use idemgate_proxy::upstream::UpstreamSettings;
 use idemgate_store::fastpath::Tag;
 use idemgate_store::{Begin, StoreError};
@@ -46,6 +46,9 @@ pub(crate) struct Driver {
     pub(crate) shared: Arc<Shared>,
     pub(crate) request: Keyed,
     upstream: UpstreamService,
+    /// The attempt a problem answer is about (an unknown outcome's), for
+    /// the access log (`docs/design.md` §12).
+    answered_by: std::sync::Mutex<Option<AnsweredBy>>,
 }
 
 impl Driver {
@@ -56,7 +59,16 @@ impl Driver {
             shared,
             request,
             upstream,
+            answered_by: std::sync::Mutex::new(None),
         })
+    }
+
+    /// The attempt a problem answer of [`Driver::drive`] is about.
+    pub(crate) fn answered_by(&self) -> Option<AnsweredBy> {
+        self.answered_by
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Holds a duplicate until the job settles or its answer streams.
@@ -192,10 +204,28 @@ impl Driver {
                             .of_job(&self.request, &current, Write::Always)
                             .await
                     }
-                    Step::Answer(answer) => {
-                        return answer.map(|r| attempts.mark(dispatch.failed_last(), r))
-                    }
+                    Step::Answer(answer) => return self.answer(answer, &attempts, &dispatch),
                 }
+            }
+        }
+    }
+
+    /// The answer when no attempt of this request produced the job's
+    /// result, marked with the attempt it is about. A problem answer (an
+    /// unknown outcome, most often) is rendered by the flow, which names
+    /// the attempt on it.
+    fn answer(
+        &self,
+        answer: Result<Response<Body>, GatewayError>,
+        attempts: &Attempts,
+        dispatch: &Dispatch,
+    ) -> Result<Response<Body>, GatewayError> {
+        match answer {
+            Ok(response) => Ok(attempts.mark(dispatch.failed_last(), response)),
+            Err(e) => {
+                let by = attempts.answered_by(dispatch.failed_last());
+                *self.answered_by.lock().unwrap_or_else(|e| e.into_inner()) = by;
+                Err(e)
             }
         }
     }

@@ -117,6 +117,8 @@ pub(crate) struct Dispatch {
     /// The attempt `last` is the answer of.
     last_by: Option<AttemptId>,
     unknown: Option<GatewayError>,
+    /// The attempt `unknown` is the outcome of.
+    unknown_by: Option<AttemptId>,
     store_error: Option<StoreError>,
 }
 
@@ -140,6 +142,7 @@ impl Dispatch {
             last: None,
             last_by: None,
             unknown: None,
+            unknown_by: None,
             store_error: None,
             route,
         }
@@ -205,7 +208,10 @@ impl Dispatch {
                 self.last = Some(answer);
                 self.last_by = Some(id);
             }
-            Reply::Unknown(error) => self.unknown = Some(error),
+            Reply::Unknown(error) => {
+                self.unknown = Some(error);
+                self.unknown_by = Some(id);
+            }
         }
         self.next(now, eligible)
     }
@@ -290,9 +296,11 @@ impl Dispatch {
         None
     }
 
-    /// The attempt whose failure an [`Step::Answer`] passes on, if any.
+    /// The attempt whose failure an [`Step::Answer`] passes on, if any:
+    /// the unknown one, whose outcome is the answer when there is one
+    /// ([`Dispatch::finish`]), else the last that failed.
     pub(crate) fn failed_last(&self) -> Option<AttemptId> {
-        self.last_by
+        self.unknown_by.or(self.last_by)
     }
 
     /// The answer when no attempt of this request produced the job's result.

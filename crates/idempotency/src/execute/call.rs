@@ -35,8 +35,9 @@ pub(super) enum Watched<T> {
 pub(super) enum Relayed {
     /// The upstream ended it.
     Ended,
-    /// Cut short: what happened.
-    Broke(String),
+    /// Cut short: what happened, and whose doing it was (the upstream's
+    /// break, or the gateway's silence or deadline).
+    Broke(String, idemgate_telemetry::ends::By),
     /// Another attempt won.
     Cancelled,
 }

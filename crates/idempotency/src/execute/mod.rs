@@ -45,12 +45,14 @@ use idemgate_proxy::upstream::UpstreamError;
 pub(super) const PATIENCE: Duration = Duration::from_secs(2);
 
 mod call;
+mod ends;
 mod reconcile;
 mod record;
 mod runner;
 mod task;
 mod verdict;
 
+pub(crate) use ends::zero;
 pub(crate) use runner::Runner;
 
 /// The upstream side of the layer, boxed at this boundary so that attempt

@@ -40,13 +40,15 @@ use crate::replay;
 use crate::route::Route;
 use idemgate_domain::attempt::{AttemptFailure, AttemptState, Resolution};
 use idemgate_domain::id::{AttemptId, JobId};
+use idemgate_domain::job::JobDetail;
 use idemgate_domain::reconcile::{backoff, next_lookup, verdict, Lookup, LookupResult, Lookups};
 use idemgate_domain::response::StoredResponse;
 use idemgate_domain::transition::Refusal;
 use idemgate_proxy::http::{full, ProvenClient};
 use idemgate_proxy::upstream::UpstreamId;
-use idemgate_proxy::upstream::{self, Fetched, Target, UpstreamError};
+use idemgate_proxy::upstream::{self, Fetched, Stopwatch, Target, Timings, UpstreamError};
 use idemgate_store::{Store, StoreError};
+use idemgate_telemetry::ends::{self, By};
 use idemgate_telemetry::Chain;
 
 /// How the upstream is asked about an attempt.
@@ -281,10 +283,15 @@ impl Reconciler {
         self.fetch(request).await
     }
 
+    /// Sends an ask, timed into `idemgate_reconcile_seconds`, apart from
+    /// the attempts' `idemgate_upstream_response_seconds`.
     async fn fetch(
         &self,
-        request: Request<idemgate_proxy::http::Body>,
+        mut request: Request<idemgate_proxy::http::Body>,
     ) -> Result<Fetched, UpstreamError> {
+        let timings = Timings::reconcile(self.target.name(), self.ask.name());
+        let stopwatch = Stopwatch::into(timings);
+        request.extensions_mut().insert(stopwatch.clone());
         let (progress, _) = tokio::sync::watch::channel(0u64);
         let fetch = upstream::fetch(
             self.upstream.clone(),
@@ -294,7 +301,10 @@ impl Reconciler {
         );
         tokio::time::timeout(self.timeout, fetch)
             .await
-            .unwrap_or(Err(UpstreamError::TimedOut(self.timeout)))
+            .unwrap_or_else(|_| {
+                stopwatch.timed_out();
+                Err(UpstreamError::TimedOut(self.timeout))
+            })
     }
 
     /// Applies the finding by the resolution CAS, retrying while the store
@@ -309,6 +319,7 @@ impl Reconciler {
                 .await
             {
                 Ok(detail) => {
+                    self.count(&detail);
                     tracing::info!(attempt = %self.attempt, job = %self.job, state = %detail.job.state, "attempt reconciled by its upstream");
                     return Next::Stop;
                 }
@@ -325,6 +336,21 @@ impl Reconciler {
                     return Next::Stop;
                 }
             }
+        }
+    }
+}
+
+impl Reconciler {
+    /// Counts the settlement the store took: the attempt's second end,
+    /// after its `unknown` one (`docs/design.md` §12, "Metrics").
+    fn count(&self, detail: &JobDetail) {
+        let by = match self.ask {
+            Ask::Lookup(_) => By::Lookup,
+            Ask::Resend(_) => By::Resend,
+        };
+        if let Some(attempt) = detail.attempts.iter().find(|a| a.id == self.attempt) {
+            let state = attempt.state.as_str();
+            ends::ended(&self.route.name, self.target.name(), state, by);
         }
     }
 }

@@ -11,18 +11,12 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use idemgate_domain::attempt::AttemptState;
 use idemgate_domain::id::AttemptId;
 use idemgate_store::StoreError;
 use idemgate_telemetry::Chain;
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
-
-/// Records how the attempt ended on its span (a trace attribute).
-pub(super) fn outcome(state: AttemptState) {
-    tracing::Span::current().record("outcome", state.as_str());
-}
 
 /// Runs `write` until it succeeds, fails for good, or `deadline` passes,
 /// backing off while the store is unreachable. A write that never got in

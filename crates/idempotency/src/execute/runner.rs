@@ -17,11 +17,12 @@ use idemgate_domain::job::JobDetail;
 use idemgate_domain::reconcile::orphaned;
 use idemgate_domain::BoxError;
 use idemgate_proxy::http::{full, ProvenClient, EVENTS_RECEIVED, IDEMPOTENCY_KEY};
-use idemgate_proxy::upstream::{Target, UpstreamSettings};
+use idemgate_proxy::upstream::{Stopwatch, Target, UpstreamSettings};
 use idemgate_store::fastpath::Tag;
-use idemgate_store::{Doorbell, Lapsed, Store, StoreError};
+use idemgate_store::{Doorbell, Lapsed, Store};
+use idemgate_telemetry::ends::{self, By};
 use idemgate_telemetry::Chain;
-use idemgate_upkeep::lease::Leases;
+use idemgate_upkeep::lease::{Held, Leases};
 use idemgate_upkeep::supervise::Heartbeat;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
@@ -29,6 +30,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 use uuid::Uuid;
 
+use super::ends::Ends;
 use super::reconcile::{Ask, Reconciler, Sent};
 use super::task::Task;
 use super::{reconcile, Config, Running, UpstreamService};
@@ -111,8 +113,16 @@ impl Runner {
             .as_ref()
             .map(|how| self.reconciler(&upstream, request, target, &attempt, how, &forwarded));
         let forwarded = Request::from_parts(forwarded.parts, full(forwarded.body));
+        let route = &request.intent.route.name;
+        let held = Held {
+            route: route.clone(),
+            upstream: attempt.upstream.clone(),
+        };
+        let ends = Ends::new(route, &attempt.upstream, attempt.id, attempt.job_id);
         let task = Task {
-            lease: Arc::new(self.leases.hold(attempt.id)),
+            lease: Arc::new(self.leases.hold(attempt.id, held)),
+            ends: Arc::new(ends),
+            stopwatch: Stopwatch::default(),
             deadline,
             // The route's silences over the upstream's (docs/design.md §11).
             silences: request.intent.route.silences(target),
@@ -241,8 +251,9 @@ impl Runner {
         }
     }
 
-    /// Looks up, on their upstreams, the attempts the sweeper makes
-    /// `unknown` (their gateway died), on routes that look up; runs until
+    /// Counts the attempts the sweeper makes `unknown` (their gateway
+    /// died: `by="deadline"`, `docs/design.md` §12, "Metrics"), and looks
+    /// them up on their upstreams, on routes that look up; runs until
     /// `lapsed` closes. A route that resends cannot: the request died with
     /// its gateway (`docs/design.md` §5).
     pub(crate) async fn reconcile_lapsed(
@@ -252,35 +263,39 @@ impl Runner {
         upstream: UpstreamService,
     ) {
         while let Some(l) = lapsed.recv().await {
-            match self.reconciler_for(l, &routes, &upstream).await {
-                Ok(Some(reconciler)) => reconciler.spawn(),
-                Ok(None) => {}
+            let detail = match self.store.job_detail(l.job).await {
+                Ok(Some(detail)) => detail,
+                Ok(None) => continue,
                 Err(e) => {
-                    tracing::warn!(attempt = %l.attempt, error = %Chain(&e), "could not read an attempt whose lease lapsed; it is not looked up")
+                    tracing::warn!(attempt = %l.attempt, error = %Chain(&e), "could not read an attempt whose lease lapsed; it is neither counted nor looked up");
+                    continue;
                 }
+            };
+            if let Some(attempt) = detail.attempts.iter().find(|a| a.id == l.attempt) {
+                let (route, upstream) = (&detail.job.route, &attempt.upstream);
+                ends::ended(route, upstream, "unknown", By::Deadline);
+            }
+            if let Some(reconciler) = self.reconciler_for(l, &detail, &routes, &upstream) {
+                reconciler.spawn();
             }
         }
     }
 
-    /// The lookup task for a lapsed attempt, when its route looks up and
-    /// its upstream is still configured.
-    async fn reconciler_for(
+    /// The lookup task for a lapsed attempt of `detail`'s job, when its
+    /// route looks up and its upstream is still configured.
+    fn reconciler_for(
         &self,
         lapsed: Lapsed,
+        detail: &JobDetail,
         routes: &[Arc<Route>],
         upstream: &UpstreamService,
-    ) -> Result<Option<Reconciler>, StoreError> {
-        let Some(detail) = self.store.job_detail(lapsed.job).await? else {
-            return Ok(None);
-        };
-        let Some(route) = routes.iter().find(|r| r.name == detail.job.route) else {
-            return Ok(None);
-        };
+    ) -> Option<Reconciler> {
+        let route = routes.iter().find(|r| r.name == detail.job.route)?;
         if route.reconcile == Some(Reconcile::Resend) {
             tracing::info!(attempt = %lapsed.attempt, job = %lapsed.job, "an attempt whose gateway died cannot be resent (its request died with it); it waits for an operator");
-            return Ok(None);
+            return None;
         }
-        Ok(self.reconciler_of(&detail, lapsed.attempt, route, upstream))
+        self.reconciler_of(detail, lapsed.attempt, route, upstream)
     }
 
     /// The lookup task for `attempt` of `detail`'s job on `route`, when the

@@ -15,9 +15,10 @@ use idemgate_domain::response::StoredResponse;
 use idemgate_proxy::budget::Charge;
 use idemgate_proxy::http::Body;
 use idemgate_proxy::upstream;
-use idemgate_proxy::upstream::UpstreamError;
+use idemgate_proxy::upstream::{Stopwatch, UpstreamError};
 use idemgate_store::fastpath::Tag;
 use idemgate_store::{CommitOutcome, StoreError};
+use idemgate_telemetry::ends::By;
 use idemgate_telemetry::Chain;
 use idemgate_upkeep::lease::LeaseGuard;
 use tokio::sync::{oneshot, watch};
@@ -25,8 +26,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::call::{Call, Clock, Relayed, Watched};
+use super::ends::Ends;
 use super::reconcile::Reconciler;
-use super::record::{outcome, retrying};
+use super::record::retrying;
 use super::verdict::{classify, ended, Ended, Verdict};
 use super::{Reply, Runner, UpstreamService, PATIENCE};
 use crate::error::GatewayError;
@@ -66,6 +68,11 @@ pub(super) struct Task {
     /// (taken then: one lookup task per attempt), on a route that
     /// reconciles.
     pub(super) reconciler: std::sync::Mutex<Option<Reconciler>>,
+    /// How the attempt ended, counted and logged once per end.
+    pub(super) ends: Arc<Ends>,
+    /// Times the upstream call to its head; stopped by the silence that
+    /// gives up on it (`idemgate_upstream_response_seconds{outcome}`).
+    pub(super) stopwatch: Stopwatch,
 }
 
 impl Task {
@@ -76,18 +83,20 @@ impl Task {
         cancel: CancellationToken,
     ) {
         match self.call(upstream, request, &cancel).await {
+            // Another attempt's answer won: it ended this one.
             Call::Cancelled => {
                 let failure = AttemptFailure::Superseded {
                     detail: "cancelled: another attempt of the job won".into(),
                 };
-                self.record(failure).await;
+                self.record(failure, By::Upstream).await;
                 self.send(Reply::Superseded);
             }
             Call::DeadlinePassed => {
+                self.stopwatch.timed_out();
                 let failure = AttemptFailure::Unknown {
                     detail: "attempt deadline passed without an answer".into(),
                 };
-                self.record(failure).await;
+                self.record(failure, By::Deadline).await;
                 let deadline = self.runner.config.deadline;
                 self.send(Reply::Unknown(UpstreamError::TimedOut(deadline).into()));
             }
@@ -98,15 +107,16 @@ impl Task {
                     if matches!(failure, AttemptFailure::Rejected { .. }) {
                         metrics::counter!("idemgate_attempts_rejected_total").increment(1);
                     }
-                    self.record(failure).await;
+                    self.record(failure, By::Upstream).await;
                     self.send(Reply::Failed(answer));
                 }
                 Verdict::Unknown(failure, error) => {
-                    self.record(failure).await;
+                    self.record(failure, By::Upstream).await;
                     self.send(Reply::Unknown(error));
                 }
             },
         }
+        self.ends.write_outcome();
     }
 
     fn send(&mut self, reply: Reply) {
@@ -135,7 +145,7 @@ impl Task {
         // The answer stays counted against the memory budget while the
         // write goes on, which may outlast the attempt (docs/design.md §18).
         let (lease, charge) = (self.lease.clone(), self.charge.clone());
-        let (id, deadline) = (attempt.id, self.deadline);
+        let (id, deadline, ends) = (attempt.id, self.deadline, self.ends.clone());
         tokio::spawn(async move {
             let write = || {
                 let (store, attempt, response) = (store.clone(), attempt.clone(), stored.clone());
@@ -143,8 +153,18 @@ impl Task {
                 async move { store.commit(&attempt, &response).await }
             };
             let outcome = retrying("commit", id, deadline, write).await;
-            if let Ok(CommitOutcome::Committed) = outcome {
-                replays.remember(&intent, attempt.job_id, expires_at, &stored, Write::Always);
+            // Counted once the store decided, however long the request
+            // waited for it (docs/design.md §12, "Metrics").
+            match outcome {
+                Ok(CommitOutcome::Committed) => {
+                    ends.committed();
+                    replays.remember(&intent, attempt.job_id, expires_at, &stored, Write::Always);
+                }
+                Ok(CommitOutcome::Superseded) => {
+                    ends.lost(store.as_ref()).await;
+                    metrics::counter!("idemgate_commits_superseded_total").increment(1);
+                }
+                Err(_) => {}
             }
             outcome
         })
@@ -166,13 +186,11 @@ impl Task {
         let mut write = self.spawn_commit(stored.clone());
         let reply = match tokio::time::timeout(PATIENCE, &mut write).await {
             Ok(Ok(Ok(CommitOutcome::Committed))) => {
-                metrics::counter!("idemgate_commits_total").increment(1);
-                outcome(AttemptState::Succeeded);
+                self.ends.decide(AttemptState::Succeeded);
                 Reply::Committed(stored)
             }
             Ok(Ok(Ok(CommitOutcome::Superseded))) => {
-                metrics::counter!("idemgate_commits_superseded_total").increment(1);
-                outcome(AttemptState::Superseded);
+                self.ends.decide(AttemptState::Superseded);
                 Reply::Superseded
             }
             Ok(Ok(Err(e))) => Reply::Unknown(e.into()),
@@ -189,28 +207,16 @@ impl Task {
         self.send(reply);
     }
 
-    /// Records how the attempt ended without a result, waiting at most
-    /// [`PATIENCE`] for the write (which goes on after that).
-    pub(super) async fn record(&self, failure: AttemptFailure) {
-        self.log_end(&failure);
-        let write = self.spawn_write(failure);
+    /// Records how the attempt ended without a result (`by` what),
+    /// waiting at most [`PATIENCE`] for the write (which goes on after
+    /// that). A second `unknown` is not recorded: the attempt is unknown
+    /// already.
+    pub(super) async fn record(&self, failure: AttemptFailure, by: By) {
+        if !self.ends.decide(failure.state()) {
+            return;
+        }
+        let write = self.spawn_write(failure, by);
         let _ = tokio::time::timeout(PATIENCE, write).await;
-    }
-
-    fn log_end(&self, failure: &AttemptFailure) {
-        outcome(failure.state());
-        metrics::counter!("idemgate_attempts_ended_total", "state" => failure.state().as_str())
-            .increment(1);
-        // A rejected answer's detail quotes the answer: it is kept for the
-        // operator in the store, never logged.
-        let detail = match failure {
-            AttemptFailure::Rejected { .. } => "broke the route's contract",
-            other => other.detail(),
-        };
-        tracing::info!(
-            attempt = %self.attempt.id, job = %self.attempt.job_id, upstream = %self.attempt.upstream,
-            state = %failure.state(), detail, "attempt ended without a result"
-        );
     }
 
     /// Writes `failure` in the background, retrying while the store is
@@ -222,6 +228,7 @@ impl Task {
     fn spawn_write(
         &self,
         failure: AttemptFailure,
+        by: By,
     ) -> tokio::task::JoinHandle<Result<(), StoreError>> {
         let (store, attempt, lease) = (
             self.runner.store.clone(),
@@ -236,16 +243,22 @@ impl Task {
                 .take(),
             _ => None,
         };
+        let (ends, counted) = (self.ends.clone(), failure.clone());
         let write = retrying("record the end of", attempt, self.deadline, move || {
             let (store, failure, _lease) = (store.clone(), failure.clone(), lease.clone());
             async move { store.fail_attempt(attempt, failure).await }
         });
         tokio::spawn(async move {
             let written = write.await;
-            if let (Ok(()), Some(reconciler)) = (&written, reconciler) {
+            // Counted and logged once the store took it; an attempt a
+            // lookup or an operator settled meanwhile was counted by them.
+            if let Ok(true) = written {
+                ends.failed(&counted, by);
+            }
+            if let (Ok(_), Some(reconciler)) = (&written, reconciler) {
                 reconciler.spawn();
             }
-            written
+            written.map(|_| ())
         })
     }
 
@@ -256,10 +269,11 @@ impl Task {
     pub(super) async fn call(
         &mut self,
         upstream: UpstreamService,
-        request: Request<Body>,
+        mut request: Request<Body>,
         cancel: &CancellationToken,
     ) -> Call {
         use tower::ServiceExt;
+        request.extensions_mut().insert(self.stopwatch.clone());
         let (progress_tx, mut progress) = watch::channel(0u64);
         let mut clock = Clock::new(self.silences);
         let head = async {
@@ -321,8 +335,10 @@ impl Task {
                     let failure = AttemptFailure::Unknown { detail: clock.detail() };
                     // The job is unknown before anyone is told so; the call
                     // goes on, and its late answer may still settle or
-                    // commit the attempt.
-                    self.record(failure).await;
+                    // commit the attempt (its head, if it comes, is not
+                    // timed again).
+                    self.stopwatch.timed_out();
+                    self.record(failure, By::Deadline).await;
                     self.send(Reply::Unknown(UpstreamError::TimedOut(clock.allowed()).into()));
                 }
                 () = cancel.cancelled() => return Watched::Cancelled,
@@ -346,13 +362,14 @@ impl Task {
         match self.relay(body, &recording, cancel).await {
             Relayed::Ended => self.settle_stream(&recording).await,
             // Recorded before any reader hears of the cut, like any outcome.
-            Relayed::Broke(detail) => {
-                self.record(AttemptFailure::Unknown { detail }).await;
+            Relayed::Broke(detail, by) => {
+                self.record(AttemptFailure::Unknown { detail }, by).await;
                 recording.cut();
             }
             Relayed::Cancelled => {
                 let detail = "cancelled: another attempt of the job won".into();
-                self.record(AttemptFailure::Superseded { detail }).await;
+                self.record(AttemptFailure::Superseded { detail }, By::Upstream)
+                    .await;
                 recording.cut();
             }
         }
@@ -400,19 +417,19 @@ impl Task {
                         let Ok(data) = frame.into_data() else { continue };
                         received += data.len();
                         if received > limit {
-                            return Relayed::Broke(format!("the stream grew past {limit} bytes and cannot be recorded"));
+                            return Relayed::Broke(format!("the stream grew past {limit} bytes and cannot be recorded"), By::Upstream);
                         }
                         recording.push(data);
                         silence.as_mut().reset(Instant::now() + idle);
                     }
-                    Some(Err(e)) => return Relayed::Broke(format!("the stream broke after {received} bytes: {}", Chain(&e))),
+                    Some(Err(e)) => return Relayed::Broke(format!("the stream broke after {received} bytes: {}", Chain(&e)), By::Upstream),
                 },
                 () = &mut silence => {
                     let idle = humantime::format_duration(idle);
-                    return Relayed::Broke(format!("the stream went silent for {idle} (stream_idle_timeout)"));
+                    return Relayed::Broke(format!("the stream went silent for {idle} (stream_idle_timeout)"), By::Deadline);
                 }
                 () = cancel.cancelled() => return Relayed::Cancelled,
-                () = tokio::time::sleep_until(self.deadline) => return Relayed::Broke("attempt deadline passed mid-stream".to_owned()),
+                () = tokio::time::sleep_until(self.deadline) => return Relayed::Broke("attempt deadline passed mid-stream".to_owned(), By::Deadline),
             }
         }
     }
@@ -463,7 +480,7 @@ impl Task {
                         status: Some(stored.status),
                         detail,
                     };
-                    self.record(failure).await;
+                    self.record(failure, By::Upstream).await;
                     recording.end_uncommitted();
                     return;
                 }
@@ -473,7 +490,8 @@ impl Task {
                 let detail = "the stream ended without one of the route's end events \
                               (stream_end_events): it stopped short"
                     .to_owned();
-                self.record(AttemptFailure::Unknown { detail }).await;
+                self.record(AttemptFailure::Unknown { detail }, By::Upstream)
+                    .await;
                 recording.cut();
                 return;
             }
@@ -489,7 +507,7 @@ impl Task {
                     excerpt(&stored.body)
                 );
                 let status = stored.status;
-                self.record(AttemptFailure::Rejected { status, detail })
+                self.record(AttemptFailure::Rejected { status, detail }, By::Upstream)
                     .await;
                 recording.cut();
                 return;
@@ -498,13 +516,11 @@ impl Task {
         // Retried as long as the attempt lives.
         match self.write_commit(stored).await {
             Ok(CommitOutcome::Committed) => {
-                metrics::counter!("idemgate_commits_total").increment(1);
-                outcome(AttemptState::Succeeded);
+                self.ends.decide(AttemptState::Succeeded);
                 recording.finish();
             }
             Ok(CommitOutcome::Superseded) => {
-                metrics::counter!("idemgate_commits_superseded_total").increment(1);
-                outcome(AttemptState::Superseded);
+                self.ends.decide(AttemptState::Superseded);
                 recording.cut();
             }
             Err(_) => recording.cut(),

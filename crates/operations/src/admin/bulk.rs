@@ -102,7 +102,8 @@ impl Admin {
                     .resolve_attempt_as(m.attempt, resolution.clone(), caller)
                     .await
                 {
-                    Ok(_) => {
+                    Ok(detail) => {
+                        super::jobs::counted(&detail, m.attempt);
                         tracing::info!(attempt = %m.attempt, job = %m.job, upstream = %bulk.upstream, operator = caller, "attempt resolved by an operator (bulk)");
                         resolved.push(m.attempt.to_string());
                     }

@@ -226,7 +226,7 @@ mod tests {
         ) -> Result<CommitOutcome, StoreError> {
             unimplemented!()
         }
-        async fn fail_attempt(&self, _: AttemptId, _: AttemptFailure) -> Result<(), StoreError> {
+        async fn fail_attempt(&self, _: AttemptId, _: AttemptFailure) -> Result<bool, StoreError> {
             unimplemented!()
         }
         async fn resolve_attempt(

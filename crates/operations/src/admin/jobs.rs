@@ -187,6 +187,7 @@ impl Admin {
             }
             done => done?,
         };
+        counted(&detail, id);
         tracing::info!(attempt = %id, job = %detail.job.id, state = %detail.job.state, operator = caller, "attempt resolved by an operator");
         Ok(json_response(
             StatusCode::OK,
@@ -210,6 +211,21 @@ impl Admin {
             [] => format!("{id} is a job's id, not an attempt's, and the job ({}) has no attempt of unknown outcome", detail.job.state),
             _ => format!("{id} is a job's id, not an attempt's: resolve its unknown attempt ({})", unknown.join(", ")),
         })
+    }
+}
+
+/// Counts an operator's resolution the store took as the attempt's end
+/// (`idemgate_attempts_ended_total{by="operator"}`, and a commit when it
+/// succeeded: `docs/design.md` §12, "Metrics").
+pub(super) fn counted(detail: &JobDetail, attempt: AttemptId) {
+    use idemgate_telemetry::ends::{ended, By};
+    if let Some(a) = detail.attempts.iter().find(|a| a.id == attempt) {
+        ended(
+            &detail.job.route,
+            &a.upstream,
+            a.state.as_str(),
+            By::Operator,
+        );
     }
 }
 

@@ -9,12 +9,13 @@
 
 mod pool;
 mod settings;
+mod timing;
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{header, HeaderMap, HeaderName, HeaderValue, Request, Response, Uri};
@@ -29,6 +30,7 @@ use crate::budget::Charge;
 use crate::http::{hop, Body, ClientAddr, ProvenClient};
 use idemgate_domain::BoxError;
 pub use settings::{UpstreamId, UpstreamSettings, DEFAULT_IDLE_TIMEOUT};
+pub use timing::{Stopwatch, Timings, Waited};
 
 /// Which upstream a request goes to, put into request extensions by the
 /// idempotency layer; a request without one goes to the first configured
@@ -105,8 +107,9 @@ const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto
 pub struct Upstream {
     pool: Arc<Pool>,
     target: Arc<UpstreamSettings>,
-    /// `idemgate_upstream_response_seconds{upstream}`, looked up once.
-    timing: metrics::Histogram,
+    /// `idemgate_upstream_response_seconds{upstream,outcome}`, looked up
+    /// once.
+    timing: Arc<Timings>,
     /// The `Host` every forwarded request carries: the base's authority,
     /// without the scheme's default port.
     host: HeaderValue,
@@ -134,10 +137,7 @@ impl Upstream {
         };
         let host = HeaderValue::try_from(host).expect("an authority is a valid header value");
         let pool = Pool::new(connector, base.clone(), target.idle_timeout, pool::MAX_IDLE);
-        let timing = metrics::histogram!(
-            "idemgate_upstream_response_seconds",
-            "upstream" => target.name().to_owned()
-        );
+        let timing = Arc::new(Timings::upstream(target.name()));
         Upstream {
             pool,
             target,
@@ -211,8 +211,10 @@ impl Upstream {
     /// Sends `req` to this upstream (no clone of the client per request).
     fn forward(&self, mut req: Request<Body>) -> ResponseFuture {
         self.rewrite(&mut req);
+        let watch = req.extensions_mut().remove::<Stopwatch>();
+        let clock = timing::Clock::start(watch, &self.timing);
         ResponseFuture {
-            kind: Kind::Forwarded(self.pool.send(req), Instant::now(), self.timing.clone()),
+            kind: Kind::Forwarded(self.pool.send(req), clock),
         }
     }
 }
@@ -229,8 +231,8 @@ pub struct ResponseFuture {
     reason = "the large variant is the one every request takes; boxing it is what this type avoids"
 )]
 enum Kind {
-    /// Sent at this instant; timed into this histogram when answered.
-    Forwarded(pool::Sending, Instant, metrics::Histogram),
+    /// Sent, and timed by this clock until its head comes.
+    Forwarded(pool::Sending, timing::Clock),
     /// Nothing sent: the request named no configured upstream.
     Unconfigured(Option<UpstreamError>),
 }
@@ -240,9 +242,13 @@ impl Future for ResponseFuture {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match &mut self.get_mut().kind {
-            Kind::Forwarded(sending, sent, timing) => {
-                let mut response = ready!(Pin::new(sending).poll(cx))?;
-                timing.record(sent.elapsed().as_secs_f64());
+            Kind::Forwarded(sending, clock) => {
+                let answer = ready!(Pin::new(sending).poll(cx));
+                clock.observe(match answer {
+                    Ok(_) => Waited::Answered,
+                    Err(_) => Waited::Error,
+                });
+                let mut response = answer?;
                 hop::strip(response.headers_mut());
                 Poll::Ready(Ok(response))
             }
