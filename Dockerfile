@@ -1,6 +1,6 @@
 # The idemgate image: built with the locked dependencies, run as a non-root
 # user on a minimal base holding only the binary and the CA roots.
-# The steps are the README's build: `cargo build --release --locked`, with
+# The steps are the release build (`cargo build --release --locked`), with
 # the toolchain CI uses.
 
 FROM rust:1.95-bookworm AS build

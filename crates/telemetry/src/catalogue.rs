@@ -22,7 +22,7 @@ pub const SERIES: &[(&str, Kind, &str)] = &[
     ("idemgate_upstream_response_seconds", Kind::Histogram, "Time from sending a request upstream to its answer's head, by upstream and outcome: answered (the head came), error (the connection failed first), timeout (the gateway stopped waiting, at first_byte_timeout or the attempt deadline; a head that comes later is not timed again). Attempts and passed-through requests; lookups and resends are in idemgate_reconcile_seconds."),
     ("idemgate_requests_in_flight", Kind::Gauge, "Requests being served now (max_in_flight bounds it)."),
     ("idemgate_requests_shed_total", Kind::Counter, "Requests answered 503 overloaded at once because max_in_flight was reached."),
-    ("idemgate_requests_refused_total", Kind::Counter, "Keyed requests refused with a problem answer, by problem type."),
+    ("idemgate_requests_refused_total", Kind::Counter, "Keyed requests answered with a problem, by problem type: clients' mistakes, overload, and unknown outcomes (attempt-outcome-unknown)."),
     ("idemgate_requests_held_total", Kind::Counter, "Duplicates held on a running job until its outcome."),
     ("idemgate_held_requests", Kind::Gauge, "Duplicates held on a running job now."),
     ("idemgate_jobs_created_total", Kind::Counter, "Jobs created: first requests of a new (owner, key)."),

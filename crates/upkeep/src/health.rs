@@ -96,7 +96,7 @@ impl Dependencies {
         }
         match (&answer, changed) {
             (Err(e), true) => {
-                tracing::warn!(dependency = name, error = %e, "{name} does not answer; keyed requests get 503 until it does, requests without a key still pass (readiness is unchanged)")
+                tracing::warn!(dependency = name, error = %e, "{name} does not answer; {} (readiness is unchanged)", consequence(name))
             }
             (Ok(()), true) if health.up.is_some() => {
                 tracing::info!(dependency = name, "{name} answers again")
@@ -133,5 +133,17 @@ mod tests {
         let up = &deps.report()[0];
         assert_eq!((up.up, up.error.as_deref()), (Some(true), None));
         assert!(up.since >= down.since);
+    }
+}
+
+/// What a dependency being down means for requests, as its log line says
+/// it: the store is the arbiter (`docs/design.md` §9), Redis only a fast
+/// path (§13).
+fn consequence(name: &str) -> &'static str {
+    match name {
+        "redis" => {
+            "nothing is lost: replays and wake-ups come from memory and the store until it is back"
+        }
+        _ => "keyed requests get 503 until it does, requests without a key still pass",
     }
 }
