@@ -108,6 +108,18 @@ impl Dependencies {
     }
 }
 
+/// What a dependency being down means for requests, as its log line says
+/// it: the store is the arbiter (`docs/design.md` §9), Redis only a fast
+/// path (§13).
+fn consequence(name: &str) -> &'static str {
+    match name {
+        "redis" => {
+            "nothing is lost: replays and wake-ups come from memory and the store until it is back"
+        }
+        _ => "keyed requests get 503 until it does, requests without a key still pass",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -133,17 +145,5 @@ mod tests {
         let up = &deps.report()[0];
         assert_eq!((up.up, up.error.as_deref()), (Some(true), None));
         assert!(up.since >= down.since);
-    }
-}
-
-/// What a dependency being down means for requests, as its log line says
-/// it: the store is the arbiter (`docs/design.md` §9), Redis only a fast
-/// path (§13).
-fn consequence(name: &str) -> &'static str {
-    match name {
-        "redis" => {
-            "nothing is lost: replays and wake-ups come from memory and the store until it is back"
-        }
-        _ => "keyed requests get 503 until it does, requests without a key still pass",
     }
 }
