@@ -240,15 +240,7 @@ async fn the_openai_sdk_polls_a_long_completion_with_the_readme_snippet() {
         let gate = held.clone();
         async move {
             gate.pass().await;
-            crate::support::upstream::json_response(
-                200,
-                serde_json::json!({
-                    "id": "chatcmpl-long", "object": "chat.completion",
-                    "created": 1_700_000_000, "model": "m",
-                    "choices": [{"index": 0, "finish_reason": "stop",
-                                 "message": {"role": "assistant", "content": "The report."}}],
-                }),
-            )
+            crate::support::upstream::json_response(200, completion("The report."))
         }
     })
     .await;
@@ -290,6 +282,34 @@ async fn the_openai_sdk_polls_a_long_completion_with_the_readme_snippet() {
     assert_eq!(upstream.hits(), 1, "one upstream call");
 }
 
+/// An OpenAI chat completion answering `content`.
+fn completion(content: &str) -> serde_json::Value {
+    serde_json::json!({
+        "id": "chatcmpl-1", "object": "chat.completion",
+        "created": 1_700_000_000, "model": "m",
+        "choices": [{"index": 0, "finish_reason": "stop",
+                     "message": {"role": "assistant", "content": content}}],
+    })
+}
+
+/// Runs `snippet` with `python` twice, as written (no `OPENAI_*` from the
+/// environment): what it printed each time.
+async fn run_twice(python: &std::path::Path, snippet: &str) -> Vec<String> {
+    let mut printed = Vec::new();
+    for _ in 0..2 {
+        let out = python::run_client(
+            "snippet",
+            tokio::process::Command::new(python)
+                .args(["-c", snippet])
+                .env_remove("OPENAI_API_KEY")
+                .env_remove("OPENAI_BASE_URL"),
+        )
+        .await;
+        printed.push(String::from_utf8_lossy(&out).trim_end().to_owned());
+    }
+    printed
+}
+
 /// A documented snippet with the quick start's `localhost:8080` pointed at
 /// `gateway`, as a user running it against their own gateway would.
 fn pointed_at(snippet: &str, gateway: &Gateway) -> String {
@@ -308,29 +328,13 @@ async fn the_readmes_openai_snippet_runs_once_however_often_it_is_run() {
         .unwrap();
     let store = TestStore::postgres().await;
     let upstream = crate::support::FakeUpstream::start(|_| async {
-        crate::support::upstream::json_response(
-            200,
-            serde_json::json!({
-                "id": "chatcmpl-1", "object": "chat.completion",
-                "created": 1_700_000_000, "model": "m",
-                "choices": [{"index": 0, "finish_reason": "stop",
-                             "message": {"role": "assistant", "content": "Hello."}}],
-            }),
-        )
+        crate::support::upstream::json_response(200, completion("Hello."))
     })
     .await;
     let gateway = Gateway::start(&store, &upstream.url()).await;
     let snippet = pointed_at(&crate::support::docs::block("clients-openai"), &gateway);
-    for _ in 0..2 {
-        let out = python::run_client(
-            "snippet",
-            tokio::process::Command::new(&python)
-                .args(["-c", &snippet])
-                .env_remove("OPENAI_API_KEY")
-                .env_remove("OPENAI_BASE_URL"),
-        )
-        .await;
-        assert_eq!(String::from_utf8_lossy(&out).trim_end(), "Hello.");
+    for printed in run_twice(&python, &snippet).await {
+        assert_eq!(printed, "Hello.");
     }
     assert_eq!(upstream.hits(), 1, "one upstream call for one key");
 }
@@ -346,16 +350,8 @@ async fn the_streaming_guides_openai_snippet_streams_once() {
     let upstream = SseUpstream::openai(TOKENS, Duration::from_millis(20)).await;
     let gateway = Gateway::start(&store, &upstream.url()).await;
     let snippet = pointed_at(&crate::support::docs::block("streaming-openai"), &gateway);
-    for _ in 0..2 {
-        let out = python::run_client(
-            "snippet",
-            tokio::process::Command::new(&python)
-                .args(["-c", &snippet])
-                .env_remove("OPENAI_API_KEY")
-                .env_remove("OPENAI_BASE_URL"),
-        )
-        .await;
-        assert_eq!(String::from_utf8_lossy(&out).trim_end(), TOKENS.concat());
+    for printed in run_twice(&python, &snippet).await {
+        assert_eq!(printed, TOKENS.concat());
     }
     assert_eq!(upstream.hits(), 1, "one upstream execution");
 }

@@ -48,6 +48,11 @@ const ANSWER_BODY: usize = 12;
 /// The most begins one statement carries.
 pub(super) const MAX_BATCH: usize = 64;
 
+/// A request's `(owner, key)`, borrowed.
+fn sort_key(p: &Pending) -> (&str, &str) {
+    (p.job.owner.as_str(), p.job.key.as_str())
+}
+
 /// A begin waiting for its batch.
 struct Pending {
     job: NewJob,
@@ -166,7 +171,8 @@ fn gather(
 /// Sends `batch` as one statement and answers each request; those it did
 /// not settle, or all of them if it failed, are asked again alone.
 async fn send(pool: &Pool, mut batch: Vec<Pending>) {
-    batch.sort_by_key(Pending::key);
+    // Compared in place: `key` would copy both strings at every comparison.
+    batch.sort_by(|a, b| sort_key(a).cmp(&sort_key(b)));
     let unsettled = match begin_many(pool, &batch).await {
         Ok(mut settled) => {
             let mut unsettled = Vec::new();
