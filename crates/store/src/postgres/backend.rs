@@ -1,10 +1,11 @@
-//! The writes ([`Backend`]): begin, the CAS commit, a change under its
-//! job's lock, lease expiry.
+//! The writes ([`Backend`]): begin and the CAS commit (both sent in
+//! batches, `batch/`), a change under its job's lock, lease expiry.
 
 use async_trait::async_trait;
 use deadpool_postgres::GenericClient;
 
-use super::rows::{snapshots, split_headers};
+use super::batch::{commit_alone, BeginRequest, CommitRequest, BATCHED_BODY};
+use super::rows::snapshots;
 use super::sql::SNAPSHOT_COLUMNS;
 use super::write::write;
 use super::{map_pg, Postgres};
@@ -12,14 +13,14 @@ use crate::{
     commit_under_lock, expire_each, Applied, Backend, Begin, Committed, Decide, Lock, StoreError,
 };
 use idemgate_domain::attempt::{Attempt, AttemptState, NewAttempt};
-use idemgate_domain::job::{JobState, NewJob};
+use idemgate_domain::job::NewJob;
 use idemgate_domain::response::StoredResponse;
 use idemgate_domain::transition::{Change, Refusal};
 
 #[async_trait]
 impl Backend for Postgres {
     async fn begin(&self, job: NewJob, attempt: NewAttempt) -> Result<Begin, StoreError> {
-        self.batcher().begin(job, attempt).await
+        self.begins().ask(BeginRequest { job, attempt }).await
     }
 
     async fn commit(
@@ -27,57 +28,15 @@ impl Backend for Postgres {
         attempt: &Attempt,
         response: &StoredResponse,
     ) -> Result<Committed, StoreError> {
-        let client = self.client().await?;
-        let (names, values) = split_headers(response);
-        let status = response.status as i16;
-        let unsettled = [
-            AttemptState::Started.as_str(),
-            AttemptState::Unknown.as_str(),
-        ];
-        // The winner's path, in one statement: `transition::may_commit` as a
-        // compare-and-swap, the attempt succeeding with it.
-        let commit = client
-            .prepare_cached(
-                "WITH won AS ( \
-                   UPDATE jobs SET state = $8, completed_by = $2, response_status = $3, \
-                          response_header_names = $4, response_header_values = $5, \
-                          response_body = $6, version = version + 1, updated_at = now() \
-                   WHERE id = $1 AND version = $7 AND completed_by IS NULL \
-                     AND EXISTS (SELECT 1 FROM attempts WHERE id = $2 AND state = ANY($9)) \
-                   RETURNING id, watched \
-                 ), settled AS ( \
-                   UPDATE attempts SET state = $10, finished_at = now(), upstream_status = $3 \
-                   WHERE id = $2 AND EXISTS (SELECT 1 FROM won) \
-                   RETURNING id \
-                 ) \
-                 SELECT EXISTS (SELECT 1 FROM won), COALESCE((SELECT watched FROM won), false)",
-            )
-            .await
-            .map_err(map_pg)?;
-        let row = client
-            .query_one(
-                &commit,
-                &[
-                    &attempt.job_id.0,
-                    &attempt.id.0,
-                    &status,
-                    &names,
-                    &values,
-                    &response.body.as_ref(),
-                    &attempt.job_version,
-                    &JobState::Completed.as_str(),
-                    &unsettled.as_slice(),
-                    &AttemptState::Succeeded.as_str(),
-                ],
-            )
-            .await
-            .map_err(map_pg)?;
-        Postgres::release(client, response.body.len());
-        if row.get(0) {
-            return Ok(Committed {
-                won: true,
-                watched: row.get(1),
-            });
+        // The winner's path: the CAS, in a batch unless the answer is large.
+        let request = CommitRequest::of(attempt, response);
+        let won = if response.body.len() <= BATCHED_BODY {
+            self.commits().ask(request).await?
+        } else {
+            commit_alone(&self.pool, &request).await?
+        };
+        if let Some(won) = won {
+            return Ok(won);
         }
         // Lost: every reason to lose (a moved version, a winner, a settled
         // attempt) is for good, so the locked path agrees, and it also

@@ -1,8 +1,8 @@
 //! The PostgreSQL backend: the source of truth in production.
 //!
-//! The hot path is two single statements: `Backend::begin` (a read, then
-//! `INSERT … ON CONFLICT DO NOTHING` of the job and its first attempt,
-//! sent in batches with the begins of concurrent requests: `batch.rs`) and
+//! The hot path is two single statements, each sent in batches with those
+//! of concurrent requests (`batch/`): `Backend::begin` (a read, then
+//! `INSERT … ON CONFLICT DO NOTHING` of the job and its first attempt) and
 //! `Backend::commit` (the CAS). Every other change locks the job row
 //! (`FOR UPDATE`), reads its attempts, and writes what the domain decided,
 //! in one transaction; all writers of a job take its row lock first, so
@@ -15,7 +15,8 @@
 //! The files, by seam: this one (the type, its pool and its sessions),
 //! `backend.rs` (the writes: begin, the CAS commit, locked changes, lease
 //! expiry), `records.rs` (reads and upkeep), `sql.rs` (the statements'
-//! columns and the begin statement), `rows.rs` (rows read back into the
+//! columns and the begin statement), `batch/` (begins and commits sent
+//! together: the queue, `begin.rs`, `commit.rs` with the CAS), `rows.rs` (rows read back into the
 //! domain), `write.rs` (a locked change written), `listen.rs` (`LISTEN`),
 //! `migrate.rs`, `error.rs` (errors by what the caller can do; refusals
 //! that name the setting to fix), `tls.rs` (TLS as `sslmode` says,
@@ -44,7 +45,7 @@ mod sql;
 mod tls;
 mod write;
 
-pub use batch::IN_FLIGHT as BEGIN_BATCHES_IN_FLIGHT;
+pub use batch::IN_FLIGHT as BATCHES_IN_FLIGHT;
 pub use budget::Budget;
 pub use replication::Replication;
 
@@ -62,9 +63,17 @@ pub struct Postgres {
     /// (`database_direct_url`, or the pool's).
     direct: Session,
     instance: Uuid,
-    /// Begins go to the database in batches (`batch.rs`); started on first
-    /// use, on the runtime that uses it, and shared by the clones.
-    batcher: std::sync::Arc<std::sync::OnceLock<batch::Batcher>>,
+    /// Begins and commits go to the database in batches (`batch/`); each
+    /// queue is started on first use, on the runtime that uses it, and
+    /// shared by the clones.
+    queues: std::sync::Arc<Queues>,
+}
+
+/// The batching queues, one per kind of request.
+#[derive(Default)]
+struct Queues {
+    begins: std::sync::OnceLock<batch::Queue<batch::BeginRequest>>,
+    commits: std::sync::OnceLock<batch::Queue<batch::CommitRequest>>,
 }
 
 /// A session's connection, which its owner drives.
@@ -148,7 +157,7 @@ impl Postgres {
             pooled,
             direct,
             instance,
-            batcher: Default::default(),
+            queues: Default::default(),
         })
     }
 
@@ -182,22 +191,40 @@ impl Postgres {
         }
     }
 
-    /// Begins sent to the batcher and not yet in a batch on their way: they
-    /// wait for one of the [`BEGIN_BATCHES_IN_FLIGHT`] batches to return.
+    /// Begins sent and not yet in a batch on its way: they wait for one of
+    /// the [`BATCHES_IN_FLIGHT`] batches of begins to return.
     pub fn begins_waiting(&self) -> usize {
-        self.batcher.get().map_or(0, batch::Batcher::waiting)
+        self.queues.begins.get().map_or(0, batch::Queue::waiting)
     }
 
-    fn batcher(&self) -> &batch::Batcher {
-        self.batcher
-            .get_or_init(|| batch::Batcher::start(self.pool.clone()))
+    /// Commits sent and not yet in a batch on its way.
+    pub fn commits_waiting(&self) -> usize {
+        self.queues.commits.get().map_or(0, batch::Queue::waiting)
+    }
+
+    fn begins(&self) -> &batch::Queue<batch::BeginRequest> {
+        let pool = || self.pool.clone();
+        self.queues
+            .begins
+            .get_or_init(|| batch::Queue::start(pool()))
+    }
+
+    fn commits(&self) -> &batch::Queue<batch::CommitRequest> {
+        let pool = || self.pool.clone();
+        self.queues
+            .commits
+            .get_or_init(|| batch::Queue::start(pool()))
+    }
+
+    /// A pooled connection; an error says the store is unavailable.
+    async fn pooled(pool: &Pool) -> Result<deadpool_postgres::Client, StoreError> {
+        pool.get()
+            .await
+            .map_err(|e| StoreError::Unavailable(Box::new(e)))
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Client, StoreError> {
-        self.pool
-            .get()
-            .await
-            .map_err(|e| StoreError::Unavailable(Box::new(e)))
+        Postgres::pooled(&self.pool).await
     }
 }
 

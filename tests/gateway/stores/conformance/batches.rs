@@ -94,7 +94,7 @@ async fn on_postgres_begins_that_collect_go_together_and_a_failing_row_fails_alo
         let store = store.clone();
         tokio::spawn(async move { store.begin_job(job, new_attempt()).await })
     };
-    let slots = idemgate_store::postgres::BEGIN_BATCHES_IN_FLIGHT;
+    let slots = idemgate_store::postgres::BATCHES_IN_FLIGHT;
     let first: Vec<_> = (0..slots)
         .map(|n| begin(new_job(&format!("first-{n}"))))
         .collect();
@@ -161,4 +161,172 @@ async fn on_postgres_begins_that_collect_go_together_and_a_failing_row_fails_alo
         "{clashed:?}"
     );
     assert_eq!(probe.begins_waiting(), 0);
+}
+
+/// An answer with `headers` headers (none at all for 0) and a body naming
+/// `tag`: commits in one batch each carry their own.
+fn answer_with(tag: &str, headers: usize) -> StoredResponse {
+    StoredResponse {
+        status: 200 + headers as u16,
+        headers: (0..headers)
+            .map(|n| (format!("x-{n}"), Bytes::from(format!("{tag}-{n}"))))
+            .collect(),
+        body: Bytes::from(format!("{{\"tag\":\"{tag}\"}}")),
+    }
+}
+
+/// Forty jobs committed at once, each with an answer of its own (zero to
+/// three headers), and ten of them raced by a hedge: every job keeps
+/// exactly one winner's answer, whole (on PostgreSQL, commits collected in
+/// one statement or across several, mapped back by job).
+pub(super) async fn many_jobs_committed_at_once_keep_each_its_own_answer(store: Arc<dyn Store>) {
+    let mut commits = Vec::new();
+    for n in 0..40 {
+        let (job, first) = created(store.as_ref(), &format!("commit-{n}")).await;
+        commits.push((job.id, first, answer_with(&format!("{n}-a"), n % 4)));
+        if n % 4 == 1 {
+            let hedge = store
+                .hedge_attempt(job.id, job.version, new_attempt())
+                .await
+                .unwrap()
+                .expect("a hedge of a running job");
+            commits.push((job.id, hedge, answer_with(&format!("{n}-b"), 3)));
+        }
+    }
+    let barrier = Arc::new(Barrier::new(commits.len()));
+    let sent = commits.iter().cloned().map(|(job, attempt, answer)| {
+        let (store, barrier) = (store.clone(), barrier.clone());
+        tokio::spawn(async move {
+            barrier.wait().await;
+            let outcome = store.commit(&attempt, &answer).await.unwrap();
+            (job, attempt.id, answer, outcome)
+        })
+    });
+    let mut winners: std::collections::HashMap<JobId, Vec<(AttemptId, StoredResponse)>> =
+        Default::default();
+    for done in join_all(sent).await {
+        let (job, attempt, answer, outcome) = done.unwrap();
+        let won = winners.entry(job).or_default();
+        if outcome == CommitOutcome::Committed {
+            won.push((attempt, answer));
+        }
+    }
+    assert_eq!(winners.len(), 40);
+    for (job, won) in winners {
+        assert_eq!(won.len(), 1, "job {job}: one winner");
+        let (attempt, answer) = &won[0];
+        let detail = store.job_detail(job).await.unwrap().unwrap();
+        assert_eq!(detail.job.completed_by, Some(*attempt));
+        assert_eq!(detail.job.response.as_ref(), Some(answer), "job {job}");
+        for other in &detail.attempts {
+            let expected = if other.id == *attempt {
+                AttemptState::Succeeded
+            } else {
+                AttemptState::Superseded
+            };
+            assert_eq!(other.state, expected, "job {job}, attempt {}", other.id);
+        }
+    }
+}
+
+/// The database held busy while both commit slots are taken, twenty-three
+/// commits collect: twenty jobs, a job's two attempts, and one answer the
+/// database refuses (a header name holding a NUL byte). Released, the
+/// statement carrying them fails on that row and is split: the twenty
+/// commit, each its own answer; of the two attempts one wins and the other
+/// is superseded; the refused one fails alone and leaves its job running,
+/// with nothing half-written, so a good answer commits it afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_commits_that_collect_go_together_and_a_failing_row_fails_alone() {
+    let (store, probe, db) = postgres_with_probe().await;
+    let mut started = Vec::new();
+    for n in 0..24 {
+        started.push(created(store.as_ref(), &format!("collect-{n}")).await);
+    }
+    let (twice, first) = started.pop().unwrap();
+    let hedge = store
+        .hedge_attempt(twice.id, twice.version, new_attempt())
+        .await
+        .unwrap()
+        .unwrap();
+    let (refused_job, refused) = started.pop().unwrap();
+    let fillers: Vec<_> = started.drain(..2).collect();
+
+    let holder = db.connect().await;
+    holder
+        .batch_execute("BEGIN; LOCK TABLE jobs IN EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let commit = |attempt: idemgate_domain::attempt::Attempt, answer: StoredResponse| {
+        let store = store.clone();
+        tokio::spawn(async move { store.commit(&attempt, &answer).await })
+    };
+    let fillers: Vec<_> = fillers
+        .into_iter()
+        .map(|(_, a)| commit(a, answer_with("filler", 1)))
+        .collect();
+    let watcher = db.connect().await;
+    until("both commit slots wait on the lock", async || {
+        let row = watcher
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                &[],
+            )
+            .await
+            .unwrap();
+        row.get::<_, i64>(0) as usize == idemgate_store::postgres::BATCHES_IN_FLIGHT
+    })
+    .await;
+
+    let together: Vec<_> = started
+        .iter()
+        .enumerate()
+        .map(|(n, (job, a))| {
+            let answer = answer_with(&format!("together-{n}"), n % 4);
+            (job.id, answer.clone(), commit(a.clone(), answer))
+        })
+        .collect();
+    let pair = [
+        commit(first.clone(), answer_with("first", 2)),
+        commit(hedge.clone(), answer_with("hedge", 0)),
+    ];
+    let mut bad = answer_with("refused", 1);
+    bad.headers
+        .push(("x-nul\0".into(), Bytes::from_static(b"v")));
+    let refused_commit = commit(refused.clone(), bad);
+    until("the commits wait for a batch", async || {
+        probe.commits_waiting() == together.len() + 3
+    })
+    .await;
+    holder.batch_execute("COMMIT").await.unwrap();
+
+    for done in join_all(fillers).await {
+        assert_eq!(done.unwrap().unwrap(), CommitOutcome::Committed);
+    }
+    for (job, answer, done) in together {
+        assert_eq!(done.await.unwrap().unwrap(), CommitOutcome::Committed);
+        let stored = store.job(job).await.unwrap().unwrap();
+        assert_eq!(stored.response, Some(answer), "job {job}: its own answer");
+    }
+    let [a, b] = pair;
+    let outcomes = [a.await.unwrap().unwrap(), b.await.unwrap().unwrap()];
+    assert!(
+        outcomes.contains(&CommitOutcome::Committed)
+            && outcomes.contains(&CommitOutcome::Superseded),
+        "one winner of two attempts: {outcomes:?}"
+    );
+    assert!(
+        refused_commit.await.unwrap().is_err(),
+        "the refused row fails"
+    );
+    let left = store.job(refused_job.id).await.unwrap().unwrap();
+    assert_eq!(left.state, JobState::Running, "nothing half-written");
+    assert_eq!(left.response, None);
+    let good = answer_with("good", 1);
+    assert_eq!(
+        store.commit(&refused, &good).await.unwrap(),
+        CommitOutcome::Committed
+    );
+    assert_eq!(probe.commits_waiting(), 0);
 }

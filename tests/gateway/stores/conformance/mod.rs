@@ -104,6 +104,7 @@ macro_rules! conformance_suite {
                 concurrent_moves_on_from_an_unknown_job_make_one_attempt,
                 unknown_attempts_are_listed_by_start_after_a_time,
                 many_keys_begun_twice_at_once_make_one_job_each,
+                many_jobs_committed_at_once_keep_each_its_own_answer,
             );
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn every_change_of_a_jobs_state_rings_once() {

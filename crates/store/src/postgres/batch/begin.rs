@@ -1,0 +1,214 @@
+//! Begins in batches (`docs/design.md` §13, "Batched begins and commits").
+//!
+//! The database stays the only arbiter: the statement is the one-by-one
+//! begin's (`INSERT … ON CONFLICT (owner, key) DO NOTHING`) over arrays.
+//! A batch holds each `(owner, key)` once (a second request for a key
+//! waits for the next batch, where it finds the first's job); it is sorted
+//! by `(owner, key)`, so two batches never wait on each other's index
+//! locks in opposite orders; rows come back mapped to requests by owner
+//! and key, never by position. A request the batch did not settle (its
+//! key's job had expired, or another writer inserted it meanwhile) is
+//! asked again alone, and a batch that fails is split: each of its
+//! requests is asked alone, so one bad row never fails its neighbours.
+
+use std::collections::HashMap;
+
+use deadpool_postgres::Pool;
+use tokio_postgres::types::ToSql;
+use uuid::Uuid;
+
+use super::super::rows::answer;
+use super::super::sql::begin_statement;
+use super::super::{map_pg, Postgres};
+use super::{Batched, Waiting};
+use crate::{millis, Begin, StoreError};
+use idemgate_domain::attempt::{AttemptState, NewAttempt};
+use idemgate_domain::job::{JobState, NewJob};
+
+/// The column of [`JOB_COLUMNS`](super::super::sql::JOB_COLUMNS) holding a
+/// found job's answer body.
+const ANSWER_BODY: usize = 12;
+
+/// A request's begin: its job and that job's first attempt.
+pub(in crate::postgres) struct BeginRequest {
+    pub(in crate::postgres) job: NewJob,
+    pub(in crate::postgres) attempt: NewAttempt,
+}
+
+impl BeginRequest {
+    /// Its `(owner, key)`, borrowed.
+    fn sort_key(&self) -> (&str, &str) {
+        (self.job.owner.as_str(), self.job.key.as_str())
+    }
+}
+
+impl Batched for BeginRequest {
+    type Key = (String, String);
+    type Answer = Begin;
+
+    fn key(&self) -> (String, String) {
+        (
+            self.job.owner.as_str().to_owned(),
+            self.job.key.as_str().to_owned(),
+        )
+    }
+
+    async fn send(pool: Pool, batch: Vec<Waiting<Self>>) {
+        send(&pool, batch).await
+    }
+}
+
+/// Sends `batch` as one statement and answers each request; those it did
+/// not settle, or all of them if it failed, are asked again alone.
+async fn send(pool: &Pool, mut batch: Vec<Waiting<BeginRequest>>) {
+    // Compared in place: `key` would copy both strings at every comparison.
+    batch.sort_by(|a, b| a.request.sort_key().cmp(&b.request.sort_key()));
+    let unsettled = match begin_many(pool, &batch).await {
+        Ok(mut settled) => {
+            let mut unsettled = Vec::new();
+            for waiting in batch {
+                match settled.remove(&waiting.request.key()) {
+                    Some(begin) => waiting.answer(Ok(begin)),
+                    None => unsettled.push(waiting),
+                }
+            }
+            unsettled
+        }
+        Err(_) => batch,
+    };
+    let alone = unsettled.into_iter().map(|waiting| async move {
+        let BeginRequest { job, attempt } = &waiting.request;
+        let answer = begin_alone(pool, job, attempt).await;
+        waiting.answer(answer);
+    });
+    futures_util::future::join_all(alone).await;
+}
+
+/// One statement for all of `batch`: each request's begin, by its owner
+/// and key, where the statement settled it (a job made, or one that
+/// exists and has not expired).
+async fn begin_many(
+    pool: &Pool,
+    batch: &[Waiting<BeginRequest>],
+) -> Result<HashMap<(String, String), Begin>, StoreError> {
+    let client = Postgres::pooled(pool).await?;
+    let statement = client
+        .prepare_cached(&begin_statement())
+        .await
+        .map_err(map_pg)?;
+    let columns = Columns::of(batch.iter().map(|w| (&w.request.job, &w.request.attempt)));
+    let rows = client
+        .query(&statement, &columns.params())
+        .await
+        .map_err(map_pg)?;
+    // Found jobs carry their answers (up to INLINE_ANSWER each), so a batch
+    // of them can leave a connection with buffers that size: released as a
+    // replay's would be.
+    let carried = rows
+        .iter()
+        .map(|row| {
+            row.get::<_, Option<&[u8]>>(ANSWER_BODY)
+                .map_or(0, <[u8]>::len)
+        })
+        .sum();
+    Postgres::release(client, carried);
+    let mut settled = HashMap::with_capacity(rows.len());
+    for row in rows {
+        let key: (String, String) = (row.get(1), row.get(2));
+        if let Some(begin) = answer(&row)? {
+            settled.insert(key, begin);
+        }
+    }
+    Ok(settled)
+}
+
+/// One request's begin, alone: bounded, since each round either answers,
+/// deletes the expired job that blocked the key, or lost an insert race
+/// whose winner the next round reads.
+async fn begin_alone(pool: &Pool, job: &NewJob, attempt: &NewAttempt) -> Result<Begin, StoreError> {
+    let client = Postgres::pooled(pool).await?;
+    let statement = client
+        .prepare_cached(&begin_statement())
+        .await
+        .map_err(map_pg)?;
+    let columns = Columns::of([(job, attempt)]);
+    for _ in 0..3 {
+        let row = client
+            .query_opt(&statement, &columns.params())
+            .await
+            .map_err(map_pg)?;
+        let Some(row) = row else { continue };
+        if let Some(begin) = answer(&row)? {
+            return Ok(begin);
+        }
+        // Expired but not purged yet: forgotten, the key starts afresh.
+        client
+            .execute(
+                "DELETE FROM jobs WHERE id = $1 AND expires_at <= now()",
+                &[&row.get::<_, Uuid>(0)],
+            )
+            .await
+            .map_err(map_pg)?;
+    }
+    Err(StoreError::Contended)
+}
+
+/// The statement's array parameters, one element per request.
+#[derive(Default)]
+struct Columns<'a> {
+    job_ids: Vec<Uuid>,
+    owners: Vec<&'a str>,
+    keys: Vec<&'a str>,
+    fingerprints: Vec<&'a [u8]>,
+    routes: Vec<&'a str>,
+    ttls: Vec<i64>,
+    attempt_ids: Vec<Uuid>,
+    upstreams: Vec<&'a str>,
+    instances: Vec<Uuid>,
+    leases: Vec<i64>,
+    deadlines: Vec<i64>,
+    job_state: &'static str,
+    attempt_state: &'static str,
+}
+
+impl<'a> Columns<'a> {
+    fn of(requests: impl IntoIterator<Item = (&'a NewJob, &'a NewAttempt)>) -> Self {
+        let mut c = Columns {
+            job_state: JobState::Running.as_str(),
+            attempt_state: AttemptState::Started.as_str(),
+            ..Columns::default()
+        };
+        for (job, attempt) in requests {
+            c.job_ids.push(job.id.0);
+            c.owners.push(job.owner.as_str());
+            c.keys.push(job.key.as_str());
+            c.fingerprints.push(job.fingerprint.0.as_slice());
+            c.routes.push(&job.route);
+            c.ttls.push(millis(job.ttl));
+            c.attempt_ids.push(attempt.id.0);
+            c.upstreams.push(&attempt.upstream);
+            c.instances.push(attempt.instance);
+            c.leases.push(millis(attempt.lease));
+            c.deadlines.push(millis(attempt.deadline));
+        }
+        c
+    }
+
+    fn params(&self) -> [&(dyn ToSql + Sync); 13] {
+        [
+            &self.job_ids,
+            &self.owners,
+            &self.keys,
+            &self.fingerprints,
+            &self.routes,
+            &self.ttls,
+            &self.attempt_ids,
+            &self.upstreams,
+            &self.instances,
+            &self.leases,
+            &self.deadlines,
+            &self.job_state,
+            &self.attempt_state,
+        ]
+    }
+}

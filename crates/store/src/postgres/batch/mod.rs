@@ -1,0 +1,156 @@
+//! Batched arbitration (`docs/design.md` §13, "Batched begins and
+//! commits"): the begins and the commits of concurrent requests on this
+//! replica go to PostgreSQL together, one statement, one round trip and one
+//! commit for each batch, instead of each paying its own.
+//!
+//! No timer decides when a batch leaves. An idle queue sends a request at
+//! once, alone; requests collect only while [`IN_FLIGHT`] batches of their
+//! kind are already on their way, and the next batch takes all that
+//! collected (up to [`MAX_BATCH`]). So a lone request waits for nothing, and
+//! under load each database commit carries as many requests as arrived
+//! during the last one.
+//!
+//! A batch holds each [`Batched::key`] once: a second request for it waits
+//! for the next batch. What a batch means, how it is sent and how a failing
+//! one is split is each kind's own: `begin.rs` and `commit.rs`.
+
+use std::collections::{HashSet, VecDeque};
+use std::future::Future;
+use std::hash::Hash;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use deadpool_postgres::Pool;
+use tokio::sync::{mpsc, oneshot, Semaphore};
+
+use crate::StoreError;
+
+mod begin;
+mod commit;
+
+pub(super) use begin::BeginRequest;
+pub(super) use commit::{commit_alone, CommitRequest, BATCHED_BODY};
+
+/// Batches of one kind on their way at once. Two: one in the database
+/// while the next collects, so the database is never idle waiting for the
+/// gateway, and the pool keeps its other connections for the rest.
+pub const IN_FLIGHT: usize = 2;
+
+/// The most requests one statement carries.
+pub(super) const MAX_BATCH: usize = 64;
+
+/// A request that can go to the database in a batch of its kind.
+pub(super) trait Batched: Sized + Send + 'static {
+    /// What a batch holds once.
+    type Key: Eq + Hash + Send;
+    /// The request's answer.
+    type Answer: Send + 'static;
+
+    fn key(&self) -> Self::Key;
+
+    /// Sends `batch` and answers each of its requests through its `reply`.
+    fn send(pool: Pool, batch: Vec<Waiting<Self>>) -> impl Future<Output = ()> + Send;
+}
+
+/// A request waiting for its batch, and where its answer goes.
+pub(super) struct Waiting<T: Batched> {
+    pub(super) request: T,
+    pub(super) reply: oneshot::Sender<Result<T::Answer, StoreError>>,
+}
+
+impl<T: Batched> Waiting<T> {
+    pub(super) fn answer(self, answer: Result<T::Answer, StoreError>) {
+        // A request whose caller went away needs no answer.
+        let _ = self.reply.send(answer);
+    }
+}
+
+/// The handle requests of one kind are sent through; its task forms and
+/// sends the batches.
+pub(super) struct Queue<T: Batched> {
+    arrivals: mpsc::UnboundedSender<Waiting<T>>,
+    /// Requests sent and not yet in a batch on its way.
+    waiting: Arc<AtomicUsize>,
+}
+
+impl<T: Batched> Queue<T> {
+    /// Starts the batching task on the current runtime.
+    pub(super) fn start(pool: Pool) -> Self {
+        let (arrivals, receiver) = mpsc::unbounded_channel();
+        let waiting = Arc::new(AtomicUsize::new(0));
+        tokio::spawn(collect(pool, receiver, waiting.clone()));
+        Queue { arrivals, waiting }
+    }
+
+    /// Requests sent and not yet in a batch on its way.
+    pub(super) fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::Relaxed)
+    }
+
+    /// Sends `request` in the next batch and waits for its answer.
+    pub(super) async fn ask(&self, request: T) -> Result<T::Answer, StoreError> {
+        let (reply, answer) = oneshot::channel();
+        let stopped = || StoreError::Unavailable("the batching task stopped".into());
+        self.waiting.fetch_add(1, Ordering::Relaxed);
+        self.arrivals
+            .send(Waiting { request, reply })
+            .map_err(|_| stopped())?;
+        answer.await.map_err(|_| stopped())?
+    }
+}
+
+/// The batching loop: waits for a request, then for a batch slot (while
+/// it waits, requests collect), then sends what collected.
+async fn collect<T: Batched>(
+    pool: Pool,
+    mut arrivals: mpsc::UnboundedReceiver<Waiting<T>>,
+    waiting: Arc<AtomicUsize>,
+) {
+    let slots = Arc::new(Semaphore::new(IN_FLIGHT));
+    let mut carried = VecDeque::new();
+    loop {
+        let first = match carried.pop_front() {
+            Some(first) => first,
+            None => match arrivals.recv().await {
+                Some(first) => first,
+                None => return,
+            },
+        };
+        let Ok(slot) = slots.clone().acquire_owned().await else {
+            return;
+        };
+        let batch = gather(first, &mut carried, &mut arrivals);
+        waiting.fetch_sub(batch.len(), Ordering::Relaxed);
+        let pool = pool.clone();
+        tokio::spawn(async move {
+            T::send(pool, batch).await;
+            drop(slot);
+        });
+    }
+}
+
+/// `first` and what waits after it, each key once, at most [`MAX_BATCH`];
+/// a second request for a key in the batch is carried to the next one.
+fn gather<T: Batched>(
+    first: Waiting<T>,
+    carried: &mut VecDeque<Waiting<T>>,
+    arrivals: &mut mpsc::UnboundedReceiver<Waiting<T>>,
+) -> Vec<Waiting<T>> {
+    let mut keys = HashSet::from([first.request.key()]);
+    let mut batch = vec![first];
+    let mut later = Vec::new();
+    let mut queued = std::mem::take(carried);
+    while batch.len() < MAX_BATCH {
+        let Some(next) = queued.pop_front().or_else(|| arrivals.try_recv().ok()) else {
+            break;
+        };
+        if keys.insert(next.request.key()) {
+            batch.push(next);
+        } else {
+            later.push(next);
+        }
+    }
+    carried.extend(later);
+    carried.extend(queued);
+    batch
+}
