@@ -15,6 +15,9 @@ pub struct Args {
     /// Replica counts for the scale-out table (empty: skipped).
     pub replicas: Vec<usize>,
     pub only: Option<String>,
+    /// Another build of idemgate whose new-key rows run beside this one's
+    /// (before and after a change, in one run).
+    pub baseline: Option<String>,
 }
 
 pub fn args() -> Args {
@@ -29,6 +32,7 @@ pub fn args() -> Args {
         storm: 10_000,
         replicas: vec![1, 2, 4],
         only: None,
+        baseline: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -50,6 +54,7 @@ pub fn args() -> Args {
                     .collect()
             }
             "--only" => a.only = Some(value),
+            "--baseline" => a.baseline = Some(value),
             other => panic!("unknown flag {other}"),
         }
     }

@@ -124,3 +124,36 @@ async fn per_setting(args: &Args, upstream: &str, db: &str, scratch: &Path) -> [
     .await;
     [one_thread, logging, access_log]
 }
+
+/// The new-key gateways of another build (`--baseline`): as deployed
+/// (PostgreSQL + Redis) and on PostgreSQL alone, killed when dropped.
+pub struct Baseline {
+    pub redis: Gateway,
+    pub postgres: Gateway,
+}
+
+impl Baseline {
+    pub async fn start(
+        binary: &str,
+        args: &Args,
+        upstream: &str,
+        db: &str,
+        scratch: &Path,
+    ) -> Baseline {
+        let memory_off = scratch.join("baseline-memory-off.toml");
+        std::fs::write(&memory_off, "replay_cache_size = 0\n").unwrap();
+        let memory_off = memory_off.display().to_string();
+        let off = ["--config", memory_off.as_str()];
+        Baseline {
+            redis: Gateway::start(
+                binary,
+                upstream,
+                Store::Postgres(db),
+                Some(&args.redis),
+                &[],
+            )
+            .await,
+            postgres: Gateway::start(binary, upstream, Store::Postgres(db), None, &off).await,
+        }
+    }
+}

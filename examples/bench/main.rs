@@ -8,8 +8,10 @@
 //! nginx has one worker, at the default log level, and with the access log
 //! on: nginx runs with its own off); replays of finished
 //! keys (Redis, PostgreSQL alone, the embedded store); a new key per request
-//! (PostgreSQL + Redis, embedded); the pgbench ceiling for the statements a
-//! new key needs; a duplicate storm (thousands of holders of one key); and
+//! (PostgreSQL + Redis, PostgreSQL alone, embedded; at the run's load and
+//! at a low one), beside a `--baseline` build's if given; the pgbench
+//! ceilings of the statements a new key needs (durable, and with cheap
+//! commits) and of a replay's read, run in every round; a duplicate storm (thousands of holders of one key); and
 //! the first byte of streamed answers. Load comes from `wrk` (1 thread);
 //! each row is the median of `--rounds` rounds of `--seconds`, rounds
 //! alternating between rows. CPU µs per request is the serving processes'
@@ -21,7 +23,7 @@
 //! The parts: `args` (the flags), `servers` (nginx and the floor, the
 //! reference servers), `gateways` (the idemgate processes the main table
 //! loads), `rows` (its rows, by scenario), `wrk` (a round of load),
-//! `pgbench` (the new-key ceiling), `table` (the main table), `scale_out`
+//! `pgbench` (the ceilings), `table` (the main table), `scale_out`
 //! and `storm` (the two tables after it), `usage` (CPU and memory, from
 //! /proc), and `client` (priming keys, emptying Redis).
 
@@ -41,7 +43,7 @@ mod usage;
 mod wrk;
 
 use client::flush_redis;
-use gateways::Gateways;
+use gateways::{Baseline, Gateways};
 use harness::{create_database, drop_database};
 use servers::{Floor, Nginx};
 
@@ -66,18 +68,26 @@ async fn main() {
     let mut rows = rows::references(&upstream, &nginx_a, &nginx_b, &floor_two, &floor_one);
     rows.extend(rows::pass_through(&gateways));
     rows.extend(rows::replays(&gateways));
-    rows.extend(rows::new_keys(&gateways));
+    let baseline = match &args.baseline {
+        Some(binary) => Some(Baseline::start(binary, &args, &upstream.url, &db, &scratch).await),
+        None => None,
+    };
+    rows.extend(rows::new_keys(&gateways, baseline.as_ref()));
     if let Some(only) = &args.only {
         rows.retain(|r| r.name.contains(only.as_str()) || r.name.starts_with("nginx"));
     }
+    let against_ceilings = rows.iter().any(|r| r.versus != rows::Versus::Nginx);
+    let mut ceilings = Vec::new();
     for round in 0..args.rounds {
         for (i, r) in rows.iter_mut().enumerate() {
             let result = wrk::wrk(&args, &scripts, r, round * 100 + i).await;
             r.rounds.push(result);
         }
+        if against_ceilings {
+            ceilings.push(pgbench::ceilings(&args, &db).await);
+        }
     }
-    let ceiling = pgbench::pgbench_ceiling(&args, &db).await;
-    table::print(&args, &rows, ceiling);
+    table::print(&args, &rows, &pgbench::median(&ceilings));
 
     if !args.replicas.is_empty() {
         let table = scale_out::scale_out(&args, &scripts, &upstream.url, &db).await;
@@ -89,7 +99,9 @@ async fn main() {
         println!();
         println!("{storm}");
     }
-    drop((gateways, floor_two, floor_one, nginx_a, nginx_b, upstream));
+    drop((
+        gateways, baseline, floor_two, floor_one, nginx_a, nginx_b, upstream,
+    ));
     drop_database(&args.database, &db).await;
     let _ = std::fs::remove_dir_all(&scratch);
 }

@@ -2,7 +2,7 @@
 //! idemgate passing requests through, replaying finished keys, and taking
 //! new keys. Their order is the table's.
 
-use crate::gateways::Gateways;
+use crate::gateways::{Baseline, Gateways};
 use crate::servers::{Floor, Nginx};
 
 /// A wrk round's result.
@@ -26,24 +26,36 @@ pub enum Load {
     NewKey,
 }
 
+/// What a row's req/s is compared with.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Versus {
+    Nginx,
+    /// pgbench running a new key's statements one by one (durable commits).
+    NewKeyCeiling,
+    /// nginx, and pgbench running the replay's read.
+    ReplayCeiling,
+}
+
 pub struct Row {
     pub name: String,
     pub url: String,
     pub load: Load,
     /// Processes whose CPU time the row is charged.
     pub pids: Vec<u32>,
-    /// Compared with nginx (true) or with the pgbench ceiling (false).
-    pub vs_nginx: bool,
+    pub versus: Versus,
+    /// Its own number of connections (the low-load rows), or the run's.
+    pub connections: Option<usize>,
     pub rounds: Vec<Round>,
 }
 
-pub fn row(name: &str, url: &str, load: Load, pids: Vec<u32>, vs_nginx: bool) -> Row {
+pub fn row(name: &str, url: &str, load: Load, pids: Vec<u32>, versus: Versus) -> Row {
     Row {
         name: name.into(),
         url: url.into(),
         load,
         pids,
-        vs_nginx,
+        versus,
+        connections: None,
         rounds: Vec::new(),
     }
 }
@@ -63,35 +75,35 @@ pub fn references(
             &upstream.url,
             Load::Plain,
             upstream.pids(),
-            true,
+            Versus::Nginx,
         ),
         row(
             "nginx proxy A",
             &nginx_a.url,
             Load::Plain,
             nginx_a.pids(),
-            true,
+            Versus::Nginx,
         ),
         row(
             "nginx proxy B (A/A: the run's noise)",
             &nginx_b.url,
             Load::Plain,
             nginx_b.pids(),
-            true,
+            Versus::Nginx,
         ),
         row(
             "floor: hyper server + the gateway's pool, no layers, two threads",
             &floor_two.url,
             Load::Plain,
             vec![floor_two.pid],
-            true,
+            Versus::Nginx,
         ),
         row(
             "floor: the same on one thread",
             &floor_one.url,
             Load::Plain,
             vec![floor_one.pid],
-            true,
+            Versus::Nginx,
         ),
     ]
 }
@@ -105,28 +117,28 @@ pub fn pass_through(g: &Gateways) -> Vec<Row> {
             &g.default.url,
             Load::Plain,
             vec![g.default.pid],
-            true,
+            Versus::Nginx,
         ),
         row(
             "idemgate pass-through, one worker thread (access log off)",
             &g.one_thread.url,
             Load::Plain,
             vec![g.one_thread.pid],
-            true,
+            Versus::Nginx,
         ),
         row(
             "idemgate pass-through, logs at info (the default level), access log off",
             &g.logging.url,
             Load::Plain,
             vec![g.logging.pid],
-            true,
+            Versus::Nginx,
         ),
         row(
             "idemgate pass-through, access log on (logs at info, to a file)",
             &g.access_log.url,
             Load::Plain,
             vec![g.access_log.pid],
-            true,
+            Versus::Nginx,
         ),
     ]
 }
@@ -139,62 +151,88 @@ pub fn replays(g: &Gateways) -> Vec<Row> {
             &g.default.url,
             Load::Replay { keys: 200 },
             vec![g.default.pid],
-            true,
+            Versus::Nginx,
         ),
         row(
             "idemgate replay, from memory, one worker thread",
             &g.one_thread.url,
             Load::Replay { keys: 200 },
             vec![g.one_thread.pid],
-            true,
+            Versus::Nginx,
         ),
         row(
             "idemgate replay, Redis (memory off)",
             &g.redis.url,
             Load::Replay { keys: 200 },
             vec![g.redis.pid],
-            true,
+            Versus::Nginx,
         ),
         row(
             "idemgate replay, PostgreSQL alone (memory off)",
             &g.postgres.url,
             Load::Replay { keys: 200 },
             vec![g.postgres.pid],
-            true,
+            Versus::ReplayCeiling,
         ),
         row(
             "idemgate replay, embedded store (memory off)",
             &g.embedded.url,
             Load::Replay { keys: 200 },
             vec![g.embedded.pid],
-            true,
+            Versus::Nginx,
         ),
     ]
 }
 
-/// A new key per request, measured against the pgbench ceiling.
-pub fn new_keys(g: &Gateways) -> Vec<Row> {
-    vec![
-        row(
-            "idemgate new key, PostgreSQL + Redis",
-            &g.default.url,
+/// A new key per request, measured against the pgbench ceiling: at the
+/// run's load, and at a low one (8 connections), where batching must not
+/// add latency; beside the same rows of a `--baseline` build, if given.
+pub fn new_keys(g: &Gateways, baseline: Option<&Baseline>) -> Vec<Row> {
+    let new_key = |name: &str, gateway: &crate::harness::Gateway, connections| Row {
+        connections,
+        ..row(
+            name,
+            &gateway.url,
             Load::NewKey,
-            vec![g.default.pid],
-            false,
-        ),
-        row(
+            vec![gateway.pid],
+            Versus::NewKeyCeiling,
+        )
+    };
+    let mut rows = vec![
+        new_key("idemgate new key, PostgreSQL + Redis", &g.default, None),
+        new_key(
             "idemgate new key, PostgreSQL + Redis, one worker thread",
-            &g.one_thread.url,
-            Load::NewKey,
-            vec![g.one_thread.pid],
-            false,
+            &g.one_thread,
+            None,
         ),
-        row(
-            "idemgate new key, embedded store",
-            &g.embedded.url,
-            Load::NewKey,
-            vec![g.embedded.pid],
-            false,
+        new_key("idemgate new key, PostgreSQL alone", &g.postgres, None),
+        new_key("idemgate new key, embedded store", &g.embedded, None),
+        new_key(
+            "idemgate new key, PostgreSQL + Redis, low load (8 connections)",
+            &g.default,
+            Some(8),
         ),
-    ]
+        new_key(
+            "idemgate new key, PostgreSQL alone, low load (8 connections)",
+            &g.postgres,
+            Some(8),
+        ),
+    ];
+    if let Some(b) = baseline {
+        rows.extend([
+            new_key("baseline new key, PostgreSQL + Redis", &b.redis, None),
+            new_key("baseline new key, PostgreSQL alone", &b.postgres, None),
+            new_key(
+                "baseline new key, PostgreSQL + Redis, low load (8 connections)",
+                &b.redis,
+                Some(8),
+            ),
+            new_key(
+                "baseline new key, PostgreSQL alone, low load (8 connections)",
+                &b.postgres,
+                Some(8),
+            ),
+        ]);
+    }
+    rows
 }

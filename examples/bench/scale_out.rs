@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use crate::args::Args;
 use crate::client::{flush_redis, prime, send};
 use crate::harness::{Gateway, Store};
-use crate::rows::{row, Load, Row};
+use crate::rows::{row, Load, Row, Versus};
 use crate::wrk::wrk_with;
 
 /// Replicas side by side on one PostgreSQL and one Redis: new keys and
@@ -48,7 +48,7 @@ pub async fn scale_out(
         ] {
             let rows: Vec<Row> = replicas
                 .iter()
-                .map(|g| row(name, &g.url, load.clone(), vec![g.pid], true))
+                .map(|g| row(name, &g.url, load.clone(), vec![g.pid], Versus::Nginx))
                 .collect();
             let each = (args.connections / n).max(1);
             let rounds = futures_util::future::join_all(

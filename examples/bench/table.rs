@@ -1,12 +1,13 @@
 //! The main table: each row's median over its rounds, beside nginx (or,
-//! for new keys, beside the pgbench ceiling).
+//! for the database rows, beside the pgbench ceilings of their statements).
 
 use crate::args::Args;
-use crate::rows::{Round, Row};
+use crate::pgbench::Ceilings;
+use crate::rows::{Round, Row, Versus};
 
-/// Prints the main table of `rows`, their new keys measured against
-/// `ceiling` (pgbench's transactions per second).
-pub fn print(args: &Args, rows: &[Row], ceiling: f64) {
+/// Prints the main table of `rows`, the database rows measured against
+/// `ceilings` (each the median of the rounds').
+pub fn print(args: &Args, rows: &[Row], ceilings: &Ceilings) {
     let nginx = |f: fn(&Round) -> f64| {
         let proxies: Vec<f64> = rows
             .iter()
@@ -18,8 +19,9 @@ pub fn print(args: &Args, rows: &[Row], ceiling: f64) {
     let nginx_rps = nginx(|r| r.rps);
     println!();
     println!(
-        "wrk, 1 thread, {} connections, {} s rounds, median of {}; one upstream (nginx, fixed JSON answer); \
-         nginx 1 worker as the reference proxy",
+        "wrk, 1 thread, {} connections (unless a row says otherwise), {} s rounds, median of {}; \
+         one upstream (nginx, fixed JSON answer); nginx 1 worker as the reference proxy; \
+         the pgbench ceilings run in every round, after its rows",
         args.connections, args.seconds, args.rounds
     );
     println!();
@@ -29,10 +31,18 @@ pub fn print(args: &Args, rows: &[Row], ceiling: f64) {
     println!("|---|--:|--:|--:|--:|--:|--:|");
     for r in rows {
         let rps = median(r.rounds.iter().map(|x| x.rps).collect());
-        let ratio = if r.vs_nginx {
-            format!("{:.2}× nginx", rps / nginx_rps)
-        } else {
-            format!("{:.0} % of ceiling", 100.0 * rps / ceiling.max(1.0))
+        let ratio = match r.versus {
+            Versus::Nginx => format!("{:.2}× nginx", rps / nginx_rps),
+            Versus::NewKeyCeiling => format!(
+                "{:.2}× ceiling ({:.2}× with cheap commits)",
+                rps / ceilings.new_key.max(1.0),
+                rps / ceilings.new_key_cheap_commits.max(1.0)
+            ),
+            Versus::ReplayCeiling => format!(
+                "{:.2}× nginx, {:.2}× read ceiling",
+                rps / nginx_rps,
+                rps / ceilings.replay_read.max(1.0)
+            ),
         };
         println!(
             "| {} | {:.0} | {:.2} | {:.2} | {} | {:.0} | {} |",
@@ -45,9 +55,18 @@ pub fn print(args: &Args, rows: &[Row], ceiling: f64) {
             r.rounds.iter().map(|x| x.errors).sum::<u64>(),
         );
     }
+    let clients = args.connections;
     println!(
-        "| pgbench ceiling: the new-key statements (insert job, insert attempt, CAS commit), {} clients | {:.0} tx/s | | | 100 % | | |",
-        args.connections, ceiling
+        "| pgbench ceiling: a new key's statements one by one (insert job, insert attempt, CAS commit), {clients} clients | {:.0} tx/s | | | 1.00× | | |",
+        ceilings.new_key
+    );
+    println!(
+        "| pgbench ceiling: the same, synchronous_commit = off (cheap commits), {clients} clients | {:.0} tx/s | | | | | |",
+        ceilings.new_key_cheap_commits
+    );
+    println!(
+        "| pgbench ceiling: a replay's read (a finished job's row by owner and key), {clients} clients | {:.0} tx/s | | | | | |",
+        ceilings.replay_read
     );
 }
 

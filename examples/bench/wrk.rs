@@ -47,9 +47,11 @@ wrk.headers["Authorization"] = "Bearer bench-client"
         .collect()
 }
 
-/// One round of `row`'s load over `args.connections` connections.
+/// One round of `row`'s load over its connections (the run's, unless it
+/// has its own).
 pub async fn wrk(args: &Args, scripts: &BTreeMap<&str, PathBuf>, row: &Row, round: usize) -> Round {
-    wrk_with(args.connections, args, scripts, row, round).await
+    let connections = row.connections.unwrap_or(args.connections);
+    wrk_with(connections, args, scripts, row, round).await
 }
 
 /// One round of `row`'s load over `connections` connections, for

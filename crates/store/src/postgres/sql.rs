@@ -24,7 +24,7 @@ pub(super) const SNAPSHOT_COLUMNS: &str =
      a.id, a.number, a.state, a.job_version, a.lease_expires_at";
 
 /// [`Backend::begin`](crate::Backend::begin)'s statement, for a batch of
-/// new requests at once (`batch.rs`): one round trip and one commit for all
+/// new requests at once (`batch/begin.rs`): one round trip and one commit for all
 /// of them, a new key and a duplicate alike. The parameters are arrays, one
 /// element per request, sorted by `(owner, key)` so that two batches
 /// inserting the same keys take their index locks in the same order and

@@ -1,8 +1,10 @@
-//! Begins of many requests at once, which PostgreSQL takes in batches
-//! (`crates/store/src/postgres/batch.rs`): every store makes one job per
-//! key however the begins are grouped; on PostgreSQL, begins that collect
-//! while the database is busy go in one statement, a key twice in it waits
-//! for the next, and a row that fails the statement fails alone.
+//! Begins and commits of many requests at once, which PostgreSQL takes in
+//! batches (`crates/store/src/postgres/batch/`): every store makes one job
+//! per key however the begins are grouped, and keeps one winner's answer
+//! per job however the commits are; on PostgreSQL, requests that collect
+//! while the database is busy go in one statement, a key (or a job) twice
+//! in it waits for the next, and a row that fails the statement fails
+//! alone.
 
 use super::*;
 
