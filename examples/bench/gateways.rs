@@ -126,10 +126,14 @@ async fn per_setting(args: &Args, upstream: &str, db: &str, scratch: &Path) -> [
 }
 
 /// The new-key gateways of another build (`--baseline`): as deployed
-/// (PostgreSQL + Redis) and on PostgreSQL alone, killed when dropped.
+/// (PostgreSQL + Redis) and on PostgreSQL alone, killed when dropped. They
+/// serve the low-load rows only, so their pools hold 8 connections: the
+/// database's 100 is shared by every gateway of the run and by pgbench.
 pub struct Baseline {
     pub redis: Gateway,
     pub postgres: Gateway,
+    /// Its database, apart from this build's.
+    pub db: String,
 }
 
 impl Baseline {
@@ -154,6 +158,7 @@ impl Baseline {
             )
             .await,
             postgres: Gateway::start(binary, upstream, Store::Postgres(db), None, &off).await,
+            db: db.to_owned(),
         }
     }
 }

@@ -44,7 +44,7 @@ mod wrk;
 
 use client::flush_redis;
 use gateways::{Baseline, Gateways};
-use harness::{create_database, drop_database};
+use harness::{create_database, create_database_for, drop_database};
 use servers::{Floor, Nginx};
 
 #[tokio::main]
@@ -68,8 +68,12 @@ async fn main() {
     let mut rows = rows::references(&upstream, &nginx_a, &nginx_b, &floor_two, &floor_one);
     rows.extend(rows::pass_through(&gateways));
     rows.extend(rows::replays(&gateways));
+    // A database of its own: another build may know other migrations.
     let baseline = match &args.baseline {
-        Some(binary) => Some(Baseline::start(binary, &args, &upstream.url, &db, &scratch).await),
+        Some(binary) => {
+            let db = create_database_for(&args.database, "_baseline").await;
+            Some(Baseline::start(binary, &args, &upstream.url, &db, &scratch).await)
+        }
         None => None,
     };
     rows.extend(rows::new_keys(&gateways, baseline.as_ref()));
@@ -99,9 +103,13 @@ async fn main() {
         println!();
         println!("{storm}");
     }
+    let baseline_db = baseline.as_ref().map(|b| b.db.clone());
     drop((
         gateways, baseline, floor_two, floor_one, nginx_a, nginx_b, upstream,
     ));
     drop_database(&args.database, &db).await;
+    if let Some(db) = baseline_db {
+        drop_database(&args.database, &db).await;
+    }
     let _ = std::fs::remove_dir_all(&scratch);
 }

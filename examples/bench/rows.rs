@@ -186,7 +186,7 @@ pub fn replays(g: &Gateways) -> Vec<Row> {
 
 /// A new key per request, measured against the pgbench ceiling: at the
 /// run's load, and at a low one (8 connections), where batching must not
-/// add latency; beside the same rows of a `--baseline` build, if given.
+/// add latency; beside the low-load rows of a `--baseline` build, if given.
 pub fn new_keys(g: &Gateways, baseline: Option<&Baseline>) -> Vec<Row> {
     let new_key = |name: &str, gateway: &crate::harness::Gateway, connections| Row {
         connections,
@@ -220,8 +220,6 @@ pub fn new_keys(g: &Gateways, baseline: Option<&Baseline>) -> Vec<Row> {
     ];
     if let Some(b) = baseline {
         rows.extend([
-            new_key("baseline new key, PostgreSQL + Redis", &b.redis, None),
-            new_key("baseline new key, PostgreSQL alone", &b.postgres, None),
             new_key(
                 "baseline new key, PostgreSQL + Redis, low load (8 connections)",
                 &b.redis,

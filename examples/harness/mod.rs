@@ -18,7 +18,13 @@ use tokio::process::{Child, Command};
 
 /// A fresh database named for this process on `server`; its URL.
 pub async fn create_database(server: &str) -> String {
-    let name = format!("idemgate_bench_{}", std::process::id());
+    create_database_for(server, "").await
+}
+
+/// [`create_database`], its name ending in `suffix`: a second one.
+#[allow(dead_code)] // not every example that shares the harness needs two
+pub async fn create_database_for(server: &str, suffix: &str) -> String {
+    let name = format!("idemgate_bench_{}{suffix}", std::process::id());
     let (client, conn) = tokio_postgres::connect(server, tokio_postgres::NoTls)
         .await
         .expect("PostgreSQL is not reachable; run scripts/bench.sh, which starts it");
