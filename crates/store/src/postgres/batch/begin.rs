@@ -18,7 +18,7 @@ use tokio_postgres::types::ToSql;
 use uuid::Uuid;
 
 use super::super::rows::answer;
-use super::super::sql::begin_statement;
+use super::super::sql::{begin_one_statement, begin_statement};
 use super::super::{map_pg, Postgres};
 use super::{Batched, Waiting};
 use crate::{millis, Begin, StoreError};
@@ -61,6 +61,10 @@ impl Batched for BeginRequest {
 /// Sends `batch` as one statement and answers each request; those it did
 /// not settle, or all of them if it failed, are asked again alone.
 async fn send(pool: &Pool, mut batch: Vec<Waiting<BeginRequest>>) {
+    if batch.len() == 1 {
+        // Alone, the one-row statement is the cheaper (`begin_one_statement`).
+        return answer_alone(pool, batch).await;
+    }
     // Compared in place: `key` would copy both strings at every comparison.
     batch.sort_by(|a, b| a.request.sort_key().cmp(&b.request.sort_key()));
     let unsettled = match begin_many(pool, &batch).await {
@@ -76,7 +80,12 @@ async fn send(pool: &Pool, mut batch: Vec<Waiting<BeginRequest>>) {
         }
         Err(_) => batch,
     };
-    let alone = unsettled.into_iter().map(|waiting| async move {
+    answer_alone(pool, unsettled).await
+}
+
+/// Asks each of `requests` alone, at once, and answers it.
+async fn answer_alone(pool: &Pool, requests: Vec<Waiting<BeginRequest>>) {
+    let alone = requests.into_iter().map(|waiting| async move {
         let BeginRequest { job, attempt } = &waiting.request;
         let answer = begin_alone(pool, job, attempt).await;
         waiting.answer(answer);
@@ -128,13 +137,27 @@ async fn begin_many(
 async fn begin_alone(pool: &Pool, job: &NewJob, attempt: &NewAttempt) -> Result<Begin, StoreError> {
     let client = Postgres::pooled(pool).await?;
     let statement = client
-        .prepare_cached(&begin_statement())
+        .prepare_cached(&begin_one_statement())
         .await
         .map_err(map_pg)?;
-    let columns = Columns::of([(job, attempt)]);
+    let params: [&(dyn ToSql + Sync); 13] = [
+        &job.id.0,
+        &job.owner.as_str(),
+        &job.key.as_str(),
+        &job.fingerprint.0.as_slice(),
+        &job.route,
+        &millis(job.ttl),
+        &attempt.id.0,
+        &attempt.upstream,
+        &attempt.instance,
+        &millis(attempt.lease),
+        &millis(attempt.deadline),
+        &JobState::Running.as_str(),
+        &AttemptState::Started.as_str(),
+    ];
     for _ in 0..3 {
         let row = client
-            .query_opt(&statement, &columns.params())
+            .query_opt(&statement, &params)
             .await
             .map_err(map_pg)?;
         let Some(row) = row else { continue };

@@ -69,13 +69,20 @@ impl Batched for CommitRequest {
 /// each is sent again alone.
 async fn send(pool: &Pool, mut batch: Vec<Waiting<CommitRequest>>) {
     batch.sort_by_key(|w| w.request.job);
-    match commit_many(pool, &batch).await {
+    // Alone, the one-row statement is the cheaper (`COMMIT_ONE`).
+    let many = if batch.len() > 1 {
+        commit_many(pool, &batch).await
+    } else {
+        Err(StoreError::Contended)
+    };
+    match many {
         Ok(mut won) => {
             for waiting in batch {
                 let answer = won.remove(&waiting.request.job);
                 waiting.answer(Ok(answer));
             }
         }
+        // Failed, or one commit: each alone.
         Err(_) => {
             let alone = batch.into_iter().map(|waiting| async move {
                 let answer = commit_alone(pool, &waiting.request).await;
