@@ -179,6 +179,8 @@ async fn serve(settings: Settings) -> ExitCode {
     // Tests and scripts read this line to learn OS-assigned ports, and that
     // the gateway is ready.
     let ready = || {
+        // Start-up's lines first: whoever waits for this line reads them.
+        telemetry::logs::flush();
         println!("idemgate listening on http://{proxy_addr} (admin on http://{admin_addr})");
     };
     match app::run(settings, Listeners { proxy, admin }, shutdown, ready).await {

@@ -7,7 +7,8 @@
 //! buffer under a lock held for the copy; the thread wakes at the first
 //! line of a batch, lets lines gather for [`GATHER`], and writes them in
 //! one `write`. A writer waits only when [`LIMIT`] bytes are waiting (its
-//! disk or reader is slower than the log): no line is dropped. The
+//! disk or reader is slower than the log): no line is dropped. Warnings
+//! and errors are written at once, after the lines waiting. The
 //! [`Logs`] handle writes what is left when the process ends; [`flush`]
 //! writes what is pending before a message written to stderr directly.
 
@@ -58,7 +59,13 @@ pub struct Logs {
 }
 
 /// One line, as the formatter writes it.
-pub struct Line<'a>(&'a Shared);
+pub struct Line<'a> {
+    shared: &'a Shared,
+    /// A warning or an error: written at once (after the lines waiting),
+    /// as the lines that tell why a process is about to die must not wait
+    /// with it; they are few.
+    at_once: bool,
+}
 
 /// The writer [`start`] made first, for [`flush`].
 static STARTED: OnceLock<Arc<Shared>> = OnceLock::new();
@@ -151,8 +158,7 @@ impl Shared {
         }
         if pending.closed {
             drop(pending);
-            self.write_pending(Vec::new(), line);
-            return;
+            return self.write_now(line);
         }
         let before = pending.bytes.len();
         pending.bytes.extend_from_slice(line);
@@ -164,11 +170,20 @@ impl Shared {
             self.arrived.notify_one();
         }
     }
+
+    /// Writes a line now, after the lines waiting.
+    fn write_now(&self, line: &[u8]) {
+        self.write_pending(Vec::new(), line);
+    }
 }
 
 impl Write for Line<'_> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.push(buf);
+        if self.at_once {
+            self.shared.write_now(buf);
+        } else {
+            self.shared.push(buf);
+        }
         Ok(buf.len())
     }
 
@@ -181,7 +196,17 @@ impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Batched {
     type Writer = Line<'a>;
 
     fn make_writer(&'a self) -> Self::Writer {
-        Line(&self.0)
+        Line {
+            shared: &self.0,
+            at_once: false,
+        }
+    }
+
+    fn make_writer_for(&'a self, meta: &tracing::Metadata<'_>) -> Self::Writer {
+        Line {
+            shared: &self.0,
+            at_once: *meta.level() <= tracing::Level::WARN,
+        }
     }
 }
 
