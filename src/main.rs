@@ -34,8 +34,8 @@ fn main() -> ExitCode {
         Err(e) => return fail(format!("cannot start the runtime: {e}")),
     };
     runtime.block_on(async {
-        let traces = match telemetry::init() {
-            Ok(traces) => traces,
+        let (traces, logs) = match telemetry::init() {
+            Ok(ends) => ends,
             Err(e) => return fail(e),
         };
         let code = job.run().await;
@@ -43,6 +43,9 @@ fn main() -> ExitCode {
             // Blocks while the last spans go out through this runtime.
             let _ = tokio::task::spawn_blocking(move || traces.shutdown()).await;
         }
+        // Waits for the log's thread to write every line it holds: no
+        // line is lost at a graceful exit (docs/design.md §12).
+        drop(logs);
         code
     })
 }
@@ -176,6 +179,8 @@ async fn serve(settings: Settings) -> ExitCode {
     // Tests and scripts read this line to learn OS-assigned ports, and that
     // the gateway is ready.
     let ready = || {
+        // Start-up's lines first: whoever waits for this line reads them.
+        telemetry::logs::flush();
         println!("idemgate listening on http://{proxy_addr} (admin on http://{admin_addr})");
     };
     match app::run(settings, Listeners { proxy, admin }, shutdown, ready).await {
@@ -209,6 +214,8 @@ async fn on_signal(shutdown: CancellationToken) {
 }
 
 fn fail(e: impl std::fmt::Display) -> ExitCode {
+    // After the lines logged before it (they are written in batches).
+    telemetry::logs::flush();
     eprintln!("idemgate: {e}");
     ExitCode::from(2)
 }

@@ -4,6 +4,7 @@
 
 pub mod catalogue;
 pub mod ends;
+pub mod logs;
 pub mod trace;
 
 use std::sync::OnceLock;
@@ -11,15 +12,16 @@ use std::sync::OnceLock;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 /// Installs the subscriber: logs to stderr, and spans to OTLP when an
-/// endpoint is configured ([`trace`]); the handle it returns
-/// flushes the spans at exit. An unusable endpoint is an error naming it.
+/// endpoint is configured ([`trace`]); the handles it returns flush the
+/// spans and the log's lines ([`logs`]) at exit, and must be kept until
+/// then. An unusable endpoint is an error naming it.
 ///
 /// Logs: `RUST_LOG` filters (default `info`, migrations quiet),
 /// `IDEMGATE_LOG_FORMAT=json` switches to JSON lines. Whatever `RUST_LOG`
 /// says, the PostgreSQL driver never logs below `info`: at `debug` it prints
 /// every statement's parameters, which hold stored responses and owners.
 /// Nothing the gateway itself logs carries a body, a credential or a key.
-pub fn init() -> Result<Option<crate::trace::Traces>, String> {
+pub fn init() -> Result<(Option<crate::trace::Traces>, logs::Logs), String> {
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
     use tracing_subscriber::Layer;
@@ -36,11 +38,20 @@ pub fn init() -> Result<Option<crate::trace::Traces>, String> {
             filter = filter.add_directive(cap);
         }
     }
+    let (spans, traces) = match crate::trace::init()? {
+        Some((layer, traces)) => (Some(layer), Some(traces)),
+        None => (None, None),
+    };
+    // Lines go to stderr from a thread of their own, in batches: written
+    // where they are logged, the access log's line per request cost more
+    // than the rest of the line (docs/design.md §12, "Access log").
+    let (writer, flusher) =
+        logs::start().map_err(|e| format!("cannot start the log's writer thread: {e}"))?;
     let json = std::env::var("IDEMGATE_LOG_FORMAT").is_ok_and(|v| v == "json");
     let logs = if json {
         tracing_subscriber::fmt::layer()
             .json()
-            .with_writer(std::io::stderr)
+            .with_writer(writer)
             .with_filter(filter)
             .boxed()
     } else {
@@ -48,20 +59,16 @@ pub fn init() -> Result<Option<crate::trace::Traces>, String> {
         // would get escape codes, and every request span's fields would be
         // styled for nobody (docs/performance.md, item 14).
         tracing_subscriber::fmt::layer()
-            .with_writer(std::io::stderr)
+            .with_writer(writer)
             .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .with_filter(filter)
             .boxed()
-    };
-    let (spans, traces) = match crate::trace::init()? {
-        Some((layer, traces)) => (Some(layer), Some(traces)),
-        None => (None, None),
     };
     let _ = tracing_subscriber::registry()
         .with(logs)
         .with(spans)
         .try_init();
-    Ok(traces)
+    Ok((traces, flusher))
 }
 
 /// The process-wide Prometheus recorder (installed once; later gateways in

@@ -175,3 +175,52 @@ async fn a_failed_over_request_names_the_attempt_and_upstream_that_answered() {
     assert_eq!(line["attempt"], 2, "{line}");
     assert_eq!(line["upstream"], "fallback-1", "{line}");
 }
+
+/// The log's lines are written in batches by a thread of their own
+/// (`docs/design.md` §12, "Access log"): a graceful stop (SIGTERM) writes
+/// every line still waiting, each whole and once, the gateway's last line
+/// (logged a moment before the process ends) included.
+#[tokio::test]
+async fn a_graceful_stop_writes_every_line_whole_and_once() {
+    const WORKERS: usize = 8;
+    const EACH: usize = 100;
+    let store = TestStore::embedded();
+    let upstream = FakeUpstream::echo().await;
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let mut gateway = Gateway::builder(&store, &upstream.url())
+        .set("access_log", "true")
+        .env("RUST_LOG", "info")
+        .env("IDEMGATE_LOG_FORMAT", "json")
+        .stderr_to(log.path())
+        .start()
+        .await;
+    let workers = (0..WORKERS).map(|worker| {
+        let url = gateway.path(&format!("/v1/items/{worker}"));
+        async move {
+            for n in 0..EACH {
+                let reply = send(Method::GET, &format!("{url}/{n}"), &[], "").await;
+                assert_eq!(reply.status, 200);
+            }
+        }
+    });
+    futures_util::future::join_all(workers).await;
+    assert!(gateway.terminate().await.success());
+
+    let logged = std::fs::read_to_string(log.path()).unwrap();
+    let lines: Vec<Value> = logged
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line:?}")))
+        .collect();
+    let last = lines.last().expect("lines");
+    assert_eq!(last["fields"]["message"], "gateway stopped", "{last}");
+    let mut paths: Vec<String> = access_lines(log.path())
+        .iter()
+        .map(|line| line["path"].as_str().expect("a path").to_owned())
+        .collect();
+    paths.sort();
+    let mut sent: Vec<String> = (0..WORKERS)
+        .flat_map(|worker| (0..EACH).map(move |n| format!("/v1/items/{worker}/{n}")))
+        .collect();
+    sent.sort();
+    assert_eq!(paths, sent, "one line per request");
+}
