@@ -19,6 +19,9 @@ use idemgate_upkeep::probe;
 /// mimalloc: a gateway allocates many small, short-lived buffers per
 /// request; in the benchmark it cut the CPU per passed-through request by
 /// about a fifth against the system allocator (docs/performance.md, item 4).
+/// Heap profilers see only the system allocator: the `system-allocator`
+/// feature leaves it in place for them.
+#[cfg(not(feature = "system-allocator"))]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -79,7 +79,9 @@ pub(crate) fn run(
         let result = match (flow.decide(&mut job_id).await, &flow.driver.request.resume) {
             (Ok(replay), Some(point)) => {
                 let retry_after = flow.driver.shared.config.retry_after;
-                resume(replay, point, retry_after)
+                // Boxed, as every step a held duplicate never waits in
+                // (`Flow::decide`).
+                Box::pin(resume(replay, point, retry_after))
                     .await
                     .map_err(GatewayError::from)
             }
@@ -138,33 +140,44 @@ impl Flow {
             *job_id = Some(job);
             return Ok(response);
         }
-        if let Some((job, response)) = replays.in_redis(&self.driver.request).await {
+        // Boxed, as every step a held duplicate does not wait in: this
+        // future waits for as long as the duplicate is held, and is as
+        // large as the largest step it awaits (docs/performance.md, "Per
+        // held duplicate").
+        if let Some((job, response)) = Box::pin(replays.in_redis(&self.driver.request)).await {
             *job_id = Some(job);
             return Ok(response);
         }
-        let job = if self.driver.request.resume.is_some() {
-            self.to_resume().await?
-        } else {
-            match joined(self.driver.begin()).await? {
-                Begun::Created(first, expires_at) => {
-                    *job_id = Some(first.attempt.job_id);
-                    metrics::counter!("idemgate_jobs_created_total").increment(1);
-                    // Boxed: a held duplicate's future need not be as large
-                    // as one that runs attempts.
-                    return Box::pin(self.driver.drive(first, expires_at)).await;
+        // The job met is moved into its meeting before the meeting is
+        // awaited, in a block: a binding in scope across the await would
+        // keep a second `Job` in this future for as long as a duplicate is
+        // held.
+        let meeting = {
+            let job = if self.driver.request.resume.is_some() {
+                self.to_resume().await?
+            } else {
+                match joined(self.driver.begin()).await? {
+                    Begun::Created(first, expires_at) => {
+                        *job_id = Some(first.attempt.job_id);
+                        metrics::counter!("idemgate_jobs_created_total").increment(1);
+                        // Boxed: a held duplicate's future need not be as
+                        // large as one that runs attempts.
+                        return Box::pin(self.driver.drive(first, expires_at)).await;
+                    }
+                    Begun::Existing(job) => job,
                 }
-                Begun::Existing(job) => job,
+            };
+            *job_id = Some(job.id);
+            if job.fingerprint != self.driver.request.intent.fingerprint {
+                return Err(ClientError::KeyMismatch {
+                    status: self.driver.shared.config.mismatch_status,
+                }
+                .into());
             }
+            // Boxed: only a duplicate (or a retry after a failure) needs it.
+            Box::pin(self.meet(job))
         };
-        *job_id = Some(job.id);
-        if job.fingerprint != self.driver.request.intent.fingerprint {
-            return Err(ClientError::KeyMismatch {
-                status: self.driver.shared.config.mismatch_status,
-            }
-            .into());
-        }
-        // Boxed: only a duplicate (or a retry after a failure) needs it.
-        Box::pin(self.meet(job)).await
+        meeting.await
     }
 
     /// The job a request that resumes a stream meets: never a new one.
@@ -254,7 +267,8 @@ impl Flow {
         }
         request.waits_on(job.id);
         let tag = Tag::of(&request.intent.owner, &request.intent.key);
-        if let Some(joined) = shared.live.join(&tag, job.id).await {
+        // Boxed: the hold below is what a duplicate waits in (`decide`).
+        if let Some(joined) = Box::pin(shared.live.join(&tag, job.id)).await {
             return Ok(Next::Answered(joined));
         }
         Ok(Next::Reread(self.driver.hold(job.id).await?))
@@ -349,4 +363,48 @@ fn nothing_to_resume(why: &str) -> GatewayError {
         events: None,
     }
     .into()
+}
+
+#[cfg(test)]
+#[allow(unreachable_code, unused_variables, clippy::diverging_sub_expression)]
+mod held_size {
+    use super::*;
+
+    /// The size of what `make` returns; `make` is never called.
+    fn size_of_output<F>(_: &impl Fn() -> F) -> usize {
+        std::mem::size_of::<F>()
+    }
+
+    /// A held duplicate waits in `decide` (for its boxed meeting) and in
+    /// the hold: neither carries the reads it made before, nor a `Job`
+    /// beside the one it is meeting (docs/performance.md, "Per held
+    /// duplicate"; in a test build they were 1,456 and 1,160 bytes).
+    #[test]
+    fn a_held_duplicate_carries_neither_its_reads_nor_a_second_job() {
+        let decide = size_of_output(&|| {
+            let (flow, id): (&'static Flow, &'static mut Option<JobId>) = unreachable!();
+            flow.decide(id)
+        });
+        let in_redis = size_of_output(&|| {
+            let driver: &'static Driver = unreachable!();
+            driver.shared.replays.in_redis(&driver.request)
+        });
+        let hold = size_of_output(&|| {
+            let driver: &'static Driver = unreachable!();
+            driver.hold(unreachable!())
+        });
+        let streaming = size_of_output(&|| {
+            let (driver, tag): (&'static Driver, &'static Tag) = unreachable!();
+            driver.shared.live.streaming(tag, unreachable!())
+        });
+        let job = std::mem::size_of::<Job>();
+        assert!(
+            decide < in_redis,
+            "decide {decide} bytes, the Redis read {in_redis}"
+        );
+        assert!(
+            hold < streaming + job,
+            "the hold {hold} bytes, its read {streaming} and a Job {job}"
+        );
+    }
 }

@@ -21,7 +21,7 @@ use crate::error::{ClientError, GatewayError};
 use idemgate_domain::id::JobId;
 use idemgate_domain::job::{Job, JobState};
 use idemgate_domain::response::StoredResponse;
-use idemgate_store::{Doorbell, Observed, Store};
+use idemgate_store::{Bell, Doorbell, Observed, Store};
 
 /// How long duplicates are held, and what they are told after.
 #[derive(Debug, Clone, Copy)]
@@ -135,7 +135,11 @@ impl Holds {
         let bell = self.doorbell.bell(job);
         // Changes of a job are announced to other replicas only once
         // someone waits on it; the reads below follow the mark.
-        bell.watched(|| self.store.watch(job)).await?;
+        // Boxed, as the reads below: a held duplicate waits in this future
+        // (for the ring, or the deadline), which would otherwise be as
+        // large as the largest read it awaits (docs/performance.md, "Per
+        // held duplicate").
+        Box::pin(bell.watched(|| self.store.watch(job))).await?;
         metrics::counter!("idemgate_requests_held_total").increment(1);
         let _held = HeldGauge::new();
         loop {
@@ -144,16 +148,37 @@ impl Holds {
             rung.as_mut().enable();
             // What another waiter read since the last ring serves here too.
             let since = bell.rings();
-            let seen = bell.observe(since, || self.observe(job, streaming)).await?;
-            // Settled, or streaming: the caller decides (and joins).
-            if done(&seen) {
-                return Ok(Some(seen.job));
+            // Settled, or streaming: the caller decides (and joins). Read in
+            // the `if let`, so no `Job` stays in scope while it waits below.
+            if let Some(job) = self.settled(&bell, since, job, streaming, &done).await? {
+                return Ok(Some(job));
             }
             tokio::select! {
                 () = &mut rung => {}
                 () = tokio::time::sleep_until(deadline) => return Ok(None),
             }
         }
+    }
+
+    /// The job as read after ring `since` (or as another waiter read it),
+    /// when `done` says the wait is over.
+    async fn settled<S, F>(
+        &self,
+        bell: &Bell,
+        since: u64,
+        job: JobId,
+        streaming: &S,
+        done: &impl Fn(&Observed) -> bool,
+    ) -> Result<Option<Job>, GatewayError>
+    where
+        S: Fn(JobId) -> F,
+        F: Future<Output = bool>,
+    {
+        // Boxed: a held duplicate waits in `watch` for the next ring, which
+        // would otherwise be as large as this read (docs/performance.md,
+        // "Per held duplicate").
+        let seen = Box::pin(bell.observe(since, || self.observe(job, streaming))).await?;
+        Ok(done(&seen).then_some(seen.job))
     }
 
     /// Reads the job, and whether its answer streams.

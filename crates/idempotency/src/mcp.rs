@@ -24,7 +24,7 @@ use idemgate_domain::fingerprint::{fingerprint, BodyRule, Fingerprint, RequestPa
 use idemgate_domain::jsonrpc::{self, ToolCall};
 use idemgate_domain::key::IdempotencyKey;
 use idemgate_domain::sse::Blocks;
-use idemgate_proxy::http::{full, Body, BodyError};
+use idemgate_proxy::http::{detach_head, full, Body, BodyError};
 use idemgate_proxy::upstream::Target;
 
 /// Reads an MCP route's `POST`: a keyed tool call, prepared like any keyed
@@ -75,6 +75,9 @@ pub(crate) async fn prepare(
     let resume = resume_point(&parts)?;
     let path = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
     let fingerprint = intent_of(&call, path).map_err(|e| refused(e.into()))?;
+    let mut parts = parts;
+    // As `opt_in::prepare` does: a held call lets the read buffer go.
+    detach_head(&mut parts);
     Ok(Prepared::Keyed(Keyed {
         intent: Arc::new(Intent {
             route: route.clone(),

@@ -19,7 +19,8 @@ use idemgate_domain::key::{IdempotencyKey, Owner};
 use idemgate_domain::sse::ResumePoint;
 use idemgate_proxy::budget::Charge;
 use idemgate_proxy::http::{
-    collect_charged, discard, Body, CollectError, EVENTS_RECEIVED, IDEMPOTENCY_KEY, LAST_EVENT_ID,
+    collect_charged, detach_head, discard, Body, CollectError, EVENTS_RECEIVED, IDEMPOTENCY_KEY,
+    LAST_EVENT_ID,
 };
 use idemgate_proxy::upstream::Target;
 use idemgate_trust::Trust;
@@ -173,6 +174,11 @@ pub(crate) async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Prepared,
         &route.body,
     )
     .map_err(ClientError::from)?;
+    // A held duplicate keeps its head for as long as it is held (it may yet
+    // run the job's next attempt): copied out of the connection's read
+    // buffer, it lets that buffer go (docs/performance.md, item 11).
+    let mut parts = parts;
+    detach_head(&mut parts);
     Ok(Prepared::Keyed(Keyed {
         intent: Arc::new(Intent {
             route,

@@ -5,6 +5,7 @@
 
 mod collect;
 pub mod cookie;
+mod detach;
 mod holding;
 pub mod hop;
 pub mod idle;
@@ -17,6 +18,7 @@ use http::{HeaderName, HeaderValue};
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
 
 pub use collect::{collect_charged, collect_limited, discard, CollectError};
+pub use detach::detach_head;
 pub use holding::Holding;
 
 pub use idemgate_domain::BoxError;

@@ -19,8 +19,13 @@ use crate::http::Holding;
 /// `idle.grace` is closed without waiting for it (a graceful HTTP/2
 /// shutdown waits for the peer to answer a ping, RFC 9113 §6.8, and a
 /// peer that never does would keep the connection).
+///
+/// `conn` comes boxed: it lasts as long as the connection, and an `async`
+/// function keeps what it is given beside what it pins it as (hyper's
+/// connection twice over, in the connection's task; docs/performance.md,
+/// "Per held duplicate").
 pub(super) async fn drive<C, F>(
-    conn: C,
+    mut conn: Pin<Box<C>>,
     drain: &CancellationToken,
     idle: Idle,
     shutdown: F,
@@ -29,7 +34,6 @@ where
     C: Future<Output = hyper::Result<()>>,
     F: Fn(Pin<&mut C>),
 {
-    tokio::pin!(conn);
     let elapsed = idle.elapsed();
     tokio::pin!(elapsed);
     let slow_head = idle.slow_head();

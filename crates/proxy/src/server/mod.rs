@@ -73,7 +73,9 @@ pub async fn serve<S, B>(
     // receiver hears `None` once the last has ended.
     let drain = CancellationToken::new();
     let (open, mut all_closed) = mpsc::channel::<()>(1);
-    let protocols = Protocols::new(&limits, trusted);
+    // Shared by the connections: each holds a reference count, not a copy
+    // of hyper's two builders (docs/performance.md, "Per held duplicate").
+    let protocols = Arc::new(Protocols::new(&limits, trusted));
     let room = Arc::new(Semaphore::new(limits.max_connections));
     tokio::pin!(shutdown);
     loop {
@@ -81,10 +83,13 @@ pub async fn serve<S, B>(
             () = &mut shutdown => break,
             next = accept(&listener, &room) => next,
         };
-        let (service, protocols) = (service.clone(), protocols.clone());
-        let (drain, open) = (drain.clone(), open.clone());
+        // The connection's future is made here, outside the task's: what
+        // it is made from is moved into it, not kept beside it for as long
+        // as the connection lasts.
+        let connection = protocols.serve(stream, peer, service.clone(), drain.clone());
+        let open = open.clone();
         tokio::spawn(async move {
-            if let Err(e) = protocols.serve(stream, peer, service, &drain).await {
+            if let Err(e) = connection.await {
                 tracing::debug!(error = %e, %peer, "connection ended with an error");
             }
             drop((permit, open));
@@ -174,13 +179,21 @@ impl Protocols {
     /// Serves one connection from `peer` in the protocol its first bytes
     /// show, each request tagged with the peer's address, until it closes
     /// or `drain` ends it.
-    async fn serve<S, B>(
-        &self,
+    ///
+    /// Its future lives as long as the connection, a held duplicate's
+    /// included, so it is kept small (docs/performance.md, "Per held
+    /// duplicate"): made by a plain function, so the service is moved
+    /// into the tagging closure before the future exists instead of being
+    /// kept as an argument beside it; and hyper's connection boxed, as an
+    /// `async` function keeps a value it was given beside the one it moves
+    /// it to.
+    fn serve<S, B>(
+        self: &Arc<Self>,
         stream: TcpStream,
         peer: SocketAddr,
         service: S,
-        drain: &CancellationToken,
-    ) -> hyper::Result<()>
+        drain: CancellationToken,
+    ) -> impl Future<Output = hyper::Result<()>> + Send + 'static
     where
         S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
             + Clone
@@ -197,28 +210,32 @@ impl Protocols {
             req.extensions_mut().insert(client.clone());
             service.clone().oneshot(req)
         });
-        // Nothing (or half a preface) within the header timeout: closed.
-        let Ok(Ok(opened)) = tokio::time::timeout(self.opening_timeout, sniff(stream)).await else {
-            return Ok(());
-        };
-        let requests = Streams::new();
-        if !opened.http2 {
-            let head = Head::started_now(requests.clone());
-            let io = Watched::new(opened.io, head.clone(), requests.clone());
-            let idle = Idle::after(requests.clone(), Some(self.keepalive), Duration::ZERO)
-                .with_head(head.clone(), self.opening_timeout);
-            let conn = self.h1.serve_connection(
-                TokioIo::new(io),
-                TowerToHyperService::new(counting(requests, Some(head), tagged)),
-            );
-            return drive(conn, drain, idle, |c| c.graceful_shutdown()).await;
+        let this = self.clone();
+        async move {
+            // Nothing (or half a preface) within the header timeout: closed.
+            let Ok(Ok(opened)) = tokio::time::timeout(this.opening_timeout, sniff(stream)).await
+            else {
+                return Ok(());
+            };
+            let requests = Streams::new();
+            if !opened.http2 {
+                let head = Head::started_now(requests.clone());
+                let io = Watched::new(opened.io, head.clone(), requests.clone());
+                let idle = Idle::after(requests.clone(), Some(this.keepalive), Duration::ZERO)
+                    .with_head(head.clone(), this.opening_timeout);
+                let conn = Box::pin(this.h1.serve_connection(
+                    TokioIo::new(io),
+                    TowerToHyperService::new(counting(requests, Some(head), tagged)),
+                ));
+                return drive(conn, &drain, idle, |c| c.graceful_shutdown()).await;
+            }
+            let idle = Idle::after(requests.clone(), this.http2_idle, this.http2_ping_timeout);
+            let conn = Box::pin(this.h2.serve_connection(
+                TokioIo::new(opened.io),
+                TowerToHyperService::new(counting(requests, None, tagged)),
+            ));
+            drive(conn, &drain, idle, |c| c.graceful_shutdown()).await
         }
-        let idle = Idle::after(requests.clone(), self.http2_idle, self.http2_ping_timeout);
-        let conn = self.h2.serve_connection(
-            TokioIo::new(opened.io),
-            TowerToHyperService::new(counting(requests, None, tagged)),
-        );
-        drive(conn, drain, idle, |c| c.graceful_shutdown()).await
     }
 }
 
@@ -253,4 +270,77 @@ where
             Ok::<_, Infallible>(response.map(|inner| Counted::new(inner, open)))
         }
     })
+}
+
+#[cfg(test)]
+#[allow(unreachable_code, unused_variables, clippy::diverging_sub_expression)]
+mod held_size {
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+
+    use super::*;
+
+    /// The size of what `make` returns; `make` is never called.
+    fn size_of_output<F>(_: &impl Fn() -> F) -> usize {
+        std::mem::size_of::<F>()
+    }
+
+    /// A service of a known size (the stack's clone is a few hundred bytes).
+    #[derive(Clone)]
+    #[allow(dead_code)] // Only its size is used.
+    struct Sized1000([u8; 1000]);
+
+    impl Service<Request<Incoming>> for Sized1000 {
+        type Response = Response<http_body_util::Empty<bytes::Bytes>>;
+        type Error = Infallible;
+        type Future = std::future::Ready<Result<Self::Response, Infallible>>;
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+            Poll::Ready(Ok(()))
+        }
+        fn call(&mut self, _: Request<Incoming>) -> Self::Future {
+            unreachable!("only its type is used")
+        }
+    }
+
+    /// A connection's future lasts as long as it does, a held duplicate's
+    /// included: it keeps the service twice at most (the tagging closure's
+    /// and the one in hyper's connection, which is boxed), not once per
+    /// move (five times, and hyper's connection three, when it was an
+    /// `async fn` taking them; docs/performance.md, "Per held duplicate").
+    #[test]
+    fn a_connection_keeps_its_service_twice_at_most() {
+        let serve = size_of_output(&|| {
+            let protocols: &'static Arc<Protocols> = unreachable!();
+            protocols.serve(
+                unreachable!(),
+                unreachable!(),
+                Sized1000([0; 1000]),
+                unreachable!(),
+            )
+        });
+        assert!(serve < 3 * 1000, "the connection's future is {serve} bytes");
+    }
+
+    /// hyper's connection is boxed, so driving it keeps a pointer.
+    #[test]
+    fn driving_a_connection_keeps_a_pointer_to_it() {
+        #[allow(dead_code)] // Only its size is used.
+        struct Conn([u8; 1000]);
+        impl Future for Conn {
+            type Output = hyper::Result<()>;
+            fn poll(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Self::Output> {
+                Poll::Pending
+            }
+        }
+        let drive = size_of_output(&|| {
+            let drain: &'static CancellationToken = unreachable!();
+            connection::drive(
+                Box::pin(Conn([0; 1000])),
+                drain,
+                unreachable!(),
+                |_: Pin<&mut Conn>| {},
+            )
+        });
+        assert!(drive < 1000, "driving a connection is {drive} bytes");
+    }
 }
