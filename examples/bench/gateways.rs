@@ -99,7 +99,7 @@ async fn per_setting(args: &Args, upstream: &str, db: &str, scratch: &Path) -> [
         &["--worker-threads", "1"],
     )
     .await;
-    // The access log (on by default) writes a line per request at `info`:
+    // The access log (off by default) writes a line per request at `info`:
     // off in the row that measures the level alone, on in the row that
     // measures it, its lines to a file as a deployment's go to a file or a
     // collector. The other gateways run at `warn`, which filters it out.
