@@ -369,11 +369,7 @@ fn nothing_to_resume(why: &str) -> GatewayError {
 #[allow(unreachable_code, unused_variables, clippy::diverging_sub_expression)]
 mod held_size {
     use super::*;
-
-    /// The size of what `make` returns; `make` is never called.
-    fn size_of_output<F>(_: &impl Fn() -> F) -> usize {
-        std::mem::size_of::<F>()
-    }
+    use crate::testing::size_of_output;
 
     /// A held duplicate waits in `decide` (for its boxed meeting) and in
     /// the hold: neither carries the reads it made before, nor a `Job`

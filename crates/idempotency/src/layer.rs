@@ -287,11 +287,7 @@ fn answer(
 #[allow(unreachable_code, unused_variables, clippy::diverging_sub_expression)]
 mod held_size {
     use super::*;
-
-    /// The size of what `make` returns; `make` is never called.
-    fn size_of_output<F>(_: &impl Fn() -> F) -> usize {
-        std::mem::size_of::<F>()
-    }
+    use crate::testing::size_of_output;
 
     /// A held duplicate waits in the opted-in future for as long as it is
     /// held: it is the flow's own, not the size of the steps before it

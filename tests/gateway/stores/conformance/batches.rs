@@ -77,6 +77,24 @@ async fn until(what: &str, mut check: impl AsyncFnMut() -> bool) {
     }
 }
 
+/// Waits until the batches on their way (both slots of a kind) wait on a
+/// lock another session holds.
+async fn both_slots_wait_on_the_lock(db: &crate::support::TestDb) {
+    let watcher = db.connect().await;
+    until("both batch slots wait on the lock", async || {
+        let row = watcher
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                &[],
+            )
+            .await
+            .unwrap();
+        row.get::<_, i64>(0) as usize == idemgate_store::postgres::BATCHES_IN_FLIGHT
+    })
+    .await;
+}
+
 /// The database held busy (the jobs table locked by another session) while
 /// both batch slots are taken, twenty-three begins collect: twenty keys,
 /// one key twice, and two keys whose jobs were given one id (a row the
@@ -96,23 +114,10 @@ async fn on_postgres_begins_that_collect_go_together_and_a_failing_row_fails_alo
         let store = store.clone();
         tokio::spawn(async move { store.begin_job(job, new_attempt()).await })
     };
-    let slots = idemgate_store::postgres::BATCHES_IN_FLIGHT;
-    let first: Vec<_> = (0..slots)
+    let first: Vec<_> = (0..idemgate_store::postgres::BATCHES_IN_FLIGHT)
         .map(|n| begin(new_job(&format!("first-{n}"))))
         .collect();
-    let watcher = db.connect().await;
-    until("both batch slots wait on the lock", async || {
-        let row = watcher
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity \
-                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
-                &[],
-            )
-            .await
-            .unwrap();
-        row.get::<_, i64>(0) as usize == slots
-    })
-    .await;
+    both_slots_wait_on_the_lock(&db).await;
 
     let mut keys: Vec<String> = (0..20).map(|n| format!("together-{n}")).collect();
     keys.push("twice".into());
@@ -267,19 +272,7 @@ async fn on_postgres_commits_that_collect_go_together_and_a_failing_row_fails_al
         .into_iter()
         .map(|(_, a)| commit(a, answer_with("filler", 1)))
         .collect();
-    let watcher = db.connect().await;
-    until("both commit slots wait on the lock", async || {
-        let row = watcher
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity \
-                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
-                &[],
-            )
-            .await
-            .unwrap();
-        row.get::<_, i64>(0) as usize == idemgate_store::postgres::BATCHES_IN_FLIGHT
-    })
-    .await;
+    both_slots_wait_on_the_lock(&db).await;
 
     let together: Vec<_> = started
         .iter()

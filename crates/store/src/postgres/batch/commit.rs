@@ -68,29 +68,29 @@ impl Batched for CommitRequest {
 /// Sends `batch` as one statement and answers each request; if it failed,
 /// each is sent again alone.
 async fn send(pool: &Pool, mut batch: Vec<Waiting<CommitRequest>>) {
+    if batch.len() == 1 {
+        // Alone, the one-row statement is the cheaper (`COMMIT_ONE`).
+        return answer_alone(pool, batch).await;
+    }
     batch.sort_by_key(|w| w.request.job);
-    // Alone, the one-row statement is the cheaper (`COMMIT_ONE`).
-    let many = if batch.len() > 1 {
-        commit_many(pool, &batch).await
-    } else {
-        Err(StoreError::Contended)
-    };
-    match many {
+    match commit_many(pool, &batch).await {
         Ok(mut won) => {
             for waiting in batch {
                 let answer = won.remove(&waiting.request.job);
                 waiting.answer(Ok(answer));
             }
         }
-        // Failed, or one commit: each alone.
-        Err(_) => {
-            let alone = batch.into_iter().map(|waiting| async move {
-                let answer = commit_alone(pool, &waiting.request).await;
-                waiting.answer(answer);
-            });
-            futures_util::future::join_all(alone).await;
-        }
+        Err(_) => answer_alone(pool, batch).await,
     }
+}
+
+/// Sends each of `requests` alone, at once, and answers it.
+async fn answer_alone(pool: &Pool, requests: Vec<Waiting<CommitRequest>>) {
+    let alone = requests.into_iter().map(|waiting| async move {
+        let answer = commit_alone(pool, &waiting.request).await;
+        waiting.answer(answer);
+    });
+    futures_util::future::join_all(alone).await;
 }
 
 /// One statement for all of `batch`: the jobs it committed, by id, and
