@@ -26,18 +26,14 @@ pub fn init() -> Result<(Option<crate::trace::Traces>, logs::Logs), String> {
     use tracing_subscriber::util::SubscriberInitExt;
     use tracing_subscriber::Layer;
 
-    let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,refinery_core=warn"));
-    // Capped only when something asks for more than `info`: a quieter
-    // setting stays as quiet as it was.
-    if filter
-        .max_level_hint()
-        .is_none_or(|max| max > tracing_subscriber::filter::LevelFilter::INFO)
-    {
-        if let Ok(cap) = "tokio_postgres=info".parse() {
-            filter = filter.add_directive(cap);
-        }
-    }
+    let filter = log_filter();
+    // The access line is written by a formatter of its own, not as an
+    // event: whether the filter lets its target through is asked here once,
+    // of a subscriber holding the same filter alone.
+    let access = tracing::subscriber::with_default(
+        tracing_subscriber::registry().with(log_filter()),
+        || tracing::enabled!(target: logs::record::ACCESS, tracing::Level::INFO),
+    );
     let (spans, traces) = match crate::trace::init()? {
         Some((layer, traces)) => (Some(layer), Some(traces)),
         None => (None, None),
@@ -45,9 +41,14 @@ pub fn init() -> Result<(Option<crate::trace::Traces>, logs::Logs), String> {
     // Lines go to stderr from a thread of their own, in batches: written
     // where they are logged, the access log's line per request cost more
     // than the rest of the line (docs/design.md §12, "Access log").
-    let (writer, flusher) =
-        logs::start().map_err(|e| format!("cannot start the log's writer thread: {e}"))?;
     let json = std::env::var("IDEMGATE_LOG_FORMAT").is_ok_and(|v| v == "json");
+    let format = if json {
+        logs::record::Format::Json
+    } else {
+        logs::record::Format::Text
+    };
+    let (writer, flusher) = logs::start(format, access)
+        .map_err(|e| format!("cannot start the log's writer thread: {e}"))?;
     let logs = if json {
         tracing_subscriber::fmt::layer()
             .json()
@@ -69,6 +70,24 @@ pub fn init() -> Result<(Option<crate::trace::Traces>, logs::Logs), String> {
         .with(spans)
         .try_init();
     Ok((traces, flusher))
+}
+
+/// The log's filter: `RUST_LOG`, or `info` with migrations quiet; the
+/// PostgreSQL driver capped at `info` ([`init`]).
+fn log_filter() -> tracing_subscriber::EnvFilter {
+    let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,refinery_core=warn"));
+    // Capped only when something asks for more than `info`: a quieter
+    // setting stays as quiet as it was.
+    if filter
+        .max_level_hint()
+        .is_none_or(|max| max > tracing_subscriber::filter::LevelFilter::INFO)
+    {
+        if let Ok(cap) = "tokio_postgres=info".parse() {
+            filter = filter.add_directive(cap);
+        }
+    }
+    filter
 }
 
 /// The process-wide Prometheus recorder (installed once; later gateways in

@@ -12,6 +12,8 @@
 //! [`Logs`] handle writes what is left when the process ends; [`flush`]
 //! writes what is pending before a message written to stderr directly.
 
+pub mod record;
+
 use std::io::Write;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::thread::JoinHandle;
@@ -67,8 +69,33 @@ pub struct Line<'a> {
     at_once: bool,
 }
 
-/// The writer [`start`] made first, for [`flush`].
+/// The writer [`start`] made first, for [`flush`] and [`record`]'s lines.
 static STARTED: OnceLock<Arc<Shared>> = OnceLock::new();
+
+/// The format [`start`] was given first, and whether the filter lets the
+/// access line's target through.
+static FORMAT: OnceLock<(record::Format, bool)> = OnceLock::new();
+
+fn format() -> record::Format {
+    FORMAT
+        .get()
+        .map_or(record::Format::Text, |(format, _)| *format)
+}
+
+fn access_on() -> bool {
+    FORMAT.get().is_none_or(|(_, on)| *on)
+}
+
+/// Writes a whole line (ending in a newline) among the others; to stderr
+/// at once when no writer was started (a library's tests).
+fn write_line(line: &[u8]) {
+    match STARTED.get() {
+        Some(shared) => shared.push(line),
+        None => {
+            let _ = std::io::stderr().write_all(line);
+        }
+    }
+}
 
 /// Writes the lines pending now: called before something is written to
 /// stderr directly (the process's last error), so it comes after them.
@@ -78,10 +105,13 @@ pub fn flush() {
     }
 }
 
-/// A writer and its handle; the thread starts here.
-pub fn start() -> std::io::Result<(Batched, Logs)> {
+/// A writer and its handle, for lines in `format`, the access line's
+/// written if `access` (the filter lets [`record::ACCESS`] through at
+/// `info`); the thread starts here.
+pub fn start(format: record::Format, access: bool) -> std::io::Result<(Batched, Logs)> {
     let shared = Arc::new(Shared::default());
     let _ = STARTED.set(shared.clone());
+    let _ = FORMAT.set((format, access));
     let worker = shared.clone();
     let thread = std::thread::Builder::new()
         .name("idemgate-logs".into())

@@ -77,6 +77,9 @@ async fn each_request_is_logged_once_with_its_outcome_job_and_upstream() {
     assert_eq!(first["response_bytes"], executed.body.len(), "{first}");
     assert_eq!(first["complete"], true, "{first}");
     assert!(first["duration_ms"].as_f64().is_some(), "{first}");
+    // The id the answer carries ties the line to the request's other lines.
+    let request_id = executed.header("x-request-id").expect("a request id");
+    assert_eq!(first["request_id"], request_id, "{first}");
 
     let replay = &lines[1];
     assert_eq!(replay["route"], "charges", "{replay}");
@@ -142,6 +145,76 @@ async fn with_the_access_log_off_no_line_is_written_and_the_variable_turns_it_on
     assert_eq!(passed.status, 200);
     let lines = wait_for_lines(log.path(), 1).await;
     assert_eq!(lines[0]["outcome"], "passed_through", "{lines:#?}");
+}
+
+/// The access line is written by a formatter of its own, yet as any event
+/// is: in the text format, in `tracing`'s shape (quoted strings, bare
+/// numbers), and not at all when `RUST_LOG` turns its target off.
+#[tokio::test]
+async fn the_text_line_reads_as_the_logs_others_and_its_filter_silences_it() {
+    let store = TestStore::embedded();
+    let upstream = FakeUpstream::echo().await;
+    let builder = Gateway::builder(&store, &upstream.url())
+        .tables(ROUTE)
+        .set("access_log", "true");
+
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let gateway = builder
+        .clone()
+        .env("RUST_LOG", "info")
+        .stderr_to(log.path())
+        .start()
+        .await;
+    let reply = send(Method::GET, &gateway.path("/v1/text/\"odd\""), &[], "").await;
+    assert_eq!(reply.status, 200);
+    let id = reply
+        .header("x-request-id")
+        .expect("a request id")
+        .to_owned();
+    eventually(Duration::from_secs(5), "the access line", || {
+        let log = log.path().to_owned();
+        async move {
+            std::fs::read_to_string(log)
+                .unwrap()
+                .lines()
+                .any(|line| line.contains("idemgate::access"))
+        }
+    })
+    .await;
+    let logged = std::fs::read_to_string(log.path()).unwrap();
+    let line = logged
+        .lines()
+        .find(|line| line.contains("idemgate::access"))
+        .expect("an access line");
+    let (time, rest) = line.split_once("  INFO ").expect("a time, then the level");
+    assert!(humantime::parse_rfc3339(time).is_ok(), "{line}");
+    let expected = format!(
+        "idemgate::access: request answered method=GET path=\"/v1/text/%22odd%22\" \
+         status=200 outcome=\"passed_through\" upstream=\"primary\" request_id=\"{id}\" duration_ms="
+    );
+    assert!(rest.starts_with(&expected), "{line}\n{expected}");
+    assert!(
+        rest.ends_with(&format!(
+            " request_bytes=0 response_bytes={} complete=true",
+            reply.body.len()
+        )),
+        "{line}"
+    );
+    drop(gateway);
+
+    // Filtered out by its target, while the rest of `info` is written.
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let gateway = builder
+        .env("RUST_LOG", "info,idemgate::access=off")
+        .stderr_to(log.path())
+        .start()
+        .await;
+    let reply = send(Method::GET, &gateway.path("/v1/text"), &[], "").await;
+    assert_eq!(reply.status, 200);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let logged = std::fs::read_to_string(log.path()).unwrap();
+    assert!(logged.contains(" INFO "), "{logged}");
+    assert!(!logged.contains("idemgate::access"), "{logged}");
 }
 
 /// A keyed request that failed over is logged once, naming the attempt
