@@ -252,8 +252,8 @@ impl Settings {
                 .or(file.admin_token.clone())
                 .filter(|t| !t.is_empty()),
             console_secure_cookie: file.console_secure_cookie.unwrap_or(false),
-            // Off unless asked for: on, it costs a passed-through request about
-            // a fifth of its throughput (docs/performance.md, item 20).
+            // Off unless asked for: a line per request is a volume of log to
+            // choose (docs/design.md §12, "Access log").
             access_log: flags.access_log.or(file.access_log).unwrap_or(false),
             upstreams,
             store,
