@@ -181,6 +181,8 @@ fn outcome<B>(response: &Response<B>) -> usize {
 }
 
 const REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
+/// The most of a request id the line keeps.
+const REQUEST_ID_KEPT: usize = 128;
 
 const OUTCOMES: [&str; 4] = ["problem", "replayed", "executed", "passed_through"];
 const PASSED_THROUGH: usize = 3;
@@ -269,8 +271,11 @@ impl Line {
             if let Some(upstream) = upstream {
                 line.str("upstream", upstream);
             }
+            // A client may send its own id, of any length a header may
+            // have: the line keeps its first 128 characters (visible ASCII,
+            // as `to_str` requires).
             if let Some(id) = request_id.as_ref().and_then(|id| id.to_str().ok()) {
-                line.str("request_id", id);
+                line.str("request_id", &id[..id.len().min(REQUEST_ID_KEPT)]);
             }
             // Whole microseconds: no float noise in the line.
             line.f64(

@@ -54,7 +54,10 @@ async fn each_request_is_logged_once_with_its_outcome_job_and_upstream() {
     let replayed = post(&url, "access-key-1", body).await;
     assert_eq!(replayed.header("idempotent-replayed"), Some("true"));
     let lines2 = wait_for_lines(log.path(), lines.len() + 1).await;
-    let passed = send(Method::GET, &url, &[], "").await;
+    // A client's own request id, long and with a quote: kept in part,
+    // escaped, in a line that still parses.
+    let long_id = format!("\"{}", "i".repeat(300));
+    let passed = send(Method::GET, &url, &[("x-request-id", &long_id)], "").await;
     assert_eq!(passed.status, 200);
     let lines3 = wait_for_lines(log.path(), lines2.len() + 1).await;
     // Give a duplicate line time to show up before counting.
@@ -100,6 +103,7 @@ async fn each_request_is_logged_once_with_its_outcome_job_and_upstream() {
     assert!(pass.get("job").is_none(), "{pass}");
     assert_eq!(pass["upstream"], "primary", "{pass}");
     assert_eq!(pass["response_bytes"], passed.body.len(), "{pass}");
+    assert_eq!(pass["request_id"], long_id[..128], "{pass}");
 
     let logged = std::fs::read_to_string(log.path()).unwrap();
     assert!(!logged.contains("secret"), "{logged}");
