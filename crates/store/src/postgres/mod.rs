@@ -197,6 +197,13 @@ impl Postgres {
         self.queues.begins.get().map_or(0, batch::Queue::waiting)
     }
 
+    /// Begins a read answered before the begin statement (batches read
+    /// first while most begins find their job: `batch/begin.rs`), in this
+    /// process, whichever store they were sent to.
+    pub fn begins_answered_by_read() -> u64 {
+        batch::begin::answered_by_read()
+    }
+
     /// Commits sent and not yet in a batch on its way.
     pub fn commits_waiting(&self) -> usize {
         self.queues.commits.get().map_or(0, batch::Queue::waiting)

@@ -24,16 +24,41 @@ pub(super) const SNAPSHOT_COLUMNS: &str =
      a.id, a.number, a.state, a.job_version, a.lease_expires_at";
 
 /// What both begin statements return: the job made with its attempt, and
-/// the job found (with whether it expired, its attempt columns empty).
+/// the job found ([`rows_found`]).
 fn rows_made_or_found() -> String {
     format!(
         "SELECT {JOB_COLUMNS}, {ATTEMPT_COLUMNS}, false FROM j JOIN a ON a.job_id = j.id \
-     UNION ALL \
-     SELECT {JOB_COLUMNS}, NULL::uuid, NULL::uuid, NULL::integer, NULL::text, NULL::text, \
-            NULL::bigint, NULL::timestamptz, NULL::timestamptz, NULL::timestamptz, \
-            NULL::smallint, NULL::text, NULL::integer, NULL::timestamptz, NULL::smallint, \
-            NULL::text, NULL::text, NULL::timestamptz, j.expired \
-     FROM existing j"
+         UNION ALL {}",
+        rows_found()
+    )
+}
+
+/// The rows of the jobs found (the CTE `existing`): with whether each
+/// expired, its attempt columns empty.
+fn rows_found() -> String {
+    format!(
+        "SELECT {JOB_COLUMNS}, NULL::uuid, NULL::uuid, NULL::integer, NULL::text, NULL::text, \
+                NULL::bigint, NULL::timestamptz, NULL::timestamptz, NULL::timestamptz, \
+                NULL::smallint, NULL::text, NULL::integer, NULL::timestamptz, NULL::smallint, \
+                NULL::text, NULL::text, NULL::timestamptz, j.expired \
+         FROM existing j"
+    )
+}
+
+/// The read a batch of begins makes first while most begins find their job
+/// (`batch/begin.rs`, "read first"): each request's job by owner ($1) and
+/// key ($2), in the rows [`begin_statement`] returns for a job it found,
+/// and nothing written, so the database sets up no insert for a replay. A
+/// request with no row here goes on to the begin statement, which stays the
+/// only arbiter of creation.
+pub(super) fn read_found_statement() -> String {
+    format!(
+        "WITH existing AS ( \
+           SELECT j.*, j.expires_at <= now() AS expired FROM jobs j \
+           JOIN unnest($1::text[], $2::text[]) AS i(owner, key) \
+             ON j.owner = i.owner AND j.key = i.key \
+         ) {}",
+        rows_found()
     )
 }
 

@@ -170,6 +170,87 @@ async fn on_postgres_begins_that_collect_go_together_and_a_failing_row_fails_alo
     assert_eq!(probe.begins_waiting(), 0);
 }
 
+/// Begins of keys whose jobs exist, round after round, turn on the read a
+/// batch makes before its begin statement (`batch/begin.rs`, "read
+/// first"); then, in a round of forty such begins, ten new keys each begun
+/// twice, and a key whose job expired, all at once: every found key names
+/// its own job, each new key gets one job that both its begins name, and
+/// the expired key a new job: the read answers only what the begin
+/// statement would have, and creates nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_replays_read_first_and_new_keys_among_them_still_get_one_job() {
+    let (store, _probe, _db) = postgres_with_probe().await;
+    let found: Vec<String> = (0..40).map(|n| format!("found-{n}")).collect();
+    let mut jobs = std::collections::HashMap::new();
+    for key in &found {
+        let begin = store.begin_job(new_job(key), new_attempt()).await.unwrap();
+        assert!(matches!(begin, Begin::Created(..)), "{key}");
+        jobs.insert(key.clone(), job_of(&begin));
+    }
+    let expired = NewJob {
+        ttl: Duration::from_millis(1),
+        ..new_job("expired")
+    };
+    let old = job_of(&store.begin_job(expired, new_attempt()).await.unwrap());
+    let round = |keys: Vec<String>| {
+        let barrier = Arc::new(Barrier::new(keys.len()));
+        let begins = keys.into_iter().map(|key| {
+            let (store, barrier) = (store.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                let begin = store.begin_job(new_job(&key), new_attempt()).await;
+                (key, begin.unwrap())
+            })
+        });
+        join_all(begins)
+    };
+    // Other tests in this process move the share too (it is the process's);
+    // replays alone turn the read on within a few batches.
+    let before = idemgate_store::postgres::Postgres::begins_answered_by_read();
+    for _ in 0..60 {
+        for done in round(found.clone()).await {
+            let (key, begin) = done.unwrap();
+            assert!(matches!(begin, Begin::Existing(_)), "{key}: {begin:?}");
+            assert_eq!(job_of(&begin), jobs[&key], "{key}: its own job");
+        }
+        if idemgate_store::postgres::Postgres::begins_answered_by_read() >= before + 40 {
+            break;
+        }
+    }
+    assert!(
+        idemgate_store::postgres::Postgres::begins_answered_by_read() >= before + 40,
+        "replays never turned the read on"
+    );
+
+    let new: Vec<String> = (0..10).map(|n| format!("new-{n}")).collect();
+    let mut keys = found.clone();
+    keys.extend(new.iter().cloned());
+    keys.extend(new.iter().cloned());
+    keys.push("expired".into());
+    let mut seen: std::collections::HashMap<String, Vec<Begin>> = Default::default();
+    for done in round(keys).await {
+        let (key, begin) = done.unwrap();
+        seen.entry(key).or_default().push(begin);
+    }
+    for key in &found {
+        let begins = &seen[key];
+        assert!(matches!(begins[..], [Begin::Existing(_)]), "{key}");
+        assert_eq!(job_of(&begins[0]), jobs[key], "{key}: its own job");
+    }
+    for key in &new {
+        let begins = &seen[key];
+        let made = begins
+            .iter()
+            .filter(|b| matches!(b, Begin::Created(..)))
+            .count();
+        assert_eq!(made, 1, "{key}: one job made: {begins:?}");
+        assert_eq!(job_of(&begins[0]), job_of(&begins[1]), "{key}");
+    }
+    let fresh = &seen["expired"];
+    assert!(matches!(fresh[..], [Begin::Created(..)]), "{fresh:?}");
+    assert_ne!(job_of(&fresh[0]), old, "the expired job is not replayed");
+}
+
 /// An answer with `headers` headers (none at all for 0) and a body naming
 /// `tag`: commits in one batch each carry their own.
 fn answer_with(tag: &str, headers: usize) -> StoredResponse {

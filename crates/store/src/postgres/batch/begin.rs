@@ -10,15 +10,25 @@
 //! key's job had expired, or another writer inserted it meanwhile) is
 //! asked again alone, and a batch that fails is split: each of its
 //! requests is asked alone, so one bad row never fails its neighbours.
+//!
+//! **Read first.** While most recent begins found their job (replays of
+//! finished keys), a batch first reads the jobs of its keys with a
+//! statement that writes nothing ([`read_found_statement`]): the begin
+//! statement sets up its inserts even when it inserts nothing, a quarter of
+//! what a replay cost the database (docs/performance.md, item 27). The
+//! requests the read answered are done; the rest go on as before. Either
+//! way the begin statement alone creates jobs, so the choice is only a
+//! cost: a wrong guess costs a new key the read's round trip.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use deadpool_postgres::Pool;
 use tokio_postgres::types::ToSql;
 use uuid::Uuid;
 
 use super::super::rows::answer;
-use super::super::sql::{begin_one_statement, begin_statement};
+use super::super::sql::{begin_one_statement, begin_statement, read_found_statement};
 use super::super::{map_pg, Postgres};
 use super::{Batched, Waiting};
 use crate::{millis, Begin, StoreError};
@@ -58,21 +68,72 @@ impl Batched for BeginRequest {
     }
 }
 
-/// Sends `batch` as one statement and answers each request; those it did
-/// not settle, or all of them if it failed, are asked again alone.
-async fn send(pool: &Pool, mut batch: Vec<Waiting<BeginRequest>>) {
-    if batch.len() == 1 {
-        // Alone, the one-row statement is the cheaper (`begin_one_statement`).
-        return answer_alone(pool, batch).await;
+/// The share of recent begins that found their job, in thousandths: an
+/// average moved a tenth of the way by each batch. Process-wide, as a
+/// gateway has one store; it only chooses what a batch costs.
+static FOUND_SHARE: AtomicU32 = AtomicU32::new(0);
+
+/// Batches read first while more than this share of begins found their job.
+const READ_FIRST_ABOVE: u32 = 500;
+
+/// Begins the read answered, since the process started.
+static ANSWERED_BY_READ: AtomicU64 = AtomicU64::new(0);
+
+fn read_first() -> bool {
+    FOUND_SHARE.load(Ordering::Relaxed) > READ_FIRST_ABOVE
+}
+
+/// Begins a read made before the begin statement answered, in this
+/// process (what a test checks the read happened by).
+pub(in crate::postgres) fn answered_by_read() -> u64 {
+    ANSWERED_BY_READ.load(Ordering::Relaxed)
+}
+
+/// Moves [`FOUND_SHARE`] toward `found` of `asked`.
+fn observe(found: usize, asked: usize) {
+    let _ = FOUND_SHARE.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |share| {
+        Some(next_share(share, found, asked))
+    });
+}
+
+/// The share after a batch in which `found` of `asked` begins found their
+/// job: a tenth of the way toward that batch's share.
+fn next_share(share: u32, found: usize, asked: usize) -> u32 {
+    if asked == 0 {
+        return share;
     }
+    let now = u32::try_from(found.min(asked) * 1000 / asked).unwrap_or(1000);
+    (share * 9 + now) / 10
+}
+
+/// Sends `batch` as one statement and answers each request; those it did
+/// not settle, or all of them if it failed, are asked again alone. While
+/// most begins find their job, the batch is read first (module docs).
+async fn send(pool: &Pool, mut batch: Vec<Waiting<BeginRequest>>) {
     // Compared in place: `key` would copy both strings at every comparison.
     batch.sort_by(|a, b| a.request.sort_key().cmp(&b.request.sort_key()));
+    let asked = batch.len();
+    let mut found = 0;
+    if read_first() {
+        let before = batch.len();
+        batch = answer_found(pool, batch).await;
+        found = before - batch.len();
+        ANSWERED_BY_READ.fetch_add(found as u64, Ordering::Relaxed);
+    }
+    if batch.len() <= 1 {
+        // Alone, the one-row statement is the cheaper (`begin_one_statement`).
+        found += answer_alone(pool, batch).await;
+        return observe(found, asked);
+    }
     let unsettled = match begin_many(pool, &batch).await {
         Ok(mut settled) => {
             let mut unsettled = Vec::new();
             for waiting in batch {
                 match settled.remove(&waiting.request.key()) {
-                    Some(begin) => waiting.answer(Ok(begin)),
+                    Some(begin) => {
+                        found += usize::from(matches!(begin, Begin::Existing(_)));
+                        waiting.answer(Ok(begin));
+                    }
                     None => unsettled.push(waiting),
                 }
             }
@@ -80,17 +141,61 @@ async fn send(pool: &Pool, mut batch: Vec<Waiting<BeginRequest>>) {
         }
         Err(_) => batch,
     };
-    answer_alone(pool, unsettled).await
+    found += answer_alone(pool, unsettled).await;
+    observe(found, asked);
 }
 
-/// Asks each of `requests` alone, at once, and answers it.
-async fn answer_alone(pool: &Pool, requests: Vec<Waiting<BeginRequest>>) {
+/// Asks each of `requests` alone, at once, and answers it; returns how
+/// many found their job.
+async fn answer_alone(pool: &Pool, requests: Vec<Waiting<BeginRequest>>) -> usize {
     let alone = requests.into_iter().map(|waiting| async move {
         let BeginRequest { job, attempt } = &waiting.request;
         let answer = begin_alone(pool, job, attempt).await;
+        let found = matches!(answer, Ok(Begin::Existing(_)));
         waiting.answer(answer);
+        found
     });
-    futures_util::future::join_all(alone).await;
+    let found = futures_util::future::join_all(alone).await;
+    found.into_iter().filter(|&f| f).count()
+}
+
+/// Reads the jobs of `batch`'s keys and answers the requests whose job
+/// exists and has not expired; returns the others (all of them if the
+/// read failed: the begin statement answers them as it would have).
+async fn answer_found(
+    pool: &Pool,
+    batch: Vec<Waiting<BeginRequest>>,
+) -> Vec<Waiting<BeginRequest>> {
+    let Ok(mut found) = read_found(pool, &batch).await else {
+        return batch;
+    };
+    let mut rest = Vec::new();
+    for waiting in batch {
+        match found.remove(&waiting.request.key()) {
+            Some(job) => waiting.answer(Ok(job)),
+            None => rest.push(waiting),
+        }
+    }
+    rest
+}
+
+/// The read of [`answer_found`]: each found, unexpired job by its owner
+/// and key.
+async fn read_found(
+    pool: &Pool,
+    batch: &[Waiting<BeginRequest>],
+) -> Result<HashMap<(String, String), Begin>, StoreError> {
+    let client = Postgres::pooled(pool).await?;
+    let statement = client
+        .prepare_cached(&read_found_statement())
+        .await
+        .map_err(map_pg)?;
+    let (owners, keys): (Vec<&str>, Vec<&str>) = batch.iter().map(|w| w.request.sort_key()).unzip();
+    let rows = client
+        .query(&statement, &[&owners, &keys])
+        .await
+        .map_err(map_pg)?;
+    settled(client, rows)
 }
 
 /// One statement for all of `batch`: each request's begin, by its owner
@@ -110,6 +215,14 @@ async fn begin_many(
         .query(&statement, &columns.params())
         .await
         .map_err(map_pg)?;
+    settled(client, rows)
+}
+
+/// The begins `rows` settled, by owner and key; `client` released.
+fn settled(
+    client: deadpool_postgres::Client,
+    rows: Vec<tokio_postgres::Row>,
+) -> Result<HashMap<(String, String), Begin>, StoreError> {
     // Found jobs carry their answers (up to INLINE_ANSWER each), so a batch
     // of them can leave a connection with buffers that size: released as a
     // replay's would be.
@@ -233,5 +346,31 @@ impl<'a> Columns<'a> {
             &self.job_state,
             &self.attempt_state,
         ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Replays turn the read on within a few batches, new keys turn it off
+    /// as fast, and an even mix leaves it off (a new key's extra round trip
+    /// is paid only where most begins are replays).
+    #[test]
+    fn the_read_comes_first_only_while_most_begins_find_their_job() {
+        let after = |mut share: u32, batches: usize, found: usize, asked: usize| {
+            for _ in 0..batches {
+                share = next_share(share, found, asked);
+            }
+            share
+        };
+        let replays = after(0, 7, 10, 10);
+        assert!(replays > READ_FIRST_ABOVE, "{replays}");
+        assert!(after(0, 6, 10, 10) <= READ_FIRST_ABOVE);
+        let new_keys = after(replays, 7, 0, 10);
+        assert!(new_keys <= READ_FIRST_ABOVE, "{new_keys}");
+        assert!(after(1000, 100, 5, 10) <= READ_FIRST_ABOVE);
+        assert!(after(0, 100, 6, 10) > READ_FIRST_ABOVE);
+        assert_eq!(next_share(700, 3, 0), 700, "an empty batch moves nothing");
     }
 }

@@ -25,7 +25,7 @@ use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use crate::StoreError;
 
-mod begin;
+pub(super) mod begin;
 mod commit;
 
 pub(super) use begin::BeginRequest;
