@@ -4,7 +4,7 @@
 //! commit for each batch, instead of each paying its own.
 //!
 //! No timer decides when a batch leaves. An idle queue sends a request at
-//! once, alone; requests collect only while [`IN_FLIGHT`] batches of their
+//! once, alone, from the request's own task; requests collect only while [`IN_FLIGHT`] batches of their
 //! kind are already on their way, and the next batch takes all that
 //! collected (up to [`MAX_BATCH`]). So a lone request waits for nothing, and
 //! under load each database commit carries as many requests as arrived
@@ -71,6 +71,9 @@ pub(super) struct Queue<T: Batched> {
     arrivals: mpsc::UnboundedSender<Waiting<T>>,
     /// Requests sent and not yet in a batch on its way.
     waiting: Arc<AtomicUsize>,
+    /// The batches on their way: [`IN_FLIGHT`] slots, shared with the task.
+    slots: Arc<Semaphore>,
+    pool: Pool,
 }
 
 impl<T: Batched> Queue<T> {
@@ -78,8 +81,19 @@ impl<T: Batched> Queue<T> {
     pub(super) fn start(pool: Pool) -> Self {
         let (arrivals, receiver) = mpsc::unbounded_channel();
         let waiting = Arc::new(AtomicUsize::new(0));
-        tokio::spawn(collect(pool, receiver, waiting.clone()));
-        Queue { arrivals, waiting }
+        let slots = Arc::new(Semaphore::new(IN_FLIGHT));
+        tokio::spawn(collect(
+            pool.clone(),
+            receiver,
+            waiting.clone(),
+            slots.clone(),
+        ));
+        Queue {
+            arrivals,
+            waiting,
+            slots,
+            pool,
+        }
     }
 
     /// Requests sent and not yet in a batch on its way.
@@ -87,10 +101,23 @@ impl<T: Batched> Queue<T> {
         self.waiting.load(Ordering::Relaxed)
     }
 
-    /// Sends `request` in the next batch and waits for its answer.
+    /// Sends `request` in the next batch and waits for its answer. With
+    /// nothing waiting and a slot free, it goes at once as a batch of one
+    /// from the caller's own task: what the batching task would do, without
+    /// the two hand-offs between tasks that cost a request at low load more
+    /// than its statement's encoding (docs/performance.md, item 28).
     pub(super) async fn ask(&self, request: T) -> Result<T::Answer, StoreError> {
         let (reply, answer) = oneshot::channel();
         let stopped = || StoreError::Unavailable("the batching task stopped".into());
+        if self.waiting.load(Ordering::Relaxed) == 0 {
+            if let Ok(slot) = self.slots.clone().try_acquire_owned() {
+                // Boxed: the statement's future would otherwise widen every
+                // caller's, a held duplicate's among them.
+                Box::pin(T::send(self.pool.clone(), vec![Waiting { request, reply }])).await;
+                drop(slot);
+                return answer.await.map_err(|_| stopped())?;
+            }
+        }
         self.waiting.fetch_add(1, Ordering::Relaxed);
         self.arrivals
             .send(Waiting { request, reply })
@@ -105,8 +132,8 @@ async fn collect<T: Batched>(
     pool: Pool,
     mut arrivals: mpsc::UnboundedReceiver<Waiting<T>>,
     waiting: Arc<AtomicUsize>,
+    slots: Arc<Semaphore>,
 ) {
-    let slots = Arc::new(Semaphore::new(IN_FLIGHT));
     let mut carried = VecDeque::new();
     loop {
         let first = match carried.pop_front() {
