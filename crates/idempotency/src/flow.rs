@@ -156,7 +156,11 @@ impl Flow {
             let job = if self.driver.request.resume.is_some() {
                 self.to_resume().await?
             } else {
-                match joined(self.driver.begin()).await? {
+                let begun = joined(self.driver.begin()).await?;
+                replays.found(
+                    matches!(&begun, Begun::Existing(job) if job.state == JobState::Completed),
+                );
+                match begun {
                     Begun::Created(first, expires_at) => {
                         *job_id = Some(first.attempt.job_id);
                         metrics::counter!("idemgate_jobs_created_total").increment(1);

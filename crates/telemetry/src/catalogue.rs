@@ -41,7 +41,7 @@ pub const SERIES: &[(&str, Kind, &str)] = &[
     ("idemgate_database_read_only_total", Kind::Counter, "Writes refused by a PostgreSQL that had become a standby (a failover under way)."),
     ("idemgate_wakeups_total", Kind::Counter, "Held duplicates woken by another replica's announcement, by source (postgres, redis)."),
     ("idemgate_dependency_up", Kind::Gauge, "1 while the dependency (store, redis) answers its health check, 0 while it does not; readiness does not depend on it."),
-    ("idemgate_fastpath_lookups_total", Kind::Counter, "Redis replay lookups, by result (hit, miss, invalid, error)."),
+    ("idemgate_fastpath_lookups_total", Kind::Counter, "Redis replay lookups, by result (hit, miss, invalid, error; skipped: not asked while replays are rare)."),
     ("idemgate_fastpath_writes_total", Kind::Counter, "Replay entries written to Redis."),
     ("idemgate_fastpath_errors_total", Kind::Counter, "Redis calls that failed or timed out (the store answered instead)."),
     ("idemgate_fastpath_seconds", Kind::Histogram, "Time a Redis call took."),

@@ -183,7 +183,7 @@ fn zero_labelled() {
     for result in ["resumed", "refused"] {
         metrics::counter!("idemgate_stream_resumes_total", "result" => result).absolute(0);
     }
-    for result in ["hit", "miss", "invalid", "error"] {
+    for result in ["hit", "miss", "invalid", "error", "skipped"] {
         metrics::counter!("idemgate_fastpath_lookups_total", "result" => result).absolute(0);
     }
     // The reasons of `fastpath::Rejection` (docs/design.md §17); telemetry

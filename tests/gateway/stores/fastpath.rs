@@ -77,6 +77,62 @@ async fn replays_are_served_from_redis_without_the_database() {
     );
 }
 
+/// Most keyed requests are first tries: while they run, Redis is not asked
+/// (its lookup could not hit), and a run of replays brings the lookups back
+/// (docs/design.md §2, "Redis only while replays are common"). Every answer
+/// stays the committed one either way.
+#[tokio::test]
+async fn new_keys_stop_the_redis_lookups_and_replays_bring_them_back() {
+    let store = TestStore::postgres().await;
+    let redis = ThrowawayRedis::start().await;
+    let upstream = FakeUpstream::echo().await;
+    let gateway = gateway(&store, &upstream, &redis.url()).await;
+    let url = gateway.path("/v1/charges");
+    let lookups = |result: &'static str| {
+        let gateway = &gateway;
+        async move {
+            gateway
+                .metric(&format!(
+                    "idemgate_fastpath_lookups_total{{result=\"{result}\"}}"
+                ))
+                .await
+        }
+    };
+    let mut firsts = Vec::new();
+    for n in 0..80 {
+        let first = post(&url, &format!("first-try-{n}"), &format!("{{\"n\": {n}}}")).await;
+        assert_eq!(first.status, 200);
+        firsts.push(first);
+    }
+    let (missed, skipped) = (lookups("miss").await, lookups("skipped").await);
+    assert_eq!(missed + skipped, 80.0, "every new key counted once");
+    assert!(
+        (30.0..=60.0).contains(&missed),
+        "Redis asked for the first new keys only: {missed} misses, {skipped} skipped"
+    );
+
+    // Replays of those keys: the first few from the store (which answers
+    // them exactly as Redis would), then from Redis again.
+    for n in 0..30 {
+        cached(&redis, &format!("first-try-{n}")).await;
+    }
+    for (n, first) in firsts.iter().enumerate().take(30) {
+        let replay = post(&url, &format!("first-try-{n}"), &format!("{{\"n\": {n}}}")).await;
+        assert_eq!(replay.status, 200);
+        assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+        assert_eq!(replay.body, first.body);
+        assert_eq!(replay.job(), first.job());
+    }
+    let skipped_on_replays = lookups("skipped").await - skipped;
+    let hits = lookups("hit").await;
+    assert!(
+        (3.0..=12.0).contains(&skipped_on_replays),
+        "{skipped_on_replays} replays went to the store before Redis was asked again"
+    );
+    assert_eq!(hits + skipped_on_replays, 30.0, "the rest hit Redis");
+    assert_eq!(upstream.hits(), 80, "one upstream call per key");
+}
+
 #[tokio::test]
 async fn a_hit_with_another_fingerprint_is_a_409_confirmed_by_the_store() {
     let store = TestStore::postgres().await;

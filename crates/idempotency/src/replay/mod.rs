@@ -11,6 +11,7 @@ use idemgate_proxy::http::{full, Body, Outcome, IDEMPOTENCY_JOB, IDEMPOTENT_REPL
 use idemgate_proxy::upstream::Fetched;
 
 mod cache;
+mod redis_first;
 pub(crate) mod tiers;
 
 pub(crate) use cache::{Kept, ReplayCache};

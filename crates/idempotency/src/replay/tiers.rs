@@ -2,7 +2,8 @@
 //! (`docs/design.md` §11, "Replay cache"):
 //!
 //! 1. this replica's memory ([`ReplayCache`]): no I/O at all;
-//! 2. the Redis fast path, when configured: one round trip;
+//! 2. the Redis fast path, when configured: one round trip, asked only
+//!    while replays are common ([`RedisFirst`]);
 //! 3. the store, which is the arbiter: reached through the flow's decision
 //!    on the job, never skipped when the tiers above miss.
 //!
@@ -22,6 +23,7 @@ use std::time::{Duration, SystemTime};
 
 use http::Response;
 
+use super::redis_first::RedisFirst;
 use super::{response, Framing, Kept, ReplayCache};
 use crate::error::GatewayError;
 use crate::keyed::{Intent, Keyed};
@@ -52,6 +54,8 @@ pub(crate) enum Write {
 pub(crate) struct Replays {
     cache: ReplayCache,
     fastpath: Option<Arc<FastPath>>,
+    /// Whether Redis is asked before the store, as replays are common or not.
+    redis_first: RedisFirst,
     store: Arc<dyn Store>,
     retry_after: Duration,
 }
@@ -68,6 +72,7 @@ impl Replays {
         Replays {
             cache: ReplayCache::new(cache_size),
             fastpath,
+            redis_first: RedisFirst::default(),
             store,
             retry_after,
         }
@@ -94,9 +99,15 @@ impl Replays {
 
     /// A replay from the Redis fast path, when it has a valid entry for this
     /// very request. Anything else (a miss, Redis down, an entry with another
-    /// fingerprint) goes on to the store.
+    /// fingerprint, or Redis not asked while replays are rare) goes on to
+    /// the store, and [`Replays::found`] is told what the store found.
     pub(crate) async fn in_redis(&self, request: &Keyed) -> Option<(JobId, Response<Body>)> {
         let fast = self.fastpath.as_ref()?;
+        if !self.redis_first.ask() {
+            metrics::counter!("idemgate_fastpath_lookups_total", "result" => "skipped")
+                .increment(1);
+            return None;
+        }
         let Lookup::Hit(entry) = fast
             .lookup(&request.intent.owner, &request.intent.key)
             .await
@@ -127,9 +138,18 @@ impl Replays {
             },
         };
         metrics::counter!("idemgate_replays_total", "source" => "redis").increment(1);
+        self.redis_first.found(true);
         self.keep(&request.intent, entry.job, entry.expires_at, &stored);
         let framing = Framing::of(&request.intent.route, &stored);
         Some((entry.job, response(&stored, entry.job, true, framing)))
+    }
+
+    /// What the store found for a request Redis did not answer: a finished
+    /// job to replay, or not (a new key, a running job, anything else).
+    pub(crate) fn found(&self, finished: bool) {
+        if self.fastpath.is_some() {
+            self.redis_first.found(finished);
+        }
     }
 
     /// The replay of a completed job the store returned; written back to the
