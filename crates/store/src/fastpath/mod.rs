@@ -3,7 +3,8 @@
 //!
 //! Redis is a cache and a doorbell, never the arbiter:
 //!
-//! - A lookup that hits serves a replay with one Redis round trip. A miss,
+//! - A lookup that hits serves a replay with one Redis round trip (asked
+//!   only while replays are common: `docs/design.md` §2). A miss,
 //!   an error, a timeout, or an entry that fails validation falls back to the
 //!   store; nothing is ever created here (job creation stays the database's
 //!   `INSERT … ON CONFLICT`).

@@ -1,5 +1,9 @@
 //! The columns the statements read, in the order the row readers
-//! (`rows.rs`) expect them, and the begin statement.
+//! (`rows.rs`) expect them, and the begin statement. Each statement's text
+//! is built once, not per call: a begin's is about 2 KiB, formatted, then
+//! hashed by `prepare_cached` to find its prepared statement.
+
+use std::sync::LazyLock;
 
 /// A body over [`INLINE_ANSWER`](idemgate_domain::job::INLINE_ANSWER)
 /// (262144 bytes) is left unread, only its length read
@@ -51,15 +55,18 @@ fn rows_found() -> String {
 /// and nothing written, so the database sets up no insert for a replay. A
 /// request with no row here goes on to the begin statement, which stays the
 /// only arbiter of creation.
-pub(super) fn read_found_statement() -> String {
-    format!(
-        "WITH existing AS ( \
+pub(super) fn read_found_statement() -> &'static str {
+    static TEXT: LazyLock<String> = LazyLock::new(|| {
+        format!(
+            "WITH existing AS ( \
            SELECT j.*, j.expires_at <= now() AS expired FROM jobs j \
            JOIN unnest($1::text[], $2::text[]) AS i(owner, key) \
              ON j.owner = i.owner AND j.key = i.key \
          ) {}",
-        rows_found()
-    )
+            rows_found()
+        )
+    });
+    &TEXT
 }
 
 /// [`Backend::begin`](crate::Backend::begin)'s statement, for a batch of
@@ -79,8 +86,9 @@ pub(super) fn read_found_statement() -> String {
 /// which the batcher maps rows back to requests (never by position); a
 /// request with no row lost an insert race to another writer and is asked
 /// again alone. See [`answer`](super::rows::answer) for what a row says.
-pub(super) fn begin_statement() -> String {
-    format!(
+pub(super) fn begin_statement() -> &'static str {
+    static TEXT: LazyLock<String> = LazyLock::new(|| {
+        format!(
         "WITH input AS ( \
            SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::bytea[], $5::text[], \
                                 $6::bigint[], $7::uuid[], $8::text[], $9::uuid[], $10::bigint[], \
@@ -111,14 +119,17 @@ pub(super) fn begin_statement() -> String {
          {}",
         rows_made_or_found()
     )
+    });
+    &TEXT
 }
 
 /// The begin statement for one request: [`begin_statement`]'s, with
 /// scalar parameters in the same order. A batch of one is sent with it
 /// (`batch/begin.rs`): PostgreSQL runs it in a fraction of the time the
 /// array form takes for one row, which at a low load is most batches.
-pub(super) fn begin_one_statement() -> String {
-    format!(
+pub(super) fn begin_one_statement() -> &'static str {
+    static TEXT: LazyLock<String> = LazyLock::new(|| {
+        format!(
         "WITH existing AS ( \
            SELECT j.*, j.expires_at <= now() AS expired FROM jobs j \
            WHERE j.owner = $2 AND j.key = $3 \
@@ -140,4 +151,6 @@ pub(super) fn begin_one_statement() -> String {
          {}",
         rows_made_or_found()
     )
+    });
+    &TEXT
 }

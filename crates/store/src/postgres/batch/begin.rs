@@ -187,7 +187,7 @@ async fn read_found(
 ) -> Result<HashMap<(String, String), Begin>, StoreError> {
     let client = Postgres::pooled(pool).await?;
     let statement = client
-        .prepare_cached(&read_found_statement())
+        .prepare_cached(read_found_statement())
         .await
         .map_err(map_pg)?;
     let (owners, keys): (Vec<&str>, Vec<&str>) = batch.iter().map(|w| w.request.sort_key()).unzip();
@@ -207,7 +207,7 @@ async fn begin_many(
 ) -> Result<HashMap<(String, String), Begin>, StoreError> {
     let client = Postgres::pooled(pool).await?;
     let statement = client
-        .prepare_cached(&begin_statement())
+        .prepare_cached(begin_statement())
         .await
         .map_err(map_pg)?;
     let columns = Columns::of(batch.iter().map(|w| (&w.request.job, &w.request.attempt)));
@@ -250,7 +250,7 @@ fn settled(
 async fn begin_alone(pool: &Pool, job: &NewJob, attempt: &NewAttempt) -> Result<Begin, StoreError> {
     let client = Postgres::pooled(pool).await?;
     let statement = client
-        .prepare_cached(&begin_one_statement())
+        .prepare_cached(begin_one_statement())
         .await
         .map_err(map_pg)?;
     let params: [&(dyn ToSql + Sync); 13] = [
