@@ -403,6 +403,10 @@ fn start_fastpath(
     tasks.spawn("redis-announcer", Beats::Never, move |_| {
         announcer.clone().announce(announced.clone())
     });
+    let writer = fast.clone();
+    tasks.spawn("redis-writer", Beats::Never, move |_| {
+        writer.clone().write_entries()
+    });
     let (listener, doorbell) = (fast.clone(), doorbell.clone());
     tasks.spawn("redis-listener", Beats::Never, move |_| {
         listener.clone().listen(doorbell.clone())

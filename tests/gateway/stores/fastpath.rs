@@ -133,6 +133,33 @@ async fn new_keys_stop_the_redis_lookups_and_replays_bring_them_back() {
     assert_eq!(upstream.hits(), 80, "one upstream call per key");
 }
 
+/// Entries of answers committed together go to Redis together (one
+/// pipeline, `FastPath::write_entries`), each under its own key: every one
+/// is there, verifies for its own key, and holds its own job and answer.
+#[tokio::test]
+async fn entries_of_answers_committed_together_are_each_written_under_their_key() {
+    let store = TestStore::postgres().await;
+    let redis = ThrowawayRedis::start().await;
+    let upstream = FakeUpstream::echo().await;
+    let gateway = gateway(&store, &upstream, &redis.url()).await;
+    let url = gateway.path("/v1/charges");
+    let keys: Vec<String> = (0..64).map(|n| format!("together-{n}")).collect();
+    let bodies: Vec<String> = (0..64).map(|n| format!("{{\"n\": {n}}}")).collect();
+    let firsts = join_all(keys.iter().zip(&bodies).map(|(k, b)| post(&url, k, b))).await;
+    for (k, first) in keys.iter().zip(&firsts) {
+        assert_eq!(first.status, 200, "{k}");
+        let entry = cached(&redis, k).await;
+        assert_eq!(Some(entry.job.to_string()), first.job(), "{k}");
+        let kept = entry.response.expect("small answers are kept inline");
+        assert_eq!(kept.body, first.body, "{k}: its own answer");
+    }
+    assert!(
+        gateway.metric("idemgate_fastpath_writes_total").await >= 64.0,
+        "each entry counted as written"
+    );
+    assert_eq!(upstream.hits(), 64);
+}
+
 #[tokio::test]
 async fn a_hit_with_another_fingerprint_is_a_409_confirmed_by_the_store() {
     let store = TestStore::postgres().await;

@@ -204,16 +204,14 @@ impl Replays {
         if write == Write::Once && !fast.needs_entry(job) {
             return;
         }
-        let (owner, key, fingerprint, stored) = (
-            intent.owner.clone(),
-            intent.key.clone(),
+        fast.remember(
+            &intent.owner,
+            &intent.key,
+            job,
             intent.fingerprint,
-            stored.clone(),
+            expires_at,
+            stored,
         );
-        tokio::spawn(async move {
-            fast.remember(&owner, &key, job, fingerprint, expires_at, &stored)
-                .await
-        });
     }
 
     /// Keeps a committed answer in this replica's memory.

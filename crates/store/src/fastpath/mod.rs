@@ -9,7 +9,9 @@
 //!   store; nothing is ever created here (job creation stays the database's
 //!   `INSERT … ON CONFLICT`).
 //! - An entry is written after a commit, and again whenever the store path
-//!   replays a job (which repairs entries lost to a flush or found corrupt).
+//!   replays a job (which repairs entries lost to a flush or found corrupt),
+//!   by one writer task that takes every entry waiting into one round trip
+//!   ([`FastPath::write_entries`]).
 //! - An entry names its job, the request fingerprint and the job's expiry,
 //!   and is authenticated under the replay key for the `(owner, key)` it was
 //!   written for (`docs/design.md` §17; sealed with `[encryption]`). One that
@@ -92,7 +94,25 @@ pub struct FastPath {
     /// Jobs whose entry was written lately: a thousand duplicates released
     /// together write it once, not a thousand times.
     written: std::sync::Mutex<std::collections::HashMap<JobId, std::time::Instant>>,
+    /// Entries on their way to Redis, written by [`FastPath::write_entries`].
+    entries: mpsc::Sender<Pending>,
+    /// The writer's end, kept here so that a restarted writer takes it up.
+    pending: Arc<tokio::sync::Mutex<mpsc::Receiver<Pending>>>,
 }
+
+/// An entry waiting to be written: its Redis key, its bytes, its lifetime.
+struct Pending {
+    key: String,
+    bytes: Vec<u8>,
+    ttl: u64,
+}
+
+/// Entries waiting past this many are dropped (and counted as errors): a
+/// missing entry costs one read from the store, never an answer.
+const PENDING_MAX: usize = 4096;
+
+/// The most entries one write carries.
+const WRITE_BATCH: usize = 64;
 
 impl FastPath {
     /// Prepares the connection without making it: a Redis that is down at
@@ -102,6 +122,7 @@ impl FastPath {
         instance: Uuid,
         keys: Arc<EntryKeys>,
     ) -> Result<Self, redis::RedisError> {
+        let (entries, pending) = mpsc::channel(PENDING_MAX);
         Ok(FastPath {
             redis: Redis::new(&settings)?,
             settings,
@@ -112,6 +133,8 @@ impl FastPath {
             instance,
             keys,
             written: Default::default(),
+            entries,
+            pending: Arc::new(tokio::sync::Mutex::new(pending)),
         })
     }
 
@@ -192,8 +215,10 @@ impl FastPath {
         }
     }
 
-    /// Caches a committed response until shortly before its job expires.
-    pub async fn remember(
+    /// Caches a committed response until shortly before its job expires:
+    /// the entry is made here and written by [`FastPath::write_entries`],
+    /// with the others waiting then, in one round trip.
+    pub fn remember(
         &self,
         owner: &Owner,
         key: &IdempotencyKey,
@@ -216,17 +241,57 @@ impl FastPath {
             response: (response.body.len() <= self.settings.inline_max).then(|| response.clone()),
         };
         let binding = Binding::of(owner, key);
-        let bytes = encode(&entry, owner, key, &self.keys);
-        let mut conn = self.redis.conn();
-        let cmd = redis::cmd("SET")
-            .arg(redis_key(&self.settings.key_prefix, &binding, owner, key))
-            .arg(bytes)
-            .arg("PX")
-            .arg(ttl.as_millis() as u64)
-            .clone();
-        if self.call(cmd.query_async::<()>(&mut conn)).await.is_some() {
-            metrics::counter!("idemgate_fastpath_writes_total").increment(1);
+        let pending = Pending {
+            key: redis_key(&self.settings.key_prefix, &binding, owner, key),
+            bytes: encode(&entry, owner, key, &self.keys),
+            ttl: ttl.as_millis() as u64,
+        };
+        if self.entries.try_send(pending).is_err() {
+            metrics::counter!("idemgate_fastpath_errors_total").increment(1);
         }
+    }
+
+    /// Writes the entries [`FastPath::remember`] made, for as long as it runs
+    /// (a supervised task): each write takes every entry waiting (up to
+    /// 64), one pipeline on a node, one `SET` each at once on a cluster
+    /// (whose keys live on different masters). Best effort, like every
+    /// entry: one that fails is counted, and the store answers its replays.
+    pub async fn write_entries(self: Arc<Self>) -> Result<(), BoxError> {
+        let this = &*self;
+        let mut pending = this.pending.lock().await;
+        let mut batch = Vec::with_capacity(WRITE_BATCH);
+        while pending.recv_many(&mut batch, WRITE_BATCH).await > 0 {
+            let written = batch.len() as u64;
+            let done = match self.settings.topology {
+                Topology::Cluster(_) => {
+                    let sets = batch.iter().map(|entry| async move {
+                        let mut conn = this.redis.conn();
+                        this.call(set(entry).query_async::<()>(&mut conn)).await
+                    });
+                    futures_util::future::join_all(sets)
+                        .await
+                        .into_iter()
+                        .filter(Option::is_some)
+                        .count() as u64
+                }
+                _ => {
+                    let mut pipe = redis::pipe();
+                    for entry in &batch {
+                        pipe.add_command(set(entry)).ignore();
+                    }
+                    let mut conn = self.redis.conn();
+                    let sent = self.call(pipe.query_async::<()>(&mut conn)).await;
+                    if sent.is_some() {
+                        written
+                    } else {
+                        0
+                    }
+                }
+            };
+            metrics::counter!("idemgate_fastpath_writes_total").increment(done);
+            batch.clear();
+        }
+        Ok(())
     }
 
     /// Whether Redis answers a `PING`, for the health report (not counted
@@ -521,6 +586,16 @@ impl FastPath {
         self.rejected::<()>("mirrored stream part", why);
         format!("a part of the mirrored stream was not believed ({why})").into()
     }
+}
+
+/// The `SET` of one entry, expiring with it.
+fn set(entry: &Pending) -> redis::Cmd {
+    redis::cmd("SET")
+        .arg(&entry.key)
+        .arg(&entry.bytes)
+        .arg("PX")
+        .arg(entry.ttl)
+        .clone()
 }
 
 fn count(result: &'static str) {
