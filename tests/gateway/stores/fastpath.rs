@@ -104,11 +104,19 @@ async fn new_keys_stop_the_redis_lookups_and_replays_bring_them_back() {
         assert_eq!(first.status, 200);
         firsts.push(first);
     }
-    let (missed, skipped) = (lookups("miss").await, lookups("skipped").await);
+    // A lookup that outlasts `redis_timeout` on a loaded machine counts as
+    // an error, not a miss; it moves the share as a miss does.
+    let asked = || async {
+        lookups("hit").await
+            + lookups("miss").await
+            + lookups("error").await
+            + lookups("invalid").await
+    };
+    let (missed, skipped) = (asked().await, lookups("skipped").await);
     assert_eq!(missed + skipped, 80.0, "every new key counted once");
     assert!(
         (30.0..=60.0).contains(&missed),
-        "Redis asked for the first new keys only: {missed} misses, {skipped} skipped"
+        "Redis asked for the first new keys only: {missed} asked, {skipped} skipped"
     );
 
     // Replays of those keys: the first few from the store (which answers
@@ -124,12 +132,17 @@ async fn new_keys_stop_the_redis_lookups_and_replays_bring_them_back() {
         assert_eq!(replay.job(), first.job());
     }
     let skipped_on_replays = lookups("skipped").await - skipped;
-    let hits = lookups("hit").await;
+    let asked_on_replays = asked().await - missed;
     assert!(
         (3.0..=12.0).contains(&skipped_on_replays),
         "{skipped_on_replays} replays went to the store before Redis was asked again"
     );
-    assert_eq!(hits + skipped_on_replays, 30.0, "the rest hit Redis");
+    assert_eq!(
+        asked_on_replays + skipped_on_replays,
+        30.0,
+        "the rest asked Redis"
+    );
+    assert!(lookups("hit").await >= 10.0, "and were answered from it");
     assert_eq!(upstream.hits(), 80, "one upstream call per key");
 }
 
