@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 /// The share (in thousandths) from which Redis is asked first: a lookup
 /// that misses costs about a third of what one that hits saves (the
 /// store's read of a finished job), so asking pays from a quarter on.
-pub(crate) const ASK_FROM: u32 = 250;
+const ASK_FROM: u32 = 250;
 
 /// Each request moves the share this fraction of the way to 0 or 1000.
 const STEP: i64 = 32;

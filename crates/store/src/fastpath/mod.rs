@@ -100,10 +100,12 @@ pub struct FastPath {
     pending: Arc<tokio::sync::Mutex<mpsc::Receiver<Pending>>>,
 }
 
-/// An entry waiting to be written: its Redis key, its bytes, its lifetime.
+/// An entry waiting to be written, for whom, and its lifetime in ms. It is
+/// encoded (authenticated, sealed) by the writer, off the request's path.
 struct Pending {
-    key: String,
-    bytes: Vec<u8>,
+    owner: Owner,
+    key: IdempotencyKey,
+    entry: Entry,
     ttl: u64,
 }
 
@@ -216,8 +218,8 @@ impl FastPath {
     }
 
     /// Caches a committed response until shortly before its job expires:
-    /// the entry is made here and written by [`FastPath::write_entries`],
-    /// with the others waiting then, in one round trip.
+    /// queued here, encoded and written by [`FastPath::write_entries`] with
+    /// the others waiting then, in one round trip.
     pub fn remember(
         &self,
         owner: &Owner,
@@ -240,10 +242,10 @@ impl FastPath {
             expires_at,
             response: (response.body.len() <= self.settings.inline_max).then(|| response.clone()),
         };
-        let binding = Binding::of(owner, key);
         let pending = Pending {
-            key: redis_key(&self.settings.key_prefix, &binding, owner, key),
-            bytes: encode(&entry, owner, key, &self.keys),
+            owner: owner.clone(),
+            key: key.clone(),
+            entry,
             ttl: ttl.as_millis() as u64,
         };
         if self.entries.try_send(pending).is_err() {
@@ -261,37 +263,47 @@ impl FastPath {
         let mut pending = this.pending.lock().await;
         let mut batch = Vec::with_capacity(WRITE_BATCH);
         while pending.recv_many(&mut batch, WRITE_BATCH).await > 0 {
-            let written = batch.len() as u64;
-            let done = match self.settings.topology {
+            let sets: Vec<redis::Cmd> = batch.drain(..).map(|p| this.set(p)).collect();
+            let written = match this.settings.topology {
                 Topology::Cluster(_) => {
-                    let sets = batch.iter().map(|entry| async move {
+                    let each = sets.iter().map(|set| async move {
                         let mut conn = this.redis.conn();
-                        this.call(set(entry).query_async::<()>(&mut conn)).await
+                        this.call(set.query_async::<()>(&mut conn)).await
                     });
-                    futures_util::future::join_all(sets)
-                        .await
-                        .into_iter()
-                        .filter(Option::is_some)
-                        .count() as u64
+                    let done = futures_util::future::join_all(each).await;
+                    done.iter().filter(|d| d.is_some()).count()
                 }
                 _ => {
+                    let count = sets.len();
                     let mut pipe = redis::pipe();
-                    for entry in &batch {
-                        pipe.add_command(set(entry)).ignore();
+                    for set in sets {
+                        pipe.add_command(set).ignore();
                     }
-                    let mut conn = self.redis.conn();
-                    let sent = self.call(pipe.query_async::<()>(&mut conn)).await;
-                    if sent.is_some() {
-                        written
-                    } else {
-                        0
-                    }
+                    let mut conn = this.redis.conn();
+                    let done = this.call(pipe.query_async::<()>(&mut conn)).await;
+                    done.map_or(0, |()| count)
                 }
             };
-            metrics::counter!("idemgate_fastpath_writes_total").increment(done);
-            batch.clear();
+            metrics::counter!("idemgate_fastpath_writes_total").increment(written as u64);
         }
         Ok(())
+    }
+
+    /// The `SET` of one entry under its key, expiring with it.
+    fn set(&self, pending: Pending) -> redis::Cmd {
+        let Pending {
+            owner,
+            key,
+            entry,
+            ttl,
+        } = pending;
+        let binding = Binding::of(&owner, &key);
+        redis::cmd("SET")
+            .arg(redis_key(&self.settings.key_prefix, &binding, &owner, &key))
+            .arg(encode(&entry, &owner, &key, &self.keys))
+            .arg("PX")
+            .arg(ttl)
+            .clone()
     }
 
     /// Whether Redis answers a `PING`, for the health report (not counted
@@ -586,16 +598,6 @@ impl FastPath {
         self.rejected::<()>("mirrored stream part", why);
         format!("a part of the mirrored stream was not believed ({why})").into()
     }
-}
-
-/// The `SET` of one entry, expiring with it.
-fn set(entry: &Pending) -> redis::Cmd {
-    redis::cmd("SET")
-        .arg(&entry.key)
-        .arg(&entry.bytes)
-        .arg("PX")
-        .arg(entry.ttl)
-        .clone()
 }
 
 fn count(result: &'static str) {
