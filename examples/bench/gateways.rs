@@ -14,6 +14,9 @@ pub struct Gateways {
     pub logging: Gateway,
     pub redis: Gateway,
     pub postgres: Gateway,
+    /// PostgreSQL alone on one worker thread: where the replay from the
+    /// database is measured without the hand-offs between threads.
+    pub postgres_one_thread: Gateway,
     pub embedded: Gateway,
     pub access_log: Gateway,
 }
@@ -22,7 +25,8 @@ impl Gateways {
     /// Starts them in front of `upstream`, on the database `db`, their files
     /// in `scratch`.
     pub async fn start(args: &Args, upstream: &str, db: &str, scratch: &Path) -> Gateways {
-        let [default, redis, postgres, embedded] = per_store(args, upstream, db, scratch).await;
+        let [default, redis, postgres, postgres_one_thread, embedded] =
+            per_store(args, upstream, db, scratch).await;
         let [one_thread, logging, access_log] = per_setting(args, upstream, db, scratch).await;
         Gateways {
             default,
@@ -30,6 +34,7 @@ impl Gateways {
             logging,
             redis,
             postgres,
+            postgres_one_thread,
             embedded,
             access_log,
         }
@@ -50,7 +55,7 @@ impl Gateways {
 }
 
 /// The gateway as deployed, then one per store with the replay cache off.
-async fn per_store(args: &Args, upstream: &str, db: &str, scratch: &Path) -> [Gateway; 4] {
+async fn per_store(args: &Args, upstream: &str, db: &str, scratch: &Path) -> [Gateway; 5] {
     // The gateway as deployed (PostgreSQL + Redis, the defaults), and one
     // per store with the replay cache off, so their replay rows measure
     // Redis, PostgreSQL and the embedded store themselves.
@@ -75,6 +80,15 @@ async fn per_store(args: &Args, upstream: &str, db: &str, scratch: &Path) -> [Ga
     )
     .await;
     let postgres = Gateway::start(&args.binary, upstream, Store::Postgres(db), None, &off).await;
+    let off_one_thread = [off[0], off[1], "--worker-threads", "1"];
+    let postgres_one_thread = Gateway::start(
+        &args.binary,
+        upstream,
+        Store::Postgres(db),
+        None,
+        &off_one_thread,
+    )
+    .await;
     let embedded = Gateway::start(
         &args.binary,
         upstream,
@@ -83,7 +97,7 @@ async fn per_store(args: &Args, upstream: &str, db: &str, scratch: &Path) -> [Ga
         &off,
     )
     .await;
-    [default, redis, postgres, embedded]
+    [default, redis, postgres, postgres_one_thread, embedded]
 }
 
 /// The deployed gateway on one worker thread, at the default log level, and

@@ -175,6 +175,13 @@ pub fn replays(g: &Gateways) -> Vec<Row> {
             Versus::ReplayCeiling,
         ),
         row(
+            "idemgate replay, PostgreSQL alone (memory off), one worker thread",
+            &g.postgres_one_thread.url,
+            Load::Replay { keys: 200 },
+            vec![g.postgres_one_thread.pid],
+            Versus::ReplayCeiling,
+        ),
+        row(
             "idemgate replay, embedded store (memory off)",
             &g.embedded.url,
             Load::Replay { keys: 200 },
@@ -206,6 +213,11 @@ pub fn new_keys(g: &Gateways, baseline: Option<&Baseline>) -> Vec<Row> {
             None,
         ),
         new_key("idemgate new key, PostgreSQL alone", &g.postgres, None),
+        new_key(
+            "idemgate new key, PostgreSQL alone, one worker thread",
+            &g.postgres_one_thread,
+            None,
+        ),
         new_key("idemgate new key, embedded store", &g.embedded, None),
         new_key(
             "idemgate new key, PostgreSQL + Redis, low load (8 connections)",

@@ -235,6 +235,10 @@ impl Postgres {
     }
 }
 
+/// The session setting that keeps cached plans on the indexes however
+/// small a table was when they were made.
+const INDEXED_PLANS: &str = "-c enable_seqscan=off";
+
 /// The connection settings for `url`: the gateway's defaults where the URL
 /// says nothing, and this instance's name for the NOTIFY trigger.
 fn session(
@@ -251,9 +255,14 @@ fn session(
     if config.get_application_name().is_none() {
         config.application_name("idemgate");
     }
-    // Read by the NOTIFY trigger, so announcements name their origin.
+    // Every statement the gateway sends finds its rows by an index (a key,
+    // an id, an expiry); a plan cached while `jobs` was small would scan it
+    // whole, per batch, until the next ANALYZE (docs/design.md §13, "Plans
+    // made on a small table"). First, so the URL's own `options` can undo it.
+    // `idemgate.instance` is read by the NOTIFY trigger, so announcements
+    // name their origin.
     let options = format!(
-        "{} -c idemgate.instance={instance}",
+        "{INDEXED_PLANS} {} -c idemgate.instance={instance}",
         config.get_options().unwrap_or_default()
     );
     config.options(options.trim_start());

@@ -406,3 +406,97 @@ async fn on_postgres_commits_that_collect_go_together_and_a_failing_row_fails_al
     );
     assert_eq!(probe.commits_waiting(), 0);
 }
+
+/// Rounds of sixteen begins at once, then their sixteen commits at once:
+/// batches of both kinds, and the one-row statements beside them.
+async fn begin_and_commit_at_once(store: &Arc<dyn Store>, round: &str) {
+    let barrier = Arc::new(Barrier::new(16));
+    let begins = (0..16).map(|n| {
+        let (store, barrier) = (store.clone(), barrier.clone());
+        let key = format!("{round}-{n}");
+        tokio::spawn(async move {
+            barrier.wait().await;
+            match store.begin_job(new_job(&key), new_attempt()).await.unwrap() {
+                Begin::Created(_, attempt) => (key, attempt),
+                Begin::Existing(_) => panic!("{key} existed"),
+            }
+        })
+    });
+    let made: Vec<_> = join_all(begins)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let barrier = Arc::new(Barrier::new(made.len()));
+    let commits = made.into_iter().map(|(key, attempt)| {
+        let (store, barrier) = (store.clone(), barrier.clone());
+        tokio::spawn(async move {
+            barrier.wait().await;
+            let outcome = store.commit(&attempt, &answer_with(&key, 1)).await;
+            assert!(outcome.is_ok(), "{key}: {outcome:?}");
+        })
+    });
+    for done in join_all(commits).await {
+        done.unwrap();
+    }
+}
+
+/// The plans of the batch statements are cached per connection, made
+/// while `jobs` holds a few rows, where a sequential scan is the cheapest
+/// way to join a batch's keys to it; the table then grows by 5,000 jobs
+/// and the same statements run again. The gateway's sessions keep to the
+/// indexes however small the table was (design §13, "Plans made on a
+/// small table"): once they have closed (their statistics written), no
+/// row of `jobs` or `attempts` was read by a sequential scan, while the
+/// index scans count every begin and commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_batches_keep_to_the_indexes_however_small_the_table_was() {
+    let (store, probe, db) = postgres_with_probe().await;
+    for round in 0..12 {
+        begin_and_commit_at_once(&store, &format!("small-{round}")).await;
+    }
+    let admin = db.connect().await;
+    admin
+        .batch_execute(
+            "INSERT INTO jobs (id, owner, key, fingerprint, route, state, version, \
+                               attempt_count, expires_at) \
+             SELECT gen_random_uuid(), 'grown', 'grown-' || n, '\\x00', 'default', \
+                    'running', 1, 1, now() + interval '1 day' \
+             FROM generate_series(1, 5000) AS n",
+        )
+        .await
+        .unwrap();
+    for round in 0..12 {
+        begin_and_commit_at_once(&store, &format!("grown-{round}")).await;
+    }
+    drop((store, probe));
+    // A closing session writes its statistics before it leaves
+    // pg_stat_activity: once only this one is left, the counts are whole.
+    until("the gateway's sessions have closed", async || {
+        let row = admin
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND pid <> pg_backend_pid() \
+                   AND backend_type = 'client backend'",
+                &[],
+            )
+            .await
+            .unwrap();
+        row.get::<_, i64>(0) == 0
+    })
+    .await;
+    let rows = admin
+        .query(
+            "SELECT relname::text, seq_tup_read, coalesce(idx_scan, 0) \
+             FROM pg_stat_user_tables WHERE relname IN ('jobs', 'attempts') ORDER BY relname",
+            &[],
+        )
+        .await
+        .unwrap();
+    for row in rows {
+        let (table, seq_read, index_scans): (String, i64, i64) =
+            (row.get(0), row.get(1), row.get(2));
+        assert_eq!(seq_read, 0, "{table}: rows read by sequential scans");
+        assert!(index_scans >= 24 * 16, "{table}: {index_scans} index scans");
+    }
+}
