@@ -93,7 +93,7 @@ struct Session {
 
 impl Session {
     fn new(url: &PgUrl, settings: &PgSettings, instance: Uuid) -> Result<Self, StoreError> {
-        let mut config = session(&url.url, settings, instance)?;
+        let mut config = session(&url.url, settings.connect_timeout, instance)?;
         config.ssl_mode(tls::wire_mode(url.tls.mode));
         let describe = url.tls.describe();
         match (url.tls.mode, url.tls.check()) {
@@ -243,13 +243,13 @@ const INDEXED_PLANS: &str = "-c enable_seqscan=off";
 /// says nothing, and this instance's name for the NOTIFY trigger.
 fn session(
     url: &str,
-    settings: &PgSettings,
+    connect_timeout: Duration,
     instance: Uuid,
 ) -> Result<tokio_postgres::Config, StoreError> {
     let mut config: tokio_postgres::Config =
         url.parse().map_err(|e| StoreError::Internal(Box::new(e)))?;
     if config.get_connect_timeout().is_none() {
-        config.connect_timeout(settings.connect_timeout);
+        config.connect_timeout(connect_timeout);
     }
     config.keepalives_idle(Duration::from_secs(10));
     if config.get_application_name().is_none() {
@@ -261,10 +261,41 @@ fn session(
     // made on a small table"). First, so the URL's own `options` can undo it.
     // `idemgate.instance` is read by the NOTIFY trigger, so announcements
     // name their origin.
-    let options = format!(
-        "{INDEXED_PLANS} {} -c idemgate.instance={instance}",
-        config.get_options().unwrap_or_default()
-    );
-    config.options(options.trim_start());
+    let instance = format!("-c idemgate.instance={instance}");
+    let options = [
+        INDEXED_PLANS,
+        config.get_options().unwrap_or_default(),
+        &instance,
+    ]
+    .into_iter()
+    .filter(|o| !o.is_empty())
+    .collect::<Vec<_>>()
+    .join(" ");
+    config.options(&options);
     Ok(config)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The gateway's session options go first and the URL's after them,
+    /// so an operator's `enable_seqscan=on` is the one the server keeps.
+    #[test]
+    fn the_urls_options_are_applied_after_the_gateways() {
+        let instance = Uuid::nil();
+        let timeout = Duration::from_secs(1);
+        let plain = session("postgres://u@h/db", timeout, instance).unwrap();
+        assert_eq!(
+            plain.get_options(),
+            Some(format!("-c enable_seqscan=off -c idemgate.instance={instance}").as_str())
+        );
+        let undone = "postgres://u@h/db?options=-c%20enable_seqscan%3Don";
+        let undone = session(undone, timeout, instance).unwrap();
+        let options = undone.get_options().unwrap();
+        let ours = options.find("enable_seqscan=off").unwrap();
+        let theirs = options.find("enable_seqscan=on").unwrap();
+        assert!(ours < theirs, "{options}");
+        assert!(options.ends_with(&format!("-c idemgate.instance={instance}")));
+    }
 }
