@@ -23,6 +23,13 @@ impl Postgres {
             .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
             .await
             .map_err(map_pg)?;
+        // Migrations are planned as PostgreSQL plans them: the gateway's
+        // sessions keep to the indexes (`session`, design §13), which a
+        // backfill over a whole table should not.
+        client
+            .batch_execute("SET enable_seqscan = on")
+            .await
+            .map_err(map_pg)?;
         let report = embedded::migrations::runner()
             .set_abort_divergent(true)
             .run_async(&mut client)
