@@ -255,10 +255,10 @@ fn session(
     if config.get_application_name().is_none() {
         config.application_name("idemgate");
     }
-    // Every statement the gateway sends finds its rows by an index (a key,
+    // The request path and the sweeps find their rows by an index (a key,
     // an id, an expiry); a plan cached while `jobs` was small would scan it
-    // whole, per batch, until the next ANALYZE (docs/design.md §13, "Plans
-    // made on a small table"). First, so the URL's own `options` can undo it.
+    // whole, per batch, until autovacuum's next pass (docs/design.md §13,
+    // "Plans made on a small table"). First, so the URL's `options` can undo it.
     // `idemgate.instance` is read by the NOTIFY trigger, so announcements
     // name their origin.
     let instance = format!("-c idemgate.instance={instance}");

@@ -418,38 +418,48 @@ async fn on_postgres_commits_that_collect_go_together_and_a_failing_row_fails_al
     assert_eq!(probe.commits_waiting(), 0);
 }
 
+/// Runs each of `work` on a task of its own, all released at once.
+async fn at_once<T, F>(work: Vec<F>) -> Vec<T>
+where
+    T: Send + 'static,
+    F: std::future::Future<Output = T> + Send + 'static,
+{
+    let barrier = Arc::new(Barrier::new(work.len()));
+    let tasks = work.into_iter().map(|work| {
+        let barrier = barrier.clone();
+        tokio::spawn(async move {
+            barrier.wait().await;
+            work.await
+        })
+    });
+    join_all(tasks)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect()
+}
+
 /// Rounds of sixteen begins at once, then their sixteen commits at once:
 /// batches of both kinds, and the one-row statements beside them.
 async fn begin_and_commit_at_once(store: &Arc<dyn Store>, round: &str) {
-    let barrier = Arc::new(Barrier::new(16));
     let begins = (0..16).map(|n| {
-        let (store, barrier) = (store.clone(), barrier.clone());
-        let key = format!("{round}-{n}");
-        tokio::spawn(async move {
-            barrier.wait().await;
+        let (store, key) = (store.clone(), format!("{round}-{n}"));
+        async move {
             match store.begin_job(new_job(&key), new_attempt()).await.unwrap() {
                 Begin::Created(_, attempt) => (key, attempt),
                 Begin::Existing(_) => panic!("{key} existed"),
             }
-        })
+        }
     });
-    let made: Vec<_> = join_all(begins)
-        .await
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
-    let barrier = Arc::new(Barrier::new(made.len()));
+    let made = at_once(begins.collect()).await;
     let commits = made.into_iter().map(|(key, attempt)| {
-        let (store, barrier) = (store.clone(), barrier.clone());
-        tokio::spawn(async move {
-            barrier.wait().await;
+        let store = store.clone();
+        async move {
             let outcome = store.commit(&attempt, &answer_with(&key, 1)).await;
             assert!(outcome.is_ok(), "{key}: {outcome:?}");
-        })
+        }
     });
-    for done in join_all(commits).await {
-        done.unwrap();
-    }
+    at_once(commits.collect()).await;
 }
 
 /// The plans of the batch statements are cached per connection (one
