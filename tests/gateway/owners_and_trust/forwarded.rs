@@ -33,7 +33,7 @@ const OWNERS: &str = "[owner]\nsources = [{ trusted_header = \"x-authenticated-u
 async fn trusted_only_headers_are_removed_from_anyone_else(on: Deployment) {
     let (store, gateways) = Gateways::of(on);
     let upstream = FakeUpstream::echo().await;
-    let untrusting = gateways
+    let mut untrusting = gateways
         .gateway(&store, &upstream.url())
         .set("trusted_proxies", "[\"10.0.0.0/8\"]")
         .tables(OWNERS)
@@ -47,7 +47,9 @@ async fn trusted_only_headers_are_removed_from_anyone_else(on: Deployment) {
         let passed = send(Method::GET, &untrusting.path(path), &spoofed, "").await;
         assert_eq!(passed.status, 200);
     }
-    drop(untrusting); // the embedded store serves one gateway at a time
+    // The embedded store serves one gateway at a time: the next starts
+    // once this one has exited (a drop only sends the signal).
+    untrusting.kill().await;
     let seen = upstream.recorded();
     assert_eq!(seen.len(), 4);
     for request in &seen {

@@ -118,7 +118,7 @@ async fn the_jwt_leeway_is_a_setting(on: Deployment) {
     let upstream = FakeUpstream::echo().await;
     let expired = signed(json!({ "sub": "alice", "exp": now() - 30 }));
     let early = signed(json!({ "sub": "bob", "exp": now() + 600, "nbf": now() + 30 }));
-    let strict = jwt_gateway(&gateways, &store, &upstream, "sub", ", leeway = \"0s\"")
+    let mut strict = jwt_gateway(&gateways, &store, &upstream, "sub", ", leeway = \"0s\"")
         .start()
         .await;
     for (i, bad) in [&expired, &early].into_iter().enumerate() {
@@ -131,7 +131,9 @@ async fn the_jwt_leeway_is_a_setting(on: Deployment) {
         .await;
         refused(&reply, "owner-required", &store, &upstream, 0).await;
     }
-    drop(strict); // the embedded store serves one gateway at a time
+    // The embedded store serves one gateway at a time: the next starts
+    // once this one has exited (a drop only sends the signal).
+    strict.kill().await;
 
     let lenient = jwt_gateway(&gateways, &store, &upstream, "sub", "")
         .start()

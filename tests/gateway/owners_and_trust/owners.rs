@@ -99,7 +99,7 @@ async fn cookie_users_with_one_key_are_two_owners(on: Deployment) {
             .unwrap()
     })
     .await;
-    let gateway = deployment
+    let mut gateway = deployment
         .gateway(&store, &upstream.url())
         .tables("[owner]\nsources = [{ cookie = \"sid\" }]\n")
         .start()
@@ -134,7 +134,9 @@ async fn cookie_users_with_one_key_are_two_owners(on: Deployment) {
         none.problem_detail().contains("sid cookie"),
         "the detail names the source"
     );
-    drop(gateway); // the embedded store serves one gateway at a time
+    // The embedded store serves one gateway at a time: the next starts
+    // once this one has exited (a drop only sends the signal).
+    gateway.kill().await;
 
     let by_default = deployment.gateway(&store, &upstream.url()).start().await;
     let anonymous = keyed(&by_default, "/v1/orders", "order-43", &[]).await;
@@ -258,7 +260,7 @@ async fn trusted_headers_are_believed_only_from_trusted_proxies(on: Deployment) 
         ("forwarded", "for=203.0.113.9"),
         ("x-forwarded-proto", "https"),
     ];
-    let untrusting = deployment
+    let mut untrusting = deployment
         .gateway(&store, &upstream.url())
         .set("trusted_proxies", "[\"10.0.0.0/8\"]")
         .tables(owner)
@@ -268,7 +270,9 @@ async fn trusted_headers_are_believed_only_from_trusted_proxies(on: Deployment) 
     refused(&ignored, "owner-required", &store, &upstream, 0).await;
     let passed = send(Method::GET, &untrusting.path("/v1/x"), &spoofed, "").await;
     assert_eq!(passed.status, 200);
-    drop(untrusting); // the embedded store serves one gateway at a time
+    // The embedded store serves one gateway at a time: the next starts
+    // once this one has exited (a drop only sends the signal).
+    untrusting.kill().await;
     let seen = &upstream.recorded()[0];
     assert_eq!(
         seen.header("x-forwarded-for"),
