@@ -118,10 +118,16 @@ impl Records for Postgres {
     ) -> Result<u64, StoreError> {
         let ids: Vec<Uuid> = attempts.iter().map(|a| a.0).collect();
         let client = self.client().await?;
+        // An attempt locked by another transaction is being settled (its
+        // commit, perhaps in a batch that locks many) and is skipped: waiting
+        // would let the two wait on each other's rows in opposite orders
+        // (design §13), and the next renewal, well inside the lease, takes
+        // it if it is still started.
         client
             .execute(
                 "UPDATE attempts SET lease_expires_at = now() + $2::bigint * interval '1 millisecond' \
-                 WHERE id = ANY($1) AND state = $3",
+                 WHERE id IN (SELECT id FROM attempts WHERE id = ANY($1) AND state = $3 \
+                              FOR UPDATE SKIP LOCKED)",
                 &[&ids, &millis(lease), &AttemptState::Started.as_str()],
             )
             .await

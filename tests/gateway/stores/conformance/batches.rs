@@ -88,11 +88,11 @@ async fn until(what: &str, mut check: impl AsyncFnMut() -> bool) {
     }
 }
 
-/// Waits until the batches on their way (both slots of a kind) wait on a
+/// Waits until the batches on their way (every slot of a kind) wait on a
 /// lock another session holds.
-async fn both_slots_wait_on_the_lock(db: &crate::support::TestDb) {
+async fn every_slot_waits_on_the_lock(db: &crate::support::TestDb) {
     let watcher = db.connect().await;
-    until("both batch slots wait on the lock", async || {
+    until("every batch slot waits on the lock", async || {
         let row = watcher
             .query_one(
                 "SELECT count(*) FROM pg_stat_activity \
@@ -107,7 +107,7 @@ async fn both_slots_wait_on_the_lock(db: &crate::support::TestDb) {
 }
 
 /// The database held busy (the jobs table locked by another session) while
-/// both batch slots are taken, twenty-three begins collect: twenty keys,
+/// every batch slot is taken, twenty-three begins collect: twenty keys,
 /// one key twice, and two keys whose jobs were given one id (a row the
 /// statement must refuse). Released, the unique ones go as one statement,
 /// which fails on that row and is split: every other key gets its job, one
@@ -128,7 +128,7 @@ async fn on_postgres_begins_that_collect_go_together_and_a_failing_row_fails_alo
     let first: Vec<_> = (0..idemgate_store::postgres::BATCHES_IN_FLIGHT)
         .map(|n| begin(new_job(&format!("first-{n}"))))
         .collect();
-    both_slots_wait_on_the_lock(&db).await;
+    every_slot_waits_on_the_lock(&db).await;
 
     let mut keys: Vec<String> = (0..20).map(|n| format!("together-{n}")).collect();
     keys.push("twice".into());
@@ -179,6 +179,116 @@ async fn on_postgres_begins_that_collect_go_together_and_a_failing_row_fails_alo
         "{clashed:?}"
     );
     assert_eq!(probe.begins_waiting(), 0);
+}
+
+/// A begin sent again with the ids it was first sent with (what the batch
+/// does when its statement committed but its answer was lost: the
+/// connection dropped after the commit) finds the job it made: it is told
+/// "created", with its own attempt, alone and inside a batch, not
+/// "existing", which would leave it waiting on an attempt nobody runs
+/// until the lease lapsed into `unknown`. Another request for the key
+/// still finds the job, and once the attempt has committed so does a
+/// resend.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_a_begin_whose_answer_was_lost_finds_its_own_job_created() {
+    let (store, probe, db) = postgres_with_probe().await;
+    let (job, attempt) = (new_job("mine"), new_attempt());
+    let first = store.begin_job(job.clone(), attempt.clone()).await.unwrap();
+    let Begin::Created(made, ours) = first else {
+        panic!("{first:?}")
+    };
+    let is_ours = |begin: &Begin| matches!(begin, Begin::Created(j, a) if j.id == made.id && a.id == ours.id && a.state == AttemptState::Started);
+    let alone = store.begin_job(job.clone(), attempt.clone()).await.unwrap();
+    assert!(is_ours(&alone), "alone: {alone:?}");
+
+    // In a batch: the begins collect while every slot waits on a lock.
+    let holder = db.connect().await;
+    holder
+        .batch_execute("BEGIN; LOCK TABLE jobs IN EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let begin = |job: NewJob, attempt: NewAttempt| {
+        let store = store.clone();
+        tokio::spawn(async move { store.begin_job(job, attempt).await })
+    };
+    let fillers: Vec<_> = (0..idemgate_store::postgres::BATCHES_IN_FLIGHT)
+        .map(|n| begin(new_job(&format!("filler-{n}")), new_attempt()))
+        .collect();
+    every_slot_waits_on_the_lock(&db).await;
+    let resent = begin(job.clone(), attempt.clone());
+    let others: Vec<_> = (0..5)
+        .map(|n| begin(new_job(&format!("beside-{n}")), new_attempt()))
+        .collect();
+    until("the begins wait for a batch", async || {
+        probe.begins_waiting() == 6
+    })
+    .await;
+    holder.batch_execute("COMMIT").await.unwrap();
+    let resent = resent.await.unwrap().unwrap();
+    assert!(is_ours(&resent), "in a batch: {resent:?}");
+    for done in join_all(fillers.into_iter().chain(others)).await {
+        assert!(matches!(done.unwrap(), Ok(Begin::Created(..))));
+    }
+
+    let other = store
+        .begin_job(new_job("mine"), new_attempt())
+        .await
+        .unwrap();
+    assert!(
+        matches!(&other, Begin::Existing(j) if j.id == made.id),
+        "{other:?}"
+    );
+    store.commit(&ours, &answer_with("mine", 1)).await.unwrap();
+    let after = store.begin_job(job, attempt).await.unwrap();
+    assert!(
+        matches!(&after, Begin::Existing(j) if j.id == made.id && j.state == JobState::Completed),
+        "after the commit: {after:?}"
+    );
+}
+
+/// A lease renewal never waits on an attempt another transaction holds
+/// (a batch of commits locks up to 64 attempts while it settles them, and
+/// a renewal waiting there, in the opposite order, could deadlock with
+/// it): with one attempt's row locked by another session, a renewal of it
+/// and another returns at once, the free attempt's lease moved, the
+/// locked one's left for the next renewal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_a_lease_renewal_skips_an_attempt_being_settled() {
+    let (store, _probe, db) = postgres_with_probe().await;
+    let (_, held) = created(store.as_ref(), "held").await;
+    let (_, free) = created(store.as_ref(), "free").await;
+    let lease_of = async |id: AttemptId| -> std::time::SystemTime {
+        let row = db
+            .connect()
+            .await
+            .query_one(
+                "SELECT lease_expires_at FROM attempts WHERE id = $1",
+                &[&id.0],
+            )
+            .await
+            .unwrap();
+        row.get(0)
+    };
+    let (held_before, free_before) = (lease_of(held.id).await, lease_of(free.id).await);
+    let holder = db.connect().await;
+    holder
+        .batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM attempts WHERE id = '{}' FOR UPDATE",
+            held.id.0
+        ))
+        .await
+        .unwrap();
+    let renewed = tokio::time::timeout(
+        Duration::from_secs(10),
+        store.renew_leases(&[held.id, free.id], Duration::from_secs(600)),
+    )
+    .await
+    .expect("the renewal waited on the locked attempt")
+    .unwrap();
+    holder.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(renewed, 1);
+    assert_eq!(lease_of(held.id).await, held_before);
+    assert!(lease_of(free.id).await > free_before);
 }
 
 /// Begins of keys whose jobs exist, round after round, turn on the read a
@@ -328,7 +438,7 @@ pub(super) async fn many_jobs_committed_at_once_keep_each_its_own_answer(store: 
     }
 }
 
-/// The database held busy while both commit slots are taken, twenty-three
+/// The database held busy while every commit slot is taken, twenty-three
 /// commits collect: twenty jobs, a job's two attempts, and one answer the
 /// database refuses (a header name holding a NUL byte). Released, the
 /// statement carrying them fails on that row and is split: the twenty
@@ -338,8 +448,9 @@ pub(super) async fn many_jobs_committed_at_once_keep_each_its_own_answer(store: 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_postgres_commits_that_collect_go_together_and_a_failing_row_fails_alone() {
     let (store, probe, db) = postgres_with_probe().await;
+    let slots = idemgate_store::postgres::BATCHES_IN_FLIGHT;
     let mut started = Vec::new();
-    for n in 0..24 {
+    for n in 0..22 + slots {
         started.push(created(store.as_ref(), &format!("collect-{n}")).await);
     }
     let (twice, first) = started.pop().unwrap();
@@ -349,7 +460,7 @@ async fn on_postgres_commits_that_collect_go_together_and_a_failing_row_fails_al
         .unwrap()
         .unwrap();
     let (refused_job, refused) = started.pop().unwrap();
-    let fillers: Vec<_> = started.drain(..2).collect();
+    let fillers: Vec<_> = started.drain(..slots).collect();
 
     let holder = db.connect().await;
     holder
@@ -364,7 +475,7 @@ async fn on_postgres_commits_that_collect_go_together_and_a_failing_row_fails_al
         .into_iter()
         .map(|(_, a)| commit(a, answer_with("filler", 1)))
         .collect();
-    both_slots_wait_on_the_lock(&db).await;
+    every_slot_waits_on_the_lock(&db).await;
 
     let together: Vec<_> = started
         .iter()

@@ -27,13 +27,15 @@ use deadpool_postgres::Pool;
 use tokio_postgres::types::ToSql;
 use uuid::Uuid;
 
-use super::super::rows::answer;
-use super::super::sql::{begin_one_statement, begin_statement, read_found_statement};
+use super::super::rows::{answer, attempt_from_row};
+use super::super::sql::{
+    begin_one_statement, begin_statement, read_found_statement, ATTEMPT_COLUMNS,
+};
 use super::super::{map_pg, Postgres};
 use super::{Batched, Waiting};
 use crate::{millis, Begin, StoreError};
 use idemgate_domain::attempt::{AttemptState, NewAttempt};
-use idemgate_domain::job::{JobState, NewJob};
+use idemgate_domain::job::{Job, JobState, NewJob};
 
 /// The column of [`JOB_COLUMNS`](super::super::sql::JOB_COLUMNS) holding a
 /// found job's answer body.
@@ -130,6 +132,9 @@ async fn send(pool: &Pool, mut batch: Vec<Waiting<BeginRequest>>) {
             let mut unsettled = Vec::new();
             for waiting in batch {
                 match settled.remove(&waiting.request.key()) {
+                    Some(Begin::Existing(job)) if job.id == waiting.request.job.id => {
+                        unsettled.push(waiting)
+                    }
                     Some(begin) => {
                         found += usize::from(matches!(begin, Begin::Existing(_)));
                         waiting.answer(Ok(begin));
@@ -172,6 +177,8 @@ async fn answer_found(
     let mut rest = Vec::new();
     for waiting in batch {
         match found.remove(&waiting.request.key()) {
+            // Its own job: the begin statement tells it apart ([`own_begin`]).
+            Some(Begin::Existing(job)) if job.id == waiting.request.job.id => rest.push(waiting),
             Some(job) => waiting.answer(Ok(job)),
             None => rest.push(waiting),
         }
@@ -246,7 +253,9 @@ fn settled(
 
 /// One request's begin, alone: bounded, since each round either answers,
 /// deletes the expired job that blocked the key, or lost an insert race
-/// whose winner the next round reads.
+/// whose winner the next round reads. A job it finds under the request's
+/// own job id is the one its batch made, committed though the batch's
+/// answer was lost ([`own_begin`]).
 async fn begin_alone(pool: &Pool, job: &NewJob, attempt: &NewAttempt) -> Result<Begin, StoreError> {
     let client = Postgres::pooled(pool).await?;
     let statement = client
@@ -274,8 +283,12 @@ async fn begin_alone(pool: &Pool, job: &NewJob, attempt: &NewAttempt) -> Result<
             .await
             .map_err(map_pg)?;
         let Some(row) = row else { continue };
-        if let Some(begin) = answer(&row)? {
-            return Ok(begin);
+        match answer(&row)? {
+            Some(Begin::Existing(found)) if found.id == job.id => {
+                return own_begin(&client, found, attempt).await;
+            }
+            Some(begin) => return Ok(begin),
+            None => {}
         }
         // Expired but not purged yet: forgotten, the key starts afresh.
         client
@@ -287,6 +300,40 @@ async fn begin_alone(pool: &Pool, job: &NewJob, attempt: &NewAttempt) -> Result<
             .map_err(map_pg)?;
     }
     Err(StoreError::Contended)
+}
+
+/// The begin of a request whose batch committed its job (`found`, under
+/// the request's own id) but failed before it answered: the connection
+/// lost after the commit, or a row of the batch unreadable. Told that the
+/// job merely exists, the request would wait on its own attempt, which
+/// nothing runs, until its lease lapsed into `unknown`; so while that
+/// attempt is still the job's only one and still started, the request is
+/// told what the batch would have said: created, with its attempt.
+/// Anything else (the attempt already taken over) stays `Existing`.
+async fn own_begin(
+    client: &deadpool_postgres::Client,
+    found: Job,
+    attempt: &NewAttempt,
+) -> Result<Begin, StoreError> {
+    let statement =
+        format!("SELECT {ATTEMPT_COLUMNS} FROM attempts a WHERE a.id = $1 AND a.job_id = $2");
+    let row = client
+        .query_opt(&statement, &[&attempt.id.0, &found.id.0])
+        .await
+        .map_err(map_pg)?;
+    let ours = match row {
+        Some(row) => attempt_from_row(&row, 0)?,
+        None => return Ok(Begin::Existing(found)),
+    };
+    let untouched = found.state == JobState::Running
+        && found.attempt_count == 1
+        && ours.state == AttemptState::Started
+        && ours.job_version == found.version;
+    Ok(if untouched {
+        Begin::Created(found, ours)
+    } else {
+        Begin::Existing(found)
+    })
 }
 
 /// The statement's array parameters, one element per request.

@@ -4,11 +4,11 @@
 //! commit for each batch, instead of each paying its own.
 //!
 //! No timer decides when a batch leaves. An idle queue sends a request at
-//! once, alone, from the request's own task; requests collect only while [`IN_FLIGHT`] batches of their
-//! kind are already on their way, and the next batch takes all that
-//! collected (up to [`MAX_BATCH`]). So a lone request waits for nothing, and
-//! under load each database commit carries as many requests as arrived
-//! during the last one.
+//! once, alone, from the request's own task; requests collect only while a
+//! batch of their kind is on its way ([`IN_FLIGHT`]), and the next batch
+//! takes all that collected (up to [`MAX_BATCH`]). So a lone request waits
+//! for nothing, and under load each database commit carries as many
+//! requests as arrived during the last one.
 //!
 //! A batch holds each [`Batched::key`] once: a second request for it waits
 //! for the next batch. What a batch means, how it is sent and how a failing
@@ -31,10 +31,13 @@ mod commit;
 pub(super) use begin::BeginRequest;
 pub(super) use commit::{commit_alone, CommitRequest, BATCHED_BODY};
 
-/// Batches of one kind on their way at once. Two: one in the database
-/// while the next collects, so the database is never idle waiting for the
-/// gateway, and the pool keeps its other connections for the rest.
-pub const IN_FLIGHT: usize = 2;
+/// Batches of one kind on their way at once. One: with two, a slot freed
+/// under load was taken at once by whatever had collected, often a lone
+/// request, so the database made three times as many lone commits, each
+/// paying its own flush; with one, all that arrives while a batch is out
+/// rides the next (docs/performance.md, item 31). The begins' batch and
+/// the commits' still overlap, so the database is not idle between them.
+pub const IN_FLIGHT: usize = 1;
 
 /// The most requests one statement carries.
 pub(super) const MAX_BATCH: usize = 64;
