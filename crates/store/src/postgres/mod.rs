@@ -239,6 +239,13 @@ impl Postgres {
 /// small a table was when they were made.
 const INDEXED_PLANS: &str = "-c enable_seqscan=off";
 
+/// How often an idle connection's peer is probed once keep-alives start
+/// (after 10 s of quiet), and how many unanswered probes end it.
+const SILENCE_PROBE: Duration = Duration::from_secs(5);
+const SILENCE_PROBES: u32 = 3;
+/// How long data sent may go unacknowledged before the connection ends.
+const UNACKNOWLEDGED: Duration = Duration::from_secs(30);
+
 /// The connection settings for `url`: the gateway's defaults where the URL
 /// says nothing, and this instance's name for the NOTIFY trigger.
 fn session(
@@ -252,6 +259,20 @@ fn session(
         config.connect_timeout(connect_timeout);
     }
     config.keepalives_idle(Duration::from_secs(10));
+    // A server gone silent (a VM lost, an address moved in a failover)
+    // ends the connection within half a minute, not the operating
+    // system's quarter of an hour: one hung batch holds up every begin,
+    // or every commit, on this replica (docs/design.md §13, "A dead
+    // connection ends its batch"). The URL's own values win.
+    if config.get_keepalives_interval().is_none() {
+        config.keepalives_interval(SILENCE_PROBE);
+    }
+    if config.get_keepalives_retries().is_none() {
+        config.keepalives_retries(SILENCE_PROBES);
+    }
+    if config.get_tcp_user_timeout().is_none() {
+        config.tcp_user_timeout(UNACKNOWLEDGED);
+    }
     if config.get_application_name().is_none() {
         config.application_name("idemgate");
     }
@@ -297,5 +318,29 @@ mod tests {
         let theirs = options.find("enable_seqscan=on").unwrap();
         assert!(ours < theirs, "{options}");
         assert!(options.ends_with(&format!("-c idemgate.instance={instance}")));
+    }
+
+    /// A silent server ends a connection in seconds by default; the URL's
+    /// own values are kept.
+    #[test]
+    fn a_silent_server_ends_the_connection_unless_the_url_says_otherwise() {
+        let instance = Uuid::nil();
+        let timeout = Duration::from_secs(1);
+        let plain = session("postgres://u@h/db", timeout, instance).unwrap();
+        assert_eq!(plain.get_keepalives_interval(), Some(SILENCE_PROBE));
+        assert_eq!(plain.get_keepalives_retries(), Some(SILENCE_PROBES));
+        assert_eq!(plain.get_tcp_user_timeout(), Some(&UNACKNOWLEDGED));
+        let url =
+            "postgres://u@h/db?keepalives_interval=20&keepalives_retries=9&tcp_user_timeout=120";
+        let theirs = session(url, timeout, instance).unwrap();
+        assert_eq!(
+            theirs.get_keepalives_interval(),
+            Some(Duration::from_secs(20))
+        );
+        assert_eq!(theirs.get_keepalives_retries(), Some(9));
+        assert_eq!(
+            theirs.get_tcp_user_timeout(),
+            Some(&Duration::from_secs(120))
+        );
     }
 }

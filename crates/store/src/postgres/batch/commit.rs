@@ -165,7 +165,7 @@ const COMMIT_ONE: &str = "WITH won AS ( \
               response_header_names = $4, response_header_values = $5, \
               response_body = $6, version = version + 1, updated_at = now() \
        WHERE id = $1 AND version = $7 AND completed_by IS NULL \
-         AND EXISTS (SELECT 1 FROM attempts WHERE id = $2 AND state = ANY($9)) \
+         AND EXISTS (SELECT 1 FROM attempts WHERE id = $2 AND job_id = $1 AND state = ANY($9)) \
        RETURNING id, watched \
      ), settled AS ( \
        UPDATE attempts SET state = $10, finished_at = now(), upstream_status = $3 \
@@ -179,7 +179,10 @@ const COMMIT_ONE: &str = "WITH won AS ( \
 /// under ($4), bodies ($5); every attempt's header names ($6) and values
 /// ($7) in one flat array each, an attempt's from its `lo` ($8) to its `hi`
 /// ($9), 1-based and inclusive (`hi < lo`: none). The jobs that may commit
-/// are locked in id order first (`locked`); one row per job committed.
+/// are locked in id order first (`locked`), with the lock the single CAS's
+/// update takes, so an attempt's insert (which locks its job for the
+/// foreign key) is not held up; one row per job committed. Both CASes
+/// check that the attempt is the job's.
 const COMMIT_MANY: &str = "WITH input AS ( \
        SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::smallint[], $4::bigint[], \
                             $5::bytea[], $8::int[], $9::int[]) \
@@ -187,8 +190,9 @@ const COMMIT_MANY: &str = "WITH input AS ( \
      ), locked AS MATERIALIZED ( \
        SELECT j.id FROM jobs j JOIN input i ON i.job_id = j.id \
        WHERE j.version = i.version AND j.completed_by IS NULL \
-         AND EXISTS (SELECT 1 FROM attempts a WHERE a.id = i.attempt_id AND a.state = ANY($11)) \
-       ORDER BY j.id FOR UPDATE OF j \
+         AND EXISTS (SELECT 1 FROM attempts a WHERE a.id = i.attempt_id AND a.job_id = i.job_id \
+                     AND a.state = ANY($11)) \
+       ORDER BY j.id FOR NO KEY UPDATE OF j \
      ), won AS ( \
        UPDATE jobs j SET state = $10, completed_by = i.attempt_id, response_status = i.status, \
               response_header_names = ($6::text[])[i.lo:i.hi], \
