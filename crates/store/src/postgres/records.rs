@@ -136,10 +136,15 @@ impl Records for Postgres {
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
         let client = self.client().await?;
+        // A job another transaction holds (a commit batch locks many, in id
+        // order) is left for the next sweep rather than waited on in
+        // expiry order, which could deadlock the two; replicas sweeping at
+        // once take different jobs.
         client
             .execute(
                 "DELETE FROM jobs WHERE id IN ( \
-                   SELECT id FROM jobs WHERE expires_at < now() ORDER BY expires_at LIMIT $1)",
+                   SELECT id FROM jobs WHERE expires_at < now() ORDER BY expires_at LIMIT $1 \
+                   FOR UPDATE SKIP LOCKED)",
                 &[&i64::from(batch)],
             )
             .await

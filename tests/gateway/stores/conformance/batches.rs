@@ -291,6 +291,43 @@ async fn on_postgres_a_lease_renewal_skips_an_attempt_being_settled() {
     assert!(lease_of(free.id).await > free_before);
 }
 
+/// The purge never waits on a job another transaction holds (a commit
+/// batch locks its jobs in id order, the purge would take them in expiry
+/// order): with one of two expired jobs locked by another session, a purge
+/// returns at once having deleted the other, and the next, once the lock
+/// is gone, deletes the first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_the_purge_skips_a_job_another_transaction_holds() {
+    let (store, _probe, db) = postgres_with_probe().await;
+    let (held, _) = created(store.as_ref(), "held").await;
+    let (other, _) = created(store.as_ref(), "other").await;
+    let holder = db.connect().await;
+    holder
+        .execute(
+            "UPDATE jobs SET expires_at = now() - interval '1 minute' WHERE id = ANY($1)",
+            &[&vec![held.id.0, other.id.0]],
+        )
+        .await
+        .unwrap();
+    holder
+        .batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM jobs WHERE id = '{}' FOR UPDATE",
+            held.id.0
+        ))
+        .await
+        .unwrap();
+    let purged = tokio::time::timeout(Duration::from_secs(10), store.purge_expired(100))
+        .await
+        .expect("the purge waited on the locked job")
+        .unwrap();
+    assert_eq!(purged, 1);
+    assert!(store.job(other.id).await.unwrap().is_none());
+    assert!(store.job(held.id).await.unwrap().is_some());
+    holder.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(store.purge_expired(100).await.unwrap(), 1);
+    assert!(store.job(held.id).await.unwrap().is_none());
+}
+
 /// Begins of keys whose jobs exist, round after round, turn on the read a
 /// batch makes before its begin statement (`batch/begin.rs`, "read
 /// first"); then, in a round of forty such begins, ten new keys each begun

@@ -60,6 +60,13 @@ impl Batched for CommitRequest {
         self.job
     }
 
+    fn weight(&self) -> usize {
+        let headers: usize = (self.response.headers.iter())
+            .map(|(name, value)| name.len() + value.len())
+            .sum();
+        self.response.body.len() + headers
+    }
+
     async fn send(pool: Pool, batch: Vec<Waiting<Self>>) {
         send(&pool, batch).await
     }

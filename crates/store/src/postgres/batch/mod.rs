@@ -42,6 +42,13 @@ pub const IN_FLIGHT: usize = 1;
 /// The most requests one statement carries.
 pub(super) const MAX_BATCH: usize = 64;
 
+/// The most bytes of answers one statement carries: what a connection may
+/// carry and still go back to the pool (`Postgres::release`; a connection
+/// that carried more keeps buffers that size, so it is closed). Without
+/// it, eight commits of answers of 40 KiB would close their connection,
+/// and under load most batches would pay a new session.
+pub(super) const MAX_BATCH_BYTES: usize = idemgate_domain::job::INLINE_ANSWER;
+
 /// A request that can go to the database in a batch of its kind.
 pub(super) trait Batched: Sized + Send + 'static {
     /// What a batch holds once.
@@ -50,6 +57,12 @@ pub(super) trait Batched: Sized + Send + 'static {
     type Answer: Send + 'static;
 
     fn key(&self) -> Self::Key;
+
+    /// The bytes of answers it adds to its batch's statement, counted
+    /// against [`MAX_BATCH_BYTES`].
+    fn weight(&self) -> usize {
+        0
+    }
 
     /// Sends `batch` and answers each of its requests through its `reply`.
     fn send(pool: Pool, batch: Vec<Waiting<Self>>) -> impl Future<Output = ()> + Send;
@@ -159,14 +172,17 @@ async fn collect<T: Batched>(
     }
 }
 
-/// `first` and what waits after it, each key once, at most [`MAX_BATCH`];
-/// a second request for a key in the batch is carried to the next one.
+/// `first` and what waits after it, each key once, at most [`MAX_BATCH`]
+/// requests and [`MAX_BATCH_BYTES`] (the first goes whatever it weighs); a
+/// second request for a key in the batch, and what would pass the bytes,
+/// are carried to the next one, in the order they came.
 fn gather<T: Batched>(
     first: Waiting<T>,
     carried: &mut VecDeque<Waiting<T>>,
     arrivals: &mut mpsc::UnboundedReceiver<Waiting<T>>,
 ) -> Vec<Waiting<T>> {
     let mut keys = HashSet::from([first.request.key()]);
+    let mut bytes = first.request.weight();
     let mut batch = vec![first];
     let mut later = Vec::new();
     let mut queued = std::mem::take(carried);
@@ -174,7 +190,13 @@ fn gather<T: Batched>(
         let Some(next) = queued.pop_front().or_else(|| arrivals.try_recv().ok()) else {
             break;
         };
+        let weight = next.request.weight();
+        if bytes + weight > MAX_BATCH_BYTES {
+            queued.push_front(next);
+            break;
+        }
         if keys.insert(next.request.key()) {
+            bytes += weight;
             batch.push(next);
         } else {
             later.push(next);
@@ -183,4 +205,63 @@ fn gather<T: Batched>(
     carried.extend(later);
     carried.extend(queued);
     batch
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A request of the test: its key and the bytes it weighs.
+    struct Weighed(u32, usize);
+
+    impl Batched for Weighed {
+        type Key = u32;
+        type Answer = ();
+
+        fn key(&self) -> u32 {
+            self.0
+        }
+
+        fn weight(&self) -> usize {
+            self.1
+        }
+
+        async fn send(_: Pool, _: Vec<Waiting<Self>>) {}
+    }
+
+    fn waiting(key: u32, weight: usize) -> Waiting<Weighed> {
+        Waiting {
+            request: Weighed(key, weight),
+            reply: oneshot::channel().0,
+        }
+    }
+
+    fn keys(batch: &[Waiting<Weighed>]) -> Vec<u32> {
+        batch.iter().map(|w| w.request.0).collect()
+    }
+
+    /// Answers of 40 KiB: a batch takes six (240 KiB), not all twelve, so
+    /// its connection goes back to the pool; the rest wait, in order, for
+    /// the next; a key twice still waits; and one answer over the budget
+    /// goes alone rather than never.
+    #[test]
+    fn a_batch_stops_at_its_bytes_and_the_rest_keep_their_order() {
+        let (sender, mut arrivals) = mpsc::unbounded_channel();
+        for key in 1..12 {
+            sender.send(waiting(key, 40 << 10)).ok().unwrap();
+        }
+        sender.send(waiting(7, 1)).ok().unwrap();
+        let mut carried = VecDeque::new();
+        let first = gather(waiting(0, 40 << 10), &mut carried, &mut arrivals);
+        assert_eq!(keys(&first), [0, 1, 2, 3, 4, 5]);
+        let weight: usize = first.iter().map(|w| w.request.1).sum();
+        assert!(weight <= MAX_BATCH_BYTES, "{weight}");
+        let next = carried.pop_front().unwrap();
+        let second = gather(next, &mut carried, &mut arrivals);
+        assert_eq!(keys(&second), [6, 7, 8, 9, 10, 11]);
+        assert_eq!(keys(&carried.drain(..).collect::<Vec<_>>()), [7]);
+
+        let alone = gather(waiting(1, MAX_BATCH_BYTES * 2), &mut carried, &mut arrivals);
+        assert_eq!(keys(&alone), [1]);
+    }
 }
