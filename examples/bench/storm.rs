@@ -20,7 +20,7 @@ use crate::harness::{Gateway, Store};
 use crate::usage::{cpu_us, rss_kib, uptime};
 
 /// The storm table's head.
-const HEAD: &str = "| duplicate storm | holders | upstream calls | release p50 ms | p99 ms | last ms | RSS per holder KiB | CPU ms during release: gateway / load generator |\n|---|--:|--:|--:|--:|--:|--:|--:|\n";
+const HEAD: &str = "| duplicate storm | holders | all held after ms | upstream calls | release p50 ms | p99 ms | last ms | RSS per holder KiB | CPU ms during release: gateway / load generator |\n|---|--:|--:|--:|--:|--:|--:|--:|--:|\n";
 
 /// The duplicate storm: `args.storm` clients hold one key while its only
 /// attempt waits at a gated upstream; then it answers. Reports upstream
@@ -75,7 +75,9 @@ async fn one_storm(
     while calls.load(Ordering::SeqCst) == 0 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    let holding = Instant::now();
     let holders = hold(gateway, &key, storm).await;
+    let all_held = holding.elapsed().as_secs_f64() * 1000.0;
     let held_rss = rss_kib(gateway.pid);
     let answered = Instant::now();
     let (gateway_cpu, client_cpu) = (cpu_us(&[gateway.pid]), cpu_us(&[std::process::id()]));
@@ -109,7 +111,7 @@ async fn one_storm(
             .unwrap_or(0.0)
     };
     format!(
-        "| {name} | {} answered of {} | {} | {:.0} | {:.0} | {:.0} | {:.1} | {gateway_cpu:.0} / {client_cpu:.0} |\n",
+        "| {name} | {} answered of {} | {all_held:.0} | {} | {:.0} | {:.0} | {:.0} | {:.1} | {gateway_cpu:.0} / {client_cpu:.0} |\n",
         releases.len(),
         storm,
         calls.load(Ordering::SeqCst),

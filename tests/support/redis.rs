@@ -102,12 +102,24 @@ impl ThrowawayRedis {
 /// A port nothing listens on, for a server the test starts (or leaves
 /// down) later. Picked below the kernel's ephemeral range (32768 and up), so
 /// that neither an OS-assigned listener nor the local end of an outgoing
-/// connection can take it in the meantime.
+/// connection can take it in the meantime; and never handed out twice in
+/// one test process, so two servers not yet started (a pod's two ports,
+/// two tests' servers) cannot be given the same one (seen once in CI: a
+/// pod's admin port was its own HTTP port).
 pub async fn free_port() -> u16 {
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
     loop {
         let candidate = 20_000 + (uuid::Uuid::new_v4().as_u128() % 12_000) as u16;
+        if GIVEN.lock().unwrap().contains(&candidate) {
+            continue;
+        }
         if let Ok(listener) = tokio::net::TcpListener::bind(("127.0.0.1", candidate)).await {
             let addr: SocketAddr = listener.local_addr().unwrap();
+            let mut given = GIVEN.lock().unwrap();
+            if given.contains(&addr.port()) {
+                continue;
+            }
+            given.push(addr.port());
             return addr.port();
         }
     }

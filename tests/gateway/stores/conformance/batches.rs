@@ -112,7 +112,7 @@ async fn every_slot_waits_on_the_lock(db: &crate::support::TestDb) {
 /// statement must refuse). Released, the unique ones go as one statement,
 /// which fails on that row and is split: every other key gets its job, one
 /// of the two clashing keys too, the other an error; the key sent twice
-/// has one job, its second begin finding it in the next batch.
+/// has one job, its second begin following the first and told that job.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_postgres_begins_that_collect_go_together_and_a_failing_row_fails_alone() {
     let (store, probe, db) = postgres_with_probe().await;

@@ -3,7 +3,7 @@
 //! The database stays the only arbiter: the statement is the one-by-one
 //! begin's (`INSERT … ON CONFLICT (owner, key) DO NOTHING`) over arrays.
 //! A batch holds each `(owner, key)` once (a second request for a key
-//! waits for the next batch, where it finds the first's job); it is sorted
+//! follows the first and is told the job the first made or found); it is sorted
 //! by `(owner, key)`, so two batches never wait on each other's index
 //! locks in opposite orders; rows come back mapped to requests by owner
 //! and key, never by position. A request the batch did not settle (its
@@ -63,6 +63,20 @@ impl Batched for BeginRequest {
             self.job.owner.as_str().to_owned(),
             self.job.key.as_str().to_owned(),
         )
+    }
+
+    /// A duplicate of a key in the batch is told the job its first
+    /// request made or found: what it would have read in the next batch,
+    /// without waiting for it.
+    const FOLLOWS: bool = true;
+
+    fn follow(first: &Result<Begin, StoreError>) -> Result<Begin, StoreError> {
+        match first {
+            Ok(Begin::Created(job, _) | Begin::Existing(job)) => Ok(Begin::Existing(job.clone())),
+            Err(_) => Err(StoreError::Unavailable(
+                "the begin of the same key this one waited on failed".into(),
+            )),
+        }
     }
 
     async fn send(pool: Pool, batch: Vec<Waiting<Self>>) {

@@ -10,11 +10,15 @@
 //! for nothing, and under load each database commit carries as many
 //! requests as arrived during the last one.
 //!
-//! A batch holds each [`Batched::key`] once: a second request for it waits
-//! for the next batch. What a batch means, how it is sent and how a failing
-//! one is split is each kind's own: `begin.rs` and `commit.rs`.
+//! A batch holds each [`Batched::key`] once. A second request for it either
+//! follows the first and is answered from the first's answer (begins: a
+//! duplicate of a key is told the job its first request made or found, so
+//! a storm of duplicates costs one batch, not one each), or waits for the
+//! next batch (commits: a second attempt's CAS of a job must see the
+//! first's). What a batch means, how it is sent and how a failing one is
+//! split is each kind's own: `begin.rs` and `commit.rs`.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::hash::Hash;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -58,6 +62,17 @@ pub(super) trait Batched: Sized + Send + 'static {
 
     fn key(&self) -> Self::Key;
 
+    /// Whether a second request for a key already in a batch follows the
+    /// first ([`Batched::follow`]) rather than waiting for the next batch.
+    const FOLLOWS: bool = false;
+
+    /// What a request that followed one is told, from that one's answer.
+    fn follow(_first: &Result<Self::Answer, StoreError>) -> Result<Self::Answer, StoreError> {
+        Err(StoreError::Unavailable(
+            "a request of this kind follows no other".into(),
+        ))
+    }
+
     /// The bytes of answers it adds to its batch's statement, counted
     /// against [`MAX_BATCH_BYTES`].
     fn weight(&self) -> usize {
@@ -72,12 +87,31 @@ pub(super) trait Batched: Sized + Send + 'static {
 pub(super) struct Waiting<T: Batched> {
     pub(super) request: T,
     pub(super) reply: oneshot::Sender<Result<T::Answer, StoreError>>,
+    /// Requests for the same key, answered from this one's answer.
+    followers: Vec<Waiting<T>>,
 }
 
 impl<T: Batched> Waiting<T> {
+    fn new(request: T, reply: oneshot::Sender<Result<T::Answer, StoreError>>) -> Self {
+        Waiting {
+            request,
+            reply,
+            followers: Vec::new(),
+        }
+    }
+
+    /// Answers the request, and its followers from its answer.
     pub(super) fn answer(self, answer: Result<T::Answer, StoreError>) {
+        for follower in self.followers {
+            follower.answer(T::follow(&answer));
+        }
         // A request whose caller went away needs no answer.
         let _ = self.reply.send(answer);
+    }
+
+    /// This request and its followers.
+    fn count(&self) -> usize {
+        1 + self.followers.len()
     }
 }
 
@@ -129,14 +163,18 @@ impl<T: Batched> Queue<T> {
             if let Ok(slot) = self.slots.clone().try_acquire_owned() {
                 // Boxed: the statement's future would otherwise widen every
                 // caller's, a held duplicate's among them.
-                Box::pin(T::send(self.pool.clone(), vec![Waiting { request, reply }])).await;
+                Box::pin(T::send(
+                    self.pool.clone(),
+                    vec![Waiting::new(request, reply)],
+                ))
+                .await;
                 drop(slot);
                 return answer.await.map_err(|_| stopped())?;
             }
         }
         self.waiting.fetch_add(1, Ordering::Relaxed);
         self.arrivals
-            .send(Waiting { request, reply })
+            .send(Waiting::new(request, reply))
             .map_err(|_| stopped())?;
         answer.await.map_err(|_| stopped())?
     }
@@ -163,7 +201,8 @@ async fn collect<T: Batched>(
             return;
         };
         let batch = gather(first, &mut carried, &mut arrivals);
-        waiting.fetch_sub(batch.len(), Ordering::Relaxed);
+        let sent = batch.iter().map(Waiting::count).sum();
+        waiting.fetch_sub(sent, Ordering::Relaxed);
         let pool = pool.clone();
         tokio::spawn(async move {
             T::send(pool, batch).await;
@@ -174,14 +213,16 @@ async fn collect<T: Batched>(
 
 /// `first` and what waits after it, each key once, at most [`MAX_BATCH`]
 /// requests and [`MAX_BATCH_BYTES`] (the first goes whatever it weighs); a
-/// second request for a key in the batch, and what would pass the bytes,
-/// are carried to the next one, in the order they came.
+/// second request for a key in the batch follows the first where its kind
+/// allows ([`Batched::FOLLOWS`]). What is left (other requests for a key
+/// in the batch, what would pass the bytes) is carried to the next batch,
+/// in the order it came.
 fn gather<T: Batched>(
     first: Waiting<T>,
     carried: &mut VecDeque<Waiting<T>>,
     arrivals: &mut mpsc::UnboundedReceiver<Waiting<T>>,
 ) -> Vec<Waiting<T>> {
-    let mut keys = HashSet::from([first.request.key()]);
+    let mut keys = HashMap::from([(first.request.key(), 0)]);
     let mut bytes = first.request.weight();
     let mut batch = vec![first];
     let mut later = Vec::new();
@@ -190,17 +231,22 @@ fn gather<T: Batched>(
         let Some(next) = queued.pop_front().or_else(|| arrivals.try_recv().ok()) else {
             break;
         };
+        let key = next.request.key();
+        if let Some(&at) = keys.get(&key) {
+            match T::FOLLOWS {
+                true => batch[at].followers.push(next),
+                false => later.push(next),
+            }
+            continue;
+        }
         let weight = next.request.weight();
         if bytes + weight > MAX_BATCH_BYTES {
             queued.push_front(next);
             break;
         }
-        if keys.insert(next.request.key()) {
-            bytes += weight;
-            batch.push(next);
-        } else {
-            later.push(next);
-        }
+        keys.insert(key, batch.len());
+        bytes += weight;
+        batch.push(next);
     }
     carried.extend(later);
     carried.extend(queued);
@@ -230,10 +276,7 @@ mod tests {
     }
 
     fn waiting(key: u32, weight: usize) -> Waiting<Weighed> {
-        Waiting {
-            request: Weighed(key, weight),
-            reply: oneshot::channel().0,
-        }
+        Waiting::new(Weighed(key, weight), oneshot::channel().0)
     }
 
     fn keys(batch: &[Waiting<Weighed>]) -> Vec<u32> {
@@ -263,5 +306,66 @@ mod tests {
 
         let alone = gather(waiting(1, MAX_BATCH_BYTES * 2), &mut carried, &mut arrivals);
         assert_eq!(keys(&alone), [1]);
+    }
+
+    /// A request of a kind whose duplicates follow: told its first's
+    /// answer plus a hundred.
+    struct Following(u32);
+
+    impl Batched for Following {
+        type Key = u32;
+        type Answer = u32;
+        const FOLLOWS: bool = true;
+
+        fn key(&self) -> u32 {
+            self.0
+        }
+
+        fn follow(first: &Result<u32, StoreError>) -> Result<u32, StoreError> {
+            Ok(first.as_ref().map_or(0, |n| n + 100))
+        }
+
+        async fn send(_: Pool, _: Vec<Waiting<Self>>) {}
+    }
+
+    /// Duplicates of a key follow its first request in the same batch
+    /// (however many: they add no row), and are answered from its answer
+    /// when it is answered; a kind that does not follow carries them
+    /// (the test above).
+    #[test]
+    fn duplicates_follow_their_first_and_hear_its_answer() {
+        let (sender, mut arrivals) = mpsc::unbounded_channel();
+        let mut answers = Vec::new();
+        for key in [2, 1, 1, 3, 1, 2] {
+            let (reply, answer) = oneshot::channel();
+            sender
+                .send(Waiting::new(Following(key), reply))
+                .ok()
+                .unwrap();
+            answers.push((key, answer));
+        }
+        let (reply, first_answer) = oneshot::channel();
+        let mut carried = VecDeque::new();
+        let batch = gather(
+            Waiting::new(Following(1), reply),
+            &mut carried,
+            &mut arrivals,
+        );
+        assert!(carried.is_empty());
+        let firsts: Vec<u32> = batch.iter().map(|w| w.request.0).collect();
+        assert_eq!(firsts, [1, 2, 3]);
+        assert_eq!(batch.iter().map(Waiting::count).sum::<usize>(), 7);
+        for (n, waiting) in batch.into_iter().enumerate() {
+            waiting.answer(Ok(n as u32));
+        }
+        assert_eq!(first_answer.blocking_recv().unwrap().unwrap(), 0);
+        let heard: Vec<(u32, u32)> = answers
+            .into_iter()
+            .map(|(key, answer)| (key, answer.blocking_recv().unwrap().unwrap()))
+            .collect();
+        assert_eq!(
+            heard,
+            [(2, 1), (1, 100), (1, 100), (3, 2), (1, 100), (2, 101)]
+        );
     }
 }
