@@ -1,7 +1,6 @@
 //! A throwaway Redis server on a free port, for tests that stop, restart or
 //! flush it (never the shared one on 6379).
 
-use std::net::SocketAddr;
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -110,17 +109,16 @@ pub async fn free_port() -> u16 {
     static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
     loop {
         let candidate = 20_000 + (uuid::Uuid::new_v4().as_u128() % 12_000) as u16;
-        if GIVEN.lock().unwrap().contains(&candidate) {
+        if tokio::net::TcpListener::bind(("127.0.0.1", candidate))
+            .await
+            .is_err()
+        {
             continue;
         }
-        if let Ok(listener) = tokio::net::TcpListener::bind(("127.0.0.1", candidate)).await {
-            let addr: SocketAddr = listener.local_addr().unwrap();
-            let mut given = GIVEN.lock().unwrap();
-            if given.contains(&addr.port()) {
-                continue;
-            }
-            given.push(addr.port());
-            return addr.port();
+        let mut given = GIVEN.lock().unwrap();
+        if !given.contains(&candidate) {
+            given.push(candidate);
+            return candidate;
         }
     }
 }

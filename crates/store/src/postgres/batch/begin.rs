@@ -146,7 +146,7 @@ async fn send(pool: &Pool, mut batch: Vec<Waiting<BeginRequest>>) {
             let mut unsettled = Vec::new();
             for waiting in batch {
                 match settled.remove(&waiting.request.key()) {
-                    Some(Begin::Existing(job)) if job.id == waiting.request.job.id => {
+                    Some(begin) if finds_itself(&begin, &waiting.request.job) => {
                         unsettled.push(waiting)
                     }
                     Some(begin) => {
@@ -192,7 +192,7 @@ async fn answer_found(
     for waiting in batch {
         match found.remove(&waiting.request.key()) {
             // Its own job: the begin statement tells it apart ([`own_begin`]).
-            Some(Begin::Existing(job)) if job.id == waiting.request.job.id => rest.push(waiting),
+            Some(begin) if finds_itself(&begin, &waiting.request.job) => rest.push(waiting),
             Some(job) => waiting.answer(Ok(job)),
             None => rest.push(waiting),
         }
@@ -314,6 +314,13 @@ async fn begin_alone(pool: &Pool, job: &NewJob, attempt: &NewAttempt) -> Result<
             .map_err(map_pg)?;
     }
     Err(StoreError::Contended)
+}
+
+/// Whether `begin` found the very job `job` would have made (its id):
+/// one made by an earlier send of this request whose answer was lost,
+/// which [`own_begin`] tells apart from a duplicate's.
+fn finds_itself(begin: &Begin, job: &NewJob) -> bool {
+    matches!(begin, Begin::Existing(found) if found.id == job.id)
 }
 
 /// The begin of a request whose batch committed its job (`found`, under

@@ -61,7 +61,10 @@ impl Batched for CommitRequest {
     }
 
     fn weight(&self) -> usize {
-        let headers: usize = (self.response.headers.iter())
+        let headers: usize = self
+            .response
+            .headers
+            .iter()
             .map(|(name, value)| name.len() + value.len())
             .sum();
         self.response.body.len() + headers
