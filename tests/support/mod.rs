@@ -23,6 +23,7 @@ pub mod python;
 pub mod redis;
 pub mod redis_cluster;
 pub mod redis_tls;
+pub mod reply_cutter;
 pub mod scripted_sse;
 pub mod sink;
 pub mod sse;

@@ -415,8 +415,10 @@ pub(crate) async fn commit_under_lock<B: Backend>(
     let applied = backend.change(Lock::JobOf(id), decide).await??;
     Ok(Committed {
         won: applied.change.commits(id),
-        // Only PostgreSQL serves several processes, and its losers (the
-        // only commits that come here) ring nothing.
+        // Only PostgreSQL serves several processes, and a commit of its
+        // that wins here (one whose job was locked when its CAS ran)
+        // wakes the other replicas by its trigger's NOTIFY, not through
+        // Redis: the job's mark is not read here.
         watched: false,
     })
 }

@@ -4,6 +4,7 @@ mod conformance;
 mod embedded;
 mod encryption;
 mod fastpath;
+mod lost_reply;
 mod outcomes_survive;
 mod postgres_deployments;
 mod postgres_restart;

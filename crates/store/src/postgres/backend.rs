@@ -38,10 +38,13 @@ impl Backend for Postgres {
         if let Some(won) = won {
             return Ok(won);
         }
-        // Lost: every reason to lose (a moved version, a winner, a settled
-        // attempt) is for good, so the locked path agrees, and it also
-        // supersedes the attempt and derives the job's state again (the
-        // loser may have been the last attempt running).
+        // Not won: the CAS lost, for good (a moved version, a winner, a
+        // settled attempt), or skipped a job another transaction holds.
+        // The locked path waits for that lock from this request's task,
+        // never from a batch's, and decides the same CAS under it: it
+        // commits a skipped attempt that still may, and supersedes a loser
+        // and derives the job's state again (the loser may have been the
+        // last attempt running).
         commit_under_lock(self, attempt, response).await
     }
 

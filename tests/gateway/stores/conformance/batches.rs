@@ -566,6 +566,104 @@ async fn on_postgres_commits_that_collect_go_together_and_a_failing_row_fails_al
     assert_eq!(probe.commits_waiting(), 0);
 }
 
+/// A job's row held by another session (an operator's transaction left
+/// open) holds up that job's commit only: every other commit of the
+/// replica goes on meanwhile, whether the held job's commit went alone
+/// (a lone commit holds the batch slot while it runs) or in a batch with
+/// them. Released, the held job commits its own answer. Before commits
+/// skipped locked jobs, the others waited for the holder.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_a_job_held_by_another_session_holds_up_only_its_own_commit() {
+    let (store, probe, db) = postgres_with_probe().await;
+    let commit = |attempt: idemgate_domain::attempt::Attempt, answer: StoredResponse| {
+        let store = store.clone();
+        tokio::spawn(async move { store.commit(&attempt, &answer).await })
+    };
+    let others_commit_meanwhile = async |round: &str| {
+        let mut others = Vec::new();
+        for n in 0..5 {
+            let (job, attempt) = created(store.as_ref(), &format!("{round}-other-{n}")).await;
+            let answer = answer_with(&format!("{round}-{n}"), 1);
+            others.push((job.id, answer.clone(), commit(attempt, answer)));
+        }
+        others
+    };
+    type Pending = tokio::task::JoinHandle<Result<CommitOutcome, StoreError>>;
+    let committed = async |others: Vec<(JobId, StoredResponse, Pending)>| {
+        for (job, answer, done) in others {
+            let outcome = tokio::time::timeout(Duration::from_secs(10), done)
+                .await
+                .expect("a commit waited for another job's lock")
+                .unwrap();
+            assert_eq!(outcome.unwrap(), CommitOutcome::Committed);
+            let stored = store.job(job).await.unwrap().unwrap();
+            assert_eq!(stored.response, Some(answer));
+        }
+    };
+    let hold = async |job: JobId| {
+        let holder = db.connect().await;
+        holder
+            .batch_execute(&format!(
+                "BEGIN; SELECT 1 FROM jobs WHERE id = '{}' FOR UPDATE",
+                job.0
+            ))
+            .await
+            .unwrap();
+        holder
+    };
+
+    // Alone: the held job's commit is the only one asked, so it goes alone.
+    let (held, attempt) = created(store.as_ref(), "held-alone").await;
+    let holder = hold(held.id).await;
+    let waits = commit(attempt, answer_with("held-alone", 1));
+    every_slot_waits_on_the_lock(&db).await;
+    committed(others_commit_meanwhile("alone").await).await;
+    assert!(!waits.is_finished(), "the held job waits for its holder");
+    holder.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(waits.await.unwrap().unwrap(), CommitOutcome::Committed);
+    let stored = store.job(held.id).await.unwrap().unwrap();
+    assert_eq!(stored.response, Some(answer_with("held-alone", 1)));
+
+    // In a batch: the commits collect while a filler's commit waits on the
+    // attempts table, which the held job's holder does not touch.
+    let (held, attempt) = created(store.as_ref(), "held-batched").await;
+    let (_, filler) = created(store.as_ref(), "filler").await;
+    let mut others = Vec::new();
+    for n in 0..5 {
+        others.push(created(store.as_ref(), &format!("batched-other-{n}")).await);
+    }
+    let table = db.connect().await;
+    table
+        .batch_execute("BEGIN; LOCK TABLE attempts IN EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let holder = hold(held.id).await;
+    let filler = commit(filler, answer_with("filler", 0));
+    every_slot_waits_on_the_lock(&db).await;
+    let waits = commit(attempt, answer_with("held-batched", 1));
+    let others: Vec<_> = others
+        .into_iter()
+        .enumerate()
+        .map(|(n, (job, attempt))| {
+            let answer = answer_with(&format!("batched-{n}"), 1);
+            (job.id, answer.clone(), commit(attempt, answer))
+        })
+        .collect();
+    until("the commits wait for a batch", async || {
+        probe.commits_waiting() == 6
+    })
+    .await;
+    table.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(filler.await.unwrap().unwrap(), CommitOutcome::Committed);
+    committed(others).await;
+    assert!(!waits.is_finished(), "the held job waits for its holder");
+    holder.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(waits.await.unwrap().unwrap(), CommitOutcome::Committed);
+    let stored = store.job(held.id).await.unwrap().unwrap();
+    assert_eq!(stored.response, Some(answer_with("held-batched", 1)));
+    assert_eq!(probe.commits_waiting(), 0);
+}
+
 /// Runs each of `work` on a task of its own, all released at once.
 async fn at_once<T, F>(work: Vec<F>) -> Vec<T>
 where

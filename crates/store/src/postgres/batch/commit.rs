@@ -7,10 +7,12 @@
 //! winner, and the attempt is unsettled; the statement checks just that,
 //! per row. A batch holds each job once (a second attempt of a job waits
 //! for the next batch), and locks its jobs in id order before it writes,
-//! so two batches never wait on each other in opposite orders. Rows come
-//! back by job id, never by position. A request the batch did not commit
-//! lost the CAS, which its caller settles under the job's lock as before;
-//! a batch whose statement fails is split, each commit sent alone.
+//! skipping any job another transaction holds, so a batch never waits on
+//! a row lock. Rows come back by job id, never by position. A request the
+//! batch did not commit lost the CAS or found its job held; its caller
+//! settles it under the job's lock, which waits for that holder, from the
+//! request's own task (`docs/design.md` §13, "A locked job is skipped").
+//! A batch whose statement fails is split, each commit sent alone.
 
 use std::collections::HashMap;
 
@@ -169,14 +171,23 @@ fn unsettled() -> [&'static str; 2] {
 }
 
 /// The CAS for one attempt: `transition::may_commit` as a compare-and-swap,
-/// the attempt succeeding with it.
-const COMMIT_ONE: &str = "WITH won AS ( \
-       UPDATE jobs SET state = $8, completed_by = $2, response_status = $3, \
-              response_header_names = $4, response_header_values = $5, \
-              response_body = $6, version = version + 1, updated_at = now() \
+/// the attempt succeeding with it. A job another transaction has locked is
+/// skipped, not waited on (`SKIP LOCKED`): the commit then goes to the
+/// locked path from its request's own task, so a lock held long (an
+/// operator's open transaction) holds up that job's commit only, never the
+/// batch slot every other commit of the replica waits for (`docs/design.md`
+/// §13, "A locked job is skipped").
+const COMMIT_ONE: &str = "WITH locked AS MATERIALIZED ( \
+       SELECT id FROM jobs \
        WHERE id = $1 AND version = $7 AND completed_by IS NULL \
          AND EXISTS (SELECT 1 FROM attempts WHERE id = $2 AND job_id = $1 AND state = ANY($9)) \
-       RETURNING id, watched \
+       FOR NO KEY UPDATE SKIP LOCKED \
+     ), won AS ( \
+       UPDATE jobs j SET state = $8, completed_by = $2, response_status = $3, \
+              response_header_names = $4, response_header_values = $5, \
+              response_body = $6, version = j.version + 1, updated_at = now() \
+       FROM locked l WHERE j.id = l.id AND j.version = $7 AND j.completed_by IS NULL \
+       RETURNING j.id, j.watched \
      ), settled AS ( \
        UPDATE attempts SET state = $10, finished_at = now(), upstream_status = $3 \
        WHERE id = $2 AND EXISTS (SELECT 1 FROM won) \
@@ -191,8 +202,9 @@ const COMMIT_ONE: &str = "WITH won AS ( \
 /// ($9), 1-based and inclusive (`hi < lo`: none). The jobs that may commit
 /// are locked in id order first (`locked`), with the lock the single CAS's
 /// update takes, so an attempt's insert (which locks its job for the
-/// foreign key) is not held up; one row per job committed. Both CASes
-/// check that the attempt is the job's.
+/// foreign key) is not held up; a job another transaction holds is skipped,
+/// as by [`COMMIT_ONE`], and its commit goes to the locked path. One row
+/// per job committed. Both CASes check that the attempt is the job's.
 const COMMIT_MANY: &str = "WITH input AS ( \
        SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::smallint[], $4::bigint[], \
                             $5::bytea[], $8::int[], $9::int[]) \
@@ -202,7 +214,7 @@ const COMMIT_MANY: &str = "WITH input AS ( \
        WHERE j.version = i.version AND j.completed_by IS NULL \
          AND EXISTS (SELECT 1 FROM attempts a WHERE a.id = i.attempt_id AND a.job_id = i.job_id \
                      AND a.state = ANY($11)) \
-       ORDER BY j.id FOR NO KEY UPDATE OF j \
+       ORDER BY j.id FOR NO KEY UPDATE OF j SKIP LOCKED \
      ), won AS ( \
        UPDATE jobs j SET state = $10, completed_by = i.attempt_id, response_status = i.status, \
               response_header_names = ($6::text[])[i.lo:i.hi], \

@@ -1,0 +1,94 @@
+//! The network failing between a commit and its reply: the commit is in,
+//! the gateway never hears so (docs/design.md §7, "A commit whose reply
+//! was lost").
+
+use std::time::Duration;
+
+use crate::support::reply_cutter::ReplyCutter;
+use crate::support::{eventually, post, FakeUpstream, Gate, Gateway, TestDb, TestStore};
+
+/// The upstream answers, the commit's transaction lands, and its reply is
+/// lost with the connection. The commit is retried, finds the job
+/// completed by this very attempt, and is told it lost; the request reads
+/// the job again and serves the stored answer, its own. The caller and a
+/// duplicate held meanwhile on the same replica get that one answer (not
+/// an error, not `hold_timeout`'s 409), from one upstream call, and the
+/// attempt stands as the job's winner.
+#[tokio::test]
+async fn a_commit_whose_reply_was_lost_still_answers_the_caller_and_its_duplicate() {
+    let db = TestDb::new().await;
+    let config: tokio_postgres::Config = db.url.parse().unwrap();
+    let server = match &config.get_hosts()[0] {
+        tokio_postgres::config::Host::Tcp(host) => format!("{host}:{}", config.get_ports()[0]),
+        other => panic!("a TCP server, not {other:?}"),
+    };
+    let cutter = ReplyCutter::start(server.clone()).await;
+    let relayed = format!(
+        "{}?sslmode=disable",
+        db.url
+            .replace(&server, &format!("127.0.0.1:{}", cutter.port))
+    );
+    let gate = Gate::new();
+    let upstream = FakeUpstream::gated_echo(&gate, |r| r.header("idempotency-key").is_some()).await;
+    let gateway = Gateway::builder(&TestStore::external(relayed), &upstream.url())
+        .set("hold_timeout", "\"20s\"")
+        .start()
+        .await;
+    let url = gateway.path("/v1/charges");
+    let marker = format!("lose-the-reply-{}", uuid::Uuid::new_v4().simple());
+    let body = format!(r#"{{"note":"{marker}"}}"#);
+
+    let first = tokio::spawn({
+        let (url, body) = (url.clone(), body.clone());
+        async move { post(&url, "lost-reply", &body).await }
+    });
+    upstream.arrival().await;
+    let held = tokio::spawn({
+        let (url, body) = (url.clone(), body.clone());
+        async move { post(&url, "lost-reply", &body).await }
+    });
+    eventually(
+        Duration::from_secs(10),
+        "the duplicate to be held",
+        || async { gateway.metric("idemgate_held_requests").await >= 1.0 },
+    )
+    .await;
+    // Only the commit carries the answer, and so the marker.
+    cutter.arm(marker.as_bytes());
+    gate.open(1);
+
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 200, "{first:?}");
+    let held = tokio::time::timeout(Duration::from_secs(15), held)
+        .await
+        .expect("the held duplicate waits out hold_timeout")
+        .unwrap();
+    assert_eq!(held.status, 200, "{held:?}");
+    assert!(
+        String::from_utf8_lossy(&held.body).contains(&marker),
+        "the upstream's answer: {held:?}"
+    );
+    assert_eq!(held.body, first.body, "one answer for both");
+    assert_eq!(cutter.cuts(), 1, "the commit's reply was lost");
+    assert_eq!(upstream.hits(), 1, "one upstream call");
+    assert!(
+        gateway.metric("idemgate_record_retries_total").await >= 1.0,
+        "the commit was retried"
+    );
+
+    let rows = db
+        .connect()
+        .await
+        .query(
+            "SELECT j.state, a.state FROM jobs j JOIN attempts a ON a.job_id = j.id",
+            &[],
+        )
+        .await
+        .unwrap();
+    let states: Vec<(String, String)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    assert_eq!(
+        states,
+        vec![("completed".to_owned(), "succeeded".to_owned())],
+        "the lost reply's commit is the one committed"
+    );
+}

@@ -1,0 +1,144 @@
+//! A TCP relay in front of PostgreSQL that loses one reply: the first
+//! statement whose bytes carry a marker reaches the server and runs (and
+//! commits), but everything the server answers to it, up to its
+//! `ReadyForQuery`, is dropped and the connection closed. What a gateway
+//! sees when the network fails between a commit and its reply.
+//!
+//! Plain connections only (`sslmode=disable`): the relay reads the
+//! server's messages to find the end of the reply.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+pub struct ReplyCutter {
+    pub port: u16,
+    marker: Arc<Mutex<Option<Vec<u8>>>>,
+    cuts: Arc<AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl ReplyCutter {
+    /// Relays to the PostgreSQL server at `server` (`host:port`).
+    pub async fn start(server: String) -> ReplyCutter {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let marker: Arc<Mutex<Option<Vec<u8>>>> = Arc::default();
+        let cuts = Arc::new(AtomicUsize::new(0));
+        let task = tokio::spawn({
+            let (marker, cuts) = (marker.clone(), cuts.clone());
+            async move {
+                while let Ok((client, _)) = listener.accept().await {
+                    let Ok(server) = TcpStream::connect(&server).await else {
+                        continue;
+                    };
+                    tokio::spawn(relay(client, server, marker.clone(), cuts.clone()));
+                }
+            }
+        });
+        ReplyCutter {
+            port,
+            marker,
+            cuts,
+            task,
+        }
+    }
+
+    /// Loses the reply to the next statement carrying `marker`, once.
+    pub fn arm(&self, marker: &[u8]) {
+        *self.marker.lock().unwrap() = Some(marker.to_vec());
+    }
+
+    /// Replies lost so far.
+    pub fn cuts(&self) -> usize {
+        self.cuts.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for ReplyCutter {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn relay(
+    client: TcpStream,
+    server: TcpStream,
+    marker: Arc<Mutex<Option<Vec<u8>>>>,
+    cuts: Arc<AtomicUsize>,
+) {
+    let (mut client_rx, mut client_tx) = client.into_split();
+    let (mut server_rx, mut server_tx) = server.into_split();
+    let cut = Arc::new(AtomicBool::new(false));
+    let upward = {
+        let cut = cut.clone();
+        async move {
+            // The last bytes of the previous read, so a marker split
+            // across two reads is still seen.
+            let mut tail: Vec<u8> = Vec::new();
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                let n = match client_rx.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => n,
+                };
+                tail.extend_from_slice(&buf[..n]);
+                {
+                    let mut armed = marker.lock().unwrap();
+                    if let Some(m) = armed.as_ref() {
+                        if tail.windows(m.len()).any(|w| w == m.as_slice()) {
+                            // Set before the statement is forwarded: the
+                            // server cannot answer it before this.
+                            cut.store(true, Ordering::SeqCst);
+                            *armed = None;
+                        }
+                    }
+                }
+                let keep = tail.len().saturating_sub(256);
+                tail.drain(..keep);
+                if server_tx.write_all(&buf[..n]).await.is_err() {
+                    return;
+                }
+            }
+        }
+    };
+    let downward = async move {
+        // Whole messages only: a type byte, then a length that counts
+        // itself.
+        let mut pending: Vec<u8> = Vec::new();
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = match server_rx.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            pending.extend_from_slice(&buf[..n]);
+            while pending.len() >= 5 {
+                let len = u32::from_be_bytes(pending[1..5].try_into().unwrap()) as usize;
+                if pending.len() < 1 + len {
+                    break;
+                }
+                let message: Vec<u8> = pending.drain(..1 + len).collect();
+                if cut.load(Ordering::SeqCst) {
+                    if message[0] == b'Z' {
+                        // The statement ran to its end, commit included:
+                        // the reply is lost with the connection.
+                        cuts.fetch_add(1, Ordering::SeqCst);
+                        return;
+                    }
+                    continue;
+                }
+                if client_tx.write_all(&message).await.is_err() {
+                    return;
+                }
+            }
+        }
+    };
+    // Whichever side ends first ends the connection: both halves drop.
+    tokio::select! {
+        _ = upward => {}
+        _ = downward => {}
+    }
+}
