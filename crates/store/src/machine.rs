@@ -280,6 +280,12 @@ impl<B: Backend> Store for Machine<B> {
         let response = self.seal(attempt.job_id, response);
         let committed = self.backend.commit(attempt, &response).await?;
         if !committed.won {
+            // Rung even so: when this very attempt's commit landed but its
+            // reply was lost, and the retry found the job completed, no one
+            // has rung this replica's holders (its own announcement is
+            // ignored here), so they could wait out `hold_timeout`
+            // (docs/design.md §7, "A commit whose reply was lost").
+            self.doorbell.ring_local(attempt.job_id);
             return Ok(CommitOutcome::Superseded);
         }
         // Other replicas hear of it only when one of them waits on the job.

@@ -13,21 +13,13 @@ use crate::support::{eventually, post, FakeUpstream, Gate, Gateway, TestDb, Test
 /// the job again and serves the stored answer, its own. The caller and a
 /// duplicate held meanwhile on the same replica get that one answer (not
 /// an error, not `hold_timeout`'s 409), from one upstream call, and the
-/// attempt stands as the job's winner.
+/// attempt stands as the job's winner. The lost compare-and-swap rings the
+/// job's bell: without that ring the duplicate waited out `hold_timeout`
+/// in two runs of three.
 #[tokio::test]
 async fn a_commit_whose_reply_was_lost_still_answers_the_caller_and_its_duplicate() {
     let db = TestDb::new().await;
-    let config: tokio_postgres::Config = db.url.parse().unwrap();
-    let server = match &config.get_hosts()[0] {
-        tokio_postgres::config::Host::Tcp(host) => format!("{host}:{}", config.get_ports()[0]),
-        other => panic!("a TCP server, not {other:?}"),
-    };
-    let cutter = ReplyCutter::start(server.clone()).await;
-    let relayed = format!(
-        "{}?sslmode=disable",
-        db.url
-            .replace(&server, &format!("127.0.0.1:{}", cutter.port))
-    );
+    let (cutter, relayed) = relay(&db).await;
     let gate = Gate::new();
     let upstream = FakeUpstream::gated_echo(&gate, |r| r.header("idempotency-key").is_some()).await;
     let gateway = Gateway::builder(&TestStore::external(relayed), &upstream.url())
@@ -91,4 +83,67 @@ async fn a_commit_whose_reply_was_lost_still_answers_the_caller_and_its_duplicat
         vec![("completed".to_owned(), "succeeded".to_owned())],
         "the lost reply's commit is the one committed"
     );
+}
+
+/// The begin of a new key lands (its job and first attempt made) but its
+/// reply is lost with the connection. The begin is asked again with the
+/// same ids and finds its own job, so the request calls the upstream, once,
+/// and answers. Before, a lone begin's lost reply was the client's 503,
+/// leaving a started attempt nobody ran: the client's retry was held on it
+/// until its lease lapsed, and was then told the outcome was unknown.
+#[tokio::test]
+async fn a_begin_whose_reply_was_lost_still_calls_the_upstream_once() {
+    let db = TestDb::new().await;
+    let (cutter, relayed) = relay(&db).await;
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::builder(&TestStore::external(relayed), &upstream.url())
+        .set("hold_timeout", "\"20s\"")
+        .start()
+        .await;
+    let url = gateway.path("/v1/charges");
+    let key = format!("lose-the-begin-{}", uuid::Uuid::new_v4().simple());
+    // Only the begin carries the key before the upstream is called.
+    cutter.arm(key.as_bytes());
+
+    let reply = tokio::time::timeout(Duration::from_secs(15), post(&url, &key, "{}"))
+        .await
+        .expect("the request waits on its own job");
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert_eq!(cutter.cuts(), 1, "the begin's reply was lost");
+    assert_eq!(upstream.hits(), 1, "one upstream call");
+    let again = post(&url, &key, "{}").await;
+    assert_eq!(again.status, 200);
+    assert_eq!(again.body, reply.body, "replayed");
+    assert_eq!(upstream.hits(), 1);
+
+    let rows = db
+        .connect()
+        .await
+        .query(
+            "SELECT j.state, a.state FROM jobs j JOIN attempts a ON a.job_id = j.id",
+            &[],
+        )
+        .await
+        .unwrap();
+    let states: Vec<(String, String)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    assert_eq!(
+        states,
+        vec![("completed".to_owned(), "succeeded".to_owned())]
+    );
+}
+
+/// A relay in front of `db`'s server, and a URL to `db` through it.
+async fn relay(db: &TestDb) -> (ReplyCutter, String) {
+    let config: tokio_postgres::Config = db.url.parse().unwrap();
+    let server = match &config.get_hosts()[0] {
+        tokio_postgres::config::Host::Tcp(host) => format!("{host}:{}", config.get_ports()[0]),
+        other => panic!("a TCP server, not {other:?}"),
+    };
+    let cutter = ReplyCutter::start(server.clone()).await;
+    let relayed = format!(
+        "{}?sslmode=disable",
+        db.url
+            .replace(&server, &format!("127.0.0.1:{}", cutter.port))
+    );
+    (cutter, relayed)
 }

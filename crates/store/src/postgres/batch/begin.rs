@@ -270,8 +270,31 @@ fn settled(
 /// whose winner the next round reads. A job it finds under the request's
 /// own job id is the one its batch made, committed though the batch's
 /// answer was lost ([`own_begin`]).
+///
+/// A begin that fails once it has a connection is asked once more, on
+/// another: the statement may have committed with its reply lost, and
+/// asked again it finds its own job. Answered `503` instead, the client
+/// would find on its retry a started attempt nobody runs, and be held on it
+/// until its lease lapsed into `unknown` (`docs/design.md` §13, "A lost
+/// reply").
 async fn begin_alone(pool: &Pool, job: &NewJob, attempt: &NewAttempt) -> Result<Begin, StoreError> {
     let client = Postgres::pooled(pool).await?;
+    match begin_on(&client, job, attempt).await {
+        Err(e) if e.is_transient() => {
+            drop(client);
+            let client = Postgres::pooled(pool).await?;
+            begin_on(&client, job, attempt).await
+        }
+        done => done,
+    }
+}
+
+/// [`begin_alone`]'s rounds on one connection.
+async fn begin_on(
+    client: &deadpool_postgres::Client,
+    job: &NewJob,
+    attempt: &NewAttempt,
+) -> Result<Begin, StoreError> {
     let statement = client
         .prepare_cached(begin_one_statement())
         .await
@@ -299,7 +322,7 @@ async fn begin_alone(pool: &Pool, job: &NewJob, attempt: &NewAttempt) -> Result<
         let Some(row) = row else { continue };
         match answer(&row)? {
             Some(Begin::Existing(found)) if found.id == job.id => {
-                return own_begin(&client, found, attempt).await;
+                return own_begin(client, found, attempt).await;
             }
             Some(begin) => return Ok(begin),
             None => {}
