@@ -1,11 +1,13 @@
 //! A TCP relay in front of PostgreSQL that loses one reply: the first
-//! statement whose bytes carry a marker reaches the server and runs (and
-//! commits), but everything the server answers to it, up to its
-//! `ReadyForQuery`, is dropped and the connection closed. What a gateway
-//! sees when the network fails between a commit and its reply.
+//! statement whose bytes carry a marker reaches the server and runs, and
+//! so does the rest of its transaction; the reply that ends the
+//! transaction (a `ReadyForQuery` saying the session is idle again: the
+//! statement's own, outside a transaction, or the `COMMIT`'s) is dropped
+//! and the connection closed. What a gateway sees when the network fails
+//! between a commit and its reply.
 //!
 //! Plain connections only (`sslmode=disable`): the relay reads the
-//! server's messages to find the end of the reply.
+//! server's messages to find the end of the transaction.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -84,11 +86,15 @@ async fn relay(
                     Ok(0) | Err(_) => return,
                     Ok(n) => n,
                 };
+                let before = tail.len();
                 tail.extend_from_slice(&buf[..n]);
                 {
                     let mut armed = marker.lock().unwrap();
                     if let Some(m) = armed.as_ref() {
-                        if tail.windows(m.len()).any(|w| w == m.as_slice()) {
+                        // Only a match that takes in bytes read now: what
+                        // was sent before the relay was armed never counts.
+                        let from = before.saturating_sub(m.len().saturating_sub(1));
+                        if tail[from..].windows(m.len()).any(|w| w == m.as_slice()) {
                             // Set before the statement is forwarded: the
                             // server cannot answer it before this.
                             cut.store(true, Ordering::SeqCst);
@@ -106,8 +112,11 @@ async fn relay(
     };
     let downward = async move {
         // Whole messages only: a type byte, then a length that counts
-        // itself.
+        // itself. Once cut, the replies are held back until each
+        // `ReadyForQuery`: passed on while the transaction is still open,
+        // dropped (and the connection closed) once it has ended.
         let mut pending: Vec<u8> = Vec::new();
+        let mut held: Vec<u8> = Vec::new();
         let mut buf = vec![0u8; 64 * 1024];
         loop {
             let n = match server_rx.read(&mut buf).await {
@@ -121,16 +130,22 @@ async fn relay(
                     break;
                 }
                 let message: Vec<u8> = pending.drain(..1 + len).collect();
-                if cut.load(Ordering::SeqCst) {
-                    if message[0] == b'Z' {
-                        // The statement ran to its end, commit included:
-                        // the reply is lost with the connection.
+                let forward = if cut.load(Ordering::SeqCst) {
+                    held.extend_from_slice(&message);
+                    if message[0] != b'Z' {
+                        continue;
+                    }
+                    if message[5] == b'I' {
+                        // The transaction ended, its commit included: the
+                        // reply is lost with the connection.
                         cuts.fetch_add(1, Ordering::SeqCst);
                         return;
                     }
-                    continue;
-                }
-                if client_tx.write_all(&message).await.is_err() {
+                    std::mem::take(&mut held)
+                } else {
+                    message
+                };
+                if client_tx.write_all(&forward).await.is_err() {
                     return;
                 }
             }

@@ -22,7 +22,7 @@ use super::{
     StoreError,
 };
 use crate::seal::{self, Sealer};
-use idemgate_domain::attempt::{Attempt, AttemptFailure, NewAttempt, Resolution};
+use idemgate_domain::attempt::{Attempt, AttemptFailure, AttemptState, NewAttempt, Resolution};
 use idemgate_domain::id::{AttemptId, JobId};
 use idemgate_domain::job::{Job, JobDetail, NewJob};
 use idemgate_domain::key::{IdempotencyKey, Owner};
@@ -133,9 +133,14 @@ impl<B: Backend> Machine<B> {
             .ok_or(StoreError::NotFound("job"))
     }
 
-    /// Starts an attempt by `transition` (claim or hedge); `None` when the
+    /// Starts `attempt` by `transition` (claim or hedge); `None` when the
     /// job moved on or is in a state that does not take one.
-    async fn start(&self, job: JobId, decide: Decide) -> Result<Option<Attempt>, StoreError> {
+    async fn start(
+        &self,
+        job: JobId,
+        attempt: AttemptId,
+        decide: Decide,
+    ) -> Result<Option<Attempt>, StoreError> {
         match self.apply(Lock::Job(job), decide).await {
             Ok(applied) => applied
                 .started
@@ -143,7 +148,39 @@ impl<B: Backend> Machine<B> {
                 .ok_or_else(|| StoreError::internal("a start wrote no attempt")),
             Err(StoreError::Refused(Refusal::Stale { .. } | Refusal::JobIs { .. })) => Ok(None),
             Err(StoreError::NotFound(_)) => Ok(None),
+            Err(e) if e.is_transient() => self.started_after_all(job, attempt, e).await,
             Err(e) => Err(e),
+        }
+    }
+
+    /// A start whose transaction failed with its outcome unknown: the
+    /// connection can be lost after the commit, before its reply. The
+    /// attempt is looked for by its id, which only this request knows: if
+    /// it was written and is still started, it is this request's to run.
+    /// Failed instead, the request would leave a started attempt nobody
+    /// runs, and every retry of the key would be held on it until its lease
+    /// lapsed into `unknown` (`docs/design.md` §5, "A start whose reply was
+    /// lost"). Not written, or not readable, the error stands.
+    async fn started_after_all(
+        &self,
+        job: JobId,
+        attempt: AttemptId,
+        error: StoreError,
+    ) -> Result<Option<Attempt>, StoreError> {
+        let Ok(Some(detail)) = self.backend.job_detail(job).await else {
+            return Err(error);
+        };
+        match detail.attempts.into_iter().find(|a| a.id == attempt) {
+            Some(started) if started.state == AttemptState::Started => {
+                tracing::info!(%job, %attempt, "the attempt's start was written though its reply was lost; it runs");
+                // Rung as `apply` rings a claim, which moved the job (for
+                // a hedge, which did not, it costs the holders one read).
+                self.doorbell.ring(job);
+                Ok(Some(started))
+            }
+            // Settled already (taken over by an operator): not ours to run.
+            Some(_) => Ok(None),
+            None => Err(error),
         }
     }
 }
@@ -241,6 +278,7 @@ impl<B: Backend> Store for Machine<B> {
     ) -> Result<Option<Attempt>, StoreError> {
         self.start(
             job,
+            attempt.id,
             Box::new(move |s, _| transition::claim(s, version, attempt)),
         )
         .await
@@ -254,6 +292,7 @@ impl<B: Backend> Store for Machine<B> {
     ) -> Result<Option<Attempt>, StoreError> {
         self.start(
             job,
+            attempt.id,
             Box::new(move |s, _| transition::move_on(s, version, attempt)),
         )
         .await
@@ -267,6 +306,7 @@ impl<B: Backend> Store for Machine<B> {
     ) -> Result<Option<Attempt>, StoreError> {
         self.start(
             job,
+            attempt.id,
             Box::new(move |s, _| transition::hedge(s, version, attempt)),
         )
         .await

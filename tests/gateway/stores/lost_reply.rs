@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use crate::support::reply_cutter::ReplyCutter;
+use crate::support::upstream::{echo_response, json_response};
 use crate::support::{eventually, post, FakeUpstream, Gate, Gateway, TestDb, TestStore};
 
 /// The upstream answers, the commit's transaction lands, and its reply is
@@ -130,6 +131,55 @@ async fn a_begin_whose_reply_was_lost_still_calls_the_upstream_once() {
         states,
         vec![("completed".to_owned(), "succeeded".to_owned())]
     );
+}
+
+/// A key's first attempt fails with a retryable status, so its job is
+/// open; the client's retry claims the next attempt, and the claim's
+/// transaction commits but its reply is lost. The claim reads the job back,
+/// finds its attempt started, and runs it: the retry is answered by the
+/// upstream, once. Before, it was answered 503, and the next retry was held
+/// on an attempt nobody ran until its lease lapsed into `unknown`.
+#[tokio::test]
+async fn a_claim_whose_reply_was_lost_still_runs_its_attempt() {
+    let db = TestDb::new().await;
+    let (cutter, relayed) = relay(&db).await;
+    let upstream = FakeUpstream::start(|r| async move {
+        if r.hit == 1 {
+            json_response(503, serde_json::json!({"error": "overloaded"}))
+        } else {
+            echo_response(&r)
+        }
+    })
+    .await;
+    let gateway = Gateway::builder(&TestStore::external(relayed), &upstream.url())
+        .set("hold_timeout", "\"20s\"")
+        .start()
+        .await;
+    let url = gateway.path("/v1/jobs");
+    let first = post(&url, "lost-claim", "{}").await;
+    assert_eq!(first.status, 503);
+    let job = first.job().unwrap();
+    assert_eq!(gateway.job(&job).await["state"], "open");
+
+    // Only a claim inserts an attempt inside a locked transaction.
+    cutter.arm(b"INSERT INTO attempts AS a");
+    let retry = tokio::time::timeout(Duration::from_secs(15), post(&url, "lost-claim", "{}"))
+        .await
+        .expect("the retry waits on an attempt nobody runs");
+    assert_eq!(retry.status, 200, "{retry:?}");
+    assert_eq!(retry.json()["attempt"], "2");
+    assert_eq!(cutter.cuts(), 1, "the claim's reply was lost");
+    assert_eq!(upstream.hits(), 2, "the first attempt and the claimed one");
+
+    let detail = gateway.job(&job).await;
+    assert_eq!(detail["state"], "completed");
+    let states: Vec<&str> = detail["attempts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["state"].as_str().unwrap())
+        .collect();
+    assert_eq!(states, ["failed", "succeeded"]);
 }
 
 /// A relay in front of `db`'s server, and a URL to `db` through it.

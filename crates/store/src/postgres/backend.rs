@@ -62,16 +62,31 @@ impl Backend for Postgres {
                 attempt.0,
             ),
         };
-        let rows = tx
-            .query(
-                &format!(
-                    "SELECT {SNAPSHOT_COLUMNS} FROM jobs j JOIN attempts a ON a.job_id = j.id \
-                     WHERE {filter} ORDER BY a.number FOR UPDATE OF j"
-                ),
-                &[&id],
-            )
+        // The lock first, then the read, in two statements sent together:
+        // the read starts once the lock is taken, with a snapshot of its own
+        // (one per statement at READ COMMITTED), so it sees every write of a
+        // transaction the lock waited for. Read in the locking statement,
+        // the attempts would be as they were before the wait (only the
+        // locked job row is read again), missing an attempt that
+        // transaction started or settled (docs/design.md §13, "A locked job
+        // is skipped").
+        let take = tx
+            .prepare_cached(&format!(
+                "SELECT j.id FROM jobs j WHERE {filter} FOR UPDATE"
+            ))
             .await
             .map_err(map_pg)?;
+        let read = tx
+            .prepare_cached(&format!(
+                "SELECT {SNAPSHOT_COLUMNS} FROM jobs j JOIN attempts a ON a.job_id = j.id \
+                 WHERE {filter} ORDER BY a.number"
+            ))
+            .await
+            .map_err(map_pg)?;
+        let (_, rows) =
+            futures_util::future::try_join(tx.query(&take, &[&id]), tx.query(&read, &[&id]))
+                .await
+                .map_err(map_pg)?;
         let (snapshots, now) = snapshots(&rows)?;
         let Some(snapshot) = snapshots.first() else {
             return Err(StoreError::NotFound(match lock {

@@ -664,6 +664,63 @@ async fn on_postgres_a_job_held_by_another_session_holds_up_only_its_own_commit(
     assert_eq!(probe.commits_waiting(), 0);
 }
 
+/// A commit skipped because another transaction held its job decides
+/// under the lock on what that transaction wrote. Here the holder settles
+/// the very attempt (as an operator's resolution would: the job completed
+/// by it, the attempt succeeded). The late commit is superseded and
+/// writes nothing: the attempt stays succeeded, as the holder left it.
+/// Read in the statement that waited for the lock, the attempt was still
+/// `started` (only the job row is read again after a wait), and the
+/// job's winner was marked superseded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_a_skipped_commit_decides_on_what_the_holder_wrote() {
+    let (store, _probe, db) = postgres_with_probe().await;
+    let (job, attempt) = created(store.as_ref(), "settled-while-held").await;
+    let holder = db.connect().await;
+    holder
+        .batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM jobs WHERE id = '{job}' FOR UPDATE; \
+             UPDATE jobs SET state = 'completed', completed_by = '{attempt}', \
+                    response_status = 200, response_body = 'by hand', version = version + 1 \
+             WHERE id = '{job}'; \
+             UPDATE attempts SET state = 'succeeded', detail = 'resolved by hand' \
+             WHERE id = '{attempt}'",
+            job = job.id.0,
+            attempt = attempt.id.0,
+        ))
+        .await
+        .unwrap();
+    let late = {
+        let (store, attempt) = (store.clone(), attempt.clone());
+        tokio::spawn(async move { store.commit(&attempt, &answer_with("late", 1)).await })
+    };
+    every_slot_waits_on_the_lock(&db).await;
+    holder.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(late.await.unwrap().unwrap(), CommitOutcome::Superseded);
+
+    let row = db
+        .connect()
+        .await
+        .query_one(
+            "SELECT a.state, a.detail, j.state, j.response_body FROM attempts a \
+             JOIN jobs j ON j.id = a.job_id WHERE a.id = $1",
+            &[&attempt.id.0],
+        )
+        .await
+        .unwrap();
+    let (state, detail): (String, Option<String>) = (row.get(0), row.get(1));
+    let (job_state, body): (String, Vec<u8>) = (row.get(2), row.get(3));
+    assert_eq!(
+        (state.as_str(), detail.as_deref()),
+        ("succeeded", Some("resolved by hand")),
+        "the job's winner as the holder left it"
+    );
+    assert_eq!(
+        (job_state.as_str(), body.as_slice()),
+        ("completed", &b"by hand"[..])
+    );
+}
+
 /// Runs each of `work` on a task of its own, all released at once.
 async fn at_once<T, F>(work: Vec<F>) -> Vec<T>
 where
