@@ -108,18 +108,36 @@ impl Backend for Postgres {
         let mut client = self.client().await?;
         let tx = client.transaction().await.map_err(map_pg)?;
         // Jobs another writer holds are skipped, not waited for: the next
-        // sweep (of this replica or another) takes them.
+        // sweep (of this replica or another) takes them. Locked first, then
+        // read in a statement of its own, as `change` does: a job whose
+        // attempt committed after the locking statement began is locked in
+        // its newest version, but its attempts would be read as they were,
+        // and an attempt that had just succeeded marked unknown.
+        let locked: Vec<uuid::Uuid> = tx
+            .query(
+                "SELECT j.id FROM jobs j \
+                 WHERE j.id IN ( \
+                   SELECT job_id FROM attempts \
+                   WHERE state = $2 AND lease_expires_at < now() \
+                   ORDER BY lease_expires_at LIMIT $1) \
+                 ORDER BY j.id FOR UPDATE SKIP LOCKED",
+                &[&i64::from(batch), &AttemptState::Started.as_str()],
+            )
+            .await
+            .map_err(map_pg)?
+            .iter()
+            .map(|row| row.get(0))
+            .collect();
+        if locked.is_empty() {
+            return Ok(Vec::new());
+        }
         let rows = tx
             .query(
                 &format!(
                     "SELECT {SNAPSHOT_COLUMNS} FROM jobs j JOIN attempts a ON a.job_id = j.id \
-                     WHERE j.id IN ( \
-                       SELECT job_id FROM attempts \
-                       WHERE state = $2 AND lease_expires_at < now() \
-                       ORDER BY lease_expires_at LIMIT $1) \
-                     ORDER BY j.id, a.number FOR UPDATE OF j SKIP LOCKED"
+                     WHERE j.id = ANY($1) ORDER BY j.id, a.number"
                 ),
-                &[&i64::from(batch), &AttemptState::Started.as_str()],
+                &[&locked],
             )
             .await
             .map_err(map_pg)?;
