@@ -7,7 +7,9 @@
 //! between a commit and its reply.
 //!
 //! Plain connections only (`sslmode=disable`): the relay reads the
-//! server's messages to find the end of the transaction.
+//! server's messages to find the end of the transaction. A transaction
+//! that ends in a rollback is cut and counted the same way, so a test also
+//! checks what was written.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

@@ -170,7 +170,12 @@ impl<B: Backend> Machine<B> {
         let Ok(Some(detail)) = self.backend.job_detail(job).await else {
             return Err(error);
         };
+        // A job completed meanwhile (by a hedge's other attempt) needs no
+        // call. An attempt near or past its lease still runs: nobody else
+        // will, and its answer commits from `unknown` too (§5).
+        let done = detail.job.state.is_terminal();
         match detail.attempts.into_iter().find(|a| a.id == attempt) {
+            Some(_) if done => Ok(None),
             Some(started) if started.state == AttemptState::Started => {
                 tracing::info!(%job, %attempt, "the attempt's start was written though its reply was lost; it runs");
                 // Rung as `apply` rings a claim, which moved the job (for

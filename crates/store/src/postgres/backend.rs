@@ -83,12 +83,14 @@ impl Backend for Postgres {
             ))
             .await
             .map_err(map_pg)?;
-        let (_, rows) =
+        let (taken, rows) =
             futures_util::future::try_join(tx.query(&take, &[&id]), tx.query(&read, &[&id]))
                 .await
                 .map_err(map_pg)?;
         let (snapshots, now) = snapshots(&rows)?;
-        let Some(snapshot) = snapshots.first() else {
+        // Only the job the lock took: the read asks its filter again.
+        let taken = taken.first().map(|row| row.get::<_, uuid::Uuid>(0));
+        let Some(snapshot) = snapshots.first().filter(|s| Some(s.job.id.0) == taken) else {
             return Err(StoreError::NotFound(match lock {
                 Lock::Job(_) => "job",
                 Lock::JobOf(_) => "attempt",
