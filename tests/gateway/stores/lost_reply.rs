@@ -16,7 +16,9 @@ use crate::support::{eventually, post, FakeUpstream, Gate, Gateway, TestDb, Test
 /// an error, not `hold_timeout`'s 409), from one upstream call, and the
 /// attempt stands as the job's winner. The lost compare-and-swap rings the
 /// job's bell: without that ring the duplicate waited out `hold_timeout`
-/// in two runs of three.
+/// in two runs of three (in the third its first read came after the
+/// commit); the ring itself is asserted by the store conformance test
+/// `every_change_of_a_jobs_state_rings_once`.
 #[tokio::test]
 async fn a_commit_whose_reply_was_lost_still_answers_the_caller_and_its_duplicate() {
     let db = TestDb::new().await;
