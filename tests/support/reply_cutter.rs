@@ -17,9 +17,12 @@ use std::sync::{Arc, Mutex};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
+/// The marker still to match, and how many more times.
+type Armed = Arc<Mutex<Option<(Vec<u8>, usize)>>>;
+
 pub struct ReplyCutter {
     pub port: u16,
-    marker: Arc<Mutex<Option<Vec<u8>>>>,
+    marker: Armed,
     cuts: Arc<AtomicUsize>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -29,7 +32,7 @@ impl ReplyCutter {
     pub async fn start(server: String) -> ReplyCutter {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
-        let marker: Arc<Mutex<Option<Vec<u8>>>> = Arc::default();
+        let marker: Armed = Arc::default();
         let cuts = Arc::new(AtomicUsize::new(0));
         let task = tokio::spawn({
             let (marker, cuts) = (marker.clone(), cuts.clone());
@@ -52,7 +55,12 @@ impl ReplyCutter {
 
     /// Loses the reply to the next statement carrying `marker`, once.
     pub fn arm(&self, marker: &[u8]) {
-        *self.marker.lock().unwrap() = Some(marker.to_vec());
+        self.arm_times(marker, 1);
+    }
+
+    /// Loses the replies to the next `times` statements carrying `marker`.
+    pub fn arm_times(&self, marker: &[u8], times: usize) {
+        *self.marker.lock().unwrap() = Some((marker.to_vec(), times));
     }
 
     /// Replies lost so far.
@@ -67,12 +75,7 @@ impl Drop for ReplyCutter {
     }
 }
 
-async fn relay(
-    client: TcpStream,
-    server: TcpStream,
-    marker: Arc<Mutex<Option<Vec<u8>>>>,
-    cuts: Arc<AtomicUsize>,
-) {
+async fn relay(client: TcpStream, server: TcpStream, marker: Armed, cuts: Arc<AtomicUsize>) {
     let (mut client_rx, mut client_tx) = client.into_split();
     let (mut server_rx, mut server_tx) = server.into_split();
     let cut = Arc::new(AtomicBool::new(false));
@@ -92,7 +95,7 @@ async fn relay(
                 tail.extend_from_slice(&buf[..n]);
                 {
                     let mut armed = marker.lock().unwrap();
-                    if let Some(m) = armed.as_ref() {
+                    if let Some((m, times)) = armed.as_mut() {
                         // Only a match that takes in bytes read now: what
                         // was sent before the relay was armed never counts.
                         let from = before.saturating_sub(m.len().saturating_sub(1));
@@ -100,7 +103,10 @@ async fn relay(
                             // Set before the statement is forwarded: the
                             // server cannot answer it before this.
                             cut.store(true, Ordering::SeqCst);
-                            *armed = None;
+                            *times -= 1;
+                            if *times == 0 {
+                                *armed = None;
+                            }
                         }
                     }
                 }

@@ -135,6 +135,57 @@ async fn a_begin_whose_reply_was_lost_still_calls_the_upstream_once() {
     );
 }
 
+/// The begin of a new key lands, its reply is lost, and the begin asked
+/// again loses its reply too, so the client is told 503: a job with a
+/// started attempt that nobody runs. The gateway knows the attempt was
+/// never sent upstream and records it `failed` once the store answers, so
+/// the job reopens and the client's retry runs, once. Before, the retry
+/// was held until `hold_timeout` (or the lease lapsed into `unknown`).
+#[tokio::test]
+async fn a_begin_lost_twice_is_answered_503_and_its_retry_still_runs() {
+    let db = TestDb::new().await;
+    let (cutter, relayed) = relay(&db).await;
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::builder(&TestStore::external(relayed), &upstream.url())
+        .set("hold_timeout", "\"20s\"")
+        .start()
+        .await;
+    let url = gateway.path("/v1/charges");
+    let key = format!("lose-the-begin-twice-{}", uuid::Uuid::new_v4().simple());
+    cutter.arm_times(key.as_bytes(), 2);
+
+    let refused = post(&url, &key, "{}").await;
+    assert_eq!(refused.status, 503, "{refused:?}");
+    assert_eq!(refused.problem(), "store-unavailable");
+    assert_eq!(cutter.cuts(), 2, "both begins' replies were lost");
+    assert_eq!(upstream.hits(), 0, "nothing was proxied");
+
+    let retry = tokio::time::timeout(Duration::from_secs(15), post(&url, &key, "{}"))
+        .await
+        .expect("the retry is held on an attempt nobody runs");
+    assert_eq!(retry.status, 200, "{retry:?}");
+    assert_eq!(upstream.hits(), 1, "run once, by the retry");
+    let detail = gateway.job(&retry.job().unwrap()).await;
+    let attempts: Vec<(&str, &str)> = detail["attempts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| {
+            (
+                a["state"].as_str().unwrap(),
+                a["detail"].as_str().unwrap_or(""),
+            )
+        })
+        .collect();
+    assert_eq!(attempts.len(), 2, "{attempts:?}");
+    assert_eq!(attempts[0].0, "failed");
+    assert!(
+        attempts[0].1.starts_with("never sent upstream"),
+        "{attempts:?}"
+    );
+    assert_eq!(attempts[1].0, "succeeded");
+}
+
 /// A key's first attempt fails with a retryable status, so its job is
 /// open; the client's retry claims the next attempt, and the claim's
 /// transaction commits but its reply is lost. The claim reads the job back,

@@ -19,13 +19,13 @@ use tokio::time::Instant;
 use super::attempts::{joined, Attempts};
 use super::machine::{Dispatch, Event, Joining, Step};
 use crate::error::GatewayError;
-use crate::execute::{Running, UpstreamService};
+use crate::execute::{Runner, Running, UpstreamService};
 use crate::keyed::Keyed;
 use crate::replay::tiers::Write;
 use crate::replay::{self, Framing};
 use crate::shared::Shared;
 use idemgate_domain::attempt::Attempt;
-use idemgate_domain::id::JobId;
+use idemgate_domain::id::{AttemptId, JobId};
 use idemgate_domain::job::{Job, NewJob};
 use idemgate_proxy::http::{AnsweredBy, Body};
 use idemgate_proxy::upstream::UpstreamSettings;
@@ -88,11 +88,14 @@ impl Driver {
         tokio::spawn(async move {
             let primary = driver.request.intent.route.primary.clone();
             let runner = &driver.shared.runner;
+            let first = runner.new_attempt(&primary);
+            let id = first.id;
             let begun = driver
                 .shared
                 .store
-                .begin_job(driver.new_job(), runner.new_attempt(&primary))
-                .await?;
+                .begin_job(driver.new_job(), first)
+                .await
+                .inspect_err(|e| unsent(runner, id, e))?;
             Ok(match begun {
                 Begin::Created(job, attempt) => Begun::Created(
                     driver.start(&primary, attempt, job.expires_at),
@@ -117,11 +120,13 @@ impl Driver {
         tokio::spawn(async move {
             let store = &driver.shared.store;
             let next = driver.shared.runner.new_attempt(&target);
+            let id = next.id;
             let claimed = match how {
-                Joining::Claim => store.claim_attempt(job, version, next).await?,
-                Joining::Hedge => store.hedge_attempt(job, version, next).await?,
-                Joining::MoveOn => store.move_on_attempt(job, version, next).await?,
-            };
+                Joining::Claim => store.claim_attempt(job, version, next).await,
+                Joining::Hedge => store.hedge_attempt(job, version, next).await,
+                Joining::MoveOn => store.move_on_attempt(job, version, next).await,
+            }
+            .inspect_err(|e| unsent(&driver.shared.runner, id, e))?;
             Ok(claimed.map(|attempt| driver.start(&target, attempt, expires_at)))
         })
     }
@@ -239,5 +244,14 @@ impl Driver {
             route: self.request.intent.route.name.clone(),
             ttl: self.shared.config.key_ttl,
         }
+    }
+}
+
+/// A start that failed with its outcome unknown may have been written: its
+/// attempt is settled as never sent, in the background
+/// ([`Runner::never_sent`]).
+fn unsent(runner: &Runner, attempt: AttemptId, error: &StoreError) {
+    if error.is_transient() {
+        runner.never_sent(attempt);
     }
 }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use http::{HeaderValue, Request};
-use idemgate_domain::attempt::{Attempt, NewAttempt};
+use idemgate_domain::attempt::{Attempt, AttemptFailure, NewAttempt};
 use idemgate_domain::id::AttemptId;
 use idemgate_domain::job::JobDetail;
 use idemgate_domain::reconcile::orphaned;
@@ -19,7 +19,7 @@ use idemgate_domain::BoxError;
 use idemgate_proxy::http::{full, ProvenClient, EVENTS_RECEIVED, IDEMPOTENCY_KEY};
 use idemgate_proxy::upstream::{Stopwatch, Target, UpstreamSettings};
 use idemgate_store::fastpath::Tag;
-use idemgate_store::{Doorbell, Lapsed, Store};
+use idemgate_store::{Doorbell, Lapsed, Store, StoreError};
 use idemgate_telemetry::ends::{self, By};
 use idemgate_telemetry::Chain;
 use idemgate_upkeep::lease::{Held, Leases};
@@ -41,6 +41,10 @@ use crate::route::{Reconcile, Route};
 
 /// Most unknown attempts one scan reads.
 const SCAN_LIMIT: u32 = 1000;
+
+/// The detail of an attempt settled by [`Runner::never_sent`].
+const NEVER_SENT: &str =
+    "never sent upstream: its start was written, but the reply was lost and the request answered 503";
 
 /// Runs attempts: the handles every attempt task needs.
 pub(crate) struct Runner {
@@ -90,6 +94,38 @@ impl Runner {
             lease: self.config.lease_ttl,
             deadline: self.config.deadline,
         }
+    }
+
+    /// Records, in the background, that `attempt` was never sent upstream:
+    /// its begin or claim failed with its outcome unknown (the reply lost,
+    /// perhaps after the commit) and the request was answered `503`. If
+    /// the attempt was written after all, nobody runs it, and every retry
+    /// of its key would be held on it until its lease lapsed into
+    /// `unknown`. Settled `failed` (it provably took no effect), its job
+    /// reopens and the next retry runs (`docs/design.md` §5, "A start whose
+    /// reply was lost"). Written until the store takes it, up to the
+    /// attempt's deadline; an attempt that was never written is left so.
+    pub(crate) fn never_sent(&self, attempt: AttemptId) {
+        let store = self.store.clone();
+        let deadline = Instant::now() + self.config.deadline;
+        tokio::spawn(async move {
+            let write = || {
+                let store = store.clone();
+                async move {
+                    let failure = AttemptFailure::Failed {
+                        status: None,
+                        detail: NEVER_SENT.into(),
+                    };
+                    match store.fail_attempt(attempt, failure).await {
+                        Err(StoreError::NotFound(_)) => Ok(false),
+                        done => done,
+                    }
+                }
+            };
+            if let Ok(true) = super::record::retrying("record", attempt, deadline, write).await {
+                tracing::info!(%attempt, "an attempt whose start was written though its reply was lost is settled failed: it was never sent");
+            }
+        });
     }
 
     /// Starts `attempt` of `request`'s job against `target`, in a task of
