@@ -71,19 +71,9 @@ async fn a_commit_whose_reply_was_lost_still_answers_the_caller_and_its_duplicat
         "the commit was retried"
     );
 
-    let rows = db
-        .connect()
-        .await
-        .query(
-            "SELECT j.state, a.state FROM jobs j JOIN attempts a ON a.job_id = j.id",
-            &[],
-        )
-        .await
-        .unwrap();
-    let states: Vec<(String, String)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
     assert_eq!(
-        states,
-        vec![("completed".to_owned(), "succeeded".to_owned())],
+        states(&db).await,
+        [("completed".to_owned(), "succeeded".to_owned())],
         "the lost reply's commit is the one committed"
     );
 }
@@ -119,19 +109,9 @@ async fn a_begin_whose_reply_was_lost_still_calls_the_upstream_once() {
     assert_eq!(again.body, reply.body, "replayed");
     assert_eq!(upstream.hits(), 1);
 
-    let rows = db
-        .connect()
-        .await
-        .query(
-            "SELECT j.state, a.state FROM jobs j JOIN attempts a ON a.job_id = j.id",
-            &[],
-        )
-        .await
-        .unwrap();
-    let states: Vec<(String, String)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
     assert_eq!(
-        states,
-        vec![("completed".to_owned(), "succeeded".to_owned())]
+        states(&db).await,
+        [("completed".to_owned(), "succeeded".to_owned())]
     );
 }
 
@@ -249,4 +229,18 @@ async fn relay(db: &TestDb) -> (ReplyCutter, String) {
             .replace(&server, &format!("127.0.0.1:{}", cutter.port))
     );
     (cutter, relayed)
+}
+
+/// Every job's state beside each of its attempts', as stored.
+async fn states(db: &TestDb) -> Vec<(String, String)> {
+    let rows = db
+        .connect()
+        .await
+        .query(
+            "SELECT j.state, a.state FROM jobs j JOIN attempts a ON a.job_id = j.id",
+            &[],
+        )
+        .await
+        .unwrap();
+    rows.iter().map(|r| (r.get(0), r.get(1))).collect()
 }
