@@ -133,7 +133,7 @@ impl<B: Backend> Machine<B> {
             .ok_or(StoreError::NotFound("job"))
     }
 
-    /// Starts `attempt` by `transition` (claim or hedge); `None` when the
+    /// Starts `attempt` by `transition` (claim, move-on or hedge); `None` when the
     /// job moved on or is in a state that does not take one.
     async fn start(
         &self,

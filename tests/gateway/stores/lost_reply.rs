@@ -21,14 +21,13 @@ use crate::support::{eventually, post, FakeUpstream, Gate, Gateway, TestDb, Test
 /// `every_change_of_a_jobs_state_rings_once`.
 #[tokio::test]
 async fn a_commit_whose_reply_was_lost_still_answers_the_caller_and_its_duplicate() {
-    let db = TestDb::new().await;
-    let (cutter, relayed) = relay(&db).await;
     let gate = Gate::new();
     let upstream = FakeUpstream::gated_echo(&gate, |r| r.header("idempotency-key").is_some()).await;
-    let gateway = Gateway::builder(&TestStore::external(relayed), &upstream.url())
-        .set("hold_timeout", "\"20s\"")
-        .start()
-        .await;
+    let Relayed {
+        db,
+        cutter,
+        gateway,
+    } = behind_relay(&upstream).await;
     let url = gateway.path("/v1/charges");
     let marker = format!("lose-the-reply-{}", uuid::Uuid::new_v4().simple());
     let body = format!(r#"{{"note":"{marker}"}}"#);
@@ -86,13 +85,12 @@ async fn a_commit_whose_reply_was_lost_still_answers_the_caller_and_its_duplicat
 /// until its lease lapsed, and was then told the outcome was unknown.
 #[tokio::test]
 async fn a_begin_whose_reply_was_lost_still_calls_the_upstream_once() {
-    let db = TestDb::new().await;
-    let (cutter, relayed) = relay(&db).await;
     let upstream = FakeUpstream::echo().await;
-    let gateway = Gateway::builder(&TestStore::external(relayed), &upstream.url())
-        .set("hold_timeout", "\"20s\"")
-        .start()
-        .await;
+    let Relayed {
+        db,
+        cutter,
+        gateway,
+    } = behind_relay(&upstream).await;
     let url = gateway.path("/v1/charges");
     let key = format!("lose-the-begin-{}", uuid::Uuid::new_v4().simple());
     // Only the begin carries the key before the upstream is called.
@@ -123,13 +121,12 @@ async fn a_begin_whose_reply_was_lost_still_calls_the_upstream_once() {
 /// was held until `hold_timeout` (or the lease lapsed into `unknown`).
 #[tokio::test]
 async fn a_begin_lost_twice_is_answered_503_and_its_retry_still_runs() {
-    let db = TestDb::new().await;
-    let (cutter, relayed) = relay(&db).await;
     let upstream = FakeUpstream::echo().await;
-    let gateway = Gateway::builder(&TestStore::external(relayed), &upstream.url())
-        .set("hold_timeout", "\"20s\"")
-        .start()
-        .await;
+    let Relayed {
+        db: _db,
+        cutter,
+        gateway,
+    } = behind_relay(&upstream).await;
     let url = gateway.path("/v1/charges");
     let key = format!("lose-the-begin-twice-{}", uuid::Uuid::new_v4().simple());
     cutter.arm_times(key.as_bytes(), 2);
@@ -174,8 +171,6 @@ async fn a_begin_lost_twice_is_answered_503_and_its_retry_still_runs() {
 /// on an attempt nobody ran until its lease lapsed into `unknown`.
 #[tokio::test]
 async fn a_claim_whose_reply_was_lost_still_runs_its_attempt() {
-    let db = TestDb::new().await;
-    let (cutter, relayed) = relay(&db).await;
     let upstream = FakeUpstream::start(|r| async move {
         if r.hit == 1 {
             json_response(503, serde_json::json!({"error": "overloaded"}))
@@ -184,10 +179,11 @@ async fn a_claim_whose_reply_was_lost_still_runs_its_attempt() {
         }
     })
     .await;
-    let gateway = Gateway::builder(&TestStore::external(relayed), &upstream.url())
-        .set("hold_timeout", "\"20s\"")
-        .start()
-        .await;
+    let Relayed {
+        db: _db,
+        cutter,
+        gateway,
+    } = behind_relay(&upstream).await;
     let url = gateway.path("/v1/jobs");
     let first = post(&url, "lost-claim", "{}").await;
     assert_eq!(first.status, 503);
@@ -215,8 +211,17 @@ async fn a_claim_whose_reply_was_lost_still_runs_its_attempt() {
     assert_eq!(states, ["failed", "succeeded"]);
 }
 
-/// A relay in front of `db`'s server, and a URL to `db` through it.
-async fn relay(db: &TestDb) -> (ReplyCutter, String) {
+/// A fresh database, a relay in front of its server, and a gateway on
+/// `upstream` that reaches the database through the relay, holding
+/// duplicates for up to 20 s.
+struct Relayed {
+    db: TestDb,
+    cutter: ReplyCutter,
+    gateway: Gateway,
+}
+
+async fn behind_relay(upstream: &FakeUpstream) -> Relayed {
+    let db = TestDb::new().await;
     let config: tokio_postgres::Config = db.url.parse().unwrap();
     let server = match &config.get_hosts()[0] {
         tokio_postgres::config::Host::Tcp(host) => format!("{host}:{}", config.get_ports()[0]),
@@ -228,7 +233,15 @@ async fn relay(db: &TestDb) -> (ReplyCutter, String) {
         db.url
             .replace(&server, &format!("127.0.0.1:{}", cutter.port))
     );
-    (cutter, relayed)
+    let gateway = Gateway::builder(&TestStore::external(relayed), &upstream.url())
+        .set("hold_timeout", "\"20s\"")
+        .start()
+        .await;
+    Relayed {
+        db,
+        cutter,
+        gateway,
+    }
 }
 
 /// Every job's state beside each of its attempts', as stored.
