@@ -27,6 +27,8 @@ pub struct FileConfig {
     pub(super) database_pool_size: Option<usize>,
     #[serde(default, with = "humantime_serde")]
     pub(super) database_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) database_lock_timeout: Option<Duration>,
     pub(super) embedded_path: Option<PathBuf>,
     pub(super) redis_url: Option<String>,
     #[serde(default, with = "humantime_serde")]

@@ -12,6 +12,11 @@ use idemgate_store::StoreSettings;
 use super::libpq;
 use super::{bad, positive, ConfigError};
 
+/// `database_lock_timeout`'s default: far longer than any lock the gateway
+/// itself holds (a batch, a change: milliseconds), short enough that a
+/// transaction left open on a job gives back the connections waiting on it.
+const LOCK_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// The defaults for `database_url` = `url` (relative certificate paths
 /// taken from the working folder): what tests and tools start from.
 pub fn pg_settings(url: &str) -> Result<PgSettings, ConfigError> {
@@ -20,6 +25,7 @@ pub fn pg_settings(url: &str) -> Result<PgSettings, ConfigError> {
         direct_url: None,
         pool_size: 16,
         connect_timeout: Duration::from_secs(2),
+        lock_timeout: LOCK_TIMEOUT,
     })
 }
 
@@ -55,11 +61,16 @@ pub(super) fn store_settings(
         "database_timeout",
         file.database_timeout.unwrap_or(Duration::from_secs(2)),
     )?;
+    let lock_timeout = positive(
+        "database_lock_timeout",
+        file.database_lock_timeout.unwrap_or(LOCK_TIMEOUT),
+    )?;
     Ok(StoreSettings::Postgres(Box::new(PgSettings {
         url,
         direct_url,
         pool_size,
         connect_timeout,
+        lock_timeout,
     })))
 }
 

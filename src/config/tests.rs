@@ -455,6 +455,29 @@ fn stream_timeouts_take_the_route_then_the_upstream_then_the_timeout() {
     assert_eq!(embeddings.silences(b).stream_idle, secs(60));
 }
 
+/// How long a database statement waits for a lock: two seconds unless
+/// set, and never zero (PostgreSQL would read it as "for ever").
+#[test]
+fn the_database_lock_timeout_is_read_and_zero_is_refused_naming_it() {
+    let url = "database_url = \"postgres://u@h/db\"\n";
+    let lock_timeout = |text: &str| {
+        let file = Settings::parse_file(&format!("{url}{text}")).unwrap();
+        match store::store_settings(&file, &Flags::default()) {
+            Ok(idemgate_store::StoreSettings::Postgres(pg)) => Ok(pg.lock_timeout),
+            Ok(other) => panic!("not PostgreSQL: {other:?}"),
+            Err(e) => Err(e),
+        }
+    };
+    assert_eq!(lock_timeout("").unwrap(), Duration::from_secs(2));
+    assert_eq!(
+        lock_timeout("database_lock_timeout = \"250ms\"\n").unwrap(),
+        Duration::from_millis(250)
+    );
+    let e = lock_timeout("database_lock_timeout = \"0s\"\n").unwrap_err();
+    assert_eq!(e.key, "database_lock_timeout");
+    assert!(e.to_string().contains("greater than zero"), "{e}");
+}
+
 #[test]
 fn a_zero_stream_timeout_is_refused_naming_its_key() {
     let upstream = "[[upstreams]]\nurl = \"http://a:1\"\n";
@@ -519,6 +542,7 @@ mod props {
             "database_direct_url",
             "database_pool_size",
             "database_timeout",
+            "database_lock_timeout",
             "redis_url",
             "redis_timeout",
             "redis_inline_max",

@@ -17,12 +17,14 @@ pub(super) fn map_pg(e: tokio_postgres::Error) -> StoreError {
             return StoreError::Unavailable(Box::new(e));
         }
         // Class 08 (connection), 57P0x (shutdown), 53 (resources), 40001/40P01
-        // (serialisation, deadlock: try again) and 42P01 (no such table:
-        // migrations not applied yet).
+        // (serialisation, deadlock: try again), 55P03 (a lock waited for
+        // past `lock_timeout`: its holder may let go) and 42P01 (no such
+        // table: migrations not applied yet).
         if code.starts_with("08")
             || code.starts_with("57P")
             || code.starts_with("53")
             || code.starts_with("40")
+            || code == "55P03"
             || code == "42P01"
         {
             return StoreError::Unavailable(Box::new(e));

@@ -25,9 +25,11 @@ impl Postgres {
             .map_err(map_pg)?;
         // Migrations are planned as PostgreSQL plans them: the gateway's
         // sessions keep to the indexes (`session`, design §13), which a
-        // backfill over a whole table should not.
+        // backfill over a whole table should not. And they wait for their
+        // locks however long: a migration given up halfway through start-up
+        // would only be tried again by the next start.
         client
-            .batch_execute("SET enable_seqscan = on")
+            .batch_execute("SET enable_seqscan = on; SET lock_timeout = 0")
             .await
             .map_err(map_pg)?;
         let report = embedded::migrations::runner()

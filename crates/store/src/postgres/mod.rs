@@ -93,7 +93,7 @@ struct Session {
 
 impl Session {
     fn new(url: &PgUrl, settings: &PgSettings, instance: Uuid) -> Result<Self, StoreError> {
-        let mut config = session(&url.url, settings.connect_timeout, instance)?;
+        let mut config = session(&url.url, settings, instance)?;
         config.ssl_mode(tls::wire_mode(url.tls.mode));
         let describe = url.tls.describe();
         match (url.tls.mode, url.tls.check()) {
@@ -250,13 +250,13 @@ const UNACKNOWLEDGED: Duration = Duration::from_secs(30);
 /// says nothing, and this instance's name for the NOTIFY trigger.
 fn session(
     url: &str,
-    connect_timeout: Duration,
+    settings: &PgSettings,
     instance: Uuid,
 ) -> Result<tokio_postgres::Config, StoreError> {
     let mut config: tokio_postgres::Config =
         url.parse().map_err(|e| StoreError::Internal(Box::new(e)))?;
     if config.get_connect_timeout().is_none() {
-        config.connect_timeout(connect_timeout);
+        config.connect_timeout(settings.connect_timeout);
     }
     config.keepalives_idle(Duration::from_secs(10));
     // A server gone silent (a VM lost, an address moved in a failover)
@@ -279,12 +279,19 @@ fn session(
     // The request path and the sweeps find their rows by an index (a key,
     // an id, an expiry); a plan cached while `jobs` was small would scan it
     // whole, per batch, until autovacuum's next pass (docs/design.md §13,
-    // "Plans made on a small table"). First, so the URL's `options` can undo it.
-    // `idemgate.instance` is read by the NOTIFY trigger, so announcements
-    // name their origin.
+    // "Plans made on a small table"). A lock is waited for only so long: a
+    // transaction left open on a job would otherwise keep every connection
+    // that waits on it, and the pool with them ("A lock waited for"). Both
+    // first, so the URL's `options` can undo them. `idemgate.instance` is
+    // read by the NOTIFY trigger, so announcements name their origin.
+    let locks = format!(
+        "-c lock_timeout={}ms",
+        settings.lock_timeout.as_millis().max(1)
+    );
     let instance = format!("-c idemgate.instance={instance}");
     let options = [
         INDEXED_PLANS,
+        &locks,
         config.get_options().unwrap_or_default(),
         &instance,
     ]
@@ -300,19 +307,44 @@ fn session(
 mod tests {
     use super::*;
 
+    /// Settings of a test: what `session` reads of them.
+    fn settings() -> PgSettings {
+        let url = "postgres://u@h/db";
+        PgSettings {
+            url: PgUrl {
+                key: "database_url",
+                url: url.into(),
+                tls: PgTls {
+                    mode: SslMode::Disable,
+                    roots: Vec::new(),
+                    roots_from: String::new(),
+                    identity: None,
+                },
+            },
+            direct_url: None,
+            pool_size: 1,
+            connect_timeout: Duration::from_secs(1),
+            lock_timeout: Duration::from_millis(1500),
+        }
+    }
+
     /// The gateway's session options go first and the URL's after them,
     /// so an operator's `enable_seqscan=on` is the one the server keeps.
     #[test]
     fn the_urls_options_are_applied_after_the_gateways() {
         let instance = Uuid::nil();
-        let timeout = Duration::from_secs(1);
-        let plain = session("postgres://u@h/db", timeout, instance).unwrap();
+        let plain = session("postgres://u@h/db", &settings(), instance).unwrap();
         assert_eq!(
             plain.get_options(),
-            Some(format!("-c enable_seqscan=off -c idemgate.instance={instance}").as_str())
+            Some(
+                format!(
+                    "-c enable_seqscan=off -c lock_timeout=1500ms -c idemgate.instance={instance}"
+                )
+                .as_str()
+            )
         );
         let undone = "postgres://u@h/db?options=-c%20enable_seqscan%3Don";
-        let undone = session(undone, timeout, instance).unwrap();
+        let undone = session(undone, &settings(), instance).unwrap();
         let options = undone.get_options().unwrap();
         let ours = options.find("enable_seqscan=off").unwrap();
         let theirs = options.find("enable_seqscan=on").unwrap();
@@ -325,14 +357,13 @@ mod tests {
     #[test]
     fn a_silent_server_ends_the_connection_unless_the_url_says_otherwise() {
         let instance = Uuid::nil();
-        let timeout = Duration::from_secs(1);
-        let plain = session("postgres://u@h/db", timeout, instance).unwrap();
+        let plain = session("postgres://u@h/db", &settings(), instance).unwrap();
         assert_eq!(plain.get_keepalives_interval(), Some(SILENCE_PROBE));
         assert_eq!(plain.get_keepalives_retries(), Some(SILENCE_PROBES));
         assert_eq!(plain.get_tcp_user_timeout(), Some(&UNACKNOWLEDGED));
         let url =
             "postgres://u@h/db?keepalives_interval=20&keepalives_retries=9&tcp_user_timeout=120";
-        let theirs = session(url, timeout, instance).unwrap();
+        let theirs = session(url, &settings(), instance).unwrap();
         assert_eq!(
             theirs.get_keepalives_interval(),
             Some(Duration::from_secs(20))

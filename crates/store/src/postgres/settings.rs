@@ -139,6 +139,10 @@ pub struct PgSettings {
     pub pool_size: usize,
     /// How long to wait for a connection (new or pooled) before answering 503.
     pub connect_timeout: Duration,
+    /// How long a statement waits for a lock another transaction holds
+    /// before it gives its connection back and fails as transient
+    /// (`database_lock_timeout`; docs/design.md §13, "A lock waited for").
+    pub lock_timeout: Duration,
 }
 
 /// A client certificate chain (the leaf first) and its private key, for

@@ -56,9 +56,24 @@ async fn postgres_with_probe() -> (
     postgres_with_pool(8).await
 }
 
-/// [`postgres_with_probe`] with a pool of `pool_size` connections.
+/// [`postgres_with_probe`] with a pool of `pool_size` connections. Locks
+/// are waited for a minute: these tests hold them on purpose, for as long
+/// as they take (the timeout has a test of its own).
 async fn postgres_with_pool(
     pool_size: usize,
+) -> (
+    Arc<dyn Store>,
+    idemgate_store::postgres::Postgres,
+    crate::support::TestDb,
+) {
+    postgres_with(pool_size, Duration::from_secs(60)).await
+}
+
+/// A store on a database of its own, with a pool of `pool_size`
+/// connections whose statements wait `lock_timeout` for a lock.
+async fn postgres_with(
+    pool_size: usize,
+    lock_timeout: Duration,
 ) -> (
     Arc<dyn Store>,
     idemgate_store::postgres::Postgres,
@@ -69,6 +84,7 @@ async fn postgres_with_pool(
         &idemgate_store::postgres::PgSettings {
             pool_size,
             connect_timeout: Duration::from_secs(5),
+            lock_timeout,
             ..idemgate::config::store::pg_settings(&db.url).unwrap()
         },
         uuid::Uuid::new_v4(),
@@ -662,6 +678,80 @@ async fn on_postgres_a_job_held_by_another_session_holds_up_only_its_own_commit(
     let stored = store.job(held.id).await.unwrap().unwrap();
     assert_eq!(stored.response, Some(answer_with("held-batched", 1)));
     assert_eq!(probe.commits_waiting(), 0);
+}
+
+/// Commits waiting on jobs another session holds (an operator's
+/// transaction left open on two of them) give their connections back after
+/// the lock timeout, failing as transient, so a pool of two still commits
+/// a third job meanwhile; once the holder lets go, the held jobs commit
+/// when asked again, as the gateway asks until the store takes an outcome.
+/// Waiting without a timeout, the two held the whole pool for as long as
+/// the holder did, and the third commit got no connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_commits_waiting_on_held_jobs_give_their_connections_back() {
+    let (store, _probe, db) = postgres_with(2, Duration::from_secs(2)).await;
+    let mut held = Vec::new();
+    for n in 0..2 {
+        held.push(created(store.as_ref(), &format!("held-{n}")).await);
+    }
+    let (free, free_attempt) = created(store.as_ref(), "free").await;
+    let holder = db.connect().await;
+    holder
+        .batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM jobs WHERE id IN ('{}', '{}') FOR UPDATE",
+            held[0].0.id.0, held[1].0.id.0
+        ))
+        .await
+        .unwrap();
+    let waiting: Vec<_> = held
+        .iter()
+        .map(|(job, attempt)| {
+            let (store, attempt) = (store.clone(), attempt.clone());
+            let answer = answer_with(job.key.as_str(), 1);
+            tokio::spawn(async move { store.commit(&attempt, &answer).await })
+        })
+        .collect();
+    let watcher = db.connect().await;
+    until(
+        "both commits wait on the holder, the pool taken",
+        async || {
+            let row = watcher
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                    &[],
+                )
+                .await
+                .unwrap();
+            row.get::<_, i64>(0) == 2
+        },
+    )
+    .await;
+
+    let outcome = store.commit(&free_attempt, &answer_with("free", 1)).await;
+    assert_eq!(
+        outcome.expect("the third commit got a connection"),
+        CommitOutcome::Committed
+    );
+    let stored = store.job(free.id).await.unwrap().unwrap();
+    assert_eq!(stored.response, Some(answer_with("free", 1)));
+    for waited in waiting {
+        let error = waited.await.unwrap().expect_err("the holder still holds");
+        assert!(error.is_transient(), "{error:?}");
+        let chain = idemgate_telemetry::Chain(&error).to_string();
+        assert!(chain.contains("lock timeout"), "{chain}");
+    }
+
+    holder.batch_execute("COMMIT").await.unwrap();
+    for (job, attempt) in &held {
+        let answer = answer_with(job.key.as_str(), 1);
+        assert_eq!(
+            store.commit(attempt, &answer).await.unwrap(),
+            CommitOutcome::Committed
+        );
+        let stored = store.job(job.id).await.unwrap().unwrap();
+        assert_eq!(stored.response, Some(answer), "job {}", job.key);
+    }
 }
 
 /// A commit skipped because another transaction held its job decides
