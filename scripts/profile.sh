@@ -36,6 +36,8 @@ cat > "$work/load.lua" <<'L'
 wrk.method = "POST"
 wrk.body = '{"amount": 1000}'
 wrk.headers["Content-Type"] = "application/json"
+-- Keyed requests need an owner (the default source is this header).
+wrk.headers["Authorization"] = "Bearer profile-client"
 local n = 0
 local mode = "new"
 init = function(args) mode = args[1] end
@@ -49,7 +51,7 @@ L
 [ "$scenario" = replay ] && wrk -t1 -c8 -d2s -s "$work/load.lua" http://127.0.0.1:18181 -- replay >/dev/null
 perf record -F 999 -g -p "$gw" -o "$work/perf.data" -- sleep 6 2>/dev/null &
 perf=$!
-wrk -t1 -c32 -d5s --latency -s "$work/load.lua" http://127.0.0.1:18181 -- "$scenario" | grep -E "Requests/sec|50%|99%"
+wrk -t1 -c32 -d5s --latency -s "$work/load.lua" http://127.0.0.1:18181 -- "$scenario" | grep -E "Requests/sec|Non-2xx|50%|99%"
 wait "$perf" || true
 perf script -i "$work/perf.data" 2>/dev/null | inferno-collapse-perf > "$out/$scenario.folded"
 inferno-flamegraph < "$out/$scenario.folded" > "$out/$scenario.svg"
