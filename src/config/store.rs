@@ -65,6 +65,13 @@ pub(super) fn store_settings(
         "database_lock_timeout",
         file.database_lock_timeout.unwrap_or(LOCK_TIMEOUT),
     )?;
+    // PostgreSQL's own bound (an int of milliseconds) is 24 days.
+    if lock_timeout > Duration::from_secs(24 * 3600) {
+        return Err(bad(
+            "database_lock_timeout",
+            "must be at most 24h: it bounds a wait for a lock another transaction holds",
+        ));
+    }
     Ok(StoreSettings::Postgres(Box::new(PgSettings {
         url,
         direct_url,

@@ -456,7 +456,8 @@ fn stream_timeouts_take_the_route_then_the_upstream_then_the_timeout() {
 }
 
 /// How long a database statement waits for a lock: two seconds unless
-/// set, and never zero (PostgreSQL would read it as "for ever").
+/// set, never zero (PostgreSQL would read it as "for ever") and at most a
+/// day (PostgreSQL's own bound is 24 days, and past it no session starts).
 #[test]
 fn the_database_lock_timeout_is_read_and_zero_is_refused_naming_it() {
     let url = "database_url = \"postgres://u@h/db\"\n";
@@ -476,6 +477,9 @@ fn the_database_lock_timeout_is_read_and_zero_is_refused_naming_it() {
     let e = lock_timeout("database_lock_timeout = \"0s\"\n").unwrap_err();
     assert_eq!(e.key, "database_lock_timeout");
     assert!(e.to_string().contains("greater than zero"), "{e}");
+    let e = lock_timeout("database_lock_timeout = \"30d\"\n").unwrap_err();
+    assert_eq!(e.key, "database_lock_timeout");
+    assert!(e.to_string().contains("at most 24h"), "{e}");
 }
 
 #[test]

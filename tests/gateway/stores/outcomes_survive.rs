@@ -232,7 +232,8 @@ crate::on_each_deployment!([embedded, postgres] an_answer_whose_client_hung_up_i
 /// commit waits `database_lock_timeout`, gives its connection back and is
 /// tried again, so a replica whose pool is a single connection still
 /// answers other keys meanwhile. Once the holder lets go, the held answer
-/// lands and is replayed; the upstream ran each key once. Waiting without
+/// lands and is replayed; the upstream ran each key once. A duplicate of
+/// the held job is answered 503 meanwhile. Waiting without
 /// a timeout, the commit kept the one connection until the holder let go,
 /// and every other request was answered 503 after `database_timeout`.
 #[tokio::test]
@@ -293,6 +294,13 @@ async fn a_job_held_by_an_open_transaction_holds_up_only_its_own_answer() {
         );
     }
     assert!(!held.is_finished() || held.await.unwrap().status == 503);
+    // A duplicate of the held job is answered 503 rather than kept waiting
+    // on a connection: the mark it sets on the job waits on the holder too.
+    let duplicate = tokio::time::timeout(Duration::from_secs(10), post(&url, "held", "{}"))
+        .await
+        .expect("a duplicate of the held job is answered within the lock timeout");
+    assert_eq!(duplicate.status, 503, "{duplicate:?}");
+    assert_eq!(duplicate.problem(), "store-unavailable");
 
     // The runbook's query finds the holder (docs/runbook.md,
     // IdemgateOutcomeWritesRetried).

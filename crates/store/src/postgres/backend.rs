@@ -41,7 +41,9 @@ impl Backend for Postgres {
         // Not won: the CAS lost, for good (a moved version, a winner, a
         // settled attempt), or skipped a job another transaction holds.
         // The locked path waits for that lock from this request's task,
-        // never from a batch's, and decides the same CAS under it: it
+        // never from a batch's (at most the lock timeout: then the write
+        // is tried again, docs/design.md §13, "A lock waited for"), and
+        // decides the same CAS under it: it
         // commits a skipped attempt that still may, and supersedes a loser
         // and derives the job's state again (the loser may have been the
         // last attempt running).

@@ -34,6 +34,18 @@ pub(super) fn map_pg(e: tokio_postgres::Error) -> StoreError {
     StoreError::Unavailable(Box::new(e))
 }
 
+/// Whether `e` is a statement that waited for a lock past `lock_timeout`
+/// (SQLSTATE 55P03): transient, and certainly not applied.
+pub(super) fn is_lock_timeout(e: &StoreError) -> bool {
+    let StoreError::Unavailable(cause) = e else {
+        return false;
+    };
+    cause
+        .downcast_ref::<tokio_postgres::Error>()
+        .and_then(tokio_postgres::Error::as_db_error)
+        .is_some_and(|db| db.code().code() == "55P03")
+}
+
 /// The database refused the gateway for a reason only a setting can fix:
 /// a certificate refused (the server's or the gateway's), a connection
 /// its `pg_hba.conf` or password check does not let in. Names the setting.

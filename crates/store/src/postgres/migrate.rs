@@ -19,17 +19,18 @@ impl Postgres {
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let (mut client, connection) = self.direct.connect().await?;
         let driver = tokio::spawn(connection);
-        client
-            .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
-            .await
-            .map_err(map_pg)?;
         // Migrations are planned as PostgreSQL plans them: the gateway's
         // sessions keep to the indexes (`session`, design §13), which a
         // backfill over a whole table should not. And they wait for their
-        // locks however long: a migration given up halfway through start-up
-        // would only be tried again by the next start.
+        // locks however long, the advisory lock first (another replica may
+        // be migrating for minutes): a migration given up halfway through
+        // start-up would only be tried again by the next start.
         client
             .batch_execute("SET enable_seqscan = on; SET lock_timeout = 0")
+            .await
+            .map_err(map_pg)?;
+        client
+            .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
             .await
             .map_err(map_pg)?;
         let report = embedded::migrations::runner()

@@ -923,3 +923,61 @@ async fn on_postgres_batches_keep_to_the_indexes_however_small_the_table_was() {
         assert!(*fetched < 5_000, "{table}: a whole index read; {counts:?}");
     }
 }
+
+/// Migrations wait for their advisory lock however long another process
+/// holds it (a replica migrating for minutes), not the sessions' lock
+/// timeout: given up, a replica's start-up would report the database
+/// unreachable, and `idemgate migrate` would fail. Then they run once it
+/// is let go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_migrations_wait_for_another_migrator_past_the_lock_timeout() {
+    let lock_timeout = Duration::from_millis(200);
+    let db = crate::support::TestDb::new().await;
+    let backend = idemgate_store::postgres::Postgres::new(
+        &idemgate_store::postgres::PgSettings {
+            lock_timeout,
+            ..idemgate::config::store::pg_settings(&db.url).unwrap()
+        },
+        uuid::Uuid::new_v4(),
+    )
+    .unwrap();
+    let migrator = db.connect().await;
+    // The lock `Postgres::migrate` takes (crates/store/src/postgres/migrate.rs).
+    migrator
+        .execute("SELECT pg_advisory_lock(501639806)", &[])
+        .await
+        .unwrap();
+    let migrating = tokio::spawn(async move { backend.migrate().await });
+    let watcher = db.connect().await;
+    until("the migration waits for the advisory lock", async || {
+        let row = watcher
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND wait_event = 'advisory'",
+                &[],
+            )
+            .await
+            .unwrap();
+        row.get::<_, i64>(0) == 1
+    })
+    .await;
+    tokio::time::sleep(lock_timeout * 5).await;
+    assert!(
+        !migrating.is_finished(),
+        "gave up after the lock timeout: {:?}",
+        migrating.await
+    );
+    migrator
+        .execute("SELECT pg_advisory_unlock(501639806)", &[])
+        .await
+        .unwrap();
+    migrating
+        .await
+        .unwrap()
+        .expect("migrated once the lock was let go");
+    let tables = watcher
+        .query_one("SELECT count(*) FROM jobs", &[])
+        .await
+        .unwrap();
+    assert_eq!(tables.get::<_, i64>(0), 0);
+}

@@ -27,6 +27,7 @@ use deadpool_postgres::Pool;
 use tokio_postgres::types::ToSql;
 use uuid::Uuid;
 
+use super::super::error::is_lock_timeout;
 use super::super::rows::{answer, attempt_from_row};
 use super::super::sql::{
     begin_one_statement, begin_statement, read_found_statement, ATTEMPT_COLUMNS,
@@ -276,11 +277,13 @@ fn settled(
 /// asked again it finds its own job. Answered `503` instead, the client
 /// would find on its retry a started attempt nobody runs, and be held on it
 /// until its lease lapsed into `unknown` (`docs/design.md` §13, "A lost
-/// reply").
+/// reply"). A lock waited for past the lock timeout is not asked again:
+/// that statement certainly rolled back, and a second wait would hold the
+/// begins' batch slot as long again ("A lock waited for").
 async fn begin_alone(pool: &Pool, job: &NewJob, attempt: &NewAttempt) -> Result<Begin, StoreError> {
     let client = Postgres::pooled(pool).await?;
     match begin_on(&client, job, attempt).await {
-        Err(e) if e.is_transient() => {
+        Err(e) if e.is_transient() && !is_lock_timeout(&e) => {
             drop(client);
             let client = Postgres::pooled(pool).await?;
             begin_on(&client, job, attempt).await
