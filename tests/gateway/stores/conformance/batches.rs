@@ -107,17 +107,26 @@ async fn until(what: &str, mut check: impl AsyncFnMut() -> bool) {
 /// Waits until the batches on their way (every slot of a kind) wait on a
 /// lock another session holds.
 async fn every_slot_waits_on_the_lock(db: &crate::support::TestDb) {
+    let slots = idemgate_store::postgres::BATCHES_IN_FLIGHT;
+    sessions_wait(
+        db,
+        "wait_event_type = 'Lock'",
+        slots,
+        "every batch slot waits on the lock",
+    )
+    .await;
+}
+
+/// Waits until `count` sessions of `db` wait as `wait` says (a condition
+/// on `pg_stat_activity`'s wait columns).
+async fn sessions_wait(db: &crate::support::TestDb, wait: &str, count: usize, what: &str) {
     let watcher = db.connect().await;
-    until("every batch slot waits on the lock", async || {
-        let row = watcher
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity \
-                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
-                &[],
-            )
-            .await
-            .unwrap();
-        row.get::<_, i64>(0) as usize == idemgate_store::postgres::BATCHES_IN_FLIGHT
+    let query = format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND {wait}"
+    );
+    until(what, async || {
+        let row = watcher.query_one(&query, &[]).await.unwrap();
+        row.get::<_, i64>(0) as usize == count
     })
     .await;
 }
@@ -711,20 +720,12 @@ async fn on_postgres_commits_waiting_on_held_jobs_give_their_connections_back() 
             tokio::spawn(async move { store.commit(&attempt, &answer).await })
         })
         .collect();
-    let watcher = db.connect().await;
-    until(
+    let lock = "wait_event_type = 'Lock'";
+    sessions_wait(
+        &db,
+        lock,
+        2,
         "both commits wait on the holder, the pool taken",
-        async || {
-            let row = watcher
-                .query_one(
-                    "SELECT count(*) FROM pg_stat_activity \
-                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
-                    &[],
-                )
-                .await
-                .unwrap();
-            row.get::<_, i64>(0) == 2
-        },
     )
     .await;
 
@@ -948,18 +949,13 @@ async fn on_postgres_migrations_wait_for_another_migrator_past_the_lock_timeout(
         .await
         .unwrap();
     let migrating = tokio::spawn(async move { backend.migrate().await });
-    let watcher = db.connect().await;
-    until("the migration waits for the advisory lock", async || {
-        let row = watcher
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity \
-                 WHERE datname = current_database() AND wait_event = 'advisory'",
-                &[],
-            )
-            .await
-            .unwrap();
-        row.get::<_, i64>(0) == 1
-    })
+    let advisory = "wait_event = 'advisory'";
+    sessions_wait(
+        &db,
+        advisory,
+        1,
+        "the migration waits for the advisory lock",
+    )
     .await;
     tokio::time::sleep(lock_timeout * 5).await;
     assert!(
@@ -975,7 +971,7 @@ async fn on_postgres_migrations_wait_for_another_migrator_past_the_lock_timeout(
         .await
         .unwrap()
         .expect("migrated once the lock was let go");
-    let tables = watcher
+    let tables = migrator
         .query_one("SELECT count(*) FROM jobs", &[])
         .await
         .unwrap();
