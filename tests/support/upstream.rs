@@ -152,6 +152,19 @@ impl FakeUpstream {
         Self::start(|r| async move { echo_response(&r) }).await
     }
 
+    /// Answers the first request `503` (`{"error": "overloaded"}`: provably
+    /// no effect, so its job reopens) and echoes every later one.
+    pub async fn overloaded_once() -> FakeUpstream {
+        Self::start(|r| async move {
+            if r.hit == 1 {
+                json_response(503, serde_json::json!({"error": "overloaded"}))
+            } else {
+                echo_response(&r)
+            }
+        })
+        .await
+    }
+
     /// Echoes every request, but answers those `held` picks only once
     /// `gate` lets them through.
     pub async fn gated_echo(

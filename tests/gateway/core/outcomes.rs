@@ -139,14 +139,7 @@ async fn refused_connection_fails_the_attempt_and_the_retry_makes_attempt_two(st
 }
 
 async fn retryable_status_is_passed_on_uncommitted_and_the_retry_runs_again(store: TestStore) {
-    let upstream = FakeUpstream::start(|r| async move {
-        if r.hit == 1 {
-            json_response(503, serde_json::json!({"error": "overloaded"}))
-        } else {
-            echo_response(&r)
-        }
-    })
-    .await;
+    let upstream = FakeUpstream::overloaded_once().await;
     let gateway = Gateway::start(&store, &upstream.url()).await;
     let url = gateway.path("/v1/jobs");
 

@@ -5,7 +5,6 @@
 use std::time::Duration;
 
 use crate::support::reply_cutter::ReplyCutter;
-use crate::support::upstream::{echo_response, json_response};
 use crate::support::{eventually, post, FakeUpstream, Gate, Gateway, TestDb, TestStore};
 
 /// The upstream answers, the commit's transaction lands, and its reply is
@@ -171,14 +170,7 @@ async fn a_begin_lost_twice_is_answered_503_and_its_retry_still_runs() {
 /// on an attempt nobody ran until its lease lapsed into `unknown`.
 #[tokio::test]
 async fn a_claim_whose_reply_was_lost_still_runs_its_attempt() {
-    let upstream = FakeUpstream::start(|r| async move {
-        if r.hit == 1 {
-            json_response(503, serde_json::json!({"error": "overloaded"}))
-        } else {
-            echo_response(&r)
-        }
-    })
-    .await;
+    let upstream = FakeUpstream::overloaded_once().await;
     let Relayed {
         db: _db,
         cutter,

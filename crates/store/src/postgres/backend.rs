@@ -43,10 +43,9 @@ impl Backend for Postgres {
         // The locked path waits for that lock from this request's task,
         // never from a batch's (at most the lock timeout: then the write
         // is tried again, docs/design.md §13, "A lock waited for"), and
-        // decides the same CAS under it: it
-        // commits a skipped attempt that still may, and supersedes a loser
-        // and derives the job's state again (the loser may have been the
-        // last attempt running).
+        // decides the same CAS under it: it commits a skipped attempt that
+        // still may, and supersedes a loser and derives the job's state
+        // again (the loser may have been the last attempt running).
         commit_under_lock(self, attempt, response).await
     }
 

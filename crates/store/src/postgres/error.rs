@@ -1,6 +1,8 @@
 //! The database's errors as [`StoreError`]s, by what the caller can do;
 //! at start-up, refusals that name the setting to fix (docs/design.md §16).
 
+use tokio_postgres::error::SqlState;
+
 use super::settings::SslMode;
 use super::{replication, tls};
 use crate::StoreError;
@@ -24,7 +26,7 @@ pub(super) fn map_pg(e: tokio_postgres::Error) -> StoreError {
             || code.starts_with("57P")
             || code.starts_with("53")
             || code.starts_with("40")
-            || code == "55P03"
+            || db.code() == &SqlState::LOCK_NOT_AVAILABLE
             || code == "42P01"
         {
             return StoreError::Unavailable(Box::new(e));
@@ -43,7 +45,7 @@ pub(super) fn is_lock_timeout(e: &StoreError) -> bool {
     cause
         .downcast_ref::<tokio_postgres::Error>()
         .and_then(tokio_postgres::Error::as_db_error)
-        .is_some_and(|db| db.code().code() == "55P03")
+        .is_some_and(|db| db.code() == &SqlState::LOCK_NOT_AVAILABLE)
 }
 
 /// The database refused the gateway for a reason only a setting can fix:

@@ -9,8 +9,9 @@
 //! for the next batch), and locks its jobs in id order before it writes,
 //! skipping any job another transaction holds, so a batch never waits on
 //! a job's lock (its attempts' rows are held only for moments: a lease
-//! renewal, a lookup's record). Rows come back by job id, never by position. A request the
-//! batch did not commit lost the CAS or found its job held; its caller
+//! renewal, a lookup's record). Rows come back by job id, never by
+//! position. A request the batch did not commit lost the CAS or found its
+//! job held; its caller
 //! settles it under the job's lock, which waits for that holder (at most
 //! the lock timeout), from the request's own task (`docs/design.md` §13,
 //! "A locked job is skipped", "A lock waited for").
