@@ -134,6 +134,7 @@ impl Backend for Postgres {
         if locked.is_empty() {
             return Ok(Vec::new());
         }
+        let free = free_attempts(&tx, &locked).await?;
         let rows = tx
             .query(
                 &format!(
@@ -144,7 +145,8 @@ impl Backend for Postgres {
             )
             .await
             .map_err(map_pg)?;
-        let (snapshots, now) = snapshots(&rows)?;
+        let (mut snapshots, now) = snapshots(&rows)?;
+        snapshots.retain(|s| s.attempts.iter().all(|a| free.contains(&a.id.0)));
         let changes = expire_each(&snapshots, now);
         for change in &changes {
             write(&tx, change).await?;
@@ -152,4 +154,25 @@ impl Backend for Postgres {
         tx.commit().await.map_err(map_pg)?;
         Ok(changes)
     }
+}
+
+/// The attempts of the `jobs` a sweep holds that it can lock too. An
+/// attempt another transaction holds (an operator's `UPDATE` left open in
+/// `psql`, say) skips its job, as a held job is skipped: waited for, it
+/// would hold up every lapsed lease of the sweep until the lock timeout
+/// rolled the sweep back, every tick, for as long as the holder held it
+/// (`docs/design.md` §13, "A lock waited for").
+async fn free_attempts(
+    tx: &deadpool_postgres::Transaction<'_>,
+    jobs: &[uuid::Uuid],
+) -> Result<std::collections::HashSet<uuid::Uuid>, StoreError> {
+    let rows = tx
+        .query(
+            "SELECT id FROM attempts WHERE job_id = ANY($1) ORDER BY id \
+             FOR NO KEY UPDATE SKIP LOCKED",
+            &[&jobs],
+        )
+        .await
+        .map_err(map_pg)?;
+    Ok(rows.iter().map(|row| row.get(0)).collect())
 }

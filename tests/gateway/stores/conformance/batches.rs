@@ -353,6 +353,57 @@ async fn on_postgres_the_purge_skips_a_job_another_transaction_holds() {
     assert!(store.job(held.id).await.unwrap().is_none());
 }
 
+/// The sweeper of lapsed leases skips a job it cannot lock, and a job
+/// one of whose attempts another transaction holds (an operator's
+/// `UPDATE attempts` left open): the other lapsed lease is made `unknown`
+/// at once, and the held ones by the sweep after the holders let go.
+/// Waiting on the held attempt, every sweep timed out (a lock timeout of
+/// 300 ms here) and rolled back, the free job's with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_the_sweep_skips_jobs_and_attempts_other_transactions_hold() {
+    let (store, _probe, db) = postgres_with(4, Duration::from_millis(300)).await;
+    let (free, _) = created(store.as_ref(), "free").await;
+    let (held_job, _) = created(store.as_ref(), "held-job").await;
+    let (held_attempt, attempt) = created(store.as_ref(), "held-attempt").await;
+    let holder = db.connect().await;
+    holder
+        .execute(
+            "UPDATE attempts SET lease_expires_at = now() - interval '1 minute' \
+             WHERE job_id = ANY($1)",
+            &[&vec![free.id.0, held_job.id.0, held_attempt.id.0]],
+        )
+        .await
+        .unwrap();
+    holder
+        .batch_execute(&format!(
+            "BEGIN; UPDATE attempts SET detail = 'by hand' WHERE id = '{}'",
+            attempt.id.0
+        ))
+        .await
+        .unwrap();
+    let other = db.connect().await;
+    other
+        .batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM jobs WHERE id = '{}' FOR UPDATE",
+            held_job.id.0
+        ))
+        .await
+        .unwrap();
+
+    let swept = store.expire_leases(100).await;
+    assert_eq!(swept.expect("the sweep went past the held rows"), 1);
+    let state = async |id| store.job(id).await.unwrap().unwrap().state;
+    assert_eq!(state(free.id).await, JobState::Unknown);
+    assert_eq!(state(held_job.id).await, JobState::Running);
+    assert_eq!(state(held_attempt.id).await, JobState::Running);
+
+    holder.batch_execute("COMMIT").await.unwrap();
+    other.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(store.expire_leases(100).await.unwrap(), 2);
+    assert_eq!(state(held_job.id).await, JobState::Unknown);
+    assert_eq!(state(held_attempt.id).await, JobState::Unknown);
+}
+
 /// Begins of keys whose jobs exist, round after round, turn on the read a
 /// batch makes before its begin statement (`batch/begin.rs`, "read
 /// first"); then, in a round of forty such begins, ten new keys each begun
