@@ -139,12 +139,22 @@ impl Records for Postgres {
         // A job another transaction holds (a commit batch locks many, in id
         // order) is left for the next sweep rather than waited on in
         // expiry order, which could deadlock the two; replicas sweeping at
-        // once take different jobs.
+        // once take different jobs. So is a job one of whose attempts is
+        // held (an operator's `UPDATE attempts` left open): the delete
+        // cascades to its attempts, and waiting on that row, every purge
+        // would time out and roll back (design §13, "A lock waited for").
         client
             .execute(
-                "DELETE FROM jobs WHERE id IN ( \
+                "WITH expired AS MATERIALIZED ( \
                    SELECT id FROM jobs WHERE expires_at < now() ORDER BY expires_at LIMIT $1 \
-                   FOR UPDATE SKIP LOCKED)",
+                   FOR UPDATE SKIP LOCKED \
+                 ), free AS MATERIALIZED ( \
+                   SELECT id FROM attempts WHERE job_id IN (SELECT id FROM expired) \
+                   ORDER BY id FOR NO KEY UPDATE SKIP LOCKED \
+                 ) \
+                 DELETE FROM jobs j USING expired e WHERE j.id = e.id \
+                   AND NOT EXISTS (SELECT 1 FROM attempts a WHERE a.job_id = e.id \
+                                   AND a.id NOT IN (SELECT id FROM free))",
                 &[&i64::from(batch)],
             )
             .await

@@ -353,6 +353,40 @@ async fn on_postgres_the_purge_skips_a_job_another_transaction_holds() {
     assert!(store.job(held.id).await.unwrap().is_none());
 }
 
+/// The purge skips an expired job one of whose attempts another
+/// transaction holds (an operator's `UPDATE attempts` left open) as it
+/// skips a held job: its delete cascades to the attempts, and waiting on
+/// that row, every purge timed out (300 ms here) and rolled back, the
+/// other expired job's delete with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_the_purge_skips_a_job_whose_attempt_another_transaction_holds() {
+    let (store, _probe, db) = postgres_with(4, Duration::from_millis(300)).await;
+    let (held, attempt) = created(store.as_ref(), "held").await;
+    let (other, _) = created(store.as_ref(), "other").await;
+    let holder = db.connect().await;
+    holder
+        .execute(
+            "UPDATE jobs SET expires_at = now() - interval '1 minute' WHERE id = ANY($1)",
+            &[&vec![held.id.0, other.id.0]],
+        )
+        .await
+        .unwrap();
+    holder
+        .batch_execute(&format!(
+            "BEGIN; UPDATE attempts SET detail = 'by hand' WHERE id = '{}'",
+            attempt.id.0
+        ))
+        .await
+        .unwrap();
+    let purged = store.purge_expired(100).await;
+    assert_eq!(purged.expect("the purge went past the held attempt"), 1);
+    assert!(store.job(other.id).await.unwrap().is_none());
+    assert!(store.job(held.id).await.unwrap().is_some());
+    holder.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(store.purge_expired(100).await.unwrap(), 1);
+    assert!(store.job(held.id).await.unwrap().is_none());
+}
+
 /// The sweeper of lapsed leases skips a job it cannot lock, and a job
 /// one of whose attempts another transaction holds (an operator's
 /// `UPDATE attempts` left open): the other lapsed lease is made `unknown`
