@@ -14,7 +14,7 @@
 //! commits) and of a replay's read, run in every round; a duplicate storm (thousands of holders of one key); and
 //! the first byte of streamed answers. Load comes from `wrk` (1 thread);
 //! each row is the median of `--rounds` rounds of `--seconds`, rounds
-//! alternating between rows. CPU µs per request is the serving processes'
+//! alternating between rows (odd rounds run them backwards). CPU µs per request is the serving processes'
 //! user + system time over the requests answered.
 //!
 //! Loopback only, bounded in time, stops by itself. `scripts/bench.sh`
@@ -83,7 +83,16 @@ async fn main() {
     let against_ceilings = rows.iter().any(|r| r.versus != rows::Versus::Nginx);
     let mut ceilings = Vec::new();
     for round in 0..args.rounds {
-        for (i, r) in rows.iter_mut().enumerate() {
+        // Alternating: odd rounds run the rows backwards, so no row always
+        // runs first, or always right after the ceilings' writes (and the
+        // autovacuum they set off), and rows compared side by side (a
+        // build and its baseline) trade places.
+        let mut order: Vec<usize> = (0..rows.len()).collect();
+        if round % 2 == 1 {
+            order.reverse();
+        }
+        for i in order {
+            let r = &mut rows[i];
             let result = wrk::wrk(&args, &scripts, r, round * 100 + i).await;
             r.rounds.push(result);
         }

@@ -21,7 +21,7 @@ pub fn print(args: &Args, rows: &[Row], ceilings: &Ceilings) {
     println!(
         "wrk, 1 thread, {} connections (unless a row says otherwise), {} s rounds, median of {}; \
          one upstream (nginx, fixed JSON answer); nginx 1 worker as the reference proxy; \
-         the pgbench ceilings run in every round, after its rows",
+         odd rounds run the rows backwards; the pgbench ceilings run in every round, after its rows",
         args.connections, args.seconds, args.rounds
     );
     println!();
