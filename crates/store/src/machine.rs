@@ -171,8 +171,10 @@ impl<B: Backend> Machine<B> {
             return Err(error);
         };
         // A job completed meanwhile (by a hedge's other attempt) needs no
-        // call. An attempt near or past its lease still runs: nobody else
-        // will, and its answer commits from `unknown` too (§5).
+        // call; the hedge, written but answered `None`, is settled as
+        // never sent by the request (§5). An attempt near or past its
+        // lease still runs: nobody else will, and its answer commits from
+        // `unknown` too (§5).
         let done = detail.job.state.is_terminal();
         match detail.attempts.into_iter().find(|a| a.id == attempt) {
             Some(_) if done => Ok(None),
