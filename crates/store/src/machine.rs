@@ -170,13 +170,16 @@ impl<B: Backend> Machine<B> {
         let Ok(Some(detail)) = self.backend.job_detail(job).await else {
             return Err(error);
         };
-        // A job completed meanwhile (by a hedge's other attempt) needs no
-        // call; the hedge, written but answered `None`, is settled as
-        // never sent by the request (§5). An attempt near or past its
-        // lease still runs: nobody else will, and its answer commits from
-        // `unknown` too (§5).
+        // A job completed meanwhile (by a hedge's other attempt, or the
+        // late answer of the attempt a move-on went past) needs no call.
+        // An attempt near or past its lease still runs: nobody else will,
+        // and its answer commits from `unknown` too (§5).
         let done = detail.job.state.is_terminal();
         match detail.attempts.into_iter().find(|a| a.id == attempt) {
+            Some(started) if done && started.state == AttemptState::Started => {
+                self.unsent(job, attempt).await;
+                Ok(None)
+            }
             Some(_) if done => Ok(None),
             Some(started) if started.state == AttemptState::Started => {
                 tracing::info!(%job, %attempt, "the attempt's start was written though its reply was lost; it runs");
@@ -185,12 +188,39 @@ impl<B: Backend> Machine<B> {
                 self.doorbell.ring(job);
                 Ok(Some(started))
             }
-            // Settled already (taken over by an operator): not ours to run.
+            // Settled already (taken over by an operator, or lapsed):
+            // not ours to run.
             Some(_) => Ok(None),
             None => Err(error),
         }
     }
+
+    /// Settles `attempt`, written but not to be run (its job completed
+    /// before its start's lost reply was read back), as never sent: left
+    /// `started`, it would lapse into `unknown` on a completed job, where
+    /// an operator would see an outcome in doubt and the reconciler would
+    /// look it up with the upstream. Once: if this write fails too, the
+    /// attempt lapses into `unknown` as it did before (`docs/design.md`
+    /// §5, "A start whose reply was lost").
+    async fn unsent(&self, job: JobId, attempt: AttemptId) {
+        let failure = AttemptFailure::Failed {
+            status: None,
+            detail: NEVER_SENT_OVERTAKEN.into(),
+        };
+        let decide: Decide = Box::new(move |s, _| transition::settle(s, attempt, &failure));
+        match self.apply(Lock::Job(job), decide).await {
+            Ok(_) => {
+                tracing::info!(%job, %attempt, "an attempt whose start was written though its reply was lost, on a job completed meanwhile, is settled failed: it was never sent")
+            }
+            Err(e) => {
+                tracing::info!(%job, %attempt, error = %e, "an attempt never sent could not be settled; its lease will lapse into unknown")
+            }
+        }
+    }
 }
+
+/// The detail of an attempt [`Machine::unsent`] settles.
+pub(crate) const NEVER_SENT_OVERTAKEN: &str = "never sent upstream: its start was written, but the reply was lost and the job was completed meanwhile";
 
 #[async_trait]
 impl<B: Backend> Records for Machine<B> {
@@ -404,3 +434,6 @@ impl<B: Backend> Store for Machine<B> {
         Ok(changes.len() as u64)
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -19,7 +19,7 @@ use tokio::time::Instant;
 use super::attempts::{joined, Attempts};
 use super::machine::{Dispatch, Event, Joining, Step};
 use crate::error::GatewayError;
-use crate::execute::{Runner, Running, Unsent, UpstreamService};
+use crate::execute::{Runner, Running, UpstreamService};
 use crate::keyed::Keyed;
 use crate::replay::tiers::Write;
 use crate::replay::{self, Framing};
@@ -127,15 +127,6 @@ impl Driver {
                 Joining::MoveOn => store.move_on_attempt(job, version, next).await,
             }
             .inspect_err(|e| unsent(&driver.shared.runner, id, e))?;
-            // A hedge the store did not hand back may have been written all
-            // the same: its reply was lost, and read back, its job had been
-            // completed by another attempt, so nobody runs it. Settled as
-            // never sent, it does not lapse into `unknown` on a completed
-            // job; one never written is left so (docs/design.md §5, "A
-            // start whose reply was lost").
-            if claimed.is_none() && how == Joining::Hedge {
-                driver.shared.runner.never_sent(id, Unsent::HedgeOvertaken);
-            }
             Ok(claimed.map(|attempt| driver.start(&target, attempt, expires_at)))
         })
     }
@@ -261,6 +252,6 @@ impl Driver {
 /// ([`Runner::never_sent`]).
 fn unsent(runner: &Runner, attempt: AttemptId, error: &StoreError) {
     if error.is_transient() {
-        runner.never_sent(attempt, Unsent::Answered503);
+        runner.never_sent(attempt);
     }
 }

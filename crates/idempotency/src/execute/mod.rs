@@ -53,7 +53,7 @@ mod task;
 mod verdict;
 
 pub(crate) use ends::zero;
-pub(crate) use runner::{Runner, Unsent};
+pub(crate) use runner::Runner;
 
 /// The upstream side of the layer, boxed at this boundary so that attempt
 /// tasks need no generic parameters.

@@ -42,30 +42,9 @@ use crate::route::{Reconcile, Route};
 /// Most unknown attempts one scan reads.
 const SCAN_LIMIT: u32 = 1000;
 
-/// Why an attempt was settled by [`Runner::never_sent`]: the detail it is
-/// recorded with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Unsent {
-    /// Its start failed with its outcome unknown; the request was answered
-    /// `503`.
-    Answered503,
-    /// A hedge whose start's reply was lost, read back after another
-    /// attempt had completed the job: not the request's to run.
-    HedgeOvertaken,
-}
-
-impl Unsent {
-    fn detail(self) -> &'static str {
-        match self {
-            Unsent::Answered503 => {
-                "never sent upstream: its start was written, but the reply was lost and the request answered 503"
-            }
-            Unsent::HedgeOvertaken => {
-                "never sent upstream: a hedge whose start was written, but whose reply was lost while another attempt completed the job"
-            }
-        }
-    }
-}
+/// The detail of an attempt settled by [`Runner::never_sent`].
+const NEVER_SENT: &str =
+    "never sent upstream: its start was written, but the reply was lost and the request answered 503";
 
 /// Runs attempts: the handles every attempt task needs.
 pub(crate) struct Runner {
@@ -126,7 +105,7 @@ impl Runner {
     /// reopens and the next retry runs (`docs/design.md` §5, "A start whose
     /// reply was lost"). Written until the store takes it, up to the
     /// attempt's deadline; an attempt that was never written is left so.
-    pub(crate) fn never_sent(&self, attempt: AttemptId, why: Unsent) {
+    pub(crate) fn never_sent(&self, attempt: AttemptId) {
         let store = self.store.clone();
         let deadline = Instant::now() + self.config.deadline;
         tokio::spawn(async move {
@@ -135,7 +114,7 @@ impl Runner {
                 async move {
                     let failure = AttemptFailure::Failed {
                         status: None,
-                        detail: why.detail().into(),
+                        detail: NEVER_SENT.into(),
                     };
                     match store.fail_attempt(attempt, failure).await {
                         Err(StoreError::NotFound(_)) => Ok(false),

@@ -1,0 +1,170 @@
+//! The transitions' edges that need a backend to fail on cue: the memory
+//! backend, wrapped.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+
+use super::*;
+use crate::memory::Memory;
+use crate::{Applied, Committed};
+use idemgate_domain::fingerprint::Fingerprint;
+use idemgate_domain::job::JobState;
+use idemgate_domain::key::OwnerSalt;
+
+/// The memory backend, whose next change, once armed, is written, then
+/// followed by the commit of `overtake` (another attempt of the job,
+/// completing it), then answered as a lost reply.
+#[derive(Default)]
+struct LosesReply {
+    inner: Memory,
+    armed: AtomicBool,
+    overtake: Mutex<Option<Attempt>>,
+}
+
+#[async_trait]
+impl Records for LosesReply {
+    async fn job(&self, id: JobId) -> Result<Option<Job>, StoreError> {
+        self.inner.job(id).await
+    }
+    async fn response(&self, job: JobId) -> Result<Option<StoredResponse>, StoreError> {
+        self.inner.response(job).await
+    }
+    async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError> {
+        self.inner.job_detail(id).await
+    }
+    async fn find_job(
+        &self,
+        owner: &Owner,
+        key: &IdempotencyKey,
+    ) -> Result<Option<JobDetail>, StoreError> {
+        self.inner.find_job(owner, key).await
+    }
+    async fn unknown_jobs(
+        &self,
+        after: Option<Cursor>,
+        limit: u32,
+    ) -> Result<Vec<Job>, StoreError> {
+        self.inner.unknown_jobs(after, limit).await
+    }
+    async fn unknown_attempts(
+        &self,
+        since: SystemTime,
+        limit: u32,
+    ) -> Result<Vec<(JobId, AttemptId)>, StoreError> {
+        self.inner.unknown_attempts(since, limit).await
+    }
+    async fn renew_leases(
+        &self,
+        attempts: &[AttemptId],
+        lease: Duration,
+    ) -> Result<u64, StoreError> {
+        self.inner.renew_leases(attempts, lease).await
+    }
+    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        self.inner.purge_expired(batch).await
+    }
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.inner.ping().await
+    }
+    async fn record_lookup(&self, attempt: AttemptId, lookup: &Lookup) -> Result<(), StoreError> {
+        self.inner.record_lookup(attempt, lookup).await
+    }
+    async fn watch(&self, job: JobId) -> Result<(), StoreError> {
+        self.inner.watch(job).await
+    }
+}
+
+#[async_trait]
+impl Backend for LosesReply {
+    async fn begin(&self, job: NewJob, attempt: NewAttempt) -> Result<Begin, StoreError> {
+        self.inner.begin(job, attempt).await
+    }
+    async fn commit(
+        &self,
+        attempt: &Attempt,
+        response: &StoredResponse,
+    ) -> Result<Committed, StoreError> {
+        self.inner.commit(attempt, response).await
+    }
+    async fn change(
+        &self,
+        lock: Lock,
+        decide: Decide,
+    ) -> Result<Result<Applied, Refusal>, StoreError> {
+        let applied = self.inner.change(lock, decide).await;
+        if !self.armed.swap(false, Ordering::SeqCst) {
+            return applied;
+        }
+        let overtake = self
+            .overtake
+            .lock()
+            .unwrap()
+            .take()
+            .expect("an attempt to overtake");
+        let committed = self.inner.commit(&overtake, &answer()).await.unwrap();
+        assert!(committed.won);
+        Err(StoreError::Unavailable(
+            "injected: the reply was lost".into(),
+        ))
+    }
+    async fn expire_lapsed(&self, batch: u32) -> Result<Vec<Change>, StoreError> {
+        self.inner.expire_lapsed(batch).await
+    }
+}
+
+fn answer() -> StoredResponse {
+    StoredResponse {
+        status: 200,
+        headers: Vec::new(),
+        body: Bytes::from_static(b"primary"),
+    }
+}
+
+fn attempt() -> NewAttempt {
+    NewAttempt {
+        id: AttemptId::new(),
+        upstream: "primary".into(),
+        instance: uuid::Uuid::nil(),
+        lease: Duration::from_secs(30),
+        deadline: Duration::from_secs(300),
+    }
+}
+
+/// A hedge whose start was written, but whose reply was lost, and whose
+/// job another attempt completed before it was read back: not run
+/// (`None`), and settled failed as never sent, instead of left `started`
+/// to lapse into `unknown` on a completed job. The job is as its winner
+/// left it.
+#[tokio::test]
+async fn a_hedge_overtaken_while_its_reply_was_lost_is_settled_as_never_sent() {
+    let machine = Machine::new(LosesReply::default(), Arc::new(Doorbell::default()));
+    let job = NewJob {
+        id: JobId::new(),
+        owner: Owner::of(&OwnerSalt::new(b"test salt, not a secret"), &[b"Bearer t"]),
+        key: IdempotencyKey::new("overtaken").unwrap(),
+        fingerprint: Fingerprint([7; 32]),
+        route: "default".into(),
+        ttl: Duration::from_secs(3600),
+    };
+    let Begin::Created(job, primary) = machine.begin_job(job, attempt()).await.unwrap() else {
+        panic!("a new key");
+    };
+    *machine.backend.0.overtake.lock().unwrap() = Some(primary.clone());
+    machine.backend.0.armed.store(true, Ordering::SeqCst);
+    let hedge = attempt();
+    let started = machine
+        .hedge_attempt(job.id, job.version, hedge.clone())
+        .await;
+    assert!(started.unwrap().is_none(), "the hedge is not run");
+
+    let detail = machine.job_detail(job.id).await.unwrap().unwrap();
+    assert_eq!(detail.job.state, JobState::Completed);
+    assert_eq!(detail.job.completed_by, Some(primary.id));
+    assert_eq!(detail.job.response, Some(answer()));
+    let written = detail.attempts.iter().find(|a| a.id == hedge.id).unwrap();
+    assert_eq!(written.state, AttemptState::Failed);
+    assert_eq!(written.detail.as_deref(), Some(NEVER_SENT_OVERTAKEN));
+}
