@@ -235,8 +235,12 @@ impl Dispatch {
                 Vec::new()
             }
             // A hedge the job no longer takes (the attempt it would race
-            // has ended meanwhile): the target was not tried after all.
-            Ok(None) if how == Joining::Hedge => {
+            // has ended meanwhile): the target was not tried after all. Past
+            // an unknown attempt with nothing running, though, the next
+            // step would be the same hedge on the same version, refused
+            // again and again: the job moved on (the unknown attempt's late
+            // answer committed, or it was settled), so read it, below.
+            Ok(None) if how == Joining::Hedge && (self.running > 0 || self.unknown.is_none()) => {
                 self.untried.push_front(target);
                 self.next(now, eligible)
             }

@@ -150,6 +150,27 @@ async fn an_unknown_outcome_on_a_side_effect_free_route_is_followed_by_a_hedged_
     );
 }
 
+/// The hedge past an unknown attempt, with nothing else running, that the
+/// job no longer takes (the unknown attempt's late answer committed, or an
+/// operator or a lookup settled it, and the version moved): the request
+/// reads the job and decides afresh (a committed answer is replayed).
+/// Before, it hedged again at once on the same version, refused again, in
+/// a loop of store calls until the failover deadline, and then answered
+/// the unknown attempt's error instead of the job's answer.
+#[tokio::test(start_paused = true)]
+async fn a_hedge_refused_past_an_unknown_attempt_reads_the_job_again() {
+    let (mut d, first) = dispatch(testing::hedged());
+    let steps = d.on(Event::Replied(first.id, timed_out()), Instant::now(), &all);
+    assert_eq!(claim_target(&steps).1, Joining::Hedge);
+    let target = testing::hedged().fallbacks[0].clone();
+    let steps = d.on(
+        Event::Claimed(Joining::Hedge, target, Ok(None)),
+        Instant::now(),
+        &all,
+    );
+    assert!(matches!(steps.as_slice(), [Step::Hold]), "{steps:?}");
+}
+
 #[tokio::test(start_paused = true)]
 async fn hedging_starts_a_second_attempt_once_and_the_first_commit_wins() {
     let (mut d, first) = dispatch(testing::hedged());
