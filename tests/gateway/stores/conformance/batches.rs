@@ -316,126 +316,108 @@ async fn on_postgres_a_lease_renewal_skips_an_attempt_being_settled() {
     assert!(lease_of(free.id).await > free_before);
 }
 
-/// The purge never waits on a job another transaction holds (a commit
-/// batch locks its jobs in id order, the purge would take them in expiry
-/// order): with one of two expired jobs locked by another session, a purge
-/// returns at once having deleted the other, and the next, once the lock
-/// is gone, deletes the first.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn on_postgres_the_purge_skips_a_job_another_transaction_holds() {
-    let (store, _probe, db) = postgres_with_probe().await;
-    let (held, _) = created(store.as_ref(), "held").await;
-    let (other, _) = created(store.as_ref(), "other").await;
-    let holder = db.connect().await;
-    holder
-        .execute(
-            "UPDATE jobs SET expires_at = now() - interval '1 minute' WHERE id = ANY($1)",
-            &[&vec![held.id.0, other.id.0]],
-        )
-        .await
-        .unwrap();
-    holder
-        .batch_execute(&format!(
-            "BEGIN; SELECT 1 FROM jobs WHERE id = '{}' FOR UPDATE",
-            held.id.0
-        ))
-        .await
-        .unwrap();
-    let purged = tokio::time::timeout(Duration::from_secs(10), store.purge_expired(100))
-        .await
-        .expect("the purge waited on the locked job")
-        .unwrap();
-    assert_eq!(purged, 1);
-    assert!(store.job(other.id).await.unwrap().is_none());
-    assert!(store.job(held.id).await.unwrap().is_some());
-    holder.batch_execute("COMMIT").await.unwrap();
-    assert_eq!(store.purge_expired(100).await.unwrap(), 1);
-    assert!(store.job(held.id).await.unwrap().is_none());
+/// Three jobs on a store whose statements wait 300 ms for a lock: one
+/// free, one another session holds, and one whose attempt a third session
+/// holds (an operator's `UPDATE attempts` left open); each job's rows
+/// first made due by `due`, an update of the three job ids ($1).
+struct Held {
+    store: Arc<dyn Store>,
+    _db: crate::support::TestDb,
+    free: JobId,
+    held_job: JobId,
+    held_attempt: JobId,
+    holders: [tokio_postgres::Client; 2],
 }
 
-/// The purge skips an expired job one of whose attempts another
-/// transaction holds (an operator's `UPDATE attempts` left open) as it
-/// skips a held job: its delete cascades to the attempts, and waiting on
-/// that row, every purge timed out (300 ms here) and rolled back, the
-/// other expired job's delete with it.
+impl Held {
+    async fn new(due: &str) -> Self {
+        let (store, _probe, db) = postgres_with(4, Duration::from_millis(300)).await;
+        let (free, _) = created(store.as_ref(), "free").await;
+        let (held_job, _) = created(store.as_ref(), "held-job").await;
+        let (held_attempt, attempt) = created(store.as_ref(), "held-attempt").await;
+        let ids = vec![free.id.0, held_job.id.0, held_attempt.id.0];
+        let holders = [db.connect().await, db.connect().await];
+        holders[0].execute(due, &[&ids]).await.unwrap();
+        let holds = [
+            format!(
+                "UPDATE attempts SET detail = 'by hand' WHERE id = '{}'",
+                attempt.id.0
+            ),
+            format!(
+                "SELECT 1 FROM jobs WHERE id = '{}' FOR UPDATE",
+                held_job.id.0
+            ),
+        ];
+        for (holder, hold) in holders.iter().zip(holds) {
+            holder
+                .batch_execute(&format!("BEGIN; {hold}"))
+                .await
+                .unwrap();
+        }
+        Held {
+            store,
+            _db: db,
+            free: free.id,
+            held_job: held_job.id,
+            held_attempt: held_attempt.id,
+            holders,
+        }
+    }
+
+    async fn let_go(&self) {
+        for holder in &self.holders {
+            holder.batch_execute("COMMIT").await.unwrap();
+        }
+    }
+}
+
+/// The purge never waits on an expired job another transaction holds (a
+/// commit batch locks its jobs in id order, the purge would take them in
+/// expiry order), nor on one whose attempt another transaction holds (the
+/// delete cascades to the attempts). With both held, a purge deletes the
+/// free expired job at once, and the next, once the holders let go, the
+/// other two. Waiting on the held attempt, every purge timed out and
+/// rolled back, the free job's delete with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn on_postgres_the_purge_skips_a_job_whose_attempt_another_transaction_holds() {
-    let (store, _probe, db) = postgres_with(4, Duration::from_millis(300)).await;
-    let (held, attempt) = created(store.as_ref(), "held").await;
-    let (other, _) = created(store.as_ref(), "other").await;
-    let holder = db.connect().await;
-    holder
-        .execute(
-            "UPDATE jobs SET expires_at = now() - interval '1 minute' WHERE id = ANY($1)",
-            &[&vec![held.id.0, other.id.0]],
-        )
-        .await
-        .unwrap();
-    holder
-        .batch_execute(&format!(
-            "BEGIN; UPDATE attempts SET detail = 'by hand' WHERE id = '{}'",
-            attempt.id.0
-        ))
-        .await
-        .unwrap();
+async fn on_postgres_the_purge_skips_jobs_and_attempts_other_transactions_hold() {
+    let held =
+        Held::new("UPDATE jobs SET expires_at = now() - interval '1 minute' WHERE id = ANY($1)")
+            .await;
+    let store = &held.store;
     let purged = store.purge_expired(100).await;
-    assert_eq!(purged.expect("the purge went past the held attempt"), 1);
-    assert!(store.job(other.id).await.unwrap().is_none());
-    assert!(store.job(held.id).await.unwrap().is_some());
-    holder.batch_execute("COMMIT").await.unwrap();
-    assert_eq!(store.purge_expired(100).await.unwrap(), 1);
-    assert!(store.job(held.id).await.unwrap().is_none());
+    assert_eq!(purged.expect("the purge went past the held rows"), 1);
+    assert!(store.job(held.free).await.unwrap().is_none());
+    assert!(store.job(held.held_job).await.unwrap().is_some());
+    assert!(store.job(held.held_attempt).await.unwrap().is_some());
+
+    held.let_go().await;
+    assert_eq!(store.purge_expired(100).await.unwrap(), 2);
+    assert!(store.job(held.held_job).await.unwrap().is_none());
+    assert!(store.job(held.held_attempt).await.unwrap().is_none());
 }
 
-/// The sweeper of lapsed leases skips a job it cannot lock, and a job
-/// one of whose attempts another transaction holds (an operator's
-/// `UPDATE attempts` left open): the other lapsed lease is made `unknown`
-/// at once, and the held ones by the sweep after the holders let go.
-/// Waiting on the held attempt, every sweep timed out (a lock timeout of
-/// 300 ms here) and rolled back, the free job's with it.
+/// The sweeper of lapsed leases skips a job it cannot lock, and a job one
+/// of whose attempts another transaction holds: the free lapsed lease is
+/// made `unknown` at once, and the held ones by the sweep after the holders
+/// let go. Waiting on the held attempt, every sweep timed out and rolled
+/// back, the free job's with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_postgres_the_sweep_skips_jobs_and_attempts_other_transactions_hold() {
-    let (store, _probe, db) = postgres_with(4, Duration::from_millis(300)).await;
-    let (free, _) = created(store.as_ref(), "free").await;
-    let (held_job, _) = created(store.as_ref(), "held-job").await;
-    let (held_attempt, attempt) = created(store.as_ref(), "held-attempt").await;
-    let holder = db.connect().await;
-    holder
-        .execute(
-            "UPDATE attempts SET lease_expires_at = now() - interval '1 minute' \
-             WHERE job_id = ANY($1)",
-            &[&vec![free.id.0, held_job.id.0, held_attempt.id.0]],
-        )
-        .await
-        .unwrap();
-    holder
-        .batch_execute(&format!(
-            "BEGIN; UPDATE attempts SET detail = 'by hand' WHERE id = '{}'",
-            attempt.id.0
-        ))
-        .await
-        .unwrap();
-    let other = db.connect().await;
-    other
-        .batch_execute(&format!(
-            "BEGIN; SELECT 1 FROM jobs WHERE id = '{}' FOR UPDATE",
-            held_job.id.0
-        ))
-        .await
-        .unwrap();
-
-    let swept = store.expire_leases(100).await;
+    let held = Held::new(
+        "UPDATE attempts SET lease_expires_at = now() - interval '1 minute' WHERE job_id = ANY($1)",
+    )
+    .await;
+    let swept = held.store.expire_leases(100).await;
     assert_eq!(swept.expect("the sweep went past the held rows"), 1);
-    let state = async |id| store.job(id).await.unwrap().unwrap().state;
-    assert_eq!(state(free.id).await, JobState::Unknown);
-    assert_eq!(state(held_job.id).await, JobState::Running);
-    assert_eq!(state(held_attempt.id).await, JobState::Running);
+    let state = async |id| held.store.job(id).await.unwrap().unwrap().state;
+    assert_eq!(state(held.free).await, JobState::Unknown);
+    assert_eq!(state(held.held_job).await, JobState::Running);
+    assert_eq!(state(held.held_attempt).await, JobState::Running);
 
-    holder.batch_execute("COMMIT").await.unwrap();
-    other.batch_execute("COMMIT").await.unwrap();
-    assert_eq!(store.expire_leases(100).await.unwrap(), 2);
-    assert_eq!(state(held_job.id).await, JobState::Unknown);
-    assert_eq!(state(held_attempt.id).await, JobState::Unknown);
+    held.let_go().await;
+    assert_eq!(held.store.expire_leases(100).await.unwrap(), 2);
+    assert_eq!(state(held.held_job).await, JobState::Unknown);
+    assert_eq!(state(held.held_attempt).await, JobState::Unknown);
 }
 
 /// Begins of keys whose jobs exist, round after round, turn on the read a
