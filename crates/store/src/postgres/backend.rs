@@ -6,7 +6,7 @@ use deadpool_postgres::GenericClient;
 
 use super::batch::{commit_alone, BeginRequest, CommitRequest, BATCHED_BODY};
 use super::rows::snapshots;
-use super::sql::SNAPSHOT_COLUMNS;
+use super::sql::{lapsed_jobs_statement, SNAPSHOT_COLUMNS};
 use super::write::write;
 use super::{map_pg, Postgres};
 use crate::{
@@ -110,20 +110,16 @@ impl Backend for Postgres {
     async fn expire_lapsed(&self, batch: u32) -> Result<Vec<Change>, StoreError> {
         let mut client = self.client().await?;
         let tx = client.transaction().await.map_err(map_pg)?;
-        // Jobs another writer holds are skipped, not waited for: the next
-        // sweep (of this replica or another) takes them. Locked first, then
-        // read in a statement of its own, as `change` does: a job whose
-        // attempt committed after the locking statement began is locked in
-        // its newest version, but its attempts would be read as they were,
-        // and an attempt that had just succeeded marked unknown.
+        // Jobs another writer holds (or one of whose attempts it holds) are
+        // skipped, not waited for: the next sweep (of this replica or
+        // another) takes them. Locked first, then read in a statement of
+        // its own, as `change` does: a job whose attempt committed after
+        // the locking statement began is locked in its newest version, but
+        // its attempts would be read as they were, and an attempt that had
+        // just succeeded marked unknown.
         let locked: Vec<uuid::Uuid> = tx
             .query(
-                "SELECT j.id FROM jobs j \
-                 WHERE j.id IN ( \
-                   SELECT job_id FROM attempts \
-                   WHERE state = $2 AND lease_expires_at < now() \
-                   ORDER BY lease_expires_at LIMIT $1) \
-                 ORDER BY j.id FOR UPDATE SKIP LOCKED",
+                lapsed_jobs_statement(),
                 &[&i64::from(batch), &AttemptState::Started.as_str()],
             )
             .await
@@ -134,7 +130,6 @@ impl Backend for Postgres {
         if locked.is_empty() {
             return Ok(Vec::new());
         }
-        let free = free_attempts(&tx, &locked).await?;
         let rows = tx
             .query(
                 &format!(
@@ -145,8 +140,7 @@ impl Backend for Postgres {
             )
             .await
             .map_err(map_pg)?;
-        let (mut snapshots, now) = snapshots(&rows)?;
-        snapshots.retain(|s| s.attempts.iter().all(|a| free.contains(&a.id.0)));
+        let (snapshots, now) = snapshots(&rows)?;
         let changes = expire_each(&snapshots, now);
         for change in &changes {
             write(&tx, change).await?;
@@ -154,25 +148,4 @@ impl Backend for Postgres {
         tx.commit().await.map_err(map_pg)?;
         Ok(changes)
     }
-}
-
-/// The attempts of the `jobs` a sweep holds that it can lock too. An
-/// attempt another transaction holds (an operator's `UPDATE` left open in
-/// `psql`, say) skips its job, as a held job is skipped: waited for, it
-/// would hold up every lapsed lease of the sweep until the lock timeout
-/// rolled the sweep back, every tick, for as long as the holder held it
-/// (`docs/design.md` §13, "A lock waited for").
-async fn free_attempts(
-    tx: &deadpool_postgres::Transaction<'_>,
-    jobs: &[uuid::Uuid],
-) -> Result<std::collections::HashSet<uuid::Uuid>, StoreError> {
-    let rows = tx
-        .query(
-            "SELECT id FROM attempts WHERE job_id = ANY($1) ORDER BY id \
-             FOR NO KEY UPDATE SKIP LOCKED",
-            &[&jobs],
-        )
-        .await
-        .map_err(map_pg)?;
-    Ok(rows.iter().map(|row| row.get(0)).collect())
 }

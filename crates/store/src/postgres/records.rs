@@ -8,7 +8,7 @@ use deadpool_postgres::GenericClient;
 use uuid::Uuid;
 
 use super::rows::{attempt_from_row, job_from_row, response_of};
-use super::sql::{ATTEMPT_COLUMNS, JOB_COLUMNS, JOB_WIDTH};
+use super::sql::{purge_statement, ATTEMPT_COLUMNS, JOB_COLUMNS, JOB_WIDTH};
 use super::{map_pg, Postgres};
 use crate::{millis, Cursor, Records, StoreError};
 use idemgate_domain::attempt::AttemptState;
@@ -140,23 +140,9 @@ impl Records for Postgres {
         // order) is left for the next sweep rather than waited on in
         // expiry order, which could deadlock the two; replicas sweeping at
         // once take different jobs. So is a job one of whose attempts is
-        // held (an operator's `UPDATE attempts` left open): the delete
-        // cascades to its attempts, and waiting on that row, every purge
-        // would time out and roll back (design §13, "A lock waited for").
+        // held: the delete cascades to its attempts.
         client
-            .execute(
-                "WITH expired AS MATERIALIZED ( \
-                   SELECT id FROM jobs WHERE expires_at < now() ORDER BY expires_at LIMIT $1 \
-                   FOR UPDATE SKIP LOCKED \
-                 ), free AS MATERIALIZED ( \
-                   SELECT id FROM attempts WHERE job_id IN (SELECT id FROM expired) \
-                   ORDER BY id FOR NO KEY UPDATE SKIP LOCKED \
-                 ) \
-                 DELETE FROM jobs j USING expired e WHERE j.id = e.id \
-                   AND NOT EXISTS (SELECT 1 FROM attempts a WHERE a.job_id = e.id \
-                                   AND a.id NOT IN (SELECT id FROM free))",
-                &[&i64::from(batch)],
-            )
+            .execute(purge_statement(), &[&i64::from(batch)])
             .await
             .map_err(map_pg)
     }

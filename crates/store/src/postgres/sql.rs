@@ -1,5 +1,6 @@
 //! The columns the statements read, in the order the row readers
-//! (`rows.rs`) expect them, and the begin statement. Each statement's text
+//! (`rows.rs`) expect them, the begin statements, and the sweep's and the
+//! purge's, which skip what another transaction holds. Each statement's text
 //! is built once, not per call: a begin's is about 2 KiB, formatted, then
 //! hashed by `prepare_cached` to find its prepared statement.
 
@@ -151,6 +152,57 @@ pub(super) fn begin_one_statement() -> &'static str {
          {}",
         rows_made_or_found()
     )
+    });
+    &TEXT
+}
+
+/// The jobs `jobs` (a query of job ids, with its own order and limit)
+/// names that this transaction can lock, with every one of their attempts
+/// (the CTE `unheld`): a job another transaction holds is skipped, not
+/// waited for, and so is a job one of whose attempts is held (an
+/// operator's `UPDATE attempts` left open, say). Waiting on either, a sweep
+/// would time out and roll back, every tick, for as long as the holder held
+/// it (`docs/design.md` §13, "A lock waited for").
+fn unheld(jobs: &str) -> String {
+    format!(
+        "WITH locked AS MATERIALIZED ({jobs} FOR UPDATE SKIP LOCKED), \
+         free AS MATERIALIZED ( \
+           SELECT id FROM attempts WHERE job_id IN (SELECT id FROM locked) \
+           ORDER BY id FOR NO KEY UPDATE SKIP LOCKED \
+         ), unheld AS ( \
+           SELECT l.id FROM locked l WHERE NOT EXISTS ( \
+             SELECT 1 FROM attempts a WHERE a.job_id = l.id \
+             AND a.id NOT IN (SELECT id FROM free)) \
+         ) "
+    )
+}
+
+/// The sweep of lapsed leases' first statement: the jobs of up to $1
+/// started attempts ($2) whose lease lapsed, locked in id order, those
+/// held skipped ([`unheld`]).
+pub(super) fn lapsed_jobs_statement() -> &'static str {
+    static TEXT: LazyLock<String> = LazyLock::new(|| {
+        format!(
+            "{}SELECT id FROM unheld",
+            unheld(
+                "SELECT j.id FROM jobs j WHERE j.id IN ( \
+                   SELECT job_id FROM attempts WHERE state = $2 AND lease_expires_at < now() \
+                   ORDER BY lease_expires_at LIMIT $1) \
+                 ORDER BY j.id"
+            )
+        )
+    });
+    &TEXT
+}
+
+/// The purge: up to $1 jobs past their expiry, oldest first, deleted with
+/// their attempts, those held skipped ([`unheld`]).
+pub(super) fn purge_statement() -> &'static str {
+    static TEXT: LazyLock<String> = LazyLock::new(|| {
+        format!(
+            "{}DELETE FROM jobs WHERE id IN (SELECT id FROM unheld)",
+            unheld("SELECT id FROM jobs WHERE expires_at < now() ORDER BY expires_at LIMIT $1")
+        )
     });
     &TEXT
 }

@@ -11,10 +11,9 @@
 //! a job's lock (its attempts' rows are held only for moments: a lease
 //! renewal, a lookup's record). Rows come back by job id, never by
 //! position. A request the batch did not commit lost the CAS or found its
-//! job held; its caller
-//! settles it under the job's lock, which waits for that holder (at most
-//! the lock timeout), from the request's own task (`docs/design.md` §13,
-//! "A locked job is skipped", "A lock waited for").
+//! job held; its caller settles it under the job's lock, which waits for
+//! that holder (at most the lock timeout), from the request's own task
+//! (`docs/design.md` §13, "A locked job is skipped", "A lock waited for").
 //! A batch whose statement fails is split, each commit sent alone.
 
 use std::collections::HashMap;
