@@ -14,8 +14,9 @@
 //! commits) and of a replay's read, run in every round; a duplicate storm (thousands of holders of one key); and
 //! the first byte of streamed answers. Load comes from `wrk` (1 thread);
 //! each row is the median of `--rounds` rounds of `--seconds`, rounds
-//! alternating between rows (odd rounds run them backwards). CPU µs per request is the serving processes'
-//! user + system time over the requests answered.
+//! alternating between rows (odd rounds run them backwards). CPU µs per
+//! request is the serving processes' user + system time over the requests
+//! answered.
 //!
 //! Loopback only, bounded in time, stops by itself. `scripts/bench.sh`
 //! installs what is missing, builds, and runs it.

@@ -1,7 +1,6 @@
 //! The transitions' edges that need a backend to fail on cue: the memory
 //! backend, wrapped.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
@@ -14,13 +13,12 @@ use idemgate_domain::fingerprint::Fingerprint;
 use idemgate_domain::job::JobState;
 use idemgate_domain::key::OwnerSalt;
 
-/// The memory backend, whose next change, once armed, is written, then
-/// followed by the commit of `overtake` (another attempt of the job,
-/// completing it), then answered as a lost reply.
+/// The memory backend, whose next change, once `overtake` names another
+/// attempt of the job, is written, then followed by that attempt's commit
+/// (completing the job), then answered as a lost reply.
 #[derive(Default)]
 struct LosesReply {
     inner: Memory,
-    armed: AtomicBool,
     overtake: Mutex<Option<Attempt>>,
 }
 
@@ -95,15 +93,9 @@ impl Backend for LosesReply {
         decide: Decide,
     ) -> Result<Result<Applied, Refusal>, StoreError> {
         let applied = self.inner.change(lock, decide).await;
-        if !self.armed.swap(false, Ordering::SeqCst) {
+        let Some(overtake) = self.overtake.lock().unwrap().take() else {
             return applied;
-        }
-        let overtake = self
-            .overtake
-            .lock()
-            .unwrap()
-            .take()
-            .expect("an attempt to overtake");
+        };
         let committed = self.inner.commit(&overtake, &answer()).await.unwrap();
         assert!(committed.won);
         Err(StoreError::Unavailable(
@@ -153,7 +145,6 @@ async fn a_hedge_overtaken_while_its_reply_was_lost_is_settled_as_never_sent() {
         panic!("a new key");
     };
     *machine.backend.0.overtake.lock().unwrap() = Some(primary.clone());
-    machine.backend.0.armed.store(true, Ordering::SeqCst);
     let hedge = attempt();
     let started = machine
         .hedge_attempt(job.id, job.version, hedge.clone())
