@@ -12,7 +12,7 @@
 //! themselves.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 
@@ -32,7 +32,8 @@ use idemgate_domain::transition::{self, Change, Refusal};
 
 /// A [`Store`] over a [`Backend`].
 pub struct Machine<B> {
-    backend: Measured<B>,
+    /// Shared with the writes that outlive a request ([`Machine::unsent`]).
+    backend: Arc<Measured<B>>,
     doorbell: Arc<Doorbell>,
     sealer: Option<Arc<Sealer>>,
     /// Told of every attempt a sweep made `unknown`, when someone listens.
@@ -44,7 +45,7 @@ impl<B: Backend> Machine<B> {
     /// job's state.
     pub fn new(backend: B, doorbell: Arc<Doorbell>) -> Self {
         Machine {
-            backend: Measured(backend),
+            backend: Arc::new(Measured(backend)),
             doorbell,
             sealer: None,
             lapsed: None,
@@ -93,16 +94,12 @@ impl<B: Backend> Machine<B> {
     }
 
     fn ring(&self, change: &Change) {
-        if change.moves_job() {
-            self.doorbell.ring(change.job.id);
-        }
+        ring(&self.doorbell, change);
     }
 
     /// Runs one transition; rings when it moved the job.
     async fn apply(&self, lock: Lock, decide: Decide) -> Result<super::Applied, StoreError> {
-        let applied = self.backend.change(lock, decide).await??;
-        self.ring(&applied.change);
-        Ok(applied)
+        apply(&self.backend, &self.doorbell, lock, decide).await
     }
 
     /// Applies a resolution, sealing a given response first: an operator's
@@ -177,7 +174,7 @@ impl<B: Backend> Machine<B> {
         let done = detail.job.state.is_terminal();
         match detail.attempts.into_iter().find(|a| a.id == attempt) {
             Some(started) if done && started.state == AttemptState::Started => {
-                self.unsent(job, attempt).await;
+                self.unsent(job, attempt, started.lease_expires_at);
                 Ok(None)
             }
             Some(_) if done => Ok(None),
@@ -199,23 +196,66 @@ impl<B: Backend> Machine<B> {
     /// before its start's lost reply was read back), as never sent: left
     /// `started`, it would lapse into `unknown` on a completed job, where
     /// an operator would see an outcome in doubt and the reconciler would
-    /// look it up with the upstream. Once: if this write fails too, the
-    /// attempt lapses into `unknown` as it did before (`docs/design.md`
-    /// §5, "A start whose reply was lost").
-    async fn unsent(&self, job: JobId, attempt: AttemptId) {
-        let failure = AttemptFailure::Failed {
-            status: None,
-            detail: NEVER_SENT_OVERTAKEN.into(),
+    /// look it up with the upstream. Written in the background, retried
+    /// with backoff while the store fails transiently, as any outcome is,
+    /// until its lease lapses (the sweeper's then; `docs/design.md` §5,
+    /// "A start whose reply was lost"): the request that learned it goes
+    /// on to the job's answer meanwhile.
+    fn unsent(&self, job: JobId, attempt: AttemptId, lease_expires_at: SystemTime) {
+        let backend = self.backend.clone();
+        let doorbell = self.doorbell.clone();
+        let settle = move || -> Decide {
+            let failure = AttemptFailure::Failed {
+                status: None,
+                detail: NEVER_SENT_OVERTAKEN.into(),
+            };
+            Box::new(move |s, _| transition::settle(s, attempt, &failure))
         };
-        let decide: Decide = Box::new(move |s, _| transition::settle(s, attempt, &failure));
-        match self.apply(Lock::Job(job), decide).await {
-            Ok(_) => {
-                tracing::info!(%job, %attempt, "an attempt whose start was written though its reply was lost, on a job completed meanwhile, is settled failed: it was never sent")
+        tokio::spawn(async move {
+            let mut backoff = UNSENT_FIRST_BACKOFF;
+            let mut failures = 0u32;
+            loop {
+                match apply(&backend, &doorbell, Lock::Job(job), settle()).await {
+                    Ok(_) => {
+                        return tracing::info!(%job, %attempt, failures, "an attempt whose start was written though its reply was lost, on a job completed meanwhile, is settled failed: it was never sent");
+                    }
+                    Err(e)
+                        if e.is_transient() && SystemTime::now() + backoff < lease_expires_at =>
+                    {
+                        failures += 1;
+                        metrics::counter!("idemgate_record_retries_total").increment(1);
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(UNSENT_MAX_BACKOFF);
+                    }
+                    Err(e) => {
+                        return tracing::warn!(%job, %attempt, failures, error = %e, "an attempt never sent could not be settled before its lease lapsed; it will lapse into unknown");
+                    }
+                }
             }
-            Err(e) => {
-                tracing::info!(%job, %attempt, error = %e, "an attempt never sent could not be settled; its lease will lapse into unknown")
-            }
-        }
+        });
+    }
+}
+
+/// The backoff of [`Machine::unsent`]'s write: as an attempt's outcome is
+/// retried.
+const UNSENT_FIRST_BACKOFF: Duration = Duration::from_millis(50);
+const UNSENT_MAX_BACKOFF: Duration = Duration::from_secs(2);
+
+/// Runs one transition on `backend`; rings `doorbell` when it moved the job.
+async fn apply<B: Backend>(
+    backend: &Measured<B>,
+    doorbell: &Doorbell,
+    lock: Lock,
+    decide: Decide,
+) -> Result<super::Applied, StoreError> {
+    let applied = backend.change(lock, decide).await??;
+    ring(doorbell, &applied.change);
+    Ok(applied)
+}
+
+fn ring(doorbell: &Doorbell, change: &Change) {
+    if change.moves_job() {
+        doorbell.ring(change.job.id);
     }
 }
 

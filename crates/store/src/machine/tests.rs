@@ -1,6 +1,7 @@
 //! The transitions' edges that need a backend to fail on cue: the memory
 //! backend, wrapped.
 
+use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
@@ -15,11 +16,13 @@ use idemgate_domain::key::OwnerSalt;
 
 /// The memory backend, whose next change, once `overtake` names another
 /// attempt of the job, is written, then followed by that attempt's commit
-/// (completing the job), then answered as a lost reply.
+/// (completing the job), then answered as a lost reply; the `fails`
+/// changes after that one fail as the store being down would, unwritten.
 #[derive(Default)]
 struct LosesReply {
     inner: Memory,
     overtake: Mutex<Option<Attempt>>,
+    fails: AtomicU32,
 }
 
 #[async_trait]
@@ -92,10 +95,19 @@ impl Backend for LosesReply {
         lock: Lock,
         decide: Decide,
     ) -> Result<Result<Applied, Refusal>, StoreError> {
-        let applied = self.inner.change(lock, decide).await;
         let Some(overtake) = self.overtake.lock().unwrap().take() else {
-            return applied;
+            let down = self
+                .fails
+                .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1));
+            return match down {
+                Ok(_) => Err(StoreError::Unavailable(
+                    "injected: the store is down".into(),
+                )),
+                Err(_) => self.inner.change(lock, decide).await,
+            };
         };
+        let written = self.inner.change(lock, decide).await;
+        assert!(matches!(written, Ok(Ok(_))), "the hedge's start is written");
         let committed = self.inner.commit(&overtake, &answer()).await.unwrap();
         assert!(committed.won);
         Err(StoreError::Unavailable(
@@ -130,8 +142,22 @@ fn attempt() -> NewAttempt {
 /// (`None`), and settled failed as never sent, instead of left `started`
 /// to lapse into `unknown` on a completed job. The job is as its winner
 /// left it.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_hedge_overtaken_while_its_reply_was_lost_is_settled_as_never_sent() {
+    overtaken_hedge(0).await;
+}
+
+/// The same, with the store down for the settle's first three writes:
+/// what the gateway learned (the hedge was never sent) is written once
+/// the store is back, not dropped after one try.
+#[tokio::test(start_paused = true)]
+async fn a_never_sent_settle_is_retried_while_the_store_is_down() {
+    overtaken_hedge(3).await;
+}
+
+/// A hedge overtaken while its reply was lost, with the store down for
+/// `fails` writes after; asserts how the job and the hedge end.
+async fn overtaken_hedge(fails: u32) {
     let machine = Machine::new(LosesReply::default(), Arc::new(Doorbell::default()));
     let job = NewJob {
         id: JobId::new(),
@@ -145,12 +171,21 @@ async fn a_hedge_overtaken_while_its_reply_was_lost_is_settled_as_never_sent() {
         panic!("a new key");
     };
     *machine.backend.0.overtake.lock().unwrap() = Some(primary.clone());
+    machine.backend.0.fails.store(fails, SeqCst);
     let hedge = attempt();
     let started = machine
         .hedge_attempt(job.id, job.version, hedge.clone())
         .await;
     assert!(started.unwrap().is_none(), "the hedge is not run");
 
+    // The settle is written in the background: on paused time, this
+    // sleep returns once every backoff shorter than it has run.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(
+        machine.backend.0.fails.load(SeqCst),
+        0,
+        "every failure was met"
+    );
     let detail = machine.job_detail(job.id).await.unwrap().unwrap();
     assert_eq!(detail.job.state, JobState::Completed);
     assert_eq!(detail.job.completed_by, Some(primary.id));
