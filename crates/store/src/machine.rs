@@ -97,6 +97,27 @@ impl<B: Backend> Machine<B> {
         ring(&self.doorbell, change);
     }
 
+    /// What a commit of `response` whose compare-and-swap failed is:
+    /// `Committed` when the job's winner is `attempt` with this very
+    /// answer (its first try landed and the reply was lost: the retry met
+    /// its own commit); `Superseded` otherwise (another attempt won, or a
+    /// lookup or an operator settled this one with another answer), and
+    /// when the job cannot be read or holds its answer out of the row (the
+    /// request reads the job again either way; `docs/design.md` §7, "A
+    /// commit whose reply was lost").
+    async fn lost_to(&self, attempt: &Attempt, response: &StoredResponse) -> CommitOutcome {
+        match self.job(attempt.job_id).await {
+            Ok(Some(job))
+                if job.completed_by == Some(attempt.id)
+                    && job.response.as_ref() == Some(response) =>
+            {
+                tracing::info!(job = %attempt.job_id, attempt = %attempt.id, "the commit's retry found its own first try committed: its reply had been lost");
+                CommitOutcome::Committed
+            }
+            _ => CommitOutcome::Superseded,
+        }
+    }
+
     /// Runs one transition; rings when it moved the job.
     async fn apply(&self, lock: Lock, decide: Decide) -> Result<super::Applied, StoreError> {
         apply(&self.backend, &self.doorbell, lock, decide).await
@@ -394,8 +415,10 @@ impl<B: Backend> Store for Machine<B> {
         attempt: &Attempt,
         response: &StoredResponse,
     ) -> Result<CommitOutcome, StoreError> {
-        let response = self.seal(attempt.job_id, response);
-        let committed = self.backend.commit(attempt, &response).await?;
+        let committed = self
+            .backend
+            .commit(attempt, &self.seal(attempt.job_id, response))
+            .await?;
         if !committed.won {
             // Rung even so: when this very attempt's commit landed but its
             // reply was lost, and the retry found the job completed, no one
@@ -403,7 +426,7 @@ impl<B: Backend> Store for Machine<B> {
             // ignored here), so they could wait out `hold_timeout`
             // (docs/design.md §7, "A commit whose reply was lost").
             self.doorbell.ring_local(attempt.job_id);
-            return Ok(CommitOutcome::Superseded);
+            return Ok(self.lost_to(attempt, response).await);
         }
         // Other replicas hear of it only when one of them waits on the job.
         if committed.watched {

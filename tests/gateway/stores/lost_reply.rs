@@ -68,6 +68,11 @@ async fn a_commit_whose_reply_was_lost_still_answers_the_caller_and_its_duplicat
         gateway.metric("idemgate_record_retries_total").await >= 1.0,
         "the commit was retried"
     );
+    assert_eq!(
+        gateway.metric("idemgate_commits_superseded_total").await,
+        0.0,
+        "the retry met its own commit: nothing was superseded"
+    );
 
     assert_eq!(
         states(&db).await,

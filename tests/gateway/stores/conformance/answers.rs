@@ -295,6 +295,31 @@ pub async fn resolution_as_succeeded_commits_through_the_cas(store: Arc<dyn Stor
     );
 }
 
+/// A commit retried after its first try landed (the reply was lost with
+/// the connection) meets its own commit: told it committed, not that it
+/// lost, and the job is left as the first try wrote it. The same attempt
+/// with another answer (as after an operator's, above) is still told it
+/// lost (docs/design.md §7, "A commit whose reply was lost").
+pub async fn a_commit_retried_after_it_landed_is_told_it_committed(store: Arc<dyn Store>) {
+    let (job, attempt) = created(store.as_ref(), "landed").await;
+    let answer = response("landed");
+    for _ in 0..2 {
+        assert_eq!(
+            store.commit(&attempt, &answer).await.unwrap(),
+            CommitOutcome::Committed
+        );
+    }
+    assert_eq!(
+        store.commit(&attempt, &response("another")).await.unwrap(),
+        CommitOutcome::Superseded
+    );
+    let after = store.job_detail(job.id).await.unwrap().unwrap();
+    assert_eq!(after.job.state, JobState::Completed);
+    assert_eq!(after.job.version, job.version + 1, "written once");
+    assert_eq!(after.job.response, Some(answer));
+    assert_eq!(after.attempts[0].state, AttemptState::Succeeded);
+}
+
 /// Lookups of an unknown attempt are counted, the last one kept; what a
 /// lookup finds applies only while the attempt is unknown, by the
 /// resolution's CAS.

@@ -163,11 +163,12 @@ pub async fn every_change_of_a_jobs_state_rings_once(
     store.fail_attempt(c.id, failed).await.unwrap();
     assert_eq!(rings(), 0, "a settled attempt changes nothing");
     // The same commit again, as when its reply was lost and it is retried:
-    // told it lost, and rung here, where nobody else rings the job's
+    // its compare-and-swap fails, it meets its own commit (told it
+    // committed), and it is rung here, where nobody else rings the job's
     // holders for it (docs/design.md §7, "A commit whose reply was lost").
     assert_eq!(
         store.commit(&c, &response("c")).await.unwrap(),
-        CommitOutcome::Superseded
+        CommitOutcome::Committed
     );
     assert_eq!(rings(), 1, "a lost compare-and-swap rings here");
 }
