@@ -96,7 +96,10 @@ pub enum CommitOutcome {
     /// This attempt's response is the job's result.
     Committed,
     /// Another attempt won, or the job moved on (a resolution): this
-    /// attempt is `superseded` and its payload discarded.
+    /// attempt's payload is discarded, and the attempt is `superseded`
+    /// unless a lookup or an operator settled it first. A retried commit
+    /// whose first try landed is `Committed`, not this (`docs/design.md`
+    /// §7, "A commit whose reply was lost").
     Superseded,
 }
 

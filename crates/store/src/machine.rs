@@ -12,7 +12,7 @@
 //! themselves.
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use async_trait::async_trait;
 
@@ -98,24 +98,35 @@ impl<B: Backend> Machine<B> {
     }
 
     /// What a commit of `response` whose compare-and-swap failed is:
-    /// `Committed` when the job's winner is `attempt` with this very
-    /// answer (its first try landed and the reply was lost: the retry met
-    /// its own commit); `Superseded` otherwise (another attempt won, or a
-    /// lookup or an operator settled this one with another answer), and
-    /// when the job cannot be read or holds its answer out of the row (the
-    /// request reads the job again either way; `docs/design.md` §7, "A
-    /// commit whose reply was lost").
-    async fn lost_to(&self, attempt: &Attempt, response: &StoredResponse) -> CommitOutcome {
-        match self.job(attempt.job_id).await {
-            Ok(Some(job))
-                if job.completed_by == Some(attempt.id)
-                    && job.response.as_ref() == Some(response) =>
-            {
-                tracing::info!(job = %attempt.job_id, attempt = %attempt.id, "the commit's retry found its own first try committed: its reply had been lost");
-                CommitOutcome::Committed
-            }
-            _ => CommitOutcome::Superseded,
+    /// `Committed` when the job's winner is `attempt`, committed by the
+    /// attempt itself (no lookup's or operator's detail or name on it) with
+    /// this very answer: its first try landed and the reply was lost, so
+    /// the retry met its own commit. `Superseded` otherwise (another
+    /// attempt won, a lookup or an operator settled this one, or the answer
+    /// is held out of the row and not compared). A read that fails
+    /// transiently fails the commit, which is tried again (`docs/design.md`
+    /// §7, "A commit whose reply was lost").
+    async fn lost_to(
+        &self,
+        attempt: &Attempt,
+        response: &StoredResponse,
+    ) -> Result<CommitOutcome, StoreError> {
+        let detail = match self.job_detail(attempt.job_id).await {
+            Ok(Some(detail)) => detail,
+            Err(e) if e.is_transient() => return Err(e),
+            _ => return Ok(CommitOutcome::Superseded),
+        };
+        let own = detail.attempts.iter().find(|a| a.id == attempt.id);
+        let landed = detail.job.completed_by == Some(attempt.id)
+            && own.is_some_and(|a| {
+                a.state == AttemptState::Succeeded && a.detail.is_none() && a.resolved_by.is_none()
+            })
+            && detail.job.response.as_ref() == Some(response);
+        if !landed {
+            return Ok(CommitOutcome::Superseded);
         }
+        tracing::info!(job = %attempt.job_id, attempt = %attempt.id, "the commit's retry found its own first try committed: its reply had been lost");
+        Ok(CommitOutcome::Committed)
     }
 
     /// Runs one transition; rings when it moved the job.
@@ -195,7 +206,7 @@ impl<B: Backend> Machine<B> {
         let done = detail.job.state.is_terminal();
         match detail.attempts.into_iter().find(|a| a.id == attempt) {
             Some(started) if done && started.state == AttemptState::Started => {
-                self.unsent(job, attempt, started.lease_expires_at);
+                self.unsent(job, &started);
                 Ok(None)
             }
             Some(_) if done => Ok(None),
@@ -222,9 +233,14 @@ impl<B: Backend> Machine<B> {
     /// until its lease lapses (the sweeper's then; `docs/design.md` §5,
     /// "A start whose reply was lost"): the request that learned it goes
     /// on to the job's answer meanwhile.
-    fn unsent(&self, job: JobId, attempt: AttemptId, lease_expires_at: SystemTime) {
-        let backend = self.backend.clone();
-        let doorbell = self.doorbell.clone();
+    fn unsent(&self, job: JobId, attempt: &Attempt) {
+        let (backend, doorbell) = (self.backend.clone(), self.doorbell.clone());
+        // The lease's length, both ends by the database's clock: nothing
+        // renews an attempt nobody runs, so it lapses within that.
+        let lease =
+            (attempt.lease_expires_at.duration_since(attempt.started_at)).unwrap_or_default();
+        let deadline = tokio::time::Instant::now() + lease;
+        let attempt = attempt.id;
         let settle = move || -> Decide {
             let failure = AttemptFailure::Failed {
                 status: None,
@@ -240,8 +256,15 @@ impl<B: Backend> Machine<B> {
                     Ok(_) => {
                         return tracing::info!(%job, %attempt, failures, "an attempt whose start was written though its reply was lost, on a job completed meanwhile, is settled failed: it was never sent");
                     }
+                    // Settled already (a try whose reply was lost, an
+                    // operator), or purged: nothing left to write.
+                    Err(
+                        StoreError::Refused(Refusal::AttemptIs { .. }) | StoreError::NotFound(_),
+                    ) => {
+                        return tracing::debug!(%job, %attempt, "an attempt never sent was settled or purged already");
+                    }
                     Err(e)
-                        if e.is_transient() && SystemTime::now() + backoff < lease_expires_at =>
+                        if e.is_transient() && tokio::time::Instant::now() + backoff < deadline =>
                     {
                         failures += 1;
                         metrics::counter!("idemgate_record_retries_total").increment(1);
@@ -426,7 +449,7 @@ impl<B: Backend> Store for Machine<B> {
             // ignored here), so they could wait out `hold_timeout`
             // (docs/design.md §7, "A commit whose reply was lost").
             self.doorbell.ring_local(attempt.job_id);
-            return Ok(self.lost_to(attempt, response).await);
+            return self.lost_to(attempt, response).await;
         }
         // Other replicas hear of it only when one of them waits on the job.
         if committed.watched {

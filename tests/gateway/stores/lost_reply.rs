@@ -187,7 +187,9 @@ async fn a_claim_whose_reply_was_lost_still_runs_its_attempt() {
     let job = first.job().unwrap();
     assert_eq!(gateway.job(&job).await["state"], "open");
 
-    // Only a claim inserts an attempt inside a locked transaction.
+    // Only a claim inserts an attempt inside a locked transaction, and the
+    // statement's text goes on the wire when a connection first prepares
+    // it: here, for the claim (the first attempt's failure inserted none).
     cutter.arm(b"INSERT INTO attempts AS a");
     let retry = tokio::time::timeout(Duration::from_secs(15), post(&url, "lost-claim", "{}"))
         .await

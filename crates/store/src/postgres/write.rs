@@ -20,6 +20,7 @@ use idemgate_domain::id::JobId;
 use idemgate_domain::transition::{Change, Settle, Start};
 
 type Transaction<'a> = deadpool_postgres::Transaction<'a>;
+type Statement = tokio_postgres::Statement;
 
 /// The job's new head. The response columns are written once, by the
 /// change that completes the job; any other change passes NULL and leaves
@@ -57,29 +58,66 @@ fn insert_attempt_statement() -> &'static str {
 }
 
 /// Writes a change inside the transaction holding its job's lock; returns
-/// the attempt it started, as stored.
+/// the attempt it started, as stored. Every statement is prepared before
+/// any is sent, so they go in one order (the job, the settled attempts, the
+/// started one), and the first error back is the one that failed, not a
+/// later statement's "transaction aborted".
 pub(super) async fn write(
     tx: &Transaction<'_>,
     change: &Change,
 ) -> Result<Option<Attempt>, StoreError> {
-    let settled = change.settled.iter().map(|settled| settle(tx, settled));
-    let (_, _, started) = try_join3(update_job(tx, change), try_join_all(settled), async {
-        match &change.started {
-            Some(start) => insert_attempt(tx, change.job.id, start).await.map(Some),
-            None => Ok(None),
+    let (update, settle, insert) = try_join3(
+        tx.prepare_cached(UPDATE_JOB),
+        prepare_if(tx, !change.settled.is_empty(), SETTLE_ATTEMPT),
+        prepare_if(tx, change.started.is_some(), insert_attempt_statement()),
+    )
+    .await
+    .map_err(map_pg)?;
+    // `settle` is prepared exactly when the change settles attempts.
+    let settled: Vec<_> = settle
+        .iter()
+        .flat_map(|statement| change.settled.iter().map(move |s| (statement, s)))
+        .map(|(statement, settled)| settle_attempt(tx, statement, settled))
+        .collect();
+    let started = async {
+        match (&change.started, &insert) {
+            (Some(start), Some(statement)) => insert_attempt(tx, statement, change.job.id, start)
+                .await
+                .map(Some),
+            _ => Ok(None),
         }
-    })
+    };
+    let (_, _, started) = try_join3(
+        update_job(tx, &update, change),
+        try_join_all(settled),
+        started,
+    )
     .await?;
     Ok(started)
 }
 
-async fn update_job(tx: &Transaction<'_>, change: &Change) -> Result<u64, StoreError> {
+/// `text` prepared (or found prepared on this connection) when `needed`.
+async fn prepare_if(
+    tx: &Transaction<'_>,
+    needed: bool,
+    text: &str,
+) -> Result<Option<Statement>, tokio_postgres::Error> {
+    match needed {
+        true => tx.prepare_cached(text).await.map(Some),
+        false => Ok(None),
+    }
+}
+
+async fn update_job(
+    tx: &Transaction<'_>,
+    statement: &Statement,
+    change: &Change,
+) -> Result<u64, StoreError> {
     let head = &change.job;
     let response = change.response.as_ref();
     let (names, values) = response.map(split_headers).unzip();
-    let statement = tx.prepare_cached(UPDATE_JOB).await.map_err(map_pg)?;
     tx.execute(
-        &statement,
+        statement,
         &[
             &head.id.0,
             &head.state.as_str(),
@@ -96,10 +134,13 @@ async fn update_job(tx: &Transaction<'_>, change: &Change) -> Result<u64, StoreE
     .map_err(map_pg)
 }
 
-async fn settle(tx: &Transaction<'_>, settled: &Settle) -> Result<u64, StoreError> {
-    let statement = tx.prepare_cached(SETTLE_ATTEMPT).await.map_err(map_pg)?;
+async fn settle_attempt(
+    tx: &Transaction<'_>,
+    statement: &Statement,
+    settled: &Settle,
+) -> Result<u64, StoreError> {
     tx.execute(
-        &statement,
+        statement,
         &[
             &settled.attempt.0,
             &settled.state.as_str(),
@@ -117,16 +158,13 @@ async fn settle(tx: &Transaction<'_>, settled: &Settle) -> Result<u64, StoreErro
 /// returns it as stored.
 async fn insert_attempt(
     tx: &Transaction<'_>,
+    statement: &Statement,
     job: JobId,
     start: &Start,
 ) -> Result<Attempt, StoreError> {
-    let statement = tx
-        .prepare_cached(insert_attempt_statement())
-        .await
-        .map_err(map_pg)?;
     let row = tx
         .query_one(
-            &statement,
+            statement,
             &[
                 &start.attempt.id.0,
                 &job.0,

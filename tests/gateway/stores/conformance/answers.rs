@@ -298,8 +298,9 @@ pub async fn resolution_as_succeeded_commits_through_the_cas(store: Arc<dyn Stor
 /// A commit retried after its first try landed (the reply was lost with
 /// the connection) meets its own commit: told it committed, not that it
 /// lost, and the job is left as the first try wrote it. The same attempt
-/// with another answer (as after an operator's, above) is still told it
-/// lost (docs/design.md §7, "A commit whose reply was lost").
+/// with another answer, or with its own answer after an operator settled
+/// it with the same bytes, is still told it lost (docs/design.md §7, "A
+/// commit whose reply was lost").
 pub async fn a_commit_retried_after_it_landed_is_told_it_committed(store: Arc<dyn Store>) {
     let (job, attempt) = created(store.as_ref(), "landed").await;
     let answer = response("landed");
@@ -318,6 +319,20 @@ pub async fn a_commit_retried_after_it_landed_is_told_it_committed(store: Arc<dy
     assert_eq!(after.job.version, job.version + 1, "written once");
     assert_eq!(after.job.response, Some(answer));
     assert_eq!(after.attempts[0].state, AttemptState::Succeeded);
+
+    // An operator's answer, byte for byte the attempt's own: the attempt
+    // did not commit it, so its late commit is still told it lost (and
+    // not counted as a second end).
+    let (_, settled) = created(store.as_ref(), "resolved-alike").await;
+    let alike = response("alike");
+    store
+        .resolve_attempt(settled.id, Resolution::Succeeded(alike.clone()))
+        .await
+        .unwrap();
+    assert_eq!(
+        store.commit(&settled, &alike).await.unwrap(),
+        CommitOutcome::Superseded
+    );
 }
 
 /// Lookups of an unknown attempt are counted, the last one kept; what a
