@@ -161,6 +161,15 @@ impl StoreError {
         self.kind() == StoreErrorKind::Unavailable
     }
 
+    /// Whether the store is up but a job's row was held by another
+    /// transaction past the lock timeout (`database_lock_timeout`):
+    /// transient and nothing written, like any [`StoreError::Unavailable`],
+    /// but the job, not the store, is what is busy (`docs/design.md` §13,
+    /// "A lock waited for").
+    pub fn is_lock_wait(&self) -> bool {
+        postgres::is_lock_timeout(self)
+    }
+
     /// An error with only a message for its cause.
     pub fn internal(message: impl Into<String>) -> Self {
         StoreError::Internal(message.into().into())

@@ -301,6 +301,24 @@ async fn a_job_held_by_an_open_transaction_holds_up_only_its_own_answer() {
         .expect("a duplicate of the held job is answered within the lock timeout");
     assert_eq!(duplicate.status, 503, "{duplicate:?}");
     assert_eq!(duplicate.problem(), "store-unavailable");
+    // An operator's resolution of the held job's attempt waits on the
+    // holder as long, and is told the job is busy, not that the store is
+    // down: 409 job-busy, with Retry-After and the runbook to find it.
+    let attempt: uuid::Uuid = watcher
+        .query_one(
+            "SELECT a.id FROM attempts a JOIN jobs j ON j.id = a.job_id WHERE j.key = 'held'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let resolved = gateway
+        .resolve(&attempt.to_string(), r#"{"outcome": "failed"}"#)
+        .await;
+    assert_eq!(resolved.status, 409, "{resolved:?}");
+    assert_eq!(resolved.problem(), "job-busy");
+    assert_eq!(resolved.header("retry-after"), Some("1"));
+    assert!(resolved.problem_detail().contains("database_lock_timeout"));
 
     // The runbook's query finds the holder (docs/runbook.md,
     // IdemgateOutcomeWritesRetried).

@@ -10,6 +10,10 @@ use idemgate_proxy::problem::problem_response;
 use idemgate_store::{StoreError, StoreErrorKind};
 use idemgate_telemetry::Chain;
 
+/// How soon a caller told `job-busy` may try again: the holder is often a
+/// batch or an operator's transaction that lets go within a second.
+const JOB_BUSY_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// An admin answer that is not a success. Its `Display` is the problem's
 /// `detail`.
 #[derive(Debug, thiserror::Error)]
@@ -71,6 +75,10 @@ impl AdminError {
                 "sign-in-throttled",
                 "Too many failed sign-ins",
             ),
+            // The store answers; another transaction holds the job.
+            AdminError::Store(e) if e.is_lock_wait() => {
+                (StatusCode::CONFLICT, "job-busy", "Job busy")
+            }
             AdminError::Store(e) => match e.kind() {
                 StoreErrorKind::NotFound => (StatusCode::NOT_FOUND, "not-found", "Not found"),
                 StoreErrorKind::Conflict => (
@@ -97,9 +105,19 @@ impl AdminError {
         let (status, slug, title) = self.problem();
         let retry_after = match &self {
             AdminError::SignInThrottled(wait) => Some(*wait),
+            AdminError::Store(e) if e.is_lock_wait() => Some(JOB_BUSY_RETRY),
             _ => None,
         };
-        let mut response = problem_response(status, slug, title, &self.to_string(), retry_after);
+        let detail = match &self {
+            AdminError::Store(e) if e.is_lock_wait() => format!(
+                "another transaction held this job past database_lock_timeout; nothing was \
+                 written: try again, or find the holder (docs/runbook.md, \
+                 IdemgateOutcomeWritesRetried) ({})",
+                Chain(e)
+            ),
+            _ => self.to_string(),
+        };
+        let mut response = problem_response(status, slug, title, &detail, retry_after);
         if matches!(self, AdminError::Unauthorized) {
             response
                 .headers_mut()

@@ -38,7 +38,7 @@ pub(super) fn map_pg(e: tokio_postgres::Error) -> StoreError {
 
 /// Whether `e` is a statement that waited for a lock past `lock_timeout`
 /// (SQLSTATE 55P03): transient, and certainly not applied.
-pub(super) fn is_lock_timeout(e: &StoreError) -> bool {
+pub(crate) fn is_lock_timeout(e: &StoreError) -> bool {
     let StoreError::Unavailable(cause) = e else {
         return false;
     };

@@ -35,6 +35,7 @@ mod backend;
 mod batch;
 mod budget;
 mod error;
+pub(crate) use error::is_lock_timeout;
 mod listen;
 mod migrate;
 mod records;
