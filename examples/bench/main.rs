@@ -45,7 +45,7 @@ mod wrk;
 
 use client::flush_redis;
 use gateways::{Baseline, Gateways};
-use harness::{create_database, create_database_for, drop_database};
+use harness::{create_database, create_database_for, drop_database, Gateway, Store};
 use servers::{Floor, Nginx};
 
 #[tokio::main]
@@ -78,6 +78,16 @@ async fn main() {
         None => None,
     };
     rows.extend(rows::new_keys(&gateways, baseline.as_ref()));
+    let busy = Nginx::busy(&scratch.join("nginx-busy")).await;
+    let failover = Gateway::start(
+        &args.binary,
+        &busy.url,
+        Store::Postgres(&db),
+        None,
+        &["--upstream", upstream.url.as_str()],
+    )
+    .await;
+    rows.push(rows::failover(&failover));
     if let Some(only) = &args.only {
         rows.retain(|r| r.name.contains(only.as_str()) || r.name.starts_with("nginx"));
     }
@@ -115,7 +125,7 @@ async fn main() {
     }
     let baseline_db = baseline.as_ref().map(|b| b.db.clone());
     drop((
-        gateways, baseline, floor_two, floor_one, nginx_a, nginx_b, upstream,
+        gateways, baseline, failover, busy, floor_two, floor_one, nginx_a, nginx_b, upstream,
     ));
     drop_database(&args.database, &db).await;
     if let Some(db) = baseline_db {

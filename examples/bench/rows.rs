@@ -246,3 +246,17 @@ pub fn new_keys(g: &Gateways, baseline: Option<&Baseline>) -> Vec<Row> {
     }
     rows
 }
+
+/// A new key per request whose first attempt fails (its primary answers
+/// `503`) and whose second runs on the fallback: the path of the
+/// non-batched changes, each in the transaction holding its job's lock
+/// (`docs/performance.md`, item 36).
+pub fn failover(gateway: &crate::harness::Gateway) -> Row {
+    row(
+        "idemgate new key, PostgreSQL alone, every key failing over (primary answers 503)",
+        &gateway.url,
+        Load::NewKey,
+        vec![gateway.pid],
+        Versus::NewKeyCeiling,
+    )
+}

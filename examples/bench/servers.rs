@@ -68,6 +68,18 @@ impl Nginx {
         .await
     }
 
+    /// An upstream that answers every request `503`: the failover row's
+    /// primary, so every key's first attempt fails and the next runs on
+    /// the fixed-answer upstream.
+    pub async fn busy(dir: &Path) -> Nginx {
+        Self::start(
+            dir,
+            "location / { default_type application/json; return 503 '{\"error\":\"busy\"}'; }",
+            "",
+        )
+        .await
+    }
+
     pub async fn proxy(dir: &Path, upstream: &str) -> Nginx {
         Self::start(
             dir,
