@@ -37,6 +37,7 @@ mod machine;
 mod measured;
 pub mod memory;
 pub mod postgres;
+mod retry;
 pub mod seal;
 pub mod sqlite;
 
@@ -56,6 +57,7 @@ use idemgate_domain::BoxError;
 
 pub use doorbell::{Bell, Doorbell, Observed};
 pub use machine::Machine;
+pub use retry::retrying;
 
 /// Which store to use.
 #[derive(Debug, Clone)]

@@ -229,8 +229,8 @@ impl<B: Backend> Machine<B> {
     /// `started`, it would lapse into `unknown` on a completed job, where
     /// an operator would see an outcome in doubt and the reconciler would
     /// look it up with the upstream. Written in the background, retried
-    /// with backoff while the store fails transiently, as any outcome is,
-    /// until its lease lapses (the sweeper's then; `docs/design.md` §5,
+    /// while the store fails transiently, as any outcome is
+    /// ([`crate::retrying`]), until its lease lapses (the sweeper's then; `docs/design.md` §5,
     /// "A start whose reply was lost"): the request that learned it goes
     /// on to the job's answer meanwhile.
     fn unsent(&self, job: JobId, attempt: &Attempt) {
@@ -249,41 +249,23 @@ impl<B: Backend> Machine<B> {
             Box::new(move |s, _| transition::settle(s, attempt, &failure))
         };
         tokio::spawn(async move {
-            let mut backoff = UNSENT_FIRST_BACKOFF;
-            let mut failures = 0u32;
-            loop {
+            let write = || async {
                 match apply(&backend, &doorbell, Lock::Job(job), settle()).await {
-                    Ok(_) => {
-                        return tracing::info!(%job, %attempt, failures, "an attempt whose start was written though its reply was lost, on a job completed meanwhile, is settled failed: it was never sent");
-                    }
+                    Ok(_) => Ok(true),
                     // Settled already (a try whose reply was lost, an
                     // operator), or purged: nothing left to write.
                     Err(
                         StoreError::Refused(Refusal::AttemptIs { .. }) | StoreError::NotFound(_),
-                    ) => {
-                        return tracing::debug!(%job, %attempt, "an attempt never sent was settled or purged already");
-                    }
-                    Err(e)
-                        if e.is_transient() && tokio::time::Instant::now() + backoff < deadline =>
-                    {
-                        failures += 1;
-                        metrics::counter!("idemgate_record_retries_total").increment(1);
-                        tokio::time::sleep(backoff).await;
-                        backoff = (backoff * 2).min(UNSENT_MAX_BACKOFF);
-                    }
-                    Err(e) => {
-                        return tracing::warn!(%job, %attempt, failures, error = %e, "an attempt never sent could not be settled before its lease lapsed; it will lapse into unknown");
-                    }
+                    ) => Ok(false),
+                    Err(e) => Err(e),
                 }
+            };
+            if let Ok(true) = crate::retrying("settle", attempt, deadline, write).await {
+                tracing::info!(%job, %attempt, "an attempt whose start was written though its reply was lost, on a job completed meanwhile, is settled failed: it was never sent");
             }
         });
     }
 }
-
-/// The backoff of [`Machine::unsent`]'s write: as an attempt's outcome is
-/// retried.
-const UNSENT_FIRST_BACKOFF: Duration = Duration::from_millis(50);
-const UNSENT_MAX_BACKOFF: Duration = Duration::from_secs(2);
 
 /// Runs one transition on `backend`; rings `doorbell` when it moved the job.
 async fn apply<B: Backend>(

@@ -47,7 +47,6 @@ pub(super) const PATIENCE: Duration = Duration::from_secs(2);
 mod call;
 mod ends;
 mod reconcile;
-mod record;
 mod runner;
 mod task;
 mod verdict;

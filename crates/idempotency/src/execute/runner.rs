@@ -122,7 +122,7 @@ impl Runner {
                     }
                 }
             };
-            if let Ok(true) = super::record::retrying("record", attempt, deadline, write).await {
+            if let Ok(true) = idemgate_store::retrying("record", attempt, deadline, write).await {
                 tracing::info!(%attempt, "an attempt whose start was written though its reply was lost is settled failed: it was never sent");
             }
         });

@@ -28,7 +28,6 @@ use tokio_util::sync::CancellationToken;
 use super::call::{Call, Clock, Relayed, Watched};
 use super::ends::Ends;
 use super::reconcile::Reconciler;
-use super::record::retrying;
 use super::verdict::{classify, ended, Ended, Verdict};
 use super::{Reply, Runner, UpstreamService, PATIENCE};
 use crate::error::GatewayError;
@@ -37,6 +36,7 @@ use crate::recording::Recording;
 use crate::replay;
 use crate::replay::tiers::Write;
 use crate::route::{Route, Silences};
+use idemgate_store::retrying;
 
 /// What an answer read whole costs the memory budget per byte while it is
 /// held: itself, and the two copies its commit makes on the way to the

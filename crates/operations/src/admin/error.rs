@@ -45,6 +45,15 @@ pub(super) enum AdminError {
     /// and a refused resolution are the store's answers too).
     #[error("{}", Chain(.0))]
     Store(StoreError),
+    /// The store is up, but another transaction held the job past
+    /// `database_lock_timeout` ([`StoreError::is_lock_wait`]); nothing was
+    /// written.
+    #[error(
+        "another transaction held this job past database_lock_timeout; nothing was written: \
+         try again, or find the holder (docs/runbook.md, IdemgateOutcomeWritesRetried) ({})",
+        Chain(.0)
+    )]
+    JobBusy(StoreError),
 }
 
 impl AdminError {
@@ -75,10 +84,7 @@ impl AdminError {
                 "sign-in-throttled",
                 "Too many failed sign-ins",
             ),
-            // The store answers; another transaction holds the job.
-            AdminError::Store(e) if e.is_lock_wait() => {
-                (StatusCode::CONFLICT, "job-busy", "Job busy")
-            }
+            AdminError::JobBusy(_) => (StatusCode::CONFLICT, "job-busy", "Job busy"),
             AdminError::Store(e) => match e.kind() {
                 StoreErrorKind::NotFound => (StatusCode::NOT_FOUND, "not-found", "Not found"),
                 StoreErrorKind::Conflict => (
@@ -105,19 +111,10 @@ impl AdminError {
         let (status, slug, title) = self.problem();
         let retry_after = match &self {
             AdminError::SignInThrottled(wait) => Some(*wait),
-            AdminError::Store(e) if e.is_lock_wait() => Some(JOB_BUSY_RETRY),
+            AdminError::JobBusy(_) => Some(JOB_BUSY_RETRY),
             _ => None,
         };
-        let detail = match &self {
-            AdminError::Store(e) if e.is_lock_wait() => format!(
-                "another transaction held this job past database_lock_timeout; nothing was \
-                 written: try again, or find the holder (docs/runbook.md, \
-                 IdemgateOutcomeWritesRetried) ({})",
-                Chain(e)
-            ),
-            _ => self.to_string(),
-        };
-        let mut response = problem_response(status, slug, title, &detail, retry_after);
+        let mut response = problem_response(status, slug, title, &self.to_string(), retry_after);
         if matches!(self, AdminError::Unauthorized) {
             response
                 .headers_mut()
@@ -129,7 +126,10 @@ impl AdminError {
 
 impl From<StoreError> for AdminError {
     fn from(e: StoreError) -> Self {
-        AdminError::Store(e)
+        match e.is_lock_wait() {
+            true => AdminError::JobBusy(e),
+            false => AdminError::Store(e),
+        }
     }
 }
 

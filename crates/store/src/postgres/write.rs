@@ -74,11 +74,14 @@ pub(super) async fn write(
     .await
     .map_err(map_pg)?;
     // `settle` is prepared exactly when the change settles attempts.
-    let settled: Vec<_> = settle
-        .iter()
-        .flat_map(|statement| change.settled.iter().map(move |s| (statement, s)))
-        .map(|(statement, settled)| settle_attempt(tx, statement, settled))
-        .collect();
+    let settled: Vec<_> = match &settle {
+        Some(statement) => change
+            .settled
+            .iter()
+            .map(|s| settle_attempt(tx, statement, s))
+            .collect(),
+        None => Vec::new(),
+    };
     let started = async {
         match (&change.started, &insert) {
             (Some(start), Some(statement)) => insert_attempt(tx, statement, change.job.id, start)

@@ -1,18 +1,16 @@
-//! How an attempt's end is written (`Task::record`, `Task::commit`;
-//! `docs/design.md` §5). What the gateway
-//! learned is never dropped by a transient fault: each write is retried with
-//! backoff until the store takes it or the attempt's deadline passes,
-//! holding the attempt's lease meanwhile. The request is answered once the
-//! write is in, or after [`PATIENCE`] at most (then with `503` for an answer
-//! not yet committed: the client's retry is held until it is, and replays it).
+//! Writes of what the gateway learned about an attempt (its end, its
+//! commit, that it was never sent; `docs/design.md` §5): never dropped by a
+//! transient fault. Each write is retried with backoff until the store takes
+//! it or the attempt's deadline passes; the attempt's lease is held
+//! meanwhile by whoever runs it.
 
 use std::future::Future;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::StoreError;
 use idemgate_domain::id::AttemptId;
-use idemgate_store::StoreError;
 use idemgate_telemetry::Chain;
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(50);
@@ -21,7 +19,7 @@ const MAX_BACKOFF: Duration = Duration::from_secs(2);
 /// Runs `write` until it succeeds, fails for good, or `deadline` passes,
 /// backing off while the store is unreachable. A write that never got in
 /// is logged as an error: the attempt's lease will lapse into `unknown`.
-pub(super) async fn retrying<T, F, Fut>(
+pub async fn retrying<T, F, Fut>(
     what: &'static str,
     attempt: AttemptId,
     deadline: Instant,
