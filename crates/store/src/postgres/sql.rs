@@ -156,8 +156,8 @@ pub(super) fn begin_one_statement() -> &'static str {
     &TEXT
 }
 
-/// The jobs `jobs` (a query of job ids, with its own order and limit)
-/// names that this transaction can lock, with every one of their attempts
+/// The jobs `jobs` (a query of job ids from `jobs j`, with its own order
+/// and limit) names that this transaction can lock, with every one of their attempts
 /// (the CTE `unheld`): a job another transaction holds is skipped, not
 /// waited for, and so is a job one of whose attempts is held (an
 /// operator's `UPDATE attempts` left open, say). Waiting on either, a sweep
@@ -165,7 +165,7 @@ pub(super) fn begin_one_statement() -> &'static str {
 /// it (`docs/design.md` §13, "A lock waited for").
 fn unheld(jobs: &str) -> String {
     format!(
-        "WITH locked AS MATERIALIZED ({jobs} FOR UPDATE SKIP LOCKED), \
+        "WITH locked AS MATERIALIZED ({jobs} FOR UPDATE OF j SKIP LOCKED), \
          free AS MATERIALIZED ( \
            SELECT id FROM attempts WHERE job_id IN (SELECT id FROM locked) \
            ORDER BY id FOR NO KEY UPDATE SKIP LOCKED \
@@ -178,17 +178,24 @@ fn unheld(jobs: &str) -> String {
 }
 
 /// The sweep of lapsed leases' first statement: the jobs of up to $1
-/// started attempts ($2) whose lease lapsed, locked in id order, those
-/// held skipped ([`unheld`]).
+/// started attempts ($2) whose lease lapsed, oldest first, those held
+/// skipped ([`unheld`]). The limit counts only rows this statement could
+/// lock: a job another transaction holds, or a lapsed attempt it holds,
+/// is skipped below the limit (`LIMIT … FOR UPDATE … SKIP LOCKED` locks
+/// before it limits), so rows held longer than a tick never use up the
+/// sweep's batch and starve the free ones behind them (`docs/design.md`
+/// §13, "A lock waited for"). Nothing here waits on a lock, so the order
+/// the rows are locked in cannot deadlock. A job with two lapsed attempts
+/// (a hedge) is named once.
 pub(super) fn lapsed_jobs_statement() -> &'static str {
     static TEXT: LazyLock<String> = LazyLock::new(|| {
         format!(
-            "{}SELECT id FROM unheld",
+            "{}SELECT DISTINCT id FROM unheld",
             unheld(
-                "SELECT j.id FROM jobs j WHERE j.id IN ( \
-                   SELECT job_id FROM attempts WHERE state = $2 AND lease_expires_at < now() \
-                   ORDER BY lease_expires_at LIMIT $1) \
-                 ORDER BY j.id"
+                "SELECT j.id FROM attempts a JOIN jobs j ON j.id = a.job_id \
+                 WHERE a.state = $2 AND a.lease_expires_at < now() \
+                 ORDER BY a.lease_expires_at LIMIT $1 \
+                 FOR NO KEY UPDATE OF a SKIP LOCKED"
             )
         )
     });
@@ -196,12 +203,17 @@ pub(super) fn lapsed_jobs_statement() -> &'static str {
 }
 
 /// The purge: up to $1 jobs past their expiry, oldest first, deleted with
-/// their attempts, those held skipped ([`unheld`]).
+/// their attempts, those held skipped ([`unheld`]). A job another
+/// transaction holds is skipped below the limit, as in
+/// [`lapsed_jobs_statement`]; a job only one of whose attempts is held
+/// still counts, and is left for a later purge.
 pub(super) fn purge_statement() -> &'static str {
     static TEXT: LazyLock<String> = LazyLock::new(|| {
         format!(
             "{}DELETE FROM jobs WHERE id IN (SELECT id FROM unheld)",
-            unheld("SELECT id FROM jobs WHERE expires_at < now() ORDER BY expires_at LIMIT $1")
+            unheld(
+                "SELECT j.id FROM jobs j WHERE j.expires_at < now() ORDER BY j.expires_at LIMIT $1"
+            )
         )
     });
     &TEXT

@@ -420,6 +420,49 @@ async fn on_postgres_the_sweep_skips_jobs_and_attempts_other_transactions_hold()
     assert_eq!(state(held.held_attempt).await, JobState::Unknown);
 }
 
+/// The rows a statement makes due: the free job's last (one minute ago),
+/// the two held ones' first (two minutes ago), so that a sweep or purge
+/// of one job at a time meets the held ones before the free one.
+const FREE_LAST: &str =
+    "now() - CASE WHEN {id} = $1[1] THEN interval '1 minute' ELSE interval '2 minutes' END";
+
+/// A sweep of one lapsed lease at a time still reaches the free one when
+/// the leases that lapsed before it belong to held rows: the held rows do
+/// not use up its batch. Limited before it skipped them, the sweep chose
+/// the oldest lapsed leases, skipped them, and made nothing `unknown`,
+/// tick after tick, for as long as as many rows as its batch were held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_held_rows_do_not_use_up_a_sweeps_batch() {
+    let due = FREE_LAST.replace("{id}", "job_id");
+    let held = Held::new(&format!(
+        "UPDATE attempts SET lease_expires_at = {due} WHERE job_id = ANY($1)"
+    ))
+    .await;
+    let swept = held.store.expire_leases(1).await;
+    assert_eq!(swept.expect("the sweep went past the held rows"), 1);
+    let state = async |id| held.store.job(id).await.unwrap().unwrap().state;
+    assert_eq!(state(held.free).await, JobState::Unknown);
+    assert_eq!(state(held.held_job).await, JobState::Running);
+    assert_eq!(state(held.held_attempt).await, JobState::Running);
+    held.let_go().await;
+    assert_eq!(held.store.expire_leases(2).await.unwrap(), 2);
+}
+
+/// The purge of one expired job at a time likewise reaches the free job
+/// behind an older one another transaction holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_a_held_job_does_not_use_up_a_purges_batch() {
+    let due = FREE_LAST.replace("{id}", "id");
+    let held = Held::new(&format!(
+        "UPDATE jobs SET expires_at = {due} WHERE id = ANY($1) AND id <> $1[3]"
+    ))
+    .await;
+    let purged = held.store.purge_expired(1).await;
+    assert_eq!(purged.expect("the purge went past the held job"), 1);
+    assert!(held.store.job(held.free).await.unwrap().is_none());
+    assert!(held.store.job(held.held_job).await.unwrap().is_some());
+}
+
 /// Begins of keys whose jobs exist, round after round, turn on the read a
 /// batch makes before its begin statement (`batch/begin.rs`, "read
 /// first"); then, in a round of forty such begins, ten new keys each begun
