@@ -205,19 +205,23 @@ impl Gateway {
 
     /// The drain's last part: attempts still running here (a client that
     /// left does not stop its attempt) may end by `deadline`, so that a
-    /// rollout records their outcomes rather than `unknown`.
+    /// rollout records their outcomes rather than `unknown`; so may the
+    /// store's outcome writes still being retried in the background.
     pub(super) async fn finish_attempts(&self, deadline: tokio::time::Instant) {
         let running = self.leases.running();
-        if running == 0 {
-            return;
+        if running > 0 {
+            tracing::info!(running, "waiting for the attempts in flight to end");
+            let ended = tokio::time::timeout_at(deadline, self.leases.all_ended()).await;
+            if ended.is_err() {
+                tracing::warn!(
+                    running = self.leases.running(),
+                    "attempts still running when shutdown_grace ended"
+                );
+            }
         }
-        tracing::info!(running, "waiting for the attempts in flight to end");
-        let ended = tokio::time::timeout_at(deadline, self.leases.all_ended()).await;
-        if ended.is_err() {
-            tracing::warn!(
-                running = self.leases.running(),
-                "attempts still running when shutdown_grace ended"
-            );
+        let written = tokio::time::timeout_at(deadline, self.store.finish_writes()).await;
+        if written.is_err() {
+            tracing::error!("outcome writes still being retried when shutdown_grace ended: their attempts will lapse into unknown");
         }
     }
 

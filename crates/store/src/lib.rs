@@ -280,6 +280,14 @@ pub trait Store: Records {
         attempt: NewAttempt,
     ) -> Result<Option<Attempt>, StoreError>;
 
+    /// Waits until the outcome writes this store makes in the background
+    /// (the settle of a hedge that was never sent, `docs/design.md` §5, "A
+    /// start whose reply was lost") have landed or given up. The drain
+    /// awaits it, within `shutdown_grace`, before the process exits: a
+    /// write still being retried then would be lost with the process, and
+    /// its attempt lapse into `unknown` (§12, "Termination").
+    async fn finish_writes(&self) {}
+
     /// Commits the attempt's response as the job's result: one CAS on the
     /// version the attempt started under, with `completed_by IS NULL`.
     async fn commit(

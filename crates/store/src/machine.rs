@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use tokio_util::task::TaskTracker;
 
 use super::measured::Measured;
 use super::{
@@ -38,6 +39,9 @@ pub struct Machine<B> {
     sealer: Option<Arc<Sealer>>,
     /// Told of every attempt a sweep made `unknown`, when someone listens.
     lapsed: Option<tokio::sync::mpsc::UnboundedSender<Lapsed>>,
+    /// The writes that outlive their request, for the drain to wait on
+    /// ([`Store::finish_writes`]).
+    background: TaskTracker,
 }
 
 impl<B: Backend> Machine<B> {
@@ -49,6 +53,7 @@ impl<B: Backend> Machine<B> {
             doorbell,
             sealer: None,
             lapsed: None,
+            background: TaskTracker::new(),
         }
     }
 
@@ -248,7 +253,7 @@ impl<B: Backend> Machine<B> {
             };
             Box::new(move |s, _| transition::settle(s, attempt, &failure))
         };
-        tokio::spawn(async move {
+        self.background.spawn(async move {
             let write = || async {
                 match apply(&backend, &doorbell, Lock::Job(job), settle()).await {
                     Ok(_) => Ok(true),
@@ -365,6 +370,13 @@ impl<B: Backend> Records for Machine<B> {
 
 #[async_trait]
 impl<B: Backend> Store for Machine<B> {
+    async fn finish_writes(&self) {
+        // Closed so that `wait` can end; a write spawned after (a request
+        // still finishing) is waited for too.
+        self.background.close();
+        self.background.wait().await;
+    }
+
     async fn begin_job(&self, job: NewJob, attempt: NewAttempt) -> Result<Begin, StoreError> {
         // A new job has no one waiting on it yet: nothing to ring.
         match self.backend.begin(job, attempt).await? {

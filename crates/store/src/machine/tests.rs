@@ -144,7 +144,7 @@ fn attempt() -> NewAttempt {
 /// left it.
 #[tokio::test(start_paused = true)]
 async fn a_hedge_overtaken_while_its_reply_was_lost_is_settled_as_never_sent() {
-    overtaken_hedge(0).await;
+    overtaken_hedge(0, Wait::Sleep).await;
 }
 
 /// The same, with the store down for the settle's first three writes:
@@ -152,12 +152,29 @@ async fn a_hedge_overtaken_while_its_reply_was_lost_is_settled_as_never_sent() {
 /// the store is back, not dropped after one try.
 #[tokio::test(start_paused = true)]
 async fn a_never_sent_settle_is_retried_while_the_store_is_down() {
-    overtaken_hedge(3).await;
+    overtaken_hedge(3, Wait::Sleep).await;
+}
+
+/// The same, with the gateway draining while the store is down: the
+/// drain's `finish_writes` returns only once the retried settle landed,
+/// so a rollout does not drop it and let the attempt lapse into `unknown`.
+#[tokio::test(start_paused = true)]
+async fn the_drain_waits_for_a_never_sent_settle_still_being_retried() {
+    overtaken_hedge(3, Wait::Drain).await;
+}
+
+/// How a test of a background write waits for it.
+enum Wait {
+    /// Longer than every backoff the write could need.
+    Sleep,
+    /// For the store's writes to finish, as the drain does.
+    Drain,
 }
 
 /// A hedge overtaken while its reply was lost, with the store down for
-/// `fails` writes after; asserts how the job and the hedge end.
-async fn overtaken_hedge(fails: u32) {
+/// `fails` writes after; asserts how the job and the hedge end once
+/// `wait` is over.
+async fn overtaken_hedge(fails: u32, wait: Wait) {
     let machine = Machine::new(LosesReply::default(), Arc::new(Doorbell::default()));
     let job = NewJob {
         id: JobId::new(),
@@ -178,9 +195,12 @@ async fn overtaken_hedge(fails: u32) {
         .await;
     assert!(started.unwrap().is_none(), "the hedge is not run");
 
-    // The settle is written in the background: on paused time, this
-    // sleep returns once every backoff shorter than it has run.
-    tokio::time::sleep(Duration::from_secs(10)).await;
+    match wait {
+        // The settle is written in the background: on paused time, this
+        // sleep returns once every backoff shorter than it has run.
+        Wait::Sleep => tokio::time::sleep(Duration::from_secs(10)).await,
+        Wait::Drain => machine.finish_writes().await,
+    }
     assert_eq!(
         machine.backend.0.fails.load(SeqCst),
         0,
