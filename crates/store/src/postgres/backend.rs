@@ -3,6 +3,7 @@
 
 use async_trait::async_trait;
 use deadpool_postgres::GenericClient;
+use futures_util::future::try_join_all;
 
 use super::batch::{commit_alone, BeginRequest, CommitRequest, BATCHED_BODY};
 use super::rows::snapshots;
@@ -142,8 +143,13 @@ impl Backend for Postgres {
             .map_err(map_pg)?;
         let (snapshots, now) = snapshots(&rows)?;
         let changes = expire_each(&snapshots, now);
-        for change in &changes {
-            write(&tx, change).await?;
+        // Distinct jobs' rows: sent together, not one round trip each while
+        // the batch's locks are held (`write.rs`). The first goes alone, so
+        // that its statements are prepared once, not by every change at once
+        // on a connection that has not prepared them yet.
+        if let Some((first, rest)) = changes.split_first() {
+            write(&tx, first).await?;
+            try_join_all(rest.iter().map(|change| write(&tx, change))).await?;
         }
         tx.commit().await.map_err(map_pg)?;
         Ok(changes)
