@@ -371,8 +371,9 @@ impl<B: Backend> Records for Machine<B> {
 #[async_trait]
 impl<B: Backend> Store for Machine<B> {
     async fn finish_writes(&self) {
-        // Closed so that `wait` can end; a write spawned after (a request
-        // still finishing) is waited for too.
+        // Closed so that `wait` can end once the tracker is empty; a write
+        // spawned while it waits (a request still finishing) is waited for
+        // too, one spawned after it returned is not.
         self.background.close();
         self.background.wait().await;
     }

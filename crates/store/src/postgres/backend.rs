@@ -144,9 +144,9 @@ impl Backend for Postgres {
         let (snapshots, now) = snapshots(&rows)?;
         let changes = expire_each(&snapshots, now);
         // Distinct jobs' rows: sent together, not one round trip each while
-        // the batch's locks are held (`write.rs`). The first goes alone, so
-        // that its statements are prepared once, not by every change at once
-        // on a connection that has not prepared them yet.
+        // the batch's locks are held (`write.rs`). The first goes alone and
+        // prepares the statements (on a connection that has none yet) the
+        // rest then only use.
         if let Some((first, rest)) = changes.split_first() {
             write(&tx, first).await?;
             try_join_all(rest.iter().map(|change| write(&tx, change))).await?;

@@ -157,15 +157,15 @@ pub(super) fn begin_one_statement() -> &'static str {
 }
 
 /// The jobs `jobs` (a query of job ids from `jobs j`, with its own order
-/// and limit) names that this transaction can lock, with every one of their attempts
+/// and limit, then `also`, more of its own locking clauses) names that this transaction can lock, with every one of their attempts
 /// (the CTE `unheld`): a job another transaction holds is skipped, not
 /// waited for, and so is a job one of whose attempts is held (an
 /// operator's `UPDATE attempts` left open, say). Waiting on either, a sweep
 /// would time out and roll back, every tick, for as long as the holder held
 /// it (`docs/design.md` §13, "A lock waited for").
-fn unheld(jobs: &str) -> String {
+fn unheld(jobs: &str, also: &str) -> String {
     format!(
-        "WITH locked AS MATERIALIZED ({jobs} FOR UPDATE OF j SKIP LOCKED), \
+        "WITH locked AS MATERIALIZED ({jobs} FOR UPDATE OF j SKIP LOCKED{also}), \
          free AS MATERIALIZED ( \
            SELECT id FROM attempts WHERE job_id IN (SELECT id FROM locked) \
            ORDER BY id FOR NO KEY UPDATE SKIP LOCKED \
@@ -185,8 +185,11 @@ fn unheld(jobs: &str) -> String {
 /// before it limits), so rows held longer than a tick never use up the
 /// sweep's batch and starve the free ones behind them (`docs/design.md`
 /// §13, "A lock waited for"). Nothing here waits on a lock, so the order
-/// the rows are locked in cannot deadlock. A job with two lapsed attempts
-/// (a hedge) is named once.
+/// the rows are locked in cannot deadlock; the job is locked first (the
+/// clauses' order), so that a row skipped for its held job leaves its
+/// attempt unlocked for the job's holder, which may be about to settle it.
+/// A job with two lapsed attempts (a hedge) is named once, though each
+/// counts against the limit.
 pub(super) fn lapsed_jobs_statement() -> &'static str {
     static TEXT: LazyLock<String> = LazyLock::new(|| {
         format!(
@@ -194,8 +197,8 @@ pub(super) fn lapsed_jobs_statement() -> &'static str {
             unheld(
                 "SELECT j.id FROM attempts a JOIN jobs j ON j.id = a.job_id \
                  WHERE a.state = $2 AND a.lease_expires_at < now() \
-                 ORDER BY a.lease_expires_at LIMIT $1 \
-                 FOR NO KEY UPDATE OF a SKIP LOCKED"
+                 ORDER BY a.lease_expires_at LIMIT $1",
+                " FOR NO KEY UPDATE OF a SKIP LOCKED",
             )
         )
     });
@@ -212,7 +215,8 @@ pub(super) fn purge_statement() -> &'static str {
         format!(
             "{}DELETE FROM jobs WHERE id IN (SELECT id FROM unheld)",
             unheld(
-                "SELECT j.id FROM jobs j WHERE j.expires_at < now() ORDER BY j.expires_at LIMIT $1"
+                "SELECT j.id FROM jobs j WHERE j.expires_at < now() ORDER BY j.expires_at LIMIT $1",
+                "",
             )
         )
     });
