@@ -206,8 +206,9 @@ impl Gateway {
     /// The drain's last part: attempts still running here (a client that
     /// left does not stop its attempt) may end by `deadline`, so that a
     /// rollout records their outcomes rather than `unknown`; so may the
-    /// store's outcome writes still being retried in the background.
-    pub(super) async fn finish_attempts(&self, deadline: tokio::time::Instant) {
+    /// outcome writes still being retried in the background (`shared`'s
+    /// never-sent records, the store's settles).
+    pub(super) async fn finish_attempts(&self, deadline: tokio::time::Instant, shared: &Shared) {
         let running = self.leases.running();
         if running > 0 {
             tracing::info!(running, "waiting for the attempts in flight to end");
@@ -219,7 +220,7 @@ impl Gateway {
                 );
             }
         }
-        let written = tokio::time::timeout_at(deadline, self.store.finish_writes()).await;
+        let written = tokio::time::timeout_at(deadline, shared.finish_writes()).await;
         if written.is_err() {
             tracing::error!("outcome writes still being retried when shutdown_grace ended: their attempts will lapse into unknown");
         }

@@ -141,11 +141,8 @@ pub async fn run(
     ready: impl FnOnce(),
 ) -> Result<(), StartError> {
     let gateway = Gateway::start(&settings).await?;
-    let proxy = stack::proxy(
-        &settings,
-        gateway.idempotency(&settings),
-        gateway.upstreams.clone(),
-    );
+    let idempotency = gateway.idempotency(&settings);
+    let proxy = stack::proxy(&settings, idempotency.clone(), gateway.upstreams.clone());
     let admin = gateway.admin(&settings);
     let admin = tower::service_fn(move |req| admin.clone().handle(req));
     ready();
@@ -162,7 +159,7 @@ pub async fn run(
         server::serve(listeners.admin, admin, stopping(), grace, limits, trusted()),
         began,
     );
-    gateway.finish_attempts(began + grace).await;
+    gateway.finish_attempts(began + grace, &idempotency).await;
     gateway.stop().await;
     tracing::info!("gateway stopped");
     Ok(())

@@ -82,6 +82,12 @@ impl Gateway {
 
     /// Asks the process to stop (SIGTERM) and waits until it has exited.
     pub async fn terminate(&mut self) -> std::process::ExitStatus {
+        self.ask_to_stop().await;
+        self.exited().await
+    }
+
+    /// Sends SIGTERM and returns at once: the drain begins.
+    pub async fn ask_to_stop(&self) {
         let pid = self.child.id().expect("running").to_string();
         let sent = Command::new("kill")
             .args(["-TERM", &pid])
@@ -89,6 +95,15 @@ impl Gateway {
             .await
             .unwrap();
         assert!(sent.success());
+    }
+
+    /// Whether the process is still running (not exited).
+    pub fn running(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+
+    /// Waits until the process has exited, at most 30 s.
+    pub async fn exited(&mut self) -> std::process::ExitStatus {
         tokio::time::timeout(Duration::from_secs(30), self.child.wait())
             .await
             .expect("the gateway did not stop within 30 s of SIGTERM")

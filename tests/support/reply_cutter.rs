@@ -10,6 +10,11 @@
 //! server's messages to find the end of the transaction. A transaction
 //! that ends in a rollback is cut and counted the same way, so a test also
 //! checks what was written.
+//!
+//! It can also refuse a write: while [`ReplyCutter::refuse`] is set, a
+//! connection that sends bytes carrying its marker is closed before they
+//! are forwarded, so that write never reaches the server (a store down for
+//! that write alone).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -20,10 +25,18 @@ use tokio::net::{TcpListener, TcpStream};
 /// The marker still to match, and how many more times.
 type Armed = Arc<Mutex<Option<(Vec<u8>, usize)>>>;
 
+/// The marker of the writes refused, and how many were.
+#[derive(Clone, Default)]
+struct Refusing {
+    marker: Arc<Mutex<Option<Vec<u8>>>>,
+    refused: Arc<AtomicUsize>,
+}
+
 pub struct ReplyCutter {
     pub port: u16,
     marker: Armed,
     cuts: Arc<AtomicUsize>,
+    refusing: Refusing,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -34,14 +47,16 @@ impl ReplyCutter {
         let port = listener.local_addr().unwrap().port();
         let marker: Armed = Arc::default();
         let cuts = Arc::new(AtomicUsize::new(0));
+        let refusing = Refusing::default();
         let task = tokio::spawn({
-            let (marker, cuts) = (marker.clone(), cuts.clone());
+            let (marker, cuts, refusing) = (marker.clone(), cuts.clone(), refusing.clone());
             async move {
                 while let Ok((client, _)) = listener.accept().await {
                     let Ok(server) = TcpStream::connect(&server).await else {
                         continue;
                     };
-                    tokio::spawn(relay(client, server, marker.clone(), cuts.clone()));
+                    let (marker, cuts, refusing) = (marker.clone(), cuts.clone(), refusing.clone());
+                    tokio::spawn(relay(client, server, marker, cuts, refusing));
                 }
             }
         });
@@ -49,6 +64,7 @@ impl ReplyCutter {
             port,
             marker,
             cuts,
+            refusing,
             task,
         }
     }
@@ -67,6 +83,17 @@ impl ReplyCutter {
     pub fn cuts(&self) -> usize {
         self.cuts.load(Ordering::SeqCst)
     }
+
+    /// Refuses every write carrying `marker` (or none, with `None`) from
+    /// now on: its connection is closed before the bytes are forwarded.
+    pub fn refuse(&self, marker: Option<&[u8]>) {
+        *self.refusing.marker.lock().unwrap() = marker.map(<[u8]>::to_vec);
+    }
+
+    /// Writes refused so far.
+    pub fn refused(&self) -> usize {
+        self.refusing.refused.load(Ordering::SeqCst)
+    }
 }
 
 impl Drop for ReplyCutter {
@@ -75,7 +102,13 @@ impl Drop for ReplyCutter {
     }
 }
 
-async fn relay(client: TcpStream, server: TcpStream, marker: Armed, cuts: Arc<AtomicUsize>) {
+async fn relay(
+    client: TcpStream,
+    server: TcpStream,
+    marker: Armed,
+    cuts: Arc<AtomicUsize>,
+    refusing: Refusing,
+) {
     let (mut client_rx, mut client_tx) = client.into_split();
     let (mut server_rx, mut server_tx) = server.into_split();
     let cut = Arc::new(AtomicBool::new(false));
@@ -93,6 +126,13 @@ async fn relay(client: TcpStream, server: TcpStream, marker: Armed, cuts: Arc<At
                 };
                 let before = tail.len();
                 tail.extend_from_slice(&buf[..n]);
+                if let Some(m) = refusing.marker.lock().unwrap().as_deref() {
+                    let from = before.saturating_sub(m.len().saturating_sub(1));
+                    if tail[from..].windows(m.len()).any(|w| w == m) {
+                        refusing.refused.fetch_add(1, Ordering::SeqCst);
+                        return;
+                    }
+                }
                 {
                     let mut armed = marker.lock().unwrap();
                     if let Some((m, times)) = armed.as_mut() {

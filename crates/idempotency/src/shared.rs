@@ -107,6 +107,13 @@ impl Shared {
             .reconcile_orphans(self.config.routes.clone(), upstream, interval, beat)
     }
 
+    /// Waits until the outcome writes that outlive their requests have
+    /// landed or given up: the drain's last wait, after the attempts in
+    /// flight (`docs/design.md` §12, "Termination").
+    pub async fn finish_writes(&self) {
+        self.runner.finish_writes().await;
+    }
+
     /// Builds the layer's components on `runtime`.
     pub fn new(config: Config, runtime: Runtime) -> Self {
         let Runtime {

@@ -167,6 +167,54 @@ async fn a_begin_lost_twice_is_answered_503_and_its_retry_still_runs() {
     assert_eq!(attempts[1].0, "succeeded");
 }
 
+/// The same lost begins, with the store refusing the never-sent record
+/// (its connection closed before the write reaches the server), and the
+/// gateway asked to stop meanwhile: the drain waits for the record, still
+/// retried, and the process exits once it landed. The attempt ends
+/// `failed`, never sent, and its job open for the client's retry. Before,
+/// the gateway exited at once (no attempt was running) and left the
+/// attempt `started`, to lapse into `unknown` with no one to run it.
+#[tokio::test]
+async fn the_drain_waits_for_a_never_sent_record_the_store_still_refuses() {
+    let upstream = FakeUpstream::echo().await;
+    let Relayed {
+        db,
+        cutter,
+        mut gateway,
+    } = behind_relay(&upstream).await;
+    let url = gateway.path("/v1/charges");
+    let key = format!("lose-then-drain-{}", uuid::Uuid::new_v4().simple());
+    cutter.arm_times(key.as_bytes(), 2);
+    cutter.refuse(Some(b"never sent upstream"));
+
+    let refused = post(&url, &key, "{}").await;
+    assert_eq!(refused.status, 503, "{refused:?}");
+    assert_eq!(upstream.hits(), 0, "nothing was proxied");
+    eventually(
+        Duration::from_secs(10),
+        "the never-sent record to be refused",
+        || async { cutter.refused() >= 1 },
+    )
+    .await;
+
+    gateway.ask_to_stop().await;
+    let asked = cutter.refused();
+    eventually(
+        Duration::from_secs(10),
+        "the record to be tried again after SIGTERM",
+        || async { cutter.refused() > asked },
+    )
+    .await;
+    assert!(gateway.running(), "the drain waits for the record");
+    cutter.refuse(None);
+    assert!(gateway.exited().await.success(), "a clean exit");
+    assert_eq!(
+        states(&db).await,
+        [("open".to_owned(), "failed".to_owned())],
+        "recorded never sent before the process exited"
+    );
+}
+
 /// A key's first attempt fails with a retryable status, so its job is
 /// open; the client's retry claims the next attempt, and the claim's
 /// transaction commits but its reply is lost. The claim reads the job back,

@@ -27,6 +27,7 @@ use idemgate_upkeep::supervise::Heartbeat;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 use uuid::Uuid;
 
@@ -60,6 +61,9 @@ pub(crate) struct Runner {
     pub(super) instance: Uuid,
     /// The attempts a task here asks its upstream about.
     pub(super) asking: Arc<reconcile::Asking>,
+    /// The never-sent records still being written, for the drain to wait
+    /// on ([`Runner::finish_writes`]).
+    background: TaskTracker,
 }
 
 impl Runner {
@@ -82,7 +86,18 @@ impl Runner {
             live,
             instance,
             asking: Arc::default(),
+            background: TaskTracker::new(),
         }
+    }
+
+    /// Waits until the never-sent records [`Runner::never_sent`] is still
+    /// retrying have landed or given up, then for the store's own
+    /// background writes ([`Store::finish_writes`]): the drain's last wait
+    /// (`docs/design.md` §12, "Termination").
+    pub(crate) async fn finish_writes(&self) {
+        self.background.close();
+        self.background.wait().await;
+        self.store.finish_writes().await;
     }
 
     /// What the store is asked to record for a new attempt on `target`.
@@ -108,7 +123,7 @@ impl Runner {
     pub(crate) fn never_sent(&self, attempt: AttemptId) {
         let store = self.store.clone();
         let deadline = Instant::now() + self.config.deadline;
-        tokio::spawn(async move {
+        self.background.spawn(async move {
             let write = || {
                 let store = store.clone();
                 async move {
