@@ -116,6 +116,9 @@ impl Records for Faulty {
 
 #[async_trait]
 impl Store for Faulty {
+    async fn finish_writes(&self) {
+        self.inner.finish_writes().await
+    }
     async fn begin_job(&self, job: NewJob, attempt: NewAttempt) -> Result<Begin, StoreError> {
         let begun = self.inner.begin_job(job, attempt).await;
         // Recorded; the answer is still on its way back over the network

@@ -285,8 +285,9 @@ pub trait Store: Records {
     /// start whose reply was lost") have landed or given up. The drain
     /// awaits it, within `shutdown_grace`, before the process exits: a
     /// write still being retried then would be lost with the process, and
-    /// its attempt lapse into `unknown` (§12, "Termination").
-    async fn finish_writes(&self) {}
+    /// its attempt lapse into `unknown` (§12, "Termination"). No default:
+    /// a store that wraps another forwards it, or the drain stops waiting.
+    async fn finish_writes(&self);
 
     /// Commits the attempt's response as the job's result: one CAS on the
     /// version the attempt started under, with `completed_by IS NULL`.

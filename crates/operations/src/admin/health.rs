@@ -192,6 +192,7 @@ mod tests {
 
     #[async_trait]
     impl Store for SweepPanics {
+        async fn finish_writes(&self) {}
         async fn begin_job(&self, _: NewJob, _: NewAttempt) -> Result<Begin, StoreError> {
             unimplemented!()
         }
