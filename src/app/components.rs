@@ -207,8 +207,16 @@ impl Gateway {
     /// left does not stop its attempt) may end by `deadline`, so that a
     /// rollout records their outcomes rather than `unknown`; so may the
     /// outcome writes still being retried in the background (`shared`'s
-    /// never-sent records, the store's settles).
-    pub(super) async fn finish_attempts(&self, deadline: tokio::time::Instant, shared: &Shared) {
+    /// never-sent records, the store's settles), for at most `writes_for`
+    /// more: past the lease those attempts lapse into `unknown` anyway, and
+    /// a store down that long should not hold a rollout for the whole
+    /// grace (`docs/design.md` §12, "Termination").
+    pub(super) async fn finish_attempts(
+        &self,
+        deadline: tokio::time::Instant,
+        writes_for: Duration,
+        shared: &Shared,
+    ) {
         let running = self.leases.running();
         if running > 0 {
             tracing::info!(running, "waiting for the attempts in flight to end");
@@ -220,9 +228,10 @@ impl Gateway {
                 );
             }
         }
-        let written = tokio::time::timeout_at(deadline, shared.finish_writes()).await;
+        let writes_deadline = deadline.min(tokio::time::Instant::now() + writes_for);
+        let written = tokio::time::timeout_at(writes_deadline, shared.finish_writes()).await;
         if written.is_err() {
-            tracing::error!("outcome writes still being retried when shutdown_grace ended: their attempts will lapse into unknown");
+            tracing::error!("outcome writes still being retried when the drain ended (shutdown_grace, or lease_ttl after the attempts): their attempts will lapse into unknown");
         }
     }
 

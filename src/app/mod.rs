@@ -159,7 +159,9 @@ pub async fn run(
         server::serve(listeners.admin, admin, stopping(), grace, limits, trusted()),
         began,
     );
-    gateway.finish_attempts(began + grace, &idempotency).await;
+    gateway
+        .finish_attempts(began + grace, settings.lease_ttl, &idempotency)
+        .await;
     gateway.stop().await;
     tracing::info!("gateway stopped");
     Ok(())

@@ -198,6 +198,13 @@ async fn the_drain_waits_for_a_never_sent_record_the_store_still_refuses() {
     .await;
 
     gateway.ask_to_stop().await;
+    // The drain has begun once the listener is gone; only a try refused
+    // after that shows the drain waiting.
+    let listen = gateway.url.trim_start_matches("http://").to_owned();
+    eventually(Duration::from_secs(10), "the listener to close", || async {
+        tokio::net::TcpStream::connect(&listen).await.is_err()
+    })
+    .await;
     let asked = cutter.refused();
     eventually(
         Duration::from_secs(10),
@@ -212,6 +219,43 @@ async fn the_drain_waits_for_a_never_sent_record_the_store_still_refuses() {
         states(&db).await,
         [("open".to_owned(), "failed".to_owned())],
         "recorded never sent before the process exited"
+    );
+}
+
+/// The same, with the store refusing the record for good: the drain
+/// waits for it at most `lease_ttl` past the attempts, not the whole
+/// `shutdown_grace` (300 s here), and the attempt is left to lapse into
+/// `unknown`. A store down that long does not hold a rollout.
+#[tokio::test]
+async fn the_drain_gives_up_on_a_refused_record_after_the_lease() {
+    let upstream = FakeUpstream::echo().await;
+    let Relayed {
+        db,
+        cutter,
+        mut gateway,
+    } = behind_relay_with(&upstream, &[("lease_ttl", "\"1s\"")]).await;
+    let url = gateway.path("/v1/charges");
+    let key = format!("lose-then-give-up-{}", uuid::Uuid::new_v4().simple());
+    cutter.arm_times(key.as_bytes(), 2);
+    cutter.refuse(Some(b"never sent upstream"));
+
+    let refused = post(&url, &key, "{}").await;
+    assert_eq!(refused.status, 503, "{refused:?}");
+    eventually(
+        Duration::from_secs(10),
+        "the never-sent record to be refused",
+        || async { cutter.refused() >= 1 },
+    )
+    .await;
+    // `exited` allows 30 s: a drain waiting out shutdown_grace fails it.
+    assert!(gateway.terminate().await.success(), "a clean exit");
+    // Never recorded failed: the attempt is still started, or already
+    // lapsed into unknown if a sweep came after its 1 s lease.
+    let states = states(&db).await;
+    assert_eq!(states.len(), 1, "{states:?}");
+    assert!(
+        ["started", "unknown"].contains(&states[0].1.as_str()),
+        "the record never landed: {states:?}"
     );
 }
 
@@ -268,6 +312,11 @@ struct Relayed {
 }
 
 async fn behind_relay(upstream: &FakeUpstream) -> Relayed {
+    behind_relay_with(upstream, &[]).await
+}
+
+/// [`behind_relay`], with more of the gateway's `settings`.
+async fn behind_relay_with(upstream: &FakeUpstream, settings: &[(&str, &str)]) -> Relayed {
     let db = TestDb::new().await;
     let config: tokio_postgres::Config = db.url.parse().unwrap();
     let server = match &config.get_hosts()[0] {
@@ -280,10 +329,12 @@ async fn behind_relay(upstream: &FakeUpstream) -> Relayed {
         db.url
             .replace(&server, &format!("127.0.0.1:{}", cutter.port))
     );
-    let gateway = Gateway::builder(&TestStore::external(relayed), &upstream.url())
-        .set("hold_timeout", "\"20s\"")
-        .start()
-        .await;
+    let mut builder = Gateway::builder(&TestStore::external(relayed), &upstream.url())
+        .set("hold_timeout", "\"20s\"");
+    for (key, value) in settings {
+        builder = builder.set(key, value);
+    }
+    let gateway = builder.start().await;
     Relayed {
         db,
         cutter,

@@ -85,7 +85,7 @@ impl Driver {
     /// task of its own (see the module docs).
     pub(crate) fn begin(self: &Arc<Self>) -> JoinHandle<Result<Begun, StoreError>> {
         let driver = self.clone();
-        tokio::spawn(async move {
+        self.shared.runner.spawn_tracked(async move {
             let primary = driver.request.intent.route.primary.clone();
             let runner = &driver.shared.runner;
             let first = runner.new_attempt(&primary);
@@ -117,7 +117,7 @@ impl Driver {
         how: Joining,
     ) -> JoinHandle<Result<Option<Running>, StoreError>> {
         let (driver, target) = (self.clone(), target.clone());
-        tokio::spawn(async move {
+        self.shared.runner.spawn_tracked(async move {
             let store = &driver.shared.store;
             let next = driver.shared.runner.new_attempt(&target);
             let id = next.id;

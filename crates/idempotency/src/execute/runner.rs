@@ -90,6 +90,18 @@ impl Runner {
         }
     }
 
+    /// Spawns `task`, a begin or a claim (which may end in
+    /// [`Runner::never_sent`]), where [`Runner::finish_writes`] waits for
+    /// it: a client that hung up during the drain leaves its begin running,
+    /// and the record it may spawn is waited for too.
+    pub(crate) fn spawn_tracked<F>(&self, task: F) -> tokio::task::JoinHandle<F::Output>
+    where
+        F: std::future::Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        self.background.spawn(task)
+    }
+
     /// Waits until the never-sent records [`Runner::never_sent`] is still
     /// retrying have landed or given up, then for the store's own
     /// background writes ([`Store::finish_writes`]): the drain's last wait
