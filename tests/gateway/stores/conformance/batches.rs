@@ -430,7 +430,7 @@ const FREE_LAST: &str =
 /// the leases that lapsed before it belong to held rows: the held rows do
 /// not use up its batch. Limited before it skipped them, the sweep chose
 /// the oldest lapsed leases, skipped them, and made nothing `unknown`,
-/// tick after tick, for as long as as many rows as its batch were held.
+/// tick after tick, for as long as a batch's worth of rows were held.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_postgres_held_rows_do_not_use_up_a_sweeps_batch() {
     let due = FREE_LAST.replace("{id}", "job_id");
@@ -461,6 +461,43 @@ async fn on_postgres_a_held_job_does_not_use_up_a_purges_batch() {
     assert_eq!(purged.expect("the purge went past the held job"), 1);
     assert!(held.store.job(held.free).await.unwrap().is_none());
     assert!(held.store.job(held.held_job).await.unwrap().is_some());
+}
+
+/// One tick of the sweeper sweeps every lapsed lease it can, however the
+/// leases are shared among jobs: 260 hedged jobs, two lapsed attempts
+/// each (520, past the sweep's batch of 500), are all made `unknown` by
+/// one `sweep_once`. Before, the first batch's 500 attempts named 250
+/// jobs, fewer than a batch, and the tick ended with 10 jobs left for the
+/// next one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_one_tick_sweeps_hedged_jobs_past_a_batch() {
+    let (store, _probe, db) = postgres_with_probe().await;
+    let mut ids = Vec::new();
+    for i in 0..260 {
+        let (job, _) = created(store.as_ref(), &format!("hedged-{i}")).await;
+        let hedge = store.hedge_attempt(job.id, job.version, new_attempt());
+        assert!(hedge.await.unwrap().is_some(), "hedged");
+        ids.push(job.id.0);
+    }
+    // Each job's two leases lapsed together, the jobs in order: the first
+    // 500 attempts are 250 whole jobs.
+    let client = db.connect().await;
+    client
+        .execute(
+            "UPDATE attempts a SET lease_expires_at = now() - interval '1 minute' \
+             - o.n * interval '1 millisecond' \
+             FROM unnest($1::uuid[]) WITH ORDINALITY AS o(id, n) WHERE a.job_id = o.id",
+            &[&ids],
+        )
+        .await
+        .unwrap();
+    idemgate_upkeep::sweeper::sweep_once(store.as_ref()).await;
+    let unknown: i64 = client
+        .query_one("SELECT count(*) FROM jobs WHERE state = 'unknown'", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(unknown, 260, "every hedged job in one tick");
 }
 
 /// Begins of keys whose jobs exist, round after round, turn on the read a
