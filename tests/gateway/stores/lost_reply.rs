@@ -181,22 +181,7 @@ async fn the_drain_waits_for_a_never_sent_record_the_store_still_refuses() {
         db,
         cutter,
         mut gateway,
-    } = behind_relay(&upstream).await;
-    let url = gateway.path("/v1/charges");
-    let key = format!("lose-then-drain-{}", uuid::Uuid::new_v4().simple());
-    cutter.arm_times(key.as_bytes(), 2);
-    cutter.refuse(Some(b"never sent upstream"));
-
-    let refused = post(&url, &key, "{}").await;
-    assert_eq!(refused.status, 503, "{refused:?}");
-    assert_eq!(upstream.hits(), 0, "nothing was proxied");
-    eventually(
-        Duration::from_secs(10),
-        "the never-sent record to be refused",
-        || async { cutter.refused() >= 1 },
-    )
-    .await;
-
+    } = a_never_sent_record_refused(&upstream, &[]).await;
     gateway.ask_to_stop().await;
     // The drain has begun once the listener is gone; only a try refused
     // after that shows the drain waiting.
@@ -231,22 +216,9 @@ async fn the_drain_gives_up_on_a_refused_record_after_the_lease() {
     let upstream = FakeUpstream::echo().await;
     let Relayed {
         db,
-        cutter,
+        cutter: _cutter,
         mut gateway,
-    } = behind_relay_with(&upstream, &[("lease_ttl", "\"1s\"")]).await;
-    let url = gateway.path("/v1/charges");
-    let key = format!("lose-then-give-up-{}", uuid::Uuid::new_v4().simple());
-    cutter.arm_times(key.as_bytes(), 2);
-    cutter.refuse(Some(b"never sent upstream"));
-
-    let refused = post(&url, &key, "{}").await;
-    assert_eq!(refused.status, 503, "{refused:?}");
-    eventually(
-        Duration::from_secs(10),
-        "the never-sent record to be refused",
-        || async { cutter.refused() >= 1 },
-    )
-    .await;
+    } = a_never_sent_record_refused(&upstream, &[("lease_ttl", "\"1s\"")]).await;
     // `exited` allows 30 s: a drain waiting out shutdown_grace fails it.
     assert!(gateway.terminate().await.success(), "a clean exit");
     // Never recorded failed: the attempt is still started, or already
@@ -257,6 +229,30 @@ async fn the_drain_gives_up_on_a_refused_record_after_the_lease() {
         ["started", "unknown"].contains(&states[0].1.as_str()),
         "the record never landed: {states:?}"
     );
+}
+
+/// A gateway (with `settings`) behind a relay that lost both begins'
+/// replies of a new key, so the client was answered 503, and that now
+/// refuses the never-sent record the gateway retries in the background;
+/// returned once a first try was refused.
+async fn a_never_sent_record_refused(
+    upstream: &FakeUpstream,
+    settings: &[(&str, &str)],
+) -> Relayed {
+    let relayed = behind_relay_with(upstream, settings).await;
+    let key = format!("lose-then-stop-{}", uuid::Uuid::new_v4().simple());
+    relayed.cutter.arm_times(key.as_bytes(), 2);
+    relayed.cutter.refuse(Some(b"never sent upstream"));
+    let refused = post(&relayed.gateway.path("/v1/charges"), &key, "{}").await;
+    assert_eq!(refused.status, 503, "{refused:?}");
+    assert_eq!(upstream.hits(), 0, "nothing was proxied");
+    eventually(
+        Duration::from_secs(10),
+        "the never-sent record to be refused",
+        || async { relayed.cutter.refused() >= 1 },
+    )
+    .await;
+    relayed
 }
 
 /// A key's first attempt fails with a retryable status, so its job is

@@ -157,7 +157,8 @@ pub(super) fn begin_one_statement() -> &'static str {
 }
 
 /// The jobs `jobs` (a query of job ids from `jobs j`, with its own order
-/// and limit, then `also`, more of its own locking clauses) names that this transaction can lock, with every one of their attempts
+/// and limit; `also` adds locking clauses after the job's) names that this
+/// transaction can lock, with every one of their attempts
 /// (the CTE `unheld`): a job another transaction holds is skipped, not
 /// waited for, and so is a job one of whose attempts is held (an
 /// operator's `UPDATE attempts` left open, say). Waiting on either, a sweep
