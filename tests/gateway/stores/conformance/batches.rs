@@ -448,6 +448,64 @@ async fn on_postgres_held_rows_do_not_use_up_a_sweeps_batch() {
     assert_eq!(held.store.expire_leases(2).await.unwrap(), 2);
 }
 
+/// A sweep that skips a job another transaction holds leaves that job's
+/// lapsed attempt unlocked, for as long as the sweep's own transaction
+/// lasts: the job's holder may be about to settle the attempt, and would
+/// otherwise wait on the sweep (and, past its lock timeout, roll back).
+/// The sweep's transaction is held open by a table lock its write of the
+/// free job's attempt waits on; meanwhile the held job's attempt must be
+/// free to lock. Locking the attempt before its job (the locking clauses
+/// the other way round), the sweep took the attempt, then skipped its job,
+/// and kept the attempt locked until it committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_a_sweep_leaves_the_attempt_of_a_held_job_unlocked() {
+    let (store, _probe, db) = postgres_with(4, Duration::from_secs(20)).await;
+    let (free, _) = created(store.as_ref(), "free").await;
+    let (held, held_attempt) = created(store.as_ref(), "held").await;
+    let [holder, blocker, prober] = [db.connect().await, db.connect().await, db.connect().await];
+    // The held job's lease lapsed first: the sweep meets its rows first.
+    let due = FREE_LAST.replace("{id}", "job_id");
+    let lapsed = format!("UPDATE attempts SET lease_expires_at = {due} WHERE job_id = ANY($1)");
+    holder
+        .execute(&lapsed, &[&vec![free.id.0, held.id.0]])
+        .await
+        .unwrap();
+    let hold = format!(
+        "BEGIN; SELECT 1 FROM jobs WHERE id = '{}' FOR UPDATE",
+        held.id.0
+    );
+    holder.batch_execute(&hold).await.unwrap();
+    // SHARE lets the sweep lock rows, not write them.
+    let block = "BEGIN; LOCK TABLE attempts IN SHARE MODE";
+    blocker.batch_execute(block).await.unwrap();
+    let sweep = tokio::spawn({
+        let store = store.clone();
+        async move { store.expire_leases(10).await }
+    });
+    sessions_wait(
+        &db,
+        "wait_event_type = 'Lock'",
+        1,
+        "the sweep waits to write",
+    )
+    .await;
+
+    let probe = format!(
+        "BEGIN; SELECT 1 FROM attempts WHERE id = '{}' FOR NO KEY UPDATE NOWAIT",
+        held_attempt.id.0
+    );
+    let probed = prober.batch_execute(&probe).await;
+    prober.batch_execute("ROLLBACK").await.unwrap();
+    blocker.batch_execute("COMMIT").await.unwrap();
+    let swept = sweep.await.unwrap();
+    probed.expect("the held job's attempt was free while the sweep ran");
+    assert_eq!(swept.unwrap(), 1, "the free job swept");
+    let state = async |id| store.job(id).await.unwrap().unwrap().state;
+    assert_eq!(state(free.id).await, JobState::Unknown);
+    holder.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(state(held.id).await, JobState::Running);
+}
+
 /// The purge of one expired job at a time likewise reaches the free job
 /// behind an older one another transaction holds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
