@@ -76,6 +76,9 @@ impl ReplyCutter {
 
     /// Loses the replies to the next `times` statements carrying `marker`.
     pub fn arm_times(&self, marker: &[u8], times: usize) {
+        // Matched with `windows`, which an empty marker would panic in the
+        // relay's task, far from the test that armed it.
+        assert!(!marker.is_empty(), "a marker to arm must not be empty");
         *self.marker.lock().unwrap() = Some((marker.to_vec(), times));
     }
 
@@ -87,6 +90,7 @@ impl ReplyCutter {
     /// Refuses every write carrying `marker` (or none, with `None`) from
     /// now on: its connection is closed before the bytes are forwarded.
     pub fn refuse(&self, marker: Option<&[u8]>) {
+        assert!(marker != Some(&[]), "a marker to refuse must not be empty");
         *self.refusing.marker.lock().unwrap() = marker.map(<[u8]>::to_vec);
     }
 
