@@ -458,6 +458,13 @@ pub fn reconcile(
     resolved(snapshot, attempt, resolution, Decider::Upstream)
 }
 
+/// The detail of an attempt the upstream's own answer settled after its
+/// outcome was unknown (a lookup, a resend): what tells it apart from an
+/// attempt whose late answer committed by itself, whose detail is still
+/// the one its `unknown` was recorded with.
+pub const RECONCILED: &str =
+    "reconciled: the upstream answered for it (a lookup, or a resend it deduplicated)";
+
 /// Who settled an attempt its own answer did not.
 #[derive(Clone, Copy)]
 enum Decider<'a> {
@@ -475,10 +482,7 @@ fn resolved(
     by: Decider<'_>,
 ) -> Result<Change, Refusal> {
     let (detail, resolved_by) = match by {
-        Decider::Upstream => (
-            "reconciled: the upstream answered for it (a lookup, or a resend it deduplicated)",
-            None,
-        ),
+        Decider::Upstream => (RECONCILED, None),
         Decider::Operator(who) => ("resolved by an operator", Some(who.to_owned())),
     };
     let detail = Some(detail.to_owned());

@@ -104,7 +104,8 @@ impl<B: Backend> Machine<B> {
 
     /// What a commit of `response` whose compare-and-swap failed is:
     /// `Committed` when the job's winner is `attempt`, committed by the
-    /// attempt itself (no lookup's or operator's detail or name on it) with
+    /// attempt itself (no lookup's detail or operator's name on it; the
+    /// detail of an `unknown` it committed from may still be there) with
     /// this very answer: its first try landed and the reply was lost, so
     /// the retry met its own commit. `Superseded` otherwise (another
     /// attempt won, a lookup or an operator settled this one, or the answer
@@ -124,7 +125,9 @@ impl<B: Backend> Machine<B> {
         let own = detail.attempts.iter().find(|a| a.id == attempt.id);
         let landed = detail.job.completed_by == Some(attempt.id)
             && own.is_some_and(|a| {
-                a.state == AttemptState::Succeeded && a.detail.is_none() && a.resolved_by.is_none()
+                a.state == AttemptState::Succeeded
+                    && a.detail.as_deref() != Some(transition::RECONCILED)
+                    && a.resolved_by.is_none()
             })
             && detail.job.response.as_ref() == Some(response);
         if !landed {

@@ -297,10 +297,13 @@ pub async fn resolution_as_succeeded_commits_through_the_cas(store: Arc<dyn Stor
 
 /// A commit retried after its first try landed (the reply was lost with
 /// the connection) meets its own commit: told it committed, not that it
-/// lost, and the job is left as the first try wrote it. The same attempt
-/// with another answer, or with its own answer after an operator settled
-/// it with the same bytes, is still told it lost (docs/design.md §7, "A
-/// commit whose reply was lost").
+/// lost, and the job is left as the first try wrote it; so does the late
+/// answer of an attempt recorded `unknown`, which still carries that
+/// record's detail (told it lost, a stream's readers would get a cut body
+/// of the job's committed answer). The same attempt with another answer,
+/// or with its own answer after an operator or a lookup settled it with
+/// the same bytes, is still told it lost (docs/design.md §7, "A commit
+/// whose reply was lost").
 pub async fn a_commit_retried_after_it_landed_is_told_it_committed(store: Arc<dyn Store>) {
     let (job, attempt) = created(store.as_ref(), "landed").await;
     let answer = response("landed");
@@ -331,6 +334,33 @@ pub async fn a_commit_retried_after_it_landed_is_told_it_committed(store: Arc<dy
         .unwrap();
     assert_eq!(
         store.commit(&settled, &alike).await.unwrap(),
+        CommitOutcome::Superseded
+    );
+
+    let silent = || AttemptFailure::Unknown {
+        detail: "silent past the head timeout".into(),
+    };
+    let (_, late) = created(store.as_ref(), "late").await;
+    store.fail_attempt(late.id, silent()).await.unwrap();
+    let answer = response("late");
+    for _ in 0..2 {
+        let outcome = store.commit(&late, &answer).await.unwrap();
+        assert_eq!(
+            outcome,
+            CommitOutcome::Committed,
+            "an unknown's late answer"
+        );
+    }
+    // A lookup's answer, byte for byte the attempt's own: not its commit.
+    let (_, looked_up) = created(store.as_ref(), "reconciled-alike").await;
+    store.fail_attempt(looked_up.id, silent()).await.unwrap();
+    let found = response("found");
+    store
+        .reconcile_attempt(looked_up.id, Resolution::Succeeded(found.clone()))
+        .await
+        .unwrap();
+    assert_eq!(
+        store.commit(&looked_up, &found).await.unwrap(),
         CommitOutcome::Superseded
     );
 }
