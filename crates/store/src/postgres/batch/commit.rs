@@ -7,9 +7,10 @@
 //! winner, and the attempt is unsettled; the statement checks just that,
 //! per row. A batch holds each job once (a second attempt of a job waits
 //! for the next batch), and locks its jobs in id order before it writes,
-//! skipping any job another transaction holds, so a batch never waits on
-//! a job's lock (its attempts' rows are held only for moments: a lease
-//! renewal, a lookup's record). Rows come back by job id, never by
+//! skipping any job or attempt another transaction holds, so a batch
+//! never waits on a row's lock (an operator's `UPDATE attempts` left open
+//! would otherwise hold the commit slot for the lock timeout, and again
+//! for the split that followed). Rows come back by job id, never by
 //! position. A request the batch did not commit lost the CAS or found its
 //! job held; its caller settles it under the job's lock, which waits for
 //! that holder (at most the lock timeout), from the request's own task
@@ -173,17 +174,18 @@ fn unsettled() -> [&'static str; 2] {
 }
 
 /// The CAS for one attempt: `transition::may_commit` as a compare-and-swap,
-/// the attempt succeeding with it. A job another transaction has locked is
-/// skipped, not waited on (`SKIP LOCKED`): the commit then goes to the
-/// locked path from its request's own task, so a lock held long (an
-/// operator's open transaction) holds up that job's commit only, never the
-/// batch slot every other commit of the replica waits for (`docs/design.md`
-/// §13, "A locked job is skipped").
+/// the attempt succeeding with it. A job or an attempt another transaction
+/// has locked is skipped, not waited on (`SKIP LOCKED`, the job's row
+/// locked first): the commit then goes to the locked path from its
+/// request's own task, so a lock held long (an operator's open transaction)
+/// holds up that job's commit only, never the batch slot every other commit
+/// of the replica waits for (`docs/design.md` §13, "A locked job is
+/// skipped"). Locked, the attempt's state is also checked in its newest
+/// version, not the statement's snapshot.
 const COMMIT_ONE: &str = "WITH locked AS MATERIALIZED ( \
-       SELECT id FROM jobs \
-       WHERE id = $1 AND version = $7 AND completed_by IS NULL \
-         AND EXISTS (SELECT 1 FROM attempts WHERE id = $2 AND job_id = $1 AND state = ANY($9)) \
-       FOR NO KEY UPDATE SKIP LOCKED \
+       SELECT j.id FROM jobs j JOIN attempts a ON a.id = $2 AND a.job_id = j.id \
+       WHERE j.id = $1 AND j.version = $7 AND j.completed_by IS NULL AND a.state = ANY($9) \
+       FOR NO KEY UPDATE OF j SKIP LOCKED FOR NO KEY UPDATE OF a SKIP LOCKED \
      ), won AS ( \
        UPDATE jobs j SET state = $8, completed_by = $2, response_status = $3, \
               response_header_names = $4, response_header_values = $5, \
@@ -204,19 +206,19 @@ const COMMIT_ONE: &str = "WITH locked AS MATERIALIZED ( \
 /// ($9), 1-based and inclusive (`hi < lo`: none). The jobs that may commit
 /// are locked in id order first (`locked`), with the lock the single CAS's
 /// update takes, so an attempt's insert (which locks its job for the
-/// foreign key) is not held up; a job another transaction holds is skipped,
-/// as by [`COMMIT_ONE`], and its commit goes to the locked path. One row
-/// per job committed. Both CASes check that the attempt is the job's.
+/// foreign key) is not held up; a job or an attempt another transaction
+/// holds is skipped, as by [`COMMIT_ONE`], and its commit goes to the
+/// locked path. One row per job committed. Both CASes check that the
+/// attempt is the job's.
 const COMMIT_MANY: &str = "WITH input AS ( \
        SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::smallint[], $4::bigint[], \
                             $5::bytea[], $8::int[], $9::int[]) \
          AS i(job_id, attempt_id, status, version, body, lo, hi) \
      ), locked AS MATERIALIZED ( \
        SELECT j.id FROM jobs j JOIN input i ON i.job_id = j.id \
-       WHERE j.version = i.version AND j.completed_by IS NULL \
-         AND EXISTS (SELECT 1 FROM attempts a WHERE a.id = i.attempt_id AND a.job_id = i.job_id \
-                     AND a.state = ANY($11)) \
-       ORDER BY j.id FOR NO KEY UPDATE OF j SKIP LOCKED \
+         JOIN attempts a ON a.id = i.attempt_id AND a.job_id = i.job_id \
+       WHERE j.version = i.version AND j.completed_by IS NULL AND a.state = ANY($11) \
+       ORDER BY j.id FOR NO KEY UPDATE OF j SKIP LOCKED FOR NO KEY UPDATE OF a SKIP LOCKED \
      ), won AS ( \
        UPDATE jobs j SET state = $10, completed_by = i.attempt_id, response_status = i.status, \
               response_header_names = ($6::text[])[i.lo:i.hi], \
