@@ -211,27 +211,39 @@ impl Gateway {
     /// more: past the lease those attempts lapse into `unknown` anyway, and
     /// a store down that long should not hold a rollout for the whole
     /// grace (`docs/design.md` §12, "Termination").
+    ///
+    /// The begins and claims still on their way (their clients gone) are
+    /// among what `shared` waits for; one that lands starts its attempt,
+    /// which may end by `deadline` too, rather than be abandoned as
+    /// `unknown` with its upstream call just sent.
     pub(super) async fn finish_attempts(
         &self,
         deadline: tokio::time::Instant,
         writes_for: Duration,
         shared: &Shared,
     ) {
-        let running = self.leases.running();
-        if running > 0 {
-            tracing::info!(running, "waiting for the attempts in flight to end");
-            let ended = tokio::time::timeout_at(deadline, self.leases.all_ended()).await;
-            if ended.is_err() {
-                tracing::warn!(
-                    running = self.leases.running(),
-                    "attempts still running when shutdown_grace ended"
-                );
-            }
-        }
+        self.attempts_ended(deadline).await;
         let writes_deadline = deadline.min(tokio::time::Instant::now() + writes_for);
         let written = tokio::time::timeout_at(writes_deadline, shared.finish_writes()).await;
         if written.is_err() {
             tracing::error!("outcome writes still being retried when the drain ended (shutdown_grace, or lease_ttl after the attempts): their attempts will lapse into unknown");
+        }
+        self.attempts_ended(deadline).await;
+    }
+
+    /// Waits, until `deadline`, for the attempts running here to end.
+    async fn attempts_ended(&self, deadline: tokio::time::Instant) {
+        let running = self.leases.running();
+        if running == 0 {
+            return;
+        }
+        tracing::info!(running, "waiting for the attempts in flight to end");
+        let ended = tokio::time::timeout_at(deadline, self.leases.all_ended()).await;
+        if ended.is_err() {
+            tracing::warn!(
+                running = self.leases.running(),
+                "attempts still running when shutdown_grace ended"
+            );
         }
     }
 

@@ -14,7 +14,10 @@
 //! It can also refuse a write: while [`ReplyCutter::refuse`] is set, a
 //! connection that sends bytes carrying its marker is closed before they
 //! are forwarded, so that write never reaches the server (a store down for
-//! that write alone).
+//! that write alone). And it can hold one: while [`ReplyCutter::hold`] is
+//! set, bytes carrying its marker wait, unforwarded, until
+//! [`ReplyCutter::let_through`] (a statement on its way for as long as a
+//! test needs).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -32,11 +35,30 @@ struct Refusing {
     refused: Arc<AtomicUsize>,
 }
 
+/// The marker of the writes held, how many were, and whether they may go.
+#[derive(Clone)]
+struct Holding {
+    marker: Arc<Mutex<Option<Vec<u8>>>>,
+    held: Arc<AtomicUsize>,
+    open: Arc<tokio::sync::watch::Sender<bool>>,
+}
+
+impl Default for Holding {
+    fn default() -> Self {
+        Holding {
+            marker: Arc::default(),
+            held: Arc::default(),
+            open: Arc::new(tokio::sync::watch::Sender::new(true)),
+        }
+    }
+}
+
 pub struct ReplyCutter {
     pub port: u16,
     marker: Armed,
     cuts: Arc<AtomicUsize>,
     refusing: Refusing,
+    holding: Holding,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -48,15 +70,18 @@ impl ReplyCutter {
         let marker: Armed = Arc::default();
         let cuts = Arc::new(AtomicUsize::new(0));
         let refusing = Refusing::default();
+        let holding = Holding::default();
         let task = tokio::spawn({
-            let (marker, cuts, refusing) = (marker.clone(), cuts.clone(), refusing.clone());
+            let (marker, cuts) = (marker.clone(), cuts.clone());
+            let (refusing, holding) = (refusing.clone(), holding.clone());
             async move {
                 while let Ok((client, _)) = listener.accept().await {
                     let Ok(server) = TcpStream::connect(&server).await else {
                         continue;
                     };
-                    let (marker, cuts, refusing) = (marker.clone(), cuts.clone(), refusing.clone());
-                    tokio::spawn(relay(client, server, marker, cuts, refusing));
+                    let (marker, cuts) = (marker.clone(), cuts.clone());
+                    let (refusing, holding) = (refusing.clone(), holding.clone());
+                    tokio::spawn(relay(client, server, marker, cuts, refusing, holding));
                 }
             }
         });
@@ -65,6 +90,7 @@ impl ReplyCutter {
             marker,
             cuts,
             refusing,
+            holding,
             task,
         }
     }
@@ -98,6 +124,25 @@ impl ReplyCutter {
     pub fn refused(&self) -> usize {
         self.refusing.refused.load(Ordering::SeqCst)
     }
+
+    /// Holds every write carrying `marker` from now on: its bytes wait,
+    /// unforwarded, until [`ReplyCutter::let_through`].
+    pub fn hold(&self, marker: &[u8]) {
+        assert!(!marker.is_empty(), "a marker to hold must not be empty");
+        self.holding.open.send_replace(false);
+        *self.holding.marker.lock().unwrap() = Some(marker.to_vec());
+    }
+
+    /// Writes held so far.
+    pub fn held(&self) -> usize {
+        self.holding.held.load(Ordering::SeqCst)
+    }
+
+    /// Forwards the writes held, and holds no more.
+    pub fn let_through(&self) {
+        *self.holding.marker.lock().unwrap() = None;
+        self.holding.open.send_replace(true);
+    }
 }
 
 impl Drop for ReplyCutter {
@@ -112,6 +157,7 @@ async fn relay(
     marker: Armed,
     cuts: Arc<AtomicUsize>,
     refusing: Refusing,
+    holding: Holding,
 ) {
     let (mut client_rx, mut client_tx) = client.into_split();
     let (mut server_rx, mut server_tx) = server.into_split();
@@ -135,6 +181,15 @@ async fn relay(
                     if tail[from..].windows(m.len()).any(|w| w == m) {
                         refusing.refused.fetch_add(1, Ordering::SeqCst);
                         return;
+                    }
+                }
+                let held = holding.marker.lock().unwrap().clone();
+                if let Some(m) = held {
+                    let from = before.saturating_sub(m.len().saturating_sub(1));
+                    if tail[from..].windows(m.len()).any(|w| w == m) {
+                        holding.held.fetch_add(1, Ordering::SeqCst);
+                        let mut open = holding.open.subscribe();
+                        let _ = open.wait_for(|open| *open).await;
                     }
                 }
                 {

@@ -231,6 +231,56 @@ async fn the_drain_gives_up_on_a_refused_record_after_the_lease() {
     );
 }
 
+/// A begin still on its way when the gateway is asked to stop (its client
+/// gone: a begin runs in a task of its own) lands during the drain and
+/// starts its attempt: the drain waits for that attempt too, and the
+/// process exits once its answer is committed. Before, the drain had seen
+/// no attempt running before it waited for the begin, and the attempt
+/// was abandoned as `unknown` with its upstream call just sent.
+#[tokio::test]
+async fn the_drain_waits_for_an_attempt_a_late_begin_started() {
+    let gate = Gate::new();
+    let upstream = FakeUpstream::gated_echo(&gate, |_| true).await;
+    // The begin is held for as long as the test takes, not the 2 s default.
+    let settings = [("database_timeout", "\"60s\"")];
+    let Relayed {
+        db,
+        cutter,
+        mut gateway,
+    } = behind_relay_with(&upstream, &settings).await;
+    let key = format!("late-begin-{}", uuid::Uuid::new_v4().simple());
+    cutter.hold(key.as_bytes());
+    let client = tokio::spawn({
+        let (url, key) = (gateway.path("/v1/charges"), key.clone());
+        async move { post(&url, &key, "{}").await }
+    });
+    eventually(Duration::from_secs(10), "the begin to be held", || async {
+        cutter.held() >= 1
+    })
+    .await;
+    client.abort();
+    gateway.ask_to_stop().await;
+    let listen = gateway.url.trim_start_matches("http://").to_owned();
+    eventually(Duration::from_secs(10), "the listener to close", || async {
+        tokio::net::TcpStream::connect(&listen).await.is_err()
+    })
+    .await;
+
+    cutter.let_through();
+    upstream.arrival().await;
+    // Its call held by the upstream: a drain that left the attempt
+    // exits now.
+    let early = tokio::time::timeout(Duration::from_secs(2), gateway.exited()).await;
+    assert!(early.is_err(), "the drain waits for the attempt");
+    gate.open(1);
+    assert!(gateway.exited().await.success(), "a clean exit");
+    assert_eq!(
+        states(&db).await,
+        [("completed".to_owned(), "succeeded".to_owned())],
+        "its answer committed before the process exited"
+    );
+}
+
 /// A gateway (with `settings`) behind a relay that lost both begins'
 /// replies of a new key, so the client was answered 503, and that now
 /// refuses the never-sent record the gateway retries in the background;
