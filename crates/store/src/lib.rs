@@ -132,6 +132,14 @@ pub enum StoreError {
     Internal(#[source] BoxError),
 }
 
+/// The cause of a [`StoreError::Unavailable`] for a call that reached no
+/// database, so wrote nothing: a duplicate that followed a begin of its
+/// key in a batch, when that begin failed. Its caller has no record to
+/// settle ([`StoreError::surely_unwritten`]).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Unwritten(pub &'static str);
+
 /// [`StoreError`]s grouped by what the caller can do about them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StoreErrorKind {
@@ -161,6 +169,13 @@ impl StoreError {
     /// Whether the same call may succeed later (the store was unreachable).
     pub fn is_transient(&self) -> bool {
         self.kind() == StoreErrorKind::Unavailable
+    }
+
+    /// Whether the call certainly wrote nothing ([`Unwritten`]):
+    /// transient, but with no record of it to settle (`docs/design.md` §5,
+    /// "A start whose reply was lost").
+    pub fn surely_unwritten(&self) -> bool {
+        matches!(self, StoreError::Unavailable(cause) if cause.is::<Unwritten>())
     }
 
     /// Whether the store is up but a job's row was held by another

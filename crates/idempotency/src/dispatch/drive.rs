@@ -249,9 +249,12 @@ impl Driver {
 
 /// A start that failed with its outcome unknown may have been written: its
 /// attempt is settled as never sent, in the background
-/// ([`Runner::never_sent`]).
+/// ([`Runner::never_sent`]). One that surely reached no database (a
+/// duplicate that followed a failed begin) has nothing to settle: a
+/// storm of them during an outage would otherwise start a retrying write
+/// each, all waiting for the database and held for by the drain.
 fn unsent(runner: &Runner, attempt: AttemptId, error: &StoreError) {
-    if error.is_transient() {
+    if error.is_transient() && !error.surely_unwritten() {
         runner.never_sent(attempt);
     }
 }

@@ -138,6 +138,10 @@ async fn sessions_wait(db: &crate::support::TestDb, wait: &str, count: usize, wh
 /// which fails on that row and is split: every other key gets its job, one
 /// of the two clashing keys too, the other an error; the key sent twice
 /// has one job, its second begin following the first and told that job.
+/// A duplicate of each clashing key, sent once both wait, follows it: the
+/// one behind the key that failed fails too, told that it wrote nothing
+/// (its caller has no never-sent record to write), the other is told its
+/// first's job.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_postgres_begins_that_collect_go_together_and_a_failing_row_fails_alone() {
     let (store, probe, db) = postgres_with_probe().await;
@@ -174,6 +178,13 @@ async fn on_postgres_begins_that_collect_go_together_and_a_failing_row_fails_alo
         probe.begins_waiting() == begins.len()
     })
     .await;
+    let followers: Vec<_> = ["clash-a", "clash-b"]
+        .map(|key| (key, begin(new_job(key))))
+        .into();
+    until("the followers wait too", async || {
+        probe.begins_waiting() == begins.len() + followers.len()
+    })
+    .await;
     holder.batch_execute("COMMIT").await.unwrap();
 
     for done in join_all(first).await {
@@ -203,6 +214,13 @@ async fn on_postgres_begins_that_collect_go_together_and_a_failing_row_fails_alo
         1,
         "{clashed:?}"
     );
+    for ((key, follower), first) in followers.into_iter().zip(&clashed) {
+        match (first, follower.await.unwrap()) {
+            (Ok(first), Ok(Begin::Existing(job))) => assert_eq!(job.id, job_of(first), "{key}"),
+            (Err(_), Err(e)) => assert!(e.surely_unwritten(), "{key}: {e:?}"),
+            (first, follower) => panic!("{key}: {first:?}, followed by {follower:?}"),
+        }
+    }
     assert_eq!(probe.begins_waiting(), 0);
 }
 

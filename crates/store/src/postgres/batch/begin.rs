@@ -34,7 +34,7 @@ use super::super::sql::{
 };
 use super::super::{map_pg, Postgres};
 use super::{Batched, Waiting};
-use crate::{millis, Begin, StoreError};
+use crate::{millis, Begin, StoreError, Unwritten};
 use idemgate_domain::attempt::{AttemptState, NewAttempt};
 use idemgate_domain::job::{Job, JobState, NewJob};
 
@@ -74,9 +74,10 @@ impl Batched for BeginRequest {
     fn follow(first: &Result<Begin, StoreError>) -> Result<Begin, StoreError> {
         match first {
             Ok(Begin::Created(job, _) | Begin::Existing(job)) => Ok(Begin::Existing(job.clone())),
-            Err(_) => Err(StoreError::Unavailable(
-                "the begin of the same key this one waited on failed".into(),
-            )),
+            // It sent nothing: its caller need not settle its attempt.
+            Err(_) => Err(StoreError::Unavailable(Box::new(Unwritten(
+                "the begin of the same key this one waited on failed",
+            )))),
         }
     }
 
