@@ -576,6 +576,54 @@ async fn on_postgres_one_tick_sweeps_hedged_jobs_past_a_batch() {
     assert_eq!(unknown, 260, "every hedged job in one tick");
 }
 
+/// Begins of keys whose jobs hold answers of 16 KiB, 48 at once and
+/// round after round, keep the store's one connection: a batch of found
+/// jobs carries their answers, but the connection keeps buffers only as
+/// large as its largest row. Counted by their sum (over 256 KiB), every
+/// such batch closed its connection, and the next statement opened a new
+/// session (a new server process).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_batches_of_found_answers_keep_their_connection() {
+    let (store, _probe, db) = postgres_with(1, Duration::from_secs(60)).await;
+    let keys: Vec<String> = (0..48).map(|n| format!("kept-{n}")).collect();
+    let answer = StoredResponse {
+        body: Bytes::from(vec![b'x'; 16 << 10]),
+        ..answer_with("kept", 1)
+    };
+    for key in &keys {
+        let (_, attempt) = created(store.as_ref(), key).await;
+        let committed = store.commit(&attempt, &answer).await.unwrap();
+        assert_eq!(committed, CommitOutcome::Committed);
+    }
+    let round = async || {
+        let barrier = Arc::new(Barrier::new(keys.len()));
+        let begins = keys.iter().map(|key| {
+            let (store, barrier, key) = (store.clone(), barrier.clone(), key.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                store.begin_job(new_job(&key), new_attempt()).await
+            })
+        });
+        for done in join_all(begins).await {
+            let Begin::Existing(job) = done.unwrap().unwrap() else {
+                panic!("a new job for a key that has one")
+            };
+            assert_eq!(job.response.map(|r| r.body.len()), Some(16 << 10));
+        }
+    };
+    round().await;
+    let watcher = db.connect().await;
+    let sessions = "SELECT COALESCE(array_agg(pid ORDER BY pid), '{}') FROM pg_stat_activity \
+                    WHERE datname = current_database() AND pid <> pg_backend_pid()";
+    let before: Vec<i32> = watcher.query_one(sessions, &[]).await.unwrap().get(0);
+    for _ in 0..3 {
+        round().await;
+    }
+    let after: Vec<i32> = watcher.query_one(sessions, &[]).await.unwrap().get(0);
+    assert_eq!(before.len(), 1, "the pool's one connection: {before:?}");
+    assert_eq!(after, before, "the same session throughout");
+}
+
 /// Begins of keys whose jobs exist, round after round, turn on the read a
 /// batch makes before its begin statement (`batch/begin.rs`, "read
 /// first"); then, in a round of forty such begins, ten new keys each begun

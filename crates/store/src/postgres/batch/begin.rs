@@ -246,16 +246,20 @@ fn settled(
     client: deadpool_postgres::Client,
     rows: Vec<tokio_postgres::Row>,
 ) -> Result<HashMap<(String, String), Begin>, StoreError> {
-    // Found jobs carry their answers (up to INLINE_ANSWER each), so a batch
-    // of them can leave a connection with buffers that size: released as a
-    // replay's would be.
+    // Found jobs carry their answers (up to INLINE_ANSWER each). The read
+    // buffer grows to one row, not to the batch (each row is split off it
+    // as it is decoded), so the largest answer is what the connection
+    // keeps, as after a replay's read. Summed, a batch of 32 found answers
+    // of 16 KiB closed its connection every time, and replays of such
+    // answers paid a new session a batch.
     let carried = rows
         .iter()
         .map(|row| {
             row.get::<_, Option<&[u8]>>(ANSWER_BODY)
                 .map_or(0, <[u8]>::len)
         })
-        .sum();
+        .max()
+        .unwrap_or(0);
     Postgres::release(client, carried);
     let mut settled = HashMap::with_capacity(rows.len());
     for row in rows {
