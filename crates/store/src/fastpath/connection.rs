@@ -166,6 +166,10 @@ impl Redis {
     }
 }
 
+/// Reconnections to a cluster node before it is dropped until the next
+/// slot map (see [`cluster`]).
+const RECONNECTIONS: std::num::NonZeroUsize = std::num::NonZeroUsize::new(3).unwrap();
+
 /// A cluster found from its seeds; over TLS, every node it names is
 /// reached with the same roots and client certificate.
 fn cluster(
@@ -174,11 +178,17 @@ fn cluster(
     timeout: Duration,
 ) -> RedisResult<Reach> {
     let connect = timeout.max(Duration::from_millis(100));
+    // A node that refuses three reconnections in a row is dropped, so the
+    // next command for its slots asks the cluster for the slot map again
+    // and finds the replica promoted in its place. Without the limit the
+    // client kept reconnecting to a dead master's address, and its slots
+    // stayed unreachable until some other command met a MOVED.
     let mut builder = ClusterClientBuilder::new(seeds.to_vec())
         .connection_timeout(connect)
         .response_timeout(timeout)
         .retries(2)
-        .max_retry_wait(200);
+        .max_retry_wait(200)
+        .max_connection_attempts(RECONNECTIONS);
     if let Some(certs) = certs {
         builder = builder.certs(certs.clone());
     }
