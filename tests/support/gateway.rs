@@ -97,6 +97,17 @@ impl Gateway {
         assert!(sent.success());
     }
 
+    /// Sends SIGTERM and waits (10 s at most) until the listener is gone:
+    /// the drain has begun, and no new request gets in.
+    pub async fn stop_listening(&self) {
+        self.ask_to_stop().await;
+        let listen = self.url.trim_start_matches("http://").to_owned();
+        super::eventually(Duration::from_secs(10), "the listener to close", || async {
+            tokio::net::TcpStream::connect(&listen).await.is_err()
+        })
+        .await;
+    }
+
     /// Whether the process is still running (not exited).
     pub fn running(&mut self) -> bool {
         self.child.try_wait().unwrap().is_none()

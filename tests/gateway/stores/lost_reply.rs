@@ -182,14 +182,9 @@ async fn the_drain_waits_for_a_never_sent_record_the_store_still_refuses() {
         cutter,
         mut gateway,
     } = a_never_sent_record_refused(&upstream, &[]).await;
-    gateway.ask_to_stop().await;
     // The drain has begun once the listener is gone; only a try refused
     // after that shows the drain waiting.
-    let listen = gateway.url.trim_start_matches("http://").to_owned();
-    eventually(Duration::from_secs(10), "the listener to close", || async {
-        tokio::net::TcpStream::connect(&listen).await.is_err()
-    })
-    .await;
+    gateway.stop_listening().await;
     let asked = cutter.refused();
     eventually(
         Duration::from_secs(10),
@@ -259,12 +254,7 @@ async fn the_drain_waits_for_an_attempt_a_late_begin_started() {
     })
     .await;
     client.abort();
-    gateway.ask_to_stop().await;
-    let listen = gateway.url.trim_start_matches("http://").to_owned();
-    eventually(Duration::from_secs(10), "the listener to close", || async {
-        tokio::net::TcpStream::connect(&listen).await.is_err()
-    })
-    .await;
+    gateway.stop_listening().await;
 
     cutter.let_through();
     upstream.arrival().await;
