@@ -185,8 +185,19 @@ pub struct Job {
     pub response_in_store: Option<usize>,
     /// When the first request arrived.
     pub created_at: SystemTime,
-    /// When the key is forgotten.
+    /// When the key is forgotten, unless a call of it still runs then
+    /// ([`Job::is_expired`]).
     pub expires_at: SystemTime,
+}
+
+impl Job {
+    /// Whether the job is past its expiry at `now` and answers no request
+    /// of its key any more: a job whose call still runs is kept past it
+    /// (the stores also keep one whose `unknown` attempt may still answer
+    /// before its deadline; `docs/design.md` §11, "not forgotten").
+    pub fn is_expired(&self, now: SystemTime) -> bool {
+        self.expires_at <= now && self.state != JobState::Running
+    }
 }
 
 /// A job together with its attempts, for the admin API.

@@ -192,7 +192,7 @@ impl Flow {
         );
         let found = self.driver.shared.store.find_job(owner, key).await?;
         match found.map(|detail| detail.job) {
-            Some(job) if job.expires_at > SystemTime::now() => Ok(job),
+            Some(job) if !job.is_expired(SystemTime::now()) => Ok(job),
             _ => Err(nothing_to_resume(
                 "no job has this Idempotency-Key (it never ran here, or it expired)",
             )),

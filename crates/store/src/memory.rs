@@ -41,6 +41,8 @@ struct Tables {
 struct Entry {
     job: Job,
     attempts: Vec<Attempt>,
+    /// Each attempt's deadline, in the order of `attempts`.
+    deadlines: Vec<SystemTime>,
 }
 
 impl Memory {
@@ -55,6 +57,18 @@ impl Entry {
             job: JobHead::of(&self.job),
             attempts: self.attempts.iter().map(AttemptHead::of).collect(),
         }
+    }
+
+    /// Whether the job is past its expiry and forgotten: none of its
+    /// attempts may still answer, as in the database stores
+    /// (`docs/design.md` §11, "not forgotten").
+    fn forgotten(&self, now: SystemTime) -> bool {
+        let answering = |(a, deadline): (&Attempt, &SystemTime)| match a.state {
+            AttemptState::Started => true,
+            AttemptState::Unknown => *deadline > now,
+            _ => false,
+        };
+        self.job.expires_at <= now && !self.attempts.iter().zip(&self.deadlines).any(answering)
     }
 
     fn detail(&self) -> JobDetail {
@@ -93,6 +107,7 @@ impl Entry {
         let start = change.started.as_ref()?;
         let attempt = new_attempt(job.id, start.number, start.job_version, &start.attempt, now);
         self.attempts.push(attempt.clone());
+        self.deadlines.push(now + start.attempt.deadline);
         Some(attempt)
     }
 }
@@ -241,7 +256,7 @@ impl Records for Memory {
         let expired: Vec<JobId> = records
             .jobs
             .values()
-            .filter(|e| e.job.expires_at < now)
+            .filter(|e| e.forgotten(now))
             .map(|e| e.job.id)
             .take(batch as usize)
             .collect();
@@ -281,7 +296,7 @@ impl Backend for Memory {
         let slot = (new.owner.clone(), new.key.clone());
         if let Some(&id) = records.keys.get(&slot) {
             match records.jobs.get(&id) {
-                Some(entry) if entry.job.expires_at > now => {
+                Some(entry) if !entry.forgotten(now) => {
                     return Ok(Begin::Existing(entry.job.clone()))
                 }
                 _ => records.remove(id),
@@ -310,6 +325,7 @@ impl Backend for Memory {
             Entry {
                 job: job.clone(),
                 attempts: vec![first.clone()],
+                deadlines: vec![now + attempt.deadline],
             },
         );
         Ok(Begin::Created(job, first))

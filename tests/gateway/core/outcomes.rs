@@ -269,6 +269,50 @@ async fn expired_jobs_are_purged_in_the_background(store: TestStore) {
     assert_eq!(upstream.hits(), 2);
 }
 
+/// A call that outlasts its key's lifetime keeps its job: the sweeps past
+/// `key_ttl` leave it, a retry of the key is held on it instead of calling
+/// the upstream a second time, and the call's answer commits and is
+/// replayed to the held retry (`docs/design.md` §11, "not forgotten").
+async fn a_call_longer_than_its_keys_lifetime_keeps_its_job(store: TestStore) {
+    let gate = Gate::new();
+    let upstream = FakeUpstream::gated_echo(&gate, |_| true).await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("key_ttl", "\"1s\"")
+        .set("sweep_interval", "\"100ms\"")
+        .start()
+        .await;
+    let url = gateway.path("/v1/jobs");
+    let first = {
+        let url = url.clone();
+        tokio::spawn(async move { post(&url, "slow-1", "{}").await })
+    };
+    upstream.arrival().await;
+    // Past the key's lifetime, with a sweep every 100 ms meanwhile.
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    let kept = gateway
+        .admin(Method::GET, "/admin/v1/jobs?owner=anonymous&key=slow-1", "")
+        .await;
+    assert_eq!(kept.status, 200, "the job was forgotten: {kept:?}");
+    assert_eq!(kept.json()["state"], "running");
+    let retry = {
+        let url = url.clone();
+        tokio::spawn(async move { post(&url, "slow-1", "{}").await })
+    };
+    eventually(
+        Duration::from_secs(10),
+        "the retry held on the job",
+        || async { gateway.metric("idemgate_held_requests").await == 1.0 },
+    )
+    .await;
+    gate.open(1);
+    let (first, retry) = (first.await.unwrap(), retry.await.unwrap());
+    assert_eq!(first.status, 200);
+    assert_eq!((retry.status, retry.job()), (200, first.job()));
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(retry.body, first.body);
+    assert_eq!(upstream.hits(), 1, "one upstream call");
+}
+
 async fn a_gateway_stopped_mid_attempt_records_it_unknown_at_once(store: TestStore) {
     let gate = Gate::new();
     let upstream = first_answer_gated(&gate).await;
@@ -422,6 +466,7 @@ crate::on_each_deployment!(
     a_gateway_stopped_mid_attempt_records_it_unknown_at_once,
     a_running_attempt_keeps_renewing_its_lease,
     expired_jobs_are_purged_in_the_background,
+    a_call_longer_than_its_keys_lifetime_keeps_its_job,
     timeout_makes_the_job_unknown_until_resolved_then_attempt_two_runs,
     late_answer_before_the_deadline_is_committed_and_replayed,
     refused_connection_fails_the_attempt_and_the_retry_makes_attempt_two,

@@ -28,6 +28,18 @@ pub(super) const SNAPSHOT_COLUMNS: &str =
     "j.id, j.state, j.version, j.attempt_count, j.completed_by, now(), \
      a.id, a.number, a.state, a.job_version, a.lease_expires_at";
 
+/// Whether the job `j` is past its expiry and forgotten: none of its
+/// attempts may still answer. An attempt still `started` is at its upstream
+/// (or its lease lapsed and the sweep will make it `unknown`), and one
+/// `unknown` may still answer until its deadline: forgetting such a job
+/// would lose that answer's commit, and let a new job of the key run the
+/// call a second time beside it (`docs/design.md` §11, "not forgotten"). `AND`
+/// stops at a job not yet expired, so a live job pays no read of its
+/// attempts.
+pub(super) const FORGOTTEN: &str = "(j.expires_at <= now() AND NOT EXISTS ( \
+     SELECT 1 FROM attempts a WHERE a.job_id = j.id \
+     AND (a.state = 'started' OR (a.state = 'unknown' AND a.deadline_at > now()))))";
+
 /// What both begin statements return: the job made with its attempt, and
 /// the job found ([`rows_found`]).
 fn rows_made_or_found() -> String {
@@ -60,7 +72,7 @@ pub(super) fn read_found_statement() -> &'static str {
     static TEXT: LazyLock<String> = LazyLock::new(|| {
         format!(
             "WITH existing AS ( \
-           SELECT j.*, j.expires_at <= now() AS expired FROM jobs j \
+           SELECT j.*, {FORGOTTEN} AS expired FROM jobs j \
            JOIN unnest($1::text[], $2::text[]) AS i(owner, key) \
              ON j.owner = i.owner AND j.key = i.key \
          ) {}",
@@ -97,7 +109,7 @@ pub(super) fn begin_statement() -> &'static str {
              AS i(job_id, owner, key, fingerprint, route, ttl, attempt_id, upstream, instance, \
                   lease, deadline) \
          ), existing AS ( \
-           SELECT j.*, j.expires_at <= now() AS expired FROM jobs j \
+           SELECT j.*, {FORGOTTEN} AS expired FROM jobs j \
            JOIN input i ON j.owner = i.owner AND j.key = i.key \
          ), j AS ( \
            INSERT INTO jobs (id, owner, key, fingerprint, route, state, version, attempt_count, expires_at) \
@@ -132,7 +144,7 @@ pub(super) fn begin_one_statement() -> &'static str {
     static TEXT: LazyLock<String> = LazyLock::new(|| {
         format!(
         "WITH existing AS ( \
-           SELECT j.*, j.expires_at <= now() AS expired FROM jobs j \
+           SELECT j.*, {FORGOTTEN} AS expired FROM jobs j \
            WHERE j.owner = $2 AND j.key = $3 \
          ), j AS ( \
            INSERT INTO jobs (id, owner, key, fingerprint, route, state, version, attempt_count, expires_at) \
@@ -216,7 +228,9 @@ pub(super) fn purge_statement() -> &'static str {
         format!(
             "{}DELETE FROM jobs WHERE id IN (SELECT id FROM unheld)",
             unheld(
-                "SELECT j.id FROM jobs j WHERE j.expires_at < now() ORDER BY j.expires_at LIMIT $1",
+                &format!(
+                    "SELECT j.id FROM jobs j WHERE {FORGOTTEN} ORDER BY j.expires_at LIMIT $1"
+                ),
                 "",
             )
         )

@@ -228,8 +228,11 @@ impl Records for Sqlite {
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
         self.call(move |conn| {
             conn.execute(
-                "DELETE FROM jobs WHERE id IN ( \
-                   SELECT id FROM jobs WHERE expires_at < ?1 ORDER BY expires_at LIMIT ?2)",
+                &format!(
+                    "DELETE FROM jobs WHERE id IN ( \
+                       SELECT id FROM jobs j WHERE {} ORDER BY expires_at LIMIT ?2)",
+                    forgotten("?1")
+                ),
                 params![now_ms(), batch],
             )
             .map(|n| n as u64)
@@ -285,13 +288,18 @@ impl Backend for Sqlite {
                 "j.owner = ?1 AND j.key = ?2",
                 params![job.owner.as_str(), job.key.as_str()],
             )?;
-            if let Some(existing) = existing.filter(|j| to_ms(j.expires_at) > now) {
-                return Ok(Begin::Existing(existing));
+            if let Some(existing) = existing {
+                if to_ms(existing.expires_at) > now || !is_forgotten(conn, existing.id, now)? {
+                    return Ok(Begin::Existing(existing));
+                }
             }
             let tx = immediate(conn)?;
             // An expired job that was not purged yet is forgotten: the key starts afresh.
             tx.execute(
-                "DELETE FROM jobs WHERE owner = ?1 AND key = ?2 AND expires_at <= ?3",
+                &format!(
+                    "DELETE FROM jobs AS j WHERE j.owner = ?1 AND j.key = ?2 AND {}",
+                    forgotten("?3")
+                ),
                 params![job.owner.as_str(), job.key.as_str(), now],
             )
             .map_err(map_sqlite)?;
@@ -386,4 +394,26 @@ impl Backend for Sqlite {
         })
         .await
     }
+}
+
+/// Whether the job `j` is past its expiry at `now` (a placeholder, in
+/// milliseconds) and forgotten: none of its attempts may still answer, as
+/// in the PostgreSQL store's `FORGOTTEN` (`docs/design.md` §11, "not
+/// forgotten").
+fn forgotten(now: &str) -> String {
+    format!(
+        "(j.expires_at <= {now} AND NOT EXISTS ( \
+           SELECT 1 FROM attempts a WHERE a.job_id = j.id \
+           AND (a.state = 'started' OR (a.state = 'unknown' AND a.deadline_at > {now}))))"
+    )
+}
+
+/// Whether the expired job `job` is forgotten at `now` ([`forgotten`]).
+fn is_forgotten(conn: &Connection, job: JobId, now: i64) -> Result<bool, StoreError> {
+    conn.query_row(
+        &format!("SELECT {} FROM jobs j WHERE j.id = ?1", forgotten("?2")),
+        params![job.0.to_string(), now],
+        |row| row.get(0),
+    )
+    .map_err(map_sqlite)
 }

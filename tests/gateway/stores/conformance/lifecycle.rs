@@ -75,13 +75,24 @@ pub async fn lapsed_leases_turn_attempts_unknown(store: Arc<dyn Store>) {
     assert_eq!(store.expire_leases(100).await.unwrap(), 0, "only once");
 }
 
-pub async fn expired_jobs_are_purged_and_their_keys_start_afresh(store: Arc<dyn Store>) {
-    let mut short = new_job("expiring");
+/// Begins `key` with a key lifetime of 50 ms and settles its attempt
+/// `failed`: a job nothing can still answer, to expire.
+async fn settled_with_short_ttl(store: &dyn Store, key: &str) -> idemgate_domain::job::Job {
+    let mut short = new_job(key);
     short.ttl = Duration::from_millis(50);
-    let first = match store.begin_job(short, new_attempt()).await.unwrap() {
-        Begin::Created(job, _) => job,
-        Begin::Existing(_) => unreachable!(),
+    let Begin::Created(job, attempt) = store.begin_job(short, new_attempt()).await.unwrap() else {
+        panic!("key {key} already existed");
     };
+    let failed = AttemptFailure::Failed {
+        status: Some(503),
+        detail: "busy".into(),
+    };
+    store.fail_attempt(attempt.id, failed).await.unwrap();
+    job
+}
+
+pub async fn expired_jobs_are_purged_and_their_keys_start_afresh(store: Arc<dyn Store>) {
+    let first = settled_with_short_ttl(store.as_ref(), "expiring").await;
     let mut kept = new_job("kept");
     kept.ttl = Duration::from_secs(3600);
     store.begin_job(kept, new_attempt()).await.unwrap();
@@ -95,17 +106,71 @@ pub async fn expired_jobs_are_purged_and_their_keys_start_afresh(store: Arc<dyn 
         Begin::Created(job, _) => assert_ne!(job.id, first.id),
         Begin::Existing(_) => panic!("an expired key must start afresh"),
     }
-    let mut again = new_job("expiring-2");
-    again.ttl = Duration::from_millis(50);
-    let gone = match store.begin_job(again, new_attempt()).await.unwrap() {
-        Begin::Created(job, _) => job,
-        Begin::Existing(_) => unreachable!(),
-    };
+    let gone = settled_with_short_ttl(store.as_ref(), "expiring-2").await;
     tokio::time::sleep(Duration::from_millis(120)).await;
     assert_eq!(store.purge_expired(100).await.unwrap(), 1);
     assert!(store.job(gone.id).await.unwrap().is_none());
     assert!(store.job_detail(gone.id).await.unwrap().is_none());
     assert_eq!(store.purge_expired(100).await.unwrap(), 0);
+}
+
+/// Past its key's lifetime, a job one of whose attempts may still answer
+/// (`started`, or `unknown` before its deadline) is kept: by the purge, and
+/// for a retry of its key, which joins it instead of calling the upstream a
+/// second time; the attempt's answer then commits. An `unknown` attempt
+/// past its deadline no longer keeps its job (docs/design.md §11, "not
+/// forgotten").
+pub async fn a_job_is_not_forgotten_while_an_attempt_may_still_answer(store: Arc<dyn Store>) {
+    let begin = |key: &'static str, deadline: Duration| {
+        let store = store.clone();
+        async move {
+            let mut short = new_job(key);
+            short.ttl = Duration::from_millis(50);
+            let mut attempt = new_attempt();
+            attempt.deadline = deadline;
+            let Begin::Created(job, attempt) = store.begin_job(short, attempt).await.unwrap()
+            else {
+                panic!("key {key} already existed");
+            };
+            (job, attempt)
+        }
+    };
+    let (running, at_upstream) = begin("running", Duration::from_secs(300)).await;
+    let (unknown, late) = begin("unknown", Duration::from_secs(300)).await;
+    let (lapsed, past) = begin("unknown-past-deadline", Duration::from_millis(50)).await;
+    let unknown_failure = AttemptFailure::Unknown {
+        detail: "timeout".into(),
+    };
+    for attempt in [late.id, past.id] {
+        store
+            .fail_attempt(attempt, unknown_failure.clone())
+            .await
+            .unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(120)).await;
+
+    assert_eq!(
+        store.purge_expired(100).await.unwrap(),
+        1,
+        "only the one past its deadline"
+    );
+    assert!(store.job(lapsed.id).await.unwrap().is_none());
+    for (key, job) in [("running", &running), ("unknown", &unknown)] {
+        match store.begin_job(new_job(key), new_attempt()).await.unwrap() {
+            Begin::Existing(found) => assert_eq!(found.id, job.id, "{key}"),
+            Begin::Created(..) => panic!("{key}: a retry began a second job beside the first"),
+        }
+    }
+    assert_eq!(
+        store.commit(&at_upstream, &response("slow")).await.unwrap(),
+        CommitOutcome::Committed
+    );
+    assert_eq!(
+        store.commit(&late, &response("late")).await.unwrap(),
+        CommitOutcome::Committed
+    );
+    // Answered, the jobs expire as any other.
+    assert_eq!(store.purge_expired(100).await.unwrap(), 2);
 }
 
 pub async fn every_change_of_a_jobs_state_rings_once(

@@ -97,6 +97,7 @@ macro_rules! conformance_suite {
                 a_hedge_failing_next_to_an_unknown_attempt_keeps_the_job_blocked,
                 lapsed_leases_turn_attempts_unknown,
                 expired_jobs_are_purged_and_their_keys_start_afresh,
+                a_job_is_not_forgotten_while_an_attempt_may_still_answer,
                 job_detail_is_one_consistent_read,
                 a_losing_commit_of_the_last_running_attempt_reopens_the_job,
                 one_sweep_expires_a_batch_of_jobs,

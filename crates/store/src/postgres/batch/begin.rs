@@ -22,6 +22,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::LazyLock;
 
 use deadpool_postgres::Pool;
 use tokio_postgres::types::ToSql;
@@ -30,7 +31,7 @@ use uuid::Uuid;
 use super::super::error::is_lock_timeout;
 use super::super::rows::{answer, attempt_from_row};
 use super::super::sql::{
-    begin_one_statement, begin_statement, read_found_statement, ATTEMPT_COLUMNS,
+    begin_one_statement, begin_statement, read_found_statement, ATTEMPT_COLUMNS, FORGOTTEN,
 };
 use super::super::{map_pg, Postgres};
 use super::{Batched, Waiting};
@@ -335,12 +336,12 @@ async fn begin_on(
             Some(begin) => return Ok(begin),
             None => {}
         }
-        // Expired but not purged yet: forgotten, the key starts afresh.
+        // Expired but not purged yet: forgotten, the key starts afresh
+        // (unless an attempt started meanwhile; then the next read finds it).
+        static FORGET: LazyLock<String> =
+            LazyLock::new(|| format!("DELETE FROM jobs j WHERE j.id = $1 AND {FORGOTTEN}"));
         client
-            .execute(
-                "DELETE FROM jobs WHERE id = $1 AND expires_at <= now()",
-                &[&row.get::<_, Uuid>(0)],
-            )
+            .execute(FORGET.as_str(), &[&row.get::<_, Uuid>(0)])
             .await
             .map_err(map_pg)?;
     }
