@@ -101,17 +101,19 @@ pub(crate) fn classify(routes: &[Arc<Route>], trust: &Trust, mut req: Request<Bo
     let Some(route) = route::find(routes, req.method(), req.uri().path()) else {
         return Classified::PassThrough(req);
     };
-    if matches!(route.protocol, Protocol::Mcp(_)) && req.method() != http::Method::POST {
-        // The transport's event stream (`GET`) and session end (`DELETE`).
-        req.extensions_mut()
-            .insert(Target(route.primary.id.clone()));
-        return Classified::PassThrough(req);
-    }
     if route.require_client {
         match trust.prove_client(req.headers()) {
             Ok(client) => drop(req.extensions_mut().insert(client)),
             Err(refused) => return Classified::Refused(refused.into()),
         }
+    }
+    if matches!(route.protocol, Protocol::Mcp(_)) && req.method() != http::Method::POST {
+        // The transport's event stream (`GET`) and session end (`DELETE`),
+        // with the client proven above: they reach the route's upstream,
+        // with its credentials, only from a proven client.
+        req.extensions_mut()
+            .insert(Target(route.primary.id.clone()));
+        return Classified::PassThrough(req);
     }
     // Every line of the header: a key sent twice is refused, not the first taken.
     let lines = req.headers().get_all(IDEMPOTENCY_KEY).iter();

@@ -4,9 +4,9 @@
 //! answers `202` while the job runs (or joins its stream live, for a client
 //! that accepts `text/event-stream`), its committed answer once it has one,
 //! `409` while its outcome is unknown or when nothing runs for it any more.
-//! Another owner, or a job that does not exist (or expired), gets `404`:
-//! the same answer, so a job id proves nothing to a stranger. Nothing is
-//! proxied.
+//! Another owner, a caller that cannot prove who it is, or a job that does
+//! not exist (or expired), gets `404`: the same answer, so a job id proves
+//! nothing to a stranger. Nothing is proxied.
 
 use std::sync::Arc;
 use std::time::SystemTime;
@@ -65,16 +65,14 @@ async fn poll(
     id: JobId,
     req: Request<Body>,
 ) -> Result<Response<Body>, GatewayError> {
-    let (parts, _) = req.into_parts();
+    let (mut parts, _) = req.into_parts();
     let found = shared.store.job(id).await?;
     let Some((job, route)) = found.and_then(|job| owned(shared, job)) else {
         return Err(ClientError::NoSuchJob.into());
     };
-    if route.require_client {
-        shared.trust.prove_client(&parts.headers)?;
-    }
-    // Not the job's owner: the same answer as no job at all.
-    if shared.trust.owner(&route.owner, &parts)? != job.owner {
+    // Not the job's owner, or not able to say who it is: the same answer
+    // as no job at all.
+    if !is_owner(shared, &route, &job, &mut parts) {
         return Err(ClientError::NoSuchJob.into());
     }
     let config = &shared.config;
@@ -107,10 +105,28 @@ async fn poll(
     }
 }
 
-/// The job, while it has not expired, and the route it was made on (a job
-/// of a route the configuration no longer has cannot be polled).
+/// Whether the poll comes from `job`'s owner, as the route that made it
+/// tells owners: with its client proven first where the route serves only
+/// proven clients, and put where an owner source of `client` reads it
+/// (`docs/design.md` §15).
+fn is_owner(shared: &Shared, route: &Route, job: &Job, parts: &mut http::request::Parts) -> bool {
+    if route.require_client {
+        match shared.trust.prove_client(&parts.headers) {
+            Ok(client) => drop(parts.extensions.insert(client)),
+            Err(_) => return false,
+        }
+    }
+    shared
+        .trust
+        .owner(&route.owner, parts)
+        .is_ok_and(|owner| owner == job.owner)
+}
+
+/// The job, while it has not expired ([`Job::is_expired`]), and the
+/// route it was made on (a job of a route the configuration no longer has
+/// cannot be polled).
 fn owned(shared: &Shared, job: Job) -> Option<(Job, Arc<Route>)> {
-    if job.expires_at <= SystemTime::now() {
+    if job.is_expired(SystemTime::now()) {
         return None;
     }
     let route = shared.config.routes.iter().find(|r| r.name == job.route)?;

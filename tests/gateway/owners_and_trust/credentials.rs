@@ -4,10 +4,12 @@
 //! clients; and the header the gateway's clients present their client key
 //! in never reaches an upstream, whether the request was routed or not.
 
+use std::time::Duration;
+
 use http::Method;
 
 use crate::support::deployment::Deployment;
-use crate::support::{send, sha256_hex, FakeUpstream, Gateway, TestStore};
+use crate::support::{eventually, send, sha256_hex, FakeUpstream, Gate, Gateway, TestStore};
 
 /// An upstream at `url` given `headers` (TOML entries of
 /// `[upstreams.headers]`), and then `rest`.
@@ -166,7 +168,105 @@ async fn the_client_key_never_reaches_an_upstream(deployment: Deployment) {
     assert_eq!(deployment.store.job_count().await, 1);
 }
 
+/// A long call of a proven client (its owner the client: `[owner] sources
+/// = [{ client = true }]`) is polled with the client's key: `202` while it
+/// runs, then its answer. A poll that proves no client, or another client,
+/// gets what a job that does not exist gets (`docs/design.md` §10,
+/// "Answered later"; §15).
+async fn a_proven_clients_long_call_is_polled_with_its_key(deployment: Deployment) {
+    let gate = Gate::new();
+    let provider = FakeUpstream::gated_echo(&gate, |_| true).await;
+    let gateway = gateway_with_clients(&deployment, &provider).await;
+    let client = ("authorization", "Bearer web-key");
+    let headers = [
+        client,
+        ("idempotency-key", "long-1"),
+        ("prefer", "respond-async"),
+    ];
+    let accepted = send(Method::POST, &gateway.path("/v1/chat"), &headers, "{}").await;
+    assert_eq!(accepted.status, 202, "{accepted:?}");
+    let location = accepted.header("location").unwrap().to_owned();
+    provider.arrival().await;
+    let poll = |headers: Vec<(&'static str, &'static str)>| {
+        let url = gateway.path(&location);
+        async move { send(Method::GET, &url, &headers, "").await }
+    };
+    let running = poll(vec![client]).await;
+    assert_eq!(running.status, 202, "{running:?}");
+    let nowhere = gateway.path("/.well-known/idemgate/jobs/00000000-0000-4000-8000-000000000000");
+    let absent = send(Method::GET, &nowhere, &[], "").await;
+    for stranger in [vec![], vec![("authorization", "Bearer other-key")]] {
+        let refused = poll(stranger.clone()).await;
+        assert_eq!(
+            (refused.status, refused.problem()),
+            (absent.status, absent.problem()),
+            "{stranger:?}: as if there were no job"
+        );
+    }
+    gate.open(1);
+    eventually(Duration::from_secs(10), "the polled answer", || async {
+        poll(vec![client]).await.status == 200
+    })
+    .await;
+    assert_eq!(
+        poll(vec![client]).await.header("idempotent-replayed"),
+        Some("true")
+    );
+    assert_eq!(provider.hits(), 1);
+}
+
+/// On an MCP route that serves only proven clients, the transport's `GET`
+/// (its event stream) and `DELETE` (session end) are refused without a
+/// client key, before anything is sent; a proven client's reach the
+/// server with the operator's credential (`docs/design.md` §15, §19).
+#[tokio::test]
+async fn an_mcp_routes_get_and_delete_need_a_proven_client() {
+    let deployment = Deployment::embedded().await;
+    let provider = FakeUpstream::echo().await;
+    let gateway = deployment
+        .gateway("http://unused")
+        .unset("upstreams")
+        .env("TEST_PROVIDER_KEY", "sk-operator")
+        .tables(&upstream_with(
+            &provider.url(),
+            "x-api-key = { env = \"TEST_PROVIDER_KEY\" }",
+            &format!(
+                "[[clients]]\nname = \"agent\"\nkey_sha256 = {{ value = {:?} }}\n\
+                 [[routes]]\npath_prefix = \"/mcp\"\nprotocol = \"mcp\"\n\
+                 require_client = true\n",
+                sha256_hex("agent-key")
+            ),
+        ))
+        .start()
+        .await;
+    let session = ("mcp-session-id", "s-1");
+    for method in [Method::GET, Method::DELETE] {
+        let refused = send(method.clone(), &gateway.path("/mcp"), &[session], "").await;
+        assert_eq!(refused.status, 401, "{method}: {refused:?}");
+        assert_eq!(refused.problem(), "client-unauthenticated", "{method}");
+    }
+    assert_eq!(provider.hits(), 0, "nothing sent for an unproven client");
+    let client = ("authorization", "Bearer agent-key");
+    for method in [Method::GET, Method::DELETE] {
+        let reply = send(
+            method.clone(),
+            &gateway.path("/mcp"),
+            &[client, session],
+            "",
+        )
+        .await;
+        assert_eq!(reply.status, 200, "{method}: {reply:?}");
+    }
+    let seen = provider.recorded();
+    let sent: Vec<_> = seen
+        .iter()
+        .map(|r| (r.header("x-api-key"), r.header("authorization")))
+        .collect();
+    assert_eq!(sent, [(Some("sk-operator"), None); 2]);
+}
+
 crate::on_each_deployment!(
     [embedded, postgres, postgres_redis]
     the_client_key_never_reaches_an_upstream,
+    a_proven_clients_long_call_is_polled_with_its_key,
 );
