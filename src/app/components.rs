@@ -169,7 +169,8 @@ impl Gateway {
     fn adopt_orphans(&self, shared: &Arc<Shared>, settings: &Settings) {
         let upstream = tower::util::BoxCloneSyncService::new(self.upstreams.clone());
         let (shared, interval) = (shared.clone(), settings.sweep_interval);
-        let stuck_after = (interval * 4).max(Duration::from_secs(60));
+        // Bounded at start-up (src/config/bounds.rs); saturating all the same.
+        let stuck_after = interval.saturating_mul(4).max(Duration::from_secs(60));
         self.tasks.spawn(
             "reconcile-orphans",
             Beats::Every(stuck_after),
@@ -264,7 +265,8 @@ impl Gateway {
                 held.clone().renew(renewing.clone(), lease, beat)
             });
         let (sweeping, interval) = (self.store.clone(), settings.sweep_interval);
-        let stuck_after = (interval * 4).max(Duration::from_secs(60));
+        // Bounded at start-up (src/config/bounds.rs); saturating all the same.
+        let stuck_after = interval.saturating_mul(4).max(Duration::from_secs(60));
         self.tasks
             .spawn("sweeper", Beats::Every(stuck_after), move |beat| {
                 sweeper::run(sweeping.clone(), interval, beat)
@@ -290,7 +292,10 @@ impl Gateway {
         }
         if config.needed() {
             let (upstreams, board) = (self.upstreams.clone(), self.probes.clone());
-            let stuck_after = config.interval * 3 + Duration::from_secs(300);
+            let stuck_after = config
+                .interval
+                .saturating_mul(3)
+                .saturating_add(Duration::from_secs(300));
             self.tasks
                 .spawn("probes", Beats::Every(stuck_after), move |beat| {
                     probe::run(config.clone(), upstreams.clone(), board.clone(), beat)

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use idemgate_proxy::server::Limits;
 
+use super::bounds::{count_at_most, MAX_CONNECTIONS};
 use super::{at_least_one, bad, positive, size, ConfigError, FileConfig, Flags, Route};
 
 /// What each listener allows its clients.
@@ -22,7 +23,12 @@ pub(super) fn limits(file: &FileConfig) -> Result<Limits, ConfigError> {
     // Zero turns pings and the idle close off.
     let off_when_zero = |d: Duration| (!d.is_zero()).then_some(d);
     Ok(Limits {
-        max_connections: at_least_one("max_connections", file.max_connections.unwrap_or(10_000))?,
+        max_connections: count_at_most(
+            "max_connections",
+            at_least_one("max_connections", file.max_connections.unwrap_or(10_000))?,
+            MAX_CONNECTIONS,
+            "each is a file descriptor, and the listener counts them in a semaphore",
+        )?,
         header_read_timeout: positive(
             "header_read_timeout",
             file.header_read_timeout.unwrap_or(Duration::from_secs(10)),

@@ -14,6 +14,7 @@
 //!   client certificates of the gateway's own connections (§16);
 //! - this module: the settings as a whole, their defaults and validation.
 
+mod bounds;
 pub mod contracts;
 mod error;
 pub mod file;
@@ -52,6 +53,7 @@ use idemgate_trust::{Clients, OwnerRule};
 pub use limits::{BudgetSource, MemoryBudget};
 pub use replay::{ReplayKeySettings, ReplayKeySource};
 
+use bounds::{at_most, DAY, DECADE, MONTH, WEEK};
 use file::UpstreamFile;
 
 fn bad(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
@@ -235,8 +237,7 @@ impl Settings {
         let replay_keys = replay::settings(&file, &flags, &store)?;
         let timings = timings(&file, &flags)?;
         let trust = trust(&mut file, &flags, &store)?;
-        let (upstreams, contracts, routes) =
-            traffic(&mut file, &flags, timings.upstream_timeout, &trust)?;
+        let (upstreams, contracts, routes) = traffic(&mut file, &flags, &timings, &trust)?;
         let loopback = |port| SocketAddr::from(([127, 0, 0, 1], port));
         let container = limits::container_memory_limit();
         let memory_budget = limits::memory_budget(&file, &flags, &routes, container)?;
@@ -264,14 +265,20 @@ impl Settings {
             hold_timeout: timings.hold_timeout,
             key_ttl: timings.key_ttl,
             lease_ttl: timings.lease_ttl,
-            sweep_interval: positive(
+            sweep_interval: interval(
                 "sweep_interval",
                 file.sweep_interval.unwrap_or(Duration::from_secs(5)),
+                "lapsed leases and expired keys wait for the sweep",
             )?,
             retry_after: file.retry_after.unwrap_or(Duration::from_secs(1)),
             // Long enough for every attempt running at SIGTERM to end by
             // its own deadline (docs/design.md §12, "Termination").
-            shutdown_grace: file.shutdown_grace.unwrap_or(timings.attempt_deadline),
+            shutdown_grace: at_most(
+                "shutdown_grace",
+                file.shutdown_grace.unwrap_or(timings.attempt_deadline),
+                &MONTH,
+                "the drain waits no longer than the longest attempt_deadline",
+            )?,
             owner: trust.owner,
             owner_salt: trust.salt,
             trusted_proxies: trust.proxies,
@@ -295,9 +302,10 @@ impl Settings {
             respond_async_path: respond_async_path(file.respond_async_path.as_deref(), &routes)?,
             routes,
             contracts,
-            probe_interval: positive(
+            probe_interval: interval(
                 "probe_interval",
                 file.probe_interval.unwrap_or(Duration::from_secs(60)),
+                "a fallback is trusted on a proof this old",
             )?,
             encryption: file
                 .encryption
@@ -323,7 +331,7 @@ impl Settings {
 fn traffic(
     file: &mut FileConfig,
     flags: &Flags,
-    upstream_timeout: Duration,
+    timings: &Timings,
     trust: &Trust,
 ) -> Result<
     (
@@ -346,8 +354,13 @@ fn traffic(
     // With clients, their key's header is the gateway's: no upstream gets it
     // (`docs/design.md` §15).
     let withheld = (!trust.clients.clients.is_empty()).then_some(&trust.clients.header);
-    let upstreams =
-        upstreams::parse_all(&upstream_files, upstream_timeout, &file.base_dir, withheld)?;
+    let upstreams = upstreams::parse_all(
+        &upstream_files,
+        timings.upstream_timeout,
+        timings.attempt_deadline,
+        &file.base_dir,
+        withheld,
+    )?;
     let mut contracts = BTreeMap::new();
     for (name, contract_file) in std::mem::take(&mut file.contracts) {
         let contract = contracts::load(&name, contract_file, &file.base_dir)?;
@@ -359,6 +372,7 @@ fn traffic(
         owner: &trust.owner,
         clients: &trust.clients,
         base_dir: &file.base_dir,
+        attempt_deadline: timings.attempt_deadline,
     };
     let routes = routes::parse_all(std::mem::take(&mut file.routes), &cx)?;
     Ok((upstreams, contracts, routes))
@@ -461,18 +475,73 @@ fn owner_salt(
     }
 }
 
-/// The upstream timeout and the timings that must agree with it.
+/// The upstream timeout and the timings that must agree with it, each
+/// bounded before anything is computed from it.
 fn timings(file: &FileConfig, flags: &Flags) -> Result<Timings, ConfigError> {
-    let upstream_timeout = positive(
+    let upstream_timeout = at_most(
         "upstream_timeout",
-        flags
-            .upstream_timeout
-            .or(file.upstream_timeout)
-            .unwrap_or(Duration::from_secs(30)),
+        positive(
+            "upstream_timeout",
+            flags
+                .upstream_timeout
+                .or(file.upstream_timeout)
+                .unwrap_or(Duration::from_secs(30)),
+        )?,
+        &DAY,
+        "a longer silence is an upstream gone, not a slow one",
     )?;
-    let attempt_deadline = positive(
+    let attempt_deadline = attempt_deadline(file, upstream_timeout)?;
+    let lease_ttl = interval(
+        "lease_ttl",
+        file.lease_ttl.unwrap_or(Duration::from_secs(30)),
+        "the attempts of a replica that died are taken for running this long",
+    )?;
+    if lease_ttl < Duration::from_millis(300) {
+        return Err(bad(
+            "lease_ttl",
+            "must be at least 300ms: leases are renewed every third of it",
+        ));
+    }
+    let hold_timeout = flags.hold_timeout.or(file.hold_timeout);
+    // Its default is within the bound: upstream_timeout is at most a day.
+    let hold_timeout =
+        hold_timeout.unwrap_or(upstream_timeout.saturating_add(Duration::from_secs(5)));
+    let key_ttl = flags.key_ttl.or(file.key_ttl);
+    Ok(Timings {
+        upstream_timeout,
+        attempt_deadline,
+        lease_ttl,
+        hold_timeout: at_most(
+            "hold_timeout",
+            positive("hold_timeout", hold_timeout)?,
+            &WEEK,
+            "a duplicate's client is kept waiting this long, its connection open",
+        )?,
+        key_ttl: at_most(
+            "key_ttl",
+            positive("key_ttl", key_ttl.unwrap_or(Duration::from_secs(24 * 3600)))?,
+            &DECADE,
+            "each key's expiry must be a PostgreSQL timestamp",
+        )?,
+    })
+}
+
+/// `attempt_deadline`: ten times `upstream_timeout` unless set (computed
+/// only then: a huge upstream_timeout is refused, not multiplied), at
+/// least it, at most a month.
+fn attempt_deadline(
+    file: &FileConfig,
+    upstream_timeout: Duration,
+) -> Result<Duration, ConfigError> {
+    let attempt_deadline = at_most(
         "attempt_deadline",
-        file.attempt_deadline.unwrap_or(upstream_timeout * 10),
+        positive(
+            "attempt_deadline",
+            file.attempt_deadline
+                .unwrap_or_else(|| upstream_timeout.saturating_mul(10)),
+        )?,
+        &MONTH,
+        "an unknown attempt is looked up and its job kept open until then",
     )?;
     if attempt_deadline < upstream_timeout {
         return Err(bad(
@@ -483,32 +552,28 @@ fn timings(file: &FileConfig, flags: &Flags) -> Result<Timings, ConfigError> {
             ),
         ));
     }
-    let lease_ttl = positive(
-        "lease_ttl",
-        file.lease_ttl.unwrap_or(Duration::from_secs(30)),
-    )?;
-    if lease_ttl < Duration::from_millis(300) {
-        return Err(bad(
-            "lease_ttl",
-            "must be at least 300ms: leases are renewed every third of it",
-        ));
-    }
-    let hold_timeout = flags.hold_timeout.or(file.hold_timeout);
-    let key_ttl = flags.key_ttl.or(file.key_ttl);
-    Ok(Timings {
-        upstream_timeout,
-        attempt_deadline,
-        lease_ttl,
-        hold_timeout: positive(
-            "hold_timeout",
-            hold_timeout.unwrap_or(upstream_timeout + Duration::from_secs(5)),
-        )?,
-        key_ttl: positive("key_ttl", key_ttl.unwrap_or(Duration::from_secs(24 * 3600)))?,
-    })
+    Ok(attempt_deadline)
+}
+
+/// A period something is done again after (`sweep_interval`,
+/// `probe_interval`, `lease_ttl`): more than zero, at most a day, `why`.
+fn interval(key: &str, d: Duration, why: &str) -> Result<Duration, ConfigError> {
+    at_most(key, positive(key, d)?, &DAY, why)
 }
 
 /// The Redis fast path, when a Redis URL is given.
 fn redis_settings(file: &FileConfig, flags: &Flags) -> Result<Option<RedisSettings>, ConfigError> {
+    // Checked with or without a URL, so a mistake is told now rather than
+    // when redis_url is added; the TLS keys, which would promise an
+    // encryption that is not there, are refused without one.
+    let timeout = positive(
+        "redis_timeout",
+        file.redis_timeout.unwrap_or(Duration::from_millis(50)),
+    )?;
+    let inline_max = file
+        .redis_inline_max
+        .map_or(64 * 1024, |b| b.as_u64() as usize);
+    let key_prefix = key_prefix(file.redis_key_prefix.as_deref())?;
     let Some(url) = flags.redis_url.clone().or(file.redis_url.clone()) else {
         redis::read(file, flags, None)?; // refuses TLS keys without a URL
         return Ok(None);
@@ -522,14 +587,9 @@ fn redis_settings(file: &FileConfig, flags: &Flags) -> Result<Option<RedisSettin
     let tls = redis::read(file, flags, Some(&topology))?;
     Ok(Some(RedisSettings {
         topology,
-        timeout: positive(
-            "redis_timeout",
-            file.redis_timeout.unwrap_or(Duration::from_millis(50)),
-        )?,
-        inline_max: file
-            .redis_inline_max
-            .map_or(64 * 1024, |b| b.as_u64() as usize),
-        key_prefix: key_prefix(file.redis_key_prefix.as_deref())?,
+        timeout,
+        inline_max,
+        key_prefix,
         tls,
     }))
 }

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use http::{HeaderName, Method};
 
+use super::bounds::within_deadline;
 use super::file::{ReconcileFile, RouteFile, StreamErrorsFile};
 use super::trust::{owner_rule, OwnerFile};
 use super::{at_least_one, bad, header_name, positive, ConfigError};
@@ -125,6 +126,8 @@ pub(super) struct Context<'a> {
     pub(super) owner: &'a Arc<OwnerRule>,
     pub(super) clients: &'a Clients,
     pub(super) base_dir: &'a Path,
+    /// When an attempt is abandoned: no silence of the route's may outlast it.
+    pub(super) attempt_deadline: Duration,
 }
 
 /// The routes of the file, most specific prefix first; the default route
@@ -162,7 +165,7 @@ fn parse(i: usize, r: RouteFile, cx: &Context<'_>) -> Result<Route, ConfigError>
     };
     let matching = matching(&key, &r, &default)?;
     let failover = failover(&key, &r, &default, cx)?;
-    let waits = waits(&key, &r, &default)?;
+    let waits = waits(&key, &r, &default, cx.attempt_deadline)?;
     let owner = route_owner(&key("owner"), r.owner.as_ref(), cx)?;
     let require_client = require_client(&key("require_client"), r.require_client, cx)?;
     let unsettled = unsettled(&key, &r, failover.side_effect_free)?;
@@ -310,15 +313,24 @@ struct Waits {
     stream_end_events: Vec<String>,
 }
 
-fn waits(key: Key<'_>, r: &RouteFile, default: &Route) -> Result<Waits, ConfigError> {
+fn waits(
+    key: Key<'_>,
+    r: &RouteFile,
+    default: &Route,
+    attempt_deadline: Duration,
+) -> Result<Waits, ConfigError> {
+    let silence = |field: &str, d: Duration| {
+        let key = key(field);
+        within_deadline(&key, positive(&key, d)?, attempt_deadline)
+    };
     Ok(Waits {
         first_byte_timeout: r
             .first_byte_timeout
-            .map(|d| positive(&key("first_byte_timeout"), d))
+            .map(|d| silence("first_byte_timeout", d))
             .transpose()?,
         stream_idle_timeout: r
             .stream_idle_timeout
-            .map(|d| positive(&key("stream_idle_timeout"), d))
+            .map(|d| silence("stream_idle_timeout", d))
             .transpose()?,
         stream_types: r.stream_types.as_ref().map_or_else(
             || default.stream_types.clone(),

@@ -34,11 +34,27 @@ pub(super) fn store_settings(
     file: &FileConfig,
     flags: &Flags,
 ) -> Result<StoreSettings, ConfigError> {
+    // Checked with or without a URL, so a mistake is told now rather than
+    // when database_url is added.
+    let pool = pool(file)?;
+    let direct_url = flags
+        .database_direct_url
+        .clone()
+        .or_else(|| file.database_direct_url.clone());
     let Some(url) = flags
         .database_url
         .clone()
         .or_else(|| file.database_url.clone())
     else {
+        if direct_url.is_some() {
+            // Like a Redis TLS key without redis_url: it names a database
+            // the gateway would never connect to, as its operator expects.
+            return Err(bad(
+                "database_direct_url",
+                "no database_url is set, so jobs are kept in the embedded store and this \
+                 database is never used: set database_url too, or remove this key",
+            ));
+        }
         let path = flags
             .embedded_path
             .clone()
@@ -47,14 +63,28 @@ pub(super) fn store_settings(
         return Ok(StoreSettings::Embedded { path });
     };
     let url = postgres_url("database_url", &url, &file.base_dir)?;
-    let direct_url = flags
-        .database_direct_url
-        .clone()
-        .or_else(|| file.database_direct_url.clone())
+    let direct_url = direct_url
         .map(|direct| postgres_url("database_direct_url", &direct, &file.base_dir))
         .transpose()?;
-    let pool_size = file.database_pool_size.unwrap_or(16);
-    if pool_size == 0 {
+    Ok(StoreSettings::Postgres(Box::new(PgSettings {
+        url,
+        direct_url,
+        pool_size: pool.size,
+        connect_timeout: pool.connect_timeout,
+        lock_timeout: pool.lock_timeout,
+    })))
+}
+
+/// The PostgreSQL pool's keys.
+struct Pool {
+    size: usize,
+    connect_timeout: Duration,
+    lock_timeout: Duration,
+}
+
+fn pool(file: &FileConfig) -> Result<Pool, ConfigError> {
+    let size = file.database_pool_size.unwrap_or(16);
+    if size == 0 {
         return Err(bad("database_pool_size", "must be at least 1"));
     }
     let connect_timeout = positive(
@@ -72,13 +102,11 @@ pub(super) fn store_settings(
             "must be at most 24h: it bounds a wait for a lock another transaction holds",
         ));
     }
-    Ok(StoreSettings::Postgres(Box::new(PgSettings {
-        url,
-        direct_url,
-        pool_size,
+    Ok(Pool {
+        size,
         connect_timeout,
         lock_timeout,
-    })))
+    })
 }
 
 /// Reads a PostgreSQL URL given as `key`: its TLS (and the files that

@@ -733,3 +733,140 @@ fn a_jwt_leeway_is_checked_at_start_up() {
     assert_eq!(err.key, "owner.sources[0]");
     assert!(err.message.contains("belong to a `jwt` source"), "{err}");
 }
+
+/// An upstream's or a route's silence longer than `attempt_deadline` would
+/// be cut short at the deadline without a word: refused, naming its key
+/// and the deadline to raise. One as long as the deadline is taken.
+#[test]
+fn a_silence_longer_than_the_attempt_deadline_is_refused_naming_its_key() {
+    let deadline = "attempt_deadline = \"1m\"\n";
+    let upstream = "[[upstreams]]\nurl = \"http://a:1\"\n";
+    let routes = "[[routes]]\npath_prefix = \"/a\"\n[[routes]]\npath_prefix = \"/b\"\n";
+    for (text, key) in [
+        (
+            format!("{upstream}timeout = \"2m\"\n"),
+            "upstreams[0].timeout",
+        ),
+        (
+            format!("{upstream}first_byte_timeout = \"61s\"\n"),
+            "upstreams[0].first_byte_timeout",
+        ),
+        (
+            format!("{upstream}stream_idle_timeout = \"1h\"\n"),
+            "upstreams[0].stream_idle_timeout",
+        ),
+        (
+            format!("{upstream}{routes}first_byte_timeout = \"2m\"\n"),
+            "routes[1].first_byte_timeout",
+        ),
+        (
+            format!("{upstream}{routes}stream_idle_timeout = \"2m\"\n"),
+            "routes[1].stream_idle_timeout",
+        ),
+    ] {
+        let file = Settings::parse_file(&format!("{deadline}{text}")).unwrap();
+        let err = Settings::from_sources(file, Flags::default()).unwrap_err();
+        assert_eq!(err.key, key, "{text}");
+        assert!(
+            err.message.contains("raise attempt_deadline to at least"),
+            "{}",
+            err.message
+        );
+    }
+    let as_long =
+        format!("{deadline}{upstream}timeout = \"1m\"\n{routes}stream_idle_timeout = \"60s\"\n");
+    Settings::from_sources(Settings::parse_file(&as_long).unwrap(), Flags::default())
+        .expect("silences as long as the deadline");
+}
+
+/// Values far past any sensible one (a unit slip) are refused naming their
+/// key, rather than overflowing the arithmetic done on them later (a
+/// panic) or PostgreSQL's timestamps; the bounds themselves are taken.
+#[test]
+fn huge_timings_and_counts_are_refused_naming_their_key() {
+    // About 500 billion years: humantime reads it, ten times it overflows.
+    let huge = "\"500000000000years\"";
+    for (key, value) in [
+        // Set beside it: ten times it is then never computed.
+        (
+            "upstream_timeout",
+            &format!("{huge}\nattempt_deadline = \"1h\"")[..],
+        ),
+        ("upstream_timeout", huge),
+        ("attempt_deadline", "\"31d\""),
+        ("hold_timeout", "\"8d\""),
+        ("key_ttl", huge),
+        ("key_ttl", "\"3651d\""),
+        ("lease_ttl", "\"25h\""),
+        ("sweep_interval", huge),
+        ("probe_interval", "\"2d\""),
+        ("shutdown_grace", huge),
+        ("max_connections", "9223372036854775807"),
+        ("max_connections", "1000001"),
+    ] {
+        let text = format!("{key} = {value}");
+        let file = Settings::parse_file(&text).unwrap();
+        let err = Settings::from_sources(file, flags_with_upstream()).unwrap_err();
+        assert_eq!(err.key, key, "{text}");
+        assert!(
+            err.message.contains("set at most"),
+            "{text}: {}",
+            err.message
+        );
+    }
+    let at_the_bounds = "upstream_timeout = \"24h\"\nattempt_deadline = \"30d\"\n\
+                         hold_timeout = \"7d\"\nkey_ttl = \"3650d\"\nlease_ttl = \"24h\"\n\
+                         sweep_interval = \"24h\"\nprobe_interval = \"24h\"\n\
+                         shutdown_grace = \"30d\"\nmax_connections = 1000000\n";
+    Settings::from_sources(
+        Settings::parse_file(at_the_bounds).unwrap(),
+        flags_with_upstream(),
+    )
+    .expect("every bound itself");
+    // The defaults that follow upstream_timeout stay within theirs.
+    let s = Settings::from_sources(
+        Settings::parse_file("upstream_timeout = \"24h\"").unwrap(),
+        flags_with_upstream(),
+    )
+    .unwrap();
+    assert_eq!(s.attempt_deadline, Duration::from_secs(10 * 24 * 3600));
+    assert_eq!(s.shutdown_grace, s.attempt_deadline);
+}
+
+/// The database's and Redis's keys are checked without their URL too (a
+/// mistake is told now, not when the URL is added); a direct database URL
+/// without `database_url` is refused, as Redis's TLS keys are without
+/// `redis_url`: it names a connection the gateway would never make.
+#[test]
+fn database_and_redis_keys_are_checked_without_their_url() {
+    for (text, key) in [
+        ("database_pool_size = 0", "database_pool_size"),
+        ("database_timeout = \"0s\"", "database_timeout"),
+        ("database_lock_timeout = \"30d\"", "database_lock_timeout"),
+        (
+            "database_direct_url = \"postgres://u@h/db\"",
+            "database_direct_url",
+        ),
+        ("redis_timeout = \"0s\"", "redis_timeout"),
+        ("redis_key_prefix = \"a{b}:\"", "redis_key_prefix"),
+    ] {
+        let file = Settings::parse_file(text).unwrap();
+        let err = Settings::from_sources(file, flags_with_upstream()).unwrap_err();
+        assert_eq!(err.key, key, "{text}");
+    }
+    let err = Settings::from_sources(
+        Settings::parse_file("database_direct_url = \"postgres://u@h/db\"").unwrap(),
+        flags_with_upstream(),
+    )
+    .unwrap_err();
+    assert!(
+        err.message.contains("set database_url too"),
+        "{}",
+        err.message
+    );
+    let tuned = "database_pool_size = 4\ndatabase_timeout = \"1s\"\nredis_timeout = \"20ms\"\n\
+                 redis_inline_max = \"8KiB\"\nredis_key_prefix = \"payments:\"\n";
+    let s = Settings::from_sources(Settings::parse_file(tuned).unwrap(), flags_with_upstream())
+        .expect("tuning keys for a store and a Redis not in use");
+    assert!(s.redis.is_none());
+}

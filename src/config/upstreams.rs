@@ -9,15 +9,18 @@ use http::{HeaderName, HeaderValue, Uri};
 
 use idemgate_proxy::upstream::{UpstreamId, UpstreamSettings, DEFAULT_IDLE_TIMEOUT};
 
+use super::bounds::within_deadline;
 use super::file::{HeaderSource, UpstreamFile};
 use super::{bad, header_name, positive, ConfigError};
 
 /// Every upstream, in configured order, names unique.
 /// `withheld` is the header the gateway's own clients present their client
-/// key in, when there are clients: never sent to any upstream.
+/// key in, when there are clients: never sent to any upstream. No silence
+/// may outlast `attempt_deadline`.
 pub(super) fn parse_all(
     files: &[UpstreamFile],
     default_timeout: Duration,
+    attempt_deadline: Duration,
     base_dir: &Path,
     withheld: Option<&HeaderName>,
 ) -> Result<Vec<Arc<UpstreamSettings>>, ConfigError> {
@@ -30,7 +33,7 @@ pub(super) fn parse_all(
     }
     let mut all: Vec<Arc<UpstreamSettings>> = Vec::with_capacity(files.len());
     for (i, file) in files.iter().enumerate() {
-        let mut upstream = parse(i, file, default_timeout, base_dir)?;
+        let mut upstream = parse(i, file, default_timeout, attempt_deadline, base_dir)?;
         upstream.withheld = withheld.cloned();
         if all.iter().any(|other| other.name() == upstream.name()) {
             return Err(bad(
@@ -46,10 +49,14 @@ pub(super) fn parse_all(
     Ok(all)
 }
 
+/// Upstream `i`: its `timeout` defaults to `default_timeout`
+/// (`upstream_timeout`), and none of its silences may outlast
+/// `attempt_deadline`.
 fn parse(
     i: usize,
     file: &UpstreamFile,
     default_timeout: Duration,
+    attempt_deadline: Duration,
     base_dir: &Path,
 ) -> Result<UpstreamSettings, ConfigError> {
     let key = format!("upstreams[{i}]");
@@ -65,9 +72,14 @@ fn parse(
     };
     let timeout = table.and_then(|t| t.timeout).unwrap_or(default_timeout);
     // Both silences default to the upstream's one timeout, as before they
-    // were split.
+    // were split; each, that timeout too, must end by the attempt's deadline.
     let silence = |field: &str, set: Option<Duration>| {
-        positive(&format!("{key}.{field}"), set.unwrap_or(timeout))
+        let key = format!("{key}.{field}");
+        within_deadline(
+            &key,
+            positive(&key, set.unwrap_or(timeout))?,
+            attempt_deadline,
+        )
     };
     let mut headers = Vec::new();
     let mut credentials = Vec::new();
@@ -91,7 +103,7 @@ fn parse(
             &table.and_then(|t| t.name.clone()).unwrap_or(default_name),
         ),
         base,
-        timeout: positive(&format!("{key}.timeout"), timeout)?,
+        timeout: silence("timeout", Some(timeout))?,
         first_byte_timeout: silence(
             "first_byte_timeout",
             table.and_then(|t| t.first_byte_timeout),
