@@ -515,10 +515,25 @@ fn resolved(
             change = change.rederive(snapshot)?;
         }
     }
-    if !change.before.is_terminal() {
+    if !change.before.is_terminal() && decides_who_commits(snapshot, attempt, resolution) {
         change.job.version += 1;
     }
     Ok(change)
+}
+
+/// Whether resolving `attempt` decides who may commit, and so moves the
+/// job's version: a result does, and so does a failure that leaves no other
+/// attempt unsettled. One that leaves a sibling running or unknown (a
+/// hedge, a failover past the unknown attempt) does not: moving the version
+/// would supersede the sibling's answer, which may still commit. The
+/// resolved attempt's own late answer is refused either way, as settled
+/// ([`may_commit`]; `docs/design.md` §4).
+fn decides_who_commits(snapshot: &Snapshot, attempt: AttemptId, resolution: &Resolution) -> bool {
+    matches!(resolution, Resolution::Succeeded(_))
+        || !snapshot
+            .attempts
+            .iter()
+            .any(|a| a.id != attempt && a.state.is_unsettled())
 }
 
 /// Started attempts whose lease lapsed by `now` become `unknown`: the

@@ -364,16 +364,57 @@ fn resolve_applies_to_unsettled_attempts_and_moves_the_version() {
                 let change = result.unwrap();
                 assert_sound(&s, &change);
                 assert_eq!(change.settled[0].state, resolution.state());
-                if s.job.state == JobState::Completed {
+                let sibling_unsettled = s
+                    .attempts
+                    .iter()
+                    .any(|a| a.id != attempt.id && a.state.is_unsettled());
+                let decides = matches!(resolution, Resolution::Succeeded(_)) || !sibling_unsettled;
+                if s.job.state == JobState::Completed || !decides {
                     assert_eq!(change.job.version, s.job.version);
                 } else {
-                    assert_eq!(
-                        change.job.version,
-                        s.job.version + 1,
-                        "the attempt's own late answer must no longer commit"
-                    );
+                    assert_eq!(change.job.version, s.job.version + 1);
                 }
+                // The attempt's own late answer no longer commits.
+                let late = commit(&applied(&s, &change), attempt.id, &response()).unwrap();
+                assert!(late.response.is_none(), "{s:?} {resolution:?}");
             }
+        }
+    }
+}
+
+/// `s` with `change` written, as a store writes it.
+fn applied(s: &Snapshot, change: &Change) -> Snapshot {
+    let mut after = s.clone();
+    after.job.state = change.job.state;
+    after.job.version = change.job.version;
+    after.job.attempt_count = change.job.attempt_count;
+    after.job.completed_by = change.job.completed_by;
+    for settle in &change.settled {
+        if let Some(a) = after.attempts.iter_mut().find(|a| a.id == settle.attempt) {
+            a.state = settle.state;
+        }
+    }
+    after
+}
+
+/// An unknown attempt resolved `failed` or `cancelled` (by an operator, or
+/// a lookup's "no effect") beside a sibling that still runs or is unknown
+/// itself (a hedge, a failover past it) leaves the version: the sibling's
+/// answer still commits. Moving it superseded that answer, already paid
+/// for, and the request called the upstream a third time.
+#[test]
+fn a_failed_resolution_leaves_a_siblings_answer_free_to_commit() {
+    for sibling in [Started, Unknown] {
+        for resolution in [Resolution::Failed, Resolution::Cancelled] {
+            let s = snapshot(&[Unknown, sibling], false);
+            let (unknown, other) = (s.attempts[0].id, s.attempts[1].id);
+            let after = applied(&s, &resolve(&s, unknown, &resolution).unwrap());
+            let change = commit(&after, other, &response()).unwrap();
+            assert_eq!(
+                (change.job.state, change.job.completed_by),
+                (JobState::Completed, Some(other)),
+                "{sibling:?} beside {resolution:?}"
+            );
         }
     }
 }
@@ -407,7 +448,8 @@ fn reconcile_settles_only_an_unknown_attempt_as_a_resolution_would() {
                     assert!(change.commits(attempt.id));
                 }
                 if s.job.state != JobState::Completed {
-                    assert_eq!(change.job.version, s.job.version + 1);
+                    let moves = decides_who_commits(&s, attempt.id, resolution);
+                    assert_eq!(change.job.version, s.job.version + i64::from(moves));
                 }
             }
         }

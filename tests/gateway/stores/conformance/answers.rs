@@ -275,6 +275,36 @@ pub async fn resolution_moves_the_version_so_the_late_answer_is_superseded(store
     ));
 }
 
+/// An unknown attempt resolved `failed` beside a hedge still running leaves
+/// the hedge free to commit its answer: the resolution decides nothing
+/// about who commits while another attempt may (`docs/design.md` §4).
+pub async fn a_failed_resolution_beside_a_running_hedge_lets_the_hedge_commit(
+    store: Arc<dyn Store>,
+) {
+    let (job, unknown) = created(store.as_ref(), "hedged").await;
+    let hedge = store
+        .hedge_attempt(job.id, job.version, new_attempt())
+        .await
+        .unwrap()
+        .unwrap();
+    let timeout = AttemptFailure::Unknown {
+        detail: "timeout".into(),
+    };
+    store.fail_attempt(unknown.id, timeout).await.unwrap();
+    let detail = store
+        .resolve_attempt(unknown.id, Resolution::Failed)
+        .await
+        .unwrap();
+    assert_eq!(detail.job.state, JobState::Running, "the hedge still runs");
+    assert_eq!(
+        store.commit(&hedge, &response("hedge")).await.unwrap(),
+        CommitOutcome::Committed,
+        "the hedge's answer, already paid for, was superseded"
+    );
+    let after = store.job(job.id).await.unwrap().unwrap();
+    assert_eq!(after.completed_by, Some(hedge.id));
+}
+
 pub async fn resolution_as_succeeded_commits_through_the_cas(store: Arc<dyn Store>) {
     let (job, attempt) = created(store.as_ref(), "manual").await;
     let detail = store
