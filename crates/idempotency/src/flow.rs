@@ -272,7 +272,7 @@ impl Flow {
         request.waits_on(job.id);
         let tag = Tag::of(&request.intent.owner, &request.intent.key);
         // Boxed: the hold below is what a duplicate waits in (`decide`).
-        if let Some(joined) = Box::pin(shared.live.join(&tag, job.id)).await {
+        if let Some(joined) = Box::pin(shared.live.join(&tag, job)).await {
             return Ok(Next::Answered(joined));
         }
         Ok(Next::Reread(self.driver.hold(job.id).await?))
@@ -322,7 +322,9 @@ impl Flow {
         self.driver
             .shared
             .holds
-            .wait_for_evidence(job, limit, |job| live.streaming(&tag, job))
+            .wait_for_evidence(job, limit, |job, attempt| {
+                live.streaming(&tag, job, attempt)
+            })
             .await
     }
 
@@ -395,7 +397,7 @@ mod held_size {
         });
         let streaming = size_of_output(&|| {
             let (driver, tag): (&'static Driver, &'static Tag) = unreachable!();
-            driver.shared.live.streaming(tag, unreachable!())
+            driver.shared.live.streaming(tag, unreachable!(), 0)
         });
         let job = std::mem::size_of::<Job>();
         assert!(

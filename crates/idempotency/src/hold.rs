@@ -53,7 +53,7 @@ impl Holds {
     /// answer streams (the duplicate joins the stream), or the hold timeout.
     pub(crate) async fn wait<S, F>(&self, job: JobId, streaming: S) -> Result<Job, GatewayError>
     where
-        S: Fn(JobId) -> F,
+        S: Fn(JobId, i32) -> F,
         F: Future<Output = bool>,
     {
         let deadline = Instant::now() + self.config.timeout;
@@ -73,7 +73,7 @@ impl Holds {
         streaming: S,
     ) -> Result<Option<Job>, GatewayError>
     where
-        S: Fn(JobId) -> F,
+        S: Fn(JobId, i32) -> F,
         F: Future<Output = bool>,
     {
         self.wait_out(job, JobState::Running, limit, streaming)
@@ -93,7 +93,7 @@ impl Holds {
         streaming: S,
     ) -> Result<Option<Job>, GatewayError>
     where
-        S: Fn(JobId) -> F,
+        S: Fn(JobId, i32) -> F,
         F: Future<Output = bool>,
     {
         let limit = limit.min(self.config.timeout);
@@ -111,7 +111,7 @@ impl Holds {
         streaming: S,
     ) -> Result<Option<Job>, GatewayError>
     where
-        S: Fn(JobId) -> F,
+        S: Fn(JobId, i32) -> F,
         F: Future<Output = bool>,
     {
         let done = |seen: &Observed| seen.job.state != state;
@@ -129,7 +129,7 @@ impl Holds {
         done: impl Fn(&Observed) -> bool,
     ) -> Result<Option<Job>, GatewayError>
     where
-        S: Fn(JobId) -> F,
+        S: Fn(JobId, i32) -> F,
         F: Future<Output = bool>,
     {
         let bell = self.doorbell.bell(job);
@@ -171,7 +171,7 @@ impl Holds {
         done: &impl Fn(&Observed) -> bool,
     ) -> Result<Option<Job>, GatewayError>
     where
-        S: Fn(JobId) -> F,
+        S: Fn(JobId, i32) -> F,
         F: Future<Output = bool>,
     {
         // Boxed: a held duplicate waits in `watch` for the next ring, which
@@ -184,11 +184,12 @@ impl Holds {
     /// Reads the job, and whether its answer streams.
     async fn observe<S, F>(&self, job: JobId, streaming: &S) -> Result<Observed, GatewayError>
     where
-        S: Fn(JobId) -> F,
+        S: Fn(JobId, i32) -> F,
         F: Future<Output = bool>,
     {
         let job = self.reread(job).await?;
-        let streaming = job.state == JobState::Running && streaming(job.id).await;
+        let streaming =
+            job.state == JobState::Running && streaming(job.id, job.attempt_count).await;
         Ok(Observed { job, streaming })
     }
 

@@ -86,7 +86,7 @@ async fn poll(
                 .any(|v| v.to_str().is_ok_and(|v| v.contains("text/event-stream")));
             let tag = Tag::of(&job.owner, &job.key);
             if streams {
-                if let Some(joined) = shared.live.join(&tag, id).await {
+                if let Some(joined) = shared.live.join(&tag, &job).await {
                     return Ok(joined);
                 }
             }

@@ -483,7 +483,7 @@ async fn a_spoiled_stream_is_never_served_as_complete(spoil: Spoil) -> Gateway {
     let mirrored = raw.entries(&stream).await;
     match spoil {
         Spoil::ForgedEnd => {
-            let mut end = record(&forger_keys(false), job, Part::End, 2, &[1]);
+            let mut end = record(&forger_keys(false), (job, 1), Part::End, 2, &[1]);
             end[4..4 + HEAD_LEN].copy_from_slice(&suite_keys().head());
             raw.append(&stream, Part::End.field(), &end).await;
         }

@@ -261,6 +261,61 @@ async fn a_joiner_on_another_replica_gets_an_in_band_failure_as_sent() {
     assert_eq!(upstream.hits(), 2);
 }
 
+/// A stream that failed in-band leaves its mirror in Redis; the retry's
+/// attempt is mirrored on the same job's stream once its head comes. A
+/// duplicate meanwhile, on a replica whose own copy of the failed stream has
+/// ended, is held, not handed the earlier attempt's failure as if it were
+/// the running one's; then it gets the retry's answer, as every client of
+/// the job does (`docs/design.md` §10).
+#[tokio::test]
+async fn a_joiner_never_gets_an_earlier_attempts_mirrored_stream() {
+    let store = TestStore::postgres().await;
+    let redis = crate::support::ThrowawayRedis::start().await;
+    let gate = Gate::new();
+    let overloaded = anthropic("Hel", &[&error_event("overloaded_error")]);
+    let whole = anthropic("Hello", &[MESSAGE_STOP]);
+    let upstream =
+        ScriptedSse::head_held(vec![overloaded.clone(), whole.clone()], gate.clone()).await;
+    let schemas = schemas();
+    let replica = || {
+        Gateway::builder(&store, &upstream.url())
+            .set("upstream_timeout", "\"5s\"")
+            .set("redis_url", &format!("{:?}", redis.url()))
+            .tables(CHAT_ROUTE)
+            .files_from(schemas.path())
+            .start()
+    };
+    let (a, b) = (replica().await, replica().await);
+    gate.open(overloaded.len());
+    let (first, finish) = read_all(&a.path("/v1/chat"), "again").await;
+    assert_eq!((first.status, finish), (200, Finish::Complete));
+    assert_eq!(text(&first), overloaded.concat());
+    let retry = tokio::spawn(read_all(b.path("/v1/chat").leak(), "again"));
+    eventually(
+        Duration::from_secs(10),
+        "the retry's attempt at the upstream",
+        || async { upstream.hits() == 2 },
+    )
+    .await;
+    let duplicate = tokio::spawn(read_all(a.path("/v1/chat").leak(), "again"));
+    eventually(Duration::from_secs(10), "the duplicate held", || async {
+        a.metric("idemgate_held_requests").await == 1.0
+    })
+    .await;
+    gate.open(whole.len());
+    let (retry, finish) = retry.await.unwrap();
+    assert_eq!((retry.status, finish), (200, Finish::Complete));
+    assert_eq!(text(&retry), whole.concat());
+    let (duplicate, finish) = duplicate.await.unwrap();
+    assert_eq!((duplicate.status, finish), (200, Finish::Complete));
+    assert_eq!(
+        text(&duplicate),
+        whole.concat(),
+        "the running attempt's answer"
+    );
+    assert_eq!(upstream.hits(), 2);
+}
+
 /// A whole Anthropic Messages stream of `text`, as the SDK parses it.
 fn anthropic_message(text: &str) -> Vec<String> {
     let data = |event: &str, json: serde_json::Value| format!("event: {event}\ndata: {json}\n\n");

@@ -77,7 +77,7 @@ impl Driver {
         let live = &self.shared.live;
         self.shared
             .holds
-            .wait(job, |job| live.streaming(&tag, job))
+            .wait(job, |job, attempt| live.streaming(&tag, job, attempt))
             .await
     }
 

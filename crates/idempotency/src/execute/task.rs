@@ -389,7 +389,8 @@ impl Task {
             let ttl = self.runner.config.deadline + Duration::from_secs(60);
             let doorbell = self.runner.doorbell.clone();
             let head = (parts.status.as_u16(), &headers[..]);
-            fast.mirror(tag, job, head, recording.follow(), ttl, doorbell);
+            let of = (job, self.attempt.number);
+            fast.mirror(tag, of, head, recording.follow(), ttl, doorbell);
         }
         recording
     }

@@ -11,7 +11,7 @@ use http::Response;
 use super::{Recording, Recordings};
 use crate::hold::Holds;
 use idemgate_domain::id::JobId;
-use idemgate_domain::job::JobState;
+use idemgate_domain::job::{Job, JobState};
 use idemgate_proxy::budget::Budget;
 use idemgate_proxy::http::Body;
 use idemgate_store::fastpath::{Ending, FastPath, Tag};
@@ -57,22 +57,25 @@ impl Live {
         self.recordings.insert(recording);
     }
 
-    /// Whether the job's answer streams here or, with Redis, elsewhere.
-    pub(crate) async fn streaming(&self, tag: &Tag, job: JobId) -> bool {
+    /// Whether the job's answer streams here or, with Redis, elsewhere: the
+    /// answer of `attempt`, the job's latest as its reader last read it (a
+    /// stream an earlier attempt left in Redis is not this one).
+    pub(crate) async fn streaming(&self, tag: &Tag, job: JobId, attempt: i32) -> bool {
         if self.recordings.live(job).is_some() {
             return true;
         }
         match &self.fastpath {
-            Some(fast) => fast.stream_head(tag, job).await.is_some(),
+            Some(fast) => fast.stream_head(tag, (job, attempt)).await.is_some(),
             None => false,
         }
     }
 
-    /// Joins the job's answer while it streams; `None` when it does not.
-    pub(crate) async fn join(self: &Arc<Self>, tag: &Tag, job: JobId) -> Option<Response<Body>> {
-        let recording = match self.recordings.live(job) {
+    /// Joins the answer of `job`'s latest attempt while it streams; `None`
+    /// when it does not.
+    pub(crate) async fn join(self: &Arc<Self>, tag: &Tag, job: &Job) -> Option<Response<Body>> {
+        let recording = match self.recordings.live(job.id) {
             Some(recording) => recording,
-            None => self.mirrored(tag, job).await?,
+            None => self.mirrored(tag, (job.id, job.attempt_count)).await?,
         };
         metrics::counter!("idemgate_stream_joiners_total").increment(1);
         Some(recording.response(true))
@@ -82,16 +85,20 @@ impl Live {
     /// the job's answer on, shared by every duplicate here. If Redis fails
     /// or the stream stalls, the answer is completed from the store once it
     /// is committed (or cut, if it never is).
-    async fn mirrored(self: &Arc<Self>, tag: &Tag, job: JobId) -> Option<Arc<Recording>> {
+    async fn mirrored(
+        self: &Arc<Self>,
+        tag: &Tag,
+        (job, attempt): (JobId, i32),
+    ) -> Option<Arc<Recording>> {
         let fast = self.fastpath.clone()?;
-        let (status, headers) = fast.stream_head(tag, job).await?;
+        let (status, headers) = fast.stream_head(tag, (job, attempt)).await?;
         // Counted, never refused: its joiners were taken already.
         let recording = Recording::new(job, status, headers, self.budget.open());
         self.recordings.insert(&recording);
         let (live, copy, tag) = (self.clone(), recording.clone(), *tag);
         tokio::spawn(async move {
             match fast
-                .feed(&tag, job, live.stall, |chunk| copy.push(chunk))
+                .feed(&tag, (job, attempt), live.stall, |chunk| copy.push(chunk))
                 .await
             {
                 Ok(Ending::Committed) => copy.finish(),
@@ -110,7 +117,9 @@ impl Live {
     async fn complete_from_store(&self, tag: &Tag, copy: &Recording) {
         let settled = self
             .holds
-            .wait_settled(copy.job(), self.settle, |job| self.streaming(tag, job))
+            .wait_settled(copy.job(), self.settle, |job, attempt| {
+                self.streaming(tag, job, attempt)
+            })
             .await;
         // A copy of this stream is already held here: what is left of the
         // answer is read whatever its size.

@@ -52,7 +52,7 @@ pub mod stream;
 use crate::codec::{decode_headers, encode_headers};
 use connection::Redis;
 use contact::{describe, hint};
-use stream::{open_record, record, Part};
+use stream::{open_record, record, record_attempt, Part};
 
 pub use entry::{decode, encode, redis_key, stream_key, Binding, Entry, Tag, Unusable};
 pub use keys::{EntryKeys, Rejection};
@@ -423,16 +423,21 @@ impl FastPath {
         }
     }
 
-    /// Mirrors `job`'s streamed answer on its Redis Stream as it grows (the
-    /// head, each piece), in a task of its own and off every client's path,
-    /// so duplicates on other replicas can join it live; announces the job
-    /// once the head is there. Best effort: if Redis fails the mirror stops,
-    /// and those duplicates complete the answer from the store.
+    /// Mirrors the streamed answer of attempt number `attempt` of `job` on
+    /// the job's Redis Stream as it grows (the head, each piece), in a task
+    /// of its own and off every client's path, so duplicates on other
+    /// replicas can join it live; announces the job once the head is there.
+    /// The stream is emptied as the head is written: an earlier attempt's
+    /// answer (one that failed in-band, say, and left the job open) is never
+    /// read as this one's, and its records name their attempt, which a
+    /// reader checks (`docs/design.md` §10). Best effort: if Redis fails
+    /// the mirror stops, and those duplicates complete the answer from the
+    /// store.
     #[allow(clippy::too_many_arguments)] // the stream's own: job, head, pieces
     pub fn mirror(
         self: &Arc<Self>,
         tag: &Tag,
-        job: JobId,
+        (job, attempt): (JobId, i32),
         (status, headers): (u16, &[(String, Bytes)]),
         pieces: impl Stream<Item = Piece> + Send + 'static,
         ttl: Duration,
@@ -445,11 +450,14 @@ impl FastPath {
         tokio::spawn(async move {
             let mut conn = fast.redis.conn();
             let start = redis::pipe()
+                .cmd("DEL")
+                .arg(&key)
+                .ignore()
                 .cmd("XADD")
                 .arg(&key)
                 .arg("*")
                 .arg(Part::Head.field())
-                .arg(record(&fast.keys, job, Part::Head, 0, &head))
+                .arg(record(&fast.keys, (job, attempt), Part::Head, 0, &head))
                 .ignore()
                 .cmd("PEXPIRE")
                 .arg(&key)
@@ -475,7 +483,8 @@ impl FastPath {
                     // The end counts the chunks before it.
                     Piece::End(ending) => (Part::End, chunks, Bytes::from(vec![ending.byte()])),
                 };
-                let (field, value) = (part.field(), record(&fast.keys, job, part, index, &value));
+                let value = record(&fast.keys, (job, attempt), part, index, &value);
+                let field = part.field();
                 let add = redis::cmd("XADD")
                     .arg(&key)
                     .arg("*")
@@ -494,8 +503,13 @@ impl FastPath {
     }
 
     /// The head (status, headers) of a stream another replica mirrors for
-    /// `job`; `None` when Redis has none (or does not answer).
-    pub async fn stream_head(&self, tag: &Tag, job: JobId) -> Option<(u16, Vec<(String, Bytes)>)> {
+    /// attempt number `attempt` of `job`; `None` when Redis has none (or
+    /// does not answer), or only another attempt's.
+    pub async fn stream_head(
+        &self,
+        tag: &Tag,
+        (job, attempt): (JobId, i32),
+    ) -> Option<(u16, Vec<(String, Bytes)>)> {
         let mut conn = self.redis.conn();
         let first = redis::cmd("XRANGE")
             .arg(stream_key(&self.settings.key_prefix, tag, job))
@@ -508,7 +522,10 @@ impl FastPath {
             self.call(first.query_async(&mut conn)).await?;
         let entry = reply.ids.first()?;
         let found = entry.get::<Vec<u8>>(Part::Head.field())?;
-        let head = match open_record(&self.keys, job, Part::Head, &found) {
+        if record_attempt(&found) != Some(attempt) {
+            return None;
+        }
+        let head = match open_record(&self.keys, (job, attempt), Part::Head, &found) {
             Ok((0, head)) => head,
             Ok(_) => return self.rejected("mirrored stream part", Rejection::Truncated),
             Err(why) => return self.rejected("mirrored stream part", why),
@@ -520,8 +537,9 @@ impl FastPath {
         ))
     }
 
-    /// Hands each chunk of the Redis Stream `job`'s answer is mirrored on to
-    /// `push`, from the start, until the verdict: how the stream ended. Fails when Redis fails, nothing arrives for `stall` (the
+    /// Hands each chunk of the Redis Stream the answer of attempt number
+    /// `attempt` of `job` is mirrored on to `push`, from the start, until
+    /// the verdict: how the stream ended. Fails when Redis fails, nothing arrives for `stall` (the
     /// replica recording it may have died), or a part does not verify or
     /// comes out of order (counted as a rejection): the caller then
     /// completes the answer from the store, which only appends to what was
@@ -529,7 +547,7 @@ impl FastPath {
     pub async fn feed(
         &self,
         tag: &Tag,
-        job: JobId,
+        (job, attempt): (JobId, i32),
         stall: Duration,
         mut push: impl FnMut(Bytes),
     ) -> Result<Ending, BoxError> {
@@ -568,8 +586,13 @@ impl FastPath {
                     // release writes: nothing to take.
                     (None, None) => continue,
                 };
-                let (index, payload) =
-                    open_record(&self.keys, job, part, &value).map_err(|why| self.refuse(why))?;
+                // Emptied by a later attempt's mirror, or a late part of an
+                // earlier one's: not this stream's, and not forged either.
+                if record_attempt(&value).is_some_and(|other| other != attempt) {
+                    return Err("the mirrored stream is another attempt's now".into());
+                }
+                let (index, payload) = open_record(&self.keys, (job, attempt), part, &value)
+                    .map_err(|why| self.refuse(why))?;
                 if index != chunks {
                     return Err(self.refuse(Rejection::Truncated));
                 }

@@ -41,8 +41,10 @@ impl Part {
     }
 }
 
-/// The format of stream records; another is not believed.
-const FORMAT: &[u8; 4] = b"IGS2";
+/// The format of stream records; another is not believed. `IGS2`, before
+/// records named their attempt, is not: its stream may be an earlier
+/// attempt's.
+const FORMAT: &[u8; 4] = b"IGS3";
 
 /// A piece of a streamed answer as it is mirrored.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -88,26 +90,48 @@ impl Ending {
     }
 }
 
-/// The record of the part at position `index` of `job`'s stream
-/// (`docs/design.md` §17): `IGS2 | mode 1 | key id 8 | index 8 | payload |
-/// trailer`, its tag covering the job, the part and the position.
-pub fn record(keys: &EntryKeys, job: JobId, part: Part, index: u64, payload: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(FORMAT.len() + HEAD_LEN + 8 + payload.len() + 32);
+/// The record of the part at position `index` of the stream of attempt
+/// number `attempt` of `job` (`docs/design.md` §17): `IGS3 | mode 1 | key
+/// id 8 | index 8 | attempt 4 | payload | trailer`, its tag covering the
+/// job, the attempt, the part and the position.
+pub fn record(
+    keys: &EntryKeys,
+    (job, attempt): (JobId, i32),
+    part: Part,
+    index: u64,
+    payload: &[u8],
+) -> Vec<u8> {
+    let mut out = Vec::with_capacity(FORMAT.len() + HEAD_LEN + 12 + payload.len() + 32);
     out.extend_from_slice(FORMAT);
     out.extend_from_slice(&keys.head());
     out.extend_from_slice(&index.to_be_bytes());
+    out.extend_from_slice(&attempt.to_be_bytes());
     let start = out.len();
     out.extend_from_slice(payload);
-    let bound = bound(&out[FORMAT.len()..][..HEAD_LEN], job, part, index);
+    let bound = bound(
+        &out[FORMAT.len()..][..HEAD_LEN],
+        (job, attempt),
+        part,
+        index,
+    );
     keys.protect(bound.bytes(), &mut out, start);
     out
 }
 
-/// The position and payload of a record found as `part` of `job`'s
-/// stream, if it verifies as one.
+/// The attempt a stream record says it is of, unverified: a reader of
+/// another attempt's stream passes over it without counting it forged
+/// (the stream of a job is rewritten by each attempt that streams).
+pub fn record_attempt(record: &[u8]) -> Option<i32> {
+    let at = FORMAT.len() + HEAD_LEN + 8;
+    let bytes = record.strip_prefix(FORMAT)?.get(at - FORMAT.len()..)?;
+    Some(i32::from_be_bytes(bytes.get(..4)?.try_into().ok()?))
+}
+
+/// The position and payload of a record found as `part` of the stream of
+/// attempt number `attempt` of `job`, if it verifies as one.
 pub fn open_record(
     keys: &EntryKeys,
-    job: JobId,
+    (job, attempt): (JobId, i32),
     part: Part,
     record: &[u8],
 ) -> Result<(u64, Vec<u8>), Rejection> {
@@ -116,18 +140,21 @@ pub fn open_record(
         .split_at_checked(HEAD_LEN)
         .ok_or(Rejection::Malformed)?;
     let reader = keys.reader(head)?;
-    let (index, protected) = rest.split_at_checked(8).ok_or(Rejection::Malformed)?;
+    let (index, rest) = rest.split_at_checked(8).ok_or(Rejection::Malformed)?;
     let index = u64::from_be_bytes(index.try_into().map_err(|_| Rejection::Malformed)?);
-    let payload = reader.open(bound(head, job, part, index).bytes(), protected)?;
+    // The attempt in the clear is only a hint: the tag covers the one asked for.
+    let protected = rest.get(4..).ok_or(Rejection::Malformed)?;
+    let payload = reader.open(bound(head, (job, attempt), part, index).bytes(), protected)?;
     Ok((index, payload.into_owned()))
 }
 
 /// What a stream record's tag covers besides its payload.
-fn bound(head: &[u8], job: JobId, part: Part, index: u64) -> Fields {
+fn bound(head: &[u8], (job, attempt): (JobId, i32), part: Part, index: u64) -> Fields {
     let mut fields = Fields::new(FORMAT);
     fields
         .push(head)
         .push(job.0.as_bytes())
+        .push(&attempt.to_be_bytes())
         .push(part.field().as_bytes())
         .push(&index.to_be_bytes());
     fields
@@ -141,16 +168,30 @@ mod tests {
     fn a_record_opens_only_as_the_part_of_the_job_it_was_written_as() {
         for sealed in [false, true] {
             let keys = EntryKeys::new(&[5; 32], [], sealed);
-            let job = JobId::new();
+            let job = (JobId::new(), 1);
             let chunk = record(&keys, job, Part::Chunk, 3, b"data: 3\n\n");
             assert_eq!(
                 open_record(&keys, job, Part::Chunk, &chunk),
                 Ok((3, b"data: 3\n\n".to_vec()))
             );
             assert_eq!(
-                open_record(&keys, JobId::new(), Part::Chunk, &chunk),
+                open_record(&keys, (JobId::new(), 1), Part::Chunk, &chunk),
                 Err(Rejection::Forged),
                 "another job's chunk"
+            );
+            assert_eq!(record_attempt(&chunk), Some(1));
+            assert_eq!(
+                open_record(&keys, (job.0, 2), Part::Chunk, &chunk),
+                Err(Rejection::Forged),
+                "an earlier attempt's chunk"
+            );
+            // Its attempt rewritten in the clear: the tag covers it.
+            let mut renumbered = chunk.clone();
+            renumbered[4 + HEAD_LEN + 8..][..4].copy_from_slice(&2i32.to_be_bytes());
+            assert_eq!(record_attempt(&renumbered), Some(2));
+            assert_eq!(
+                open_record(&keys, (job.0, 2), Part::Chunk, &renumbered),
+                Err(Rejection::Forged)
             );
             assert_eq!(
                 open_record(&keys, job, Part::End, &chunk),
