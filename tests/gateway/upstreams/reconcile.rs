@@ -551,6 +551,60 @@ async fn a_resend_to_an_upstream_that_deduplicates_settles_the_attempt(store: Te
     silent.open(1);
 }
 
+/// A resend in flight when the gateway is told to stop is waited for, and
+/// what it learns is written before the process exits: no replica resends
+/// an attempt another one asked about, so a resend dropped at exit would
+/// leave the job `unknown` for an operator (`docs/design.md` §12,
+/// "Termination"). The first call's connection breaks after it was sent
+/// (its attempt `unknown`, its task ended: nothing else keeps the drain).
+#[tokio::test]
+async fn a_resend_in_flight_at_shutdown_is_recorded_before_the_exit() {
+    let store = TestStore::postgres().await;
+    let resent = Gate::new();
+    let upstream = FakeUpstream::start({
+        let resent = resent.clone();
+        move |r| {
+            let resent = resent.clone();
+            async move {
+                if r.hit == 1 {
+                    panic!("the upstream drops the first call's connection");
+                }
+                resent.pass().await;
+                json_response(201, json!({"charge": "ch_1"}))
+            }
+        }
+    })
+    .await;
+    let mut gateway = Gateway::builder(&store, &upstream.url())
+        .set("shutdown_grace", "\"30s\"")
+        .tables(
+            "[[routes]]\nname = \"charges\"\npath_prefix = \"/v1/charges\"\nreconcile = \"resend\"\n",
+        )
+        .start()
+        .await;
+    let first = post(&gateway.path("/v1/charges"), "charge-9", "{}").await;
+    assert_eq!(first.status, 502, "{first:?}");
+    eventually(
+        Duration::from_secs(10),
+        "the resend at the upstream",
+        || async { upstream.hits() == 2 },
+    )
+    .await;
+    gateway.stop_listening().await;
+    let early = tokio::time::timeout(Duration::from_secs(2), gateway.exited()).await;
+    assert!(early.is_err(), "the drain waits for the resend");
+    resent.open(1);
+    assert!(gateway.exited().await.success(), "a clean exit");
+    let states = store
+        .column("SELECT j.state || '/' || a.state FROM jobs j JOIN attempts a ON a.job_id = j.id")
+        .await;
+    assert_eq!(
+        states,
+        ["completed/succeeded"],
+        "the resend's answer recorded"
+    );
+}
+
 crate::on_each_deployment!(
     [embedded, postgres]
     a_duplicate_held_meanwhile_gets_the_looked_up_answer,

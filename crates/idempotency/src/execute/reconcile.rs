@@ -32,6 +32,7 @@ use std::time::{Duration, SystemTime};
 
 use http::{HeaderName, HeaderValue, Method, Request};
 use tokio::time::Instant;
+use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use super::verdict::{classify, Verdict};
@@ -131,6 +132,11 @@ pub(super) struct Reconciler {
     pub(super) proven: Option<ProvenClient>,
     /// This process's tasks, which this one joins.
     pub(super) asking: Arc<Asking>,
+    /// Where an ask in flight is counted, for the drain to wait on: what it
+    /// learns (a resend's answer above all, which nothing asks for again)
+    /// is written before the process exits (`docs/design.md` §12,
+    /// "Termination").
+    pub(super) asks: TaskTracker,
 }
 
 /// What became of the attempt after one ask.
@@ -199,7 +205,7 @@ impl Reconciler {
                 continue;
             }
             asked += 1;
-            if let Next::Stop = self.ask().await {
+            if let Next::Stop = self.asks.track_future(self.ask()).await {
                 return;
             }
             not_before = Instant::now() + backoff(asked);

@@ -61,9 +61,9 @@ pub(crate) struct Runner {
     pub(super) instance: Uuid,
     /// The attempts a task here asks its upstream about.
     pub(super) asking: Arc<reconcile::Asking>,
-    /// The never-sent records still being written, and the begins and
-    /// claims that may make one, for the drain to wait on
-    /// ([`Runner::finish_writes`]).
+    /// The never-sent records still being written, the begins and claims
+    /// that may make one, and the reconcilers' asks in flight, for the
+    /// drain to wait on ([`Runner::finish_writes`]).
     background: TaskTracker,
 }
 
@@ -312,6 +312,7 @@ impl Runner {
             key_header: self.config.forward_key_header.clone(),
             proven,
             asking: self.asking.clone(),
+            asks: self.background.clone(),
         }
     }
 
