@@ -168,3 +168,25 @@ async fn half_a_preface_is_closed_at_the_header_timeout_without_spinning() {
         "{CONNECTIONS} half prefaces cost the gateway {cpu:?} of CPU over {waited:?}"
     );
 }
+
+/// An HTTP/2 client names the host in `:authority`, with no `Host` header:
+/// the upstream is still told the host the client asked for, in
+/// `X-Forwarded-Host`, as an HTTP/1.1 client's `Host` is.
+#[tokio::test]
+async fn an_http2_clients_authority_is_forwarded_as_its_host() {
+    let store = TestStore::embedded();
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::builder(&store, &upstream.url()).start().await;
+    let (mut sender, _driving) = h2_client(&gateway).await;
+    let request = Request::get("http://api.example.com/v1/things")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let answer = sender.send_request(request).await.unwrap();
+    assert_eq!(answer.status(), 200);
+    let seen = upstream.recorded();
+    assert_eq!(
+        seen[0].header("host"),
+        Some(upstream.url().trim_start_matches("http://"))
+    );
+    assert_eq!(seen[0].header("x-forwarded-host"), Some("api.example.com"));
+}

@@ -151,25 +151,42 @@ impl Upstream {
         &self.target
     }
 
-    fn rewrite(&self, req: &mut Request<Body>) {
+    /// Points `req` at this upstream. Fails, nothing sent, when the base's
+    /// path and the request's target do not make a URI together (longer
+    /// than one may be: the path layer bounds the target, not the base).
+    fn rewrite(&self, req: &mut Request<Body>) -> Result<(), UpstreamError> {
         let base = &self.target.base;
         let prefix = base.path().trim_end_matches('/');
+        // An HTTP/2 client names the host in `:authority` (the URI), not
+        // `Host`: `X-Forwarded-Host` is the one it named either way.
+        let authority = req.uri().authority().cloned();
         let path_and_query = match req.uri().path_and_query() {
             // Most bases have no path: the request's own is reused as is.
-            Some(pq) if prefix.is_empty() => Some(pq.clone()),
+            Some(pq) if prefix.is_empty() => pq.clone(),
             pq => format!("{prefix}{}", pq.map_or("/", |pq| pq.as_str()))
                 .parse()
-                .ok(),
+                .map_err(|e| {
+                    UpstreamError::Refused(
+                        format!(
+                            "the base path and the request's target make no URI ({e}): not sent"
+                        )
+                        .into(),
+                    )
+                })?,
         };
         // Origin form: the connection already goes to the base's authority.
-        *req.uri_mut() = path_and_query.map_or_else(|| Uri::from_static("/"), Uri::from);
+        *req.uri_mut() = Uri::from(path_and_query);
         let client = req.extensions().get::<ClientAddr>().cloned();
         let proven = req.extensions().get::<ProvenClient>().is_some();
         let headers = req.headers_mut();
         // Hop-by-hop headers were removed as the request came in, before the
         // gateway added its own (docs/design.md §15), so a client's
         // `Connection` header cannot remove those.
-        let host = headers.insert(header::HOST, self.host.clone());
+        let host = headers.insert(header::HOST, self.host.clone()).or_else(|| {
+            authority.and_then(|a| {
+                HeaderValue::from_maybe_shared(Bytes::copy_from_slice(a.as_str().as_bytes())).ok()
+            })
+        });
         forwarding(headers, client.as_ref(), host);
         // The trace continues upstream from the current span (the attempt's).
         idemgate_telemetry::trace::propagate(headers);
@@ -189,6 +206,7 @@ impl Upstream {
         }
         // HTTP/2 clients arrive with version 2; the upstream speaks HTTP/1.1.
         *req.version_mut() = http::Version::HTTP_11;
+        Ok(())
     }
 }
 
@@ -210,7 +228,11 @@ impl tower::Service<Request<Body>> for Upstream {
 impl Upstream {
     /// Sends `req` to this upstream (no clone of the client per request).
     fn forward(&self, mut req: Request<Body>) -> ResponseFuture {
-        self.rewrite(&mut req);
+        if let Err(e) = self.rewrite(&mut req) {
+            return ResponseFuture {
+                kind: Kind::Unconfigured(Some(e)),
+            };
+        }
         let watch = req.extensions_mut().remove::<Stopwatch>();
         let clock = timing::Clock::start(watch, &self.timing);
         ResponseFuture {
