@@ -22,7 +22,7 @@ use idemgate_idempotency::route::{self, Route};
 use idemgate_idempotency::{IdempotencyLayer, Shared};
 use idemgate_proxy::http::idle::{IdleTimeout, Pace};
 use idemgate_proxy::http::request_id::RequestIds;
-use idemgate_proxy::http::{cookie, hop, ClientAddr, IDEMPOTENCY_KEY};
+use idemgate_proxy::http::{cookie, hop, spelling, ClientAddr, IDEMPOTENCY_KEY};
 use idemgate_proxy::path::NormalizePathLayer;
 use idemgate_proxy::shed::ShedLayer;
 use idemgate_proxy::upstream::Upstreams;
@@ -118,7 +118,8 @@ pub(super) fn proxy(
 /// before any layer adds a header of the gateway's own (§15). The client's
 /// `Idempotency-Key` is for the gateway: naming it there does not hide it.
 /// From a peer that is not a trusted proxy, the headers only a trusted
-/// proxy is believed in are removed too.
+/// proxy is believed in are removed too, in every spelling an upstream
+/// may read as theirs (`X_End_User`).
 fn enter(
     mut req: Request<Counted<Incoming>>,
     pace: Pace,
@@ -130,9 +131,7 @@ fn enter(
         .get::<ClientAddr>()
         .is_some_and(|c| c.trusted);
     if !trusted {
-        for name in trusted_only {
-            req.headers_mut().remove(name);
-        }
+        spelling::remove_every_spelling(req.headers_mut(), trusted_only);
     }
     // A console session is the gateway's alone: no owner, fingerprint or
     // upstream sees it (docs/design.md §14).

@@ -382,6 +382,13 @@ fn bulk_report(done: &Value) -> String {
             s["why"].as_str().unwrap_or_default()
         ));
     }
+    if done["truncated"].as_bool().unwrap_or(false) {
+        out.push_str(
+            "stopped early: more unknown jobs than one call reads (the newest are read first), \
+             so older attempts in the window may be missing; resolve newer ones first, then run \
+             again (docs/operations.md)\n",
+        );
+    }
     let count = |key: &str| done[key].as_array().map_or(0, Vec::len);
     out.push_str(&format!(
         "{} matched, {} resolved, {} skipped{}\n",
@@ -571,4 +578,20 @@ fn ca_certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, CliError
         return Err(unusable("it holds no certificate".to_owned()));
     }
     Ok(certs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A bulk answer that stopped at its cap says so before its counts,
+    /// so "0 matched" is not read as an empty window; a whole one does not.
+    #[test]
+    fn a_truncated_bulk_answer_is_said_to_have_stopped_early() {
+        let answer = |truncated| json!({"dry_run": true, "matched": [], "resolved": [], "skipped": [], "truncated": truncated});
+        let said = bulk_report(&answer(true));
+        assert!(said.contains("stopped early"), "{said}");
+        assert!(said.ends_with("0 matched, 0 resolved, 0 skipped (dry run: nothing changed)\n"));
+        assert!(!bulk_report(&answer(false)).contains("stopped early"));
+    }
 }

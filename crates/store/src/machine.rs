@@ -31,6 +31,12 @@ use idemgate_domain::reconcile::Lookup;
 use idemgate_domain::response::StoredResponse;
 use idemgate_domain::transition::{self, Change, Refusal};
 
+/// How often the job a resolution left is read before a store that does
+/// not answer fails the call, and the first wait between reads (doubling:
+/// 50 ms to 400 ms, under a second in all).
+const READ_BACK_TRIES: u32 = 5;
+const READ_BACK_FIRST_WAIT: Duration = Duration::from_millis(50);
+
 /// A [`Store`] over a [`Backend`].
 pub struct Machine<B> {
     /// Shared with the writes that outlive a request ([`Machine::unsent`]).
@@ -165,7 +171,33 @@ impl<B: Backend> Machine<B> {
             }
         });
         let applied = self.apply(Lock::JobOf(attempt), decide).await?;
-        self.job_detail(applied.change.job.id)
+        self.read_back(applied.change.job.id).await
+    }
+
+    /// The job as a resolution just written left it. The write took, so a
+    /// read the store does not answer is tried again rather than reported:
+    /// as an error it would say the resolution failed (the admin API's 503,
+    /// bulk's "skipped", no end counted) and a lookup, applying its finding
+    /// again, would be refused as settled. Retrying suits every caller, as
+    /// each needs the whole job (its route and the attempt's upstream for the
+    /// metric, the job page for the answer), which only a read has: the
+    /// change written holds the job's state, not its route or the
+    /// attempt's upstream (`docs/operations.md`, the admin API). A job
+    /// gone meanwhile (purged past `key_ttl` once reopened) has nothing to
+    /// show and stays `NotFound`.
+    async fn read_back(&self, job: JobId) -> Result<JobDetail, StoreError> {
+        let mut wait = READ_BACK_FIRST_WAIT;
+        for _ in 1..READ_BACK_TRIES {
+            match self.job_detail(job).await {
+                Err(e) if e.is_transient() => {
+                    tracing::warn!(%job, error = %idemgate_telemetry::Chain(&e), "the resolution is written; reading its job again");
+                    tokio::time::sleep(wait).await;
+                    wait *= 2;
+                }
+                read => return read?.ok_or(StoreError::NotFound("job")),
+            }
+        }
+        self.job_detail(job)
             .await?
             .ok_or(StoreError::NotFound("job"))
     }

@@ -90,7 +90,50 @@ async fn trusted_only_headers_are_removed_from_anyone_else(on: Deployment) {
     );
 }
 
+/// An upstream behind CGI (WSGI, Rack, PHP-FPM) reads `X_End_User` as
+/// `X-End-User`: from an address that is not a trusted proxy, no spelling
+/// of a trusted-only header reaches it, keyed or not; a header merely
+/// spelled with `_` still does.
+async fn underscore_spellings_of_trusted_only_headers_are_removed(on: Deployment) {
+    let (store, gateways) = Gateways::of(on);
+    let upstream = FakeUpstream::echo().await;
+    let gateway = gateways
+        .gateway(&store, &upstream.url())
+        .set("trusted_proxies", "[\"10.0.0.0/8\"]")
+        .tables(OWNERS)
+        .start()
+        .await;
+    let spoofed = [
+        ("authorization", "Bearer mallory"),
+        ("X_End_User", "v"),
+        ("X_Forwarded_For", "1.2.3.4"),
+        ("x-forwarded_host", "victim.example"),
+        ("X_Real_IP", "1.2.3.4"),
+        ("x_tag", "kept"),
+    ];
+    let reply = keyed(&gateway, "/v1/chat", "k-underscore", &spoofed).await;
+    assert_eq!(reply.status, 200);
+    let passed = send(Method::GET, &gateway.path("/v1/chat"), &spoofed, "").await;
+    assert_eq!(passed.status, 200);
+    let seen = upstream.recorded();
+    assert_eq!(seen.len(), 2);
+    for request in &seen {
+        for name in [
+            "x_end_user",
+            "x-end-user",
+            "x_forwarded_for",
+            "x-forwarded_host",
+            "x_real_ip",
+        ] {
+            assert_eq!(request.header(name), None, "{name} reached the upstream");
+        }
+        assert_eq!(request.header("x-forwarded-for"), Some("127.0.0.1"));
+        assert_eq!(request.header("x_tag"), Some("kept"));
+    }
+}
+
 crate::on_each_deployment!(
     [embedded, postgres, postgres_redis]
     trusted_only_headers_are_removed_from_anyone_else,
+    underscore_spellings_of_trusted_only_headers_are_removed,
 );

@@ -8,7 +8,9 @@
 //! late answer, a lookup, another operator) is skipped and said so.
 //!
 //! The answer echoes the window as read (`since`, `until`: now when it was
-//! absent), so a preview's window can be run as it was previewed.
+//! absent), so a preview's window can be run as it was previewed, and says
+//! `truncated` when it stopped at `MAX_JOBS` with unknown jobs left unread:
+//! an empty `matched` then does not mean an empty window.
 
 use std::time::SystemTime;
 
@@ -45,6 +47,14 @@ struct Bulk {
     /// List what would be resolved, change nothing.
     #[serde(default)]
     dry_run: bool,
+}
+
+/// The unknown attempts a window holds, as far as they were read.
+struct Window {
+    matched: Vec<Matched>,
+    /// `MAX_JOBS` unknown jobs were read (newest first) and older ones
+    /// remain: attempts of theirs in the window are not in `matched`.
+    truncated: bool,
 }
 
 /// One unknown attempt the window holds.
@@ -93,7 +103,9 @@ impl Admin {
             .map(|t| time("until", t))
             .transpose()?
             .unwrap_or_else(SystemTime::now);
-        let matched = self.unknown_in(&bulk.upstream, since, until).await?;
+        let Window { matched, truncated } = self
+            .unknown_in(&bulk.upstream, since, until, MAX_JOBS)
+            .await?;
         let (mut resolved, mut skipped) = (Vec::new(), Vec::new());
         if !bulk.dry_run {
             for m in &matched {
@@ -126,6 +138,7 @@ impl Admin {
                 "matched": listed,
                 "resolved": resolved,
                 "skipped": skipped,
+                "truncated": truncated,
             }),
         ))
     }
@@ -144,16 +157,20 @@ impl Admin {
         )))
     }
 
-    /// The unknown attempts on `upstream` that started in `[since, until)`.
+    /// The unknown attempts on `upstream` that started in `[since, until)`,
+    /// among the newest `max_jobs` unknown jobs (`MAX_JOBS`; fewer in
+    /// tests, which cannot make that many quickly).
     async fn unknown_in(
         &self,
         upstream: &str,
         since: SystemTime,
         until: SystemTime,
-    ) -> Result<Vec<Matched>, AdminError> {
+        max_jobs: usize,
+    ) -> Result<Window, AdminError> {
         let (mut matched, mut read, mut after) = (Vec::new(), 0, None);
-        while read < MAX_JOBS {
-            let jobs = self.store.unknown_jobs(after, PAGE).await?;
+        loop {
+            let page = PAGE.min(u32::try_from(max_jobs - read).unwrap_or(PAGE));
+            let jobs = self.store.unknown_jobs(after, page).await?;
             read += jobs.len();
             for job in &jobs {
                 let Some(detail) = self.store.job_detail(job.id).await? else {
@@ -174,11 +191,21 @@ impl Admin {
                 );
             }
             match jobs.last() {
-                Some(last) if jobs.len() == PAGE as usize => after = Some(Cursor::after(last)),
-                _ => break,
+                Some(last) if jobs.len() == page as usize => after = Some(Cursor::after(last)),
+                _ => {
+                    return Ok(Window {
+                        matched,
+                        truncated: false,
+                    })
+                }
+            }
+            if read >= max_jobs {
+                // A full last page may have been the last: one more row
+                // says whether the answer leaves any job unread.
+                let truncated = !self.store.unknown_jobs(after, 1).await?.is_empty();
+                return Ok(Window { matched, truncated });
             }
         }
-        Ok(matched)
     }
 }
 
@@ -195,4 +222,101 @@ fn time(key: &str, text: &str) -> Result<SystemTime, AdminError> {
             "{key}: {e}; write it as RFC 3339, 2026-12-01T10:00:00Z"
         ))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use tokio_util::sync::CancellationToken;
+
+    use super::*;
+    use crate::console::{self, Console};
+    use idemgate_domain::attempt::{AttemptFailure, NewAttempt};
+    use idemgate_domain::fingerprint::Fingerprint;
+    use idemgate_domain::id::{AttemptId, JobId};
+    use idemgate_domain::job::NewJob;
+    use idemgate_domain::key::{IdempotencyKey, Owner, OwnerSalt};
+    use idemgate_store::memory::Memory;
+    use idemgate_store::{Begin, Doorbell, Machine, Store};
+    use idemgate_trust::Trust;
+    use idemgate_upkeep::health::Dependencies;
+    use idemgate_upkeep::supervise::Supervisor;
+
+    /// An admin API over an empty memory store.
+    fn admin() -> Admin {
+        Admin {
+            store: Arc::new(Machine::new(
+                Memory::default(),
+                Arc::new(Doorbell::default()),
+            )),
+            token: None,
+            console: Console::new(console::Config::default()),
+            metrics: idemgate_telemetry::metrics(),
+            upstreams: Vec::new(),
+            probes: Arc::default(),
+            tasks: Supervisor::new(CancellationToken::new()),
+            dependencies: Arc::new(Dependencies::new(Vec::new())),
+            trust: Arc::new(Trust::with_salt(OwnerSalt::new(b"test salt, not a secret"))),
+            reconciling: Default::default(),
+        }
+    }
+
+    /// A job of `key` whose one attempt, sent to `primary`, went unknown.
+    async fn unknown_job(store: &dyn Store, key: &str) -> AttemptId {
+        let job = NewJob {
+            id: JobId::new(),
+            owner: Owner::of(&OwnerSalt::new(b"test salt, not a secret"), &[b"Bearer t"]),
+            key: IdempotencyKey::new(key).unwrap(),
+            fingerprint: Fingerprint([7; 32]),
+            route: "default".into(),
+            ttl: Duration::from_secs(3600),
+        };
+        let attempt = NewAttempt {
+            id: AttemptId::new(),
+            upstream: "primary".into(),
+            instance: uuid::Uuid::nil(),
+            lease: Duration::from_secs(30),
+            deadline: Duration::from_secs(300),
+        };
+        let Begin::Created(_, started) = store.begin_job(job, attempt).await.unwrap() else {
+            panic!("a new key");
+        };
+        let unknown = AttemptFailure::Unknown {
+            detail: "no answer".into(),
+        };
+        assert!(store.fail_attempt(started.id, unknown).await.unwrap());
+        // Jobs are read newest first: each a little newer than the last.
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        started.id
+    }
+
+    /// Three unknown jobs newer than the window's one: read up to a cap of
+    /// three, the window looks empty and the answer says it stopped early;
+    /// with a cap that reaches it (exactly, or with room to spare), it is
+    /// matched and nothing was left unread.
+    #[tokio::test]
+    async fn a_window_past_the_cap_of_unknown_jobs_is_said_to_be_truncated() {
+        let admin = admin();
+        let since = SystemTime::now();
+        let older = unknown_job(&*admin.store, "older").await;
+        let until = SystemTime::now();
+        for n in 0..3 {
+            unknown_job(&*admin.store, &format!("newer-{n}")).await;
+        }
+        for (cap, matched, truncated) in [
+            (3, None, true),
+            (4, Some(older), false),
+            (5, Some(older), false),
+        ] {
+            let window = admin
+                .unknown_in("primary", since, until, cap)
+                .await
+                .unwrap();
+            let found: Vec<AttemptId> = window.matched.iter().map(|m| m.attempt).collect();
+            assert_eq!(found, Vec::from_iter(matched), "cap {cap}");
+            assert_eq!(window.truncated, truncated, "cap {cap}");
+        }
+    }
 }

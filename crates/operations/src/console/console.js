@@ -220,15 +220,18 @@ function bulkResolver() {
     message, form, listing);
 }
 
-// What a dry run matched: how many, and which jobs (the first 100 listed).
+// What a dry run matched: how many, and which jobs (the first 100 listed),
+// and whether it stopped before the window's oldest unknown jobs.
 function matchedList(request, answer) {
   const matched = answer.matched;
   if (!matched.length) {
-    return el("div", { class: "card", id: "bulk-count", "data-count": "0" },
-      `No unknown attempt sent to ${request.upstream} started from ${shown(answer.since)} to ${shown(answer.until)}.`);
+    return el("div", {}, truncatedNotice(answer),
+      el("div", { class: "card", id: "bulk-count", "data-count": "0" },
+        `No unknown attempt sent to ${request.upstream} started from ${shown(answer.since)} to ${shown(answer.until)}` +
+        (answer.truncated ? " among the unknown jobs read." : ".")));
   }
   const rows = matched.slice(0, 100);
-  return el("div", {},
+  return el("div", {}, truncatedNotice(answer),
     el("div", { class: "notice status", id: "bulk-count", "data-count": String(matched.length) },
       `${plural(matched.length, "attempt")} would change: unknown, sent to ${request.upstream}, ` +
       `started from ${shown(answer.since)} to ${shown(answer.until)}. Nothing is changed yet.`),
@@ -243,6 +246,15 @@ function matchedList(request, answer) {
       ? el("p", { class: "muted" }, `… and ${matched.length - rows.length} more.`) : null);
 }
 
+// A bulk answer that stopped at its cap of unknown jobs (newest first) may
+// leave out older attempts in the window: said, with what to do.
+function truncatedNotice(answer) {
+  if (!answer.truncated) return null;
+  return el("div", { class: "notice error", id: "bulk-truncated" },
+    "Stopped early: there are more unknown jobs than one call reads (the newest are read first), " +
+    "so older attempts in this window may be missing. Resolve newer ones first, then preview again.");
+}
+
 // The inbox's notice after a bulk resolution: what was resolved, what was
 // skipped and why, and whether the set differed from the preview.
 function bulkDone(request, previewedCount, done) {
@@ -254,6 +266,7 @@ function bulkDone(request, previewedCount, done) {
       "since then, attempts in the window were settled or went unknown."));
   }
   for (const s of done.skipped) lines.push(el("div", {}, `Skipped attempt ${s.attempt}: ${s.why}`));
+  if (done.truncated) lines.push(truncatedNotice(done));
   return el("div", { class: "notice " + (done.skipped.length ? "error" : "ok"), role: "status" }, lines);
 }
 

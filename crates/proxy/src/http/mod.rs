@@ -1,7 +1,8 @@
 //! HTTP plumbing shared by the proxy and admin listeners: the body type,
 //! bounded body collection (against the memory budget for keyed requests),
-//! the body-read timeout, hop-by-hop headers, the console's cookie (kept
-//! from the upstream) and the header names of the contract.
+//! the body-read timeout, hop-by-hop headers, every spelling of a header
+//! removed, the console's cookie (kept from the upstream) and the header
+//! names of the contract.
 
 mod collect;
 pub mod cookie;
@@ -10,6 +11,7 @@ mod holding;
 pub mod hop;
 pub mod idle;
 pub mod request_id;
+pub mod spelling;
 
 use std::net::SocketAddr;
 

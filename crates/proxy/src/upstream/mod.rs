@@ -27,7 +27,7 @@ use tokio::sync::watch;
 use self::pool::Pool;
 
 use crate::budget::Charge;
-use crate::http::{hop, Body, ClientAddr, ProvenClient};
+use crate::http::{hop, spelling, Body, ClientAddr, ProvenClient};
 use idemgate_domain::BoxError;
 pub use settings::{UpstreamId, UpstreamSettings, DEFAULT_IDLE_TIMEOUT};
 pub use timing::{Stopwatch, Timings, Waited};
@@ -101,6 +101,13 @@ impl UpstreamError {
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+/// The forwarding headers, replaced on an untrusted peer's requests.
+const FORWARDING: [HeaderName; 4] = [
+    X_FORWARDED_FOR,
+    X_FORWARDED_HOST,
+    X_FORWARDED_PROTO,
+    header::FORWARDED,
+];
 
 /// A pooled client bound to one upstream.
 #[derive(Clone)]
@@ -284,18 +291,13 @@ impl Future for ResponseFuture {
 /// The forwarding headers (`X-Forwarded-For`, `-Host`, `-Proto`,
 /// `Forwarded`): appended to when the peer is a trusted proxy, whose word
 /// they carry; otherwise what the client wrote is dropped and only what the
-/// gateway saw is sent, so a client cannot pass for another address.
+/// gateway saw is sent, so a client cannot pass for another address: in
+/// any spelling, as an upstream reading `_` as `-` would take
+/// `X_Forwarded_For` for the header.
 fn forwarding(headers: &mut HeaderMap, client: Option<&ClientAddr>, host: Option<HeaderValue>) {
     let trusted = client.is_some_and(|c| c.trusted);
     if !trusted {
-        for name in [
-            &X_FORWARDED_FOR,
-            &X_FORWARDED_HOST,
-            &X_FORWARDED_PROTO,
-            &header::FORWARDED,
-        ] {
-            headers.remove(name);
-        }
+        spelling::remove_every_spelling(headers, &FORWARDING);
     }
     if let Some(host) = host {
         if !headers.contains_key(X_FORWARDED_HOST) {

@@ -18,11 +18,13 @@ use idemgate_domain::key::OwnerSalt;
 /// attempt of the job, is written, then followed by that attempt's commit
 /// (completing the job), then answered as a lost reply; the `fails`
 /// changes after that one fail as the store being down would, unwritten.
+/// The next `unread` reads of a job's detail fail as a blip would.
 #[derive(Default)]
 struct LosesReply {
     inner: Memory,
     overtake: Mutex<Option<Attempt>>,
     fails: AtomicU32,
+    unread: AtomicU32,
 }
 
 #[async_trait]
@@ -34,6 +36,13 @@ impl Records for LosesReply {
         self.inner.response(job).await
     }
     async fn job_detail(&self, id: JobId) -> Result<Option<JobDetail>, StoreError> {
+        if self
+            .unread
+            .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            return Err(StoreError::Unavailable("injected: a blip".into()));
+        }
         self.inner.job_detail(id).await
     }
     async fn find_job(
@@ -213,4 +222,43 @@ async fn overtaken_hedge(fails: u32, wait: Wait) {
     let written = detail.attempts.iter().find(|a| a.id == hedge.id).unwrap();
     assert_eq!(written.state, AttemptState::Failed);
     assert_eq!(written.detail.as_deref(), Some(NEVER_SENT_OVERTAKEN));
+}
+
+/// An operator's resolution, written, whose read of the job it left the
+/// store does not answer at first: answered as the resolution it is (the
+/// job reopened, the attempt failed and the operator's), so the admin API
+/// answers 200 and counts it, rather than a 503 for a change that took.
+#[tokio::test(start_paused = true)]
+async fn a_resolution_whose_read_back_fails_is_answered_as_written() {
+    let machine = Machine::new(LosesReply::default(), Arc::new(Doorbell::default()));
+    let job = NewJob {
+        id: JobId::new(),
+        owner: Owner::of(&OwnerSalt::new(b"test salt, not a secret"), &[b"Bearer t"]),
+        key: IdempotencyKey::new("read-back").unwrap(),
+        fingerprint: Fingerprint([7; 32]),
+        route: "default".into(),
+        ttl: Duration::from_secs(3600),
+    };
+    let Begin::Created(job, primary) = machine.begin_job(job, attempt()).await.unwrap() else {
+        panic!("a new key");
+    };
+    let unknown = AttemptFailure::Unknown {
+        detail: "no answer".into(),
+    };
+    assert!(machine.fail_attempt(primary.id, unknown).await.unwrap());
+    machine.backend.0.unread.store(2, SeqCst);
+
+    let detail = machine
+        .resolve_attempt_as(primary.id, Resolution::Failed, "alice (admin token)")
+        .await
+        .expect("a resolution written is answered as done");
+    assert_eq!(machine.backend.0.unread.load(SeqCst), 0, "both blips met");
+    assert_eq!(detail.job.id, job.id);
+    assert_eq!(detail.job.state, JobState::Open);
+    let resolved = detail.attempts.iter().find(|a| a.id == primary.id).unwrap();
+    assert_eq!(resolved.state, AttemptState::Failed);
+    assert_eq!(
+        resolved.resolved_by.as_ref().map(|by| by.operator.as_str()),
+        Some("alice (admin token)")
+    );
 }
