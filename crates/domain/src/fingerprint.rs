@@ -65,9 +65,10 @@ pub struct RequestParts<'a> {
     pub method: &'a str,
     /// Path and query as received.
     pub path_and_query: &'a str,
-    /// The significant headers: lower-case name and value, in configured order.
-    /// An absent header is `None`, which hashes differently from an empty one.
-    pub headers: Vec<(&'a str, Option<&'a [u8]>)>,
+    /// The significant headers: lower-case name and every line of it, in
+    /// configured order and as sent. An absent header has no line, which
+    /// hashes differently from an empty one.
+    pub headers: Vec<(&'a str, Vec<&'a [u8]>)>,
     /// The whole body.
     pub body: &'a [u8],
 }
@@ -81,14 +82,22 @@ pub fn fingerprint(
     let mut h = Sha256::new();
     frame(&mut h, parts.method.as_bytes());
     frame(&mut h, parts.path_and_query.as_bytes());
-    for (name, value) in &parts.headers {
+    for (name, lines) in &parts.headers {
         frame(&mut h, name.as_bytes());
-        match value {
-            Some(v) => {
-                h.update([1]);
-                frame(&mut h, v);
-            }
-            None => h.update([0]),
+        let Some((first, more)) = lines.split_first() else {
+            h.update([0]);
+            continue;
+        };
+        h.update([1]);
+        frame(&mut h, first);
+        // Every further line counts too: a retry that adds a line (a second
+        // `Content-Type`, which an upstream may read instead of the first)
+        // is another request. Marked apart from what may follow a header
+        // (the next name's length, whose first byte is 0, or the body's
+        // 0 or 1), so a header of one line hashes as it always did.
+        for line in more {
+            h.update([2]);
+            frame(&mut h, line);
         }
     }
     match canonical_body(parts.body, rule)? {
@@ -145,7 +154,7 @@ mod tests {
             &RequestParts {
                 method: "POST",
                 path_and_query: "/v1/charges",
-                headers: vec![("content-type", Some(b"application/json"))],
+                headers: vec![("content-type", vec![b"application/json"])],
                 body,
             },
             rule,
@@ -166,7 +175,7 @@ mod tests {
             &RequestParts {
                 method: "POST",
                 path_and_query: "/v1/refunds",
-                headers: vec![("content-type", Some(b"application/json"))],
+                headers: vec![("content-type", vec![b"application/json"])],
                 body: br#"{"a":1}"#,
             },
             &rule,
@@ -177,13 +186,38 @@ mod tests {
             &RequestParts {
                 method: "POST",
                 path_and_query: "/v1/charges",
-                headers: vec![("content-type", None)],
+                headers: vec![("content-type", vec![])],
                 body: br#"{"a":1}"#,
             },
             &rule,
         )
         .unwrap();
         assert_ne!(base, no_header);
+        let repeated = fingerprint(
+            &RequestParts {
+                method: "POST",
+                path_and_query: "/v1/charges",
+                headers: vec![(
+                    "content-type",
+                    vec![b"application/json", b"application/x-www-form-urlencoded"],
+                )],
+                body: br#"{"a":1}"#,
+            },
+            &rule,
+        )
+        .unwrap();
+        assert_ne!(base, repeated, "a line added to a significant header");
+    }
+
+    /// Jobs keep their fingerprint across releases: a retry after an
+    /// upgrade must still match its job. This one is pinned.
+    #[test]
+    fn a_fingerprint_is_the_same_in_every_release() {
+        let pinned = fp(br#"{"a":1}"#, &BodyRule::default());
+        assert_eq!(
+            pinned.to_string(),
+            "089929006b85cfc24ea0055fb71cec1dc466d2f00e396ba76637f87fb81eabbc"
+        );
     }
 
     #[test]

@@ -165,10 +165,8 @@ pub(crate) async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Prepared,
                 .significant_headers
                 .iter()
                 .map(|name| {
-                    (
-                        name.as_str(),
-                        parts.headers.get(name).map(HeaderValue::as_bytes),
-                    )
+                    let lines = parts.headers.get_all(name).iter();
+                    (name.as_str(), lines.map(HeaderValue::as_bytes).collect())
                 })
                 .collect(),
             body: &body,

@@ -66,6 +66,18 @@ async fn same_key_with_another_body_or_path_is_a_409_mismatch_and_never_proxied(
     let other_path = post(&gateway.path("/v1/refunds"), "reused", r#"{"amount": 1}"#).await;
     assert_eq!(other_path.status, 409);
     assert_eq!(other_path.problem(), "idempotency-key-mismatch");
+
+    // A line added to a significant header (an upstream may read the
+    // second `Content-Type`) makes another request, not a replay.
+    let headers = [
+        ("idempotency-key", "reused"),
+        ("content-type", "application/json"),
+        ("content-type", "application/x-www-form-urlencoded"),
+    ];
+    let url = gateway.path("/v1/charges");
+    let added_line = send(Method::POST, &url, &headers, r#"{"amount": 1}"#).await;
+    assert_eq!(added_line.status, 409, "{added_line:?}");
+    assert_eq!(added_line.problem(), "idempotency-key-mismatch");
     assert_eq!(upstream.hits(), 1);
 }
 
