@@ -118,6 +118,30 @@ fn frame(h: &mut Sha256, bytes: &[u8]) {
     h.update(bytes);
 }
 
+/// At most the bytes canonicalising `body` under `rule` holds while it
+/// runs (its parse tree and its canonical form), 0 when the rule does not
+/// canonicalise. Each value in the tree takes a node of its own, a few
+/// dozen bytes, so a body of many small values (`[0,0,0,…]`) takes tens of
+/// times its size: counted against the memory budget before the parse
+/// (`docs/design.md` §18). Every value but the first follows a `,`, `:`,
+/// `[` or `{`; counting those bytes (inside strings too) can only count
+/// more values than there are.
+pub fn canonical_footprint(body: &[u8], rule: &BodyRule) -> usize {
+    if !rule.canonical_json && rule.ignore.is_empty() {
+        return 0;
+    }
+    /// A node (32 bytes), its place in a vector grown by doubling (up to
+    /// twice that), and the two vectors of a reallocation live at once.
+    const PER_VALUE: usize = 128;
+    let values = 1 + body
+        .iter()
+        .filter(|&&b| matches!(b, b',' | b':' | b'[' | b'{'))
+        .count();
+    values
+        .saturating_mul(PER_VALUE)
+        .saturating_add(2 * body.len())
+}
+
 /// The canonical JSON form of a body, when the rule asks for it and the body
 /// is JSON. A body that is not JSON is hashed as raw bytes instead: raw bytes
 /// never make two different bodies one intent.

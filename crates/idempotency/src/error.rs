@@ -62,6 +62,19 @@ pub enum ClientError {
         /// The route's limit.
         limit: usize,
     },
+    /// The body's canonical parse would hold more than the whole memory
+    /// budget (a JSON body of very many values): it never fits, so it is
+    /// refused rather than told to retry (`docs/design.md` §18).
+    #[error(
+        "canonicalising this JSON body would hold about {footprint} bytes, more than the \
+         whole memory budget ({budget} bytes): send fewer values in one request"
+    )]
+    TooManyValues {
+        /// The parse's estimated footprint.
+        footprint: usize,
+        /// The budget.
+        budget: usize,
+    },
     /// The body could not be read.
     #[error("the request body could not be read")]
     BodyUnreadable(#[source] BoxError),
@@ -234,7 +247,7 @@ impl ClientError {
                 "invalid-idempotency-key",
                 "Invalid Idempotency-Key",
             ),
-            ClientError::BodyTooLarge { .. } => p(
+            ClientError::BodyTooLarge { .. } | ClientError::TooManyValues { .. } => p(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "request-too-large",
                 "Request body too large",

@@ -153,6 +153,81 @@ async fn past_the_budget_a_keyed_request_is_503_before_any_job_and_a_later_one_s
     );
 }
 
+/// On a route that fingerprints JSON in canonical form, a body of many
+/// small values (`[0,0,0,…]`) parses into a tree tens of times its size:
+/// that is counted against the budget while the parse runs (about 128
+/// bytes a value). Past what is free, the request is `503 …/overloaded`
+/// before any job, as a body that outgrew the budget is, and taken once
+/// room is back; past the whole budget it could never fit, `413`. A body
+/// as large with few values (one long string) costs little (docs/design.md
+/// §18).
+#[tokio::test]
+async fn a_canonical_parse_is_counted_against_the_budget() {
+    let store = TestStore::embedded();
+    let gate = Gate::new();
+    let upstream = gated(&gate).await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("memory_budget", "\"4MiB\"")
+        .tables("[[routes]]\npath_prefix = \"/\"\nbody_limit = \"1MiB\"\ncanonical_json = true")
+        .start()
+        .await;
+    let url = gateway.path("/v1/batch");
+    let post = |key: &'static str, values: usize| {
+        let url = url.clone();
+        async move {
+            let headers = [
+                ("idempotency-key", key),
+                ("content-type", "application/json"),
+            ];
+            send(
+                Method::POST,
+                &url,
+                &headers,
+                format!("[{}0]", "0,".repeat(values - 1)),
+            )
+            .await
+        }
+    };
+    let never = post("never-fits", 40 * KIB).await;
+    assert_eq!(
+        (never.status, never.problem()),
+        (413, "request-too-large".into()),
+        "{never:?}"
+    );
+
+    // A megabyte held by a request whose upstream call waits: 24 Ki values
+    // (about 3.1 MiB parsed) no longer fit the 4 MiB.
+    let held = upload(&gateway, "held", 1024 * KIB);
+    eventually(Duration::from_secs(10), "the upload held", || async {
+        in_use(&gateway).await >= (1024 * KIB) as f64
+    })
+    .await;
+    let refused = post("many-values", 24 * KIB).await;
+    assert_eq!(
+        (refused.status, refused.problem()),
+        (503, "overloaded".into()),
+        "{refused:?}"
+    );
+    assert_eq!(jobs_for(&store, "many-values").await, 0);
+    let cheap = tokio::spawn({
+        let url = url.clone();
+        async move {
+            let few = format!("{{\"text\": \"{}\"}}", "a".repeat(256 * KIB));
+            let headers = [
+                ("idempotency-key", "few-values"),
+                ("content-type", "application/json"),
+            ];
+            send(Method::POST, &url, &headers, few).await
+        }
+    });
+    gate.open(2);
+    assert_eq!(held.await.unwrap().status, 200);
+    assert_eq!(cheap.await.unwrap().status, 200, "few values, however long");
+    gate.open(1);
+    let taken = post("many-values", 24 * KIB).await;
+    assert_eq!(taken.status, 200, "{taken:?}");
+}
+
 #[tokio::test]
 async fn an_attempt_whose_client_left_holds_its_bytes_until_it_ends() {
     let store = TestStore::embedded();
