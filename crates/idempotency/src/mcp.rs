@@ -17,7 +17,7 @@ use tracing::Span;
 
 use crate::error::ClientError;
 use crate::keyed::{Intent, Keyed};
-use crate::opt_in::{read, resume_point, OptedIn, Prepared, Refused};
+use crate::opt_in::{parse_charge, read, resume_point, OptedIn, Prepared, Refused};
 use crate::route::Mcp;
 use crate::shared::Shared;
 use idemgate_domain::fingerprint::{fingerprint, BodyRule, Fingerprint, RequestParts};
@@ -40,6 +40,9 @@ pub(crate) async fn prepare(
     // call without it is refused below, once it is known to be one.
     let sharer = shared.trust.owner(&route.owner, &parts).ok();
     let (body, charge) = read(shared, &route, &parts, sharer.as_ref(), body).await?;
+    // Every message is parsed whole to see what it is, and a tool call's
+    // arguments again in canonical form: counted while that runs.
+    let parsing = parse_charge(shared, &CANONICAL, sharer.as_ref(), &body)?;
     let passing = |parts, body: Bytes| {
         let mut req = Request::from_parts(parts, full(body));
         req.extensions_mut()
@@ -75,6 +78,7 @@ pub(crate) async fn prepare(
     let resume = resume_point(&parts)?;
     let path = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
     let fingerprint = intent_of(&call, path).map_err(|e| refused(e.into()))?;
+    drop(parsing);
     let mut parts = parts;
     // As `opt_in::prepare` does: a held call lets the read buffer go.
     detach_head(&mut parts);
@@ -109,18 +113,20 @@ fn intent_of(
     asked.extend_from_slice(b",\"arguments\":");
     asked.extend_from_slice(&call.arguments);
     asked.push(b'}');
-    let canonical = BodyRule {
-        canonical_json: true,
-        ignore: Vec::new(),
-    };
     let parts = RequestParts {
         method: "tools/call",
         path_and_query: path,
         headers: Vec::new(),
         body: &asked,
     };
-    fingerprint(&parts, &canonical)
+    fingerprint(&parts, &CANONICAL)
 }
+
+/// How a tool call's arguments are fingerprinted: in canonical form.
+const CANONICAL: BodyRule = BodyRule {
+    canonical_json: true,
+    ignore: Vec::new(),
+};
 
 /// `response`, which another request's attempt made, addressed to `id`:
 /// the JSON-RPC response in a JSON body, or the response event of an event

@@ -14,7 +14,7 @@ use tracing::Span;
 
 use crate::error::{ClientError, GatewayError};
 use crate::route::{self, Protocol, Route};
-use idemgate_domain::fingerprint::{canonical_footprint, fingerprint, RequestParts};
+use idemgate_domain::fingerprint::{canonical_footprint, fingerprint, BodyRule, RequestParts};
 use idemgate_domain::key::{IdempotencyKey, Owner};
 use idemgate_domain::sse::ResumePoint;
 use idemgate_proxy::budget::Charge;
@@ -157,7 +157,7 @@ pub(crate) async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Prepared,
     let owner = shared.trust.owner(&route.owner, &parts)?;
     let resume = resume_point(&parts)?;
     let (body, charge) = read(shared, &route, &parts, Some(&owner), body).await?;
-    let parsing = parse_charge(shared, &route, &owner, &body)?;
+    let parsing = parse_charge(shared, &route.body, Some(&owner), &body)?;
     let fingerprint = fingerprint(
         &RequestParts {
             method: parts.method.as_str(),
@@ -221,18 +221,18 @@ pub(crate) fn resume_point(
 /// length only while its body keeps fitting. A refused body's rest is read
 /// and dropped, so its client reads the `503` (`docs/design.md` §18). Its
 /// `owner` (when known and not the anonymous one) holds at most its share.
-/// The charge for canonicalising `body` as `route` fingerprints it, held
+/// The charge for parsing `body` as `rule` canonicalises it, held
 /// while the parse runs: its tree takes many times the body on a body of
 /// many small values, and is refused past the budget as a body that
 /// outgrew it is, `413` when it could never fit (`docs/design.md` §18).
 /// `None` when nothing is parsed.
-fn parse_charge(
+pub(crate) fn parse_charge(
     shared: &Shared,
-    route: &Route,
-    owner: &Owner,
+    rule: &BodyRule,
+    owner: Option<&Owner>,
     body: &[u8],
 ) -> Result<Option<Arc<Charge>>, GatewayError> {
-    let bytes = canonical_footprint(body, &route.body);
+    let bytes = canonical_footprint(body, rule);
     if bytes == 0 {
         return Ok(None);
     }
@@ -244,7 +244,9 @@ fn parse_charge(
         }
         .into());
     }
-    let share = (*owner != Owner::anonymous()).then(|| owner.as_str());
+    let share = owner
+        .filter(|o| **o != Owner::anonymous())
+        .map(Owner::as_str);
     match shared.budget.admit_for(share, bytes) {
         Some(charge) => Ok(Some(charge)),
         None => Err(GatewayError::OverBudget {
