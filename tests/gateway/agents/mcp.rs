@@ -319,6 +319,25 @@ async fn a_retryable_error_code_runs_again_and_an_unkeyed_batch_passes(store: Te
     );
 }
 
+/// A message whose parse would hold more than the whole memory budget (a
+/// tool call whose arguments are 40 Ki small values, in a 4 MiB budget) is
+/// refused before the server sees it: `413`, a problem rather than a
+/// JSON-RPC error, the message not having been parsed (docs/design.md §18).
+async fn a_message_whose_parse_outgrows_the_budget_is_refused(store: TestStore) {
+    let server = FakeMcp::start(Answering::Json, None).await;
+    let gateway = Gateway::builder(&store, &server.url())
+        .set("memory_budget", "\"4MiB\"")
+        .tables(&format!("{ROUTE}body_limit = \"1MiB\"\n"))
+        .start()
+        .await;
+    let zeros = vec![0; 40 * 1024];
+    let call = tool_call(json!(1), "charge", json!({ "items": zeros }), Some("big"));
+    let reply = post(&gateway, &call, "s-1").await;
+    assert_eq!(reply.status, 413, "{reply:?}");
+    assert_eq!(reply.problem(), "request-too-large");
+    assert!(server.posts().is_empty(), "nothing reached the server");
+}
+
 crate::on_each_deployment!(
     [embedded, postgres]
     a_retryable_error_code_runs_again_and_an_unkeyed_batch_passes,
@@ -330,6 +349,7 @@ crate::on_each_deployment!(
     concurrent_calls_answered_as_a_stream_run_the_tool_once,
     a_new_session_gets_the_answer_of_the_old_one,
     a_keyed_batch_is_refused_and_an_error_answer_is_the_tools,
+    a_message_whose_parse_outgrows_the_budget_is_refused,
 );
 
 /// The official `mcp` Python SDK (2.x), client and server over Streamable
