@@ -109,6 +109,7 @@ async fn serve(settings: &Settings, listen: SocketAddr, reuse_port: bool) {
         http2_keepalive_interval: None,
         http2_keepalive_timeout: Duration::from_secs(20),
         http2_idle_timeout: None,
+        send_timeout: Duration::from_secs(60),
     };
     server::serve(
         listener,

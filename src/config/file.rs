@@ -74,6 +74,8 @@ pub struct FileConfig {
     pub(super) http2_keepalive_timeout: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
     pub(super) http2_idle_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) send_timeout: Option<Duration>,
     pub(super) memory_budget: Option<bytesize::ByteSize>,
     pub(super) memory_budget_owner_share: Option<f64>,
     pub(super) owner_header: Option<String>,

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use idemgate_proxy::server::Limits;
 
-use super::bounds::{count_at_most, MAX_CONNECTIONS};
+use super::bounds::{at_most, count_at_most, DAY, MAX_CONNECTIONS};
 use super::{at_least_one, bad, positive, size, ConfigError, FileConfig, Flags, Route};
 
 /// What each listener allows its clients.
@@ -56,7 +56,23 @@ pub(super) fn limits(file: &FileConfig) -> Result<Limits, ConfigError> {
         http2_idle_timeout: off_when_zero(
             file.http2_idle_timeout.unwrap_or(Duration::from_secs(60)),
         ),
+        send_timeout: send_timeout(file)?,
     })
+}
+
+/// How long what a connection has to send may wait on a client that reads
+/// none of it: 60 s, as nginx's `send_timeout`. Never off: a client that
+/// stops reading would otherwise hold its connection, its answer and a
+/// pass-through's upstream connection for ever (`docs/design.md` §18).
+fn send_timeout(file: &FileConfig) -> Result<Duration, ConfigError> {
+    let key = "send_timeout";
+    let d = positive(key, file.send_timeout.unwrap_or(Duration::from_secs(60)))?;
+    at_most(
+        key,
+        d,
+        &DAY,
+        "a client that reads nothing for a day is gone, not slow",
+    )
 }
 
 /// The memory budget's size, and where it came from (logged at start-up).
@@ -270,6 +286,21 @@ mod tests {
         assert_eq!(limits.body_min_rate, 1024);
         let any = settings("body_min_rate = \"0B\"").unwrap().limits;
         assert_eq!(any.body_min_rate, 0, "zero: any rate");
+    }
+
+    #[test]
+    fn the_send_timeout_is_a_minute_and_neither_zero_nor_past_a_day() {
+        let limits = settings("").unwrap().limits;
+        assert_eq!(limits.send_timeout, Duration::from_secs(60), "as nginx");
+        let set = settings("send_timeout = \"5s\"").unwrap().limits;
+        assert_eq!(set.send_timeout, Duration::from_secs(5));
+        for (value, says) in [("0s", "greater than zero"), ("2d", "at most 24h")] {
+            let err = settings(&format!("send_timeout = \"{value}\""))
+                .err()
+                .unwrap();
+            assert_eq!(err.key, "send_timeout");
+            assert!(err.message.contains(says), "{}", err.message);
+        }
     }
 
     #[test]

@@ -66,6 +66,7 @@ fn timings(f: &mut Formatter<'_>, s: &Settings) -> fmt::Result {
         ("header_read_timeout", s.limits.header_read_timeout),
         ("keepalive_timeout", s.limits.keepalive_timeout),
         ("body_read_timeout", s.limits.body_read_timeout),
+        ("send_timeout", s.limits.send_timeout),
     ] {
         writeln!(f, "{key} = {}", human(value))?;
     }

@@ -8,4 +8,5 @@ mod forwarded;
 mod http2_listener;
 mod jwt_claims;
 mod owners;
+mod send_timeout;
 mod tls;

@@ -1,6 +1,7 @@
 //! What one connection is doing, for its clocks (`docs/design.md` §18): how
 //! many requests (HTTP/2 streams) are open and since when none has been,
-//! and on HTTP/1.1 when the head being read began. Atomics, read lazily by
+//! what of its answers waits to be sent and since when, and on HTTP/1.1
+//! when the head being read began. Atomics, read lazily by
 //! the clocks that need them ([`connection`](super::connection),
 //! [`keepalive`](super::keepalive)): a request pays two atomic writes and a
 //! clock read, no lock and no wake-up.
@@ -28,6 +29,10 @@ pub(super) struct Counts {
     open: AtomicUsize,
     /// When the last one closed (or the connection opened), in ns from `born`.
     last_close: AtomicU64,
+    /// What waits to be sent ([`Unsent`]).
+    unsent: AtomicUsize,
+    /// When the last of it began to wait, in ns from `born`.
+    unsent_since: AtomicU64,
 }
 
 impl Streams {
@@ -36,6 +41,8 @@ impl Streams {
             born: Instant::now(),
             open: AtomicUsize::new(0),
             last_close: AtomicU64::new(0),
+            unsent: AtomicUsize::new(0),
+            unsent_since: AtomicU64::new(0),
         }))
     }
 
@@ -77,6 +84,51 @@ impl Streams {
             }
             tokio::time::sleep_until(quiet_from + timeout).await;
         }
+    }
+}
+
+/// What of a connection's answers waits to be sent, for the send clock
+/// (`send_timeout`, `docs/design.md` §18): bytes its socket did not take
+/// (a write pending: the client's TCP window is shut), and on HTTP/2 a
+/// chunk handed to the protocol that it has not asked past (the client
+/// does not open the stream's flow-control window). Each counts from when
+/// it began to wait until its [`Unsent`] is dropped; counted lazily, as
+/// the streams are: a write that completes touches nothing.
+impl Streams {
+    /// Counts something unsent from now until the returned guard is dropped.
+    pub(super) fn unsent(&self) -> Unsent {
+        // The time first: a clock that sees it waiting sees since when.
+        let now = self.now();
+        self.0.unsent_since.store(now, Ordering::Release);
+        self.0.unsent.fetch_add(1, Ordering::AcqRel);
+        Unsent(self.clone())
+    }
+
+    /// `None` once something has waited to be sent for `timeout` with
+    /// nothing else beginning to wait meanwhile (a chunk taken on, a
+    /// write that went through before the next one stuck): the client
+    /// reads nothing. Otherwise when to look again: when what waits now
+    /// will have waited `timeout`, or a `timeout` from now while nothing
+    /// waits.
+    pub(super) fn stuck(&self, timeout: Duration) -> Option<Instant> {
+        let now = Instant::now();
+        if self.0.unsent.load(Ordering::Acquire) == 0 {
+            return Some(now + timeout);
+        }
+        let due = self.at(self.0.unsent_since.load(Ordering::Acquire)) + timeout;
+        if now >= due && self.0.unsent.load(Ordering::Acquire) > 0 {
+            return None;
+        }
+        Some(due.max(now))
+    }
+}
+
+/// Something waiting to be sent, no longer once dropped.
+pub(super) struct Unsent(Streams);
+
+impl Drop for Unsent {
+    fn drop(&mut self) {
+        (self.0).0.unsent.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -163,6 +215,37 @@ mod tests {
             Duration::from_secs(10),
             "counted from the last stream's end"
         );
+    }
+
+    /// Looks as the connection's clock does, until stuck.
+    async fn stuck(connection: Streams, timeout: Duration) {
+        while let Some(next) = connection.stuck(timeout) {
+            tokio::time::sleep_until(next).await;
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn stuck_only_once_something_has_waited_the_timeout_with_nothing_new_waiting() {
+        let connection = Streams::new();
+        let stuck = tokio::spawn(stuck(connection.clone(), Duration::from_secs(10)));
+        // Nothing waits: an idle connection, or one whose writes go through.
+        tokio::time::sleep(Duration::from_secs(600)).await;
+        assert!(!stuck.is_finished(), "nothing waited");
+        let first = connection.unsent();
+        tokio::time::sleep(Duration::from_secs(9)).await;
+        drop(first);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        // A chunk taken on, the next stuck: counted from the new wait.
+        let second = connection.unsent();
+        let since = Instant::now();
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let third = connection.unsent();
+        let newest = Instant::now();
+        drop(second);
+        stuck.await.unwrap();
+        assert_eq!(newest.elapsed(), Duration::from_secs(10));
+        assert_eq!(since.elapsed(), Duration::from_secs(15));
+        drop(third);
     }
 
     #[tokio::test(start_paused = true)]

@@ -19,6 +19,7 @@ mod activity;
 mod connection;
 mod keepalive;
 mod opening;
+mod sending;
 mod settings;
 
 use std::convert::Infallible;
@@ -41,6 +42,7 @@ use self::activity::{Head, Streams};
 use self::connection::{drive, Counted, Idle};
 use self::keepalive::Watched;
 use self::opening::sniff;
+use self::sending::{Handed, Sending};
 
 use crate::http::BoxError;
 use crate::http::ClientAddr;
@@ -145,6 +147,8 @@ struct Protocols {
     keepalive: Duration,
     /// How long a peer may take to answer a ping.
     http2_ping_timeout: Duration,
+    /// How long what a connection has to send may wait on its client.
+    send: Duration,
     trusted: Arc<TrustedProxies>,
 }
 
@@ -172,6 +176,7 @@ impl Protocols {
             http2_idle: limits.http2_idle_timeout,
             keepalive: limits.keepalive_timeout,
             http2_ping_timeout: limits.http2_keepalive_timeout,
+            send: limits.send_timeout,
             trusted: Arc::new(trusted),
         }
     }
@@ -218,20 +223,31 @@ impl Protocols {
                 return Ok(());
             };
             let requests = Streams::new();
+            let io = Sending::new(opened.io, requests.clone());
             if !opened.http2 {
                 let head = Head::started_now(requests.clone());
-                let io = Watched::new(opened.io, head.clone(), requests.clone());
-                let idle = Idle::after(requests.clone(), Some(this.keepalive), Duration::ZERO)
-                    .with_head(head.clone(), this.opening_timeout);
+                let io = Watched::new(io, head.clone(), requests.clone());
+                let idle = Idle::after(
+                    requests.clone(),
+                    Some(this.keepalive),
+                    Duration::ZERO,
+                    this.send,
+                )
+                .with_head(head.clone(), this.opening_timeout);
                 let conn = Box::pin(this.h1.serve_connection(
                     TokioIo::new(io),
                     TowerToHyperService::new(counting(requests, Some(head), tagged)),
                 ));
                 return drive(conn, &drain, idle, |c| c.graceful_shutdown()).await;
             }
-            let idle = Idle::after(requests.clone(), this.http2_idle, this.http2_ping_timeout);
+            let idle = Idle::after(
+                requests.clone(),
+                this.http2_idle,
+                this.http2_ping_timeout,
+                this.send,
+            );
             let conn = Box::pin(this.h2.serve_connection(
-                TokioIo::new(opened.io),
+                TokioIo::new(io),
                 TowerToHyperService::new(counting(requests, None, tagged)),
             ));
             drive(conn, &drain, idle, |c| c.graceful_shutdown()).await
@@ -240,7 +256,9 @@ impl Protocols {
 }
 
 /// `inner`, each request counted open among `requests` until its answer
-/// is sent; on HTTP/1.1 its `head` noted complete when it is served.
+/// is sent; on HTTP/1.1 its `head` noted complete when it is served, and
+/// on HTTP/2 (no `head`) its answer's chunks counted unsent until taken
+/// on ([`Handed`]).
 fn counting<S, B>(
     requests: Streams,
     head: Option<Head>,
@@ -264,10 +282,13 @@ where
         if let Some(head) = &head {
             head.complete();
         }
+        let window = head.is_none().then(|| requests.clone());
         let answer = inner.clone().oneshot(req);
         async move {
             let response = answer.await?;
-            Ok::<_, Infallible>(response.map(|inner| Counted::new(inner, open)))
+            Ok::<_, Infallible>(
+                response.map(|inner| Counted::new(Handed::new(inner, window), open)),
+            )
         }
     })
 }
@@ -321,11 +342,13 @@ mod held_size {
         assert!(serve < 3 * 1000, "the connection's future is {serve} bytes");
     }
 
-    /// hyper's connection is boxed, so driving it keeps a pointer.
+    /// hyper's connection is boxed, so driving it keeps a pointer. (A
+    /// connection of 2,000 bytes: driving one is its clocks' timers, about
+    /// 1,000 bytes since the send clock.)
     #[test]
     fn driving_a_connection_keeps_a_pointer_to_it() {
         #[allow(dead_code)] // Only its size is used.
-        struct Conn([u8; 1000]);
+        struct Conn([u8; 2000]);
         impl Future for Conn {
             type Output = hyper::Result<()>;
             fn poll(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Self::Output> {
@@ -335,12 +358,12 @@ mod held_size {
         let drive = size_of_output(&|| {
             let drain: &'static CancellationToken = unreachable!();
             connection::drive(
-                Box::pin(Conn([0; 1000])),
+                Box::pin(Conn([0; 2000])),
                 drain,
                 unreachable!(),
                 |_: Pin<&mut Conn>| {},
             )
         });
-        assert!(drive < 1000, "driving a connection is {drive} bytes");
+        assert!(drive < 2000, "driving a connection is {drive} bytes");
     }
 }

@@ -34,6 +34,10 @@ pub struct Limits {
     /// How long an HTTP/2 connection may have no open stream before it is
     /// closed; `None`: never.
     pub http2_idle_timeout: Option<Duration>,
+    /// How long what a connection has to send may wait on a client that
+    /// reads none of it (no write progress; not the whole answer's time)
+    /// before the connection is closed (`docs/design.md` §18).
+    pub send_timeout: Duration,
 }
 
 /// Proxies in front of the gateway: their forwarding headers (and owner
