@@ -59,6 +59,12 @@ pub use doorbell::{Bell, Doorbell, Observed};
 pub use machine::Machine;
 pub use retry::retrying;
 
+/// How long a job past its expiry is still kept after it last changed (its
+/// answer committed, an attempt claimed): for the duplicates held on it,
+/// which read it again once woken, and so that a change racing its purge
+/// is never lost with it (`docs/design.md` §11, "not forgotten").
+pub const SETTLED_GRACE: Duration = Duration::from_secs(5);
+
 /// Which store to use.
 #[derive(Debug, Clone)]
 pub enum StoreSettings {

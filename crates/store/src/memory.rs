@@ -43,6 +43,8 @@ struct Entry {
     attempts: Vec<Attempt>,
     /// Each attempt's deadline, in the order of `attempts`.
     deadlines: Vec<SystemTime>,
+    /// When the job last changed, as the database stores' `updated_at`.
+    changed_at: SystemTime,
 }
 
 impl Memory {
@@ -60,7 +62,8 @@ impl Entry {
     }
 
     /// Whether the job is past its expiry and forgotten: none of its
-    /// attempts may still answer, as in the database stores
+    /// attempts may still answer and it has not changed for
+    /// [`SETTLED_GRACE`](crate::SETTLED_GRACE), as in the database stores
     /// (`docs/design.md` §11, "not forgotten").
     fn forgotten(&self, now: SystemTime) -> bool {
         let answering = |(a, deadline): (&Attempt, &SystemTime)| match a.state {
@@ -68,7 +71,10 @@ impl Entry {
             AttemptState::Unknown => *deadline > now,
             _ => false,
         };
-        self.job.expires_at <= now && !self.attempts.iter().zip(&self.deadlines).any(answering)
+        let settled = self.changed_at + crate::SETTLED_GRACE <= now;
+        self.job.expires_at <= now
+            && settled
+            && !self.attempts.iter().zip(&self.deadlines).any(answering)
     }
 
     fn detail(&self) -> JobDetail {
@@ -80,6 +86,7 @@ impl Entry {
 
     /// Writes a change, as the database backends do in SQL.
     fn apply(&mut self, change: &Change, now: SystemTime) -> Option<Attempt> {
+        self.changed_at = now;
         let job = &mut self.job;
         job.state = change.job.state;
         job.version = change.job.version;
@@ -326,6 +333,7 @@ impl Backend for Memory {
                 job: job.clone(),
                 attempts: vec![first.clone()],
                 deadlines: vec![now + attempt.deadline],
+                changed_at: now,
             },
         );
         Ok(Begin::Created(job, first))

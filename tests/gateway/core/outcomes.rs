@@ -246,6 +246,7 @@ async fn expired_jobs_are_purged_in_the_background(store: TestStore) {
     let upstream = FakeUpstream::echo().await;
     let gateway = Gateway::builder(&store, &upstream.url())
         .set("key_ttl", "\"1s\"")
+        .set("sweep_interval", "\"200ms\"")
         .start()
         .await;
     let url = gateway.path("/v1/jobs");

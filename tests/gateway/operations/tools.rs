@@ -246,7 +246,7 @@ async fn verify_providers_gives_up_on_a_stalled_answer_after_the_routes_stream_i
         dir.path(),
         &a.url(),
         &b,
-        "first_byte_timeout = \"1h\"\nstream_idle_timeout = \"1s\"",
+        "first_byte_timeout = \"4m\"\nstream_idle_timeout = \"1s\"",
     );
     let out = idemgate(&config, &["verify-providers"])
         .output()

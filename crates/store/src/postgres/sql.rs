@@ -29,14 +29,22 @@ pub(super) const SNAPSHOT_COLUMNS: &str =
      a.id, a.number, a.state, a.job_version, a.lease_expires_at";
 
 /// Whether the job `j` is past its expiry and forgotten: none of its
-/// attempts may still answer. An attempt still `started` is at its upstream
-/// (or its lease lapsed and the sweep will make it `unknown`), and one
-/// `unknown` may still answer until its deadline: forgetting such a job
-/// would lose that answer's commit, and let a new job of the key run the
-/// call a second time beside it (`docs/design.md` §11, "not forgotten"). `AND`
-/// stops at a job not yet expired, so a live job pays no read of its
-/// attempts.
-pub(super) const FORGOTTEN: &str = "(j.expires_at <= now() AND NOT EXISTS ( \
+/// attempts may still answer, and it has not changed for
+/// [`SETTLED_GRACE`](crate::SETTLED_GRACE). An attempt still `started`
+/// is at its upstream (or its lease lapsed and the sweep will make it
+/// `unknown`), and one `unknown` may still answer until its deadline:
+/// forgetting such a job would lose that answer's commit, and let a new job
+/// of the key run the call a second time beside it. The grace keeps a job
+/// answered (or claimed) a moment ago for the duplicates held on it, and
+/// closes a race the attempts' test alone leaves open: a claim that
+/// commits while a purge or a begin waits on the job's lock is read by the
+/// subquery in the delete's old snapshot, but its `updated_at` is the
+/// row's own, which the delete checks again on the row it locked
+/// (`docs/design.md` §11, "not forgotten"). `AND` stops at a job not yet
+/// expired, so a live job pays no read of its attempts.
+pub(super) const FORGOTTEN: &str = "(j.expires_at <= now() \
+     AND j.updated_at <= now() - interval '5 seconds' \
+     AND NOT EXISTS ( \
      SELECT 1 FROM attempts a WHERE a.job_id = j.id \
      AND (a.state = 'started' OR (a.state = 'unknown' AND a.deadline_at > now()))))";
 
@@ -236,4 +244,13 @@ pub(super) fn purge_statement() -> &'static str {
         )
     });
     &TEXT
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn forgotten_keeps_a_job_for_the_settled_grace() {
+        let grace = format!("interval '{} seconds'", crate::SETTLED_GRACE.as_secs());
+        assert!(super::FORGOTTEN.contains(&grace));
+    }
 }

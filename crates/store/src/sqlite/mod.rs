@@ -397,12 +397,14 @@ impl Backend for Sqlite {
 }
 
 /// Whether the job `j` is past its expiry at `now` (a placeholder, in
-/// milliseconds) and forgotten: none of its attempts may still answer, as
-/// in the PostgreSQL store's `FORGOTTEN` (`docs/design.md` §11, "not
+/// milliseconds) and forgotten: none of its attempts may still answer and
+/// it has not changed for [`SETTLED_GRACE`](crate::SETTLED_GRACE), as in
+/// the PostgreSQL store's `FORGOTTEN` (`docs/design.md` §11, "not
 /// forgotten").
 fn forgotten(now: &str) -> String {
+    let grace = crate::millis(crate::SETTLED_GRACE);
     format!(
-        "(j.expires_at <= {now} AND NOT EXISTS ( \
+        "(j.expires_at <= {now} AND j.updated_at <= {now} - {grace} AND NOT EXISTS ( \
            SELECT 1 FROM attempts a WHERE a.job_id = j.id \
            AND (a.state = 'started' OR (a.state = 'unknown' AND a.deadline_at > {now}))))"
     )

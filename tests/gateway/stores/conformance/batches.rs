@@ -446,7 +446,7 @@ fn expired_and_answered(at: &str) -> String {
     format!(
         "WITH settled AS (UPDATE attempts SET state = 'failed', finished_at = now() \
                           WHERE job_id = ANY($1)) \
-         UPDATE jobs SET expires_at = {at}, state = 'open' WHERE id = ANY($1)"
+         UPDATE jobs SET expires_at = {at}, updated_at = {at}, state = 'open' WHERE id = ANY($1)"
     )
 }
 
@@ -639,7 +639,7 @@ async fn on_postgres_batches_of_found_answers_keep_their_connection() {
 /// statement would have, and creates nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_postgres_replays_read_first_and_new_keys_among_them_still_get_one_job() {
-    let (store, _probe, _db) = postgres_with_probe().await;
+    let (store, _probe, db) = postgres_with_probe().await;
     let found: Vec<String> = (0..40).map(|n| format!("found-{n}")).collect();
     let mut jobs = std::collections::HashMap::new();
     for key in &found {
@@ -661,6 +661,15 @@ async fn on_postgres_replays_read_first_and_new_keys_among_them_still_get_one_jo
     };
     store.fail_attempt(attempt.id, failed).await.unwrap();
     let old = old.id;
+    // Changed a moment ago, as if long before: past the settled grace.
+    db.connect()
+        .await
+        .execute(
+            "UPDATE jobs SET updated_at = now() - interval '1 minute' WHERE id = $1",
+            &[&old.0],
+        )
+        .await
+        .unwrap();
     let round = |keys: Vec<String>| {
         let barrier = Arc::new(Barrier::new(keys.len()));
         let begins = keys.into_iter().map(|key| {
@@ -1305,4 +1314,69 @@ async fn on_postgres_migrations_wait_for_another_migrator_past_the_lock_timeout(
         .await
         .unwrap();
     assert_eq!(tables.get::<_, i64>(0), 0);
+}
+
+/// A begin that finds a key's job expired and forgotten deletes it under
+/// the job's lock; a claim of that job by another request that commits
+/// while the delete waits for the lock is not lost with it. The delete's
+/// test of the attempts reads its statement's old snapshot, which cannot
+/// see the claim's attempt; the job's `updated_at`, the claim's own, is
+/// checked again on the row the delete locked, and keeps it for
+/// `SETTLED_GRACE` (docs/design.md §11, "not forgotten"). Before, the
+/// claimed attempt went with the job, and the begin made a new job beside
+/// the call already at the upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_a_claim_racing_the_delete_of_its_expired_job_keeps_it() {
+    let (store, _probe, db) = postgres_with(4, Duration::from_secs(10)).await;
+    let mut short = new_job("racing");
+    short.ttl = Duration::from_millis(1);
+    let Begin::Created(job, first) = store.begin_job(short, new_attempt()).await.unwrap() else {
+        panic!("the key existed");
+    };
+    let failed = AttemptFailure::Failed {
+        status: Some(503),
+        detail: "busy".into(),
+    };
+    store.fail_attempt(first.id, failed).await.unwrap();
+    let admin = db.connect().await;
+    let backdate = "UPDATE jobs SET updated_at = now() - interval '1 minute', \
+                    expires_at = now() - interval '1 minute' WHERE id = $1";
+    admin.execute(backdate, &[&job.id.0]).await.unwrap();
+    // The claim, by hand, held open: the job's row locked and moved on, its
+    // second attempt started.
+    let claimer = db.connect().await;
+    let claim = format!(
+        "BEGIN; \
+         UPDATE jobs SET version = version + 1, attempt_count = 2, state = 'running', \
+                         updated_at = now() WHERE id = '{job}'; \
+         INSERT INTO attempts (id, job_id, number, upstream, state, job_version, instance, \
+                               lease_expires_at, deadline_at) \
+         VALUES (gen_random_uuid(), '{job}', 2, 'primary', 'started', 2, gen_random_uuid(), \
+                 now() + interval '30 seconds', now() + interval '5 minutes')",
+        job = job.id.0
+    );
+    claimer.batch_execute(&claim).await.unwrap();
+    let begin = tokio::spawn({
+        let store = store.clone();
+        async move { store.begin_job(new_job("racing"), new_attempt()).await }
+    });
+    sessions_wait(
+        &db,
+        "wait_event_type = 'Lock'",
+        1,
+        "the delete waits for the claim",
+    )
+    .await;
+    claimer.batch_execute("COMMIT").await.unwrap();
+    match begin.await.unwrap().unwrap() {
+        Begin::Existing(found) => assert_eq!(found.id, job.id),
+        Begin::Created(..) => panic!("the claimed job was deleted and a second one begun"),
+    }
+    let detail = store
+        .job_detail(job.id)
+        .await
+        .unwrap()
+        .expect("the job kept");
+    let states: Vec<_> = detail.attempts.iter().map(|a| a.state).collect();
+    assert_eq!(states, [AttemptState::Failed, AttemptState::Started]);
 }

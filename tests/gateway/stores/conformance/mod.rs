@@ -100,7 +100,7 @@ macro_rules! conformance_suite {
                 expired_jobs_are_purged_and_their_keys_start_afresh,
                 a_job_is_not_forgotten_while_an_attempt_may_still_answer,
                 job_detail_is_one_consistent_read,
-                a_losing_commit_of_the_last_running_attempt_reopens_the_job,
+                a_hedge_resolved_failed_leaves_the_job_to_the_first_attempt,
                 one_sweep_expires_a_batch_of_jobs,
                 evidence_of_a_safe_failure_settles_an_attempt_its_lapsed_lease_made_unknown,
                 lookups_are_recorded_and_reconcile_applies_only_to_an_unknown_attempt,
