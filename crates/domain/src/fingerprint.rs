@@ -120,14 +120,16 @@ fn frame(h: &mut Sha256, bytes: &[u8]) {
 
 /// At most the bytes canonicalising `body` under `rule` holds while it
 /// runs (its parse tree and its canonical form), 0 when the rule does not
-/// canonicalise. Each value in the tree takes a node of its own, a few
+/// canonicalise or the body is no JSON object or array (hashed raw: a
+/// bare JSON scalar is small). Each value in the tree takes a node of its own, a few
 /// dozen bytes, so a body of many small values (`[0,0,0,…]`) takes tens of
 /// times its size: counted against the memory budget before the parse
 /// (`docs/design.md` §18). Every value but the first follows a `,`, `:`,
 /// `[` or `{`; counting those bytes (inside strings too) can only count
 /// more values than there are.
 pub fn canonical_footprint(body: &[u8], rule: &BodyRule) -> usize {
-    if !rule.canonical_json && rule.ignore.is_empty() {
+    let json = matches!(body.trim_ascii_start().first(), Some(b'{' | b'['));
+    if !rule.canonical_json && rule.ignore.is_empty() || !json {
         return 0;
     }
     /// A node (32 bytes), its place in a vector grown by doubling (up to

@@ -42,7 +42,7 @@ pub(crate) async fn prepare(
     let (body, charge) = read(shared, &route, &parts, sharer.as_ref(), body).await?;
     // Every message is parsed whole to see what it is, and a tool call's
     // arguments again in canonical form: counted while that runs.
-    let parsing = parse_charge(shared, &CANONICAL, sharer.as_ref(), &body)?;
+    let parsing = parse_charge(shared, &CANONICAL, (sharer.as_ref(), &charge), &body)?;
     let passing = |parts, body: Bytes| {
         let mut req = Request::from_parts(parts, full(body));
         req.extensions_mut()

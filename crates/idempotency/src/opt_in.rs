@@ -157,7 +157,7 @@ pub(crate) async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Prepared,
     let owner = shared.trust.owner(&route.owner, &parts)?;
     let resume = resume_point(&parts)?;
     let (body, charge) = read(shared, &route, &parts, Some(&owner), body).await?;
-    let parsing = parse_charge(shared, &route.body, Some(&owner), &body)?;
+    let parsing = parse_charge(shared, &route.body, (Some(&owner), &charge), &body)?;
     let fingerprint = fingerprint(
         &RequestParts {
             method: parts.method.as_str(),
@@ -216,37 +216,35 @@ pub(crate) fn resume_point(
     )?)
 }
 
-/// The whole body, held against the memory budget: a request is taken only
-/// while the budget has room for the length it declares, and one without a
-/// length only while its body keeps fitting. A refused body's rest is read
-/// and dropped, so its client reads the `503` (`docs/design.md` §18). Its
-/// `owner` (when known and not the anonymous one) holds at most its share.
-/// The charge for parsing `body` as `rule` canonicalises it, held
-/// while the parse runs: its tree takes many times the body on a body of
+/// The charge for parsing `body` as `rule` canonicalises it (for `owner`,
+/// whose request holds `body_charge` for the body itself), held while the
+/// parse runs: its tree takes many times the body on a body of
 /// many small values, and is refused past the budget as a body that
 /// outgrew it is, `413` when it could never fit (`docs/design.md` §18).
 /// `None` when nothing is parsed.
 pub(crate) fn parse_charge(
     shared: &Shared,
     rule: &BodyRule,
-    owner: Option<&Owner>,
+    (owner, body_charge): (Option<&Owner>, &Charge),
     body: &[u8],
 ) -> Result<Option<Arc<Charge>>, GatewayError> {
     let bytes = canonical_footprint(body, rule);
     if bytes == 0 {
         return Ok(None);
     }
-    let budget = shared.budget.limit();
-    if bytes > budget {
-        return Err(ClientError::TooManyValues {
-            footprint: bytes,
-            budget,
-        }
-        .into());
-    }
     let share = owner
         .filter(|o| **o != Owner::anonymous())
         .map(Owner::as_str);
+    // Beside the body it parses, within what this owner may ever hold: past
+    // that no retry would fit, so no retry is asked for.
+    let room = shared.budget.room_for(share);
+    if bytes.saturating_add(body_charge.bytes()) > room {
+        return Err(ClientError::TooManyValues {
+            footprint: bytes,
+            budget: room,
+        }
+        .into());
+    }
     match shared.budget.admit_for(share, bytes) {
         Some(charge) => Ok(Some(charge)),
         None => Err(GatewayError::OverBudget {
@@ -255,6 +253,11 @@ pub(crate) fn parse_charge(
     }
 }
 
+/// The whole body, held against the memory budget: a request is taken only
+/// while the budget has room for the length it declares, and one without a
+/// length only while its body keeps fitting. A refused body's rest is read
+/// and dropped, so its client reads the `503` (`docs/design.md` §18). Its
+/// `owner` (when known and not the anonymous one) holds at most its share.
 pub(crate) async fn read(
     shared: &Shared,
     route: &Route,

@@ -66,6 +66,15 @@ impl Budget {
         self.limit
     }
 
+    /// The most one request of `owner` (`None`: not capped) could ever
+    /// hold: the whole budget, or an owner's share of it.
+    pub fn room_for(&self, owner: Option<&str>) -> usize {
+        match owner {
+            Some(_) => self.owner_limit.min(self.limit),
+            None => self.limit,
+        }
+    }
+
     /// Bytes held now (past the limit while answers overdraw it).
     pub fn in_use(&self) -> usize {
         self.used.load(Ordering::Acquire)

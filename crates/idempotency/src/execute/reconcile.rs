@@ -204,6 +204,12 @@ impl Reconciler {
                 tokio::time::sleep(wait).await;
                 continue;
             }
+            // The drain waits for the asks in flight, not for new ones:
+            // once it began, what is still unknown waits for another
+            // replica's scan, or an operator.
+            if self.asks.is_closed() {
+                return;
+            }
             asked += 1;
             if let Next::Stop = self.asks.track_future(self.ask()).await {
                 return;

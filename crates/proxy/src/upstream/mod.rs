@@ -189,11 +189,9 @@ impl Upstream {
         // Hop-by-hop headers were removed as the request came in, before the
         // gateway added its own (docs/design.md §15), so a client's
         // `Connection` header cannot remove those.
-        let host = headers.insert(header::HOST, self.host.clone()).or_else(|| {
-            authority.and_then(|a| {
-                HeaderValue::from_maybe_shared(Bytes::copy_from_slice(a.as_str().as_bytes())).ok()
-            })
-        });
+        let host = headers
+            .insert(header::HOST, self.host.clone())
+            .or_else(|| authority.as_ref().and_then(host_of));
         forwarding(headers, client.as_ref(), host);
         // The trace continues upstream from the current span (the attempt's).
         idemgate_telemetry::trace::propagate(headers);
@@ -215,6 +213,16 @@ impl Upstream {
         *req.version_mut() = http::Version::HTTP_11;
         Ok(())
     }
+}
+
+/// The host (and port) `authority` names, without any `user:password@`
+/// a client put before it: what `X-Forwarded-Host` carries.
+fn host_of(authority: &http::uri::Authority) -> Option<HeaderValue> {
+    let host = match authority.port() {
+        Some(port) => format!("{}:{port}", authority.host()),
+        None => authority.host().to_owned(),
+    };
+    HeaderValue::from_str(&host).ok()
 }
 
 impl tower::Service<Request<Body>> for Upstream {
