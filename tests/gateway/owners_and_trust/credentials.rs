@@ -68,9 +68,18 @@ async fn a_header_marked_as_no_credential_goes_with_every_request() {
         .tables(&upstream_with(&upstream.url(), tenant, ""))
         .start()
         .await;
-    let reply = send(Method::GET, &gateway.path("/v1/models"), &[], "").await;
+    // A client's `X_Tenant` would be the CGI-style upstream's `X-Tenant`
+    // too, beside the one put in: it never goes.
+    let reply = send(
+        Method::GET,
+        &gateway.path("/v1/models"),
+        &[("x_tenant", "evil")],
+        "",
+    )
+    .await;
     assert_eq!(reply.status, 200);
     assert_eq!(upstream.recorded()[0].header("x-tenant"), Some("acme"));
+    assert_eq!(upstream.recorded()[0].header("x_tenant"), None);
 
     // Another store: one embedded store serves one gateway.
     let store = TestStore::embedded();

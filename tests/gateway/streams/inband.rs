@@ -223,6 +223,25 @@ async fn a_route_that_turns_stream_errors_off_commits_them(store: TestStore) {
     assert_eq!(upstream.hits(), 1);
 }
 
+/// Two replicas of the chat route in front of `upstream`, sharing `store`
+/// and `redis`.
+async fn two_replicas(
+    store: &TestStore,
+    upstream: &str,
+    redis: &crate::support::ThrowawayRedis,
+    schemas: &tempfile::TempDir,
+) -> (Gateway, Gateway) {
+    let replica = || {
+        Gateway::builder(store, upstream)
+            .set("upstream_timeout", "\"5s\"")
+            .set("redis_url", &format!("{:?}", redis.url()))
+            .tables(CHAT_ROUTE)
+            .files_from(schemas.path())
+            .start()
+    };
+    (replica().await, replica().await)
+}
+
 /// A joiner on another replica, fed through the Redis mirror, ends as the
 /// first client does: the events as sent, then a clean end, though nothing
 /// was committed; the retry on that replica runs again.
@@ -236,15 +255,7 @@ async fn a_joiner_on_another_replica_gets_an_in_band_failure_as_sent() {
     let upstream =
         ScriptedSse::start(vec![overloaded.clone(), whole.clone()], Some(gate.clone())).await;
     let schemas = schemas();
-    let replica = || {
-        Gateway::builder(&store, &upstream.url())
-            .set("upstream_timeout", "\"5s\"")
-            .set("redis_url", &format!("{:?}", redis.url()))
-            .tables(CHAT_ROUTE)
-            .files_from(schemas.path())
-            .start()
-    };
-    let (a, b) = (replica().await, replica().await);
+    let (a, b) = two_replicas(&store, &upstream.url(), &redis, &schemas).await;
     let mut first = Reader::post(&a.path("/v1/chat"), "far", "{}").await;
     first.read_until(overloaded[0].len()).await;
     let mut far = Reader::post(&b.path("/v1/chat"), "far", "{}").await;
@@ -277,15 +288,7 @@ async fn a_joiner_never_gets_an_earlier_attempts_mirrored_stream() {
     let upstream =
         ScriptedSse::head_held(vec![overloaded.clone(), whole.clone()], gate.clone()).await;
     let schemas = schemas();
-    let replica = || {
-        Gateway::builder(&store, &upstream.url())
-            .set("upstream_timeout", "\"5s\"")
-            .set("redis_url", &format!("{:?}", redis.url()))
-            .tables(CHAT_ROUTE)
-            .files_from(schemas.path())
-            .start()
-    };
-    let (a, b) = (replica().await, replica().await);
+    let (a, b) = two_replicas(&store, &upstream.url(), &redis, &schemas).await;
     gate.open(overloaded.len());
     let (first, finish) = read_all(&a.path("/v1/chat"), "again").await;
     assert_eq!((first.status, finish), (200, Finish::Complete));

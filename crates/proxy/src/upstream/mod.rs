@@ -198,14 +198,17 @@ impl Upstream {
         // The gateway's own client key is never spent upstream, whether or
         // not the request was routed; it is removed before the upstream's
         // own headers go in, so an upstream's `authorization` is kept.
+        // Every spelling of either (docs/design.md §15): a CGI-style upstream
+        // reads `X_Tenant` as `X-Tenant`, beside the value put in.
         if let Some(withheld) = &self.target.withheld {
-            headers.remove(withheld);
+            spelling::remove_every_spelling(headers, std::slice::from_ref(withheld));
         }
         // The upstream's own headers; its credentials (which clients never
         // hold) only for a client that proved itself, those marked
         // `credential = false` for every request (docs/design.md §15).
         for (name, value) in &self.target.headers {
             if proven || !self.target.credentials.contains(name) {
+                spelling::remove_every_spelling(headers, std::slice::from_ref(name));
                 headers.insert(name.clone(), value.clone());
             }
         }
