@@ -242,6 +242,8 @@ pub fn new_keys(g: &Gateways, baseline: Option<&Baseline>) -> Vec<Row> {
                 &b.postgres,
                 Some(8),
             ),
+            // At full load too, beside this build's row of the same name.
+            new_key("baseline new key, PostgreSQL alone", &b.postgres, None),
         ]);
     }
     rows
