@@ -18,6 +18,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::error::{ClientError, GatewayError};
+use idemgate_domain::attempt::AttemptState;
 use idemgate_domain::id::JobId;
 use idemgate_domain::job::{Job, JobState};
 use idemgate_domain::response::StoredResponse;
@@ -197,6 +198,19 @@ impl Holds {
     pub(crate) async fn reread(&self, job: JobId) -> Result<Job, GatewayError> {
         // Purged under our feet (expired): the client may simply retry.
         self.store.job(job).await?.ok_or_else(|| self.in_progress())
+    }
+
+    /// Whether attempt number `number` of `job` still runs (`started`), as
+    /// the store says now; `false` when the store cannot say, so a reader
+    /// that cannot be sure which answer streams is held, not joined.
+    pub(crate) async fn attempt_runs(&self, job: JobId, number: i32) -> bool {
+        let Ok(Some(detail)) = self.store.job_detail(job).await else {
+            return false;
+        };
+        detail
+            .attempts
+            .iter()
+            .any(|a| a.number == number && a.state == AttemptState::Started)
     }
 
     /// The committed answer of a completed `job`, read from the store when

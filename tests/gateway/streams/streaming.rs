@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use crate::support::scripted_sse::ScriptedSse;
 use crate::support::sse::{event, Ending, Finish, Reader, SseUpstream};
 use crate::support::{eventually, post, Gate, Gateway, TestStore};
 
@@ -376,6 +377,85 @@ async fn with_redis_a_duplicate_on_another_replica_joins_live() {
     assert_eq!(far.finish().await, Finish::Complete);
     assert_eq!(far.read, first.read);
     assert_eq!(upstream.hits(), 1);
+    assert_eq!(b.metric("idemgate_stream_joiners_total").await, 1.0);
+}
+
+/// A replica of a side-effect-free `/v1` route trying `primary`, hedged to
+/// `fallback` after 300 ms, mirroring streams on `redis`.
+async fn hedging_replica(
+    store: &TestStore,
+    (primary, fallback): (&str, &str),
+    redis: &crate::support::ThrowawayRedis,
+) -> Gateway {
+    Gateway::builder(store, "http://unused")
+        .unset("upstreams")
+        .set("upstream_timeout", "\"5s\"")
+        .set("redis_url", &format!("{:?}", redis.url()))
+        .tables(&format!(
+            "[[upstreams]]\nname = \"primary\"\nurl = {primary:?}\n\
+             [[upstreams]]\nname = \"fallback\"\nurl = {fallback:?}\n\
+             [[routes]]\npath_prefix = \"/v1\"\nupstreams = [\"primary\", \"fallback\"]\n\
+             side_effect_free = true\nhedge_after = \"300ms\"\n"
+        ))
+        .start()
+        .await
+}
+
+/// The job's latest attempt is a hedge, started while the primary was
+/// silent; then the primary's head comes, its stream supersedes the hedge,
+/// and the stream is the job's answer though its attempt is not the
+/// latest. A duplicate on another replica joins it live through the Redis
+/// mirror, as it would a stream of the latest attempt, rather than being
+/// held to the end (`docs/design.md` §10). Before, it was held: its head
+/// came only once the stream had ended.
+#[tokio::test]
+async fn with_redis_a_duplicate_on_another_replica_joins_a_stream_its_hedge_gave_way_to() {
+    let store = TestStore::postgres().await;
+    let redis = crate::support::ThrowawayRedis::start().await;
+    let gate = Gate::new();
+    let events: Vec<String> = (1..=3).map(|n| event("hedged", n, EVENT)).collect();
+    let primary = ScriptedSse::head_held(vec![events.clone()], gate.clone()).await;
+    let never = Gate::new();
+    let fallback = crate::support::FakeUpstream::gated_echo(&never, |_| true).await;
+    let urls = (primary.url(), fallback.url());
+    let a = hedging_replica(&store, (&urls.0, &urls.1), &redis).await;
+    let b = hedging_replica(&store, (&urls.0, &urls.1), &redis).await;
+    let first = tokio::spawn(Reader::post(a.path("/v1/chat").leak(), "hedged", "{}"));
+    eventually(
+        Duration::from_secs(10),
+        "the hedge at the fallback",
+        || async { fallback.hits() == 1 },
+    )
+    .await;
+    gate.open(1);
+    let mut first = first.await.unwrap();
+    assert_eq!(first.status, 200);
+    first.read_until(EVENT).await;
+    let id = first.header("idempotency-job").unwrap().to_owned();
+    eventually(
+        Duration::from_secs(5),
+        "the hedge to be superseded",
+        || async { a.job(&id).await["attempts"][1]["state"] == "superseded" },
+    )
+    .await;
+    assert_eq!(a.job(&id).await["attempts"][0]["state"], "started");
+    let far_url = b.path("/v1/chat");
+    let far = Reader::post(&far_url, "hedged", "{}");
+    let mut far = tokio::time::timeout(Duration::from_secs(5), far)
+        .await
+        .expect("the duplicate was held, not joined to the stream");
+    assert_eq!(far.status, 200);
+    assert_eq!(far.header("idempotent-replayed"), Some("true"));
+    far.read_until(EVENT).await;
+    // Live: event 2 reaches the other replica's client before event 3 is sent.
+    gate.open(1);
+    far.read_until(2 * EVENT).await;
+    gate.open(1);
+    assert_eq!(first.finish().await, Finish::Complete);
+    assert_eq!(far.finish().await, Finish::Complete);
+    assert_eq!(far.read, first.read);
+    assert_eq!(String::from_utf8(far.read).unwrap(), events.concat());
+    assert_eq!(primary.hits(), 1);
     assert_eq!(b.metric("idemgate_stream_joiners_total").await, 1.0);
 }
 

@@ -14,7 +14,7 @@ use idemgate_domain::id::JobId;
 use idemgate_domain::job::{Job, JobState};
 use idemgate_proxy::budget::Budget;
 use idemgate_proxy::http::Body;
-use idemgate_store::fastpath::{Ending, FastPath, Tag};
+use idemgate_store::fastpath::{Ending, FastPath, MirroredHead, Tag};
 use idemgate_telemetry::Chain;
 
 /// The streams duplicates may join: recorded here, or mirrored elsewhere.
@@ -57,20 +57,35 @@ impl Live {
         self.recordings.insert(recording);
     }
 
-    /// Whether the job's answer streams here or, with Redis, elsewhere: the
-    /// answer of `attempt`, the job's latest as its reader last read it (a
-    /// stream an earlier attempt left in Redis is not this one).
+    /// Whether the job's answer streams here or, with Redis, elsewhere;
+    /// `attempt` is the job's latest as its reader last read it (see
+    /// [`Live::mirrored_head`]).
     pub(crate) async fn streaming(&self, tag: &Tag, job: JobId, attempt: i32) -> bool {
         if self.recordings.live(job).is_some() {
             return true;
         }
-        match &self.fastpath {
-            Some(fast) => fast.stream_head(tag, (job, attempt)).await.is_some(),
-            None => false,
-        }
+        self.mirrored_head(tag, (job, attempt)).await.is_some()
     }
 
-    /// Joins the answer of `job`'s latest attempt while it streams; `None`
+    /// The head of the stream another replica mirrors for `job`, when it
+    /// is the answer a reader whose latest read of the job saw `latest`
+    /// attempts should join: the latest attempt's, or an earlier one's
+    /// that still runs. A hedge (or a failover's attempt) started beside an
+    /// attempt that then took its head as a stream is superseded by it, and
+    /// the streaming attempt is the job's only answer (`docs/design.md`
+    /// §10), though not its latest. An earlier attempt's stream whose
+    /// attempt has ended (an answer that failed in-band, left in Redis for
+    /// the retry that follows; an attempt whose replica died) is not the
+    /// job's answer: the store says which, and is asked only then.
+    async fn mirrored_head(&self, tag: &Tag, (job, latest): (JobId, i32)) -> Option<MirroredHead> {
+        let head = self.fastpath.as_ref()?.stream_head(tag, job).await?;
+        let joinable = head.attempt == latest
+            || (head.attempt < latest && self.holds.attempt_runs(job, head.attempt).await);
+        joinable.then_some(head)
+    }
+
+    /// Joins the answer of `job` while it streams (its latest attempt's, or
+    /// an earlier one's that superseded it: [`Live::mirrored_head`]); `None`
     /// when it does not.
     pub(crate) async fn join(self: &Arc<Self>, tag: &Tag, job: &Job) -> Option<Response<Body>> {
         let recording = match self.recordings.live(job.id) {
@@ -88,12 +103,13 @@ impl Live {
     async fn mirrored(
         self: &Arc<Self>,
         tag: &Tag,
-        (job, attempt): (JobId, i32),
+        (job, latest): (JobId, i32),
     ) -> Option<Arc<Recording>> {
         let fast = self.fastpath.clone()?;
-        let (status, headers) = fast.stream_head(tag, (job, attempt)).await?;
+        let head = self.mirrored_head(tag, (job, latest)).await?;
+        let attempt = head.attempt;
         // Counted, never refused: its joiners were taken already.
-        let recording = Recording::new(job, status, headers, self.budget.open());
+        let recording = Recording::new(job, head.status, head.headers, self.budget.open());
         self.recordings.insert(&recording);
         let (live, copy, tag) = (self.clone(), recording.clone(), *tag);
         tokio::spawn(async move {

@@ -63,6 +63,17 @@ pub use stream::{Ending, Piece};
 /// deployment's key prefix; the payload is the job id.
 pub const CHANNEL: &str = "jobs";
 
+/// The head of a mirrored stream, and whose it is.
+#[derive(Debug)]
+pub struct MirroredHead {
+    /// The number of the attempt whose answer streams.
+    pub attempt: i32,
+    /// Its status.
+    pub status: u16,
+    /// Its headers.
+    pub headers: Vec<(String, Bytes)>,
+}
+
 /// What a lookup found.
 #[derive(Debug)]
 pub enum Lookup {
@@ -502,14 +513,12 @@ impl FastPath {
         });
     }
 
-    /// The head (status, headers) of a stream another replica mirrors for
-    /// attempt number `attempt` of `job`; `None` when Redis has none (or
-    /// does not answer), or only another attempt's.
-    pub async fn stream_head(
-        &self,
-        tag: &Tag,
-        (job, attempt): (JobId, i32),
-    ) -> Option<(u16, Vec<(String, Bytes)>)> {
+    /// The head of the stream another replica mirrors for `job`, and the
+    /// number of the attempt whose answer it is (each record is bound to
+    /// it, so Redis cannot pass one attempt's head off as another's);
+    /// `None` when Redis has none (or does not answer). Whether that
+    /// attempt is one to join is the caller's to decide.
+    pub async fn stream_head(&self, tag: &Tag, job: JobId) -> Option<MirroredHead> {
         let mut conn = self.redis.conn();
         let first = redis::cmd("XRANGE")
             .arg(stream_key(&self.settings.key_prefix, tag, job))
@@ -522,19 +531,18 @@ impl FastPath {
             self.call(first.query_async(&mut conn)).await?;
         let entry = reply.ids.first()?;
         let found = entry.get::<Vec<u8>>(Part::Head.field())?;
-        if record_attempt(&found) != Some(attempt) {
-            return None;
-        }
+        let attempt = record_attempt(&found)?;
         let head = match open_record(&self.keys, (job, attempt), Part::Head, &found) {
             Ok((0, head)) => head,
             Ok(_) => return self.rejected("mirrored stream part", Rejection::Truncated),
             Err(why) => return self.rejected("mirrored stream part", why),
         };
         let (status, headers) = head.split_at_checked(2)?;
-        Some((
-            u16::from_be_bytes(status.try_into().ok()?),
-            decode_headers(headers)?,
-        ))
+        Some(MirroredHead {
+            attempt,
+            status: u16::from_be_bytes(status.try_into().ok()?),
+            headers: decode_headers(headers)?,
+        })
     }
 
     /// Hands each chunk of the Redis Stream the answer of attempt number
