@@ -255,8 +255,9 @@ pub(crate) fn parse_charge(
 
 /// The whole body, held against the memory budget: a request is taken only
 /// while the budget has room for the length it declares, and one without a
-/// length only while its body keeps fitting. A refused body's rest is read
-/// and dropped, so its client reads the `503` (`docs/design.md` §18). Its
+/// length only while its body keeps fitting. A refused body's rest (past
+/// the route's `body_limit`, `413`; past the budget, `503`) is read and
+/// dropped, so its client reads the refusal (`docs/design.md` §18). Its
 /// `owner` (when known and not the anonymous one) holds at most its share.
 pub(crate) async fn read(
     shared: &Shared,
@@ -266,32 +267,38 @@ pub(crate) async fn read(
     mut body: Body,
 ) -> Result<(Bytes, Arc<Charge>), GatewayError> {
     let limit = route.body_limit;
-    let hint = http_body::Body::size_hint(&body);
-    if hint.lower() > limit as u64 {
-        return Err(ClientError::BodyTooLarge { limit }.into());
-    }
-    let declared = hint.exact().map_or(0, |n| n as usize);
-    let refused = |body: Body| {
+    let refused = |body: Body, why: GatewayError| {
         // A client waiting for `100 Continue` has sent no body: none to read.
         let expects = parts.headers.get(header::EXPECT);
         if !expects.is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue")) {
-            discard(body, limit);
+            discard(body);
         }
-        Err(GatewayError::OverBudget {
-            retry_after: shared.config.retry_after,
-        })
+        Err(why)
     };
+    let too_large = || ClientError::BodyTooLarge { limit }.into();
+    let over_budget = || GatewayError::OverBudget {
+        retry_after: shared.config.retry_after,
+    };
+    let hint = http_body::Body::size_hint(&body);
+    if hint.lower() > limit as u64 {
+        return refused(body, too_large());
+    }
+    let declared = hint.exact().map_or(0, |n| n as usize);
     let share = owner
         .filter(|o| **o != Owner::anonymous())
         .map(Owner::as_str);
     let Some(charge) = shared.budget.admit_for(share, declared) else {
-        return refused(body);
+        return refused(body, over_budget());
     };
     match collect_charged(&mut body, limit, &charge).await {
         Ok(bytes) => Ok((bytes, charge)),
         Err(CollectError::OverBudget) => {
             drop(charge);
-            refused(body)
+            refused(body, over_budget())
+        }
+        Err(CollectError::TooLarge { .. }) => {
+            drop(charge);
+            refused(body, too_large())
         }
         Err(e) => Err(ClientError::from(e).into()),
     }
