@@ -21,6 +21,7 @@ use idemgate_domain::id::JobId;
 use idemgate_idempotency::route::{self, Route};
 use idemgate_idempotency::{IdempotencyLayer, Shared};
 use idemgate_proxy::http::idle::{IdleTimeout, Pace};
+use idemgate_proxy::http::linger::{Linger, Lingering};
 use idemgate_proxy::http::request_id::RequestIds;
 use idemgate_proxy::http::{cookie, hop, spelling, ClientAddr, IDEMPOTENCY_KEY};
 use idemgate_proxy::path::NormalizePathLayer;
@@ -125,6 +126,10 @@ fn enter(
     pace: Pace,
     trusted_only: &[HeaderName],
 ) -> Request<idemgate_proxy::http::Body> {
+    let expects_continue = req
+        .headers()
+        .get(http::header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
     hop::strip_but(req.headers_mut(), Some(&IDEMPOTENCY_KEY));
     let trusted = req
         .extensions()
@@ -136,7 +141,16 @@ fn enter(
     // A console session is the gateway's alone: no owner, fingerprint or
     // upstream sees it (docs/design.md §14).
     cookie::strip_console(req.headers_mut());
-    req.map(|b| IdleTimeout::paced(b, pace).boxed())
+    // Read to its end after its answer if answered before it was, on
+    // HTTP/1.1 (docs/design.md §18, "A refusal is read").
+    let linger = req.extensions_mut().remove::<Linger>();
+    req.map(|b| {
+        Lingering::wrap(
+            IdleTimeout::paced(b, pace).boxed(),
+            linger.as_ref(),
+            expects_continue,
+        )
+    })
 }
 
 /// Headers that speak for a trusted proxy: the client addresses some

@@ -200,17 +200,29 @@ impl Holds {
         self.store.job(job).await?.ok_or_else(|| self.in_progress())
     }
 
-    /// Whether attempt number `number` of `job` still runs (`started`), as
-    /// the store says now; `false` when the store cannot say, so a reader
-    /// that cannot be sure which answer streams is held, not joined.
-    pub(crate) async fn attempt_runs(&self, job: JobId, number: i32) -> bool {
-        let Ok(Some(detail)) = self.store.job_detail(job).await else {
-            return false;
-        };
+    /// Whether attempt number `number` of `job` still runs (`started`, its
+    /// job running), as the store says now; `None` when the store cannot
+    /// say, so a reader that cannot be sure which answer streams is held,
+    /// not joined.
+    pub(crate) async fn attempt_runs(&self, job: JobId, number: i32) -> Option<bool> {
+        let detail = self.store.job_detail(job).await.ok()??;
+        let started = detail
+            .attempts
+            .iter()
+            .any(|a| a.number == number && a.state == AttemptState::Started);
+        Some(started && detail.job.state == JobState::Running)
+    }
+
+    /// The number of the attempt whose answer `job` committed, if the
+    /// store can say.
+    pub(crate) async fn committed_by(&self, job: JobId) -> Option<i32> {
+        let detail = self.store.job_detail(job).await.ok()??;
+        let by = detail.job.completed_by?;
         detail
             .attempts
             .iter()
-            .any(|a| a.number == number && a.state == AttemptState::Started)
+            .find(|a| a.id == by)
+            .map(|a| a.number)
     }
 
     /// The committed answer of a completed `job`, read from the store when

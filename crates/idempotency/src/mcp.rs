@@ -39,7 +39,7 @@ pub(crate) async fn prepare(
     // Its owner, if its evidence holds, for its share of the budget; a tool
     // call without it is refused below, once it is known to be one.
     let sharer = shared.trust.owner(&route.owner, &parts).ok();
-    let (body, charge) = read(shared, &route, &parts, sharer.as_ref(), body).await?;
+    let (body, charge) = read(shared, &route, sharer.as_ref(), body).await?;
     // Every message is parsed whole to see what it is, and a tool call's
     // arguments again in canonical form: counted while that runs.
     let parsing = parse_charge(shared, &CANONICAL, (sharer.as_ref(), &charge), &body)?;

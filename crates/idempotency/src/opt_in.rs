@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::{header, HeaderValue, Request};
+use http::{HeaderValue, Request};
 use tracing::Span;
 
 use crate::error::{ClientError, GatewayError};
@@ -19,7 +19,7 @@ use idemgate_domain::key::{IdempotencyKey, Owner};
 use idemgate_domain::sse::ResumePoint;
 use idemgate_proxy::budget::Charge;
 use idemgate_proxy::http::{
-    collect_charged, detach_head, discard, Body, CollectError, EVENTS_RECEIVED, IDEMPOTENCY_KEY,
+    collect_charged, detach_head, Body, CollectError, EVENTS_RECEIVED, IDEMPOTENCY_KEY,
     LAST_EVENT_ID,
 };
 use idemgate_proxy::upstream::Target;
@@ -156,7 +156,7 @@ pub(crate) async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Prepared,
     let (parts, body) = req.into_parts();
     let owner = shared.trust.owner(&route.owner, &parts)?;
     let resume = resume_point(&parts)?;
-    let (body, charge) = read(shared, &route, &parts, Some(&owner), body).await?;
+    let (body, charge) = read(shared, &route, Some(&owner), body).await?;
     let parsing = parse_charge(shared, &route.body, (Some(&owner), &charge), &body)?;
     let fingerprint = fingerprint(
         &RequestParts {
@@ -257,49 +257,33 @@ pub(crate) fn parse_charge(
 /// while the budget has room for the length it declares, and one without a
 /// length only while its body keeps fitting. A refused body's rest (past
 /// the route's `body_limit`, `413`; past the budget, `503`) is read and
-/// dropped, so its client reads the refusal (`docs/design.md` §18). Its
-/// `owner` (when known and not the anonymous one) holds at most its share.
+/// dropped after the answer, as any body answered unread is
+/// (`idemgate_proxy::http::linger`, `docs/design.md` §18). Its `owner`
+/// (when known and not the anonymous one) holds at most its share.
 pub(crate) async fn read(
     shared: &Shared,
     route: &Route,
-    parts: &http::request::Parts,
     owner: Option<&Owner>,
     mut body: Body,
 ) -> Result<(Bytes, Arc<Charge>), GatewayError> {
     let limit = route.body_limit;
-    let refused = |body: Body, why: GatewayError| {
-        // A client waiting for `100 Continue` has sent no body: none to read.
-        let expects = parts.headers.get(header::EXPECT);
-        if !expects.is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue")) {
-            discard(body);
-        }
-        Err(why)
-    };
-    let too_large = || ClientError::BodyTooLarge { limit }.into();
     let over_budget = || GatewayError::OverBudget {
         retry_after: shared.config.retry_after,
     };
     let hint = http_body::Body::size_hint(&body);
     if hint.lower() > limit as u64 {
-        return refused(body, too_large());
+        return Err(ClientError::BodyTooLarge { limit }.into());
     }
     let declared = hint.exact().map_or(0, |n| n as usize);
     let share = owner
         .filter(|o| **o != Owner::anonymous())
         .map(Owner::as_str);
     let Some(charge) = shared.budget.admit_for(share, declared) else {
-        return refused(body, over_budget());
+        return Err(over_budget());
     };
     match collect_charged(&mut body, limit, &charge).await {
         Ok(bytes) => Ok((bytes, charge)),
-        Err(CollectError::OverBudget) => {
-            drop(charge);
-            refused(body, over_budget())
-        }
-        Err(CollectError::TooLarge { .. }) => {
-            drop(charge);
-            refused(body, too_large())
-        }
+        Err(CollectError::OverBudget) => Err(over_budget()),
         Err(e) => Err(ClientError::from(e).into()),
     }
 }

@@ -117,7 +117,11 @@ async fn past_the_budget_a_keyed_request_is_503_before_any_job_and_a_later_one_s
 
     // Without a declared length a body is taken as it comes, and refused
     // once it outgrows the room left, still before any job.
-    let answer = chunked_upload(&gateway, "third", 400 * KIB).await;
+    let chunked = Sending {
+        chunked: true,
+        ..Sending::default()
+    };
+    let answer = upload_whole(&gateway, "third", 400 * KIB, chunked).await;
     assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
     assert!(answer.contains("/overloaded"), "{answer}");
     assert_eq!(jobs_for(&store, "third").await, 0);
@@ -304,39 +308,67 @@ async fn an_attempt_whose_client_left_holds_its_bytes_until_it_ends() {
     assert_eq!(upstream.hits(), 2);
 }
 
-/// A keyed upload of `len` bytes in chunks, with no declared length,
-/// written whole before anything is read; the answer's head and body.
-async fn chunked_upload(gateway: &Gateway, key: &str, len: usize) -> String {
-    let authority = gateway.url.trim_start_matches("http://");
-    let mut stream = TcpStream::connect(authority).await.unwrap();
-    let head = format!(
-        "POST /v1/uploads?key={key} HTTP/1.1\r\nhost: x\r\nidempotency-key: {key}\r\n\
-         content-type: application/octet-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-    );
-    stream.write_all(head.as_bytes()).await.unwrap();
-    for _ in 0..len / (16 * KIB) {
-        stream.write_all(b"4000\r\n").await.unwrap();
-        stream.write_all(&[b'c'; 16 * KIB]).await.unwrap();
-        stream.write_all(b"\r\n").await.unwrap();
-    }
-    stream.write_all(b"0\r\n\r\n").await.unwrap();
-    read_answer(&mut stream).await
+/// How [`upload_whole`] sends its body.
+#[derive(Clone, Copy, Default)]
+struct Sending {
+    /// In chunks, with no declared length.
+    chunked: bool,
+    /// With `Expect: 100-continue`: the body is sent once `100 Continue`
+    /// came, and none when the answer comes first.
+    expect: bool,
+    /// The body in 1 MiB pieces, this long apart.
+    gap: Duration,
 }
 
-/// A keyed upload of `len` bytes of declared length, written whole before
-/// anything is read (as Python's `requests` sends a body); the answer's
-/// head and body.
-async fn declared_upload(gateway: &Gateway, key: &str, len: usize) -> String {
+/// A keyed upload of `len` bytes, written whole before the answer is read
+/// (as Python's `requests` sends a body); the answer's head and body.
+async fn upload_whole(gateway: &Gateway, key: &str, len: usize, how: Sending) -> String {
     let authority = gateway.url.trim_start_matches("http://");
     let mut stream = TcpStream::connect(authority).await.unwrap();
+    let expect = if how.expect {
+        "expect: 100-continue\r\n"
+    } else {
+        ""
+    };
+    let framing = match how.chunked {
+        true => "transfer-encoding: chunked".to_owned(),
+        false => format!("content-length: {len}"),
+    };
     let head = format!(
         "POST /v1/uploads?key={key} HTTP/1.1\r\nhost: x\r\nidempotency-key: {key}\r\n\
-         content-type: application/octet-stream\r\ncontent-length: {len}\r\n\r\n"
+         content-type: application/octet-stream\r\n{framing}\r\n{expect}\r\n"
     );
     stream.write_all(head.as_bytes()).await.unwrap();
-    let body = vec![b'd'; len];
-    let sent = tokio::time::timeout(Duration::from_secs(10), stream.write_all(&body)).await;
-    sent.expect("the body was not taken within 10 s")
+    if how.expect {
+        let continued = b"HTTP/1.1 100 Continue\r\n\r\n";
+        let mut interim = vec![0u8; continued.len()];
+        stream.read_exact(&mut interim).await.unwrap();
+        if interim != continued {
+            // Answered before the body was asked for: none is sent.
+            let rest = read_answer(&mut stream).await;
+            return format!("{}{rest}", String::from_utf8_lossy(&interim));
+        }
+    }
+    let send = async {
+        for piece in vec![b'd'; len].chunks(1 << 20) {
+            if how.chunked {
+                stream
+                    .write_all(format!("{:x}\r\n", piece.len()).as_bytes())
+                    .await?;
+            }
+            stream.write_all(piece).await?;
+            if how.chunked {
+                stream.write_all(b"\r\n").await?;
+            }
+            tokio::time::sleep(how.gap).await;
+        }
+        if how.chunked {
+            stream.write_all(b"0\r\n\r\n").await?;
+        }
+        Ok::<_, std::io::Error>(())
+    };
+    let sent = tokio::time::timeout(Duration::from_secs(20), send).await;
+    sent.expect("the body was not taken within 20 s")
         .expect("the connection was reset under the body");
     read_answer(&mut stream).await
 }
@@ -371,22 +403,48 @@ async fn read_answer(stream: &mut TcpStream) -> String {
 
 /// A client that sends its whole body before it reads its answer reads the
 /// `413` of a body past the route's limit, declared or grown: the gateway
-/// reads the rest and drops it, as nginx lingers, rather than closing on
-/// unread bytes, which resets the connection under the client's write and
-/// destroys the answer (`docs/design.md` §18). Before, the writes failed
-/// with a reset. 32 MiB is past what the kernel's socket buffers take on
-/// their own. Nothing is created or forwarded.
+/// reads the rest after the answer and drops it, as nginx lingers, rather
+/// than closing on unread bytes, which resets the connection under the
+/// client's write and destroys the answer (`docs/design.md` §18, "A
+/// refusal is read"). Before, the writes failed with a reset. 32 MiB is
+/// past what the kernel's socket buffers take on their own. Also lingered
+/// on: a body sent over 3 s, past `header_read_timeout` (its bytes, read
+/// after the answer, are not the next request's head), and one sent after
+/// `100 Continue`, whose refusal came mid-body; a client that waits for
+/// `100 Continue` and is refused first is not asked for its body. Nothing
+/// is created or forwarded.
 #[tokio::test]
 async fn a_client_that_sends_a_too_large_body_whole_reads_its_413() {
     let store = TestStore::embedded();
     let upstream = FakeUpstream::echo().await;
     let gateway = Gateway::builder(&store, &upstream.url())
+        .set("header_read_timeout", "\"1s\"")
         .tables("[[routes]]\npath_prefix = \"/\"\nbody_limit = \"64KiB\"")
         .start()
         .await;
-    let declared = declared_upload(&gateway, "declared", 32 << 20).await;
-    let grown = chunked_upload(&gateway, "grown", 32 << 20).await;
-    for answer in [declared, grown] {
+    let paced = Sending {
+        gap: Duration::from_millis(100),
+        ..Sending::default()
+    };
+    let chunked = Sending {
+        chunked: true,
+        ..Sending::default()
+    };
+    let expect = |chunked| Sending {
+        chunked,
+        expect: true,
+        ..Sending::default()
+    };
+    let answers = [
+        upload_whole(&gateway, "declared", 32 << 20, Sending::default()).await,
+        upload_whole(&gateway, "grown", 32 << 20, chunked).await,
+        upload_whole(&gateway, "paced", 32 << 20, paced).await,
+        upload_whole(&gateway, "continued", 32 << 20, expect(true)).await,
+        // Refused before the body was asked for: no `100 Continue`, and
+        // the answer comes with no byte of the body sent.
+        upload_whole(&gateway, "unasked", 32 << 20, expect(false)).await,
+    ];
+    for answer in answers {
         assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
         assert!(answer.contains("application/problem+json"), "{answer}");
         assert!(answer.contains("/request-too-large"), "{answer}");

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::Response;
+use quick_cache::sync::Cache;
 
 use super::{Recording, Recordings};
 use crate::hold::Holds;
@@ -30,7 +31,13 @@ pub(crate) struct Live {
     settle: Duration,
     /// What copies of mirrored streams are held against.
     budget: Arc<Budget>,
+    /// Attempts the store said had ended, whose mirrored streams are not
+    /// joined: an attempt never runs again, so it is asked once.
+    ended: Cache<(JobId, i32), ()>,
 }
+
+/// How many ended attempts [`Live`] remembers.
+const ENDED: usize = 1024;
 
 impl Live {
     /// Streams recorded here, and with `fastpath` mirrored ones; a copy of a
@@ -49,6 +56,7 @@ impl Live {
             stall,
             settle,
             budget,
+            ended: Cache::new(ENDED),
         }
     }
 
@@ -70,18 +78,30 @@ impl Live {
     /// The head of the stream another replica mirrors for `job`, when it
     /// is the answer a reader whose latest read of the job saw `latest`
     /// attempts should join: the latest attempt's, or an earlier one's
-    /// that still runs. A hedge (or a failover's attempt) started beside an
-    /// attempt that then took its head as a stream is superseded by it, and
-    /// the streaming attempt is the job's only answer (`docs/design.md`
-    /// §10), though not its latest. An earlier attempt's stream whose
-    /// attempt has ended (an answer that failed in-band, left in Redis for
-    /// the retry that follows; an attempt whose replica died) is not the
-    /// job's answer: the store says which, and is asked only then.
+    /// that still runs. A hedge started beside an attempt that then took
+    /// its head as a stream is superseded by it, and the streaming attempt
+    /// is the job's only answer (`docs/design.md` §10), though not its
+    /// latest. An earlier attempt's stream whose attempt has ended (an
+    /// answer that failed in-band, left in Redis for the retry that
+    /// follows) is not the job's answer: the store says which, asked only
+    /// then, and once for each attempt it says has ended.
     async fn mirrored_head(&self, tag: &Tag, (job, latest): (JobId, i32)) -> Option<MirroredHead> {
         let head = self.fastpath.as_ref()?.stream_head(tag, job).await?;
-        let joinable = head.attempt == latest
-            || (head.attempt < latest && self.holds.attempt_runs(job, head.attempt).await);
-        joinable.then_some(head)
+        if head.attempt == latest {
+            return Some(head);
+        }
+        let earlier = (job, head.attempt);
+        if head.attempt > latest || self.ended.get(&earlier).is_some() {
+            return None;
+        }
+        match self.holds.attempt_runs(job, head.attempt).await {
+            Some(true) => Some(head),
+            Some(false) => {
+                self.ended.insert(earlier, ());
+                None
+            }
+            None => None,
+        }
     }
 
     /// Joins the answer of `job` while it streams (its latest attempt's, or
@@ -107,6 +127,10 @@ impl Live {
     ) -> Option<Arc<Recording>> {
         let fast = self.fastpath.clone()?;
         let head = self.mirrored_head(tag, (job, latest)).await?;
+        // Another duplicate here made a copy while this one asked.
+        if let Some(copy) = self.recordings.live(job) {
+            return Some(copy);
+        }
         let attempt = head.attempt;
         // Counted, never refused: its joiners were taken already.
         let recording = Recording::new(job, head.status, head.headers, self.budget.open());
@@ -122,15 +146,17 @@ impl Live {
                 Ok(Ending::Uncommitted) => copy.end_uncommitted(),
                 Err(e) => {
                     tracing::info!(%job, error = %Chain(e.as_ref()), "the mirrored stream failed; completing it from the store");
-                    live.complete_from_store(&tag, &copy).await;
+                    live.complete_from_store(&tag, &copy, attempt).await;
                 }
             }
         });
         Some(recording)
     }
 
-    /// Completes a copy of a stream from the job's committed answer.
-    async fn complete_from_store(&self, tag: &Tag, copy: &Recording) {
+    /// Completes a copy of the stream of attempt number `attempt` from the
+    /// job's committed answer, when that attempt committed it (a hedge's
+    /// answer is not the rest of another attempt's stream).
+    async fn complete_from_store(&self, tag: &Tag, copy: &Recording, attempt: i32) {
         let settled = self
             .holds
             .wait_settled(copy.job(), self.settle, |job, attempt| {
@@ -140,7 +166,10 @@ impl Live {
         // A copy of this stream is already held here: what is left of the
         // answer is read whatever its size.
         let committed = match settled {
-            Ok(Some(job)) if job.state == JobState::Completed => {
+            Ok(Some(job))
+                if job.state == JobState::Completed
+                    && self.holds.committed_by(job.id).await == Some(attempt) =>
+            {
                 self.holds.committed(job).await.ok().flatten()
             }
             _ => None,

@@ -49,7 +49,8 @@ where
 /// with), or grown as it comes, each growth taken from the budget first
 /// (`OverBudget` when there is no room). Pieces are copied as they arrive
 /// and dropped, so a body is held once, never twice. What is left of a
-/// refused body stays in `body` (for [`discard`]).
+/// refused body stays in `body`, read after the refusal is answered
+/// ([`super::linger`]).
 pub async fn collect_charged(
     body: &mut Body,
     limit: usize,
@@ -82,42 +83,6 @@ pub async fn collect_charged(
         }
     }
     Ok(buf.freeze())
-}
-
-/// The most of a refused request's body [`discard`] reads: a client that
-/// sends its whole body before it reads (Python's `requests`, many a
-/// script) still reads the refusal of a body of up to this size.
-const DISCARD_BYTES: usize = 64 << 20;
-
-/// How long [`discard`] reads at most, whatever the client's pace: nginx's
-/// `lingering_time`.
-const DISCARD_TIME: std::time::Duration = std::time::Duration::from_secs(30);
-
-/// Reads what is left of a refused request's body, at most
-/// [`DISCARD_BYTES`] more for at most [`DISCARD_TIME`], and drops it, in a
-/// task of its own (nginx's lingering close). A client still sending then
-/// reads its answer: a server that closes a connection with unread bytes
-/// makes the kernel reset it, which can destroy the answer before the
-/// client reads it, and a client that writes its whole body before reading
-/// sees only the reset. Nothing is kept; the body-read timeout bounds a
-/// pause.
-pub fn discard(mut body: Body) {
-    if http_body::Body::is_end_stream(&body) {
-        return;
-    }
-    let drain = async move {
-        let mut left = DISCARD_BYTES;
-        while let Some(Ok(frame)) = body.frame().await {
-            let n = frame.data_ref().map_or(0, Bytes::len);
-            let Some(rest) = left.checked_sub(n) else {
-                break;
-            };
-            left = rest;
-        }
-    };
-    tokio::spawn(async move {
-        let _ = tokio::time::timeout(DISCARD_TIME, drain).await;
-    });
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@ mod detach;
 mod holding;
 pub mod hop;
 pub mod idle;
+pub mod linger;
 pub mod request_id;
 pub mod spelling;
 
@@ -19,7 +20,7 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
 
-pub use collect::{collect_charged, collect_limited, discard, CollectError};
+pub use collect::{collect_charged, collect_limited, CollectError};
 pub use detach::detach_head;
 pub use holding::Holding;
 

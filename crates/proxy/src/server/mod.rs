@@ -44,6 +44,7 @@ use self::keepalive::Watched;
 use self::opening::sniff;
 use self::sending::{Handed, Sending};
 
+use crate::http::linger::Linger;
 use crate::http::BoxError;
 use crate::http::ClientAddr;
 pub use settings::{Limits, TrustedProxies};
@@ -257,8 +258,9 @@ impl Protocols {
 
 /// `inner`, each request counted open among `requests` until its answer
 /// is sent; on HTTP/1.1 its `head` noted complete when it is served, and
-/// on HTTP/2 (no `head`) its answer's chunks counted unsent until taken
-/// on ([`Handed`]).
+/// the request counted open until its body is read too ([`Linger`]); on
+/// HTTP/2 (no `head`) its answer's chunks counted unsent until taken on
+/// ([`Handed`]).
 fn counting<S, B>(
     requests: Streams,
     head: Option<Head>,
@@ -277,10 +279,12 @@ where
     S::Future: Send + 'static,
     B: Send + 'static,
 {
-    tower::service_fn(move |req: Request<Incoming>| {
+    tower::service_fn(move |mut req: Request<Incoming>| {
         let open = requests.open();
         if let Some(head) = &head {
             head.complete();
+            // Open, too, while its body may be read after its answer.
+            req.extensions_mut().insert(Linger::new(requests.open()));
         }
         let window = head.is_none().then(|| requests.clone());
         let answer = inner.clone().oneshot(req);
