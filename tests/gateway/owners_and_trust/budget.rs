@@ -316,8 +316,10 @@ struct Sending {
     /// With `Expect: 100-continue`: the body is sent once `100 Continue`
     /// came, and none when the answer comes first.
     expect: bool,
-    /// The body in 1 MiB pieces, this long apart.
+    /// The body in pieces (of 1 MiB, or chunks of 16 KiB), this long apart.
     gap: Duration,
+    /// With no `Idempotency-Key`.
+    keyless: bool,
 }
 
 /// A keyed upload of `len` bytes, written whole before the answer is read
@@ -330,12 +332,16 @@ async fn upload_whole(gateway: &Gateway, key: &str, len: usize, how: Sending) ->
     } else {
         ""
     };
+    let key = match how.keyless {
+        true => String::new(),
+        false => format!("idempotency-key: {key}\r\n"),
+    };
     let framing = match how.chunked {
         true => "transfer-encoding: chunked".to_owned(),
         false => format!("content-length: {len}"),
     };
     let head = format!(
-        "POST /v1/uploads?key={key} HTTP/1.1\r\nhost: x\r\nidempotency-key: {key}\r\n\
+        "POST /v1/uploads HTTP/1.1\r\nhost: x\r\n{key}\
          content-type: application/octet-stream\r\n{framing}\r\n{expect}\r\n"
     );
     stream.write_all(head.as_bytes()).await.unwrap();
@@ -350,7 +356,8 @@ async fn upload_whole(gateway: &Gateway, key: &str, len: usize, how: Sending) ->
         }
     }
     let send = async {
-        for piece in vec![b'd'; len].chunks(1 << 20) {
+        let piece = if how.chunked { 16 * KIB } else { 1 << 20 };
+        for piece in vec![b'd'; len].chunks(piece) {
             if how.chunked {
                 stream
                     .write_all(format!("{:x}\r\n", piece.len()).as_bytes())
@@ -411,15 +418,16 @@ async fn read_answer(stream: &mut TcpStream) -> String {
 /// on: a body sent over 3 s, past `header_read_timeout` (its bytes, read
 /// after the answer, are not the next request's head), and one sent after
 /// `100 Continue`, whose refusal came mid-body; a client that waits for
-/// `100 Continue` and is refused first is not asked for its body. Nothing
-/// is created or forwarded.
+/// `100 Continue` and is refused first is not asked for its body. Any
+/// refusal made before the body is read is lingered on the same way (a
+/// missing key). Nothing is created or forwarded.
 #[tokio::test]
 async fn a_client_that_sends_a_too_large_body_whole_reads_its_413() {
     let store = TestStore::embedded();
     let upstream = FakeUpstream::echo().await;
     let gateway = Gateway::builder(&store, &upstream.url())
         .set("header_read_timeout", "\"1s\"")
-        .tables("[[routes]]\npath_prefix = \"/\"\nbody_limit = \"64KiB\"")
+        .tables("[[routes]]\npath_prefix = \"/\"\nbody_limit = \"64KiB\"\nrequire_key = true")
         .start()
         .await;
     let paced = Sending {
@@ -435,7 +443,11 @@ async fn a_client_that_sends_a_too_large_body_whole_reads_its_413() {
         expect: true,
         ..Sending::default()
     };
-    let answers = [
+    let keyless = Sending {
+        keyless: true,
+        ..Sending::default()
+    };
+    let too_large = [
         upload_whole(&gateway, "declared", 32 << 20, Sending::default()).await,
         upload_whole(&gateway, "grown", 32 << 20, chunked).await,
         upload_whole(&gateway, "paced", 32 << 20, paced).await,
@@ -444,11 +456,19 @@ async fn a_client_that_sends_a_too_large_body_whole_reads_its_413() {
         // the answer comes with no byte of the body sent.
         upload_whole(&gateway, "unasked", 32 << 20, expect(false)).await,
     ];
-    for answer in answers {
+    for answer in too_large {
         assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
         assert!(answer.contains("application/problem+json"), "{answer}");
         assert!(answer.contains("/request-too-large"), "{answer}");
     }
+    // Any refusal made before the body is read: here the key the route
+    // requires, missing from a request of 32 MiB.
+    let missing_key = upload_whole(&gateway, "", 32 << 20, keyless).await;
+    assert!(missing_key.starts_with("HTTP/1.1 400"), "{missing_key}");
+    assert!(
+        missing_key.contains("/idempotency-key-missing"),
+        "{missing_key}"
+    );
     assert_eq!(store.job_count().await, 0, "no job");
     assert_eq!(upstream.hits(), 0, "nothing forwarded");
 }
