@@ -224,17 +224,42 @@ async fn a_duplicate_held_meanwhile_gets_the_looked_up_answer(store: TestStore) 
     assert_eq!(posts(&upstream), 1, "the POST ran once");
 }
 
-async fn a_lookup_answering_404_reopens_the_job_for_attempt_two(store: TestStore) {
-    let silent = Gate::new();
-    let upstream = upstream_with_lookups(&silent, |_| {
-        json_response(404, json!({"error": "no such charge"}))
+/// An upstream whose first POST's connection drops once the POST is in
+/// (the attempt unknown, its call over); it echoes later POSTs and answers
+/// lookups with `lookup`.
+async fn upstream_dropping_the_first<F>(lookup: F) -> FakeUpstream
+where
+    F: Fn(&Recorded) -> Answer + Send + Sync + 'static,
+{
+    let lookup = Arc::new(lookup);
+    let posts = Arc::new(AtomicUsize::new(0));
+    FakeUpstream::start(move |r| {
+        let (lookup, posts) = (lookup.clone(), posts.clone());
+        async move {
+            if is_lookup(&r) {
+                return lookup(&r);
+            }
+            if posts.fetch_add(1, Ordering::SeqCst) == 0 {
+                panic!("the upstream drops the first call's connection");
+            }
+            echo_response(&r)
+        }
     })
-    .await;
+    .await
+}
+
+/// Once the attempt's call is over (its connection broke after the POST
+/// went out), a lookup's `404` proves it had no effect: the job reopens
+/// and the retry runs attempt 2.
+async fn a_lookup_answering_404_reopens_the_job_for_attempt_two(store: TestStore) {
+    let upstream =
+        upstream_dropping_the_first(|_| json_response(404, json!({"error": "no such charge"})))
+            .await;
     let gateway = gateway(&store, &upstream).await;
     let url = gateway.path("/v1/charges");
 
     let first = post(&url, "charge-2", "{}").await;
-    assert_eq!(first.status, 504);
+    assert_eq!(first.status, 502, "{first:?}");
     let job_id = first.job().unwrap();
     eventually(
         Duration::from_secs(10),
@@ -257,7 +282,55 @@ async fn a_lookup_answering_404_reopens_the_job_for_attempt_two(store: TestStore
     assert_eq!(second.json()["attempt"], "2");
     assert_eq!(posts(&upstream), 2);
     assert_eq!(lookups_counted(&gateway, "settled_no_effect").await, 1.0);
+}
+
+/// While the attempt's call is still out (the upstream silent past
+/// `upstream_timeout`, the attempt unknown, the call going on), a
+/// lookup's `404` says only that the upstream has no record *yet*: the
+/// charge may be in progress. The job stays unknown (the lookup recorded
+/// `still_unknown`), no retry runs a second charge, and the call's late
+/// answer commits. Before, the `404` reopened the job and the retry
+/// charged again beside the first charge.
+async fn a_lookup_404_while_the_call_is_out_keeps_the_job_unknown(store: TestStore) {
+    let silent = Gate::new();
+    let upstream = upstream_with_lookups(&silent, |_| {
+        json_response(404, json!({"error": "no such charge"}))
+    })
+    .await;
+    let gateway = gateway(&store, &upstream).await;
+    let url = gateway.path("/v1/charges");
+
+    let first = post(&url, "charge-3", r#"{"n": 1}"#).await;
+    assert_eq!(first.status, 504);
+    let job_id = first.job().unwrap();
+    eventually(Duration::from_secs(10), "a first lookup", || async {
+        lookups_counted(&gateway, "still_unknown").await >= 1.0
+    })
+    .await;
+    let job = gateway.job(&job_id).await;
+    assert_eq!(job["state"], "unknown");
+    assert_eq!(first_attempt(&job)["state"], "unknown");
+    assert_eq!(first_attempt(&job)["lookups"]["last"]["status"], 404);
+    assert_eq!(
+        first_attempt(&job)["lookups"]["last"]["result"],
+        "still_unknown"
+    );
+    let retry = post(&url, "charge-3", r#"{"n": 1}"#).await;
+    assert_eq!(retry.status, 409, "{retry:?}");
+    assert_eq!(retry.problem(), "attempt-outcome-unknown");
+
     silent.open(1);
+    eventually(
+        Duration::from_secs(10),
+        "the late answer to commit",
+        || async { gateway.job(&job_id).await["state"] == "completed" },
+    )
+    .await;
+    let replayed = post(&url, "charge-3", r#"{"n": 1}"#).await;
+    assert_eq!(replayed.status, 200);
+    assert_eq!(replayed.header("idempotent-replayed"), Some("true"));
+    assert_eq!(posts(&upstream), 1, "one charge");
+    assert_eq!(lookups_counted(&gateway, "settled_no_effect").await, 0.0);
 }
 
 async fn a_lookup_answering_500_asks_again_until_it_answers_200(store: TestStore) {
@@ -465,25 +538,42 @@ async fn a_duplicate_of_an_unknown_job_is_told_when_the_next_lookup_is(store: Te
     silent.open(1);
 }
 
+/// How a [`deduplicating_upstream`]'s first POST of a key ends, once it
+/// has acted and stored its answer.
+#[derive(Clone, Copy, PartialEq)]
+enum FirstCall {
+    /// Silent until the gate opens, then answered.
+    Held,
+    /// Its connection drops: the call is over, its outcome unknown.
+    Dropped,
+}
+
 /// An upstream that deduplicates by the forwarded key, as payment APIs
 /// do: the first POST of a key acts (counted in `effects`) and stores its
-/// answer, then is silent until `silent` opens; a POST of a stored key
-/// answers the stored answer without acting, except that the first such
-/// resend is answered `503` (the upstream busy: that proves nothing).
-async fn deduplicating_upstream(silent: &Gate) -> (FakeUpstream, Arc<AtomicUsize>) {
+/// answer, then ends as `first` says; a POST of a stored key answers the
+/// stored answer without acting, except while the first POST of the key
+/// is still in progress, and to the first such POST after it, which are
+/// answered `409` as Stripe answers a key in use (that proves nothing of
+/// the first).
+async fn deduplicating_upstream(
+    silent: &Gate,
+    first: FirstCall,
+) -> (FakeUpstream, Arc<AtomicUsize>) {
     let effects = Arc::new(AtomicUsize::new(0));
     let stored = Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
+    let in_use = Arc::new(AtomicBool::new(false));
     let busy_once = Arc::new(AtomicBool::new(true));
     let (silent, counted) = (silent.clone(), effects.clone());
     let upstream = FakeUpstream::start(move |r| {
         let (silent, effects, stored) = (silent.clone(), counted.clone(), stored.clone());
-        let busy_once = busy_once.clone();
+        let (in_use, busy_once) = (in_use.clone(), busy_once.clone());
         async move {
             let key = r.header("idempotency-key").unwrap_or_default().to_owned();
             let known = stored.lock().unwrap().get(&key).cloned();
             if let Some(answer) = known {
-                if busy_once.swap(false, Ordering::SeqCst) {
-                    return json_response(503, json!({"error": "busy"}));
+                if in_use.load(Ordering::SeqCst) || busy_once.swap(false, Ordering::SeqCst) {
+                    let code = json!({"error": {"code": "idempotency_key_in_use"}});
+                    return json_response(409, code);
                 }
                 return json_response(201, answer);
             }
@@ -491,7 +581,12 @@ async fn deduplicating_upstream(silent: &Gate) -> (FakeUpstream, Arc<AtomicUsize
             let answer =
                 json!({"charge": format!("ch_{n}"), "body": String::from_utf8_lossy(&r.body)});
             stored.lock().unwrap().insert(key, answer.clone());
+            if first == FirstCall::Dropped {
+                panic!("the upstream drops the first call's connection");
+            }
+            in_use.store(true, Ordering::SeqCst);
             silent.pass().await;
+            in_use.store(false, Ordering::SeqCst);
             json_response(201, answer)
         }
     })
@@ -499,24 +594,33 @@ async fn deduplicating_upstream(silent: &Gate) -> (FakeUpstream, Arc<AtomicUsize
     (upstream, effects)
 }
 
-async fn a_resend_to_an_upstream_that_deduplicates_settles_the_attempt(store: TestStore) {
-    let silent = Gate::new();
-    let (upstream, effects) = deduplicating_upstream(&silent).await;
-    let gateway = Gateway::builder(&store, &upstream.url())
+/// A gateway whose route resends unknown attempts, calling an attempt
+/// unknown after 300 ms of silence.
+async fn resending(store: &TestStore, upstream: &FakeUpstream) -> Gateway {
+    Gateway::builder(store, &upstream.url())
         .set("upstream_timeout", "\"300ms\"")
         .set("attempt_deadline", "\"30s\"")
         .tables(
             "[[routes]]\nname = \"charges\"\npath_prefix = \"/v1/charges\"\nreconcile = \"resend\"\n",
         )
         .start()
-        .await;
+        .await
+}
+
+/// Once the attempt's call is over (its connection broke), it is resent:
+/// the first resend is answered `409` ("in use": still unknown, never
+/// committed), the next the stored answer, which settles the attempt.
+async fn a_resend_to_an_upstream_that_deduplicates_settles_the_attempt(store: TestStore) {
+    let silent = Gate::new();
+    let (upstream, effects) = deduplicating_upstream(&silent, FirstCall::Dropped).await;
+    let gateway = resending(&store, &upstream).await;
     let url = gateway.path("/v1/charges");
     let body = r#"{"amount": 7}"#;
     let first = post(&url, "charge-7", body).await;
-    assert_eq!(first.status, 504);
+    assert_eq!(first.status, 502, "{first:?}");
     let job_id = first.job().unwrap();
 
-    // Resent at once (answered 503: still unknown), then after a second
+    // Resent at once (answered 409: still unknown), then after a second
     // (the stored answer): settled with it.
     eventually(
         Duration::from_secs(10),
@@ -548,7 +652,44 @@ async fn a_resend_to_an_upstream_that_deduplicates_settles_the_attempt(store: Te
         counted_by(&gateway, "resend", "settled_succeeded").await,
         1.0
     );
+}
+
+/// A resend while the attempt's call is still out (the upstream silent
+/// past `upstream_timeout`, the call going on) is answered `409`: "a
+/// request with this key is in progress", as Stripe answers. That says
+/// nothing of the first call: still unknown, asked again, and the call's
+/// own late answer commits. Before, the `409` was committed as the job's
+/// answer, replayed to every retry, and the charge's `201` dropped.
+async fn a_resend_answered_in_progress_is_never_the_answer(store: TestStore) {
+    let silent = Gate::new();
+    let (upstream, effects) = deduplicating_upstream(&silent, FirstCall::Held).await;
+    let gateway = resending(&store, &upstream).await;
+    let url = gateway.path("/v1/charges");
+    let body = r#"{"amount": 8}"#;
+    let first = post(&url, "charge-8", body).await;
+    assert_eq!(first.status, 504);
+    let job_id = first.job().unwrap();
+    eventually(
+        Duration::from_secs(10),
+        "a resend answered in progress",
+        || async { counted_by(&gateway, "resend", "still_unknown").await >= 1.0 },
+    )
+    .await;
+    let job = gateway.job(&job_id).await;
+    assert_eq!(job["state"], "unknown", "{job}");
+    assert_eq!(first_attempt(&job)["lookups"]["last"]["status"], 409);
+
     silent.open(1);
+    eventually(
+        Duration::from_secs(10),
+        "the late answer to commit",
+        || async { gateway.job(&job_id).await["state"] == "completed" },
+    )
+    .await;
+    let retry = post(&url, "charge-8", body).await;
+    assert_eq!(retry.status, 201);
+    assert_eq!(retry.json()["charge"], "ch_1");
+    assert_eq!(effects.load(Ordering::SeqCst), 1, "one charge");
 }
 
 /// A resend in flight when the gateway is told to stop is waited for, and
@@ -613,6 +754,8 @@ crate::on_each_deployment!(
     a_duplicate_of_an_unknown_job_is_told_when_the_next_lookup_is,
     a_lookup_answering_200_commits_its_answer_for_every_retry,
     a_lookup_answering_404_reopens_the_job_for_attempt_two,
+    a_lookup_404_while_the_call_is_out_keeps_the_job_unknown,
+    a_resend_answered_in_progress_is_never_the_answer,
     a_lookup_answering_500_asks_again_until_it_answers_200,
     a_bad_lookup_path_is_refused_at_start_up_naming_the_key,
 );

@@ -32,6 +32,7 @@ use std::time::{Duration, SystemTime};
 
 use http::{HeaderName, HeaderValue, Method, Request};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
@@ -137,6 +138,12 @@ pub(super) struct Reconciler {
     /// is written before the process exits (`docs/design.md` §12,
     /// "Termination").
     pub(super) asks: TaskTracker,
+    /// Cancelled once this process's call of the attempt has ended; `None`
+    /// for an attempt adopted from the store (its call ended with the
+    /// process that made it). While the call is out, the upstream may
+    /// still be acting on it: a lookup's `404` says only "not yet"
+    /// (`docs/design.md` §5, "Not while the call is out").
+    pub(super) call: Option<CancellationToken>,
 }
 
 /// What became of the attempt after one ask.
@@ -240,7 +247,7 @@ impl Reconciler {
                 if let Err(why) = &answer {
                     tracing::warn!(attempt = %self.attempt, error = %why, "could not look up the attempt's outcome; asking again");
                 }
-                (verdict(status), status, answer.ok())
+                (self.judged(verdict(status)), status, answer.ok())
             }
             Ask::Resend(sent) => resent(classify(self.resend(sent).await, &self.route)),
         };
@@ -266,6 +273,24 @@ impl Reconciler {
             _ => return Next::Again,
         };
         self.settle(resolution).await
+    }
+
+    /// This process's call of the attempt, while it is still out.
+    fn calling(&self) -> Option<&CancellationToken> {
+        self.call.as_ref().filter(|c| !c.is_cancelled())
+    }
+
+    /// What a lookup's finding proves while the call may still be out: a
+    /// `2xx` is the attempt's outcome whenever it comes, but no record of
+    /// it (`404`, `410`) proves no effect only once the call has ended.
+    fn judged(&self, result: LookupResult) -> LookupResult {
+        match result {
+            LookupResult::SettledNoEffect if self.calling().is_some() => {
+                tracing::info!(attempt = %self.attempt, "the upstream has no record of the attempt yet, but its call is still out: still unknown");
+                LookupResult::StillUnknown
+            }
+            result => result,
+        }
     }
 
     /// The upstream's answer to the lookup, read whole.
@@ -373,6 +398,12 @@ impl Reconciler {
 /// never "no effect" (a `503` to the resend says nothing of the first).
 fn resent(verdict: Verdict) -> (LookupResult, Option<u16>, Option<StoredResponse>) {
     match verdict {
+        // "A request with this key is in progress" (Stripe's
+        // `idempotency_key_in_use`, the IETF draft's `409`, `425 Too
+        // Early`): of the first call, that says nothing.
+        Verdict::Commit(stored) if matches!(stored.status, 409 | 425) => {
+            (LookupResult::StillUnknown, Some(stored.status), None)
+        }
         Verdict::Commit(stored) => (
             LookupResult::SettledSucceeded,
             Some(stored.status),

@@ -170,12 +170,18 @@ impl Runner {
         let cancel = CancellationToken::new();
         let forwarded = self.upstream_request(request, target, &attempt);
         let deadline = Instant::now() + self.config.deadline;
-        let reconciler = request
+        let mut reconciler = request
             .intent
             .route
             .reconcile
             .as_ref()
             .map(|how| self.reconciler(&upstream, request, target, &attempt, how, &forwarded));
+        // Cancelled when the task ends: the call it made is over.
+        let calling = reconciler.as_mut().map(|r| {
+            let call = CancellationToken::new();
+            r.call = Some(call.clone());
+            call.drop_guard()
+        });
         let forwarded = Request::from_parts(forwarded.parts, full(forwarded.body));
         let route = &request.intent.route.name;
         let held = Held {
@@ -205,6 +211,7 @@ impl Runner {
             // The attempt may outlive the client: what it holds stays
             // counted until it ends (docs/design.md §18).
             charge: request.charge.clone(),
+            _calling: calling,
         };
         // A child of the request's span, though it may outlive the request.
         let span = tracing::info_span!(
@@ -313,6 +320,7 @@ impl Runner {
             proven,
             asking: self.asking.clone(),
             asks: self.background.clone(),
+            call: None,
         }
     }
 

@@ -64,6 +64,9 @@ pub(super) struct Task {
     pub(super) reply: Option<oneshot::Sender<Reply>>,
     /// The request's charge on the memory budget, which its answer grows.
     pub(super) charge: Arc<Charge>,
+    /// Tells the attempt's reconciler, when dropped with the task, that
+    /// this process's call has ended ([`Reconciler::call`]).
+    pub(super) _calling: Option<tokio_util::sync::DropGuard>,
     /// Looks the attempt up on its upstream once it is recorded `unknown`
     /// (taken then: one lookup task per attempt), on a route that
     /// reconciles.
