@@ -397,8 +397,67 @@ async fn the_anthropic_sdk_retrying_an_overloaded_stream_gets_the_message() {
     assert_eq!(upstream.hits(), 2, "run again once, then replayed");
 }
 
+/// A stream whose head comes after `first_byte_timeout` (the attempt
+/// already unknown, its client answered `504`) is read whole, and judged
+/// as a stream all the same: an in-band error the route retries is no
+/// answer (the attempt `failed`, the job open: the retry runs again), and
+/// a whole valid stream on a route with a contract is checked by the
+/// contract's `events`, then committed. Before, the overloaded stream was
+/// committed and replayed to every retry, and the valid one broke the
+/// contract's JSON schema ("not JSON"): rejected, the job reopened, and a
+/// retry ran (and billed) the generation again.
+async fn a_late_stream_is_judged_as_a_stream(store: TestStore) {
+    let gate = Gate::new();
+    let overloaded = anthropic("Hel", &[&error_event("overloaded_error")]);
+    let whole = anthropic("Hello", &[MESSAGE_STOP]);
+    let scripts = vec![overloaded.clone(), whole.clone(), whole.clone()];
+    let upstream = ScriptedSse::head_held(scripts, gate.clone()).await;
+    let late = CHAT_ROUTE.replace(
+        "stream_end_events",
+        "first_byte_timeout = \"300ms\"\nstream_end_events",
+    );
+    let gateway = gateway(&store, &upstream, &late).await;
+    let (chat, messages) = (gateway.path("/v1/chat"), gateway.path("/v1/messages"));
+
+    let first = post(&chat, "late", "{}").await;
+    assert_eq!(first.status, 504, "{first:?}");
+    let job = first.job().unwrap();
+    gate.open(overloaded.len());
+    eventually(
+        Duration::from_secs(10),
+        "the late stream judged",
+        || async { gateway.job(&job).await["attempts"][0]["state"] != "unknown" },
+    )
+    .await;
+    let judged = gateway.job(&job).await;
+    assert_eq!(judged["attempts"][0]["state"], "failed", "{judged}");
+    assert_eq!(judged["state"], "open");
+    gate.open(whole.len());
+    let (retry, finish) = read_all(&chat, "late").await;
+    assert_eq!((retry.status, finish), (200, Finish::Complete));
+    assert_eq!(text(&retry), whole.concat());
+
+    let valid = post(&messages, "late-valid", "{}").await;
+    assert_eq!(valid.status, 504, "{valid:?}");
+    let job = valid.job().unwrap();
+    gate.open(whole.len());
+    eventually(
+        Duration::from_secs(10),
+        "the late stream judged",
+        || async { gateway.job(&job).await["attempts"][0]["state"] != "unknown" },
+    )
+    .await;
+    let judged = gateway.job(&job).await;
+    assert_eq!(judged["attempts"][0]["state"], "succeeded", "{judged}");
+    let (replay, _) = read_all(&messages, "late-valid").await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(text(&replay), whole.concat());
+    assert_eq!(upstream.hits(), 3);
+}
+
 crate::on_each_deployment!(
     [embedded, postgres]
+    a_late_stream_is_judged_as_a_stream,
     an_overloaded_stream_is_run_again_then_its_whole_answer_replayed,
     an_invalid_request_error_is_the_answer_and_is_replayed,
     an_openai_error_chunk_is_retried,

@@ -70,6 +70,11 @@ pub(super) fn classify(result: Result<Fetched, UpstreamError>, route: &Route) ->
         let response = Response::from_parts(fetched.parts, full(fetched.body));
         return Verdict::Fail(failure, Uncommitted::Response(response));
     }
+    // An event stream read whole (its head came after the attempt went
+    // unknown, or it answers a resend) is judged as a stream all the same.
+    if route.streams(&fetched.parts.headers) {
+        return whole_stream(replay::capture(&fetched), fetched, route);
+    }
     if let Some(contract) = route
         .contract
         .as_ref()
@@ -89,6 +94,60 @@ pub(super) fn classify(result: Result<Fetched, UpstreamError>, route: &Route) ->
         }
     }
     Verdict::Commit(replay::capture(&fetched))
+}
+
+/// What an event stream the route streams means when it was read whole
+/// rather than streamed (`docs/design.md` §10, "In-band errors and whole
+/// streams"): as a streamed one's end would ([`ended`]), then checked by
+/// the contract's `events`, never as one JSON document.
+fn whole_stream(stored: StoredResponse, fetched: Fetched, route: &Route) -> Verdict {
+    let status = stored.status;
+    match ended(route, &stored) {
+        Ended::Whole => {}
+        Ended::Error {
+            kind,
+            retryable: true,
+        } => {
+            let failure = AttemptFailure::Failed {
+                status: Some(status),
+                detail: format!(
+                    "the stream reported {kind} in band after its {status} head: a type the \
+                     route retries ([routes.stream_errors]); nothing committed"
+                ),
+            };
+            let response = Response::from_parts(fetched.parts, full(fetched.body));
+            return Verdict::Fail(failure, Uncommitted::Response(response));
+        }
+        // The upstream's own verdict, like a `4xx`: never checked against
+        // the contract.
+        Ended::Error { .. } => return Verdict::Commit(stored),
+        Ended::Unended => {
+            let detail = "the stream ended without one of the route's end events \
+                          (stream_end_events): it stopped short";
+            let error = UpstreamError::Broken(detail.into());
+            let failure = AttemptFailure::Unknown {
+                detail: detail.to_owned(),
+            };
+            return Verdict::Unknown(failure, error.into());
+        }
+    }
+    let contract = route
+        .contract
+        .as_ref()
+        .filter(|_| (200..300).contains(&status));
+    if let Some((contract, Some(Err(why)))) = contract.map(|c| (c, c.check_stream(&stored.body))) {
+        let failure = AttemptFailure::Rejected {
+            status,
+            detail: format!(
+                "broke contract {}: {why}; answer: {}",
+                contract.name,
+                excerpt(&stored.body)
+            ),
+        };
+        let error = UpstreamError::ContractViolation(why);
+        return Verdict::Fail(failure, Uncommitted::Error(error.into()));
+    }
+    Verdict::Commit(stored)
 }
 
 /// The code of a JSON-RPC error answer that had no effect on an MCP route
