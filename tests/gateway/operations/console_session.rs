@@ -4,6 +4,8 @@
 //! and that cookie never forwarded upstream by the proxy (`docs/design.md`,
 //! §14).
 
+use std::time::Duration;
+
 use http::Method;
 
 use crate::support::browser::Browser;
@@ -239,15 +241,33 @@ async fn the_console_works_in_a_browser_under_either_cookie_name() {
 
 /// A sign-in form with `token`, sent from the local address `from`.
 async fn sign_in_from(gateway: &Gateway, from: &str, token: &str) -> Reply {
+    let request = http::Request::post(format!("{}/console/login", gateway.admin_url))
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(http_body_util::Full::new(format!("token={token}").into()))
+        .unwrap();
+    admin_from(from, request).await
+}
+
+/// `GET /admin/v1/jobs?state=unknown` from address `from`, with `token` as
+/// its bearer token.
+async fn api_from(gateway: &Gateway, from: &str, token: &str) -> Reply {
+    let request = http::Request::get(format!("{}/admin/v1/jobs?state=unknown", gateway.admin_url))
+        .header("authorization", format!("Bearer {token}"))
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
+        .unwrap();
+    admin_from(from, request).await
+}
+
+/// `request` sent to the admin listener from address `from`.
+async fn admin_from(
+    from: &str,
+    request: http::Request<http_body_util::Full<bytes::Bytes>>,
+) -> Reply {
     use http_body_util::{BodyExt, Full};
     let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
     connector.set_local_address(Some(from.parse().unwrap()));
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .build::<_, Full<bytes::Bytes>>(connector);
-    let request = http::Request::post(format!("{}/console/login", gateway.admin_url))
-        .header("content-type", "application/x-www-form-urlencoded")
-        .body(Full::new(format!("token={token}").into()))
-        .unwrap();
     let response = client.request(request).await.unwrap();
     let (parts, body) = response.into_parts();
     Reply {
@@ -284,4 +304,95 @@ async fn failed_sign_ins_are_throttled_per_client_address() {
     let elsewhere = sign_in_from(&gateway, "127.0.0.2", ADMIN_TOKEN).await;
     assert_eq!(elsewhere.status, 303, "another address is not throttled");
     assert!(elsewhere.header("set-cookie").is_some());
+}
+
+/// A bearer token on `/admin/v1/*` is a try at the admin token like a
+/// sign-in: five wrong ones from an address within a minute, and its next
+/// try (the right token included, on the API or the form) is answered 429;
+/// a request with no token (a console page on its session) is not a try;
+/// another address is its own. Before, the API answered every guess `401`
+/// at the listener's speed, and the right one `200`.
+#[tokio::test]
+async fn failed_bearer_tokens_are_throttled_like_sign_ins() {
+    let store = TestStore::embedded();
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    for i in 0..5 {
+        let wrong = api_from(&gateway, "127.0.0.1", &format!("guess-{i}")).await;
+        assert_eq!(wrong.status, 401, "guess {i}");
+    }
+    let throttled = api_from(&gateway, "127.0.0.1", ADMIN_TOKEN).await;
+    assert_eq!(throttled.status, 429);
+    assert_eq!(throttled.problem(), "sign-in-throttled");
+    let wait: u64 = throttled.header("retry-after").unwrap().parse().unwrap();
+    assert!((1..=60).contains(&wait), "{wait}");
+    let form = sign_in_from(&gateway, "127.0.0.1", ADMIN_TOKEN).await;
+    assert_eq!(form.status, 429, "one window for the form and the API");
+    let untokened = http::Request::get(format!("{}/admin/v1/jobs", gateway.admin_url))
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
+        .unwrap();
+    assert_eq!(admin_from("127.0.0.1", untokened).await.status, 401);
+    assert_eq!(
+        api_from(&gateway, "127.0.0.2", ADMIN_TOKEN).await.status,
+        200
+    );
+}
+
+/// Sign-ins sent at once, their bodies held back, count against the
+/// window while their tokens wait to be compared: of twenty, five are
+/// taken (answered once their bodies come: `401`) and fifteen are answered
+/// `429` at once. Before, all twenty passed the check and were compared:
+/// twenty guesses in a window of five.
+#[tokio::test]
+async fn concurrent_sign_ins_count_against_the_window() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let store = TestStore::embedded();
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    let authority = gateway.admin_url.trim_start_matches("http://");
+    let body = "token=guess";
+    let mut connections = Vec::new();
+    for _ in 0..20 {
+        let mut stream = tokio::net::TcpStream::connect(authority).await.unwrap();
+        let head = format!(
+            "POST /console/login HTTP/1.1\r\nhost: x\r\n\
+             content-type: application/x-www-form-urlencoded\r\ncontent-length: {}\r\n\r\n",
+            body.len()
+        );
+        stream.write_all(head.as_bytes()).await.unwrap();
+        connections.push(stream);
+    }
+    // What each answers before its body is sent, within 3 s.
+    let early = |mut stream: tokio::net::TcpStream| async move {
+        let mut buf = [0u8; 12];
+        let read = tokio::time::timeout(Duration::from_secs(3), stream.read_exact(&mut buf)).await;
+        (
+            stream,
+            read.is_ok()
+                .then(|| String::from_utf8_lossy(&buf).into_owned()),
+        )
+    };
+    let answered = futures_util::future::join_all(connections.into_iter().map(early)).await;
+    let throttled = answered
+        .iter()
+        .filter(|(_, a)| a.as_deref() == Some("HTTP/1.1 429"))
+        .count();
+    assert_eq!(
+        throttled,
+        15,
+        "{:?}",
+        answered.iter().map(|(_, a)| a).collect::<Vec<_>>()
+    );
+    let mut compared = 0;
+    for (mut stream, early) in answered {
+        if early.is_some() {
+            continue;
+        }
+        stream.write_all(body.as_bytes()).await.unwrap();
+        let mut buf = [0u8; 12];
+        stream.read_exact(&mut buf).await.unwrap();
+        assert_eq!(&buf, b"HTTP/1.1 401");
+        compared += 1;
+    }
+    assert_eq!(compared, 5);
 }

@@ -18,6 +18,20 @@ pub const OPERATOR_HEADER: &str = "x-idemgate-operator";
 /// The longest operator name kept.
 const MAX_NAME: usize = 64;
 
+/// Whether `headers` carry the admin `token` as a bearer token (compared
+/// in constant time).
+pub(super) fn bearer_matches(token: Option<&str>, headers: &HeaderMap) -> bool {
+    let Some(token) = token else {
+        return false;
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    bool::from(given.as_bytes().ct_eq(token.as_bytes()))
+}
+
 /// Lets a request through when it carries the admin `token` (compared in
 /// constant time) or a live session of `console` on a request from the
 /// console; with no token configured, the API is off. Answers who called:
@@ -28,16 +42,10 @@ pub(super) fn authorize(
     console: &Console,
     headers: &HeaderMap,
 ) -> Result<String, AdminError> {
-    let Some(token) = token else {
+    if token.is_none() {
         return Err(AdminError::Disabled);
-    };
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
-    let bearer = bool::from(given.as_bytes().ct_eq(token.as_bytes()));
-    let (how, named) = if bearer {
+    }
+    let (how, named) = if bearer_matches(token, headers) {
         ("admin token", name(headers)?)
     } else if console::from_console(headers) && console.signed_in(headers) {
         // The name given at sign-in: the console's page sends no other.

@@ -115,11 +115,38 @@ impl Admin {
             (&Method::GET, ["metrics"]) => Ok(self.metrics()),
             (_, ["console", rest @ ..]) => self.console(req, rest).await,
             (_, ["admin", "v1", rest @ ..]) => {
-                let caller = auth::authorize(self.token.as_deref(), &self.console, req.headers())?;
+                let caller = self.authorize(&req)?;
                 self.api(req, rest, caller).await
             }
             _ => Err(AdminError::NoSuchEndpoint),
         }
+    }
+
+    /// Who calls `/admin/v1/*` (see `auth.rs`). A bearer token is a try at
+    /// the admin token, throttled per client address as a sign-in is
+    /// (before it is compared: the right token too), so the API is no
+    /// faster a way to guess it than the console's form (`docs/design.md`
+    /// §14). A request with no `Authorization` (the console's page, on its
+    /// session) guesses nothing and is not counted.
+    fn authorize<B>(&self, req: &Request<B>) -> Result<String, AdminError> {
+        let headers = req.headers();
+        let tries = match headers.contains_key(http::header::AUTHORIZATION) {
+            true => Some(
+                self.console
+                    .try_token(client_ip(req))
+                    .map_err(AdminError::SignInThrottled)?,
+            ),
+            false => None,
+        };
+        let caller = auth::authorize(self.token.as_deref(), &self.console, headers);
+        match (&caller, tries) {
+            (Err(AdminError::Unauthorized), Some(try_)) => try_.failed(),
+            (Ok(_), Some(try_)) if auth::bearer_matches(self.token.as_deref(), headers) => {
+                try_.succeeded()
+            }
+            _ => {}
+        }
+        caller
     }
 
     /// `/admin/v1/*`, authorized: `caller` is who called (see `auth.rs`).
@@ -164,15 +191,16 @@ impl Admin {
             (&Method::GET, []) => console::asset("", signed_in),
             (&Method::GET, [file]) => console::asset(file, signed_in),
             (&Method::POST, ["login"]) => {
-                // Throttled before the token is compared (docs/design.md §14).
-                let addr = client_ip(&req);
-                if let Some(wait) = self.console.sign_in_wait(addr) {
-                    return Err(AdminError::SignInThrottled(wait));
-                }
+                // Throttled before the token is compared, the try counted
+                // pending while its body is read (docs/design.md §14).
+                let try_ = self
+                    .console
+                    .try_token(client_ip(&req))
+                    .map_err(AdminError::SignInThrottled)?;
                 let form = collect_limited(req.into_body(), 4096)
                     .await
                     .map_err(|e| AdminError::bad_request(e.to_string()))?;
-                self.console.sign_in(addr, &form, token)
+                self.console.sign_in(try_, &form, token)
             }
             (&Method::POST, ["logout"]) => self.console.sign_out(req.headers()),
             _ => console::not_found(),

@@ -27,6 +27,7 @@ use idemgate_proxy::http::{full, Body};
 pub use session::Limits;
 use session::Sessions;
 use throttle::Throttle;
+pub use throttle::Try;
 pub use throttle::{MAX_FAILURES, WINDOW};
 
 const LOGIN: &str = include_str!("login.html");
@@ -99,22 +100,23 @@ impl Console {
             .find_map(|id| self.sessions.name(id))
     }
 
-    /// How long the client at `addr` must wait before its next sign-in,
-    /// if it failed too often lately (`throttle.rs`).
-    pub fn sign_in_wait(&self, addr: IpAddr) -> Option<Duration> {
-        self.throttle.wait(addr, Instant::now())
+    /// A try at the admin token for the client at `addr`, a sign-in's or
+    /// a bearer token's, or how long it must wait first, if it failed too
+    /// often lately (`throttle.rs`; `docs/design.md` §14).
+    pub fn try_token(&self, addr: IpAddr) -> Result<Try<'_>, Duration> {
+        self.throttle.take(addr, Instant::now())
     }
 
-    /// Answers the sign-in form (`token=…`, form-encoded) of the client at
-    /// `addr` for admin `token`: a new session, or the form again (a
-    /// failure counted against `addr`).
-    pub fn sign_in(&self, addr: IpAddr, form: &[u8], token: &str) -> Response<Body> {
+    /// Answers the sign-in form (`token=…`, form-encoded) of a client's
+    /// `try` for admin `token`: a new session, or the form again (a
+    /// failure counted against the client's address).
+    pub fn sign_in(&self, try_: Try<'_>, form: &[u8], token: &str) -> Response<Body> {
         let given = form_urlencoded::parse(form)
             .find(|(name, _)| name == "token")
             .map(|(_, value)| value.into_owned())
             .unwrap_or_default();
         if !bool::from(given.as_bytes().ct_eq(token.as_bytes())) {
-            self.throttle.failed(addr, Instant::now());
+            try_.failed();
             return login(
                 StatusCode::UNAUTHORIZED,
                 Some(
@@ -122,7 +124,7 @@ impl Console {
                 ),
             );
         }
-        self.throttle.succeeded(addr);
+        try_.succeeded();
         let id = self.sessions.open_named(operator_name(form));
         let max_age = self.sessions.limits().absolute.as_secs();
         redirect(self.set_cookie(&id, max_age))

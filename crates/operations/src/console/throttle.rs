@@ -17,55 +17,113 @@ pub const WINDOW: Duration = Duration::from_secs(60);
 /// then the oldest, so a flood of addresses cannot grow the map unbounded.
 const MAX_ADDRESSES: usize = 10_000;
 
+/// An address's failures in its window, and its tries not yet decided.
+#[derive(Debug, Clone, Copy)]
+struct Window {
+    began: Instant,
+    failures: u32,
+    /// Tries taken ([`Throttle::take`]) whose token is still to be
+    /// compared: counted against the window, so that many sign-ins sent at
+    /// once, their bodies held back, are not each let through.
+    pending: u32,
+}
+
 /// The failures of each address, with when its window began.
 #[derive(Debug, Default)]
 pub(super) struct Throttle {
-    failures: Mutex<HashMap<IpAddr, (Instant, u32)>>,
+    windows: Mutex<HashMap<IpAddr, Window>>,
+}
+
+/// A try at the token taken by an address ([`Throttle::take`]): a failure
+/// when [`Try::failed`], forgotten (neither counted nor pending) when
+/// dropped undecided, the address's failures cleared when it
+/// [`Try::succeeded`].
+pub struct Try<'a> {
+    throttle: &'a Throttle,
+    addr: IpAddr,
 }
 
 impl Throttle {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<IpAddr, Window>> {
+        self.windows.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// How long `addr` must wait before it may try again, if it must.
+    #[cfg(test)]
     pub(super) fn wait(&self, addr: IpAddr, now: Instant) -> Option<Duration> {
-        let failures = self
-            .failures
-            .lock()
-            .expect("the throttle's lock is never poisoned");
-        let (began, count) = failures.get(&addr)?;
-        let ends = *began + WINDOW;
-        (*count >= MAX_FAILURES && ends > now).then(|| ends - now)
+        let windows = self.lock();
+        let window = windows.get(&addr)?;
+        let ends = window.began + WINDOW;
+        (window.failures >= MAX_FAILURES && ends > now).then(|| ends - now)
     }
 
-    /// Counts a failed sign-in of `addr`.
-    pub(super) fn failed(&self, addr: IpAddr, now: Instant) {
-        let mut failures = self
-            .failures
-            .lock()
-            .expect("the throttle's lock is never poisoned");
-        if failures.len() >= MAX_ADDRESSES && !failures.contains_key(&addr) {
-            failures.retain(|_, (began, _)| *began + WINDOW > now);
-            if failures.len() >= MAX_ADDRESSES {
-                let oldest = failures
-                    .iter()
-                    .min_by_key(|(_, (began, _))| *began)
-                    .map(|(a, _)| *a);
-                if let Some(oldest) = oldest {
-                    failures.remove(&oldest);
-                }
-            }
+    /// A try at the token for `addr`, or how long it must wait first: it
+    /// may have [`MAX_FAILURES`] failures and tries pending in a window.
+    pub(super) fn take(&self, addr: IpAddr, now: Instant) -> Result<Try<'_>, Duration> {
+        let mut windows = self.lock();
+        make_room(&mut windows, addr, now);
+        let window = windows.entry(addr).or_insert(Window {
+            began: now,
+            failures: 0,
+            pending: 0,
+        });
+        if window.began + WINDOW <= now {
+            window.began = now;
+            window.failures = 0;
         }
-        let entry = failures.entry(addr).or_insert((now, 0));
-        if entry.0 + WINDOW <= now {
-            *entry = (now, 0);
+        if window.failures + window.pending >= MAX_FAILURES {
+            // The window's end, or (with tries pending, which may yet
+            // succeed) a second.
+            let ends = window.began + WINDOW - now;
+            return Err(match window.failures >= MAX_FAILURES {
+                true => ends,
+                false => ends.min(Duration::from_secs(1)),
+            });
         }
-        entry.1 += 1;
+        window.pending += 1;
+        Ok(Try {
+            throttle: self,
+            addr,
+        })
+    }
+}
+
+impl Try<'_> {
+    /// The token given was wrong: one failure more for the address.
+    pub fn failed(self) {
+        let mut windows = self.throttle.lock();
+        if let Some(window) = windows.get_mut(&self.addr) {
+            window.failures += 1;
+        }
     }
 
-    /// Forgets `addr`'s failures: it signed in.
-    pub(super) fn succeeded(&self, addr: IpAddr) {
-        self.failures
-            .lock()
-            .expect("the throttle's lock is never poisoned")
-            .remove(&addr);
+    /// The token given was right: the address's failures are forgotten.
+    pub fn succeeded(self) {
+        self.throttle.lock().remove(&self.addr);
+    }
+}
+
+impl Drop for Try<'_> {
+    fn drop(&mut self) {
+        let mut windows = self.throttle.lock();
+        if let Some(window) = windows.get_mut(&self.addr) {
+            window.pending = window.pending.saturating_sub(1);
+        }
+    }
+}
+
+/// Keeps the map within [`MAX_ADDRESSES`] before `addr` is added to it:
+/// expired windows go first, then the oldest.
+fn make_room(windows: &mut HashMap<IpAddr, Window>, addr: IpAddr, now: Instant) {
+    if windows.len() < MAX_ADDRESSES || windows.contains_key(&addr) {
+        return;
+    }
+    windows.retain(|_, w| w.began + WINDOW > now || w.pending > 0);
+    if windows.len() >= MAX_ADDRESSES {
+        let oldest = windows.iter().min_by_key(|(_, w)| w.began).map(|(a, _)| *a);
+        if let Some(oldest) = oldest {
+            windows.remove(&oldest);
+        }
     }
 }
 
@@ -80,18 +138,46 @@ mod tests {
         let start = Instant::now();
         for i in 0..MAX_FAILURES {
             assert_eq!(throttle.wait(a, start), None, "failure {i}");
-            throttle.failed(a, start);
+            throttle.take(a, start).unwrap().failed();
         }
         let later = start + Duration::from_secs(10);
         assert_eq!(
             throttle.wait(a, later),
             Some(WINDOW - Duration::from_secs(10))
         );
+        assert_eq!(
+            throttle.take(a, later).err(),
+            Some(WINDOW - Duration::from_secs(10))
+        );
         assert_eq!(throttle.wait(b, later), None, "another address is its own");
         assert_eq!(throttle.wait(a, start + WINDOW), None, "the window ended");
-        throttle.failed(a, start + WINDOW);
+        throttle.take(a, start + WINDOW).unwrap().failed();
         assert_eq!(throttle.wait(a, start + WINDOW), None, "a new window");
-        throttle.succeeded(a);
-        assert!(throttle.failures.lock().unwrap().is_empty());
+        throttle.take(a, start + WINDOW).unwrap().succeeded();
+        assert!(throttle.windows.lock().unwrap().is_empty());
+    }
+
+    /// Tries taken at once, none decided yet, count against the window:
+    /// the sixth waits; one dropped undecided (its body never came) is
+    /// neither a failure nor pending any more.
+    #[test]
+    fn tries_pending_count_against_the_window() {
+        let throttle = Throttle::default();
+        let a: IpAddr = "192.0.2.1".parse().unwrap();
+        let now = Instant::now();
+        let pending: Vec<_> = (0..MAX_FAILURES)
+            .map(|_| throttle.take(a, now).unwrap())
+            .collect();
+        assert!(throttle.take(a, now).is_err(), "a sixth try at once");
+        let mut pending = pending.into_iter();
+        drop(pending.next());
+        let again = throttle
+            .take(a, now)
+            .expect("room again once one was dropped");
+        for try_ in pending {
+            try_.failed();
+        }
+        again.failed();
+        assert_eq!(throttle.wait(a, now), Some(WINDOW));
     }
 }
