@@ -282,12 +282,12 @@ mod tests {
     #[test]
     fn only_the_token_signs_in_and_each_sign_in_is_a_new_session() {
         let console = console(false);
-        let wrong = console.sign_in(LOCAL, b"token=nope", "s3cret");
+        let wrong = console.sign_in(console.try_token(LOCAL).unwrap(), b"token=nope", "s3cret");
         assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED);
         assert!(wrong.headers().get(header::SET_COOKIE).is_none());
-        let first = console.sign_in(LOCAL, b"token=s3cret", "s3cret");
+        let first = console.sign_in(console.try_token(LOCAL).unwrap(), b"token=s3cret", "s3cret");
         assert_eq!(first.status(), StatusCode::SEE_OTHER);
-        let second = console.sign_in(LOCAL, b"token=s3cret", "s3cret");
+        let second = console.sign_in(console.try_token(LOCAL).unwrap(), b"token=s3cret", "s3cret");
         let (a, b) = (cookie_after(&first), cookie_after(&second));
         assert_ne!(a, b, "a random id, not a digest of the token");
         assert!(!set_cookie_of(&first).contains("s3cret"));
@@ -302,7 +302,8 @@ mod tests {
     #[test]
     fn signing_out_ends_the_session_for_good() {
         let console = console(false);
-        let cookie = cookie_after(&console.sign_in(LOCAL, b"token=t", "t"));
+        let cookie =
+            cookie_after(&console.sign_in(console.try_token(LOCAL).unwrap(), b"token=t", "t"));
         let out = console.sign_out(&cookie);
         assert_eq!(out.status(), StatusCode::SEE_OTHER);
         assert_eq!(
@@ -314,7 +315,8 @@ mod tests {
 
     #[test]
     fn the_cookie_is_secure_and_host_prefixed_when_configured() {
-        let plain = console(false).sign_in(LOCAL, b"token=t", "t");
+        let plain = console(false);
+        let plain = plain.sign_in(plain.try_token(LOCAL).unwrap(), b"token=t", "t");
         let plain = set_cookie_of(&plain);
         assert!(plain.starts_with("idemgate_console="), "{plain}");
         assert!(
@@ -323,7 +325,7 @@ mod tests {
         );
 
         let console = console(true);
-        let signed_in = console.sign_in(LOCAL, b"token=t", "t");
+        let signed_in = console.sign_in(console.try_token(LOCAL).unwrap(), b"token=t", "t");
         let secure = set_cookie_of(&signed_in);
         assert!(secure.starts_with("__Host-idemgate_console="), "{secure}");
         assert!(
