@@ -389,6 +389,19 @@ fn bulk_report(done: &Value) -> String {
              again (docs/operations.md)\n",
         );
     }
+    // The window as the gateway read it: `until` was "now" unless given,
+    // so a run without it after a dry run would take in attempts that went
+    // unknown since (docs/operations.md).
+    let (since, until) = (
+        done["since"].as_str().unwrap_or_default(),
+        done["until"].as_str().unwrap_or_default(),
+    );
+    out.push_str(&format!("window: since {since} until {until}\n"));
+    if dry {
+        out.push_str(&format!(
+            "to resolve exactly these, run it again without --dry-run and with --until {until}\n"
+        ));
+    }
     let count = |key: &str| done[key].as_array().map_or(0, Vec::len);
     out.push_str(&format!(
         "{} matched, {} resolved, {} skipped{}\n",

@@ -151,7 +151,7 @@ async fn without_the_right_token_nothing_is_done_and_the_terminal_says_why() {
 async fn after_an_outage_every_unknown_attempt_of_one_upstream_is_resolved_at_once() {
     let store = TestStore::embedded();
     let gate = Gate::new();
-    let upstream = FakeUpstream::gated_echo(&gate, |r| r.hit <= 3).await;
+    let upstream = FakeUpstream::gated_echo(&gate, |r| r.hit <= 4).await;
     let gateway = Gateway::builder(&store, &upstream.url())
         .set("upstream_timeout", "\"300ms\"")
         .set("attempt_deadline", "\"60s\"")
@@ -201,18 +201,34 @@ async fn after_an_outage_every_unknown_attempt_of_one_upstream_is_resolved_at_on
     let earlier = run(many(&["--until", &before, "--no-effect"])).await;
     assert!(earlier.contains("0 matched"), "an empty window: {earlier}");
 
-    let done = run(many(&["--no-effect"])).await;
+    // The dry run says the window it read, and how to resolve exactly what
+    // it showed: an attempt that goes unknown after it is not swept in.
+    let until = dry
+        .lines()
+        .find_map(|l| l.split_once("with --until "))
+        .map(|(_, until)| until.trim().to_owned())
+        .unwrap_or_else(|| panic!("no --until to repeat: {dry}"));
+    let later = post(&url, "outage-4", "{}").await;
+    assert_eq!(later.status, 504);
+    let done = run(many(&["--until", &until, "--no-effect"])).await;
     assert!(done.contains("3 matched, 3 resolved, 0 skipped"), "{done}");
+    assert!(done.contains(&format!("until {until}")), "{done}");
     for id in &ids {
         assert_eq!(gateway.job(id).await["state"], "open");
     }
+    let unseen = later.job().unwrap();
+    assert_eq!(
+        gateway.job(&unseen).await["state"],
+        "unknown",
+        "the attempt that went unknown after the dry run is left"
+    );
     assert_eq!(
         post(&url, "outage-2", "{}").await.status,
         200,
         "the retry runs again"
     );
-    assert_eq!(upstream.hits(), 4);
-    gate.open(3);
+    assert_eq!(upstream.hits(), 5);
+    gate.open(4);
 }
 
 /// A TLS front of `admin` (a balancer terminating TLS before the admin
