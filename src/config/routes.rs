@@ -170,6 +170,17 @@ fn parse(i: usize, r: RouteFile, cx: &Context<'_>) -> Result<Route, ConfigError>
     let require_client = require_client(&key("require_client"), r.require_client, cx)?;
     let unsettled = unsettled(&key, &r, failover.side_effect_free)?;
     let protocol = protocol(&key, &r)?;
+    // A lookup answers in the upstream's own shape, not as a JSON-RPC
+    // response to the tool call: committed, its `id` readdressed, it would
+    // reach the agent as neither (docs/design.md §19).
+    if let (Protocol::Mcp(_), Some(Reconcile::Lookup { .. })) = (&protocol, &unsettled.reconcile) {
+        return Err(bad(
+            key("reconcile"),
+            "an MCP route cannot look a tool call up: a lookup's answer is not the tool's \
+             JSON-RPC response; remove [routes.reconcile], or write reconcile = \"resend\" if the \
+             MCP server deduplicates tool calls by the forwarded key",
+        ));
+    }
     Ok(Route {
         name: r.name.unwrap_or_else(|| format!("route-{i}")),
         path_prefix: matching.path_prefix,

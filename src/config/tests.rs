@@ -692,6 +692,12 @@ fn an_mcp_route_reads_its_protocol_and_the_worked_example_loads() {
         err.key, "routes[0].keyed_tools",
         "only an MCP route keys tools"
     );
+    // A lookup's answer is not a tool's JSON-RPC response; a resend is.
+    let lookup = "protocol = \"mcp\"\n[routes.reconcile]\npath = \"/calls/{job}\"";
+    let err = load(lookup).unwrap_err();
+    assert_eq!(err.key, "routes[0].reconcile");
+    assert!(err.to_string().contains("resend"), "{err}");
+    assert!(load("protocol = \"mcp\"\nreconcile = \"resend\"").is_ok());
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/mcp");
     let text = std::fs::read_to_string(dir.join("idemgate.toml")).unwrap();
     let example =
