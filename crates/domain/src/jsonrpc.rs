@@ -26,6 +26,11 @@ pub struct ToolCall {
     pub arguments: Vec<u8>,
     /// `params._meta.idempotencyKey`, which must be a string.
     pub key: Option<Result<String, KeyError>>,
+    /// The JSON pointer of a member the message names twice at its top,
+    /// in `params` or in `params._meta`, if one does: read two ways (the
+    /// first here, the last by most servers), its `id` or `arguments`
+    /// would be one thing to the gateway and another to the server.
+    pub named_twice: Option<String>,
 }
 
 /// What a POST to an MCP endpoint is.
@@ -75,18 +80,37 @@ pub fn request(body: &[u8]) -> Request {
         .to_owned();
     let top = members(body).unwrap_or_default();
     let id = span(body, &top, "id").unwrap_or(b"null").to_vec();
-    let arguments = span(body, &top, "params")
-        .and_then(|params| {
-            let inner = members(params)?;
-            span(params, &inner, "arguments").map(<[u8]>::to_vec)
-        })
+    let params = span(body, &top, "params").and_then(|p| Some((p, members(p)?)));
+    let arguments = params
+        .as_ref()
+        .and_then(|(params, inner)| span(params, inner, "arguments").map(<[u8]>::to_vec))
         .unwrap_or_else(|| b"{}".to_vec());
+    let meta = params
+        .as_ref()
+        .and_then(|(params, inner)| members(span(params, inner, "_meta")?));
+    let named_twice = twice(&top, "")
+        .or_else(|| twice(&params.as_ref()?.1, "/params"))
+        .or_else(|| twice(meta.as_ref()?, "/params/_meta"));
     Request::ToolCall(ToolCall {
         id,
         name,
         arguments,
         key,
+        named_twice,
     })
+}
+
+/// The pointer (under `at`) of the first member `members` names twice.
+fn twice(members: &[(String, Range<usize>)], at: &str) -> Option<String> {
+    let mut seen = std::collections::HashSet::new();
+    let name = members
+        .iter()
+        .map(|(name, _)| name)
+        .find(|name| !seen.insert(*name))?;
+    Some(format!(
+        "{at}/{}",
+        name.replace('~', "~0").replace('/', "~1")
+    ))
 }
 
 /// Where a tool call carries its key.

@@ -17,10 +17,12 @@ use tracing::Span;
 
 use crate::error::ClientError;
 use crate::keyed::{Intent, Keyed};
-use crate::opt_in::{parse_charge, read, resume_point, OptedIn, Prepared, Refused};
+use crate::opt_in::{parse_charge, read, resume_point, HeaderKey, OptedIn, Prepared, Refused};
 use crate::route::Mcp;
 use crate::shared::Shared;
-use idemgate_domain::fingerprint::{fingerprint, BodyRule, Fingerprint, RequestParts};
+use idemgate_domain::fingerprint::{
+    fingerprint, AmbiguousJson, BodyRule, Fingerprint, RequestParts,
+};
 use idemgate_domain::jsonrpc::{self, ToolCall};
 use idemgate_domain::key::IdempotencyKey;
 use idemgate_domain::sse::Blocks;
@@ -51,7 +53,11 @@ pub(crate) async fn prepare(
     };
     let call = match jsonrpc::request(&body) {
         jsonrpc::Request::ToolCall(call) if mcp.keys(&call.name) => call,
-        jsonrpc::Request::BatchWithToolCall { keyed } if keyed || key.is_some() => {
+        // A batch's calls go unkeyed: refused where a call in it is keyed,
+        // or the route requires every call to be.
+        jsonrpc::Request::BatchWithToolCall { keyed }
+            if keyed || !matches!(key, HeaderKey::Absent) || route.require_key =>
+        {
             return Err(ClientError::KeyedBatch.into())
         }
         _ => return passing(parts, body),
@@ -60,13 +66,20 @@ pub(crate) async fn prepare(
         error: error.into(),
         rpc_id: Some(call.id.clone()),
     };
-    let key = match call.key.clone() {
-        Some(written) => Some(
+    if let Some(pointer) = call.named_twice.clone() {
+        return Err(refused(AmbiguousJson { pointer }.into()));
+    }
+    // The body's key first; else the header's, refused here (as the call's
+    // JSON-RPC error) only now that it is known to be a keyed tool call's.
+    let key = match (call.key.clone(), key) {
+        (Some(written), _) => Some(
             written
                 .and_then(IdempotencyKey::new)
                 .map_err(|e| refused(e.into()))?,
         ),
-        None => key,
+        (None, HeaderKey::Absent) => None,
+        (None, HeaderKey::Valid(key)) => Some(key),
+        (None, HeaderKey::Invalid(e)) => return Err(refused(e.into())),
     };
     let Some(key) = key else {
         if route.require_key {

@@ -15,7 +15,7 @@ use tracing::Span;
 use crate::error::{ClientError, GatewayError};
 use crate::route::{self, Protocol, Route};
 use idemgate_domain::fingerprint::{canonical_footprint, fingerprint, BodyRule, RequestParts};
-use idemgate_domain::key::{IdempotencyKey, Owner};
+use idemgate_domain::key::{IdempotencyKey, KeyError, Owner};
 use idemgate_domain::sse::ResumePoint;
 use idemgate_proxy::budget::Charge;
 use idemgate_proxy::http::{
@@ -42,8 +42,18 @@ pub(crate) enum Classified {
 /// may be in its body, with the header's key if any).
 pub(crate) struct OptedIn {
     pub(crate) route: Arc<Route>,
-    pub(crate) key: Option<IdempotencyKey>,
+    pub(crate) key: HeaderKey,
     pub(crate) req: Request<Body>,
+}
+
+/// What the `Idempotency-Key` header says. On an MCP route a key may be in
+/// the body instead, and one the header spells badly is refused only for a
+/// keyed tool call that carries none there (`mcp::prepare`): `initialize`
+/// and the rest pass through as they came.
+pub(crate) enum HeaderKey {
+    Absent,
+    Valid(IdempotencyKey),
+    Invalid(KeyError),
 }
 
 /// What a prepared request is: keyed, or, on an MCP route, a message that
@@ -119,12 +129,17 @@ pub(crate) fn classify(routes: &[Arc<Route>], trust: &Trust, mut req: Request<Bo
     let lines = req.headers().get_all(IDEMPOTENCY_KEY).iter();
     let key = match IdempotencyKey::from_lines(lines.map(HeaderValue::as_bytes)) {
         // A tool call's key may be in its body: its route reads it there.
-        None if matches!(route.protocol, Protocol::Mcp(_)) => {
+        read if matches!(route.protocol, Protocol::Mcp(_)) => {
+            let key = match read {
+                None => HeaderKey::Absent,
+                Some(Ok(key)) => HeaderKey::Valid(key),
+                Some(Err(e)) => HeaderKey::Invalid(e),
+            };
             return Classified::OptedIn(OptedIn {
                 route: route.clone(),
-                key: None,
+                key,
                 req,
-            })
+            });
         }
         None if route.require_key => return Classified::Refused(ClientError::MissingKey.into()),
         None => {
@@ -138,7 +153,7 @@ pub(crate) fn classify(routes: &[Arc<Route>], trust: &Trust, mut req: Request<Bo
     };
     Classified::OptedIn(OptedIn {
         route: route.clone(),
-        key: Some(key),
+        key: HeaderKey::Valid(key),
         req,
     })
 }
@@ -152,7 +167,9 @@ pub(crate) fn classify(routes: &[Arc<Route>], trust: &Trust, mut req: Request<Bo
 /// twice). An MCP route's messages are prepared by `mcp::prepare` instead.
 pub(crate) async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Prepared, Refused> {
     let OptedIn { route, key, req } = opted;
-    let key = key.ok_or(ClientError::MissingKey)?;
+    let HeaderKey::Valid(key) = key else {
+        return Err(ClientError::MissingKey.into());
+    };
     let (parts, body) = req.into_parts();
     let owner = shared.trust.owner(&route.owner, &parts)?;
     let resume = resume_point(&parts)?;

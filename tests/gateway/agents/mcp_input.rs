@@ -1,0 +1,126 @@
+//! What an MCP route makes of a message a client can spell two ways
+//! (`docs/design.md` §19), through the real binary: a tool call naming a
+//! member twice, a batch on a route that requires keys, and a key header
+//! spelled badly beside a body that needs none.
+
+use http::Method;
+use serde_json::{json, Value};
+
+use crate::support::mcp::{tool_call, Answering, FakeMcp};
+use crate::support::{send, Gateway, Reply, TestStore};
+
+async fn gateway(store: &TestStore, server: &FakeMcp, keys: &str) -> Gateway {
+    Gateway::builder(store, &server.url())
+        .tables(&format!(
+            "[[routes]]\npath_prefix = \"/mcp\"\nprotocol = \"mcp\"\n{keys}"
+        ))
+        .start()
+        .await
+}
+
+/// POSTs `body` to the MCP endpoint with `extra` headers.
+async fn post(gateway: &Gateway, body: String, extra: &[(&str, &str)]) -> Reply {
+    let mut headers = vec![
+        ("content-type", "application/json"),
+        ("accept", "application/json, text/event-stream"),
+        ("mcp-session-id", "s1"),
+    ];
+    headers.extend_from_slice(extra);
+    send(Method::POST, &gateway.path("/mcp"), &headers, body).await
+}
+
+/// The problem type a JSON-RPC error answer carries as its `data`, with
+/// the `id` it is addressed to.
+fn rpc_problem(reply: &Reply) -> (Value, String) {
+    assert_eq!(
+        reply.status,
+        200,
+        "{:?}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    let answer = reply.json();
+    let kind = answer["error"]["data"]["type"].as_str().unwrap_or_default();
+    (answer["id"].clone(), kind.to_owned())
+}
+
+/// A tool call that names `arguments` twice is read two ways: the first by
+/// the gateway's scanner, the last by most servers (and JSON.parse,
+/// Python's json): fingerprinted as `{"amount": 1}`, it would charge 500,
+/// and a retry with another second `arguments` would be replayed as the
+/// same intent. It is refused `400 …/ambiguous-json` (as a member named
+/// twice inside the arguments is), naming the member, and nothing runs; so
+/// is an `id` named twice. Before, the server ran it.
+async fn a_tool_call_naming_a_member_twice_is_refused(store: TestStore) {
+    let server = FakeMcp::start(Answering::Json, None).await;
+    let gateway = gateway(&store, &server, "").await;
+    let twice = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"charge","arguments":{"amount":1},"arguments":{"amount":500},"_meta":{"idempotencyKey":"k"}}}"#;
+    let id_twice = r#"{"jsonrpc":"2.0","id":1,"id":2,"method":"tools/call","params":{"name":"charge","arguments":{},"_meta":{"idempotencyKey":"k2"}}}"#;
+    for (body, member) in [(twice, "/params/arguments"), (id_twice, "/id")] {
+        let refused = post(&gateway, body.to_owned(), &[]).await;
+        assert_eq!(refused.status, 400);
+        assert_eq!(refused.problem(), "ambiguous-json");
+        assert!(
+            refused.problem_detail().contains(member),
+            "{}",
+            refused.problem_detail()
+        );
+    }
+    assert_eq!(server.runs("charge"), 0);
+}
+
+/// On a route that requires keys, a batch holding a tool call is refused,
+/// keyed or not: its calls would run unkeyed on every retry. Before, an
+/// unkeyed one-call batch passed through and ran.
+async fn a_batch_is_refused_where_keys_are_required(store: TestStore) {
+    let server = FakeMcp::start(Answering::Json, None).await;
+    let gateway = gateway(&store, &server, "require_key = true\n").await;
+    let batch = json!([tool_call(json!(1), "charge", json!({"amount": 5}), None)]);
+    let refused = post(&gateway, batch.to_string(), &[]).await;
+    assert_eq!(
+        refused.status,
+        400,
+        "{:?}",
+        String::from_utf8_lossy(&refused.body)
+    );
+    assert_eq!(refused.problem(), "keyed-batch");
+    assert_eq!(server.runs("charge"), 0);
+}
+
+/// An `Idempotency-Key` header spelled badly (here empty) is refused only
+/// for a keyed tool call whose body carries no key, and then as the call's
+/// JSON-RPC error: `initialize` passes through as it came, and a call with
+/// a key in its `_meta` runs by that key. Before, each was answered an
+/// HTTP `400` problem.
+async fn a_bad_key_header_is_refused_only_where_it_is_the_key(store: TestStore) {
+    let server = FakeMcp::start(Answering::Json, None).await;
+    let gateway = gateway(&store, &server, "").await;
+    let empty = [("idempotency-key", "")];
+    let initialize = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {}});
+    let passed = post(&gateway, initialize.to_string(), &empty).await;
+    assert_eq!(
+        passed.status,
+        200,
+        "{:?}",
+        String::from_utf8_lossy(&passed.body)
+    );
+    assert_eq!(passed.json()["result"]["serverInfo"]["name"], "fake");
+
+    let keyed = tool_call(json!(1), "charge", json!({"amount": 5}), Some("in-body"));
+    let ran = post(&gateway, keyed.to_string(), &empty).await;
+    assert_eq!(ran.status, 200);
+    assert!(ran.json()["result"].is_object(), "{:?}", ran.json());
+    assert_eq!(server.runs("charge"), 1);
+
+    let unkeyed = tool_call(json!(2), "charge", json!({"amount": 5}), None);
+    let (id, kind) = rpc_problem(&post(&gateway, unkeyed.to_string(), &empty).await);
+    assert_eq!(id, 2);
+    assert!(kind.ends_with("/invalid-idempotency-key"), "{kind}");
+    assert_eq!(server.runs("charge"), 1);
+}
+
+crate::on_each_deployment!(
+    [embedded, postgres]
+    a_tool_call_naming_a_member_twice_is_refused,
+    a_batch_is_refused_where_keys_are_required,
+    a_bad_key_header_is_refused_only_where_it_is_the_key,
+);
