@@ -495,11 +495,33 @@ impl<B: Backend> Store for Machine<B> {
         attempt: AttemptId,
         failure: AttemptFailure,
     ) -> Result<bool, StoreError> {
-        let decide: Decide = Box::new(move |s, _| transition::settle(s, attempt, &failure));
+        let writes = failure.state();
+        // The job the attempt is of, as the lock found it.
+        let locked = Arc::new(std::sync::OnceLock::new());
+        let decide: Decide = Box::new({
+            let locked = locked.clone();
+            move |s, _| {
+                let _ = locked.set(s.job.id);
+                transition::settle(s, attempt, &failure)
+            }
+        });
         match self.apply(Lock::JobOf(attempt), decide).await {
             Ok(_) => Ok(true),
             Err(StoreError::Refused(Refusal::AttemptIs { state, .. })) => {
                 tracing::debug!(%attempt, %state, "attempt already settled; its end is not recorded again");
+                // Settled as this call would settle it: most likely its own
+                // first try, which landed with its reply lost. That try
+                // rang nobody here (its announcement is ignored on this
+                // replica), so the job's bell is rung now, or the
+                // duplicates held here could wait out `hold_timeout` on a
+                // job that is open. Settled so by another, it costs the
+                // holders one read (docs/design.md §7, "A settle whose
+                // reply was lost").
+                if state == writes {
+                    if let Some(job) = locked.get() {
+                        self.doorbell.ring_local(*job);
+                    }
+                }
                 Ok(false)
             }
             Err(e) => Err(e),

@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use crate::support::reply_cutter::ReplyCutter;
+use crate::support::upstream::{echo_response, json_response};
 use crate::support::{eventually, post, FakeUpstream, Gate, Gateway, TestDb, TestStore};
 
 /// The upstream answers, the commit's transaction lands, and its reply is
@@ -336,6 +337,85 @@ async fn a_claim_whose_reply_was_lost_still_runs_its_attempt() {
         .map(|a| a["state"].as_str().unwrap())
         .collect();
     assert_eq!(states, ["failed", "succeeded"]);
+}
+
+/// A key's first attempt fails with a retryable status while a duplicate
+/// of it is held on the same replica; the settle's transaction commits
+/// (the job open again) but its reply is lost. The settle is retried,
+/// finds the attempt already failed as it would write it, and rings the
+/// job's bell here: the duplicate reads the job open, claims attempt 2 and
+/// is answered by the upstream at once. Before, the retry's refusal rang
+/// nothing, the trigger's announcement carried this replica's own id (so
+/// its listener ignored it), and the duplicate waited out `hold_timeout`
+/// (20 s) to be told `409` (docs/design.md §7, "A settle whose reply was
+/// lost").
+#[tokio::test]
+async fn a_settle_whose_reply_was_lost_still_wakes_the_duplicate_held_here() {
+    let gate = Gate::new();
+    let upstream = FakeUpstream::start({
+        let gate = gate.clone();
+        move |r| {
+            let gate = gate.clone();
+            async move {
+                if r.hit == 1 {
+                    gate.pass().await;
+                    return json_response(503, serde_json::json!({"error": "overloaded"}));
+                }
+                echo_response(&r)
+            }
+        }
+    })
+    .await;
+    let Relayed {
+        db,
+        cutter,
+        gateway,
+    } = behind_relay(&upstream).await;
+    let url = gateway.path("/v1/jobs");
+    let first = tokio::spawn({
+        let url = url.clone();
+        async move { post(&url, "lost-settle", "{}").await }
+    });
+    upstream.arrival().await;
+    let held = tokio::spawn({
+        let url = url.clone();
+        async move { post(&url, "lost-settle", "{}").await }
+    });
+    eventually(
+        Duration::from_secs(10),
+        "the duplicate to be held",
+        || async { gateway.metric("idemgate_held_requests").await >= 1.0 },
+    )
+    .await;
+    // Only a settle updates an attempt inside a locked transaction, and
+    // the statement's text goes on the wire when a connection first
+    // prepares it: here, for this first settle.
+    cutter.arm(b"finished_at = CASE WHEN");
+    gate.open(1);
+
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 503, "the upstream's own answer: {first:?}");
+    let held = tokio::time::timeout(Duration::from_secs(10), held)
+        .await
+        .expect("the held duplicate waits out hold_timeout")
+        .unwrap();
+    assert_eq!(held.status, 200, "{held:?}");
+    assert_eq!(held.json()["attempt"], "2");
+    assert_eq!(cutter.cuts(), 1, "the settle's reply was lost");
+    assert!(
+        gateway.metric("idemgate_record_retries_total").await >= 1.0,
+        "the settle was retried"
+    );
+    assert_eq!(upstream.hits(), 2, "the first attempt and the claimed one");
+    let mut states = states(&db).await;
+    states.sort();
+    assert_eq!(
+        states,
+        [
+            ("completed".to_owned(), "failed".to_owned()),
+            ("completed".to_owned(), "succeeded".to_owned())
+        ]
+    );
 }
 
 /// A fresh database, a relay in front of its server, and a gateway on
