@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use crate::support::reply_cutter::ReplyCutter;
+use crate::support::sse::{event, Ending, Finish, Reader, SseUpstream};
 use crate::support::upstream::{echo_response, json_response};
 use crate::support::{eventually, post, FakeUpstream, Gate, Gateway, TestDb, TestStore};
 
@@ -418,6 +419,68 @@ async fn a_settle_whose_reply_was_lost_still_wakes_the_duplicate_held_here() {
     );
 }
 
+/// A streamed answer larger than the job's row holds (about 300 KiB of
+/// server-sent events, over `INLINE_ANSWER`) whose commit lands but
+/// whose reply is lost. The commit is retried, its compare-and-swap
+/// fails, and the store reads the answer kept out of the row to compare
+/// it: its own, so it is told it committed. The client's stream ends
+/// cleanly, byte for byte the upstream's, and the attempt is the job's
+/// winner. Before, an answer held out of the row was never compared: the
+/// commit was told it lost, and the stream was cut at its end for the
+/// client (and any joiner) though it had committed (docs/design.md §7, "A
+/// commit whose reply was lost").
+#[tokio::test]
+async fn a_large_stream_whose_commit_reply_was_lost_still_ends_cleanly() {
+    const EVENTS: usize = 75;
+    const SIZE: usize = 4096;
+    let gate = Gate::new();
+    let upstream = SseUpstream::start(EVENTS, SIZE, &gate, Ending::Clean).await;
+    let Relayed {
+        db,
+        cutter,
+        gateway,
+    } = behind_relay_to(&upstream.url(), &[("upstream_timeout", "\"5s\"")]).await;
+    let key = format!("lose-the-large-commit-{}", uuid::Uuid::new_v4().simple());
+    gate.open(1);
+    let mut client = Reader::post(&gateway.path("/v1/chat"), &key, "{}").await;
+    assert_eq!(client.status, 200);
+    assert_eq!(client.header("content-type"), Some("text/event-stream"));
+    let job = client.header("idempotency-job").unwrap().to_owned();
+    client.read_until(SIZE).await;
+    // The upstream is sent the job's id as its key, and puts it in every
+    // event: in text, only the commit carries it.
+    cutter.arm(job.as_bytes());
+    gate.open(EVENTS - 1);
+
+    assert_eq!(client.finish().await, Finish::Complete, "ended cleanly");
+    let sent: String = (1..=EVENTS).map(|n| event(&job, n, SIZE)).collect();
+    assert!(sent.len() > idemgate_domain::job::INLINE_ANSWER);
+    let tail = |bytes: &[u8]| {
+        String::from_utf8_lossy(&bytes[bytes.len().saturating_sub(160)..]).into_owned()
+    };
+    assert!(
+        client.read == sent.as_bytes(),
+        "the upstream's stream: {} bytes read, ending {:?}; {} sent, ending {:?}",
+        client.read.len(),
+        tail(&client.read),
+        sent.len(),
+        tail(sent.as_bytes())
+    );
+    assert_eq!(cutter.cuts(), 1, "the commit's reply was lost");
+    assert_eq!(upstream.hits(), 1);
+    assert_eq!(
+        gateway.metric("idemgate_commits_superseded_total").await,
+        0.0,
+        "the retry met its own commit: nothing was superseded"
+    );
+    assert_eq!(
+        states(&db).await,
+        [("completed".to_owned(), "succeeded".to_owned())]
+    );
+    let detail = gateway.job(&job).await;
+    assert_eq!(detail["completed_by"], detail["attempts"][0]["id"]);
+}
+
 /// A fresh database, a relay in front of its server, and a gateway on
 /// `upstream` that reaches the database through the relay, holding
 /// duplicates for up to 20 s.
@@ -433,6 +496,11 @@ async fn behind_relay(upstream: &FakeUpstream) -> Relayed {
 
 /// [`behind_relay`], with more of the gateway's `settings`.
 async fn behind_relay_with(upstream: &FakeUpstream, settings: &[(&str, &str)]) -> Relayed {
+    behind_relay_to(&upstream.url(), settings).await
+}
+
+/// [`behind_relay_with`], for the upstream at `upstream`.
+async fn behind_relay_to(upstream: &str, settings: &[(&str, &str)]) -> Relayed {
     let db = TestDb::new().await;
     let config: tokio_postgres::Config = db.url.parse().unwrap();
     let server = match &config.get_hosts()[0] {
@@ -445,8 +513,8 @@ async fn behind_relay_with(upstream: &FakeUpstream, settings: &[(&str, &str)]) -
         db.url
             .replace(&server, &format!("127.0.0.1:{}", cutter.port))
     );
-    let mut builder = Gateway::builder(&TestStore::external(relayed), &upstream.url())
-        .set("hold_timeout", "\"20s\"");
+    let mut builder =
+        Gateway::builder(&TestStore::external(relayed), upstream).set("hold_timeout", "\"20s\"");
     for (key, value) in settings {
         builder = builder.set(key, value);
     }
