@@ -112,10 +112,10 @@ impl<B: Backend> Machine<B> {
     /// `Committed` when the job's winner is `attempt`, committed by the
     /// attempt itself (no lookup's detail or operator's name on it; the
     /// detail of an `unknown` it committed from may still be there) with
-    /// this very answer: its first try landed and the reply was lost, so
-    /// the retry met its own commit. `Superseded` otherwise (another
-    /// attempt won, a lookup or an operator settled this one, or the answer
-    /// is held out of the row and not compared). A read that fails
+    /// this very answer (read from the store when it is too large for the
+    /// job's row): its first try landed and the reply was lost, so the
+    /// retry met its own commit. `Superseded` otherwise (another attempt
+    /// won, a lookup or an operator settled this one). A read that fails
     /// transiently fails the commit, which is tried again (`docs/design.md`
     /// §7, "A commit whose reply was lost").
     async fn lost_to(
@@ -129,14 +129,27 @@ impl<B: Backend> Machine<B> {
             _ => return Ok(CommitOutcome::Superseded),
         };
         let own = detail.attempts.iter().find(|a| a.id == attempt.id);
-        let landed = detail.job.completed_by == Some(attempt.id)
+        let committed_by_itself = detail.job.completed_by == Some(attempt.id)
             && own.is_some_and(|a| {
                 a.state == AttemptState::Succeeded
                     && a.detail.as_deref() != Some(transition::RECONCILED)
                     && a.resolved_by.is_none()
-            })
-            && detail.job.response.as_ref() == Some(response);
-        if !landed {
+            });
+        if !committed_by_itself {
+            return Ok(CommitOutcome::Superseded);
+        }
+        // An answer larger than the row holds is left in the store when the
+        // job is read: read it now, or a large answer that committed would
+        // be told it lost, and a stream of it cut for every reader.
+        let stored = match detail.job.response_in_store {
+            None => detail.job.response,
+            Some(_) => match self.response(attempt.job_id).await {
+                Ok(stored) => stored,
+                Err(e) if e.is_transient() => return Err(e),
+                Err(_) => return Ok(CommitOutcome::Superseded),
+            },
+        };
+        if stored.as_ref() != Some(response) {
             return Ok(CommitOutcome::Superseded);
         }
         tracing::info!(job = %attempt.job_id, attempt = %attempt.id, "the commit's retry found its own first try committed: its reply had been lost");
@@ -495,11 +508,33 @@ impl<B: Backend> Store for Machine<B> {
         attempt: AttemptId,
         failure: AttemptFailure,
     ) -> Result<bool, StoreError> {
-        let decide: Decide = Box::new(move |s, _| transition::settle(s, attempt, &failure));
+        let writes = failure.state();
+        // The job the attempt is of, as the lock found it.
+        let locked = Arc::new(std::sync::OnceLock::new());
+        let decide: Decide = Box::new({
+            let locked = locked.clone();
+            move |s, _| {
+                let _ = locked.set(s.job.id);
+                transition::settle(s, attempt, &failure)
+            }
+        });
         match self.apply(Lock::JobOf(attempt), decide).await {
             Ok(_) => Ok(true),
             Err(StoreError::Refused(Refusal::AttemptIs { state, .. })) => {
                 tracing::debug!(%attempt, %state, "attempt already settled; its end is not recorded again");
+                // Settled as this call would settle it: most likely its own
+                // first try, which landed with its reply lost. That try
+                // rang nobody here (its announcement is ignored on this
+                // replica), so the job's bell is rung now, or the
+                // duplicates held here could wait out `hold_timeout` on a
+                // job that is open. Settled so by another, it costs the
+                // holders one read (docs/design.md §7, "A settle whose
+                // reply was lost").
+                if state == writes {
+                    if let Some(job) = locked.get() {
+                        self.doorbell.ring_local(*job);
+                    }
+                }
                 Ok(false)
             }
             Err(e) => Err(e),

@@ -5,6 +5,8 @@
 use std::time::Duration;
 
 use crate::support::reply_cutter::ReplyCutter;
+use crate::support::sse::{event, Ending, Finish, Reader, SseUpstream};
+use crate::support::upstream::{echo_response, json_response};
 use crate::support::{eventually, post, FakeUpstream, Gate, Gateway, TestDb, TestStore};
 
 /// The upstream answers, the commit's transaction lands, and its reply is
@@ -338,6 +340,147 @@ async fn a_claim_whose_reply_was_lost_still_runs_its_attempt() {
     assert_eq!(states, ["failed", "succeeded"]);
 }
 
+/// A key's first attempt fails with a retryable status while a duplicate
+/// of it is held on the same replica; the settle's transaction commits
+/// (the job open again) but its reply is lost. The settle is retried,
+/// finds the attempt already failed as it would write it, and rings the
+/// job's bell here: the duplicate reads the job open, claims attempt 2 and
+/// is answered by the upstream at once. Before, the retry's refusal rang
+/// nothing, the trigger's announcement carried this replica's own id (so
+/// its listener ignored it), and the duplicate waited out `hold_timeout`
+/// (20 s) to be told `409` (docs/design.md §7, "A settle whose reply was
+/// lost").
+#[tokio::test]
+async fn a_settle_whose_reply_was_lost_still_wakes_the_duplicate_held_here() {
+    let gate = Gate::new();
+    let upstream = FakeUpstream::start({
+        let gate = gate.clone();
+        move |r| {
+            let gate = gate.clone();
+            async move {
+                if r.hit == 1 {
+                    gate.pass().await;
+                    return json_response(503, serde_json::json!({"error": "overloaded"}));
+                }
+                echo_response(&r)
+            }
+        }
+    })
+    .await;
+    let Relayed {
+        db,
+        cutter,
+        gateway,
+    } = behind_relay(&upstream).await;
+    let url = gateway.path("/v1/jobs");
+    let first = tokio::spawn({
+        let url = url.clone();
+        async move { post(&url, "lost-settle", "{}").await }
+    });
+    upstream.arrival().await;
+    let held = tokio::spawn({
+        let url = url.clone();
+        async move { post(&url, "lost-settle", "{}").await }
+    });
+    eventually(
+        Duration::from_secs(10),
+        "the duplicate to be held",
+        || async { gateway.metric("idemgate_held_requests").await >= 1.0 },
+    )
+    .await;
+    // Only a settle updates an attempt inside a locked transaction, and
+    // the statement's text goes on the wire when a connection first
+    // prepares it: here, for this first settle.
+    cutter.arm(b"finished_at = CASE WHEN");
+    gate.open(1);
+
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 503, "the upstream's own answer: {first:?}");
+    let held = tokio::time::timeout(Duration::from_secs(10), held)
+        .await
+        .expect("the held duplicate waits out hold_timeout")
+        .unwrap();
+    assert_eq!(held.status, 200, "{held:?}");
+    assert_eq!(held.json()["attempt"], "2");
+    assert_eq!(cutter.cuts(), 1, "the settle's reply was lost");
+    assert!(
+        gateway.metric("idemgate_record_retries_total").await >= 1.0,
+        "the settle was retried"
+    );
+    assert_eq!(upstream.hits(), 2, "the first attempt and the claimed one");
+    let mut states = states(&db).await;
+    states.sort();
+    assert_eq!(
+        states,
+        [
+            ("completed".to_owned(), "failed".to_owned()),
+            ("completed".to_owned(), "succeeded".to_owned())
+        ]
+    );
+}
+
+/// A streamed answer larger than the job's row holds (about 300 KiB of
+/// server-sent events, over `INLINE_ANSWER`) whose commit lands but
+/// whose reply is lost. The commit is retried, its compare-and-swap
+/// fails, and the store reads the answer kept out of the row to compare
+/// it: its own, so it is told it committed. The client's stream ends
+/// cleanly, byte for byte the upstream's, and the attempt is the job's
+/// winner. Before, an answer held out of the row was never compared: the
+/// commit was told it lost, and the stream was cut at its end for the
+/// client (and any joiner) though it had committed (docs/design.md §7, "A
+/// commit whose reply was lost").
+#[tokio::test]
+async fn a_large_stream_whose_commit_reply_was_lost_still_ends_cleanly() {
+    const EVENTS: usize = 75;
+    const SIZE: usize = 4096;
+    let gate = Gate::new();
+    let upstream = SseUpstream::start(EVENTS, SIZE, &gate, Ending::Clean).await;
+    let Relayed {
+        db,
+        cutter,
+        gateway,
+    } = behind_relay_to(&upstream.url(), &[("upstream_timeout", "\"5s\"")]).await;
+    let key = format!("lose-the-large-commit-{}", uuid::Uuid::new_v4().simple());
+    gate.open(1);
+    let mut client = Reader::post(&gateway.path("/v1/chat"), &key, "{}").await;
+    assert_eq!(client.status, 200);
+    assert_eq!(client.header("content-type"), Some("text/event-stream"));
+    let job = client.header("idempotency-job").unwrap().to_owned();
+    client.read_until(SIZE).await;
+    // The upstream is sent the job's id as its key, and puts it in every
+    // event: in text, only the commit carries it.
+    cutter.arm(job.as_bytes());
+    gate.open(EVENTS - 1);
+
+    assert_eq!(client.finish().await, Finish::Complete, "ended cleanly");
+    let sent: String = (1..=EVENTS).map(|n| event(&job, n, SIZE)).collect();
+    assert!(sent.len() > idemgate_domain::job::INLINE_ANSWER);
+    let tail = |bytes: &[u8]| {
+        String::from_utf8_lossy(&bytes[bytes.len().saturating_sub(160)..]).into_owned()
+    };
+    assert!(
+        client.read == sent.as_bytes(),
+        "the upstream's stream: {} bytes read, ending {:?}; {} sent, ending {:?}",
+        client.read.len(),
+        tail(&client.read),
+        sent.len(),
+        tail(sent.as_bytes())
+    );
+    assert_eq!(cutter.cuts(), 1, "the commit's reply was lost");
+    assert_eq!(upstream.hits(), 1);
+    assert_eq!(
+        gateway.metric("idemgate_commits_superseded_total").await,
+        0.0,
+        "the retry met its own commit: nothing was superseded"
+    );
+    assert_eq!(
+        states(&db).await,
+        [("completed".to_owned(), "succeeded".to_owned())]
+    );
+    let detail = gateway.job(&job).await;
+    assert_eq!(detail["completed_by"], detail["attempts"][0]["id"]);
+}
+
 /// A fresh database, a relay in front of its server, and a gateway on
 /// `upstream` that reaches the database through the relay, holding
 /// duplicates for up to 20 s.
@@ -353,6 +496,11 @@ async fn behind_relay(upstream: &FakeUpstream) -> Relayed {
 
 /// [`behind_relay`], with more of the gateway's `settings`.
 async fn behind_relay_with(upstream: &FakeUpstream, settings: &[(&str, &str)]) -> Relayed {
+    behind_relay_to(&upstream.url(), settings).await
+}
+
+/// [`behind_relay_with`], for the upstream at `upstream`.
+async fn behind_relay_to(upstream: &str, settings: &[(&str, &str)]) -> Relayed {
     let db = TestDb::new().await;
     let config: tokio_postgres::Config = db.url.parse().unwrap();
     let server = match &config.get_hosts()[0] {
@@ -365,8 +513,8 @@ async fn behind_relay_with(upstream: &FakeUpstream, settings: &[(&str, &str)]) -
         db.url
             .replace(&server, &format!("127.0.0.1:{}", cutter.port))
     );
-    let mut builder = Gateway::builder(&TestStore::external(relayed), &upstream.url())
-        .set("hold_timeout", "\"20s\"");
+    let mut builder =
+        Gateway::builder(&TestStore::external(relayed), upstream).set("hold_timeout", "\"20s\"");
     for (key, value) in settings {
         builder = builder.set(key, value);
     }

@@ -8,7 +8,7 @@ use tokio::io::AsyncWriteExt;
 
 use crate::support::postgres::ThrowawayPostgres;
 use crate::support::upstream::{echo_response, json_response};
-use crate::support::{post, FakeUpstream, Gate, Gateway, Reply, TestStore};
+use crate::support::{eventually, post, FakeUpstream, Gate, Gateway, Reply, TestDb, TestStore};
 
 /// The first keyed request is answered only once `gate` opens, with
 /// `first_status`; every later one is echoed at once.
@@ -347,4 +347,89 @@ async fn a_job_held_by_an_open_transaction_holds_up_only_its_own_answer() {
     let replay = retry_until_ok(&url, "held").await;
     assert_eq!(replay.json()["hit"], 1, "the held execution's own answer");
     assert_eq!(upstream.hits(), 4, "every key ran once");
+}
+
+/// The same held job, where the database gives up on a statement before
+/// the lock timeout does: the gateway's sessions run with a
+/// `statement_timeout` (500 ms, from the URL's `options`, as a DBA's
+/// OLTP policy would set it) shorter than `database_lock_timeout` (5 s).
+/// The held commit's wait is cancelled (SQLSTATE 57014), which rolls it
+/// back, and it is tried again until the holder lets go: the answer
+/// commits and is replayed, and the upstream ran once. Before, a cancelled
+/// statement was a permanent error: the commit was given up at once, the
+/// attempt left `started` to lapse into `unknown`, and the client's retry
+/// was told its outcome was unknown (docs/design.md §13, "A lock waited
+/// for").
+#[tokio::test]
+async fn an_answer_whose_commit_the_database_cancelled_still_commits() {
+    let db = TestDb::new().await;
+    // The gateway's sessions only: set on the role or the database, the
+    // timeout would reach other tests, or this test's own holder.
+    let store = TestStore::external(format!("{}?options=-c%20statement_timeout%3D500ms", db.url));
+    let logs = tempfile::NamedTempFile::new().unwrap();
+    let gate = Gate::new();
+    let upstream = first_answer_gated(&gate, 200).await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("database_lock_timeout", "\"5s\"")
+        .set("hold_timeout", "\"15s\"")
+        .stderr_to(logs.path())
+        .start()
+        .await;
+    let url = gateway.path("/v1/charges");
+
+    let held = tokio::spawn({
+        let url = url.clone();
+        async move { post(&url, "cancelled", "{}").await }
+    });
+    upstream.arrival().await;
+    let holder = db.connect().await;
+    holder
+        .batch_execute("BEGIN; SELECT 1 FROM jobs WHERE key = 'cancelled' FOR UPDATE")
+        .await
+        .unwrap();
+    gate.open(1);
+    // Each wait on the holder is cancelled after 500 ms; two retries mean
+    // the commit outlived two cancellations.
+    eventually(
+        Duration::from_secs(10),
+        "the cancelled commit to be tried again",
+        || async { gateway.metric("idemgate_record_retries_total").await >= 2.0 },
+    )
+    .await;
+    let attempt = db
+        .connect()
+        .await
+        .query_one("SELECT state FROM attempts", &[])
+        .await
+        .unwrap()
+        .get::<_, String>(0);
+    assert_eq!(attempt, "started", "still the gateway's to record");
+    holder.batch_execute("COMMIT").await.unwrap();
+
+    let held = held.await.unwrap();
+    assert!(
+        held.status == 200 || held.problem() == "outcome-not-recorded",
+        "{held:?}"
+    );
+    let replay = retry_until_ok(&url, "cancelled").await;
+    assert_eq!(replay.json()["hit"], 1, "the held execution's own answer");
+    assert_eq!(upstream.hits(), 1, "never executed twice");
+    let states = db
+        .connect()
+        .await
+        .query_one(
+            "SELECT j.state, a.state FROM jobs j JOIN attempts a ON a.job_id = j.id",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (states.get::<_, String>(0), states.get::<_, String>(1)),
+        ("completed".to_owned(), "succeeded".to_owned())
+    );
+    let logs = std::fs::read_to_string(logs.path()).unwrap();
+    assert!(
+        logs.contains("canceling statement due to statement timeout"),
+        "the database cancelled the commit's wait: {logs}"
+    );
 }

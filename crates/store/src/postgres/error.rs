@@ -8,8 +8,10 @@ use super::{replication, tls};
 use crate::StoreError;
 
 /// A database that cannot be reached, or that is read-only (a standby),
-/// is `Unavailable` (503, nothing proxied); anything else the database
-/// itself refused is `Internal`.
+/// or that gave up on a statement it may take when asked again, is
+/// `Unavailable` (503, nothing proxied; an outcome's write is retried,
+/// docs/design.md §5); anything else the database itself refused is
+/// `Internal`.
 pub(super) fn map_pg(e: tokio_postgres::Error) -> StoreError {
     if let Some(db) = e.as_db_error() {
         let code = db.code().code();
@@ -18,22 +20,34 @@ pub(super) fn map_pg(e: tokio_postgres::Error) -> StoreError {
             replication::saw_read_only();
             return StoreError::Unavailable(Box::new(e));
         }
-        // Class 08 (connection), 57P0x (shutdown), 53 (resources), 40001/40P01
-        // (serialisation, deadlock: try again), 55P03 (a lock waited for
-        // past `lock_timeout`: its holder may let go) and 42P01 (no such
-        // table: migrations not applied yet).
-        if code.starts_with("08")
-            || code.starts_with("57P")
-            || code.starts_with("53")
-            || code.starts_with("40")
-            || db.code() == &SqlState::LOCK_NOT_AVAILABLE
-            || code == "42P01"
-        {
+        if transient(code) {
             return StoreError::Unavailable(Box::new(e));
         }
         return StoreError::Internal(Box::new(e));
     }
     StoreError::Unavailable(Box::new(e))
+}
+
+/// Whether the database's refusal with SQLSTATE `code` may pass when the
+/// statement is asked again: class 08 (connection), 57P0x (shutdown),
+/// 57014 (a statement cancelled: by `statement_timeout`, or by
+/// `pg_cancel_backend`; its transaction rolled back), 58 (the server's own
+/// I/O failed), 53 (resources), 40001/40P01 (serialisation, deadlock: try
+/// again), 55P03 (a lock waited for past `lock_timeout`: its holder may
+/// let go) and 42P01 (no such table: migrations not applied yet).
+/// A cancelled statement rolled back its transaction; and every write
+/// asked again is decided again under its job's lock (or by its
+/// compare-and-swap), so a second try never writes twice, even after a
+/// first whose reply was lost (docs/design.md §13, "A lock waited for").
+fn transient(code: &str) -> bool {
+    code.starts_with("08")
+        || code.starts_with("57P")
+        || code == SqlState::QUERY_CANCELED.code()
+        || code.starts_with("58")
+        || code.starts_with("53")
+        || code.starts_with("40")
+        || code == SqlState::LOCK_NOT_AVAILABLE.code()
+        || code == "42P01"
 }
 
 /// Whether `e` is a statement that waited for a lock past `lock_timeout`
@@ -110,5 +124,28 @@ pub(super) fn at_start(key: &'static str, mode: SslMode, e: tokio_postgres::Erro
             cause: e,
         })),
         None => map_pg(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::transient;
+
+    /// A statement the database gave up on, and may take when asked again,
+    /// is transient, so an outcome's write is retried rather than dropped;
+    /// a statement it refused for what it is stays permanent.
+    #[test]
+    fn a_cancelled_statement_is_transient_and_a_refused_one_is_not() {
+        for code in [
+            "08006", "57P01", "57014", "58000", "58030", "53300", "40001", "40P01", "55P03",
+            "42P01",
+        ] {
+            assert!(transient(code), "{code}");
+        }
+        for code in [
+            "23505", "22P02", "42601", "42501", "XX000", "55000", "57000",
+        ] {
+            assert!(!transient(code), "{code}");
+        }
     }
 }

@@ -325,6 +325,40 @@ pub async fn resolution_as_succeeded_commits_through_the_cas(store: Arc<dyn Stor
     );
 }
 
+/// The same for an answer too large to be held in the job's row (over
+/// `INLINE_ANSWER`, read only by `Records::response`): the retry compares
+/// the answer kept in the store, and is told it committed; another answer
+/// of the same size is still told it lost. Before, the job's row read
+/// without the answer was never compared, and a large answer whose commit
+/// reply was lost was told it lost: a stream of it was cut for every
+/// reader though it had committed (docs/design.md §7, "A commit whose
+/// reply was lost").
+pub async fn a_large_commit_retried_after_it_landed_is_told_it_committed(store: Arc<dyn Store>) {
+    let large = |fill: u8| {
+        let mut answer = response("large");
+        answer.body = Bytes::from(vec![fill; idemgate_domain::job::INLINE_ANSWER + 44 * 1024]);
+        answer
+    };
+    let (job, attempt) = created(store.as_ref(), "landed-large").await;
+    for _ in 0..2 {
+        assert_eq!(
+            store.commit(&attempt, &large(b'a')).await.unwrap(),
+            CommitOutcome::Committed
+        );
+    }
+    assert_eq!(
+        store.commit(&attempt, &large(b'b')).await.unwrap(),
+        CommitOutcome::Superseded
+    );
+    let after = store.job_detail(job.id).await.unwrap().unwrap();
+    assert_eq!(after.job.version, job.version + 1, "written once");
+    assert_eq!(
+        store.response(job.id).await.unwrap(),
+        Some(large(b'a')),
+        "the first answer kept"
+    );
+}
+
 /// A commit retried after its first try landed (the reply was lost with
 /// the connection) meets its own commit: told it committed, not that it
 /// lost, and the job is left as the first try wrote it; so does the late

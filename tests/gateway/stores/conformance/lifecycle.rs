@@ -220,8 +220,18 @@ pub async fn every_change_of_a_jobs_state_rings_once(
     let unknown = AttemptFailure::Unknown {
         detail: "timeout".into(),
     };
-    store.fail_attempt(a.id, unknown).await.unwrap();
+    assert!(store.fail_attempt(a.id, unknown.clone()).await.unwrap());
     assert_eq!(rings(), 1, "running -> unknown");
+    // The same settle again, as when its reply was lost and it is retried:
+    // refused (not recorded twice), and rung here, where nobody else rings
+    // the job's holders for it (docs/design.md §7, "A settle whose reply
+    // was lost").
+    assert!(!store.fail_attempt(a.id, unknown).await.unwrap());
+    assert_eq!(
+        rings(),
+        1,
+        "a settle that met its own landed try rings here"
+    );
     let open = store
         .resolve_attempt(a.id, Resolution::Failed)
         .await

@@ -95,6 +95,7 @@ macro_rules! conformance_suite {
                 resolution_as_succeeded_commits_through_the_cas,
                 a_failed_resolution_beside_a_running_hedge_lets_the_hedge_commit,
                 a_commit_retried_after_it_landed_is_told_it_committed,
+                a_large_commit_retried_after_it_landed_is_told_it_committed,
                 a_hedge_failing_next_to_an_unknown_attempt_keeps_the_job_blocked,
                 lapsed_leases_turn_attempts_unknown,
                 expired_jobs_are_purged_and_their_keys_start_afresh,
