@@ -194,6 +194,29 @@ async fn a_new_session_gets_the_answer_of_the_old_one(store: TestStore) {
     assert_eq!(server.runs("create_ticket"), 1);
 }
 
+/// A call the server refused before dispatching it (`404` "Session not
+/// found" with `"id": null` after a restart; a bare `400`) had no effect:
+/// the refusal is the caller's, nothing is kept, and the retry in a new
+/// session runs the tool.
+async fn a_call_the_server_refused_runs_in_the_next_session(store: TestStore) {
+    let server = FakeMcp::start(Answering::Json, None).await;
+    let gateway = gateway(&store, &server).await;
+    for (session, status, key) in [("gone", 404, "k-404"), ("refused", 400, "k-400")] {
+        let call = |id| tool_call(json!(id), "charge", json!({"amount": 5}), Some(key));
+        let refused = post(&gateway, &call(1), session).await;
+        assert_eq!(refused.status, status, "{session}");
+        assert_eq!(refused.header("idempotent-replayed"), None);
+        let runs = server.runs("charge");
+        let retry = post(&gateway, &call(2), "s2").await;
+        assert_eq!(retry.header("idempotent-replayed"), None, "{session}");
+        let retry = response(&retry);
+        assert_eq!(retry["id"], 2, "{retry}");
+        assert!(retry["result"].is_object(), "{session}: {retry}");
+        assert_eq!(server.runs("charge"), runs + 1, "{session}");
+    }
+    assert_eq!(server.runs("charge"), 2, "once for each key");
+}
+
 async fn a_keyed_batch_is_refused_and_an_error_answer_is_the_tools(store: TestStore) {
     let server = FakeMcp::start(Answering::Json, None).await;
     let gateway = gateway(&store, &server).await;
@@ -350,6 +373,7 @@ crate::on_each_deployment!(
     a_new_session_gets_the_answer_of_the_old_one,
     a_keyed_batch_is_refused_and_an_error_answer_is_the_tools,
     a_message_whose_parse_outgrows_the_budget_is_refused,
+    a_call_the_server_refused_runs_in_the_next_session,
 );
 
 /// The official `mcp` Python SDK (2.x), client and server over Streamable

@@ -205,6 +205,7 @@ impl Runner {
             // The attempt may outlive the client: what it holds stays
             // counted until it ends (docs/design.md §18).
             charge: request.charge.clone(),
+            call: request.rpc_id.clone(),
         };
         // A child of the request's span, though it may outlive the request.
         let span = tracing::info_span!(

@@ -73,6 +73,9 @@ pub(super) struct Task {
     /// Times the upstream call to its head; stopped by the silence that
     /// gives up on it (`idemgate_upstream_response_seconds{outcome}`).
     pub(super) stopwatch: Stopwatch,
+    /// The JSON-RPC `id` of the MCP tool call it sends: only an answer
+    /// that responds to it is the call's (`docs/design.md` §19).
+    pub(super) call: Option<Vec<u8>>,
 }
 
 impl Task {
@@ -101,7 +104,7 @@ impl Task {
                 self.send(Reply::Unknown(UpstreamError::TimedOut(deadline).into()));
             }
             Call::Streaming(parts, body) => self.stream(parts, body, &cancel).await,
-            Call::Answered(result) => match classify(result, &self.route) {
+            Call::Answered(result) => match classify(result, &self.route, self.call.as_deref()) {
                 Verdict::Commit(stored) => self.commit(stored).await,
                 Verdict::Fail(failure, answer) => {
                     if matches!(failure, AttemptFailure::Rejected { .. }) {

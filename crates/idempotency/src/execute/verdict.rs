@@ -2,7 +2,9 @@
 //! alone (pure, `docs/design.md` §3): refused before sending → `failed`;
 //! broken after sending, or too large to record → `unknown`; a retryable
 //! status → `failed`, handed back uncommitted; a 2xx that breaks the route's
-//! contract → `rejected`; anything else → commit.
+//! contract → `rejected`; anything else → commit. On an MCP route, what the
+//! answer says of the tool call comes first (`docs/design.md` §19, "What an
+//! answer means").
 
 use http::Response;
 
@@ -30,8 +32,13 @@ pub(super) enum Verdict {
     Unknown(AttemptFailure, GatewayError),
 }
 
-/// Decides what an upstream's answer (or failure) means for its attempt.
-pub(super) fn classify(result: Result<Fetched, UpstreamError>, route: &Route) -> Verdict {
+/// Decides what an upstream's answer (or failure) means for its attempt;
+/// `call` is the JSON-RPC `id` of the tool call it answers, on an MCP route.
+pub(super) fn classify(
+    result: Result<Fetched, UpstreamError>,
+    route: &Route,
+    call: Option<&[u8]>,
+) -> Verdict {
     let fetched = match result {
         Ok(fetched) => fetched,
         Err(error) => {
@@ -55,6 +62,18 @@ pub(super) fn classify(result: Result<Fetched, UpstreamError>, route: &Route) ->
         let failure = AttemptFailure::Failed {
             status: Some(status),
             detail: format!("upstream answered {status}, configured as retryable"),
+        };
+        let response = Response::from_parts(fetched.parts, full(fetched.body));
+        return Verdict::Fail(failure, Uncommitted::Response(response));
+    }
+    let to_call = to_the_call(route, call, status, &fetched.parts.headers, &fetched.body);
+    if to_call == Some(ToCall::Refused) {
+        let failure = AttemptFailure::Failed {
+            status: Some(status),
+            detail: format!(
+                "the MCP server refused the message before dispatching it: {status} without a \
+                 response to the call"
+            ),
         };
         let response = Response::from_parts(fetched.parts, full(fetched.body));
         return Verdict::Fail(failure, Uncommitted::Response(response));
@@ -89,6 +108,51 @@ pub(super) fn classify(result: Result<Fetched, UpstreamError>, route: &Route) ->
         }
     }
     Verdict::Commit(replay::capture(&fetched))
+}
+
+/// What an MCP server's answer says of a keyed tool call.
+#[derive(Debug, PartialEq, Eq)]
+enum ToCall {
+    /// It carries the call's response.
+    Answered(jsonrpc::Answer),
+    /// It carries none, and its status is a `4xx`: the server refused the
+    /// message before dispatching it (a session it does not know, as after
+    /// a restart; a session id missing; a protocol version it does not
+    /// speak; the transport's rule: "the HTTP response body MAY comprise a
+    /// JSON-RPC error response that has no `id`"). The tool never ran.
+    Refused,
+    /// It carries none otherwise.
+    Unanswered,
+}
+
+/// What `body`, an MCP server's answer with `status` and `headers`, says of
+/// the tool call whose `id` is `call` (`docs/design.md` §19, "What an
+/// answer means"). `None` on another route, and for an answer that cannot
+/// be read (compressed): it is judged by its status, as any answer.
+fn to_the_call(
+    route: &Route,
+    call: Option<&[u8]>,
+    status: u16,
+    headers: &http::HeaderMap,
+    body: &[u8],
+) -> Option<ToCall> {
+    let (Protocol::Mcp(_), Some(call)) = (&route.protocol, call) else {
+        return None;
+    };
+    let encoded = headers
+        .get(http::header::CONTENT_ENCODING)
+        .is_some_and(|e| !e.as_bytes().trim_ascii().eq_ignore_ascii_case(b"identity"));
+    if encoded {
+        return None;
+    }
+    let stream = headers
+        .get(http::header::CONTENT_TYPE)
+        .is_some_and(|t| t.as_bytes().starts_with(b"text/event-stream"));
+    Some(match jsonrpc::answer_to(body, call, stream) {
+        Some(answer) => ToCall::Answered(answer),
+        None if (400..500).contains(&status) => ToCall::Refused,
+        None => ToCall::Unanswered,
+    })
 }
 
 /// The code of a JSON-RPC error answer that had no effect on an MCP route
