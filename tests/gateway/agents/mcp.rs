@@ -217,6 +217,88 @@ async fn a_call_the_server_refused_runs_in_the_next_session(store: TestStore) {
     assert_eq!(server.runs("charge"), 2, "once for each key");
 }
 
+/// How an agent abandons a call in flight.
+#[derive(Debug, Clone, Copy)]
+enum Abandon {
+    /// `notifications/cancelled`: the server answers `-32800`.
+    Cancel,
+    /// The session's `DELETE`: `500` with `"id": null`, or a stream that
+    /// ends before the response.
+    Delete,
+}
+
+/// A call its agent abandoned mid-run, the server cut short: its answer
+/// carries no response to the call (or `-32800`), yet the tool may have
+/// acted. Nothing is kept, and the retry in a new session meets an
+/// unknown outcome, never that answer, nor a second run. `-32603` is
+/// listed retryable: the session's `id: null` error is still not the
+/// call's.
+async fn abandoned(store: TestStore, answering: Answering, how: Abandon) {
+    let gate = Gate::new();
+    let server = FakeMcp::start(answering, Some(gate.clone())).await;
+    let gateway = std::sync::Arc::new(
+        Gateway::builder(&store, &server.url())
+            .tables(&format!("{ROUTE}retryable_rpc_codes = [-32603]\n"))
+            .start()
+            .await,
+    );
+    let call = |id| tool_call(json!(id), "charge", json!({"amount": 5}), Some("k"));
+    let first = {
+        let (gateway, call) = (gateway.clone(), call(1));
+        tokio::spawn(async move { post(&gateway, &call, "s1").await })
+    };
+    crate::support::eventually(
+        std::time::Duration::from_secs(10),
+        "the call held at the server",
+        || async { server.pending() == 1 },
+    )
+    .await;
+    match how {
+        Abandon::Cancel => {
+            let cancel = json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                                "params": {"requestId": 1, "reason": "timed out"}});
+            assert_eq!(post(&gateway, &cancel, "s1").await.status, 202);
+        }
+        Abandon::Delete => {
+            let headers = [("mcp-session-id", "s1")];
+            let deleted = send(Method::DELETE, &gateway.path("/mcp"), &headers, "").await;
+            assert_eq!(deleted.status, 200);
+        }
+    }
+    // A JSON answer is the first caller's; a stream it read is cut.
+    let first = first.await;
+    if answering == Answering::Json {
+        let first = response(&first.unwrap());
+        let kind = first["error"]["data"]["type"].as_str().unwrap_or_default();
+        assert!(kind.ends_with("/attempt-outcome-unknown"), "{first}");
+    }
+    let retry = post(&gateway, &call(2), "s2").await;
+    let retry = response(&retry);
+    assert_eq!(retry["id"], 2, "{retry}");
+    let kind = retry["error"]["data"]["type"].as_str().unwrap_or_default();
+    assert!(
+        kind.ends_with("/attempt-outcome-unknown"),
+        "{answering:?} {how:?}: {retry}"
+    );
+    assert_eq!(server.runs("charge"), 1, "never a second run");
+}
+
+async fn a_cancelled_call_is_unknown_not_its_cancellation(store: TestStore) {
+    abandoned(store, Answering::Json, Abandon::Cancel).await;
+}
+
+async fn a_cancelled_streamed_call_is_unknown_not_its_cancellation(store: TestStore) {
+    abandoned(store, Answering::Stream, Abandon::Cancel).await;
+}
+
+async fn a_call_whose_session_ended_is_unknown(store: TestStore) {
+    abandoned(store, Answering::Json, Abandon::Delete).await;
+}
+
+async fn a_streamed_call_whose_session_ended_is_unknown(store: TestStore) {
+    abandoned(store, Answering::Stream, Abandon::Delete).await;
+}
+
 async fn a_keyed_batch_is_refused_and_an_error_answer_is_the_tools(store: TestStore) {
     let server = FakeMcp::start(Answering::Json, None).await;
     let gateway = gateway(&store, &server).await;
@@ -374,6 +456,10 @@ crate::on_each_deployment!(
     a_keyed_batch_is_refused_and_an_error_answer_is_the_tools,
     a_message_whose_parse_outgrows_the_budget_is_refused,
     a_call_the_server_refused_runs_in_the_next_session,
+    a_cancelled_call_is_unknown_not_its_cancellation,
+    a_cancelled_streamed_call_is_unknown_not_its_cancellation,
+    a_call_whose_session_ended_is_unknown,
+    a_streamed_call_whose_session_ended_is_unknown,
 );
 
 /// The official `mcp` Python SDK (2.x), client and server over Streamable

@@ -470,7 +470,7 @@ impl Task {
         let stored = recording.stored();
         // The whole answer, copied out of the chunks for the commit.
         self.charge.add(stored.body.len());
-        let reported = match ended(&self.route, &stored) {
+        let reported = match ended(&self.route, &stored, self.call.as_deref()) {
             Ended::Whole => false,
             Ended::Error { kind, retryable } => {
                 self.count_stream_error(&kind, retryable);
@@ -490,13 +490,19 @@ impl Task {
                 }
                 true
             }
-            Ended::Unended => {
-                let detail = "the stream ended without one of the route's end events \
-                              (stream_end_events): it stopped short"
-                    .to_owned();
+            Ended::Unknown(detail) => {
                 self.record(AttemptFailure::Unknown { detail }, By::Upstream)
                     .await;
                 recording.cut();
+                return;
+            }
+            Ended::Refused(detail) => {
+                let failure = AttemptFailure::Failed {
+                    status: Some(stored.status),
+                    detail,
+                };
+                self.record(failure, By::Upstream).await;
+                recording.end_uncommitted();
                 return;
             }
         };

@@ -167,3 +167,88 @@ fn an_mcp_server_refusing_the_message_before_dispatching_it_is_a_safe_failure() 
         "an HTTP route's 404 is an answer"
     );
 }
+
+#[test]
+fn an_mcp_answer_without_the_calls_response_or_with_its_cancellation_is_unknown() {
+    let route = mcp(vec![-32603]);
+    let terminated = r#"{"jsonrpc":"2.0","id":null,"error":{"code":-32603,"message":"Session terminated before the request completed"}}"#;
+    let cancelled =
+        r#"{"jsonrpc":"2.0","id":7,"error":{"code":-32800,"message":"Request cancelled"}}"#;
+    let other = r#"{"jsonrpc":"2.0","id":8,"result":{}}"#;
+    for (status, body) in [(500, terminated), (200, cancelled), (200, other), (200, "")] {
+        assert!(
+            matches!(
+                classify(json(status, body), &route, Some(b"7")),
+                Verdict::Unknown(AttemptFailure::Unknown { .. }, _)
+            ),
+            "{status} {body}"
+        );
+    }
+    let retryable = r#"{"jsonrpc":"2.0","id":7,"error":{"code":-32603,"message":"down"}}"#;
+    assert!(
+        matches!(
+            classify(json(200, retryable), &route, Some(b"7")),
+            Verdict::Fail(AttemptFailure::Failed { .. }, Uncommitted::Response(_))
+        ),
+        "the call's own error, of a retryable code"
+    );
+    let result = r#"{"jsonrpc":"2.0","id":7,"result":{"isError":true}}"#;
+    assert!(matches!(
+        classify(json(200, result), &route, Some(b"7")),
+        Verdict::Commit(_)
+    ));
+}
+
+#[test]
+fn an_mcp_stream_is_whole_only_with_the_calls_response() {
+    let route = mcp(vec![-32603]);
+    let stored = |status: u16, body: &str| StoredResponse {
+        status,
+        headers: vec![(
+            "content-type".into(),
+            Bytes::from_static(b"text/event-stream"),
+        )],
+        body: Bytes::from(body.to_owned()),
+    };
+    let progress =
+        "event: message\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\"}\n\n";
+    let answered = |message: &str| format!("{progress}event: message\ndata: {message}\n\n");
+    let call = Some(&b"7"[..]);
+    assert_eq!(
+        ended(
+            &route,
+            &stored(200, &answered(r#"{"jsonrpc":"2.0","id":7,"result":{}}"#)),
+            call
+        ),
+        Ended::Whole
+    );
+    assert!(matches!(
+        ended(&route, &stored(200, progress), call),
+        Ended::Unknown(_)
+    ));
+    let cancelled = answered(r#"{"jsonrpc":"2.0","id":7,"error":{"code":-32800}}"#);
+    assert!(matches!(
+        ended(&route, &stored(200, &cancelled), call),
+        Ended::Unknown(_)
+    ));
+    let retryable = answered(r#"{"jsonrpc":"2.0","id":7,"error":{"code":-32603}}"#);
+    assert_eq!(
+        ended(&route, &stored(200, &retryable), call),
+        Ended::Error {
+            kind: "-32603".into(),
+            retryable: true
+        }
+    );
+    let tools = answered(r#"{"jsonrpc":"2.0","id":7,"error":{"code":-32602}}"#);
+    assert_eq!(
+        ended(&route, &stored(200, &tools), call),
+        Ended::Error {
+            kind: "-32602".into(),
+            retryable: false
+        }
+    );
+    assert!(matches!(
+        ended(&route, &stored(404, progress), call),
+        Ended::Refused(_)
+    ));
+}
