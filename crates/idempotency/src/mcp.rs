@@ -128,11 +128,27 @@ const CANONICAL: BodyRule = BodyRule {
     ignore: Vec::new(),
 };
 
+/// The transport's session header: the server names the session on its
+/// answers, and a client adopts the one any answer names.
+pub(crate) const MCP_SESSION_ID: header::HeaderName =
+    header::HeaderName::from_static("mcp-session-id");
+
 /// `response`, which another request's attempt made, addressed to `id`:
 /// the JSON-RPC response in a JSON body, or the response event of an event
-/// stream, readdressed as it comes; every other byte as it was.
-pub(crate) fn readdressed(response: Response<Body>, id: Vec<u8>) -> Response<Body> {
+/// stream, readdressed as it comes; every other byte as it was, but the
+/// session it names: the one the call asked in (`session`), or none. The
+/// session of the call that made it is another client's, or gone
+/// (`docs/design.md` §19, "The answer").
+pub(crate) fn readdressed(
+    response: Response<Body>,
+    id: Vec<u8>,
+    session: Option<http::HeaderValue>,
+) -> Response<Body> {
     let (mut parts, body) = response.into_parts();
+    parts.headers.remove(MCP_SESSION_ID);
+    if let Some(session) = session {
+        parts.headers.insert(MCP_SESSION_ID, session);
+    }
     let streams = parts
         .headers
         .get(header::CONTENT_TYPE)

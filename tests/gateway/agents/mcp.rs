@@ -158,7 +158,12 @@ async fn concurrent_calls(store: TestStore, answering: Answering) {
     gate.open(1);
     let mut results = Vec::new();
     for (n, call) in calls.into_iter().enumerate() {
-        let answer = response(&call.await.unwrap());
+        let reply = call.await.unwrap();
+        // Its own session, never the one whose call ran the tool: a client
+        // adopts the session of any answer it gets.
+        let session = format!("s{}", n + 1);
+        assert_eq!(reply.header("mcp-session-id"), Some(session.as_str()));
+        let answer = response(&reply);
         assert_eq!(answer["id"], n as i64 + 1);
         results.push(answer["result"].clone());
     }
@@ -188,9 +193,30 @@ async fn a_new_session_gets_the_answer_of_the_old_one(store: TestStore) {
     let first = post(&gateway, &call(1), "session-before-crash").await;
     let again = post(&gateway, &call(1001), "session-after-reconnect").await;
     assert_eq!(again.header("content-type"), Some("text/event-stream"));
+    // The replay is in the session that asked: a client adopts the
+    // session of any answer, and the old one may be gone.
+    assert_eq!(
+        again.header("mcp-session-id"),
+        Some("session-after-reconnect")
+    );
     let (first, again) = (response(&first), response(&again));
     assert_eq!(again["id"], 1001);
     assert_eq!(again["result"], first["result"]);
+    // A call that names no session is told none.
+    let headers = [
+        ("content-type", "application/json"),
+        ("accept", "application/json, text/event-stream"),
+    ];
+    let sessionless = send(
+        Method::POST,
+        &gateway.path("/mcp"),
+        &headers,
+        call(1002).to_string(),
+    )
+    .await;
+    assert_eq!(sessionless.header("idempotent-replayed"), Some("true"));
+    assert_eq!(sessionless.header("mcp-session-id"), None);
+    assert_eq!(response(&sessionless)["id"], 1002);
     assert_eq!(server.runs("create_ticket"), 1);
 }
 
