@@ -55,6 +55,7 @@ pub struct FakeMcp {
     runs: Arc<Mutex<HashMap<String, usize>>>,
     posts: Arc<Mutex<Vec<Value>>>,
     pending: Pending,
+    deletes: Arc<Mutex<Vec<String>>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -74,16 +75,18 @@ impl FakeMcp {
         let runs: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
         let posts: Arc<Mutex<Vec<Value>>> = Arc::default();
         let pending: Pending = Arc::default();
+        let deletes: Arc<Mutex<Vec<String>>> = Arc::default();
         let task = {
             let (runs, posts, pending) = (runs.clone(), posts.clone(), pending.clone());
+            let deletes = deletes.clone();
             tokio::spawn(async move {
                 while let Ok((stream, _)) = listener.accept().await {
                     let (runs, posts, gate) = (runs.clone(), posts.clone(), gate.clone());
-                    let pending = pending.clone();
+                    let (pending, deletes) = (pending.clone(), deletes.clone());
                     tokio::spawn(async move {
                         let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
                             let (runs, posts, gate) = (runs.clone(), posts.clone(), gate.clone());
-                            let pending = pending.clone();
+                            let (pending, deletes) = (pending.clone(), deletes.clone());
                             async move {
                                 let (parts, body) = req.into_parts();
                                 let session = parts
@@ -97,6 +100,9 @@ impl FakeMcp {
                                     serde_json::from_slice(&body).unwrap_or(Value::Null);
                                 if parts.method == http::Method::POST {
                                     posts.lock().unwrap().push(message.clone());
+                                }
+                                if parts.method == http::Method::DELETE {
+                                    deletes.lock().unwrap().push(session.clone());
                                 }
                                 let asked = Asked {
                                     method: parts.method,
@@ -125,6 +131,7 @@ impl FakeMcp {
             runs,
             posts,
             pending,
+            deletes,
             task,
         }
     }
@@ -141,6 +148,11 @@ impl FakeMcp {
     /// Every message it was posted, in order.
     pub fn posts(&self) -> Vec<Value> {
         self.posts.lock().unwrap().clone()
+    }
+
+    /// The sessions it was sent a `DELETE` of, in order.
+    pub fn deletes(&self) -> Vec<String> {
+        self.deletes.lock().unwrap().clone()
     }
 
     /// How many calls are held at the gate.

@@ -280,14 +280,22 @@ async fn abandoned(store: TestStore, answering: Answering, how: Abandon) {
     )
     .await;
     match how {
+        // Sent to the server itself, as through another replica: a
+        // replica holds back only the cancels, and the session ends, of
+        // calls it has in flight.
         Abandon::Cancel => {
             let cancel = json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
                                 "params": {"requestId": 1, "reason": "timed out"}});
-            assert_eq!(post(&gateway, &cancel, "s1").await.status, 202);
+            let headers = [
+                ("content-type", "application/json"),
+                ("mcp-session-id", "s1"),
+            ];
+            let sent = send(Method::POST, &server.url(), &headers, cancel.to_string()).await;
+            assert_eq!(sent.status, 202);
         }
         Abandon::Delete => {
             let headers = [("mcp-session-id", "s1")];
-            let deleted = send(Method::DELETE, &gateway.path("/mcp"), &headers, "").await;
+            let deleted = send(Method::DELETE, &server.url(), &headers, "").await;
             assert_eq!(deleted.status, 200);
         }
     }
@@ -307,6 +315,118 @@ async fn abandoned(store: TestStore, answering: Answering, how: Abandon) {
         "{answering:?} {how:?}: {retry}"
     );
     assert_eq!(server.runs("charge"), 1, "never a second run");
+}
+
+/// An agent's `notifications/cancelled` of a keyed call in flight here is
+/// held back (`202`, never forwarded): the call goes on at the server, and
+/// its answer is the first caller's and the retry's, the tool run once.
+/// A cancel of another call passes.
+async fn cancel_held_back(store: TestStore, answering: Answering) {
+    let gate = Gate::new();
+    let server = FakeMcp::start(answering, Some(gate.clone())).await;
+    let gateway = std::sync::Arc::new(gateway(&store, &server).await);
+    let call = |id| tool_call(json!(id), "charge", json!({"amount": 5}), Some("k"));
+    let first = {
+        let (gateway, call) = (gateway.clone(), call(1));
+        tokio::spawn(async move { post(&gateway, &call, "s1").await })
+    };
+    crate::support::eventually(
+        std::time::Duration::from_secs(10),
+        "the call held at the server",
+        || async { server.pending() == 1 },
+    )
+    .await;
+    let cancel = |id| {
+        json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+               "params": {"requestId": id, "reason": "timed out"}})
+    };
+    let posts = server.posts().len();
+    assert_eq!(post(&gateway, &cancel(1), "s1").await.status, 202);
+    assert_eq!(server.posts().len(), posts, "{answering:?}: held back");
+    assert_eq!(server.pending(), 1, "the call goes on");
+    // Another call's, or this id in another session: passed.
+    assert_eq!(post(&gateway, &cancel(9), "s1").await.status, 202);
+    assert_eq!(post(&gateway, &cancel(1), "s2").await.status, 202);
+    assert_eq!(server.posts().len(), posts + 2, "{answering:?}");
+    gate.open(1);
+    let first = response(&first.await.unwrap());
+    assert_eq!(first["id"], 1, "{first}");
+    assert!(first["result"].is_object(), "{answering:?}: {first}");
+    let retry = response(&post(&gateway, &call(2), "s2").await);
+    assert_eq!(retry["id"], 2);
+    assert_eq!(retry["result"], first["result"]);
+    assert_eq!(server.runs("charge"), 1, "{answering:?}");
+}
+
+async fn an_agents_cancel_of_a_call_in_flight_is_held_back(store: TestStore) {
+    cancel_held_back(store, Answering::Json).await;
+}
+
+async fn an_agents_cancel_of_a_streamed_call_in_flight_is_held_back(store: TestStore) {
+    cancel_held_back(store, Answering::Stream).await;
+}
+
+/// An agent's `DELETE` of its session while a keyed call of it is in
+/// flight here waits for the call: the call goes on at the server, and its
+/// answer is the first caller's and the retry's, the tool run once; then
+/// the session ends.
+async fn session_end_held_back(store: TestStore, answering: Answering) {
+    let gate = Gate::new();
+    let server = FakeMcp::start(answering, Some(gate.clone())).await;
+    let gateway = std::sync::Arc::new(gateway(&store, &server).await);
+    let call = |id| tool_call(json!(id), "charge", json!({"amount": 5}), Some("k"));
+    let first = {
+        let (gateway, call) = (gateway.clone(), call(1));
+        tokio::spawn(async move { post(&gateway, &call, "s1").await })
+    };
+    crate::support::eventually(
+        std::time::Duration::from_secs(10),
+        "the call held at the server",
+        || async { server.pending() == 1 },
+    )
+    .await;
+    let deleted = {
+        let gateway = gateway.clone();
+        tokio::spawn(async move {
+            let headers = [("mcp-session-id", "s1")];
+            send(Method::DELETE, &gateway.path("/mcp"), &headers, "").await
+        })
+    };
+    // The DELETE is served (held, or sent on: then the server has it).
+    crate::support::eventually(
+        std::time::Duration::from_secs(10),
+        "the DELETE at the gateway",
+        || async {
+            !server.deletes().is_empty()
+                || gateway.metric("idemgate_requests_in_flight").await >= 2.0
+        },
+    )
+    .await;
+    assert!(server.deletes().is_empty(), "{answering:?}: held back");
+    assert_eq!(server.pending(), 1, "the call goes on");
+    // Another session's end is not held.
+    let headers = [("mcp-session-id", "s2")];
+    let other = send(Method::DELETE, &gateway.path("/mcp"), &headers, "").await;
+    assert_eq!(other.status, 200);
+    assert_eq!(server.deletes(), ["s2"]);
+    gate.open(1);
+    let first = response(&first.await.unwrap());
+    assert_eq!(first["id"], 1, "{first}");
+    assert!(first["result"].is_object(), "{answering:?}: {first}");
+    assert_eq!(deleted.await.unwrap().status, 200);
+    assert_eq!(server.deletes(), ["s2", "s1"], "then the session ends");
+    let retry = response(&post(&gateway, &call(2), "s3").await);
+    assert_eq!(retry["id"], 2);
+    assert_eq!(retry["result"], first["result"]);
+    assert_eq!(server.runs("charge"), 1, "{answering:?}");
+}
+
+async fn an_agents_session_end_waits_for_its_call_in_flight(store: TestStore) {
+    session_end_held_back(store, Answering::Json).await;
+}
+
+async fn an_agents_session_end_waits_for_its_streamed_call_in_flight(store: TestStore) {
+    session_end_held_back(store, Answering::Stream).await;
 }
 
 async fn a_cancelled_call_is_unknown_not_its_cancellation(store: TestStore) {
@@ -483,6 +603,10 @@ crate::on_each_deployment!(
     a_message_whose_parse_outgrows_the_budget_is_refused,
     a_call_the_server_refused_runs_in_the_next_session,
     a_cancelled_call_is_unknown_not_its_cancellation,
+    an_agents_cancel_of_a_call_in_flight_is_held_back,
+    an_agents_cancel_of_a_streamed_call_in_flight_is_held_back,
+    an_agents_session_end_waits_for_its_call_in_flight,
+    an_agents_session_end_waits_for_its_streamed_call_in_flight,
     a_cancelled_streamed_call_is_unknown_not_its_cancellation,
     a_call_whose_session_ended_is_unknown,
     a_streamed_call_whose_session_ended_is_unknown,

@@ -76,6 +76,9 @@ pub(super) struct Task {
     /// The JSON-RPC `id` of the MCP tool call it sends: only an answer
     /// that responds to it is the call's (`docs/design.md` §19).
     pub(super) call: Option<Vec<u8>>,
+    /// Marks that call at its server from here until the task ends: its
+    /// agent's `notifications/cancelled` is held back meanwhile.
+    pub(super) _at_server: Option<crate::mcp::AtServer>,
 }
 
 impl Task {
