@@ -177,6 +177,55 @@ pub fn is_response(message: &[u8]) -> bool {
     has("id") && (has("result") || has("error"))
 }
 
+/// What a JSON-RPC response to a request says: a result, or an error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Answer {
+    /// A `result`.
+    Result,
+    /// An `error`, with its `code` (`None`: it has no integer code).
+    Error(Option<i64>),
+}
+
+/// The response to the request `id` that `answer`, an MCP server's answer
+/// to that request, carries (`docs/design.md` §19, "What an answer
+/// means"): the body itself when it is that response, or in an event
+/// stream (`stream`) the first event whose data is. `None` when it carries
+/// none: an error whose `id` is `null` (the transport refused the
+/// message), another request's response, a stream that ended first.
+pub fn answer_to(answer: &[u8], id: &[u8], stream: bool) -> Option<Answer> {
+    if !stream {
+        return response_to(answer, id);
+    }
+    crate::sse::verdict::events(answer)
+        .iter()
+        .find_map(|event| response_to(event.data.as_bytes(), id))
+}
+
+/// What `message` answers, if it is a response to the request `id`: its
+/// top-level `id` the same value (as JSON: the server may spell it
+/// otherwise), with a `result` or an `error`.
+fn response_to(message: &[u8], id: &[u8]) -> Option<Answer> {
+    let top = members(message)?;
+    let its = span(message, &top, "id")?;
+    let same = its == id
+        || matches!(
+            (serde_json::from_slice::<Value>(its), serde_json::from_slice::<Value>(id)),
+            (Ok(a), Ok(b)) if a == b && !a.is_null()
+        );
+    if !same || id == b"null" {
+        return None;
+    }
+    if span(message, &top, "error").is_some() {
+        return Some(Answer::Error(error_code(message)));
+    }
+    span(message, &top, "result").map(|_| Answer::Result)
+}
+
+/// The code an MCP server answers a request with when it cancelled it
+/// mid-run, as its client asked (`notifications/cancelled`): "Request
+/// cancelled". The tool may have acted.
+pub const CANCELLED: i64 = -32800;
+
 /// The `code` of a JSON-RPC error response, if `message` is one.
 pub fn error_code(message: &[u8]) -> Option<i64> {
     let top = members(message)?;
@@ -377,6 +426,43 @@ mod tests {
         let error = br#"{"jsonrpc":"2.0","id":1,"error":{"code":-32603,"message":"boom"}}"#;
         assert_eq!(error_code(error), Some(-32603));
         assert_eq!(error_code(br#"{"jsonrpc":"2.0","id":1,"result":{}}"#), None);
+    }
+
+    #[test]
+    fn an_answer_is_the_calls_only_when_it_responds_to_its_id() {
+        let result = br#"{"jsonrpc":"2.0","id":7,"result":{}}"#;
+        assert_eq!(answer_to(result, b"7", false), Some(Answer::Result));
+        assert_eq!(answer_to(result, b"8", false), None, "another call's");
+        let spelled = br#"{"jsonrpc":"2.0","id":"ab","error":{"code":-32800}}"#;
+        assert_eq!(
+            answer_to(spelled, br#""ab""#, false),
+            Some(Answer::Error(Some(CANCELLED))),
+            "the same id spelled otherwise"
+        );
+        for none in [
+            &br#"{"jsonrpc":"2.0","id":null,"error":{"code":-32600,"message":"Session not found"}}"#[..],
+            br#"{"jsonrpc":"2.0","id":7}"#,
+            br#"{"jsonrpc":"2.0","id":7,"method":"ping"}"#,
+            b"",
+            b"Not Found",
+        ] {
+            assert_eq!(answer_to(none, b"7", false), None, "{none:?}");
+        }
+        assert_eq!(answer_to(none_null(), b"null", false), None);
+        let stream = b"event: message\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\"}\n\n\
+                       event: message\ndata: {\"jsonrpc\":\"2.0\",\"id\":7,\"error\":{\"code\":-32603}}\n\n";
+        assert_eq!(
+            answer_to(stream, b"7", true),
+            Some(Answer::Error(Some(-32603)))
+        );
+        let ended_first = b"event: message\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\"}\n\n";
+        assert_eq!(answer_to(ended_first, b"7", true), None);
+        let unended = b"data: {\"jsonrpc\":\"2.0\",\"id\":7,\"result\":{}}";
+        assert_eq!(answer_to(unended, b"7", true), None, "never dispatched");
+    }
+
+    fn none_null() -> &'static [u8] {
+        br#"{"jsonrpc":"2.0","id":null,"result":{}}"#
     }
 
     #[test]

@@ -352,6 +352,11 @@ fn upstream_problem(e: &UpstreamError) -> Problem {
             "attempt-outcome-unknown",
             "Upstream connection failed after the request was sent; outcome unknown",
         ),
+        UpstreamError::Unanswered(_) => p(
+            StatusCode::BAD_GATEWAY,
+            "attempt-outcome-unknown",
+            "Upstream answered without an answer to the call; outcome unknown",
+        ),
         UpstreamError::ContractViolation(_) => p(
             StatusCode::BAD_GATEWAY,
             "upstream-contract-violation",

@@ -34,6 +34,7 @@ use super::replay::tiers::Write;
 use super::resume::resume;
 use super::shared::Shared;
 use crate::error::{ClientError, GatewayError};
+use crate::mcp::MCP_SESSION_ID;
 use crate::route::{InProgress, OnUnknown};
 use idemgate_domain::attempt::AttemptState;
 use idemgate_domain::id::JobId;
@@ -103,10 +104,12 @@ pub(crate) fn run(
             }
             response
         });
-        // A tool call's answer made by another call's attempt is its own.
+        // A tool call's answer made by another call's attempt is its own,
+        // in its own session.
         let response = match rpc_id {
             Some(id) if response.headers().contains_key(IDEMPOTENT_REPLAYED) => {
-                crate::mcp::readdressed(response, id)
+                let session = flow.driver.request.parts.headers.get(MCP_SESSION_ID);
+                crate::mcp::readdressed(response, id, session.cloned())
             }
             _ => response,
         };

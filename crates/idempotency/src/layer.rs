@@ -122,6 +122,14 @@ where
             };
         }
         let answer = match opt_in::classify(&self.shared.config.routes, &self.shared.trust, req) {
+            // An MCP session's end waits for its keyed calls at the server.
+            Classified::PassThrough(req) if self.shared.runner.calls.holds_end(&req) => {
+                let (shared, upstream) = (self.shared.clone(), self.inner.clone());
+                let upstream: UpstreamService = BoxCloneSyncService::new(upstream);
+                Answer::Guarded {
+                    answer: Box::pin(end_session(shared, req, upstream)),
+                }
+            }
             // Straight to the upstream: no clone of it, no box, and none of
             // the opted-in flow's state (kilobytes) allocated for a request
             // that does not need it.
@@ -147,6 +155,28 @@ where
             }
         };
         ResponseFuture { answer }
+    }
+}
+
+/// An MCP session's `DELETE`, sent on once no keyed call of the session is
+/// at its server from here any more (at most the attempt deadline), in a
+/// task of its own: a client that does not wait for it still ends its
+/// session (`docs/design.md` §19, "An agent's cancel").
+async fn end_session(
+    shared: Arc<Shared>,
+    req: Request<Body>,
+    upstream: UpstreamService,
+) -> Response<Body> {
+    let calls = shared.runner.calls.clone();
+    let limit = shared.config.attempt.deadline;
+    let ended = tokio::spawn(async move {
+        calls.quiet(&req, limit).await;
+        upstream.oneshot(req).await
+    });
+    match ended.await {
+        Ok(Ok(response)) => response,
+        Ok(Err(e)) => passing_failed(e).into_response(),
+        Err(e) => GatewayError::Internal(Box::new(e)).into_response(),
     }
 }
 
@@ -272,6 +302,9 @@ fn answer(
                     Err(e) => passing_failed(e).into_response(),
                 }
             }))
+        }
+        Ok(Prepared::Answered(response)) => {
+            return Either::Left(Box::pin(std::future::ready(response)))
         }
         Err(refused) => return Either::Left(Box::pin(std::future::ready(refused.into_response()))),
     };

@@ -3,14 +3,16 @@
 //! a `POST` is read before it is known to be keyed. A `tools/call` with a
 //! key (`params._meta.idempotencyKey`, else the header) is a job like any
 //! keyed request, whose intent is the tool and its canonical arguments;
-//! everything else passes through as it came. Every answer a call gets
-//! that its own attempt did not make is addressed to the call's own `id`.
+//! everything else passes through as it came, but an agent's cancel of a
+//! keyed call in flight here, held back. Every answer a call gets that its
+//! own attempt did not make is addressed to the call's own `id`.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use bytes::Bytes;
 use futures_util::StreamExt;
-use http::{header, Request, Response};
+use http::{header, HeaderValue, Request, Response};
 use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
 use tracing::Span;
@@ -59,6 +61,11 @@ pub(crate) async fn prepare(
             if keyed || !matches!(key, HeaderKey::Absent) || route.require_key =>
         {
             return Err(ClientError::KeyedBatch.into())
+        }
+        _ if shared.runner.calls.cancels(&parts, &body) => {
+            let mut accepted = Response::new(full(Bytes::new()));
+            *accepted.status_mut() = http::StatusCode::ACCEPTED;
+            return Ok(Prepared::Answered(accepted));
         }
         _ => return passing(parts, body),
     };
@@ -112,6 +119,119 @@ pub(crate) async fn prepare(
     }))
 }
 
+/// The keyed tool calls whose attempts are at their server from this
+/// process, by session (`Mcp-Session-Id`, empty when none) and `id` (as
+/// JSON text): an agent's `notifications/cancelled` of one is held back
+/// (`docs/design.md` §19, "An agent's cancel").
+#[derive(Default)]
+pub(crate) struct Calls {
+    at_server: std::sync::Mutex<HashMap<(Bytes, String), usize>>,
+    /// Told whenever a call leaves its server.
+    left: tokio::sync::Notify,
+}
+
+/// Marks an MCP route's `DELETE`: the end of the session it names.
+#[derive(Clone, Copy)]
+pub(crate) struct SessionEnd;
+
+/// One keyed call at its server from here, until dropped.
+pub(crate) struct AtServer(Arc<Calls>, (Bytes, String));
+
+impl Calls {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(Bytes, String), usize>> {
+        self.at_server.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether keyed calls of the session `req` names are at their server.
+    fn in_session(&self, req: &Request<Body>) -> bool {
+        let session = session_of(req.headers().get(MCP_SESSION_ID));
+        self.lock().keys().any(|(s, _)| *s == session)
+    }
+
+    /// Whether `req` ends an MCP session some of whose keyed calls are at
+    /// their server from here: it is held until they leave.
+    pub(crate) fn holds_end(&self, req: &Request<Body>) -> bool {
+        req.extensions().get::<SessionEnd>().is_some() && self.in_session(req)
+    }
+
+    /// Waits until no keyed call of the session `req` ends is at its
+    /// server from here, or `limit` passed.
+    pub(crate) async fn quiet(&self, req: &Request<Body>, limit: std::time::Duration) {
+        tracing::info!(
+            "an MCP session's end is held back until its keyed tool calls in flight end"
+        );
+        let wait = async {
+            loop {
+                let left = self.left.notified();
+                tokio::pin!(left);
+                left.as_mut().enable();
+                if !self.in_session(req) {
+                    return;
+                }
+                left.await;
+            }
+        };
+        let _ = tokio::time::timeout(limit, wait).await;
+    }
+
+    /// Marks the call `id` of `session` at its server until the mark drops.
+    pub(crate) fn start(self: &Arc<Self>, session: Option<&HeaderValue>, id: &[u8]) -> AtServer {
+        let at = (session_of(session), id_text(id));
+        *self.lock().entry(at.clone()).or_default() += 1;
+        AtServer(self.clone(), at)
+    }
+
+    /// Whether `body`, a message posted in the session `parts` name, is a
+    /// `notifications/cancelled` of a keyed call at its server from here.
+    pub(crate) fn cancels(&self, parts: &http::request::Parts, body: &[u8]) -> bool {
+        if self.lock().is_empty() {
+            return false;
+        }
+        let Ok(message) = serde_json::from_slice::<serde_json::Value>(body) else {
+            return false;
+        };
+        let cancel = message.get("method").and_then(serde_json::Value::as_str)
+            == Some("notifications/cancelled")
+            && message.get("id").is_none();
+        let Some(request) = message.pointer("/params/requestId").filter(|_| cancel) else {
+            return false;
+        };
+        let session = session_of(parts.headers.get(MCP_SESSION_ID));
+        let held = self.lock().contains_key(&(session, request.to_string()));
+        if held {
+            tracing::info!(request = %request, "an agent's cancel of a keyed tool call in flight is held back: the call goes on, and its answer is kept for the retry");
+        }
+        held
+    }
+}
+
+impl Drop for AtServer {
+    fn drop(&mut self) {
+        {
+            let mut calls = self.0.lock();
+            if let Some(n) = calls.get_mut(&self.1) {
+                *n -= 1;
+                if *n == 0 {
+                    calls.remove(&self.1);
+                }
+            }
+        }
+        self.0.left.notify_waiters();
+    }
+}
+
+fn session_of(session: Option<&HeaderValue>) -> Bytes {
+    session.map_or_else(Bytes::new, |s| Bytes::copy_from_slice(s.as_bytes()))
+}
+
+/// An `id` as JSON text, however it was spelled.
+fn id_text(id: &[u8]) -> String {
+    serde_json::from_slice::<serde_json::Value>(id).map_or_else(
+        |_| String::from_utf8_lossy(id).into_owned(),
+        |v| v.to_string(),
+    )
+}
+
 /// A call's intent: its method, the endpoint, the tool and its arguments
 /// in canonical form. Never its `id`, its `_meta` (a progress token, the
 /// key itself) or its session: an agent that reconnected as a new session
@@ -141,11 +261,27 @@ const CANONICAL: BodyRule = BodyRule {
     ignore: Vec::new(),
 };
 
+/// The transport's session header: the server names the session on its
+/// answers, and a client adopts the one any answer names.
+pub(crate) const MCP_SESSION_ID: header::HeaderName =
+    header::HeaderName::from_static("mcp-session-id");
+
 /// `response`, which another request's attempt made, addressed to `id`:
 /// the JSON-RPC response in a JSON body, or the response event of an event
-/// stream, readdressed as it comes; every other byte as it was.
-pub(crate) fn readdressed(response: Response<Body>, id: Vec<u8>) -> Response<Body> {
+/// stream, readdressed as it comes; every other byte as it was, but the
+/// session it names: the one the call asked in (`session`), or none. The
+/// session of the call that made it is another client's, or gone
+/// (`docs/design.md` §19, "The answer").
+pub(crate) fn readdressed(
+    response: Response<Body>,
+    id: Vec<u8>,
+    session: Option<http::HeaderValue>,
+) -> Response<Body> {
     let (mut parts, body) = response.into_parts();
+    parts.headers.remove(MCP_SESSION_ID);
+    if let Some(session) = session {
+        parts.headers.insert(MCP_SESSION_ID, session);
+    }
     let streams = parts
         .headers
         .get(header::CONTENT_TYPE)

@@ -63,6 +63,9 @@ pub(crate) enum Prepared {
     Keyed(Keyed),
     /// Not keyed after all: forwarded as it is.
     Passing(Request<Body>),
+    /// Answered here, never forwarded: an agent's cancel of a keyed call
+    /// in flight (`docs/design.md` §19, "An agent's cancel").
+    Answered(http::Response<Body>),
 }
 
 /// Why a request was refused while it was prepared, and, for a tool call,
@@ -123,6 +126,9 @@ pub(crate) fn classify(routes: &[Arc<Route>], trust: &Trust, mut req: Request<Bo
         // with its credentials, only from a proven client.
         req.extensions_mut()
             .insert(Target(route.primary.id.clone()));
+        if req.method() == http::Method::DELETE {
+            req.extensions_mut().insert(crate::mcp::SessionEnd);
+        }
         return Classified::PassThrough(req);
     }
     // Every line of the header: a key sent twice is refused, not the first taken.

@@ -158,7 +158,12 @@ async fn concurrent_calls(store: TestStore, answering: Answering) {
     gate.open(1);
     let mut results = Vec::new();
     for (n, call) in calls.into_iter().enumerate() {
-        let answer = response(&call.await.unwrap());
+        let reply = call.await.unwrap();
+        // Its own session, never the one whose call ran the tool: a client
+        // adopts the session of any answer it gets.
+        let session = format!("s{}", n + 1);
+        assert_eq!(reply.header("mcp-session-id"), Some(session.as_str()));
+        let answer = response(&reply);
         assert_eq!(answer["id"], n as i64 + 1);
         results.push(answer["result"].clone());
     }
@@ -188,10 +193,256 @@ async fn a_new_session_gets_the_answer_of_the_old_one(store: TestStore) {
     let first = post(&gateway, &call(1), "session-before-crash").await;
     let again = post(&gateway, &call(1001), "session-after-reconnect").await;
     assert_eq!(again.header("content-type"), Some("text/event-stream"));
+    // The replay is in the session that asked: a client adopts the
+    // session of any answer, and the old one may be gone.
+    assert_eq!(
+        again.header("mcp-session-id"),
+        Some("session-after-reconnect")
+    );
     let (first, again) = (response(&first), response(&again));
     assert_eq!(again["id"], 1001);
     assert_eq!(again["result"], first["result"]);
+    // A call that names no session is told none.
+    let headers = [
+        ("content-type", "application/json"),
+        ("accept", "application/json, text/event-stream"),
+    ];
+    let sessionless = send(
+        Method::POST,
+        &gateway.path("/mcp"),
+        &headers,
+        call(1002).to_string(),
+    )
+    .await;
+    assert_eq!(sessionless.header("idempotent-replayed"), Some("true"));
+    assert_eq!(sessionless.header("mcp-session-id"), None);
+    assert_eq!(response(&sessionless)["id"], 1002);
     assert_eq!(server.runs("create_ticket"), 1);
+}
+
+/// A call the server refused before dispatching it (`404` "Session not
+/// found" with `"id": null` after a restart; a bare `400`) had no effect:
+/// the refusal is the caller's, nothing is kept, and the retry in a new
+/// session runs the tool.
+async fn a_call_the_server_refused_runs_in_the_next_session(store: TestStore) {
+    let server = FakeMcp::start(Answering::Json, None).await;
+    let gateway = gateway(&store, &server).await;
+    for (session, status, key) in [("gone", 404, "k-404"), ("refused", 400, "k-400")] {
+        let call = |id| tool_call(json!(id), "charge", json!({"amount": 5}), Some(key));
+        let refused = post(&gateway, &call(1), session).await;
+        assert_eq!(refused.status, status, "{session}");
+        assert_eq!(refused.header("idempotent-replayed"), None);
+        let runs = server.runs("charge");
+        let retry = post(&gateway, &call(2), "s2").await;
+        assert_eq!(retry.header("idempotent-replayed"), None, "{session}");
+        let retry = response(&retry);
+        assert_eq!(retry["id"], 2, "{retry}");
+        assert!(retry["result"].is_object(), "{session}: {retry}");
+        assert_eq!(server.runs("charge"), runs + 1, "{session}");
+    }
+    assert_eq!(server.runs("charge"), 2, "once for each key");
+}
+
+/// How an agent abandons a call in flight.
+#[derive(Debug, Clone, Copy)]
+enum Abandon {
+    /// `notifications/cancelled`: the server answers `-32800`.
+    Cancel,
+    /// The session's `DELETE`: `500` with `"id": null`, or a stream that
+    /// ends before the response.
+    Delete,
+}
+
+/// A call its agent abandoned mid-run, the server cut short: its answer
+/// carries no response to the call (or `-32800`), yet the tool may have
+/// acted. Nothing is kept, and the retry in a new session meets an
+/// unknown outcome, never that answer, nor a second run. `-32603` is
+/// listed retryable: the session's `id: null` error is still not the
+/// call's.
+async fn abandoned(store: TestStore, answering: Answering, how: Abandon) {
+    let gate = Gate::new();
+    let server = FakeMcp::start(answering, Some(gate.clone())).await;
+    let gateway = std::sync::Arc::new(
+        Gateway::builder(&store, &server.url())
+            .tables(&format!("{ROUTE}retryable_rpc_codes = [-32603]\n"))
+            .start()
+            .await,
+    );
+    let call = |id| tool_call(json!(id), "charge", json!({"amount": 5}), Some("k"));
+    let first = {
+        let (gateway, call) = (gateway.clone(), call(1));
+        tokio::spawn(async move { post(&gateway, &call, "s1").await })
+    };
+    crate::support::eventually(
+        std::time::Duration::from_secs(10),
+        "the call held at the server",
+        || async { server.pending() == 1 },
+    )
+    .await;
+    match how {
+        // Sent to the server itself, as through another replica: a
+        // replica holds back only the cancels, and the session ends, of
+        // calls it has in flight.
+        Abandon::Cancel => {
+            let cancel = json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                                "params": {"requestId": 1, "reason": "timed out"}});
+            let headers = [
+                ("content-type", "application/json"),
+                ("mcp-session-id", "s1"),
+            ];
+            let sent = send(Method::POST, &server.url(), &headers, cancel.to_string()).await;
+            assert_eq!(sent.status, 202);
+        }
+        Abandon::Delete => {
+            let headers = [("mcp-session-id", "s1")];
+            let deleted = send(Method::DELETE, &server.url(), &headers, "").await;
+            assert_eq!(deleted.status, 200);
+        }
+    }
+    // A JSON answer is the first caller's; a stream it read is cut.
+    let first = first.await;
+    if answering == Answering::Json {
+        let first = response(&first.unwrap());
+        let kind = first["error"]["data"]["type"].as_str().unwrap_or_default();
+        assert!(kind.ends_with("/attempt-outcome-unknown"), "{first}");
+    }
+    let retry = post(&gateway, &call(2), "s2").await;
+    let retry = response(&retry);
+    assert_eq!(retry["id"], 2, "{retry}");
+    let kind = retry["error"]["data"]["type"].as_str().unwrap_or_default();
+    assert!(
+        kind.ends_with("/attempt-outcome-unknown"),
+        "{answering:?} {how:?}: {retry}"
+    );
+    assert_eq!(server.runs("charge"), 1, "never a second run");
+}
+
+/// An agent's `notifications/cancelled` of a keyed call in flight here is
+/// held back (`202`, never forwarded): the call goes on at the server, and
+/// its answer is the first caller's and the retry's, the tool run once.
+/// A cancel of another call passes.
+async fn cancel_held_back(store: TestStore, answering: Answering) {
+    let gate = Gate::new();
+    let server = FakeMcp::start(answering, Some(gate.clone())).await;
+    let gateway = std::sync::Arc::new(gateway(&store, &server).await);
+    let call = |id| tool_call(json!(id), "charge", json!({"amount": 5}), Some("k"));
+    let first = {
+        let (gateway, call) = (gateway.clone(), call(1));
+        tokio::spawn(async move { post(&gateway, &call, "s1").await })
+    };
+    crate::support::eventually(
+        std::time::Duration::from_secs(10),
+        "the call held at the server",
+        || async { server.pending() == 1 },
+    )
+    .await;
+    let cancel = |id| {
+        json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+               "params": {"requestId": id, "reason": "timed out"}})
+    };
+    let posts = server.posts().len();
+    assert_eq!(post(&gateway, &cancel(1), "s1").await.status, 202);
+    assert_eq!(server.posts().len(), posts, "{answering:?}: held back");
+    assert_eq!(server.pending(), 1, "the call goes on");
+    // Another call's, or this id in another session: passed.
+    assert_eq!(post(&gateway, &cancel(9), "s1").await.status, 202);
+    assert_eq!(post(&gateway, &cancel(1), "s2").await.status, 202);
+    assert_eq!(server.posts().len(), posts + 2, "{answering:?}");
+    gate.open(1);
+    let first = response(&first.await.unwrap());
+    assert_eq!(first["id"], 1, "{first}");
+    assert!(first["result"].is_object(), "{answering:?}: {first}");
+    let retry = response(&post(&gateway, &call(2), "s2").await);
+    assert_eq!(retry["id"], 2);
+    assert_eq!(retry["result"], first["result"]);
+    assert_eq!(server.runs("charge"), 1, "{answering:?}");
+}
+
+async fn an_agents_cancel_of_a_call_in_flight_is_held_back(store: TestStore) {
+    cancel_held_back(store, Answering::Json).await;
+}
+
+async fn an_agents_cancel_of_a_streamed_call_in_flight_is_held_back(store: TestStore) {
+    cancel_held_back(store, Answering::Stream).await;
+}
+
+/// An agent's `DELETE` of its session while a keyed call of it is in
+/// flight here waits for the call: the call goes on at the server, and its
+/// answer is the first caller's and the retry's, the tool run once; then
+/// the session ends.
+async fn session_end_held_back(store: TestStore, answering: Answering) {
+    let gate = Gate::new();
+    let server = FakeMcp::start(answering, Some(gate.clone())).await;
+    let gateway = std::sync::Arc::new(gateway(&store, &server).await);
+    let call = |id| tool_call(json!(id), "charge", json!({"amount": 5}), Some("k"));
+    let first = {
+        let (gateway, call) = (gateway.clone(), call(1));
+        tokio::spawn(async move { post(&gateway, &call, "s1").await })
+    };
+    crate::support::eventually(
+        std::time::Duration::from_secs(10),
+        "the call held at the server",
+        || async { server.pending() == 1 },
+    )
+    .await;
+    let deleted = {
+        let gateway = gateway.clone();
+        tokio::spawn(async move {
+            let headers = [("mcp-session-id", "s1")];
+            send(Method::DELETE, &gateway.path("/mcp"), &headers, "").await
+        })
+    };
+    // The DELETE is served (held, or sent on: then the server has it).
+    crate::support::eventually(
+        std::time::Duration::from_secs(10),
+        "the DELETE at the gateway",
+        || async {
+            !server.deletes().is_empty()
+                || gateway.metric("idemgate_requests_in_flight").await >= 2.0
+        },
+    )
+    .await;
+    assert!(server.deletes().is_empty(), "{answering:?}: held back");
+    assert_eq!(server.pending(), 1, "the call goes on");
+    // Another session's end is not held.
+    let headers = [("mcp-session-id", "s2")];
+    let other = send(Method::DELETE, &gateway.path("/mcp"), &headers, "").await;
+    assert_eq!(other.status, 200);
+    assert_eq!(server.deletes(), ["s2"]);
+    gate.open(1);
+    let first = response(&first.await.unwrap());
+    assert_eq!(first["id"], 1, "{first}");
+    assert!(first["result"].is_object(), "{answering:?}: {first}");
+    assert_eq!(deleted.await.unwrap().status, 200);
+    assert_eq!(server.deletes(), ["s2", "s1"], "then the session ends");
+    let retry = response(&post(&gateway, &call(2), "s3").await);
+    assert_eq!(retry["id"], 2);
+    assert_eq!(retry["result"], first["result"]);
+    assert_eq!(server.runs("charge"), 1, "{answering:?}");
+}
+
+async fn an_agents_session_end_waits_for_its_call_in_flight(store: TestStore) {
+    session_end_held_back(store, Answering::Json).await;
+}
+
+async fn an_agents_session_end_waits_for_its_streamed_call_in_flight(store: TestStore) {
+    session_end_held_back(store, Answering::Stream).await;
+}
+
+async fn a_cancelled_call_is_unknown_not_its_cancellation(store: TestStore) {
+    abandoned(store, Answering::Json, Abandon::Cancel).await;
+}
+
+async fn a_cancelled_streamed_call_is_unknown_not_its_cancellation(store: TestStore) {
+    abandoned(store, Answering::Stream, Abandon::Cancel).await;
+}
+
+async fn a_call_whose_session_ended_is_unknown(store: TestStore) {
+    abandoned(store, Answering::Json, Abandon::Delete).await;
+}
+
+async fn a_streamed_call_whose_session_ended_is_unknown(store: TestStore) {
+    abandoned(store, Answering::Stream, Abandon::Delete).await;
 }
 
 async fn a_keyed_batch_is_refused_and_an_error_answer_is_the_tools(store: TestStore) {
@@ -350,6 +601,15 @@ crate::on_each_deployment!(
     a_new_session_gets_the_answer_of_the_old_one,
     a_keyed_batch_is_refused_and_an_error_answer_is_the_tools,
     a_message_whose_parse_outgrows_the_budget_is_refused,
+    a_call_the_server_refused_runs_in_the_next_session,
+    a_cancelled_call_is_unknown_not_its_cancellation,
+    an_agents_cancel_of_a_call_in_flight_is_held_back,
+    an_agents_cancel_of_a_streamed_call_in_flight_is_held_back,
+    an_agents_session_end_waits_for_its_call_in_flight,
+    an_agents_session_end_waits_for_its_streamed_call_in_flight,
+    a_cancelled_streamed_call_is_unknown_not_its_cancellation,
+    a_call_whose_session_ended_is_unknown,
+    a_streamed_call_whose_session_ended_is_unknown,
 );
 
 /// The official `mcp` Python SDK (2.x), client and server over Streamable

@@ -39,10 +39,11 @@ use tracing::Instrument;
 use super::verdict::{classify, Verdict};
 use super::UpstreamService;
 use crate::replay;
-use crate::route::Route;
+use crate::route::{Protocol, Route};
 use idemgate_domain::attempt::{AttemptFailure, AttemptState, Resolution};
 use idemgate_domain::id::{AttemptId, JobId};
 use idemgate_domain::job::JobDetail;
+use idemgate_domain::jsonrpc;
 use idemgate_domain::reconcile::{backoff, next_lookup, verdict, Lookup, LookupResult, Lookups};
 use idemgate_domain::response::StoredResponse;
 use idemgate_domain::transition::Refusal;
@@ -249,7 +250,18 @@ impl Reconciler {
                 }
                 (self.judged(verdict(status)), status, answer.ok())
             }
-            Ask::Resend(sent) => resent(classify(self.resend(sent).await, &self.route)),
+            Ask::Resend(sent) => {
+                // Only the call's own response answers it (docs/design.md §19).
+                let call = match &self.route.protocol {
+                    Protocol::Mcp(_) => match jsonrpc::request(&sent.body) {
+                        jsonrpc::Request::ToolCall(call) => Some(call.id),
+                        _ => None,
+                    },
+                    Protocol::Http => None,
+                };
+                let answer = self.resend(sent).await;
+                resent(classify(answer, &self.route, call.as_deref()))
+            }
         };
         metrics::counter!(
             "idemgate_reconcile_lookups_total",

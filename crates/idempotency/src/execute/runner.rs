@@ -61,6 +61,8 @@ pub(crate) struct Runner {
     pub(super) instance: Uuid,
     /// The attempts a task here asks its upstream about.
     pub(super) asking: Arc<reconcile::Asking>,
+    /// The MCP tool calls whose attempts are at their server from here.
+    pub(crate) calls: Arc<crate::mcp::Calls>,
     /// The never-sent records still being written, the begins and claims
     /// that may make one, and the reconcilers' asks in flight, for the
     /// drain to wait on ([`Runner::finish_writes`]).
@@ -87,6 +89,7 @@ impl Runner {
             live,
             instance,
             asking: Arc::default(),
+            calls: Arc::default(),
             background: TaskTracker::new(),
         }
     }
@@ -212,6 +215,11 @@ impl Runner {
             // counted until it ends (docs/design.md §18).
             charge: request.charge.clone(),
             _calling: calling,
+            call: request.rpc_id.clone(),
+            _at_server: request.rpc_id.as_ref().map(|id| {
+                let session = request.parts.headers.get(crate::mcp::MCP_SESSION_ID);
+                self.calls.start(session, id)
+            }),
         };
         // A child of the request's span, though it may outlive the request.
         let span = tracing::info_span!(

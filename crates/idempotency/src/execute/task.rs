@@ -76,6 +76,12 @@ pub(super) struct Task {
     /// Times the upstream call to its head; stopped by the silence that
     /// gives up on it (`idemgate_upstream_response_seconds{outcome}`).
     pub(super) stopwatch: Stopwatch,
+    /// The JSON-RPC `id` of the MCP tool call it sends: only an answer
+    /// that responds to it is the call's (`docs/design.md` §19).
+    pub(super) call: Option<Vec<u8>>,
+    /// Marks that call at its server from here until the task ends: its
+    /// agent's `notifications/cancelled` is held back meanwhile.
+    pub(super) _at_server: Option<crate::mcp::AtServer>,
 }
 
 impl Task {
@@ -104,7 +110,7 @@ impl Task {
                 self.send(Reply::Unknown(UpstreamError::TimedOut(deadline).into()));
             }
             Call::Streaming(parts, body) => self.stream(parts, body, &cancel).await,
-            Call::Answered(result) => match classify(result, &self.route) {
+            Call::Answered(result) => match classify(result, &self.route, self.call.as_deref()) {
                 Verdict::Commit(stored) => self.commit(stored).await,
                 Verdict::Fail(failure, answer) => {
                     if matches!(failure, AttemptFailure::Rejected { .. }) {
@@ -470,7 +476,7 @@ impl Task {
         let stored = recording.stored();
         // The whole answer, copied out of the chunks for the commit.
         self.charge.add(stored.body.len());
-        let reported = match ended(&self.route, &stored) {
+        let reported = match ended(&self.route, &stored, self.call.as_deref()) {
             Ended::Whole => false,
             Ended::Error { kind, retryable } => {
                 self.count_stream_error(&kind, retryable);
@@ -490,13 +496,19 @@ impl Task {
                 }
                 true
             }
-            Ended::Unended => {
-                let detail = "the stream ended without one of the route's end events \
-                              (stream_end_events): it stopped short"
-                    .to_owned();
+            Ended::Unknown(detail) => {
                 self.record(AttemptFailure::Unknown { detail }, By::Upstream)
                     .await;
                 recording.cut();
+                return;
+            }
+            Ended::Refused(detail) => {
+                let failure = AttemptFailure::Failed {
+                    status: Some(stored.status),
+                    detail,
+                };
+                self.record(failure, By::Upstream).await;
+                recording.end_uncommitted();
                 return;
             }
         };

@@ -2,7 +2,9 @@
 //! alone (pure, `docs/design.md` §3): refused before sending → `failed`;
 //! broken after sending, or too large to record → `unknown`; a retryable
 //! status → `failed`, handed back uncommitted; a 2xx that breaks the route's
-//! contract → `rejected`; anything else → commit.
+//! contract → `rejected`; anything else → commit. On an MCP route, what the
+//! answer says of the tool call comes first (`docs/design.md` §19, "What an
+//! answer means").
 
 use http::Response;
 
@@ -30,8 +32,13 @@ pub(super) enum Verdict {
     Unknown(AttemptFailure, GatewayError),
 }
 
-/// Decides what an upstream's answer (or failure) means for its attempt.
-pub(super) fn classify(result: Result<Fetched, UpstreamError>, route: &Route) -> Verdict {
+/// Decides what an upstream's answer (or failure) means for its attempt;
+/// `call` is the JSON-RPC `id` of the tool call it answers, on an MCP route.
+pub(super) fn classify(
+    result: Result<Fetched, UpstreamError>,
+    route: &Route,
+    call: Option<&[u8]>,
+) -> Verdict {
     let fetched = match result {
         Ok(fetched) => fetched,
         Err(error) => {
@@ -59,7 +66,34 @@ pub(super) fn classify(result: Result<Fetched, UpstreamError>, route: &Route) ->
         let response = Response::from_parts(fetched.parts, full(fetched.body));
         return Verdict::Fail(failure, Uncommitted::Response(response));
     }
-    if let Some(code) = retryable_rpc_error(route, &fetched.body) {
+    let to_call = to_the_call(route, call, status, &fetched.parts.headers, &fetched.body);
+    let retryable_code = match &to_call {
+        Some(ToCall::Refused) => {
+            let failure = AttemptFailure::Failed {
+                status: Some(status),
+                detail: format!(
+                    "the MCP server refused the message before dispatching it: {status} without \
+                     a response to the call"
+                ),
+            };
+            let response = Response::from_parts(fetched.parts, full(fetched.body));
+            return Verdict::Fail(failure, Uncommitted::Response(response));
+        }
+        Some(ToCall::Unanswered(why)) => {
+            let detail = format!("{why} (answered {status}): the tool may have run");
+            let failure = AttemptFailure::Unknown {
+                detail: detail.clone(),
+            };
+            return Verdict::Unknown(failure, UpstreamError::Unanswered(detail).into());
+        }
+        Some(ToCall::Answered(jsonrpc::Answer::Error(Some(code)))) => {
+            rpc_code_retryable(route, *code).then_some(*code)
+        }
+        Some(ToCall::Answered(_)) => None,
+        // Not read: its code, if any, as before.
+        None => retryable_rpc_error(route, &fetched.body),
+    };
+    if let Some(code) = retryable_code {
         let failure = AttemptFailure::Failed {
             status: Some(status),
             detail: format!(
@@ -73,7 +107,7 @@ pub(super) fn classify(result: Result<Fetched, UpstreamError>, route: &Route) ->
     // An event stream read whole (its head came after the attempt went
     // unknown, or it answers a resend) is judged as a stream all the same.
     if route.streams(&fetched.parts.headers) {
-        return whole_stream(replay::capture(&fetched), fetched, route);
+        return whole_stream(replay::capture(&fetched), fetched, route, call);
     }
     if let Some(contract) = route
         .contract
@@ -100,9 +134,14 @@ pub(super) fn classify(result: Result<Fetched, UpstreamError>, route: &Route) ->
 /// rather than streamed (`docs/design.md` §10, "In-band errors and whole
 /// streams"): as a streamed one's end would ([`ended`]), then checked by
 /// the contract's `events`, never as one JSON document.
-fn whole_stream(stored: StoredResponse, fetched: Fetched, route: &Route) -> Verdict {
+fn whole_stream(
+    stored: StoredResponse,
+    fetched: Fetched,
+    route: &Route,
+    call: Option<&[u8]>,
+) -> Verdict {
     let status = stored.status;
-    match ended(route, &stored) {
+    match ended(route, &stored, call) {
         Ended::Whole => {}
         Ended::Error {
             kind,
@@ -121,14 +160,17 @@ fn whole_stream(stored: StoredResponse, fetched: Fetched, route: &Route) -> Verd
         // The upstream's own verdict, like a `4xx`: never checked against
         // the contract.
         Ended::Error { .. } => return Verdict::Commit(stored),
-        Ended::Unended => {
-            let detail = "the stream ended without one of the route's end events \
-                          (stream_end_events): it stopped short";
-            let error = UpstreamError::Broken(detail.into());
-            let failure = AttemptFailure::Unknown {
-                detail: detail.to_owned(),
+        Ended::Unknown(detail) => {
+            let error = UpstreamError::Broken(detail.clone().into());
+            return Verdict::Unknown(AttemptFailure::Unknown { detail }, error.into());
+        }
+        Ended::Refused(detail) => {
+            let failure = AttemptFailure::Failed {
+                status: Some(status),
+                detail,
             };
-            return Verdict::Unknown(failure, error.into());
+            let response = Response::from_parts(fetched.parts, full(fetched.body));
+            return Verdict::Fail(failure, Uncommitted::Response(response));
         }
     }
     let contract = route
@@ -150,24 +192,84 @@ fn whole_stream(stored: StoredResponse, fetched: Fetched, route: &Route) -> Verd
     Verdict::Commit(stored)
 }
 
+/// What an MCP server's answer says of a keyed tool call.
+#[derive(Debug, PartialEq, Eq)]
+enum ToCall {
+    /// It carries the call's response: the answer, unless its error's code
+    /// is one the route retries.
+    Answered(jsonrpc::Answer),
+    /// It carries none, and its status is a `4xx`: the server refused the
+    /// message before dispatching it (a session it does not know, as after
+    /// a restart; a session id missing; a protocol version it does not
+    /// speak; the transport's rule: "the HTTP response body MAY comprise a
+    /// JSON-RPC error response that has no `id`"). The tool never ran.
+    Refused,
+    /// It carries no answer to keep, yet the call was dispatched: no
+    /// response to it (a `500` with `"id": null` when its session was
+    /// ended under it, a stream that ended first), or `-32800`, the server
+    /// cancelling its handler mid-run as the client asked. The tool may
+    /// have run: unknown, and never run again by a retry.
+    Unanswered(&'static str),
+}
+
+/// What `body`, an MCP server's answer with `status` and `headers`, says of
+/// the tool call whose `id` is `call` (`docs/design.md` §19, "What an
+/// answer means"). `None` on another route, and for an answer that cannot
+/// be read (compressed): it is judged by its status, as any answer.
+fn to_the_call(
+    route: &Route,
+    call: Option<&[u8]>,
+    status: u16,
+    headers: &http::HeaderMap,
+    body: &[u8],
+) -> Option<ToCall> {
+    let encoded = headers
+        .get(http::header::CONTENT_ENCODING)
+        .is_some_and(|e| !e.as_bytes().trim_ascii().eq_ignore_ascii_case(b"identity"));
+    if encoded {
+        return None;
+    }
+    let stream = headers
+        .get(http::header::CONTENT_TYPE)
+        .is_some_and(|t| t.as_bytes().starts_with(b"text/event-stream"));
+    says(route, call, status, body, stream)
+}
+
+/// [`to_the_call`] of a readable answer, `stream` if an event stream.
+fn says(
+    route: &Route,
+    call: Option<&[u8]>,
+    status: u16,
+    body: &[u8],
+    stream: bool,
+) -> Option<ToCall> {
+    let (Protocol::Mcp(_), Some(call)) = (&route.protocol, call) else {
+        return None;
+    };
+    Some(match jsonrpc::answer_to(body, call, stream) {
+        Some(jsonrpc::Answer::Error(Some(jsonrpc::CANCELLED))) => ToCall::Unanswered(
+            "the MCP server cancelled the call mid-run (-32800, as its client asked)",
+        ),
+        Some(answer) => ToCall::Answered(answer),
+        None if (400..500).contains(&status) => ToCall::Refused,
+        None => ToCall::Unanswered("the MCP server's answer carries no response to the call"),
+    })
+}
+
 /// The code of a JSON-RPC error answer that had no effect on an MCP route
 /// (one of its `retryable_rpc_codes`, `docs/design.md` §19): not
 /// committed, like a retryable status. Any other error answer is the
 /// tool call's answer.
 fn retryable_rpc_error(route: &Route, message: &[u8]) -> Option<i64> {
-    let Protocol::Mcp(mcp) = &route.protocol else {
-        return None;
-    };
     let code = jsonrpc::error_code(message)?;
-    mcp.retryable_codes.contains(&code).then_some(code)
+    rpc_code_retryable(route, code).then_some(code)
 }
 
-/// Whether `kind`, an in-band error's type, is one of an MCP route's
-/// retryable JSON-RPC codes.
-fn rpc_code_retryable(route: &Route, kind: &str) -> bool {
-    match (&route.protocol, kind.parse::<i64>()) {
-        (Protocol::Mcp(mcp), Ok(code)) => mcp.retryable_codes.contains(&code),
-        _ => false,
+/// Whether `code` is one of an MCP route's retryable JSON-RPC codes.
+fn rpc_code_retryable(route: &Route, code: i64) -> bool {
+    match &route.protocol {
+        Protocol::Mcp(mcp) => mcp.retryable_codes.contains(&code),
+        Protocol::Http => false,
     }
 }
 
@@ -188,24 +290,60 @@ pub(super) enum Ended {
         /// Whether the route retries it.
         retryable: bool,
     },
-    /// It stopped short: none of the route's end events came last. Cut,
-    /// as a reset is: its outcome is unknown.
-    Unended,
+    /// It carries no answer to keep, though it may have acted: it
+    /// stopped short (none of the route's end events came last), or, on
+    /// an MCP route, it holds no response to the call, or `-32800` (why).
+    /// Cut, as a reset is: its outcome is unknown.
+    Unknown(String),
+    /// On an MCP route, a `4xx` stream without a response to the call: the
+    /// server refused the message before dispatching it (why). No effect:
+    /// nothing is committed, the job reopens.
+    Refused(String),
 }
 
-/// What `stored`, a whole streamed answer of `route`, means.
-pub(super) fn ended(route: &Route, stored: &StoredResponse) -> Ended {
+/// What `stored`, a whole streamed answer of `route`, means; `call` is the
+/// `id` of the tool call it answers, on an MCP route (`docs/design.md`
+/// §19, "What an answer means": only the call's response is its answer).
+pub(super) fn ended(route: &Route, stored: &StoredResponse, call: Option<&[u8]>) -> Ended {
     if !crate::recording::is_event_stream(&stored.headers) {
         return Ended::Whole;
     }
     let errors = &route.stream_errors;
+    let status = stored.status;
+    match says(route, call, status, &stored.body, true) {
+        Some(ToCall::Answered(jsonrpc::Answer::Result)) => return Ended::Whole,
+        // Its code is its type.
+        Some(ToCall::Answered(jsonrpc::Answer::Error(code))) => {
+            let kind = code.map_or_else(|| "unknown".to_owned(), |c| c.to_string());
+            return Ended::Error {
+                retryable: errors.is_retryable(&kind)
+                    || code.is_some_and(|c| rpc_code_retryable(route, c)),
+                kind,
+            };
+        }
+        Some(ToCall::Refused) => {
+            return Ended::Refused(format!(
+                "the MCP server refused the message before dispatching it: {status} without a \
+                 response to the call"
+            ))
+        }
+        Some(ToCall::Unanswered(why)) => {
+            return Ended::Unknown(format!(
+                "{why}; the stream ended (answered {status}): the tool may have run"
+            ))
+        }
+        None => {}
+    }
     match said(&stored.body, errors.enabled, &route.stream_end_events) {
         Said::Whole => Ended::Whole,
-        Said::Unended => Ended::Unended,
-        // An MCP server's JSON-RPC error answer in a stream is one too:
-        // its code is its type.
+        Said::Unended => Ended::Unknown(
+            "the stream ended without one of the route's end events (stream_end_events): it \
+             stopped short"
+                .to_owned(),
+        ),
         Said::Error(kind) => Ended::Error {
-            retryable: errors.is_retryable(&kind) || rpc_code_retryable(route, &kind),
+            retryable: errors.is_retryable(&kind)
+                || kind.parse().is_ok_and(|c| rpc_code_retryable(route, c)),
             kind,
         },
     }

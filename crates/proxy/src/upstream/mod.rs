@@ -47,6 +47,10 @@ pub enum UpstreamError {
     /// Failed after the request may have been sent (reset, protocol error).
     #[error("the upstream connection failed after the request was sent")]
     Broken(#[source] BoxError),
+    /// It answered, but not the request: an MCP server's answer without
+    /// the call's response, or with its cancellation. It may have acted.
+    #[error("the upstream answered without an answer to the request: {0}")]
+    Unanswered(String),
     /// It answered, but the answer broke the route's contract.
     #[error("the upstream's answer broke the route's contract: {0}")]
     ContractViolation(String),
@@ -90,6 +94,7 @@ impl UpstreamError {
                 UpstreamErrorKind::NotSent
             }
             UpstreamError::Broken(_)
+            | UpstreamError::Unanswered(_)
             | UpstreamError::TimedOut(_)
             | UpstreamError::ResponseTooLarge { .. }
             | UpstreamError::OverBudget => UpstreamErrorKind::MayHaveActed,

@@ -47,7 +47,11 @@ fn answered(status: u16, body: &'static str) -> Result<Fetched, UpstreamError> {
 
 #[test]
 fn refused_before_sending_is_a_safe_failure() {
-    let verdict = classify(Err(UpstreamError::Refused("refused".into())), &plain());
+    let verdict = classify(
+        Err(UpstreamError::Refused("refused".into())),
+        &plain(),
+        None,
+    );
     assert!(matches!(
         verdict,
         Verdict::Fail(
@@ -65,7 +69,7 @@ fn anything_that_may_have_reached_the_upstream_is_unknown() {
         UpstreamError::ResponseTooLarge { limit: 10 },
     ] {
         assert!(matches!(
-            classify(Err(error), &plain()),
+            classify(Err(error), &plain(), None),
             Verdict::Unknown(AttemptFailure::Unknown { .. }, _)
         ));
     }
@@ -73,7 +77,7 @@ fn anything_that_may_have_reached_the_upstream_is_unknown() {
 
 #[test]
 fn a_retryable_status_is_passed_on_uncommitted() {
-    match classify(answered(503, "busy"), &plain()) {
+    match classify(answered(503, "busy"), &plain(), None) {
         Verdict::Fail(AttemptFailure::Failed { status, .. }, Uncommitted::Response(r)) => {
             assert_eq!(status, Some(503));
             assert_eq!(r.status(), 503);
@@ -86,7 +90,7 @@ fn a_retryable_status_is_passed_on_uncommitted() {
 fn other_answers_errors_included_are_committed() {
     for status in [200, 201, 400, 404, 500] {
         assert!(
-            matches!(classify(answered(status, "{}"), &plain()), Verdict::Commit(s) if s.status == status),
+            matches!(classify(answered(status, "{}"), &plain(), None), Verdict::Commit(s) if s.status == status),
             "{status}"
         );
     }
@@ -96,7 +100,7 @@ fn other_answers_errors_included_are_committed() {
 fn a_success_that_breaks_the_contract_is_rejected_and_an_error_is_not_checked() {
     let chat = chat();
     assert!(matches!(
-        classify(answered(200, "not json"), &chat),
+        classify(answered(200, "not json"), &chat, None),
         Verdict::Fail(
             AttemptFailure::Rejected { status: 200, .. },
             Uncommitted::Error(_)
@@ -104,9 +108,147 @@ fn a_success_that_breaks_the_contract_is_rejected_and_an_error_is_not_checked() 
     ));
     assert!(
         matches!(
-            classify(answered(400, "not json"), &chat),
+            classify(answered(400, "not json"), &chat, None),
             Verdict::Commit(_)
         ),
         "error answers are the upstream's own verdict"
     );
+}
+
+/// An MCP route.
+fn mcp(retryable_codes: Vec<i64>) -> Arc<Route> {
+    testing::route(&["http://a:1"], |r| {
+        r.protocol = Protocol::Mcp(crate::route::Mcp {
+            keyed_tools: None,
+            retryable_codes,
+        })
+    })
+}
+
+fn json(status: u16, body: &'static str) -> Result<Fetched, UpstreamError> {
+    let mut fetched = answered(status, body)?;
+    fetched.parts.headers.insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
+    Ok(fetched)
+}
+
+#[test]
+fn an_mcp_server_refusing_the_message_before_dispatching_it_is_a_safe_failure() {
+    let route = mcp(Vec::new());
+    let not_found =
+        r#"{"jsonrpc":"2.0","id":null,"error":{"code":-32600,"message":"Session not found"}}"#;
+    for (status, body) in [
+        (404, not_found),
+        (400, ""),
+        (400, "Bad Request: Missing session ID"),
+    ] {
+        match classify(json(status, body), &route, Some(b"7")) {
+            Verdict::Fail(AttemptFailure::Failed { status: s, .. }, Uncommitted::Response(r)) => {
+                assert_eq!((s, r.status().as_u16()), (Some(status), status), "{body}")
+            }
+            other => panic!("{status} {body}: {other:?}"),
+        }
+    }
+    let tools_error = r#"{"jsonrpc":"2.0","id":7,"error":{"code":-32602,"message":"bad"}}"#;
+    assert!(
+        matches!(
+            classify(json(400, tools_error), &route, Some(b"7")),
+            Verdict::Commit(_)
+        ),
+        "the call's own response is its answer, whatever the status"
+    );
+    assert!(
+        matches!(
+            classify(json(404, not_found), &plain(), Some(b"7")),
+            Verdict::Commit(_)
+        ),
+        "an HTTP route's 404 is an answer"
+    );
+}
+
+#[test]
+fn an_mcp_answer_without_the_calls_response_or_with_its_cancellation_is_unknown() {
+    let route = mcp(vec![-32603]);
+    let terminated = r#"{"jsonrpc":"2.0","id":null,"error":{"code":-32603,"message":"Session terminated before the request completed"}}"#;
+    let cancelled =
+        r#"{"jsonrpc":"2.0","id":7,"error":{"code":-32800,"message":"Request cancelled"}}"#;
+    let other = r#"{"jsonrpc":"2.0","id":8,"result":{}}"#;
+    for (status, body) in [(500, terminated), (200, cancelled), (200, other), (200, "")] {
+        assert!(
+            matches!(
+                classify(json(status, body), &route, Some(b"7")),
+                Verdict::Unknown(AttemptFailure::Unknown { .. }, _)
+            ),
+            "{status} {body}"
+        );
+    }
+    let retryable = r#"{"jsonrpc":"2.0","id":7,"error":{"code":-32603,"message":"down"}}"#;
+    assert!(
+        matches!(
+            classify(json(200, retryable), &route, Some(b"7")),
+            Verdict::Fail(AttemptFailure::Failed { .. }, Uncommitted::Response(_))
+        ),
+        "the call's own error, of a retryable code"
+    );
+    let result = r#"{"jsonrpc":"2.0","id":7,"result":{"isError":true}}"#;
+    assert!(matches!(
+        classify(json(200, result), &route, Some(b"7")),
+        Verdict::Commit(_)
+    ));
+}
+
+#[test]
+fn an_mcp_stream_is_whole_only_with_the_calls_response() {
+    let route = mcp(vec![-32603]);
+    let stored = |status: u16, body: &str| StoredResponse {
+        status,
+        headers: vec![(
+            "content-type".into(),
+            Bytes::from_static(b"text/event-stream"),
+        )],
+        body: Bytes::from(body.to_owned()),
+    };
+    let progress =
+        "event: message\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\"}\n\n";
+    let answered = |message: &str| format!("{progress}event: message\ndata: {message}\n\n");
+    let call = Some(&b"7"[..]);
+    assert_eq!(
+        ended(
+            &route,
+            &stored(200, &answered(r#"{"jsonrpc":"2.0","id":7,"result":{}}"#)),
+            call
+        ),
+        Ended::Whole
+    );
+    assert!(matches!(
+        ended(&route, &stored(200, progress), call),
+        Ended::Unknown(_)
+    ));
+    let cancelled = answered(r#"{"jsonrpc":"2.0","id":7,"error":{"code":-32800}}"#);
+    assert!(matches!(
+        ended(&route, &stored(200, &cancelled), call),
+        Ended::Unknown(_)
+    ));
+    let retryable = answered(r#"{"jsonrpc":"2.0","id":7,"error":{"code":-32603}}"#);
+    assert_eq!(
+        ended(&route, &stored(200, &retryable), call),
+        Ended::Error {
+            kind: "-32603".into(),
+            retryable: true
+        }
+    );
+    let tools = answered(r#"{"jsonrpc":"2.0","id":7,"error":{"code":-32602}}"#);
+    assert_eq!(
+        ended(&route, &stored(200, &tools), call),
+        Ended::Error {
+            kind: "-32602".into(),
+            retryable: false
+        }
+    );
+    assert!(matches!(
+        ended(&route, &stored(404, progress), call),
+        Ended::Refused(_)
+    ));
 }
