@@ -175,10 +175,17 @@ impl Calls {
     }
 
     /// Marks the call `id` of `session` at its server until the mark drops.
-    pub(crate) fn start(self: &Arc<Self>, session: Option<&HeaderValue>, id: &[u8]) -> AtServer {
-        let at = (session_of(session), id_text(id));
+    /// A call in no session is not marked: without one, one agent's call
+    /// and another's cancel of its own call of the same `id` could not be
+    /// told apart, and a cancel held back for the wrong call would be lost.
+    pub(crate) fn start(
+        self: &Arc<Self>,
+        session: Option<&HeaderValue>,
+        id: &[u8],
+    ) -> Option<AtServer> {
+        let at = (session_of(Some(session?)), id_text(id));
         *self.lock().entry(at.clone()).or_default() += 1;
-        AtServer(self.clone(), at)
+        Some(AtServer(self.clone(), at))
     }
 
     /// Whether `body`, a message posted in the session `parts` name, is a

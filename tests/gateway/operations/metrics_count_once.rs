@@ -441,13 +441,22 @@ async fn a_lookup_settles_an_unknown_attempt_once_and_is_timed_apart() {
     assert!(moved(&after, &last, "idemgate_commits_total").is_empty());
 }
 
+/// A lookup's `404` proves no effect only once the call is over (its
+/// lookups while it is out are held back, `docs/design.md` §5): here the
+/// call ends at a 2 s attempt deadline, and the lookup asked then settles
+/// the attempt.
 #[tokio::test]
 async fn a_lookup_that_finds_no_effect_counts_one_failure_by_the_lookup() {
     let store = TestStore::embedded();
     let late = Gate::new();
     let upstream = late_upstream_looked_up(&late, 404).await;
     let route = format!("{ROUTE}[routes.reconcile]\npath = \"/v1/charges/lookup/{{job}}\"\n");
-    let gateway = patient_gateway(&store, &upstream, &route).await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("upstream_timeout", "\"300ms\"")
+        .set("attempt_deadline", "\"2s\"")
+        .tables(&route)
+        .start()
+        .await;
     let before = Scrape::of(&gateway).await;
     goes_unknown(&gateway, &before).await;
     let expected = one(&[end("unknown", "deadline"), end("failed", "lookup")]);

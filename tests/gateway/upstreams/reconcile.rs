@@ -340,6 +340,37 @@ async fn a_lookup_404_while_the_call_is_out_keeps_the_job_unknown(store: TestSto
     assert_eq!(lookups_counted(&gateway, "settled_no_effect").await, 0.0);
 }
 
+/// A call silent until the attempt's deadline ends there, and so does the
+/// lookups' schedule: a "no record" held back while the call was out is
+/// asked again once the call has ended, and a `404` then reopens the job.
+/// Before, every `404` had been held back and none was left to ask: the
+/// job waited for an operator.
+async fn a_404_held_back_is_asked_again_when_the_call_ends_at_its_deadline(store: TestStore) {
+    let silent = Gate::new();
+    let upstream = upstream_with_lookups(&silent, |_| {
+        json_response(404, json!({"error": "no such charge"}))
+    })
+    .await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("upstream_timeout", "\"300ms\"")
+        .set("attempt_deadline", "\"2s\"")
+        .tables(ROUTE)
+        .start()
+        .await;
+    let first = post(&gateway.path("/v1/charges"), "charge-5", "{}").await;
+    assert_eq!(first.status, 504);
+    let job_id = first.job().unwrap();
+    eventually(Duration::from_secs(10), "the job reopened", || async {
+        gateway.job(&job_id).await["state"] == "open"
+    })
+    .await;
+    let attempt = first_attempt(&gateway.job(&job_id).await).clone();
+    assert_eq!(attempt["state"], "failed", "{attempt}");
+    assert_eq!(attempt["lookups"]["last"]["result"], "settled_no_effect");
+    assert_eq!(posts(&upstream), 1);
+    silent.open(1);
+}
+
 async fn a_lookup_answering_500_asks_again_until_it_answers_200(store: TestStore) {
     let silent = Gate::new();
     // Lookups answer 500 until the test says the upstream knows.
@@ -765,6 +796,7 @@ crate::on_each_deployment!(
     a_lookup_answering_200_commits_its_answer_for_every_retry,
     a_lookup_answering_404_reopens_the_job_for_attempt_two,
     a_lookup_404_while_the_call_is_out_keeps_the_job_unknown,
+    a_404_held_back_is_asked_again_when_the_call_ends_at_its_deadline,
     a_resend_answered_in_progress_is_never_the_answer,
     a_lookup_answering_500_asks_again_until_it_answers_200,
     a_bad_lookup_path_is_refused_at_start_up_naming_the_key,

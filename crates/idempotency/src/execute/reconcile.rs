@@ -27,6 +27,7 @@
 //! The task stops as soon as the attempt is settled some other way.
 
 use std::collections::HashSet;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -145,6 +146,10 @@ pub(super) struct Reconciler {
     /// still be acting on it: a lookup's `404` says only "not yet"
     /// (`docs/design.md` §5, "Not while the call is out").
     pub(super) call: Option<CancellationToken>,
+    /// Whether a lookup's "no record" was held back while the call was out
+    /// ([`Reconciler::judged`]): once the call ends, it is asked again at
+    /// once, even past the attempt's deadline (the call ends at it too).
+    pub(super) held_back: std::sync::atomic::AtomicBool,
 }
 
 /// What became of the attempt after one ask.
@@ -202,14 +207,48 @@ impl Reconciler {
                     (now < self.started_at + self.deadline).then_some(Duration::ZERO)
                 }
             };
-            let Some(due) = due else { break };
+            // The call has ended since a "no record" was held back for it:
+            // asked again at once, even past the deadline.
+            let after_call = self
+                .call
+                .as_ref()
+                .is_some_and(CancellationToken::is_cancelled)
+                && self.held_back.swap(false, Ordering::Relaxed);
+            let due = if after_call {
+                Some(Duration::ZERO)
+            } else {
+                due
+            };
+            let Some(due) = due else {
+                // Past the deadline, the call still out (it ends at the
+                // deadline too): waited for, then asked once more.
+                if let Some(call) = self
+                    .calling()
+                    .filter(|_| self.held_back.load(Ordering::Relaxed))
+                {
+                    call.cancelled().await;
+                    continue;
+                }
+                break;
+            };
             // Not sooner than this task's own backoff either: an ask whose
             // record did not get in must not be repeated at once.
-            let wait = due.max(not_before.saturating_duration_since(Instant::now()));
+            let wait = match after_call {
+                true => Duration::ZERO,
+                false => due.max(not_before.saturating_duration_since(Instant::now())),
+            };
             if !wait.is_zero() {
                 // Then read again: another task may have asked, or the
-                // attempt settled, meanwhile.
-                tokio::time::sleep(wait).await;
+                // attempt settled, meanwhile; the call's end wakes it.
+                match self.calling() {
+                    Some(call) => {
+                        tokio::select! {
+                            () = tokio::time::sleep(wait) => {}
+                            () = call.cancelled() => {}
+                        }
+                    }
+                    None => tokio::time::sleep(wait).await,
+                }
                 continue;
             }
             // The drain waits for the asks in flight, not for new ones:
@@ -299,6 +338,7 @@ impl Reconciler {
         match result {
             LookupResult::SettledNoEffect if self.calling().is_some() => {
                 tracing::info!(attempt = %self.attempt, "the upstream has no record of the attempt yet, but its call is still out: still unknown");
+                self.held_back.store(true, Ordering::Relaxed);
                 LookupResult::StillUnknown
             }
             result => result,

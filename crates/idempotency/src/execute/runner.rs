@@ -216,7 +216,7 @@ impl Runner {
             charge: request.charge.clone(),
             _calling: calling,
             call: request.rpc_id.clone(),
-            _at_server: request.rpc_id.as_ref().map(|id| {
+            _at_server: request.rpc_id.as_ref().and_then(|id| {
                 let session = request.parts.headers.get(crate::mcp::MCP_SESSION_ID);
                 self.calls.start(session, id)
             }),
@@ -329,6 +329,7 @@ impl Runner {
             asking: self.asking.clone(),
             asks: self.background.clone(),
             call: None,
+            held_back: Default::default(),
         }
     }
 

@@ -229,9 +229,10 @@ fn to_the_call(
     if encoded {
         return None;
     }
-    let stream = headers
-        .get(http::header::CONTENT_TYPE)
-        .is_some_and(|t| t.as_bytes().starts_with(b"text/event-stream"));
+    let stream = headers.get(http::header::CONTENT_TYPE).is_some_and(|t| {
+        let t = t.as_bytes();
+        t.len() >= 17 && t[..17].eq_ignore_ascii_case(b"text/event-stream")
+    });
     says(route, call, status, body, stream)
 }
 

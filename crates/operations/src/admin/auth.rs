@@ -20,7 +20,7 @@ const MAX_NAME: usize = 64;
 
 /// Whether `headers` carry the admin `token` as a bearer token (compared
 /// in constant time).
-pub(super) fn bearer_matches(token: Option<&str>, headers: &HeaderMap) -> bool {
+fn bearer_matches(token: Option<&str>, headers: &HeaderMap) -> bool {
     let Some(token) = token else {
         return false;
     };

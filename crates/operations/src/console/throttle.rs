@@ -91,15 +91,17 @@ impl Throttle {
 impl Try<'_> {
     /// The token given was wrong: one failure more for the address.
     pub fn failed(self) {
-        let mut windows = self.throttle.lock();
-        if let Some(window) = windows.get_mut(&self.addr) {
+        if let Some(window) = self.throttle.lock().get_mut(&self.addr) {
             window.failures += 1;
         }
     }
 
-    /// The token given was right: the address's failures are forgotten.
+    /// The token given was right: the address's failures are forgotten
+    /// (its other tries still pending stay counted until they end).
     pub fn succeeded(self) {
-        self.throttle.lock().remove(&self.addr);
+        if let Some(window) = self.throttle.lock().get_mut(&self.addr) {
+            window.failures = 0;
+        }
     }
 }
 
@@ -108,6 +110,9 @@ impl Drop for Try<'_> {
         let mut windows = self.throttle.lock();
         if let Some(window) = windows.get_mut(&self.addr) {
             window.pending = window.pending.saturating_sub(1);
+            if window.pending == 0 && window.failures == 0 {
+                windows.remove(&self.addr);
+            }
         }
     }
 }
