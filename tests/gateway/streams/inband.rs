@@ -419,17 +419,25 @@ async fn a_late_stream_is_judged_as_a_stream(store: TestStore) {
     let gateway = gateway(&store, &upstream, &late).await;
     let (chat, messages) = (gateway.path("/v1/chat"), gateway.path("/v1/messages"));
 
-    let first = post(&chat, "late", "{}").await;
-    assert_eq!(first.status, 504, "{first:?}");
-    let job = first.job().unwrap();
-    gate.open(overloaded.len());
-    eventually(
-        Duration::from_secs(10),
-        "the late stream judged",
-        || async { gateway.job(&job).await["attempts"][0]["state"] != "unknown" },
-    )
-    .await;
-    let judged = gateway.job(&job).await;
+    // A keyed POST answered 504 (no head within 300 ms), then its head and
+    // `events` events let through: the job once its late stream is judged.
+    let judged_late = |url: &str, key: &'static str, events: usize| {
+        let (url, gateway, gate) = (url.to_owned(), &gateway, gate.clone());
+        async move {
+            let first = post(&url, key, "{}").await;
+            assert_eq!(first.status, 504, "{first:?}");
+            let job = first.job().unwrap();
+            gate.open(events);
+            eventually(
+                Duration::from_secs(10),
+                "the late stream judged",
+                || async { gateway.job(&job).await["attempts"][0]["state"] != "unknown" },
+            )
+            .await;
+            gateway.job(&job).await
+        }
+    };
+    let judged = judged_late(&chat, "late", overloaded.len()).await;
     assert_eq!(judged["attempts"][0]["state"], "failed", "{judged}");
     assert_eq!(judged["state"], "open");
     gate.open(whole.len());
@@ -437,17 +445,7 @@ async fn a_late_stream_is_judged_as_a_stream(store: TestStore) {
     assert_eq!((retry.status, finish), (200, Finish::Complete));
     assert_eq!(text(&retry), whole.concat());
 
-    let valid = post(&messages, "late-valid", "{}").await;
-    assert_eq!(valid.status, 504, "{valid:?}");
-    let job = valid.job().unwrap();
-    gate.open(whole.len());
-    eventually(
-        Duration::from_secs(10),
-        "the late stream judged",
-        || async { gateway.job(&job).await["attempts"][0]["state"] != "unknown" },
-    )
-    .await;
-    let judged = gateway.job(&job).await;
+    let judged = judged_late(&messages, "late-valid", whole.len()).await;
     assert_eq!(judged["attempts"][0]["state"], "succeeded", "{judged}");
     let (replay, _) = read_all(&messages, "late-valid").await;
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));

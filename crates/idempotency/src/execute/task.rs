@@ -10,7 +10,6 @@ use std::time::{Duration, SystemTime};
 use http::Request;
 use http_body_util::BodyExt;
 use idemgate_domain::attempt::{Attempt, AttemptFailure, AttemptState};
-use idemgate_domain::contract::excerpt;
 use idemgate_domain::response::StoredResponse;
 use idemgate_proxy::budget::Charge;
 use idemgate_proxy::http::Body;
@@ -28,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 use super::call::{Call, Clock, Relayed, Watched};
 use super::ends::Ends;
 use super::reconcile::Reconciler;
-use super::verdict::{classify, ended, Ended, Verdict};
+use super::verdict::{classify, judge_stream, StreamOutcome, Verdict};
 use super::{Reply, Runner, UpstreamService, PATIENCE};
 use crate::error::GatewayError;
 use crate::keyed::Intent;
@@ -476,55 +475,26 @@ impl Task {
         let stored = recording.stored();
         // The whole answer, copied out of the chunks for the commit.
         self.charge.add(stored.body.len());
-        let reported = match ended(&self.route, &stored, self.call.as_deref()) {
-            Ended::Whole => false,
-            Ended::Error { kind, retryable } => {
-                self.count_stream_error(&kind, retryable);
-                if retryable {
-                    let detail = format!(
-                        "the stream reported {kind} in band after its {} head: a type the \
-                         route retries ([routes.stream_errors]); nothing committed",
-                        stored.status
-                    );
-                    let failure = AttemptFailure::Failed {
-                        status: Some(stored.status),
-                        detail,
-                    };
-                    self.record(failure, By::Upstream).await;
-                    recording.end_uncommitted();
-                    return;
-                }
-                true
+        let judged = judge_stream(&self.route, &stored, self.call.as_deref());
+        if let Some((kind, retryable)) = &judged.error {
+            self.count_stream_error(kind, *retryable);
+        }
+        match judged.outcome {
+            StreamOutcome::Commit => {}
+            StreamOutcome::NoEffect(failure) => {
+                self.record(failure, By::Upstream).await;
+                recording.end_uncommitted();
+                return;
             }
-            Ended::Unknown(detail) => {
+            StreamOutcome::Unknown(detail) => {
                 self.record(AttemptFailure::Unknown { detail }, By::Upstream)
                     .await;
                 recording.cut();
                 return;
             }
-            Ended::Refused(detail) => {
-                let failure = AttemptFailure::Failed {
-                    status: Some(stored.status),
-                    detail,
-                };
-                self.record(failure, By::Upstream).await;
-                recording.end_uncommitted();
-                return;
-            }
-        };
-        // An error the upstream reported is its own verdict, like a `4xx`:
-        // never checked against the contract.
-        if let Some(contract) = self.route.contract.as_ref().filter(|_| !reported) {
-            if let Some(Err(why)) = contract.check_stream(&stored.body) {
+            StreamOutcome::Rejected(failure, _) => {
                 metrics::counter!("idemgate_attempts_rejected_total").increment(1);
-                let detail = format!(
-                    "broke contract {}: {why}; answer: {}",
-                    contract.name,
-                    excerpt(&stored.body)
-                );
-                let status = stored.status;
-                self.record(AttemptFailure::Rejected { status, detail }, By::Upstream)
-                    .await;
+                self.record(failure, By::Upstream).await;
                 recording.cut();
                 return;
             }

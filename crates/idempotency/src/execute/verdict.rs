@@ -130,66 +130,105 @@ pub(super) fn classify(
     Verdict::Commit(replay::capture(&fetched))
 }
 
-/// What an event stream the route streams means when it was read whole
-/// rather than streamed (`docs/design.md` §10, "In-band errors and whole
-/// streams"): as a streamed one's end would ([`ended`]), then checked by
-/// the contract's `events`, never as one JSON document.
+/// What a whole event stream means for its attempt, streamed or read
+/// whole (`docs/design.md` §10, "In-band errors and whole streams"): what
+/// it says of itself ([`ended`]), then the contract's `events`.
+#[derive(Debug)]
+pub(super) struct Judged {
+    pub(super) outcome: StreamOutcome,
+    /// The in-band error it reported, and whether the route retries it.
+    pub(super) error: Option<(String, bool)>,
+}
+
+/// The outcome of a [`Judged`] stream.
+#[derive(Debug)]
+pub(super) enum StreamOutcome {
+    /// Commit it.
+    Commit,
+    /// No effect (a retryable in-band error, a server's refusal): nothing
+    /// committed, the job reopens.
+    NoEffect(AttemptFailure),
+    /// It may have acted, and holds no answer to keep: cut.
+    Unknown(String),
+    /// It broke the contract's events (`why`): a safe failure, cut.
+    Rejected(AttemptFailure, String),
+}
+
+/// Judges `stored`, a whole event stream of `route`; `call` is the `id`
+/// of the MCP tool call it answers.
+pub(super) fn judge_stream(route: &Route, stored: &StoredResponse, call: Option<&[u8]>) -> Judged {
+    let status = stored.status;
+    let (outcome, error) = match ended(route, stored, call) {
+        Ended::Whole => (None, None),
+        Ended::Error { kind, retryable } => {
+            let outcome = retryable.then(|| {
+                StreamOutcome::NoEffect(AttemptFailure::Failed {
+                    status: Some(status),
+                    detail: format!(
+                        "the stream reported {kind} in band after its {status} head: a type the \
+                         route retries ([routes.stream_errors]); nothing committed"
+                    ),
+                })
+            });
+            // Any other is the upstream's own verdict, like a `4xx`: never
+            // checked against the contract.
+            (
+                Some(outcome.unwrap_or(StreamOutcome::Commit)),
+                Some((kind, retryable)),
+            )
+        }
+        Ended::Unknown(detail) => (Some(StreamOutcome::Unknown(detail)), None),
+        Ended::Refused(detail) => {
+            let failure = AttemptFailure::Failed {
+                status: Some(status),
+                detail,
+            };
+            (Some(StreamOutcome::NoEffect(failure)), None)
+        }
+    };
+    let outcome = outcome.unwrap_or_else(|| {
+        let broken = route
+            .contract
+            .as_ref()
+            .and_then(|c| Some((c, c.check_stream(&stored.body)?.err()?)));
+        match broken {
+            Some((contract, why)) => {
+                let detail = format!(
+                    "broke contract {}: {why}; answer: {}",
+                    contract.name,
+                    excerpt(&stored.body)
+                );
+                StreamOutcome::Rejected(AttemptFailure::Rejected { status, detail }, why)
+            }
+            None => StreamOutcome::Commit,
+        }
+    });
+    Judged { outcome, error }
+}
+
+/// An event stream the route streams, read whole rather than streamed: a
+/// late head's, a resend's ([`judge_stream`], as a streamed one is).
 fn whole_stream(
     stored: StoredResponse,
     fetched: Fetched,
     route: &Route,
     call: Option<&[u8]>,
 ) -> Verdict {
-    let status = stored.status;
-    match ended(route, &stored, call) {
-        Ended::Whole => {}
-        Ended::Error {
-            kind,
-            retryable: true,
-        } => {
-            let failure = AttemptFailure::Failed {
-                status: Some(status),
-                detail: format!(
-                    "the stream reported {kind} in band after its {status} head: a type the \
-                     route retries ([routes.stream_errors]); nothing committed"
-                ),
-            };
+    match judge_stream(route, &stored, call).outcome {
+        StreamOutcome::Commit => Verdict::Commit(stored),
+        StreamOutcome::NoEffect(failure) => {
             let response = Response::from_parts(fetched.parts, full(fetched.body));
-            return Verdict::Fail(failure, Uncommitted::Response(response));
+            Verdict::Fail(failure, Uncommitted::Response(response))
         }
-        // The upstream's own verdict, like a `4xx`: never checked against
-        // the contract.
-        Ended::Error { .. } => return Verdict::Commit(stored),
-        Ended::Unknown(detail) => {
+        StreamOutcome::Unknown(detail) => {
             let error = UpstreamError::Broken(detail.clone().into());
-            return Verdict::Unknown(AttemptFailure::Unknown { detail }, error.into());
+            Verdict::Unknown(AttemptFailure::Unknown { detail }, error.into())
         }
-        Ended::Refused(detail) => {
-            let failure = AttemptFailure::Failed {
-                status: Some(status),
-                detail,
-            };
-            let response = Response::from_parts(fetched.parts, full(fetched.body));
-            return Verdict::Fail(failure, Uncommitted::Response(response));
+        StreamOutcome::Rejected(failure, why) => {
+            let error = UpstreamError::ContractViolation(why);
+            Verdict::Fail(failure, Uncommitted::Error(error.into()))
         }
     }
-    let contract = route
-        .contract
-        .as_ref()
-        .filter(|_| (200..300).contains(&status));
-    if let Some((contract, Some(Err(why)))) = contract.map(|c| (c, c.check_stream(&stored.body))) {
-        let failure = AttemptFailure::Rejected {
-            status,
-            detail: format!(
-                "broke contract {}: {why}; answer: {}",
-                contract.name,
-                excerpt(&stored.body)
-            ),
-        };
-        let error = UpstreamError::ContractViolation(why);
-        return Verdict::Fail(failure, Uncommitted::Error(error.into()));
-    }
-    Verdict::Commit(stored)
 }
 
 /// What an MCP server's answer says of a keyed tool call.
