@@ -236,9 +236,11 @@ impl Postgres {
     }
 }
 
-/// The session setting that keeps cached plans on the indexes however
-/// small a table was when they were made.
-const INDEXED_PLANS: &str = "-c enable_seqscan=off";
+/// The session settings that keep cached plans on the indexes however
+/// small a table was when they were made, and plan each statement once on
+/// a connection rather than once a batch (`docs/design.md` §13, "Plans
+/// made on a small table" and "One plan a statement").
+const INDEXED_PLANS: &str = "-c enable_seqscan=off -c plan_cache_mode=force_generic_plan";
 
 /// How often an idle connection's peer is probed once keep-alives start
 /// (after 10 s of quiet), and how many unanswered probes end it.
@@ -339,7 +341,8 @@ mod tests {
             plain.get_options(),
             Some(
                 format!(
-                    "-c enable_seqscan=off -c lock_timeout=1500ms -c idemgate.instance={instance}"
+                    "-c enable_seqscan=off -c plan_cache_mode=force_generic_plan \
+                     -c lock_timeout=1500ms -c idemgate.instance={instance}"
                 )
                 .as_str()
             )

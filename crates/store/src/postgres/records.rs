@@ -70,11 +70,15 @@ impl Records for Postgres {
         limit: u32,
     ) -> Result<Vec<Job>, StoreError> {
         let client = self.client().await?;
-        // Served by the partial index `jobs_unknown_newest` (migration V4).
+        // Served by the partial index `jobs_unknown_newest` (migration V4),
+        // the cursor its bound: the first page's is past every row, so the
+        // one plan the session keeps (design §13, "One plan a statement")
+        // starts each page where the last one ended.
         let select = client
             .prepare_cached(&format!(
                 "SELECT {JOB_COLUMNS} FROM jobs j WHERE j.state = 'unknown' \
-                 AND ($1::timestamptz IS NULL OR (j.created_at, j.id) < ($1, $2::uuid)) \
+                 AND (j.created_at, j.id) < (coalesce($1::timestamptz, 'infinity'), \
+                      coalesce($2::uuid, 'ffffffff-ffff-ffff-ffff-ffffffffffff')) \
                  ORDER BY j.created_at DESC, j.id DESC LIMIT $3"
             ))
             .await

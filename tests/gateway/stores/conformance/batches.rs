@@ -1263,6 +1263,95 @@ async fn on_postgres_batches_keep_to_the_indexes_however_small_the_table_was() {
     }
 }
 
+/// Each batch statement is planned once on a connection, not once a
+/// batch (design §13, "One plan a statement"). Left to itself PostgreSQL
+/// keeps a statement's generic plan only while it costs no more than the
+/// custom plans it made first, and a batch's generic plan is costed for
+/// ten keys where the small batches of a light load are costed for one or
+/// two: the read of finished jobs was then planned anew for every batch, a
+/// third of what a replay cost the database. On a server of its own with
+/// `pg_stat_statements` (planning counted), one pooled connection takes
+/// batches of one to six keys, new and then replayed, twenty rounds; every
+/// statement over arrays is planned at most a few times however often it
+/// ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_batch_statements_are_planned_once_a_connection() {
+    let pg = crate::support::postgres::ThrowawayPostgres::start_with(&[
+        "shared_preload_libraries=pg_stat_statements",
+        "pg_stat_statements.track_planning=on",
+    ])
+    .await;
+    let admin = pg.socket_client().await;
+    admin
+        .batch_execute("CREATE EXTENSION pg_stat_statements")
+        .await
+        .unwrap();
+    let backend = idemgate_store::postgres::Postgres::new(
+        &idemgate_store::postgres::PgSettings {
+            pool_size: 1,
+            ..idemgate::config::store::pg_settings(&pg.url()).unwrap()
+        },
+        uuid::Uuid::new_v4(),
+    )
+    .unwrap();
+    backend.migrate().await.unwrap();
+    let store = machine(backend).0;
+    for round in 0..20 {
+        let keys: Vec<String> = (0..1 + round % 6)
+            .map(|n| format!("plan-{round}-{n}"))
+            .collect();
+        let begins = keys.iter().map(|key| {
+            let (store, key) = (store.clone(), key.clone());
+            async move { store.begin_job(new_job(&key), new_attempt()).await.unwrap() }
+        });
+        let commits = at_once(begins.collect()).await.into_iter().map(|begin| {
+            let store = store.clone();
+            async move {
+                let Begin::Created(_, attempt) = begin else {
+                    panic!("a new key found a job: {begin:?}")
+                };
+                store
+                    .commit(&attempt, &answer_with("plan", 1))
+                    .await
+                    .unwrap();
+            }
+        });
+        at_once(commits.collect()).await;
+        let replays = keys.iter().map(|key| {
+            let (store, key) = (store.clone(), key.clone());
+            async move { store.begin_job(new_job(&key), new_attempt()).await.unwrap() }
+        });
+        for begin in at_once(replays.collect()).await {
+            assert!(matches!(begin, Begin::Existing(_)), "{begin:?}");
+        }
+    }
+    let rows = admin
+        .query(
+            "SELECT query, calls, plans FROM pg_stat_statements \
+             WHERE query LIKE '%unnest(%' AND calls >= 10 ORDER BY calls DESC",
+            &[],
+        )
+        .await
+        .unwrap();
+    let counts: Vec<(String, i64, i64)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r.get::<_, String>(0).chars().take(60).collect(),
+                r.get(1),
+                r.get(2),
+            )
+        })
+        .collect();
+    assert!(!counts.is_empty(), "no batch statement ran ten times");
+    for (query, calls, plans) in &counts {
+        assert!(
+            *plans <= 3,
+            "planned {plans} times in {calls} calls: {query}…; {counts:?}"
+        );
+    }
+}
+
 /// Migrations wait for their advisory lock however long another process
 /// holds it (a replica migrating for minutes), not the sessions' lock
 /// timeout: given up, a replica's start-up would report the database
