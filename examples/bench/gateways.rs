@@ -141,8 +141,10 @@ async fn per_setting(args: &Args, upstream: &str, db: &str, scratch: &Path) -> [
 
 /// The new-key gateways of another build (`--baseline`): as deployed
 /// (PostgreSQL + Redis) and on PostgreSQL alone, killed when dropped. They
-/// serve the low-load rows only, so their pools hold 8 connections: the
-/// database's 100 is shared by every gateway of the run and by pgbench.
+/// serve the low-load rows, one new-key row and the replay row from
+/// PostgreSQL alone (a batch or two on their way at a time), so their pools
+/// hold 8 connections: the database's 100 is shared by every gateway of
+/// the run and by pgbench.
 pub struct Baseline {
     pub redis: Gateway,
     pub postgres: Gateway,

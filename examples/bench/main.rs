@@ -43,7 +43,7 @@ mod table;
 mod usage;
 mod wrk;
 
-use client::flush_redis;
+use client::{flush_redis, prime};
 use gateways::{Baseline, Gateways};
 use harness::{create_database, create_database_for, drop_database, Gateway, Store};
 use servers::{Floor, Nginx};
@@ -77,6 +77,10 @@ async fn main() {
         }
         None => None,
     };
+    if let Some(b) = &baseline {
+        prime(&b.postgres.url, 200).await;
+        rows.push(rows::baseline_replay(b));
+    }
     rows.extend(rows::new_keys(&gateways, baseline.as_ref()));
     let busy = Nginx::busy(&scratch.join("nginx-busy")).await;
     let failover = Gateway::start(

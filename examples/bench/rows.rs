@@ -191,6 +191,18 @@ pub fn replays(g: &Gateways) -> Vec<Row> {
     ]
 }
 
+/// The `--baseline` build's replays from PostgreSQL alone, beside this
+/// build's row of the same name (its own database, primed the same way).
+pub fn baseline_replay(b: &Baseline) -> Row {
+    row(
+        "baseline replay, PostgreSQL alone (memory off)",
+        &b.postgres.url,
+        Load::Replay { keys: 200 },
+        vec![b.postgres.pid],
+        Versus::ReplayCeiling,
+    )
+}
+
 /// A new key per request, measured against the pgbench ceiling: at the
 /// run's load, and at a low one (8 connections), where batching must not
 /// add latency; beside the low-load rows of a `--baseline` build, if given.
