@@ -139,12 +139,13 @@ async fn per_setting(args: &Args, upstream: &str, db: &str, scratch: &Path) -> [
     [one_thread, logging, access_log]
 }
 
-/// The new-key gateways of another build (`--baseline`): as deployed
-/// (PostgreSQL + Redis) and on PostgreSQL alone, killed when dropped. They
-/// serve the low-load rows, one new-key row and the replay row from
-/// PostgreSQL alone (a batch or two on their way at a time), so their pools
-/// hold 8 connections: the database's 100 is shared by every gateway of
-/// the run and by pgbench.
+/// The gateways of another build (`--baseline`): as deployed, with
+/// PostgreSQL and Redis, and on PostgreSQL alone, killed when dropped.
+/// They serve the low-load rows, one new-key row and the replay row from
+/// PostgreSQL alone. Their pools (the default size) open connections as
+/// load needs them, a few for a batch or two on their way, within the
+/// run's own PostgreSQL (`scripts/bench.sh` starts it with
+/// `max_connections = 300`).
 pub struct Baseline {
     pub redis: Gateway,
     pub postgres: Gateway,
