@@ -400,7 +400,8 @@ async fn the_anthropic_sdk_retrying_an_overloaded_stream_gets_the_message() {
 /// A stream whose head comes after `first_byte_timeout` (the attempt
 /// already unknown, its client answered `504`) is read whole, and judged
 /// as a stream all the same: an in-band error the route retries is no
-/// answer (the attempt `failed`, the job open: the retry runs again), and
+/// answer (the attempt `failed`, the job open: the retry runs again; the
+/// error counted in `idemgate_stream_errors_total`), and
 /// a whole valid stream on a route with a contract is checked by the
 /// contract's `events`, then committed. Before, the overloaded stream was
 /// committed and replayed to every retry, and the valid one broke the
@@ -440,6 +441,13 @@ async fn a_late_stream_is_judged_as_a_stream(store: TestStore) {
     let judged = judged_late(&chat, "late", overloaded.len()).await;
     assert_eq!(judged["attempts"][0]["state"], "failed", "{judged}");
     assert_eq!(judged["state"], "open");
+    let counted = "idemgate_stream_errors_total{route=\"route-1\",upstream=\"primary\",\
+                   type=\"overloaded_error\",retryable=\"true\"}";
+    assert_eq!(
+        gateway.metric(counted).await,
+        1.0,
+        "counted as a streamed one's"
+    );
     gate.open(whole.len());
     let (retry, finish) = read_all(&chat, "late").await;
     assert_eq!((retry.status, finish), (200, Finish::Complete));

@@ -14,7 +14,7 @@ use idemgate_domain::response::StoredResponse;
 use idemgate_proxy::budget::Charge;
 use idemgate_proxy::http::Body;
 use idemgate_proxy::upstream;
-use idemgate_proxy::upstream::{Stopwatch, UpstreamError};
+use idemgate_proxy::upstream::{Fetched, Stopwatch, UpstreamError};
 use idemgate_store::fastpath::Tag;
 use idemgate_store::{CommitOutcome, StoreError};
 use idemgate_telemetry::ends::By;
@@ -27,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 use super::call::{Call, Clock, Relayed, Watched};
 use super::ends::Ends;
 use super::reconcile::Reconciler;
-use super::verdict::{classify, judge_stream, StreamOutcome, Verdict};
+use super::verdict::{classify_reporting, judge_stream, StreamOutcome, Verdict};
 use super::{Reply, Runner, UpstreamService, PATIENCE};
 use crate::error::GatewayError;
 use crate::keyed::Intent;
@@ -109,7 +109,7 @@ impl Task {
                 self.send(Reply::Unknown(UpstreamError::TimedOut(deadline).into()));
             }
             Call::Streaming(parts, body) => self.stream(parts, body, &cancel).await,
-            Call::Answered(result) => match classify(result, &self.route, self.call.as_deref()) {
+            Call::Answered(result) => match self.classify(result) {
                 Verdict::Commit(stored) => self.commit(stored).await,
                 Verdict::Fail(failure, answer) => {
                     if matches!(failure, AttemptFailure::Rejected { .. }) {
@@ -441,6 +441,17 @@ impl Task {
                 () = tokio::time::sleep_until(self.deadline) => return Relayed::Broke("attempt deadline passed mid-stream".to_owned(), By::Deadline),
             }
         }
+    }
+
+    /// What the answer read whole means ([`classify_reporting`]). An event
+    /// stream read whole has its error in band counted, as a streamed one
+    /// has in [`Task::settle_stream`].
+    fn classify(&self, result: Result<Fetched, UpstreamError>) -> Verdict {
+        let (verdict, in_band) = classify_reporting(result, &self.route, self.call.as_deref());
+        if let Some((kind, retryable)) = in_band {
+            self.count_stream_error(&kind, retryable);
+        }
+        verdict
     }
 
     /// Counts an error a stream reported in band

@@ -39,11 +39,22 @@ pub(super) fn classify(
     route: &Route,
     call: Option<&[u8]>,
 ) -> Verdict {
+    classify_reporting(result, route, call).0
+}
+
+/// [`classify`], and the error an event stream read whole reported in
+/// band (its type, and whether the route retries it), for the attempt to
+/// count as it counts a streamed one's.
+pub(super) fn classify_reporting(
+    result: Result<Fetched, UpstreamError>,
+    route: &Route,
+    call: Option<&[u8]>,
+) -> (Verdict, Option<InBand>) {
     let fetched = match result {
         Ok(fetched) => fetched,
         Err(error) => {
             let detail = Chain(&error).to_string();
-            return match error.kind() {
+            let verdict = match error.kind() {
                 UpstreamErrorKind::NotSent => Verdict::Fail(
                     AttemptFailure::Failed {
                         status: None,
@@ -55,6 +66,7 @@ pub(super) fn classify(
                     Verdict::Unknown(AttemptFailure::Unknown { detail }, error.into())
                 }
             };
+            return (verdict, None);
         }
     };
     let status = fetched.parts.status.as_u16();
@@ -64,7 +76,10 @@ pub(super) fn classify(
             detail: format!("upstream answered {status}, configured as retryable"),
         };
         let response = Response::from_parts(fetched.parts, full(fetched.body));
-        return Verdict::Fail(failure, Uncommitted::Response(response));
+        return (
+            Verdict::Fail(failure, Uncommitted::Response(response)),
+            None,
+        );
     }
     let to_call = to_the_call(route, call, status, &fetched.parts.headers, &fetched.body);
     let retryable_code = match &to_call {
@@ -77,14 +92,20 @@ pub(super) fn classify(
                 ),
             };
             let response = Response::from_parts(fetched.parts, full(fetched.body));
-            return Verdict::Fail(failure, Uncommitted::Response(response));
+            return (
+                Verdict::Fail(failure, Uncommitted::Response(response)),
+                None,
+            );
         }
         Some(ToCall::Unanswered(why)) => {
             let detail = format!("{why} (answered {status}): the tool may have run");
             let failure = AttemptFailure::Unknown {
                 detail: detail.clone(),
             };
-            return Verdict::Unknown(failure, UpstreamError::Unanswered(detail).into());
+            return (
+                Verdict::Unknown(failure, UpstreamError::Unanswered(detail).into()),
+                None,
+            );
         }
         Some(ToCall::Answered(jsonrpc::Answer::Error(Some(code)))) => {
             rpc_code_retryable(route, *code).then_some(*code)
@@ -102,7 +123,10 @@ pub(super) fn classify(
             ),
         };
         let response = Response::from_parts(fetched.parts, full(fetched.body));
-        return Verdict::Fail(failure, Uncommitted::Response(response));
+        return (
+            Verdict::Fail(failure, Uncommitted::Response(response)),
+            None,
+        );
     }
     // An event stream read whole (its head came after the attempt went
     // unknown, or it answers a resend) is judged as a stream all the same.
@@ -124,10 +148,13 @@ pub(super) fn classify(
                 ),
             };
             let error = UpstreamError::ContractViolation(why);
-            return Verdict::Fail(failure, Uncommitted::Error(error.into()));
+            return (
+                Verdict::Fail(failure, Uncommitted::Error(error.into())),
+                None,
+            );
         }
     }
-    Verdict::Commit(replay::capture(&fetched))
+    (Verdict::Commit(replay::capture(&fetched)), None)
 }
 
 /// What a whole event stream means for its attempt, streamed or read
@@ -136,9 +163,13 @@ pub(super) fn classify(
 #[derive(Debug)]
 pub(super) struct Judged {
     pub(super) outcome: StreamOutcome,
-    /// The in-band error it reported, and whether the route retries it.
-    pub(super) error: Option<(String, bool)>,
+    /// The in-band error it reported.
+    pub(super) error: Option<InBand>,
 }
+
+/// An error a stream reported in band: its type (the upstream's text), and
+/// whether the route retries it.
+pub(super) type InBand = (String, bool);
 
 /// The outcome of a [`Judged`] stream.
 #[derive(Debug)]
@@ -213,8 +244,9 @@ fn whole_stream(
     fetched: Fetched,
     route: &Route,
     call: Option<&[u8]>,
-) -> Verdict {
-    match judge_stream(route, &stored, call).outcome {
+) -> (Verdict, Option<InBand>) {
+    let judged = judge_stream(route, &stored, call);
+    let verdict = match judged.outcome {
         StreamOutcome::Commit => Verdict::Commit(stored),
         StreamOutcome::NoEffect(failure) => {
             let response = Response::from_parts(fetched.parts, full(fetched.body));
@@ -228,7 +260,8 @@ fn whole_stream(
             let error = UpstreamError::ContractViolation(why);
             Verdict::Fail(failure, Uncommitted::Error(error.into()))
         }
-    }
+    };
+    (verdict, judged.error)
 }
 
 /// What an MCP server's answer says of a keyed tool call.
