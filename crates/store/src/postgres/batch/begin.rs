@@ -338,10 +338,17 @@ async fn begin_on(
         }
         // Expired but not purged yet: forgotten, the key starts afresh
         // (unless an attempt started meanwhile; then the next read finds it).
+        // Prepared once a connection, as every statement of this path is:
+        // a text statement is parsed and described in a round trip of its
+        // own first (docs/performance.md, item 36).
         static FORGET: LazyLock<String> =
             LazyLock::new(|| format!("DELETE FROM jobs j WHERE j.id = $1 AND {FORGOTTEN}"));
+        let forget = client
+            .prepare_cached(FORGET.as_str())
+            .await
+            .map_err(map_pg)?;
         client
-            .execute(FORGET.as_str(), &[&row.get::<_, Uuid>(0)])
+            .execute(&forget, &[&row.get::<_, Uuid>(0)])
             .await
             .map_err(map_pg)?;
     }
