@@ -3,6 +3,7 @@
 //! new keys. Their order is the table's.
 
 use crate::gateways::{Baseline, Gateways};
+use crate::harness::Gateway;
 use crate::servers::{Floor, Nginx};
 
 /// A wrk round's result.
@@ -60,6 +61,11 @@ pub fn row(name: &str, url: &str, load: Load, pids: Vec<u32>, versus: Versus) ->
     }
 }
 
+/// A row served by one idemgate process, charged its CPU.
+fn served(name: &str, gateway: &Gateway, load: Load, versus: Versus) -> Row {
+    row(name, &gateway.url, load, vec![gateway.pid], versus)
+}
+
 /// The upstream alone, nginx as the reference proxy (an A/A pair), and the
 /// floor under idemgate.
 pub fn references(
@@ -112,32 +118,28 @@ pub fn references(
 /// thread, at the default log level, and with the access log on.
 pub fn pass_through(g: &Gateways) -> Vec<Row> {
     vec![
-        row(
+        served(
             "idemgate pass-through (no key; logs at warn: access log off)",
-            &g.default.url,
+            &g.default,
             Load::Plain,
-            vec![g.default.pid],
             Versus::Nginx,
         ),
-        row(
+        served(
             "idemgate pass-through, one worker thread (access log off)",
-            &g.one_thread.url,
+            &g.one_thread,
             Load::Plain,
-            vec![g.one_thread.pid],
             Versus::Nginx,
         ),
-        row(
+        served(
             "idemgate pass-through, logs at info (the default level), access log off",
-            &g.logging.url,
+            &g.logging,
             Load::Plain,
-            vec![g.logging.pid],
             Versus::Nginx,
         ),
-        row(
+        served(
             "idemgate pass-through, access log on (logs at info, to a file)",
-            &g.access_log.url,
+            &g.access_log,
             Load::Plain,
-            vec![g.access_log.pid],
             Versus::Nginx,
         ),
     ]
@@ -146,46 +148,40 @@ pub fn pass_through(g: &Gateways) -> Vec<Row> {
 /// Replays of finished keys, from each place a replay can come from.
 pub fn replays(g: &Gateways) -> Vec<Row> {
     vec![
-        row(
+        served(
             "idemgate replay, from memory (the default)",
-            &g.default.url,
+            &g.default,
             Load::Replay { keys: 200 },
-            vec![g.default.pid],
             Versus::Nginx,
         ),
-        row(
+        served(
             "idemgate replay, from memory, one worker thread",
-            &g.one_thread.url,
+            &g.one_thread,
             Load::Replay { keys: 200 },
-            vec![g.one_thread.pid],
             Versus::Nginx,
         ),
-        row(
+        served(
             "idemgate replay, Redis (memory off)",
-            &g.redis.url,
+            &g.redis,
             Load::Replay { keys: 200 },
-            vec![g.redis.pid],
             Versus::Nginx,
         ),
-        row(
+        served(
             "idemgate replay, PostgreSQL alone (memory off)",
-            &g.postgres.url,
+            &g.postgres,
             Load::Replay { keys: 200 },
-            vec![g.postgres.pid],
             Versus::ReplayCeiling,
         ),
-        row(
+        served(
             "idemgate replay, PostgreSQL alone (memory off), one worker thread",
-            &g.postgres_one_thread.url,
+            &g.postgres_one_thread,
             Load::Replay { keys: 200 },
-            vec![g.postgres_one_thread.pid],
             Versus::ReplayCeiling,
         ),
-        row(
+        served(
             "idemgate replay, embedded store (memory off)",
-            &g.embedded.url,
+            &g.embedded,
             Load::Replay { keys: 200 },
-            vec![g.embedded.pid],
             Versus::Nginx,
         ),
     ]
@@ -194,11 +190,10 @@ pub fn replays(g: &Gateways) -> Vec<Row> {
 /// The `--baseline` build's replays from PostgreSQL alone, beside this
 /// build's row of the same name (its own database, primed the same way).
 pub fn baseline_replay(b: &Baseline) -> Row {
-    row(
+    served(
         "baseline replay, PostgreSQL alone (memory off)",
-        &b.postgres.url,
+        &b.postgres,
         Load::Replay { keys: 200 },
-        vec![b.postgres.pid],
         Versus::ReplayCeiling,
     )
 }
@@ -207,15 +202,9 @@ pub fn baseline_replay(b: &Baseline) -> Row {
 /// run's load, and at a low one (8 connections), where batching must not
 /// add latency; beside the low-load rows of a `--baseline` build, if given.
 pub fn new_keys(g: &Gateways, baseline: Option<&Baseline>) -> Vec<Row> {
-    let new_key = |name: &str, gateway: &crate::harness::Gateway, connections| Row {
+    let new_key = |name: &str, gateway: &Gateway, connections| Row {
         connections,
-        ..row(
-            name,
-            &gateway.url,
-            Load::NewKey,
-            vec![gateway.pid],
-            Versus::NewKeyCeiling,
-        )
+        ..served(name, gateway, Load::NewKey, Versus::NewKeyCeiling)
     };
     let mut rows = vec![
         new_key("idemgate new key, PostgreSQL + Redis", &g.default, None),
@@ -265,12 +254,11 @@ pub fn new_keys(g: &Gateways, baseline: Option<&Baseline>) -> Vec<Row> {
 /// `503`) and whose second runs on the fallback: the path of the
 /// non-batched changes, each in the transaction holding its job's lock
 /// (`docs/performance.md`, item 36).
-pub fn failover(gateway: &crate::harness::Gateway) -> Row {
-    row(
+pub fn failover(gateway: &Gateway) -> Row {
+    served(
         "idemgate new key, PostgreSQL alone, every key failing over (primary answers 503)",
-        &gateway.url,
+        gateway,
         Load::NewKey,
-        vec![gateway.pid],
         Versus::NewKeyCeiling,
     )
 }
