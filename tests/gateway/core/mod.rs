@@ -2,6 +2,7 @@
 
 mod answers;
 mod draft_conformance;
+mod encodings;
 mod fingerprints;
 mod in_progress;
 mod keys;

@@ -339,6 +339,32 @@ async fn the_readmes_openai_snippet_runs_once_however_often_it_is_run() {
     assert_eq!(upstream.hits(), 1, "one upstream call for one key");
 }
 
+/// The same snippet against an upstream that compresses whenever it may,
+/// as hosted APIs do: the SDK accepts `gzip`, yet a keyed request asks for
+/// the answer uncompressed (`docs/design.md` §11), so what is recorded is
+/// readable by any client. Had the SDK's `Accept-Encoding` gone on, it
+/// would have been sent the upstream's compressed bytes (here not even
+/// gzip, [`super::encodings::negotiated`]) to decode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_sdk_accepting_gzip_is_answered_from_an_uncompressed_record() {
+    let python = tokio::task::spawn_blocking(python_with_openai)
+        .await
+        .unwrap();
+    let store = TestStore::postgres().await;
+    let upstream = crate::support::FakeUpstream::start(|r| {
+        std::future::ready(super::encodings::negotiated(&r, &completion("Hello.")))
+    })
+    .await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    let snippet = pointed_at(&crate::support::docs::block("clients-openai"), &gateway);
+    for printed in run_twice(&python, &snippet).await {
+        assert_eq!(printed, "Hello.");
+    }
+    let asked = upstream.recorded();
+    assert_eq!(asked.len(), 1, "one upstream call for one key");
+    assert_eq!(asked[0].header("accept-encoding"), Some("identity"));
+}
+
 /// `docs/streaming.md`'s SDK snippet, run as written twice: every token
 /// printed both times, from one upstream execution.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

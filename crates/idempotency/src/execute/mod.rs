@@ -54,6 +54,19 @@ mod verdict;
 pub(crate) use ends::zero;
 pub(crate) use runner::Runner;
 
+/// Asks the upstream for the answer uncompressed (`Accept-Encoding:
+/// identity`), in place of whatever the client accepts. A keyed request's
+/// answer is judged, checked against its contract, cut into events, resumed
+/// and replayed to every duplicate whatever each of them accepts, so the
+/// gateway records the one representation all of that can read
+/// (`docs/design.md` §11, "A keyed answer is asked for uncompressed").
+pub(super) fn ask_uncompressed(headers: &mut http::HeaderMap) {
+    headers.insert(
+        http::header::ACCEPT_ENCODING,
+        http::HeaderValue::from_static("identity"),
+    );
+}
+
 /// The upstream side of the layer, boxed at this boundary so that attempt
 /// tasks need no generic parameters.
 pub type UpstreamService = BoxCloneSyncService<Request<Body>, Response<Body>, UpstreamError>;

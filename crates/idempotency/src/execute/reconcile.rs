@@ -355,6 +355,8 @@ impl Reconciler {
         if let Ok(v) = HeaderValue::from_str(&self.job.to_string()) {
             request.headers_mut().insert(self.key_header.clone(), v);
         }
+        // Its answer may be committed as the attempt's (replayed, judged).
+        super::ask_uncompressed(request.headers_mut());
         request.extensions_mut().insert(Target(self.target.clone()));
         if let Some(proven) = &self.proven {
             request.extensions_mut().insert(proven.clone());

@@ -255,6 +255,7 @@ impl Runner {
         parts.headers.remove(IDEMPOTENCY_KEY);
         // The gateway's own (a resume point of 0 is none: the request runs).
         parts.headers.remove(EVENTS_RECEIVED);
+        super::ask_uncompressed(&mut parts.headers);
         if let Ok(v) = HeaderValue::from_str(&attempt.job_id.to_string()) {
             parts
                 .headers
