@@ -183,10 +183,17 @@ impl Gateway {
     /// The sum of every series of `name`, whatever its labels (0 when
     /// there is none).
     pub async fn metric_sum(&self, name: &str) -> f64 {
+        self.metric_labelled(name, &[]).await
+    }
+
+    /// The sum of the series of `name` that carry every one of `labels`
+    /// (each as exposed: `by="deadline"`), 0 when there is none.
+    pub async fn metric_labelled(&self, name: &str, labels: &[&str]) -> f64 {
         let reply = send(Method::GET, &format!("{}/metrics", self.admin_url), &[], "").await;
         let text = String::from_utf8_lossy(&reply.body).into_owned();
         text.lines()
             .filter(|line| line.split(['{', ' ']).next() == Some(name))
+            .filter(|line| labels.iter().all(|label| line.contains(label)))
             .filter_map(|line| line.rsplit_once(' ')?.1.trim().parse::<f64>().ok())
             .sum()
     }

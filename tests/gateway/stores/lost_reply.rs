@@ -481,6 +481,85 @@ async fn a_large_stream_whose_commit_reply_was_lost_still_ends_cleanly() {
     assert_eq!(detail["completed_by"], detail["attempts"][0]["id"]);
 }
 
+/// A replica dies mid-attempt; another's sweep makes the attempt
+/// `unknown` when its lease lapses, and that sweep's commit lands but its
+/// reply is lost with the connection. The sweeper reads the attempt again,
+/// finds it `unknown`, and reports it as after any sweep: counted ended
+/// `unknown` by its deadline, its job's bell rung, and looked up at once;
+/// the job completes with the looked-up answer, and nothing ran twice.
+/// Before, the lost reply made the sweep an error: the attempt was never
+/// counted, and looked up only once the scan for orphaned lookups adopted
+/// it (docs/design.md §7, "A sweep whose reply was lost").
+#[tokio::test]
+async fn a_sweep_whose_reply_was_lost_still_looks_its_attempts_up() {
+    let silent = Gate::new();
+    let upstream = FakeUpstream::start({
+        let silent = silent.clone();
+        move |r| {
+            let silent = silent.clone();
+            async move {
+                if r.method == "GET" {
+                    return json_response(200, serde_json::json!({"charge": "ch_9"}));
+                }
+                silent.pass().await;
+                echo_response(&r)
+            }
+        }
+    })
+    .await;
+    let db = TestDb::new().await;
+    let (cutter, relayed) = relay(&db).await;
+    let replica = |store: &TestStore| {
+        Gateway::builder(store, &upstream.url())
+            .set("lease_ttl", "\"600ms\"")
+            .set("upstream_timeout", "\"30s\"")
+            .set("attempt_deadline", "\"60s\"")
+            .tables(
+                "[[routes]]\npath_prefix = \"/v1/charges\"\n\
+                 [routes.reconcile]\npath = \"/v1/charges/lookup/{job}\"\n",
+            )
+    };
+    let mut doomed = replica(&TestStore::external(db.url.clone())).start().await;
+    let survivor = replica(&relayed).start().await;
+    // Only the sweep's write of the lapsed attempt carries its detail.
+    cutter.arm(b"stopped renewing it");
+    let in_flight = crate::support::post_detached(doomed.path("/v1/charges"), "charge-9");
+    let job = upstream.arrival().await;
+    let job = job.header("idempotency-key").unwrap().to_owned();
+    doomed.kill().await;
+    let _ = in_flight.await;
+
+    eventually(
+        Duration::from_secs(20),
+        "the lapsed attempt to be looked up and its answer committed",
+        || async { survivor.job(&job).await["state"] == "completed" },
+    )
+    .await;
+    assert_eq!(cutter.cuts(), 1, "the sweep's reply was lost");
+    let lapsed = survivor
+        .metric_labelled(
+            "idemgate_attempts_ended_total",
+            &[r#"state="unknown""#, r#"by="deadline""#],
+        )
+        .await;
+    assert_eq!(
+        lapsed, 1.0,
+        "the sweep's expiry is reported though its reply was lost"
+    );
+    let detail = survivor.job(&job).await;
+    assert_eq!(detail["attempts"][0]["state"], "succeeded");
+    assert_eq!(detail["attempts"][0]["lookups"]["count"], 1);
+    let retry = post(&survivor.path("/v1/charges"), "charge-9", "{}").await;
+    assert_eq!(retry.json()["charge"], "ch_9");
+    let posts = upstream
+        .recorded()
+        .iter()
+        .filter(|r| r.method == "POST")
+        .count();
+    assert_eq!(posts, 1, "the charge ran once");
+    silent.open(1);
+}
+
 /// A fresh database, a relay in front of its server, and a gateway on
 /// `upstream` that reaches the database through the relay, holding
 /// duplicates for up to 20 s.
@@ -502,19 +581,8 @@ async fn behind_relay_with(upstream: &FakeUpstream, settings: &[(&str, &str)]) -
 /// [`behind_relay_with`], for the upstream at `upstream`.
 async fn behind_relay_to(upstream: &str, settings: &[(&str, &str)]) -> Relayed {
     let db = TestDb::new().await;
-    let config: tokio_postgres::Config = db.url.parse().unwrap();
-    let server = match &config.get_hosts()[0] {
-        tokio_postgres::config::Host::Tcp(host) => format!("{host}:{}", config.get_ports()[0]),
-        other => panic!("a TCP server, not {other:?}"),
-    };
-    let cutter = ReplyCutter::start(server.clone()).await;
-    let relayed = format!(
-        "{}?sslmode=disable",
-        db.url
-            .replace(&server, &format!("127.0.0.1:{}", cutter.port))
-    );
-    let mut builder =
-        Gateway::builder(&TestStore::external(relayed), upstream).set("hold_timeout", "\"20s\"");
+    let (cutter, relayed) = relay(&db).await;
+    let mut builder = Gateway::builder(&relayed, upstream).set("hold_timeout", "\"20s\"");
     for (key, value) in settings {
         builder = builder.set(key, value);
     }
@@ -538,4 +606,21 @@ async fn states(db: &TestDb) -> Vec<(String, String)> {
         .await
         .unwrap();
     rows.iter().map(|r| (r.get(0), r.get(1))).collect()
+}
+
+/// A relay in front of `db`'s server, and the store that reaches the
+/// database through it.
+async fn relay(db: &TestDb) -> (ReplyCutter, TestStore) {
+    let config: tokio_postgres::Config = db.url.parse().unwrap();
+    let server = match &config.get_hosts()[0] {
+        tokio_postgres::config::Host::Tcp(host) => format!("{host}:{}", config.get_ports()[0]),
+        other => panic!("a TCP server, not {other:?}"),
+    };
+    let cutter = ReplyCutter::start(server.clone()).await;
+    let relayed = format!(
+        "{}?sslmode=disable",
+        db.url
+            .replace(&server, &format!("127.0.0.1:{}", cutter.port))
+    );
+    (cutter, TestStore::external(relayed))
 }

@@ -1,6 +1,9 @@
 //! The writes ([`Backend`]): begin and the CAS commit (both sent in
 //! batches, `batch/`), a change under its job's lock, lease expiry.
 
+use std::collections::HashSet;
+use std::time::Duration;
+
 use async_trait::async_trait;
 use deadpool_postgres::GenericClient;
 use futures_util::future::try_join_all;
@@ -17,6 +20,8 @@ use idemgate_domain::attempt::{Attempt, AttemptState, NewAttempt};
 use idemgate_domain::job::NewJob;
 use idemgate_domain::response::StoredResponse;
 use idemgate_domain::transition::{Change, Refusal};
+use idemgate_telemetry::Chain;
+use tokio::time::Instant;
 
 #[async_trait]
 impl Backend for Postgres {
@@ -151,7 +156,76 @@ impl Backend for Postgres {
             write(&tx, first).await?;
             try_join_all(rest.iter().map(|change| write(&tx, change))).await?;
         }
-        tx.commit().await.map_err(map_pg)?;
-        Ok(changes)
+        let committed = tx.commit().await.map_err(map_pg);
+        // Back to the pool (a broken one is dropped there) before asking.
+        drop(client);
+        match committed {
+            Ok(()) => Ok(changes),
+            Err(error) => self.landed(changes, error).await,
+        }
+    }
+}
+
+/// How long a sweep whose commit failed goes on asking whether it landed.
+const CONFIRM_FOR: Duration = Duration::from_secs(10);
+
+impl Postgres {
+    /// The expiries of a sweep whose commit failed (`error`), as far as
+    /// they landed all the same: a commit whose reply was lost with its
+    /// connection is in. The attempts are read again, on another
+    /// connection, until PostgreSQL answers or [`CONFIRM_FOR`] passes;
+    /// those now `unknown` are reported as expired, so that their jobs'
+    /// bells ring here and a route that reconciles looks them up, as after
+    /// any sweep (`docs/design.md` §7, "A sweep whose reply was lost").
+    /// None unknown, or no answer: the sweep's error, as before.
+    async fn landed(
+        &self,
+        changes: Vec<Change>,
+        error: StoreError,
+    ) -> Result<Vec<Change>, StoreError> {
+        let ids: Vec<uuid::Uuid> = changes
+            .iter()
+            .flat_map(|c| c.settled.iter().map(|s| s.attempt.0))
+            .collect();
+        let Some(unknown) = self.unknown_among(&ids).await else {
+            return Err(error);
+        };
+        let landed: Vec<Change> = changes
+            .into_iter()
+            .filter(|c| c.settled.iter().any(|s| unknown.contains(&s.attempt.0)))
+            .collect();
+        if landed.is_empty() {
+            return Err(error);
+        }
+        tracing::info!(error = %Chain(&error), jobs = landed.len(), "a sweep's commit failed, yet its attempts are unknown: it landed, its reply was lost");
+        Ok(landed)
+    }
+
+    /// Which of `ids` are `unknown`, asked until PostgreSQL answers or
+    /// [`CONFIRM_FOR`] passes (`None`).
+    async fn unknown_among(&self, ids: &[uuid::Uuid]) -> Option<HashSet<uuid::Uuid>> {
+        let read = || async {
+            let client = self.client().await?;
+            let rows = client
+                .query(
+                    "SELECT id FROM attempts WHERE id = ANY($1) AND state = $2",
+                    &[&ids, &AttemptState::Unknown.as_str()],
+                )
+                .await
+                .map_err(map_pg)?;
+            Ok::<_, StoreError>(rows.iter().map(|r| r.get(0)).collect())
+        };
+        let deadline = Instant::now() + CONFIRM_FOR;
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            match read().await {
+                Ok(unknown) => return Some(unknown),
+                Err(e) if e.is_transient() && Instant::now() + backoff < deadline => {
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                }
+                Err(_) => return None,
+            }
+        }
     }
 }
