@@ -6,7 +6,10 @@
 //! (object keys sorted, so key order does not matter; numbers as written)
 //! and drop fields named by JSON pointers (a client-side timestamp, a trace
 //! id) before hashing; a body it cannot canonicalise unambiguously (a member
-//! named twice) is refused ([`canonical`]).
+//! named twice) is refused ([`canonical`]). A multipart body is hashed
+//! without its boundary, in the body and in its `Content-Type`: framing a
+//! client draws anew for every try (`docs/design.md` §11, "A multipart
+//! boundary is framing").
 
 use std::fmt;
 
@@ -71,6 +74,21 @@ pub struct RequestParts<'a> {
     pub headers: Vec<(&'a str, Vec<&'a [u8]>)>,
     /// The whole body.
     pub body: &'a [u8],
+    /// The boundary of a multipart body, as its `Content-Type` names it
+    /// ([`multipart_boundary`]).
+    pub boundary: Option<&'a [u8]>,
+}
+
+/// The boundary a multipart `content_type` names (RFC 2046 §5.1.1), if
+/// any: how the body's parts are delimited, which httpx and browsers draw
+/// at random for every try, so no part of what the request asks.
+pub fn multipart_boundary(content_type: &[u8]) -> Option<String> {
+    let media: mime::Mime = std::str::from_utf8(content_type).ok()?.parse().ok()?;
+    if media.type_() != mime::MULTIPART {
+        return None;
+    }
+    let boundary = media.get_param(mime::BOUNDARY)?.as_str();
+    (!boundary.is_empty()).then(|| boundary.to_owned())
 }
 
 /// Computes the fingerprint of a request under a route's body rule; a body
@@ -89,7 +107,10 @@ pub fn fingerprint(
             continue;
         };
         h.update([1]);
-        frame(&mut h, first);
+        match parts.boundary.filter(|_| *name == "content-type") {
+            Some(boundary) => framed_without(&mut h, first, boundary),
+            None => frame(&mut h, first),
+        }
         // Every further line counts too: a retry that adds a line (a second
         // `Content-Type`, which an upstream may read instead of the first)
         // is another request. Marked apart from what may follow a header
@@ -99,6 +120,11 @@ pub fn fingerprint(
             h.update([2]);
             frame(&mut h, line);
         }
+    }
+    if let Some(boundary) = parts.boundary {
+        h.update([2]);
+        framed_without(&mut h, parts.body, &[b"--", boundary].concat());
+        return Ok(Fingerprint(h.finalize().into()));
     }
     match canonical_body(parts.body, rule)? {
         Some(canonical) => {
@@ -116,6 +142,23 @@ pub fn fingerprint(
 fn frame(h: &mut Sha256, bytes: &[u8]) {
     h.update((bytes.len() as u64).to_be_bytes());
     h.update(bytes);
+}
+
+/// Hashes `bytes` as the pieces between the occurrences of `cut`: their
+/// number, then each framed. The same pieces however `cut` was spelled,
+/// and no two different sequences of pieces alike. A body's delimiters
+/// are `--` and its boundary, which its parts cannot hold (RFC 2046
+/// §5.1.1), so the pieces are its parts, each with the line breaks
+/// around it.
+fn framed_without(h: &mut Sha256, bytes: &[u8], cut: &[u8]) {
+    let pieces = memchr::memmem::find_iter(bytes, cut).count() + 1;
+    h.update((pieces as u64).to_be_bytes());
+    let mut rest = bytes;
+    while let Some(at) = memchr::memmem::find(rest, cut) {
+        frame(h, &rest[..at]);
+        rest = &rest[at + cut.len()..];
+    }
+    frame(h, rest);
 }
 
 /// At most the bytes canonicalising `body` under `rule` holds while it
@@ -182,6 +225,7 @@ mod tests {
                 path_and_query: "/v1/charges",
                 headers: vec![("content-type", vec![b"application/json"])],
                 body,
+                boundary: None,
             },
             rule,
         )
@@ -203,6 +247,7 @@ mod tests {
                 path_and_query: "/v1/refunds",
                 headers: vec![("content-type", vec![b"application/json"])],
                 body: br#"{"a":1}"#,
+                boundary: None,
             },
             &rule,
         )
@@ -214,6 +259,7 @@ mod tests {
                 path_and_query: "/v1/charges",
                 headers: vec![("content-type", vec![])],
                 body: br#"{"a":1}"#,
+                boundary: None,
             },
             &rule,
         )
@@ -228,11 +274,66 @@ mod tests {
                     vec![b"application/json", b"application/x-www-form-urlencoded"],
                 )],
                 body: br#"{"a":1}"#,
+                boundary: None,
             },
             &rule,
         )
         .unwrap();
         assert_ne!(base, repeated, "a line added to a significant header");
+    }
+
+    /// A multipart request as httpx sends it, under `boundary`: the same
+    /// parts, delimited by it, and a `Content-Type` naming it (quoted or
+    /// not, as `quoted` says).
+    fn multipart(boundary: &str, quoted: bool, file: &str) -> Fingerprint {
+        let body = format!(
+            "--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\n\
+             fine-tune\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; \
+             filename=\"a.jsonl\"\r\n\r\n{file}\r\n--{boundary}--\r\n"
+        );
+        let header = match quoted {
+            true => format!("multipart/form-data; boundary=\"{boundary}\""),
+            false => format!("multipart/form-data; boundary={boundary}"),
+        };
+        let named = multipart_boundary(header.as_bytes());
+        assert_eq!(named.as_deref(), Some(boundary));
+        fingerprint(
+            &RequestParts {
+                method: "POST",
+                path_and_query: "/v1/files",
+                headers: vec![("content-type", vec![header.as_bytes()])],
+                body: body.as_bytes(),
+                boundary: named.as_deref().map(str::as_bytes),
+            },
+            &BodyRule::default(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_multipart_boundary_is_framing_not_content() {
+        let first = multipart("5ded705948d6888c3d6efb422f4f64e5", false, "{}");
+        let retry = multipart("0b6a1c1e2f3d4c5b6a798897a6b5c4d3", false, "{}");
+        assert_eq!(first, retry, "another boundary, the same request");
+        let quoted = multipart("x-y", true, "{}");
+        assert_eq!(
+            quoted,
+            multipart("y-z", true, "{}"),
+            "quoted, as some send it"
+        );
+        assert_ne!(
+            first,
+            multipart("5ded705948d6888c3d6efb422f4f64e5", false, "{ }")
+        );
+        // The boundary spelled inside a part is content, as its own
+        // delimiter would not be.
+        assert_ne!(
+            multipart("b1", false, "--b2"),
+            multipart("b2", false, "--b1"),
+        );
+        assert_eq!(multipart_boundary(b"application/json"), None);
+        assert_eq!(multipart_boundary(b"multipart/form-data"), None);
+        assert_eq!(multipart_boundary(b"text/plain; boundary=x"), None);
     }
 
     /// Jobs keep their fingerprint across releases: a retry after an
@@ -440,6 +541,7 @@ mod tests {
                     path_and_query: "/",
                     headers: vec![],
                     body,
+                    boundary: None,
                 },
                 rule,
             )

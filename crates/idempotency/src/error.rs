@@ -23,8 +23,9 @@ use idemgate_store::{StoreError, StoreErrorKind};
 use idemgate_trust::TrustError;
 
 /// Tells a client's SDK whether to retry on its own (the OpenAI and
-/// Anthropic SDKs read it), for refusals no retry can win.
-const SHOULD_RETRY: HeaderName = HeaderName::from_static("x-should-retry");
+/// Anthropic SDKs read it), for refusals no retry can win and for replayed
+/// errors.
+pub(crate) const SHOULD_RETRY: HeaderName = HeaderName::from_static("x-should-retry");
 
 /// The IETF draft whose answers the key problems give; each links the
 /// section it answers to in a `spec` member (RFC 9457 §3.2), the link to

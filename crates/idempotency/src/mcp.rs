@@ -258,6 +258,7 @@ fn intent_of(
         path_and_query: path,
         headers: Vec::new(),
         body: &asked,
+        boundary: None,
     };
     fingerprint(&parts, &CANONICAL)
 }

@@ -14,7 +14,9 @@ use tracing::Span;
 
 use crate::error::{ClientError, GatewayError};
 use crate::route::{self, Protocol, Route};
-use idemgate_domain::fingerprint::{canonical_footprint, fingerprint, BodyRule, RequestParts};
+use idemgate_domain::fingerprint::{
+    canonical_footprint, fingerprint, multipart_boundary, BodyRule, RequestParts,
+};
 use idemgate_domain::key::{IdempotencyKey, KeyError, Owner};
 use idemgate_domain::sse::ResumePoint;
 use idemgate_proxy::budget::Charge;
@@ -181,6 +183,8 @@ pub(crate) async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Prepared,
     let resume = resume_point(&parts)?;
     let (body, charge) = read(shared, &route, Some(&owner), body).await?;
     let parsing = parse_charge(shared, &route.body, (Some(&owner), &charge), &body)?;
+    let boundary = (parts.headers.get(http::header::CONTENT_TYPE))
+        .and_then(|t| multipart_boundary(t.as_bytes()));
     let fingerprint = fingerprint(
         &RequestParts {
             method: parts.method.as_str(),
@@ -194,6 +198,7 @@ pub(crate) async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Prepared,
                 })
                 .collect(),
             body: &body,
+            boundary: boundary.as_deref().map(str::as_bytes),
         },
         &route.body,
     )

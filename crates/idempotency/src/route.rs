@@ -243,7 +243,7 @@ impl Route {
             require_key: false,
             body_limit: 10 * 1024 * 1024,
             significant_headers: vec![http::header::CONTENT_TYPE],
-            retryable_statuses: vec![429, 502, 503],
+            retryable_statuses: vec![429, 502, 503, 529],
             body: BodyRule::default(),
             primary: primary.clone(),
             fallbacks: fallbacks.to_vec(),

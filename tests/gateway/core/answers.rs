@@ -52,6 +52,35 @@ async fn replay_is_faithful_to_status_end_to_end_headers_and_body_bytes(store: T
     assert_eq!(first.job(), replay.job());
 }
 
+/// A stored error is what every retry of its key gets: its replays tell
+/// the SDKs that retry on their own not to (`x-should-retry: false`, in
+/// place of the upstream's `true`, which spoke of its first sending); the
+/// first answer passes the upstream's header on as it came.
+async fn a_replayed_error_says_no_retry_can_win(store: TestStore) {
+    let upstream = FakeUpstream::start(|_| async move {
+        let mut answer =
+            crate::support::upstream::json_response(500, serde_json::json!({"error": "boom"}));
+        let headers = answer.headers_mut();
+        headers.insert("x-should-retry", http::HeaderValue::from_static("true"));
+        answer
+    })
+    .await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    let url = gateway.path("/v1/charges");
+    let first = post(&url, "kept-error", "{}").await;
+    assert_eq!(
+        (first.status, first.header("x-should-retry")),
+        (500, Some("true"))
+    );
+    let replay = post(&url, "kept-error", "{}").await;
+    assert_eq!(replay.status, 500);
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    let said: Vec<_> = replay.headers.get_all("x-should-retry").iter().collect();
+    assert_eq!(said, ["false"], "one value, the gateway's");
+    assert_eq!(replay.body, first.body);
+    assert_eq!(upstream.hits(), 1);
+}
+
 async fn same_key_with_another_body_or_path_is_a_409_mismatch_and_never_proxied(store: TestStore) {
     let upstream = FakeUpstream::echo().await;
     let gateway = Gateway::start(&store, &upstream.url()).await;
@@ -314,6 +343,7 @@ async fn bodies_past_the_limit_get_413_and_nothing_is_stored(store: TestStore) {
 crate::on_each_deployment!(
     [embedded, postgres]
     replay_is_faithful_to_status_end_to_end_headers_and_body_bytes,
+    a_replayed_error_says_no_retry_can_win,
     same_key_with_another_body_or_path_is_a_409_mismatch_and_never_proxied,
     mismatch_status_can_be_the_ietf_422,
     canonical_json_routes_ignore_key_order_and_excluded_fields,

@@ -365,6 +365,115 @@ async fn the_openai_sdk_accepting_gzip_is_answered_from_an_uncompressed_record()
     assert_eq!(asked[0].header("accept-encoding"), Some("identity"));
 }
 
+/// The official `anthropic` SDK, retrying on its own: the provider is
+/// overloaded (HTTP `529`, its `overloaded_error`, with `retry-after-ms`)
+/// once. `529` is retryable by default, so nothing is stored, the SDK's
+/// retry runs the call again and gets the message, and the app's next run
+/// with the key replays it. Had the `529` been committed, every retry of
+/// the key would have been answered that `529`, and the SDK raised.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_anthropic_sdk_retrying_an_overloaded_529_gets_the_message() {
+    let python = tokio::task::spawn_blocking(|| {
+        python::venv("anthropic-venv", &["anthropic"], "import anthropic").join("python")
+    })
+    .await
+    .unwrap();
+    let store = TestStore::postgres().await;
+    let upstream = crate::support::FakeUpstream::start(|r| async move {
+        if r.hit > 1 {
+            return crate::support::upstream::json_response(200, anthropic_message("Hello!"));
+        }
+        let overloaded = serde_json::json!({"type": "error",
+            "error": {"type": "overloaded_error", "message": "Overloaded"}});
+        let mut answer = crate::support::upstream::json_response(529, overloaded);
+        let headers = answer.headers_mut();
+        headers.insert("x-should-retry", http::HeaderValue::from_static("true"));
+        headers.insert("retry-after-ms", http::HeaderValue::from_static("10"));
+        answer
+    })
+    .await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/clients/anthropic_529.py");
+    for _ in 0..2 {
+        let out = python::run_client(
+            "SDK script",
+            tokio::process::Command::new(&python)
+                .arg(&script)
+                .arg(gateway.url.clone())
+                .arg("sdk-529"),
+        )
+        .await;
+        let seen: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(seen["text"], "Hello!", "{seen}");
+    }
+    assert_eq!(upstream.hits(), 2, "run again once, then replayed");
+}
+
+/// The official `openai` SDK uploading a file, retrying on its own after
+/// a `503` (nothing stored, the job open): it encodes the multipart body
+/// again under a new random boundary, and the retry is the same request
+/// all the same (`docs/design.md` §11, "A multipart boundary is
+/// framing"), run as the job's second attempt; the app's next run with the
+/// key replays the upload. Before, the retry's boundary made it another
+/// request: `409 …/idempotency-key-mismatch`, and the SDK raised.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_sdk_retrying_a_file_upload_is_the_same_request() {
+    let python = tokio::task::spawn_blocking(python_with_openai)
+        .await
+        .unwrap();
+    let store = TestStore::postgres().await;
+    let upstream = crate::support::FakeUpstream::start(|r| async move {
+        if r.hit == 1 {
+            let mut busy = crate::support::upstream::json_response(
+                503,
+                serde_json::json!({"error": {"message": "busy"}}),
+            );
+            let headers = busy.headers_mut();
+            headers.insert("retry-after-ms", http::HeaderValue::from_static("10"));
+            return busy;
+        }
+        crate::support::upstream::json_response(
+            200,
+            serde_json::json!({"id": "file-1", "object": "file", "bytes": 17,
+                "created_at": 1_700_000_000, "filename": "train.jsonl",
+                "purpose": "fine-tune", "status": "processed"}),
+        )
+    })
+    .await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    let script =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/clients/openai_file_upload.py");
+    for _ in 0..2 {
+        let out = python::run_client(
+            "SDK script",
+            tokio::process::Command::new(&python)
+                .arg(&script)
+                .arg(gateway.path("/v1"))
+                .arg("upload-1"),
+        )
+        .await;
+        let seen: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(seen["id"], "file-1", "{seen}");
+    }
+    let sent = upstream.recorded();
+    assert_eq!(sent.len(), 2, "the 503, then the upload; then replayed");
+    let boundaries: Vec<_> = sent.iter().map(|r| r.header("content-type")).collect();
+    assert_ne!(
+        boundaries[0], boundaries[1],
+        "each try under its own boundary"
+    );
+}
+
+/// A whole Anthropic message of `text`, not streamed.
+fn anthropic_message(text: &str) -> serde_json::Value {
+    serde_json::json!({
+        "id": "msg_fake", "type": "message", "role": "assistant", "model": "claude-fake",
+        "content": [{"type": "text", "text": text}],
+        "stop_reason": "end_turn", "stop_sequence": null,
+        "usage": {"input_tokens": 10, "output_tokens": 2}
+    })
+}
+
 /// `docs/streaming.md`'s SDK snippet, run as written twice: every token
 /// printed both times, from one upstream execution.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -344,7 +344,7 @@ reconcile = "resend"
         "owner from [client], allow_anonymous true, require_client true",
         "reconcile lookup GET /v1/lookups/{job}, on_unknown new_attempt, in_progress conflict",
         "protocol: http",
-        "retryable_statuses [429, 502, 503]",
+        "retryable_statuses [429, 502, 503, 529]",
         "stream_types [\"text/event-stream\"]",
     ] {
         assert!(chat.contains(said), "missing {said:?} in:\n{chat}");

@@ -85,11 +85,21 @@ pub(crate) fn response(
 }
 
 /// Marks an answer as a replay: for the client (`Idempotent-Replayed:
-/// true`) and for the gateway's own logs and metrics ([`Outcome`]).
+/// true`) and for the gateway's own logs and metrics ([`Outcome`]). A
+/// replayed error is what every retry of the key gets until it expires,
+/// so it tells SDKs that retry by themselves not to (`x-should-retry:
+/// false`, over the upstream's own, which spoke of its first sending:
+/// `docs/design.md` §11, "Refusals no retry can win say so").
 pub(crate) fn mark_replayed<B>(response: &mut Response<B>) {
-    response
-        .headers_mut()
-        .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    let error = response.status().is_client_error() || response.status().is_server_error();
+    let headers = response.headers_mut();
+    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    if error {
+        headers.insert(
+            crate::error::SHOULD_RETRY,
+            HeaderValue::from_static("false"),
+        );
+    }
     response.extensions_mut().insert(Outcome::Replayed);
 }
 
