@@ -71,11 +71,11 @@ events = "event.json"
 [[routes]]
 path_prefix = "/v1/messages"
 contract = "messages"
-stream_end_events = ["[DONE]", "message_stop", "response.completed"]
+stream_end_events = ["[DONE]", "message_stop", "response.completed", "response.incomplete", "response.failed"]
 
 [[routes]]
 path_prefix = "/v1"
-stream_end_events = ["[DONE]", "message_stop", "response.completed"]
+stream_end_events = ["[DONE]", "message_stop", "response.completed", "response.incomplete", "response.failed"]
 "#;
 
 async fn read_all(url: &str, key: &str) -> (Reader, Finish) {
@@ -119,6 +119,67 @@ async fn an_overloaded_stream_is_run_again_then_its_whole_answer_replayed(store:
     let counted = "idemgate_stream_errors_total{route=\"route-0\",upstream=\"primary\",\
                    type=\"overloaded_error\",retryable=\"true\"}";
     assert_eq!(gateway.metric(counted).await, 1.0);
+}
+
+/// An OpenAI Responses API stream: its start, a delta of `text`, then
+/// `last`, an event `name`d with `data` (a JSON object's members).
+fn responses(text: &str, name: &str, data: &str) -> Vec<String> {
+    let event = |name: &str, data: &str| format!("event: {name}\ndata: {{{data}}}\n\n");
+    vec![
+        event("response.created", r#""type":"response.created""#),
+        event(
+            "response.output_text.delta",
+            &format!(r#""type":"response.output_text.delta","delta":"{text}""#),
+        ),
+        event(name, data),
+    ]
+}
+
+/// The Responses API's ways to end: a transient failure (an `error`
+/// event with its code at the top, then a `response.failed` whose error
+/// code is a rate limit) had no effect, and the key's retries run again;
+/// a `response.incomplete` (cut short by `max_output_tokens`) is a whole
+/// answer, committed and replayed. Before, the `error` event's code went
+/// unread: `unknown`, committed, and the key's every retry replayed the
+/// error; and `response.incomplete` or `response.failed` under the
+/// documented end events was cut, the attempt unknown, the retry `409`.
+async fn a_responses_api_stream_ends_and_fails_as_the_api_says(store: TestStore) {
+    let error = responses(
+        "Hel",
+        "error",
+        r#""type":"error","code":"server_error","message":"boom","param":null"#,
+    );
+    let failed = responses(
+        "Hel",
+        "response.failed",
+        r#""type":"response.failed","response":{"status":"failed","error":{"code":"rate_limit_exceeded","message":"slow down"}}"#,
+    );
+    let incomplete = responses(
+        "Hello",
+        "response.incomplete",
+        r#""type":"response.incomplete","response":{"status":"incomplete","incomplete_details":{"reason":"max_output_tokens"}}"#,
+    );
+    let scripts = vec![error, failed, incomplete.clone()];
+    let upstream = ScriptedSse::start(scripts, None).await;
+    let gateway = gateway(&store, &upstream, CHAT_ROUTE).await;
+    let url = gateway.path("/v1/responses");
+    for (run, expected) in [(1, "server_error"), (2, "rate_limit_exceeded")] {
+        let (failing, finish) = read_all(&url, "resp").await;
+        assert_eq!((failing.status, finish), (200, Finish::Complete));
+        let job = failing.header("idempotency-job").unwrap().to_owned();
+        let detail = gateway.job(&job).await;
+        assert_eq!(detail["state"], "open", "{detail}");
+        let why = detail["attempts"][run - 1]["detail"].as_str().unwrap();
+        assert!(why.contains(expected), "{why}");
+    }
+    let (whole, finish) = read_all(&url, "resp").await;
+    assert_eq!((whole.status, finish), (200, Finish::Complete));
+    assert_eq!(text(&whole), incomplete.concat());
+    let (again, finish) = read_all(&url, "resp").await;
+    assert_eq!((again.status, finish), (200, Finish::Complete));
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(text(&again), incomplete.concat());
+    assert_eq!(upstream.hits(), 3, "run again twice, then replayed");
 }
 
 async fn an_invalid_request_error_is_the_answer_and_is_replayed(store: TestStore) {
@@ -466,6 +527,7 @@ crate::on_each_deployment!(
     a_late_stream_is_judged_as_a_stream,
     an_overloaded_stream_is_run_again_then_its_whole_answer_replayed,
     an_invalid_request_error_is_the_answer_and_is_replayed,
+    a_responses_api_stream_ends_and_fails_as_the_api_says,
     an_openai_error_chunk_is_retried,
     a_live_joiner_of_a_stream_that_fails_in_band_gets_it_as_sent,
     a_stream_that_stops_before_its_end_event_is_cut,

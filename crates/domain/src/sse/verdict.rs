@@ -95,22 +95,36 @@ fn field(line: &[u8]) -> (&[u8], &[u8]) {
     }
 }
 
-/// An error the stream reports in band: an event named `error`, or one
-/// whose `data` is a JSON object with a top-level `error` member. Its type
-/// is what `/error/type` says, else `/error/code`, else `unknown`.
+/// An error the stream reports in band, and its type:
+/// - data that is a JSON object with a top-level `error` member (OpenAI's
+///   chat chunks, Anthropic's `error` event): `/error/type`, else
+///   `/error/code`;
+/// - the Responses API's `error` event, whose code is the data's own
+///   (`{"type": "error", "code": "server_error", …}`): `/code`;
+/// - the Responses API's `response.failed`, a response that ended failed:
+///   `/response/error/code`;
+/// - any other event named `error`: `unknown`, as any of these whose type
+///   cannot be read.
 pub fn in_band_error(event: &Event) -> Option<String> {
     let json: Option<Value> = serde_json::from_str(&event.data).ok();
-    let error = json.as_ref().and_then(|v| v.as_object()?.get("error"));
-    if error.is_none() && event.name.as_deref() != Some("error") {
-        return None;
-    }
+    let object = json.as_ref().and_then(Value::as_object);
+    let said_type = object.and_then(|o| o.get("type")?.as_str());
+    let named = |name: &str| event.name.as_deref() == Some(name) || said_type == Some(name);
+    let error = match object.and_then(|o| o.get("error")) {
+        Some(error) => Some(error),
+        None if named("response.failed") => {
+            json.as_ref().and_then(|v| v.pointer("/response/error"))
+        }
+        None if named("error") => json.as_ref(),
+        None => return None,
+    };
     let kind = error.and_then(|e| {
-        let named = |key: &str| match e.get(key)? {
-            Value::String(s) if !s.is_empty() => Some(s.clone()),
+        let read = |key: &str| match e.get(key)? {
+            Value::String(s) if !s.is_empty() && s != "error" => Some(s.clone()),
             Value::Number(n) => Some(n.to_string()),
             _ => None,
         };
-        named("type").or_else(|| named("code"))
+        read("type").or_else(|| read("code"))
     });
     Some(kind.unwrap_or_else(|| "unknown".to_owned()))
 }
@@ -172,6 +186,47 @@ mod tests {
             Said::Whole,
             "not looked for"
         );
+    }
+
+    /// The Responses API's ways to fail after its head: an `error` event
+    /// with its code at the top, and a response that ended `failed`.
+    #[test]
+    fn a_responses_api_error_is_read_with_its_code() {
+        let delta = "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"Hi\"}\n\n";
+        let error = format!(
+            "{delta}event: error\ndata: {{\"type\":\"error\",\"code\":\"server_error\",\
+             \"message\":\"boom\",\"param\":null,\"sequence_number\":3}}\n\n"
+        );
+        assert_eq!(
+            said(error.as_bytes(), true, &[]),
+            Said::Error("server_error".into())
+        );
+        let failed = format!(
+            "{delta}event: response.failed\ndata: {{\"type\":\"response.failed\",\"response\":\
+             {{\"status\":\"failed\",\"error\":{{\"code\":\"rate_limit_exceeded\",\
+             \"message\":\"slow down\"}}}}}}\n\n"
+        );
+        assert_eq!(
+            said(failed.as_bytes(), true, &[]),
+            Said::Error("rate_limit_exceeded".into())
+        );
+        // Its name in the data alone, as some gateways send it.
+        let unnamed = failed.replace("event: response.failed\n", "");
+        assert_eq!(
+            said(unnamed.as_bytes(), true, &[]),
+            Said::Error("rate_limit_exceeded".into())
+        );
+        let incomplete = format!(
+            "{delta}event: response.incomplete\ndata: {{\"type\":\"response.incomplete\",\
+             \"response\":{{\"status\":\"incomplete\",\"error\":null}}}}\n\n"
+        );
+        let ends = [
+            "response.completed",
+            "response.incomplete",
+            "response.failed",
+        ]
+        .map(String::from);
+        assert_eq!(said(incomplete.as_bytes(), true, &ends), Said::Whole);
     }
 
     #[test]
