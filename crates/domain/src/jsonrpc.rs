@@ -140,16 +140,7 @@ pub fn with_id(response: &[u8], id: &[u8]) -> Option<Vec<u8>> {
 /// that line's message readdressed, every other byte as it was. `None`
 /// when it carries no response (a notification, a heartbeat).
 pub fn readdress_event(event: &[u8], id: &[u8]) -> Option<Vec<u8>> {
-    let mut data = event
-        .split_inclusive(|b| *b == b'\n')
-        .enumerate()
-        .filter(|(_, line)| line.starts_with(b"data:"));
-    let (index, line) = data.next()?;
-    if data.next().is_some() {
-        return None;
-    }
-    let value_at = if line.starts_with(b"data: ") { 6 } else { 5 };
-    let value = line[value_at..].trim_ascii_end();
+    let (index, value_at, value) = one_data_line(event)?;
     if !is_response(value) {
         return None;
     }
@@ -165,6 +156,34 @@ pub fn readdress_event(event: &[u8], id: &[u8]) -> Option<Vec<u8>> {
         }
     }
     Some(out)
+}
+
+/// The one `data:` line of `event`: its index among the event's lines,
+/// where its value starts, and the value (`None` for none, or several).
+fn one_data_line(event: &[u8]) -> Option<(usize, usize, &[u8])> {
+    let mut data = event
+        .split_inclusive(|b| *b == b'\n')
+        .enumerate()
+        .filter(|(_, line)| line.starts_with(b"data:"));
+    let (index, line) = data.next()?;
+    if data.next().is_some() {
+        return None;
+    }
+    let value_at = if line.starts_with(b"data: ") { 6 } else { 5 };
+    Some((index, value_at, line[value_at..].trim_ascii_end()))
+}
+
+/// Whether `event`, a server-sent event's bytes, carries a JSON-RPC
+/// request on its `data:` line (it has an `id` and a `method`): the
+/// server asking its client something (`elicitation/create`,
+/// `sampling/createMessage`), in the session of the call it serves.
+pub fn is_request_event(event: &[u8]) -> bool {
+    one_data_line(event).is_some_and(|(_, _, value)| {
+        members(value).is_some_and(|members| {
+            let has = |key: &str| members.iter().any(|(name, _)| name == key);
+            has("id") && has("method")
+        })
+    })
 }
 
 /// Whether `message` is a JSON-RPC response (it has an `id` and a `result`

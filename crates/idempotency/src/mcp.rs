@@ -276,10 +276,12 @@ pub(crate) const MCP_SESSION_ID: header::HeaderName =
 
 /// `response`, which another request's attempt made, addressed to `id`:
 /// the JSON-RPC response in a JSON body, or the response event of an event
-/// stream, readdressed as it comes; every other byte as it was, but the
-/// session it names: the one the call asked in (`session`), or none. The
-/// session of the call that made it is another client's, or gone
-/// (`docs/design.md` §19, "The answer").
+/// stream, readdressed as it comes; the server's requests to the client
+/// that made the call (`elicitation/create`, `sampling/createMessage`)
+/// left out of the stream, as that client answered them; every other byte
+/// as it was, but the session it names: the one the call asked in
+/// (`session`), or none. The session of the call that made it is another
+/// client's, or gone (`docs/design.md` §19, "The answer").
 pub(crate) fn readdressed(
     response: Response<Body>,
     id: Vec<u8>,
@@ -330,6 +332,12 @@ fn readdressed_events(body: Body, id: Vec<u8>) -> Body {
             };
             let mut out = Vec::new();
             for block in bytes {
+                // Asked of the call's own client: asked again here, the
+                // user would consent again to what is done, or a model
+                // would be paid to sample for nothing.
+                if jsonrpc::is_request_event(&block.bytes) {
+                    continue;
+                }
                 match jsonrpc::readdress_event(&block.bytes, &id) {
                     Some(readdressed) => out.extend_from_slice(&readdressed),
                     None => out.extend_from_slice(&block.bytes),

@@ -220,6 +220,56 @@ async fn a_new_session_gets_the_answer_of_the_old_one(store: TestStore) {
     assert_eq!(server.runs("create_ticket"), 1);
 }
 
+/// A tool that asks its user (`elicitation/create`) before it acts sends
+/// the request inside its call's stream; the first caller answers it. A
+/// retry in another session is answered the stored stream without that
+/// request (its user is not asked again to consent to what is done), its
+/// notifications and its response, readdressed, kept.
+async fn a_replay_never_asks_the_first_callers_questions(store: TestStore) {
+    let upstream = crate::support::FakeUpstream::start(|r| async move {
+        let call: Value = serde_json::from_slice(&r.body).unwrap();
+        let messages = [
+            json!({"jsonrpc": "2.0", "method": "notifications/progress",
+                   "params": {"progressToken": call["id"], "progress": 1}}),
+            json!({"jsonrpc": "2.0", "id": 7, "method": "elicitation/create",
+                   "params": {"message": "Really charge 5000?", "requestedSchema": {}}}),
+            json!({"jsonrpc": "2.0", "id": call["id"],
+                   "result": {"content": [{"type": "text", "text": "charged"}]}}),
+        ];
+        let body: String = messages.iter().map(|m| format!("data: {m}\n\n")).collect();
+        http::Response::builder()
+            .header("content-type", "text/event-stream")
+            .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+            .unwrap()
+    })
+    .await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .tables(ROUTE)
+        .start()
+        .await;
+    let call = |id| tool_call(json!(id), "charge", json!({"amount": 5000}), Some("ask-1"));
+    let methods = |reply: &Reply| -> Vec<String> {
+        String::from_utf8_lossy(&reply.body)
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .map(|d| serde_json::from_str::<Value>(d).unwrap())
+            .map(|m| m["method"].as_str().unwrap_or("(response)").to_owned())
+            .collect()
+    };
+    let first = post(&gateway, &call(1), "s1").await;
+    assert_eq!(
+        methods(&first),
+        ["notifications/progress", "elicitation/create", "(response)"]
+    );
+    let again = post(&gateway, &call(2), "s2").await;
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(methods(&again), ["notifications/progress", "(response)"]);
+    assert_eq!(response(&again)["id"], 2);
+    let charged = json!({"content": [{"type": "text", "text": "charged"}]});
+    assert_eq!(response(&again)["result"], charged);
+    assert_eq!(upstream.hits(), 1);
+}
+
 /// A call the server refused before dispatching it (`404` "Session not
 /// found" with `"id": null` after a restart; a bare `400`) had no effect:
 /// the refusal is the caller's, nothing is kept, and the retry in a new
@@ -599,6 +649,7 @@ crate::on_each_deployment!(
     concurrent_calls_with_one_key_run_the_tool_once,
     concurrent_calls_answered_as_a_stream_run_the_tool_once,
     a_new_session_gets_the_answer_of_the_old_one,
+    a_replay_never_asks_the_first_callers_questions,
     a_keyed_batch_is_refused_and_an_error_answer_is_the_tools,
     a_message_whose_parse_outgrows_the_budget_is_refused,
     a_call_the_server_refused_runs_in_the_next_session,
