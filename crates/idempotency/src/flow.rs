@@ -299,11 +299,20 @@ impl Flow {
         Ok(Next::Answered(answer))
     }
 
-    /// How long to wait for the next lookup of an unknown job's attempt to
-    /// settle it, when one is due within the hold timeout (its start, plus
-    /// the time the lookup or resend may take); `None` on a route that does
-    /// not reconcile, or when no lookup is due that soon.
+    /// How long to wait for evidence to settle an unknown job: the hold
+    /// timeout while its attempt's call is still out from this process
+    /// (silent past `first_byte_timeout`, as a call that does not stream
+    /// is until its answer is done: that answer commits whenever it
+    /// comes); else, when the next lookup of its attempt is due within the
+    /// hold timeout, until then, plus the time the lookup or resend may
+    /// take; `None` on a route that does not reconcile, or when no lookup
+    /// is due that soon (docs/design.md §11, "Silence, not total time";
+    /// §5, "Unknown attempts are looked up").
     async fn evidence_due(&self, job: JobId) -> Option<Duration> {
+        let shared = &self.driver.shared;
+        if shared.runner.calling(job) {
+            return Some(shared.config.hold.timeout);
+        }
         let route = &self.driver.request.intent.route;
         route.reconcile.as_ref()?;
         let limit = self.next_lookup(job).await? + route.primary.timeout;

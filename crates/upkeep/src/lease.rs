@@ -13,7 +13,7 @@ use tokio::sync::watch;
 
 use crate::supervise::Heartbeat;
 use idemgate_domain::attempt::AttemptFailure;
-use idemgate_domain::id::AttemptId;
+use idemgate_domain::id::{AttemptId, JobId};
 use idemgate_domain::BoxError;
 use idemgate_store::Store;
 use idemgate_telemetry::ends::{self, By};
@@ -40,6 +40,8 @@ impl Default for Leases {
 /// Who a held attempt is, for the metrics.
 #[derive(Debug, Clone)]
 pub struct Held {
+    /// Its job.
+    pub job: JobId,
     /// Its job's route.
     pub route: String,
     /// Its upstream.
@@ -72,6 +74,13 @@ impl Leases {
 
     fn snapshot(&self) -> Vec<AttemptId> {
         self.lock().keys().copied().collect()
+    }
+
+    /// Whether this instance runs an attempt of `job`: its call is out
+    /// from here (an attempt gone `unknown` at its `first_byte_timeout`
+    /// among them, until its late answer or its deadline).
+    pub fn calling(&self, job: JobId) -> bool {
+        self.lock().values().any(|held| held.job == job)
     }
 
     /// How many attempts this instance is running.

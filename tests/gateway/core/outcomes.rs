@@ -43,7 +43,8 @@ async fn timeout_makes_the_job_unknown_until_resolved_then_attempt_two_runs(stor
     assert_eq!(job["state"], "unknown");
     assert_eq!(attempts(&job)[0]["state"], "unknown");
 
-    // Blocked: no new attempt while the outcome is unknown.
+    // Blocked: no new attempt while the outcome is unknown (held while
+    // the call is out, for `hold_timeout`, then told so).
     let retry = post(&url, "slow-1", "{}").await;
     assert_eq!(retry.status, 409);
     assert_eq!(retry.problem(), "attempt-outcome-unknown");
@@ -108,6 +109,37 @@ async fn late_answer_before_the_deadline_is_committed_and_replayed(store: TestSt
     assert_eq!(upstream.hits(), 1);
     let job = gateway.job(&job_id).await;
     assert_eq!(attempts(&job)[0]["state"], "succeeded");
+}
+
+/// A call that does not stream has its head only when its answer is
+/// done, so a slow one goes unknown at `first_byte_timeout` while its
+/// call goes on. A retry that comes while the call is still out from this
+/// replica is held for it, as for a running attempt, and gets its late
+/// answer (docs/design.md §11, "Silence, not total time"). Before, it was
+/// told `409` at once, and an SDK's own retries spent themselves on that
+/// while the answer was on its way.
+async fn a_retry_while_the_late_call_is_out_is_held_for_its_answer(store: TestStore) {
+    let gate = Gate::new();
+    let upstream = first_answer_gated(&gate).await;
+    let gateway = impatient_gateway(&store, &upstream).await;
+    let url = gateway.path("/v1/jobs");
+    let first = post(&url, "late-2", "{}").await;
+    assert_eq!(first.status, 504);
+
+    let retry = tokio::spawn({
+        let url = url.clone();
+        async move { post(&url, "late-2", "{}").await }
+    });
+    eventually(Duration::from_secs(10), "the retry to be held", || async {
+        gateway.metric("idemgate_held_requests").await >= 1.0
+    })
+    .await;
+    gate.open(1);
+    let retry = retry.await.unwrap();
+    assert_eq!(retry.status, 200, "{retry:?}");
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(retry.json()["hit"], 1);
+    assert_eq!(upstream.hits(), 1);
 }
 
 async fn refused_connection_fails_the_attempt_and_the_retry_makes_attempt_two(store: TestStore) {
@@ -464,6 +496,7 @@ async fn admin_rejects_malformed_resolutions(store: TestStore) {
 
 crate::on_each_deployment!(
     [embedded, postgres]
+    a_retry_while_the_late_call_is_out_is_held_for_its_answer,
     a_gateway_stopped_mid_attempt_records_it_unknown_at_once,
     a_running_attempt_keeps_renewing_its_lease,
     expired_jobs_are_purged_in_the_background,

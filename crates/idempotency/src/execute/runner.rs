@@ -12,7 +12,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use http::{HeaderValue, Request};
 use idemgate_domain::attempt::{Attempt, AttemptFailure, NewAttempt};
-use idemgate_domain::id::AttemptId;
+use idemgate_domain::id::{AttemptId, JobId};
 use idemgate_domain::job::JobDetail;
 use idemgate_domain::reconcile::orphaned;
 use idemgate_domain::BoxError;
@@ -159,6 +159,12 @@ impl Runner {
         });
     }
 
+    /// Whether an attempt of `job` is running here: its call still out,
+    /// though the attempt may be `unknown` already.
+    pub(crate) fn calling(&self, job: JobId) -> bool {
+        self.leases.calling(job)
+    }
+
     /// Starts `attempt` of `request`'s job against `target`, in a task of
     /// its own.
     pub(crate) fn start(
@@ -188,6 +194,7 @@ impl Runner {
         let forwarded = Request::from_parts(forwarded.parts, full(forwarded.body));
         let route = &request.intent.route.name;
         let held = Held {
+            job: attempt.job_id,
             route: route.clone(),
             upstream: attempt.upstream.clone(),
         };
