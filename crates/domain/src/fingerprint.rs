@@ -87,6 +87,11 @@ pub fn multipart_boundary(content_type: &[u8]) -> Option<String> {
     if media.type_() != mime::MULTIPART {
         return None;
     }
+    // Named twice, parsers disagree on which one counts: none is taken.
+    let named = media.params().filter(|(name, _)| *name == mime::BOUNDARY);
+    if named.count() != 1 {
+        return None;
+    }
     let boundary = media.get_param(mime::BOUNDARY)?.as_str();
     (!boundary.is_empty()).then(|| boundary.to_owned())
 }
@@ -123,7 +128,7 @@ pub fn fingerprint(
     }
     if let Some(boundary) = parts.boundary {
         h.update([2]);
-        framed_without(&mut h, parts.body, &[b"--", boundary].concat());
+        framed_parts(&mut h, parts.body, boundary);
         return Ok(Fingerprint(h.finalize().into()));
     }
     match canonical_body(parts.body, rule)? {
@@ -144,12 +149,24 @@ fn frame(h: &mut Sha256, bytes: &[u8]) {
     h.update(bytes);
 }
 
+/// Hashes a multipart `body` as the pieces between its delimiters: a
+/// line break, `--` and the `boundary` (RFC 2046 §5.1.1: no part may hold
+/// one, and a parser ends a part at the first), or `--` and the boundary
+/// where the body starts. The boundary spelled anywhere else (mid-line) is
+/// a part's content, as a parser reads it, and hashed as such.
+fn framed_parts(h: &mut Sha256, body: &[u8], boundary: &[u8]) {
+    let opening = [b"--", boundary].concat();
+    let (opened, rest) = match body.strip_prefix(opening.as_slice()) {
+        Some(rest) => (1, rest),
+        None => (0, body),
+    };
+    h.update([opened]);
+    framed_without(h, rest, &[b"\r\n--", boundary].concat());
+}
+
 /// Hashes `bytes` as the pieces between the occurrences of `cut`: their
 /// number, then each framed. The same pieces however `cut` was spelled,
-/// and no two different sequences of pieces alike. A body's delimiters
-/// are `--` and its boundary, which its parts cannot hold (RFC 2046
-/// §5.1.1), so the pieces are its parts, each with the line breaks
-/// around it.
+/// and no two different sequences of pieces alike.
 fn framed_without(h: &mut Sha256, bytes: &[u8], cut: &[u8]) {
     let pieces = memchr::memmem::find_iter(bytes, cut).count() + 1;
     h.update((pieces as u64).to_be_bytes());
@@ -330,6 +347,16 @@ mod tests {
         assert_ne!(
             multipart("b1", false, "--b2"),
             multipart("b2", false, "--b1"),
+        );
+        // Nor mid-line, where a parser reads it as content.
+        assert_ne!(
+            multipart("B1", false, "x--B1"),
+            multipart("B2", false, "x--B2")
+        );
+        assert_eq!(
+            multipart_boundary(b"multipart/form-data; boundary=a; boundary=b"),
+            None,
+            "named twice: parsers disagree on which counts"
         );
         assert_eq!(multipart_boundary(b"application/json"), None);
         assert_eq!(multipart_boundary(b"multipart/form-data"), None);

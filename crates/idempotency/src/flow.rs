@@ -299,21 +299,24 @@ impl Flow {
         Ok(Next::Answered(answer))
     }
 
-    /// How long to wait for evidence to settle an unknown job: the hold
-    /// timeout while its attempt's call is still out from this process
-    /// (silent past `first_byte_timeout`, as a call that does not stream
-    /// is until its answer is done: that answer commits whenever it
-    /// comes); else, when the next lookup of its attempt is due within the
+    /// How long to wait for evidence to settle an unknown job: while its
+    /// attempt's call is still out from this process (silent past
+    /// `first_byte_timeout`, as a call that does not stream is until its
+    /// answer is done: that answer commits whenever it comes), the hold
+    /// timeout, or less if the call's deadline comes first, unless the
+    /// route answers duplicates `409` at once (`in_progress =
+    /// "conflict"`); else, when the next lookup of its attempt is due within the
     /// hold timeout, until then, plus the time the lookup or resend may
     /// take; `None` on a route that does not reconcile, or when no lookup
     /// is due that soon (docs/design.md §11, "Silence, not total time";
     /// §5, "Unknown attempts are looked up").
     async fn evidence_due(&self, job: JobId) -> Option<Duration> {
-        let shared = &self.driver.shared;
-        if shared.runner.calling(job) {
-            return Some(shared.config.hold.timeout);
+        let (shared, route) = (&self.driver.shared, &self.driver.request.intent.route);
+        let holds = route.in_progress != InProgress::Conflict;
+        if let Some(deadline) = shared.runner.calling(job).filter(|_| holds) {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            return Some(shared.config.hold.timeout.min(left));
         }
-        let route = &self.driver.request.intent.route;
         route.reconcile.as_ref()?;
         let limit = self.next_lookup(job).await? + route.primary.timeout;
         (limit <= self.driver.shared.config.hold.timeout).then_some(limit)

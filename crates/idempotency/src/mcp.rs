@@ -278,7 +278,9 @@ pub(crate) const MCP_SESSION_ID: header::HeaderName =
 /// the JSON-RPC response in a JSON body, or the response event of an event
 /// stream, readdressed as it comes; the server's requests to the client
 /// that made the call (`elicitation/create`, `sampling/createMessage`)
-/// left out of the stream, as that client answered them; every other byte
+/// left out of the stream unless the call asks in the session the answer
+/// was made in (that client answered them, or answers them now); every
+/// other byte
 /// as it was, but the session it names: the one the call asked in
 /// (`session`), or none. The session of the call that made it is another
 /// client's, or gone (`docs/design.md` §19, "The answer").
@@ -288,7 +290,10 @@ pub(crate) fn readdressed(
     session: Option<http::HeaderValue>,
 ) -> Response<Body> {
     let (mut parts, body) = response.into_parts();
-    parts.headers.remove(MCP_SESSION_ID);
+    // The server's requests asked the session the call ran in: a retry
+    // in that very session (its first connection lost) still answers them.
+    let made_in = parts.headers.remove(MCP_SESSION_ID);
+    let asks = session.is_some() && session == made_in;
     if let Some(session) = session {
         parts.headers.insert(MCP_SESSION_ID, session);
     }
@@ -299,7 +304,7 @@ pub(crate) fn readdressed(
     // Written anew: the length may change with the id.
     parts.headers.remove(header::CONTENT_LENGTH);
     let body = if streams {
-        readdressed_events(body, id)
+        readdressed_events(body, id, asks)
     } else {
         readdressed_message(body, id)
     };
@@ -319,7 +324,7 @@ fn readdressed_message(body: Body, id: Vec<u8>) -> Body {
 /// An event stream's body with its response event addressed to `id`, cut
 /// at its lines as it comes (`docs/design.md` §10, "Events and
 /// heartbeats"), what its end leaves pending given out last.
-fn readdressed_events(body: Body, id: Vec<u8>) -> Body {
+fn readdressed_events(body: Body, id: Vec<u8>, asks: bool) -> Body {
     let state = (Some(body.into_data_stream()), Blocks::default());
     let frames = futures_util::stream::unfold(state, move |(stream, mut blocks)| {
         let id = id.clone();
@@ -335,7 +340,7 @@ fn readdressed_events(body: Body, id: Vec<u8>) -> Body {
                 // Asked of the call's own client: asked again here, the
                 // user would consent again to what is done, or a model
                 // would be paid to sample for nothing.
-                if jsonrpc::is_request_event(&block.bytes) {
+                if !asks && jsonrpc::is_request_event(&block.bytes) {
                     continue;
                 }
                 match jsonrpc::readdress_event(&block.bytes, &id) {

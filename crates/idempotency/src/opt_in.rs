@@ -183,8 +183,13 @@ pub(crate) async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Prepared,
     let resume = resume_point(&parts)?;
     let (body, charge) = read(shared, &route, Some(&owner), body).await?;
     let parsing = parse_charge(shared, &route.body, (Some(&owner), &charge), &body)?;
-    let boundary = (parts.headers.get(http::header::CONTENT_TYPE))
-        .and_then(|t| multipart_boundary(t.as_bytes()));
+    // Of one `Content-Type` line only: of two, parsers disagree on which
+    // counts (docs/design.md §11, "A multipart boundary is framing").
+    let mut types = parts.headers.get_all(http::header::CONTENT_TYPE).iter();
+    let boundary = match (types.next(), types.next()) {
+        (Some(only), None) => multipart_boundary(only.as_bytes()),
+        _ => None,
+    };
     let fingerprint = fingerprint(
         &RequestParts {
             method: parts.method.as_str(),

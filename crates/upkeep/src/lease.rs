@@ -46,6 +46,8 @@ pub struct Held {
     pub route: String,
     /// Its upstream.
     pub upstream: String,
+    /// When its call is dropped, answered or not (`attempt_deadline`).
+    pub deadline: tokio::time::Instant,
 }
 
 /// Releases the lease registration when the attempt's task ends.
@@ -76,11 +78,14 @@ impl Leases {
         self.lock().keys().copied().collect()
     }
 
-    /// Whether this instance runs an attempt of `job`: its call is out
-    /// from here (an attempt gone `unknown` at its `first_byte_timeout`
-    /// among them, until its late answer or its deadline).
-    pub fn calling(&self, job: JobId) -> bool {
-        self.lock().values().any(|held| held.job == job)
+    /// Until when this instance may still be calling for `job`: the
+    /// latest deadline of the attempts of it it runs, their calls out from
+    /// here (an attempt gone `unknown` at its `first_byte_timeout` among
+    /// them, until its late answer or that deadline); `None` for none.
+    pub fn calling(&self, job: JobId) -> Option<tokio::time::Instant> {
+        let held = self.lock();
+        let of_job = held.values().filter(|held| held.job == job);
+        of_job.map(|held| held.deadline).max()
     }
 
     /// How many attempts this instance is running.

@@ -224,7 +224,8 @@ async fn a_new_session_gets_the_answer_of_the_old_one(store: TestStore) {
 /// the request inside its call's stream; the first caller answers it. A
 /// retry in another session is answered the stored stream without that
 /// request (its user is not asked again to consent to what is done), its
-/// notifications and its response, readdressed, kept.
+/// notifications and its response, readdressed, kept; a retry in the
+/// session the call ran in is answered it whole.
 async fn a_replay_never_asks_the_first_callers_questions(store: TestStore) {
     let upstream = crate::support::FakeUpstream::start(|r| async move {
         let call: Value = serde_json::from_slice(&r.body).unwrap();
@@ -239,6 +240,7 @@ async fn a_replay_never_asks_the_first_callers_questions(store: TestStore) {
         let body: String = messages.iter().map(|m| format!("data: {m}\n\n")).collect();
         http::Response::builder()
             .header("content-type", "text/event-stream")
+            .header("mcp-session-id", "s1")
             .body(http_body_util::Full::new(bytes::Bytes::from(body)))
             .unwrap()
     })
@@ -267,6 +269,14 @@ async fn a_replay_never_asks_the_first_callers_questions(store: TestStore) {
     assert_eq!(response(&again)["id"], 2);
     let charged = json!({"content": [{"type": "text", "text": "charged"}]});
     assert_eq!(response(&again)["result"], charged);
+    // A retry in the session the call ran in (its first connection lost)
+    // may still have to answer.
+    let same = post(&gateway, &call(3), "s1").await;
+    assert_eq!(same.header("idempotent-replayed"), Some("true"));
+    assert_eq!(
+        methods(&same),
+        ["notifications/progress", "elicitation/create", "(response)"]
+    );
     assert_eq!(upstream.hits(), 1);
 }
 

@@ -142,6 +142,29 @@ async fn a_retry_while_the_late_call_is_out_is_held_for_its_answer(store: TestSt
     assert_eq!(upstream.hits(), 1);
 }
 
+/// On a route that answers duplicates at once (`in_progress =
+/// "conflict"`), a retry while the late call is out is not held: `409` at
+/// once, as for a running attempt.
+async fn a_conflict_route_is_not_held_on_a_late_call(store: TestStore) {
+    let gate = Gate::new();
+    let upstream = first_answer_gated(&gate).await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("upstream_timeout", "\"300ms\"")
+        .set("attempt_deadline", "\"30s\"")
+        .set("hold_timeout", "\"20s\"")
+        .tables("[[routes]]\npath_prefix = \"/v1\"\nin_progress = \"conflict\"\n")
+        .start()
+        .await;
+    let url = gateway.path("/v1/jobs");
+    assert_eq!(post(&url, "late-3", "{}").await.status, 504);
+    let retry = tokio::time::timeout(Duration::from_secs(10), post(&url, "late-3", "{}"))
+        .await
+        .expect("answered at once, not held for hold_timeout");
+    assert_eq!(retry.status, 409);
+    assert_eq!(retry.problem(), "attempt-outcome-unknown");
+    gate.open(1);
+}
+
 async fn refused_connection_fails_the_attempt_and_the_retry_makes_attempt_two(store: TestStore) {
     // Reserve a port, then free it: nothing listens there yet.
     let reserved = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -497,6 +520,7 @@ async fn admin_rejects_malformed_resolutions(store: TestStore) {
 crate::on_each_deployment!(
     [embedded, postgres]
     a_retry_while_the_late_call_is_out_is_held_for_its_answer,
+    a_conflict_route_is_not_held_on_a_late_call,
     a_gateway_stopped_mid_attempt_records_it_unknown_at_once,
     a_running_attempt_keeps_renewing_its_lease,
     expired_jobs_are_purged_in_the_background,

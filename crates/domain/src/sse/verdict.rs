@@ -105,11 +105,15 @@ fn field(line: &[u8]) -> (&[u8], &[u8]) {
 ///   `/response/error/code`;
 /// - any other event named `error`: `unknown`, as any of these whose type
 ///   cannot be read.
+///
+/// An event without an `event` field is named by its data's `type`, as
+/// the Responses API's events are; a named event by its name alone.
 pub fn in_band_error(event: &Event) -> Option<String> {
     let json: Option<Value> = serde_json::from_str(&event.data).ok();
     let object = json.as_ref().and_then(Value::as_object);
     let said_type = object.and_then(|o| o.get("type")?.as_str());
-    let named = |name: &str| event.name.as_deref() == Some(name) || said_type == Some(name);
+    // An event's name, else (unnamed) its data's `type`, says what it is.
+    let named = |name: &str| event.name.as_deref().or(said_type) == Some(name);
     let error = match object.and_then(|o| o.get("error")) {
         Some(error) => Some(error),
         None if named("response.failed") => {
@@ -216,6 +220,9 @@ mod tests {
             said(unnamed.as_bytes(), true, &[]),
             Said::Error("rate_limit_exceeded".into())
         );
+        // Named otherwise, its data's type is the application's own.
+        let logged = "event: log\ndata: {\"type\":\"error\",\"code\":\"server_error\"}\n\n";
+        assert_eq!(said(logged.as_bytes(), true, &[]), Said::Whole);
         let incomplete = format!(
             "{delta}event: response.incomplete\ndata: {{\"type\":\"response.incomplete\",\
              \"response\":{{\"status\":\"incomplete\",\"error\":null}}}}\n\n"

@@ -159,9 +159,9 @@ impl Runner {
         });
     }
 
-    /// Whether an attempt of `job` is running here: its call still out,
-    /// though the attempt may be `unknown` already.
-    pub(crate) fn calling(&self, job: JobId) -> bool {
+    /// Until when an attempt of `job` may still be running here, its call
+    /// out though the attempt may be `unknown` already; `None` for none.
+    pub(crate) fn calling(&self, job: JobId) -> Option<Instant> {
         self.leases.calling(job)
     }
 
@@ -194,6 +194,7 @@ impl Runner {
         let forwarded = Request::from_parts(forwarded.parts, full(forwarded.body));
         let route = &request.intent.route.name;
         let held = Held {
+            deadline,
             job: attempt.job_id,
             route: route.clone(),
             upstream: attempt.upstream.clone(),
