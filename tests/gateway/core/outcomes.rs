@@ -17,11 +17,14 @@ async fn first_answer_gated(gate: &Gate) -> FakeUpstream {
 /// A gateway that calls an attempt unknown after 300 ms of silence, and lets
 /// its late answer commit for 30 s.
 async fn impatient_gateway(store: &TestStore, upstream: &FakeUpstream) -> Gateway {
+    impatient(store, upstream).start().await
+}
+
+/// [`impatient_gateway`], to be configured further.
+fn impatient(store: &TestStore, upstream: &FakeUpstream) -> crate::support::gateway::Builder {
     Gateway::builder(store, &upstream.url())
         .set("upstream_timeout", "\"300ms\"")
         .set("attempt_deadline", "\"30s\"")
-        .start()
-        .await
 }
 
 fn attempts(job: &Value) -> &Vec<Value> {
@@ -148,9 +151,7 @@ async fn a_retry_while_the_late_call_is_out_is_held_for_its_answer(store: TestSt
 async fn a_conflict_route_is_not_held_on_a_late_call(store: TestStore) {
     let gate = Gate::new();
     let upstream = first_answer_gated(&gate).await;
-    let gateway = Gateway::builder(&store, &upstream.url())
-        .set("upstream_timeout", "\"300ms\"")
-        .set("attempt_deadline", "\"30s\"")
+    let gateway = impatient(&store, &upstream)
         .set("hold_timeout", "\"20s\"")
         .tables("[[routes]]\npath_prefix = \"/v1\"\nin_progress = \"conflict\"\n")
         .start()

@@ -393,17 +393,7 @@ async fn the_anthropic_sdk_retrying_an_overloaded_529_gets_the_message() {
     })
     .await;
     let gateway = Gateway::start(&store, &upstream.url()).await;
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/clients/anthropic_529.py");
-    for _ in 0..2 {
-        let out = python::run_client(
-            "SDK script",
-            tokio::process::Command::new(&python)
-                .arg(&script)
-                .arg(gateway.url.clone())
-                .arg("sdk-529"),
-        )
-        .await;
-        let seen: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    for seen in script_twice(&python, "anthropic_529.py", &gateway.url, "sdk-529").await {
         assert_eq!(seen["text"], "Hello!", "{seen}");
     }
     assert_eq!(upstream.hits(), 2, "run again once, then replayed");
@@ -441,18 +431,8 @@ async fn the_openai_sdk_retrying_a_file_upload_is_the_same_request() {
     })
     .await;
     let gateway = Gateway::start(&store, &upstream.url()).await;
-    let script =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/clients/openai_file_upload.py");
-    for _ in 0..2 {
-        let out = python::run_client(
-            "SDK script",
-            tokio::process::Command::new(&python)
-                .arg(&script)
-                .arg(gateway.path("/v1"))
-                .arg("upload-1"),
-        )
-        .await;
-        let seen: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    let base_url = gateway.path("/v1");
+    for seen in script_twice(&python, "openai_file_upload.py", &base_url, "upload-1").await {
         assert_eq!(seen["id"], "file-1", "{seen}");
     }
     let sent = upstream.recorded();
@@ -462,6 +442,32 @@ async fn the_openai_sdk_retrying_a_file_upload_is_the_same_request() {
         boundaries[0], boundaries[1],
         "each try under its own boundary"
     );
+}
+
+/// Runs `tests/clients/<script>` with `python` twice, against `base_url`
+/// with the key `key`: the JSON it printed each time.
+async fn script_twice(
+    python: &std::path::Path,
+    script: &str,
+    base_url: &str,
+    key: &str,
+) -> Vec<serde_json::Value> {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/clients")
+        .join(script);
+    let mut printed = Vec::new();
+    for _ in 0..2 {
+        let out = python::run_client(
+            "SDK script",
+            tokio::process::Command::new(python)
+                .arg(&script)
+                .arg(base_url)
+                .arg(key),
+        )
+        .await;
+        printed.push(serde_json::from_slice(&out).unwrap());
+    }
+    printed
 }
 
 /// A whole Anthropic message of `text`, not streamed.
