@@ -280,6 +280,60 @@ async fn a_replay_never_asks_the_first_callers_questions(store: TestStore) {
     assert_eq!(upstream.hits(), 1);
 }
 
+/// A server that ends a long call's stream before its response, on
+/// purpose (an event id first, a `retry:` pause, then the connection
+/// closed: the 2025-11-25 transport's polling, the official SDK's
+/// `close_sse_stream`), and sends the response to whoever reconnects with
+/// `GET` and `Last-Event-ID`. The attempt reconnects as the client would:
+/// the caller reads the response in the stream it was reading, it is
+/// committed, and a retry in another session replays it. Before, the
+/// stream's clean end without a response left the call unknown, and every
+/// retry was told so, though the tool ran once.
+async fn a_stream_closed_before_its_response_is_taken_up_again(store: TestStore) {
+    let asked = std::sync::Arc::new(std::sync::Mutex::new(Value::Null));
+    let upstream = crate::support::FakeUpstream::start({
+        let asked = asked.clone();
+        move |r| {
+            let asked = asked.clone();
+            async move {
+                let body = if r.method == "POST" {
+                    let call: Value = serde_json::from_slice(&r.body).unwrap();
+                    *asked.lock().unwrap() = call["id"].clone();
+                    "id: e1\nretry: 20\ndata:\n\n".to_owned()
+                } else {
+                    let id = asked.lock().unwrap().clone();
+                    let done = json!({"jsonrpc": "2.0", "id": id,
+                                      "result": {"content": [{"type": "text", "text": "charged"}]}});
+                    format!("id: e2\ndata: {done}\n\n")
+                };
+                http::Response::builder()
+                    .header("content-type", "text/event-stream")
+                    .header("mcp-session-id", "s1")
+                    .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+                    .unwrap()
+            }
+        }
+    })
+    .await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .tables(ROUTE)
+        .start()
+        .await;
+    let call = |id| tool_call(json!(id), "charge", json!({"amount": 5000}), Some("polled"));
+    let first = post(&gateway, &call(1), "s1").await;
+    assert_eq!(response(&first)["id"], 1);
+    assert_eq!(response(&first)["result"]["content"][0]["text"], "charged");
+    let again = post(&gateway, &call(2), "s2").await;
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(response(&again)["id"], 2);
+    let sent = upstream.recorded();
+    let methods: Vec<_> = sent.iter().map(|r| r.method.as_str()).collect();
+    assert_eq!(methods, ["POST", "GET"], "one run, one reconnect");
+    assert_eq!(sent[1].header("last-event-id"), Some("e1"));
+    assert_eq!(sent[1].header("mcp-session-id"), Some("s1"));
+    assert_eq!(sent[1].header("accept"), Some("text/event-stream"));
+}
+
 /// A call the server refused before dispatching it (`404` "Session not
 /// found" with `"id": null` after a restart; a bare `400`) had no effect:
 /// the refusal is the caller's, nothing is kept, and the retry in a new
@@ -660,6 +714,7 @@ crate::on_each_deployment!(
     concurrent_calls_answered_as_a_stream_run_the_tool_once,
     a_new_session_gets_the_answer_of_the_old_one,
     a_replay_never_asks_the_first_callers_questions,
+    a_stream_closed_before_its_response_is_taken_up_again,
     a_keyed_batch_is_refused_and_an_error_answer_is_the_tools,
     a_message_whose_parse_outgrows_the_budget_is_refused,
     a_call_the_server_refused_runs_in_the_next_session,

@@ -47,6 +47,7 @@ pub(super) const PATIENCE: Duration = Duration::from_secs(2);
 mod call;
 mod ends;
 mod reconcile;
+mod reconnect;
 mod runner;
 mod task;
 mod verdict;

@@ -228,6 +228,7 @@ impl Runner {
                 let session = request.parts.headers.get(crate::mcp::MCP_SESSION_ID);
                 self.calls.start(session, id)
             }),
+            reconnect: None,
         };
         // A child of the request's span, though it may outlive the request.
         let span = tracing::info_span!(

@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 use super::call::{Call, Clock, Relayed, Watched};
 use super::ends::Ends;
 use super::reconcile::Reconciler;
+use super::reconnect::{self, Reconnect};
 use super::verdict::{classify_reporting, judge_stream, StreamOutcome, Verdict};
 use super::{Reply, Runner, UpstreamService, PATIENCE};
 use crate::error::GatewayError;
@@ -81,6 +82,9 @@ pub(super) struct Task {
     /// Marks that call at its server from here until the task ends: its
     /// agent's `notifications/cancelled` is held back meanwhile.
     pub(super) _at_server: Option<crate::mcp::AtServer>,
+    /// Reconnects to that call's stream, should its server end it before
+    /// the response (set as the call is sent).
+    pub(super) reconnect: Option<Reconnect>,
 }
 
 impl Task {
@@ -90,6 +94,9 @@ impl Task {
         request: Request<Body>,
         cancel: CancellationToken,
     ) {
+        if self.call.is_some() {
+            self.reconnect = Some(Reconnect::of(&upstream, &request));
+        }
         match self.call(upstream, request, &cancel).await {
             // Another attempt's answer won: it ended this one.
             Call::Cancelled => {
@@ -367,7 +374,15 @@ impl Task {
     ) {
         let recording = self.open_recording(&parts);
         self.send(Reply::Streaming(recording.clone()));
-        match self.relay(body, &recording, cancel).await {
+        let mut relayed = self.relay(body, &recording, cancel, 0).await;
+        for _ in 0..reconnect::TIMES {
+            let Relayed::Ended = relayed else { break };
+            let Some((body, recorded)) = self.reconnected(&recording, cancel).await else {
+                break;
+            };
+            relayed = self.relay(body, &recording, cancel, recorded).await;
+        }
+        match relayed {
             Relayed::Ended => self.settle_stream(&recording).await,
             // Recorded before any reader hears of the cut, like any outcome.
             Relayed::Broke(detail, by) => {
@@ -381,6 +396,34 @@ impl Task {
                 recording.cut();
             }
         }
+    }
+
+    /// The rest of a tool call's stream its server ended before the
+    /// call's response, from after its last event id (after the pause the
+    /// server asked for), when it has one and answers the reconnect
+    /// ([`reconnect`]), with the bytes recorded before it; `None`
+    /// otherwise, and on any other route.
+    async fn reconnected(
+        &self,
+        recording: &Recording,
+        cancel: &CancellationToken,
+    ) -> Option<(Body, usize)> {
+        let reconnect = self.reconnect.as_ref()?;
+        let stored = recording.stored();
+        if !super::verdict::unanswered(&self.route, &stored, self.call.as_deref()) {
+            return None;
+        }
+        let (last_id, pause) = reconnect::resume_point(&stored)?;
+        tokio::select! {
+            () = tokio::time::sleep(pause) => {}
+            () = cancel.cancelled() => return None,
+            () = tokio::time::sleep_until(self.deadline) => return None,
+        }
+        tracing::info!(attempt = %self.attempt.id, last_id, "the MCP server ended the call's stream before its response; reconnecting");
+        let patience = self.silences.first_byte;
+        let until = self.deadline.saturating_duration_since(Instant::now());
+        let body = reconnect.open(&last_id, patience.min(until)).await?;
+        Some((body, stored.body.len()))
     }
 
     /// The answer's recording, joinable at once: duplicates held on the job
@@ -406,18 +449,21 @@ impl Task {
     /// Copies the upstream's body into `recording` until it ends, breaks,
     /// goes silent past `stream_idle_timeout` (a pause between tokens may
     /// be long, but not endless: `docs/design.md` §10), outgrows what can
-    /// be recorded, or the attempt is cancelled or out of time.
+    /// be recorded (with the `recorded` bytes before it, on a reconnect),
+    /// or the attempt is cancelled or out of time.
     async fn relay(
         &self,
         mut body: Body,
         recording: &Recording,
         cancel: &CancellationToken,
+        recorded: usize,
     ) -> Relayed {
         let limit = self.runner.config.max_response_size;
         let idle = self.silences.stream_idle;
         let silence = tokio::time::sleep(idle);
         tokio::pin!(silence);
-        let mut received = 0usize;
+        // What a reconnect continues counts against the same limit.
+        let mut received = recorded;
         loop {
             tokio::select! {
                 frame = body.frame() => match frame {

@@ -308,6 +308,13 @@ fn to_the_call(
     says(route, call, status, body, stream)
 }
 
+/// Whether `stored`, an MCP tool call's event stream so far, carries no
+/// response to the call `call` (yet).
+pub(super) fn unanswered(route: &Route, stored: &StoredResponse, call: Option<&[u8]>) -> bool {
+    let said = says(route, call, stored.status, &stored.body, true);
+    matches!(said, Some(ToCall::Unanswered(_)))
+}
+
 /// [`to_the_call`] of a readable answer, `stream` if an event stream.
 fn says(
     route: &Route,
