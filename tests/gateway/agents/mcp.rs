@@ -728,6 +728,113 @@ crate::on_each_deployment!(
     a_streamed_call_whose_session_ended_is_unknown,
 );
 
+/// The official `mcp` Python SDK's server (`tests/clients/mcp_server.py`,
+/// with `args` after its port and runs file) behind the gateway started
+/// with the worked configuration (`config/mcp/idemgate.toml`) as written,
+/// on the embedded store.
+struct OfficialSdk {
+    python: std::path::PathBuf,
+    /// The gateway's MCP endpoint.
+    url: String,
+    runs: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+    /// The server's process group, and the server (killed when dropped).
+    _server: (crate::support::process::ProcessGroup, tokio::process::Child),
+    _gateway: tokio::process::Child,
+    /// The gateway's standard output, kept open: it writes there.
+    _stdout: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+}
+
+impl OfficialSdk {
+    async fn start(args: &[&str]) -> OfficialSdk {
+        use tokio::io::AsyncBufReadExt;
+        let python = tokio::task::spawn_blocking(|| {
+            crate::support::python::venv("mcp-venv", &["mcp>=2,<3"], "import mcp.server.mcpserver")
+                .join("python")
+        })
+        .await
+        .unwrap();
+        let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let dir = tempfile::tempdir().unwrap();
+        let runs = dir.path().join("runs.txt");
+        let port = crate::support::redis::free_port().await;
+        let server = tokio::process::Command::new(&python)
+            .arg(repo.join("tests/clients/mcp_server.py"))
+            .arg(port.to_string())
+            .arg(&runs)
+            .args(args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .process_group(0)
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let server = (crate::support::process::ProcessGroup::of(&server), server);
+        let mut gateway = tokio::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+            .args(["--config", "config/mcp/idemgate.toml", "serve"])
+            .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+            .arg("--upstream")
+            .arg(format!("http://127.0.0.1:{port}"))
+            .arg("--embedded-path")
+            .arg(dir.path().join("idemgate.db"))
+            .current_dir(repo)
+            .env_remove("IDEMGATE_CONFIG")
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let mut lines = tokio::io::BufReader::new(gateway.stdout.take().unwrap()).lines();
+        let line = tokio::time::timeout(std::time::Duration::from_secs(30), lines.next_line())
+            .await
+            .expect("the gateway did not start within 30 s")
+            .unwrap()
+            .unwrap();
+        let url = line
+            .strip_prefix("idemgate listening on ")
+            .and_then(|rest| rest.split_whitespace().next())
+            .unwrap_or_else(|| panic!("{line}"))
+            .to_owned();
+        crate::support::eventually(
+            std::time::Duration::from_secs(20),
+            "the MCP server",
+            || async {
+                tokio::net::TcpStream::connect(("127.0.0.1", port))
+                    .await
+                    .is_ok()
+            },
+        )
+        .await;
+        OfficialSdk {
+            python,
+            url: format!("{url}/mcp"),
+            runs,
+            _dir: dir,
+            _server: server,
+            _gateway: gateway,
+            _stdout: lines,
+        }
+    }
+
+    /// Runs the agent `script` (Python source) as the agent holding
+    /// `token`: what it printed.
+    async fn agent(&self, script: &str, token: &str) -> String {
+        let out = crate::support::python::run_client(
+            "agent",
+            tokio::process::Command::new(&self.python)
+                .args(["-c", script])
+                .env("MCP_URL", &self.url)
+                .env("MCP_TOKEN", token),
+        )
+        .await;
+        String::from_utf8(out).unwrap().trim_end().to_owned()
+    }
+
+    /// How many times the server's tools ran.
+    fn ran(&self) -> usize {
+        std::fs::read_to_string(&self.runs).unwrap().lines().count()
+    }
+}
+
 /// The official `mcp` Python SDK (2.x), client and server over Streamable
 /// HTTP, the gateway between them started with the worked configuration
 /// (`config/mcp/idemgate.toml`) as written: `docs/agents.md`'s agent, run twice
@@ -735,87 +842,39 @@ crate::on_each_deployment!(
 /// once and both print its result; another agent's token is another owner.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_official_mcp_sdk_calls_a_tool_once_across_sessions() {
-    use tokio::io::AsyncBufReadExt;
-    let python = tokio::task::spawn_blocking(|| {
-        crate::support::python::venv("mcp-venv", &["mcp>=2,<3"], "import mcp.server.mcpserver")
-            .join("python")
-    })
-    .await
-    .unwrap();
-    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let dir = tempfile::tempdir().unwrap();
-    let runs = dir.path().join("runs.txt");
-    let port = crate::support::redis::free_port().await;
-    let server = tokio::process::Command::new(&python)
-        .arg(repo.join("tests/clients/mcp_server.py"))
-        .arg(port.to_string())
-        .arg(&runs)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .process_group(0)
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let _server = crate::support::process::ProcessGroup::of(&server);
-    let mut gateway = tokio::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
-        .args(["--config", "config/mcp/idemgate.toml", "serve"])
-        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
-        .arg("--upstream")
-        .arg(format!("http://127.0.0.1:{port}"))
-        .arg("--embedded-path")
-        .arg(dir.path().join("idemgate.db"))
-        .current_dir(repo)
-        .env_remove("IDEMGATE_CONFIG")
-        .stdout(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut lines = tokio::io::BufReader::new(gateway.stdout.take().unwrap()).lines();
-    let line = tokio::time::timeout(std::time::Duration::from_secs(30), lines.next_line())
-        .await
-        .expect("the gateway did not start within 30 s")
-        .unwrap()
-        .unwrap();
-    let url = line
-        .strip_prefix("idemgate listening on ")
-        .and_then(|rest| rest.split_whitespace().next())
-        .unwrap_or_else(|| panic!("{line}"))
-        .to_owned();
-    crate::support::eventually(
-        std::time::Duration::from_secs(20),
-        "the MCP server",
-        || async {
-            tokio::net::TcpStream::connect(("127.0.0.1", port))
-                .await
-                .is_ok()
-        },
-    )
-    .await;
+    let sdk = OfficialSdk::start(&[]).await;
     let agent = crate::support::docs::block("agents-mcp");
-    let run = |token: &'static str| {
-        let (python, agent, url) = (python.clone(), agent.clone(), url.clone());
-        async move {
-            let out = crate::support::python::run_client(
-                "agent",
-                tokio::process::Command::new(&python)
-                    .args(["-c", &agent])
-                    .env("MCP_URL", format!("{url}/mcp"))
-                    .env("MCP_TOKEN", token),
-            )
-            .await;
-            String::from_utf8(out).unwrap().trim_end().to_owned()
-        }
-    };
-    let first = run("agent-7").await;
+    let first = sdk.agent(&agent, "agent-7").await;
     assert_eq!(first, "charged 5000 to acct-9 (run 1)");
     assert_eq!(
-        run("agent-7").await,
+        sdk.agent(&agent, "agent-7").await,
         first,
         "the reconnected agent's call replayed"
     );
-    let ran = || std::fs::read_to_string(&runs).unwrap().lines().count();
-    assert_eq!(ran(), 1, "the tool ran once");
+    assert_eq!(sdk.ran(), 1, "the tool ran once");
     // Another agent's key of the same name is its own: its call runs.
-    assert_eq!(run("agent-8").await, "charged 5000 to acct-9 (run 2)");
-    assert_eq!(ran(), 2);
+    assert_eq!(
+        sdk.agent(&agent, "agent-8").await,
+        "charged 5000 to acct-9 (run 2)"
+    );
+    assert_eq!(sdk.ran(), 2);
+}
+
+/// The official SDK's server with an event store, whose long tool closes
+/// its call's stream before it answers (`close_sse_stream`, the 2025-11-25
+/// transport's polling), and the official client: the gateway's attempt
+/// takes the stream up again (docs/design.md §19, "A stream its server
+/// closes before the response"), the agent gets its result, and its retry
+/// in a new session replays it, the tool having run once. Before, the
+/// attempt was left unknown and the retry was told so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_official_mcp_sdk_polling_a_long_call_runs_it_once() {
+    let sdk = OfficialSdk::start(&["polling"]).await;
+    let agent = crate::support::docs::block("agents-mcp")
+        .replace("\"charge\"", "\"long_charge\"")
+        .replace("order-42-charge", "order-43-long-charge");
+    let first = sdk.agent(&agent, "agent-7").await;
+    assert_eq!(first, "charged 5000 to acct-9 (run 1)");
+    assert_eq!(sdk.agent(&agent, "agent-7").await, first, "replayed");
+    assert_eq!(sdk.ran(), 1, "the tool ran once");
 }
