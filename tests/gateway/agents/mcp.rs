@@ -220,6 +220,24 @@ async fn a_new_session_gets_the_answer_of_the_old_one(store: TestStore) {
     assert_eq!(server.runs("create_ticket"), 1);
 }
 
+/// A gateway with the MCP route in front of `upstream`, a server scripted
+/// by the test.
+async fn gateway_on(store: &TestStore, upstream: &crate::support::FakeUpstream) -> Gateway {
+    Gateway::builder(store, &upstream.url())
+        .tables(ROUTE)
+        .start()
+        .await
+}
+
+/// An event stream of `body`, an MCP server's answer in session `s1`.
+fn events_in_s1(body: String) -> http::Response<http_body_util::Full<bytes::Bytes>> {
+    http::Response::builder()
+        .header("content-type", "text/event-stream")
+        .header("mcp-session-id", "s1")
+        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+        .unwrap()
+}
+
 /// A tool that asks its user (`elicitation/create`) before it acts sends
 /// the request inside its call's stream; the first caller answers it. A
 /// retry in another session is answered the stored stream without that
@@ -238,17 +256,10 @@ async fn a_replay_never_asks_the_first_callers_questions(store: TestStore) {
                    "result": {"content": [{"type": "text", "text": "charged"}]}}),
         ];
         let body: String = messages.iter().map(|m| format!("data: {m}\n\n")).collect();
-        http::Response::builder()
-            .header("content-type", "text/event-stream")
-            .header("mcp-session-id", "s1")
-            .body(http_body_util::Full::new(bytes::Bytes::from(body)))
-            .unwrap()
+        events_in_s1(body)
     })
     .await;
-    let gateway = Gateway::builder(&store, &upstream.url())
-        .tables(ROUTE)
-        .start()
-        .await;
+    let gateway = gateway_on(&store, &upstream).await;
     let call = |id| tool_call(json!(id), "charge", json!({"amount": 5000}), Some("ask-1"));
     let methods = |reply: &Reply| -> Vec<String> {
         String::from_utf8_lossy(&reply.body)
@@ -306,19 +317,12 @@ async fn a_stream_closed_before_its_response_is_taken_up_again(store: TestStore)
                                       "result": {"content": [{"type": "text", "text": "charged"}]}});
                     format!("id: e2\ndata: {done}\n\n")
                 };
-                http::Response::builder()
-                    .header("content-type", "text/event-stream")
-                    .header("mcp-session-id", "s1")
-                    .body(http_body_util::Full::new(bytes::Bytes::from(body)))
-                    .unwrap()
+                events_in_s1(body)
             }
         }
     })
     .await;
-    let gateway = Gateway::builder(&store, &upstream.url())
-        .tables(ROUTE)
-        .start()
-        .await;
+    let gateway = gateway_on(&store, &upstream).await;
     let call = |id| tool_call(json!(id), "charge", json!({"amount": 5000}), Some("polled"));
     let first = post(&gateway, &call(1), "s1").await;
     assert_eq!(response(&first)["id"], 1);
