@@ -302,19 +302,21 @@ impl Flow {
     /// How long to wait for evidence to settle an unknown job
     /// (docs/design.md §11, "Silence, not total time"; §5, "Unknown
     /// attempts are looked up"):
+    /// - never on a route that answers duplicates `409` at once
+    ///   (`in_progress = "conflict"`, which holds nobody);
     /// - while its attempt's call is still out from this process (silent
     ///   past `first_byte_timeout`, as a call that does not stream is until
     ///   its answer is done, which commits whenever it comes): the hold
-    ///   timeout, or less if the call's deadline comes first; not on a
-    ///   route that answers duplicates `409` at once (`in_progress =
-    ///   "conflict"`);
+    ///   timeout, or less if the call's deadline comes first;
     /// - else, when the next lookup of its attempt is due within the hold
     ///   timeout: until then, plus the time the lookup or resend may take;
     /// - else `None` (a route that does not reconcile, no lookup due soon).
     async fn evidence_due(&self, job: JobId) -> Option<Duration> {
         let (shared, route) = (&self.driver.shared, &self.driver.request.intent.route);
-        let holds = route.in_progress != InProgress::Conflict;
-        if let Some(deadline) = shared.runner.calling(job).filter(|_| holds) {
+        if route.in_progress == InProgress::Conflict {
+            return None;
+        }
+        if let Some(deadline) = shared.runner.calling(job) {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             return Some(shared.config.hold.timeout.min(left));
         }

@@ -539,6 +539,54 @@ async fn an_attempt_the_sweeper_makes_unknown_is_looked_up_too() {
     silent.open(1);
 }
 
+/// A route that answers duplicates at once (`in_progress = "conflict"`)
+/// holds nobody, a lookup under way or not: a duplicate of its unknown
+/// job is told `409` at once. Before, it was held for the lookup, here up
+/// to the upstream's 20 s timeout.
+async fn a_conflict_route_does_not_hold_a_duplicate_for_a_lookup(store: TestStore) {
+    let (silent, asked) = (Gate::new(), Gate::new());
+    let upstream = {
+        let asked = asked.clone();
+        FakeUpstream::start(move |r| {
+            let (silent, asked) = (silent.clone(), asked.clone());
+            async move {
+                if is_lookup(&r) {
+                    asked.pass().await;
+                    return json_response(200, json!({"charge": "ch_late"}));
+                }
+                silent.pass().await;
+                echo_response(&r)
+            }
+        })
+        .await
+    };
+    let conflict = ROUTE.replace(
+        "path_prefix = \"/v1/charges\"",
+        "path_prefix = \"/v1/charges\"\nin_progress = \"conflict\"\nfirst_byte_timeout = \"300ms\"",
+    );
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("upstream_timeout", "\"20s\"")
+        .set("attempt_deadline", "\"60s\"")
+        .tables(&conflict)
+        .start()
+        .await;
+    let url = gateway.path("/v1/charges");
+    assert_eq!(post(&url, "charge-c", "{}").await.status, 504);
+    let lookup = upstream.arrival().await;
+    let lookup = if is_lookup(&lookup) {
+        lookup
+    } else {
+        upstream.arrival().await
+    };
+    assert!(is_lookup(&lookup));
+    let duplicate = tokio::time::timeout(Duration::from_secs(5), post(&url, "charge-c", "{}"))
+        .await
+        .expect("answered at once, not held for the lookup");
+    assert_eq!(duplicate.status, 409);
+    assert_eq!(duplicate.problem(), "attempt-outcome-unknown");
+    asked.open(1);
+}
+
 async fn a_duplicate_of_an_unknown_job_is_told_when_the_next_lookup_is(store: TestStore) {
     let silent = Gate::new();
     let upstream = upstream_with_lookups(&silent, |_| {
@@ -793,6 +841,7 @@ crate::on_each_deployment!(
     lookups_resume_after_the_gateway_that_asked_is_gone,
     a_resend_to_an_upstream_that_deduplicates_settles_the_attempt,
     a_duplicate_of_an_unknown_job_is_told_when_the_next_lookup_is,
+    a_conflict_route_does_not_hold_a_duplicate_for_a_lookup,
     a_lookup_answering_200_commits_its_answer_for_every_retry,
     a_lookup_answering_404_reopens_the_job_for_attempt_two,
     a_lookup_404_while_the_call_is_out_keeps_the_job_unknown,
