@@ -168,25 +168,41 @@ async fn a_lookup_answering_200_commits_its_answer_for_every_retry(store: TestSt
     assert_eq!(replay.body, retry.body);
 }
 
+/// An upstream whose POSTs never answer, and whose lookups wait for
+/// `asked`, then find the charge `charge`.
+async fn lookups_waiting_for(asked: &Gate, charge: &'static str) -> FakeUpstream {
+    let (silent, asked) = (Gate::new(), asked.clone());
+    FakeUpstream::start(move |r| {
+        let (silent, asked) = (silent.clone(), asked.clone());
+        async move {
+            if is_lookup(&r) {
+                asked.pass().await;
+                return json_response(200, json!({"charge": charge}));
+            }
+            silent.pass().await;
+            echo_response(&r)
+        }
+    })
+    .await
+}
+
+/// Waits until `upstream` has been sent a lookup (the first POST may come
+/// first).
+async fn lookup_arrival(upstream: &FakeUpstream) {
+    let arrived = upstream.arrival().await;
+    let lookup = if is_lookup(&arrived) {
+        arrived
+    } else {
+        upstream.arrival().await
+    };
+    assert!(is_lookup(&lookup));
+}
+
 /// A duplicate that arrives while a lookup is under way is held for it,
 /// as for a running attempt, and gets the looked-up answer.
 async fn a_duplicate_held_meanwhile_gets_the_looked_up_answer(store: TestStore) {
-    let (silent, asked) = (Gate::new(), Gate::new());
-    let upstream = {
-        let asked = asked.clone();
-        FakeUpstream::start(move |r| {
-            let (silent, asked) = (silent.clone(), asked.clone());
-            async move {
-                if is_lookup(&r) {
-                    asked.pass().await;
-                    return json_response(200, json!({"charge": "ch_held"}));
-                }
-                silent.pass().await;
-                echo_response(&r)
-            }
-        })
-        .await
-    };
+    let asked = Gate::new();
+    let upstream = lookups_waiting_for(&asked, "ch_held").await;
     let gateway = Gateway::builder(&store, &upstream.url())
         .set("upstream_timeout", "\"2s\"")
         .set("attempt_deadline", "\"30s\"")
@@ -197,13 +213,7 @@ async fn a_duplicate_held_meanwhile_gets_the_looked_up_answer(store: TestStore) 
     let first = post(&url, "charge-held", "{}").await;
     assert_eq!(first.status, 504);
     // The lookup has arrived and waits at the upstream.
-    let arrived = upstream.arrival().await;
-    let lookup = if is_lookup(&arrived) {
-        arrived
-    } else {
-        upstream.arrival().await
-    };
-    assert!(is_lookup(&lookup));
+    lookup_arrival(&upstream).await;
     let duplicate = {
         let url = url.clone();
         tokio::spawn(async move { post(&url, "charge-held", "{}").await })
@@ -544,22 +554,8 @@ async fn an_attempt_the_sweeper_makes_unknown_is_looked_up_too() {
 /// job is told `409` at once. Before, it was held for the lookup, here up
 /// to the upstream's 20 s timeout.
 async fn a_conflict_route_does_not_hold_a_duplicate_for_a_lookup(store: TestStore) {
-    let (silent, asked) = (Gate::new(), Gate::new());
-    let upstream = {
-        let asked = asked.clone();
-        FakeUpstream::start(move |r| {
-            let (silent, asked) = (silent.clone(), asked.clone());
-            async move {
-                if is_lookup(&r) {
-                    asked.pass().await;
-                    return json_response(200, json!({"charge": "ch_late"}));
-                }
-                silent.pass().await;
-                echo_response(&r)
-            }
-        })
-        .await
-    };
+    let asked = Gate::new();
+    let upstream = lookups_waiting_for(&asked, "ch_late").await;
     let conflict = ROUTE.replace(
         "path_prefix = \"/v1/charges\"",
         "path_prefix = \"/v1/charges\"\nin_progress = \"conflict\"\nfirst_byte_timeout = \"300ms\"",
@@ -572,13 +568,7 @@ async fn a_conflict_route_does_not_hold_a_duplicate_for_a_lookup(store: TestStor
         .await;
     let url = gateway.path("/v1/charges");
     assert_eq!(post(&url, "charge-c", "{}").await.status, 504);
-    let lookup = upstream.arrival().await;
-    let lookup = if is_lookup(&lookup) {
-        lookup
-    } else {
-        upstream.arrival().await
-    };
-    assert!(is_lookup(&lookup));
+    lookup_arrival(&upstream).await;
     let duplicate = tokio::time::timeout(Duration::from_secs(5), post(&url, "charge-c", "{}"))
         .await
         .expect("answered at once, not held for the lookup");
