@@ -79,15 +79,23 @@ pub struct RequestParts<'a> {
     pub boundary: Option<&'a [u8]>,
 }
 
-/// The boundary a multipart `content_type` names (RFC 2046 §5.1.1), if
-/// any: how the body's parts are delimited, which httpx and browsers draw
-/// at random for every try, so no part of what the request asks.
-pub fn multipart_boundary(content_type: &[u8]) -> Option<String> {
-    let media: mime::Mime = std::str::from_utf8(content_type).ok()?.parse().ok()?;
-    if media.type_() != mime::MULTIPART {
+/// The boundary a multipart body's `Content-Type` names (RFC 2046
+/// §5.1.1), if any: how the body's parts are delimited, which httpx and
+/// browsers draw at random for every try, so no part of what the request
+/// asks. `content_types` are the request's `Content-Type` lines: of two,
+/// or a boundary named twice in one, parsers disagree on which counts, and
+/// none is taken.
+pub fn multipart_boundary<'a>(content_types: impl IntoIterator<Item = &'a [u8]>) -> Option<String> {
+    let mut lines = content_types.into_iter();
+    let (Some(line), None) = (lines.next(), lines.next()) else {
+        return None;
+    };
+    // Every keyed request comes here: a JSON one is no media type to parse.
+    let multipart = line.trim_ascii_start().get(..10);
+    if !multipart.is_some_and(|t| t.eq_ignore_ascii_case(b"multipart/")) {
         return None;
     }
-    // Named twice, parsers disagree on which one counts: none is taken.
+    let media: mime::Mime = std::str::from_utf8(line).ok()?.parse().ok()?;
     let named = media.params().filter(|(name, _)| *name == mime::BOUNDARY);
     if named.count() != 1 {
         return None;
@@ -312,7 +320,7 @@ mod tests {
             true => format!("multipart/form-data; boundary=\"{boundary}\""),
             false => format!("multipart/form-data; boundary={boundary}"),
         };
-        let named = multipart_boundary(header.as_bytes());
+        let named = multipart_boundary([header.as_bytes()]);
         assert_eq!(named.as_deref(), Some(boundary));
         fingerprint(
             &RequestParts {
@@ -354,13 +362,20 @@ mod tests {
             multipart("B2", false, "x--B2")
         );
         assert_eq!(
-            multipart_boundary(b"multipart/form-data; boundary=a; boundary=b"),
+            multipart_boundary([&b"multipart/form-data; boundary=a; boundary=b"[..]]),
             None,
             "named twice: parsers disagree on which counts"
         );
-        assert_eq!(multipart_boundary(b"application/json"), None);
-        assert_eq!(multipart_boundary(b"multipart/form-data"), None);
-        assert_eq!(multipart_boundary(b"text/plain; boundary=x"), None);
+        let one = |line: &'static [u8]| multipart_boundary([line]);
+        assert_eq!(one(b"application/json"), None);
+        assert_eq!(one(b"multipart/form-data"), None);
+        assert_eq!(one(b"text/plain; boundary=x"), None);
+        assert_eq!(
+            one(b"Multipart/Form-Data; boundary=x").as_deref(),
+            Some("x")
+        );
+        let two: [&[u8]; 2] = [b"multipart/form-data; boundary=x", b"text/plain"];
+        assert_eq!(multipart_boundary(two), None, "two lines: none counts");
     }
 
     /// Jobs keep their fingerprint across releases: a retry after an

@@ -280,9 +280,8 @@ pub(crate) const MCP_SESSION_ID: header::HeaderName =
 /// that made the call (`elicitation/create`, `sampling/createMessage`)
 /// left out of the stream unless the call asks in the session the answer
 /// was made in (that client answered them, or answers them now); every
-/// other byte
-/// as it was, but the session it names: the one the call asked in
-/// (`session`), or none. The session of the call that made it is another
+/// other byte as it was, but the session it names: the one the call asked
+/// in (`session`), or none. The session of the call that made it is another
 /// client's, or gone (`docs/design.md` §19, "The answer").
 pub(crate) fn readdressed(
     response: Response<Body>,

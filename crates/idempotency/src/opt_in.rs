@@ -183,13 +183,9 @@ pub(crate) async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Prepared,
     let resume = resume_point(&parts)?;
     let (body, charge) = read(shared, &route, Some(&owner), body).await?;
     let parsing = parse_charge(shared, &route.body, (Some(&owner), &charge), &body)?;
-    // Of one `Content-Type` line only: of two, parsers disagree on which
-    // counts (docs/design.md §11, "A multipart boundary is framing").
-    let mut types = parts.headers.get_all(http::header::CONTENT_TYPE).iter();
-    let boundary = match (types.next(), types.next()) {
-        (Some(only), None) => multipart_boundary(only.as_bytes()),
-        _ => None,
-    };
+    // docs/design.md §11, "A multipart boundary is framing".
+    let types = parts.headers.get_all(http::header::CONTENT_TYPE);
+    let boundary = multipart_boundary(types.iter().map(HeaderValue::as_bytes));
     let fingerprint = fingerprint(
         &RequestParts {
             method: parts.method.as_str(),
