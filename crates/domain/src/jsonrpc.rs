@@ -136,54 +136,92 @@ pub fn with_id(response: &[u8], id: &[u8]) -> Option<Vec<u8>> {
 }
 
 /// `event`, a server-sent event's bytes, addressed to `id` when its data
-/// is a JSON-RPC response on one `data:` line (as MCP servers send it):
-/// that line's message readdressed, every other byte as it was. `None`
-/// when it carries no response (a notification, a heartbeat).
+/// is a JSON-RPC response: its data (its `data:` lines joined, as a
+/// client's parser reads them) readdressed and written back where its
+/// first `data:` line was, on as many lines, every other byte as it was.
+/// MCP servers send a message on one line, which comes back byte for byte
+/// but for its `id`; a server that writes its JSON over several lines is
+/// readdressed too, or the caller's client would never match the answer to
+/// its request. `None` when it carries no response (a notification, a
+/// heartbeat).
 pub fn readdress_event(event: &[u8], id: &[u8]) -> Option<Vec<u8>> {
-    let (index, value_at, value) = one_data_line(event)?;
-    if !is_response(value) {
+    let lines = data_lines(event);
+    let first = lines.first()?;
+    let data = data(&lines);
+    if !is_response(&data) {
         return None;
     }
-    let readdressed = with_id(value, id)?;
+    let readdressed = with_id(&data, id)?;
     let mut out = Vec::with_capacity(event.len() + id.len());
     for (i, part) in event.split_inclusive(|b| *b == b'\n').enumerate() {
-        if i == index {
-            out.extend_from_slice(&part[..value_at]);
-            out.extend_from_slice(&readdressed);
-            out.extend_from_slice(&part[value_at + value.len()..]);
-        } else {
+        if i == first.index {
+            for piece in readdressed.split(|b| *b == b'\n') {
+                out.extend_from_slice(first.prefix);
+                out.extend_from_slice(piece);
+                out.extend_from_slice(first.end);
+            }
+        } else if lines.iter().all(|line| line.index != i) {
             out.extend_from_slice(part);
         }
     }
     Some(out)
 }
 
-/// The one `data:` line of `event`: its index among the event's lines,
-/// where its value starts, and the value (`None` for none, or several).
-fn one_data_line(event: &[u8]) -> Option<(usize, usize, &[u8])> {
-    let mut data = event
+/// One `data:` line of an event.
+struct DataLine<'a> {
+    /// Its index among the event's lines.
+    index: usize,
+    /// `data:` or `data: `.
+    prefix: &'a [u8],
+    /// Its value.
+    value: &'a [u8],
+    /// What follows the value: the line's end.
+    end: &'a [u8],
+}
+
+/// The `data:` lines of `event`, in order.
+fn data_lines(event: &[u8]) -> Vec<DataLine<'_>> {
+    event
         .split_inclusive(|b| *b == b'\n')
         .enumerate()
-        .filter(|(_, line)| line.starts_with(b"data:"));
-    let (index, line) = data.next()?;
-    if data.next().is_some() {
-        return None;
+        .filter(|(_, line)| line.starts_with(b"data:"))
+        .map(|(index, line)| {
+            let value_at = if line.starts_with(b"data: ") { 6 } else { 5 };
+            let value = line[value_at..].trim_ascii_end();
+            DataLine {
+                index,
+                prefix: &line[..value_at],
+                value,
+                end: &line[value_at + value.len()..],
+            }
+        })
+        .collect()
+}
+
+/// An event's data as a client's parser dispatches it: the values of its
+/// `data:` lines joined by `\n`.
+fn data<'a>(lines: &[DataLine<'a>]) -> std::borrow::Cow<'a, [u8]> {
+    match lines {
+        [one] => std::borrow::Cow::Borrowed(one.value),
+        _ => {
+            let values: Vec<&[u8]> = lines.iter().map(|line| line.value).collect();
+            std::borrow::Cow::Owned(values.join(&b'\n'))
+        }
     }
-    let value_at = if line.starts_with(b"data: ") { 6 } else { 5 };
-    Some((index, value_at, line[value_at..].trim_ascii_end()))
 }
 
 /// Whether `event`, a server-sent event's bytes, carries a JSON-RPC
-/// request on its `data:` line (it has an `id` and a `method`): the
-/// server asking its client something (`elicitation/create`,
-/// `sampling/createMessage`), in the session of the call it serves.
+/// request in its data (it has an `id` and a `method`), on one `data:`
+/// line or several: the server asking its client something
+/// (`elicitation/create`, `sampling/createMessage`), in the session of the
+/// call it serves.
 pub fn is_request_event(event: &[u8]) -> bool {
-    one_data_line(event).is_some_and(|(_, _, value)| {
-        members(value).is_some_and(|members| {
+    let lines = data_lines(event);
+    !lines.is_empty()
+        && members(&data(&lines)).is_some_and(|members| {
             let has = |key: &str| members.iter().any(|(name, _)| name == key);
             has("id") && has("method")
         })
-    })
 }
 
 /// Whether `message` is a JSON-RPC response (it has an `id` and a `result`
@@ -438,6 +476,26 @@ mod tests {
         let note = b"data: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\"}\n\n";
         assert_eq!(readdress_event(note, b"99"), None);
         assert_eq!(readdress_event(b": ping\n\n", b"99"), None);
+    }
+
+    #[test]
+    fn an_event_written_over_several_data_lines_is_read_as_its_client_reads_it() {
+        let event = b"event: message\ndata: {\"jsonrpc\": \"2.0\",\ndata:  \"id\": 1,\nid: 4\ndata:  \"result\": {}}\n\n";
+        assert_eq!(
+            readdress_event(event, b"\"r-2\"").unwrap(),
+            b"event: message\ndata: {\"jsonrpc\": \"2.0\",\ndata:  \"id\": \"r-2\",\ndata:  \"result\": {}}\nid: 4\n\n"
+        );
+        let asks = b"data: {\"jsonrpc\": \"2.0\", \"id\": 7,\r\ndata: \"method\": \"elicitation/create\"}\r\n\r\n";
+        assert!(is_request_event(asks));
+        assert!(!is_request_event(
+            b"data: {\"jsonrpc\": \"2.0\",\ndata: \"method\": \"notifications/progress\"}\n\n"
+        ));
+        assert!(!is_request_event(b": ping\n\n"));
+        // Cut inside a member, the lines are no message at all.
+        assert_eq!(
+            readdress_event(b"data: {\"id\": 1, \"res\ndata: ult\": {}}\n\n", b"2"),
+            None
+        );
     }
 
     #[test]

@@ -43,15 +43,27 @@ fn response(reply: &Reply) -> Value {
         String::from_utf8_lossy(&reply.body)
     );
     if reply.header("content-type") == Some("text/event-stream") {
-        let text = String::from_utf8_lossy(&reply.body).into_owned();
-        return text
-            .lines()
-            .filter_map(|l| l.strip_prefix("data: "))
-            .map(|d| serde_json::from_str::<Value>(d).unwrap())
-            .find(|m| m.get("id").is_some())
+        return messages(reply)
+            .into_iter()
+            .find(|m| m.get("id").is_some() && m.get("method").is_none())
             .expect("a response event");
     }
     reply.json()
+}
+
+/// The JSON-RPC messages of an event stream, each event's `data:` lines
+/// joined as a client's parser joins them.
+fn messages(reply: &Reply) -> Vec<Value> {
+    String::from_utf8_lossy(&reply.body)
+        .split("\n\n")
+        .filter_map(|event| {
+            let data: Vec<&str> = event
+                .lines()
+                .filter_map(|l| l.strip_prefix("data: "))
+                .collect();
+            (!data.is_empty()).then(|| serde_json::from_str(&data.join("\n")).unwrap())
+        })
+        .collect()
 }
 
 async fn a_retried_call_runs_once_and_answers_its_own_id(store: TestStore) {
@@ -245,7 +257,27 @@ fn events_in_s1(body: String) -> http::Response<http_body_util::Full<bytes::Byte
 /// notifications and its response, readdressed, kept; a retry in the
 /// session the call ran in is answered it whole.
 async fn a_replay_never_asks_the_first_callers_questions(store: TestStore) {
-    let upstream = crate::support::FakeUpstream::start(|r| async move {
+    asks_once(store, Lines::One).await
+}
+
+/// The same, from a server that writes each message's JSON over several
+/// `data:` lines (as a pretty-printing one does): each event is read as
+/// its client's parser joins it, so the question is still left out and
+/// the response still readdressed (before, both were passed as they came:
+/// the question asked again, the response under the first call's id).
+async fn a_replay_of_messages_written_over_several_lines_asks_nothing(store: TestStore) {
+    asks_once(store, Lines::Several).await
+}
+
+/// How a scripted server writes a message's JSON in its event.
+#[derive(Clone, Copy)]
+enum Lines {
+    One,
+    Several,
+}
+
+async fn asks_once(store: TestStore, lines: Lines) {
+    let upstream = crate::support::FakeUpstream::start(move |r| async move {
         let call: Value = serde_json::from_slice(&r.body).unwrap();
         let messages = [
             json!({"jsonrpc": "2.0", "method": "notifications/progress",
@@ -255,17 +287,22 @@ async fn a_replay_never_asks_the_first_callers_questions(store: TestStore) {
             json!({"jsonrpc": "2.0", "id": call["id"],
                    "result": {"content": [{"type": "text", "text": "charged"}]}}),
         ];
-        let body: String = messages.iter().map(|m| format!("data: {m}\n\n")).collect();
-        events_in_s1(body)
+        let json = |m: &Value| match lines {
+            Lines::One => m.to_string(),
+            Lines::Several => serde_json::to_string_pretty(m).unwrap(),
+        };
+        let event = |m: &Value| {
+            let data: Vec<String> = json(m).lines().map(|l| format!("data: {l}\n")).collect();
+            format!("{}\n", data.concat())
+        };
+        events_in_s1(messages.iter().map(event).collect())
     })
     .await;
     let gateway = gateway_on(&store, &upstream).await;
     let call = |id| tool_call(json!(id), "charge", json!({"amount": 5000}), Some("ask-1"));
     let methods = |reply: &Reply| -> Vec<String> {
-        String::from_utf8_lossy(&reply.body)
-            .lines()
-            .filter_map(|l| l.strip_prefix("data: "))
-            .map(|d| serde_json::from_str::<Value>(d).unwrap())
+        messages(reply)
+            .iter()
             .map(|m| m["method"].as_str().unwrap_or("(response)").to_owned())
             .collect()
     };
@@ -718,6 +755,7 @@ crate::on_each_deployment!(
     concurrent_calls_answered_as_a_stream_run_the_tool_once,
     a_new_session_gets_the_answer_of_the_old_one,
     a_replay_never_asks_the_first_callers_questions,
+    a_replay_of_messages_written_over_several_lines_asks_nothing,
     a_stream_closed_before_its_response_is_taken_up_again,
     a_keyed_batch_is_refused_and_an_error_answer_is_the_tools,
     a_message_whose_parse_outgrows_the_budget_is_refused,
