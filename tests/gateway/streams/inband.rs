@@ -182,6 +182,44 @@ async fn a_responses_api_stream_ends_and_fails_as_the_api_says(store: TestStore)
     assert_eq!(upstream.hits(), 3, "run again twice, then replayed");
 }
 
+/// A response that called a remote MCP tool (the Responses API runs it,
+/// inside the call) and then failed with a transient `server_error`: the
+/// error is the answer, replayed to the retry, because running the call
+/// again would run the tool again. Before, the retry ran the call (and the
+/// tool) a second time. The same call failing the same way before any
+/// tool ran is still run again.
+async fn an_error_after_a_tool_the_provider_ran_is_the_answer(store: TestStore) {
+    let failed = |text: &str| {
+        let data = r#""type":"response.failed","response":{"status":"failed","error":{"code":"server_error","message":"boom"}}"#;
+        responses(text, "response.failed", data)
+    };
+    let called = |text: &str| {
+        let mut events = failed(text);
+        let tool = "event: response.mcp_call.in_progress\n\
+                    data: {\"type\":\"response.mcp_call.in_progress\",\"item_id\":\"mcp_1\"}\n\n";
+        events.insert(1, tool.to_owned());
+        events
+    };
+    let scripts = vec![failed("Hel"), called("Charged")];
+    let upstream = ScriptedSse::start(scripts, None).await;
+    let gateway = gateway(&store, &upstream, CHAT_ROUTE).await;
+    let url = gateway.path("/v1/responses");
+    let (first, finish) = read_all(&url, "tool").await;
+    assert_eq!((first.status, finish), (200, Finish::Complete));
+    let job = first.header("idempotency-job").unwrap().to_owned();
+    assert_eq!(gateway.job(&job).await["state"], "open");
+    let (second, finish) = read_all(&url, "tool").await;
+    assert_eq!((second.status, finish), (200, Finish::Complete));
+    assert_eq!(text(&second), called("Charged").concat());
+    let detail = gateway.job(&job).await;
+    assert_eq!(detail["state"], "completed", "{detail}");
+    let (again, finish) = read_all(&url, "tool").await;
+    assert_eq!((again.status, finish), (200, Finish::Complete));
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(text(&again), called("Charged").concat());
+    assert_eq!(upstream.hits(), 2, "the tool's call never run again");
+}
+
 async fn an_invalid_request_error_is_the_answer_and_is_replayed(store: TestStore) {
     let invalid = anthropic("", &[&error_event("invalid_request_error")]);
     let upstream = ScriptedSse::start(vec![invalid.clone()], None).await;
@@ -528,6 +566,7 @@ crate::on_each_deployment!(
     an_overloaded_stream_is_run_again_then_its_whole_answer_replayed,
     an_invalid_request_error_is_the_answer_and_is_replayed,
     a_responses_api_stream_ends_and_fails_as_the_api_says,
+    an_error_after_a_tool_the_provider_ran_is_the_answer,
     an_openai_error_chunk_is_retried,
     a_live_joiner_of_a_stream_that_fails_in_band_gets_it_as_sent,
     a_stream_that_stops_before_its_end_event_is_cut,

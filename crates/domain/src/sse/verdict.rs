@@ -140,13 +140,50 @@ pub fn is_end(event: &Event, ends: &[String]) -> bool {
         .any(|end| event.name.as_deref() == Some(end.as_str()) || event.data == *end)
 }
 
+/// Whether `event` says the provider started a tool it runs itself, on
+/// the caller's behalf, before the answer ends (`docs/design.md` §10,
+/// "A tool the provider ran"):
+/// - the Responses API's `response.<tool>_call.<state>` events
+///   (`response.mcp_call.in_progress`, `response.web_search_call.searching`,
+///   the code interpreter's, image generation's, file search's); not the
+///   model writing a call's arguments or code
+///   (`response.mcp_call_arguments.delta`), nor a function call, which
+///   the client runs;
+/// - Anthropic's `content_block_start` of a `server_tool_use` (web
+///   search, web fetch, code execution) or an `mcp_tool_use` (its MCP
+///   connector), a call the API runs once the block ends.
+pub fn ran_a_tool(event: &Event) -> bool {
+    let json: Option<Value> = serde_json::from_str(&event.data).ok();
+    let said_type = json.as_ref().and_then(|v| v.get("type")?.as_str());
+    let Some(name) = event.name.as_deref().or(said_type) else {
+        return false;
+    };
+    let mut parts = name.split('.');
+    let provider_call = matches!(
+        (parts.next(), parts.next(), parts.next(), parts.next()),
+        (Some("response"), Some(tool), Some(_), None) if tool.ends_with("_call")
+    );
+    let started = name == "content_block_start"
+        && json
+            .as_ref()
+            .and_then(|v| v.pointer("/content_block/type")?.as_str())
+            .is_some_and(|t| t == "server_tool_use" || t == "mcp_tool_use");
+    provider_call || started
+}
+
 /// What a whole event stream that ended cleanly says.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Said {
     /// Nothing against it: it may be committed.
     Whole,
-    /// It reports an error in band, of this type.
-    Error(String),
+    /// It reports an error in band.
+    Error {
+        /// The error's type.
+        kind: String,
+        /// Whether an event before it says the provider started a tool of
+        /// its own ([`ran_a_tool`]): the call acted, whatever the error.
+        after_a_tool: bool,
+    },
     /// It ended without any of the route's end events: it stopped short.
     Unended,
 }
@@ -157,8 +194,11 @@ pub enum Said {
 pub fn said(body: &[u8], errors: bool, ends: &[String]) -> Said {
     let events = events(body);
     if errors {
-        if let Some(kind) = events.iter().find_map(in_band_error) {
-            return Said::Error(kind);
+        for (at, event) in events.iter().enumerate() {
+            if let Some(kind) = in_band_error(event) {
+                let after_a_tool = events[..at].iter().any(ran_a_tool);
+                return Said::Error { kind, after_a_tool };
+            }
         }
     }
     match events.last() {
@@ -172,6 +212,52 @@ pub fn said(body: &[u8], errors: bool, ends: &[String]) -> Said {
 mod tests {
     use super::*;
 
+    /// An in-band error of `kind`, with no tool of the provider's before it.
+    fn error_of(kind: &str) -> Said {
+        Said::Error {
+            kind: kind.to_owned(),
+            after_a_tool: false,
+        }
+    }
+
+    /// An error after a tool the provider ran is told apart: the call
+    /// acted, whatever the error. A tool the client runs, or the model
+    /// still writing a call's arguments, is no such tool.
+    #[test]
+    fn an_error_after_a_tool_the_provider_ran_says_so() {
+        let failed = "event: response.failed\ndata: {\"type\":\"response.failed\",\"response\":\
+            {\"error\":{\"code\":\"server_error\"}}}\n\n";
+        let after = |before: &str| said(format!("{before}{failed}").as_bytes(), true, &[]);
+        for ran in [
+            "event: response.mcp_call.in_progress\ndata: {\"type\":\"response.mcp_call.in_progress\"}\n\n",
+            "data: {\"type\":\"response.web_search_call.searching\"}\n\n",
+            "event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":1,\
+             \"content_block\":{\"type\":\"mcp_tool_use\",\"name\":\"charge\"}}\n\n",
+            "event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0,\
+             \"content_block\":{\"type\":\"server_tool_use\",\"name\":\"web_search\"}}\n\n",
+        ] {
+            let said = after(ran);
+            let expected = Said::Error {
+                kind: "server_error".into(),
+                after_a_tool: true,
+            };
+            assert_eq!(said, expected, "{ran}");
+        }
+        for not_run in [
+            "",
+            "event: response.mcp_call_arguments.delta\ndata: {\"delta\":\"{\\\"a\"}\n\n",
+            "event: response.function_call_arguments.done\ndata: {}\n\n",
+            "event: response.code_interpreter_call_code.delta\ndata: {}\n\n",
+            "event: content_block_start\ndata: {\"type\":\"content_block_start\",\
+             \"content_block\":{\"type\":\"tool_use\",\"name\":\"charge\"}}\n\n",
+        ] {
+            assert_eq!(after(not_run), error_of("server_error"), "{not_run}");
+        }
+        // A tool started after the error is not before it.
+        let late = format!("{failed}event: response.mcp_call.completed\ndata: {{}}\n\n");
+        assert_eq!(said(late.as_bytes(), true, &[]), error_of("server_error"));
+    }
+
     const ANTHROPIC_OVERLOADED: &str = "event: message_start\ndata: {\"type\":\"message_start\"}\n\n\
         event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"delta\":{\"text\":\"Hi\"}}\n\n\
         event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\",\"message\":\"Overloaded\"}}\n\n";
@@ -183,7 +269,7 @@ mod tests {
         assert_eq!(events[2].name.as_deref(), Some("error"));
         assert_eq!(
             said(ANTHROPIC_OVERLOADED.as_bytes(), true, &[]),
-            Said::Error("overloaded_error".into())
+            error_of("overloaded_error")
         );
         assert_eq!(
             said(ANTHROPIC_OVERLOADED.as_bytes(), false, &[]),
@@ -201,10 +287,7 @@ mod tests {
             "{delta}event: error\ndata: {{\"type\":\"error\",\"code\":\"server_error\",\
              \"message\":\"boom\",\"param\":null,\"sequence_number\":3}}\n\n"
         );
-        assert_eq!(
-            said(error.as_bytes(), true, &[]),
-            Said::Error("server_error".into())
-        );
+        assert_eq!(said(error.as_bytes(), true, &[]), error_of("server_error"));
         let failed = format!(
             "{delta}event: response.failed\ndata: {{\"type\":\"response.failed\",\"response\":\
              {{\"status\":\"failed\",\"error\":{{\"code\":\"rate_limit_exceeded\",\
@@ -212,13 +295,13 @@ mod tests {
         );
         assert_eq!(
             said(failed.as_bytes(), true, &[]),
-            Said::Error("rate_limit_exceeded".into())
+            error_of("rate_limit_exceeded")
         );
         // Its name in the data alone, as some gateways send it.
         let unnamed = failed.replace("event: response.failed\n", "");
         assert_eq!(
             said(unnamed.as_bytes(), true, &[]),
-            Said::Error("rate_limit_exceeded".into())
+            error_of("rate_limit_exceeded")
         );
         // Named otherwise, its data's type is the application's own.
         let logged = "event: log\ndata: {\"type\":\"error\",\"code\":\"server_error\"}\n\n";
@@ -239,25 +322,16 @@ mod tests {
     #[test]
     fn an_openai_error_chunk_is_read_by_type_else_code() {
         let typed = "data: {\"choices\":[]}\n\ndata: {\"error\":{\"message\":\"boom\",\"type\":\"server_error\"}}\n\n";
-        assert_eq!(
-            said(typed.as_bytes(), true, &[]),
-            Said::Error("server_error".into())
-        );
+        assert_eq!(said(typed.as_bytes(), true, &[]), error_of("server_error"));
         let coded = "data: {\"error\":{\"message\":\"slow down\",\"code\":\"rate_limit_exceeded\"}}\r\n\r\n";
         assert_eq!(
             said(coded.as_bytes(), true, &[]),
-            Said::Error("rate_limit_exceeded".into())
+            error_of("rate_limit_exceeded")
         );
         let numbered = "data: {\"error\":{\"code\":529}}\r\r";
-        assert_eq!(
-            said(numbered.as_bytes(), true, &[]),
-            Said::Error("529".into())
-        );
+        assert_eq!(said(numbered.as_bytes(), true, &[]), error_of("529"));
         let bare = "event: error\ndata: not json\n\n";
-        assert_eq!(
-            said(bare.as_bytes(), true, &[]),
-            Said::Error("unknown".into())
-        );
+        assert_eq!(said(bare.as_bytes(), true, &[]), error_of("unknown"));
     }
 
     #[test]
