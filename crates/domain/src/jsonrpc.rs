@@ -135,71 +135,116 @@ pub fn with_id(response: &[u8], id: &[u8]) -> Option<Vec<u8>> {
     Some(out)
 }
 
-/// `event`, a server-sent event's bytes, addressed to `id` when its data
-/// is a JSON-RPC response: its data (its `data:` lines joined, as a
-/// client's parser reads them) readdressed and written back where its
-/// first `data:` line was, on as many lines, every other byte as it was.
-/// MCP servers send a message on one line, which comes back byte for byte
-/// but for its `id`; a server that writes its JSON over several lines is
-/// readdressed too, or the caller's client would never match the answer to
-/// its request. `None` when it carries no response (a notification, a
-/// heartbeat).
+/// `event`, a server-sent event's bytes (a whole event), addressed to
+/// `id` when its data is a JSON-RPC response: its `id` member's value
+/// replaced where it stands, every other byte as it was. The data is read
+/// as a client's parser reads it, its `data:` lines joined by line feeds:
+/// MCP servers write a message on one line, and one that writes its JSON
+/// over several is readdressed too, or the caller's client would never
+/// match the answer to its request. `None` when it carries no response (a
+/// notification, a heartbeat), or its `id` is written over several lines.
 pub fn readdress_event(event: &[u8], id: &[u8]) -> Option<Vec<u8>> {
     let lines = data_lines(event);
-    let first = lines.first()?;
     let data = data(&lines);
-    if !is_response(&data) {
+    let members = members(&data)?;
+    let has = |key: &str| members.iter().any(|(name, _)| name == key);
+    if !has("result") && !has("error") {
         return None;
     }
-    let readdressed = with_id(&data, id)?;
+    let (_, at) = members.iter().find(|(name, _)| name == "id")?;
+    // The line its value stands on, and where on it.
+    let mut start = 0;
+    let (line, from) = lines.iter().find_map(|line| {
+        let on = start..start + line.value.len();
+        start = on.end + 1;
+        (on.start <= at.start && at.end <= on.end).then(|| (line, at.start - on.start))
+    })?;
+    let id = one_line(id);
     let mut out = Vec::with_capacity(event.len() + id.len());
-    for (i, part) in event.split_inclusive(|b| *b == b'\n').enumerate() {
-        if i == first.index {
-            for piece in readdressed.split(|b| *b == b'\n') {
-                out.extend_from_slice(first.prefix);
-                out.extend_from_slice(piece);
-                out.extend_from_slice(first.end);
-            }
-        } else if lines.iter().all(|line| line.index != i) {
+    for (i, part) in lines_of(event).enumerate() {
+        if i == line.index {
+            let value_at = line.prefix.len();
+            out.extend_from_slice(&part[..value_at + from]);
+            out.extend_from_slice(&id);
+            out.extend_from_slice(&part[value_at + from + at.len()..]);
+        } else {
             out.extend_from_slice(part);
         }
     }
     Some(out)
 }
 
-/// One `data:` line of an event.
+/// `id` written on one line: a request's id as its client wrote it, unless
+/// that spans lines (an object or an array with line feeds between its
+/// members), which in an event would end its `data:` line early.
+fn one_line(id: &[u8]) -> std::borrow::Cow<'_, [u8]> {
+    if !id.iter().any(|b| matches!(b, b'\r' | b'\n')) {
+        return std::borrow::Cow::Borrowed(id);
+    }
+    let compact = serde_json::from_slice::<Value>(id)
+        .ok()
+        .and_then(|value| serde_json::to_vec(&value).ok());
+    // Not JSON at all: its line ends written as JSON whitespace can't be.
+    std::borrow::Cow::Owned(compact.unwrap_or_else(|| {
+        id.iter()
+            .map(|b| if matches!(b, b'\r' | b'\n') { b' ' } else { *b })
+            .collect()
+    }))
+}
+
+/// The lines of an event, each with its end, which is CRLF, LF or a lone
+/// CR (the format's rule).
+fn lines_of(event: &[u8]) -> impl Iterator<Item = &[u8]> {
+    let mut rest = event;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let end = match rest.iter().position(|b| matches!(b, b'\r' | b'\n')) {
+            None => rest.len(),
+            Some(at) if rest[at..].starts_with(b"\r\n") => at + 2,
+            Some(at) => at + 1,
+        };
+        let (line, tail) = rest.split_at(end);
+        rest = tail;
+        Some(line)
+    })
+}
+
+/// One `data` field of an event.
 struct DataLine<'a> {
     /// Its index among the event's lines.
     index: usize,
-    /// `data:` or `data: `.
+    /// What comes before its value: `data`, `data:` or `data: `.
     prefix: &'a [u8],
-    /// Its value.
+    /// Its value, without the line's end.
     value: &'a [u8],
-    /// What follows the value: the line's end.
-    end: &'a [u8],
 }
 
-/// The `data:` lines of `event`, in order.
+/// The `data` fields of `event`, in order.
 fn data_lines(event: &[u8]) -> Vec<DataLine<'_>> {
-    event
-        .split_inclusive(|b| *b == b'\n')
+    lines_of(event)
         .enumerate()
-        .filter(|(_, line)| line.starts_with(b"data:"))
-        .map(|(index, line)| {
-            let value_at = if line.starts_with(b"data: ") { 6 } else { 5 };
-            let value = line[value_at..].trim_ascii_end();
-            DataLine {
+        .filter_map(|(index, line)| {
+            let content = line.strip_suffix(b"\n").unwrap_or(line);
+            let content = content.strip_suffix(b"\r").unwrap_or(content);
+            let prefix = match content {
+                [b'd', b'a', b't', b'a', b':', b' ', ..] => 6,
+                [b'd', b'a', b't', b'a', b':', ..] => 5,
+                b"data" => 4,
+                _ => return None,
+            };
+            Some(DataLine {
                 index,
-                prefix: &line[..value_at],
-                value,
-                end: &line[value_at + value.len()..],
-            }
+                prefix: &content[..prefix],
+                value: &content[prefix..],
+            })
         })
         .collect()
 }
 
 /// An event's data as a client's parser dispatches it: the values of its
-/// `data:` lines joined by `\n`.
+/// `data` fields joined by `\n`.
 fn data<'a>(lines: &[DataLine<'a>]) -> std::borrow::Cow<'a, [u8]> {
     match lines {
         [one] => std::borrow::Cow::Borrowed(one.value),
@@ -210,9 +255,9 @@ fn data<'a>(lines: &[DataLine<'a>]) -> std::borrow::Cow<'a, [u8]> {
     }
 }
 
-/// Whether `event`, a server-sent event's bytes, carries a JSON-RPC
-/// request in its data (it has an `id` and a `method`), on one `data:`
-/// line or several: the server asking its client something
+/// Whether `event`, a server-sent event's bytes (a whole event), carries a
+/// JSON-RPC request in its data (it has an `id` and a `method`), on one
+/// `data:` line or several: the server asking its client something
 /// (`elicitation/create`, `sampling/createMessage`), in the session of the
 /// call it serves.
 pub fn is_request_event(event: &[u8]) -> bool {
@@ -483,10 +528,25 @@ mod tests {
         let event = b"event: message\ndata: {\"jsonrpc\": \"2.0\",\ndata:  \"id\": 1,\nid: 4\ndata:  \"result\": {}}\n\n";
         assert_eq!(
             readdress_event(event, b"\"r-2\"").unwrap(),
-            b"event: message\ndata: {\"jsonrpc\": \"2.0\",\ndata:  \"id\": \"r-2\",\ndata:  \"result\": {}}\nid: 4\n\n"
+            b"event: message\ndata: {\"jsonrpc\": \"2.0\",\ndata:  \"id\": \"r-2\",\nid: 4\ndata:  \"result\": {}}\n\n",
+            "the id replaced where it stands, every other byte as it was"
+        );
+        // Lines ended by a lone CR, the second field without its space.
+        let cr = b"data: {\"jsonrpc\":\"2.0\",\rdata:\"id\":1,\"result\":{}}\r\r";
+        assert_eq!(
+            readdress_event(cr, b"2").unwrap(),
+            b"data: {\"jsonrpc\":\"2.0\",\rdata:\"id\":2,\"result\":{}}\r\r"
+        );
+        // A request's id written over lines is written on one.
+        assert_eq!(
+            readdress_event(cr, b"{\"a\":\n1}").unwrap(),
+            b"data: {\"jsonrpc\":\"2.0\",\rdata:\"id\":{\"a\":1},\"result\":{}}\r\r"
         );
         let asks = b"data: {\"jsonrpc\": \"2.0\", \"id\": 7,\r\ndata: \"method\": \"elicitation/create\"}\r\n\r\n";
         assert!(is_request_event(asks));
+        assert!(is_request_event(
+            b"data: {\"id\": 7,\rdata\rdata: \"method\": \"sampling/createMessage\"}\r\r"
+        ));
         assert!(!is_request_event(
             b"data: {\"jsonrpc\": \"2.0\",\ndata: \"method\": \"notifications/progress\"}\n\n"
         ));

@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
 use http::{header, HeaderValue, Request, Response};
 use http_body::Frame;
@@ -27,7 +27,7 @@ use idemgate_domain::fingerprint::{
 };
 use idemgate_domain::jsonrpc::{self, ToolCall};
 use idemgate_domain::key::IdempotencyKey;
-use idemgate_domain::sse::Blocks;
+use idemgate_domain::sse::{Blocks, Kind};
 use idemgate_proxy::http::{detach_head, full, Body, BodyError};
 use idemgate_proxy::upstream::Target;
 
@@ -322,33 +322,60 @@ fn readdressed_message(body: Body, id: Vec<u8>) -> Body {
 
 /// An event stream's body with its response event addressed to `id`, cut
 /// at its lines as it comes (`docs/design.md` §10, "Events and
-/// heartbeats"), what its end leaves pending given out last.
+/// heartbeats"). An event is held until its blank line and judged whole:
+/// its `data:` lines may come in several chunks (a replay's frames, a
+/// live upstream's writes), and no client dispatches it before its end.
+/// What the stream's end leaves pending (an event never ended) is given
+/// out last, as it came.
 fn readdressed_events(body: Body, id: Vec<u8>, asks: bool) -> Body {
-    let state = (Some(body.into_data_stream()), Blocks::default());
-    let frames = futures_util::stream::unfold(state, move |(stream, mut blocks)| {
+    let state = (
+        Some(body.into_data_stream()),
+        Blocks::default(),
+        BytesMut::new(),
+    );
+    let frames = futures_util::stream::unfold(state, move |(stream, mut blocks, mut event)| {
         let id = id.clone();
         async move {
             let mut stream = stream?;
             let (bytes, stream) = match stream.next().await {
                 Some(Ok(chunk)) => (blocks.push(&chunk), Some(stream)),
-                Some(Err(e)) => return Some((Err(e), (None, blocks))),
+                Some(Err(e)) => return Some((Err(e), (None, blocks, event))),
                 None => (blocks.finish().into_iter().collect(), None),
             };
             let mut out = Vec::new();
             for block in bytes {
-                // Asked of the call's own client: asked again here, the
-                // user would consent again to what is done, or a model
-                // would be paid to sample for nothing.
-                if !asks && jsonrpc::is_request_event(&block.bytes) {
-                    continue;
-                }
-                match jsonrpc::readdress_event(&block.bytes, &id) {
-                    Some(readdressed) => out.extend_from_slice(&readdressed),
-                    None => out.extend_from_slice(&block.bytes),
+                match block.kind {
+                    // A heartbeat between events goes out at once.
+                    Kind::Beat if event.is_empty() => out.extend_from_slice(&block.bytes),
+                    Kind::Event { .. } => {
+                        event.extend_from_slice(&block.bytes);
+                        let whole = event.split();
+                        out.extend_from_slice(&readdressed_event(&whole, &id, asks));
+                    }
+                    _ => event.extend_from_slice(&block.bytes),
                 }
             }
-            Some((Ok(Frame::data(Bytes::from(out))), (stream, blocks)))
+            if stream.is_none() {
+                out.extend_from_slice(&event.split());
+            }
+            Some((Ok(Frame::data(Bytes::from(out))), (stream, blocks, event)))
         }
     });
     BodyExt::boxed(StreamBody::new(frames))
+}
+
+/// A whole event of an answer, as a call that did not make it gets it:
+/// the response addressed to `id`; a request of the server's left out
+/// unless the call `asks` in the session it was made in.
+fn readdressed_event<'a>(event: &'a [u8], id: &[u8], asks: bool) -> std::borrow::Cow<'a, [u8]> {
+    // Asked of the call's own client: asked again here, the user would
+    // consent again to what is done, or a model would be paid to sample
+    // for nothing.
+    if !asks && jsonrpc::is_request_event(event) {
+        return std::borrow::Cow::Borrowed(&[]);
+    }
+    match jsonrpc::readdress_event(event, id) {
+        Some(readdressed) => std::borrow::Cow::Owned(readdressed),
+        None => std::borrow::Cow::Borrowed(event),
+    }
 }

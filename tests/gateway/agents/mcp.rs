@@ -261,10 +261,12 @@ async fn a_replay_never_asks_the_first_callers_questions(store: TestStore) {
 }
 
 /// The same, from a server that writes each message's JSON over several
-/// `data:` lines (as a pretty-printing one does): each event is read as
-/// its client's parser joins it, so the question is still left out and
-/// the response still readdressed (before, both were passed as they came:
-/// the question asked again, the response under the first call's id).
+/// `data:` lines (as a pretty-printing one does), the question and the
+/// response each over 16 KiB, so the replay's frames cut them: each event
+/// is held whole and read as its client's parser joins it, so the
+/// question is still left out and the response still readdressed (before,
+/// both were passed as they came: the question asked again, the response
+/// under the first call's id).
 async fn a_replay_of_messages_written_over_several_lines_asks_nothing(store: TestStore) {
     asks_once(store, Lines::Several).await
 }
@@ -283,9 +285,9 @@ async fn asks_once(store: TestStore, lines: Lines) {
             json!({"jsonrpc": "2.0", "method": "notifications/progress",
                    "params": {"progressToken": call["id"], "progress": 1}}),
             json!({"jsonrpc": "2.0", "id": 7, "method": "elicitation/create",
-                   "params": {"message": "Really charge 5000?", "requestedSchema": {}}}),
-            json!({"jsonrpc": "2.0", "id": call["id"],
-                   "result": {"content": [{"type": "text", "text": "charged"}]}}),
+                   "params": {"message": "Really charge 5000?", "requestedSchema": {},
+                              "_meta": {"lines": long()}}}),
+            json!({"jsonrpc": "2.0", "id": call["id"], "result": charged()}),
         ];
         let json = |m: &Value| match lines {
             Lines::One => m.to_string(),
@@ -315,8 +317,7 @@ async fn asks_once(store: TestStore, lines: Lines) {
     assert_eq!(again.header("idempotent-replayed"), Some("true"));
     assert_eq!(methods(&again), ["notifications/progress", "(response)"]);
     assert_eq!(response(&again)["id"], 2);
-    let charged = json!({"content": [{"type": "text", "text": "charged"}]});
-    assert_eq!(response(&again)["result"], charged);
+    assert_eq!(response(&again)["result"], charged());
     // A retry in the session the call ran in (its first connection lost)
     // may still have to answer.
     let same = post(&gateway, &call(3), "s1").await;
@@ -325,7 +326,20 @@ async fn asks_once(store: TestStore, lines: Lines) {
         methods(&same),
         ["notifications/progress", "elicitation/create", "(response)"]
     );
+    assert_eq!(response(&same)["id"], 3);
     assert_eq!(upstream.hits(), 1);
+}
+
+/// Thousands of values: pretty-printed, a message of thousands of lines,
+/// over 16 KiB, so a replay's frames cut its event (`replay/mod.rs`).
+fn long() -> Value {
+    json!((0..3000).collect::<Vec<u32>>())
+}
+
+/// The tool's result.
+fn charged() -> Value {
+    json!({"content": [{"type": "text", "text": "charged"}],
+           "structuredContent": {"receipt": long()}})
 }
 
 /// A server that ends a long call's stream before its response, on
