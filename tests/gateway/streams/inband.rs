@@ -220,6 +220,31 @@ async fn an_error_after_a_tool_the_provider_ran_is_the_answer(store: TestStore) 
     assert_eq!(upstream.hits(), 2, "the tool's call never run again");
 }
 
+/// The same on Anthropic's Messages API: a web search (a server tool,
+/// which the API runs once its `server_tool_use` block ends), then an
+/// `overloaded_error`. Committed and replayed; before, run again.
+async fn an_overload_after_an_anthropic_server_tool_is_the_answer(store: TestStore) {
+    let searched = anthropic(
+        "Searching",
+        &[
+            "event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":1,\
+             \"content_block\":{\"type\":\"server_tool_use\",\"name\":\"web_search\"}}\n\n",
+            "event: content_block_stop\ndata: {\"type\":\"content_block_stop\",\"index\":1}\n\n",
+            &error_event("overloaded_error"),
+        ],
+    );
+    let upstream = ScriptedSse::start(vec![searched.clone()], None).await;
+    let gateway = gateway(&store, &upstream, CHAT_ROUTE).await;
+    let url = gateway.path("/v1/messages");
+    let (first, finish) = read_all(&url, "search").await;
+    assert_eq!((first.status, finish), (200, Finish::Complete));
+    let (again, finish) = read_all(&url, "search").await;
+    assert_eq!((again.status, finish), (200, Finish::Complete));
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(text(&again), searched.concat());
+    assert_eq!(upstream.hits(), 1, "the search never run again");
+}
+
 async fn an_invalid_request_error_is_the_answer_and_is_replayed(store: TestStore) {
     let invalid = anthropic("", &[&error_event("invalid_request_error")]);
     let upstream = ScriptedSse::start(vec![invalid.clone()], None).await;
@@ -567,6 +592,7 @@ crate::on_each_deployment!(
     an_invalid_request_error_is_the_answer_and_is_replayed,
     a_responses_api_stream_ends_and_fails_as_the_api_says,
     an_error_after_a_tool_the_provider_ran_is_the_answer,
+    an_overload_after_an_anthropic_server_tool_is_the_answer,
     an_openai_error_chunk_is_retried,
     a_live_joiner_of_a_stream_that_fails_in_band_gets_it_as_sent,
     a_stream_that_stops_before_its_end_event_is_cut,

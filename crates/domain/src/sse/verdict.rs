@@ -140,35 +140,75 @@ pub fn is_end(event: &Event, ends: &[String]) -> bool {
         .any(|end| event.name.as_deref() == Some(end.as_str()) || event.data == *end)
 }
 
-/// Whether `event` says the provider started a tool it runs itself, on
-/// the caller's behalf, before the answer ends (`docs/design.md` §10,
-/// "A tool the provider ran"):
-/// - the Responses API's `response.<tool>_call.<state>` events
-///   (`response.mcp_call.in_progress`, `response.web_search_call.searching`,
-///   the code interpreter's, image generation's, file search's); not the
-///   model writing a call's arguments or code
-///   (`response.mcp_call_arguments.delta`), nor a function call, which
-///   the client runs;
-/// - Anthropic's `content_block_start` of a `server_tool_use` (web
-///   search, web fetch, code execution) or an `mcp_tool_use` (its MCP
-///   connector), a call the API runs once the block ends.
-pub fn ran_a_tool(event: &Event) -> bool {
-    let json: Option<Value> = serde_json::from_str(&event.data).ok();
-    let said_type = json.as_ref().and_then(|v| v.get("type")?.as_str());
-    let Some(name) = event.name.as_deref().or(said_type) else {
-        return false;
-    };
-    let mut parts = name.split('.');
-    let provider_call = matches!(
-        (parts.next(), parts.next(), parts.next(), parts.next()),
-        (Some("response"), Some(tool), Some(_), None) if tool.ends_with("_call")
-    );
-    let started = name == "content_block_start"
-        && json
+/// The Responses API's events that say a tool it runs itself, inside the
+/// call, was run or is running. A remote MCP server's tool counts from
+/// its `in_progress` on (its effects leave the provider: erring early
+/// costs a retry, erring late a second charge); the others from their
+/// search, run or generation. The model writing a call's arguments or
+/// code (`…_arguments.delta`, `…_code.delta`) runs nothing, and a
+/// function call is the client's to run.
+const PROVIDER_TOOL_EVENTS: &[&str] = &[
+    "response.mcp_call.in_progress",
+    "response.mcp_call_arguments.done",
+    "response.mcp_call.completed",
+    "response.mcp_call.failed",
+    "response.web_search_call.searching",
+    "response.web_search_call.completed",
+    "response.file_search_call.searching",
+    "response.file_search_call.completed",
+    "response.code_interpreter_call.interpreting",
+    "response.code_interpreter_call.completed",
+    "response.image_generation_call.generating",
+    "response.image_generation_call.partial_image",
+    "response.image_generation_call.completed",
+];
+
+/// The Responses API's output items of the tools it runs itself.
+const PROVIDER_TOOL_ITEMS: &[&str] = &[
+    "mcp_call",
+    "web_search_call",
+    "file_search_call",
+    "code_interpreter_call",
+    "image_generation_call",
+];
+
+/// Whether `events` say the provider ran a tool of its own on the
+/// caller's behalf (`docs/design.md` §10, "A tool the provider ran"):
+/// - one of the Responses API's [`PROVIDER_TOOL_EVENTS`], or its
+///   `response.output_item.done` of one of [`PROVIDER_TOOL_ITEMS`];
+/// - Anthropic's server tools and MCP connector: the end
+///   (`content_block_stop`) of a `server_tool_use` or `mcp_tool_use`
+///   block, after which the API runs the tool, or the start of a tool's
+///   result block (`web_search_tool_result`, `mcp_tool_result`, …).
+pub fn ran_a_tool(events: &[Event]) -> bool {
+    // Anthropic's tool blocks begun and not yet ended, by index.
+    let mut uses = Vec::new();
+    events.iter().any(|event| {
+        let json: Option<Value> = serde_json::from_str(&event.data).ok();
+        let said_type = json.as_ref().and_then(|v| v.get("type")?.as_str());
+        let Some(name) = event.name.as_deref().or(said_type) else {
+            return false;
+        };
+        let index = json.as_ref().and_then(|v| v.get("index")?.as_u64());
+        let block = json
             .as_ref()
-            .and_then(|v| v.pointer("/content_block/type")?.as_str())
-            .is_some_and(|t| t == "server_tool_use" || t == "mcp_tool_use");
-    provider_call || started
+            .and_then(|v| v.pointer("/content_block/type")?.as_str());
+        match (name, block) {
+            ("content_block_start", Some("server_tool_use" | "mcp_tool_use")) => {
+                uses.extend(index);
+                false
+            }
+            ("content_block_start", Some(block)) => block.ends_with("_tool_result"),
+            ("content_block_stop", _) => index.is_some_and(|i| uses.contains(&i)),
+            // An item of a provider's tool done, for a server that sends
+            // only the items' events.
+            ("response.output_item.done", _) => json
+                .as_ref()
+                .and_then(|v| v.pointer("/item/type")?.as_str())
+                .is_some_and(|item| PROVIDER_TOOL_ITEMS.contains(&item)),
+            (name, _) => PROVIDER_TOOL_EVENTS.contains(&name),
+        }
+    })
 }
 
 /// What a whole event stream that ended cleanly says.
@@ -180,7 +220,7 @@ pub enum Said {
     Error {
         /// The error's type.
         kind: String,
-        /// Whether an event before it says the provider started a tool of
+        /// Whether the events before it say the provider ran a tool of
         /// its own ([`ran_a_tool`]): the call acted, whatever the error.
         after_a_tool: bool,
     },
@@ -196,7 +236,7 @@ pub fn said(body: &[u8], errors: bool, ends: &[String]) -> Said {
     if errors {
         for (at, event) in events.iter().enumerate() {
             if let Some(kind) = in_band_error(event) {
-                let after_a_tool = events[..at].iter().any(ran_a_tool);
+                let after_a_tool = ran_a_tool(&events[..at]);
                 return Said::Error { kind, after_a_tool };
             }
         }
@@ -221,39 +261,61 @@ mod tests {
     }
 
     /// An error after a tool the provider ran is told apart: the call
-    /// acted, whatever the error. A tool the client runs, or the model
-    /// still writing a call's arguments, is no such tool.
+    /// acted, whatever the error. A tool the client runs, a server tool
+    /// whose input the model is still writing, or the model writing a
+    /// call's arguments or code, is no such tool.
     #[test]
     fn an_error_after_a_tool_the_provider_ran_says_so() {
         let failed = "event: response.failed\ndata: {\"type\":\"response.failed\",\"response\":\
             {\"error\":{\"code\":\"server_error\"}}}\n\n";
         let after = |before: &str| said(format!("{before}{failed}").as_bytes(), true, &[]);
-        for ran in [
-            "event: response.mcp_call.in_progress\ndata: {\"type\":\"response.mcp_call.in_progress\"}\n\n",
-            "data: {\"type\":\"response.web_search_call.searching\"}\n\n",
-            "event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":1,\
-             \"content_block\":{\"type\":\"mcp_tool_use\",\"name\":\"charge\"}}\n\n",
-            "event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0,\
-             \"content_block\":{\"type\":\"server_tool_use\",\"name\":\"web_search\"}}\n\n",
-        ] {
-            let said = after(ran);
+        let block = |event: &str, index: u32, kind: &str| {
+            format!(
+                "event: {event}\ndata: {{\"type\":\"{event}\",\"index\":{index},\
+                 \"content_block\":{{\"type\":\"{kind}\"}}}}\n\n"
+            )
+        };
+        let stop = |index: u32| {
+            format!("event: content_block_stop\ndata: {{\"type\":\"content_block_stop\",\"index\":{index}}}\n\n")
+        };
+        let ran = [
+            "event: response.mcp_call.in_progress\ndata: {\"type\":\"response.mcp_call.in_progress\"}\n\n".to_owned(),
+            "data: {\"type\":\"response.web_search_call.searching\"}\n\n".to_owned(),
+            "event: response.code_interpreter_call.interpreting\ndata: {}\n\n".to_owned(),
+            format!("{}{}", block("content_block_start", 1, "mcp_tool_use"), stop(1)),
+            format!("{}{}", block("content_block_start", 0, "server_tool_use"), stop(0)),
+            block("content_block_start", 2, "web_search_tool_result"),
+            "data: {\"type\":\"response.output_item.done\",\"item\":{\"type\":\"mcp_call\"}}\n\n"
+                .to_owned(),
+        ];
+        for ran in ran {
             let expected = Said::Error {
                 kind: "server_error".into(),
                 after_a_tool: true,
             };
-            assert_eq!(said, expected, "{ran}");
+            assert_eq!(after(&ran), expected, "{ran}");
         }
-        for not_run in [
-            "",
-            "event: response.mcp_call_arguments.delta\ndata: {\"delta\":\"{\\\"a\"}\n\n",
-            "event: response.function_call_arguments.done\ndata: {}\n\n",
-            "event: response.code_interpreter_call_code.delta\ndata: {}\n\n",
-            "event: content_block_start\ndata: {\"type\":\"content_block_start\",\
-             \"content_block\":{\"type\":\"tool_use\",\"name\":\"charge\"}}\n\n",
-        ] {
-            assert_eq!(after(not_run), error_of("server_error"), "{not_run}");
+        let not_run = [
+            String::new(),
+            "event: response.mcp_call_arguments.delta\ndata: {\"delta\":\"{\\\"a\"}\n\n".to_owned(),
+            "event: response.function_call_arguments.done\ndata: {}\n\n".to_owned(),
+            "event: response.code_interpreter_call.in_progress\ndata: {}\n\n".to_owned(),
+            "event: response.code_interpreter_call_code.delta\ndata: {}\n\n".to_owned(),
+            "event: response.computer_call.in_progress\ndata: {}\n\n".to_owned(),
+            "data: {\"type\":\"response.output_item.done\",\"item\":{\"type\":\"function_call\"}}\n\n"
+                .to_owned(),
+            block("content_block_start", 1, "server_tool_use"),
+            format!("{}{}", block("content_block_start", 1, "tool_use"), stop(1)),
+            format!(
+                "{}{}",
+                block("content_block_start", 1, "mcp_tool_use"),
+                stop(0)
+            ),
+        ];
+        for not_run in not_run {
+            assert_eq!(after(&not_run), error_of("server_error"), "{not_run}");
         }
-        // A tool started after the error is not before it.
+        // A tool run after the error is not before it.
         let late = format!("{failed}event: response.mcp_call.completed\ndata: {{}}\n\n");
         assert_eq!(said(late.as_bytes(), true, &[]), error_of("server_error"));
     }

@@ -423,10 +423,11 @@ pub(super) fn ended(route: &Route, stored: &StoredResponse, call: Option<&[u8]>)
         ),
         // After a tool the provider ran on the call's behalf (a remote MCP
         // server's, a web search), running the call again would run the
-        // tool again: whatever its type, the error is the answer
+        // tool again: whatever its type, the error is the answer, unless
+        // the operator says the route has no effects to repeat
         // (docs/design.md §10, "A tool the provider ran").
         Said::Error { kind, after_a_tool } => Ended::Error {
-            retryable: !after_a_tool
+            retryable: (!after_a_tool || route.side_effect_free)
                 && (errors.is_retryable(&kind)
                     || kind.parse().is_ok_and(|c| rpc_code_retryable(route, c))),
             kind,

@@ -252,3 +252,37 @@ fn an_mcp_stream_is_whole_only_with_the_calls_response() {
         Ended::Refused(_)
     ));
 }
+
+/// A transient error after a tool the provider ran is the answer, as the
+/// tool would run again; on a route its operator calls side-effect free,
+/// it is retried as before.
+#[test]
+fn an_error_after_a_tool_the_provider_ran_is_retried_only_without_effects() {
+    let stored = StoredResponse {
+        status: 200,
+        headers: vec![(
+            "content-type".into(),
+            Bytes::from_static(b"text/event-stream"),
+        )],
+        body: Bytes::from_static(
+            b"event: response.mcp_call.completed\ndata: {}\n\n\
+              event: error\ndata: {\"type\":\"error\",\"code\":\"server_error\"}\n\n",
+        ),
+    };
+    let kind = "server_error".to_owned();
+    assert_eq!(
+        ended(&plain(), &stored, None),
+        Ended::Error {
+            kind: kind.clone(),
+            retryable: false
+        }
+    );
+    let free = testing::route(&["http://a:1"], |r| r.side_effect_free = true);
+    assert_eq!(
+        ended(&free, &stored, None),
+        Ended::Error {
+            kind,
+            retryable: true
+        }
+    );
+}
