@@ -127,7 +127,8 @@ fn is_tool_call(value: &Value) -> bool {
 /// `None` when it is not an object with an `id`.
 pub fn with_id(response: &[u8], id: &[u8]) -> Option<Vec<u8>> {
     let members = members(response)?;
-    let (_, at) = members.iter().find(|(name, _)| name == "id")?;
+    // The last, as clients' parsers read a member named twice.
+    let (_, at) = members.iter().rfind(|(name, _)| name == "id")?;
     let mut out = Vec::with_capacity(response.len() + id.len());
     out.extend_from_slice(&response[..at.start]);
     out.extend_from_slice(id);
@@ -151,7 +152,8 @@ pub fn readdress_event(event: &[u8], id: &[u8]) -> Option<Vec<u8>> {
     if !has("result") && !has("error") {
         return None;
     }
-    let (_, at) = members.iter().find(|(name, _)| name == "id")?;
+    // The last, as clients' parsers read a member named twice.
+    let (_, at) = members.iter().rfind(|(name, _)| name == "id")?;
     // The line its value stands on, and where on it.
     let mut start = 0;
     let (line, from) = lines.iter().find_map(|line| {
@@ -211,11 +213,14 @@ fn lines_of(event: &[u8]) -> impl Iterator<Item = &[u8]> {
     })
 }
 
+const BOM: &[u8] = "\u{feff}".as_bytes();
+
 /// One `data` field of an event.
 struct DataLine<'a> {
     /// Its index among the event's lines.
     index: usize,
-    /// What comes before its value: `data`, `data:` or `data: `.
+    /// What comes before its value: `data`, `data:` or `data: ` (after
+    /// the stream's byte order mark, on its first line).
     prefix: &'a [u8],
     /// Its value, without the line's end.
     value: &'a [u8],
@@ -228,7 +233,12 @@ fn data_lines(event: &[u8]) -> Vec<DataLine<'_>> {
         .filter_map(|(index, line)| {
             let content = line.strip_suffix(b"\n").unwrap_or(line);
             let content = content.strip_suffix(b"\r").unwrap_or(content);
-            let prefix = match content {
+            // A stream's byte order mark, before its first line.
+            let bom = match index == 0 && content.starts_with(BOM) {
+                true => BOM.len(),
+                false => 0,
+            };
+            let field = match &content[bom..] {
                 [b'd', b'a', b't', b'a', b':', b' ', ..] => 6,
                 [b'd', b'a', b't', b'a', b':', ..] => 5,
                 b"data" => 4,
@@ -236,8 +246,8 @@ fn data_lines(event: &[u8]) -> Vec<DataLine<'_>> {
             };
             Some(DataLine {
                 index,
-                prefix: &content[..prefix],
-                value: &content[prefix..],
+                prefix: &content[..bom + field],
+                value: &content[bom + field..],
             })
         })
         .collect()
@@ -536,6 +546,16 @@ mod tests {
         assert_eq!(
             readdress_event(cr, b"2").unwrap(),
             b"data: {\"jsonrpc\":\"2.0\",\rdata:\"id\":2,\"result\":{}}\r\r"
+        );
+        // After the stream's byte order mark; a member named twice
+        // replaced where clients read it, last.
+        assert_eq!(
+            readdress_event(
+                "\u{feff}data: {\"id\":1,\"id\":1,\"result\":{}}\n\n".as_bytes(),
+                b"2"
+            )
+            .unwrap(),
+            "\u{feff}data: {\"id\":1,\"id\":2,\"result\":{}}\n\n".as_bytes()
         );
         // A request's id written over lines is written on one.
         assert_eq!(

@@ -27,7 +27,7 @@ use idemgate_domain::fingerprint::{
 };
 use idemgate_domain::jsonrpc::{self, ToolCall};
 use idemgate_domain::key::IdempotencyKey;
-use idemgate_domain::sse::{Blocks, Kind};
+use idemgate_domain::sse::{Block, Blocks, Kind};
 use idemgate_proxy::http::{detach_head, full, Body, BodyError};
 use idemgate_proxy::upstream::Target;
 
@@ -322,46 +322,107 @@ fn readdressed_message(body: Body, id: Vec<u8>) -> Body {
 
 /// An event stream's body with its response event addressed to `id`, cut
 /// at its lines as it comes (`docs/design.md` §10, "Events and
-/// heartbeats"). An event is held until its blank line and judged whole:
-/// its `data:` lines may come in several chunks (a replay's frames, a
-/// live upstream's writes), and no client dispatches it before its end.
-/// What the stream's end leaves pending (an event never ended) is given
-/// out last, as it came.
+/// heartbeats"), each event read whole ([`Readdress`]).
 fn readdressed_events(body: Body, id: Vec<u8>, asks: bool) -> Body {
     let state = (
         Some(body.into_data_stream()),
         Blocks::default(),
-        BytesMut::new(),
+        Readdress::new(id, asks, HELD_EVENT),
     );
-    let frames = futures_util::stream::unfold(state, move |(stream, mut blocks, mut event)| {
-        let id = id.clone();
-        async move {
-            let mut stream = stream?;
-            let (bytes, stream) = match stream.next().await {
-                Some(Ok(chunk)) => (blocks.push(&chunk), Some(stream)),
-                Some(Err(e)) => return Some((Err(e), (None, blocks, event))),
-                None => (blocks.finish().into_iter().collect(), None),
-            };
-            let mut out = Vec::new();
-            for block in bytes {
-                match block.kind {
-                    // A heartbeat between events goes out at once.
-                    Kind::Beat if event.is_empty() => out.extend_from_slice(&block.bytes),
-                    Kind::Event { .. } => {
-                        event.extend_from_slice(&block.bytes);
-                        let whole = event.split();
-                        out.extend_from_slice(&readdressed_event(&whole, &id, asks));
-                    }
-                    _ => event.extend_from_slice(&block.bytes),
-                }
+    let frames = futures_util::stream::unfold(state, |(stream, mut blocks, mut readdress)| async {
+        let mut stream = stream?;
+        let mut out = Vec::new();
+        let stream = match stream.next().await {
+            Some(Ok(chunk)) => {
+                readdress.take(blocks.push(&chunk), &mut out);
+                Some(stream)
             }
-            if stream.is_none() {
-                out.extend_from_slice(&event.split());
+            Some(Err(e)) => return Some((Err(e), (None, blocks, readdress))),
+            None => {
+                readdress.take(blocks.finish(), &mut out);
+                readdress.end(&mut out);
+                None
             }
-            Some((Ok(Frame::data(Bytes::from(out))), (stream, blocks, event)))
-        }
+        };
+        Some((
+            Ok(Frame::data(Bytes::from(out))),
+            (stream, blocks, readdress),
+        ))
     });
     BodyExt::boxed(StreamBody::new(frames))
+}
+
+/// The most of one event held to be read whole: a tool's result of
+/// thousands of lines fits; past it, the rest of the event goes on as it
+/// comes, unread (its response under the first call's id).
+const HELD_EVENT: usize = 4 << 20;
+
+/// Readdresses an answer's events as their blocks come. An event is held
+/// until its blank line and read whole: its `data:` lines may come in
+/// several chunks (a replay's frames, a live upstream's writes), and no
+/// client dispatches it before its end. Heartbeats between events go out
+/// at once; an event longer than `most` goes on as it comes, unread, so
+/// a client joining a live stream is neither kept waiting nor charged for
+/// more; what the stream's end leaves pending (an event never ended) goes
+/// out last, as it came.
+struct Readdress {
+    id: Vec<u8>,
+    asks: bool,
+    most: usize,
+    /// The event's blocks so far.
+    event: BytesMut,
+    /// The event outgrew `most`: the rest of it goes on as it comes.
+    passing: bool,
+}
+
+impl Readdress {
+    fn new(id: Vec<u8>, asks: bool, most: usize) -> Self {
+        Readdress {
+            id,
+            asks,
+            most,
+            event: BytesMut::new(),
+            passing: false,
+        }
+    }
+
+    /// Takes in the stream's next blocks; what may go out goes to `out`.
+    fn take(&mut self, blocks: impl IntoIterator<Item = Block>, out: &mut Vec<u8>) {
+        for block in blocks {
+            let between = self.event.is_empty() && !self.passing;
+            match block.kind {
+                // As does the LF of a CRLF that ended the last event.
+                Kind::Beat if between => out.extend_from_slice(&block.bytes),
+                Kind::Part if between && block.bytes.as_ref() == b"\n" => {
+                    out.extend_from_slice(&block.bytes)
+                }
+                _ if self.passing => {
+                    out.extend_from_slice(&block.bytes);
+                    self.passing = !matches!(block.kind, Kind::Event { .. });
+                }
+                Kind::Event { .. } => {
+                    self.event.extend_from_slice(&block.bytes);
+                    let whole = self.event.split();
+                    out.extend_from_slice(&readdressed_event(&whole, &self.id, self.asks));
+                }
+                _ => self.event.extend_from_slice(&block.bytes),
+            }
+        }
+        if self.event.len() > self.most {
+            tracing::warn!(
+                bytes = self.event.len(),
+                "an MCP answer's event is too long to read for its response: passed on as the \
+                 server sent it"
+            );
+            out.extend_from_slice(&self.event.split());
+            self.passing = true;
+        }
+    }
+
+    /// The stream ended: what is held goes out as it came.
+    fn end(&mut self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.event.split());
+    }
 }
 
 /// A whole event of an answer, as a call that did not make it gets it:
@@ -377,5 +438,83 @@ fn readdressed_event<'a>(event: &'a [u8], id: &[u8], asks: bool) -> std::borrow:
     match jsonrpc::readdress_event(event, id) {
         Some(readdressed) => std::borrow::Cow::Owned(readdressed),
         None => std::borrow::Cow::Borrowed(event),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What goes out after each of `chunks`, and at the end, from an answer
+    /// readdressed to `7` for another session.
+    fn readdressed(chunks: &[&[u8]], most: usize) -> Vec<Vec<u8>> {
+        let (mut blocks, mut readdress) = (
+            Blocks::default(),
+            Readdress::new(b"7".to_vec(), false, most),
+        );
+        let mut outs: Vec<Vec<u8>> = chunks
+            .iter()
+            .map(|chunk| {
+                let mut out = Vec::new();
+                readdress.take(blocks.push(chunk), &mut out);
+                out
+            })
+            .collect();
+        let mut out = Vec::new();
+        readdress.take(blocks.finish(), &mut out);
+        readdress.end(&mut out);
+        outs.push(out);
+        outs
+    }
+
+    const ANSWER: &[u8] = b"data: {\"method\": \"notifications/progress\"}\n\n\
+        data: {\"id\": 3,\ndata:  \"method\": \"elicitation/create\"}\n\n\
+        event: message\ndata: {\"id\": 1,\nid: e9\ndata:  \"result\": {}}\n\n";
+
+    /// Byte by byte, each event is read whole: the question left out, the
+    /// response readdressed where its id stands, every other byte as it
+    /// came.
+    #[test]
+    fn an_answer_cut_anywhere_is_read_by_whole_events() {
+        let bytes: Vec<&[u8]> = ANSWER.chunks(1).collect();
+        let out = readdressed(&bytes, HELD_EVENT).concat();
+        let expected = b"data: {\"method\": \"notifications/progress\"}\n\n\
+            event: message\ndata: {\"id\": 7,\nid: e9\ndata:  \"result\": {}}\n\n";
+        assert_eq!(
+            String::from_utf8_lossy(&out),
+            String::from_utf8_lossy(expected)
+        );
+    }
+
+    /// A heartbeat after an event whose CRLF was cut before its LF goes
+    /// out at once, not with the next event.
+    #[test]
+    fn a_heartbeat_after_a_cut_line_end_is_not_held() {
+        let chunks: [&[u8]; 3] = [
+            b"data: {\"id\": 1, \"result\": {}}\r\n\r",
+            b"\n",
+            b": ping\r\n\r\n",
+        ];
+        let outs = readdressed(&chunks, HELD_EVENT);
+        assert_eq!(outs[0], b"data: {\"id\": 7, \"result\": {}}\r\n\r");
+        assert_eq!(outs[1], b"\n");
+        assert_eq!(outs[2], b": ping\r\n\r\n");
+    }
+
+    /// An event longer than the most held goes on as it came, unread; the
+    /// next is read again.
+    #[test]
+    fn an_event_too_long_to_hold_passes_as_it_came() {
+        let long = format!(
+            "data: {{\"id\": 1,\ndata: \"result\": \"{}\"}}\n\n",
+            "x".repeat(100)
+        );
+        let chunks: Vec<&[u8]> = long.as_bytes().chunks(8).chain([ANSWER]).collect();
+        let out = readdressed(&chunks, 64).concat();
+        let expected = format!(
+            "{long}data: {{\"method\": \"notifications/progress\"}}\n\n\
+             event: message\ndata: {{\"id\": 7,\nid: e9\ndata:  \"result\": {{}}}}\n\n"
+        );
+        assert_eq!(String::from_utf8_lossy(&out), expected);
     }
 }

@@ -262,7 +262,7 @@ async fn a_replay_never_asks_the_first_callers_questions(store: TestStore) {
 
 /// The same, from a server that writes each message's JSON over several
 /// `data:` lines (as a pretty-printing one does), the question and the
-/// response each over 16 KiB, so the replay's frames cut them: each event
+/// response each over 64 KiB, so the replay's frames cut them: each event
 /// is held whole and read as its client's parser joins it, so the
 /// question is still left out and the response still readdressed (before,
 /// both were passed as they came: the question asked again, the response
@@ -330,10 +330,12 @@ async fn asks_once(store: TestStore, lines: Lines) {
     assert_eq!(upstream.hits(), 1);
 }
 
-/// Thousands of values: pretty-printed, a message of thousands of lines,
-/// over 16 KiB, so a replay's frames cut its event (`replay/mod.rs`).
+/// Twenty thousand values: a message over 64 KiB on one line (given out
+/// in parts as it comes, as any line that long), and of thousands of
+/// lines pretty-printed; either way a replay's 16 KiB frames cut its
+/// event (`replay/mod.rs`).
 fn long() -> Value {
-    json!((0..3000).collect::<Vec<u32>>())
+    json!((0..20_000).collect::<Vec<u32>>())
 }
 
 /// The tool's result.
