@@ -332,22 +332,27 @@ fn readdressed_events(body: Body, id: Vec<u8>, asks: bool) -> Body {
     let frames = futures_util::stream::unfold(state, |(stream, mut blocks, mut readdress)| async {
         let mut stream = stream?;
         let mut out = Vec::new();
-        let stream = match stream.next().await {
-            Some(Ok(chunk)) => {
-                readdress.take(blocks.push(&chunk), &mut out);
-                Some(stream)
+        // A chunk that only adds to an event held gives out no frame.
+        loop {
+            match stream.next().await {
+                Some(Ok(chunk)) => {
+                    readdress.take(blocks.push(&chunk), &mut out);
+                    if !out.is_empty() {
+                        let frame = Frame::data(Bytes::from(out));
+                        return Some((Ok(frame), (Some(stream), blocks, readdress)));
+                    }
+                }
+                // What is held is dropped: a client discards an event the
+                // stream never ended.
+                Some(Err(e)) => return Some((Err(e), (None, blocks, readdress))),
+                None => {
+                    readdress.take(blocks.finish(), &mut out);
+                    readdress.end(&mut out);
+                    let frame = Frame::data(Bytes::from(out));
+                    return Some((Ok(frame), (None, blocks, readdress)));
+                }
             }
-            Some(Err(e)) => return Some((Err(e), (None, blocks, readdress))),
-            None => {
-                readdress.take(blocks.finish(), &mut out);
-                readdress.end(&mut out);
-                None
-            }
-        };
-        Some((
-            Ok(Frame::data(Bytes::from(out))),
-            (stream, blocks, readdress),
-        ))
+        }
     });
     BodyExt::boxed(StreamBody::new(frames))
 }

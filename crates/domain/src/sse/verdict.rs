@@ -280,6 +280,10 @@ mod tests {
         };
         let ran = [
             "event: response.mcp_call.in_progress\ndata: {\"type\":\"response.mcp_call.in_progress\"}\n\n".to_owned(),
+            // From its earliest sign, the model still writing its arguments.
+            "event: response.mcp_call.in_progress\ndata: {}\n\n\
+             event: response.mcp_call_arguments.delta\ndata: {\"delta\":\"{\"}\n\n"
+                .to_owned(),
             "data: {\"type\":\"response.web_search_call.searching\"}\n\n".to_owned(),
             "event: response.code_interpreter_call.interpreting\ndata: {}\n\n".to_owned(),
             format!("{}{}", block("content_block_start", 1, "mcp_tool_use"), stop(1)),

@@ -28,7 +28,7 @@ use super::call::{Call, Clock, Relayed, Watched};
 use super::ends::Ends;
 use super::reconcile::Reconciler;
 use super::reconnect::{self, Reconnect};
-use super::verdict::{classify_reporting, judge_stream, StreamOutcome, Verdict};
+use super::verdict::{classify_reporting, judge_stream, InBand, StreamOutcome, Verdict};
 use super::{Reply, Runner, UpstreamService, PATIENCE};
 use crate::error::GatewayError;
 use crate::keyed::Intent;
@@ -494,8 +494,8 @@ impl Task {
     /// has in [`Task::settle_stream`].
     fn classify(&self, result: Result<Fetched, UpstreamError>) -> Verdict {
         let (verdict, in_band) = classify_reporting(result, &self.route, self.call.as_deref());
-        if let Some((kind, retryable)) = in_band {
-            self.count_stream_error(&kind, retryable);
+        if let Some(error) = in_band {
+            self.count_stream_error(&error);
         }
         verdict
     }
@@ -503,7 +503,12 @@ impl Task {
     /// Counts an error a stream reported in band
     /// (`idemgate_stream_errors_total`), its type as a label only when it
     /// is spelled like one (it is the upstream's text).
-    fn count_stream_error(&self, kind: &str, retryable: bool) {
+    fn count_stream_error(&self, error: &InBand) {
+        let InBand {
+            kind,
+            retryable,
+            after_a_tool,
+        } = error;
         let plain = kind.len() <= 64
             && kind
                 .bytes()
@@ -518,10 +523,15 @@ impl Task {
             "route" => self.route.name.clone(),
             "upstream" => self.attempt.upstream.clone(),
             "type" => label,
-            "retryable" => if retryable { "true" } else { "false" },
+            "retryable" => if *retryable { "true" } else { "false" },
         )
         .increment(1);
-        tracing::info!(attempt = %self.attempt.id, r#type = kind, retryable, "the stream reported an error in band");
+        // Why a type the route lists was not retried: the tool would run
+        // again (docs/design.md §10, "A tool the provider ran").
+        tracing::info!(
+            attempt = %self.attempt.id, r#type = kind, retryable, after_a_tool,
+            "the stream reported an error in band"
+        );
     }
 
     /// A whole stream: what it says of itself read first (an error in
@@ -533,8 +543,8 @@ impl Task {
         // The whole answer, copied out of the chunks for the commit.
         self.charge.add(stored.body.len());
         let judged = judge_stream(&self.route, &stored, self.call.as_deref());
-        if let Some((kind, retryable)) = &judged.error {
-            self.count_stream_error(kind, *retryable);
+        if let Some(error) = &judged.error {
+            self.count_stream_error(error);
         }
         match judged.outcome {
             StreamOutcome::Commit => {}

@@ -167,9 +167,17 @@ pub(super) struct Judged {
     pub(super) error: Option<InBand>,
 }
 
-/// An error a stream reported in band: its type (the upstream's text), and
-/// whether the route retries it.
-pub(super) type InBand = (String, bool);
+/// An error a stream reported in band.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct InBand {
+    /// Its type (the upstream's text).
+    pub(super) kind: String,
+    /// Whether the route retries it.
+    pub(super) retryable: bool,
+    /// Whether it came after a tool the provider ran, which keeps a type
+    /// the route lists from being retried.
+    pub(super) after_a_tool: bool,
+}
 
 /// The outcome of a [`Judged`] stream.
 #[derive(Debug)]
@@ -191,8 +199,9 @@ pub(super) fn judge_stream(route: &Route, stored: &StoredResponse, call: Option<
     let status = stored.status;
     let (outcome, error) = match ended(route, stored, call) {
         Ended::Whole => (None, None),
-        Ended::Error { kind, retryable } => {
-            let outcome = retryable.then(|| {
+        Ended::Error(error) => {
+            let InBand { kind, .. } = &error;
+            let outcome = error.retryable.then(|| {
                 StreamOutcome::NoEffect(AttemptFailure::Failed {
                     status: Some(status),
                     detail: format!(
@@ -203,10 +212,7 @@ pub(super) fn judge_stream(route: &Route, stored: &StoredResponse, call: Option<
             });
             // Any other is the upstream's own verdict, like a `4xx`: never
             // checked against the contract.
-            (
-                Some(outcome.unwrap_or(StreamOutcome::Commit)),
-                Some((kind, retryable)),
-            )
+            (Some(outcome.unwrap_or(StreamOutcome::Commit)), Some(error))
         }
         Ended::Unknown(detail) => (Some(StreamOutcome::Unknown(detail)), None),
         Ended::Refused(detail) => {
@@ -364,12 +370,7 @@ pub(super) enum Ended {
     /// retries had no effect (nothing is committed, the job reopens); any
     /// other is the answer, committed as the upstream's own verdict (like
     /// a `400`, never checked against the contract).
-    Error {
-        /// The error's type (`/error/type`, else `/error/code`).
-        kind: String,
-        /// Whether the route retries it.
-        retryable: bool,
-    },
+    Error(InBand),
     /// It carries no answer to keep, though it may have acted: it
     /// stopped short (none of the route's end events came last), or, on
     /// an MCP route, it holds no response to the call, or `-32800` (why).
@@ -395,11 +396,12 @@ pub(super) fn ended(route: &Route, stored: &StoredResponse, call: Option<&[u8]>)
         // Its code is its type.
         Some(ToCall::Answered(jsonrpc::Answer::Error(code))) => {
             let kind = code.map_or_else(|| "unknown".to_owned(), |c| c.to_string());
-            return Ended::Error {
+            return Ended::Error(InBand {
                 retryable: errors.is_retryable(&kind)
                     || code.is_some_and(|c| rpc_code_retryable(route, c)),
                 kind,
-            };
+                after_a_tool: false,
+            });
         }
         Some(ToCall::Refused) => {
             return Ended::Refused(format!(
@@ -426,12 +428,13 @@ pub(super) fn ended(route: &Route, stored: &StoredResponse, call: Option<&[u8]>)
         // tool again: whatever its type, the error is the answer, unless
         // the operator says the route has no effects to repeat
         // (docs/design.md §10, "A tool the provider ran").
-        Said::Error { kind, after_a_tool } => Ended::Error {
+        Said::Error { kind, after_a_tool } => Ended::Error(InBand {
             retryable: (!after_a_tool || route.side_effect_free)
                 && (errors.is_retryable(&kind)
                     || kind.parse().is_ok_and(|c| rpc_code_retryable(route, c))),
             kind,
-        },
+            after_a_tool,
+        }),
     }
 }
 

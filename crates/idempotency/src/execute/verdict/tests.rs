@@ -234,18 +234,20 @@ fn an_mcp_stream_is_whole_only_with_the_calls_response() {
     let retryable = answered(r#"{"jsonrpc":"2.0","id":7,"error":{"code":-32603}}"#);
     assert_eq!(
         ended(&route, &stored(200, &retryable), call),
-        Ended::Error {
+        Ended::Error(InBand {
             kind: "-32603".into(),
-            retryable: true
-        }
+            retryable: true,
+            after_a_tool: false,
+        })
     );
     let tools = answered(r#"{"jsonrpc":"2.0","id":7,"error":{"code":-32602}}"#);
     assert_eq!(
         ended(&route, &stored(200, &tools), call),
-        Ended::Error {
+        Ended::Error(InBand {
             kind: "-32602".into(),
-            retryable: false
-        }
+            retryable: false,
+            after_a_tool: false,
+        })
     );
     assert!(matches!(
         ended(&route, &stored(404, progress), call),
@@ -272,17 +274,19 @@ fn an_error_after_a_tool_the_provider_ran_is_retried_only_without_effects() {
     let kind = "server_error".to_owned();
     assert_eq!(
         ended(&plain(), &stored, None),
-        Ended::Error {
+        Ended::Error(InBand {
             kind: kind.clone(),
-            retryable: false
-        }
+            retryable: false,
+            after_a_tool: true,
+        })
     );
     let free = testing::route(&["http://a:1"], |r| r.side_effect_free = true);
     assert_eq!(
         ended(&free, &stored, None),
-        Ended::Error {
+        Ended::Error(InBand {
             kind,
-            retryable: true
-        }
+            retryable: true,
+            after_a_tool: true,
+        })
     );
 }
