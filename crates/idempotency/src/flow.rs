@@ -77,8 +77,17 @@ pub(crate) fn run(
     };
     async move {
         let mut job_id = None;
+        let rpc_id = flow.driver.request.rpc_id.clone();
+        let mut readdress = rpc_id.clone();
         let result = match (flow.decide(&mut job_id).await, &flow.driver.request.resume) {
             (Ok(replay), Some(point)) => {
+                // A tool call's answer is resumed as its caller got it:
+                // readdressed, with the questions of another session left
+                // out, so that a count of events received counts those.
+                let replay = match readdress.take() {
+                    Some(id) => flow.readdressed(replay, id),
+                    None => replay,
+                };
                 let retry_after = flow.driver.shared.config.retry_after;
                 // Boxed, as every step a held duplicate never waits in
                 // (`Flow::decide`).
@@ -88,7 +97,6 @@ pub(crate) fn run(
             }
             (result, _) => result,
         };
-        let rpc_id = flow.driver.request.rpc_id.clone();
         let response = result.unwrap_or_else(|e| {
             metrics::counter!("idemgate_requests_refused_total", "problem" => e.metric_label())
                 .increment(1);
@@ -104,14 +112,9 @@ pub(crate) fn run(
             }
             response
         });
-        // A tool call's answer made by another call's attempt is its own,
-        // in its own session.
-        let response = match rpc_id {
-            Some(id) if response.headers().contains_key(IDEMPOTENT_REPLAYED) => {
-                let session = flow.driver.request.parts.headers.get(MCP_SESSION_ID);
-                crate::mcp::readdressed(response, id, session.cloned())
-            }
-            _ => response,
+        let response = match readdress {
+            Some(id) => flow.readdressed(response, id),
+            None => response,
         };
         // Whatever the request holds stays counted until its answer is sent.
         let charge = flow.driver.request.charge.clone();
@@ -137,6 +140,17 @@ fn finish(mut response: Response<Body>, job_id: Option<JobId>) -> Response<Body>
 }
 
 impl Flow {
+    /// A tool call's answer made by another call's attempt, as its own, in
+    /// its own session (`docs/design.md` §19, "The answer"); any other
+    /// answer as it is.
+    fn readdressed(&self, response: Response<Body>, id: Vec<u8>) -> Response<Body> {
+        if !response.headers().contains_key(IDEMPOTENT_REPLAYED) {
+            return response;
+        }
+        let session = self.driver.request.parts.headers.get(MCP_SESSION_ID);
+        crate::mcp::readdressed(response, id, session.cloned())
+    }
+
     async fn decide(&self, job_id: &mut Option<JobId>) -> Result<Response<Body>, GatewayError> {
         let replays = &self.driver.shared.replays;
         if let Some((job, response)) = replays.in_memory(&self.driver.request) {

@@ -330,6 +330,54 @@ async fn asks_once(store: TestStore, lines: Lines) {
     assert_eq!(upstream.hits(), 1);
 }
 
+/// A retry in another session that lost its stream after two events
+/// resumes after the two events it got, not after two of the stored
+/// stream: the server's question, never sent to it, is not counted. Before,
+/// the count went over the question, and the retry got its second
+/// notification again.
+async fn a_resumed_replay_counts_the_events_its_caller_got(store: TestStore) {
+    let upstream = crate::support::FakeUpstream::start(|r| async move {
+        let call: Value = serde_json::from_slice(&r.body).unwrap();
+        let progress = |n: u32| {
+            json!({"jsonrpc": "2.0", "method": "notifications/progress",
+                   "params": {"progressToken": call["id"], "progress": n}})
+        };
+        let messages = [
+            progress(1),
+            json!({"jsonrpc": "2.0", "id": 7, "method": "elicitation/create",
+                   "params": {"message": "Really charge 5000?", "requestedSchema": {}}}),
+            progress(2),
+            json!({"jsonrpc": "2.0", "id": call["id"], "result": charged()}),
+        ];
+        events_in_s1(messages.iter().map(|m| format!("data: {m}\n\n")).collect())
+    })
+    .await;
+    let gateway = gateway_on(&store, &upstream).await;
+    let call = |id| {
+        tool_call(
+            json!(id),
+            "charge",
+            json!({"amount": 5000}),
+            Some("resume-1"),
+        )
+    };
+    let first = post(&gateway, &call(1), "s1").await;
+    assert_eq!(messages(&first).len(), 4);
+    let headers = [
+        ("content-type", "application/json"),
+        ("accept", "application/json, text/event-stream"),
+        ("mcp-session-id", "s2"),
+        ("idempotency-events-received", "2"),
+    ];
+    let url = gateway.path("/mcp");
+    let resumed = send(Method::POST, &url, &headers, call(2).to_string()).await;
+    assert_eq!(resumed.header("idempotent-replayed"), Some("true"));
+    let got = messages(&resumed);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(response(&resumed)["id"], 2);
+    assert_eq!(upstream.hits(), 1);
+}
+
 /// Twenty thousand values: a message over 64 KiB on one line (given out
 /// in parts as it comes, as any line that long), and of thousands of
 /// lines pretty-printed; either way a replay's 16 KiB frames cut its
@@ -772,6 +820,7 @@ crate::on_each_deployment!(
     a_new_session_gets_the_answer_of_the_old_one,
     a_replay_never_asks_the_first_callers_questions,
     a_replay_of_messages_written_over_several_lines_asks_nothing,
+    a_resumed_replay_counts_the_events_its_caller_got,
     a_stream_closed_before_its_response_is_taken_up_again,
     a_keyed_batch_is_refused_and_an_error_answer_is_the_tools,
     a_message_whose_parse_outgrows_the_budget_is_refused,
