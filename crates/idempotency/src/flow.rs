@@ -78,16 +78,14 @@ pub(crate) fn run(
     async move {
         let mut job_id = None;
         let rpc_id = flow.driver.request.rpc_id.clone();
+        // A tool call's id, until its answer is readdressed to it.
         let mut readdress = rpc_id.clone();
         let result = match (flow.decide(&mut job_id).await, &flow.driver.request.resume) {
             (Ok(replay), Some(point)) => {
                 // A tool call's answer is resumed as its caller got it:
                 // readdressed, with the questions of another session left
                 // out, so that a count of events received counts those.
-                let replay = match readdress.take() {
-                    Some(id) => flow.readdressed(replay, id),
-                    None => replay,
-                };
+                let replay = flow.readdressed(replay, readdress.take());
                 let retry_after = flow.driver.shared.config.retry_after;
                 // Boxed, as every step a held duplicate never waits in
                 // (`Flow::decide`).
@@ -112,10 +110,7 @@ pub(crate) fn run(
             }
             response
         });
-        let response = match readdress {
-            Some(id) => flow.readdressed(response, id),
-            None => response,
-        };
+        let response = flow.readdressed(response, readdress);
         // Whatever the request holds stays counted until its answer is sent.
         let charge = flow.driver.request.charge.clone();
         finish(response, job_id).map(|body| until_sent(body, charge))
@@ -140,13 +135,13 @@ fn finish(mut response: Response<Body>, job_id: Option<JobId>) -> Response<Body>
 }
 
 impl Flow {
-    /// A tool call's answer made by another call's attempt, as its own, in
-    /// its own session (`docs/design.md` §19, "The answer"); any other
-    /// answer as it is.
-    fn readdressed(&self, response: Response<Body>, id: Vec<u8>) -> Response<Body> {
-        if !response.headers().contains_key(IDEMPOTENT_REPLAYED) {
+    /// An answer of the tool call `id` made by another call's attempt, as
+    /// its own, in its own session (`docs/design.md` §19, "The answer");
+    /// any other answer as it is.
+    fn readdressed(&self, response: Response<Body>, id: Option<Vec<u8>>) -> Response<Body> {
+        let Some(id) = id.filter(|_| response.headers().contains_key(IDEMPOTENT_REPLAYED)) else {
             return response;
-        }
+        };
         let session = self.driver.request.parts.headers.get(MCP_SESSION_ID);
         crate::mcp::readdressed(response, id, session.cloned())
     }
