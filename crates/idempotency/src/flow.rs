@@ -78,14 +78,8 @@ pub(crate) fn run(
     async move {
         let mut job_id = None;
         let rpc_id = flow.driver.request.rpc_id.clone();
-        // A tool call's id, until its answer is readdressed to it.
-        let mut readdress = rpc_id.clone();
         let result = match (flow.decide(&mut job_id).await, &flow.driver.request.resume) {
             (Ok(replay), Some(point)) => {
-                // A tool call's answer is resumed as its caller got it:
-                // readdressed, with the questions of another session left
-                // out, so that a count of events received counts those.
-                let replay = flow.readdressed(replay, readdress.take());
                 let retry_after = flow.driver.shared.config.retry_after;
                 // Boxed, as every step a held duplicate never waits in
                 // (`Flow::decide`).
@@ -110,7 +104,10 @@ pub(crate) fn run(
             }
             response
         });
-        let response = flow.readdressed(response, readdress);
+        // Cut first, if resumed: a resume point is a point of the stored
+        // stream, which its caller may have been sent whole (docs/design.md
+        // §10, "Resume").
+        let response = flow.readdressed(response, rpc_id);
         // Whatever the request holds stays counted until its answer is sent.
         let charge = flow.driver.request.charge.clone();
         finish(response, job_id).map(|body| until_sent(body, charge))

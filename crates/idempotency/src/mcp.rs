@@ -296,10 +296,14 @@ pub(crate) fn readdressed(
     if let Some(session) = session {
         parts.headers.insert(MCP_SESSION_ID, session);
     }
-    let streams = parts
-        .headers
-        .get(header::CONTENT_TYPE)
-        .is_some_and(|t| t.as_bytes().starts_with(b"text/event-stream"));
+    let named = |name| parts.headers.get(name).map(HeaderValue::as_bytes);
+    let (kind, coding) = (named(header::CONTENT_TYPE), named(header::CONTENT_ENCODING));
+    if coding.is_some_and(|c| !c.trim_ascii().eq_ignore_ascii_case(b"identity")) {
+        // Compressed (keyed calls ask for it plain, so only a server that
+        // ignores that sends one): no id can be read in it.
+        return Response::from_parts(parts, body);
+    }
+    let streams = idemgate_domain::sse::is_event_stream(kind, coding);
     // Written anew: the length may change with the id.
     parts.headers.remove(header::CONTENT_LENGTH);
     let body = if streams {
