@@ -129,14 +129,15 @@ async fn with_the_access_log_off_no_line_is_written_and_the_variable_turns_it_on
     assert!(printed.contains("access_log = off"), "{printed}");
 
     let log = tempfile::NamedTempFile::new().unwrap();
-    let gateway = builder.clone().stderr_to(log.path()).start().await;
+    let mut gateway = builder.clone().stderr_to(log.path()).start().await;
     let keyed = post(&gateway.path("/v1/charges"), "off-1", "{}").await;
     assert_eq!(keyed.status, 200);
     let passed = send(Method::GET, &gateway.path("/v1/charges"), &[], "").await;
     assert_eq!(passed.status, 200);
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(access_lines(log.path()), Vec::<Value>::new());
-    drop(gateway);
+    // Gone before the next starts: the embedded store serves one process.
+    gateway.kill().await;
 
     // The variable wins over the file, as every flag's twin does.
     let log = tempfile::NamedTempFile::new().unwrap();
@@ -163,7 +164,7 @@ async fn the_text_line_reads_as_the_logs_others_and_its_filter_silences_it() {
         .set("access_log", "true");
 
     let log = tempfile::NamedTempFile::new().unwrap();
-    let gateway = builder
+    let mut gateway = builder
         .clone()
         .env("RUST_LOG", "info")
         .stderr_to(log.path())
@@ -204,7 +205,8 @@ async fn the_text_line_reads_as_the_logs_others_and_its_filter_silences_it() {
         )),
         "{line}"
     );
-    drop(gateway);
+    // Gone before the next starts: the embedded store serves one process.
+    gateway.kill().await;
 
     // Filtered out by its target, while the rest of `info` is written.
     let log = tempfile::NamedTempFile::new().unwrap();
