@@ -176,9 +176,10 @@ pub fn readdress_event(event: &[u8], id: &[u8]) -> Option<Vec<u8>> {
     Some(out)
 }
 
-/// `id` written on one line: a request's id as its client wrote it, unless
-/// that spans lines (an object or an array with line feeds between its
-/// members), which in an event would end its `data:` line early.
+/// `id` written on one line: a request's id as its client wrote it
+/// (JSON, as the request was read), unless that spans lines (an object or
+/// an array with line feeds between its members), which in an event would
+/// end its `data:` line early.
 fn one_line(id: &[u8]) -> std::borrow::Cow<'_, [u8]> {
     if !id.iter().any(|b| matches!(b, b'\r' | b'\n')) {
         return std::borrow::Cow::Borrowed(id);
@@ -186,12 +187,7 @@ fn one_line(id: &[u8]) -> std::borrow::Cow<'_, [u8]> {
     let compact = serde_json::from_slice::<Value>(id)
         .ok()
         .and_then(|value| serde_json::to_vec(&value).ok());
-    // Not JSON at all: its line ends written as JSON whitespace can't be.
-    std::borrow::Cow::Owned(compact.unwrap_or_else(|| {
-        id.iter()
-            .map(|b| if matches!(b, b'\r' | b'\n') { b' ' } else { *b })
-            .collect()
-    }))
+    compact.map_or(std::borrow::Cow::Borrowed(id), std::borrow::Cow::Owned)
 }
 
 /// The lines of an event, each with its end, which is CRLF, LF or a lone
@@ -277,16 +273,6 @@ pub fn is_request_event(event: &[u8]) -> bool {
             let has = |key: &str| members.iter().any(|(name, _)| name == key);
             has("id") && has("method")
         })
-}
-
-/// Whether `message` is a JSON-RPC response (it has an `id` and a `result`
-/// or an `error`), as opposed to a request or a notification.
-pub fn is_response(message: &[u8]) -> bool {
-    let Some(members) = members(message) else {
-        return false;
-    };
-    let has = |key: &str| members.iter().any(|(name, _)| name == key);
-    has("id") && (has("result") || has("error"))
 }
 
 /// What a JSON-RPC response to a request says: a result, or an error.
@@ -512,10 +498,6 @@ mod tests {
             readdressed,
             br#"{"result":{"content":[{"type":"text","text":"id: 7"}],"isError":false},"jsonrpc":"2.0","id": "req-9" }"#
         );
-        assert!(is_response(answer));
-        assert!(!is_response(
-            br#"{"jsonrpc":"2.0","method":"notifications/progress","params":{}}"#
-        ));
         assert_eq!(with_id(b"[1]", b"2"), None);
         assert_eq!(with_id(b"{\"result\":1}", b"2"), None);
     }

@@ -30,11 +30,15 @@ pub fn is_event_stream(content_type: Option<&[u8]>, content_encoding: Option<&[u
     let essence = content_type
         .and_then(|t| t.split(|b| *b == b';').next())
         .unwrap_or_default();
-    let plain = content_encoding.is_none_or(|e| e.trim_ascii().eq_ignore_ascii_case(b"identity"));
-    plain
+    is_plain(content_encoding)
         && essence
             .trim_ascii()
             .eq_ignore_ascii_case(b"text/event-stream")
+}
+
+/// Whether an answer with this `Content-Encoding` is not compressed.
+pub fn is_plain(content_encoding: Option<&[u8]>) -> bool {
+    content_encoding.is_none_or(|e| e.trim_ascii().eq_ignore_ascii_case(b"identity"))
 }
 
 /// What a block of the stream is.

@@ -27,7 +27,7 @@ use idemgate_domain::fingerprint::{
 };
 use idemgate_domain::jsonrpc::{self, ToolCall};
 use idemgate_domain::key::IdempotencyKey;
-use idemgate_domain::sse::{Block, Blocks, Kind};
+use idemgate_domain::sse::{self, Block, Blocks, Kind};
 use idemgate_proxy::http::{detach_head, full, Body, BodyError};
 use idemgate_proxy::upstream::Target;
 
@@ -296,14 +296,13 @@ pub(crate) fn readdressed(
     if let Some(session) = session {
         parts.headers.insert(MCP_SESSION_ID, session);
     }
-    let named = |name| parts.headers.get(name).map(HeaderValue::as_bytes);
-    let (kind, coding) = (named(header::CONTENT_TYPE), named(header::CONTENT_ENCODING));
-    if coding.is_some_and(|c| !c.trim_ascii().eq_ignore_ascii_case(b"identity")) {
+    let coding = parts.headers.get(header::CONTENT_ENCODING);
+    if !sse::is_plain(coding.map(HeaderValue::as_bytes)) {
         // Compressed (keyed calls ask for it plain, so only a server that
         // ignores that sends one): no id can be read in it.
         return Response::from_parts(parts, body);
     }
-    let streams = idemgate_domain::sse::is_event_stream(kind, coding);
+    let streams = crate::recording::is_event_stream_head(&parts.headers);
     // Written anew: the length may change with the id.
     parts.headers.remove(header::CONTENT_LENGTH);
     let body = if streams {

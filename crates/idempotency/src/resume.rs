@@ -19,7 +19,8 @@ use http_body::Frame;
 use http_body_util::{BodyExt, BodyStream, StreamBody};
 
 use crate::error::ClientError;
-use idemgate_domain::sse::{self, ResumePoint, Skip, Skipped};
+use crate::recording::is_event_stream_head;
+use idemgate_domain::sse::{ResumePoint, Skip, Skipped};
 use idemgate_proxy::http::{Body, BodyError, EVENTS_SKIPPED};
 
 /// The part of `replay` (an answer of the job, replayed or joined) after
@@ -31,7 +32,7 @@ pub(crate) async fn resume(
     point: &ResumePoint,
     retry_after: Duration,
 ) -> Result<Response<Body>, ClientError> {
-    if !is_event_stream(replay.headers()) {
+    if !is_event_stream_head(replay.headers()) {
         return Err(unsatisfiable(
             "the job's answer is not an event stream (or is a compressed one), so there is \
              nothing to resume; send the request without Last-Event-ID or \
@@ -120,13 +121,4 @@ fn unsatisfiable(why: &str, events: Option<usize>) -> ClientError {
         why: why.to_owned(),
         events,
     }
-}
-
-/// Whether an answer is an uncompressed server-sent event stream.
-fn is_event_stream(headers: &http::HeaderMap) -> bool {
-    let header = |name| headers.get(name).map(http::HeaderValue::as_bytes);
-    sse::is_event_stream(
-        header(http::header::CONTENT_TYPE),
-        header(http::header::CONTENT_ENCODING),
-    )
 }

@@ -59,10 +59,7 @@ impl Reconnect {
         request.headers_mut().insert("last-event-id", id);
         let call = self.upstream.clone().oneshot(request);
         let response: Response<Body> = tokio::time::timeout(patience, call).await.ok()?.ok()?;
-        let streams = response
-            .headers()
-            .get(header::CONTENT_TYPE)
-            .is_some_and(|t| t.as_bytes().starts_with(b"text/event-stream"));
+        let streams = crate::recording::is_event_stream_head(response.headers());
         (response.status().is_success() && streams).then(|| response.into_body())
     }
 }

@@ -341,6 +341,15 @@ pub(crate) fn is_event_stream(headers: &[(String, Bytes)]) -> bool {
     idemgate_domain::sse::is_event_stream(header("content-type"), header("content-encoding"))
 }
 
+/// The same, of a response's head.
+pub(crate) fn is_event_stream_head(headers: &http::HeaderMap) -> bool {
+    let header = |name| headers.get(name).map(http::HeaderValue::as_bytes);
+    idemgate_domain::sse::is_event_stream(
+        header(http::header::CONTENT_TYPE),
+        header(http::header::CONTENT_ENCODING),
+    )
+}
+
 impl Drop for Recording {
     fn drop(&mut self) {
         // A recording dropped while live (its task died) counts as cut.
