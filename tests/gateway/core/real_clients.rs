@@ -444,6 +444,72 @@ async fn the_openai_sdk_retrying_a_file_upload_is_the_same_request() {
     );
 }
 
+/// The official `openai` SDK streaming a Responses API call whose
+/// provider ran a remote MCP tool, then failed with a transient
+/// `server_error`: the SDK yields the events as sent, and the app's next
+/// run with the key gets them replayed, the tool's call not run again
+/// (`docs/design.md` §10, "A tool the provider ran"). Before, the error's
+/// type made the retry run the call, and the tool, a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_sdk_streaming_a_failure_after_a_tool_ran_runs_it_once() {
+    let python = tokio::task::spawn_blocking(python_with_openai)
+        .await
+        .unwrap();
+    let store = TestStore::postgres().await;
+    let upstream = crate::support::FakeUpstream::start(|_| async move {
+        let event =
+            |name: &str, data: serde_json::Value| format!("event: {name}\ndata: {data}\n\n");
+        let body = [
+            event(
+                "response.created",
+                serde_json::json!({"type": "response.created",
+                "sequence_number": 0, "response": {"id": "resp_1", "status": "in_progress"}}),
+            ),
+            event(
+                "response.mcp_call.in_progress",
+                serde_json::json!({
+                "type": "response.mcp_call.in_progress", "sequence_number": 1,
+                "item_id": "mcp_1", "output_index": 0}),
+            ),
+            event(
+                "response.mcp_call.completed",
+                serde_json::json!({
+                "type": "response.mcp_call.completed", "sequence_number": 2,
+                "item_id": "mcp_1", "output_index": 0}),
+            ),
+            event(
+                "response.failed",
+                serde_json::json!({"type": "response.failed",
+                "sequence_number": 3, "response": {"id": "resp_1", "status": "failed",
+                "error": {"code": "server_error", "message": "boom"}}}),
+            ),
+        ]
+        .concat();
+        http::Response::builder()
+            .header("content-type", "text/event-stream")
+            .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+            .unwrap()
+    })
+    .await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    let base_url = gateway.path("/v1");
+    let runs = script_twice(&python, "openai_responses_tool.py", &base_url, "tool-1").await;
+    let types = serde_json::json!([
+        "response.created",
+        "response.mcp_call.in_progress",
+        "response.mcp_call.completed",
+        "response.failed"
+    ]);
+    for seen in runs {
+        assert_eq!(seen["types"], types, "{seen}");
+    }
+    assert_eq!(
+        upstream.hits(),
+        1,
+        "the tool's call run once, then replayed"
+    );
+}
+
 /// Runs `tests/clients/<script>` with `python` twice, against `base_url`
 /// with the key `key`: the JSON it printed each time.
 async fn script_twice(
