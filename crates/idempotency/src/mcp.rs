@@ -274,6 +274,19 @@ const CANONICAL: BodyRule = BodyRule {
 pub(crate) const MCP_SESSION_ID: header::HeaderName =
     header::HeaderName::from_static("mcp-session-id");
 
+/// Names on a tool call's answer the session the call was made in
+/// (`asked_in`, its `Mcp-Session-Id`), when its server named none: the
+/// transport asks a server to name the session only where it sets one up,
+/// and the stored answer must still say which session its server's
+/// questions asked, so that a retry in that session gets them
+/// ([`readdressed`]). A session the server named is kept. The client whose
+/// call it is reads the session it sent.
+pub(crate) fn name_session(answer: &mut http::HeaderMap, asked_in: Option<HeaderValue>) {
+    if let Some(session) = asked_in {
+        answer.entry(MCP_SESSION_ID).or_insert(session);
+    }
+}
+
 /// `response`, which another request's attempt made, addressed to `id`:
 /// the JSON-RPC response in a JSON body, or the response event of an event
 /// stream, readdressed as it comes; the server's requests to the client

@@ -271,11 +271,22 @@ async fn a_replay_of_messages_written_over_several_lines_asks_nothing(store: Tes
     asks_once(store, Lines::Several).await
 }
 
-/// How a scripted server writes a message's JSON in its event.
+/// The same, from a server that names the session only where it sets one
+/// up, as the transport allows: the answer is stored with the session the
+/// call asked in, so a retry in that session is still asked (before, it
+/// was taken for another session's, and its client never saw the question
+/// its server waited on).
+async fn a_retry_in_the_calls_session_is_asked_though_its_server_named_none(store: TestStore) {
+    asks_once(store, Lines::Unnamed).await
+}
+
+/// How a scripted server writes its answer.
 #[derive(Clone, Copy)]
 enum Lines {
     One,
     Several,
+    /// On one line, the answer naming no session.
+    Unnamed,
 }
 
 async fn asks_once(store: TestStore, lines: Lines) {
@@ -290,14 +301,18 @@ async fn asks_once(store: TestStore, lines: Lines) {
             json!({"jsonrpc": "2.0", "id": call["id"], "result": charged()}),
         ];
         let json = |m: &Value| match lines {
-            Lines::One => m.to_string(),
+            Lines::One | Lines::Unnamed => m.to_string(),
             Lines::Several => serde_json::to_string_pretty(m).unwrap(),
         };
         let event = |m: &Value| {
             let data: Vec<String> = json(m).lines().map(|l| format!("data: {l}\n")).collect();
             format!("{}\n", data.concat())
         };
-        events_in_s1(messages.iter().map(event).collect())
+        let mut answer = events_in_s1(messages.iter().map(event).collect());
+        if let Lines::Unnamed = lines {
+            answer.headers_mut().remove("mcp-session-id");
+        }
+        answer
     })
     .await;
     let gateway = gateway_on(&store, &upstream).await;
@@ -316,6 +331,7 @@ async fn asks_once(store: TestStore, lines: Lines) {
     let again = post(&gateway, &call(2), "s2").await;
     assert_eq!(again.header("idempotent-replayed"), Some("true"));
     assert_eq!(methods(&again), ["notifications/progress", "(response)"]);
+    assert_eq!(again.header("mcp-session-id"), Some("s2"));
     assert_eq!(response(&again)["id"], 2);
     assert_eq!(response(&again)["result"], charged());
     // A retry in the session the call ran in (its first connection lost)
@@ -326,6 +342,7 @@ async fn asks_once(store: TestStore, lines: Lines) {
         methods(&same),
         ["notifications/progress", "elicitation/create", "(response)"]
     );
+    assert_eq!(same.header("mcp-session-id"), Some("s1"));
     assert_eq!(response(&same)["id"], 3);
     assert_eq!(upstream.hits(), 1);
 }
@@ -827,6 +844,7 @@ crate::on_each_deployment!(
     a_new_session_gets_the_answer_of_the_old_one,
     a_replay_never_asks_the_first_callers_questions,
     a_replay_of_messages_written_over_several_lines_asks_nothing,
+    a_retry_in_the_calls_session_is_asked_though_its_server_named_none,
     a_resumed_tool_call_loses_no_event,
     a_stream_closed_before_its_response_is_taken_up_again,
     a_keyed_batch_is_refused_and_an_error_answer_is_the_tools,

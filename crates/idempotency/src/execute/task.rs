@@ -289,6 +289,10 @@ impl Task {
     ) -> Call {
         use tower::ServiceExt;
         request.extensions_mut().insert(self.stopwatch.clone());
+        // A tool call's session, for its answer to name if its server
+        // names none (`mcp::name_session`).
+        let asked_in = |_: &Vec<u8>| request.headers().get(crate::mcp::MCP_SESSION_ID).cloned();
+        let session = self.call.as_ref().and_then(asked_in);
         let (progress_tx, mut progress) = watch::channel(0u64);
         let mut clock = Clock::new(self.silences);
         let head = async {
@@ -302,7 +306,8 @@ impl Task {
             Watched::Cancelled => return Call::Cancelled,
             Watched::DeadlinePassed => return Call::DeadlinePassed,
         };
-        let (parts, body) = response.into_parts();
+        let (mut parts, body) = response.into_parts();
+        crate::mcp::name_session(&mut parts.headers, session);
         if !clock.timed_out {
             clock.took_head();
         }
