@@ -17,7 +17,8 @@
 //! that write alone). And it can hold one: while [`ReplyCutter::hold`] is
 //! set, bytes carrying its marker wait, unforwarded, until
 //! [`ReplyCutter::let_through`] (a statement on its way for as long as a
-//! test needs).
+//! test needs). And it can fail a commit before it reaches the server
+//! and stay down ([`ReplyCutter::fail_after`]).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -28,11 +29,15 @@ use tokio::net::{TcpListener, TcpStream};
 /// The marker still to match, and how many more times.
 type Armed = Arc<Mutex<Option<(Vec<u8>, usize)>>>;
 
-/// The marker of the writes refused, and how many were.
+/// The marker of the writes refused, and how many were; the marker after
+/// whose write its connection's next is refused, and whether, since, every
+/// write is (the network down).
 #[derive(Clone, Default)]
 struct Refusing {
     marker: Arc<Mutex<Option<Vec<u8>>>>,
     refused: Arc<AtomicUsize>,
+    after: Arc<Mutex<Option<Vec<u8>>>>,
+    down: Arc<AtomicBool>,
 }
 
 /// The marker of the writes held, how many were, and whether they may go.
@@ -120,6 +125,30 @@ impl ReplyCutter {
         *self.refusing.marker.lock().unwrap() = marker.map(<[u8]>::to_vec);
     }
 
+    /// Lets the next write carrying `marker` through, then refuses the
+    /// next write on its connection (a transaction's `COMMIT`, after the
+    /// statement carrying the marker), and every write on any connection
+    /// from then on, new ones' first included, until [`ReplyCutter::heal`]:
+    /// the network failing before a commit reaches the server, and staying
+    /// down a while.
+    pub fn fail_after(&self, marker: &[u8]) {
+        assert!(
+            !marker.is_empty(),
+            "a marker to fail after must not be empty"
+        );
+        *self.refusing.after.lock().unwrap() = Some(marker.to_vec());
+    }
+
+    /// Whether the network is down since a [`ReplyCutter::fail_after`].
+    pub fn is_down(&self) -> bool {
+        self.refusing.down.load(Ordering::SeqCst)
+    }
+
+    /// Ends the failure [`ReplyCutter::fail_after`] began.
+    pub fn heal(&self) {
+        self.refusing.down.store(false, Ordering::SeqCst);
+    }
+
     /// Writes refused so far.
     pub fn refused(&self) -> usize {
         self.refusing.refused.load(Ordering::SeqCst)
@@ -169,13 +198,30 @@ async fn relay(
             // across two reads is still seen.
             let mut tail: Vec<u8> = Vec::new();
             let mut buf = vec![0u8; 64 * 1024];
+            // Whether this connection carried the marker to fail after.
+            let mut failing = false;
             loop {
                 let n = match client_rx.read(&mut buf).await {
                     Ok(0) | Err(_) => return,
                     Ok(n) => n,
                 };
+                if failing || refusing.down.load(Ordering::SeqCst) {
+                    refusing.down.store(true, Ordering::SeqCst);
+                    refusing.refused.fetch_add(1, Ordering::SeqCst);
+                    return;
+                }
                 let before = tail.len();
                 tail.extend_from_slice(&buf[..n]);
+                {
+                    let mut after = refusing.after.lock().unwrap();
+                    if let Some(m) = after.as_deref() {
+                        let from = before.saturating_sub(m.len().saturating_sub(1));
+                        if tail[from..].windows(m.len()).any(|w| w == m) {
+                            failing = true;
+                            *after = None;
+                        }
+                    }
+                }
                 if let Some(m) = refusing.marker.lock().unwrap().as_deref() {
                     let from = before.saturating_sub(m.len().saturating_sub(1));
                     if tail[from..].windows(m.len()).any(|w| w == m) {

@@ -560,6 +560,91 @@ async fn a_sweep_whose_reply_was_lost_still_looks_its_attempts_up() {
     silent.open(1);
 }
 
+/// A sweep's commit never reaches the server (the network fails as it is
+/// sent, and stays down a while): the transaction is rolled back, and the
+/// lapsed attempt is left to the next sweep, here another replica's, which
+/// makes it `unknown` and reports it. When the first replica can ask
+/// again, it asks what became of its own transaction, learns it was rolled
+/// back, and reports nothing. Before, it read the attempt's state, found
+/// it `unknown` by the other's sweep, and reported it too: ended twice in
+/// the metrics, its job's bell rung and, on a route that reconciles,
+/// looked up twice (docs/design.md §7, "A sweep whose reply was lost").
+#[tokio::test]
+async fn a_sweep_whose_commit_never_landed_reports_nothing_another_replica_swept() {
+    let silent = Gate::new();
+    let upstream = FakeUpstream::start({
+        let silent = silent.clone();
+        move |r| {
+            let silent = silent.clone();
+            async move {
+                silent.pass().await;
+                echo_response(&r)
+            }
+        }
+    })
+    .await;
+    let db = TestDb::new().await;
+    let (cutter, relayed) = relay(&db).await;
+    let replica = |store: &TestStore, sweeps_every: &str| {
+        Gateway::builder(store, &upstream.url())
+            .set("lease_ttl", "\"600ms\"")
+            .set("sweep_interval", sweeps_every)
+            .set("upstream_timeout", "\"30s\"")
+            .set("attempt_deadline", "\"60s\"")
+    };
+    let direct = TestStore::external(db.url.clone());
+    let mut doomed = replica(&direct, "\"1h\"").start().await;
+    let first = replica(&relayed, "\"200ms\"").start().await;
+    // Only the sweep's write of the lapsed attempt carries its detail; the
+    // next write on its connection is the sweep's COMMIT.
+    cutter.fail_after(b"stopped renewing it");
+    let in_flight = crate::support::post_detached(doomed.path("/v1/charges"), "charge-10");
+    upstream.arrival().await;
+    doomed.kill().await;
+    let _ = in_flight.await;
+    eventually(
+        Duration::from_secs(20),
+        "the first replica's sweep to fail at its commit",
+        || async { cutter.is_down() },
+    )
+    .await;
+
+    // Its first sweep comes at once (the next in an hour).
+    let second = replica(&direct, "\"1h\"").start().await;
+    eventually(
+        Duration::from_secs(10),
+        "the second replica's sweep to make the attempt unknown",
+        || async { ended(&second).await == 1.0 },
+    )
+    .await;
+    assert_eq!(states(&db).await, [("unknown".into(), "unknown".into())]);
+    cutter.heal();
+    // A sweep that counts the unknown jobs follows the failed one.
+    eventually(
+        Duration::from_secs(20),
+        "the first replica to sweep again",
+        || async { first.metric("idemgate_jobs_unknown").await == 1.0 },
+    )
+    .await;
+    assert_eq!(
+        ended(&first).await,
+        0.0,
+        "the failed sweep reports nothing: its transaction was rolled back"
+    );
+    assert_eq!(ended(&second).await, 1.0);
+    assert_eq!(upstream.hits(), 1);
+    silent.open(1);
+}
+
+/// Attempts `gateway` reported ended `unknown` by their deadline (a
+/// sweep's).
+async fn ended(gateway: &Gateway) -> f64 {
+    let labels = [r#"state="unknown""#, r#"by="deadline""#];
+    gateway
+        .metric_labelled("idemgate_attempts_ended_total", &labels)
+        .await
+}
+
 /// A fresh database, a relay in front of its server, and a gateway on
 /// `upstream` that reaches the database through the relay, holding
 /// duplicates for up to 20 s.

@@ -1,7 +1,6 @@
 //! The writes ([`Backend`]): begin and the CAS commit (both sent in
 //! batches, `batch/`), a change under its job's lock, lease expiry.
 
-use std::collections::HashSet;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -136,16 +135,19 @@ impl Backend for Postgres {
         if locked.is_empty() {
             return Ok(Vec::new());
         }
-        let rows = tx
-            .query(
-                &format!(
-                    "SELECT {SNAPSHOT_COLUMNS} FROM jobs j JOIN attempts a ON a.job_id = j.id \
-                     WHERE j.id = ANY($1) ORDER BY j.id, a.number"
-                ),
-                &[&locked],
-            )
-            .await
-            .map_err(map_pg)?;
+        // The transaction's id, sent with the read: should the commit's
+        // reply be lost, the server is asked what became of it.
+        let read = format!(
+            "SELECT {SNAPSHOT_COLUMNS} FROM jobs j JOIN attempts a ON a.job_id = j.id \
+             WHERE j.id = ANY($1) ORDER BY j.id, a.number"
+        );
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&locked];
+        let (xid, rows) = tokio::try_join!(
+            tx.query_one("SELECT txid_current()", &[]),
+            tx.query(&read, &params),
+        )
+        .map_err(map_pg)?;
+        let xid: i64 = xid.get(0);
         let (snapshots, now) = snapshots(&rows)?;
         let changes = expire_each(&snapshots, now);
         // Distinct jobs' rows: sent together, not one round trip each while
@@ -161,7 +163,7 @@ impl Backend for Postgres {
         drop(client);
         match committed {
             Ok(()) => Ok(changes),
-            Err(error) => self.landed(changes, error).await,
+            Err(error) => self.landed(changes, xid, error).await,
         }
     }
 }
@@ -170,62 +172,60 @@ impl Backend for Postgres {
 const CONFIRM_FOR: Duration = Duration::from_secs(10);
 
 impl Postgres {
-    /// The expiries of a sweep whose commit failed (`error`), as far as
-    /// they landed all the same: a commit whose reply was lost with its
-    /// connection is in. The attempts are read again, on another
-    /// connection, until PostgreSQL answers or [`CONFIRM_FOR`] passes;
-    /// those now `unknown` are reported as expired, so that their jobs'
-    /// bells ring here and a route that reconciles looks them up, as after
-    /// any sweep (`docs/design.md` §7, "A sweep whose reply was lost").
-    /// None unknown, or no answer: the sweep's error, as before.
+    /// The expiries of a sweep whose commit failed (`error`), if its
+    /// transaction (`xid`) committed all the same: a commit whose reply was
+    /// lost with its connection is in. The server is asked, on another
+    /// connection, until it says committed or aborted or [`CONFIRM_FOR`]
+    /// passes; committed, the expiries are reported as after any sweep, so
+    /// that their jobs' bells ring here and a route that reconciles looks
+    /// them up (`docs/design.md` §7, "A sweep whose reply was lost").
+    /// Aborted, or no answer: the sweep's error, as before. The
+    /// transaction's fate, not the attempts' states: another replica's
+    /// sweep may have expired the same attempts since, and reports them
+    /// itself.
     async fn landed(
         &self,
         changes: Vec<Change>,
+        xid: i64,
         error: StoreError,
     ) -> Result<Vec<Change>, StoreError> {
-        let ids: Vec<uuid::Uuid> = changes
-            .iter()
-            .flat_map(|c| c.settled.iter().map(|s| s.attempt.0))
-            .collect();
-        let Some(unknown) = self.unknown_among(&ids).await else {
-            return Err(error);
-        };
-        let landed: Vec<Change> = changes
-            .into_iter()
-            .filter(|c| c.settled.iter().any(|s| unknown.contains(&s.attempt.0)))
-            .collect();
-        if landed.is_empty() {
+        if self.committed(xid).await != Some(true) {
             return Err(error);
         }
-        tracing::info!(error = %Chain(&error), jobs = landed.len(), "a sweep's commit failed, yet its attempts are unknown: it landed, its reply was lost");
-        Ok(landed)
+        tracing::info!(error = %Chain(&error), jobs = changes.len(), "a sweep's commit failed, yet it committed: its reply was lost");
+        Ok(changes)
     }
 
-    /// Which of `ids` are `unknown`, asked until PostgreSQL answers or
-    /// [`CONFIRM_FOR`] passes (`None`).
-    async fn unknown_among(&self, ids: &[uuid::Uuid]) -> Option<HashSet<uuid::Uuid>> {
-        let read = || async {
+    /// Whether the transaction `xid` committed (`Some(false)`: it aborted),
+    /// asked until the server says, or [`CONFIRM_FOR`] passes (`None`); also
+    /// `None` when the server no longer knows (`txid_status` is null for a
+    /// transaction too old, not for one seconds old).
+    async fn committed(&self, xid: i64) -> Option<bool> {
+        let ask = || async {
             let client = self.client().await?;
-            let rows = client
-                .query(
-                    "SELECT id FROM attempts WHERE id = ANY($1) AND state = $2",
-                    &[&ids, &AttemptState::Unknown.as_str()],
-                )
+            let row = client
+                .query_one("SELECT txid_status($1)", &[&xid])
                 .await
                 .map_err(map_pg)?;
-            Ok::<_, StoreError>(rows.iter().map(|r| r.get(0)).collect())
+            Ok::<_, StoreError>(row.get::<_, Option<String>>(0))
         };
         let deadline = Instant::now() + CONFIRM_FOR;
         let mut backoff = Duration::from_millis(50);
         loop {
-            match read().await {
-                Ok(unknown) => return Some(unknown),
-                Err(e) if e.is_transient() && Instant::now() + backoff < deadline => {
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(2));
-                }
-                Err(_) => return None,
+            let pending = match ask().await {
+                Ok(Some(status)) if status == "committed" => return Some(true),
+                Ok(Some(status)) if status == "aborted" => return Some(false),
+                Ok(None) => return None,
+                // Still in progress: the server has not yet seen its
+                // connection go.
+                Ok(Some(_)) => true,
+                Err(e) => e.is_transient(),
+            };
+            if !pending || Instant::now() + backoff >= deadline {
+                return None;
             }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(2));
         }
     }
 }
