@@ -298,7 +298,12 @@ impl Reconciler {
                     },
                     Protocol::Http => None,
                 };
-                let answer = self.resend(sent).await;
+                let mut answer = self.resend(sent).await;
+                if let (Ok(fetched), Some(_)) = (&mut answer, &call) {
+                    // As the attempt's own answer is (`mcp::name_session`).
+                    let session = sent.parts.headers.get(crate::mcp::MCP_SESSION_ID);
+                    crate::mcp::name_session(&mut fetched.parts.headers, session.cloned());
+                }
                 resent(classify(answer, &self.route, call.as_deref()))
             }
         };

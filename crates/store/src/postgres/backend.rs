@@ -1,7 +1,7 @@
 //! The writes ([`Backend`]): begin and the CAS commit (both sent in
 //! batches, `batch/`), a change under its job's lock, lease expiry.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use deadpool_postgres::GenericClient;
@@ -135,19 +135,24 @@ impl Backend for Postgres {
         if locked.is_empty() {
             return Ok(Vec::new());
         }
-        // The transaction's id, sent with the read: should the commit's
-        // reply be lost, the server is asked what became of it.
+        // The transaction's id, and the server's start, sent with the read:
+        // should the commit's reply be lost, the server is asked what became
+        // of it. An id is the server's own: another server (a promoted
+        // standby) or the same one restarted may give it out again.
         let read = format!(
             "SELECT {SNAPSHOT_COLUMNS} FROM jobs j JOIN attempts a ON a.job_id = j.id \
              WHERE j.id = ANY($1) ORDER BY j.id, a.number"
         );
         let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&locked];
         let (xid, rows) = tokio::try_join!(
-            tx.query_one("SELECT txid_current()", &[]),
+            tx.query_one("SELECT txid_current(), pg_postmaster_start_time()", &[]),
             tx.query(&read, &params),
         )
         .map_err(map_pg)?;
-        let xid: i64 = xid.get(0);
+        let xid = Xid {
+            id: xid.get(0),
+            server: xid.get(1),
+        };
         let (snapshots, now) = snapshots(&rows)?;
         let changes = expire_each(&snapshots, now);
         // Distinct jobs' rows: sent together, not one round trip each while
@@ -171,6 +176,13 @@ impl Backend for Postgres {
 /// How long a sweep whose commit failed goes on asking whether it landed.
 const CONFIRM_FOR: Duration = Duration::from_secs(10);
 
+/// A transaction's id, on the server (known by its start) that gave it.
+#[derive(Clone, Copy)]
+struct Xid {
+    id: i64,
+    server: SystemTime,
+}
+
 impl Postgres {
     /// The expiries of a sweep whose commit failed (`error`), if its
     /// transaction (`xid`) committed all the same: a commit whose reply was
@@ -186,7 +198,7 @@ impl Postgres {
     async fn landed(
         &self,
         changes: Vec<Change>,
-        xid: i64,
+        xid: Xid,
         error: StoreError,
     ) -> Result<Vec<Change>, StoreError> {
         if self.committed(xid).await != Some(true) {
@@ -199,26 +211,32 @@ impl Postgres {
     /// Whether the transaction `xid` committed (`Some(false)`: it aborted),
     /// asked until the server says, or [`CONFIRM_FOR`] passes (`None`); also
     /// `None` when the server no longer knows (`txid_status` is null for a
-    /// transaction too old, not for one seconds old).
-    async fn committed(&self, xid: i64) -> Option<bool> {
+    /// transaction too old, not for one seconds old) or is not the one that
+    /// gave the id (restarted, or another after a failover: the id may be
+    /// another transaction's there).
+    async fn committed(&self, xid: Xid) -> Option<bool> {
         let ask = || async {
             let client = self.client().await?;
             let row = client
-                .query_one("SELECT txid_status($1)", &[&xid])
+                .query_one(
+                    "SELECT txid_status($1), pg_postmaster_start_time()",
+                    &[&xid.id],
+                )
                 .await
                 .map_err(map_pg)?;
-            Ok::<_, StoreError>(row.get::<_, Option<String>>(0))
+            let same_server = row.get::<_, SystemTime>(1) == xid.server;
+            Ok::<_, StoreError>(same_server.then(|| row.get::<_, Option<String>>(0)))
         };
         let deadline = Instant::now() + CONFIRM_FOR;
         let mut backoff = Duration::from_millis(50);
         loop {
             let pending = match ask().await {
-                Ok(Some(status)) if status == "committed" => return Some(true),
-                Ok(Some(status)) if status == "aborted" => return Some(false),
-                Ok(None) => return None,
+                Ok(Some(Some(status))) if status == "committed" => return Some(true),
+                Ok(Some(Some(status))) if status == "aborted" => return Some(false),
+                Ok(None | Some(None)) => return None,
                 // Still in progress: the server has not yet seen its
                 // connection go.
-                Ok(Some(_)) => true,
+                Ok(Some(Some(_))) => true,
                 Err(e) => e.is_transient(),
             };
             if !pending || Instant::now() + backoff >= deadline {
