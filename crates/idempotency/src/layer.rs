@@ -123,7 +123,7 @@ where
         }
         let answer = match opt_in::classify(&self.shared.config.routes, &self.shared.trust, req) {
             // An MCP session's end waits for its keyed calls at the server.
-            Classified::PassThrough(req) if self.shared.runner.calls.holds_end(&req) => {
+            Classified::PassThrough(req) if crate::mcp::ends_session(&req) => {
                 let (shared, upstream) = (self.shared.clone(), self.inner.clone());
                 let upstream: UpstreamService = BoxCloneSyncService::new(upstream);
                 Answer::Guarded {
@@ -159,7 +159,7 @@ where
 }
 
 /// An MCP session's `DELETE`, sent on once no keyed call of the session is
-/// at its server from here any more (at most the attempt deadline), in a
+/// at its server from here or any replica (at most the attempt deadline), in a
 /// task of its own: a client that does not wait for it still ends its
 /// session (`docs/design.md` §19, "An agent's cancel").
 async fn end_session(
@@ -168,9 +168,10 @@ async fn end_session(
     upstream: UpstreamService,
 ) -> Response<Body> {
     let calls = shared.runner.calls.clone();
+    let store = shared.runner.store.clone();
     let limit = shared.config.attempt.deadline;
     let ended = tokio::spawn(async move {
-        calls.quiet(&req, limit).await;
+        calls.quiet(store.as_ref(), &req, limit).await;
         upstream.oneshot(req).await
     });
     match ended.await {

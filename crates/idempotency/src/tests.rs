@@ -105,6 +105,23 @@ impl Records for Faulty {
     async fn watch(&self, job: JobId) -> Result<(), StoreError> {
         self.inner.watch(job).await
     }
+
+    async fn mark_call(
+        &self,
+        attempt: AttemptId,
+        call: idemgate_store::CallAt<'_>,
+        for_at_most: Duration,
+    ) -> Result<(), StoreError> {
+        self.inner.mark_call(attempt, call, for_at_most).await
+    }
+
+    async fn unmark_call(&self, attempt: AttemptId) -> Result<(), StoreError> {
+        self.inner.unmark_call(attempt).await
+    }
+
+    async fn call_at_server(&self, session: &[u8], id: Option<&str>) -> Result<bool, StoreError> {
+        self.inner.call_at_server(session, id).await
+    }
     async fn record_lookup(
         &self,
         attempt: AttemptId,

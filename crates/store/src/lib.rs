@@ -259,6 +259,36 @@ pub trait Records: Send + Sync + 'static {
     /// are announced to other replicas (only watched jobs pay for it). Call
     /// it before reading the job, then wait.
     async fn watch(&self, job: JobId) -> Result<(), StoreError>;
+
+    /// Marks an MCP tool call at its server, by the session it was made in
+    /// and its JSON-RPC `id` (as JSON text), for as long as `attempt` runs
+    /// it and at most `for_at_most`: an agent's cancel of the call, or its
+    /// session's end, reaching another replica is held back there too
+    /// (`docs/design.md` §19, "An agent's cancel"). A store one process
+    /// holds has no other replica to tell: it marks nothing.
+    async fn mark_call(
+        &self,
+        attempt: AttemptId,
+        call: CallAt<'_>,
+        for_at_most: Duration,
+    ) -> Result<(), StoreError>;
+
+    /// Takes the mark of `attempt`'s call off.
+    async fn unmark_call(&self, attempt: AttemptId) -> Result<(), StoreError>;
+
+    /// Whether a call of `session` (the call `id`, or any) is marked at its
+    /// server and its mark still good.
+    async fn call_at_server(&self, session: &[u8], id: Option<&str>) -> Result<bool, StoreError>;
+}
+
+/// An MCP tool call, by the session it was made in (its `Mcp-Session-Id`)
+/// and its JSON-RPC `id` as JSON text.
+#[derive(Debug, Clone, Copy)]
+pub struct CallAt<'a> {
+    /// The session's id, as the header's bytes.
+    pub session: &'a [u8],
+    /// The call's `id`, as JSON text (`7`, `"7"`).
+    pub id: &'a str,
 }
 
 /// One method per domain operation. See the module docs for the guarantees.

@@ -19,7 +19,7 @@ use tokio_util::task::TaskTracker;
 
 use super::measured::Measured;
 use super::{
-    Backend, Begin, CommitOutcome, Cursor, Decide, Doorbell, Lapsed, Lock, Records, Store,
+    Backend, Begin, CallAt, CommitOutcome, Cursor, Decide, Doorbell, Lapsed, Lock, Records, Store,
     StoreError,
 };
 use crate::seal::{self, Sealer};
@@ -413,6 +413,23 @@ impl<B: Backend> Records for Machine<B> {
 
     async fn record_lookup(&self, attempt: AttemptId, lookup: &Lookup) -> Result<(), StoreError> {
         self.backend.record_lookup(attempt, lookup).await
+    }
+
+    async fn mark_call(
+        &self,
+        attempt: AttemptId,
+        call: CallAt<'_>,
+        for_at_most: Duration,
+    ) -> Result<(), StoreError> {
+        self.backend.mark_call(attempt, call, for_at_most).await
+    }
+
+    async fn unmark_call(&self, attempt: AttemptId) -> Result<(), StoreError> {
+        self.backend.unmark_call(attempt).await
+    }
+
+    async fn call_at_server(&self, session: &[u8], id: Option<&str>) -> Result<bool, StoreError> {
+        self.backend.call_at_server(session, id).await
     }
 }
 

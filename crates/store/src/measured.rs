@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 
 use super::{
-    Applied, Backend, Begin, Committed, Cursor, Decide, Lock, Records, StoreError, StoreErrorKind,
+    Applied, Backend, Begin, CallAt, Committed, Cursor, Decide, Lock, Records, StoreError,
+    StoreErrorKind,
 };
 use idemgate_domain::attempt::{Attempt, NewAttempt};
 use idemgate_domain::id::AttemptId;
@@ -86,6 +87,23 @@ impl<B: Backend> Records for Measured<B> {
 
     async fn record_lookup(&self, attempt: AttemptId, lookup: &Lookup) -> Result<(), StoreError> {
         measure("record_lookup", self.0.record_lookup(attempt, lookup)).await
+    }
+
+    async fn mark_call(
+        &self,
+        attempt: AttemptId,
+        call: CallAt<'_>,
+        for_at_most: Duration,
+    ) -> Result<(), StoreError> {
+        measure("mark_call", self.0.mark_call(attempt, call, for_at_most)).await
+    }
+
+    async fn unmark_call(&self, attempt: AttemptId) -> Result<(), StoreError> {
+        measure("unmark_call", self.0.unmark_call(attempt)).await
+    }
+
+    async fn call_at_server(&self, session: &[u8], id: Option<&str>) -> Result<bool, StoreError> {
+        measure("call_at_server", self.0.call_at_server(session, id)).await
     }
 }
 

@@ -281,6 +281,24 @@ impl Records for Memory {
         Ok(())
     }
 
+    async fn mark_call(
+        &self,
+        _attempt: AttemptId,
+        _call: crate::CallAt<'_>,
+        _for_at_most: Duration,
+    ) -> Result<(), StoreError> {
+        // One process holds it: its calls are known in that process.
+        Ok(())
+    }
+
+    async fn unmark_call(&self, _attempt: AttemptId) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    async fn call_at_server(&self, _session: &[u8], _id: Option<&str>) -> Result<bool, StoreError> {
+        Ok(false)
+    }
+
     async fn record_lookup(&self, attempt: AttemptId, lookup: &Lookup) -> Result<(), StoreError> {
         let mut records = self.records();
         let job = records.job_of(Lock::JobOf(attempt))?;

@@ -601,6 +601,80 @@ async fn cancel_held_back(store: TestStore, answering: Answering) {
     assert_eq!(server.runs("charge"), 1, "{answering:?}");
 }
 
+/// Two replicas on one PostgreSQL: a keyed call runs at the server from
+/// one, and the agent's cancel of it, then the end of its session, reach
+/// the other. Both are held back there (the cancel answered `202`, the
+/// `DELETE` sent on once the call has ended): the call's attempt marked it
+/// in the store. A cancel of another call passes; the mark is taken off as
+/// the call ends. Before, only the replica the call ran from knew it: the
+/// cancel and the `DELETE` passed, and the call was cut.
+#[tokio::test]
+async fn an_agents_cancel_and_session_end_at_another_replica_are_held_back() {
+    let store = TestStore::postgres().await;
+    let gate = Gate::new();
+    let server = FakeMcp::start(Answering::Json, Some(gate.clone())).await;
+    let running = std::sync::Arc::new(gateway(&store, &server).await);
+    let other = std::sync::Arc::new(gateway(&store, &server).await);
+    let call = |id| tool_call(json!(id), "charge", json!({"amount": 5}), Some("k"));
+    let first = {
+        let (running, call) = (running.clone(), call(1));
+        tokio::spawn(async move { post(&running, &call, "s1").await })
+    };
+    crate::support::eventually(
+        std::time::Duration::from_secs(10),
+        "the call held at the server",
+        || async { server.pending() == 1 },
+    )
+    .await;
+    let cancel = |id| {
+        json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+               "params": {"requestId": id, "reason": "timed out"}})
+    };
+    let posts = server.posts().len();
+    assert_eq!(post(&other, &cancel(1), "s1").await.status, 202);
+    assert_eq!(
+        server.posts().len(),
+        posts,
+        "held back at the other replica"
+    );
+    assert_eq!(post(&other, &cancel(9), "s1").await.status, 202);
+    assert_eq!(server.posts().len(), posts + 1, "another call's passes");
+    let deleted = {
+        let other = other.clone();
+        tokio::spawn(async move {
+            let headers = [("mcp-session-id", "s1")];
+            send(Method::DELETE, &other.path("/mcp"), &headers, "").await
+        })
+    };
+    crate::support::eventually(
+        std::time::Duration::from_secs(10),
+        "the DELETE at the other replica",
+        || async {
+            !server.deletes().is_empty() || other.metric("idemgate_requests_in_flight").await >= 1.0
+        },
+    )
+    .await;
+    assert!(server.deletes().is_empty(), "the session's end held back");
+    assert_eq!(server.pending(), 1, "the call goes on");
+    gate.open(1);
+    let first = response(&first.await.unwrap());
+    assert!(first["result"].is_object(), "{first}");
+    assert_eq!(deleted.await.unwrap().status, 200);
+    assert_eq!(server.deletes(), ["s1"], "then the session ends");
+    assert_eq!(server.runs("charge"), 1);
+    crate::support::eventually(
+        std::time::Duration::from_secs(10),
+        "the call's mark taken off",
+        || async {
+            let marks = store
+                .column("SELECT count(*) FROM mcp_calls_at_server")
+                .await;
+            marks == ["0"]
+        },
+    )
+    .await;
+}
+
 async fn an_agents_cancel_of_a_call_in_flight_is_held_back(store: TestStore) {
     cancel_held_back(store, Answering::Json).await;
 }

@@ -50,7 +50,7 @@ const NEVER_SENT: &str =
 /// Runs attempts: the handles every attempt task needs.
 pub(crate) struct Runner {
     pub(super) config: Config,
-    pub(super) store: Arc<dyn Store>,
+    pub(crate) store: Arc<dyn Store>,
     pub(super) leases: Arc<Leases>,
     pub(super) doorbell: Arc<Doorbell>,
     /// Where a committed answer is kept for replays, the attempt's own
@@ -229,6 +229,7 @@ impl Runner {
                 self.calls.start(session, id)
             }),
             reconnect: None,
+            marked: None,
         };
         // A child of the request's span, though it may outlive the request.
         let span = tracing::info_span!(

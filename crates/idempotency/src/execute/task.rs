@@ -85,6 +85,9 @@ pub(super) struct Task {
     /// Reconnects to that call's stream, should its server end it before
     /// the response (set as the call is sent).
     pub(super) reconnect: Option<Reconnect>,
+    /// That call's mark in the store, for other replicas (set as the call
+    /// is sent, taken off as the task ends).
+    pub(super) marked: Option<crate::mcp::Marked>,
 }
 
 impl Task {
@@ -94,8 +97,12 @@ impl Task {
         request: Request<Body>,
         cancel: CancellationToken,
     ) {
-        if self.call.is_some() {
+        if let Some(id) = &self.call {
             self.reconnect = Some(Reconnect::of(&upstream, &request));
+            let session = request.headers().get(crate::mcp::MCP_SESSION_ID);
+            let until = self.deadline.saturating_duration_since(Instant::now());
+            let (store, attempt) = (&self.runner.store, self.attempt.id);
+            self.marked = crate::mcp::mark(store, attempt, session, id, until).await;
         }
         match self.call(upstream, request, &cancel).await {
             // Another attempt's answer won: it ended this one.

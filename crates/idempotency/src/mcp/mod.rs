@@ -4,11 +4,14 @@
 //! key (`params._meta.idempotencyKey`, else the header) is a job like any
 //! keyed request, whose intent is the tool and its canonical arguments;
 //! everything else passes through as it came, but an agent's cancel of a
-//! keyed call in flight here, held back. Every answer a call gets that its
-//! own attempt did not make is addressed to the call's own `id`.
+//! keyed call in flight, held back ([`calls`]). Every answer a call gets
+//! that its own attempt did not make is addressed to the call's own `id`.
 
-use std::collections::HashMap;
+mod calls;
+
 use std::sync::Arc;
+
+pub(crate) use calls::{ends_session, mark, AtServer, Calls, Marked, SessionEnd};
 
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
@@ -62,12 +65,15 @@ pub(crate) async fn prepare(
         {
             return Err(ClientError::KeyedBatch.into())
         }
-        _ if shared.runner.calls.cancels(&parts, &body) => {
-            let mut accepted = Response::new(full(Bytes::new()));
-            *accepted.status_mut() = http::StatusCode::ACCEPTED;
-            return Ok(Prepared::Answered(accepted));
+        _ => {
+            let store = shared.runner.store.as_ref();
+            if shared.runner.calls.holds_cancel(store, &parts, &body).await {
+                let mut accepted = Response::new(full(Bytes::new()));
+                *accepted.status_mut() = http::StatusCode::ACCEPTED;
+                return Ok(Prepared::Answered(accepted));
+            }
+            return passing(parts, body);
         }
-        _ => return passing(parts, body),
     };
     let refused = |error: ClientError| Refused {
         error: error.into(),
@@ -117,114 +123,6 @@ pub(crate) async fn prepare(
         waiting: None,
         rpc_id: Some(call.id),
     }))
-}
-
-/// The keyed tool calls whose attempts are at their server from this
-/// process, by session (`Mcp-Session-Id`, empty when none) and `id` (as
-/// JSON text): an agent's `notifications/cancelled` of one is held back
-/// (`docs/design.md` §19, "An agent's cancel").
-#[derive(Default)]
-pub(crate) struct Calls {
-    at_server: std::sync::Mutex<HashMap<(Bytes, String), usize>>,
-    /// Told whenever a call leaves its server.
-    left: tokio::sync::Notify,
-}
-
-/// Marks an MCP route's `DELETE`: the end of the session it names.
-#[derive(Clone, Copy)]
-pub(crate) struct SessionEnd;
-
-/// One keyed call at its server from here, until dropped.
-pub(crate) struct AtServer(Arc<Calls>, (Bytes, String));
-
-impl Calls {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(Bytes, String), usize>> {
-        self.at_server.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Whether keyed calls of the session `req` names are at their server.
-    fn in_session(&self, req: &Request<Body>) -> bool {
-        let session = session_of(req.headers().get(MCP_SESSION_ID));
-        self.lock().keys().any(|(s, _)| *s == session)
-    }
-
-    /// Whether `req` ends an MCP session some of whose keyed calls are at
-    /// their server from here: it is held until they leave.
-    pub(crate) fn holds_end(&self, req: &Request<Body>) -> bool {
-        req.extensions().get::<SessionEnd>().is_some() && self.in_session(req)
-    }
-
-    /// Waits until no keyed call of the session `req` ends is at its
-    /// server from here, or `limit` passed.
-    pub(crate) async fn quiet(&self, req: &Request<Body>, limit: std::time::Duration) {
-        tracing::info!(
-            "an MCP session's end is held back until its keyed tool calls in flight end"
-        );
-        let wait = async {
-            loop {
-                let left = self.left.notified();
-                tokio::pin!(left);
-                left.as_mut().enable();
-                if !self.in_session(req) {
-                    return;
-                }
-                left.await;
-            }
-        };
-        let _ = tokio::time::timeout(limit, wait).await;
-    }
-
-    /// Marks the call `id` of `session` at its server until the mark drops.
-    /// A call in no session is not marked: without one, one agent's call
-    /// and another's cancel of its own call of the same `id` could not be
-    /// told apart, and a cancel held back for the wrong call would be lost.
-    pub(crate) fn start(
-        self: &Arc<Self>,
-        session: Option<&HeaderValue>,
-        id: &[u8],
-    ) -> Option<AtServer> {
-        let at = (session_of(Some(session?)), id_text(id));
-        *self.lock().entry(at.clone()).or_default() += 1;
-        Some(AtServer(self.clone(), at))
-    }
-
-    /// Whether `body`, a message posted in the session `parts` name, is a
-    /// `notifications/cancelled` of a keyed call at its server from here.
-    pub(crate) fn cancels(&self, parts: &http::request::Parts, body: &[u8]) -> bool {
-        if self.lock().is_empty() {
-            return false;
-        }
-        let Ok(message) = serde_json::from_slice::<serde_json::Value>(body) else {
-            return false;
-        };
-        let cancel = message.get("method").and_then(serde_json::Value::as_str)
-            == Some("notifications/cancelled")
-            && message.get("id").is_none();
-        let Some(request) = message.pointer("/params/requestId").filter(|_| cancel) else {
-            return false;
-        };
-        let session = session_of(parts.headers.get(MCP_SESSION_ID));
-        let held = self.lock().contains_key(&(session, request.to_string()));
-        if held {
-            tracing::info!(request = %request, "an agent's cancel of a keyed tool call in flight is held back: the call goes on, and its answer is kept for the retry");
-        }
-        held
-    }
-}
-
-impl Drop for AtServer {
-    fn drop(&mut self) {
-        {
-            let mut calls = self.0.lock();
-            if let Some(n) = calls.get_mut(&self.1) {
-                *n -= 1;
-                if *n == 0 {
-                    calls.remove(&self.1);
-                }
-            }
-        }
-        self.0.left.notify_waiters();
-    }
 }
 
 fn session_of(session: Option<&HeaderValue>) -> Bytes {

@@ -188,6 +188,20 @@ mod tests {
         ) -> Result<(), StoreError> {
             unimplemented!()
         }
+        async fn mark_call(
+            &self,
+            _: AttemptId,
+            _: idemgate_store::CallAt<'_>,
+            _: Duration,
+        ) -> Result<(), StoreError> {
+            unimplemented!()
+        }
+        async fn unmark_call(&self, _: AttemptId) -> Result<(), StoreError> {
+            unimplemented!()
+        }
+        async fn call_at_server(&self, _: &[u8], _: Option<&str>) -> Result<bool, StoreError> {
+            unimplemented!()
+        }
     }
 
     #[async_trait]

@@ -10,7 +10,7 @@ use uuid::Uuid;
 use super::rows::{attempt_from_row, job_from_row, response_of};
 use super::sql::{purge_statement, ATTEMPT_COLUMNS, JOB_COLUMNS, JOB_WIDTH};
 use super::{map_pg, Postgres};
-use crate::{millis, Cursor, Records, StoreError};
+use crate::{millis, CallAt, Cursor, Records, StoreError};
 use idemgate_domain::attempt::AttemptState;
 use idemgate_domain::id::{AttemptId, JobId};
 use idemgate_domain::job::{Job, JobDetail};
@@ -145,10 +145,17 @@ impl Records for Postgres {
         // expiry order, which could deadlock the two; replicas sweeping at
         // once take different jobs. So is a job one of whose attempts is
         // held: the delete cascades to its attempts.
-        client
-            .execute(purge_statement(), &[&i64::from(batch)])
-            .await
-            .map_err(map_pg)
+        // With them, the MCP calls' marks past their attempts' deadlines
+        // (an attempt whose process died never took its own off).
+        let stale = "DELETE FROM mcp_calls_at_server WHERE good_until < now()";
+        let batch = i64::from(batch);
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&batch];
+        let (purged, _) = tokio::try_join!(
+            client.execute(purge_statement(), &params),
+            client.execute(stale, &[]),
+        )
+        .map_err(map_pg)?;
+        Ok(purged)
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
@@ -170,6 +177,57 @@ impl Records for Postgres {
             .map_err(map_pg)?;
         client.execute(&watch, &[&job.0]).await.map_err(map_pg)?;
         Ok(())
+    }
+
+    async fn mark_call(
+        &self,
+        attempt: AttemptId,
+        call: CallAt<'_>,
+        for_at_most: Duration,
+    ) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        let mark = client
+            .prepare_cached(
+                "INSERT INTO mcp_calls_at_server (attempt_id, session, rpc_id, good_until) \
+                 VALUES ($1, $2, $3, now() + $4::bigint * interval '1 millisecond') \
+                 ON CONFLICT (attempt_id) DO NOTHING",
+            )
+            .await
+            .map_err(map_pg)?;
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
+            [&attempt.0, &call.session, &call.id, &millis(for_at_most)];
+        client.execute(&mark, &params).await.map_err(map_pg)?;
+        Ok(())
+    }
+
+    async fn unmark_call(&self, attempt: AttemptId) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        let unmark = client
+            .prepare_cached("DELETE FROM mcp_calls_at_server WHERE attempt_id = $1")
+            .await
+            .map_err(map_pg)?;
+        client
+            .execute(&unmark, &[&attempt.0])
+            .await
+            .map_err(map_pg)?;
+        Ok(())
+    }
+
+    async fn call_at_server(&self, session: &[u8], id: Option<&str>) -> Result<bool, StoreError> {
+        let client = self.client().await?;
+        let marked = client
+            .prepare_cached(
+                "SELECT EXISTS (SELECT 1 FROM mcp_calls_at_server \
+                 WHERE session = $1 AND ($2::text IS NULL OR rpc_id = $2) \
+                 AND good_until > now())",
+            )
+            .await
+            .map_err(map_pg)?;
+        let row = client
+            .query_one(&marked, &[&session, &id])
+            .await
+            .map_err(map_pg)?;
+        Ok(row.get(0))
     }
 
     async fn record_lookup(&self, attempt: AttemptId, lookup: &Lookup) -> Result<(), StoreError> {

@@ -254,6 +254,24 @@ impl Records for Sqlite {
         Ok(())
     }
 
+    async fn mark_call(
+        &self,
+        _attempt: AttemptId,
+        _call: crate::CallAt<'_>,
+        _for_at_most: Duration,
+    ) -> Result<(), StoreError> {
+        // One gateway per file: its calls are known in that process.
+        Ok(())
+    }
+
+    async fn unmark_call(&self, _attempt: AttemptId) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    async fn call_at_server(&self, _session: &[u8], _id: Option<&str>) -> Result<bool, StoreError> {
+        Ok(false)
+    }
+
     async fn record_lookup(&self, attempt: AttemptId, lookup: &Lookup) -> Result<(), StoreError> {
         let (id, at) = (attempt.0.to_string(), to_ms(lookup.at));
         let (status, result) = (lookup.status, lookup.result.as_str());
