@@ -38,6 +38,8 @@ struct Refusing {
     refused: Arc<AtomicUsize>,
     after: Arc<Mutex<Option<Vec<u8>>>>,
     down: Arc<AtomicBool>,
+    /// Whether the write refused after the marker was a `COMMIT`.
+    refused_commit: Arc<AtomicBool>,
 }
 
 /// The marker of the writes held, how many were, and whether they may go.
@@ -139,6 +141,12 @@ impl ReplyCutter {
         *self.refusing.after.lock().unwrap() = Some(marker.to_vec());
     }
 
+    /// Whether the write [`ReplyCutter::fail_after`] refused was a
+    /// transaction's `COMMIT`.
+    pub fn refused_a_commit(&self) -> bool {
+        self.refusing.refused_commit.load(Ordering::SeqCst)
+    }
+
     /// Whether the network is down since a [`ReplyCutter::fail_after`].
     pub fn is_down(&self) -> bool {
         self.refusing.down.load(Ordering::SeqCst)
@@ -205,6 +213,11 @@ async fn relay(
                     Ok(0) | Err(_) => return,
                     Ok(n) => n,
                 };
+                if failing {
+                    // A simple query (`Q`) that commits.
+                    let commit = buf[0] == b'Q' && buf[..n].windows(6).any(|w| w == b"COMMIT");
+                    refusing.refused_commit.store(commit, Ordering::SeqCst);
+                }
                 if failing || refusing.down.load(Ordering::SeqCst) {
                     refusing.down.store(true, Ordering::SeqCst);
                     refusing.refused.fetch_add(1, Ordering::SeqCst);

@@ -219,13 +219,23 @@ impl Postgres {
             let client = self.client().await?;
             let row = client
                 .query_one(
-                    "SELECT txid_status($1), pg_postmaster_start_time()",
+                    "SELECT txid_status($1), pg_postmaster_start_time(), \
+                            txid_visible_in_snapshot($1, txid_current_snapshot())",
                     &[&xid.id],
                 )
                 .await
                 .map_err(map_pg)?;
             let same_server = row.get::<_, SystemTime>(1) == xid.server;
-            Ok::<_, StoreError>(same_server.then(|| row.get::<_, Option<String>>(0)))
+            let status = row.get::<_, Option<String>>(0);
+            // Servers before the minor releases of August 2022 say
+            // committed while the commit still waits for a synchronous
+            // standby, its changes not yet seen: still in progress, then.
+            let seen = row.get::<_, bool>(2);
+            let status = match status.as_deref() {
+                Some("committed") if !seen => Some("in progress".to_owned()),
+                _ => status,
+            };
+            Ok::<_, StoreError>(same_server.then_some(status))
         };
         let deadline = Instant::now() + CONFIRM_FOR;
         let mut backoff = Duration::from_millis(50);
