@@ -13,6 +13,7 @@ use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tower::util::BoxCloneSyncService;
 use tower::{Layer, Service, ServiceExt};
+use tracing::Instrument;
 
 use super::execute::UpstreamService;
 use super::flow;
@@ -168,12 +169,15 @@ async fn end_session(
     upstream: UpstreamService,
 ) -> Response<Body> {
     let calls = shared.runner.calls.clone();
-    let store = shared.runner.store.clone();
+    let (store, instance) = (shared.runner.store.clone(), shared.runner.instance);
     let limit = shared.config.attempt.deadline;
-    let ended = tokio::spawn(async move {
-        calls.quiet(store.as_ref(), &req, limit).await;
-        upstream.oneshot(req).await
-    });
+    let ended = tokio::spawn(
+        async move {
+            calls.quiet(store.as_ref(), instance, &req, limit).await;
+            upstream.oneshot(req).await
+        }
+        .in_current_span(),
+    );
     match ended.await {
         Ok(Ok(response)) => response,
         Ok(Err(e)) => passing_failed(e).into_response(),

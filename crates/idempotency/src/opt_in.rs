@@ -129,7 +129,10 @@ pub(crate) fn classify(routes: &[Arc<Route>], trust: &Trust, mut req: Request<Bo
         req.extensions_mut()
             .insert(Target(route.primary.id.clone()));
         if req.method() == http::Method::DELETE {
-            req.extensions_mut().insert(crate::mcp::SessionEnd);
+            let end = crate::mcp::SessionEnd {
+                route: route.name.clone(),
+            };
+            req.extensions_mut().insert(end);
         }
         return Classified::PassThrough(req);
     }

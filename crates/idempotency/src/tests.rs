@@ -109,18 +109,26 @@ impl Records for Faulty {
     async fn mark_call(
         &self,
         attempt: AttemptId,
-        call: idemgate_store::CallAt<'_>,
+        instance: uuid::Uuid,
+        call: &idemgate_store::CallAt,
         for_at_most: Duration,
     ) -> Result<(), StoreError> {
-        self.inner.mark_call(attempt, call, for_at_most).await
+        self.inner
+            .mark_call(attempt, instance, call, for_at_most)
+            .await
     }
 
     async fn unmark_call(&self, attempt: AttemptId) -> Result<(), StoreError> {
         self.inner.unmark_call(attempt).await
     }
 
-    async fn call_at_server(&self, session: &[u8], id: Option<&str>) -> Result<bool, StoreError> {
-        self.inner.call_at_server(session, id).await
+    async fn call_at_server(
+        &self,
+        session: &[u8; 32],
+        call: Option<&[u8; 32]>,
+        except: uuid::Uuid,
+    ) -> Result<bool, StoreError> {
+        self.inner.call_at_server(session, call, except).await
     }
     async fn record_lookup(
         &self,

@@ -260,35 +260,42 @@ pub trait Records: Send + Sync + 'static {
     /// it before reading the job, then wait.
     async fn watch(&self, job: JobId) -> Result<(), StoreError>;
 
-    /// Marks an MCP tool call at its server, by the session it was made in
-    /// and its JSON-RPC `id` (as JSON text), for as long as `attempt` runs
-    /// it and at most `for_at_most`: an agent's cancel of the call, or its
-    /// session's end, reaching another replica is held back there too
-    /// (`docs/design.md` §19, "An agent's cancel"). A store one process
-    /// holds has no other replica to tell: it marks nothing.
+    /// Marks an MCP tool call at its server (`call`), for as long as
+    /// `attempt` runs it from `instance` and at most `for_at_most`: an
+    /// agent's cancel of the call, or its session's end, reaching another
+    /// replica is held back there too (`docs/design.md` §19, "An agent's
+    /// cancel"). A store one process holds has no other replica to tell:
+    /// it marks nothing.
     async fn mark_call(
         &self,
         attempt: AttemptId,
-        call: CallAt<'_>,
+        instance: uuid::Uuid,
+        call: &CallAt,
         for_at_most: Duration,
     ) -> Result<(), StoreError>;
 
-    /// Takes the mark of `attempt`'s call off.
+    /// Takes the mark of `attempt`'s call off (none is no error).
     async fn unmark_call(&self, attempt: AttemptId) -> Result<(), StoreError>;
 
-    /// Whether a call of `session` (the call `id`, or any) is marked at its
-    /// server and its mark still good.
-    async fn call_at_server(&self, session: &[u8], id: Option<&str>) -> Result<bool, StoreError>;
+    /// Whether a call of `session` (the call `call`, or any without it) is
+    /// marked at its server by an instance other than `except`, and its
+    /// mark still good.
+    async fn call_at_server(
+        &self,
+        session: &[u8; 32],
+        call: Option<&[u8; 32]>,
+        except: uuid::Uuid,
+    ) -> Result<bool, StoreError>;
 }
 
-/// An MCP tool call, by the session it was made in (its `Mcp-Session-Id`)
-/// and its JSON-RPC `id` as JSON text.
-#[derive(Debug, Clone, Copy)]
-pub struct CallAt<'a> {
-    /// The session's id, as the header's bytes.
-    pub session: &'a [u8],
-    /// The call's `id`, as JSON text (`7`, `"7"`).
-    pub id: &'a str,
+/// An MCP tool call, as its mark is found: digests of the route and the
+/// session it was made in, and of those and its JSON-RPC `id`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CallAt {
+    /// Of the route and the session.
+    pub session: [u8; 32],
+    /// Of the route, the session and the call's `id`.
+    pub call: [u8; 32],
 }
 
 /// One method per domain operation. See the module docs for the guarantees.

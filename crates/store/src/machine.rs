@@ -418,18 +418,26 @@ impl<B: Backend> Records for Machine<B> {
     async fn mark_call(
         &self,
         attempt: AttemptId,
-        call: CallAt<'_>,
+        instance: uuid::Uuid,
+        call: &CallAt,
         for_at_most: Duration,
     ) -> Result<(), StoreError> {
-        self.backend.mark_call(attempt, call, for_at_most).await
+        self.backend
+            .mark_call(attempt, instance, call, for_at_most)
+            .await
     }
 
     async fn unmark_call(&self, attempt: AttemptId) -> Result<(), StoreError> {
         self.backend.unmark_call(attempt).await
     }
 
-    async fn call_at_server(&self, session: &[u8], id: Option<&str>) -> Result<bool, StoreError> {
-        self.backend.call_at_server(session, id).await
+    async fn call_at_server(
+        &self,
+        session: &[u8; 32],
+        call: Option<&[u8; 32]>,
+        except: uuid::Uuid,
+    ) -> Result<bool, StoreError> {
+        self.backend.call_at_server(session, call, except).await
     }
 }
 

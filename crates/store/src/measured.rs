@@ -92,18 +92,26 @@ impl<B: Backend> Records for Measured<B> {
     async fn mark_call(
         &self,
         attempt: AttemptId,
-        call: CallAt<'_>,
+        instance: uuid::Uuid,
+        call: &CallAt,
         for_at_most: Duration,
     ) -> Result<(), StoreError> {
-        measure("mark_call", self.0.mark_call(attempt, call, for_at_most)).await
+        let marking = self.0.mark_call(attempt, instance, call, for_at_most);
+        measure("mark_call", marking).await
     }
 
     async fn unmark_call(&self, attempt: AttemptId) -> Result<(), StoreError> {
         measure("unmark_call", self.0.unmark_call(attempt)).await
     }
 
-    async fn call_at_server(&self, session: &[u8], id: Option<&str>) -> Result<bool, StoreError> {
-        measure("call_at_server", self.0.call_at_server(session, id)).await
+    async fn call_at_server(
+        &self,
+        session: &[u8; 32],
+        call: Option<&[u8; 32]>,
+        except: uuid::Uuid,
+    ) -> Result<bool, StoreError> {
+        let asking = self.0.call_at_server(session, call, except);
+        measure("call_at_server", asking).await
     }
 }
 

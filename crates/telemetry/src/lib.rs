@@ -218,6 +218,9 @@ fn zero_labelled() {
         "purge_expired",
         "ping",
         "watch",
+        "mark_call",
+        "unmark_call",
+        "call_at_server",
     ] {
         for kind in ["unavailable", "internal"] {
             metrics::counter!("idemgate_store_errors_total", "operation" => operation, "kind" => kind)

@@ -58,7 +58,7 @@ pub(crate) struct Runner {
     pub(super) replays: Arc<Replays>,
     pub(super) live: Arc<Live>,
     /// This gateway instance, recorded on the attempts it runs.
-    pub(super) instance: Uuid,
+    pub(crate) instance: Uuid,
     /// The attempts a task here asks its upstream about.
     pub(super) asking: Arc<reconcile::Asking>,
     /// The MCP tool calls whose attempts are at their server from here.
@@ -226,7 +226,7 @@ impl Runner {
             call: request.rpc_id.clone(),
             _at_server: request.rpc_id.as_ref().and_then(|id| {
                 let session = request.parts.headers.get(crate::mcp::MCP_SESSION_ID);
-                self.calls.start(session, id)
+                self.calls.start(&request.intent.route.name, session, id)
             }),
             reconnect: None,
             marked: None,

@@ -100,9 +100,9 @@ impl Task {
         if let Some(id) = &self.call {
             self.reconnect = Some(Reconnect::of(&upstream, &request));
             let session = request.headers().get(crate::mcp::MCP_SESSION_ID);
-            let until = self.deadline.saturating_duration_since(Instant::now());
-            let (store, attempt) = (&self.runner.store, self.attempt.id);
-            self.marked = crate::mcp::mark(store, attempt, session, id, until).await;
+            let (store, by) = (&self.runner.store, (self.attempt.id, self.runner.instance));
+            let at = (self.route.name.as_str(), session);
+            self.marked = crate::mcp::mark(store, by, at, id, self.deadline).await;
         }
         match self.call(upstream, request, &cancel).await {
             // Another attempt's answer won: it ended this one.

@@ -9,41 +9,51 @@
 //! Each process knows the calls its own attempts have at their server
 //! ([`Calls`]); a store shared by replicas (PostgreSQL) is told of each
 //! ([`mark`]), so that a cancel or a `DELETE` reaching another replica is
-//! held back there too.
+//! held back there too. A call is known by digests of its route, its
+//! session and its `id` ([`CallAt`]): the same on every replica, fixed in
+//! size whatever a client sends.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::{HeaderValue, Request};
 use idemgate_domain::id::AttemptId;
 use idemgate_proxy::http::Body;
 use idemgate_store::{CallAt, Store};
 use idemgate_telemetry::Chain;
+use sha2::{Digest, Sha256};
+use tokio::time::Instant;
+use uuid::Uuid;
 
-use super::{id_text, session_of, MCP_SESSION_ID};
+use super::{id_text, MCP_SESSION_ID};
 
-/// How often a session's end held back here asks the store again whether
-/// another replica's call of the session is still at its server.
+/// How long a question to the store about marks may take: past it, the
+/// store is taken not to answer (a call goes unmarked; a cancel or a
+/// session's end passes, as they did before replicas shared marks).
+const PATIENCE: Duration = Duration::from_millis(250);
+
+/// How often, at first, a session's end held back here asks the store again
+/// whether another replica's call of the session is still at its server;
+/// the pause doubles up to [`ASK_AT_MOST_EVERY`].
 const ASK_AGAIN: Duration = Duration::from_millis(250);
-
-/// How many times a mark is asked to be taken off before it is left to
-/// lapse at its attempt's deadline.
-const UNMARK_TRIES: u32 = 6;
+const ASK_AT_MOST_EVERY: Duration = Duration::from_secs(2);
 
 /// The keyed tool calls whose attempts are at their server from this
-/// process, by session (`Mcp-Session-Id`) and `id` (as JSON text).
+/// process, and how many attempts have each.
 #[derive(Default)]
 pub(crate) struct Calls {
-    at_server: std::sync::Mutex<HashMap<(Bytes, String), usize>>,
+    at_server: std::sync::Mutex<HashMap<CallAt, usize>>,
     /// Told whenever a call leaves its server.
     left: tokio::sync::Notify,
 }
 
-/// Marks an MCP route's `DELETE`: the end of the session it names.
-#[derive(Clone, Copy)]
-pub(crate) struct SessionEnd;
+/// Marks an MCP route's `DELETE`: the end of the session it names, on the
+/// route it names.
+#[derive(Clone)]
+pub(crate) struct SessionEnd {
+    pub(crate) route: String,
+}
 
 /// Whether `req` ends an MCP session: it waits for the session's keyed
 /// calls at their server ([`Calls::quiet`]).
@@ -51,34 +61,71 @@ pub(crate) fn ends_session(req: &Request<Body>) -> bool {
     req.extensions().get::<SessionEnd>().is_some()
 }
 
+/// The call `id` (its JSON text) made in `session` on `route`, as its marks
+/// are found.
+fn call_at(route: &str, session: &[u8], id: &str) -> CallAt {
+    let of_session = session_key(route, session);
+    let mut call = Sha256::new();
+    call.update(of_session);
+    call.update(id.as_bytes());
+    CallAt {
+        session: of_session,
+        call: call.finalize().into(),
+    }
+}
+
+/// The digest of `route` and `session`: each part framed by its length, so
+/// that no two pairs write the same bytes.
+fn session_key(route: &str, session: &[u8]) -> [u8; 32] {
+    let mut digest = Sha256::new();
+    for part in [route.as_bytes(), session] {
+        digest.update((part.len() as u64).to_be_bytes());
+        digest.update(part);
+    }
+    digest.finalize().into()
+}
+
 /// One keyed call at its server from here, until dropped.
-pub(crate) struct AtServer(Arc<Calls>, (Bytes, String));
+pub(crate) struct AtServer(Arc<Calls>, CallAt);
 
 impl Calls {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(Bytes, String), usize>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<CallAt, usize>> {
         self.at_server.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Whether keyed calls of `session` are at their server from here.
-    fn in_session(&self, session: &Bytes) -> bool {
-        self.lock().keys().any(|(s, _)| s == session)
+    /// Whether keyed calls of the session `session` (its key) are at their
+    /// server from here.
+    fn in_session(&self, session: &[u8; 32]) -> bool {
+        self.lock().keys().any(|at| &at.session == session)
     }
 
     /// Waits until no keyed call of the session `req` ends is at its
-    /// server, from here or (as the store says) from another replica, or
-    /// `limit` passed. A store that does not answer holds nothing back.
-    pub(crate) async fn quiet(&self, store: &dyn Store, req: &Request<Body>, limit: Duration) {
-        let Some(session) = req.headers().get(MCP_SESSION_ID) else {
+    /// server, from here or (as the store says) from another replica
+    /// (`instance` is this one), or `limit` passed. A store that does not
+    /// answer holds nothing back.
+    pub(crate) async fn quiet(
+        &self,
+        store: &dyn Store,
+        instance: Uuid,
+        req: &Request<Body>,
+        limit: Duration,
+    ) {
+        let (Some(session), Some(end)) = (
+            req.headers().get(MCP_SESSION_ID),
+            req.extensions().get::<SessionEnd>(),
+        ) else {
             return;
         };
-        let session = session_of(Some(session));
+        let session = session_key(&end.route, session.as_bytes());
         let wait = async {
+            let mut pause = ASK_AGAIN;
             let mut told = false;
             loop {
                 let left = self.left.notified();
                 tokio::pin!(left);
                 left.as_mut().enable();
-                let busy = self.in_session(&session) || marked(store, &session, None).await;
+                let busy =
+                    self.in_session(&session) || marked(store, &session, None, instance).await;
                 if !busy {
                     return;
                 }
@@ -87,46 +134,49 @@ impl Calls {
                     told = true;
                 }
                 // A call here says when it leaves; another replica's is
-                // asked about again.
+                // asked about again, less often the longer it runs.
                 tokio::select! {
                     () = left => {}
-                    () = tokio::time::sleep(ASK_AGAIN) => {}
+                    () = tokio::time::sleep(pause) => pause = (pause * 2).min(ASK_AT_MOST_EVERY),
                 }
             }
         };
         let _ = tokio::time::timeout(limit, wait).await;
     }
 
-    /// Marks the call `id` of `session` at its server until the mark drops.
-    /// A call in no session is not marked: without one, one agent's call
-    /// and another's cancel of its own call of the same `id` could not be
-    /// told apart, and a cancel held back for the wrong call would be lost.
+    /// Marks the call `id` of `session` on `route` at its server until the
+    /// mark drops. A call in no session is not marked: without one, one
+    /// agent's call and another's cancel of its own call of the same `id`
+    /// could not be told apart, and a cancel held back for the wrong call
+    /// would be lost.
     pub(crate) fn start(
         self: &Arc<Self>,
+        route: &str,
         session: Option<&HeaderValue>,
         id: &[u8],
     ) -> Option<AtServer> {
-        let at = (session_of(Some(session?)), id_text(id));
-        *self.lock().entry(at.clone()).or_default() += 1;
+        let at = call_at(route, session?.as_bytes(), &id_text(id));
+        *self.lock().entry(at).or_default() += 1;
         Some(AtServer(self.clone(), at))
     }
 
-    /// Whether `body`, a message posted in the session `parts` name, is a
-    /// `notifications/cancelled` of a keyed call at its server, from here
-    /// or (as the store says) from another replica: it is held back.
+    /// Whether `body`, a message posted on `route` in the session `parts`
+    /// name, is a `notifications/cancelled` of a keyed call at its server,
+    /// from here or (as the store says) from another replica (`instance`
+    /// is this one): it is held back.
     pub(crate) async fn holds_cancel(
         &self,
         store: &dyn Store,
-        parts: &http::request::Parts,
-        body: &[u8],
+        instance: Uuid,
+        route: &str,
+        (parts, body): (&http::request::Parts, &[u8]),
     ) -> bool {
         let Some((session, request)) = cancel_of(parts, body) else {
             return false;
         };
-        let here = self
-            .lock()
-            .contains_key(&(session.clone(), request.clone()));
-        let held = here || marked(store, &session, Some(&request)).await;
+        let at = call_at(route, session.as_bytes(), &request);
+        let here = self.lock().contains_key(&at);
+        let held = here || marked(store, &at.session, Some(&at.call), instance).await;
         if held {
             tracing::info!(request = %request, here, "an agent's cancel of a keyed tool call in flight is held back: the call goes on, and its answer is kept for the retry");
         }
@@ -137,7 +187,7 @@ impl Calls {
 /// The session and the request a `notifications/cancelled` in `body`
 /// names, posted in the session `parts` name; `None` for any other message,
 /// and for a cancel in no session (no call in none is marked).
-fn cancel_of(parts: &http::request::Parts, body: &[u8]) -> Option<(Bytes, String)> {
+fn cancel_of(parts: &http::request::Parts, body: &[u8]) -> Option<(HeaderValue, String)> {
     const CANCELLED: &[u8] = b"notifications/cancelled";
     let session = parts.headers.get(MCP_SESSION_ID)?;
     // Most messages are not cancels: not parsed to learn so.
@@ -149,16 +199,27 @@ fn cancel_of(parts: &http::request::Parts, body: &[u8]) -> Option<(Bytes, String
         == Some("notifications/cancelled")
         && message.get("id").is_none();
     let request = message.pointer("/params/requestId").filter(|_| cancel)?;
-    Some((session_of(Some(session)), request.to_string()))
+    Some((session.clone(), request.to_string()))
 }
 
-/// Whether the store has a call of `session` (the request `id`, or any)
-/// marked at its server by any replica; `false` when it does not answer.
-async fn marked(store: &dyn Store, session: &[u8], id: Option<&str>) -> bool {
-    match store.call_at_server(session, id).await {
-        Ok(marked) => marked,
-        Err(e) => {
+/// Whether the store has a call of `session` (the call `call`, or any)
+/// marked at its server by a replica other than `instance`; `false` when
+/// it does not answer within [`PATIENCE`].
+async fn marked(
+    store: &dyn Store,
+    session: &[u8; 32],
+    call: Option<&[u8; 32]>,
+    instance: Uuid,
+) -> bool {
+    let asked = store.call_at_server(session, call, instance);
+    match tokio::time::timeout(PATIENCE, asked).await {
+        Ok(Ok(marked)) => marked,
+        Ok(Err(e)) => {
             tracing::warn!(error = %Chain(&e), "could not ask the store whether another replica has an MCP call at its server; the agent's message passes");
+            false
+        }
+        Err(_) => {
+            tracing::warn!("the store did not say in time whether another replica has an MCP call at its server; the agent's message passes");
             false
         }
     }
@@ -180,36 +241,43 @@ impl Drop for AtServer {
 }
 
 /// A keyed call's mark in the store, for other replicas: taken off when
-/// dropped (as its attempt's task ends), or left to lapse at the attempt's
-/// deadline should the store not answer.
+/// dropped (as its attempt's task ends), asked again until it is or the
+/// mark lapses by itself.
 pub(crate) struct Marked {
     store: Arc<dyn Store>,
     attempt: AttemptId,
+    lapses: Instant,
 }
 
-/// Marks in `store` the call `id` that `attempt` sends in `session`, for
-/// `for_at_most` (the attempt's deadline); `None` for a call in no session,
-/// or when the store does not answer (the call goes on: a cancel reaching
-/// another replica then passes, as one always did).
+/// Marks in `store` the call `id` that `attempt` sends from `instance` in
+/// `session` on `route`, until `deadline` (the attempt's); `None` for a
+/// call in no session. A store that does not answer within [`PATIENCE`]
+/// leaves the call unmarked (it goes on: a cancel reaching another replica
+/// then passes, as one always did); its mark is asked to be taken off all
+/// the same, since the insert may have landed.
 pub(crate) async fn mark(
     store: &Arc<dyn Store>,
-    attempt: AttemptId,
-    session: Option<&HeaderValue>,
+    (attempt, instance): (AttemptId, Uuid),
+    (route, session): (&str, Option<&HeaderValue>),
     id: &[u8],
-    for_at_most: Duration,
+    deadline: Instant,
 ) -> Option<Marked> {
-    let (session, id) = (session?.as_bytes(), id_text(id));
-    let call = CallAt { session, id: &id };
-    match store.mark_call(attempt, call, for_at_most).await {
-        Ok(()) => Some(Marked {
-            store: store.clone(),
-            attempt,
-        }),
-        Err(e) => {
-            tracing::warn!(error = %Chain(&e), %attempt, "could not mark the MCP call at its server for other replicas; an agent's cancel reaching another passes");
-            None
-        }
+    let at = call_at(route, session?.as_bytes(), &id_text(id));
+    let for_at_most = deadline.saturating_duration_since(Instant::now());
+    let marking = store.mark_call(attempt, instance, &at, for_at_most);
+    let failed = match tokio::time::timeout(PATIENCE, marking).await {
+        Ok(Ok(())) => None,
+        Ok(Err(e)) => Some(Chain(&e).to_string()),
+        Err(_) => Some("no answer in time".to_owned()),
+    };
+    if let Some(error) = failed {
+        tracing::warn!(%error, %attempt, "could not mark the MCP call at its server for other replicas; an agent's cancel reaching another passes");
     }
+    Some(Marked {
+        store: store.clone(),
+        attempt,
+        lapses: deadline,
+    })
 }
 
 impl Drop for Marked {
@@ -217,18 +285,22 @@ impl Drop for Marked {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let (store, attempt) = (self.store.clone(), self.attempt);
+        let (store, attempt, lapses) = (self.store.clone(), self.attempt, self.lapses);
         runtime.spawn(async move {
             let mut backoff = Duration::from_millis(50);
-            for _ in 0..UNMARK_TRIES {
+            loop {
                 match store.unmark_call(attempt).await {
                     Ok(()) => return,
-                    Err(e) if e.is_transient() => tokio::time::sleep(backoff).await,
-                    Err(_) => break,
+                    Err(e) if e.is_transient() && Instant::now() + backoff < lapses => {
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(ASK_AT_MOST_EVERY);
+                    }
+                    Err(e) => {
+                        tracing::info!(error = %Chain(&e), %attempt, "the MCP call's mark for other replicas is left to lapse at its attempt's deadline");
+                        return;
+                    }
                 }
-                backoff *= 2;
             }
-            tracing::info!(%attempt, "the MCP call's mark for other replicas is left to lapse at its attempt's deadline");
         });
     }
 }

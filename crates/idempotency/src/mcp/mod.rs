@@ -66,8 +66,13 @@ pub(crate) async fn prepare(
             return Err(ClientError::KeyedBatch.into())
         }
         _ => {
-            let store = shared.runner.store.as_ref();
-            if shared.runner.calls.holds_cancel(store, &parts, &body).await {
+            let (store, instance) = (shared.runner.store.as_ref(), shared.runner.instance);
+            let message = (&parts, &body[..]);
+            let calls = &shared.runner.calls;
+            if calls
+                .holds_cancel(store, instance, &route.name, message)
+                .await
+            {
                 let mut accepted = Response::new(full(Bytes::new()));
                 *accepted.status_mut() = http::StatusCode::ACCEPTED;
                 return Ok(Prepared::Answered(accepted));
@@ -123,10 +128,6 @@ pub(crate) async fn prepare(
         waiting: None,
         rpc_id: Some(call.id),
     }))
-}
-
-fn session_of(session: Option<&HeaderValue>) -> Bytes {
-    session.map_or_else(Bytes::new, |s| Bytes::copy_from_slice(s.as_bytes()))
 }
 
 /// An `id` as JSON text, however it was spelled.

@@ -191,7 +191,8 @@ mod tests {
         async fn mark_call(
             &self,
             _: AttemptId,
-            _: idemgate_store::CallAt<'_>,
+            _: uuid::Uuid,
+            _: &idemgate_store::CallAt,
             _: Duration,
         ) -> Result<(), StoreError> {
             unimplemented!()
@@ -199,7 +200,12 @@ mod tests {
         async fn unmark_call(&self, _: AttemptId) -> Result<(), StoreError> {
             unimplemented!()
         }
-        async fn call_at_server(&self, _: &[u8], _: Option<&str>) -> Result<bool, StoreError> {
+        async fn call_at_server(
+            &self,
+            _: &[u8; 32],
+            _: Option<&[u8; 32]>,
+            _: uuid::Uuid,
+        ) -> Result<bool, StoreError> {
             unimplemented!()
         }
     }

@@ -145,16 +145,17 @@ impl Records for Postgres {
         // expiry order, which could deadlock the two; replicas sweeping at
         // once take different jobs. So is a job one of whose attempts is
         // held: the delete cascades to its attempts.
+        let purged = client
+            .execute(purge_statement(), &[&i64::from(batch)])
+            .await
+            .map_err(map_pg)?;
         // With them, the MCP calls' marks past their attempts' deadlines
-        // (an attempt whose process died never took its own off).
+        // (an attempt whose process died never took its own off): a hint's
+        // upkeep, whose failure fails no purge.
         let stale = "DELETE FROM mcp_calls_at_server WHERE good_until < now()";
-        let batch = i64::from(batch);
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&batch];
-        let (purged, _) = tokio::try_join!(
-            client.execute(purge_statement(), &params),
-            client.execute(stale, &[]),
-        )
-        .map_err(map_pg)?;
+        if let Err(e) = client.execute(stale, &[]).await {
+            tracing::debug!(error = %e, "could not delete the MCP calls' lapsed marks");
+        }
         Ok(purged)
     }
 
@@ -182,20 +183,24 @@ impl Records for Postgres {
     async fn mark_call(
         &self,
         attempt: AttemptId,
-        call: CallAt<'_>,
+        instance: Uuid,
+        call: &CallAt,
         for_at_most: Duration,
     ) -> Result<(), StoreError> {
         let client = self.client().await?;
         let mark = client
             .prepare_cached(
-                "INSERT INTO mcp_calls_at_server (attempt_id, session, rpc_id, good_until) \
-                 VALUES ($1, $2, $3, now() + $4::bigint * interval '1 millisecond') \
+                "INSERT INTO mcp_calls_at_server \
+                 (attempt_id, instance, session_key, call_key, good_until) \
+                 VALUES ($1, $2, $3, $4, now() + $5::bigint * interval '1 millisecond') \
                  ON CONFLICT (attempt_id) DO NOTHING",
             )
             .await
             .map_err(map_pg)?;
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
-            [&attempt.0, &call.session, &call.id, &millis(for_at_most)];
+        let (session, key) = (&call.session[..], &call.call[..]);
+        let until = millis(for_at_most);
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
+            [&attempt.0, &instance, &session, &key, &until];
         client.execute(&mark, &params).await.map_err(map_pg)?;
         Ok(())
     }
@@ -213,18 +218,24 @@ impl Records for Postgres {
         Ok(())
     }
 
-    async fn call_at_server(&self, session: &[u8], id: Option<&str>) -> Result<bool, StoreError> {
+    async fn call_at_server(
+        &self,
+        session: &[u8; 32],
+        call: Option<&[u8; 32]>,
+        except: Uuid,
+    ) -> Result<bool, StoreError> {
         let client = self.client().await?;
         let marked = client
             .prepare_cached(
                 "SELECT EXISTS (SELECT 1 FROM mcp_calls_at_server \
-                 WHERE session = $1 AND ($2::text IS NULL OR rpc_id = $2) \
-                 AND good_until > now())",
+                 WHERE session_key = $1 AND ($2::bytea IS NULL OR call_key = $2) \
+                 AND instance <> $3 AND good_until > now())",
             )
             .await
             .map_err(map_pg)?;
+        let (session, call) = (&session[..], call.map(|c| &c[..]));
         let row = client
-            .query_one(&marked, &[&session, &id])
+            .query_one(&marked, &[&session, &call, &except])
             .await
             .map_err(map_pg)?;
         Ok(row.get(0))

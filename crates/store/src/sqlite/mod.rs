@@ -257,7 +257,8 @@ impl Records for Sqlite {
     async fn mark_call(
         &self,
         _attempt: AttemptId,
-        _call: crate::CallAt<'_>,
+        _instance: uuid::Uuid,
+        _call: &crate::CallAt,
         _for_at_most: Duration,
     ) -> Result<(), StoreError> {
         // One gateway per file: its calls are known in that process.
@@ -268,7 +269,12 @@ impl Records for Sqlite {
         Ok(())
     }
 
-    async fn call_at_server(&self, _session: &[u8], _id: Option<&str>) -> Result<bool, StoreError> {
+    async fn call_at_server(
+        &self,
+        _session: &[u8; 32],
+        _call: Option<&[u8; 32]>,
+        _except: uuid::Uuid,
+    ) -> Result<bool, StoreError> {
         Ok(false)
     }
 
