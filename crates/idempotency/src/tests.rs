@@ -40,6 +40,10 @@ use idemgate_store::{Doorbell, Records, Store};
 struct Faults {
     fail_hedges: bool,
     fail_claims: bool,
+    /// Whether the store says another replica has every MCP call marked,
+    /// and how many times it was asked.
+    calls_marked: bool,
+    marks_asked: std::sync::atomic::AtomicUsize,
     hedged: Notify,
     begun: Notify,
 }
@@ -128,7 +132,9 @@ impl Records for Faulty {
         call: Option<&[u8; 32]>,
         except: uuid::Uuid,
     ) -> Result<bool, StoreError> {
-        self.inner.call_at_server(session, call, except).await
+        self.faults.marks_asked.fetch_add(1, Ordering::SeqCst);
+        let marked = self.inner.call_at_server(session, call, except).await?;
+        Ok(marked || self.faults.calls_marked)
     }
     async fn record_lookup(
         &self,
@@ -428,4 +434,44 @@ async fn a_pass_through_request_gets_the_upstream_handles_readiness_error() {
         response.headers()[http::header::CONTENT_TYPE],
         "application/problem+json"
     );
+}
+
+/// Many `DELETE`s of one MCP session, held while another replica's call of
+/// it is marked, share their asks of the store: over a 10 s hold, twenty
+/// ask about as often as one would (without the sharing, each asks eight
+/// times: 160 in all).
+#[tokio::test(start_paused = true)]
+async fn held_session_ends_share_their_asks_of_the_store() {
+    let (_, faults, store) = layer(
+        testing::route(&["http://127.0.0.1:9"], |_| {}),
+        Faults {
+            calls_marked: true,
+            ..Faults::default()
+        },
+    );
+    let calls = Arc::new(crate::mcp::Calls::default());
+    let end = || {
+        Request::delete("/mcp")
+            .header("mcp-session-id", "s1")
+            .extension(crate::mcp::SessionEnd {
+                route: "mcp".into(),
+            })
+            .body(idemgate_proxy::http::full(""))
+            .unwrap()
+    };
+    let started = tokio::time::Instant::now();
+    let ends = (0..20).map(|_| {
+        let (calls, store, end) = (calls.clone(), store.clone(), end());
+        tokio::spawn(async move {
+            let limit = Duration::from_secs(10);
+            calls.quiet(store.as_ref(), Uuid::nil(), &end, limit).await;
+        })
+    });
+    futures_util::future::join_all(ends).await;
+    assert!(
+        started.elapsed() >= Duration::from_secs(10),
+        "held for the limit"
+    );
+    let asks = faults.marks_asked.load(Ordering::SeqCst);
+    assert!((8..=20).contains(&asks), "{asks} asks");
 }

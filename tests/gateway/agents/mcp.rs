@@ -512,16 +512,7 @@ async fn abandoned(store: TestStore, answering: Answering, how: Abandon) {
             .await,
     );
     let call = |id| tool_call(json!(id), "charge", json!({"amount": 5}), Some("k"));
-    let first = {
-        let (gateway, call) = (gateway.clone(), call(1));
-        tokio::spawn(async move { post(&gateway, &call, "s1").await })
-    };
-    crate::support::eventually(
-        std::time::Duration::from_secs(10),
-        "the call held at the server",
-        || async { server.pending() == 1 },
-    )
-    .await;
+    let first = held_at_server(&gateway, &server, call(1)).await;
     match how {
         // Sent to the server itself, as through another replica: a
         // replica holds back only the cancels, and the session ends, of
@@ -569,20 +560,7 @@ async fn cancel_held_back(store: TestStore, answering: Answering) {
     let server = FakeMcp::start(answering, Some(gate.clone())).await;
     let gateway = std::sync::Arc::new(gateway(&store, &server).await);
     let call = |id| tool_call(json!(id), "charge", json!({"amount": 5}), Some("k"));
-    let first = {
-        let (gateway, call) = (gateway.clone(), call(1));
-        tokio::spawn(async move { post(&gateway, &call, "s1").await })
-    };
-    crate::support::eventually(
-        std::time::Duration::from_secs(10),
-        "the call held at the server",
-        || async { server.pending() == 1 },
-    )
-    .await;
-    let cancel = |id| {
-        json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
-               "params": {"requestId": id, "reason": "timed out"}})
-    };
+    let first = held_at_server(&gateway, &server, call(1)).await;
     let posts = server.posts().len();
     assert_eq!(post(&gateway, &cancel(1), "s1").await.status, 202);
     assert_eq!(server.posts().len(), posts, "{answering:?}: held back");
@@ -616,20 +594,7 @@ async fn an_agents_cancel_and_session_end_at_another_replica_are_held_back() {
     let running = std::sync::Arc::new(gateway(&store, &server).await);
     let other = std::sync::Arc::new(gateway(&store, &server).await);
     let call = |id| tool_call(json!(id), "charge", json!({"amount": 5}), Some("k"));
-    let first = {
-        let (running, call) = (running.clone(), call(1));
-        tokio::spawn(async move { post(&running, &call, "s1").await })
-    };
-    crate::support::eventually(
-        std::time::Duration::from_secs(10),
-        "the call held at the server",
-        || async { server.pending() == 1 },
-    )
-    .await;
-    let cancel = |id| {
-        json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
-               "params": {"requestId": id, "reason": "timed out"}})
-    };
+    let first = held_at_server(&running, &server, call(1)).await;
     let posts = server.posts().len();
     assert_eq!(post(&other, &cancel(1), "s1").await.status, 202);
     assert_eq!(
@@ -682,6 +647,30 @@ async fn an_agents_cancel_and_session_end_at_another_replica_are_held_back() {
     .await;
 }
 
+/// Posts `call` through `gateway` in session `s1`, and waits until it is
+/// held at `server` (gated).
+async fn held_at_server(
+    gateway: &std::sync::Arc<Gateway>,
+    server: &FakeMcp,
+    call: Value,
+) -> tokio::task::JoinHandle<Reply> {
+    let gateway = gateway.clone();
+    let first = tokio::spawn(async move { post(&gateway, &call, "s1").await });
+    crate::support::eventually(
+        std::time::Duration::from_secs(10),
+        "the call held at the server",
+        || async { server.pending() == 1 },
+    )
+    .await;
+    first
+}
+
+/// An agent's `notifications/cancelled` of the request `id`.
+fn cancel(id: u32) -> Value {
+    json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+           "params": {"requestId": id, "reason": "timed out"}})
+}
+
 async fn an_agents_cancel_of_a_call_in_flight_is_held_back(store: TestStore) {
     cancel_held_back(store, Answering::Json).await;
 }
@@ -699,16 +688,7 @@ async fn session_end_held_back(store: TestStore, answering: Answering) {
     let server = FakeMcp::start(answering, Some(gate.clone())).await;
     let gateway = std::sync::Arc::new(gateway(&store, &server).await);
     let call = |id| tool_call(json!(id), "charge", json!({"amount": 5}), Some("k"));
-    let first = {
-        let (gateway, call) = (gateway.clone(), call(1));
-        tokio::spawn(async move { post(&gateway, &call, "s1").await })
-    };
-    crate::support::eventually(
-        std::time::Duration::from_secs(10),
-        "the call held at the server",
-        || async { server.pending() == 1 },
-    )
-    .await;
+    let first = held_at_server(&gateway, &server, call(1)).await;
     let deleted = {
         let gateway = gateway.clone();
         tokio::spawn(async move {

@@ -46,6 +46,10 @@ pub(crate) struct Calls {
     at_server: std::sync::Mutex<HashMap<CallAt, usize>>,
     /// Told whenever a call leaves its server.
     left: tokio::sync::Notify,
+    /// What the store last said of each session's marks, and when: the
+    /// `DELETE`s of a session held here share it for [`ASK_AGAIN`], so a
+    /// client that sends many asks the store no more than one would.
+    asked: std::sync::Mutex<HashMap<[u8; 32], (Instant, bool)>>,
 }
 
 /// Marks an MCP route's `DELETE`: the end of the session it names, on the
@@ -124,8 +128,8 @@ impl Calls {
                 let left = self.left.notified();
                 tokio::pin!(left);
                 left.as_mut().enable();
-                let busy =
-                    self.in_session(&session) || marked(store, &session, None, instance).await;
+                let busy = self.in_session(&session)
+                    || self.session_marked(store, &session, instance).await;
                 if !busy {
                     return;
                 }
@@ -142,6 +146,25 @@ impl Calls {
             }
         };
         let _ = tokio::time::timeout(limit, wait).await;
+    }
+
+    /// Whether the store has a call of `session` marked by another replica,
+    /// as it said less than [`ASK_AGAIN`] ago, or asked now.
+    async fn session_marked(&self, store: &dyn Store, session: &[u8; 32], instance: Uuid) -> bool {
+        let said = self
+            .asked
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(session)
+            .copied();
+        if let Some((_, marked)) = said.filter(|(at, _)| at.elapsed() < ASK_AGAIN) {
+            return marked;
+        }
+        let marked = marked(store, session, None, instance).await;
+        let mut asked = self.asked.lock().unwrap_or_else(|e| e.into_inner());
+        asked.retain(|_, (at, _)| at.elapsed() < ASK_AGAIN);
+        asked.insert(*session, (Instant::now(), marked));
+        marked
     }
 
     /// Marks the call `id` of `session` on `route` at its server until the
