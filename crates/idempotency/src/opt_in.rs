@@ -109,6 +109,14 @@ impl Refused {
     }
 }
 
+/// Marks an MCP route's `DELETE`: the end of the session it names, on the
+/// route it names (its keyed calls at their server hold it back:
+/// `mcp::Calls::quiet`).
+#[derive(Clone)]
+pub(crate) struct SessionEnd {
+    pub(crate) route: String,
+}
+
 /// Tells pass-through from opted-in by the first route that matches. On a
 /// route that serves only proven clients, the client is proven first,
 /// keyed request or not (`docs/design.md` §15).
@@ -129,7 +137,7 @@ pub(crate) fn classify(routes: &[Arc<Route>], trust: &Trust, mut req: Request<Bo
         req.extensions_mut()
             .insert(Target(route.primary.id.clone()));
         if req.method() == http::Method::DELETE {
-            let end = crate::mcp::SessionEnd {
+            let end = SessionEnd {
                 route: route.name.clone(),
             };
             req.extensions_mut().insert(end);

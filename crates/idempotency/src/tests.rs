@@ -453,7 +453,7 @@ async fn held_session_ends_share_their_asks_of_the_store() {
     let end = || {
         Request::delete("/mcp")
             .header("mcp-session-id", "s1")
-            .extension(crate::mcp::SessionEnd {
+            .extension(crate::opt_in::SessionEnd {
                 route: "mcp".into(),
             })
             .body(idemgate_proxy::http::full(""))

@@ -27,6 +27,7 @@ use tokio::time::Instant;
 use uuid::Uuid;
 
 use super::{id_text, MCP_SESSION_ID};
+use crate::opt_in::SessionEnd;
 
 /// How long a question to the store about marks may take: past it, the
 /// store is taken not to answer (a call goes unmarked; a cancel or a
@@ -50,13 +51,6 @@ pub(crate) struct Calls {
     /// `DELETE`s of a session held here share it for [`ASK_AGAIN`], so a
     /// client that sends many asks the store no more than one would.
     asked: std::sync::Mutex<HashMap<[u8; 32], (Instant, bool)>>,
-}
-
-/// Marks an MCP route's `DELETE`: the end of the session it names, on the
-/// route it names.
-#[derive(Clone)]
-pub(crate) struct SessionEnd {
-    pub(crate) route: String,
 }
 
 /// Whether `req` ends an MCP session: it waits for the session's keyed
