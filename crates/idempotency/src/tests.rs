@@ -44,6 +44,10 @@ struct Faults {
     /// and how many times it was asked.
     calls_marked: bool,
     marks_asked: std::sync::atomic::AtomicUsize,
+    /// How long a mark's insert takes, and the marks' writes in the order
+    /// they landed.
+    mark_takes: Duration,
+    marks_written: Mutex<Vec<&'static str>>,
     hedged: Notify,
     begun: Notify,
 }
@@ -117,12 +121,15 @@ impl Records for Faulty {
         call: &idemgate_store::CallAt,
         for_at_most: Duration,
     ) -> Result<(), StoreError> {
+        tokio::time::sleep(self.faults.mark_takes).await;
+        self.faults.marks_written.lock().unwrap().push("mark");
         self.inner
             .mark_call(attempt, instance, call, for_at_most)
             .await
     }
 
     async fn unmark_call(&self, attempt: AttemptId) -> Result<(), StoreError> {
+        self.faults.marks_written.lock().unwrap().push("unmark");
         self.inner.unmark_call(attempt).await
     }
 
@@ -474,4 +481,33 @@ async fn held_session_ends_share_their_asks_of_the_store() {
     );
     let asks = faults.marks_asked.load(Ordering::SeqCst);
     assert!((8..=20).contains(&asks), "{asks} asks");
+}
+
+/// A mark whose insert the call was not held for (the store slower than
+/// its patience) is taken off only once the insert has landed: taken off
+/// first, the late insert would stand until the attempt's deadline and
+/// hold the session's end at every other replica that long.
+#[tokio::test(start_paused = true)]
+async fn a_late_mark_is_taken_off_after_it_lands() {
+    let (_, faults, store) = layer(
+        testing::route(&["http://127.0.0.1:9"], |_| {}),
+        Faults {
+            mark_takes: Duration::from_secs(5),
+            ..Faults::default()
+        },
+    );
+    let session = http::HeaderValue::from_static("s1");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let by = (idemgate_domain::id::AttemptId::new(), Uuid::nil());
+    let started = tokio::time::Instant::now();
+    let marked = crate::mcp::mark(&store, by, ("mcp", Some(&session)), b"1", deadline).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "not held for the insert"
+    );
+    assert!(faults.marks_written.lock().unwrap().is_empty());
+    // The call ends at once.
+    drop(marked);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(*faults.marks_written.lock().unwrap(), ["mark", "unmark"]);
 }

@@ -29,10 +29,11 @@ use uuid::Uuid;
 use super::{id_text, MCP_SESSION_ID};
 use crate::opt_in::SessionEnd;
 
-/// How long a question to the store about marks may take: past it, the
-/// store is taken not to answer (a call goes unmarked; a cancel or a
-/// session's end passes, as they did before replicas shared marks).
-const PATIENCE: Duration = Duration::from_millis(250);
+/// How long a question to the store about marks may take (the default
+/// `database_timeout`): past it, the store is taken not to answer (a cancel
+/// or a session's end passes, as they did before replicas shared marks; a
+/// call is sent, its mark still on its way).
+const PATIENCE: Duration = Duration::from_secs(2);
 
 /// How often, at first, a session's end held back here asks the store again
 /// whether another replica's call of the session is still at its server;
@@ -154,10 +155,12 @@ impl Calls {
         if let Some((_, marked)) = said.filter(|(at, _)| at.elapsed() < ASK_AGAIN) {
             return marked;
         }
+        // Stamped as asked, not as answered: the answer is of then.
+        let asking = Instant::now();
         let marked = marked(store, session, None, instance).await;
         let mut asked = self.asked.lock().unwrap_or_else(|e| e.into_inner());
         asked.retain(|_, (at, _)| at.elapsed() < ASK_AGAIN);
-        asked.insert(*session, (Instant::now(), marked));
+        asked.insert(*session, (asking, marked));
         marked
     }
 
@@ -264,14 +267,17 @@ pub(crate) struct Marked {
     store: Arc<dyn Store>,
     attempt: AttemptId,
     lapses: Instant,
+    /// The insert, while it may still land: taken off only after it.
+    marking: Option<tokio::task::JoinHandle<()>>,
 }
 
 /// Marks in `store` the call `id` that `attempt` sends from `instance` in
 /// `session` on `route`, until `deadline` (the attempt's); `None` for a
-/// call in no session. A store that does not answer within [`PATIENCE`]
-/// leaves the call unmarked (it goes on: a cancel reaching another replica
-/// then passes, as one always did); its mark is asked to be taken off all
-/// the same, since the insert may have landed.
+/// call in no session. The insert is waited for at most [`PATIENCE`]: a
+/// call is not held by a store that does not answer (a cancel reaching
+/// another replica before its mark lands passes, as one always did). An
+/// insert still on its way is waited for before the mark is taken off,
+/// so that it cannot land after.
 pub(crate) async fn mark(
     store: &Arc<dyn Store>,
     (attempt, instance): (AttemptId, Uuid),
@@ -281,19 +287,27 @@ pub(crate) async fn mark(
 ) -> Option<Marked> {
     let at = call_at(route, session?.as_bytes(), &id_text(id));
     let for_at_most = deadline.saturating_duration_since(Instant::now());
-    let marking = store.mark_call(attempt, instance, &at, for_at_most);
-    let failed = match tokio::time::timeout(PATIENCE, marking).await {
-        Ok(Ok(())) => None,
-        Ok(Err(e)) => Some(Chain(&e).to_string()),
-        Err(_) => Some("no answer in time".to_owned()),
+    let marking = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            if let Err(e) = store.mark_call(attempt, instance, &at, for_at_most).await {
+                tracing::warn!(error = %Chain(&e), %attempt, "could not mark the MCP call at its server for other replicas; an agent's cancel reaching another passes");
+            }
+        })
     };
-    if let Some(error) = failed {
-        tracing::warn!(%error, %attempt, "could not mark the MCP call at its server for other replicas; an agent's cancel reaching another passes");
+    let mut marking = Some(marking);
+    if let Some(insert) = marking.as_mut() {
+        if tokio::time::timeout(PATIENCE, insert).await.is_ok() {
+            marking = None;
+        } else {
+            tracing::warn!(%attempt, "the MCP call's mark for other replicas is not written yet; the call is sent, its mark on its way");
+        }
     }
     Some(Marked {
         store: store.clone(),
         attempt,
         lapses: deadline,
+        marking,
     })
 }
 
@@ -303,7 +317,11 @@ impl Drop for Marked {
             return;
         };
         let (store, attempt, lapses) = (self.store.clone(), self.attempt, self.lapses);
+        let marking = self.marking.take();
         runtime.spawn(async move {
+            if let Some(insert) = marking {
+                let _ = insert.await;
+            }
             let mut backoff = Duration::from_millis(50);
             loop {
                 match store.unmark_call(attempt).await {
