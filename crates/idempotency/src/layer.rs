@@ -173,7 +173,7 @@ async fn end_session(
     let limit = shared.config.attempt.deadline;
     let ended = tokio::spawn(
         async move {
-            calls.quiet(store.as_ref(), instance, &req, limit).await;
+            calls.quiet(&store, instance, &req, limit).await;
             upstream.oneshot(req).await
         }
         .in_current_span(),

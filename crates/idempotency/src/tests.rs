@@ -41,8 +41,9 @@ struct Faults {
     fail_hedges: bool,
     fail_claims: bool,
     /// Whether the store says another replica has every MCP call marked,
-    /// and how many times it was asked.
+    /// how long it takes to say, and how many times it was asked.
     calls_marked: bool,
+    ask_takes: Duration,
     marks_asked: std::sync::atomic::AtomicUsize,
     /// How long a mark's insert takes, and the marks' writes in the order
     /// they landed.
@@ -140,6 +141,7 @@ impl Records for Faulty {
         except: uuid::Uuid,
     ) -> Result<bool, StoreError> {
         self.faults.marks_asked.fetch_add(1, Ordering::SeqCst);
+        tokio::time::sleep(self.faults.ask_takes).await;
         let marked = self.inner.call_at_server(session, call, except).await?;
         Ok(marked || self.faults.calls_marked)
     }
@@ -444,15 +446,17 @@ async fn a_pass_through_request_gets_the_upstream_handles_readiness_error() {
 }
 
 /// Many `DELETE`s of one MCP session, held while another replica's call of
-/// it is marked, share their asks of the store: over a 10 s hold, twenty
-/// ask about as often as one would (without the sharing, each asks eight
-/// times: 160 in all).
+/// it is marked, share their asks of the store, on their way (the store
+/// takes 100 ms to answer) or answered: over a 10 s hold, twenty ask about
+/// as often as one would (without the sharing, each asks eight times: 160
+/// in all, as many when only answers are shared).
 #[tokio::test(start_paused = true)]
 async fn held_session_ends_share_their_asks_of_the_store() {
     let (_, faults, store) = layer(
         testing::route(&["http://127.0.0.1:9"], |_| {}),
         Faults {
             calls_marked: true,
+            ask_takes: Duration::from_millis(100),
             ..Faults::default()
         },
     );
@@ -471,7 +475,7 @@ async fn held_session_ends_share_their_asks_of_the_store() {
         let (calls, store, end) = (calls.clone(), store.clone(), end());
         tokio::spawn(async move {
             let limit = Duration::from_secs(10);
-            calls.quiet(store.as_ref(), Uuid::nil(), &end, limit).await;
+            calls.quiet(&store, Uuid::nil(), &end, limit).await;
         })
     });
     futures_util::future::join_all(ends).await;
@@ -480,7 +484,7 @@ async fn held_session_ends_share_their_asks_of_the_store() {
         "held for the limit"
     );
     let asks = faults.marks_asked.load(Ordering::SeqCst);
-    assert!((8..=20).contains(&asks), "{asks} asks");
+    assert!((5..=20).contains(&asks), "{asks} asks");
 }
 
 /// A mark whose insert the call was not held for (the store slower than

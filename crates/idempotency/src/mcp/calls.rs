@@ -17,6 +17,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::future::{BoxFuture, FutureExt, Shared};
 use http::{HeaderValue, Request};
 use idemgate_domain::id::AttemptId;
 use idemgate_proxy::http::Body;
@@ -48,11 +49,16 @@ pub(crate) struct Calls {
     at_server: std::sync::Mutex<HashMap<CallAt, usize>>,
     /// Told whenever a call leaves its server.
     left: tokio::sync::Notify,
-    /// What the store last said of each session's marks, and when: the
-    /// `DELETE`s of a session held here share it for [`ASK_AGAIN`], so a
-    /// client that sends many asks the store no more than one would.
-    asked: std::sync::Mutex<HashMap<[u8; 32], (Instant, bool)>>,
+    /// The store's answer about each session's marks, on its way or
+    /// given, and when it was asked: the `DELETE`s of a session held here
+    /// share it for [`ASK_AGAIN`], so a client that sends many asks the
+    /// store about as often as one would.
+    asked: std::sync::Mutex<HashMap<[u8; 32], (Instant, Answer)>>,
 }
+
+/// The store's answer to whether a session has calls marked, shared by
+/// everyone who waits for it.
+type Answer = Shared<BoxFuture<'static, bool>>;
 
 /// Whether `req` ends an MCP session: it waits for the session's keyed
 /// calls at their server ([`Calls::quiet`]).
@@ -104,7 +110,7 @@ impl Calls {
     /// answer holds nothing back.
     pub(crate) async fn quiet(
         &self,
-        store: &dyn Store,
+        store: &Arc<dyn Store>,
         instance: Uuid,
         req: &Request<Body>,
         limit: Duration,
@@ -143,25 +149,31 @@ impl Calls {
         let _ = tokio::time::timeout(limit, wait).await;
     }
 
-    /// Whether the store has a call of `session` marked by another replica,
-    /// as it said less than [`ASK_AGAIN`] ago, or asked now.
-    async fn session_marked(&self, store: &dyn Store, session: &[u8; 32], instance: Uuid) -> bool {
-        let said = self
-            .asked
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(session)
-            .copied();
-        if let Some((_, marked)) = said.filter(|(at, _)| at.elapsed() < ASK_AGAIN) {
-            return marked;
-        }
-        // Stamped as asked, not as answered: the answer is of then.
-        let asking = Instant::now();
-        let marked = marked(store, session, None, instance).await;
-        let mut asked = self.asked.lock().unwrap_or_else(|e| e.into_inner());
-        asked.retain(|_, (at, _)| at.elapsed() < ASK_AGAIN);
-        asked.insert(*session, (asking, marked));
-        marked
+    /// Whether the store has a call of `session` marked by another replica:
+    /// the answer to a question asked less than [`ASK_AGAIN`] ago, on its
+    /// way or given, or to one asked now.
+    async fn session_marked(
+        &self,
+        store: &Arc<dyn Store>,
+        session: &[u8; 32],
+        instance: Uuid,
+    ) -> bool {
+        let answer = {
+            let mut asked = self.asked.lock().unwrap_or_else(|e| e.into_inner());
+            match asked.get(session) {
+                Some((at, answer)) if at.elapsed() < ASK_AGAIN => answer.clone(),
+                _ => {
+                    asked.retain(|_, (at, _)| at.elapsed() < ASK_AGAIN);
+                    let (store, key) = (store.clone(), *session);
+                    let asking = async move { marked(store.as_ref(), &key, None, instance).await };
+                    let answer = asking.boxed().shared();
+                    // Stamped as asked, not as answered: the answer is of then.
+                    asked.insert(*session, (Instant::now(), answer.clone()));
+                    answer
+                }
+            }
+        };
+        answer.await
     }
 
     /// Marks the call `id` of `session` on `route` at its server until the
