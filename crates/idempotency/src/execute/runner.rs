@@ -200,6 +200,11 @@ impl Runner {
             upstream: attempt.upstream.clone(),
         };
         let ends = Ends::new(route, &attempt.upstream, attempt.id, attempt.job_id);
+        // The session an MCP tool call is made in.
+        let session = request.rpc_id.as_ref().and_then(|_| {
+            let session = request.parts.headers.get(crate::mcp::MCP_SESSION_ID);
+            session.cloned()
+        });
         let task = Task {
             lease: Arc::new(self.leases.hold(attempt.id, held)),
             ends: Arc::new(ends),
@@ -224,9 +229,10 @@ impl Runner {
             charge: request.charge.clone(),
             _calling: calling,
             call: request.rpc_id.clone(),
+            session: session.clone(),
             _at_server: request.rpc_id.as_ref().and_then(|id| {
-                let session = request.parts.headers.get(crate::mcp::MCP_SESSION_ID);
-                self.calls.start(&request.intent.route.name, session, id)
+                self.calls
+                    .start(&request.intent.route.name, session.as_ref(), id)
             }),
             reconnect: None,
             marked: None,

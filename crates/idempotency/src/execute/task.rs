@@ -79,6 +79,8 @@ pub(super) struct Task {
     /// The JSON-RPC `id` of the MCP tool call it sends: only an answer
     /// that responds to it is the call's (`docs/design.md` §19).
     pub(super) call: Option<Vec<u8>>,
+    /// The session that call is made in, if any.
+    pub(super) session: Option<http::HeaderValue>,
     /// Marks that call at its server from here until the task ends: its
     /// agent's `notifications/cancelled` is held back meanwhile.
     pub(super) _at_server: Option<crate::mcp::AtServer>,
@@ -99,9 +101,8 @@ impl Task {
     ) {
         if let Some(id) = &self.call {
             self.reconnect = Some(Reconnect::of(&upstream, &request));
-            let session = request.headers().get(crate::mcp::MCP_SESSION_ID);
             let (store, by) = (&self.runner.store, (self.attempt.id, self.runner.instance));
-            let at = (self.route.name.as_str(), session);
+            let at = (self.route.name.as_str(), self.session.as_ref());
             self.marked = crate::mcp::mark(store, by, at, id, self.deadline).await;
         }
         match self.call(upstream, request, &cancel).await {
@@ -296,10 +297,6 @@ impl Task {
     ) -> Call {
         use tower::ServiceExt;
         request.extensions_mut().insert(self.stopwatch.clone());
-        // A tool call's session, for its answer to name if its server
-        // names none (`mcp::name_session`).
-        let asked_in = |_: &Vec<u8>| request.headers().get(crate::mcp::MCP_SESSION_ID).cloned();
-        let session = self.call.as_ref().and_then(asked_in);
         let (progress_tx, mut progress) = watch::channel(0u64);
         let mut clock = Clock::new(self.silences);
         let head = async {
@@ -314,7 +311,8 @@ impl Task {
             Watched::DeadlinePassed => return Call::DeadlinePassed,
         };
         let (mut parts, body) = response.into_parts();
-        crate::mcp::name_session(&mut parts.headers, session);
+        // Its answer names the call's session if its server named none.
+        crate::mcp::name_session(&mut parts.headers, self.session.clone());
         if !clock.timed_out {
             clock.took_head();
         }

@@ -299,7 +299,7 @@ pub(crate) async fn mark(
 ) -> Option<Marked> {
     let at = call_at(route, session?.as_bytes(), &id_text(id));
     let for_at_most = deadline.saturating_duration_since(Instant::now());
-    let marking = {
+    let mut insert = {
         let store = store.clone();
         tokio::spawn(async move {
             if let Err(e) = store.mark_call(attempt, instance, &at, for_at_most).await {
@@ -307,14 +307,13 @@ pub(crate) async fn mark(
             }
         })
     };
-    let mut marking = Some(marking);
-    if let Some(insert) = marking.as_mut() {
-        if tokio::time::timeout(PATIENCE, insert).await.is_ok() {
-            marking = None;
-        } else {
+    let marking = match tokio::time::timeout(PATIENCE, &mut insert).await {
+        Ok(_) => None,
+        Err(_) => {
             tracing::warn!(%attempt, "the MCP call's mark for other replicas is not written yet; the call is sent, its mark on its way");
+            Some(insert)
         }
-    }
+    };
     Some(Marked {
         store: store.clone(),
         attempt,

@@ -201,20 +201,16 @@ impl Postgres {
         xid: Xid,
         error: StoreError,
     ) -> Result<Vec<Change>, StoreError> {
-        if self.committed(xid).await != Some(true) {
+        if !self.committed(xid).await {
             return Err(error);
         }
         tracing::info!(error = %Chain(&error), jobs = changes.len(), "a sweep's commit failed, yet it committed: its reply was lost");
         Ok(changes)
     }
 
-    /// Whether the transaction `xid` committed (`Some(false)`: it aborted),
-    /// asked until the server says, or [`CONFIRM_FOR`] passes (`None`); also
-    /// `None` when the server no longer knows (`txid_status` is null for a
-    /// transaction too old, not for one seconds old) or is not the one that
-    /// gave the id (restarted, or another after a failover: the id may be
-    /// another transaction's there).
-    async fn committed(&self, xid: Xid) -> Option<bool> {
+    /// Whether the transaction `xid` committed, asked until the server says
+    /// ([`fate`]) or [`CONFIRM_FOR`] passes (then `false`).
+    async fn committed(&self, xid: Xid) -> bool {
         let ask = || async {
             let client = self.client().await?;
             let row = client
@@ -225,35 +221,70 @@ impl Postgres {
                 )
                 .await
                 .map_err(map_pg)?;
+            let status = row.get::<_, Option<&str>>(0);
             let same_server = row.get::<_, SystemTime>(1) == xid.server;
-            let status = row.get::<_, Option<String>>(0);
-            // Servers before the minor releases of August 2022 say
-            // committed while the commit still waits for a synchronous
-            // standby, its changes not yet seen: still in progress, then.
-            let seen = row.get::<_, bool>(2);
-            let status = match status.as_deref() {
-                Some("committed") if !seen => Some("in progress".to_owned()),
-                _ => status,
-            };
-            Ok::<_, StoreError>(same_server.then_some(status))
+            Ok::<_, StoreError>(fate(status, same_server, row.get(2)))
         };
         let deadline = Instant::now() + CONFIRM_FOR;
         let mut backoff = Duration::from_millis(50);
         loop {
-            let pending = match ask().await {
-                Ok(Some(Some(status))) if status == "committed" => return Some(true),
-                Ok(Some(Some(status))) if status == "aborted" => return Some(false),
-                Ok(None | Some(None)) => return None,
-                // Still in progress: the server has not yet seen its
-                // connection go.
-                Ok(Some(Some(_))) => true,
-                Err(e) => e.is_transient(),
-            };
-            if !pending || Instant::now() + backoff >= deadline {
-                return None;
+            match ask().await {
+                Ok(Fate::Committed) => return true,
+                Ok(Fate::Aborted | Fate::Unknowable) => return false,
+                Ok(Fate::InProgress) => {}
+                Err(e) if e.is_transient() => {}
+                Err(_) => return false,
+            }
+            if Instant::now() + backoff >= deadline {
+                return false;
             }
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_secs(2));
         }
+    }
+}
+
+/// What became of a transaction, as its server says.
+#[derive(Debug, PartialEq, Eq)]
+enum Fate {
+    Committed,
+    Aborted,
+    /// Not yet decided: the server has not seen its connection go, or a
+    /// commit still waits for a synchronous standby.
+    InProgress,
+    /// The server cannot say: it no longer knows the id (`txid_status` is
+    /// null for a transaction too old, not for one seconds old), or it is
+    /// not the one that gave it (restarted, or another after a failover:
+    /// the id may be another transaction's there).
+    Unknowable,
+}
+
+/// The fate `txid_status` (`status`) says, on the server that gave the id
+/// or not (`same_server`), its changes `seen` in a snapshot taken now.
+/// Servers before the minor releases of August 2022 say committed while
+/// the commit still waits for a synchronous standby, its changes not yet
+/// seen: in progress, then.
+fn fate(status: Option<&str>, same_server: bool, seen: bool) -> Fate {
+    match status {
+        _ if !same_server => Fate::Unknowable,
+        Some("committed") if seen => Fate::Committed,
+        Some("committed" | "in progress") => Fate::InProgress,
+        Some("aborted") => Fate::Aborted,
+        _ => Fate::Unknowable,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{fate, Fate};
+
+    #[test]
+    fn a_transaction_counts_as_committed_only_once_seen_on_its_own_server() {
+        assert_eq!(fate(Some("committed"), true, true), Fate::Committed);
+        assert_eq!(fate(Some("committed"), true, false), Fate::InProgress);
+        assert_eq!(fate(Some("in progress"), true, false), Fate::InProgress);
+        assert_eq!(fate(Some("aborted"), true, false), Fate::Aborted);
+        assert_eq!(fate(None, true, false), Fate::Unknowable);
+        assert_eq!(fate(Some("committed"), false, true), Fate::Unknowable);
     }
 }
