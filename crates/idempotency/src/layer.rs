@@ -25,6 +25,7 @@ use super::{mcp, poll, respond_async};
 use crate::error::{ClientError, GatewayError};
 use idemgate_proxy::http::idle::{BodyTimedOut, ClientBodyFailed};
 use idemgate_proxy::http::Body;
+use idemgate_proxy::shed::Admitted;
 use idemgate_proxy::upstream::UpstreamError;
 
 /// Wraps an upstream service with the idempotency flow.
@@ -112,7 +113,12 @@ where
         }
     }
 
-    fn call(&mut self, req: Request<Body>) -> Self::Future {
+    fn call(&mut self, mut req: Request<Body>) -> Self::Future {
+        // Kept only by a session's end, whose work outlives its client.
+        let admitted = match req.method() == http::Method::DELETE {
+            true => req.extensions_mut().remove::<Admitted>(),
+            false => None,
+        };
         let prefix = &self.shared.config.respond_async_path;
         if let Some(job) = poll::polled(prefix, req.method(), req.uri().path()) {
             let shared = self.shared.clone();
@@ -128,7 +134,7 @@ where
                 let (shared, upstream) = (self.shared.clone(), self.inner.clone());
                 let upstream: UpstreamService = BoxCloneSyncService::new(upstream);
                 Answer::Guarded {
-                    answer: Box::pin(end_session(shared, req, upstream)),
+                    answer: Box::pin(end_session(shared, req, upstream, admitted)),
                 }
             }
             // Straight to the upstream: no clone of it, no box, and none of
@@ -162,11 +168,14 @@ where
 /// An MCP session's `DELETE`, sent on once no keyed call of the session is
 /// at its server from here or any replica (at most the attempt deadline), in a
 /// task of its own: a client that does not wait for it still ends its
-/// session (`docs/design.md` §19, "An agent's cancel").
+/// session (`docs/design.md` §19, "An agent's cancel"). The task keeps the
+/// request counted against `max_in_flight` (`admitted`) until it ends, so
+/// clients that leave their `DELETE`s held cannot pile up tasks unbounded.
 async fn end_session(
     shared: Arc<Shared>,
     req: Request<Body>,
     upstream: UpstreamService,
+    admitted: Option<Admitted>,
 ) -> Response<Body> {
     let calls = shared.runner.calls.clone();
     let (store, instance) = (shared.runner.store.clone(), shared.runner.instance);
@@ -174,7 +183,9 @@ async fn end_session(
     let ended = tokio::spawn(
         async move {
             calls.quiet(&store, instance, &req, limit).await;
-            upstream.oneshot(req).await
+            let answer = upstream.oneshot(req).await;
+            drop(admitted);
+            answer
         }
         .in_current_span(),
     );

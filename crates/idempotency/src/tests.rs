@@ -490,9 +490,25 @@ async fn held_session_ends_share_their_asks_of_the_store() {
 /// A mark whose insert the call was not held for (the store slower than
 /// its patience) is taken off only once the insert has landed: taken off
 /// first, the late insert would stand until the attempt's deadline and
-/// hold the session's end at every other replica that long.
-#[tokio::test(start_paused = true)]
-async fn a_late_mark_is_taken_off_after_it_lands() {
+/// hold the session's end at every other replica that long. The late
+/// insert is counted, for the operator to see what the log says.
+#[test]
+fn a_late_mark_is_taken_off_after_it_lands() {
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&recorder, || runtime.block_on(late_mark()));
+    let rendered = recorder.handle().render();
+    assert!(
+        rendered.contains(r#"idemgate_mcp_store_timeouts_total{question="mark"} 1"#),
+        "{rendered}"
+    );
+}
+
+async fn late_mark() {
     let (_, faults, store) = layer(
         testing::route(&["http://127.0.0.1:9"], |_| {}),
         Faults {

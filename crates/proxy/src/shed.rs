@@ -63,6 +63,23 @@ pub struct Shed<S> {
 /// Counts a request in progress until dropped.
 struct InFlight(Arc<AtomicUsize>, metrics::Gauge);
 
+/// A `DELETE`'s place among the requests in progress, in its extensions:
+/// a layer above that goes on with the request past its client (an MCP
+/// session's end, held until the session's calls end, `docs/design.md`
+/// §19, "An agent's cancel") takes it, and the request stays counted until
+/// that work drops it, not only until its client stops waiting. Only
+/// `DELETE`s carry one: the other requests' work ends with their answer's
+/// future, and they pay for no shared count.
+#[derive(Clone)]
+pub struct Admitted(#[allow(dead_code)] Arc<InFlight>);
+
+/// How a request in progress is counted: by its answer's future alone, or
+/// shared with an [`Admitted`] in its extensions.
+enum Counted {
+    Alone(#[allow(dead_code)] InFlight),
+    Shared(#[allow(dead_code)] Admitted),
+}
+
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
@@ -82,7 +99,7 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: Request<B>) -> Self::Future {
+    fn call(&mut self, mut req: Request<B>) -> Self::Future {
         let counter = &self.layer.in_flight;
         if counter.fetch_add(1, Ordering::AcqRel) >= self.layer.limit {
             counter.fetch_sub(1, Ordering::AcqRel);
@@ -102,6 +119,13 @@ where
         }
         self.layer.gauge.increment(1.0);
         let guard = InFlight(counter.clone(), self.layer.gauge.clone());
+        let guard = if req.method() == http::Method::DELETE {
+            let admitted = Admitted(Arc::new(guard));
+            req.extensions_mut().insert(admitted.clone());
+            Counted::Shared(admitted)
+        } else {
+            Counted::Alone(guard)
+        };
         ResponseFuture {
             kind: Kind::Admitted {
                 answer: self.inner.call(req),
@@ -130,7 +154,7 @@ pin_project! {
         Admitted {
             #[pin]
             answer: F,
-            guard: Option<InFlight>,
+            guard: Option<Counted>,
         },
     }
 }
@@ -198,6 +222,36 @@ mod tests {
         let held = shed.ready().await.unwrap().call(Request::new(()));
         assert_eq!(shed.layer.in_flight.load(Ordering::Acquire), 1);
         drop(held);
+        assert_eq!(shed.layer.in_flight.load(Ordering::Acquire), 0);
+    }
+
+    /// A `DELETE` whose work a layer above carries on past its client
+    /// (holding its [`Admitted`]) stays counted after its answer's future
+    /// is dropped, and is shed against, until that work lets go; a request
+    /// of another method carries none.
+    #[tokio::test]
+    async fn a_delete_whose_work_outlives_its_client_stays_counted() {
+        let (sender, mut kept) = tokio::sync::mpsc::unbounded_channel();
+        let inner = service_fn(move |req: Request<()>| {
+            let _ = sender.send(req.extensions().get::<Admitted>().cloned());
+            std::future::pending()
+        });
+        let mut shed = ShedLayer::new(1, Duration::from_secs(1)).layer(inner);
+        let delete = Request::delete("/mcp").body(()).unwrap();
+        let held = shed.ready().await.unwrap().call(delete);
+        let admitted = kept.recv().await.unwrap().expect("a DELETE carries one");
+        drop(held);
+        assert_eq!(shed.layer.in_flight.load(Ordering::Acquire), 1);
+        let refused = shed.ready().await.unwrap().call(Request::new(())).await;
+        assert_eq!(
+            refused.unwrap().status(),
+            http::StatusCode::SERVICE_UNAVAILABLE
+        );
+        drop(admitted);
+        assert_eq!(shed.layer.in_flight.load(Ordering::Acquire), 0);
+        let other = shed.ready().await.unwrap().call(Request::new(()));
+        assert!(kept.recv().await.unwrap().is_none(), "a GET carries none");
+        drop(other);
         assert_eq!(shed.layer.in_flight.load(Ordering::Acquire), 0);
     }
 }

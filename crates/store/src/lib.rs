@@ -278,8 +278,10 @@ pub trait Records: Send + Sync + 'static {
     async fn unmark_call(&self, attempt: AttemptId) -> Result<(), StoreError>;
 
     /// Whether a call of `session` (the call `call`, or any without it) is
-    /// marked at its server by an instance other than `except`, and its
-    /// mark still good.
+    /// marked at its server by an instance other than `except`, its mark
+    /// still good and its attempt still `started` under a lease held (a
+    /// mark of an attempt that ended, or of a replica that died, holds
+    /// nothing back once that shows).
     async fn call_at_server(
         &self,
         session: &[u8; 32],

@@ -180,6 +180,9 @@ fn zero_labelled() {
     for found in ["running", "answered", "unsettled", "not_found", "unproven"] {
         metrics::counter!("idemgate_polls_total", "found" => found).absolute(0);
     }
+    for question in ["mark", "ask"] {
+        metrics::counter!("idemgate_mcp_store_timeouts_total", "question" => question).absolute(0);
+    }
     for result in ["resumed", "refused"] {
         metrics::counter!("idemgate_stream_resumes_total", "result" => result).absolute(0);
     }

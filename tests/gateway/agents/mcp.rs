@@ -647,6 +647,65 @@ async fn an_agents_cancel_and_session_end_at_another_replica_are_held_back() {
     .await;
 }
 
+/// A held session `DELETE` whose client leaves still counts against
+/// `max_in_flight` until it is sent on: with the call and the `DELETE` in
+/// flight, a third request is shed. Before, the `DELETE`'s task went on
+/// uncounted once its client left, so clients leaving held `DELETE`s could
+/// pile up tasks without bound. The session still ends after the call.
+#[tokio::test]
+async fn a_held_session_end_whose_client_left_still_counts_in_flight() {
+    let store = TestStore::embedded();
+    let gate = Gate::new();
+    let server = FakeMcp::start(Answering::Json, Some(gate.clone())).await;
+    let gateway = std::sync::Arc::new(
+        Gateway::builder(&store, &server.url())
+            .tables(ROUTE)
+            .set("max_in_flight", "2")
+            .start()
+            .await,
+    );
+    let in_flight = || gateway.metric("idemgate_requests_in_flight");
+    let call = tool_call(json!(1), "charge", json!({"amount": 5}), Some("k"));
+    let first = held_at_server(&gateway, &server, call).await;
+    let deleted = {
+        let gateway = gateway.clone();
+        tokio::spawn(async move {
+            let headers = [("mcp-session-id", "s1")];
+            send(Method::DELETE, &gateway.path("/mcp"), &headers, "").await
+        })
+    };
+    let held = std::time::Duration::from_secs(10);
+    crate::support::eventually(held, "the DELETE held", || async {
+        in_flight().await >= 2.0
+    })
+    .await;
+    deleted.abort();
+    let _ = deleted.await;
+    // Uncounted, the gauge falls to 1 as soon as the gateway sees the
+    // client gone (milliseconds); counted, it stays at 2 all along.
+    let leaving = std::time::Duration::from_secs(3);
+    let _ = tokio::time::timeout(leaving, async {
+        while in_flight().await >= 2.0 {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert_eq!(in_flight().await, 2.0, "the held DELETE still counted");
+    let shed = post(&gateway, &cancel(9), "s2").await;
+    assert_eq!(shed.status, 503, "shed: the call and the held DELETE");
+    assert!(server.deletes().is_empty());
+    gate.open(1);
+    assert!(response(&first.await.unwrap())["result"].is_object());
+    crate::support::eventually(held, "the session ended after its call", || async {
+        server.deletes() == ["s1"]
+    })
+    .await;
+    crate::support::eventually(held, "nothing in flight", || async {
+        in_flight().await == 0.0
+    })
+    .await;
+}
+
 /// Posts `call` through `gateway` in session `s1`, and waits until it is
 /// held at `server` (gated).
 async fn held_at_server(

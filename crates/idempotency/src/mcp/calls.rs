@@ -251,6 +251,8 @@ async fn marked(
             false
         }
         Err(_) => {
+            metrics::counter!("idemgate_mcp_store_timeouts_total", "question" => "ask")
+                .increment(1);
             tracing::warn!("the store did not say in time whether another replica has an MCP call at its server; the agent's message passes");
             false
         }
@@ -310,6 +312,8 @@ pub(crate) async fn mark(
     let marking = match tokio::time::timeout(PATIENCE, &mut insert).await {
         Ok(_) => None,
         Err(_) => {
+            metrics::counter!("idemgate_mcp_store_timeouts_total", "question" => "mark")
+                .increment(1);
             tracing::warn!(%attempt, "the MCP call's mark for other replicas is not written yet; the call is sent, its mark on its way");
             Some(insert)
         }

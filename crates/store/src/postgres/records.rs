@@ -227,9 +227,11 @@ impl Records for Postgres {
         let client = self.client().await?;
         let marked = client
             .prepare_cached(
-                "SELECT EXISTS (SELECT 1 FROM mcp_calls_at_server \
-                 WHERE session_key = $1 AND ($2::bytea IS NULL OR call_key = $2) \
-                 AND instance <> $3 AND good_until > now())",
+                "SELECT EXISTS (SELECT 1 FROM mcp_calls_at_server m \
+                 JOIN attempts a ON a.id = m.attempt_id \
+                 WHERE m.session_key = $1 AND ($2::bytea IS NULL OR m.call_key = $2) \
+                 AND m.instance <> $3 AND m.good_until > now() \
+                 AND a.state = 'started' AND a.lease_expires_at > now())",
             )
             .await
             .map_err(map_pg)?;

@@ -48,7 +48,7 @@ pub(super) async fn many_keys_begun_twice_at_once_make_one_job_each(store: Arc<d
 
 /// A PostgreSQL gateway's store, and a handle on its backend to see how
 /// many begins wait for a batch.
-async fn postgres_with_probe() -> (
+pub(super) async fn postgres_with_probe() -> (
     Arc<dyn Store>,
     idemgate_store::postgres::Postgres,
     crate::support::TestDb,

@@ -7,6 +7,7 @@
 mod answers;
 mod batches;
 mod lifecycle;
+mod marks;
 
 use std::sync::Arc;
 use std::time::Duration;
