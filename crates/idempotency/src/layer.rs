@@ -170,7 +170,9 @@ where
 /// task of its own: a client that does not wait for it still ends its
 /// session (`docs/design.md` §19, "An agent's cancel"). The task keeps the
 /// request counted against `max_in_flight` (`admitted`) until it ends, so
-/// clients that leave their `DELETE`s held cannot pile up tasks unbounded.
+/// clients that leave their `DELETE`s held cannot pile up tasks unbounded;
+/// the upstream's answer is waited for at most the attempt deadline, as
+/// the hold is, so that one that never answers keeps no count forever.
 async fn end_session(
     shared: Arc<Shared>,
     req: Request<Body>,
@@ -183,7 +185,11 @@ async fn end_session(
     let ended = tokio::spawn(
         async move {
             calls.quiet(&store, instance, &req, limit).await;
-            let answer = upstream.oneshot(req).await;
+            // Bounded as the hold is: the request stays counted until then.
+            let answer = match tokio::time::timeout(limit, upstream.oneshot(req)).await {
+                Ok(answer) => answer,
+                Err(_) => Err(UpstreamError::TimedOut(limit)),
+            };
             drop(admitted);
             answer
         }

@@ -49,6 +49,8 @@ struct Faults {
     /// they landed.
     mark_takes: Duration,
     marks_written: Mutex<Vec<&'static str>>,
+    /// How long each mark written was to be good for.
+    marked_for: Mutex<Vec<Duration>>,
     hedged: Notify,
     begun: Notify,
 }
@@ -124,6 +126,7 @@ impl Records for Faulty {
     ) -> Result<(), StoreError> {
         tokio::time::sleep(self.faults.mark_takes).await;
         self.faults.marks_written.lock().unwrap().push("mark");
+        self.faults.marked_for.lock().unwrap().push(for_at_most);
         self.inner
             .mark_call(attempt, instance, call, for_at_most)
             .await
@@ -491,7 +494,8 @@ async fn held_session_ends_share_their_asks_of_the_store() {
 /// its patience) is taken off only once the insert has landed: taken off
 /// first, the late insert would stand until the attempt's deadline and
 /// hold the session's end at every other replica that long. The late
-/// insert is counted, for the operator to see what the log says.
+/// insert is counted, for the operator to see what the log says. The mark
+/// is good for a lease, which the attempt's renewals renew.
 #[test]
 fn a_late_mark_is_taken_off_after_it_lands() {
     let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
@@ -520,7 +524,9 @@ async fn late_mark() {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     let by = (idemgate_domain::id::AttemptId::new(), Uuid::nil());
     let started = tokio::time::Instant::now();
-    let marked = crate::mcp::mark(&store, by, ("mcp", Some(&session)), b"1", deadline).await;
+    let lease = Duration::from_secs(30);
+    let good = (deadline, lease);
+    let marked = crate::mcp::mark(&store, by, ("mcp", Some(&session)), b"1", good).await;
     assert!(
         started.elapsed() < Duration::from_secs(5),
         "not held for the insert"
@@ -530,4 +536,6 @@ async fn late_mark() {
     drop(marked);
     tokio::time::sleep(Duration::from_secs(10)).await;
     assert_eq!(*faults.marks_written.lock().unwrap(), ["mark", "unmark"]);
+    // Good for a lease (which renewals renew), not to the deadline.
+    assert_eq!(*faults.marked_for.lock().unwrap(), [lease]);
 }

@@ -261,7 +261,9 @@ pub trait Records: Send + Sync + 'static {
     async fn watch(&self, job: JobId) -> Result<(), StoreError>;
 
     /// Marks an MCP tool call at its server (`call`), for as long as
-    /// `attempt` runs it from `instance` and at most `for_at_most`: an
+    /// `attempt` runs it from `instance` and at most `for_at_most` (a
+    /// lease: [`Records::renew_leases`] renews the marks of the attempts
+    /// it renews, up to each attempt's deadline, whatever their state): an
     /// agent's cancel of the call, or its session's end, reaching another
     /// replica is held back there too (`docs/design.md` §19, "An agent's
     /// cancel"). A store one process holds has no other replica to tell:
@@ -278,10 +280,8 @@ pub trait Records: Send + Sync + 'static {
     async fn unmark_call(&self, attempt: AttemptId) -> Result<(), StoreError>;
 
     /// Whether a call of `session` (the call `call`, or any without it) is
-    /// marked at its server by an instance other than `except`, its mark
-    /// still good and its attempt still `started` under a lease held (a
-    /// mark of an attempt that ended, or of a replica that died, holds
-    /// nothing back once that shows).
+    /// marked at its server by an instance other than `except`, and its
+    /// mark still good.
     async fn call_at_server(
         &self,
         session: &[u8; 32],

@@ -61,7 +61,7 @@ pub const SERIES: &[(&str, Kind, &str)] = &[
     ("idemgate_upstream_probes_passing", Kind::Gauge, "1 while the upstream's last verification passed its contract's probes, 0 while it did not (eligibility also needs recover_after passes after a failure: see idemgate_upstream_eligible)."),
     ("idemgate_upstream_eligible", Kind::Gauge, "1 while the upstream may be a failover or hedge target under the contract (proven by its probes), 0 while it may not."),
     ("idemgate_probe_runs_total", Kind::Counter, "Probe verifications, by upstream, contract, probe and result (pass, fail, unstable): one per probe per verification, however many runs it sends."),
-    ("idemgate_mcp_store_timeouts_total", Kind::Counter, "Store questions about MCP calls at their server that had no answer within 2 s, by question: mark (a keyed call sent with its mark for other replicas still on its way: a cancel reaching another replica meanwhile passes), ask (a cancel or session DELETE let through because the store did not say whether another replica has the call). Errors are in idemgate_store_errors_total."),
+    ("idemgate_mcp_store_timeouts_total", Kind::Counter, "Store questions about MCP calls at their server that had no answer within 2 s, by question: mark (a keyed call sent with its mark for other replicas still on its way: a cancel reaching another replica meanwhile passes), ask (a cancel or session DELETE let through because the store did not say whether another replica has the call). Errors, and the store's own timeouts at database_timeout (also 2 s by default: whichever comes first counts), are in idemgate_store_errors_total."),
     ("idemgate_task_restarts_total", Kind::Counter, "Background tasks restarted after a failure or panic, by task."),
 ];
 

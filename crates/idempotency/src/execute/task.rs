@@ -103,7 +103,8 @@ impl Task {
             self.reconnect = Some(Reconnect::of(&upstream, &request));
             let (store, by) = (&self.runner.store, (self.attempt.id, self.runner.instance));
             let at = (self.route.name.as_str(), self.session.as_ref());
-            self.marked = crate::mcp::mark(store, by, at, id, self.deadline).await;
+            let good = (self.deadline, self.runner.config.lease_ttl);
+            self.marked = crate::mcp::mark(store, by, at, id, good).await;
         }
         match self.call(upstream, request, &cancel).await {
             // Another attempt's answer won: it ended this one.

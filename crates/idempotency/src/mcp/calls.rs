@@ -286,8 +286,8 @@ pub(crate) struct Marked {
 }
 
 /// Marks in `store` the call `id` that `attempt` sends from `instance` in
-/// `session` on `route`, until `deadline` (the attempt's); `None` for a
-/// call in no session. The insert is waited for at most [`PATIENCE`]: a
+/// `session` on `route`, for a `lease` the attempt's renewals renew, until
+/// `deadline` (the attempt's); `None` for a call in no session. The insert is waited for at most [`PATIENCE`]: a
 /// call is not held by a store that does not answer (a cancel reaching
 /// another replica before its mark lands passes, as one always did). An
 /// insert still on its way is waited for before the mark is taken off,
@@ -297,10 +297,14 @@ pub(crate) async fn mark(
     (attempt, instance): (AttemptId, Uuid),
     (route, session): (&str, Option<&HeaderValue>),
     id: &[u8],
-    deadline: Instant,
+    (deadline, lease): (Instant, Duration),
 ) -> Option<Marked> {
     let at = call_at(route, session?.as_bytes(), &id_text(id));
-    let for_at_most = deadline.saturating_duration_since(Instant::now());
+    // Good for a lease, renewed with the attempt's: a replica that dies
+    // holds its calls' cancels back elsewhere one lease, not to the deadline.
+    let for_at_most = deadline
+        .saturating_duration_since(Instant::now())
+        .min(lease);
     let mut insert = {
         let store = store.clone();
         tokio::spawn(async move {

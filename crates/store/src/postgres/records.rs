@@ -126,10 +126,17 @@ impl Records for Postgres {
         // commit, perhaps in a batch that locks many) and is skipped: waiting
         // would let the two wait on each other's rows in opposite orders
         // (design §13), and the next renewal, well inside the lease, takes
-        // it if it is still started.
+        // it if it is still started. The MCP calls' marks of the attempts
+        // are renewed with them, whatever their state (a call recorded
+        // `unknown` may still be at its server), never past the attempt's
+        // deadline: a mark lapses one lease after its replica stopped
+        // renewing it (design §19, "An agent's cancel").
         client
             .execute(
-                "UPDATE attempts SET lease_expires_at = now() + $2::bigint * interval '1 millisecond' \
+                "WITH marks AS (UPDATE mcp_calls_at_server m SET good_until = \
+                     LEAST(a.deadline_at, now() + $2::bigint * interval '1 millisecond') \
+                     FROM attempts a WHERE m.attempt_id = ANY($1) AND a.id = m.attempt_id) \
+                 UPDATE attempts SET lease_expires_at = now() + $2::bigint * interval '1 millisecond' \
                  WHERE id IN (SELECT id FROM attempts WHERE id = ANY($1) AND state = $3 \
                               FOR UPDATE SKIP LOCKED)",
                 &[&ids, &millis(lease), &AttemptState::Started.as_str()],
@@ -227,11 +234,9 @@ impl Records for Postgres {
         let client = self.client().await?;
         let marked = client
             .prepare_cached(
-                "SELECT EXISTS (SELECT 1 FROM mcp_calls_at_server m \
-                 JOIN attempts a ON a.id = m.attempt_id \
-                 WHERE m.session_key = $1 AND ($2::bytea IS NULL OR m.call_key = $2) \
-                 AND m.instance <> $3 AND m.good_until > now() \
-                 AND a.state = 'started' AND a.lease_expires_at > now())",
+                "SELECT EXISTS (SELECT 1 FROM mcp_calls_at_server \
+                 WHERE session_key = $1 AND ($2::bytea IS NULL OR call_key = $2) \
+                 AND instance <> $3 AND good_until > now())",
             )
             .await
             .map_err(map_pg)?;
