@@ -238,7 +238,8 @@ pub trait Records: Send + Sync + 'static {
         limit: u32,
     ) -> Result<Vec<(JobId, AttemptId)>, StoreError>;
 
-    /// Extends the leases of attempts this instance is running.
+    /// Extends the leases of attempts this instance is running, and the
+    /// marks of their MCP calls at their servers ([`Records::mark_call`]).
     async fn renew_leases(
         &self,
         attempts: &[AttemptId],

@@ -706,6 +706,43 @@ async fn a_held_session_end_whose_client_left_still_counts_in_flight() {
     .await;
 }
 
+/// A session's `DELETE` whose server never answers is answered `504` once
+/// the attempt deadline has passed, and stops counting in flight: its
+/// task keeps its client's place (above), so without a bound one
+/// server that never answers a `DELETE` would keep places until every
+/// request was shed.
+#[tokio::test]
+async fn a_session_end_the_server_never_answers_is_given_up_at_the_deadline() {
+    let store = TestStore::embedded();
+    let upstream = crate::support::FakeUpstream::start(|r| async move {
+        if r.method == "DELETE" {
+            std::future::pending::<()>().await;
+        }
+        crate::support::upstream::json_response(200, json!({}))
+    })
+    .await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .tables(ROUTE)
+        .set("upstream_timeout", "\"1s\"")
+        .set("attempt_deadline", "\"2s\"")
+        .start()
+        .await;
+    let headers = [("mcp-session-id", "s1")];
+    let url = gateway.path("/mcp");
+    let deleting = send(Method::DELETE, &url, &headers, "");
+    let deleted = tokio::time::timeout(std::time::Duration::from_secs(15), deleting)
+        .await
+        .expect("given up at the attempt deadline");
+    assert_eq!(deleted.status, 504);
+    assert_eq!(upstream.hits(), 1);
+    crate::support::eventually(
+        std::time::Duration::from_secs(10),
+        "nothing in flight",
+        || async { gateway.metric("idemgate_requests_in_flight").await == 0.0 },
+    )
+    .await;
+}
+
 /// Posts `call` through `gateway` in session `s1`, and waits until it is
 /// held at `server` (gated).
 async fn held_at_server(

@@ -126,23 +126,31 @@ impl Records for Postgres {
         // commit, perhaps in a batch that locks many) and is skipped: waiting
         // would let the two wait on each other's rows in opposite orders
         // (design §13), and the next renewal, well inside the lease, takes
-        // it if it is still started. The MCP calls' marks of the attempts
-        // are renewed with them, whatever their state (a call recorded
-        // `unknown` may still be at its server), never past the attempt's
-        // deadline: a mark lapses one lease after its replica stopped
-        // renewing it (design §19, "An agent's cancel").
-        client
+        // it if it is still started.
+        let renewed = client
             .execute(
-                "WITH marks AS (UPDATE mcp_calls_at_server m SET good_until = \
-                     LEAST(a.deadline_at, now() + $2::bigint * interval '1 millisecond') \
-                     FROM attempts a WHERE m.attempt_id = ANY($1) AND a.id = m.attempt_id) \
-                 UPDATE attempts SET lease_expires_at = now() + $2::bigint * interval '1 millisecond' \
+                "UPDATE attempts SET lease_expires_at = now() + $2::bigint * interval '1 millisecond' \
                  WHERE id IN (SELECT id FROM attempts WHERE id = ANY($1) AND state = $3 \
                               FOR UPDATE SKIP LOCKED)",
                 &[&ids, &millis(lease), &AttemptState::Started.as_str()],
             )
             .await
-            .map_err(map_pg)
+            .map_err(map_pg)?;
+        // The MCP calls' marks of the attempts, whatever their state (a
+        // call recorded `unknown` may still be at its server), never past
+        // the attempt's deadline: a mark lapses one lease after its replica
+        // stopped renewing it (design §19, "An agent's cancel"). A hint's
+        // upkeep: apart, so that it fails no renewal, and skipping a mark
+        // another transaction holds (the purge's delete), as above.
+        let marks = "UPDATE mcp_calls_at_server m SET good_until = \
+                     LEAST(a.deadline_at, now() + $2::bigint * interval '1 millisecond') \
+                     FROM attempts a WHERE a.id = m.attempt_id AND m.attempt_id IN \
+                     (SELECT attempt_id FROM mcp_calls_at_server WHERE attempt_id = ANY($1) \
+                      FOR UPDATE SKIP LOCKED)";
+        if let Err(e) = client.execute(marks, &[&ids, &millis(lease)]).await {
+            tracing::debug!(error = %e, "could not renew the MCP calls' marks");
+        }
+        Ok(renewed)
     }
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
@@ -156,10 +164,12 @@ impl Records for Postgres {
             .execute(purge_statement(), &[&i64::from(batch)])
             .await
             .map_err(map_pg)?;
-        // With them, the MCP calls' marks past their attempts' deadlines
-        // (an attempt whose process died never took its own off): a hint's
-        // upkeep, whose failure fails no purge.
-        let stale = "DELETE FROM mcp_calls_at_server WHERE good_until < now()";
+        // With them, the MCP calls' lapsed marks (no longer renewed: their
+        // replica died, or their attempts' deadlines passed), skipping one
+        // a renewal holds: a hint's upkeep, whose failure fails no purge.
+        let stale = "DELETE FROM mcp_calls_at_server WHERE attempt_id IN \
+                     (SELECT attempt_id FROM mcp_calls_at_server WHERE good_until < now() \
+                      FOR UPDATE SKIP LOCKED)";
         if let Err(e) = client.execute(stale, &[]).await {
             tracing::debug!(error = %e, "could not delete the MCP calls' lapsed marks");
         }

@@ -23,7 +23,7 @@ async fn on_postgres_a_mark_lasts_while_its_attempt_is_renewed() {
         call: [n + 100; 32],
     };
     let (ours, other) = (uuid::Uuid::new_v4(), uuid::Uuid::new_v4());
-    let lease = Duration::from_millis(500);
+    let lease = Duration::from_secs(2);
     store
         .mark_call(renewed.id, ours, &at(1), lease)
         .await
