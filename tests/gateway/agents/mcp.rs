@@ -647,6 +647,62 @@ async fn an_agents_cancel_and_session_end_at_another_replica_are_held_back() {
     .await;
 }
 
+/// A call at its server longer than several leases, gone `unknown` at its
+/// first-byte timeout, still holds its session's `DELETE` back at another
+/// replica: its replica renews the call's mark with its leases, though
+/// the attempt is no longer `started`. A mark good for a lease and not
+/// renewed lapses after 3 s here, and the `DELETE` would pass and cut the
+/// call.
+#[tokio::test]
+async fn a_long_call_gone_unknown_is_held_at_other_replicas_past_its_lease() {
+    let store = TestStore::postgres().await;
+    let gate = Gate::new();
+    let server = FakeMcp::start(Answering::Json, Some(gate.clone())).await;
+    let start = || {
+        Gateway::builder(&store, &server.url())
+            .tables(ROUTE)
+            .set("lease_ttl", "\"3s\"")
+            .set("upstream_timeout", "\"1s\"")
+            .set("attempt_deadline", "\"60s\"")
+            .start()
+    };
+    let running = std::sync::Arc::new(start().await);
+    let other = std::sync::Arc::new(start().await);
+    let call = tool_call(json!(1), "charge", json!({"amount": 5}), Some("k"));
+    let first = held_at_server(&running, &server, call).await;
+    let first = response(&first.await.unwrap());
+    let kind = first["error"]["data"]["type"].as_str().unwrap_or_default();
+    assert!(kind.ends_with("/attempt-outcome-unknown"), "{first}");
+    // Past two leases of the mark's first: only renewals keep it.
+    tokio::time::sleep(std::time::Duration::from_secs(7)).await;
+    assert_eq!(server.pending(), 1, "the call is still at its server");
+    let asks = || async {
+        let asked = [r#"operation="call_at_server""#];
+        other
+            .metric_labelled("idemgate_store_seconds_count", &asked)
+            .await
+    };
+    let asked = asks().await;
+    let deleted = {
+        let other = other.clone();
+        tokio::spawn(async move {
+            let headers = [("mcp-session-id", "s1")];
+            send(Method::DELETE, &other.path("/mcp"), &headers, "").await
+        })
+    };
+    crate::support::eventually(
+        std::time::Duration::from_secs(10),
+        "the DELETE held at the other replica, asking again",
+        || async { !server.deletes().is_empty() || asks().await >= asked + 2.0 },
+    )
+    .await;
+    assert!(server.deletes().is_empty(), "the session's end held back");
+    gate.open(1);
+    assert_eq!(deleted.await.unwrap().status, 200);
+    assert_eq!(server.deletes(), ["s1"], "then the session ends");
+    assert_eq!(server.runs("charge"), 1);
+}
+
 /// A held session `DELETE` whose client leaves still counts against
 /// `max_in_flight` until it is sent on: with the call and the `DELETE` in
 /// flight, a third request is shed. Before, the `DELETE`'s task went on
