@@ -17,7 +17,7 @@ use uuid::Uuid;
 use crate::error::{ClientError, GatewayError};
 use crate::replay::{self, Framing};
 use crate::respond_async::accepted;
-use crate::route::Route;
+use crate::route::{Protocol, Route};
 use crate::shared::Shared;
 use idemgate_domain::id::JobId;
 use idemgate_domain::job::{Job, JobState};
@@ -163,6 +163,11 @@ async fn committed(
             .ok_or_else(no_response)?,
     };
     let framing = Framing::of(route, &stored);
-    let answer = replay::response(&stored, job.id, true, framing);
+    let mut answer = replay::response(&stored, job.id, true, framing);
+    if matches!(route.protocol, Protocol::Mcp(_)) {
+        // The session of the call that made it: a poll is in none
+        // (`docs/design.md` §19, "The answer").
+        answer.headers_mut().remove(crate::mcp::MCP_SESSION_ID);
+    }
     Ok(answer.map(|body| until_sent(body, charge)))
 }

@@ -703,6 +703,42 @@ async fn a_long_call_gone_unknown_is_held_at_other_replicas_past_its_lease() {
     assert_eq!(server.runs("charge"), 1);
 }
 
+/// A keyed call answered `202` (`Prefer: respond-async`) and polled: the
+/// answer is the call's, and names no session (a poll is in none; the
+/// stored answer names the session of the connection the call ran in).
+#[tokio::test]
+async fn a_polled_call_names_no_session() {
+    let store = TestStore::embedded();
+    let gate = Gate::new();
+    let server = FakeMcp::start(Answering::Json, Some(gate.clone())).await;
+    let gateway = gateway(&store, &server).await;
+    let call = tool_call(json!(1), "charge", json!({"amount": 5}), Some("k"));
+    let headers = [
+        ("content-type", "application/json"),
+        ("accept", "application/json, text/event-stream"),
+        ("mcp-session-id", "s1"),
+        ("prefer", "respond-async"),
+    ];
+    let url = gateway.path("/mcp");
+    let accepted = send(Method::POST, &url, &headers, call.to_string()).await;
+    assert_eq!(accepted.status, 202, "{accepted:?}");
+    let location = accepted.header("location").unwrap().to_owned();
+    gate.open(1);
+    let polled_at = gateway.path(&location);
+    let poll = || send(Method::GET, &polled_at, &[], "");
+    crate::support::eventually(
+        std::time::Duration::from_secs(10),
+        "the polled answer",
+        || async { poll().await.status == 200 },
+    )
+    .await;
+    let polled = poll().await;
+    assert_eq!(response(&polled)["id"], 1);
+    assert!(response(&polled)["result"].is_object(), "{polled:?}");
+    assert_eq!(polled.header("mcp-session-id"), None);
+    assert_eq!(server.runs("charge"), 1);
+}
+
 /// A held session `DELETE` whose client leaves still counts against
 /// `max_in_flight` until it is sent on: with the call and the `DELETE` in
 /// flight, a third request is shed. Before, the `DELETE`'s task went on
