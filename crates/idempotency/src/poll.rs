@@ -87,7 +87,7 @@ async fn poll(
             let tag = Tag::of(&job.owner, &job.key);
             if streams {
                 if let Some(joined) = shared.live.join(&tag, &job).await {
-                    return Ok(joined);
+                    return Ok(in_no_session(&route, joined));
                 }
             }
             Ok(accepted(
@@ -163,11 +163,16 @@ async fn committed(
             .ok_or_else(no_response)?,
     };
     let framing = Framing::of(route, &stored);
-    let mut answer = replay::response(&stored, job.id, true, framing);
-    if matches!(route.protocol, Protocol::Mcp(_)) {
-        // The session of the call that made it: a poll is in none
-        // (`docs/design.md` §19, "The answer").
-        answer.headers_mut().remove(crate::mcp::MCP_SESSION_ID);
-    }
+    let answer = in_no_session(route, replay::response(&stored, job.id, true, framing));
     Ok(answer.map(|body| until_sent(body, charge)))
+}
+
+/// An MCP call's answer as a poll gets it: the session of the call that
+/// made it, and the questions its server asked there, are not the poll's,
+/// which is in none (`docs/design.md` §19, "The answer").
+fn in_no_session(route: &Route, answer: Response<Body>) -> Response<Body> {
+    match route.protocol {
+        Protocol::Mcp(_) => crate::mcp::in_no_session(answer),
+        _ => answer,
+    }
 }

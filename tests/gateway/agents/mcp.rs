@@ -739,6 +739,78 @@ async fn a_polled_call_names_no_session() {
     assert_eq!(server.runs("charge"), 1);
 }
 
+/// A streamed call answered `202` and polled, live and then once
+/// answered: neither poll names the session the call ran in, nor relays
+/// the question its server asked there (`elicitation/create`: the client
+/// whose call ran answered it); the progress and the response, under the
+/// call's own id, do reach the poller.
+#[tokio::test]
+async fn a_polled_stream_neither_names_the_session_nor_asks_its_questions() {
+    let store = TestStore::embedded();
+    let gate = Gate::new();
+    let event = |message: Value| format!("event: message\ndata: {message}\n\n");
+    let script = vec![
+        event(
+            json!({"jsonrpc": "2.0", "id": 7, "method": "elicitation/create",
+                     "params": {"message": "Really charge 5000?", "requestedSchema": {}}}),
+        ),
+        event(json!({"jsonrpc": "2.0", "method": "notifications/progress",
+                     "params": {"progressToken": 1, "progress": 1}})),
+        event(json!({"jsonrpc": "2.0", "id": 1,
+                     "result": {"content": [{"type": "text", "text": "charged"}]}})),
+    ];
+    let server =
+        crate::support::scripted_sse::ScriptedSse::head_held(vec![script], gate.clone()).await;
+    let gateway = std::sync::Arc::new(
+        Gateway::builder(&store, &server.url())
+            .tables(ROUTE)
+            .start()
+            .await,
+    );
+    let call = tool_call(json!(1), "charge", json!({"amount": 5}), Some("k"));
+    let headers = [
+        ("content-type", "application/json"),
+        ("accept", "application/json, text/event-stream"),
+        ("mcp-session-id", "s1"),
+        ("prefer", "respond-async"),
+    ];
+    let url = gateway.path("/mcp");
+    let accepted = send(Method::POST, &url, &headers, call.to_string()).await;
+    assert_eq!(accepted.status, 202, "{accepted:?}");
+    let location = gateway.path(accepted.header("location").unwrap());
+    gate.open(1);
+    let live = {
+        let location = location.clone();
+        tokio::spawn(async move {
+            let accept = [("accept", "text/event-stream")];
+            loop {
+                let polled = send(Method::GET, &location, &accept, "").await;
+                if polled.status != 202 {
+                    return polled;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+        })
+    };
+    crate::support::eventually(
+        std::time::Duration::from_secs(10),
+        "the poll joined the stream",
+        || async { gateway.metric("idemgate_stream_joiners_total").await >= 1.0 },
+    )
+    .await;
+    gate.open(2);
+    let live = live.await.unwrap();
+    let answered = send(Method::GET, &location, &[], "").await;
+    for (polled, how) in [(live, "live"), (answered, "answered")] {
+        assert_eq!(polled.status, 200, "{how}: {polled:?}");
+        assert_eq!(polled.header("mcp-session-id"), None, "{how}");
+        let body = String::from_utf8_lossy(&polled.body).into_owned();
+        assert!(!body.contains("elicitation/create"), "{how}: {body}");
+        assert!(body.contains("notifications/progress"), "{how}: {body}");
+        assert_eq!(response(&polled)["id"], 1, "{how}: {body}");
+    }
+}
+
 /// A held session `DELETE` whose client leaves still counts against
 /// `max_in_flight` until it is sent on: with the call and the `DELETE` in
 /// flight, a third request is shed. Before, the `DELETE`'s task went on

@@ -200,6 +200,24 @@ pub(crate) fn readdressed(
     id: Vec<u8>,
     session: Option<http::HeaderValue>,
 ) -> Response<Body> {
+    readdress(response, Some(id), session)
+}
+
+/// `response` for a caller in no session (a poll of the call's job,
+/// `poll.rs`): the session it names removed, and the server's requests to
+/// the client whose call ran left out of its stream, as for a call in
+/// another session; its `id` kept, the call's own (the poll is its
+/// owner's).
+pub(crate) fn in_no_session(response: Response<Body>) -> Response<Body> {
+    readdress(response, None, None)
+}
+
+/// [`readdressed`] to `id`, or keeping the answer's own where `None`.
+fn readdress(
+    response: Response<Body>,
+    id: Option<Vec<u8>>,
+    session: Option<http::HeaderValue>,
+) -> Response<Body> {
     let (mut parts, body) = response.into_parts();
     // The server's requests asked the session the call ran in: a retry
     // in that very session (its first connection lost) still answers them.
@@ -215,13 +233,15 @@ pub(crate) fn readdressed(
         return Response::from_parts(parts, body);
     }
     let streams = crate::recording::is_event_stream_head(&parts.headers);
-    // Written anew: the length may change with the id.
-    parts.headers.remove(header::CONTENT_LENGTH);
-    let body = if streams {
-        readdressed_events(body, id, asks)
-    } else {
-        readdressed_message(body, id)
+    let body = match (streams, id) {
+        // A message holds no request of the server's: its own id, as it is.
+        (false, None) => return Response::from_parts(parts, body),
+        (false, Some(id)) => readdressed_message(body, id),
+        (true, id) => readdressed_events(body, id, asks),
     };
+    // Written anew: the length may change with the id, or the requests
+    // left out.
+    parts.headers.remove(header::CONTENT_LENGTH);
     Response::from_parts(parts, body)
 }
 
@@ -235,10 +255,11 @@ fn readdressed_message(body: Body, id: Vec<u8>) -> Body {
     BodyExt::boxed(StreamBody::new(futures_util::stream::once(whole)))
 }
 
-/// An event stream's body with its response event addressed to `id`, cut
+/// An event stream's body with its response event addressed to `id` (or
+/// left as it is, `None`), cut
 /// at its lines as it comes (`docs/design.md` §10, "Events and
 /// heartbeats"), each event read whole ([`Readdress`]).
-fn readdressed_events(body: Body, id: Vec<u8>, asks: bool) -> Body {
+fn readdressed_events(body: Body, id: Option<Vec<u8>>, asks: bool) -> Body {
     let state = (
         Some(body.into_data_stream()),
         Blocks::default(),
@@ -286,7 +307,8 @@ const HELD_EVENT: usize = 4 << 20;
 /// more; what the stream's end leaves pending (an event never ended) goes
 /// out last, as it came.
 struct Readdress {
-    id: Vec<u8>,
+    /// What the response is addressed to; `None`: its own id.
+    id: Option<Vec<u8>>,
     asks: bool,
     most: usize,
     /// The event's blocks so far.
@@ -296,7 +318,7 @@ struct Readdress {
 }
 
 impl Readdress {
-    fn new(id: Vec<u8>, asks: bool, most: usize) -> Self {
+    fn new(id: Option<Vec<u8>>, asks: bool, most: usize) -> Self {
         Readdress {
             id,
             asks,
@@ -323,7 +345,11 @@ impl Readdress {
                 Kind::Event { .. } => {
                     self.event.extend_from_slice(&block.bytes);
                     let whole = self.event.split();
-                    out.extend_from_slice(&readdressed_event(&whole, &self.id, self.asks));
+                    out.extend_from_slice(&readdressed_event(
+                        &whole,
+                        self.id.as_deref(),
+                        self.asks,
+                    ));
                 }
                 _ => self.event.extend_from_slice(&block.bytes),
             }
@@ -346,15 +372,22 @@ impl Readdress {
 }
 
 /// A whole event of an answer, as a call that did not make it gets it:
-/// the response addressed to `id`; a request of the server's left out
-/// unless the call `asks` in the session it was made in.
-fn readdressed_event<'a>(event: &'a [u8], id: &[u8], asks: bool) -> std::borrow::Cow<'a, [u8]> {
+/// the response addressed to `id` (where one is given); a request of the
+/// server's left out unless the call `asks` in the session it was made in.
+fn readdressed_event<'a>(
+    event: &'a [u8],
+    id: Option<&[u8]>,
+    asks: bool,
+) -> std::borrow::Cow<'a, [u8]> {
     // Asked of the call's own client: asked again here, the user would
     // consent again to what is done, or a model would be paid to sample
     // for nothing.
     if !asks && jsonrpc::is_request_event(event) {
         return std::borrow::Cow::Borrowed(&[]);
     }
+    let Some(id) = id else {
+        return std::borrow::Cow::Borrowed(event);
+    };
     match jsonrpc::readdress_event(event, id) {
         Some(readdressed) => std::borrow::Cow::Owned(readdressed),
         None => std::borrow::Cow::Borrowed(event),
@@ -370,7 +403,7 @@ mod tests {
     fn readdressed(chunks: &[&[u8]], most: usize) -> Vec<Vec<u8>> {
         let (mut blocks, mut readdress) = (
             Blocks::default(),
-            Readdress::new(b"7".to_vec(), false, most),
+            Readdress::new(Some(b"7".to_vec()), false, most),
         );
         let mut outs: Vec<Vec<u8>> = chunks
             .iter()
