@@ -604,29 +604,7 @@ async fn an_agents_cancel_and_session_end_at_another_replica_are_held_back() {
     );
     assert_eq!(post(&other, &cancel(9), "s1").await.status, 202);
     assert_eq!(server.posts().len(), posts + 1, "another call's passes");
-    // The other replica asks the store whether a call of the session is
-    // at its server, and asks again only while one is.
-    let asks = || async {
-        let asked = [r#"operation="call_at_server""#];
-        other
-            .metric_labelled("idemgate_store_seconds_count", &asked)
-            .await
-    };
-    let asked = asks().await;
-    let deleted = {
-        let other = other.clone();
-        tokio::spawn(async move {
-            let headers = [("mcp-session-id", "s1")];
-            send(Method::DELETE, &other.path("/mcp"), &headers, "").await
-        })
-    };
-    crate::support::eventually(
-        std::time::Duration::from_secs(10),
-        "the DELETE held at the other replica, asking again",
-        || async { !server.deletes().is_empty() || asks().await >= asked + 2.0 },
-    )
-    .await;
-    assert!(server.deletes().is_empty(), "the session's end held back");
+    let deleted = held_delete_at(&other, &server).await;
     assert_eq!(server.pending(), 1, "the call goes on");
     gate.open(1);
     let first = response(&first.await.unwrap());
@@ -676,27 +654,7 @@ async fn a_long_call_gone_unknown_is_held_at_other_replicas_past_its_lease() {
     // Past two leases of the mark's first: only renewals keep it.
     tokio::time::sleep(std::time::Duration::from_secs(7)).await;
     assert_eq!(server.pending(), 1, "the call is still at its server");
-    let asks = || async {
-        let asked = [r#"operation="call_at_server""#];
-        other
-            .metric_labelled("idemgate_store_seconds_count", &asked)
-            .await
-    };
-    let asked = asks().await;
-    let deleted = {
-        let other = other.clone();
-        tokio::spawn(async move {
-            let headers = [("mcp-session-id", "s1")];
-            send(Method::DELETE, &other.path("/mcp"), &headers, "").await
-        })
-    };
-    crate::support::eventually(
-        std::time::Duration::from_secs(10),
-        "the DELETE held at the other replica, asking again",
-        || async { !server.deletes().is_empty() || asks().await >= asked + 2.0 },
-    )
-    .await;
-    assert!(server.deletes().is_empty(), "the session's end held back");
+    let deleted = held_delete_at(&other, &server).await;
     gate.open(1);
     assert_eq!(deleted.await.unwrap().status, 200);
     assert_eq!(server.deletes(), ["s1"], "then the session ends");
@@ -712,20 +670,9 @@ async fn a_polled_call_names_no_session() {
     let gate = Gate::new();
     let server = FakeMcp::start(Answering::Json, Some(gate.clone())).await;
     let gateway = gateway(&store, &server).await;
-    let call = tool_call(json!(1), "charge", json!({"amount": 5}), Some("k"));
-    let headers = [
-        ("content-type", "application/json"),
-        ("accept", "application/json, text/event-stream"),
-        ("mcp-session-id", "s1"),
-        ("prefer", "respond-async"),
-    ];
-    let url = gateway.path("/mcp");
-    let accepted = send(Method::POST, &url, &headers, call.to_string()).await;
-    assert_eq!(accepted.status, 202, "{accepted:?}");
-    let location = accepted.header("location").unwrap().to_owned();
+    let location = polled_at(&gateway).await;
     gate.open(1);
-    let polled_at = gateway.path(&location);
-    let poll = || send(Method::GET, &polled_at, &[], "");
+    let poll = || send(Method::GET, &location, &[], "");
     crate::support::eventually(
         std::time::Duration::from_secs(10),
         "the polled answer",
@@ -767,17 +714,7 @@ async fn a_polled_stream_neither_names_the_session_nor_asks_its_questions() {
             .start()
             .await,
     );
-    let call = tool_call(json!(1), "charge", json!({"amount": 5}), Some("k"));
-    let headers = [
-        ("content-type", "application/json"),
-        ("accept", "application/json, text/event-stream"),
-        ("mcp-session-id", "s1"),
-        ("prefer", "respond-async"),
-    ];
-    let url = gateway.path("/mcp");
-    let accepted = send(Method::POST, &url, &headers, call.to_string()).await;
-    assert_eq!(accepted.status, 202, "{accepted:?}");
-    let location = gateway.path(accepted.header("location").unwrap());
+    let location = polled_at(&gateway).await;
     gate.open(1);
     let live = {
         let location = location.clone();
@@ -809,6 +746,22 @@ async fn a_polled_stream_neither_names_the_session_nor_asks_its_questions() {
         assert!(body.contains("notifications/progress"), "{how}: {body}");
         assert_eq!(response(&polled)["id"], 1, "{how}: {body}");
     }
+}
+
+/// Posts a keyed tool call (`id` 1) in session `s1`, preferring
+/// `respond-async`, and returns where its `202` says to poll its job.
+async fn polled_at(gateway: &Gateway) -> String {
+    let call = tool_call(json!(1), "charge", json!({"amount": 5}), Some("k"));
+    let headers = [
+        ("content-type", "application/json"),
+        ("accept", "application/json, text/event-stream"),
+        ("mcp-session-id", "s1"),
+        ("prefer", "respond-async"),
+    ];
+    let url = gateway.path("/mcp");
+    let accepted = send(Method::POST, &url, &headers, call.to_string()).await;
+    assert_eq!(accepted.status, 202, "{accepted:?}");
+    gateway.path(accepted.header("location").unwrap())
 }
 
 /// A held session `DELETE` whose client leaves still counts against
@@ -905,6 +858,38 @@ async fn a_session_end_the_server_never_answers_is_given_up_at_the_deadline() {
         || async { gateway.metric("idemgate_requests_in_flight").await == 0.0 },
     )
     .await;
+}
+
+/// Sends session `s1`'s `DELETE` to `other`, a replica that does not run
+/// the session's call, and waits until it is held there: `other` asks the
+/// store whether a call of the session is at its server, and asks again
+/// only while one is (the asks tell it held, not merely slow).
+async fn held_delete_at(
+    other: &std::sync::Arc<Gateway>,
+    server: &FakeMcp,
+) -> tokio::task::JoinHandle<Reply> {
+    let asks = || async {
+        let asked = [r#"operation="call_at_server""#];
+        other
+            .metric_labelled("idemgate_store_seconds_count", &asked)
+            .await
+    };
+    let asked = asks().await;
+    let deleted = {
+        let other = other.clone();
+        tokio::spawn(async move {
+            let headers = [("mcp-session-id", "s1")];
+            send(Method::DELETE, &other.path("/mcp"), &headers, "").await
+        })
+    };
+    crate::support::eventually(
+        std::time::Duration::from_secs(10),
+        "the DELETE held at the other replica, asking again",
+        || async { !server.deletes().is_empty() || asks().await >= asked + 2.0 },
+    )
+    .await;
+    assert!(server.deletes().is_empty(), "the session's end held back");
+    deleted
 }
 
 /// Posts `call` through `gateway` in session `s1`, and waits until it is
