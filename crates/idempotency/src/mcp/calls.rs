@@ -287,11 +287,11 @@ pub(crate) struct Marked {
 
 /// Marks in `store` the call `id` that `attempt` sends from `instance` in
 /// `session` on `route`, for a `lease` the attempt's renewals renew, until
-/// `deadline` (the attempt's); `None` for a call in no session. The insert is waited for at most [`PATIENCE`]: a
-/// call is not held by a store that does not answer (a cancel reaching
-/// another replica before its mark lands passes, as one always did). An
-/// insert still on its way is waited for before the mark is taken off,
-/// so that it cannot land after.
+/// `deadline` (the attempt's); `None` for a call in no session. The insert
+/// is waited for at most [`PATIENCE`]: a call is not held by a store that
+/// does not answer (a cancel reaching another replica before its mark
+/// lands passes, as one always did). An insert still on its way is waited
+/// for before the mark is taken off, so that it cannot land after.
 pub(crate) async fn mark(
     store: &Arc<dyn Store>,
     (attempt, instance): (AttemptId, Uuid),

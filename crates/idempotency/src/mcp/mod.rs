@@ -256,9 +256,8 @@ fn readdressed_message(body: Body, id: Vec<u8>) -> Body {
 }
 
 /// An event stream's body with its response event addressed to `id` (or
-/// left as it is, `None`), cut
-/// at its lines as it comes (`docs/design.md` §10, "Events and
-/// heartbeats"), each event read whole ([`Readdress`]).
+/// left as it is, `None`), cut at its lines as it comes (`docs/design.md`
+/// §10, "Events and heartbeats"), each event read whole ([`Readdress`]).
 fn readdressed_events(body: Body, id: Option<Vec<u8>>, asks: bool) -> Body {
     let state = (
         Some(body.into_data_stream()),
