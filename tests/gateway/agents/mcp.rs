@@ -661,6 +661,83 @@ async fn a_long_call_gone_unknown_is_held_at_other_replicas_past_its_lease() {
     assert_eq!(server.runs("charge"), 1);
 }
 
+/// On a route that resends unknown attempts (`reconcile = "resend"`, a
+/// server that deduplicates by the forwarded key): the call's connection
+/// breaks after it was sent (its attempt `unknown`, its task over), and the
+/// resend is held at the server. While it is, the agent's cancel of the call
+/// is held back at the replica that resent it and at another one (the
+/// resend marks the call in the store), so the resend's answer settles the
+/// job and the retry gets it, the tool run once; the mark is then taken
+/// off. Before, a resend was known nowhere: both cancels reached the server
+/// and cut it.
+#[tokio::test]
+async fn a_resent_call_holds_its_agents_cancel_back_at_every_replica() {
+    use crate::support::upstream::{json_response, FakeUpstream};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let store = TestStore::postgres().await;
+    let resent = Gate::new();
+    let calls = std::sync::Arc::new(AtomicUsize::new(0));
+    let upstream = FakeUpstream::start({
+        let (resent, calls) = (resent.clone(), calls.clone());
+        move |r| {
+            let (resent, calls) = (resent.clone(), calls.clone());
+            async move {
+                let message: Value = serde_json::from_slice(&r.body).unwrap_or(Value::Null);
+                if message["method"] != "tools/call" {
+                    return json_response(202, json!({}));
+                }
+                if calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                    panic!("the server drops the call's connection");
+                }
+                resent.pass().await;
+                json_response(
+                    200,
+                    json!({"jsonrpc": "2.0", "id": message["id"],
+                    "result": {"content": [{"type": "text", "text": "charged"}]}}),
+                )
+            }
+        }
+    })
+    .await;
+    let start = || {
+        Gateway::builder(&store, &upstream.url())
+            .tables(&format!("{ROUTE}reconcile = \"resend\"\n"))
+            .start()
+    };
+    let (running, other) = (start().await, start().await);
+    let call = |id| tool_call(json!(id), "charge", json!({"amount": 5}), Some("k"));
+    let first = response(&post(&running, &call(1), "s1").await);
+    let kind = first["error"]["data"]["type"].as_str().unwrap_or_default();
+    assert!(kind.ends_with("/attempt-outcome-unknown"), "{first}");
+    crate::support::eventually(
+        std::time::Duration::from_secs(10),
+        "the call resent, held at the server",
+        || async { calls.load(Ordering::SeqCst) == 2 },
+    )
+    .await;
+    let seen = upstream.hits();
+    assert_eq!(post(&running, &cancel(1), "s1").await.status, 202);
+    assert_eq!(post(&other, &cancel(1), "s1").await.status, 202);
+    assert_eq!(upstream.hits(), seen, "both cancels held back");
+    assert_eq!(post(&other, &cancel(9), "s1").await.status, 202);
+    assert_eq!(upstream.hits(), seen + 1, "another call's passes");
+    resent.open(1);
+    crate::support::eventually(
+        std::time::Duration::from_secs(10),
+        "the resend's answer committed, its mark taken off",
+        || async {
+            let settled = "SELECT a.state || '/' || \
+                           (SELECT count(*) FROM mcp_calls_at_server) FROM attempts a";
+            store.column(settled).await == ["succeeded/0"]
+        },
+    )
+    .await;
+    let retry = response(&post(&other, &call(2), "s2").await);
+    assert_eq!(retry["id"], 2);
+    assert_eq!(retry["result"]["content"][0]["text"], "charged", "{retry}");
+    assert_eq!(calls.load(Ordering::SeqCst), 2, "the call and its resend");
+}
+
 /// A keyed call answered `202` (`Prefer: respond-async`) and polled: the
 /// answer is the call's, and names no session (a poll is in none; the
 /// stored answer names the session of the connection the call ran in).

@@ -135,6 +135,10 @@ pub(super) struct Reconciler {
     pub(super) proven: Option<ProvenClient>,
     /// This process's tasks, which this one joins.
     pub(super) asking: Arc<Asking>,
+    /// The MCP tool calls at their server from here, and this process:
+    /// a resend of a call is one while it is out ([`Reconciler::resend`]).
+    pub(super) calls: Arc<crate::mcp::Calls>,
+    pub(super) instance: uuid::Uuid,
     /// Where an ask in flight is counted, for the drain to wait on: what it
     /// learns (a resend's answer above all, which nothing asks for again)
     /// is written before the process exits (`docs/design.md` §12,
@@ -298,7 +302,7 @@ impl Reconciler {
                     },
                     Protocol::Http => None,
                 };
-                let mut answer = self.resend(sent).await;
+                let mut answer = self.resend(sent, call.as_deref()).await;
                 if let (Ok(fetched), Some(_)) = (&mut answer, &call) {
                     // As the attempt's own answer is (`mcp::name_session`).
                     let session = sent.parts.headers.get(crate::mcp::MCP_SESSION_ID);
@@ -374,7 +378,25 @@ impl Reconciler {
 
     /// The attempt's request sent again, as it was (its target, its
     /// forwarded key, its body), and the answer read whole.
-    async fn resend(&self, sent: &Sent) -> Result<Fetched, UpstreamError> {
+    ///
+    /// A resent MCP tool call (`call`, its `id`) is at its server as the
+    /// attempt's call was: while it is out, its agent's cancel is held
+    /// back, here and (by a mark of its own) at other replicas, as the
+    /// call's was (`docs/design.md` §19, "An agent's cancel"). The mark is
+    /// good for the resend's own time limit and renewed by nobody: no
+    /// attempt has its id, so it is taken off by it, or lapses.
+    async fn resend(&self, sent: &Sent, call: Option<&[u8]>) -> Result<Fetched, UpstreamError> {
+        let session = sent.parts.headers.get(crate::mcp::MCP_SESSION_ID);
+        let at = (self.route.name.as_str(), session);
+        let _at_server = call.and_then(|id| self.calls.start(at.0, at.1, id));
+        let _marked = match call {
+            Some(id) => {
+                let by = (AttemptId::new(), self.instance);
+                let good = (Instant::now() + self.timeout, self.timeout);
+                crate::mcp::mark(&self.store, by, at, id, good).await
+            }
+            None => None,
+        };
         let request = Request::from_parts(sent.parts.clone(), full(sent.body.clone()));
         self.fetch(request).await
     }

@@ -344,6 +344,8 @@ impl Runner {
             key_header: self.config.forward_key_header.clone(),
             proven,
             asking: self.asking.clone(),
+            calls: self.calls.clone(),
+            instance: self.instance,
             asks: self.background.clone(),
             call: None,
             held_back: Default::default(),
