@@ -736,6 +736,17 @@ async fn a_resent_call_holds_its_agents_cancel_back_at_every_replica() {
     assert_eq!(retry["id"], 2);
     assert_eq!(retry["result"]["content"][0]["text"], "charged", "{retry}");
     assert_eq!(calls.load(Ordering::SeqCst), 2, "the call and its resend");
+    // Its stored answer names the session to tell a retry in it; an
+    // operator's view of the job shows that it does, not the session.
+    let job = store.column("SELECT id::text FROM jobs").await;
+    let shown = running.job(&job[0]).await;
+    let headers = shown["response"]["headers"].as_array().unwrap();
+    let session = headers.iter().find(|h| h[0] == "mcp-session-id");
+    assert_eq!(
+        session,
+        Some(&json!(["mcp-session-id", "[redacted]"])),
+        "{shown}"
+    );
 }
 
 /// A keyed call answered `202` (`Prefer: respond-async`) and polled: the

@@ -169,12 +169,25 @@ fn lookups(l: &Lookups, schedule: Schedule) -> Value {
     })
 }
 
-/// A stored response: its body as text when it is UTF-8, else base64.
+/// Stored header values the admin API does not show: what would let its
+/// reader act as the caller. A cookie the upstream set is replayed to its
+/// owner only; the MCP session a tool call ran in is kept only to tell a
+/// retry in that same session (`docs/design.md` §19, "The answer"), and
+/// whoever holds it may post in that session at its server.
+const REDACTED: [&str; 2] = ["set-cookie", "mcp-session-id"];
+
+/// A stored response: its body as text when it is UTF-8, else base64; the
+/// values of [`REDACTED`] headers shown as `[redacted]`.
 fn response(r: &StoredResponse) -> Value {
     let headers: Vec<Value> = r
         .headers
         .iter()
-        .map(|(n, v)| json!([n, String::from_utf8_lossy(v)]))
+        .map(
+            |(n, v)| match REDACTED.iter().any(|r| n.eq_ignore_ascii_case(r)) {
+                true => json!([n, "[redacted]"]),
+                false => json!([n, String::from_utf8_lossy(v)]),
+            },
+        )
         .collect();
     let mut out = json!({"status": r.status, "headers": headers});
     match std::str::from_utf8(&r.body) {
