@@ -267,8 +267,10 @@ pub trait Records: Send + Sync + 'static {
     /// it renews, up to each attempt's deadline, whatever their state): an
     /// agent's cancel of the call, or its session's end, reaching another
     /// replica is held back there too (`docs/design.md` §19, "An agent's
-    /// cancel"). A store one process holds has no other replica to tell:
-    /// it marks nothing.
+    /// cancel"). A resend of the call marks it under an id of its own,
+    /// which no attempt has: renewed by nobody, it is good for
+    /// `for_at_most`. A store one process holds has no other replica to
+    /// tell: it marks nothing.
     async fn mark_call(
         &self,
         attempt: AttemptId,
@@ -277,7 +279,8 @@ pub trait Records: Send + Sync + 'static {
         for_at_most: Duration,
     ) -> Result<(), StoreError>;
 
-    /// Takes the mark of `attempt`'s call off (none is no error).
+    /// Takes the mark of `attempt`'s call off (or a resend's, by its own
+    /// id; none is no error).
     async fn unmark_call(&self, attempt: AttemptId) -> Result<(), StoreError>;
 
     /// Whether a call of `session` (the call `call`, or any without it) is

@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 use crate::support::mcp::{tool_call, Answering, FakeMcp};
 use crate::support::{send, Gate, Gateway, Reply, TestStore};
 
-const ROUTE: &str = "[[routes]]\npath_prefix = \"/mcp\"\nprotocol = \"mcp\"\n";
+pub(super) const ROUTE: &str = "[[routes]]\npath_prefix = \"/mcp\"\nprotocol = \"mcp\"\n";
 
 async fn gateway(store: &TestStore, server: &FakeMcp) -> Gateway {
     Gateway::builder(store, &server.url())
@@ -18,7 +18,7 @@ async fn gateway(store: &TestStore, server: &FakeMcp) -> Gateway {
 }
 
 /// POSTs `message` to the MCP endpoint, in session `session`.
-async fn post(gateway: &Gateway, message: &Value, session: &str) -> Reply {
+pub(super) async fn post(gateway: &Gateway, message: &Value, session: &str) -> Reply {
     let headers = [
         ("content-type", "application/json"),
         ("accept", "application/json, text/event-stream"),
@@ -35,7 +35,7 @@ async fn post(gateway: &Gateway, message: &Value, session: &str) -> Reply {
 
 /// The JSON-RPC response an answer carries: its body, or the response
 /// event of an event stream.
-fn response(reply: &Reply) -> Value {
+pub(super) fn response(reply: &Reply) -> Value {
     assert_eq!(
         reply.status,
         200,
@@ -604,7 +604,7 @@ async fn an_agents_cancel_and_session_end_at_another_replica_are_held_back() {
     );
     assert_eq!(post(&other, &cancel(9), "s1").await.status, 202);
     assert_eq!(server.posts().len(), posts + 1, "another call's passes");
-    let deleted = held_delete_at(&other, &server).await;
+    let deleted = held_delete_at(&other, || !server.deletes().is_empty()).await;
     assert_eq!(server.pending(), 1, "the call goes on");
     gate.open(1);
     let first = response(&first.await.unwrap());
@@ -654,99 +654,11 @@ async fn a_long_call_gone_unknown_is_held_at_other_replicas_past_its_lease() {
     // Past two leases of the mark's first: only renewals keep it.
     tokio::time::sleep(std::time::Duration::from_secs(7)).await;
     assert_eq!(server.pending(), 1, "the call is still at its server");
-    let deleted = held_delete_at(&other, &server).await;
+    let deleted = held_delete_at(&other, || !server.deletes().is_empty()).await;
     gate.open(1);
     assert_eq!(deleted.await.unwrap().status, 200);
     assert_eq!(server.deletes(), ["s1"], "then the session ends");
     assert_eq!(server.runs("charge"), 1);
-}
-
-/// On a route that resends unknown attempts (`reconcile = "resend"`, a
-/// server that deduplicates by the forwarded key): the call's connection
-/// breaks after it was sent (its attempt `unknown`, its task over), and the
-/// resend is held at the server. While it is, the agent's cancel of the call
-/// is held back at the replica that resent it and at another one (the
-/// resend marks the call in the store), so the resend's answer settles the
-/// job and the retry gets it, the tool run once; the mark is then taken
-/// off. Before, a resend was known nowhere: both cancels reached the server
-/// and cut it.
-#[tokio::test]
-async fn a_resent_call_holds_its_agents_cancel_back_at_every_replica() {
-    use crate::support::upstream::{json_response, FakeUpstream};
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    let store = TestStore::postgres().await;
-    let resent = Gate::new();
-    let calls = std::sync::Arc::new(AtomicUsize::new(0));
-    let upstream = FakeUpstream::start({
-        let (resent, calls) = (resent.clone(), calls.clone());
-        move |r| {
-            let (resent, calls) = (resent.clone(), calls.clone());
-            async move {
-                let message: Value = serde_json::from_slice(&r.body).unwrap_or(Value::Null);
-                if message["method"] != "tools/call" {
-                    return json_response(202, json!({}));
-                }
-                if calls.fetch_add(1, Ordering::SeqCst) == 0 {
-                    panic!("the server drops the call's connection");
-                }
-                resent.pass().await;
-                json_response(
-                    200,
-                    json!({"jsonrpc": "2.0", "id": message["id"],
-                    "result": {"content": [{"type": "text", "text": "charged"}]}}),
-                )
-            }
-        }
-    })
-    .await;
-    let start = || {
-        Gateway::builder(&store, &upstream.url())
-            .tables(&format!("{ROUTE}reconcile = \"resend\"\n"))
-            .start()
-    };
-    let (running, other) = (start().await, start().await);
-    let call = |id| tool_call(json!(id), "charge", json!({"amount": 5}), Some("k"));
-    let first = response(&post(&running, &call(1), "s1").await);
-    let kind = first["error"]["data"]["type"].as_str().unwrap_or_default();
-    assert!(kind.ends_with("/attempt-outcome-unknown"), "{first}");
-    crate::support::eventually(
-        std::time::Duration::from_secs(10),
-        "the call resent, held at the server",
-        || async { calls.load(Ordering::SeqCst) == 2 },
-    )
-    .await;
-    let seen = upstream.hits();
-    assert_eq!(post(&running, &cancel(1), "s1").await.status, 202);
-    assert_eq!(post(&other, &cancel(1), "s1").await.status, 202);
-    assert_eq!(upstream.hits(), seen, "both cancels held back");
-    assert_eq!(post(&other, &cancel(9), "s1").await.status, 202);
-    assert_eq!(upstream.hits(), seen + 1, "another call's passes");
-    resent.open(1);
-    crate::support::eventually(
-        std::time::Duration::from_secs(10),
-        "the resend's answer committed, its mark taken off",
-        || async {
-            let settled = "SELECT a.state || '/' || \
-                           (SELECT count(*) FROM mcp_calls_at_server) FROM attempts a";
-            store.column(settled).await == ["succeeded/0"]
-        },
-    )
-    .await;
-    let retry = response(&post(&other, &call(2), "s2").await);
-    assert_eq!(retry["id"], 2);
-    assert_eq!(retry["result"]["content"][0]["text"], "charged", "{retry}");
-    assert_eq!(calls.load(Ordering::SeqCst), 2, "the call and its resend");
-    // Its stored answer names the session to tell a retry in it; an
-    // operator's view of the job shows that it does, not the session.
-    let job = store.column("SELECT id::text FROM jobs").await;
-    let shown = running.job(&job[0]).await;
-    let headers = shown["response"]["headers"].as_array().unwrap();
-    let session = headers.iter().find(|h| h[0] == "mcp-session-id");
-    assert_eq!(
-        session,
-        Some(&json!(["mcp-session-id", "[redacted]"])),
-        "{shown}"
-    );
 }
 
 /// A keyed call answered `202` (`Prefer: respond-async`) and polled: the
@@ -951,10 +863,11 @@ async fn a_session_end_the_server_never_answers_is_given_up_at_the_deadline() {
 /// Sends session `s1`'s `DELETE` to `other`, a replica that does not run
 /// the session's call, and waits until it is held there: `other` asks the
 /// store whether a call of the session is at its server, and asks again
-/// only while one is (the asks tell it held, not merely slow).
-async fn held_delete_at(
+/// only while one is (the asks tell it held, not merely slow). `deleted`
+/// says whether the server has seen a `DELETE`.
+pub(super) async fn held_delete_at(
     other: &std::sync::Arc<Gateway>,
-    server: &FakeMcp,
+    deleted: impl Fn() -> bool,
 ) -> tokio::task::JoinHandle<Reply> {
     let asks = || async {
         let asked = [r#"operation="call_at_server""#];
@@ -963,7 +876,7 @@ async fn held_delete_at(
             .await
     };
     let asked = asks().await;
-    let deleted = {
+    let sent = {
         let other = other.clone();
         tokio::spawn(async move {
             let headers = [("mcp-session-id", "s1")];
@@ -973,11 +886,11 @@ async fn held_delete_at(
     crate::support::eventually(
         std::time::Duration::from_secs(10),
         "the DELETE held at the other replica, asking again",
-        || async { !server.deletes().is_empty() || asks().await >= asked + 2.0 },
+        || async { deleted() || asks().await >= asked + 2.0 },
     )
     .await;
-    assert!(server.deletes().is_empty(), "the session's end held back");
-    deleted
+    assert!(!deleted(), "the session's end held back");
+    sent
 }
 
 /// Posts `call` through `gateway` in session `s1`, and waits until it is
@@ -999,7 +912,7 @@ async fn held_at_server(
 }
 
 /// An agent's `notifications/cancelled` of the request `id`.
-fn cancel(id: u32) -> Value {
+pub(super) fn cancel(id: u32) -> Value {
     json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
            "params": {"requestId": id, "reason": "timed out"}})
 }

@@ -2,3 +2,4 @@
 
 mod mcp;
 mod mcp_input;
+mod mcp_resend;

@@ -381,19 +381,16 @@ impl Reconciler {
     ///
     /// A resent MCP tool call (`call`, its `id`) is at its server as the
     /// attempt's call was: while it is out, its agent's cancel is held
-    /// back, here and (by a mark of its own) at other replicas, as the
-    /// call's was (`docs/design.md` §19, "An agent's cancel"). The mark is
-    /// good for the resend's own time limit and renewed by nobody: no
-    /// attempt has its id, so it is taken off by it, or lapses.
+    /// back, here and (by a mark of its own, [`crate::mcp::mark_resend`])
+    /// at other replicas (`docs/design.md` §19, "An agent's cancel").
     async fn resend(&self, sent: &Sent, call: Option<&[u8]>) -> Result<Fetched, UpstreamError> {
         let session = sent.parts.headers.get(crate::mcp::MCP_SESSION_ID);
         let at = (self.route.name.as_str(), session);
         let _at_server = call.and_then(|id| self.calls.start(at.0, at.1, id));
         let _marked = match call {
             Some(id) => {
-                let by = (AttemptId::new(), self.instance);
-                let good = (Instant::now() + self.timeout, self.timeout);
-                crate::mcp::mark(&self.store, by, at, id, good).await
+                let (store, instance) = (&self.store, self.instance);
+                crate::mcp::mark_resend(store, instance, at, id, self.timeout).await
             }
             None => None,
         };

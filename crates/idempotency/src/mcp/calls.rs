@@ -275,8 +275,8 @@ impl Drop for AtServer {
 }
 
 /// A keyed call's mark in the store, for other replicas: taken off when
-/// dropped (as its attempt's task ends), asked again until it is or the
-/// mark lapses by itself.
+/// dropped (as its attempt's task ends, or its resend), asked again until
+/// it is or the mark lapses by itself.
 pub(crate) struct Marked {
     store: Arc<dyn Store>,
     attempt: AttemptId,
@@ -328,6 +328,25 @@ pub(crate) async fn mark(
         lapses: deadline,
         marking,
     })
+}
+
+/// Marks in `store` a resend of the call `id` (`reconcile = "resend"`)
+/// from `instance` in `session` on `route`, for the resend's `limit`: under
+/// an id of its own, so that it neither meets the attempt's own mark (its
+/// call may still be out) nor is renewed with it, and good for the
+/// resend's whole time however long its insert took ([`PATIENCE`] at
+/// most). Taken off as the resend ends; a replica that dies meanwhile
+/// holds that call's cancels back elsewhere until `limit` has passed.
+pub(crate) async fn mark_resend(
+    store: &Arc<dyn Store>,
+    instance: Uuid,
+    at: (&str, Option<&HeaderValue>),
+    id: &[u8],
+    limit: Duration,
+) -> Option<Marked> {
+    let good = limit + PATIENCE;
+    let by = (AttemptId::new(), instance);
+    mark(store, by, at, id, (Instant::now() + good, good)).await
 }
 
 impl Drop for Marked {

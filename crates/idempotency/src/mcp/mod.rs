@@ -11,7 +11,7 @@ mod calls;
 
 use std::sync::Arc;
 
-pub(crate) use calls::{ends_session, mark, AtServer, Calls, Marked};
+pub(crate) use calls::{ends_session, mark, mark_resend, AtServer, Calls, Marked};
 
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
