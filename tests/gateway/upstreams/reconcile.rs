@@ -549,6 +549,133 @@ async fn an_attempt_the_sweeper_makes_unknown_is_looked_up_too() {
     silent.open(1);
 }
 
+/// Two replicas on one PostgreSQL whose route looks up, a 600 ms lease, and
+/// an upstream that answers lookups "no such charge" (`404`) until told the
+/// charge went through (`200`).
+async fn orphaning(
+    store: &TestStore,
+    deadline: &str,
+) -> (FakeUpstream, Arc<AtomicBool>, Gateway, Gateway) {
+    let silent = Gate::new();
+    let charged = Arc::new(AtomicBool::new(false));
+    let lookup = {
+        let charged = charged.clone();
+        move |_: &Recorded| match charged.load(Ordering::SeqCst) {
+            true => json_response(200, json!({"charge": "ch_6"})),
+            false => json_response(404, json!({"error": "no such charge"})),
+        }
+    };
+    let upstream = upstream_with_lookups(&silent, lookup).await;
+    let builder = || {
+        Gateway::builder(store, &upstream.url())
+            .set("lease_ttl", "\"600ms\"")
+            .set("upstream_timeout", "\"2s\"")
+            .set("attempt_deadline", &format!("\"{deadline}\""))
+            .tables(ROUTE)
+    };
+    let (doomed, survivor) = (builder().start().await, builder().start().await);
+    (upstream, charged, doomed, survivor)
+}
+
+/// Posts `key` through `doomed`, kills it once the upstream has the call,
+/// and waits until `survivor` has looked the lapsed attempt up and been
+/// told `404`; returns the job's id.
+async fn orphaned_with_404(
+    upstream: &FakeUpstream,
+    mut doomed: Gateway,
+    survivor: &Gateway,
+    key: &'static str,
+) -> String {
+    let in_flight = crate::support::post_detached(doomed.path("/v1/charges"), key);
+    let job_id = upstream
+        .arrival()
+        .await
+        .header("idempotency-key")
+        .unwrap()
+        .to_owned();
+    doomed.kill().await;
+    let _ = in_flight.await;
+    eventually(
+        Duration::from_secs(15),
+        "the lapsed attempt looked up, answered 404",
+        || async {
+            first_attempt(&survivor.job(&job_id).await)["lookups"]["last"]["status"] == 404
+        },
+    )
+    .await;
+    job_id
+}
+
+/// A replica's attempt lapses (its replica killed mid-call), and the one
+/// that adopts it is told "no such charge". That proves nothing before
+/// the attempt's deadline: a replica cut off from the database, not dead,
+/// goes on calling until it, and an upstream still working on a call
+/// whose connection was cut has no record of it yet. So the job stays
+/// unknown (a retry is told `409`, no second charge runs), and the next
+/// lookup finds the charge. Before, the `404` reopened the job at once and
+/// the retry charged again beside the first.
+#[tokio::test]
+async fn a_404_about_an_adopted_attempt_proves_nothing_before_its_deadline() {
+    let store = TestStore::postgres().await;
+    let (upstream, charged, doomed, survivor) = orphaning(&store, "60s").await;
+    let job_id = orphaned_with_404(&upstream, doomed, &survivor, "charge-6").await;
+    let job = survivor.job(&job_id).await;
+    assert_eq!(job["state"], "unknown", "{job}");
+    assert_eq!(
+        first_attempt(&job)["lookups"]["last"]["result"],
+        "still_unknown"
+    );
+    let retry = post(&survivor.path("/v1/charges"), "charge-6", "{}").await;
+    assert_eq!(retry.status, 409, "no second charge beside the first");
+
+    charged.store(true, Ordering::SeqCst);
+    eventually(
+        Duration::from_secs(15),
+        "the next lookup's answer committed",
+        || async { survivor.job(&job_id).await["state"] == "completed" },
+    )
+    .await;
+    let retry = post(&survivor.path("/v1/charges"), "charge-6", "{}").await;
+    assert_eq!(retry.json()["charge"], "ch_6");
+    assert_eq!(posts(&upstream), 1, "one charge");
+}
+
+/// The same, with a `404` until past the attempt's deadline (3 s, and 5 s
+/// for the clocks): once no call of it can be out anywhere, the lookup
+/// asked once more is taken as no effect, and the job reopens for a retry.
+#[tokio::test]
+async fn a_404_about_an_adopted_attempt_reopens_its_job_past_the_deadline() {
+    let store = TestStore::postgres().await;
+    let (upstream, _, doomed, survivor) = orphaning(&store, "3s").await;
+    let job_id = orphaned_with_404(&upstream, doomed, &survivor, "charge-7").await;
+    assert_eq!(survivor.job(&job_id).await["state"], "unknown");
+    eventually(
+        Duration::from_secs(20),
+        "the job reopened once the deadline passed",
+        || async { first_attempt(&survivor.job(&job_id).await)["state"] == "failed" },
+    )
+    .await;
+    let job = survivor.job(&job_id).await;
+    assert_eq!(
+        first_attempt(&job)["lookups"]["last"]["result"],
+        "settled_no_effect"
+    );
+    let started = first_attempt(&job)["started_at"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let settled = first_attempt(&job)["lookups"]["last"]["at"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let at = |t: &str| humantime::parse_rfc3339(t).unwrap();
+    let waited = at(&settled).duration_since(at(&started)).unwrap();
+    assert!(waited >= Duration::from_secs(8), "{started} {settled}");
+    let retry = post(&survivor.path("/v1/charges"), "charge-7", "{}").await;
+    assert_eq!(retry.status, 200, "attempt 2 runs");
+    assert_eq!(posts(&upstream), 2);
+}
+
 /// A route that answers duplicates at once (`in_progress = "conflict"`)
 /// holds nobody, a lookup under way or not: a duplicate of its unknown
 /// job is told `409` at once. Before, it was held for the lookup, here up

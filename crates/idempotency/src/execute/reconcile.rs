@@ -145,15 +145,36 @@ pub(super) struct Reconciler {
     /// "Termination").
     pub(super) asks: TaskTracker,
     /// Cancelled once this process's call of the attempt has ended; `None`
-    /// for an attempt adopted from the store (its call ended with the
-    /// process that made it). While the call is out, the upstream may
-    /// still be acting on it: a lookup's `404` says only "not yet"
-    /// (`docs/design.md` §5, "Not while the call is out").
+    /// for an attempt adopted from the store, whose call is taken to be
+    /// out until its deadline ([`Out::Elsewhere`]). While the call is out,
+    /// the upstream may still be acting on it: a lookup's `404` says only
+    /// "not yet" (`docs/design.md` §5, "Not while the call is out").
     pub(super) call: Option<CancellationToken>,
     /// Whether a lookup's "no record" was held back while the call was out
     /// ([`Reconciler::judged`]): once the call ends, it is asked again at
     /// once, even past the attempt's deadline (the call ends at it too).
     pub(super) held_back: std::sync::atomic::AtomicBool,
+}
+
+/// Past an attempt's deadline, how long a replica that did not start it
+/// still takes its call to be out: the replica that did counts its
+/// deadline from after its begin returned, on its own clock.
+const ELSEWHERE_GRACE: Duration = Duration::from_secs(5);
+
+/// Where a call of the attempt may still be out, so that a lookup's "no
+/// record" proves nothing yet (`docs/design.md` §5, "Not while the call
+/// is out").
+enum Out<'a> {
+    /// This process's call, until it ends.
+    Here(&'a CancellationToken),
+    /// The call of the replica that started the attempt, adopted here (its
+    /// lease lapsed, or its lookups stopped): nothing here can tell that it
+    /// ended (a replica cut off from the database goes on calling), but it
+    /// ends by the attempt's deadline, which this is (with
+    /// [`ELSEWHERE_GRACE`]).
+    Elsewhere(SystemTime),
+    /// No call of it is out.
+    Over,
 }
 
 /// What became of the attempt after one ask.
@@ -213,11 +234,8 @@ impl Reconciler {
             };
             // The call has ended since a "no record" was held back for it:
             // asked again at once, even past the deadline.
-            let after_call = self
-                .call
-                .as_ref()
-                .is_some_and(CancellationToken::is_cancelled)
-                && self.held_back.swap(false, Ordering::Relaxed);
+            let after_call =
+                matches!(self.out(now), Out::Over) && self.held_back.swap(false, Ordering::Relaxed);
             let due = if after_call {
                 Some(Duration::ZERO)
             } else {
@@ -226,11 +244,15 @@ impl Reconciler {
             let Some(due) = due else {
                 // Past the deadline, the call still out (it ends at the
                 // deadline too): waited for, then asked once more.
-                if let Some(call) = self
-                    .calling()
-                    .filter(|_| self.held_back.load(Ordering::Relaxed))
-                {
-                    call.cancelled().await;
+                if self.held_back.load(Ordering::Relaxed) {
+                    match self.out(now) {
+                        Out::Here(call) => call.cancelled().await,
+                        Out::Elsewhere(until) => {
+                            let left = until.duration_since(now).unwrap_or_default();
+                            tokio::time::sleep(left).await;
+                        }
+                        Out::Over => break,
+                    }
                     continue;
                 }
                 break;
@@ -244,14 +266,14 @@ impl Reconciler {
             if !wait.is_zero() {
                 // Then read again: another task may have asked, or the
                 // attempt settled, meanwhile; the call's end wakes it.
-                match self.calling() {
-                    Some(call) => {
+                match self.out(now) {
+                    Out::Here(call) => {
                         tokio::select! {
                             () = tokio::time::sleep(wait) => {}
                             () = call.cancelled() => {}
                         }
                     }
-                    None => tokio::time::sleep(wait).await,
+                    Out::Elsewhere(_) | Out::Over => tokio::time::sleep(wait).await,
                 }
                 continue;
             }
@@ -335,23 +357,39 @@ impl Reconciler {
         self.settle(resolution).await
     }
 
-    /// This process's call of the attempt, while it is still out.
-    fn calling(&self) -> Option<&CancellationToken> {
-        self.call.as_ref().filter(|c| !c.is_cancelled())
+    /// Where a call of the attempt may still be out at `now`.
+    fn out(&self, now: SystemTime) -> Out<'_> {
+        match &self.call {
+            Some(call) if !call.is_cancelled() => Out::Here(call),
+            Some(_) => Out::Over,
+            None => {
+                let until = self.started_at + self.deadline + ELSEWHERE_GRACE;
+                match now < until {
+                    true => Out::Elsewhere(until),
+                    false => Out::Over,
+                }
+            }
+        }
     }
 
     /// What a lookup's finding proves while the call may still be out: a
     /// `2xx` is the attempt's outcome whenever it comes, but no record of
     /// it (`404`, `410`) proves no effect only once the call has ended.
     fn judged(&self, result: LookupResult) -> LookupResult {
-        match result {
-            LookupResult::SettledNoEffect if self.calling().is_some() => {
-                tracing::info!(attempt = %self.attempt, "the upstream has no record of the attempt yet, but its call is still out: still unknown");
-                self.held_back.store(true, Ordering::Relaxed);
-                LookupResult::StillUnknown
-            }
-            result => result,
+        if result != LookupResult::SettledNoEffect {
+            return result;
         }
+        match self.out(SystemTime::now()) {
+            Out::Over => return result,
+            Out::Here(_) => {
+                tracing::info!(attempt = %self.attempt, "the upstream has no record of the attempt yet, but its call is still out: still unknown");
+            }
+            Out::Elsewhere(_) => {
+                tracing::info!(attempt = %self.attempt, "the upstream has no record of the attempt yet, and the call of the replica that started it may be out until its deadline: still unknown");
+            }
+        }
+        self.held_back.store(true, Ordering::Relaxed);
+        LookupResult::StillUnknown
     }
 
     /// The upstream's answer to the lookup, read whole.
