@@ -120,6 +120,9 @@ pub struct Attempt {
     pub finished_at: Option<SystemTime>,
     /// When its lease lapses unless renewed.
     pub lease_expires_at: SystemTime,
+    /// When its call is given up, answered or not (`attempt_deadline` from
+    /// its start, on the store's clock): no call of it is out after it.
+    pub deadline_at: SystemTime,
     /// The status the upstream answered with, if it did: never an
     /// operator's typed answer (that is the job's response, and
     /// `resolved_by` says who gave it).

@@ -87,6 +87,20 @@ pub fn backoff(n: u32) -> Duration {
         .min(MAX_BACKOFF)
 }
 
+/// Past an attempt's recorded deadline, how long a replica that did not
+/// start it still takes its call to be out (`docs/design.md` §5, "Not
+/// while the call is out"): the replica that did gives the call up at
+/// that deadline on its own clock, may then wait up to 2 s for its record
+/// before it drops the call, and its timers may run late on a busy machine.
+pub const CALL_OUT_GRACE: Duration = Duration::from_secs(5);
+
+/// Whether `last`, a lookup of an attempt still unknown, found no record
+/// of it while its call may have been out: asked once more as that call
+/// ends, by the attempt's deadline and [`CALL_OUT_GRACE`].
+pub fn held_back(last: &Lookup) -> bool {
+    last.result == LookupResult::StillUnknown && matches!(last.status, Some(404 | 410))
+}
+
 /// How long until the next lookup of an unknown attempt that started at
 /// `started_at` and may be looked up for `deadline` (`attempt_deadline`),
 /// as of `now`: what a duplicate's `Retry-After` says. `None` once no

@@ -80,6 +80,11 @@ pub enum StoreSettings {
 
 /// What [`Store::begin_job`] found.
 #[derive(Debug)]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "a few hundred bytes moved a few times a request; boxing the \
+              attempt would cost every new key an allocation"
+)]
 pub enum Begin {
     /// The key was new: the job exists now, running its first attempt.
     Created(Job, Attempt),

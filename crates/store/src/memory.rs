@@ -136,6 +136,7 @@ fn new_attempt(
         started_at: now,
         finished_at: None,
         lease_expires_at: now + new.lease,
+        deadline_at: now + new.deadline,
         upstream_status: None,
         detail: None,
         lookups: Lookups::default(),

@@ -45,7 +45,9 @@ use idemgate_domain::attempt::{AttemptFailure, AttemptState, Resolution};
 use idemgate_domain::id::{AttemptId, JobId};
 use idemgate_domain::job::JobDetail;
 use idemgate_domain::jsonrpc;
-use idemgate_domain::reconcile::{backoff, next_lookup, verdict, Lookup, LookupResult, Lookups};
+use idemgate_domain::reconcile::{
+    backoff, next_lookup, verdict, Lookup, LookupResult, Lookups, CALL_OUT_GRACE,
+};
 use idemgate_domain::response::StoredResponse;
 use idemgate_domain::transition::Refusal;
 use idemgate_proxy::http::{full, ProvenClient};
@@ -125,6 +127,8 @@ pub(super) struct Reconciler {
     pub(super) started_at: SystemTime,
     /// `attempt_deadline`.
     pub(super) deadline: Duration,
+    /// When the attempt's call is given up, as its store recorded it.
+    pub(super) deadline_at: SystemTime,
     /// How long one ask may take (the upstream's timeout).
     pub(super) timeout: Duration,
     pub(super) max_response_size: usize,
@@ -156,11 +160,6 @@ pub(super) struct Reconciler {
     pub(super) held_back: std::sync::atomic::AtomicBool,
 }
 
-/// Past an attempt's deadline, how long a replica that did not start it
-/// still takes its call to be out: the replica that did counts its
-/// deadline from after its begin returned, on its own clock.
-const ELSEWHERE_GRACE: Duration = Duration::from_secs(5);
-
 /// Where a call of the attempt may still be out, so that a lookup's "no
 /// record" proves nothing yet (`docs/design.md` §5, "Not while the call
 /// is out").
@@ -170,8 +169,8 @@ enum Out<'a> {
     /// The call of the replica that started the attempt, adopted here (its
     /// lease lapsed, or its lookups stopped): nothing here can tell that it
     /// ended (a replica cut off from the database goes on calling), but it
-    /// ends by the attempt's deadline, which this is (with
-    /// [`ELSEWHERE_GRACE`]).
+    /// ends by the attempt's recorded deadline, which this is (with
+    /// [`CALL_OUT_GRACE`]).
     Elsewhere(SystemTime),
     /// No call of it is out.
     Over,
@@ -308,12 +307,15 @@ impl Reconciler {
     async fn ask(&self) -> Next {
         let (result, status, found) = match &self.ask {
             Ask::Lookup(path) => {
+                // Whether a call may be out is read as the lookup is sent:
+                // the upstream's "no record" is of that moment.
+                let out = self.out(SystemTime::now());
                 let answer = self.lookup(path).await;
                 let status = answer.as_ref().ok().map(|s| s.status);
                 if let Err(why) = &answer {
                     tracing::warn!(attempt = %self.attempt, error = %why, "could not look up the attempt's outcome; asking again");
                 }
-                (self.judged(verdict(status)), status, answer.ok())
+                (self.judged(verdict(status), out), status, answer.ok())
             }
             Ask::Resend(sent) => {
                 // Only the call's own response answers it (docs/design.md §19).
@@ -363,7 +365,7 @@ impl Reconciler {
             Some(call) if !call.is_cancelled() => Out::Here(call),
             Some(_) => Out::Over,
             None => {
-                let until = self.started_at + self.deadline + ELSEWHERE_GRACE;
+                let until = self.deadline_at + CALL_OUT_GRACE;
                 match now < until {
                     true => Out::Elsewhere(until),
                     false => Out::Over,
@@ -372,14 +374,15 @@ impl Reconciler {
         }
     }
 
-    /// What a lookup's finding proves while the call may still be out: a
-    /// `2xx` is the attempt's outcome whenever it comes, but no record of
-    /// it (`404`, `410`) proves no effect only once the call has ended.
-    fn judged(&self, result: LookupResult) -> LookupResult {
+    /// What a lookup's finding proves where a call may have been out
+    /// (`out`, as it was sent): a `2xx` is the attempt's outcome whenever
+    /// it comes, but no record of it (`404`, `410`) proves no effect only
+    /// once the call had ended.
+    fn judged(&self, result: LookupResult, out: Out<'_>) -> LookupResult {
         if result != LookupResult::SettledNoEffect {
             return result;
         }
-        match self.out(SystemTime::now()) {
+        match out {
             Out::Over => return result,
             Out::Here(_) => {
                 tracing::info!(attempt = %self.attempt, "the upstream has no record of the attempt yet, but its call is still out: still unknown");

@@ -47,6 +47,11 @@ const SCAN_LIMIT: u32 = 1000;
 const NEVER_SENT: &str =
     "never sent upstream: its start was written, but the reply was lost and the request answered 503";
 
+/// The most an attempt's deadline moves from `attempt_deadline` to meet the
+/// one its store recorded ([`Runner::time_left`]): its begin's waits, never
+/// a clock far apart from the store's.
+const SKEW_AT_MOST: Duration = Duration::from_secs(5);
+
 /// Runs attempts: the handles every attempt task needs.
 pub(crate) struct Runner {
     pub(super) config: Config,
@@ -178,7 +183,7 @@ impl Runner {
         let (tx, rx) = oneshot::channel();
         let cancel = CancellationToken::new();
         let forwarded = self.upstream_request(request, target, &attempt);
-        let deadline = Instant::now() + self.config.deadline;
+        let deadline = Instant::now() + self.time_left(&attempt);
         let mut reconciler = request
             .intent
             .route
@@ -257,6 +262,18 @@ impl Runner {
             cancel,
             reply: rx,
         }
+    }
+
+    /// How long `attempt`'s call may take: to its deadline as the store
+    /// recorded it (its begin's waits counted), so that a replica that
+    /// adopts the attempt knows when this call is given up (`docs/design.md`
+    /// §5, "Not while the call is out"). A clock apart from the store's
+    /// moves it by at most [`SKEW_AT_MOST`] from `attempt_deadline`.
+    fn time_left(&self, attempt: &Attempt) -> Duration {
+        let left = attempt.deadline_at.duration_since(SystemTime::now());
+        let most = self.config.deadline;
+        let least = most.saturating_sub(SKEW_AT_MOST);
+        left.unwrap_or_default().clamp(least, most)
     }
 
     /// The request as `target` receives it: the client's, with the job id
@@ -339,6 +356,7 @@ impl Runner {
             attempt: attempt.id,
             started_at: attempt.started_at,
             deadline: self.config.deadline,
+            deadline_at: attempt.deadline_at,
             timeout: target.timeout,
             max_response_size: self.config.max_response_size,
             key_header: self.config.forward_key_header.clone(),

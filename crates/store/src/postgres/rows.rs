@@ -175,5 +175,6 @@ pub(super) fn attempt_from_row(row: &Row, at: usize) -> Result<Attempt, StoreErr
             row.get(at + 14),
         )?,
         resolved_by: resolved_by(row.get(at + 15), row.get(at + 16)),
+        deadline_at: row.get(at + 17),
     })
 }

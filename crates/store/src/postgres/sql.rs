@@ -21,8 +21,8 @@ pub(super) const ATTEMPT_COLUMNS: &str =
     "a.id, a.job_id, a.number, a.upstream, a.state, a.job_version, \
      a.started_at, a.finished_at, a.lease_expires_at, a.upstream_status, a.detail, \
      a.lookups, a.last_lookup_at, a.last_lookup_status, a.last_lookup_result, \
-     a.resolved_by, a.resolved_at";
-pub(super) const ATTEMPT_WIDTH: usize = 17;
+     a.resolved_by, a.resolved_at, a.deadline_at";
+pub(super) const ATTEMPT_WIDTH: usize = 18;
 /// A job's head, the database's clock, and each attempt's head: one row per attempt.
 pub(super) const SNAPSHOT_COLUMNS: &str =
     "j.id, j.state, j.version, j.attempt_count, j.completed_by, now(), \
@@ -65,7 +65,7 @@ fn rows_found() -> String {
         "SELECT {JOB_COLUMNS}, NULL::uuid, NULL::uuid, NULL::integer, NULL::text, NULL::text, \
                 NULL::bigint, NULL::timestamptz, NULL::timestamptz, NULL::timestamptz, \
                 NULL::smallint, NULL::text, NULL::integer, NULL::timestamptz, NULL::smallint, \
-                NULL::text, NULL::text, NULL::timestamptz, j.expired \
+                NULL::text, NULL::text, NULL::timestamptz, NULL::timestamptz, j.expired \
          FROM existing j"
     )
 }

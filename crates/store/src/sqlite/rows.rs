@@ -25,7 +25,7 @@ pub(super) const ATTEMPT_COLUMNS: &str =
     "a.id, a.job_id, a.number, a.upstream, a.state, a.job_version, \
      a.started_at, a.finished_at, a.lease_expires_at, a.upstream_status, a.detail, \
      a.lookups, a.last_lookup_at, a.last_lookup_status, a.last_lookup_result, \
-     a.resolved_by, a.resolved_at";
+     a.resolved_by, a.resolved_at, a.deadline_at";
 
 pub(super) fn now_ms() -> i64 {
     to_ms(SystemTime::now())
@@ -203,6 +203,7 @@ pub(super) fn attempt_from_row(row: &Row<'_>) -> rusqlite::Result<Result<Attempt
     let last_lookup_result: Option<String> = row.get(14)?;
     let resolved_by: Option<String> = row.get(15)?;
     let resolved_at: Option<i64> = row.get(16)?;
+    let deadline_at: i64 = row.get(17)?;
     Ok((|| {
         Ok(Attempt {
             id: AttemptId(uuid(&id)?),
@@ -223,6 +224,7 @@ pub(super) fn attempt_from_row(row: &Row<'_>) -> rusqlite::Result<Result<Attempt
                 last_lookup_result.as_deref(),
             )?,
             resolved_by: crate::resolved_by(resolved_by, resolved_at.map(from_ms)),
+            deadline_at: from_ms(deadline_at),
         })
     })())
 }

@@ -28,6 +28,7 @@ fn attempt(number: i32, version: i64) -> Attempt {
         started_at: SystemTime::now(),
         finished_at: None,
         lease_expires_at: SystemTime::now(),
+        deadline_at: SystemTime::now(),
         upstream_status: None,
         detail: None,
         lookups: Default::default(),
