@@ -102,6 +102,29 @@ impl ReplyCutter {
         }
     }
 
+    /// A relay in front of `db`'s server, and the store that reaches the
+    /// database through it.
+    pub async fn relay(db: &super::TestDb) -> (ReplyCutter, super::TestStore) {
+        let config: tokio_postgres::Config = db.url.parse().unwrap();
+        let server = match &config.get_hosts()[0] {
+            tokio_postgres::config::Host::Tcp(host) => format!("{host}:{}", config.get_ports()[0]),
+            other => panic!("a TCP server, not {other:?}"),
+        };
+        let cutter = ReplyCutter::start(server.clone()).await;
+        let relayed = format!(
+            "{}?sslmode=disable",
+            db.url
+                .replace(&server, &format!("127.0.0.1:{}", cutter.port))
+        );
+        (cutter, super::TestStore::external(relayed))
+    }
+
+    /// Refuses every write on any connection from now on, until
+    /// [`ReplyCutter::heal`]: the gateway cut off from the database.
+    pub fn go_down(&self) {
+        self.refusing.down.store(true, Ordering::SeqCst);
+    }
+
     /// Loses the reply to the next statement carrying `marker`, once.
     pub fn arm(&self, marker: &[u8]) {
         self.arm_times(marker, 1);
@@ -152,7 +175,8 @@ impl ReplyCutter {
         self.refusing.down.load(Ordering::SeqCst)
     }
 
-    /// Ends the failure [`ReplyCutter::fail_after`] began.
+    /// Ends the failure [`ReplyCutter::fail_after`] or
+    /// [`ReplyCutter::go_down`] began.
     pub fn heal(&self) {
         self.refusing.down.store(false, Ordering::SeqCst);
     }

@@ -508,7 +508,7 @@ async fn a_sweep_whose_reply_was_lost_still_looks_its_attempts_up() {
     })
     .await;
     let db = TestDb::new().await;
-    let (cutter, relayed) = relay(&db).await;
+    let (cutter, relayed) = ReplyCutter::relay(&db).await;
     let replica = |store: &TestStore| {
         Gateway::builder(store, &upstream.url())
             .set("lease_ttl", "\"600ms\"")
@@ -586,7 +586,7 @@ async fn a_sweep_whose_commit_never_landed_reports_nothing_another_sweep_expired
     })
     .await;
     let db = TestDb::new().await;
-    let (cutter, relayed) = relay(&db).await;
+    let (cutter, relayed) = ReplyCutter::relay(&db).await;
     let replica = |store: &TestStore, sweeps_every: &str| {
         Gateway::builder(store, &upstream.url())
             .set("lease_ttl", "\"600ms\"")
@@ -668,7 +668,7 @@ async fn behind_relay_with(upstream: &FakeUpstream, settings: &[(&str, &str)]) -
 /// [`behind_relay_with`], for the upstream at `upstream`.
 async fn behind_relay_to(upstream: &str, settings: &[(&str, &str)]) -> Relayed {
     let db = TestDb::new().await;
-    let (cutter, relayed) = relay(&db).await;
+    let (cutter, relayed) = ReplyCutter::relay(&db).await;
     let mut builder = Gateway::builder(&relayed, upstream).set("hold_timeout", "\"20s\"");
     for (key, value) in settings {
         builder = builder.set(key, value);
@@ -693,21 +693,4 @@ async fn states(db: &TestDb) -> Vec<(String, String)> {
         .await
         .unwrap();
     rows.iter().map(|r| (r.get(0), r.get(1))).collect()
-}
-
-/// A relay in front of `db`'s server, and the store that reaches the
-/// database through it.
-async fn relay(db: &TestDb) -> (ReplyCutter, TestStore) {
-    let config: tokio_postgres::Config = db.url.parse().unwrap();
-    let server = match &config.get_hosts()[0] {
-        tokio_postgres::config::Host::Tcp(host) => format!("{host}:{}", config.get_ports()[0]),
-        other => panic!("a TCP server, not {other:?}"),
-    };
-    let cutter = ReplyCutter::start(server.clone()).await;
-    let relayed = format!(
-        "{}?sslmode=disable",
-        db.url
-            .replace(&server, &format!("127.0.0.1:{}", cutter.port))
-    );
-    (cutter, TestStore::external(relayed))
 }

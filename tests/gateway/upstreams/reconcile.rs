@@ -640,6 +640,67 @@ async fn a_404_about_an_adopted_attempt_proves_nothing_before_its_deadline() {
     assert_eq!(posts(&upstream), 1, "one charge");
 }
 
+/// A replica cut off from PostgreSQL while its call is out goes on
+/// calling (silent past its 2 s timeout, the call is unknown and still
+/// out until its deadline); its lease lapses, and another replica's sweeper makes the
+/// attempt unknown and looks it up: "no such charge" (the charge is still
+/// being made). The job stays unknown, so a retry at the other replica is
+/// told `409` and charges nothing; once the network heals, the call's late
+/// answer commits and the retry replays it, one charge. Before, the `404`
+/// reopened the job while the call was out, and the retry charged again.
+#[tokio::test]
+async fn a_404_while_a_replica_cut_off_still_calls_reopens_nothing() {
+    use crate::support::reply_cutter::ReplyCutter;
+    let db = crate::support::TestDb::new().await;
+    let (cutter, relayed) = ReplyCutter::relay(&db).await;
+    let silent = Gate::new();
+    let lookup = |_: &Recorded| json_response(404, json!({"error": "no such charge"}));
+    let upstream = upstream_with_lookups(&silent, lookup).await;
+    let replica = |store: &TestStore| {
+        Gateway::builder(store, &upstream.url())
+            .set("lease_ttl", "\"600ms\"")
+            .set("upstream_timeout", "\"2s\"")
+            .set("attempt_deadline", "\"60s\"")
+            .tables(ROUTE)
+    };
+    let cut_off = replica(&relayed).start().await;
+    let survivor = replica(&TestStore::external(db.url.clone())).start().await;
+    let in_flight = crate::support::post_detached(cut_off.path("/v1/charges"), "charge-8");
+    let job_id = upstream
+        .arrival()
+        .await
+        .header("idempotency-key")
+        .unwrap()
+        .to_owned();
+    cutter.go_down();
+    eventually(
+        Duration::from_secs(15),
+        "the lapsed attempt looked up, answered 404",
+        || async {
+            first_attempt(&survivor.job(&job_id).await)["lookups"]["last"]["status"] == 404
+        },
+    )
+    .await;
+    let job = survivor.job(&job_id).await;
+    assert_eq!(job["state"], "unknown", "{job}");
+    let retry = post(&survivor.path("/v1/charges"), "charge-8", "{}").await;
+    assert_eq!(retry.status, 409, "no second charge while the call is out");
+
+    cutter.heal();
+    silent.open(1);
+    let _ = in_flight.await;
+    eventually(
+        Duration::from_secs(15),
+        "the late answer committed",
+        || async { survivor.job(&job_id).await["state"] == "completed" },
+    )
+    .await;
+    let retry = post(&survivor.path("/v1/charges"), "charge-8", "{}").await;
+    assert_eq!(retry.status, 200);
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(posts(&upstream), 1, "one charge");
+}
+
 /// The same, with a `404` until past the attempt's deadline (6 s, and 5 s
 /// for the clocks): once no call of it can be out anywhere, the lookup
 /// asked once more is taken as no effect, and the job reopens for a retry.
