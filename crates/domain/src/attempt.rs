@@ -121,7 +121,8 @@ pub struct Attempt {
     /// When its lease lapses unless renewed.
     pub lease_expires_at: SystemTime,
     /// When its call is given up, answered or not (`attempt_deadline` from
-    /// its start, on the store's clock): no call of it is out after it.
+    /// its start, on the store's clock): its replica drops the call then,
+    /// within [`crate::reconcile::CALL_OUT_GRACE`].
     pub deadline_at: SystemTime,
     /// The status the upstream answered with, if it did: never an
     /// operator's typed answer (that is the job's response, and

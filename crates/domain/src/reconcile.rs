@@ -101,6 +101,27 @@ pub fn held_back(last: &Lookup) -> bool {
     last.result == LookupResult::StillUnknown && matches!(last.status, Some(404 | 410))
 }
 
+/// How long until an unknown attempt is next asked about, as of `now`:
+/// its next lookup ([`next_lookup`]), or past the lookups' schedule, the
+/// one last ask of a "no record" held back while its call may have been
+/// out ([`held_back`]), at `deadline_at` (the attempt's, as recorded) and
+/// [`CALL_OUT_GRACE`]. What a duplicate's `Retry-After` and the admin
+/// view's `next_at` say.
+pub fn next_ask(
+    lookups: &Lookups,
+    (started_at, deadline_at): (SystemTime, SystemTime),
+    deadline: Duration,
+    now: SystemTime,
+) -> Option<Duration> {
+    next_lookup(lookups, started_at, deadline, now).or_else(|| {
+        let last = lookups.last.as_ref().filter(|last| held_back(last))?;
+        let at = deadline_at + CALL_OUT_GRACE;
+        (last.at < at)
+            .then(|| at.duration_since(now).ok())
+            .flatten()
+    })
+}
+
 /// How long until the next lookup of an unknown attempt that started at
 /// `started_at` and may be looked up for `deadline` (`attempt_deadline`),
 /// as of `now`: what a duplicate's `Retry-After` says. `None` once no
@@ -201,6 +222,43 @@ mod tests {
         // None past the attempt's deadline, or when the next would be.
         assert_eq!(next_lookup(&made(9, 40), start, deadline, after(41)), None);
         assert_eq!(next_lookup(&none, start, deadline, after(61)), None);
+    }
+
+    /// Past the lookups' schedule, a "no record" held back is asked once
+    /// more at the recorded deadline and the grace; a `500`, or a "no
+    /// record" that proved no effect, is not.
+    #[test]
+    fn a_held_back_no_record_is_asked_once_more_past_the_deadline() {
+        let start = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000);
+        let (deadline, after) = (Duration::from_secs(60), |s: u64| {
+            start + Duration::from_secs(s)
+        });
+        let recorded = (start, after(60));
+        let last = |status, result| Lookups {
+            count: 7,
+            last: Some(Lookup {
+                at: after(50),
+                status: Some(status),
+                result,
+            }),
+        };
+        let held = last(404, LookupResult::StillUnknown);
+        assert_eq!(
+            next_ask(&held, recorded, deadline, after(61)),
+            Some(Duration::from_secs(4))
+        );
+        assert_eq!(next_ask(&held, recorded, deadline, after(66)), None);
+        let erred = last(500, LookupResult::StillUnknown);
+        assert_eq!(next_ask(&erred, recorded, deadline, after(61)), None);
+        let proved = last(404, LookupResult::SettledNoEffect);
+        assert_eq!(next_ask(&proved, recorded, deadline, after(61)), None);
+        // Within the schedule, the schedule's: its next lookup 2 s after
+        // its second, at 52 s.
+        let early = Lookups { count: 2, ..held };
+        assert_eq!(
+            next_ask(&early, recorded, deadline, after(51)),
+            Some(Duration::from_secs(1))
+        );
     }
 
     #[test]

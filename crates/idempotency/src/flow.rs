@@ -377,7 +377,10 @@ impl Flow {
             .attempts
             .iter()
             .filter(|a| a.state == AttemptState::Unknown)
-            .filter_map(|a| reconcile::next_lookup(&a.lookups, a.started_at, deadline, now))
+            .filter_map(|a| {
+                let at = (a.started_at, a.deadline_at);
+                reconcile::next_ask(&a.lookups, at, deadline, now)
+            })
             .min()
     }
 }

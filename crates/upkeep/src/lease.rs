@@ -46,7 +46,7 @@ pub struct Held {
     pub route: String,
     /// Its upstream.
     pub upstream: String,
-    /// When its call is dropped, answered or not (`attempt_deadline`).
+    /// When its call is dropped, answered or not (its recorded deadline).
     pub deadline: tokio::time::Instant,
 }
 

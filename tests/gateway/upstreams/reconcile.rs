@@ -642,10 +642,11 @@ async fn a_404_about_an_adopted_attempt_proves_nothing_before_its_deadline() {
 
 /// A replica cut off from PostgreSQL while its call is out goes on
 /// calling (silent past its 2 s timeout, the call is unknown and still
-/// out until its deadline); its lease lapses, and another replica's sweeper makes the
+/// out until its 60 s deadline); its lease lapses, and another replica's sweeper makes the
 /// attempt unknown and looks it up: "no such charge" (the charge is still
-/// being made). The job stays unknown, so a retry at the other replica is
-/// told `409` and charges nothing; once the network heals, the call's late
+/// being made). The job stays unknown, past the other replica's own
+/// `attempt_deadline` (4 s) too, so a retry there is told `409` and
+/// charges nothing; once the network heals, the call's late
 /// answer commits and the retry replays it, one charge. Before, the `404`
 /// reopened the job while the call was out, and the retry charged again.
 #[tokio::test]
@@ -656,15 +657,18 @@ async fn a_404_while_a_replica_cut_off_still_calls_reopens_nothing() {
     let silent = Gate::new();
     let lookup = |_: &Recorded| json_response(404, json!({"error": "no such charge"}));
     let upstream = upstream_with_lookups(&silent, lookup).await;
-    let replica = |store: &TestStore| {
+    let replica = |store: &TestStore, deadline: &str| {
         Gateway::builder(store, &upstream.url())
             .set("lease_ttl", "\"600ms\"")
             .set("upstream_timeout", "\"2s\"")
-            .set("attempt_deadline", "\"60s\"")
+            .set("attempt_deadline", &format!("\"{deadline}\""))
             .tables(ROUTE)
     };
-    let cut_off = replica(&relayed).start().await;
-    let survivor = replica(&TestStore::external(db.url.clone())).start().await;
+    let cut_off = replica(&relayed, "60s").start().await;
+    // Its own deadline is shorter: the attempt's recorded one counts.
+    let survivor = replica(&TestStore::external(db.url.clone()), "4s");
+    let survivor = survivor.start().await;
+    let sent = std::time::Instant::now();
     let in_flight = crate::support::post_detached(cut_off.path("/v1/charges"), "charge-8");
     let job_id = upstream
         .arrival()
@@ -685,6 +689,9 @@ async fn a_404_while_a_replica_cut_off_still_calls_reopens_nothing() {
     assert_eq!(job["state"], "unknown", "{job}");
     let retry = post(&survivor.path("/v1/charges"), "charge-8", "{}").await;
     assert_eq!(retry.status, 409, "no second charge while the call is out");
+    // Past the survivor's own deadline and the grace: still unknown.
+    tokio::time::sleep(Duration::from_secs(11).saturating_sub(sent.elapsed())).await;
+    assert_eq!(survivor.job(&job_id).await["state"], "unknown");
 
     cutter.heal();
     silent.open(1);
@@ -701,7 +708,8 @@ async fn a_404_while_a_replica_cut_off_still_calls_reopens_nothing() {
     assert_eq!(posts(&upstream), 1, "one charge");
 }
 
-/// The same, with a `404` until past the attempt's deadline (6 s, and 5 s
+/// An adopted attempt (its replica killed) told `404` until past its
+/// deadline (6 s, and 5 s
 /// for the clocks): once no call of it can be out anywhere, the lookup
 /// asked once more is taken as no effect, and the job reopens for a retry.
 #[tokio::test]

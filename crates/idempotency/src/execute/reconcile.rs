@@ -160,6 +160,10 @@ pub(super) struct Reconciler {
     pub(super) held_back: std::sync::atomic::AtomicBool,
 }
 
+/// How long a finding is retried into a store that does not answer, at
+/// least.
+const SETTLE_AT_LEAST: Duration = Duration::from_secs(60);
+
 /// Where a call of the attempt may still be out, so that a lookup's "no
 /// record" proves nothing yet (`docs/design.md` §5, "Not while the call
 /// is out").
@@ -464,10 +468,12 @@ impl Reconciler {
     }
 
     /// Applies the finding by the resolution CAS, retrying while the store
-    /// is unreachable until the attempt's deadline.
+    /// is unreachable until the attempt's deadline, and for at least
+    /// [`SETTLE_AT_LEAST`] (the last ask of a "no record" held back comes
+    /// after the deadline).
     async fn settle(&self, resolution: Resolution) -> Next {
         let mut wait = Duration::from_millis(50);
-        let ends = self.started_at + self.deadline;
+        let ends = (self.started_at + self.deadline).max(SystemTime::now() + SETTLE_AT_LEAST);
         loop {
             match self
                 .store

@@ -14,7 +14,7 @@ use http::{HeaderValue, Request};
 use idemgate_domain::attempt::{Attempt, AttemptFailure, NewAttempt};
 use idemgate_domain::id::{AttemptId, JobId};
 use idemgate_domain::job::JobDetail;
-use idemgate_domain::reconcile::orphaned;
+use idemgate_domain::reconcile::{held_back, orphaned, CALL_OUT_GRACE};
 use idemgate_domain::BoxError;
 use idemgate_proxy::http::{full, ProvenClient, EVENTS_RECEIVED, IDEMPOTENCY_KEY};
 use idemgate_proxy::upstream::{Stopwatch, Target, UpstreamSettings};
@@ -48,8 +48,9 @@ const NEVER_SENT: &str =
     "never sent upstream: its start was written, but the reply was lost and the request answered 503";
 
 /// The most an attempt's deadline moves from `attempt_deadline` to meet the
-/// one its store recorded ([`Runner::time_left`]): its begin's waits, never
-/// a clock far apart from the store's.
+/// one its store recorded ([`Runner::time_left`]; half of a shorter
+/// `attempt_deadline`): its begin's waits, never a clock far apart from the
+/// store's.
 const SKEW_AT_MOST: Duration = Duration::from_secs(5);
 
 /// Runs attempts: the handles every attempt task needs.
@@ -272,7 +273,7 @@ impl Runner {
     fn time_left(&self, attempt: &Attempt) -> Duration {
         let left = attempt.deadline_at.duration_since(SystemTime::now());
         let most = self.config.deadline;
-        let least = most.saturating_sub(SKEW_AT_MOST);
+        let least = most.saturating_sub(SKEW_AT_MOST.min(most / 2));
         left.unwrap_or_default().clamp(least, most)
     }
 
@@ -366,7 +367,9 @@ impl Runner {
             instance: self.instance,
             asks: self.background.clone(),
             call: None,
-            held_back: Default::default(),
+            // A "no record" held back before this task (another process's,
+            // or this one's before a restart) still gets its last ask.
+            held_back: attempt.lookups.last.as_ref().is_some_and(held_back).into(),
         }
     }
 
@@ -474,7 +477,10 @@ impl Runner {
         awaited: &HashSet<AttemptId>,
     ) -> HashSet<AttemptId> {
         let now = SystemTime::now();
-        let since = now.checked_sub(self.config.deadline).unwrap_or(UNIX_EPOCH);
+        // Past the deadline by the grace: a "no record" held back is asked
+        // once more then, by whoever holds it (`Reconciler::run`).
+        let window = self.config.deadline + CALL_OUT_GRACE;
+        let since = now.checked_sub(window).unwrap_or(UNIX_EPOCH);
         let pending = match self.store.unknown_attempts(since, SCAN_LIMIT).await {
             Ok(pending) => pending,
             Err(e) => {

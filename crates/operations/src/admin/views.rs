@@ -139,13 +139,9 @@ fn schedule(route: &str, a: &Attempt, reconciling: &Reconciling, now: SystemTime
         };
     }
     let deadline = reconciling.deadline;
-    // A "no record" while its call may have been out is asked once more as
-    // that call ends, past the deadline too.
-    let last_ask = a.deadline_at + reconcile::CALL_OUT_GRACE;
-    let held_back = a.lookups.last.as_ref().is_some_and(reconcile::held_back);
-    match reconcile::next_lookup(&a.lookups, a.started_at, deadline, now) {
+    let at = (a.started_at, a.deadline_at);
+    match reconcile::next_ask(&a.lookups, at, deadline, now) {
         Some(wait) => Schedule::Next(now + wait),
-        None if held_back && now < last_ask => Schedule::Next(last_ask),
         None => Schedule::Stopped(format!(
             "its deadline passed at {} (attempt_deadline, {} s after it started) with no {how} settling it: only an operator settles it now",
             time(a.started_at + deadline),
