@@ -105,16 +105,20 @@ pub fn held_back(last: &Lookup) -> bool {
 /// its next lookup ([`next_lookup`]), or past the lookups' schedule, the
 /// one last ask of a "no record" held back while its call may have been
 /// out ([`held_back`]), at `deadline_at` (the attempt's, as recorded) and
-/// [`CALL_OUT_GRACE`]. What a duplicate's `Retry-After` and the admin
-/// view's `next_at` say.
+/// [`CALL_OUT_GRACE`], on a route that looks attempts up (`looks_up`).
+/// What a duplicate's `Retry-After` and the admin view's `next_at` say.
 pub fn next_ask(
     lookups: &Lookups,
     (started_at, deadline_at): (SystemTime, SystemTime),
-    deadline: Duration,
+    (deadline, looks_up): (Duration, bool),
     now: SystemTime,
 ) -> Option<Duration> {
     next_lookup(lookups, started_at, deadline, now).or_else(|| {
-        let last = lookups.last.as_ref().filter(|last| held_back(last))?;
+        // A resend's `404` is no lookup's "no record": never held back.
+        let last = lookups
+            .last
+            .as_ref()
+            .filter(|last| looks_up && held_back(last))?;
         let at = deadline_at + CALL_OUT_GRACE;
         (last.at < at)
             .then(|| at.duration_since(now).ok())
@@ -142,20 +146,28 @@ pub fn next_lookup(
 }
 
 /// Whether nobody is asking about an unknown attempt any more (the
-/// process that asked stopped): its next lookup is overdue by a whole
-/// `interval` (a scan's), or, with none made yet, it was already waiting
-/// for its first one a scan ago (`first_awaited`); the process that makes
-/// an attempt unknown asks at once. Then any replica may adopt it
-/// (`docs/design.md` §5).
+/// process that asked stopped): its next lookup (or, for a "no record"
+/// held back, its one last ask at `deadline_at` and [`CALL_OUT_GRACE`],
+/// whichever comes first) is overdue by a whole `interval` (a scan's), or,
+/// with none made yet, it was already waiting for its first one a scan ago
+/// (`first_awaited`); the process that makes an attempt unknown asks at
+/// once. Then any replica may adopt it (`docs/design.md` §5).
 pub fn orphaned(
     lookups: &Lookups,
     first_awaited: bool,
-    interval: Duration,
+    (interval, deadline_at): (Duration, SystemTime),
     now: SystemTime,
 ) -> bool {
     match &lookups.last {
         None => first_awaited,
-        Some(last) => now >= last.at + backoff(lookups.count) + interval,
+        Some(last) => {
+            let next = last.at + backoff(lookups.count);
+            let next = match held_back(last) {
+                true => next.min(deadline_at + CALL_OUT_GRACE),
+                false => next,
+            };
+            now >= next + interval
+        }
     }
 }
 
@@ -244,19 +256,36 @@ mod tests {
         };
         let held = last(404, LookupResult::StillUnknown);
         assert_eq!(
-            next_ask(&held, recorded, deadline, after(61)),
+            next_ask(&held, recorded, (deadline, true), after(61)),
             Some(Duration::from_secs(4))
         );
-        assert_eq!(next_ask(&held, recorded, deadline, after(66)), None);
+        assert_eq!(next_ask(&held, recorded, (deadline, true), after(66)), None);
+        // A resend's `404` (a route that resends) promises no last ask.
+        assert_eq!(
+            next_ask(&held, recorded, (deadline, false), after(61)),
+            None
+        );
+        // Nobody made it a scan after it was due: orphaned, though the
+        // backoff's next lookup (at 80 s) is not yet a scan overdue.
+        let interval = Duration::from_secs(5);
+        assert!(!orphaned(&held, false, (interval, after(60)), after(69)));
+        assert!(orphaned(&held, false, (interval, after(60)), after(70)));
         let erred = last(500, LookupResult::StillUnknown);
-        assert_eq!(next_ask(&erred, recorded, deadline, after(61)), None);
+        assert!(!orphaned(&erred, false, (interval, after(60)), after(70)));
+        assert_eq!(
+            next_ask(&erred, recorded, (deadline, true), after(61)),
+            None
+        );
         let proved = last(404, LookupResult::SettledNoEffect);
-        assert_eq!(next_ask(&proved, recorded, deadline, after(61)), None);
+        assert_eq!(
+            next_ask(&proved, recorded, (deadline, true), after(61)),
+            None
+        );
         // Within the schedule, the schedule's: its next lookup 2 s after
         // its second, at 52 s.
         let early = Lookups { count: 2, ..held };
         assert_eq!(
-            next_ask(&early, recorded, deadline, after(51)),
+            next_ask(&early, recorded, (deadline, true), after(51)),
             Some(Duration::from_secs(1))
         );
     }
@@ -268,8 +297,8 @@ mod tests {
         let interval = Duration::from_secs(5);
         let none = Lookups::default();
         // None made: only once it was already waiting a scan ago.
-        assert!(!orphaned(&none, false, interval, after(100)));
-        assert!(orphaned(&none, true, interval, after(100)));
+        assert!(!orphaned(&none, false, (interval, after(60)), after(100)));
+        assert!(orphaned(&none, true, (interval, after(60)), after(100)));
         // Two made, the last at 10 s: the next is due at 12 s, so it is
         // orphaned from 17 s, not before.
         let two = Lookups {
@@ -280,8 +309,8 @@ mod tests {
                 result: LookupResult::StillUnknown,
             }),
         };
-        assert!(!orphaned(&two, true, interval, after(16)));
-        assert!(orphaned(&two, false, interval, after(17)));
+        assert!(!orphaned(&two, true, (interval, after(60)), after(16)));
+        assert!(orphaned(&two, false, (interval, after(60)), after(17)));
     }
 
     #[test]

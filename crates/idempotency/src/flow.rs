@@ -35,7 +35,7 @@ use super::resume::resume;
 use super::shared::Shared;
 use crate::error::{ClientError, GatewayError};
 use crate::mcp::MCP_SESSION_ID;
-use crate::route::{InProgress, OnUnknown};
+use crate::route::{InProgress, OnUnknown, Reconcile};
 use idemgate_domain::attempt::AttemptState;
 use idemgate_domain::id::JobId;
 use idemgate_domain::job::{Job, JobState};
@@ -373,13 +373,15 @@ impl Flow {
             self.driver.shared.config.attempt.deadline,
             SystemTime::now(),
         );
+        let how = self.driver.request.intent.route.reconcile.as_ref();
+        let looks_up = matches!(how, Some(Reconcile::Lookup { .. }));
         detail
             .attempts
             .iter()
             .filter(|a| a.state == AttemptState::Unknown)
             .filter_map(|a| {
                 let at = (a.started_at, a.deadline_at);
-                reconcile::next_ask(&a.lookups, at, deadline, now)
+                reconcile::next_ask(&a.lookups, at, (deadline, looks_up), now)
             })
             .min()
     }

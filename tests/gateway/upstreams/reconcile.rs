@@ -521,17 +521,9 @@ async fn an_attempt_the_sweeper_makes_unknown_is_looked_up_too() {
             .set("attempt_deadline", "\"60s\"")
             .tables(ROUTE)
     };
-    let mut doomed = builder().start().await;
+    let doomed = builder().start().await;
     let survivor = builder().start().await;
-    let in_flight = crate::support::post_detached(doomed.path("/v1/charges"), "charge-5");
-    let job_id = upstream
-        .arrival()
-        .await
-        .header("idempotency-key")
-        .unwrap()
-        .to_owned();
-    doomed.kill().await;
-    let _ = in_flight.await;
+    let job_id = killed_mid_call(&upstream, doomed, "charge-5").await;
 
     eventually(
         Duration::from_secs(15),
@@ -577,13 +569,11 @@ async fn orphaning(
     (upstream, charged, doomed, survivor)
 }
 
-/// Posts `key` through `doomed`, kills it once the upstream has the call,
-/// and waits until `survivor` has looked the lapsed attempt up and been
-/// told `404`; returns the job's id.
-async fn orphaned_with_404(
+/// Posts `key` through `doomed` and kills it once the upstream has the
+/// call; returns the job's id.
+async fn killed_mid_call(
     upstream: &FakeUpstream,
     mut doomed: Gateway,
-    survivor: &Gateway,
     key: &'static str,
 ) -> String {
     let in_flight = crate::support::post_detached(doomed.path("/v1/charges"), key);
@@ -595,6 +585,18 @@ async fn orphaned_with_404(
         .to_owned();
     doomed.kill().await;
     let _ = in_flight.await;
+    job_id
+}
+
+/// [`killed_mid_call`], then waits until `survivor` has looked the lapsed
+/// attempt up and been told `404`.
+async fn orphaned_with_404(
+    upstream: &FakeUpstream,
+    doomed: Gateway,
+    survivor: &Gateway,
+    key: &'static str,
+) -> String {
+    let job_id = killed_mid_call(upstream, doomed, key).await;
     eventually(
         Duration::from_secs(15),
         "the lapsed attempt looked up, answered 404",
@@ -645,7 +647,7 @@ async fn a_404_about_an_adopted_attempt_proves_nothing_before_its_deadline() {
 /// out until its 60 s deadline); its lease lapses, and another replica's sweeper makes the
 /// attempt unknown and looks it up: "no such charge" (the charge is still
 /// being made). The job stays unknown, past the other replica's own
-/// `attempt_deadline` (4 s) too, so a retry there is told `409` and
+/// `attempt_deadline` (8 s) and the grace too, so a retry there is told `409` and
 /// charges nothing; once the network heals, the call's late
 /// answer commits and the retry replays it, one charge. Before, the `404`
 /// reopened the job while the call was out, and the retry charged again.
@@ -666,7 +668,7 @@ async fn a_404_while_a_replica_cut_off_still_calls_reopens_nothing() {
     };
     let cut_off = replica(&relayed, "60s").start().await;
     // Its own deadline is shorter: the attempt's recorded one counts.
-    let survivor = replica(&TestStore::external(db.url.clone()), "4s");
+    let survivor = replica(&TestStore::external(db.url.clone()), "8s");
     let survivor = survivor.start().await;
     let sent = std::time::Instant::now();
     let in_flight = crate::support::post_detached(cut_off.path("/v1/charges"), "charge-8");
@@ -690,7 +692,7 @@ async fn a_404_while_a_replica_cut_off_still_calls_reopens_nothing() {
     let retry = post(&survivor.path("/v1/charges"), "charge-8", "{}").await;
     assert_eq!(retry.status, 409, "no second charge while the call is out");
     // Past the survivor's own deadline and the grace: still unknown.
-    tokio::time::sleep(Duration::from_secs(11).saturating_sub(sent.elapsed())).await;
+    tokio::time::sleep(Duration::from_secs(15).saturating_sub(sent.elapsed())).await;
     assert_eq!(survivor.job(&job_id).await["state"], "unknown");
 
     cutter.heal();

@@ -347,6 +347,11 @@ impl Runner {
         ask: Ask,
         proven: Option<ProvenClient>,
     ) -> Reconciler {
+        // A "no record" held back before this task (another process's, or
+        // this one's before a restart) still gets its last ask; a resend's
+        // `404` is none.
+        let last = attempt.lookups.last.as_ref();
+        let held_back = matches!(ask, Ask::Lookup(_)) && last.is_some_and(held_back);
         Reconciler {
             store: self.store.clone(),
             upstream: upstream.clone(),
@@ -367,9 +372,7 @@ impl Runner {
             instance: self.instance,
             asks: self.background.clone(),
             call: None,
-            // A "no record" held back before this task (another process's,
-            // or this one's before a restart) still gets its last ask.
-            held_back: attempt.lookups.last.as_ref().is_some_and(held_back).into(),
+            held_back: held_back.into(),
         }
     }
 
@@ -477,9 +480,10 @@ impl Runner {
         awaited: &HashSet<AttemptId>,
     ) -> HashSet<AttemptId> {
         let now = SystemTime::now();
-        // Past the deadline by the grace: a "no record" held back is asked
-        // once more then, by whoever holds it (`Reconciler::run`).
-        let window = self.config.deadline + CALL_OUT_GRACE;
+        // Past the deadline by the grace and two scans: a "no record" held
+        // back is asked once more then, by whoever holds it
+        // (`Reconciler::run`), or adopts it a scan later.
+        let window = self.config.deadline + CALL_OUT_GRACE + interval * 2;
         let since = now.checked_sub(window).unwrap_or(UNIX_EPOCH);
         let pending = match self.store.unknown_attempts(since, SCAN_LIMIT).await {
             Ok(pending) => pending,
@@ -506,7 +510,8 @@ impl Runner {
                 awaiting.insert(attempt);
             }
             let first_awaited = awaited.contains(&attempt);
-            if orphaned(&record.lookups, first_awaited, interval, now) {
+            let by = (interval, record.deadline_at);
+            if orphaned(&record.lookups, first_awaited, by, now) {
                 if let Some(reconciler) = self.reconciler_of(&detail, attempt, route, upstream) {
                     tracing::info!(%attempt, %job, lookups = record.lookups.count, "adopting the lookups of an unknown attempt nobody asks about");
                     reconciler.spawn();

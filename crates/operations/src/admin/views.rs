@@ -140,7 +140,7 @@ fn schedule(route: &str, a: &Attempt, reconciling: &Reconciling, now: SystemTime
     }
     let deadline = reconciling.deadline;
     let at = (a.started_at, a.deadline_at);
-    match reconcile::next_ask(&a.lookups, at, deadline, now) {
+    match reconcile::next_ask(&a.lookups, at, (deadline, *how == "lookup"), now) {
         Some(wait) => Schedule::Next(now + wait),
         None => Schedule::Stopped(format!(
             "its deadline passed at {} (attempt_deadline, {} s after it started) with no {how} settling it: only an operator settles it now",
