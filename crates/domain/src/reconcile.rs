@@ -120,9 +120,7 @@ pub fn next_ask(
             .as_ref()
             .filter(|last| looks_up && held_back(last))?;
         let at = deadline_at + CALL_OUT_GRACE;
-        (last.at < at)
-            .then(|| at.duration_since(now).ok())
-            .flatten()
+        (last.at < at).then(|| at.duration_since(now).unwrap_or(Duration::ZERO))
     })
 }
 
@@ -151,7 +149,8 @@ pub fn next_lookup(
 /// whichever comes first) is overdue by a whole `interval` (a scan's), or,
 /// with none made yet, it was already waiting for its first one a scan ago
 /// (`first_awaited`); the process that makes an attempt unknown asks at
-/// once. Then any replica may adopt it (`docs/design.md` §5).
+/// once. Then any replica may adopt it (`docs/design.md` §5). Never once
+/// nothing is left to ask.
 pub fn orphaned(
     lookups: &Lookups,
     first_awaited: bool,
@@ -162,11 +161,14 @@ pub fn orphaned(
         None => first_awaited,
         Some(last) => {
             let next = last.at + backoff(lookups.count);
-            let next = match held_back(last) {
-                true => next.min(deadline_at + CALL_OUT_GRACE),
-                false => next,
+            let last_ask = deadline_at + CALL_OUT_GRACE;
+            let due = match held_back(last) {
+                true if last.at < last_ask => next.min(last_ask),
+                _ if next < deadline_at => next,
+                // Nothing is left to ask: nobody need adopt it.
+                _ => return false,
             };
-            now >= next + interval
+            now >= due + interval
         }
     }
 }
@@ -259,7 +261,25 @@ mod tests {
             next_ask(&held, recorded, (deadline, true), after(61)),
             Some(Duration::from_secs(4))
         );
-        assert_eq!(next_ask(&held, recorded, (deadline, true), after(66)), None);
+        // Due and not yet made: due now; once made, none.
+        assert_eq!(
+            next_ask(&held, recorded, (deadline, true), after(66)),
+            Some(Duration::ZERO)
+        );
+        let made = Lookups {
+            last: Some(Lookup {
+                at: after(66),
+                ..held.last.clone().unwrap()
+            }),
+            ..held.clone()
+        };
+        assert_eq!(next_ask(&made, recorded, (deadline, true), after(67)), None);
+        assert!(!orphaned(
+            &made,
+            false,
+            (Duration::from_secs(5), after(60)),
+            after(99)
+        ));
         // A resend's `404` (a route that resends) promises no last ask.
         assert_eq!(
             next_ask(&held, recorded, (deadline, false), after(61)),

@@ -47,6 +47,11 @@ const SCAN_LIMIT: u32 = 1000;
 const NEVER_SENT: &str =
     "never sent upstream: its start was written, but the reply was lost and the request answered 503";
 
+/// How long past an attempt's last ask the scan for orphaned lookups still
+/// lists it, beyond two scans: time for a holder that went away to be
+/// taken over.
+const LAST_ASK_SLACK: Duration = Duration::from_secs(60);
+
 /// The most an attempt's deadline moves from `attempt_deadline` to meet the
 /// one its store recorded ([`Runner::time_left`]; half of a shorter
 /// `attempt_deadline`): its begin's waits, never a clock far apart from the
@@ -480,10 +485,12 @@ impl Runner {
         awaited: &HashSet<AttemptId>,
     ) -> HashSet<AttemptId> {
         let now = SystemTime::now();
-        // Past the deadline by the grace and two scans: a "no record" held
-        // back is asked once more then, by whoever holds it
-        // (`Reconciler::run`), or adopts it a scan later.
-        let window = self.config.deadline + CALL_OUT_GRACE + interval * 2;
+        // Past the deadline by the grace and a minute more: a "no record"
+        // held back is asked once more then, by whoever holds it
+        // (`Reconciler::run`), or adopts it a scan later, a slow or failed
+        // scan or two notwithstanding (`orphaned` adopts nothing with
+        // nothing left to ask).
+        let window = self.config.deadline + CALL_OUT_GRACE + interval * 2 + LAST_ASK_SLACK;
         let since = now.checked_sub(window).unwrap_or(UNIX_EPOCH);
         let pending = match self.store.unknown_attempts(since, SCAN_LIMIT).await {
             Ok(pending) => pending,
