@@ -304,9 +304,16 @@ impl Recording {
             match next {
                 Piece::Chunk(chunk) => Some(Ok(Frame::data(chunk))),
                 Piece::End(Ending::Committed | Ending::Uncommitted) => None,
-                Piece::End(Ending::Cut) => Some(Err(BodyError::new(
-                    "the upstream's stream was cut before its end",
-                ))),
+                Piece::End(Ending::Cut) => {
+                    // Pending once first: the server flushes the head and
+                    // the chunks it holds, which a stream cut before its
+                    // first write would otherwise lose with the connection
+                    // (the client would see no answer, not a cut one).
+                    tokio::task::yield_now().await;
+                    Some(Err(BodyError::new(
+                        "the upstream's stream was cut before its end",
+                    )))
+                }
             }
         });
         BodyExt::boxed(StreamBody::new(frames))
