@@ -6,6 +6,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::task::JoinHandle;
+
 use http::Method;
 use serde_json::{json, Value};
 
@@ -569,6 +571,23 @@ async fn orphaning(
     (upstream, charged, doomed, survivor)
 }
 
+/// Posts `key` through `gateway` without waiting for its answer; returns
+/// the request and its job's id once the upstream has the call.
+async fn at_upstream(
+    upstream: &FakeUpstream,
+    gateway: &Gateway,
+    key: &'static str,
+) -> (JoinHandle<PostResult>, String) {
+    let in_flight = crate::support::post_detached(gateway.path("/v1/charges"), key);
+    let arrived = upstream.arrival().await;
+    (
+        in_flight,
+        arrived.header("idempotency-key").unwrap().to_owned(),
+    )
+}
+
+type PostResult = Result<http::StatusCode, hyper_util::client::legacy::Error>;
+
 /// Posts `key` through `doomed` and kills it once the upstream has the
 /// call; returns the job's id.
 async fn killed_mid_call(
@@ -576,13 +595,7 @@ async fn killed_mid_call(
     mut doomed: Gateway,
     key: &'static str,
 ) -> String {
-    let in_flight = crate::support::post_detached(doomed.path("/v1/charges"), key);
-    let job_id = upstream
-        .arrival()
-        .await
-        .header("idempotency-key")
-        .unwrap()
-        .to_owned();
+    let (in_flight, job_id) = at_upstream(upstream, &doomed, key).await;
     doomed.kill().await;
     let _ = in_flight.await;
     job_id
@@ -671,13 +684,7 @@ async fn a_404_while_a_replica_cut_off_still_calls_reopens_nothing() {
     let survivor = replica(&TestStore::external(db.url.clone()), "8s");
     let survivor = survivor.start().await;
     let sent = std::time::Instant::now();
-    let in_flight = crate::support::post_detached(cut_off.path("/v1/charges"), "charge-8");
-    let job_id = upstream
-        .arrival()
-        .await
-        .header("idempotency-key")
-        .unwrap()
-        .to_owned();
+    let (in_flight, job_id) = at_upstream(&upstream, &cut_off, "charge-8").await;
     cutter.go_down();
     eventually(
         Duration::from_secs(15),

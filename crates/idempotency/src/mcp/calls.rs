@@ -369,7 +369,7 @@ impl Drop for Marked {
                         backoff = (backoff * 2).min(ASK_AT_MOST_EVERY);
                     }
                     Err(e) => {
-                        tracing::info!(error = %Chain(&e), %attempt, "the MCP call's mark for other replicas is left to lapse, a lease after its attempt's last renewal");
+                        tracing::info!(error = %Chain(&e), %attempt, "the MCP call's mark for other replicas is left to lapse: a lease after its attempt's last renewal, or a resend's at its limit");
                         return;
                     }
                 }
