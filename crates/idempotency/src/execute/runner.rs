@@ -238,7 +238,7 @@ impl Runner {
             // The attempt may outlive the client: what it holds stays
             // counted until it ends (docs/design.md §18).
             charge: request.charge.clone(),
-            _calling: calling,
+            calling,
             call: request.rpc_id.clone(),
             session: session.clone(),
             _at_server: request.rpc_id.as_ref().and_then(|id| {

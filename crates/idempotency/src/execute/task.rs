@@ -64,9 +64,13 @@ pub(super) struct Task {
     pub(super) reply: Option<oneshot::Sender<Reply>>,
     /// The request's charge on the memory budget, which its answer grows.
     pub(super) charge: Arc<Charge>,
-    /// Tells the attempt's reconciler, when dropped with the task, that
-    /// this process's call has ended ([`Reconciler::call`]).
-    pub(super) _calling: Option<tokio_util::sync::DropGuard>,
+    /// Tells the attempt's reconciler, when dropped, that this process's
+    /// call has ended ([`Reconciler::call`]): before an unknown outcome is
+    /// recorded (its call failed, broke or ran out of time; the record
+    /// starts the reconciler, whose first lookup then finds the call
+    /// over), else with the task, after any answer of it is committed (a
+    /// lookup's "no record" must not settle the attempt first).
+    pub(super) calling: Option<tokio_util::sync::DropGuard>,
     /// Looks the attempt up on its upstream once it is recorded `unknown`
     /// (taken then: one lookup task per attempt), on a route that
     /// reconciles.
@@ -120,6 +124,7 @@ impl Task {
                 let failure = AttemptFailure::Unknown {
                     detail: "attempt deadline passed without an answer".into(),
                 };
+                self.calling = None;
                 self.record(failure, By::Deadline).await;
                 let deadline = self.runner.config.deadline;
                 self.send(Reply::Unknown(UpstreamError::TimedOut(deadline).into()));
@@ -135,6 +140,7 @@ impl Task {
                     self.send(Reply::Failed(answer));
                 }
                 Verdict::Unknown(failure, error) => {
+                    self.calling = None;
                     self.record(failure, By::Upstream).await;
                     self.send(Reply::Unknown(error));
                 }
@@ -397,6 +403,7 @@ impl Task {
             Relayed::Ended => self.settle_stream(&recording).await,
             // Recorded before any reader hears of the cut, like any outcome.
             Relayed::Broke(detail, by) => {
+                self.calling = None;
                 self.record(AttemptFailure::Unknown { detail }, by).await;
                 recording.cut();
             }
