@@ -16,6 +16,20 @@ use idemgate_telemetry::Chain;
 const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 
+/// How long a write of what was learned about an attempt is retried at
+/// least, however near (or past) the attempt's deadline it was learned: an
+/// answer that came a second before the deadline is no less the
+/// attempt's, and the CAS that commits it is as safe after the deadline as
+/// before (`docs/design.md` §5, "What the gateway learned is written until
+/// the store takes it").
+pub const WRITE_AT_LEAST: Duration = Duration::from_secs(60);
+
+/// The deadline to retry such a write to: the attempt's `deadline`, or
+/// [`WRITE_AT_LEAST`] from now if that is later.
+pub fn at_least_until(deadline: Instant) -> Instant {
+    deadline.max(Instant::now() + WRITE_AT_LEAST)
+}
+
 /// Runs `write` until it succeeds, fails for good, or `deadline` passes,
 /// backing off while the store is unreachable. A write that never got in
 /// is logged as an error: the attempt's lease will lapse into `unknown`.
@@ -49,7 +63,7 @@ where
                 backoff = (backoff * 2).min(MAX_BACKOFF);
             }
             Err(e) => {
-                tracing::error!(error = %Chain(&e), %attempt, failures, "could not {what} the attempt before its deadline; its lease will lapse into unknown");
+                tracing::error!(error = %Chain(&e), %attempt, failures, "could not {what} the attempt in the time it is given; its lease will lapse into unknown");
                 return Err(e);
             }
         }

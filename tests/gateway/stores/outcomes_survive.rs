@@ -349,6 +349,52 @@ async fn a_job_held_by_an_open_transaction_holds_up_only_its_own_answer() {
     assert_eq!(upstream.hits(), 4, "every key ran once");
 }
 
+/// An answer held up past its attempt's deadline (a transaction holds its
+/// job from just after the call until 2 s past the deadline): its commit
+/// is tried for a minute at least after the answer, not only until the
+/// deadline, so it lands once the holder lets go and the retry replays
+/// the one charge. Its request, which waited 2 s, is told the answer is
+/// being recorded. Before, the commit gave up at the deadline and the
+/// answer was lost: the attempt lapsed into `unknown` for an operator.
+#[tokio::test]
+async fn an_answer_held_up_past_its_attempts_deadline_still_commits() {
+    let store = TestStore::postgres().await;
+    let TestStore::Postgres(db) = &store else {
+        unreachable!()
+    };
+    let gate = Gate::new();
+    let upstream = first_answer_gated(&gate, 200).await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("upstream_timeout", "\"3s\"")
+        .set("attempt_deadline", "\"3s\"")
+        .set("database_lock_timeout", "\"300ms\"")
+        .start()
+        .await;
+    let url = gateway.path("/v1/charges");
+
+    let held = tokio::spawn({
+        let url = url.clone();
+        async move { post(&url, "late", "{}").await }
+    });
+    upstream.arrival().await;
+    let holder = db.connect().await;
+    holder
+        .batch_execute("BEGIN; SELECT 1 FROM jobs WHERE key = 'late' FOR UPDATE")
+        .await
+        .unwrap();
+    gate.open(1);
+    let held = held.await.unwrap();
+    assert_eq!(held.status, 503, "{held:?}");
+    assert_eq!(held.problem(), "outcome-not-recorded");
+    // The deadline is 3 s after the start; held 2 s past it.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    holder.batch_execute("COMMIT").await.unwrap();
+
+    let replay = retry_until_ok(&url, "late").await;
+    assert_eq!(replay.json()["hit"], 1, "the held execution's own answer");
+    assert_eq!(upstream.hits(), 1, "never executed twice");
+}
+
 /// The same held job, where the database gives up on a statement before
 /// the lock timeout does: the gateway's sessions run with a
 /// `statement_timeout` (500 ms, from the URL's `options`, as a DBA's

@@ -383,6 +383,82 @@ async fn a_404_held_back_is_asked_again_when_the_call_ends_at_its_deadline(store
     silent.open(1);
 }
 
+/// A late answer whose commit is held up (a transaction holds its job)
+/// past the 2 s its request waits for it: the call is not over while its
+/// answer may still commit, so a lookup's `404` meanwhile is held back,
+/// and the answer commits once the holder lets go. Before, the call was
+/// taken as over once the request stopped waiting: the next lookup's
+/// `404` settled the attempt "no effect" while its answer was being
+/// committed, and whichever write landed first won (a reopened job, and a
+/// second charge on the client's retry).
+#[tokio::test]
+async fn a_404_while_the_late_answer_is_being_committed_proves_nothing() {
+    let store = TestStore::postgres().await;
+    let TestStore::Postgres(db) = &store else {
+        unreachable!()
+    };
+    let silent = Gate::new();
+    let upstream = upstream_with_lookups(&silent, |_| {
+        json_response(404, json!({"error": "no such charge"}))
+    })
+    .await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("upstream_timeout", "\"300ms\"")
+        .set("attempt_deadline", "\"30s\"")
+        .set("database_lock_timeout", "\"300ms\"")
+        .tables(ROUTE)
+        .start()
+        .await;
+    let url = gateway.path("/v1/charges");
+    let first = post(&url, "charge-11", r#"{"n": 1}"#).await;
+    assert_eq!(first.status, 504);
+    let job_id = first.job().unwrap();
+    eventually(
+        Duration::from_secs(10),
+        "a first lookup held back",
+        || async {
+            first_attempt(&gateway.job(&job_id).await)["lookups"]["last"]["result"]
+                == "still_unknown"
+        },
+    )
+    .await;
+
+    let holder = db.connect().await;
+    holder
+        .batch_execute("BEGIN; SELECT 1 FROM jobs WHERE key = 'charge-11' FOR UPDATE")
+        .await
+        .unwrap();
+    silent.open(1);
+    eventually(
+        Duration::from_secs(10),
+        "the late answer's commit to wait on the holder",
+        || async { gateway.metric("idemgate_record_retries_total").await >= 1.0 },
+    )
+    .await;
+    // Twice the 2 s its request waited: the call taken as over then would
+    // have been looked up again at once.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(
+        lookups_counted(&gateway, "settled_no_effect").await,
+        0.0,
+        "a 404 settled the attempt while its answer was being committed"
+    );
+    assert_eq!(gateway.job(&job_id).await["state"], "unknown");
+
+    holder.batch_execute("COMMIT").await.unwrap();
+    eventually(
+        Duration::from_secs(10),
+        "the late answer to commit",
+        || async { gateway.job(&job_id).await["state"] == "completed" },
+    )
+    .await;
+    let replayed = post(&url, "charge-11", r#"{"n": 1}"#).await;
+    assert_eq!(replayed.status, 200);
+    assert_eq!(replayed.header("idempotent-replayed"), Some("true"));
+    assert_eq!(posts(&upstream), 1, "one charge");
+    assert_eq!(lookups_counted(&gateway, "settled_no_effect").await, 0.0);
+}
+
 async fn a_lookup_answering_500_asks_again_until_it_answers_200(store: TestStore) {
     let silent = Gate::new();
     // Lookups answer 500 until the test says the upstream knows.

@@ -53,7 +53,7 @@ use idemgate_domain::transition::Refusal;
 use idemgate_proxy::http::{full, ProvenClient};
 use idemgate_proxy::upstream::UpstreamId;
 use idemgate_proxy::upstream::{self, Fetched, Stopwatch, Target, Timings, UpstreamError};
-use idemgate_store::{Store, StoreError};
+use idemgate_store::{at_least_until, Store, StoreError};
 use idemgate_telemetry::ends::{self, By};
 use idemgate_telemetry::Chain;
 
@@ -352,15 +352,35 @@ impl Reconciler {
             status,
             result,
         };
-        if let Err(e) = self.store.record_lookup(self.attempt, &lookup).await {
-            tracing::warn!(attempt = %self.attempt, error = %Chain(&e), "could not record a lookup");
-        }
+        self.record(&lookup).await;
         let resolution = match (result, found) {
             (LookupResult::SettledSucceeded, Some(stored)) => Resolution::Succeeded(stored),
             (LookupResult::SettledNoEffect, _) => Resolution::Failed,
             _ => return Next::Again,
         };
         self.settle(resolution).await
+    }
+
+    /// Records an ask on the attempt. One that leaves it unknown is
+    /// retried into a store that does not answer, for a minute at least:
+    /// the record is what a reconciler started afresh, the scan for
+    /// orphaned lookups and `Retry-After` go by, and a held-back "no
+    /// record" in it is owed one last ask (`docs/design.md` §5). One that
+    /// settles it is tried once: the settlement that follows is what
+    /// matters, and is retried itself ([`Reconciler::settle`]).
+    async fn record(&self, lookup: &Lookup) {
+        let (store, attempt) = (&self.store, self.attempt);
+        let write = || store.record_lookup(attempt, lookup);
+        let recorded = match lookup.result.settles() {
+            true => write().await,
+            false => {
+                let until = at_least_until(Instant::now());
+                idemgate_store::retrying("record a lookup of", attempt, until, write).await
+            }
+        };
+        if let Err(e) = recorded {
+            tracing::warn!(%attempt, error = %Chain(&e), "could not record a lookup");
+        }
     }
 
     /// Where a call of the attempt may still be out at `now`.

@@ -196,11 +196,12 @@ impl Runner {
             .reconcile
             .as_ref()
             .map(|how| self.reconciler(&upstream, request, target, &attempt, how, &forwarded));
-        // Cancelled when the task ends: the call it made is over.
+        // Cancelled when the task, and any commit of its answer, ends: the
+        // call it made is over.
         let calling = reconciler.as_mut().map(|r| {
             let call = CancellationToken::new();
             r.call = Some(call.clone());
-            call.drop_guard()
+            Arc::new(call.drop_guard())
         });
         let forwarded = Request::from_parts(forwarded.parts, full(forwarded.body));
         let route = &request.intent.route.name;

@@ -16,7 +16,7 @@ use idemgate_proxy::http::Body;
 use idemgate_proxy::upstream;
 use idemgate_proxy::upstream::{Fetched, Stopwatch, UpstreamError};
 use idemgate_store::fastpath::Tag;
-use idemgate_store::{CommitOutcome, StoreError};
+use idemgate_store::{at_least_until, CommitOutcome, StoreError};
 use idemgate_telemetry::ends::By;
 use idemgate_telemetry::Chain;
 use idemgate_upkeep::lease::LeaseGuard;
@@ -64,13 +64,14 @@ pub(super) struct Task {
     pub(super) reply: Option<oneshot::Sender<Reply>>,
     /// The request's charge on the memory budget, which its answer grows.
     pub(super) charge: Arc<Charge>,
-    /// Tells the attempt's reconciler, when dropped, that this process's
-    /// call has ended ([`Reconciler::call`]): before an unknown outcome is
-    /// recorded (its call failed, broke or ran out of time; the record
-    /// starts the reconciler, whose first lookup then finds the call
-    /// over), else with the task, after any answer of it is committed (a
-    /// lookup's "no record" must not settle the attempt first).
-    pub(super) calling: Option<tokio_util::sync::DropGuard>,
+    /// Tells the attempt's reconciler, when the last holder drops it, that
+    /// this process's call has ended ([`Reconciler::call`]): before an
+    /// unknown outcome is recorded (its call failed, broke or ran out of
+    /// time; the record starts the reconciler, whose first lookup then
+    /// finds the call over), else once any answer of it is committed (a
+    /// lookup's "no record" must not settle the attempt first): the commit
+    /// holds it too, as long as it is retried, past the task's end.
+    pub(super) calling: Option<Arc<tokio_util::sync::DropGuard>>,
     /// Looks the attempt up on its upstream once it is recorded `unknown`
     /// (taken then: one lookup task per attempt), on a route that
     /// reconciles.
@@ -175,6 +176,9 @@ impl Task {
         // The answer stays counted against the memory budget while the
         // write goes on, which may outlast the attempt (docs/design.md §18).
         let (lease, charge) = (self.lease.clone(), self.charge.clone());
+        // The call is not over for the attempt's reconciler while its
+        // answer may still commit.
+        let calling = self.calling.clone();
         let (id, deadline, ends) = (attempt.id, self.deadline, self.ends.clone());
         tokio::spawn(async move {
             let write = || {
@@ -182,7 +186,19 @@ impl Task {
                 let (_lease, _charge) = (lease.clone(), charge.clone());
                 async move { store.commit(&attempt, &response).await }
             };
-            let outcome = retrying("commit", id, deadline, write).await;
+            let outcome = retrying("commit", id, at_least_until(deadline), write).await;
+            match &outcome {
+                Ok(_) => drop(calling),
+                // An answer that could not be recorded still proves that the
+                // call took effect: a lookup's "no record" must never undo
+                // it, so the reconciler here takes the call as out for good
+                // and the attempt waits for an operator (docs/design.md §5,
+                // "Not while the call is out").
+                Err(_) => {
+                    tracing::error!(attempt = %id, status = stored.status, "the upstream answered but its answer could not be recorded; the attempt waits for an operator");
+                    std::mem::forget(calling);
+                }
+            }
             // Counted once the store decided, however long the request
             // waited for it (docs/design.md §12, "Metrics").
             match outcome {
@@ -223,7 +239,9 @@ impl Task {
                 self.ends.decide(AttemptState::Superseded);
                 Reply::Superseded
             }
-            Ok(Ok(Err(e))) => Reply::Unknown(e.into()),
+            // Proxied and answered: never `store-unavailable`, which says
+            // nothing was proxied.
+            Ok(Ok(Err(e))) => Reply::Unknown(GatewayError::Unrecorded(e)),
             Ok(Err(e)) => Reply::Unknown(GatewayError::Internal(Box::new(e))),
             // Not recorded yet, so not sent: the write goes on, and the
             // client's retry is held until it lands, then replays it.
@@ -274,7 +292,8 @@ impl Task {
             _ => None,
         };
         let (ends, counted) = (self.ends.clone(), failure.clone());
-        let write = retrying("record the end of", attempt, self.deadline, move || {
+        let deadline = at_least_until(self.deadline);
+        let write = retrying("record the end of", attempt, deadline, move || {
             let (store, failure, _lease) = (store.clone(), failure.clone(), lease.clone());
             async move { store.fail_attempt(attempt, failure).await }
         });
