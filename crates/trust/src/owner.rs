@@ -100,31 +100,44 @@ fn header(source: &OwnerSource, sent: One<'_>) -> Result<Option<Vec<u8>>, TrustE
 }
 
 /// A cookie's value, from every `Cookie` header; a name sent twice with
-/// two values, or sent empty, is ambiguous.
+/// two values, sent empty or sent without `=` is ambiguous.
+///
+/// Read as bytes, `;`-separated `name=value` pairs trimmed of spaces, the
+/// value as sent (the owner is a MAC of bytes). Not as text: a browser
+/// sends all its cookies on one line, and one other cookie holding UTF-8
+/// (`city=Zürich`) would make the whole line unreadable, so the session
+/// cookie it carries would count as not sent and the request fall to the
+/// next, wider source, with that owner's stored answers (`docs/design.md`
+/// §15, "Evidence is refused, never skipped").
 fn cookie(
     source: &OwnerSource,
     headers: &HeaderMap,
     name: &str,
 ) -> Result<Option<Vec<u8>>, TrustError> {
-    let mut found: Option<String> = None;
+    let mut found: Option<&[u8]> = None;
     for line in headers.get_all(COOKIE) {
-        let Ok(line) = line.to_str() else { continue };
-        for parsed in cookie::Cookie::split_parse(line).flatten() {
-            if parsed.name() != name {
+        for pair in line.as_bytes().split(|&b| b == b';') {
+            let (key, value) = match pair.iter().position(|&b| b == b'=') {
+                Some(at) => (pair[..at].trim_ascii(), Some(pair[at + 1..].trim_ascii())),
+                None => (pair.trim_ascii(), None),
+            };
+            if key != name.as_bytes() {
                 continue;
             }
-            if parsed.value().is_empty() {
-                return Err(ambiguous(source, "it was sent empty"));
-            }
-            match &found {
-                Some(seen) if seen != parsed.value() => {
+            let value = match value {
+                Some([]) => return Err(ambiguous(source, "it was sent empty")),
+                Some(value) => value,
+                None => return Err(ambiguous(source, "it was sent without a value")),
+            };
+            match found {
+                Some(seen) if seen != value => {
                     return Err(ambiguous(source, "it was sent twice, with two values"))
                 }
-                _ => found = Some(parsed.value().to_owned()),
+                _ => found = Some(value),
             }
         }
     }
-    Ok(found.map(String::into_bytes))
+    Ok(found.map(<[u8]>::to_vec))
 }
 
 fn ambiguous(source: &OwnerSource, why: &str) -> TrustError {

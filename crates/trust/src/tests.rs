@@ -122,6 +122,40 @@ fn a_cookie_sent_twice_or_empty_refuses() {
     trust
         .owner(&cookie, &head(&[("cookie", "sid=a; sid=a")]))
         .expect("one value sent twice names one owner");
+    let bare = trust
+        .owner(
+            &cookie,
+            &head(&[("cookie", "sid; theme=dark"), ("authorization", "x")]),
+        )
+        .unwrap_err();
+    assert!(matches!(bare, TrustError::OwnerAmbiguous { .. }), "{bare}");
+}
+
+/// A `Cookie` line that also carries another cookie's UTF-8 (a browser
+/// sends them all on one line) still names its session: the owner is the
+/// session's, not the next, wider source's. Before, the whole line was
+/// skipped as unreadable text, and two users' requests with such a cookie
+/// fell to one owner (a replay of one's answer to the other).
+#[test]
+fn a_session_cookie_beside_a_utf8_cookie_is_read() {
+    let trust = trust();
+    let cookie = rule(vec![
+        OwnerSource::Cookie("sid".into()),
+        header("authorization"),
+    ]);
+    let sent = |line: &[u8]| {
+        let mut head = head(&[("authorization", "shared-client")]);
+        let value = http::HeaderValue::from_bytes(line).unwrap();
+        head.headers.insert(http::header::COOKIE, value);
+        trust.owner(&cookie, &head).unwrap()
+    };
+    let alice = sent("sid=alice; name=José".as_bytes());
+    let bob = sent("sid=bob; name=Renée".as_bytes());
+    assert_ne!(alice, bob);
+    assert_eq!(alice, sent(b"sid=alice"), "the same owner as without it");
+    assert_ne!(alice, sent(b"theme=dark"), "not the wider source's");
+    // A value of its own in UTF-8 is its bytes.
+    assert_ne!(sent("sid=é".as_bytes()), sent("sid=e".as_bytes()));
 }
 
 #[test]

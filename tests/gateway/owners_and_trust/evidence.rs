@@ -130,9 +130,11 @@ async fn an_ambiguous_part_of_all_is_refused_not_skipped(on: Deployment) {
     assert_ne!(user.job(), own.job(), "the user is an owner of its own");
 }
 
-/// A session cookie sent twice with two values, or empty, is refused
-/// rather than skipped for the `Authorization` that follows it; a request
-/// without the cookie is the bearer's.
+/// A session cookie sent twice with two values, empty or with no value,
+/// is refused rather than skipped for the `Authorization` that follows
+/// it; a request without the cookie is the bearer's, and one whose cookie
+/// line also holds another cookie's UTF-8 is the session's (before, the
+/// whole line was skipped and the request was the bearer's).
 async fn an_ambiguous_cookie_is_refused_not_skipped(on: Deployment) {
     let (store, gateways) = Gateways::of(on);
     let upstream = FakeUpstream::echo().await;
@@ -144,7 +146,12 @@ async fn an_ambiguous_cookie_is_refused_not_skipped(on: Deployment) {
     let bearer = ("authorization", "Bearer app");
     let own = keyed(&gateway, "/v1/x", "k", &[bearer]).await;
     assert_eq!(own.status, 200);
-    for cookie in ["sid=alice; sid=bob", "sid=", "theme=dark; sid="] {
+    for cookie in [
+        "sid=alice; sid=bob",
+        "sid=",
+        "theme=dark; sid=",
+        "sid; theme=dark",
+    ] {
         let reply = keyed(&gateway, "/v1/x", "k", &[bearer, ("cookie", cookie)]).await;
         ambiguous(&reply, "sid cookie", &store, &upstream, 1).await;
     }
@@ -154,6 +161,10 @@ async fn an_ambiguous_cookie_is_refused_not_skipped(on: Deployment) {
     let alice = keyed(&gateway, "/v1/x", "k", &[bearer, ("cookie", "sid=alice")]).await;
     assert_eq!(alice.status, 200);
     assert_ne!(alice.job(), own.job());
+    let utf8 = [bearer, ("cookie", "sid=alice; name=José")];
+    let beside = keyed(&gateway, "/v1/x", "k", &utf8).await;
+    assert_eq!(beside.status, 200);
+    assert_eq!(beside.job(), alice.job(), "the session's, not the bearer's");
 }
 
 crate::on_each_deployment!(
