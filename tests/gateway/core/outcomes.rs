@@ -466,6 +466,21 @@ async fn resolving_an_unknown_attempt_as_succeeded_commits_the_given_response(st
     let job = gateway.job(&first.job().unwrap()).await;
     let attempt = attempts(&job)[0]["id"].as_str().unwrap().to_owned();
 
+    // A length of its own would frame every replay's connection wrongly
+    // (stray bytes ahead of the next answer): refused, nothing written.
+    let framed = gateway
+        .resolve(
+            &attempt,
+            r#"{"outcome": "succeeded", "response": {"status": 200, "headers": [["content-length", "2"]], "body": "hello world"}}"#,
+        )
+        .await;
+    assert_eq!(framed.status, 400, "{:?}", framed.body);
+    assert!(
+        framed.problem_detail().contains("content-length"),
+        "{framed:?}"
+    );
+    assert_eq!(gateway.job(&first.job().unwrap()).await["state"], "unknown");
+
     let resolved = gateway
         .resolve(
             &attempt,

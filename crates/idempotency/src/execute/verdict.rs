@@ -70,6 +70,18 @@ pub(super) fn classify_reporting(
         }
     };
     let status = fetched.parts.status.as_u16();
+    // An informational status is no answer (hyper reads `100` and `103`
+    // past): a `101` switched the connection to a protocol the gateway
+    // never asked for (it forwards no `Upgrade`), so what the upstream did
+    // is unknown, and committed it would switch every replay's connection.
+    if fetched.parts.status.is_informational() {
+        let detail = format!("upstream answered {status}, which is no final answer");
+        let failure = AttemptFailure::Unknown {
+            detail: detail.clone(),
+        };
+        let error = UpstreamError::Unanswered(detail);
+        return (Verdict::Unknown(failure, error.into()), None);
+    }
     if route.retryable_statuses.contains(&status) {
         let failure = AttemptFailure::Failed {
             status: Some(status),

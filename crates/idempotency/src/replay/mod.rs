@@ -7,7 +7,7 @@ use http::{header, HeaderName, HeaderValue, Response, StatusCode};
 use crate::route::Route;
 use idemgate_domain::id::JobId;
 use idemgate_domain::response::StoredResponse;
-use idemgate_proxy::http::{full, Body, Outcome, IDEMPOTENCY_JOB, IDEMPOTENT_REPLAYED};
+use idemgate_proxy::http::{full, hop, Body, Outcome, IDEMPOTENCY_JOB, IDEMPOTENT_REPLAYED};
 use idemgate_proxy::upstream::Fetched;
 
 mod cache;
@@ -120,7 +120,12 @@ fn body(stored: &StoredResponse, framing: Framing) -> Body {
     }
 }
 
-/// Appends stored end-to-end headers to an answer, in their order.
+/// Appends stored end-to-end headers to an answer, in their order. A
+/// header that frames a message (its length, a hop-by-hop one) is never
+/// taken from a stored answer, however it got there (an operator's
+/// resolution before they were refused, a row written by hand): the
+/// replay is framed by its own body, or its connection would carry stray
+/// bytes into the next answer.
 pub(crate) fn set_headers<B>(response: &mut Response<B>, stored: &[(String, Bytes)]) {
     let headers = response.headers_mut();
     for (name, value) in stored {
@@ -128,7 +133,9 @@ pub(crate) fn set_headers<B>(response: &mut Response<B>, stored: &[(String, Byte
             HeaderName::from_bytes(name.as_bytes()),
             HeaderValue::from_maybe_shared(value.clone()),
         ) {
-            headers.append(name, value);
+            if !hop::frames(&name) {
+                headers.append(name, value);
+            }
         }
     }
 }
@@ -137,5 +144,39 @@ pub(crate) fn set_headers<B>(response: &mut Response<B>, stored: &[(String, Byte
 pub(crate) fn set_job<B>(response: &mut Response<B>, job: JobId) {
     if let Ok(v) = HeaderValue::from_str(&job.to_string()) {
         response.headers_mut().insert(IDEMPOTENCY_JOB, v);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stored answer that carries its own length or a hop-by-hop
+    /// header is replayed framed by its body alone.
+    #[test]
+    fn a_stored_length_or_hop_by_hop_header_is_never_replayed() {
+        let header = |name: &str, value: &'static str| (name.to_owned(), Bytes::from(value));
+        let stored = StoredResponse {
+            status: 200,
+            headers: vec![
+                header("content-length", "2"),
+                header("transfer-encoding", "chunked"),
+                header("connection", "upgrade"),
+                header("upgrade", "websocket"),
+                header("content-type", "text/plain"),
+            ],
+            body: Bytes::from_static(b"hello world"),
+        };
+        let replay = response(&stored, JobId::new(), true, Framing::Whole);
+        let names: Vec<&str> = replay.headers().keys().map(HeaderName::as_str).collect();
+        for framing in [
+            "content-length",
+            "transfer-encoding",
+            "connection",
+            "upgrade",
+        ] {
+            assert!(!names.contains(&framing), "{framing}: {names:?}");
+        }
+        assert_eq!(replay.headers()["content-type"], "text/plain");
     }
 }

@@ -9,6 +9,7 @@ use serde::Deserialize;
 use super::error::AdminError;
 use idemgate_domain::attempt::Resolution;
 use idemgate_domain::response::StoredResponse;
+use idemgate_proxy::http::hop;
 
 /// A resolution as posted: `{"outcome": "failed"}`, `{"outcome":
 /// "cancelled"}` or `{"outcome": "succeeded", "response": {…}}`.
@@ -49,9 +50,9 @@ pub(super) fn parse(body: &[u8]) -> Result<Resolution, AdminError> {
 
 impl ResponseInput {
     fn into_stored(self) -> Result<StoredResponse, AdminError> {
-        if !(100..=599).contains(&self.status) {
+        if !(200..=599).contains(&self.status) {
             return Err(AdminError::bad_request(
-                "response.status must be an HTTP status",
+                "response.status must be a final HTTP status (200 to 599)",
             ));
         }
         let body = match (self.body, self.body_base64) {
@@ -76,6 +77,12 @@ impl ResponseInput {
             HeaderValue::from_str(&value).map_err(|_| {
                 AdminError::bad_request(format!("response header {name} has an invalid value"))
             })?;
+            if hop::frames(&name) {
+                return Err(AdminError::bad_request(format!(
+                    "response header {name} frames one message on one connection; leave it \
+                     out (each replay is framed by its own body)"
+                )));
+            }
             headers.push((name.as_str().to_owned(), Bytes::from(value)));
         }
         Ok(StoredResponse {
@@ -128,10 +135,25 @@ mod tests {
                 r#"{{"outcome": "succeeded", "response": {response}}}"#
             ))
         };
-        assert_eq!(
-            succeeded(r#"{"status": 99}"#),
-            "response.status must be an HTTP status"
-        );
+        for status in [99, 101, 600] {
+            assert_eq!(
+                succeeded(&format!(r#"{{"status": {status}}}"#)),
+                "response.status must be a final HTTP status (200 to 599)"
+            );
+        }
+        for name in [
+            "Content-Length",
+            "transfer-encoding",
+            "Connection",
+            "upgrade",
+        ] {
+            let framed =
+                format!(r#"{{"status": 200, "headers": [["{name}", "2"]], "body": "hello"}}"#);
+            assert!(
+                succeeded(&framed).contains("frames one message on one connection"),
+                "{name}"
+            );
+        }
         assert_eq!(
             succeeded(r#"{"status": 200, "body": "a", "body_base64": "YQ=="}"#),
             "give response.body or response.body_base64, not both"

@@ -17,6 +17,13 @@ const HOP_BY_HOP: [HeaderName; 8] = [
 
 const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
 
+/// Whether `name` frames one message on one connection (a hop-by-hop
+/// header, or the body's length) rather than describing the answer: never
+/// taken from a stored answer onto a replay, which is framed afresh.
+pub fn frames(name: &HeaderName) -> bool {
+    *name == header::CONTENT_LENGTH || HOP_BY_HOP.contains(name) || *name == PROXY_CONNECTION
+}
+
 /// Removes hop-by-hop headers, and those listed in `Connection`, in place.
 pub fn strip(headers: &mut HeaderMap) {
     strip_but(headers, None);

@@ -86,6 +86,16 @@ fn a_retryable_status_is_passed_on_uncommitted() {
     }
 }
 
+/// A `101` to a request that asked for no upgrade is never committed:
+/// replayed, it would switch every retry's connection.
+#[test]
+fn an_informational_answer_is_unknown_not_committed() {
+    assert!(matches!(
+        classify(answered(101, ""), &plain(), None),
+        Verdict::Unknown(AttemptFailure::Unknown { .. }, _)
+    ));
+}
+
 #[test]
 fn other_answers_errors_included_are_committed() {
     for status in [200, 201, 400, 404, 500] {
