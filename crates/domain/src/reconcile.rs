@@ -87,12 +87,22 @@ pub fn backoff(n: u32) -> Duration {
         .min(MAX_BACKOFF)
 }
 
+/// How long a write of what was learned about an attempt (its answer's
+/// commit above all) is retried at least, however near (or past) the
+/// attempt's deadline it was learned: an answer that came a second before
+/// the deadline is no less the attempt's, and the CAS that commits it is
+/// as safe after the deadline as before (`docs/design.md` §5, "What the
+/// gateway learned is written until the store takes it").
+pub const WRITE_AT_LEAST: Duration = Duration::from_secs(60);
+
 /// Past an attempt's recorded deadline, how long a replica that did not
 /// start it still takes its call to be out (`docs/design.md` §5, "Not
 /// while the call is out"): the replica that did gives the call up at
 /// that deadline on its own clock, may then wait up to 2 s for its record
-/// before it drops the call, and its timers may run late on a busy machine.
-pub const CALL_OUT_GRACE: Duration = Duration::from_secs(5);
+/// before it drops the call, may go on committing an answer that came by
+/// then for [`WRITE_AT_LEAST`] (a "no record" must not settle the attempt
+/// against it), and its timers may run late on a busy machine.
+pub const CALL_OUT_GRACE: Duration = Duration::from_secs(WRITE_AT_LEAST.as_secs() + 5);
 
 /// Whether `last`, a lookup of an attempt still unknown, found no record
 /// of it while its call may have been out: asked once more as that call
@@ -163,7 +173,10 @@ pub fn orphaned(
             let next = last.at + backoff(lookups.count);
             let last_ask = deadline_at + CALL_OUT_GRACE;
             let due = match held_back(last) {
-                true if last.at < last_ask => next.min(last_ask),
+                // The backoff's next lookup while the schedule lasts, else
+                // the last ask (the grace outlasts any schedule's step).
+                true if last.at < last_ask && next < deadline_at => next,
+                true if last.at < last_ask => last_ask,
                 _ if next < deadline_at => next,
                 // Nothing is left to ask: nobody need adopt it.
                 _ => return false,
@@ -257,39 +270,61 @@ mod tests {
             }),
         };
         let held = last(404, LookupResult::StillUnknown);
+        // Asked at the deadline (60 s) and the grace.
+        let grace = CALL_OUT_GRACE.as_secs();
         assert_eq!(
             next_ask(&held, recorded, (deadline, true), after(61)),
-            Some(Duration::from_secs(4))
+            Some(Duration::from_secs(60 + grace - 61))
         );
         // Due and not yet made: due now; once made, none.
         assert_eq!(
-            next_ask(&held, recorded, (deadline, true), after(66)),
+            next_ask(&held, recorded, (deadline, true), after(60 + grace + 1)),
             Some(Duration::ZERO)
         );
         let made = Lookups {
             last: Some(Lookup {
-                at: after(66),
+                at: after(60 + grace + 1),
                 ..held.last.clone().unwrap()
             }),
             ..held.clone()
         };
-        assert_eq!(next_ask(&made, recorded, (deadline, true), after(67)), None);
+        let later = after(60 + grace + 2);
+        assert_eq!(next_ask(&made, recorded, (deadline, true), later), None);
         assert!(!orphaned(
             &made,
             false,
             (Duration::from_secs(5), after(60)),
-            after(99)
+            after(60 + grace + 34)
         ));
         // A resend's `404` (a route that resends) promises no last ask.
         assert_eq!(
             next_ask(&held, recorded, (deadline, false), after(61)),
             None
         );
-        // Nobody made it a scan after it was due: orphaned, though the
-        // backoff's next lookup (at 80 s) is not yet a scan overdue.
+        // Nobody made it a scan after it was due: orphaned then, not at
+        // the backoff's next lookup (at 80 s, past the schedule).
         let interval = Duration::from_secs(5);
-        assert!(!orphaned(&held, false, (interval, after(60)), after(69)));
-        assert!(orphaned(&held, false, (interval, after(60)), after(70)));
+        let due = 60 + grace;
+        assert!(!orphaned(&held, false, (interval, after(60)), after(85)));
+        assert!(!orphaned(
+            &held,
+            false,
+            (interval, after(60)),
+            after(due + 4)
+        ));
+        assert!(orphaned(
+            &held,
+            false,
+            (interval, after(60)),
+            after(due + 5)
+        ));
+        // Within the schedule, a scan after the backoff's next lookup.
+        let young = Lookups {
+            count: 2,
+            ..held.clone()
+        };
+        assert!(!orphaned(&young, false, (interval, after(60)), after(56)));
+        assert!(orphaned(&young, false, (interval, after(60)), after(57)));
         let erred = last(500, LookupResult::StillUnknown);
         assert!(!orphaned(&erred, false, (interval, after(60)), after(70)));
         assert_eq!(

@@ -1,8 +1,10 @@
 //! Writes of what the gateway learned about an attempt (its end, its
 //! commit, that it was never sent; `docs/design.md` §5): never dropped by a
 //! transient fault. Each write is retried with backoff until the store takes
-//! it or the attempt's deadline passes; the attempt's lease is held
-//! meanwhile by whoever runs it.
+//! it or its bound passes: the attempt's deadline, and for the outcome of
+//! an attempt [`WRITE_AT_LEAST`] after it was learned if that is later
+//! ([`at_least_until`]); the attempt's lease is held meanwhile by whoever
+//! runs it.
 
 use std::future::Future;
 use std::time::Duration;
@@ -11,21 +13,14 @@ use tokio::time::Instant;
 
 use crate::StoreError;
 use idemgate_domain::id::AttemptId;
+pub use idemgate_domain::reconcile::WRITE_AT_LEAST;
 use idemgate_telemetry::Chain;
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 
-/// How long a write of what was learned about an attempt is retried at
-/// least, however near (or past) the attempt's deadline it was learned: an
-/// answer that came a second before the deadline is no less the
-/// attempt's, and the CAS that commits it is as safe after the deadline as
-/// before (`docs/design.md` §5, "What the gateway learned is written until
-/// the store takes it").
-pub const WRITE_AT_LEAST: Duration = Duration::from_secs(60);
-
-/// The deadline to retry such a write to: the attempt's `deadline`, or
-/// [`WRITE_AT_LEAST`] from now if that is later.
+/// The deadline to retry an attempt's outcome to: the attempt's
+/// `deadline`, or [`WRITE_AT_LEAST`] from now if that is later.
 pub fn at_least_until(deadline: Instant) -> Instant {
     deadline.max(Instant::now() + WRITE_AT_LEAST)
 }

@@ -17,7 +17,8 @@
 //!    anything else → commit.
 //! 3. `record`: writes the outcome. What the gateway learned is
 //!    never dropped by a transient fault: the write is retried with backoff
-//!    until the store takes it or the attempt's deadline passes, holding the
+//!    until the store takes it, for the attempt's deadline and a minute
+//!    after it was learned at least (`WRITE_AT_LEAST`), holding the
 //!    attempt's lease meanwhile. The request is answered once the write is
 //!    in, or after `PATIENCE` at most (then with `503` for an answer not yet
 //!    committed: the client's retry is held until it is, and replays it).

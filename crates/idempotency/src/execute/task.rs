@@ -158,7 +158,8 @@ impl Task {
     }
 
     /// Commits `stored`, retrying while the store is unreachable (in a task
-    /// of its own, holding the lease), until the attempt's deadline. Once
+    /// of its own, holding the lease and the call), until the attempt's
+    /// deadline and for a minute after the answer at least. Once
     /// the store takes it, the answer is kept for replays (memory, then
     /// Redis): this is the one place a commit is made known to the replay
     /// tiers, whole answer or stream, whether or not its client still
@@ -240,8 +241,11 @@ impl Task {
                 Reply::Superseded
             }
             // Proxied and answered: never `store-unavailable`, which says
-            // nothing was proxied.
-            Ok(Ok(Err(e))) => Reply::Unknown(GatewayError::Unrecorded(e)),
+            // nothing was proxied. A commit the store refused for good (the
+            // only kind that ends within `PATIENCE`, retried for a minute
+            // as it is) is the store's error, as any.
+            Ok(Ok(Err(e))) if e.is_transient() => Reply::Unknown(GatewayError::Unrecorded(e)),
+            Ok(Ok(Err(e))) => Reply::Unknown(e.into()),
             Ok(Err(e)) => Reply::Unknown(GatewayError::Internal(Box::new(e))),
             // Not recorded yet, so not sent: the write goes on, and the
             // client's retry is held until it lands, then replays it.
