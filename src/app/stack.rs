@@ -22,7 +22,7 @@ use idemgate_idempotency::route::{self, Route};
 use idemgate_idempotency::{IdempotencyLayer, Shared};
 use idemgate_proxy::http::idle::{IdleTimeout, Pace};
 use idemgate_proxy::http::linger::{Linger, Lingering};
-use idemgate_proxy::http::request_id::RequestIds;
+use idemgate_proxy::http::request_id::{Logged, RequestIds};
 use idemgate_proxy::http::{cookie, hop, spelling, ClientAddr, IDEMPOTENCY_KEY};
 use idemgate_proxy::path::NormalizePathLayer;
 use idemgate_proxy::shed::ShedLayer;
@@ -43,11 +43,11 @@ macro_rules! request_span {
             http.route = $route,
             http.request.method = %$req.method(),
             url.path = %$req.uri().path(),
-            request_id = %$req
+            request_id = %Logged($req
                 .headers()
                 .get("x-request-id")
                 .and_then(|v| v.to_str().ok())
-                .unwrap_or_default(),
+                .unwrap_or_default()),
             http.response.status_code = tracing::field::Empty,
             job.id = tracing::field::Empty,
         )

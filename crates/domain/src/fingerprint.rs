@@ -121,7 +121,7 @@ pub fn fingerprint(
         };
         h.update([1]);
         match parts.boundary.filter(|_| *name == "content-type") {
-            Some(boundary) => framed_without(&mut h, first, boundary),
+            Some(boundary) => framed_without_boundary(&mut h, first, boundary),
             None => frame(&mut h, first),
         }
         // Every further line counts too: a retry that adds a line (a second
@@ -170,6 +170,30 @@ fn framed_parts(h: &mut Sha256, body: &[u8], boundary: &[u8]) {
     };
     h.update([opened]);
     framed_without(h, rest, &[b"\r\n--", boundary].concat());
+}
+
+/// Hashes a `Content-Type` line without its `boundary` parameter's value:
+/// the two pieces around it, as [`framed_without`] hashes a line that
+/// spells the boundary once. Only the parameter's value is cut, not every
+/// spelling of its text: a boundary named `form-data` would otherwise cut
+/// the subtype too, and `multipart/form-data` and `multipart/mixed` hash
+/// alike.
+fn framed_without_boundary(h: &mut Sha256, line: &[u8], boundary: &[u8]) {
+    let named = memchr::memmem::find_iter(line, boundary).find(|&at| {
+        let before = &line[..at];
+        let before = before.strip_suffix(b"\"").unwrap_or(before);
+        let Some(start) = before.len().checked_sub(b"boundary=".len()) else {
+            return false;
+        };
+        let after_separator = start == 0 || matches!(before[start - 1], b';' | b' ' | b'\t');
+        before[start..].eq_ignore_ascii_case(b"boundary=") && after_separator
+    });
+    let Some(at) = named else {
+        return framed_without(h, line, boundary);
+    };
+    h.update(2u64.to_be_bytes());
+    frame(h, &line[..at]);
+    frame(h, &line[at + boundary.len()..]);
 }
 
 /// Hashes `bytes` as the pieces between the occurrences of `cut`: their
@@ -311,14 +335,19 @@ mod tests {
     /// parts, delimited by it, and a `Content-Type` naming it (quoted or
     /// not, as `quoted` says).
     fn multipart(boundary: &str, quoted: bool, file: &str) -> Fingerprint {
+        multipart_as("multipart/form-data", boundary, quoted, file)
+    }
+
+    /// The same as `media`.
+    fn multipart_as(media: &str, boundary: &str, quoted: bool, file: &str) -> Fingerprint {
         let body = format!(
             "--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\n\
              fine-tune\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; \
              filename=\"a.jsonl\"\r\n\r\n{file}\r\n--{boundary}--\r\n"
         );
         let header = match quoted {
-            true => format!("multipart/form-data; boundary=\"{boundary}\""),
-            false => format!("multipart/form-data; boundary={boundary}"),
+            true => format!("{media}; boundary=\"{boundary}\""),
+            false => format!("{media}; boundary={boundary}"),
         };
         let named = multipart_boundary([header.as_bytes()]);
         assert_eq!(named.as_deref(), Some(boundary));
@@ -376,6 +405,27 @@ mod tests {
         );
         let two: [&[u8]; 2] = [b"multipart/form-data; boundary=x", b"text/plain"];
         assert_eq!(multipart_boundary(two), None, "two lines: none counts");
+    }
+
+    /// A boundary spelled like another part of the `Content-Type` line
+    /// cuts only the parameter's value: a change of subtype (or of another
+    /// parameter) hidden under it is still another request. Before, the
+    /// line was cut at every spelling of the boundary.
+    #[test]
+    fn a_boundary_spelled_like_the_subtype_hides_nothing() {
+        assert_ne!(
+            multipart_as("multipart/form-data", "form-data", false, "{}"),
+            multipart_as("multipart/mixed", "mixed", false, "{}"),
+        );
+        assert_ne!(
+            multipart_as("multipart/form-data; charset=utf-8", "utf-8", true, "{}"),
+            multipart_as("multipart/form-data; charset=latin1", "latin1", true, "{}"),
+        );
+        assert_eq!(
+            multipart_as("multipart/mixed", "mixed", false, "{}"),
+            multipart_as("multipart/mixed", "other", false, "{}"),
+            "the boundary itself is still framing"
+        );
     }
 
     /// Jobs keep their fingerprint across releases: a retry after an

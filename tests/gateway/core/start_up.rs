@@ -140,6 +140,51 @@ async fn only_keyed_requests_are_logged_in_a_span_at_the_default_level() {
     }
 }
 
+/// A client's `X-Request-Id` with spaces and braces cannot close the
+/// request's span in the text log and forge a field of its own (a job id
+/// another request's): its other characters show as `_`. The answer still
+/// echoes it as sent.
+#[tokio::test]
+async fn a_request_id_cannot_forge_log_fields() {
+    let store = TestStore::embedded();
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let gateway = Gateway::builder(&store, "http://127.0.0.1:1")
+        .env("RUST_LOG", "info")
+        .stderr_to(log.path())
+        .start()
+        .await;
+    let forged = "abc} job.id=00000000-0000-0000-0000-000000000000 request{request_id=x";
+    let keyed = send(
+        Method::POST,
+        &gateway.path("/v1/keyed"),
+        &[("idempotency-key", "k"), ("x-request-id", forged)],
+        "{}",
+    )
+    .await;
+    assert!(keyed.status >= 500);
+    assert_eq!(keyed.header("x-request-id"), Some(forged));
+    crate::support::eventually(
+        std::time::Duration::from_secs(5),
+        "the failure logged",
+        || async {
+            let logged = std::fs::read_to_string(log.path()).unwrap();
+            logged.contains("response failed")
+        },
+    )
+    .await;
+    let logged = std::fs::read_to_string(log.path()).unwrap();
+    assert!(
+        logged.contains(
+            "request_id=abc__job.id=00000000-0000-0000-0000-000000000000_request_request_id=x"
+        ),
+        "{logged}"
+    );
+    assert!(
+        !logged.contains(" job.id=00000000-0000-0000-0000-000000000000"),
+        "{logged}"
+    );
+}
+
 #[tokio::test]
 async fn every_series_has_help_text_and_latencies_are_timed_by_outcome_and_upstream() {
     let store = TestStore::embedded();

@@ -403,7 +403,9 @@ async fn clients_are_proven_before_a_credential_is_spent(on: Deployment) {
 }
 
 /// A client's `Connection` header names only its own hop-by-hop headers:
-/// it cannot strip the job id and attempt the gateway adds.
+/// it cannot strip the job id and attempt the gateway adds, nor send its
+/// own beside them in another spelling (`Idempotency_Key`, which a
+/// CGI-style server reads as the same header).
 async fn a_connection_header_cannot_remove_what_the_gateway_adds(on: Deployment) {
     let (store, deployment) = Gateways::of(on);
     let upstream = FakeUpstream::echo().await;
@@ -418,6 +420,8 @@ async fn a_connection_header_cannot_remove_what_the_gateway_adds(on: Deployment)
                 "connection",
                 "idempotency-key, idempotency-attempt, x-forwarded-for",
             ),
+            ("idempotency_key", "01a24f27-0000-7000-8000-000000000000"),
+            ("Idempotency_Attempt", "7"),
         ],
     )
     .await;
@@ -430,6 +434,8 @@ async fn a_connection_header_cannot_remove_what_the_gateway_adds(on: Deployment)
     assert_eq!(seen.header("idempotency-key"), reply.job().as_deref());
     assert_eq!(seen.header("idempotency-attempt"), Some("1"));
     assert_eq!(seen.header("x-forwarded-for"), Some("127.0.0.1"));
+    assert_eq!(seen.header("idempotency_key"), None);
+    assert_eq!(seen.header("idempotency_attempt"), None);
 }
 
 /// A route may allow anonymous owners; others keep refusing.

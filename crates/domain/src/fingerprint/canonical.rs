@@ -107,6 +107,20 @@ fn object<'j>(jiter: &mut Jiter<'j>, depth: usize) -> Result<Node<'j>, Refused> 
         members.push((name, member));
         key = jiter.next_key()?.map(str::to_owned);
     }
+    if case_variants(&members) {
+        // Keys that differ only in case: parsers that match members
+        // without case (Go's encoding/json, ASP.NET Core's web defaults,
+        // Jackson's case-insensitive option) take the later one, so the
+        // order they were sent in is part of the request (docs/design.md
+        // §11, "Canonical JSON"). Sorted by the folded key, stably.
+        let mut keys: Vec<&str> = members.iter().map(|m| m.0.as_str()).collect();
+        keys.sort_unstable();
+        if let Some(twice) = keys.windows(2).find(|w| w[0] == w[1]) {
+            return Err(Refused::Duplicate(vec![twice[0].to_owned()]));
+        }
+        members.sort_by_cached_key(|m| fold(&m.0));
+        return Ok(Node::Object(members));
+    }
     // Byte order of the unescaped keys, as serde_json's map sorts them, so
     // bodies fingerprinted before this parser hash the same.
     members.sort_unstable_by(|a, b| a.0.cmp(&b.0));
@@ -114,6 +128,29 @@ fn object<'j>(jiter: &mut Jiter<'j>, depth: usize) -> Result<Node<'j>, Refused> 
         return Err(Refused::Duplicate(vec![twice[0].0.clone()]));
     }
     Ok(Node::Object(members))
+}
+
+/// Whether two of `members`' keys differ only in case (or are equal). Keys
+/// of lower-case ASCII alone, the common case, fold to themselves, so only
+/// an object with another key is folded.
+fn case_variants(members: &[(String, Node<'_>)]) -> bool {
+    let plain = |key: &str| !key.bytes().any(|b| b.is_ascii_uppercase() || !b.is_ascii());
+    if members.len() < 2 || members.iter().all(|m| plain(&m.0)) {
+        return false;
+    }
+    let mut folded: Vec<String> = members.iter().map(|m| fold(&m.0)).collect();
+    folded.sort_unstable();
+    folded.windows(2).any(|w| w[0] == w[1])
+}
+
+/// A key as case-insensitive matchers see it: upper-cased, then
+/// lower-cased, so that `ſ` and `K` (the Kelvin sign) meet `s` and `k`, as
+/// Go's folding has them.
+fn fold(key: &str) -> String {
+    key.chars()
+        .flat_map(char::to_uppercase)
+        .flat_map(char::to_lowercase)
+        .collect()
 }
 
 fn array<'j>(jiter: &mut Jiter<'j>, depth: usize) -> Result<Node<'j>, Refused> {
@@ -276,6 +313,42 @@ mod tests {
             "/x/y/1/id"
         );
         assert_eq!(duplicate_at(r#"{"x/y":{"~":1,"~":2}}"#), "/x~1y/~0");
+    }
+
+    /// Members that differ only in case keep the order they were sent in
+    /// (a case-insensitive upstream takes the later): two orders are two
+    /// requests. Other members still sort, and an object without such keys
+    /// is as before.
+    #[test]
+    fn keys_that_differ_only_in_case_keep_their_order() {
+        let first = canonical(r#"{"amount":1,"Amount":1000}"#).unwrap();
+        let second = canonical(r#"{"Amount":1000,"amount":1}"#).unwrap();
+        assert_ne!(first, second);
+        assert_eq!(first, r#"{"amount":1,"Amount":1000}"#);
+        assert_eq!(
+            canonical(r#"{"b":1,"Amount":2,"amount":3}"#).unwrap(),
+            r#"{"Amount":2,"amount":3,"b":1}"#,
+            "the two in the order sent, wherever the others were"
+        );
+        assert_eq!(
+            canonical(r#"{"Amount":2,"b":1,"amount":3}"#).unwrap(),
+            r#"{"Amount":2,"amount":3,"b":1}"#
+        );
+        assert_ne!(
+            canonical(r#"{"\u017fum":1,"sum":2}"#).unwrap(),
+            canonical(r#"{"sum":2,"\u017fum":1}"#).unwrap(),
+            "ſ folds to s"
+        );
+        assert_eq!(
+            canonical(r#"{"b":1,"B":2,"a":0}"#).unwrap(),
+            r#"{"a":0,"b":1,"B":2}"#
+        );
+        assert_eq!(
+            canonical(r#"{"maxTokens":1,"Model":"m"}"#).unwrap(),
+            r#"{"Model":"m","maxTokens":1}"#,
+            "no two keys fold together: byte order, as before"
+        );
+        assert_eq!(duplicate_at(r#"{"A":1,"a":2,"A":3}"#), "/A");
     }
 
     #[test]

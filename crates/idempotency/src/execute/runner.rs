@@ -295,6 +295,15 @@ impl Runner {
         parts.headers.remove(IDEMPOTENCY_KEY);
         // The gateway's own (a resume point of 0 is none: the request runs).
         parts.headers.remove(EVENTS_RECEIVED);
+        // The job id and the attempt's number are the gateway's to say: a
+        // client's in another spelling (`Idempotency_Key`, which a CGI-style
+        // server folds into the same variable) goes nowhere
+        // (docs/design.md §15, "Headers").
+        let forwarded = [
+            self.config.forward_key_header.clone(),
+            self.config.forward_attempt_header.clone(),
+        ];
+        idemgate_proxy::http::spelling::remove_every_spelling(&mut parts.headers, &forwarded);
         super::ask_uncompressed(&mut parts.headers);
         if let Ok(v) = HeaderValue::from_str(&attempt.job_id.to_string()) {
             parts

@@ -45,9 +45,46 @@ impl MakeRequestId for RequestIds {
     }
 }
 
+/// A client's request id as the request's log lines show it: at most 128
+/// characters, and any character an id is not made of (letters, digits,
+/// `-_.:/+=@`) shown as `_`. The id goes into every line of the request's
+/// span, and in the text format a value with a space or a brace would
+/// close the span and forge fields (`job.id=…`). The answer and the
+/// access log carry it as sent (the access log escaped, as JSON).
+pub struct Logged<'a>(pub &'a str);
+
+impl std::fmt::Display for Logged<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let id_char = |c: char| c.is_ascii_alphanumeric() || "-_.:/+=@".contains(c);
+        let shown = self
+            .0
+            .char_indices()
+            .nth(128)
+            .map_or(self.0, |(at, _)| &self.0[..at]);
+        if shown.chars().all(id_char) {
+            return f.write_str(shown);
+        }
+        for c in shown.chars() {
+            std::fmt::Write::write_char(f, if id_char(c) { c } else { '_' })?;
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_logged_id_cannot_forge_fields() {
+        let forged = "abc} job.id=0 request{request_id=x";
+        assert_eq!(
+            Logged(forged).to_string(),
+            "abc}_job.id=0_request{request_id=x".replace(['{', '}'], "_")
+        );
+        assert_eq!(Logged("req_01J-x.y:z/+=@").to_string(), "req_01J-x.y:z/+=@");
+        assert_eq!(Logged(&"i".repeat(300)).to_string().len(), 128);
+    }
 
     #[test]
     fn ids_share_the_process_prefix_and_never_repeat() {
