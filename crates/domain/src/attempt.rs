@@ -122,6 +122,7 @@ pub struct Attempt {
     pub lease_expires_at: SystemTime,
     /// When its call is given up, answered or not (`attempt_deadline` from
     /// its start, on the store's clock): its replica drops the call then,
+    /// and may commit an answer that came by then for a minute more, all
     /// within [`crate::reconcile::CALL_OUT_GRACE`].
     pub deadline_at: SystemTime,
     /// The status the upstream answered with, if it did: never an

@@ -17,6 +17,13 @@ use sha2::{Digest, Sha256};
 
 mod canonical;
 
+/// A JSON member's name as a matcher that ignores case sees it (Go's
+/// `encoding/json`): what two names must not share in a message read by
+/// name (`docs/design.md` §11, "Canonical JSON").
+pub fn fold_name(name: &str) -> String {
+    canonical::fold(name)
+}
+
 /// A JSON body that names an object member twice: parsers disagree on
 /// which one counts, so it has no one meaning to fingerprint.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -100,13 +100,15 @@ pub fn request(body: &[u8]) -> Request {
     })
 }
 
-/// The pointer (under `at`) of the first member `members` names twice.
+/// The pointer (under `at`) of the first member `members` names twice,
+/// or twice but for case: a server that matches names without case (Go's
+/// `encoding/json`) reads `Arguments` as `arguments`, and the last one.
 fn twice(members: &[(String, Range<usize>)], at: &str) -> Option<String> {
     let mut seen = std::collections::HashSet::new();
     let name = members
         .iter()
         .map(|(name, _)| name)
-        .find(|name| !seen.insert(*name))?;
+        .find(|name| !seen.insert(crate::fingerprint::fold_name(name)))?;
     Some(format!(
         "{at}/{}",
         name.replace('~', "~0").replace('/', "~1")
@@ -462,6 +464,19 @@ mod tests {
         assert_eq!(no_key.id, br#""a\"b""#);
         assert_eq!(no_key.arguments, b"{}");
         assert_eq!(no_key.key, None);
+    }
+
+    /// `arguments` and `Arguments` are one member to a server that
+    /// matches names without case: named twice.
+    #[test]
+    fn a_member_named_twice_but_for_case_is_named_twice() {
+        let body = r#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"charge","arguments":{"amount":1},"Arguments":{"amount":1000}}}"#;
+        assert_eq!(
+            tool_call(body).named_twice.as_deref(),
+            Some("/params/Arguments")
+        );
+        let plain = r#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"charge","arguments":{}}}"#;
+        assert_eq!(tool_call(plain).named_twice, None);
     }
 
     #[test]

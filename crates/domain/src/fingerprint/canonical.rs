@@ -111,14 +111,13 @@ fn object<'j>(jiter: &mut Jiter<'j>, depth: usize) -> Result<Node<'j>, Refused> 
         // Keys that differ only in case: parsers that match members
         // without case (Go's encoding/json, ASP.NET Core's web defaults,
         // Jackson's case-insensitive option) take the later one, so the
-        // order they were sent in is part of the request (docs/design.md
-        // §11, "Canonical JSON"). Sorted by the folded key, stably.
+        // order the members were sent in is part of the request: such an
+        // object keeps it whole (docs/design.md §11, "Canonical JSON").
         let mut keys: Vec<&str> = members.iter().map(|m| m.0.as_str()).collect();
         keys.sort_unstable();
         if let Some(twice) = keys.windows(2).find(|w| w[0] == w[1]) {
             return Err(Refused::Duplicate(vec![twice[0].to_owned()]));
         }
-        members.sort_by_cached_key(|m| fold(&m.0));
         return Ok(Node::Object(members));
     }
     // Byte order of the unescaped keys, as serde_json's map sorts them, so
@@ -130,23 +129,42 @@ fn object<'j>(jiter: &mut Jiter<'j>, depth: usize) -> Result<Node<'j>, Refused> 
     Ok(Node::Object(members))
 }
 
-/// Whether two of `members`' keys differ only in case (or are equal). Keys
-/// of lower-case ASCII alone, the common case, fold to themselves, so only
-/// an object with another key is folded.
+/// Whether two of `members`' keys differ only in case (or are equal), as
+/// any of the matchers that ignore case would see them. Keys of lower-case
+/// ASCII alone, the common case, fold to themselves, so only an object
+/// with another key is folded.
 fn case_variants(members: &[(String, Node<'_>)]) -> bool {
     let plain = |key: &str| !key.bytes().any(|b| b.is_ascii_uppercase() || !b.is_ascii());
     if members.len() < 2 || members.iter().all(|m| plain(&m.0)) {
         return false;
     }
-    let mut folded: Vec<String> = members.iter().map(|m| fold(&m.0)).collect();
-    folded.sort_unstable();
-    folded.windows(2).any(|w| w[0] == w[1])
+    let twice = |fold: fn(&str) -> String| {
+        let mut folded: Vec<String> = members.iter().map(|m| fold(&m.0)).collect();
+        folded.sort_unstable();
+        folded.windows(2).any(|w| w[0] == w[1])
+    };
+    twice(fold) || twice(full_fold)
 }
 
-/// A key as case-insensitive matchers see it: upper-cased, then
-/// lower-cased, so that `ſ` and `K` (the Kelvin sign) meet `s` and `k`, as
-/// Go's folding has them.
-fn fold(key: &str) -> String {
+/// A name as Go's `encoding/json` matches it: each character lower-cased,
+/// then upper-cased, by its simple mapping (`İ` meets `i`, `ſ` meets `s`,
+/// `K`, the Kelvin sign, meets `k`).
+pub(crate) fn fold(key: &str) -> String {
+    key.chars()
+        .map(|c| {
+            let lower = c.to_lowercase().next().unwrap_or(c);
+            let mut upper = lower.to_uppercase();
+            match (upper.next(), upper.next()) {
+                (Some(one), None) => one,
+                _ => lower,
+            }
+        })
+        .collect()
+}
+
+/// A name by Unicode's full case mappings, as other matchers fold it
+/// (`ß` meets `ss`).
+fn full_fold(key: &str) -> String {
     key.chars()
         .flat_map(char::to_uppercase)
         .flat_map(char::to_lowercase)
@@ -315,33 +333,36 @@ mod tests {
         assert_eq!(duplicate_at(r#"{"x/y":{"~":1,"~":2}}"#), "/x~1y/~0");
     }
 
-    /// Members that differ only in case keep the order they were sent in
-    /// (a case-insensitive upstream takes the later): two orders are two
-    /// requests. Other members still sort, and an object without such keys
-    /// is as before.
+    /// An object whose keys differ only in case keeps its members in the
+    /// order they were sent in (a case-insensitive upstream takes the
+    /// later): two orders are two requests. An object without such keys
+    /// sorts as before.
     #[test]
     fn keys_that_differ_only_in_case_keep_their_order() {
-        let first = canonical(r#"{"amount":1,"Amount":1000}"#).unwrap();
-        let second = canonical(r#"{"Amount":1000,"amount":1}"#).unwrap();
-        assert_ne!(first, second);
-        assert_eq!(first, r#"{"amount":1,"Amount":1000}"#);
-        assert_eq!(
-            canonical(r#"{"b":1,"Amount":2,"amount":3}"#).unwrap(),
-            r#"{"Amount":2,"amount":3,"b":1}"#,
-            "the two in the order sent, wherever the others were"
-        );
-        assert_eq!(
-            canonical(r#"{"Amount":2,"b":1,"amount":3}"#).unwrap(),
-            r#"{"Amount":2,"amount":3,"b":1}"#
-        );
-        assert_ne!(
-            canonical(r#"{"\u017fum":1,"sum":2}"#).unwrap(),
-            canonical(r#"{"sum":2,"\u017fum":1}"#).unwrap(),
-            "ſ folds to s"
-        );
+        let pairs = [
+            (
+                r#"{"amount":1,"Amount":1000}"#,
+                r#"{"Amount":1000,"amount":1}"#,
+            ),
+            (
+                r#"{"price":1,"pr\u0130ce":1000}"#,
+                r#"{"pr\u0130ce":1000,"price":1}"#,
+            ),
+            (r#"{"\u017fum":1,"sum":2}"#, r#"{"sum":2,"\u017fum":1}"#),
+            (
+                r#"{"ma\u00dfe":1,"masse":2}"#,
+                r#"{"masse":2,"ma\u00dfe":1}"#,
+            ),
+            (r#"{"b":1,"A":2,"a":3}"#, r#"{"A":2,"b":1,"a":3}"#),
+        ];
+        for (first, second) in pairs {
+            let (one, two) = (canonical(first).unwrap(), canonical(second).unwrap());
+            assert_ne!(one, two, "{first} and {second}");
+        }
         assert_eq!(
             canonical(r#"{"b":1,"B":2,"a":0}"#).unwrap(),
-            r#"{"a":0,"b":1,"B":2}"#
+            r#"{"b":1,"B":2,"a":0}"#,
+            "as sent"
         );
         assert_eq!(
             canonical(r#"{"maxTokens":1,"Model":"m"}"#).unwrap(),

@@ -413,7 +413,7 @@ function resolver(job, attempt, done) {
       message.replaceChildren(notice("error", e.message));
     }
   };
-  const status = el("input", { id: "resolve-status", type: "number", min: 100, max: 599, value: 200, required: "" });
+  const status = el("input", { id: "resolve-status", type: "number", min: 200, max: 599, value: 200, required: "" });
   const headers = el("textarea", { id: "resolve-headers", rows: 3 }, "content-type: application/json");
   const body = el("textarea", { id: "resolve-body", rows: 6, placeholder: "the response the client's retries will get" });
   const succeeded = el("form", { id: "resolve-succeeded", onsubmit: (e) => {
