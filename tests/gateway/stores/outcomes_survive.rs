@@ -29,6 +29,32 @@ async fn first_answer_gated(gate: &Gate, first_status: u16) -> FakeUpstream {
     .await
 }
 
+/// Posts `key` (the upstream's first answer gated), and once the upstream
+/// has the call, holds its job in an open transaction and lets the answer
+/// go: its commit now waits on the holder. Returns the request and the
+/// holder (`COMMIT` in it lets go).
+async fn answered_while_its_job_is_held(
+    db: &TestDb,
+    (upstream, gate): (&FakeUpstream, &Gate),
+    url: &str,
+    key: &'static str,
+) -> (tokio::task::JoinHandle<Reply>, tokio_postgres::Client) {
+    let held = tokio::spawn({
+        let url = url.to_owned();
+        async move { post(&url, key, "{}").await }
+    });
+    upstream.arrival().await;
+    let holder = db.connect().await;
+    holder
+        .batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM jobs WHERE key = '{key}' FOR UPDATE"
+        ))
+        .await
+        .unwrap();
+    gate.open(1);
+    (held, holder)
+}
+
 /// Retries the key, as a client would, until it is answered 200 (30 s at most).
 async fn retry_until_ok(url: &str, key: &str) -> Reply {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
@@ -253,17 +279,7 @@ async fn a_job_held_by_an_open_transaction_holds_up_only_its_own_answer() {
         .await;
     let url = gateway.path("/v1/charges");
 
-    let held = tokio::spawn({
-        let url = url.clone();
-        async move { post(&url, "held", "{}").await }
-    });
-    upstream.arrival().await;
-    let holder = db.connect().await;
-    holder
-        .batch_execute("BEGIN; SELECT 1 FROM jobs WHERE key = 'held' FOR UPDATE")
-        .await
-        .unwrap();
-    gate.open(1);
+    let (held, holder) = answered_while_its_job_is_held(db, (&upstream, &gate), &url, "held").await;
     // The held commit now waits on the holder, time and again.
     let watcher = db.connect().await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -372,17 +388,7 @@ async fn an_answer_held_up_past_its_attempts_deadline_still_commits() {
         .await;
     let url = gateway.path("/v1/charges");
 
-    let held = tokio::spawn({
-        let url = url.clone();
-        async move { post(&url, "late", "{}").await }
-    });
-    upstream.arrival().await;
-    let holder = db.connect().await;
-    holder
-        .batch_execute("BEGIN; SELECT 1 FROM jobs WHERE key = 'late' FOR UPDATE")
-        .await
-        .unwrap();
-    gate.open(1);
+    let (held, holder) = answered_while_its_job_is_held(db, (&upstream, &gate), &url, "late").await;
     let held = held.await.unwrap();
     assert_eq!(held.status, 503, "{held:?}");
     assert_eq!(held.problem(), "outcome-not-recorded");
@@ -423,17 +429,8 @@ async fn an_answer_whose_commit_the_database_cancelled_still_commits() {
         .await;
     let url = gateway.path("/v1/charges");
 
-    let held = tokio::spawn({
-        let url = url.clone();
-        async move { post(&url, "cancelled", "{}").await }
-    });
-    upstream.arrival().await;
-    let holder = db.connect().await;
-    holder
-        .batch_execute("BEGIN; SELECT 1 FROM jobs WHERE key = 'cancelled' FOR UPDATE")
-        .await
-        .unwrap();
-    gate.open(1);
+    let (held, holder) =
+        answered_while_its_job_is_held(&db, (&upstream, &gate), &url, "cancelled").await;
     // Each wait on the holder is cancelled after 500 ms; two retries mean
     // the commit outlived two cancellations.
     eventually(

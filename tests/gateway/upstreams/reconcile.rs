@@ -296,6 +296,27 @@ async fn a_lookup_answering_404_reopens_the_job_for_attempt_two(store: TestStore
     assert_eq!(lookups_counted(&gateway, "settled_no_effect").await, 1.0);
 }
 
+/// Posts `key` to an upstream silent past `upstream_timeout` whose lookups
+/// answer `404`: its attempt goes unknown, and the first lookup's "no
+/// record" is held back while the call is out. Returns the job's id.
+async fn unknown_with_a_404_held_back(gateway: &Gateway, url: &str, key: &str) -> String {
+    let first = post(url, key, r#"{"n": 1}"#).await;
+    assert_eq!(first.status, 504);
+    let job_id = first.job().unwrap();
+    // Waited for in the attempt's record, which is written after the
+    // lookup is counted.
+    eventually(
+        Duration::from_secs(10),
+        "a first lookup held back",
+        || async {
+            first_attempt(&gateway.job(&job_id).await)["lookups"]["last"]["result"]
+                == "still_unknown"
+        },
+    )
+    .await;
+    job_id
+}
+
 /// While the attempt's call is still out (the upstream silent past
 /// `upstream_timeout`, the attempt unknown, the call going on), a
 /// lookup's `404` says only that the upstream has no record *yet*: the
@@ -312,20 +333,7 @@ async fn a_lookup_404_while_the_call_is_out_keeps_the_job_unknown(store: TestSto
     let gateway = gateway(&store, &upstream).await;
     let url = gateway.path("/v1/charges");
 
-    let first = post(&url, "charge-3", r#"{"n": 1}"#).await;
-    assert_eq!(first.status, 504);
-    let job_id = first.job().unwrap();
-    // Waited for in the attempt's record, which is written after the
-    // lookup is counted.
-    eventually(
-        Duration::from_secs(10),
-        "a first lookup recorded",
-        || async {
-            first_attempt(&gateway.job(&job_id).await)["lookups"]["last"]["result"]
-                == "still_unknown"
-        },
-    )
-    .await;
+    let job_id = unknown_with_a_404_held_back(&gateway, &url, "charge-3").await;
     let job = gateway.job(&job_id).await;
     assert_eq!(job["state"], "unknown");
     assert_eq!(first_attempt(&job)["state"], "unknown");
@@ -410,18 +418,7 @@ async fn a_404_while_the_late_answer_is_being_committed_proves_nothing() {
         .start()
         .await;
     let url = gateway.path("/v1/charges");
-    let first = post(&url, "charge-11", r#"{"n": 1}"#).await;
-    assert_eq!(first.status, 504);
-    let job_id = first.job().unwrap();
-    eventually(
-        Duration::from_secs(10),
-        "a first lookup held back",
-        || async {
-            first_attempt(&gateway.job(&job_id).await)["lookups"]["last"]["result"]
-                == "still_unknown"
-        },
-    )
-    .await;
+    let job_id = unknown_with_a_404_held_back(&gateway, &url, "charge-11").await;
 
     let holder = db.connect().await;
     holder
