@@ -44,9 +44,61 @@ pub enum Request {
         /// Whether a call in it carries `params._meta.idempotencyKey`.
         keyed: bool,
     },
+    /// A message whose envelope spells a name it is read by (`method`,
+    /// `params`, `name`, `arguments`, …) another way but for case, at this
+    /// pointer: read one way here and another by a server that matches
+    /// names without case (Go's `encoding/json`), which could run another
+    /// tool, or a tool call the gateway took for another message, unkeyed.
+    /// Refused, as a member named twice is.
+    Miscased(String),
     /// Anything else: another method, a notification, a response, a batch
     /// without a tool call, or not JSON-RPC at all. Passed through.
     Other,
+}
+
+/// The names a message's envelope is read by, at each level.
+const TOP: &[&str] = &["jsonrpc", "id", "method", "params"];
+const PARAMS: &[&str] = &["name", "arguments", "_meta"];
+const META: &[&str] = &["idempotencyKey"];
+
+/// The pointer (under `at`) of the first of `names` that spells one of
+/// `read` (the names its level is read by) but for case.
+fn miscased_at<'n>(
+    names: impl IntoIterator<Item = &'n str>,
+    read: &[&str],
+    at: &str,
+) -> Option<String> {
+    names
+        .into_iter()
+        .filter(|name| !read.contains(name))
+        .find(|name| {
+            let folded = crate::fingerprint::fold_name(name);
+            read.iter()
+                .any(|r| crate::fingerprint::fold_name(r) == folded)
+        })
+        .map(|name| pointer(at, name))
+}
+
+/// The first member of `message`'s envelope (its top, `params` and
+/// `params._meta`) that spells a name it is read by but for case.
+fn miscased(message: &Value) -> Option<String> {
+    fn keys(v: Option<&Value>) -> Option<impl Iterator<Item = &str>> {
+        v.and_then(Value::as_object)
+            .map(|o| o.keys().map(String::as_str))
+    }
+    miscased_at(keys(Some(message))?, TOP, "")
+        .or_else(|| miscased_at(keys(message.get("params"))?, PARAMS, "/params"))
+        .or_else(|| {
+            miscased_at(
+                keys(message.pointer("/params/_meta"))?,
+                META,
+                "/params/_meta",
+            )
+        })
+}
+
+fn pointer(at: &str, name: &str) -> String {
+    format!("{at}/{}", name.replace('~', "~0").replace('/', "~1"))
 }
 
 /// What `body`, a POST to an MCP endpoint, is.
@@ -56,6 +108,13 @@ pub fn request(body: &[u8]) -> Request {
         let Ok(Value::Array(items)) = serde_json::from_slice::<Value>(body) else {
             return Request::Other;
         };
+        if let Some(at) = items
+            .iter()
+            .enumerate()
+            .find_map(|(n, item)| miscased(item).map(|at| format!("/{n}{at}")))
+        {
+            return Request::Miscased(at);
+        }
         let calls: Vec<&Value> = items.iter().filter(|item| is_tool_call(item)).collect();
         if calls.is_empty() {
             return Request::Other;
@@ -66,6 +125,9 @@ pub fn request(body: &[u8]) -> Request {
     let Ok(value) = serde_json::from_slice::<Value>(body) else {
         return Request::Other;
     };
+    if let Some(at) = miscased(&value) {
+        return Request::Miscased(at);
+    }
     if !is_tool_call(&value) {
         return Request::Other;
     }
@@ -109,10 +171,7 @@ fn twice(members: &[(String, Range<usize>)], at: &str) -> Option<String> {
         .iter()
         .map(|(name, _)| name)
         .find(|name| !seen.insert(crate::fingerprint::fold_name(name)))?;
-    Some(format!(
-        "{at}/{}",
-        name.replace('~', "~0").replace('/', "~1")
-    ))
+    Some(pointer(at, name))
 }
 
 /// Where a tool call carries its key.
@@ -466,14 +525,67 @@ mod tests {
         assert_eq!(no_key.key, None);
     }
 
+    /// A name the envelope is read by, spelled another way but for case
+    /// (alone, or beside its own spelling), is refused at its pointer: a
+    /// server that matches names without case would read `Method` as the
+    /// method (a tool call the gateway took for another message) and
+    /// `Name` as the tool.
+    #[test]
+    fn an_envelope_name_spelled_another_way_but_for_case_is_refused() {
+        let miscased = |body: &str| match request(body.as_bytes()) {
+            Request::Miscased(at) => at,
+            other => panic!("{body}: {other:?}"),
+        };
+        assert_eq!(
+            miscased(
+                r#"{"jsonrpc":"2.0","id":1,"Method":"tools/call","params":{"name":"charge"}}"#
+            ),
+            "/Method"
+        );
+        assert_eq!(
+            miscased(
+                r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"lookup","Name":"charge"}}"#
+            ),
+            "/params/Name"
+        );
+        assert_eq!(
+            miscased(
+                r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"x","_meta":{"IdempotencyKey":"k"}}}"#
+            ),
+            "/params/_meta/IdempotencyKey"
+        );
+        assert_eq!(
+            miscased(
+                r#"[{"jsonrpc":"2.0","id":1,"method":"tools/list"},{"jsonrpc":"2.0","id":2,"method":"tools/call","paramſ":{}}]"#
+            ),
+            "/1/paramſ"
+        );
+        assert_eq!(
+            miscased(
+                r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"x","_meta":{"idempotencykey":"k"}}}"#
+            ),
+            "/params/_meta/idempotencykey"
+        );
+        // Other members, in any case, are the server's business.
+        assert_eq!(
+            request(br#"{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{"Cursor":"c"}}"#),
+            Request::Other
+        );
+    }
+
     /// `arguments` and `Arguments` are one member to a server that
     /// matches names without case: named twice.
     #[test]
     fn a_member_named_twice_but_for_case_is_named_twice() {
         let body = r#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"charge","arguments":{"amount":1},"Arguments":{"amount":1000}}}"#;
         assert_eq!(
-            tool_call(body).named_twice.as_deref(),
-            Some("/params/Arguments")
+            request(body.as_bytes()),
+            Request::Miscased("/params/Arguments".into())
+        );
+        let other = r#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"charge","task":1,"Task":2}}"#;
+        assert_eq!(
+            tool_call(other).named_twice.as_deref(),
+            Some("/params/Task")
         );
         let plain = r#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"charge","arguments":{}}}"#;
         assert_eq!(tool_call(plain).named_twice, None);

@@ -49,13 +49,25 @@ fn rpc_problem(reply: &Reply) -> (Value, String) {
 /// and a retry with another second `arguments` would be replayed as the
 /// same intent. It is refused `400 …/ambiguous-json` (as a member named
 /// twice inside the arguments is), naming the member, and nothing runs; so
-/// is an `id` named twice. Before, the server ran it.
+/// is an `id` named twice, and a name the envelope is read by spelled
+/// another way but for case. Before, the server ran it.
 async fn a_tool_call_naming_a_member_twice_is_refused(store: TestStore) {
     let server = FakeMcp::start(Answering::Json, None).await;
     let gateway = gateway(&store, &server, "").await;
     let twice = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"charge","arguments":{"amount":1},"arguments":{"amount":500},"_meta":{"idempotencyKey":"k"}}}"#;
     let id_twice = r#"{"jsonrpc":"2.0","id":1,"id":2,"method":"tools/call","params":{"name":"charge","arguments":{},"_meta":{"idempotencyKey":"k2"}}}"#;
-    for (body, member) in [(twice, "/params/arguments"), (id_twice, "/id")] {
+    // Spelled another way but for case: a server that matches names
+    // without case (Go's encoding/json) reads `Method` as the method, a
+    // tool call the gateway would have passed as another message, unkeyed,
+    // and `Name` as the tool.
+    let method = r#"{"jsonrpc":"2.0","id":1,"Method":"tools/call","params":{"name":"charge","arguments":{}}}"#;
+    let name = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"lookup","Name":"charge","arguments":{},"_meta":{"idempotencyKey":"k3"}}}"#;
+    for (body, member) in [
+        (twice, "/params/arguments"),
+        (id_twice, "/id"),
+        (method, "/Method"),
+        (name, "/params/Name"),
+    ] {
         let refused = post(&gateway, body.to_owned(), &[]).await;
         assert_eq!(refused.status, 400);
         assert_eq!(refused.problem(), "ambiguous-json");

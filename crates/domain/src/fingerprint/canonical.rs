@@ -138,6 +138,22 @@ fn case_variants(members: &[(String, Node<'_>)]) -> bool {
     if members.len() < 2 || members.iter().all(|m| plain(&m.0)) {
         return false;
     }
+    if members.iter().all(|m| m.0.is_ascii()) {
+        // ASCII folds as ASCII in every matcher: compared in place, with
+        // nothing folded into a string of its own (a camelCase body's
+        // every object comes here).
+        let mut keys: Vec<&[u8]> = members.iter().map(|m| m.0.as_bytes()).collect();
+        let lower = |key: &[u8]| key.iter().map(u8::to_ascii_lowercase).collect::<Vec<u8>>();
+        keys.sort_unstable_by(|a, b| {
+            let (a, b) = (
+                a.iter().map(u8::to_ascii_lowercase),
+                b.iter().map(u8::to_ascii_lowercase),
+            );
+            a.cmp(b)
+        });
+        debug_assert!(keys.windows(2).all(|w| lower(w[0]) <= lower(w[1])));
+        return keys.windows(2).any(|w| w[0].eq_ignore_ascii_case(w[1]));
+    }
     let twice = |fold: fn(&str) -> String| {
         let mut folded: Vec<String> = members.iter().map(|m| fold(&m.0)).collect();
         folded.sort_unstable();
@@ -166,6 +182,7 @@ pub(crate) fn fold(key: &str) -> String {
 /// (`ß` meets `ss`).
 fn full_fold(key: &str) -> String {
     key.chars()
+        .flat_map(char::to_lowercase)
         .flat_map(char::to_uppercase)
         .flat_map(char::to_lowercase)
         .collect()

@@ -65,6 +65,11 @@ pub(crate) async fn prepare(
         {
             return Err(ClientError::KeyedBatch.into())
         }
+        // Read one way here and another by the server: neither passed nor
+        // keyed (docs/design.md §19).
+        jsonrpc::Request::Miscased(pointer) => {
+            return Err(ClientError::from(AmbiguousJson { pointer }).into())
+        }
         _ => {
             let (store, instance) = (shared.runner.store.as_ref(), shared.runner.instance);
             let message = (&parts, &body[..]);
