@@ -300,14 +300,21 @@ async fn a_lookup_answering_404_reopens_the_job_for_attempt_two(store: TestStore
 /// answer `404`: its attempt goes unknown, and the first lookup's "no
 /// record" is held back while the call is out. Returns the job's id.
 async fn unknown_with_a_404_held_back(gateway: &Gateway, url: &str, key: &str) -> String {
-    let first = post(url, key, r#"{"n": 1}"#).await;
+    unknown_and_asked(gateway, url, key, r#"{"n": 1}"#).await
+}
+
+/// Posts `key` with `body` to an upstream silent past `upstream_timeout`:
+/// its attempt goes unknown, and the first ask about it (a lookup, a
+/// resend) leaves it so. Returns the job's id.
+async fn unknown_and_asked(gateway: &Gateway, url: &str, key: &str, body: &str) -> String {
+    let first = post(url, key, body).await;
     assert_eq!(first.status, 504);
     let job_id = first.job().unwrap();
     // Waited for in the attempt's record, which is written after the
     // lookup is counted.
     eventually(
         Duration::from_secs(10),
-        "a first lookup held back",
+        "a first ask recorded, the attempt still unknown",
         || async {
             first_attempt(&gateway.job(&job_id).await)["lookups"]["last"]["result"]
                 == "still_unknown"
@@ -1022,18 +1029,7 @@ async fn a_resend_answered_in_progress_is_never_the_answer(store: TestStore) {
     let gateway = resending(&store, &upstream).await;
     let url = gateway.path("/v1/charges");
     let body = r#"{"amount": 8}"#;
-    let first = post(&url, "charge-8", body).await;
-    assert_eq!(first.status, 504);
-    let job_id = first.job().unwrap();
-    eventually(
-        Duration::from_secs(10),
-        "a resend answered in progress, recorded",
-        || async {
-            first_attempt(&gateway.job(&job_id).await)["lookups"]["last"]["result"]
-                == "still_unknown"
-        },
-    )
-    .await;
+    let job_id = unknown_and_asked(&gateway, &url, "charge-8", body).await;
     let job = gateway.job(&job_id).await;
     assert_eq!(job["state"], "unknown", "{job}");
     assert_eq!(first_attempt(&job)["lookups"]["last"]["status"], 409);
