@@ -139,8 +139,10 @@ fn enter(
         spelling::remove_every_spelling(req.headers_mut(), trusted_only);
     }
     // A console session is the gateway's alone: no owner, fingerprint or
-    // upstream sees it (docs/design.md §14).
-    cookie::strip_console(req.headers_mut());
+    // upstream sees it (docs/design.md §14). An HTTP/2 client's cookies
+    // split across headers are one header from here on, as the upstream
+    // gets them.
+    cookie::for_upstream(req.headers_mut());
     // Read to its end after its answer if answered before it was, on
     // HTTP/1.1 (docs/design.md §18, "A refusal is read").
     let linger = req.extensions_mut().remove::<Linger>();

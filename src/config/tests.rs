@@ -28,6 +28,19 @@ fn flags_override_the_file() {
 }
 
 #[test]
+fn an_upstream_url_carrying_a_password_is_refused_without_repeating_it() {
+    let flags = Flags {
+        upstreams: vec!["http://svc:hunter2@127.0.0.1:8000".into()],
+        ..Flags::default()
+    };
+    let err = Settings::from_sources(FileConfig::default(), flags).unwrap_err();
+    assert!(err.key.starts_with("upstreams"), "{}", err.key);
+    let said = err.to_string();
+    assert!(said.contains("[upstreams.headers]"), "{said}");
+    assert!(!said.contains("hunter2"), "{said}");
+}
+
+#[test]
 fn unknown_keys_are_named() {
     let err = Settings::parse_file("upstream_timout = \"5s\"").unwrap_err();
     assert_eq!(err.key, "upstream_timout");

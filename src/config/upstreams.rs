@@ -182,8 +182,20 @@ fn base_url(key: &str, url: &str) -> Result<Uri, ConfigError> {
             ))
         }
     }
-    if base.authority().is_none() {
+    let Some(authority) = base.authority() else {
         return Err(bad(key, format!("{url:?} has no host")));
+    };
+    // Never sent (the gateway authenticates to an upstream only with the
+    // headers it is given), and a password here would be printed wherever
+    // the URL is: by `idemgate check`, in start-up's summary, in this
+    // error. So it is refused, and not repeated.
+    if authority.as_str().contains('@') {
+        return Err(bad(
+            key,
+            "an upstream base URL cannot carry a user or password (user:password@host); \
+             send a credential with [upstreams.headers], e.g. \
+             authorization = { env = \"UPSTREAM_AUTHORIZATION\" }",
+        ));
     }
     if base.query().is_some() {
         return Err(bad(key, "an upstream base URL cannot carry a query"));

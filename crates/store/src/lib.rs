@@ -57,7 +57,7 @@ use idemgate_domain::BoxError;
 
 pub use doorbell::{Bell, Doorbell, Observed};
 pub use machine::Machine;
-pub use retry::{at_least_until, retrying, WRITE_AT_LEAST};
+pub use retry::{at_least_until, retrying, LAPSES, WRITE_AT_LEAST};
 
 /// How long a job past its expiry is still kept after it last changed (its
 /// answer committed, an attempt claimed): for the duplicates held on it,

@@ -313,7 +313,7 @@ impl<B: Backend> Machine<B> {
                     Err(e) => Err(e),
                 }
             };
-            if let Ok(true) = crate::retrying("settle", attempt, deadline, write).await {
+            if let Ok(true) = crate::retrying(("settle", crate::retry::LAPSES), attempt, deadline, write).await {
                 tracing::info!(%job, %attempt, "an attempt whose start was written though its reply was lost, on a job completed meanwhile, is settled failed: it was never sent");
             }
         });

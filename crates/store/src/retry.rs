@@ -25,11 +25,16 @@ pub fn at_least_until(deadline: Instant) -> Instant {
     deadline.max(Instant::now() + WRITE_AT_LEAST)
 }
 
+/// A lost write's consequence, for its log line, where the attempt is left
+/// `started` (its end, its commit, that it was never sent).
+pub const LAPSES: &str = "its lease will lapse into unknown";
+
 /// Runs `write` until it succeeds, fails for good, or `deadline` passes,
 /// backing off while the store is unreachable. A write that never got in
-/// is logged as an error: the attempt's lease will lapse into `unknown`.
+/// is logged as an error, saying what follows (`if_lost`: [`LAPSES`] for
+/// an attempt left `started`).
 pub async fn retrying<T, F, Fut>(
-    what: &'static str,
+    (what, if_lost): (&'static str, &'static str),
     attempt: AttemptId,
     deadline: Instant,
     mut write: F,
@@ -58,7 +63,7 @@ where
                 backoff = (backoff * 2).min(MAX_BACKOFF);
             }
             Err(e) => {
-                tracing::error!(error = %Chain(&e), %attempt, failures, "could not {what} the attempt in the time it is given; its lease will lapse into unknown");
+                tracing::error!(error = %Chain(&e), %attempt, failures, "could not {what} the attempt in the time it is given; {if_lost}");
                 return Err(e);
             }
         }

@@ -32,7 +32,7 @@ pub const SERIES: &[(&str, Kind, &str)] = &[
     ("idemgate_attempts_rejected_total", Kind::Counter, "Streamed answers refused by their route's contract."),
     ("idemgate_commits_total", Kind::Counter, "Results committed as their job's outcome, by route, upstream and by: the upstream's answer, a lookup, a resend, or an operator (each succeeded end of idemgate_attempts_ended_total)."),
     ("idemgate_commits_superseded_total", Kind::Counter, "Commits that lost the compare-and-set to another attempt of the same job (a race, settled safely)."),
-    ("idemgate_record_retries_total", Kind::Counter, "Writes of an attempt's outcome retried after a store error (never dropped)."),
+    ("idemgate_record_retries_total", Kind::Counter, "Writes of what the gateway learned of an attempt (its end, its commit, a lookup's finding) retried after a store error (never dropped)."),
     ("idemgate_failovers_total", Kind::Counter, "Attempts started on a fallback upstream after a safe failure."),
     ("idemgate_hedges_total", Kind::Counter, "Hedged attempts started on a side-effect-free route."),
     ("idemgate_replays_total", Kind::Counter, "Recorded answers replayed, by where they came from (memory, redis, store)."),

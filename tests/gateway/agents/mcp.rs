@@ -625,6 +625,82 @@ async fn an_agents_cancel_and_session_end_at_another_replica_are_held_back() {
     .await;
 }
 
+/// The call's mark is tried again when the store refuses it for a
+/// transient fault, while the call is out: a lock on the marks' table,
+/// held past `database_lock_timeout`, fails the first insert (`55P03`);
+/// once it is let go, a later try lands, and the agent's cancel at the
+/// other replica is held back. Before, the one failed insert was logged
+/// and the call stayed unmarked: the cancel passed and cut it.
+#[tokio::test]
+async fn a_calls_mark_refused_for_a_moment_is_written_while_the_call_is_out() {
+    let store = TestStore::postgres().await;
+    let TestStore::Postgres(db) = &store else {
+        unreachable!()
+    };
+    let gate = Gate::new();
+    let server = FakeMcp::start(Answering::Json, Some(gate.clone())).await;
+    let start = || {
+        Gateway::builder(&store, &server.url())
+            .tables(ROUTE)
+            .set("database_lock_timeout", "\"300ms\"")
+            .start()
+    };
+    let running = std::sync::Arc::new(start().await);
+    let other = std::sync::Arc::new(start().await);
+    let holder = db.connect().await;
+    holder
+        .batch_execute("BEGIN; LOCK TABLE mcp_calls_at_server IN SHARE MODE")
+        .await
+        .unwrap();
+    let call = tool_call(json!(1), "charge", json!({"amount": 5}), Some("k"));
+    let first = held_at_server(&running, &server, call).await;
+    // The first try failed before the call was sent (it is waited for);
+    // two more seen waiting on the lock are its retries.
+    let watcher = db.connect().await;
+    let tries = std::sync::Mutex::new(std::collections::BTreeSet::new());
+    crate::support::eventually(
+        std::time::Duration::from_secs(10),
+        "the mark's insert tried again",
+        || async {
+            let waiting = watcher
+                .query(
+                    "SELECT query_start::text FROM pg_stat_activity \
+                     WHERE wait_event_type = 'Lock' AND query LIKE 'INSERT INTO mcp_calls_at_server%'",
+                    &[],
+                )
+                .await
+                .unwrap();
+            let mut tries = tries.lock().unwrap();
+            tries.extend(waiting.iter().map(|r| r.get::<_, String>(0)));
+            tries.len() >= 2
+        },
+    )
+    .await;
+    holder.batch_execute("ROLLBACK").await.unwrap();
+    crate::support::eventually(
+        std::time::Duration::from_secs(10),
+        "the call's mark written",
+        || async {
+            store
+                .column("SELECT count(*) FROM mcp_calls_at_server")
+                .await
+                == ["1"]
+        },
+    )
+    .await;
+    let posts = server.posts().len();
+    assert_eq!(post(&other, &cancel(1), "s1").await.status, 202);
+    assert_eq!(
+        server.posts().len(),
+        posts,
+        "held back at the other replica"
+    );
+    gate.open(1);
+    let first = response(&first.await.unwrap());
+    assert!(first["result"].is_object(), "{first}");
+    assert_eq!(server.runs("charge"), 1);
+}
+
 /// A call at its server longer than several leases, gone `unknown` at its
 /// first-byte timeout, still holds its session's `DELETE` back at another
 /// replica: its replica renews the call's mark with its leases, though

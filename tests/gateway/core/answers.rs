@@ -18,6 +18,11 @@ async fn replay_is_faithful_to_status_end_to_end_headers_and_body_bytes(store: T
             .header("connection", "x-hop-secret")
             .header("x-hop-secret", "never forwarded")
             .header("keep-alive", "timeout=5")
+            // The gateway's own answer headers, as an upstream might send
+            // them (an idempotent API of its own, a gateway behind this one).
+            .header("idempotency-job", "forged-job")
+            .header("idempotent-replayed", "true")
+            .header("idempotency-events-skipped", "3")
             .body(Full::new(Bytes::from_static(&[
                 0, 159, 146, 150, 255, b'\n',
             ])))
@@ -46,10 +51,14 @@ async fn replay_is_faithful_to_status_end_to_end_headers_and_body_bytes(store: T
             "headers named in Connection are hop-by-hop"
         );
         assert!(r.headers.get("keep-alive").is_none());
+        assert_eq!(r.header("idempotency-events-skipped"), None);
+        let jobs = r.headers.get_all("idempotency-job").iter().count();
+        assert_eq!(jobs, 1, "one job named: the gateway's");
     }
     assert_eq!(first.header("idempotent-replayed"), None);
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));
     assert_eq!(first.job(), replay.job());
+    assert_ne!(first.job().as_deref(), Some("forged-job"));
 }
 
 /// A stored error is what every retry of its key gets: its replays tell

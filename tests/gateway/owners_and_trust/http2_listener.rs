@@ -190,3 +190,26 @@ async fn an_http2_clients_authority_is_forwarded_as_its_host() {
     );
     assert_eq!(seen[0].header("x-forwarded-host"), Some("api.example.com"));
 }
+
+/// An HTTP/2 client may split its cookies across several `cookie` fields
+/// (RFC 9113 §8.2.3): the upstream gets them as one `Cookie` line, `; `
+/// between them, as that section asks (an HTTP/1.1 server may keep only
+/// one of several lines), the console's cookie left out.
+#[tokio::test]
+async fn an_http2_clients_split_cookies_reach_the_upstream_as_one_line() {
+    let store = TestStore::embedded();
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::builder(&store, &upstream.url()).start().await;
+    let (mut sender, _driving) = h2_client(&gateway).await;
+    let request = Request::get("http://api.example.com/v1/things")
+        .header("cookie", "a=1")
+        .header("cookie", "idemgate_console=s")
+        .header("cookie", "sid=alice; b=2")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let answer = sender.send_request(request).await.unwrap();
+    assert_eq!(answer.status(), 200);
+    let seen = upstream.recorded();
+    let lines: Vec<_> = seen[0].headers.get_all("cookie").iter().collect();
+    assert_eq!(lines, ["a=1; sid=alice; b=2"]);
+}

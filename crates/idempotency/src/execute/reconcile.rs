@@ -375,7 +375,16 @@ impl Reconciler {
             true => write().await,
             false => {
                 let until = at_least_until(Instant::now());
-                idemgate_store::retrying("record a lookup of", attempt, until, write).await
+                idemgate_store::retrying(
+                    (
+                        "record a lookup of",
+                        "its finding is not kept; its next lookup asks again",
+                    ),
+                    attempt,
+                    until,
+                    write,
+                )
+                .await
             }
         };
         if let Err(e) = recorded {

@@ -164,7 +164,7 @@ impl Runner {
                     }
                 }
             };
-            if let Ok(true) = idemgate_store::retrying("record", attempt, deadline, write).await {
+            if let Ok(true) = idemgate_store::retrying(("record", idemgate_store::LAPSES), attempt, deadline, write).await {
                 tracing::info!(%attempt, "an attempt whose start was written though its reply was lost is settled failed: it was never sent");
             }
         });

@@ -16,7 +16,7 @@ use idemgate_proxy::http::Body;
 use idemgate_proxy::upstream;
 use idemgate_proxy::upstream::{Fetched, Stopwatch, UpstreamError};
 use idemgate_store::fastpath::Tag;
-use idemgate_store::{at_least_until, CommitOutcome, StoreError};
+use idemgate_store::{at_least_until, CommitOutcome, StoreError, LAPSES};
 use idemgate_telemetry::ends::By;
 use idemgate_telemetry::Chain;
 use idemgate_upkeep::lease::LeaseGuard;
@@ -187,7 +187,7 @@ impl Task {
                 let (_lease, _charge) = (lease.clone(), charge.clone());
                 async move { store.commit(&attempt, &response).await }
             };
-            let outcome = retrying("commit", id, at_least_until(deadline), write).await;
+            let outcome = retrying(("commit", LAPSES), id, at_least_until(deadline), write).await;
             match &outcome {
                 Ok(_) => drop(calling),
                 // An answer that could not be recorded still proves that the
@@ -297,10 +297,15 @@ impl Task {
         };
         let (ends, counted) = (self.ends.clone(), failure.clone());
         let deadline = at_least_until(self.deadline);
-        let write = retrying("record the end of", attempt, deadline, move || {
-            let (store, failure, _lease) = (store.clone(), failure.clone(), lease.clone());
-            async move { store.fail_attempt(attempt, failure).await }
-        });
+        let write = retrying(
+            ("record the end of", LAPSES),
+            attempt,
+            deadline,
+            move || {
+                let (store, failure, _lease) = (store.clone(), failure.clone(), lease.clone());
+                async move { store.fail_attempt(attempt, failure).await }
+            },
+        );
         tokio::spawn(async move {
             let written = write.await;
             // Counted and logged once the store took it; an attempt a

@@ -25,6 +25,7 @@ use idemgate_store::{CallAt, Store};
 use idemgate_telemetry::Chain;
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::{id_text, MCP_SESSION_ID};
@@ -283,6 +284,8 @@ pub(crate) struct Marked {
     lapses: Instant,
     /// The insert, while it may still land: taken off only after it.
     marking: Option<tokio::task::JoinHandle<()>>,
+    /// Stops the insert's retries once the call is over.
+    ended: CancellationToken,
 }
 
 /// Marks in `store` the call `id` that `attempt` sends from `instance` in
@@ -290,8 +293,11 @@ pub(crate) struct Marked {
 /// `deadline` (the attempt's); `None` for a call in no session. The insert
 /// is waited for at most [`PATIENCE`]: a call is not held by a store that
 /// does not answer (a cancel reaching another replica before its mark
-/// lands passes, as one always did). An insert still on its way is waited
-/// for before the mark is taken off, so that it cannot land after.
+/// lands passes, as one always did). It is retried while the store is
+/// unreachable, until the call ends or its deadline passes: what the
+/// gateway knows of a call out is not dropped for a transient fault
+/// (`docs/design.md` §19). An insert still on its way is stopped and
+/// waited for before the mark is taken off, so that it cannot land after.
 pub(crate) async fn mark(
     store: &Arc<dyn Store>,
     (attempt, instance): (AttemptId, Uuid),
@@ -305,29 +311,75 @@ pub(crate) async fn mark(
     let for_at_most = deadline
         .saturating_duration_since(Instant::now())
         .min(lease);
-    let mut insert = {
-        let store = store.clone();
-        tokio::spawn(async move {
-            if let Err(e) = store.mark_call(attempt, instance, &at, for_at_most).await {
-                tracing::warn!(error = %Chain(&e), %attempt, "could not mark the MCP call at its server for other replicas; an agent's cancel reaching another passes");
-            }
-        })
-    };
-    let marking = match tokio::time::timeout(PATIENCE, &mut insert).await {
-        Ok(_) => None,
-        Err(_) => {
-            metrics::counter!("idemgate_mcp_store_timeouts_total", "question" => "mark")
-                .increment(1);
-            tracing::warn!(%attempt, "the MCP call's mark for other replicas is not written yet; the call is sent, its mark on its way");
-            Some(insert)
-        }
-    };
+    let ended = CancellationToken::new();
+    let (tried, first_try) = tokio::sync::oneshot::channel();
+    let insert = tokio::spawn(insert_mark(
+        store.clone(),
+        (attempt, instance),
+        at,
+        (Instant::now() + for_at_most, deadline),
+        (tried, ended.clone()),
+    ));
+    // The first try is waited for, not its retries: a call is not held
+    // up by a store that refuses.
+    if tokio::time::timeout(PATIENCE, first_try).await.is_err() {
+        metrics::counter!("idemgate_mcp_store_timeouts_total", "question" => "mark").increment(1);
+        tracing::warn!(%attempt, "the MCP call's mark for other replicas is not written yet; the call is sent, its mark on its way");
+    }
+    let marking = (!insert.is_finished()).then_some(insert);
     Some(Marked {
         store: store.clone(),
         attempt,
         lapses: deadline,
         marking,
+        ended,
     })
+}
+
+/// Inserts the mark, retried with backoff while the store is unreachable,
+/// until `ended` (the call is over) or `deadline`; `tried` is told when the
+/// first try has ended. The first try is good
+/// until `until` (a lease); a later one for what is left of that lease
+/// from its try, at least [`PATIENCE`]: the attempt's renewals, which
+/// found no mark to renew meanwhile, renew it from then on.
+async fn insert_mark(
+    store: Arc<dyn Store>,
+    (attempt, instance): (AttemptId, Uuid),
+    at: CallAt,
+    (until, deadline): (Instant, Instant),
+    (tried, ended): (tokio::sync::oneshot::Sender<()>, CancellationToken),
+) {
+    let mut backoff = Duration::from_millis(50);
+    let mut failures = 0u32;
+    let mut tried = Some(tried);
+    loop {
+        let good = until
+            .saturating_duration_since(Instant::now())
+            .max(PATIENCE)
+            .min(deadline.saturating_duration_since(Instant::now()));
+        let marked = store.mark_call(attempt, instance, &at, good).await;
+        if let Some(tried) = tried.take() {
+            let _ = tried.send(());
+        }
+        let e = match marked {
+            Ok(()) if failures > 0 => {
+                return tracing::info!(%attempt, failures, "the MCP call is marked for other replicas, the store back");
+            }
+            Ok(()) => return,
+            Err(e) => e,
+        };
+        if !e.is_transient() || Instant::now() + backoff >= deadline {
+            return tracing::warn!(error = %Chain(&e), %attempt, failures, "could not mark the MCP call at its server for other replicas; an agent's cancel reaching another passes");
+        }
+        if failures == 0 {
+            tracing::warn!(error = %Chain(&e), %attempt, "could not mark the MCP call at its server for other replicas yet; retrying while it is out");
+        }
+        failures += 1;
+        tokio::select! {
+            () = ended.cancelled() => return,
+            () = tokio::time::sleep(backoff) => backoff = (backoff * 2).min(ASK_AT_MOST_EVERY),
+        }
+    }
 }
 
 /// Marks in `store` a resend of the call `id` (`reconcile = "resend"`)
@@ -356,6 +408,7 @@ impl Drop for Marked {
         };
         let (store, attempt, lapses) = (self.store.clone(), self.attempt, self.lapses);
         let marking = self.marking.take();
+        self.ended.cancel();
         runtime.spawn(async move {
             if let Some(insert) = marking {
                 let _ = insert.await;

@@ -1,6 +1,7 @@
 //! The operator console's session cookie, as the proxy sees it: its names
 //! (set by the console, in the operations layer) and its removal from
-//! every request forwarded upstream (`docs/design.md`, §14).
+//! every request forwarded upstream (`docs/design.md`, §14), which also
+//! joins an HTTP/2 client's split `Cookie` headers into one.
 //!
 //! Browsers keep cookies per host, not per port: a console signed in at
 //! `gateway:9090` sends its cookie to the proxy at `gateway:8080` too, and a
@@ -18,21 +19,47 @@ pub const CONSOLE_COOKIE: &str = "idemgate_console";
 /// other host (a sibling subdomain) can set or shadow it.
 pub const CONSOLE_COOKIE_SECURE: &str = "__Host-idemgate_console";
 
-/// Removes the console's cookie (either name) from the `Cookie` header(s),
-/// keeping every other cookie byte for byte, and a header left empty not at
-/// all. Allocates nothing unless a console cookie is there.
-pub fn strip_console(headers: &mut HeaderMap) {
-    let values = headers.get_all(header::COOKIE);
-    if !values.iter().any(carries_console) {
+/// The `Cookie` header as an upstream gets it: the console's cookie
+/// (either name) removed, every other cookie kept byte for byte, and
+/// cookies an HTTP/2 client split across several headers (RFC 9113
+/// §8.2.3) joined into one with `; `, as that section asks of anything
+/// passing them on: an HTTP/1.1 server reads one `Cookie` line (RFC 6265
+/// §5.4), and may keep only the first or the last of several. A header
+/// left empty is not sent at all. Allocates nothing for one header without
+/// a console cookie.
+pub fn for_upstream(headers: &mut HeaderMap) {
+    let mut values = headers.get_all(header::COOKIE).iter();
+    let Some(first) = values.next() else {
+        return;
+    };
+    if values.next().is_none() && !carries_console(first) {
         return;
     }
-    // HTTP/2 clients may split cookies across several headers (RFC 9113
-    // §8.2.3): each is rewritten on its own, in order.
-    let kept: Vec<HeaderValue> = values.iter().filter_map(without_console).collect();
+    let kept: Vec<HeaderValue> = headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(without_console)
+        .collect();
     headers.remove(header::COOKIE);
-    for value in kept {
-        headers.append(header::COOKIE, value);
+    if let Some(one) = joined(kept) {
+        headers.insert(header::COOKIE, one);
     }
+}
+
+/// `values` as one `Cookie` value, `; ` between them; `None` for none.
+fn joined(values: Vec<HeaderValue>) -> Option<HeaderValue> {
+    if values.len() <= 1 {
+        return values.into_iter().next();
+    }
+    let mut out = Vec::with_capacity(values.iter().map(|v| v.len() + 2).sum());
+    for (i, value) in values.iter().enumerate() {
+        if i > 0 {
+            out.extend_from_slice(b"; ");
+        }
+        out.extend_from_slice(value.as_bytes());
+    }
+    // Valid values and `; ` between them: still a valid value.
+    HeaderValue::from_bytes(&out).ok()
 }
 
 /// Whether a `Cookie` header value holds a console cookie.
@@ -88,7 +115,7 @@ mod tests {
         for value in values {
             headers.append(header::COOKIE, HeaderValue::from_str(value).unwrap());
         }
-        strip_console(&mut headers);
+        for_upstream(&mut headers);
         assert_eq!(headers[header::ACCEPT], "*/*", "other headers stay");
         headers
             .get_all(header::COOKIE)
@@ -116,16 +143,22 @@ mod tests {
     }
 
     #[test]
-    fn each_cookie_header_is_rewritten_on_its_own() {
+    fn cookies_split_across_headers_go_on_as_one() {
         assert_eq!(
             stripped(&[
                 "a=1",
                 "idemgate_console=s",
                 "__Host-idemgate_console=s; b=2"
             ]),
-            ["a=1", "b=2"]
+            ["a=1; b=2"]
         );
+        assert_eq!(
+            stripped(&["a=1", "b=2;c=3", "d=\"x y\""]),
+            ["a=1; b=2;c=3; d=\"x y\""]
+        );
+        assert_eq!(stripped(&["idemgate_console=s", "a=1"]), ["a=1"]);
         assert!(stripped(&["idemgate_console=s"]).is_empty());
+        assert!(stripped(&["idemgate_console=s", "idemgate_console=t"]).is_empty());
         assert_eq!(stripped(&[]), Vec::<String>::new());
     }
 

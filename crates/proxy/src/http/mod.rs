@@ -70,6 +70,14 @@ pub const EVENTS_RECEIVED: HeaderName =
 /// leaves out, before the first it sends.
 pub const EVENTS_SKIPPED: HeaderName = HeaderName::from_static("idempotency-events-skipped");
 
+/// The headers only the gateway sets on an answer: an upstream's own are
+/// removed as its answer comes (`docs/design.md` §15, "Headers"), so that a
+/// first answer never passes for a replay, nor names another job (the
+/// gateway names its job only where no `Idempotency-Job` is set yet), nor
+/// says events were skipped, stored and replayed so.
+pub const GATEWAY_ANSWER_HEADERS: [HeaderName; 3] =
+    [IDEMPOTENCY_JOB, IDEMPOTENT_REPLAYED, EVENTS_SKIPPED];
+
 /// A body holding `bytes`.
 pub fn full(bytes: impl Into<Bytes>) -> Body {
     Full::new(bytes.into())

@@ -27,7 +27,8 @@ impl Sqlite {
             StoreError::Unavailable(format!("{what}: {e}").into())
         };
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir)
+            private_dir()
+                .create(dir)
                 .map_err(|e| unavailable(format!("cannot create {}", dir.display()), e))?;
         }
         let lock_path = {
@@ -35,12 +36,15 @@ impl Sqlite {
             p.push(".lock");
             PathBuf::from(p)
         };
-        let lock = File::options()
-            .create(true)
-            .truncate(false)
-            .write(true)
+        let lock = private_file()
             .open(&lock_path)
             .map_err(|e| unavailable(format!("cannot open {}", lock_path.display()), e))?;
+        // Made here, before SQLite opens it, so that it is born readable by
+        // this user only (its WAL and shared-memory files take its mode): it
+        // holds every stored answer, and the owner salt's file sits beside it.
+        private_file()
+            .open(&path)
+            .map_err(|e| unavailable(format!("cannot open {}", path.display()), e))?;
         lock.try_lock().map_err(|_| {
             StoreError::Unavailable(
                 format!(
@@ -81,6 +85,26 @@ impl Sqlite {
             _lock: Arc::new(lock),
         })
     }
+}
+
+/// Opens a file, made readable and writable by this user only if it is
+/// new; an existing file keeps the mode its operator gave it.
+fn private_file() -> std::fs::OpenOptions {
+    let mut file = File::options();
+    file.create(true).truncate(false).write(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut file, 0o600);
+    file
+}
+
+/// Makes a directory and its missing parents, each made for this user
+/// only; existing ones are left as they are.
+fn private_dir() -> std::fs::DirBuilder {
+    let mut dir = std::fs::DirBuilder::new();
+    dir.recursive(true);
+    #[cfg(unix)]
+    std::os::unix::fs::DirBuilderExt::mode(&mut dir, 0o700);
+    dir
 }
 
 /// Attempts a previous run left `started` can no longer be told apart from

@@ -1,5 +1,36 @@
 use super::*;
 
+/// The embedded database holds every stored answer: made by the gateway,
+/// its directory, file, lock and WAL are this user's only, whatever the
+/// umask. An existing file keeps its mode.
+#[cfg(unix)]
+#[tokio::test]
+async fn a_new_database_is_readable_by_its_user_only() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("made/here/idemgate.db");
+    let store = Sqlite::open(&path).await.unwrap();
+    store
+        .call(|conn| {
+            conn.execute_batch("CREATE TABLE t (v TEXT)")
+                .map_err(map_sqlite)
+        })
+        .await
+        .unwrap();
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&dir.path().join("made")), 0o700);
+    assert_eq!(mode(path.parent().unwrap()), 0o700);
+    for file in ["idemgate.db", "idemgate.db.lock", "idemgate.db-wal"] {
+        assert_eq!(mode(&path.with_file_name(file)), 0o600, "{file}");
+    }
+    drop(store);
+    let kept = dir.path().join("kept.db");
+    std::fs::write(&kept, b"").unwrap();
+    std::fs::set_permissions(&kept, std::fs::Permissions::from_mode(0o640)).unwrap();
+    let _store = Sqlite::open(&kept).await.unwrap();
+    assert_eq!(mode(&kept), 0o640);
+}
+
 /// Operations queued while the store's thread is busy share one commit;
 /// one that fails inside the batch undoes only its own writes, and the
 /// others' are durable.
