@@ -533,8 +533,56 @@ async fn admin_rejects_malformed_resolutions(store: TestStore) {
     assert_eq!(not_json.status, 401, "auth is checked before anything else");
 }
 
+/// An upstream that answers `101 Switching Protocols` (the gateway asked
+/// for no upgrade), typed as an event stream, on a raw socket: the 101 is
+/// no final answer, streamed or not. The attempt is `unknown`, nothing is
+/// committed, and the client is never switched: its retry is told the
+/// outcome is unknown. Before, the typed 101 went down the streaming path
+/// and was committed, and every replay switched its client's connection.
+async fn an_upstreams_101_typed_as_a_stream_is_no_answer(store: TestStore) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = format!("http://{}", listener.local_addr().unwrap());
+    let hits = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = hits.clone();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match socket.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let answer = "HTTP/1.1 101 Switching Protocols\r\n\
+                              connection: upgrade\r\nupgrade: sse\r\n\
+                              content-type: text/event-stream\r\n\r\n\
+                              data: switched\n\n";
+                let _ = socket.write_all(answer.as_bytes()).await;
+                let _ = socket.shutdown().await;
+            });
+        }
+    });
+    let gateway = Gateway::start(&store, &upstream).await;
+    let url = gateway.path("/v1/chat/completions");
+    let first = post(&url, "switched", "{}").await;
+    assert!(first.status >= 500, "{first:?}");
+    let retry = post(&url, "switched", "{}").await;
+    assert_eq!(retry.status, 409, "{retry:?}");
+    assert_eq!(retry.problem(), "attempt-outcome-unknown");
+    assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), 1);
+    let committed = store
+        .column("SELECT count(*) FROM jobs WHERE response_status IS NOT NULL")
+        .await;
+    assert_eq!(committed, ["0"]);
+}
+
 crate::on_each_deployment!(
     [embedded, postgres]
+    an_upstreams_101_typed_as_a_stream_is_no_answer,
     a_retry_while_the_late_call_is_out_is_held_for_its_answer,
     a_conflict_route_is_not_held_on_a_late_call,
     a_gateway_stopped_mid_attempt_records_it_unknown_at_once,

@@ -352,12 +352,15 @@ impl Task {
             clock.took_head();
         }
         // A stream whose first client was already told "unknown" is read
-        // whole like any late answer.
+        // whole like any late answer; a `101` (hyper hands it over with an
+        // empty body) is no answer whatever its type says, and is judged
+        // so there, never streamed into a commit.
         let retryable = self
             .route
             .retryable_statuses
             .contains(&parts.status.as_u16());
-        if !clock.timed_out && !retryable && self.route.streams(&parts.headers) {
+        let answer = !parts.status.is_informational();
+        if !clock.timed_out && !retryable && answer && self.route.streams(&parts.headers) {
             return Call::Streaming(parts, body);
         }
         let limit = self.runner.config.max_response_size;
