@@ -29,15 +29,26 @@ fn flags_override_the_file() {
 
 #[test]
 fn an_upstream_url_carrying_a_password_is_refused_without_repeating_it() {
-    let flags = Flags {
-        upstreams: vec!["http://svc:hunter2@127.0.0.1:8000".into()],
-        ..Flags::default()
-    };
-    let err = Settings::from_sources(FileConfig::default(), flags).unwrap_err();
-    assert!(err.key.starts_with("upstreams"), "{}", err.key);
-    let said = err.to_string();
-    assert!(said.contains("[upstreams.headers]"), "{said}");
-    assert!(!said.contains("hunter2"), "{said}");
+    // With a scheme, without one, and one that is no URL at all: each
+    // refused for its password, before an error that repeats the URL.
+    for url in [
+        "http://svc:hunter2@127.0.0.1:8000",
+        "svc:hunter2@127.0.0.1:8000",
+        "http://svc:hun ter2\"@127.0.0.1:8000",
+    ] {
+        let flags = Flags {
+            upstreams: vec![url.into()],
+            ..Flags::default()
+        };
+        let err = Settings::from_sources(FileConfig::default(), flags).unwrap_err();
+        assert!(err.key.starts_with("upstreams"), "{}", err.key);
+        let said = err.to_string();
+        assert!(said.contains("[upstreams.headers]"), "{said}");
+        assert!(
+            !said.contains("hunter2") && !said.contains("ter2"),
+            "{said}"
+        );
+    }
 }
 
 #[test]

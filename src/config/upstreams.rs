@@ -161,6 +161,18 @@ fn authenticates(name: &HeaderName) -> bool {
 }
 
 fn base_url(key: &str, url: &str) -> Result<Uri, ConfigError> {
+    // A user or password is never sent (the gateway authenticates to an
+    // upstream only with the headers it is given), and would be printed
+    // wherever the URL is: by `idemgate check`, in start-up's summary, in
+    // the errors below. So any `@` is refused first, and not repeated.
+    if url.contains('@') {
+        return Err(bad(
+            key,
+            "an upstream base URL cannot carry a user or password (user:password@host); \
+             send a credential with [upstreams.headers], e.g. \
+             authorization = { env = \"UPSTREAM_AUTHORIZATION\" } (an @ in a path: write %40)",
+        ));
+    }
     let base: Uri = url.parse().map_err(|e| {
         bad(
             key,
@@ -182,20 +194,8 @@ fn base_url(key: &str, url: &str) -> Result<Uri, ConfigError> {
             ))
         }
     }
-    let Some(authority) = base.authority() else {
+    if base.authority().is_none() {
         return Err(bad(key, format!("{url:?} has no host")));
-    };
-    // Never sent (the gateway authenticates to an upstream only with the
-    // headers it is given), and a password here would be printed wherever
-    // the URL is: by `idemgate check`, in start-up's summary, in this
-    // error. So it is refused, and not repeated.
-    if authority.as_str().contains('@') {
-        return Err(bad(
-            key,
-            "an upstream base URL cannot carry a user or password (user:password@host); \
-             send a credential with [upstreams.headers], e.g. \
-             authorization = { env = \"UPSTREAM_AUTHORIZATION\" }",
-        ));
     }
     if base.query().is_some() {
         return Err(bad(key, "an upstream base URL cannot carry a query"));

@@ -24,6 +24,7 @@ use super::shared::Shared;
 use super::{mcp, poll, respond_async};
 use crate::error::{ClientError, GatewayError};
 use idemgate_proxy::http::idle::{BodyTimedOut, ClientBodyFailed};
+use idemgate_proxy::http::without_gateway_headers;
 use idemgate_proxy::http::Body;
 use idemgate_proxy::shed::Admitted;
 use idemgate_proxy::upstream::UpstreamError;
@@ -155,7 +156,11 @@ where
                 let shared = self.shared.clone();
                 // Boxed here, for the attempt tasks (which need no generics):
                 // only an opted-in request pays for it.
-                let attempts: UpstreamService = BoxCloneSyncService::new(self.inner.clone());
+                // An upstream's own answer headers of the gateway's reach
+                // no keyed client, stored or not (docs/design.md §15,
+                // "Headers").
+                let inner = self.inner.clone().map_response(without_gateway_headers);
+                let attempts: UpstreamService = BoxCloneSyncService::new(inner);
                 Answer::Guarded {
                     answer: Box::pin(opted_in(shared, opted, attempts)),
                 }

@@ -349,9 +349,54 @@ async fn bodies_past_the_limit_get_413_and_nothing_is_stored(store: TestStore) {
     );
 }
 
+/// An upstream's own `Idempotency-Job`, `Idempotent-Replayed` and
+/// `Idempotency-Events-Skipped` never reach a keyed client: not on a
+/// streamed first answer (sent as it comes, never rebuilt from what is
+/// stored), not on its replay. A request passed through (no key) gets them
+/// as the upstream sent them: there its own idempotency speaks.
+async fn an_upstreams_own_answer_headers_reach_no_keyed_client(store: TestStore) {
+    let upstream = FakeUpstream::start(|_| async move {
+        http::Response::builder()
+            .header("content-type", "text/event-stream")
+            .header("idempotency-job", "forged-job")
+            .header("idempotent-replayed", "true")
+            .header("idempotency-events-skipped", "3")
+            .body(Full::new(Bytes::from_static(b"data: one\n\n")))
+            .unwrap()
+    })
+    .await;
+    let gateway = Gateway::start(&store, &upstream.url()).await;
+    let url = gateway.path("/v1/chat/completions");
+    let first = post(&url, "streamed", "{}").await;
+    let replay = post(&url, "streamed", "{}").await;
+    assert_eq!(upstream.hits(), 1);
+    for r in [&first, &replay] {
+        assert_eq!(r.body.as_ref(), b"data: one\n\n");
+        assert_eq!(r.header("idempotency-events-skipped"), None);
+        let jobs = r.headers.get_all("idempotency-job").iter().count();
+        assert_eq!(jobs, 1, "one job named: the gateway's");
+    }
+    assert_ne!(first.job().as_deref(), Some("forged-job"));
+    assert_eq!(first.job(), replay.job());
+    assert_eq!(first.header("idempotent-replayed"), None);
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    // Nor kept, for a replica of an earlier version to replay.
+    let kept = match &store {
+        TestStore::Embedded(_) => {
+            "SELECT count(*) FROM jobs WHERE instr(response_headers, CAST('forged-job' AS BLOB)) > 0"
+        }
+        _ => "SELECT count(*) FROM jobs WHERE 'idempotency-job' = ANY(response_header_names)",
+    };
+    assert_eq!(store.column(kept).await, ["0"]);
+    let passed = send(Method::GET, &url, &[], "").await;
+    assert_eq!(passed.job().as_deref(), Some("forged-job"));
+    assert_eq!(passed.header("idempotent-replayed"), Some("true"));
+}
+
 crate::on_each_deployment!(
     [embedded, postgres]
     replay_is_faithful_to_status_end_to_end_headers_and_body_bytes,
+    an_upstreams_own_answer_headers_reach_no_keyed_client,
     a_replayed_error_says_no_retry_can_win,
     same_key_with_another_body_or_path_is_a_409_mismatch_and_never_proxied,
     mismatch_status_can_be_the_ietf_422,

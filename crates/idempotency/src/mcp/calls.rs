@@ -306,18 +306,16 @@ pub(crate) async fn mark(
     (deadline, lease): (Instant, Duration),
 ) -> Option<Marked> {
     let at = call_at(route, session?.as_bytes(), &id_text(id));
-    // Good for a lease, renewed with the attempt's: a replica that dies
-    // holds its calls' cancels back elsewhere one lease, not to the deadline.
-    let for_at_most = deadline
-        .saturating_duration_since(Instant::now())
-        .min(lease);
     let ended = CancellationToken::new();
+    // Until `Marked` takes it over: a caller that stops waiting stops the
+    // insert's retries too.
+    let stop = ended.clone().drop_guard();
     let (tried, first_try) = tokio::sync::oneshot::channel();
     let insert = tokio::spawn(insert_mark(
         store.clone(),
         (attempt, instance),
         at,
-        (Instant::now() + for_at_most, deadline),
+        (lease, deadline),
         (tried, ended.clone()),
     ));
     // The first try is waited for, not its retries: a call is not held
@@ -326,6 +324,7 @@ pub(crate) async fn mark(
         metrics::counter!("idemgate_mcp_store_timeouts_total", "question" => "mark").increment(1);
         tracing::warn!(%attempt, "the MCP call's mark for other replicas is not written yet; the call is sent, its mark on its way");
     }
+    let ended = stop.disarm();
     let marking = (!insert.is_finished()).then_some(insert);
     Some(Marked {
         store: store.clone(),
@@ -338,25 +337,24 @@ pub(crate) async fn mark(
 
 /// Inserts the mark, retried with backoff while the store is unreachable,
 /// until `ended` (the call is over) or `deadline`; `tried` is told when the
-/// first try has ended. The first try is good
-/// until `until` (a lease); a later one for what is left of that lease
-/// from its try, at least [`PATIENCE`]: the attempt's renewals, which
-/// found no mark to renew meanwhile, renew it from then on.
+/// first try has ended. Each try is good for a `lease` from when it is
+/// sent, never past the deadline, and renewed with the attempt's lease: a
+/// replica that dies holds its calls' cancels back elsewhere one lease,
+/// not to the deadline.
 async fn insert_mark(
     store: Arc<dyn Store>,
     (attempt, instance): (AttemptId, Uuid),
     at: CallAt,
-    (until, deadline): (Instant, Instant),
+    (lease, deadline): (Duration, Instant),
     (tried, ended): (tokio::sync::oneshot::Sender<()>, CancellationToken),
 ) {
     let mut backoff = Duration::from_millis(50);
     let mut failures = 0u32;
     let mut tried = Some(tried);
     loop {
-        let good = until
+        let good = deadline
             .saturating_duration_since(Instant::now())
-            .max(PATIENCE)
-            .min(deadline.saturating_duration_since(Instant::now()));
+            .min(lease);
         let marked = store.mark_call(attempt, instance, &at, good).await;
         if let Some(tried) = tried.take() {
             let _ = tried.send(());

@@ -7,7 +7,9 @@ use http::{header, HeaderName, HeaderValue, Response, StatusCode};
 use crate::route::Route;
 use idemgate_domain::id::JobId;
 use idemgate_domain::response::StoredResponse;
-use idemgate_proxy::http::{full, hop, Body, Outcome, IDEMPOTENCY_JOB, IDEMPOTENT_REPLAYED};
+use idemgate_proxy::http::{
+    full, gateway_answer_header, hop, Body, Outcome, IDEMPOTENCY_JOB, IDEMPOTENT_REPLAYED,
+};
 use idemgate_proxy::upstream::Fetched;
 
 mod cache;
@@ -121,8 +123,10 @@ fn body(stored: &StoredResponse, framing: Framing) -> Body {
 }
 
 /// Appends stored end-to-end headers to an answer, in their order. A
-/// header that frames a message (its length, a hop-by-hop one) is never
-/// taken from a stored answer, however it got there (an operator's
+/// header that frames a message (its length, a hop-by-hop one), or one
+/// only the gateway sets (`Idempotency-Job`, …, stored before upstreams'
+/// own were removed), is never taken from a stored answer, however it got
+/// there (an operator's
 /// resolution before they were refused, a row written by hand): the
 /// replay is framed by its own body, or its connection would carry stray
 /// bytes into the next answer.
@@ -133,7 +137,7 @@ pub(crate) fn set_headers<B>(response: &mut Response<B>, stored: &[(String, Byte
             HeaderName::from_bytes(name.as_bytes()),
             HeaderValue::from_maybe_shared(value.clone()),
         ) {
-            if !hop::frames(&name) {
+            if !hop::frames(&name) && !gateway_answer_header(&name) {
                 headers.append(name, value);
             }
         }
@@ -178,5 +182,27 @@ mod tests {
             assert!(!names.contains(&framing), "{framing}: {names:?}");
         }
         assert_eq!(replay.headers()["content-type"], "text/plain");
+    }
+
+    /// A stored answer kept before an upstream's own gateway headers were
+    /// removed replays only the gateway's: its job, and no events skipped.
+    #[test]
+    fn a_stored_gateway_header_is_never_replayed() {
+        let header = |name: &str, value: &'static str| (name.to_owned(), Bytes::from(value));
+        let stored = StoredResponse {
+            status: 200,
+            headers: vec![
+                header("idempotency-job", "forged"),
+                header("idempotency-events-skipped", "3"),
+                header("idempotent-replayed", "true"),
+            ],
+            body: Bytes::new(),
+        };
+        let job = JobId::new();
+        let first = response(&stored, job, false, Framing::Whole);
+        let jobs: Vec<_> = first.headers().get_all(IDEMPOTENCY_JOB).iter().collect();
+        assert_eq!(jobs, [job.to_string().as_str()]);
+        assert!(!first.headers().contains_key(IDEMPOTENT_REPLAYED));
+        assert!(!first.headers().contains_key("idempotency-events-skipped"));
     }
 }

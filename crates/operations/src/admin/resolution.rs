@@ -9,7 +9,7 @@ use serde::Deserialize;
 use super::error::AdminError;
 use idemgate_domain::attempt::Resolution;
 use idemgate_domain::response::StoredResponse;
-use idemgate_proxy::http::hop;
+use idemgate_proxy::http::{gateway_answer_header, hop};
 
 /// A resolution as posted: `{"outcome": "failed"}`, `{"outcome":
 /// "cancelled"}` or `{"outcome": "succeeded", "response": {…}}`.
@@ -83,6 +83,11 @@ impl ResponseInput {
                      out (each replay is framed by its own body)"
                 )));
             }
+            if gateway_answer_header(&name) {
+                return Err(AdminError::bad_request(format!(
+                    "response header {name} is the gateway's own to set on each answer; leave it out"
+                )));
+            }
             headers.push((name.as_str().to_owned(), Bytes::from(value)));
         }
         Ok(StoredResponse {
@@ -153,6 +158,14 @@ mod tests {
                 succeeded(&framed).contains("frames one message on one connection"),
                 "{name}"
             );
+        }
+        for name in [
+            "Idempotency-Job",
+            "idempotent-replayed",
+            "Idempotency-Events-Skipped",
+        ] {
+            let own = format!(r#"{{"status": 200, "headers": [["{name}", "1"]]}}"#);
+            assert!(succeeded(&own).contains("the gateway's own"), "{name}");
         }
         assert_eq!(
             succeeded(r#"{"status": 200, "body": "a", "body_base64": "YQ=="}"#),

@@ -70,13 +70,32 @@ pub const EVENTS_RECEIVED: HeaderName =
 /// leaves out, before the first it sends.
 pub const EVENTS_SKIPPED: HeaderName = HeaderName::from_static("idempotency-events-skipped");
 
-/// The headers only the gateway sets on an answer: an upstream's own are
-/// removed as its answer comes (`docs/design.md` §15, "Headers"), so that a
-/// first answer never passes for a replay, nor names another job (the
-/// gateway names its job only where no `Idempotency-Job` is set yet), nor
-/// says events were skipped, stored and replayed so.
+/// The headers only the gateway sets on a keyed answer (`docs/design.md`
+/// §15, "Headers"): an upstream's own are removed from every answer it
+/// gives an attempt ([`without_gateway_headers`]) and from every stored
+/// answer replayed, so that a first answer never passes for a replay, nor
+/// names another job (the gateway names its job only where no
+/// `Idempotency-Job` is set yet), nor says events were skipped.
 pub const GATEWAY_ANSWER_HEADERS: [HeaderName; 3] =
     [IDEMPOTENCY_JOB, IDEMPOTENT_REPLAYED, EVENTS_SKIPPED];
+
+/// Whether `name` is one of [`GATEWAY_ANSWER_HEADERS`].
+pub fn gateway_answer_header(name: &HeaderName) -> bool {
+    GATEWAY_ANSWER_HEADERS.contains(name)
+}
+
+/// An upstream's answer to a keyed request, without any header of
+/// [`GATEWAY_ANSWER_HEADERS`] it set. A pass-through answer keeps them: an
+/// upstream idempotent by itself speaks for itself there.
+pub fn without_gateway_headers<B>(mut response: http::Response<B>) -> http::Response<B> {
+    let headers = response.headers_mut();
+    if headers.keys().any(gateway_answer_header) {
+        for name in &GATEWAY_ANSWER_HEADERS {
+            headers.remove(name);
+        }
+    }
+    response
+}
 
 /// A body holding `bytes`.
 pub fn full(bytes: impl Into<Bytes>) -> Body {

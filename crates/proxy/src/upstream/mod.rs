@@ -2,9 +2,7 @@
 //! configured origins, as a Tower service.
 //!
 //! It rewrites the path onto the upstream's base, removes hop-by-hop headers
-//! both ways, the console's cookie on the way out and the gateway's own
-//! answer headers on the way back ([`crate::http::GATEWAY_ANSWER_HEADERS`]),
-//! and adds `X-Forwarded-For`/`-Proto`/`-Host`. The `Host` header
+//! both ways and the console's cookie on the way out, and adds `X-Forwarded-For`/`-Proto`/`-Host`. The `Host` header
 //! becomes the upstream's own authority, as most reverse proxies do. Its
 //! errors say whether the request may have reached the upstream, which
 //! decides between `failed` (safe to retry) and `unknown`.
@@ -297,9 +295,6 @@ impl Future for ResponseFuture {
                 });
                 let mut response = answer?;
                 hop::strip(response.headers_mut());
-                for name in &crate::http::GATEWAY_ANSWER_HEADERS {
-                    response.headers_mut().remove(name);
-                }
                 Poll::Ready(Ok(response))
             }
             Kind::Unconfigured(error) => Poll::Ready(Err(error

@@ -42,9 +42,10 @@ impl Sqlite {
         // Made here, before SQLite opens it, so that it is born readable by
         // this user only (its WAL and shared-memory files take its mode): it
         // holds every stored answer, and the owner salt's file sits beside it.
-        private_file()
+        let file = private_file()
             .open(&path)
             .map_err(|e| unavailable(format!("cannot open {}", path.display()), e))?;
+        warn_if_shared(&file, &path);
         lock.try_lock().map_err(|_| {
             StoreError::Unavailable(
                 format!(
@@ -95,6 +96,19 @@ fn private_file() -> std::fs::OpenOptions {
     #[cfg(unix)]
     std::os::unix::fs::OpenOptionsExt::mode(&mut file, 0o600);
     file
+}
+
+/// Warns when the database, made before the gateway made it private or
+/// by hand, is open to other users of the machine: it is left as it is
+/// (its mode is the operator's), and the warning says how to close it.
+fn warn_if_shared(file: &File, path: &std::path::Path) {
+    #[cfg(unix)]
+    if let Ok(meta) = file.metadata() {
+        let mode = std::os::unix::fs::PermissionsExt::mode(&meta.permissions());
+        if mode & 0o077 != 0 {
+            tracing::warn!(path = %path.display(), mode = format!("{:o}", mode & 0o777), "the embedded store's file, which holds every stored answer, can be read by other users; chmod 600 it and its -wal and -shm files");
+        }
+    }
 }
 
 /// Makes a directory and its missing parents, each made for this user
