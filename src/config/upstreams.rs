@@ -31,6 +31,21 @@ pub(super) fn parse_all(
              or list `upstreams = [\"http://host:port\"]` in the config file",
         ));
     }
+    // A user or password is never sent (the gateway authenticates to an
+    // upstream only with the headers it is given), and would be printed
+    // wherever the URL is: by `idemgate check`, in start-up's summary, in
+    // the errors of `base_url`. So any `@` is refused, not repeated, before
+    // any URL is read: one split at a comma in its password
+    // (`IDEMGATE_UPSTREAM`) leaves the password's first half in the piece
+    // before, whose own error would show it.
+    if let Some(i) = files.iter().position(|file| url_of(file).contains('@')) {
+        return Err(bad(
+            format!("upstreams[{i}]"),
+            "an upstream base URL cannot carry a user or password (user:password@host); \
+             send a credential with [upstreams.headers], e.g. \
+             authorization = { env = \"UPSTREAM_AUTHORIZATION\" } (an @ in a path: write %40)",
+        ));
+    }
     let mut all: Vec<Arc<UpstreamSettings>> = Vec::with_capacity(files.len());
     for (i, file) in files.iter().enumerate() {
         let mut upstream = parse(i, file, default_timeout, attempt_deadline, base_dir)?;
@@ -61,8 +76,8 @@ fn parse(
 ) -> Result<UpstreamSettings, ConfigError> {
     let key = format!("upstreams[{i}]");
     let (url, table) = match file {
-        UpstreamFile::Url(url) => (url.as_str(), None),
-        UpstreamFile::Table(t) => (t.url.as_str(), Some(t)),
+        UpstreamFile::Url(_) => (url_of(file), None),
+        UpstreamFile::Table(t) => (url_of(file), Some(t)),
     };
     let base = base_url(&key, url)?;
     let default_name = if i == 0 {
@@ -160,19 +175,15 @@ fn authenticates(name: &HeaderName) -> bool {
     NAMES.contains(&name.as_str())
 }
 
-fn base_url(key: &str, url: &str) -> Result<Uri, ConfigError> {
-    // A user or password is never sent (the gateway authenticates to an
-    // upstream only with the headers it is given), and would be printed
-    // wherever the URL is: by `idemgate check`, in start-up's summary, in
-    // the errors below. So any `@` is refused first, and not repeated.
-    if url.contains('@') {
-        return Err(bad(
-            key,
-            "an upstream base URL cannot carry a user or password (user:password@host); \
-             send a credential with [upstreams.headers], e.g. \
-             authorization = { env = \"UPSTREAM_AUTHORIZATION\" } (an @ in a path: write %40)",
-        ));
+/// An upstream's URL, as written.
+fn url_of(file: &UpstreamFile) -> &str {
+    match file {
+        UpstreamFile::Url(url) => url,
+        UpstreamFile::Table(t) => &t.url,
     }
+}
+
+fn base_url(key: &str, url: &str) -> Result<Uri, ConfigError> {
     let base: Uri = url.parse().map_err(|e| {
         bad(
             key,

@@ -156,11 +156,7 @@ where
                 let shared = self.shared.clone();
                 // Boxed here, for the attempt tasks (which need no generics):
                 // only an opted-in request pays for it.
-                // An upstream's own answer headers of the gateway's reach
-                // no keyed client, stored or not (docs/design.md §15,
-                // "Headers").
-                let inner = self.inner.clone().map_response(without_gateway_headers);
-                let attempts: UpstreamService = BoxCloneSyncService::new(inner);
+                let attempts: UpstreamService = BoxCloneSyncService::new(self.inner.clone());
                 Answer::Guarded {
                     answer: Box::pin(opted_in(shared, opted, attempts)),
                 }
@@ -335,6 +331,11 @@ fn answer(
         }
         Err(refused) => return Either::Left(Box::pin(std::future::ready(refused.into_response()))),
     };
+    // An upstream's own answer headers of the gateway's reach no keyed
+    // client, stored or not (docs/design.md §15, "Headers"); a message
+    // passed through above keeps them.
+    let upstream: UpstreamService =
+        BoxCloneSyncService::new(upstream.map_response(without_gateway_headers));
     match async_wait(&shared, &request) {
         Some(wait) => Either::Left(Box::pin(respond_async::answer(
             shared, request, upstream, wait,

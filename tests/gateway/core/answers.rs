@@ -355,8 +355,15 @@ async fn bodies_past_the_limit_get_413_and_nothing_is_stored(store: TestStore) {
 /// stored), not on its replay. A request passed through (no key) gets them
 /// as the upstream sent them: there its own idempotency speaks.
 async fn an_upstreams_own_answer_headers_reach_no_keyed_client(store: TestStore) {
-    let upstream = FakeUpstream::start(|_| async move {
+    let upstream = FakeUpstream::start(|r| async move {
+        // A retryable status: passed on, never stored.
+        let status = if r.path.starts_with("/v1/limited") {
+            429
+        } else {
+            200
+        };
         http::Response::builder()
+            .status(status)
             .header("content-type", "text/event-stream")
             .header("idempotency-job", "forged-job")
             .header("idempotent-replayed", "true")
@@ -381,6 +388,8 @@ async fn an_upstreams_own_answer_headers_reach_no_keyed_client(store: TestStore)
     assert_eq!(first.header("idempotent-replayed"), None);
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));
     // Nor kept, for a replica of an earlier version to replay.
+    let stored = "SELECT count(*) FROM jobs WHERE response_status = 200";
+    assert_eq!(store.column(stored).await, ["1"], "the answer is stored");
     let kept = match &store {
         TestStore::Embedded(_) => {
             "SELECT count(*) FROM jobs WHERE instr(response_headers, CAST('forged-job' AS BLOB)) > 0"
@@ -388,6 +397,13 @@ async fn an_upstreams_own_answer_headers_reach_no_keyed_client(store: TestStore)
         _ => "SELECT count(*) FROM jobs WHERE 'idempotency-job' = ANY(response_header_names)",
     };
     assert_eq!(store.column(kept).await, ["0"]);
+    let limited = post(&gateway.path("/v1/limited"), "limited", "{}").await;
+    assert_eq!(limited.status, 429);
+    assert_eq!(limited.header("idempotent-replayed"), None);
+    assert_eq!(limited.header("idempotency-events-skipped"), None);
+    let jobs: Vec<_> = limited.headers.get_all("idempotency-job").iter().collect();
+    assert_eq!(jobs.len(), 1);
+    assert_ne!(jobs[0], "forged-job");
     let passed = send(Method::GET, &url, &[], "").await;
     assert_eq!(passed.job().as_deref(), Some("forged-job"));
     assert_eq!(passed.header("idempotent-replayed"), Some("true"));

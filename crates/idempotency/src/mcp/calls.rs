@@ -307,9 +307,6 @@ pub(crate) async fn mark(
 ) -> Option<Marked> {
     let at = call_at(route, session?.as_bytes(), &id_text(id));
     let ended = CancellationToken::new();
-    // Until `Marked` takes it over: a caller that stops waiting stops the
-    // insert's retries too.
-    let stop = ended.clone().drop_guard();
     let (tried, first_try) = tokio::sync::oneshot::channel();
     let insert = tokio::spawn(insert_mark(
         store.clone(),
@@ -318,21 +315,29 @@ pub(crate) async fn mark(
         (lease, deadline),
         (tried, ended.clone()),
     ));
+    // Made before the wait: a caller that stops waiting (a shutdown) drops
+    // it, which stops the retries and takes off a mark that landed.
+    let mut marked = Marked {
+        store: store.clone(),
+        attempt,
+        lapses: deadline,
+        marking: Some(insert),
+        ended,
+    };
     // The first try is waited for, not its retries: a call is not held
     // up by a store that refuses.
     if tokio::time::timeout(PATIENCE, first_try).await.is_err() {
         metrics::counter!("idemgate_mcp_store_timeouts_total", "question" => "mark").increment(1);
         tracing::warn!(%attempt, "the MCP call's mark for other replicas is not written yet; the call is sent, its mark on its way");
     }
-    let ended = stop.disarm();
-    let marking = (!insert.is_finished()).then_some(insert);
-    Some(Marked {
-        store: store.clone(),
-        attempt,
-        lapses: deadline,
-        marking,
-        ended,
-    })
+    if marked
+        .marking
+        .as_ref()
+        .is_some_and(|insert| insert.is_finished())
+    {
+        marked.marking = None;
+    }
+    Some(marked)
 }
 
 /// Inserts the mark, retried with backoff while the store is unreachable,
@@ -374,6 +379,7 @@ async fn insert_mark(
         }
         failures += 1;
         tokio::select! {
+            biased;
             () = ended.cancelled() => return,
             () = tokio::time::sleep(backoff) => backoff = (backoff * 2).min(ASK_AT_MOST_EVERY),
         }
@@ -401,12 +407,13 @@ pub(crate) async fn mark_resend(
 
 impl Drop for Marked {
     fn drop(&mut self) {
+        // First: the retries stop even where nothing can take a mark off.
+        self.ended.cancel();
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
         let (store, attempt, lapses) = (self.store.clone(), self.attempt, self.lapses);
         let marking = self.marking.take();
-        self.ended.cancel();
         runtime.spawn(async move {
             if let Some(insert) = marking {
                 let _ = insert.await;

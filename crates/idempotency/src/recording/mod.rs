@@ -27,7 +27,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 
 use bytes::{Bytes, BytesMut};
-use http::{Response, StatusCode};
+use http::Response;
 use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
 use tokio::sync::watch;
@@ -242,8 +242,7 @@ impl Recording {
     /// as it comes. A joiner's is marked `Idempotent-Replayed: true`.
     pub(crate) fn response(self: &Arc<Self>, replayed: bool) -> Response<Body> {
         let mut response = Response::new(self.reader());
-        *response.status_mut() =
-            StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        *response.status_mut() = crate::replay::replayed_status(self.status);
         crate::replay::set_headers(&mut response, &self.headers);
         crate::replay::set_job(&mut response, self.job);
         if replayed {

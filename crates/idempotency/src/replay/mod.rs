@@ -29,11 +29,14 @@ pub(crate) fn capture(fetched: &Fetched) -> StoredResponse {
     }
 }
 
-/// The end-to-end headers kept of an answer, in order, without its length.
+/// The end-to-end headers kept of an answer, in order, without its length
+/// or any header only the gateway sets (an upstream's own, on an answer a
+/// lookup of an adopted attempt brought, which no attempt's service
+/// stripped: `docs/design.md` §15, "Headers").
 pub(crate) fn capture_headers(headers: &http::HeaderMap) -> Vec<(String, Bytes)> {
     headers
         .iter()
-        .filter(|(name, _)| **name != header::CONTENT_LENGTH)
+        .filter(|(name, _)| **name != header::CONTENT_LENGTH && !gateway_answer_header(name))
         .map(|(name, value)| {
             (
                 name.as_str().to_owned(),
@@ -76,14 +79,24 @@ pub(crate) fn response(
     framing: Framing,
 ) -> Response<Body> {
     let mut response = Response::new(body(stored, framing));
-    *response.status_mut() =
-        StatusCode::from_u16(stored.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    *response.status_mut() = replayed_status(stored.status);
     set_headers(&mut response, &stored.headers);
     set_job(&mut response, job);
     if replayed {
         mark_replayed(&mut response);
     }
     response
+}
+
+/// The status a stored answer is replayed with: its own, unless it is no
+/// final status (a `1xx` stored before upstreams' were refused, which
+/// would switch or stall the client's connection), then `502`: the
+/// upstream's answer cannot be given.
+pub(crate) fn replayed_status(stored: u16) -> StatusCode {
+    match StatusCode::from_u16(stored) {
+        Ok(status) if !status.is_informational() => status,
+        _ => StatusCode::BAD_GATEWAY,
+    }
 }
 
 /// Marks an answer as a replay: for the client (`Idempotent-Replayed:
@@ -182,6 +195,17 @@ mod tests {
             assert!(!names.contains(&framing), "{framing}: {names:?}");
         }
         assert_eq!(replay.headers()["content-type"], "text/plain");
+    }
+
+    /// A `101` stored before upstreams' were refused is replayed as `502`,
+    /// never switching the client's connection.
+    #[test]
+    fn a_stored_informational_status_is_never_replayed() {
+        assert_eq!(replayed_status(101), StatusCode::BAD_GATEWAY);
+        assert_eq!(replayed_status(100), StatusCode::BAD_GATEWAY);
+        assert_eq!(replayed_status(1000), StatusCode::BAD_GATEWAY);
+        assert_eq!(replayed_status(201), StatusCode::CREATED);
+        assert_eq!(replayed_status(503), StatusCode::SERVICE_UNAVAILABLE);
     }
 
     /// A stored answer kept before an upstream's own gateway headers were

@@ -106,7 +106,7 @@ fn warn_if_shared(file: &File, path: &std::path::Path) {
     if let Ok(meta) = file.metadata() {
         let mode = std::os::unix::fs::PermissionsExt::mode(&meta.permissions());
         if mode & 0o077 != 0 {
-            tracing::warn!(path = %path.display(), mode = format!("{:o}", mode & 0o777), "the embedded store's file, which holds every stored answer, can be read by other users; chmod 600 it and its -wal and -shm files");
+            tracing::warn!(path = %path.display(), mode = format!("{:o}", mode & 0o777), "the embedded store's file, which holds every stored answer, is open to other users (read or write); chmod 600 it and its -wal and -shm files");
         }
     }
 }
