@@ -398,6 +398,56 @@ async fn a_404_held_back_is_asked_again_when_the_call_ends_at_its_deadline(store
     silent.open(1);
 }
 
+/// As above, but the ask made as the call ends errs (the lookup answers
+/// `500`): it is owed again, after the lookups' backoff, and the `404`
+/// then reopens the job. Before, that one last ask was not repeated, and
+/// the job waited for an operator.
+async fn a_last_ask_that_errs_is_asked_again(store: TestStore) {
+    let silent = Gate::new();
+    let posted = Arc::new(std::sync::Mutex::new(None::<std::time::Instant>));
+    let (seen, erred) = (posted.clone(), Arc::new(AtomicBool::new(false)));
+    let errs = erred.clone();
+    let upstream = upstream_with_lookups(&silent, move |_| {
+        // The schedule's lookups come at 0.3 and 1.3 s (the next would be
+        // past the 3 s deadline); the first after 2.8 s is the one made as
+        // the call ends, cut at the deadline: it errs, once.
+        let since = seen.lock().unwrap().map(|at| at.elapsed());
+        let late = since.is_some_and(|t| t >= Duration::from_millis(2800));
+        match late && !errs.swap(true, Ordering::SeqCst) {
+            true => json_response(500, json!({"error": "lookups are down"})),
+            false => json_response(404, json!({"error": "no such charge"})),
+        }
+    })
+    .await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("upstream_timeout", "\"300ms\"")
+        .set("attempt_deadline", "\"3s\"")
+        .tables(ROUTE)
+        .start()
+        .await;
+    let first = tokio::spawn({
+        let url = gateway.path("/v1/charges");
+        async move { post(&url, "charge-8", "{}").await }
+    });
+    upstream.arrival().await;
+    *posted.lock().unwrap() = Some(std::time::Instant::now());
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 504);
+    let job_id = first.job().unwrap();
+    eventually(Duration::from_secs(30), "the job reopened", || async {
+        gateway.job(&job_id).await["state"] == "open"
+    })
+    .await;
+    assert!(
+        erred.load(Ordering::SeqCst),
+        "the ask as the call ended erred"
+    );
+    let attempt = first_attempt(&gateway.job(&job_id).await).clone();
+    assert_eq!(attempt["lookups"]["last"]["result"], "settled_no_effect");
+    assert_eq!(posts(&upstream), 1);
+    silent.open(1);
+}
+
 /// A late answer whose commit is held up (a transaction holds its job)
 /// past the 2 s its request waits for it: the call is not over while its
 /// answer may still commit, so a lookup's `404` meanwhile is held back,
@@ -1112,6 +1162,7 @@ crate::on_each_deployment!(
     a_lookup_answering_404_reopens_the_job_for_attempt_two,
     a_lookup_404_while_the_call_is_out_keeps_the_job_unknown,
     a_404_held_back_is_asked_again_when_the_call_ends_at_its_deadline,
+    a_last_ask_that_errs_is_asked_again,
     a_resend_answered_in_progress_is_never_the_answer,
     a_lookup_answering_500_asks_again_until_it_answers_200,
     a_bad_lookup_path_is_refused_at_start_up_naming_the_key,

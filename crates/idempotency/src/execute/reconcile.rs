@@ -164,6 +164,11 @@ pub(super) struct Reconciler {
 /// least.
 const SETTLE_AT_LEAST: Duration = Duration::from_secs(60);
 
+/// How many times more the last ask owed to a held-back "no record" is
+/// made when it errs (no answer, a `5xx`): each after the lookups'
+/// backoff, so for a few minutes at most (`docs/design.md` §5).
+const LAST_ASK_RETRIES: u32 = 5;
+
 /// Where a call of the attempt may still be out, so that a lookup's "no
 /// record" proves nothing yet (`docs/design.md` §5, "Not while the call
 /// is out").
@@ -224,6 +229,8 @@ impl Reconciler {
     /// record says the next ask is due.
     pub(super) async fn run(self) {
         let (mut asked, mut not_before) = (0u32, Instant::now());
+        // The last ask owed past the schedule, when it erred: again then.
+        let (mut last_retries, mut last_again) = (0u32, None::<Instant>);
         loop {
             let now = SystemTime::now();
             let due = match self.pending().await {
@@ -235,10 +242,12 @@ impl Reconciler {
                     (now < self.started_at + self.deadline).then_some(Duration::ZERO)
                 }
             };
+            let scheduled = due.is_some();
             // The call has ended since a "no record" was held back for it:
-            // asked again at once, even past the deadline.
+            // asked again at once, even past the deadline (or, that ask
+            // having erred, after a backoff).
             let after_call =
-                matches!(self.out(now), Out::Over) && self.held_back.swap(false, Ordering::Relaxed);
+                matches!(self.out(now), Out::Over) && self.held_back.load(Ordering::Relaxed);
             let due = if after_call {
                 Some(Duration::ZERO)
             } else {
@@ -262,9 +271,10 @@ impl Reconciler {
             };
             // Not sooner than this task's own backoff either: an ask whose
             // record did not get in must not be repeated at once.
-            let wait = match after_call {
-                true => Duration::ZERO,
-                false => due.max(not_before.saturating_duration_since(Instant::now())),
+            let wait = match (after_call, last_again) {
+                (true, None) => Duration::ZERO,
+                (true, Some(at)) => at.saturating_duration_since(Instant::now()),
+                (false, _) => due.max(not_before.saturating_duration_since(Instant::now())),
             };
             if !wait.is_zero() {
                 // Then read again: another task may have asked, or the
@@ -286,11 +296,23 @@ impl Reconciler {
             if self.asks.is_closed() {
                 return;
             }
+            if after_call {
+                // Owed no more: `judged` holds a new "no record" back again.
+                self.held_back.store(false, Ordering::Relaxed);
+            }
             asked += 1;
             if let Next::Stop = self.asks.track_future(self.ask()).await {
                 return;
             }
             not_before = Instant::now() + backoff(asked);
+            // The last ask, past the schedule, neither settled the attempt
+            // nor found "no record" again: it erred, and is owed once more.
+            let erred = after_call && !scheduled && !self.held_back.load(Ordering::Relaxed);
+            if erred && last_retries < LAST_ASK_RETRIES {
+                last_retries += 1;
+                last_again = Some(not_before);
+                self.held_back.store(true, Ordering::Relaxed);
+            }
         }
         tracing::info!(attempt = %self.attempt, job = %self.job, asked, "attempt deadline passed with its outcome still unknown; it waits for an operator");
     }
