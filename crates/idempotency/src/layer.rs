@@ -23,6 +23,7 @@ use super::route::Protocol;
 use super::shared::Shared;
 use super::{mcp, poll, respond_async};
 use crate::error::{ClientError, GatewayError};
+use idemgate_domain::key::Owner;
 use idemgate_proxy::http::idle::{BodyTimedOut, ClientBodyFailed};
 use idemgate_proxy::http::without_gateway_headers;
 use idemgate_proxy::http::Body;
@@ -266,6 +267,12 @@ where
 /// only ever continues an answer).
 fn async_wait(shared: &Shared, request: &Keyed) -> Option<std::time::Duration> {
     if !request.intent.route.respond_async || request.resume.is_some() {
+        return None;
+    }
+    // An anonymous job's poll would prove nothing but its id, which the
+    // upstream and the access log see: its requests wait for their answer
+    // (docs/design.md §10, "Answered later").
+    if request.intent.owner == Owner::anonymous() {
         return None;
     }
     respond_async::preference(&request.parts.headers, shared.config.hold.timeout)

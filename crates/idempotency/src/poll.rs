@@ -21,6 +21,7 @@ use crate::route::{Protocol, Route};
 use crate::shared::Shared;
 use idemgate_domain::id::JobId;
 use idemgate_domain::job::{Job, JobState};
+use idemgate_domain::key::Owner;
 use idemgate_proxy::budget::until_sent;
 use idemgate_proxy::http::{Body, Outcome};
 use idemgate_store::fastpath::Tag;
@@ -110,6 +111,11 @@ async fn poll(
 /// proven clients, and put where an owner source of `client` reads it
 /// (`docs/design.md` §15).
 fn is_owner(shared: &Shared, route: &Route, job: &Job, parts: &mut http::request::Parts) -> bool {
+    // Anyone is `anonymous`: such a job is never polled (never accepted
+    // with a `202` either), or its id alone would hand out its answer.
+    if job.owner == Owner::anonymous() {
+        return false;
+    }
     if route.require_client {
         match shared.trust.prove_client(&parts.headers) {
             Ok(client) => drop(parts.extensions.insert(client)),

@@ -140,9 +140,56 @@ async fn a_stream_polled_while_it_runs_is_joined_live(store: TestStore) {
     assert_eq!(upstream.hits(), 1);
 }
 
+/// On a route that allows anonymous owners, a request without credentials
+/// is never accepted with a `202`: its job's owner is everyone's, so a
+/// poll would hand its answer to whoever learns the job id (which the
+/// upstream and the access log see). It waits for its answer; a poll of
+/// its job, by anyone, is `404`.
+async fn an_anonymous_job_is_neither_accepted_nor_polled(store: TestStore) {
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .tables("[[routes]]\npath_prefix = \"/v1/open\"\n[routes.owner]\nallow_anonymous = true\n")
+        .start()
+        .await;
+    let headers = [
+        ("idempotency-key", "open-1"),
+        ("content-type", "application/json"),
+        ("prefer", "respond-async, wait=0"),
+    ];
+    let url = gateway.path("/v1/open/charges");
+    let answered = send(Method::POST, &url, &headers, "{\"charge\":1}").await;
+    assert_eq!(answered.status, 200, "{answered:?}");
+    assert_eq!(answered.header("preference-applied"), None);
+    let job = answered.job().unwrap();
+    let location = format!("/.well-known/idemgate/jobs/{job}");
+    for anyone in [None, Some("alice")] {
+        let polled = poll_as(&gateway, &location, anyone).await;
+        assert_eq!(polled.status, 404, "{anyone:?}");
+    }
+    // A proven owner on the same route is still accepted and polled.
+    let accepted = post_as(
+        &url,
+        "alice",
+        "open-2",
+        &[("prefer", "respond-async, wait=0")],
+    )
+    .await;
+    let location = accepted.header("location").map(str::to_owned);
+    if accepted.status == 202 {
+        let location = location.unwrap();
+        eventually(Duration::from_secs(10), "alice's answer", || async {
+            poll_as(&gateway, &location, Some("alice")).await.status == 200
+        })
+        .await;
+    } else {
+        assert_eq!(accepted.status, 200, "{accepted:?}");
+    }
+}
+
 crate::on_each_deployment!(
     [embedded, postgres]
     a_long_call_is_accepted_at_once_then_polled_to_its_answer,
+    an_anonymous_job_is_neither_accepted_nor_polled,
     an_answer_ready_within_the_wait_is_given_at_once,
     a_route_that_answers_in_one_piece_waits,
     a_stream_polled_while_it_runs_is_joined_live,
