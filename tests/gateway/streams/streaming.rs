@@ -487,17 +487,22 @@ async fn a_joiner_across_replicas_completes_from_the_store_when_redis_dies() {
     assert_eq!(upstream.hits(), 1);
 }
 
-/// A route whose contract checks each event of a streamed answer.
-async fn contract_gateway(store: &TestStore, upstream: &SseUpstream) -> Gateway {
+/// A route whose contract checks each event of a streamed answer, its
+/// requests declared free of side effects (`side_effect_free`) or not.
+async fn contract_gateway_with(store: &TestStore, upstream: &SseUpstream, free: bool) -> Gateway {
     let chat = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/chat");
     Gateway::builder(store, &upstream.url())
         .files_from(&chat)
-        .tables(
+        .tables(&format!(
             "[contracts.chunks]\nschema = \"response.schema.json\"\nevents = \"chunk.schema.json\"\n\
-             [[routes]]\npath_prefix = \"/v1\"\ncontract = \"chunks\"\n",
-        )
+             [[routes]]\npath_prefix = \"/v1\"\ncontract = \"chunks\"\nside_effect_free = {free}\n",
+        ))
         .start()
         .await
+}
+
+async fn contract_gateway(store: &TestStore, upstream: &SseUpstream) -> Gateway {
+    contract_gateway_with(store, upstream, true).await
 }
 
 #[tokio::test]
@@ -516,6 +521,27 @@ async fn a_stream_that_breaks_the_contract_is_cut_and_rejected() {
         .as_str()
         .unwrap()
         .contains("broke contract chunks"));
+}
+
+/// The same breach on a route not declared `side_effect_free`: the
+/// stream's `200` says the upstream acted, so the attempt is `unknown`,
+/// not a safe failure, and the retry is told so rather than run again.
+#[tokio::test]
+async fn a_stream_that_breaks_the_contract_of_a_route_with_effects_is_unknown() {
+    let store = TestStore::postgres().await;
+    let gate = Gate::new();
+    gate.open(3);
+    let upstream = SseUpstream::start(3, EVENT, &gate, Ending::Clean).await;
+    let gateway = contract_gateway_with(&store, &upstream, false).await;
+    let mut client = Reader::post(&gateway.path("/v1/chat"), "sse-breach-2", "{}").await;
+    assert_eq!(client.finish().await, Finish::Aborted, "no clean end");
+    let job = gateway.job(client.header("idempotency-job").unwrap()).await;
+    assert_eq!(job["state"], "unknown", "{job}");
+    assert_eq!(job["attempts"][0]["state"], "unknown");
+    let retry = crate::support::post(&gateway.path("/v1/chat"), "sse-breach-2", "{}").await;
+    assert_eq!(retry.status, 409);
+    assert_eq!(retry.problem(), "attempt-outcome-unknown");
+    assert_eq!(upstream.hits(), 1);
 }
 
 #[tokio::test]

@@ -240,7 +240,8 @@ async fn a_response_breaking_the_contract_is_rejected_and_the_next_upstream_trie
     let store = TestStore::postgres().await;
     let a = Provider::start("a", Drift::None, Timing::Now).await;
     let b = Provider::start("b", Drift::None, Timing::Now).await;
-    let gateway = chat_gateway(&store, &a.url(), &b.url(), "").start().await;
+    let free = "side_effect_free = true\n";
+    let gateway = chat_gateway(&store, &a.url(), &b.url(), free).start().await;
     probed(&gateway, "b", true).await;
     for (drift, why) in [
         (Drift::WrongType, "/created"),
@@ -276,7 +277,7 @@ async fn with_every_upstream_breaking_the_contract_the_client_gets_502() {
         .files_from(&chat_dir())
         .tables(&upstream_table("a", &a.url()))
         .tables(CONTRACT)
-        .tables("[[routes]]\npath_prefix = \"/v1/chat\"\ncontract = \"chat-json\"\n")
+        .tables("[[routes]]\npath_prefix = \"/v1/chat\"\ncontract = \"chat-json\"\nside_effect_free = true\n")
         .start()
         .await;
     let reply = chat(&gateway, "all-bad").await;
@@ -284,6 +285,32 @@ async fn with_every_upstream_breaking_the_contract_the_client_gets_502() {
     assert_eq!(reply.problem(), "upstream-contract-violation");
     let job = gateway.job(&reply.job().unwrap()).await;
     assert_eq!(job["state"], "open", "a rejected attempt is a safe failure");
+}
+
+/// On a route not declared `side_effect_free`, a `2xx` that breaks the
+/// contract says the upstream acted: the attempt is `unknown`, nothing
+/// fails over to the next upstream (eligible as it is), and the retry is
+/// told the outcome is unknown, not run again. Before, the breach was a
+/// safe failure on every route: `b` ran the request too, and on a route
+/// with effects (a charge) that was a second charge.
+#[tokio::test]
+async fn a_breach_on_a_route_with_effects_is_unknown_and_never_failed_over() {
+    let store = TestStore::postgres().await;
+    let a = Provider::start("a", Drift::Prose, Timing::Now).await;
+    let b = Provider::start("b", Drift::None, Timing::Now).await;
+    let gateway = chat_gateway(&store, &a.url(), &b.url(), "").start().await;
+    probed(&gateway, "b", true).await;
+    let before = b.calls().len();
+    let reply = chat(&gateway, "acted").await;
+    assert_eq!(reply.status, 502, "{reply:?}");
+    assert_eq!(reply.problem(), "upstream-contract-violation");
+    let job = gateway.job(&reply.job().unwrap()).await;
+    assert_eq!(job["state"], "unknown", "{job}");
+    assert_eq!(attempts(&job).len(), 1, "{job}");
+    let retry = chat(&gateway, "acted").await;
+    assert_eq!(retry.status, 409);
+    assert_eq!(retry.problem(), "attempt-outcome-unknown");
+    assert_eq!(b.calls().len(), before, "nothing sent to b");
 }
 
 #[tokio::test]

@@ -2,7 +2,8 @@
 //! alone (pure, `docs/design.md` §3): refused before sending → `failed`;
 //! broken after sending, or too large to record → `unknown`; a retryable
 //! status → `failed`, handed back uncommitted; a 2xx that breaks the route's
-//! contract → `rejected`; anything else → commit. On an MCP route, what the
+//! contract → `rejected` on a `side_effect_free` route, `unknown` on any
+//! other; anything else → commit. On an MCP route, what the
 //! answer says of the tool call comes first (`docs/design.md` §19, "What an
 //! answer means").
 
@@ -26,7 +27,8 @@ use idemgate_telemetry::Chain;
 pub(super) enum Verdict {
     /// Commit it.
     Commit(StoredResponse),
-    /// Provably no effect (refused, retryable status, contract broken).
+    /// Provably no effect (refused, retryable status, contract broken on
+    /// a side-effect-free route).
     Fail(AttemptFailure, Uncommitted),
     /// It may have acted; nobody can tell how.
     Unknown(AttemptFailure, GatewayError),
@@ -151,22 +153,41 @@ pub(super) fn classify_reporting(
         .filter(|_| fetched.parts.status.is_success())
     {
         if let Err(why) = contract.check(&fetched.body) {
-            let failure = AttemptFailure::Rejected {
-                status,
-                detail: format!(
-                    "broke contract {}: {why}; answer: {}",
-                    contract.name,
-                    excerpt(&fetched.body)
-                ),
-            };
-            let error = UpstreamError::ContractViolation(why);
-            return (
-                Verdict::Fail(failure, Uncommitted::Error(error.into())),
-                None,
+            let detail = format!(
+                "broke contract {}: {why}; answer: {}",
+                contract.name,
+                excerpt(&fetched.body)
             );
+            let error = GatewayError::from(UpstreamError::ContractViolation(why));
+            let verdict = match breach(route, status, detail) {
+                failure @ AttemptFailure::Rejected { .. } => {
+                    Verdict::Fail(failure, Uncommitted::Error(error))
+                }
+                failure => Verdict::Unknown(failure, error),
+            };
+            return (verdict, None);
         }
     }
     (Verdict::Commit(replay::capture(&fetched)), None)
+}
+
+/// What a `2xx` that broke the route's contract means for its attempt
+/// (`docs/design.md` §6): a safe failure (`rejected`: failed over, and the
+/// job reopened for a retry) only on a route whose requests have no
+/// effect but their answer (`side_effect_free`). On any other, the
+/// upstream said it succeeded, so it may have acted: the outcome is
+/// unknown, never failed over nor run again on a retry until evidence or
+/// an operator settles it.
+fn breach(route: &Route, status: u16, detail: String) -> AttemptFailure {
+    match route.side_effect_free {
+        true => AttemptFailure::Rejected { status, detail },
+        false => AttemptFailure::Unknown {
+            detail: format!(
+                "{detail}; the {status} says the upstream acted, and the route is not \
+                 side_effect_free: outcome unknown"
+            ),
+        },
+    }
 }
 
 /// What a whole event stream means for its attempt, streamed or read
@@ -201,7 +222,8 @@ pub(super) enum StreamOutcome {
     NoEffect(AttemptFailure),
     /// It may have acted, and holds no answer to keep: cut.
     Unknown(String),
-    /// It broke the contract's events (`why`): a safe failure, cut.
+    /// It broke the contract's events (`why`) on a side-effect-free route:
+    /// a safe failure, cut.
     Rejected(AttemptFailure, String),
 }
 
@@ -247,7 +269,12 @@ pub(super) fn judge_stream(route: &Route, stored: &StoredResponse, call: Option<
                     contract.name,
                     excerpt(&stored.body)
                 );
-                StreamOutcome::Rejected(AttemptFailure::Rejected { status, detail }, why)
+                match breach(route, status, detail) {
+                    failure @ AttemptFailure::Rejected { .. } => {
+                        StreamOutcome::Rejected(failure, why)
+                    }
+                    failure => StreamOutcome::Unknown(failure.detail().to_owned()),
+                }
             }
             None => StreamOutcome::Commit,
         }

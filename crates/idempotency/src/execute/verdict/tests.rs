@@ -33,7 +33,10 @@ fn chat() -> Arc<Route> {
         probes: Vec::new(),
         recover_after: 2,
     };
-    testing::route(&["http://a:1"], |r| r.contract = Some(Arc::new(contract)))
+    testing::route(&["http://a:1"], |r| {
+        r.contract = Some(Arc::new(contract));
+        r.side_effect_free = true;
+    })
 }
 
 fn answered(status: u16, body: &'static str) -> Result<Fetched, UpstreamError> {
@@ -123,6 +126,19 @@ fn a_success_that_breaks_the_contract_is_rejected_and_an_error_is_not_checked() 
         ),
         "error answers are the upstream's own verdict"
     );
+}
+
+/// On a route that is not `side_effect_free`, a `2xx` that broke the
+/// contract says the upstream acted: unknown, never a safe failure to
+/// fail over from or run again.
+#[test]
+fn a_success_that_breaks_the_contract_of_a_route_with_effects_is_unknown() {
+    let mut route = (*chat()).clone();
+    route.side_effect_free = false;
+    assert!(matches!(
+        classify(answered(200, "not json"), &route, None),
+        Verdict::Unknown(AttemptFailure::Unknown { detail }, _) if detail.contains("side_effect_free")
+    ));
 }
 
 /// An MCP route.
