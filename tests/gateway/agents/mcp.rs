@@ -748,7 +748,7 @@ async fn a_polled_call_names_no_session() {
     let gateway = gateway(&store, &server).await;
     let location = polled_at(&gateway).await;
     gate.open(1);
-    let poll = || send(Method::GET, &location, &[], "");
+    let poll = || send(Method::GET, &location, &[AGENT], "");
     crate::support::eventually(
         std::time::Duration::from_secs(10),
         "the polled answer",
@@ -795,7 +795,7 @@ async fn a_polled_stream_neither_names_the_session_nor_asks_its_questions() {
     let live = {
         let location = location.clone();
         tokio::spawn(async move {
-            let accept = [("accept", "text/event-stream")];
+            let accept = [("accept", "text/event-stream"), AGENT];
             loop {
                 let polled = send(Method::GET, &location, &accept, "").await;
                 if polled.status != 202 {
@@ -813,7 +813,7 @@ async fn a_polled_stream_neither_names_the_session_nor_asks_its_questions() {
     .await;
     gate.open(2);
     let live = live.await.unwrap();
-    let answered = send(Method::GET, &location, &[], "").await;
+    let answered = send(Method::GET, &location, &[AGENT], "").await;
     for (polled, how) in [(live, "live"), (answered, "answered")] {
         assert_eq!(polled.status, 200, "{how}: {polled:?}");
         assert_eq!(polled.header("mcp-session-id"), None, "{how}");
@@ -826,9 +826,14 @@ async fn a_polled_stream_neither_names_the_session_nor_asks_its_questions() {
 
 /// Posts a keyed tool call (`id` 1) in session `s1`, preferring
 /// `respond-async`, and returns where its `202` says to poll its job.
+/// The agent's credential, which owns its calls: an anonymous call is
+/// never answered later (its poll would be anyone's).
+const AGENT: (&str, &str) = ("authorization", "Bearer agent");
+
 async fn polled_at(gateway: &Gateway) -> String {
     let call = tool_call(json!(1), "charge", json!({"amount": 5}), Some("k"));
     let headers = [
+        AGENT,
         ("content-type", "application/json"),
         ("accept", "application/json, text/event-stream"),
         ("mcp-session-id", "s1"),
