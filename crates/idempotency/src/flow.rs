@@ -251,9 +251,9 @@ impl Flow {
                     let Some(limit) = self.evidence_due(job.id).await else {
                         return Err(self.outcome_unknown(job.id).await);
                     };
-                    // Held as on a running job: one that asked to be
-                    // answered later is, after its `wait` (§10).
-                    self.driver.request.waits_on(job.id);
+                    // Not answered later (`Prefer: respond-async`): a
+                    // poll of an unknown job is told `409`, where this hold
+                    // gives the late answer (docs/design.md §10).
                     match self.hold_for_evidence(job.id, limit).await? {
                         Some(settled) => (job, write) = (settled, Write::Once),
                         None => return Err(self.outcome_unknown(job.id).await),

@@ -824,12 +824,12 @@ async fn a_polled_stream_neither_names_the_session_nor_asks_its_questions() {
     }
 }
 
-/// Posts a keyed tool call (`id` 1) in session `s1`, preferring
-/// `respond-async`, and returns where its `202` says to poll its job.
 /// The agent's credential, which owns its calls: an anonymous call is
 /// never answered later (its poll would be anyone's).
 const AGENT: (&str, &str) = ("authorization", "Bearer agent");
 
+/// Posts a keyed tool call (`id` 1) in session `s1`, preferring
+/// `respond-async`, and returns where its `202` says to poll its job.
 async fn polled_at(gateway: &Gateway) -> String {
     let call = tool_call(json!(1), "charge", json!({"amount": 5}), Some("k"));
     let headers = [

@@ -186,45 +186,9 @@ async fn an_anonymous_job_is_neither_accepted_nor_polled(store: TestStore) {
     }
 }
 
-/// A retry that asks to be answered later, of a job whose attempt went
-/// `unknown` at its first-byte timeout while its call goes on here, is
-/// held for that call's answer as for a running job: so it is accepted
-/// after its `wait` (`202`), then polled to the late answer. Before, it
-/// was held, `Prefer` unheard, until the answer came or the hold ran out.
-async fn a_retry_held_for_a_late_answer_is_accepted_too(store: TestStore) {
-    let gate = Gate::new();
-    let upstream = FakeUpstream::gated_echo(&gate, |_| true).await;
-    let gateway = Gateway::builder(&store, &upstream.url())
-        .set("upstream_timeout", "\"300ms\"")
-        .set("attempt_deadline", "\"30s\"")
-        .start()
-        .await;
-    let url = gateway.path("/v1/research");
-    let first = post_as(&url, "alice", "late-1", &[]).await;
-    assert_eq!(first.status, 504, "{first:?}");
-    let accepted = post_as(
-        &url,
-        "alice",
-        "late-1",
-        &[("prefer", "respond-async, wait=0")],
-    )
-    .await;
-    assert_eq!(accepted.status, 202, "{accepted:?}");
-    let location = accepted.header("location").unwrap().to_owned();
-    gate.open(1);
-    eventually(
-        Duration::from_secs(10),
-        "the late answer, polled",
-        || async { poll_as(&gateway, &location, Some("alice")).await.status == 200 },
-    )
-    .await;
-    assert_eq!(upstream.hits(), 1);
-}
-
 crate::on_each_deployment!(
     [embedded, postgres]
     a_long_call_is_accepted_at_once_then_polled_to_its_answer,
-    a_retry_held_for_a_late_answer_is_accepted_too,
     an_anonymous_job_is_neither_accepted_nor_polled,
     an_answer_ready_within_the_wait_is_given_at_once,
     a_route_that_answers_in_one_piece_waits,

@@ -448,6 +448,78 @@ async fn a_last_ask_that_errs_is_asked_again(store: TestStore) {
     silent.open(1);
 }
 
+/// The call ends (its connection closed) at 2.5 s, before the 5 s
+/// deadline, while the lookups' schedule still has an ask at 3.3 s; the
+/// ask made as it ends errs, and the backoff after it would put the
+/// schedule's next past the deadline. That ask is owed all the same: made
+/// after the backoff, its `404` reopens the job. Before, the schedule
+/// counted as not over when the ask was made, and nothing asked again.
+async fn a_last_ask_that_errs_before_the_deadline_is_asked_again(store: TestStore) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (posted, erred) = (
+        Arc::new(std::sync::Mutex::new(None)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let (seen, errs) = (posted.clone(), erred.clone());
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            let (seen, errs) = (seen.clone(), errs.clone());
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match socket.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                if head.starts_with(b"POST") {
+                    *seen.lock().unwrap() = Some(std::time::Instant::now());
+                    // Silent, then gone: the call ends without an answer.
+                    tokio::time::sleep(Duration::from_millis(2500)).await;
+                    return;
+                }
+                let since = seen
+                    .lock()
+                    .unwrap()
+                    .map(|at: std::time::Instant| at.elapsed());
+                let late = since.is_some_and(|t| t >= Duration::from_millis(2400));
+                let (status, body) = match late && !errs.swap(true, Ordering::SeqCst) {
+                    true => ("500 Internal Server Error", r#"{"error":"down"}"#),
+                    false => ("404 Not Found", r#"{"error":"no such charge"}"#),
+                };
+                let answer = format!(
+                    "HTTP/1.1 {status}\r\ncontent-type: application/json\r\n\
+                     content-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = socket.write_all(answer.as_bytes()).await;
+            });
+        }
+    });
+    let gateway = Gateway::builder(&store, &url)
+        .set("upstream_timeout", "\"300ms\"")
+        .set("attempt_deadline", "\"5s\"")
+        .tables(ROUTE)
+        .start()
+        .await;
+    let first = post(&gateway.path("/v1/charges"), "charge-9", "{}").await;
+    assert_eq!(first.status, 504, "{first:?}");
+    let job_id = first.job().unwrap();
+    eventually(Duration::from_secs(30), "the job reopened", || async {
+        gateway.job(&job_id).await["state"] == "open"
+    })
+    .await;
+    assert!(
+        erred.load(Ordering::SeqCst),
+        "the ask as the call ended erred"
+    );
+    let attempt = first_attempt(&gateway.job(&job_id).await).clone();
+    assert_eq!(attempt["lookups"]["last"]["result"], "settled_no_effect");
+}
+
 /// A late answer whose commit is held up (a transaction holds its job)
 /// past the 2 s its request waits for it: the call is not over while its
 /// answer may still commit, so a lookup's `404` meanwhile is held back,
@@ -1163,6 +1235,7 @@ crate::on_each_deployment!(
     a_lookup_404_while_the_call_is_out_keeps_the_job_unknown,
     a_404_held_back_is_asked_again_when_the_call_ends_at_its_deadline,
     a_last_ask_that_errs_is_asked_again,
+    a_last_ask_that_errs_before_the_deadline_is_asked_again,
     a_resend_answered_in_progress_is_never_the_answer,
     a_lookup_answering_500_asks_again_until_it_answers_200,
     a_bad_lookup_path_is_refused_at_start_up_naming_the_key,

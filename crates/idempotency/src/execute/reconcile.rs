@@ -164,8 +164,9 @@ pub(super) struct Reconciler {
 /// least.
 const SETTLE_AT_LEAST: Duration = Duration::from_secs(60);
 
-/// How many times more the last ask owed to a held-back "no record" is
-/// made when it errs (no answer, a `5xx`): each after the lookups'
+/// How many times more, past the lookups' schedule, the ask owed to a
+/// held-back "no record" is made when it errs (no answer, or one that
+/// neither settles nor says "no record" again): each after the lookups'
 /// backoff, so for a few minutes at most (`docs/design.md` §5).
 const LAST_ASK_RETRIES: u32 = 5;
 
@@ -242,7 +243,6 @@ impl Reconciler {
                     (now < self.started_at + self.deadline).then_some(Duration::ZERO)
                 }
             };
-            let scheduled = due.is_some();
             // The call has ended since a "no record" was held back for it:
             // asked again at once, even past the deadline (or, that ask
             // having erred, after a backoff).
@@ -305,11 +305,15 @@ impl Reconciler {
                 return;
             }
             not_before = Instant::now() + backoff(asked);
-            // The last ask, past the schedule, neither settled the attempt
-            // nor found "no record" again: it erred, and is owed once more.
-            let erred = after_call && !scheduled && !self.held_back.load(Ordering::Relaxed);
-            if erred && last_retries < LAST_ASK_RETRIES {
-                last_retries += 1;
+            // The ask owed as the call ended neither settled the attempt
+            // nor found "no record" again (it erred, or answered anything
+            // else): owed once more, after the backoff. Counted once the
+            // schedule has no ask left that would make it.
+            let erred = after_call && !self.held_back.load(Ordering::Relaxed);
+            let schedule_over =
+                SystemTime::now() + backoff(asked) >= self.started_at + self.deadline;
+            if erred && (!schedule_over || last_retries < LAST_ASK_RETRIES) {
+                last_retries += u32::from(schedule_over);
                 last_again = Some(not_before);
                 self.held_back.store(true, Ordering::Relaxed);
             }

@@ -134,9 +134,6 @@ impl Task {
             Call::Answered(result) => match self.classify(result) {
                 Verdict::Commit(stored) => self.commit(stored).await,
                 Verdict::Fail(failure, answer) => {
-                    if matches!(failure, AttemptFailure::Rejected { .. }) {
-                        metrics::counter!("idemgate_attempts_rejected_total").increment(1);
-                    }
                     self.record(failure, By::Upstream).await;
                     self.send(Reply::Failed(answer));
                 }
@@ -609,7 +606,6 @@ impl Task {
                 return;
             }
             StreamOutcome::Rejected(failure, _) => {
-                metrics::counter!("idemgate_attempts_rejected_total").increment(1);
                 self.record(failure, By::Upstream).await;
                 recording.cut();
                 return;

@@ -179,6 +179,14 @@ pub(super) fn classify_reporting(
 /// unknown, never failed over nor run again on a retry until evidence or
 /// an operator settles it.
 fn breach(route: &Route, status: u16, detail: String) -> AttemptFailure {
+    // Counted here, whatever it becomes: an operator sees every breach,
+    // and those on routes with effects each wait for a decision.
+    let outcome = if route.side_effect_free {
+        "rejected"
+    } else {
+        "unknown"
+    };
+    metrics::counter!("idemgate_attempts_rejected_total", "outcome" => outcome).increment(1);
     match route.side_effect_free {
         true => AttemptFailure::Rejected { status, detail },
         false => AttemptFailure::Unknown {
