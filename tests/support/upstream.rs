@@ -245,3 +245,19 @@ pub fn json_response(status: u16, value: serde_json::Value) -> Response<Full<Byt
         .body(Full::new(Bytes::from(value.to_string())))
         .unwrap()
 }
+
+/// Reads a request's head off a raw socket (an upstream that answers by
+/// hand: a status hyper would not send, a connection closed mid-call);
+/// `None` once the peer has gone.
+pub async fn read_head(socket: &mut tokio::net::TcpStream) -> Option<Vec<u8>> {
+    use tokio::io::AsyncReadExt;
+    let mut head = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        match socket.read(&mut buf).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => head.extend_from_slice(&buf[..n]),
+        }
+    }
+    Some(head)
+}

@@ -540,7 +540,7 @@ async fn admin_rejects_malformed_resolutions(store: TestStore) {
 /// outcome is unknown. Before, the typed 101 went down the streaming path
 /// and was committed, and every replay switched its client's connection.
 async fn an_upstreams_101_typed_as_a_stream_is_no_answer(store: TestStore) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let upstream = format!("http://{}", listener.local_addr().unwrap());
     let hits = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -549,13 +549,11 @@ async fn an_upstreams_101_typed_as_a_stream_is_no_answer(store: TestStore) {
         while let Ok((mut socket, _)) = listener.accept().await {
             counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             tokio::spawn(async move {
-                let mut head = Vec::new();
-                let mut buf = [0u8; 4096];
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match socket.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => head.extend_from_slice(&buf[..n]),
-                    }
+                if crate::support::upstream::read_head(&mut socket)
+                    .await
+                    .is_none()
+                {
+                    return;
                 }
                 let answer = "HTTP/1.1 101 Switching Protocols\r\n\
                               connection: upgrade\r\nupgrade: sse\r\n\

@@ -431,8 +431,20 @@ async fn a_last_ask_that_errs_is_asked_again(store: TestStore) {
     });
     upstream.arrival().await;
     *posted.lock().unwrap() = Some(std::time::Instant::now());
-    let first = first.await.unwrap();
-    assert_eq!(first.status, 504);
+    reopened_past_an_erring_ask(&gateway, &first.await.unwrap(), &erred).await;
+    assert_eq!(posts(&upstream), 1);
+    silent.open(1);
+}
+
+/// `first`, answered `504` (its attempt unknown), has its job reopened
+/// (30 s at most) by a lookup's `404`, after `erred`, the ask made as the
+/// call ended, had erred.
+async fn reopened_past_an_erring_ask(
+    gateway: &Gateway,
+    first: &crate::support::Reply,
+    erred: &AtomicBool,
+) {
+    assert_eq!(first.status, 504, "{first:?}");
     let job_id = first.job().unwrap();
     eventually(Duration::from_secs(30), "the job reopened", || async {
         gateway.job(&job_id).await["state"] == "open"
@@ -444,8 +456,6 @@ async fn a_last_ask_that_errs_is_asked_again(store: TestStore) {
     );
     let attempt = first_attempt(&gateway.job(&job_id).await).clone();
     assert_eq!(attempt["lookups"]["last"]["result"], "settled_no_effect");
-    assert_eq!(posts(&upstream), 1);
-    silent.open(1);
 }
 
 /// The call ends (its connection closed) at 2.5 s, before the 5 s
@@ -455,7 +465,7 @@ async fn a_last_ask_that_errs_is_asked_again(store: TestStore) {
 /// after the backoff, its `404` reopens the job. Before, the schedule
 /// counted as not over when the ask was made, and nothing asked again.
 async fn a_last_ask_that_errs_before_the_deadline_is_asked_again(store: TestStore) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let (posted, erred) = (
@@ -467,14 +477,9 @@ async fn a_last_ask_that_errs_before_the_deadline_is_asked_again(store: TestStor
         while let Ok((mut socket, _)) = listener.accept().await {
             let (seen, errs) = (seen.clone(), errs.clone());
             tokio::spawn(async move {
-                let mut head = Vec::new();
-                let mut buf = [0u8; 4096];
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match socket.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => head.extend_from_slice(&buf[..n]),
-                    }
-                }
+                let Some(head) = crate::support::upstream::read_head(&mut socket).await else {
+                    return;
+                };
                 if head.starts_with(b"POST") {
                     *seen.lock().unwrap() = Some(std::time::Instant::now());
                     // Silent, then gone: the call ends without an answer.
@@ -506,18 +511,7 @@ async fn a_last_ask_that_errs_before_the_deadline_is_asked_again(store: TestStor
         .start()
         .await;
     let first = post(&gateway.path("/v1/charges"), "charge-9", "{}").await;
-    assert_eq!(first.status, 504, "{first:?}");
-    let job_id = first.job().unwrap();
-    eventually(Duration::from_secs(30), "the job reopened", || async {
-        gateway.job(&job_id).await["state"] == "open"
-    })
-    .await;
-    assert!(
-        erred.load(Ordering::SeqCst),
-        "the ask as the call ended erred"
-    );
-    let attempt = first_attempt(&gateway.job(&job_id).await).clone();
-    assert_eq!(attempt["lookups"]["last"]["result"], "settled_no_effect");
+    reopened_past_an_erring_ask(&gateway, &first, &erred).await;
 }
 
 /// A late answer whose commit is held up (a transaction holds its job)
