@@ -164,8 +164,11 @@ impl Dispatch {
         match event {
             Event::Replied(id, reply) => self.replied(id, reply, now, eligible),
             Event::HedgeDue => {
-                self.hedge_pending = false;
-                if self.made >= self.route.max_attempts || self.running != 1 || self.claiming {
+                // One more attempt races the first, within the failover
+                // deadline (docs/design.md §6): not once one already does.
+                let armed = std::mem::replace(&mut self.hedge_pending, false);
+                let spent = !armed || self.made >= self.route.max_attempts || now >= self.deadline;
+                if spent || self.running != 1 || self.claiming {
                     return Vec::new();
                 }
                 self.claim(Joining::Hedge, eligible).into_iter().collect()
@@ -231,6 +234,11 @@ impl Dispatch {
                 self.running += 1;
                 if how == Joining::Claim {
                     self.version = attempt.job_version;
+                }
+                // A hedge already races (past an unknown attempt): the
+                // timer's one more attempt is spent, or a third would start.
+                if how == Joining::Hedge {
+                    self.hedge_pending = false;
                 }
                 Vec::new()
             }

@@ -204,6 +204,32 @@ async fn hedging_starts_a_second_attempt_once_and_the_first_commit_wins() {
     let _ = first;
 }
 
+/// The hedge timer starts one more attempt beside the first, not a third:
+/// not once a hedge already races beside an unknown attempt, and not past
+/// the failover deadline. Before, the timer fired with the hedge running
+/// (one attempt running, as it checked) and started another.
+#[tokio::test(start_paused = true)]
+async fn the_hedge_timer_never_starts_a_third_call_nor_one_past_the_deadline() {
+    let route = testing::route(&["http://a:1", "http://b:1", "http://c:1"], |r| {
+        r.side_effect_free = true;
+        r.hedge_after = Some(Duration::from_millis(500));
+    });
+    let (mut d, first) = dispatch(route.clone());
+    let steps = d.on(Event::Replied(first.id, timed_out()), Instant::now(), &all);
+    let (_, how, _) = claim_target(&steps);
+    assert_eq!(how, Joining::Hedge);
+    let target = route.fallbacks[0].clone();
+    let claimed = Event::Claimed(Joining::Hedge, target, Ok(Some(attempt(2, 1))));
+    assert!(d.on(claimed, Instant::now(), &all).is_empty());
+    assert!(!d.hedge_armed(), "the hedge is spent");
+    assert!(d.on(Event::HedgeDue, Instant::now(), &all).is_empty());
+
+    let (mut d, _) = dispatch(route);
+    tokio::time::advance(Duration::from_secs(3600)).await;
+    let steps = d.on(Event::HedgeDue, Instant::now(), &all);
+    assert!(steps.is_empty(), "past the failover deadline: {steps:?}");
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_store_error_claiming_a_hedge_keeps_waiting_for_the_running_attempt() {
     let (mut d, first) = dispatch(testing::hedged());
