@@ -131,6 +131,9 @@ fn enter(
         .get(http::header::EXPECT)
         .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
     hop::strip_but(req.headers_mut(), Some(&IDEMPOTENCY_KEY));
+    // As an HTTP/1 parser leaves them, whatever the version: one
+    // credential, one owner (docs/design.md §15, "Headers").
+    spelling::trim_values(req.headers_mut());
     let trusted = req
         .extensions()
         .get::<ClientAddr>()

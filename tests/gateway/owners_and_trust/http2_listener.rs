@@ -213,3 +213,43 @@ async fn an_http2_clients_split_cookies_reach_the_upstream_as_one_line() {
     let lines: Vec<_> = seen[0].headers.get_all("cookie").iter().collect();
     assert_eq!(lines, ["a=1; sid=alice; b=2"]);
 }
+
+/// A credential sent with whitespace around it over HTTP/2 (which hands a
+/// value over as sent, where HTTP/1 trims it) is the same owner: the
+/// retry over either protocol replays the one call. Before, each padding
+/// named another owner, and each retry ran again.
+#[tokio::test]
+async fn an_http2_owner_with_whitespace_around_it_is_the_same_owner() {
+    let store = TestStore::embedded();
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::builder(&store, &upstream.url()).start().await;
+    let (mut sender, _driving) = h2_client(&gateway).await;
+    for owner in [
+        "Bearer alice",
+        "Bearer alice ",
+        " Bearer alice",
+        "Bearer alice\t",
+    ] {
+        let request = Request::post("http://api.example.com/v1/charges")
+            .header("authorization", owner)
+            .header("idempotency-key", "ws-1")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap();
+        let answer = sender.send_request(request).await.unwrap();
+        assert_eq!(answer.status(), 200, "{owner:?}");
+    }
+    let h1 = crate::support::send(
+        http::Method::POST,
+        &gateway.path("/v1/charges"),
+        &[
+            ("authorization", "Bearer alice"),
+            ("idempotency-key", "ws-1"),
+            ("content-type", "application/json"),
+        ],
+        "{}",
+    )
+    .await;
+    assert_eq!(h1.status, 200);
+    assert_eq!(upstream.hits(), 1, "one owner, one call");
+}

@@ -4,7 +4,33 @@
 //! not set means removing every spelling of it (nginx drops names with `_`
 //! by default for this reason; `docs/design.md` §15).
 
-use http::header::{HeaderMap, HeaderName};
+use http::header::{HeaderMap, HeaderName, HeaderValue};
+
+/// Trims the whitespace around each header value, in place. An HTTP/1
+/// parser drops it (RFC 9110 §5.5); HTTP/2 hands a value over as sent
+/// (RFC 9113 §8.2.1 calls such a field malformed, and hyper passes it
+/// on), so `Bearer alice ` over HTTP/2 would name another owner than the
+/// same credential over HTTP/1, and its retry would run again. A request
+/// with no padded value, nearly every one, costs a look at each value's
+/// ends and allocates nothing.
+pub fn trim_values(headers: &mut HeaderMap) {
+    let padded = |v: &HeaderValue| {
+        let b = v.as_bytes();
+        b.first().is_some_and(u8::is_ascii_whitespace)
+            || b.last().is_some_and(u8::is_ascii_whitespace)
+    };
+    if !headers.values().any(padded) {
+        return;
+    }
+    for value in headers.values_mut().filter(|v| padded(v)) {
+        let sensitive = value.is_sensitive();
+        // The trimmed bytes of a valid value are a valid value.
+        if let Ok(mut trimmed) = HeaderValue::from_bytes(value.as_bytes().trim_ascii()) {
+            trimmed.set_sensitive(sensitive);
+            *value = trimmed;
+        }
+    }
+}
 
 /// Removes each of `names`, and any header that is one of them once its
 /// `_` are read as `-` (names are lowercase already, so the match is
@@ -38,6 +64,20 @@ fn folds_to(sent: &HeaderName, name: &HeaderName) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn values_lose_their_surrounding_whitespace_only() {
+        let mut h = HeaderMap::new();
+        h.insert("authorization", HeaderValue::from_static("Bearer alice \t"));
+        h.append("x-a", HeaderValue::from_static(" a  b "));
+        h.append("x-a", HeaderValue::from_static("c"));
+        h.insert("x-empty", HeaderValue::from_static("  "));
+        trim_values(&mut h);
+        assert_eq!(h["authorization"], "Bearer alice");
+        let a: Vec<_> = h.get_all("x-a").iter().collect();
+        assert_eq!(a, ["a  b", "c"], "inner whitespace and order kept");
+        assert_eq!(h["x-empty"], "");
+    }
 
     #[test]
     fn removes_the_name_and_its_underscore_spellings_only() {
