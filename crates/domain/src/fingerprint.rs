@@ -167,16 +167,44 @@ fn frame(h: &mut Sha256, bytes: &[u8]) {
 /// Hashes a multipart `body` as the pieces between its delimiters: a
 /// line break, `--` and the `boundary` (RFC 2046 §5.1.1: no part may hold
 /// one, and a parser ends a part at the first), or `--` and the boundary
-/// where the body starts. The boundary spelled anywhere else (mid-line) is
+/// where the body starts, each a whole delimiter line ([`delimits`]). The
+/// boundary spelled anywhere else (mid-line, or with more on its line) is
 /// a part's content, as a parser reads it, and hashed as such.
 fn framed_parts(h: &mut Sha256, body: &[u8], boundary: &[u8]) {
     let opening = [b"--", boundary].concat();
-    let (opened, rest) = match body.strip_prefix(opening.as_slice()) {
+    let (opened, rest) = match body
+        .strip_prefix(opening.as_slice())
+        .filter(|r| delimits(r))
+    {
         Some(rest) => (1, rest),
         None => (0, body),
     };
     h.update([opened]);
-    framed_without(h, rest, &[b"\r\n--", boundary].concat());
+    let cut = [b"\r\n--", boundary].concat();
+    let delimiters: Vec<usize> = memchr::memmem::find_iter(rest, &cut)
+        .filter(|&at| delimits(&rest[at + cut.len()..]))
+        .collect();
+    h.update(((delimiters.len() + 1) as u64).to_be_bytes());
+    let mut from = 0;
+    for at in delimiters {
+        frame(h, &rest[from..at]);
+        from = at + cut.len();
+    }
+    frame(h, &rest[from..]);
+}
+
+/// Whether what follows `--` and a boundary ends its line as a delimiter
+/// does (RFC 2046 §5.1.1): `--` for the last, then any spaces or tabs,
+/// then a line break or the body's end. `--AAAAX` is a part's content,
+/// as a parser reads it, not `--AAAA` and `X`.
+fn delimits(after: &[u8]) -> bool {
+    let after = after.strip_prefix(b"--").unwrap_or(after);
+    let padding = after
+        .iter()
+        .take_while(|&&b| b == b' ' || b == b'\t')
+        .count();
+    let rest = &after[padding..];
+    rest.is_empty() || rest.starts_with(b"\r\n")
 }
 
 /// Hashes a `Content-Type` line without its `boundary` parameter's value:
@@ -397,6 +425,18 @@ mod tests {
             multipart("B1", false, "x--B1"),
             multipart("B2", false, "x--B2")
         );
+        // Nor at a line's start with more on its line: no delimiter.
+        // Before, `--AAAA` was cut there, and the two were one request.
+        assert_ne!(
+            multipart("AAAA", false, "pay alice\r\n--AAAAX"),
+            multipart("BBBB", false, "pay alice\r\n--BBBBX")
+        );
+        for delimiter in [&b"\r\n"[..], b"--\r\n", b"  \t\r\n", b"--", b""] {
+            assert!(delimits(delimiter), "{delimiter:?}");
+        }
+        for content in [&b"X\r\n"[..], b"--X", b" x\r\n", b"\n"] {
+            assert!(!delimits(content), "{content:?}");
+        }
         assert_eq!(
             multipart_boundary([&b"multipart/form-data; boundary=a; boundary=b"[..]]),
             None,
