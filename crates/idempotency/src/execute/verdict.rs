@@ -179,23 +179,22 @@ pub(super) fn classify_reporting(
 /// unknown, never failed over nor run again on a retry until evidence or
 /// an operator settles it.
 fn breach(route: &Route, status: u16, detail: String) -> AttemptFailure {
+    let (outcome, failure) = match route.side_effect_free {
+        true => ("rejected", AttemptFailure::Rejected { status, detail }),
+        false => (
+            "unknown",
+            AttemptFailure::Unknown {
+                detail: format!(
+                    "{detail}; the {status} says the upstream acted, and the route is not \
+                     side_effect_free: outcome unknown"
+                ),
+            },
+        ),
+    };
     // Counted here, whatever it becomes: an operator sees every breach,
     // and those on routes with effects each wait for a decision.
-    let outcome = if route.side_effect_free {
-        "rejected"
-    } else {
-        "unknown"
-    };
     metrics::counter!("idemgate_attempts_rejected_total", "outcome" => outcome).increment(1);
-    match route.side_effect_free {
-        true => AttemptFailure::Rejected { status, detail },
-        false => AttemptFailure::Unknown {
-            detail: format!(
-                "{detail}; the {status} says the upstream acted, and the route is not \
-                 side_effect_free: outcome unknown"
-            ),
-        },
-    }
+    failure
 }
 
 /// What a whole event stream means for its attempt, streamed or read
