@@ -23,7 +23,7 @@ use uuid::Uuid;
 use super::*;
 use crate::route::Route;
 use crate::testing;
-use idemgate_domain::attempt::{Attempt, AttemptFailure, NewAttempt, Resolution};
+use idemgate_domain::attempt::{Attempt, AttemptFailure, AttemptState, NewAttempt, Resolution};
 use idemgate_domain::id::{AttemptId, JobId};
 use idemgate_domain::job::{Job, JobDetail, JobState, NewJob};
 use idemgate_domain::key::{IdempotencyKey, Owner};
@@ -53,6 +53,10 @@ struct Faults {
     marked_for: Mutex<Vec<Duration>>,
     hedged: Notify,
     begun: Notify,
+    /// Whether a hedge's claim, once written, waits to be told to answer
+    /// (its reply still on its way back), and the telling.
+    hold_hedge_replies: bool,
+    hedge_replies: Notify,
 }
 
 /// The in-memory store with faults injected.
@@ -191,7 +195,11 @@ impl Store for Faulty {
         if self.faults.fail_hedges {
             return Err(down());
         }
-        self.inner.hedge_attempt(job, version, attempt).await
+        let claimed = self.inner.hedge_attempt(job, version, attempt).await;
+        if self.faults.hold_hedge_replies {
+            self.faults.hedge_replies.notified().await;
+        }
+        claimed
     }
     async fn move_on_attempt(
         &self,
@@ -364,6 +372,48 @@ async fn a_store_error_during_a_hedge_claim_answers_with_the_primarys_commit() {
     upstream.release("primary");
     let (status, body) = read(request.await.unwrap().unwrap()).await;
     assert_eq!((status, body.as_ref()), (200, b"primary".as_ref()));
+}
+
+/// The race is decided while a hedge's claim is out, the claim already
+/// written: the hedge is never sent (before, it ran to its end beside the
+/// winner, a paid call, or beside a stream whose commit it could beat),
+/// and it is settled `superseded`.
+#[tokio::test(start_paused = true)]
+async fn a_hedge_claimed_after_the_race_was_decided_is_never_sent() {
+    let faults = Faults {
+        hold_hedge_replies: true,
+        ..Faults::default()
+    };
+    let (mut service, faults, store, upstream) = gateway(testing::hedged(), faults);
+    let request = tokio::spawn(service.call(keyed("k")));
+    // The hedge timer fires; its claim is written, its reply held…
+    faults.hedged.notified().await;
+    // …while the primary answers and wins.
+    upstream.release("primary");
+    let (status, body) = read(request.await.unwrap().unwrap()).await;
+    assert_eq!((status, body.as_ref()), (200, b"primary".as_ref()));
+    faults.hedge_replies.notify_one();
+    let (owner, key) = (Owner::anonymous(), IdempotencyKey::new("k").unwrap());
+    let mut hedge = None;
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let found = store.find_job(&owner, &key).await.unwrap().unwrap();
+        let settled = found.attempts.iter().find(|a| a.number == 2);
+        if let Some(a) = settled.filter(|a| a.state != AttemptState::Started) {
+            hedge = Some(a.clone());
+            break;
+        }
+    }
+    let hedge = hedge.expect("the hedge's attempt is settled");
+    assert_eq!(hedge.state, AttemptState::Superseded, "{hedge:?}");
+    assert!(hedge.detail.as_deref().unwrap_or("").contains("never sent"));
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(
+        upstream.calls.load(Ordering::SeqCst),
+        1,
+        "only the primary was called"
+    );
 }
 
 #[tokio::test(start_paused = true)]

@@ -15,12 +15,56 @@ use idemgate_domain::id::AttemptId;
 use idemgate_proxy::http::AnsweredBy;
 use idemgate_store::StoreError;
 
-/// The attempts one request runs: their replies, and how to cancel them.
+/// The race of one request's attempts: how to cancel each, and its
+/// winner once one answered. Shared by the request's drive and its claims
+/// still out, under a lock: an attempt is started and entered here in one
+/// step, and the winner decided in another, so a claim that lands after
+/// the race was decided starts nothing, and one that started just before
+/// is cancelled with the other losers (`docs/design.md` §6: once an
+/// answer streams, no other upstream is tried).
+#[derive(Default)]
+pub(crate) struct Race {
+    winner: Option<AttemptId>,
+    cancels: Vec<(AttemptId, CancellationToken)>,
+}
+
+impl Race {
+    /// Starts an attempt with `start` unless the race is decided, and
+    /// enters it; `None` when it was decided (nothing was started).
+    pub(crate) fn start(&mut self, start: impl FnOnce() -> Running) -> Option<Running> {
+        if self.winner.is_some() {
+            return None;
+        }
+        let running = start();
+        self.enter(running.attempt.id, &running.cancel);
+        Some(running)
+    }
+
+    /// Enters an attempt started before the race could be decided (the
+    /// request's first); once.
+    pub(crate) fn enter(&mut self, id: AttemptId, cancel: &CancellationToken) {
+        if !self.cancels.iter().any(|(entered, _)| *entered == id) {
+            self.cancels.push((id, cancel.clone()));
+        }
+    }
+
+    /// `winner` won: every other attempt is cancelled, and none starts.
+    pub(crate) fn decide(&mut self, winner: AttemptId) {
+        self.winner = Some(winner);
+        for (id, cancel) in &self.cancels {
+            if *id != winner && !cancel.is_cancelled() {
+                tracing::info!(winner = %winner, loser = %id, "race decided; cancelling the losing attempt");
+                cancel.cancel();
+            }
+        }
+    }
+}
+
+/// The attempts one request runs: their replies, and who each is.
 #[derive(Default)]
 pub(crate) struct Attempts {
     pub(crate) replies:
         FuturesUnordered<futures_util::future::BoxFuture<'static, (AttemptId, Reply)>>,
-    cancels: Vec<(AttemptId, CancellationToken)>,
     /// Who each attempt is, for the answer's [`AnsweredBy`].
     started: Vec<(AttemptId, i32, Arc<str>)>,
 }
@@ -31,7 +75,6 @@ impl Attempts {
         let attempt = &running.attempt;
         self.started
             .push((id, attempt.number, Arc::from(attempt.upstream.as_str())));
-        self.cancels.push((id, running.cancel));
         let reply = running.reply;
         self.replies.push(Box::pin(async move {
             let reply = reply.await.unwrap_or_else(|_| {
@@ -91,16 +134,6 @@ impl Attempts {
             number: *number,
             upstream: upstream.clone(),
         })
-    }
-
-    /// Cancels every attempt but the winner.
-    pub(crate) fn cancel_all_but(&self, winner: AttemptId) {
-        for (id, cancel) in &self.cancels {
-            if *id != winner && !cancel.is_cancelled() {
-                tracing::info!(winner = %winner, loser = %id, "race decided; cancelling the losing attempt");
-                cancel.cancel();
-            }
-        }
     }
 }
 

@@ -16,7 +16,7 @@ use http::Response;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::attempts::{joined, Attempts};
+use super::attempts::{joined, Attempts, Race};
 use super::machine::{Dispatch, Event, Joining, Step};
 use crate::error::GatewayError;
 use crate::execute::{Runner, Running, UpstreamService};
@@ -49,6 +49,8 @@ pub(crate) struct Driver {
     /// The attempt a problem answer is about (an unknown outcome's), for
     /// the access log (`docs/design.md` §12).
     answered_by: std::sync::Mutex<Option<AnsweredBy>>,
+    /// Its attempts' race, shared with its claims still out.
+    race: std::sync::Mutex<Race>,
 }
 
 impl Driver {
@@ -60,7 +62,12 @@ impl Driver {
             request,
             upstream,
             answered_by: std::sync::Mutex::new(None),
+            race: std::sync::Mutex::default(),
         })
+    }
+
+    fn race(&self) -> std::sync::MutexGuard<'_, Race> {
+        self.race.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The attempt a problem answer of [`Driver::drive`] is about.
@@ -108,7 +115,9 @@ impl Driver {
 
     /// Claims (hedges, or moves on to) the next attempt of `job` (which
     /// expires at `expires_at`) on `target` and starts it, in a task of its
-    /// own (see the module docs); `None` when the job moved on.
+    /// own (see the module docs); `None` when the job moved on, or when
+    /// the request's race was decided while the claim was out: that
+    /// attempt is then settled `superseded`, never sent.
     pub(crate) fn claim(
         self: &Arc<Self>,
         (job, expires_at): (JobId, SystemTime),
@@ -127,7 +136,16 @@ impl Driver {
                 Joining::MoveOn => store.move_on_attempt(job, version, next).await,
             }
             .inspect_err(|e| unsent(&driver.shared.runner, id, e))?;
-            Ok(claimed.map(|attempt| driver.start(&target, attempt, expires_at)))
+            let Some(attempt) = claimed else {
+                return Ok(None);
+            };
+            let started = driver
+                .race()
+                .start(|| driver.start(&target, attempt, expires_at));
+            if started.is_none() {
+                driver.shared.runner.superseded_unsent(id);
+            }
+            Ok(started)
         })
     }
 
@@ -155,6 +173,7 @@ impl Driver {
         let mut dispatch =
             Dispatch::new(route.clone(), &first.attempt, Instant::now(), retry_after);
         let mut attempts = Attempts::default();
+        self.race().enter(first.attempt.id, &first.cancel);
         attempts.watch(first);
         // The attempt whose answer won the race, once one has.
         let mut winner = None;
@@ -186,7 +205,7 @@ impl Driver {
                         claims.push(async move { (how, target, joined(claim).await) });
                     }
                     Step::CancelAllBut(won) => {
-                        attempts.cancel_all_but(won);
+                        self.race().decide(won);
                         winner = Some(won);
                     }
                     Step::Reread => {

@@ -257,6 +257,11 @@ impl Dispatch {
             Ok(None) => vec![Step::Hold],
             Err(e) => {
                 tracing::warn!(error = %Chain(&e), "could not start another attempt; waiting for the ones running");
+                // Not tried: a failover after the running attempt fails
+                // may still take it.
+                if self.running > 0 {
+                    self.untried.push_front(target);
+                }
                 self.store_error = Some(e);
                 if self.running > 0 {
                     Vec::new()
@@ -271,6 +276,12 @@ impl Dispatch {
     fn next(&mut self, now: Instant, eligible: &dyn Fn(&UpstreamSettings) -> bool) -> Vec<Step> {
         if self.running > 0 || self.claiming {
             return Vec::new();
+        }
+        // Every attempt of ours lost its commit (a hedge's claim was out
+        // when the last did): someone else moved the job on, a winner or
+        // an operator. Read who, as a lost race with no claim out does.
+        if self.last.is_none() && self.unknown.is_none() {
+            return vec![Step::Reread];
         }
         // An unknown outcome blocks, unless the route may hedge (its
         // requests have no external side effects).

@@ -148,24 +148,50 @@ impl Runner {
     /// reply was lost"). Written until the store takes it, up to the
     /// attempt's deadline; an attempt that was never written is left so.
     pub(crate) fn never_sent(&self, attempt: AttemptId) {
+        let failure = AttemptFailure::Failed {
+            status: None,
+            detail: NEVER_SENT.into(),
+        };
+        let said = "an attempt whose start was written though its reply was lost is settled failed: it was never sent";
+        self.settle_unsent(attempt, failure, said);
+    }
+
+    /// Settles `attempt`, claimed to race the request's others and never
+    /// started because one of them had won meanwhile (`docs/design.md`
+    /// §6), `superseded`, as a loser cancelled before its call.
+    pub(crate) fn superseded_unsent(&self, attempt: AttemptId) {
+        let failure = AttemptFailure::Superseded {
+            detail: "never sent: another attempt of the job had already won".into(),
+        };
+        let said =
+            "an attempt claimed as its race was decided is settled superseded: it was never sent";
+        self.settle_unsent(attempt, failure, said);
+    }
+
+    /// Records how an attempt that was never sent ended, in the
+    /// background, until the store takes it (up to an attempt's deadline).
+    fn settle_unsent(&self, attempt: AttemptId, failure: AttemptFailure, said: &'static str) {
         let store = self.store.clone();
         let deadline = Instant::now() + self.config.deadline;
         self.background.spawn(async move {
             let write = || {
-                let store = store.clone();
+                let (store, failure) = (store.clone(), failure.clone());
                 async move {
-                    let failure = AttemptFailure::Failed {
-                        status: None,
-                        detail: NEVER_SENT.into(),
-                    };
                     match store.fail_attempt(attempt, failure).await {
                         Err(StoreError::NotFound(_)) => Ok(false),
                         done => done,
                     }
                 }
             };
-            if let Ok(true) = idemgate_store::retrying(("record", idemgate_store::LAPSES), attempt, deadline, write).await {
-                tracing::info!(%attempt, "an attempt whose start was written though its reply was lost is settled failed: it was never sent");
+            if let Ok(true) = idemgate_store::retrying(
+                ("record", idemgate_store::LAPSES),
+                attempt,
+                deadline,
+                write,
+            )
+            .await
+            {
+                tracing::info!(%attempt, "{said}");
             }
         });
     }

@@ -312,3 +312,54 @@ async fn a_lost_race_with_nothing_else_running_reads_the_winner() {
     );
     assert!(matches!(steps.as_slice(), [Step::Reread]));
 }
+
+/// A hedge refused because the job moved on (an operator settled the
+/// first attempt meanwhile, and its late commit lost), with nothing of
+/// ours failed: the job is read, not answered with a failure nobody had.
+/// Each of the three ways on answered 500: the hedge's upstream claimed
+/// again (then refused, and held for an open job), none eligible any
+/// more, the failover deadline passed.
+#[tokio::test(start_paused = true)]
+async fn a_hedge_refused_after_our_attempt_lost_its_commit_reads_the_job() {
+    fn none(_: &UpstreamSettings) -> bool {
+        false
+    }
+    /// Whether any upstream is eligible then, and the seconds passed.
+    type Way = (fn(&UpstreamSettings) -> bool, u64);
+    let ways: [Way; 3] = [(all, 0), (none, 0), (all, 3600)];
+    for (eligible, later) in ways {
+        let (mut d, first) = dispatch(testing::hedged());
+        let steps = d.on(Event::HedgeDue, Instant::now(), &all);
+        assert_eq!(claim_target(&steps).1, Joining::Hedge);
+        let steps = d.on(
+            Event::Replied(first.id, Reply::Superseded),
+            Instant::now(),
+            &all,
+        );
+        assert!(steps.is_empty(), "the hedge's claim is out: {steps:?}");
+        tokio::time::advance(Duration::from_secs(later)).await;
+        let target = testing::hedged().fallbacks[0].clone();
+        let steps = d.on(
+            Event::Claimed(Joining::Hedge, target, Ok(None)),
+            Instant::now(),
+            &eligible,
+        );
+        assert!(matches!(steps.as_slice(), [Step::Reread]), "{steps:?}");
+    }
+}
+
+/// A hedge whose claim the store failed was not tried: when the running
+/// attempt then fails safely, the failover takes that upstream, not the
+/// one after it (nor none).
+#[tokio::test(start_paused = true)]
+async fn a_hedge_the_store_failed_to_claim_leaves_its_upstream_to_the_failover() {
+    let (mut d, first) = dispatch(testing::hedged());
+    let (target, how, _) = claim_target(&d.on(Event::HedgeDue, Instant::now(), &all));
+    let upstream = testing::hedged().fallbacks[0].clone();
+    let error = Err(StoreError::Unavailable("down".into()));
+    assert!(d
+        .on(Event::Claimed(how, upstream, error), Instant::now(), &all)
+        .is_empty());
+    let steps = d.on(Event::Replied(first.id, refused()), Instant::now(), &all);
+    assert_eq!(claim_target(&steps), (target, Joining::Claim, 1));
+}
