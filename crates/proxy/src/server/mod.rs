@@ -160,8 +160,10 @@ impl Protocols {
         // (keepalive.rs).
         h1.timer(TokioTimer::new())
             .header_read_timeout(None)
-            // hyper's read buffer bounds the header block (it cannot go below
-            // 8 KiB); past it the answer is 431.
+            // Past it the answer is 431. The read buffer's bound alone let a
+            // head that came whole in one read through at up to twice it.
+            .max_header_size(limits.max_header_size)
+            // hyper's read buffer (it cannot go below 8 KiB).
             .max_buf_size(limits.max_header_size.max(8192));
         let mut h2 = http2::Builder::new(TokioExecutor::new());
         h2.timer(TokioTimer::new())

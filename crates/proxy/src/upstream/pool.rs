@@ -196,7 +196,9 @@ impl Pool {
             .oneshot(self.base.clone())
             .await
             .map_err(UpstreamError::Refused)?;
-        let (sender, connection) = http1::handshake(io)
+        let (sender, connection) = http1::Builder::new()
+            .max_header_size(MAX_ANSWER_HEAD)
+            .handshake(io)
             .await
             .map_err(|e| UpstreamError::Refused(Box::new(e)))?;
         tokio::spawn(async move {
@@ -207,6 +209,13 @@ impl Pool {
         Ok(sender)
     }
 }
+
+/// The most bytes of an answer's head (status line and headers) an
+/// upstream may send; a longer one is an error, as nginx's "upstream sent
+/// too big header" (`docs/design.md` §18, "An answer's head"). Without it
+/// hyper takes heads as long as its read buffer, 400 KiB and more, and a
+/// head is stored and replayed with its answer.
+const MAX_ANSWER_HEAD: usize = 64 << 10;
 
 /// hyper's future for an answer's head, which hyper does not name.
 type Answer =
