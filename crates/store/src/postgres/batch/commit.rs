@@ -91,7 +91,7 @@ async fn send(pool: &Pool, mut batch: Vec<Waiting<CommitRequest>>) {
     match commit_many(pool, &batch).await {
         Ok(mut won) => {
             for waiting in batch {
-                let answer = won.remove(&waiting.request.job);
+                let answer = won.remove(&(waiting.request.job, waiting.request.attempt));
                 waiting.answer(Ok(answer));
             }
         }
@@ -108,12 +108,14 @@ async fn answer_alone(pool: &Pool, requests: Vec<Waiting<CommitRequest>>) {
     futures_util::future::join_all(alone).await;
 }
 
-/// One statement for all of `batch`: the jobs it committed, by id, and
-/// whether each is watched.
+/// One statement for all of `batch`: the commits that won, by job and
+/// attempt, and whether each job is watched. A batch holds a job once
+/// ([`Batched::key`]); told by job and attempt both, a second commit of
+/// one job could still never hear the first's win as its own.
 async fn commit_many(
     pool: &Pool,
     batch: &[Waiting<CommitRequest>],
-) -> Result<HashMap<Uuid, Committed>, StoreError> {
+) -> Result<HashMap<(Uuid, Uuid), Committed>, StoreError> {
     let client = Postgres::pooled(pool).await?;
     let statement = client.prepare_cached(COMMIT_MANY).await.map_err(map_pg)?;
     let columns = Columns::of(batch.iter().map(|w| &w.request));
@@ -126,7 +128,7 @@ async fn commit_many(
         .iter()
         .map(|row| {
             let watched = row.get(1);
-            (row.get(0), Committed { won: true, watched })
+            ((row.get(0), row.get(2)), Committed { won: true, watched })
         })
         .collect())
 }
@@ -208,7 +210,7 @@ const COMMIT_ONE: &str = "WITH locked AS MATERIALIZED ( \
 /// update takes, so an attempt's insert (which locks its job for the
 /// foreign key) is not held up; a job or an attempt another transaction
 /// holds is skipped, as by [`COMMIT_ONE`], and its commit goes to the
-/// locked path. One row per job committed. Both CASes check that the
+/// locked path. One row per job committed, with the attempt that won. Both CASes check that the
 /// attempt is the job's.
 const COMMIT_MANY: &str = "WITH input AS ( \
        SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::smallint[], $4::bigint[], \
@@ -232,7 +234,7 @@ const COMMIT_MANY: &str = "WITH input AS ( \
        FROM won w WHERE a.id = w.attempt_id \
        RETURNING a.id \
      ) \
-     SELECT id, watched FROM won";
+     SELECT id, watched, attempt_id FROM won";
 
 /// The batched statement's parameters.
 struct Columns<'a> {
