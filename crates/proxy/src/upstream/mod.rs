@@ -460,10 +460,10 @@ where
     read_body(parts, body, limit, &progress, None).await
 }
 
-/// Reads the rest of an answer whose head arrived, at most `limit` bytes
-/// with its head ([`head_size`]: the head is stored and replayed too),
-/// counting every received frame on `progress`, and the head and the
-/// buffer it fills on
+/// Reads the rest of an answer whose head arrived, at most `limit` bytes,
+/// counting every received frame on `progress`, and the head
+/// ([`head_size`]: it is stored and replayed too) and the buffer it fills
+/// on
 /// `charge`, each byte `weight` times (itself and the copies its commit
 /// makes): an answer the memory budget has no room for is not read on
 /// ([`UpstreamError::OverBudget`], `docs/design.md` §18). The buffer is
@@ -477,16 +477,12 @@ pub async fn read_body(
 ) -> Result<Fetched, UpstreamError> {
     let declared = http_body::Body::size_hint(&body).exact();
     let declared = declared.map_or(0, |n| usize::try_from(n).unwrap_or(usize::MAX));
-    // The head is stored and replayed with the body: it counts against
-    // the same limit, and is held whatever the budget says (it is read).
-    let head = head_size(&parts.headers);
-    if head > limit {
-        return Err(UpstreamError::ResponseTooLarge { limit });
-    }
+    // The head is stored and replayed with the body: it is counted, held
+    // whatever the budget says (it was read). `limit` is the body's, as
+    // operators size it; the head has its own bound (`MAX_ANSWER_HEAD`).
     if let Some((charge, weight)) = charge {
-        charge.add(head * weight);
+        charge.add(head_size(&parts.headers) * weight);
     }
-    let limit = limit - head;
     let mut buf = bytes::BytesMut::new();
     let mut room = Room { charge, taken: 0 };
     room.grow(&mut buf, declared.min(limit))?;
@@ -494,9 +490,7 @@ pub async fn read_body(
         let frame = frame.map_err(|e| UpstreamError::Broken(Box::new(e)))?;
         if let Some(data) = frame.data_ref() {
             if buf.len() + data.len() > limit {
-                return Err(UpstreamError::ResponseTooLarge {
-                    limit: limit + head,
-                });
+                return Err(UpstreamError::ResponseTooLarge { limit });
             }
             if buf.len() + data.len() > buf.capacity() {
                 let wanted = (buf.len() + data.len()).max(buf.capacity() * 2).min(limit);
