@@ -51,8 +51,18 @@ pub enum Request {
     /// tool, or a tool call the gateway took for another message, unkeyed.
     /// Refused, as a member named twice is.
     Miscased(String),
+    /// A message whose envelope names a member twice (or twice but for
+    /// case), at this pointer: `"method":"tools/call",…,"method":"ping"`
+    /// is a ping here (the last counts) and a tool call, unkeyed, to a
+    /// parser that keeps the first. Refused.
+    NamedTwice(String),
+    /// Not JSON in UTF-8 (a UTF-8 byte order mark aside): another charset,
+    /// a `Content-Encoding`, not JSON at all. MCP's messages are JSON in
+    /// UTF-8, and one the gateway cannot read could be a keyed tool call
+    /// that a lenient server reads and runs, on every retry. Refused.
+    Unreadable,
     /// Anything else: another method, a notification, a response, a batch
-    /// without a tool call, or not JSON-RPC at all. Passed through.
+    /// without a tool call, JSON that is not JSON-RPC. Passed through.
     Other,
 }
 
@@ -103,10 +113,13 @@ fn pointer(at: &str, name: &str) -> String {
 
 /// What `body`, a POST to an MCP endpoint, is.
 pub fn request(body: &[u8]) -> Request {
+    // A byte order mark is no part of the JSON, and parsers skip it
+    // (Python's, Node's body parsers): read past it, as they do.
+    let body = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body);
     let trimmed = body.trim_ascii_start();
     if trimmed.first() == Some(&b'[') {
         let Ok(Value::Array(items)) = serde_json::from_slice::<Value>(body) else {
-            return Request::Other;
+            return Request::Unreadable;
         };
         if let Some(at) = items
             .iter()
@@ -114,6 +127,13 @@ pub fn request(body: &[u8]) -> Request {
             .find_map(|(n, item)| miscased(item).map(|at| format!("/{n}{at}")))
         {
             return Request::Miscased(at);
+        }
+        let items_at = elements(body).unwrap_or_default();
+        if let Some(at) = items_at.iter().enumerate().find_map(|(n, at)| {
+            let members = members(&body[at.clone()])?;
+            twice(&members, &format!("/{n}"))
+        }) {
+            return Request::NamedTwice(at);
         }
         let calls: Vec<&Value> = items.iter().filter(|item| is_tool_call(item)).collect();
         if calls.is_empty() {
@@ -123,10 +143,14 @@ pub fn request(body: &[u8]) -> Request {
         return Request::BatchWithToolCall { keyed };
     }
     let Ok(value) = serde_json::from_slice::<Value>(body) else {
-        return Request::Other;
+        return Request::Unreadable;
     };
     if let Some(at) = miscased(&value) {
         return Request::Miscased(at);
+    }
+    let top = members(body).unwrap_or_default();
+    if let Some(at) = twice(&top, "") {
+        return Request::NamedTwice(at);
     }
     if !is_tool_call(&value) {
         return Request::Other;
@@ -140,7 +164,6 @@ pub fn request(body: &[u8]) -> Request {
         .and_then(Value::as_str)
         .unwrap_or_default()
         .to_owned();
-    let top = members(body).unwrap_or_default();
     let id = span(body, &top, "id").unwrap_or(b"null").to_vec();
     let params = span(body, &top, "params").and_then(|p| Some((p, members(p)?)));
     let arguments = params
@@ -150,8 +173,9 @@ pub fn request(body: &[u8]) -> Request {
     let meta = params
         .as_ref()
         .and_then(|(params, inner)| members(span(params, inner, "_meta")?));
-    let named_twice = twice(&top, "")
-        .or_else(|| twice(&params.as_ref()?.1, "/params"))
+    let named_twice = params
+        .as_ref()
+        .and_then(|(_, inner)| twice(inner, "/params"))
         .or_else(|| twice(meta.as_ref()?, "/params/_meta"));
     Request::ToolCall(ToolCall {
         id,
@@ -409,6 +433,30 @@ pub fn members(json: &[u8]) -> Option<Vec<(String, Range<usize>)>> {
     (skip_ws(json, value_end(json, start)?) == json.len()).then_some(list)
 }
 
+/// Where each element of `json`, which must hold one JSON array
+/// (whitespace around it allowed), lies.
+fn elements(json: &[u8]) -> Option<Vec<Range<usize>>> {
+    let start = skip_ws(json, 0);
+    if json.get(start) != Some(&b'[') {
+        return None;
+    }
+    let mut out = Vec::new();
+    let mut i = skip_ws(json, start + 1);
+    if json.get(i) == Some(&b']') {
+        return Some(out);
+    }
+    loop {
+        let end = value_end(json, i)?;
+        out.push(i..end);
+        i = skip_ws(json, end);
+        match json.get(i)? {
+            b',' => i = skip_ws(json, i + 1),
+            b']' => return Some(out),
+            _ => return None,
+        }
+    }
+}
+
 fn members_from(b: &[u8], start: usize) -> Option<Vec<(String, Range<usize>)>> {
     if b.get(start) != Some(&b'{') {
         return None;
@@ -599,10 +647,24 @@ mod tests {
             r#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#,
             r#"{"jsonrpc":"2.0","id":1,"result":{}}"#,
             r#"[{"jsonrpc":"2.0","id":1,"method":"tools/list"}]"#,
-            "not json",
         ] {
             assert_eq!(request(other.as_bytes()), Request::Other, "{other}");
         }
+        for unreadable in ["not json", "[1,", "\u{feff}\u{feff}{}"] {
+            assert_eq!(request(unreadable.as_bytes()), Request::Unreadable);
+        }
+        let bom = "\u{feff}{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"tools/call\",\"params\":{\"name\":\"x\"}}";
+        assert!(matches!(request(bom.as_bytes()), Request::ToolCall(_)));
+        let twice = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{},"method":"ping"}"#;
+        assert_eq!(
+            request(twice.as_bytes()),
+            Request::NamedTwice("/method".into())
+        );
+        let batch = format!("[{{}}, {twice}]");
+        assert_eq!(
+            request(batch.as_bytes()),
+            Request::NamedTwice("/1/method".into())
+        );
         let batch = r#"[{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"x"}}]"#;
         assert_eq!(
             request(batch.as_bytes()),

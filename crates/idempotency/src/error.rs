@@ -111,6 +111,11 @@ pub enum ClientError {
         "a batch may not hold a keyed tools/call: send each keyed call as a request of its own"
     )]
     KeyedBatch,
+    /// A POST to an MCP route that is not JSON in UTF-8 (`docs/design.md`
+    /// §19): a keyed tool call in it could not be seen, and would run on
+    /// every retry at a server that reads it anyway.
+    #[error("an MCP route reads every POST as a JSON-RPC message, JSON in UTF-8 (a Content-Encoding or another charset is not read): send the message so")]
+    UnreadableMessage,
     /// A polled job that does not exist, expired, or is another owner's
     /// (`Prefer: respond-async`): the same answer for each.
     #[error("no job of yours is at this place: it never existed, it expired, or it is not yours")]
@@ -272,6 +277,11 @@ impl ClientError {
                 StatusCode::BAD_REQUEST,
                 "keyed-batch",
                 "A JSON-RPC batch holds a keyed tool call",
+            ),
+            ClientError::UnreadableMessage => p(
+                StatusCode::BAD_REQUEST,
+                "unreadable-message",
+                "Not a JSON-RPC message in UTF-8",
             ),
             ClientError::BadResumePoint(_) => p(
                 StatusCode::BAD_REQUEST,

@@ -19,7 +19,7 @@ async fn gateway(store: &TestStore, server: &FakeMcp, keys: &str) -> Gateway {
 }
 
 /// POSTs `body` to the MCP endpoint with `extra` headers.
-async fn post(gateway: &Gateway, body: String, extra: &[(&str, &str)]) -> Reply {
+async fn post(gateway: &Gateway, body: impl Into<bytes::Bytes>, extra: &[(&str, &str)]) -> Reply {
     let mut headers = vec![
         ("content-type", "application/json"),
         ("accept", "application/json, text/event-stream"),
@@ -130,8 +130,56 @@ async fn a_bad_key_header_is_refused_only_where_it_is_the_key(store: TestStore) 
     assert_eq!(server.runs("charge"), 1);
 }
 
+/// A POST the gateway cannot read as JSON in UTF-8 could be a keyed tool
+/// call that a lenient server reads (Python's `json.loads` takes UTF-16,
+/// Node's body parsers inflate gzip) and runs on every retry: it is
+/// refused `400 …/unreadable-message`. A message whose envelope names a
+/// member twice is refused whatever its method, alone or in a batch: the
+/// last `method` made it a ping here, the first a tool call to a parser
+/// that keeps it. A UTF-8 byte order mark is read past, so the call after
+/// it is keyed. Before, each passed through unkeyed, and the tool ran
+/// again on every retry (an attacker's review).
+async fn a_message_read_two_ways_or_not_at_all_is_refused(store: TestStore) {
+    let server = FakeMcp::start(Answering::Json, None).await;
+    let gateway = gateway(&store, &server, "").await;
+    let call = tool_call(json!(1), "charge", json!({"amount": 5}), Some("bom"));
+    let bom = [b"\xEF\xBB\xBF".as_slice(), call.to_string().as_bytes()].concat();
+    let first = post(&gateway, bom.clone(), &[]).await;
+    let again = post(&gateway, bom, &[]).await;
+    assert!(first.job().is_some(), "keyed: {:?}", first.headers);
+    assert_eq!(first.job(), again.job());
+    let ran = server.runs("charge");
+
+    let utf16 = tool_call(json!(2), "charge", json!({}), Some("u16")).to_string();
+    let utf16: Vec<u8> = [0xFF, 0xFE]
+        .into_iter()
+        .chain(utf16.encode_utf16().flat_map(u16::to_le_bytes))
+        .collect();
+    let gzip = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03not json".to_vec();
+    let charset = [("content-type", "application/json; charset=utf-16")];
+    let encoded = [("content-encoding", "gzip"), ("idempotency-key", "gz")];
+    for (body, extra) in [(utf16, &charset[..]), (gzip, &encoded[..])] {
+        let refused = post(&gateway, body, extra).await;
+        assert_eq!(refused.status, 400, "{extra:?}");
+        assert_eq!(refused.problem(), "unreadable-message");
+    }
+
+    let method = r#"{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"charge","arguments":{},"_meta":{"idempotencyKey":"m2"}},"method":"ping"}"#;
+    let id = r#"{"jsonrpc":"2.0","id":4,"method":"tools/call","params":{"name":"charge","arguments":{},"_meta":{"idempotencyKey":"i2"}},"id":null}"#;
+    let batch = format!("[{method}]");
+    for (body, member) in [(method, "/method"), (id, "/id"), (&batch, "/0/method")] {
+        let refused = post(&gateway, body.to_owned(), &[]).await;
+        assert_eq!(refused.status, 400, "{body}");
+        assert_eq!(refused.problem(), "ambiguous-json");
+        let detail = refused.problem_detail();
+        assert!(detail.contains(member), "{member}: {detail}");
+    }
+    assert_eq!(server.runs("charge"), ran, "nothing more ran");
+}
+
 crate::on_each_deployment!(
     [embedded, postgres]
+    a_message_read_two_ways_or_not_at_all_is_refused,
     a_tool_call_naming_a_member_twice_is_refused,
     a_batch_is_refused_where_keys_are_required,
     a_bad_key_header_is_refused_only_where_it_is_the_key,

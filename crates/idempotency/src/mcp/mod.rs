@@ -67,9 +67,12 @@ pub(crate) async fn prepare(
         }
         // Read one way here and another by the server: neither passed nor
         // keyed (docs/design.md §19).
-        jsonrpc::Request::Miscased(pointer) => {
+        jsonrpc::Request::Miscased(pointer) | jsonrpc::Request::NamedTwice(pointer) => {
             return Err(ClientError::from(AmbiguousJson { pointer }).into())
         }
+        // What the gateway cannot read may be a keyed call a lenient
+        // server reads: neither passed nor keyed (docs/design.md §19).
+        jsonrpc::Request::Unreadable => return Err(ClientError::UnreadableMessage.into()),
         _ => {
             let (store, instance) = (shared.runner.store.as_ref(), shared.runner.instance);
             let message = (&parts, &body[..]);
