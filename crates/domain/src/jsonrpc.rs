@@ -18,7 +18,8 @@ use crate::key::KeyError;
 /// and the key it carries in `params._meta.idempotencyKey`, if any.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ToolCall {
-    /// The request's `id`, as written (a number or a string).
+    /// The request's `id`, as written (a number or a string; `null` when
+    /// it has none, or a null one: [`ToolCall::has_id`]).
     pub id: Vec<u8>,
     /// The tool.
     pub name: String,
@@ -201,10 +202,18 @@ fn twice(members: &[(String, Range<usize>)], at: &str) -> Option<String> {
 /// Where a tool call carries its key.
 const KEY: &str = "/params/_meta/idempotencyKey";
 
-/// A request (it has an `id`) whose method is `tools/call`.
+/// A message whose method is `tools/call`: a request, or one spelled as
+/// a notification (no `id`, or a null one) that a server may run all
+/// the same, so that it cannot pass a key by unseen.
 fn is_tool_call(value: &Value) -> bool {
     value.get("method").and_then(Value::as_str) == Some("tools/call")
-        && value.get("id").is_some_and(|id| !id.is_null())
+}
+
+impl ToolCall {
+    /// Whether it has an `id` its answer can be addressed to.
+    pub fn has_id(&self) -> bool {
+        self.id != b"null"
+    }
 }
 
 /// `response`, a JSON-RPC response object, addressed to `id` instead: its
@@ -643,13 +652,19 @@ mod tests {
     fn other_messages_pass_and_a_keyed_batch_is_told_apart() {
         for other in [
             r#"{"jsonrpc":"2.0","id":1,"method":"tools/list"}"#,
-            r#"{"jsonrpc":"2.0","method":"tools/call","params":{"name":"x"}}"#,
             r#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#,
             r#"{"jsonrpc":"2.0","id":1,"result":{}}"#,
             r#"[{"jsonrpc":"2.0","id":1,"method":"tools/list"}]"#,
         ] {
             assert_eq!(request(other.as_bytes()), Request::Other, "{other}");
         }
+        for no_id in [
+            r#"{"jsonrpc":"2.0","method":"tools/call","params":{"name":"x"}}"#,
+            r#"{"jsonrpc":"2.0","id":null,"method":"tools/call","params":{"name":"x"}}"#,
+        ] {
+            assert!(!tool_call(no_id).has_id(), "{no_id}");
+        }
+        assert!(tool_call(r#"{"id":"null","method":"tools/call"}"#).has_id());
         for unreadable in ["not json", "[1,", "\u{feff}\u{feff}{}"] {
             assert_eq!(request(unreadable.as_bytes()), Request::Unreadable);
         }

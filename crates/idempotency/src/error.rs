@@ -116,6 +116,12 @@ pub enum ClientError {
     /// every retry at a server that reads it anyway.
     #[error("an MCP route reads every POST as a JSON-RPC message, JSON in UTF-8 (a Content-Encoding or another charset is not read): send the message so")]
     UnreadableMessage,
+    /// A keyed `tools/call` with no `id`, or a null one (`docs/design.md`
+    /// §19): an answer could not be addressed to it.
+    #[error(
+        "a keyed tools/call needs an id (a number or a string) its answer can be addressed to"
+    )]
+    KeyedCallWithoutId,
     /// A polled job that does not exist, expired, or is another owner's
     /// (`Prefer: respond-async`): the same answer for each.
     #[error("no job of yours is at this place: it never existed, it expired, or it is not yours")]
@@ -277,6 +283,11 @@ impl ClientError {
                 StatusCode::BAD_REQUEST,
                 "keyed-batch",
                 "A JSON-RPC batch holds a keyed tool call",
+            ),
+            ClientError::KeyedCallWithoutId => p(
+                StatusCode::BAD_REQUEST,
+                "keyed-call-without-id",
+                "A keyed tool call has no id",
             ),
             ClientError::UnreadableMessage => p(
                 StatusCode::BAD_REQUEST,

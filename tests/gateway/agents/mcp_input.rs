@@ -137,8 +137,9 @@ async fn a_bad_key_header_is_refused_only_where_it_is_the_key(store: TestStore) 
 /// member twice is refused whatever its method, alone or in a batch: the
 /// last `method` made it a ping here, the first a tool call to a parser
 /// that keeps it. A UTF-8 byte order mark is read past, so the call after
-/// it is keyed. Before, each passed through unkeyed, and the tool ran
-/// again on every retry (an attacker's review).
+/// it is keyed, and a keyed call without an id is refused. Before, each
+/// passed through unkeyed, and the tool ran again on every retry (an
+/// attacker's review).
 async fn a_message_read_two_ways_or_not_at_all_is_refused(store: TestStore) {
     let server = FakeMcp::start(Answering::Json, None).await;
     let gateway = gateway(&store, &server, "").await;
@@ -173,6 +174,17 @@ async fn a_message_read_two_ways_or_not_at_all_is_refused(store: TestStore) {
         assert_eq!(refused.problem(), "ambiguous-json");
         let detail = refused.problem_detail();
         assert!(detail.contains(member), "{member}: {detail}");
+    }
+    // A keyed call spelled as a notification (no id, or a null one): no
+    // answer could be addressed to it (so a problem, not a JSON-RPC
+    // error), and it passed, running every time.
+    let null_id = r#"{"jsonrpc":"2.0","id":null,"method":"tools/call","params":{"name":"charge","arguments":{}}}"#;
+    let no_id = r#"{"jsonrpc":"2.0","method":"tools/call","params":{"name":"charge","arguments":{},"_meta":{"idempotencyKey":"n1"}}}"#;
+    let header = [("idempotency-key", "n0")];
+    for (body, extra) in [(null_id, &header[..]), (no_id, &[][..])] {
+        let refused = post(&gateway, body.to_owned(), extra).await;
+        assert_eq!(refused.status, 400, "{body}");
+        assert_eq!(refused.problem(), "keyed-call-without-id");
     }
     assert_eq!(server.runs("charge"), ran, "nothing more ran");
 }

@@ -113,6 +113,11 @@ pub(crate) async fn prepare(
         }
         return passing(parts, body);
     };
+    // Keyed, its answer must be addressed: one spelled as a notification
+    // would otherwise pass, and run on every retry.
+    if !call.has_id() {
+        return Err(refused(ClientError::KeyedCallWithoutId));
+    }
     let owner = shared.trust.owner(&route.owner, &parts)?;
     let resume = resume_point(&parts)?;
     let path = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
