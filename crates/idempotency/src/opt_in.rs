@@ -22,7 +22,7 @@ use idemgate_domain::sse::ResumePoint;
 use idemgate_proxy::budget::Charge;
 use idemgate_proxy::http::{
     collect_charged, detach_head, Body, CollectError, EVENTS_RECEIVED, IDEMPOTENCY_KEY,
-    LAST_EVENT_ID,
+    LAST_EVENT_ID, TAKEN_AHEAD,
 };
 use idemgate_proxy::upstream::Target;
 use idemgate_trust::Trust;
@@ -294,8 +294,9 @@ pub(crate) fn parse_charge(
 }
 
 /// The whole body, held against the memory budget: a request is taken only
-/// while the budget has room for the length it declares, and one without a
-/// length only while its body keeps fitting. A refused body's rest (past
+/// while the budget has room for the first [`TAKEN_AHEAD`] bytes of the
+/// length it declares, and goes on only while the rest, taken as it
+/// arrives, keeps fitting (as one without a length does). A refused body's rest (past
 /// the route's `body_limit`, `413`; past the budget, `503`) is read and
 /// dropped after the answer, as any body answered unread is
 /// (`idemgate_proxy::http::linger`, `docs/design.md` §18). Its `owner`
@@ -314,7 +315,9 @@ pub(crate) async fn read(
     if hint.lower() > limit as u64 {
         return Err(ClientError::BodyTooLarge { limit }.into());
     }
-    let declared = hint.exact().map_or(0, |n| n as usize);
+    // Admitted with the first of its declared length; the rest is taken
+    // as it arrives (`collect_charged`).
+    let declared = hint.exact().map_or(0, |n| n as usize).min(TAKEN_AHEAD);
     let share = owner
         .filter(|o| **o != Owner::anonymous())
         .map(Owner::as_str);

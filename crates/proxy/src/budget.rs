@@ -3,8 +3,9 @@
 //! attempts record, and replays copied out of Redis or the store.
 //!
 //! A keyed request is [admitted](Budget::admit) only while the budget has
-//! room for what it declares it will send; its [`Charge`] then grows as its
-//! body is read, as its attempts' answers arrive and as a replay is copied,
+//! room for the first of what it declares it will send
+//! ([`TAKEN_AHEAD`](crate::http::TAKEN_AHEAD)); its [`Charge`] then grows
+//! as its body is read, as its attempts' answers arrive and as a replay is copied,
 //! and gives every byte back when the last holder drops it: the request,
 //! each attempt it started (which may outlive the client) and the answer's
 //! body until it is sent. Past the budget a *new* keyed request is refused

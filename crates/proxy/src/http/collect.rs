@@ -44,9 +44,16 @@ where
     }
 }
 
+/// The most of a declared length a keyed request is admitted with
+/// before any of its body arrives (`docs/design.md` §18, "Taken as it
+/// arrives"): a length costs nothing to declare, and reserving it whole
+/// let connections that sent nothing hold the budget.
+pub const TAKEN_AHEAD: usize = 64 << 10;
+
 /// Reads a keyed request's whole body, at most `limit` bytes, into one
-/// buffer: sized once by its declared length (which `charge` was admitted
-/// with), or grown as it comes, each growth taken from the budget first
+/// buffer: started at its declared length up to [`TAKEN_AHEAD`] (what
+/// `charge` was admitted with), then grown as the bytes come (doubling, to
+/// the declared length at most), each growth taken from the budget first
 /// (`OverBudget` when there is no room). Pieces are copied as they arrive
 /// and dropped, so a body is held once, never twice. What is left of a
 /// refused body stays in `body`, read after the refusal is answered
@@ -61,24 +68,38 @@ pub async fn collect_charged(
         return Err(CollectError::TooLarge { limit });
     }
     let declared = hint.exact().map_or(0, |n| n as usize);
-    let mut buf = BytesMut::with_capacity(declared);
-    // The admission took the declared length (one byte at least).
-    let mut charged = declared.max(1);
+    let mut buf = BytesMut::with_capacity(declared.min(TAKEN_AHEAD));
+    // The admission took that much (one byte at least).
+    let mut charged = declared.clamp(1, TAKEN_AHEAD);
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| CollectError::Read(Box::new(e)))?;
         let Ok(data) = frame.into_data() else {
             continue;
         };
-        if buf.len() + data.len() > limit {
+        let needed = buf.len() + data.len();
+        if needed > limit {
             return Err(CollectError::TooLarge { limit });
         }
-        buf.extend_from_slice(&data);
-        // A buffer that grew is charged for what it now holds, allocated or
-        // not: the old one is freed, the new one is what stays.
-        if buf.capacity() > charged {
-            if !charge.try_add(buf.capacity() - charged) {
+        if needed > buf.capacity() {
+            // Counted before it is allocated; to the declared length, not
+            // past it, when the body said how long it is.
+            let most = if declared >= needed { declared } else { limit };
+            let wanted = needed.max(buf.capacity() * 2).min(most);
+            if wanted > charged && !charge.try_add(wanted - charged) {
                 return Err(CollectError::OverBudget);
             }
+            charged = charged.max(wanted);
+            // A buffer of that size exactly: `reserve` would double past
+            // the declared length.
+            let mut grown = BytesMut::with_capacity(wanted);
+            grown.extend_from_slice(&buf);
+            buf = grown;
+        }
+        buf.extend_from_slice(&data);
+        // The allocator may give more than asked: counted, whatever the
+        // budget says (it is held).
+        if buf.capacity() > charged {
+            charge.add(buf.capacity() - charged);
             charged = buf.capacity();
         }
     }
@@ -92,6 +113,25 @@ mod tests {
     use super::*;
     use crate::budget::Budget;
     use crate::http::BodyError;
+
+    /// `body`, declaring a length of `.1`.
+    struct WithLength<B>(B, u64);
+
+    impl<B: http_body::Body + Unpin> http_body::Body for WithLength<B> {
+        type Data = B::Data;
+        type Error = B::Error;
+
+        fn poll_frame(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Result<http_body::Frame<B::Data>, B::Error>>> {
+            std::pin::Pin::new(&mut self.0).poll_frame(cx)
+        }
+
+        fn size_hint(&self) -> http_body::SizeHint {
+            http_body::SizeHint::with_exact(self.1)
+        }
+    }
 
     /// A body of `pieces`, with no declared length.
     fn chunked(pieces: Vec<&'static [u8]>) -> Body {
@@ -125,6 +165,34 @@ mod tests {
         assert!(matches!(refused, Err(CollectError::OverBudget)));
         drop((charge, other));
         assert_eq!(budget.in_use(), 0, "everything given back");
+    }
+
+    /// A declared length is taken ahead only up to [`TAKEN_AHEAD`]: a body
+    /// that declares 1 MiB holds 64 KiB until more of it comes, then what
+    /// it holds, doubling, and never more than its length.
+    #[tokio::test]
+    async fn a_declared_body_past_what_is_taken_ahead_is_charged_as_it_arrives() {
+        let budget = Budget::new(4 << 20);
+        let charge = budget.admit(TAKEN_AHEAD).unwrap();
+        let (sender, mut receiver) = tokio::sync::mpsc::channel::<Bytes>(1);
+        let frames = futures_util::stream::poll_fn(move |cx| receiver.poll_recv(cx));
+        let frames =
+            futures_util::StreamExt::map(frames, |b| Ok::<_, BodyError>(http_body::Frame::data(b)));
+        let mut body = WithLength(StreamBody::new(frames), 1 << 20).boxed();
+        let reading = tokio::spawn(async move {
+            let read = collect_charged(&mut body, 2 << 20, &charge).await;
+            (read, charge)
+        });
+        sender.send(Bytes::from(vec![1u8; 32 << 10])).await.unwrap();
+        tokio::task::yield_now().await;
+        assert_eq!(budget.in_use(), TAKEN_AHEAD, "nothing past what came");
+        for _ in 0..31 {
+            sender.send(Bytes::from(vec![2u8; 32 << 10])).await.unwrap();
+        }
+        drop(sender);
+        let (read, charge) = reading.await.unwrap();
+        assert_eq!(read.unwrap().len(), 1 << 20);
+        assert_eq!(charge.bytes(), 1 << 20, "its length, not past it");
     }
 
     #[tokio::test]

@@ -20,7 +20,7 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
 
-pub use collect::{collect_charged, collect_limited, CollectError};
+pub use collect::{collect_charged, collect_limited, CollectError, TAKEN_AHEAD};
 pub use detach::detach_head;
 pub use holding::Holding;
 
