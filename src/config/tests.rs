@@ -767,6 +767,58 @@ fn a_jwt_leeway_is_checked_at_start_up() {
     assert!(err.message.contains("belong to a `jwt` source"), "{err}");
 }
 
+/// Two `jwt` sources reading one claim from one header are two issuers'
+/// (design §15, "Several issuers"): each must name its own `issuer`, or
+/// the second issuer's `alice` would be the first's; named, each knows
+/// the other's, and the other sources are left as they were.
+#[test]
+fn two_jwt_sources_on_one_header_each_name_their_issuer() {
+    let secret = "s".repeat(32);
+    let source = |issuer: &str| {
+        format!("{{ jwt = \"sub\", secret = {{ value = {secret:?} }}, algorithms = [\"HS256\"]{issuer} }}")
+    };
+    let settings = |a: &str, b: &str| {
+        let text = format!(
+            "[owner]\nsources = [{}, {}, {{ header = \"x-key\" }}]\n",
+            source(a),
+            source(b)
+        );
+        Settings::from_sources(Settings::parse_file(&text).unwrap(), flags_with_upstream())
+    };
+    let (a, b) = (", issuer = \"https://a\"", ", issuer = \"https://b\"");
+    for (first, second, key) in [
+        ("", b, "owner.sources[0]"),
+        (a, "", "owner.sources[0]"),
+        (a, a, "owner.sources[0]"),
+    ] {
+        let err = settings(first, second).unwrap_err();
+        assert_eq!(err.key, key, "{first} {second}");
+        assert!(err.message.contains("give each its own `issuer`"), "{err}");
+    }
+    let both = settings(a, b).unwrap();
+    let beside = |n: usize| match &both.owner.sources[n] {
+        OwnerSource::Jwt(jwt) => jwt.beside.clone(),
+        other => panic!("not a JWT source: {other:?}"),
+    };
+    assert_eq!(beside(0), ["https://b"]);
+    assert_eq!(beside(1), ["https://a"]);
+    assert_eq!(
+        both.owner.sources[0].label(),
+        "jwt:authorization:sub:https://a"
+    );
+    assert_eq!(both.owner.sources[2].label(), "header:x-key");
+    let alone = Settings::from_sources(
+        Settings::parse_file(&format!("[owner]\nsources = [{}]\n", source(a))).unwrap(),
+        flags_with_upstream(),
+    )
+    .unwrap();
+    assert_eq!(
+        alone.owner.sources[0].label(),
+        "jwt:authorization:sub",
+        "a source alone keeps its owners"
+    );
+}
+
 /// An upstream's or a route's silence longer than `attempt_deadline` would
 /// be cut short at the deadline without a word: refused, naming its key
 /// and the deadline to raise. One as long as the deadline is taken.

@@ -159,16 +159,58 @@ pub(super) fn owner_rule(
                 "name at least one source, e.g. sources = [{ header = \"authorization\" }]; to let keyed requests go without an owner, set allow_anonymous = true",
             ))
         }
-        Some(written) => written
-            .iter()
-            .enumerate()
-            .map(|(i, s)| source(&format!("{key}.sources[{i}]"), s, base))
-            .collect::<Result<_, _>>()?,
+        Some(written) => {
+            let sources = written
+                .iter()
+                .enumerate()
+                .map(|(i, s)| source(&format!("{key}.sources[{i}]"), s, base))
+                .collect::<Result<_, _>>()?;
+            side_by_side(&format!("{key}.sources"), sources)?
+        }
     };
     Ok(OwnerRule {
         sources,
         allow_anonymous: file.allow_anonymous.unwrap_or(inherited.allow_anonymous),
     })
+}
+
+/// Several issuers' tokens on one header (`docs/design.md` §15, "Several
+/// issuers"): the `jwt` sources of one list that read the same claim from
+/// the same header each know the others' issuers, so that a token one of
+/// them made is left to it; each must name its own `issuer`, which is
+/// then part of the owner.
+fn side_by_side(key: &str, mut sources: Vec<OwnerSource>) -> Result<Vec<OwnerSource>, ConfigError> {
+    /// What a `jwt` source reads (its header and claim), and its issuer.
+    type Reads = (http::HeaderName, String, Option<String>);
+    let read = |s: &OwnerSource| match s {
+        OwnerSource::Jwt(jwt) => Some((jwt.from.clone(), jwt.claim.clone(), jwt.issuer.clone())),
+        _ => None,
+    };
+    let all: Vec<Option<Reads>> = sources.iter().map(read).collect();
+    for (i, source) in sources.iter_mut().enumerate() {
+        let (Some((from, claim, issuer)), OwnerSource::Jwt(jwt)) = (&all[i], source) else {
+            continue;
+        };
+        let same = |(j, other): (usize, &Option<Reads>)| {
+            let (f, c, iss) = other.as_ref()?;
+            (j != i && f == from && c == claim).then(|| iss.clone())
+        };
+        let beside: Vec<Option<String>> = all.iter().enumerate().filter_map(same).collect();
+        if beside.is_empty() {
+            continue;
+        }
+        let distinct = issuer.is_some() && beside.iter().all(|b| b.is_some() && b != issuer);
+        if !distinct {
+            return Err(bad(
+                format!("{key}[{i}]"),
+                format!("another jwt source reads `{claim}` from `{from}`: give each its own `issuer`, which tells their tokens, and their owners, apart"),
+            ));
+        }
+        let mut with = (**jwt).clone();
+        with.beside = beside.into_iter().flatten().collect();
+        *jwt = Arc::new(with);
+    }
+    Ok(sources)
 }
 
 /// The default: the `Authorization` header (or `owner_header`), no
@@ -304,6 +346,8 @@ fn jwt(key: &str, claim: &str, s: &SourceFile, base: &Path) -> Result<JwtSource,
         )?,
         keys,
         validation,
+        issuer: s.issuer.clone(),
+        beside: Vec::new(),
     })
 }
 

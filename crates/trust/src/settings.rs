@@ -38,6 +38,7 @@ pub enum OwnerSource {
 
 /// A JWT owner source: where the token is, how it is verified, which claim
 /// names the owner.
+#[derive(Clone)]
 pub struct JwtSource {
     /// The claim whose value is the owner (`sub`).
     pub claim: String,
@@ -48,6 +49,13 @@ pub struct JwtSource {
     /// Algorithms, expiry, not-before (within `leeway`), audience and
     /// issuer (required where configured).
     pub validation: Validation,
+    /// Its `issuer`, where configured.
+    pub issuer: Option<String>,
+    /// The issuers of the other sources of its list that read the same
+    /// claim from the same header (`docs/design.md` §15, "Several
+    /// issuers"): a token one of them made is theirs to verify, not
+    /// refused here, and the issuer is then part of the owner.
+    pub beside: Vec<String>,
 }
 
 impl std::fmt::Debug for JwtSource {
@@ -77,7 +85,12 @@ impl OwnerSource {
         match self {
             OwnerSource::Header(name) => format!("header:{name}"),
             OwnerSource::Cookie(name) => format!("cookie:{name}"),
-            OwnerSource::Jwt(jwt) => format!("jwt:{}:{}", jwt.from, jwt.claim),
+            // Alone on its header and claim, as it always was; beside
+            // others, its issuer tells the owners of their tokens apart.
+            OwnerSource::Jwt(jwt) => match (&jwt.issuer, jwt.beside.is_empty()) {
+                (Some(issuer), false) => format!("jwt:{}:{}:{issuer}", jwt.from, jwt.claim),
+                _ => format!("jwt:{}:{}", jwt.from, jwt.claim),
+            },
             OwnerSource::TrustedHeader(name) => format!("trusted_header:{name}"),
             OwnerSource::Client => "client".to_owned(),
             OwnerSource::All(all) => {

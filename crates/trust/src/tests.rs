@@ -52,7 +52,76 @@ fn jwt(claim: &str, audience: Option<&str>) -> OwnerSource {
         from: http::header::AUTHORIZATION,
         keys: vec![(None, DecodingKey::from_secret(SECRET))],
         validation,
+        issuer: None,
+        beside: Vec::new(),
     }))
+}
+
+const OTHER_SECRET: &[u8] = b"another issuer's HS256 secret, 32 bytes and more";
+
+/// A source of `sub` on `Authorization` for tokens `issuer` signs with
+/// `secret`, beside sources of the same claim for `beside`.
+fn issuer(issuer: &str, secret: &[u8], beside: &[&str]) -> OwnerSource {
+    let mut validation = Validation::new(Algorithm::HS256);
+    validation.validate_aud = false;
+    validation.set_issuer(&[issuer]);
+    validation.set_required_spec_claims(&["exp", "iss"]);
+    OwnerSource::Jwt(Arc::new(JwtSource {
+        claim: "sub".to_owned(),
+        from: http::header::AUTHORIZATION,
+        keys: vec![(None, DecodingKey::from_secret(secret))],
+        validation,
+        issuer: Some(issuer.to_owned()),
+        beside: beside.iter().map(|b| (*b).to_owned()).collect(),
+    }))
+}
+
+fn signed(claims: Value, secret: &[u8]) -> String {
+    let key = EncodingKey::from_secret(secret);
+    let token = jsonwebtoken::encode(&Header::new(Algorithm::HS256), &claims, &key).unwrap();
+    format!("Bearer {token}")
+}
+
+/// Two issuers' tokens on one header (design §15, "Several issuers"):
+/// each is verified by its own issuer's source, whatever the order, and
+/// `alice` of one is not `alice` of the other. A token that names an
+/// issuer no source is for, or names one and is signed by another's key,
+/// is refused, never passed on to a wider source. Before, the second
+/// issuer's users were refused by the first source.
+#[test]
+fn two_issuers_on_one_header_are_each_verified_by_their_own_source() {
+    let trust = trust();
+    let (a, b) = ("https://a.example", "https://b.example");
+    let rule = rule(vec![
+        issuer(a, SECRET, &[b]),
+        issuer(b, OTHER_SECRET, &[a]),
+        header("x-api-key"),
+    ]);
+    let owner = |token: &str| {
+        trust.owner(
+            &rule,
+            &head(&[("authorization", token), ("x-api-key", "k")]),
+        )
+    };
+    let of_a = signed(json!({ "sub": "alice", "iss": a, "exp": exp() }), SECRET);
+    let of_b = signed(
+        json!({ "sub": "alice", "iss": b, "exp": exp() }),
+        OTHER_SECRET,
+    );
+    let (at_a, at_b) = (owner(&of_a).unwrap(), owner(&of_b).unwrap());
+    assert_ne!(at_a, at_b, "alice of one issuer is not alice of the other");
+    assert_eq!(owner(&of_b).unwrap(), at_b);
+    for refused in [
+        signed(
+            json!({ "sub": "alice", "iss": "https://c.example", "exp": exp() }),
+            SECRET,
+        ),
+        signed(json!({ "sub": "alice", "iss": b, "exp": exp() }), SECRET),
+        signed(json!({ "sub": "alice", "exp": exp() }), OTHER_SECRET),
+    ] {
+        let error = owner(&refused).unwrap_err();
+        assert!(matches!(error, TrustError::OwnerUnproven { .. }), "{error}");
+    }
 }
 
 fn bearer(claims: Value) -> String {
