@@ -565,7 +565,7 @@ impl GatewayError {
 /// (`idemgate_requests_refused_total{problem}`), each set at zero when the
 /// layer starts, so that a rate over a type reads 0 before its first
 /// (`docs/design.md` §12, "Metrics"). The test below keeps it whole.
-const PROBLEM_TYPES: [&str; 25] = [
+const PROBLEM_TYPES: [&str; 27] = [
     "ambiguous-json",
     "ambiguous-path",
     "attempt-outcome-unknown",
@@ -578,6 +578,7 @@ const PROBLEM_TYPES: [&str; 25] = [
     "job-not-found",
     "job-not-running",
     "keyed-batch",
+    "keyed-call-without-id",
     "outcome-not-recorded",
     "overloaded",
     "owner-ambiguous",
@@ -588,6 +589,7 @@ const PROBLEM_TYPES: [&str; 25] = [
     "request-too-large",
     "resume-point-not-satisfiable",
     "store-unavailable",
+    "unreadable-message",
     "upstream-contract-violation",
     "upstream-response-too-large",
     "upstream-unreachable",

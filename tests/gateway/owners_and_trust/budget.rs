@@ -626,7 +626,7 @@ async fn trickle(url: &str, sid: &str, key: &str, len: usize) -> (String, Durati
 
 /// Uploads that declare much and send little cannot sit on the budget
 /// (design §18): each is admitted with the first 64 KiB of what it
-/// declares and holds the rest only as it arrives, so eight of them under
+/// declares and takes the rest only once past them, so eight of them under
 /// eight made-up owners (an owner an `Authorization` header names is
 /// anyone's to invent) leave room for another's keyed request; and a body
 /// slower than `body_min_rate` once past the body-read timeout is
