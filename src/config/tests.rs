@@ -802,11 +802,23 @@ fn two_jwt_sources_on_one_header_each_name_their_issuer() {
     };
     assert_eq!(beside(0), ["https://b"]);
     assert_eq!(beside(1), ["https://a"]);
+    assert_eq!(both.owner.sources[0].label(), "jwt:authorization:sub");
     assert_eq!(
-        both.owner.sources[0].label(),
-        "jwt:authorization:sub:https://a"
+        both.owner.sources[1].label(),
+        "jwt:authorization:sub:https://b"
     );
     assert_eq!(both.owner.sources[2].label(), "header:x-key");
+    // A wider source between them would take a token one leaves to the
+    // other.
+    let text = format!(
+        "[owner]\nsources = [{}, {{ header = \"x-key\" }}, {}]\n",
+        source(a),
+        source(b)
+    );
+    let apart = Settings::from_sources(Settings::parse_file(&text).unwrap(), flags_with_upstream());
+    let err = apart.unwrap_err();
+    assert_eq!(err.key, "owner.sources[0]");
+    assert!(err.message.contains("side by side"), "{err}");
     let alone = Settings::from_sources(
         Settings::parse_file(&format!("[owner]\nsources = [{}]\n", source(a))).unwrap(),
         flags_with_upstream(),

@@ -195,19 +195,33 @@ fn side_by_side(key: &str, mut sources: Vec<OwnerSource>) -> Result<Vec<OwnerSou
             let (f, c, iss) = other.as_ref()?;
             (j != i && f == from && c == claim).then(|| iss.clone())
         };
-        let beside: Vec<Option<String>> = all.iter().enumerate().filter_map(same).collect();
-        if beside.is_empty() {
+        let siblings: Vec<(usize, Option<String>)> = all
+            .iter()
+            .enumerate()
+            .filter_map(|(j, o)| Some((j, same((j, o))?)))
+            .collect();
+        if siblings.is_empty() {
             continue;
         }
-        let distinct = issuer.is_some() && beside.iter().all(|b| b.is_some() && b != issuer);
+        let distinct = issuer.is_some() && siblings.iter().all(|(_, b)| b.is_some() && b != issuer);
         if !distinct {
             return Err(bad(
                 format!("{key}[{i}]"),
                 format!("another jwt source reads `{claim}` from `{from}`: give each its own `issuer`, which tells their tokens, and their owners, apart"),
             ));
         }
+        // Side by side: a token one of them leaves to another never falls
+        // to a source between them, a wider owner (design §15).
+        let (first, last) = (siblings[0].0.min(i), siblings[siblings.len() - 1].0.max(i));
+        if last - first != siblings.len() {
+            return Err(bad(
+                format!("{key}[{i}]"),
+                format!("the jwt sources that read `{claim}` from `{from}` must stand side by side in the list, with no other source between them"),
+            ));
+        }
         let mut with = (**jwt).clone();
-        with.beside = beside.into_iter().flatten().collect();
+        with.beside = siblings.into_iter().filter_map(|(_, b)| b).collect();
+        with.owned_by_issuer = i != first;
         *jwt = Arc::new(with);
     }
     Ok(sources)
@@ -348,6 +362,7 @@ fn jwt(key: &str, claim: &str, s: &SourceFile, base: &Path) -> Result<JwtSource,
         validation,
         issuer: s.issuer.clone(),
         beside: Vec::new(),
+        owned_by_issuer: false,
     })
 }
 

@@ -54,8 +54,12 @@ pub struct JwtSource {
     /// The issuers of the other sources of its list that read the same
     /// claim from the same header (`docs/design.md` §15, "Several
     /// issuers"): a token one of them made is theirs to verify, not
-    /// refused here, and the issuer is then part of the owner.
+    /// refused here.
     pub beside: Vec<String>,
+    /// Whether its issuer is part of its owners: for every such source
+    /// but the first, whose owners stay as they were before it had
+    /// siblings.
+    pub owned_by_issuer: bool,
 }
 
 impl std::fmt::Debug for JwtSource {
@@ -85,10 +89,10 @@ impl OwnerSource {
         match self {
             OwnerSource::Header(name) => format!("header:{name}"),
             OwnerSource::Cookie(name) => format!("cookie:{name}"),
-            // Alone on its header and claim, as it always was; beside
-            // others, its issuer tells the owners of their tokens apart.
-            OwnerSource::Jwt(jwt) => match (&jwt.issuer, jwt.beside.is_empty()) {
-                (Some(issuer), false) => format!("jwt:{}:{}:{issuer}", jwt.from, jwt.claim),
+            // As it always was, but for a later source beside others on
+            // its header and claim: its issuer tells their owners apart.
+            OwnerSource::Jwt(jwt) => match (&jwt.issuer, jwt.owned_by_issuer) {
+                (Some(issuer), true) => format!("jwt:{}:{}:{issuer}", jwt.from, jwt.claim),
                 _ => format!("jwt:{}:{}", jwt.from, jwt.claim),
             },
             OwnerSource::TrustedHeader(name) => format!("trusted_header:{name}"),

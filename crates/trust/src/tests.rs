@@ -54,14 +54,16 @@ fn jwt(claim: &str, audience: Option<&str>) -> OwnerSource {
         validation,
         issuer: None,
         beside: Vec::new(),
+        owned_by_issuer: false,
     }))
 }
 
 const OTHER_SECRET: &[u8] = b"another issuer's HS256 secret, 32 bytes and more";
 
 /// A source of `sub` on `Authorization` for tokens `issuer` signs with
-/// `secret`, beside sources of the same claim for `beside`.
-fn issuer(issuer: &str, secret: &[u8], beside: &[&str]) -> OwnerSource {
+/// `secret`, beside sources of the same claim for `beside`; the first of
+/// them (`owned` false) keeps its owners as they were.
+fn issuer(issuer: &str, secret: &[u8], beside: &[&str], owned: bool) -> OwnerSource {
     let mut validation = Validation::new(Algorithm::HS256);
     validation.validate_aud = false;
     validation.set_issuer(&[issuer]);
@@ -73,6 +75,7 @@ fn issuer(issuer: &str, secret: &[u8], beside: &[&str]) -> OwnerSource {
         validation,
         issuer: Some(issuer.to_owned()),
         beside: beside.iter().map(|b| (*b).to_owned()).collect(),
+        owned_by_issuer: owned,
     }))
 }
 
@@ -93,8 +96,8 @@ fn two_issuers_on_one_header_are_each_verified_by_their_own_source() {
     let trust = trust();
     let (a, b) = ("https://a.example", "https://b.example");
     let rule = rule(vec![
-        issuer(a, SECRET, &[b]),
-        issuer(b, OTHER_SECRET, &[a]),
+        issuer(a, SECRET, &[b], false),
+        issuer(b, OTHER_SECRET, &[a], true),
         header("x-api-key"),
     ]);
     let owner = |token: &str| {
@@ -110,6 +113,12 @@ fn two_issuers_on_one_header_are_each_verified_by_their_own_source() {
     );
     let (at_a, at_b) = (owner(&of_a).unwrap(), owner(&of_b).unwrap());
     assert_ne!(at_a, at_b, "alice of one issuer is not alice of the other");
+    let alone = super::OwnerRule {
+        sources: vec![issuer(a, SECRET, &[], false)],
+        allow_anonymous: false,
+    };
+    let before = trust.owner(&alone, &head(&[("authorization", &of_a)]));
+    assert_eq!(before.unwrap(), at_a, "the first source keeps its owners");
     assert_eq!(owner(&of_b).unwrap(), at_b);
     for refused in [
         signed(

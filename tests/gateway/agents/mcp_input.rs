@@ -164,6 +164,12 @@ async fn a_message_read_two_ways_or_not_at_all_is_refused(store: TestStore) {
         assert_eq!(refused.status, 400, "{extra:?}");
         assert_eq!(refused.problem(), "unreadable-message");
     }
+    // A form is no message: it passes, as an OAuth `/token` under a route
+    // of `/` must.
+    let form = [("content-type", "application/x-www-form-urlencoded")];
+    let body = "grant_type=client_credentials";
+    let passed = send(Method::POST, &gateway.path("/mcp"), &form, body).await;
+    assert_ne!(passed.status, 400, "{:?}", passed.body);
 
     let method = r#"{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"charge","arguments":{},"_meta":{"idempotencyKey":"m2"}},"method":"ping"}"#;
     let id = r#"{"jsonrpc":"2.0","id":4,"method":"tools/call","params":{"name":"charge","arguments":{},"_meta":{"idempotencyKey":"i2"}},"id":null}"#;

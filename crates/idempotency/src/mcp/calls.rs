@@ -227,6 +227,8 @@ fn cancel_of(parts: &http::request::Parts, body: &[u8]) -> Option<(HeaderValue, 
     if !body.windows(CANCELLED.len()).any(|w| w == CANCELLED) {
         return None;
     }
+    // Read past a byte order mark, as the tool calls are (`jsonrpc::request`).
+    let body = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body);
     let message = serde_json::from_slice::<serde_json::Value>(body).ok()?;
     let cancel = message.get("method").and_then(serde_json::Value::as_str)
         == Some("notifications/cancelled")

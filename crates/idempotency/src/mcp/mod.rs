@@ -71,8 +71,12 @@ pub(crate) async fn prepare(
             return Err(ClientError::from(AmbiguousJson { pointer }).into())
         }
         // What the gateway cannot read may be a keyed call a lenient
-        // server reads: neither passed nor keyed (docs/design.md §19).
-        jsonrpc::Request::Unreadable => return Err(ClientError::UnreadableMessage.into()),
+        // server reads: neither passed nor keyed (docs/design.md §19);
+        // but a form or a file is no message (an OAuth `/token` under a
+        // route of `/`), and passes.
+        jsonrpc::Request::Unreadable if may_be_a_message(&parts.headers) => {
+            return Err(ClientError::UnreadableMessage.into())
+        }
         _ => {
             let (store, instance) = (shared.runner.store.as_ref(), shared.runner.instance);
             let message = (&parts, &body[..]);
@@ -141,6 +145,22 @@ pub(crate) async fn prepare(
         waiting: None,
         rpc_id: Some(call.id),
     }))
+}
+
+/// Whether a body the gateway could not read may still be a JSON-RPC
+/// message to the server: it is encoded (`Content-Encoding`), or typed as
+/// JSON (`application/json`, `…+json`, another charset included) or not
+/// typed at all.
+fn may_be_a_message(headers: &http::HeaderMap) -> bool {
+    if headers.contains_key(header::CONTENT_ENCODING) {
+        return true;
+    }
+    let Some(kind) = headers.get(header::CONTENT_TYPE) else {
+        return true;
+    };
+    let kind = kind.to_str().unwrap_or("").split(';').next().unwrap_or("");
+    let kind = kind.trim().to_ascii_lowercase();
+    kind.is_empty() || kind == "application/json" || kind.ends_with("+json")
 }
 
 /// An `id` as JSON text, however it was spelled.
