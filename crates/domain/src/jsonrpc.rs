@@ -130,10 +130,11 @@ pub fn request(body: &[u8]) -> Request {
             return Request::Miscased(at);
         }
         let items_at = elements(body).unwrap_or_default();
-        if let Some(at) = items_at.iter().enumerate().find_map(|(n, at)| {
-            let members = members(&body[at.clone()])?;
-            twice(&members, &format!("/{n}"))
-        }) {
+        if let Some(at) = items_at
+            .iter()
+            .enumerate()
+            .find_map(|(n, at)| envelope_twice(&body[at.clone()], &format!("/{n}")))
+        {
             return Request::NamedTwice(at);
         }
         let calls: Vec<&Value> = items.iter().filter(|item| is_tool_call(item)).collect();
@@ -197,6 +198,22 @@ fn twice(members: &[(String, Range<usize>)], at: &str) -> Option<String> {
         .map(|(name, _)| name)
         .find(|name| !seen.insert(crate::fingerprint::fold_name(name)))?;
     Some(pointer(at, name))
+}
+
+/// The pointer (under `at`) of the first member `message`'s envelope (its
+/// top, `params`, `params._meta`) names twice: a batch's calls are read
+/// for a key as a lone call is.
+fn envelope_twice(message: &[u8], at: &str) -> Option<String> {
+    let top = members(message)?;
+    if let Some(twice) = twice(&top, at) {
+        return Some(twice);
+    }
+    let params = span(message, &top, "params")?;
+    let inner = members(params)?;
+    twice(&inner, &format!("{at}/params")).or_else(|| {
+        let meta = members(span(params, &inner, "_meta")?)?;
+        twice(&meta, &format!("{at}/params/_meta"))
+    })
 }
 
 /// Where a tool call carries its key.
@@ -679,6 +696,11 @@ mod tests {
         assert_eq!(
             request(batch.as_bytes()),
             Request::NamedTwice("/1/method".into())
+        );
+        let meta = r#"[{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"x","_meta":{"idempotencyKey":"k"},"_meta":{}}}]"#;
+        assert_eq!(
+            request(meta.as_bytes()),
+            Request::NamedTwice("/0/params/_meta".into())
         );
         let batch = r#"[{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"x"}}]"#;
         assert_eq!(
