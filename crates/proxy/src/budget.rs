@@ -197,22 +197,6 @@ impl Charge {
         self.bytes.fetch_add(bytes, Ordering::AcqRel);
     }
 
-    /// Gives `bytes` of what it holds back before it is dropped (a buffer
-    /// replaced by a larger one, which was counted first).
-    pub fn give_back(&self, bytes: usize) {
-        let bytes = bytes.min(self.bytes.load(Ordering::Acquire));
-        if bytes == 0 {
-            return;
-        }
-        self.bytes.fetch_sub(bytes, Ordering::AcqRel);
-        self.budget.give_back(bytes);
-        if let Some(owner) = &self.owner {
-            if let Some(held) = self.budget.owners().get_mut(owner) {
-                *held = held.saturating_sub(bytes);
-            }
-        }
-    }
-
     /// The bytes it holds.
     pub fn bytes(&self) -> usize {
         self.bytes.load(Ordering::Acquire)

@@ -164,6 +164,18 @@ async fn a_message_read_two_ways_or_not_at_all_is_refused(store: TestStore) {
         assert_eq!(refused.status, 400, "{extra:?}");
         assert_eq!(refused.problem(), "unreadable-message");
     }
+    // Nor does a type spelled loosely let it by, as the Python SDK reads
+    // it (`NaN` is JSON to Python, not to the gateway).
+    let nan = r#"{"jsonrpc":"2.0","id":5,"method":"tools/call","params":{"name":"charge","arguments":{"amount":NaN},"_meta":{"idempotencyKey":"nan"}}}"#;
+    for kind in [
+        "application/json, text/plain",
+        "Application/JSON-RPC; charset=utf-16le",
+    ] {
+        let typed = [("content-type", kind)];
+        let refused = send(Method::POST, &gateway.path("/mcp"), &typed, nan).await;
+        assert_eq!(refused.status, 400, "{kind}");
+        assert_eq!(refused.problem(), "unreadable-message");
+    }
     // A form is no message: it passes, as an OAuth `/token` under a route
     // of `/` must.
     let form = [("content-type", "application/x-www-form-urlencoded")];

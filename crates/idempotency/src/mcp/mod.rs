@@ -148,19 +148,23 @@ pub(crate) async fn prepare(
 }
 
 /// Whether a body the gateway could not read may still be a JSON-RPC
-/// message to the server: it is encoded (`Content-Encoding`), or typed as
-/// JSON (`application/json`, `…+json`, another charset included) or not
-/// typed at all.
+/// message to the server: it is encoded (`Content-Encoding`), not typed,
+/// or any of its types mentions JSON however it is spelled. Servers read
+/// types loosely (the Python SDK takes `application/json, text/plain`, an
+/// older TypeScript one `application/json-rpc; charset=utf-16le`), so
+/// only a type that is plainly something else (a form, a file) passes.
 fn may_be_a_message(headers: &http::HeaderMap) -> bool {
     if headers.contains_key(header::CONTENT_ENCODING) {
         return true;
     }
-    let Some(kind) = headers.get(header::CONTENT_TYPE) else {
+    let mut kinds = headers.get_all(header::CONTENT_TYPE).iter().peekable();
+    if kinds.peek().is_none() {
         return true;
-    };
-    let kind = kind.to_str().unwrap_or("").split(';').next().unwrap_or("");
-    let kind = kind.trim().to_ascii_lowercase();
-    kind.is_empty() || kind == "application/json" || kind.ends_with("+json")
+    }
+    kinds.any(|kind| {
+        let kind = String::from_utf8_lossy(kind.as_bytes()).to_ascii_lowercase();
+        kind.trim().is_empty() || kind.contains("json")
+    })
 }
 
 /// An `id` as JSON text, however it was spelled.

@@ -85,21 +85,22 @@ pub async fn collect_charged(
             // whole declared length now, in one buffer of that size (a
             // buffer grown by steps left the allocator holding each step:
             // 120 MiB more resident under sixty 10 MiB uploads). One
-            // without a length doubles. Counted before it is allocated,
-            // beside the buffer it replaces until that one is freed.
+            // without a length doubles. Counted before it is allocated;
+            // the buffer it replaces (64 KiB, or half the new one) only
+            // for as long as the copy, as any growth was: counted beside
+            // it, a body within 64 KiB of the room could never fit.
             let wanted = if declared >= needed {
                 declared
             } else {
                 needed.max(buf.capacity() * 2).min(limit)
             };
-            if !charge.try_add(wanted) {
+            if wanted > charged && !charge.try_add(wanted - charged) {
                 return Err(CollectError::OverBudget);
             }
+            charged = charged.max(wanted);
             let mut grown = BytesMut::with_capacity(wanted);
             grown.extend_from_slice(&buf);
-            drop(std::mem::replace(&mut buf, grown));
-            charge.give_back(charged);
-            charged = wanted;
+            buf = grown;
         }
         buf.extend_from_slice(&data);
     }
@@ -193,6 +194,22 @@ mod tests {
         let (read, charge) = reading.await.unwrap();
         assert_eq!(read.unwrap().len(), 1 << 20);
         assert_eq!(charge.bytes(), 1 << 20, "its length, not past it");
+    }
+
+    /// A body as large as the whole budget fits an idle gateway, declared
+    /// or not: the buffer a growth replaces is not counted beside it.
+    #[tokio::test]
+    async fn a_body_as_large_as_the_budget_fits_an_idle_gateway() {
+        let budget = Budget::new(1 << 20);
+        let charge = budget.admit(TAKEN_AHEAD).unwrap();
+        let mut body = crate::http::full(vec![7u8; 1 << 20]);
+        let read = collect_charged(&mut body, 1 << 20, &charge).await.unwrap();
+        assert_eq!(read.len(), 1 << 20);
+        drop(charge);
+        let charge = budget.admit(0).unwrap();
+        let pieces: Vec<&'static [u8]> = vec![&[1; 300 << 10], &[2; 300 << 10], &[3; 300 << 10]];
+        let read = collect_charged(&mut chunked(pieces), 1 << 20, &charge).await;
+        assert_eq!(read.unwrap().len(), 900 << 10);
     }
 
     #[tokio::test]
