@@ -227,9 +227,10 @@ fn is_tool_call(value: &Value) -> bool {
 }
 
 impl ToolCall {
-    /// Whether it has an `id` its answer can be addressed to.
+    /// Whether it has an `id` its answer can be addressed to: a string or
+    /// a number (JSON-RPC 2.0 §4; not `null`, an object, `true`).
     pub fn has_id(&self) -> bool {
-        self.id != b"null"
+        matches!(self.id.first(), Some(b'"' | b'-' | b'0'..=b'9'))
     }
 }
 
@@ -682,6 +683,13 @@ mod tests {
             assert!(!tool_call(no_id).has_id(), "{no_id}");
         }
         assert!(tool_call(r#"{"id":"null","method":"tools/call"}"#).has_id());
+        assert!(tool_call(r#"{"id":-1,"method":"tools/call"}"#).has_id());
+        for odd in [
+            r#"{"id":{},"method":"tools/call"}"#,
+            r#"{"id":true,"method":"tools/call"}"#,
+        ] {
+            assert!(!tool_call(odd).has_id(), "{odd}");
+        }
         for unreadable in ["not json", "[1,", "\u{feff}\u{feff}{}"] {
             assert_eq!(request(unreadable.as_bytes()), Request::Unreadable);
         }

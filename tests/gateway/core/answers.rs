@@ -433,6 +433,7 @@ async fn an_answer_whose_head_is_too_large_is_never_stored() {
     let url = gateway.path("/v1/huge");
     let first = post(&url, "huge", "{}").await;
     assert_eq!(first.status, 502, "{:?}", first.body);
+    assert_eq!(first.problem(), "upstream-response-too-large");
     let retry = post(&url, "huge", "{}").await;
     assert_ne!(retry.status, 200, "{:?}", retry.body);
     assert_eq!(upstream.hits(), 1, "sent once: its outcome is unknown");

@@ -105,7 +105,7 @@ impl Pool {
             Ok(response) => Ok(self.answered(sender, response)),
             Err(mut e) => Err(match e.take_message() {
                 Some(_) => UpstreamError::Refused(Box::new(e.into_error())),
-                None => UpstreamError::Broken(Box::new(e.into_error())),
+                None => sent_and_failed(e.into_error()),
             }),
         }
     }
@@ -217,6 +217,18 @@ impl Pool {
 /// head is stored and replayed with its answer.
 const MAX_ANSWER_HEAD: usize = 64 << 10;
 
+/// What a request that may have reached the upstream failed with: an
+/// answer whose head outgrew [`MAX_ANSWER_HEAD`] is one too large to
+/// record, not a broken connection (its outcome is unknown either way).
+fn sent_and_failed(e: hyper::Error) -> UpstreamError {
+    if e.is_parse_too_large() {
+        return UpstreamError::ResponseTooLarge {
+            limit: MAX_ANSWER_HEAD,
+        };
+    }
+    UpstreamError::Broken(Box::new(e))
+}
+
 /// hyper's future for an answer's head, which hyper does not name.
 type Answer =
     Pin<Box<dyn Future<Output = Result<Response<Incoming>, TrySendError<Request<Body>>>> + Send>>;
@@ -273,11 +285,7 @@ impl Future for Sending {
                         // it: nothing was written, so another connection may
                         // carry the request.
                         Some(unsent) => State::Unsent(unsent),
-                        None => {
-                            return Poll::Ready(Err(UpstreamError::Broken(Box::new(
-                                e.into_error(),
-                            ))))
-                        }
+                        None => return Poll::Ready(Err(sent_and_failed(e.into_error()))),
                     },
                 },
                 State::Fresh(mut sending) => match sending.as_mut().poll(cx) {
