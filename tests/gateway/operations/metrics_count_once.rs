@@ -383,14 +383,13 @@ async fn a_late_answer_settles_an_unknown_attempt_once_by_its_upstream() {
         || async { gateway.job(&job).await["state"] == "completed" },
     )
     .await;
+    // Counted as the commit returns, a moment after the job reads
+    // completed: waited for, not scraped at once.
+    let ended = one(&[end("unknown", "deadline"), end("succeeded", "upstream")]);
+    settles(&gateway, &before, "idemgate_attempts_ended_total", &ended).await;
+    let commits = one(&[commit("upstream")]);
+    settles(&gateway, &before, "idemgate_commits_total", &commits).await;
     let after = Scrape::of(&gateway).await;
-    let ended = moved(&before, &after, "idemgate_attempts_ended_total");
-    assert_eq!(
-        ended,
-        one(&[end("unknown", "deadline"), end("succeeded", "upstream")])
-    );
-    let commits = moved(&before, &after, "idemgate_commits_total");
-    assert_eq!(commits, one(&[commit("upstream")]));
     // The late head is not timed again: the call was timed as a timeout.
     let timed = moved(&before, &after, "idemgate_upstream_response_seconds_count");
     assert_eq!(timed, one(&["outcome=timeout,upstream=primary".to_owned()]));
