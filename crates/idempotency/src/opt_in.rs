@@ -315,13 +315,17 @@ pub(crate) async fn read(
     if hint.lower() > limit as u64 {
         return Err(ClientError::BodyTooLarge { limit }.into());
     }
-    // Admitted with the first of its declared length; the rest is taken
-    // as it arrives (`collect_charged`).
-    let declared = hint.exact().map_or(0, |n| n as usize).min(TAKEN_AHEAD);
+    let declared = hint.exact().map_or(0, |n| n as usize);
     let share = owner
         .filter(|o| **o != Owner::anonymous())
         .map(Owner::as_str);
-    let Some(charge) = shared.budget.admit_for(share, declared) else {
+    // A length its owner's share could never hold is refused at once;
+    // any other is admitted with its first `TAKEN_AHEAD` bytes, the rest
+    // taken once the body is past them (`collect_charged`).
+    if declared > shared.budget.room_for(share) {
+        return Err(over_budget());
+    }
+    let Some(charge) = shared.budget.admit_for(share, declared.min(TAKEN_AHEAD)) else {
         return Err(over_budget());
     };
     match collect_charged(&mut body, limit, &charge).await {

@@ -702,6 +702,28 @@ async fn trickled_uploads_neither_starve_other_owners_nor_hold_their_bytes(store
     }
 }
 
+/// A length its owner's share could never hold is refused at once, before
+/// its body: taken ahead only 64 KiB at a time, it would otherwise wait
+/// for its first 64 KiB to be told what its head already said.
+#[tokio::test]
+async fn a_length_past_the_owners_share_is_refused_at_once() {
+    let store = TestStore::embedded();
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .set("memory_budget", "\"2MiB\"")
+        .tables(
+            "[owner]\nsources = [{ cookie = \"sid\" }]\n\n\
+             [[routes]]\npath_prefix = \"/\"\nbody_limit = \"2MiB\"",
+        )
+        .start()
+        .await;
+    let (answer, after) = trickle(&gateway.url, "mallory", "big", 1536 * KIB).await;
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(answer.contains("/overloaded"), "{answer}");
+    assert!(after < Duration::from_secs(2), "answered after {after:?}");
+    assert_eq!(upstream.hits(), 0);
+}
+
 crate::on_each_deployment!(
     [embedded, postgres]
     trickled_uploads_neither_starve_other_owners_nor_hold_their_bytes
