@@ -183,7 +183,7 @@ fn side_by_side(key: &str, mut sources: Vec<OwnerSource>) -> Result<Vec<OwnerSou
     /// What a `jwt` source reads (its header and claim), and its issuer.
     type Reads = (http::HeaderName, String, Option<String>);
     let read = |s: &OwnerSource| match s {
-        OwnerSource::Jwt(jwt) => Some((jwt.from.clone(), jwt.claim.clone(), jwt.issuer.clone())),
+        OwnerSource::Jwt(jwt) => Some((jwt.from.clone(), jwt.claim.clone(), jwt.issuer().cloned())),
         _ => None,
     };
     let all: Vec<Option<Reads>> = sources.iter().map(read).collect();
@@ -191,19 +191,21 @@ fn side_by_side(key: &str, mut sources: Vec<OwnerSource>) -> Result<Vec<OwnerSou
         let (Some((from, claim, issuer)), OwnerSource::Jwt(jwt)) = (&all[i], source) else {
             continue;
         };
-        let same = |(j, other): (usize, &Option<Reads>)| {
-            let (f, c, iss) = other.as_ref()?;
-            (j != i && f == from && c == claim).then(|| iss.clone())
-        };
-        let siblings: Vec<(usize, Option<String>)> = all
+        // The other sources reading its claim from its header, and their
+        // issuers.
+        let siblings: Vec<(usize, &Option<String>)> = all
             .iter()
             .enumerate()
-            .filter_map(|(j, o)| Some((j, same((j, o))?)))
+            .filter_map(|(j, other)| match other {
+                Some((f, c, iss)) if j != i && f == from && c == claim => Some((j, iss)),
+                _ => None,
+            })
             .collect();
         if siblings.is_empty() {
             continue;
         }
-        let distinct = issuer.is_some() && siblings.iter().all(|(_, b)| b.is_some() && b != issuer);
+        let distinct =
+            issuer.is_some() && siblings.iter().all(|(_, b)| b.is_some() && *b != issuer);
         if !distinct {
             return Err(bad(
                 format!("{key}[{i}]"),
@@ -220,7 +222,10 @@ fn side_by_side(key: &str, mut sources: Vec<OwnerSource>) -> Result<Vec<OwnerSou
             ));
         }
         let mut with = (**jwt).clone();
-        with.beside = siblings.into_iter().filter_map(|(_, b)| b).collect();
+        with.beside = siblings
+            .into_iter()
+            .filter_map(|(_, b)| b.clone())
+            .collect();
         with.owned_by_issuer = i != first;
         *jwt = Arc::new(with);
     }
@@ -360,7 +365,6 @@ fn jwt(key: &str, claim: &str, s: &SourceFile, base: &Path) -> Result<JwtSource,
         )?,
         keys,
         validation,
-        issuer: s.issuer.clone(),
         beside: Vec::new(),
         owned_by_issuer: false,
     })

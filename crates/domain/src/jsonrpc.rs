@@ -27,11 +27,6 @@ pub struct ToolCall {
     pub arguments: Vec<u8>,
     /// `params._meta.idempotencyKey`, which must be a string.
     pub key: Option<Result<String, KeyError>>,
-    /// The JSON pointer of a member the message names twice at its top,
-    /// in `params` or in `params._meta`, if one does: read two ways (the
-    /// first here, the last by most servers), its `id` or `arguments`
-    /// would be one thing to the gateway and another to the server.
-    pub named_twice: Option<String>,
 }
 
 /// What a POST to an MCP endpoint is.
@@ -53,9 +48,12 @@ pub enum Request {
     /// Refused, as a member named twice is.
     Miscased(String),
     /// A message whose envelope names a member twice (or twice but for
-    /// case), at this pointer: `"method":"tools/call",…,"method":"ping"`
-    /// is a ping here (the last counts) and a tool call, unkeyed, to a
-    /// parser that keeps the first. Refused.
+    /// case), at this pointer: its top, and a tool call's `params` and
+    /// `params._meta`. Read two ways (the first here, the last by most
+    /// servers), `"method":"tools/call",…,"method":"ping"` is a ping here
+    /// and a tool call, unkeyed, to a parser that keeps the first; a
+    /// call's `id` or `arguments` would be one thing to the gateway and
+    /// another to the server. Refused.
     NamedTwice(String),
     /// Not JSON in UTF-8 (a UTF-8 byte order mark aside): another charset,
     /// a `Content-Encoding`, not JSON at all. MCP's messages are JSON in
@@ -112,11 +110,15 @@ fn pointer(at: &str, name: &str) -> String {
     format!("{at}/{}", name.replace('~', "~0").replace('/', "~1"))
 }
 
+/// `body` past a UTF-8 byte order mark: no part of the JSON, and parsers
+/// skip it (Python's, Node's body parsers), so it is read past as they do.
+pub fn without_bom(body: &[u8]) -> &[u8] {
+    body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body)
+}
+
 /// What `body`, a POST to an MCP endpoint, is.
 pub fn request(body: &[u8]) -> Request {
-    // A byte order mark is no part of the JSON, and parsers skip it
-    // (Python's, Node's body parsers): read past it, as they do.
-    let body = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body);
+    let body = without_bom(body);
     let trimmed = body.trim_ascii_start();
     if trimmed.first() == Some(&b'[') {
         let Ok(Value::Array(items)) = serde_json::from_slice::<Value>(body) else {
@@ -129,11 +131,21 @@ pub fn request(body: &[u8]) -> Request {
         {
             return Request::Miscased(at);
         }
-        let items_at = elements(body).unwrap_or_default();
-        if let Some(at) = items_at
+        // The elements' spans, in the array's order, as `items`.
+        let spans = elements(body).unwrap_or_default();
+        if let Some(at) = spans
             .iter()
+            .zip(&items)
             .enumerate()
-            .find_map(|(n, at)| envelope_twice(&body[at.clone()], &format!("/{n}")))
+            .find_map(|(n, (at, item))| {
+                let item_at = &body[at.clone()];
+                envelope_twice(
+                    item_at,
+                    &members(item_at)?,
+                    is_tool_call(item),
+                    &format!("/{n}"),
+                )
+            })
         {
             return Request::NamedTwice(at);
         }
@@ -151,10 +163,11 @@ pub fn request(body: &[u8]) -> Request {
         return Request::Miscased(at);
     }
     let top = members(body).unwrap_or_default();
-    if let Some(at) = twice(&top, "") {
+    let call = is_tool_call(&value);
+    if let Some(at) = envelope_twice(body, &top, call, "") {
         return Request::NamedTwice(at);
     }
-    if !is_tool_call(&value) {
+    if !call {
         return Request::Other;
     }
     let key = value.pointer(KEY).map(|key| match key {
@@ -167,24 +180,14 @@ pub fn request(body: &[u8]) -> Request {
         .unwrap_or_default()
         .to_owned();
     let id = span(body, &top, "id").unwrap_or(b"null").to_vec();
-    let params = span(body, &top, "params").and_then(|p| Some((p, members(p)?)));
-    let arguments = params
-        .as_ref()
-        .and_then(|(params, inner)| span(params, inner, "arguments").map(<[u8]>::to_vec))
+    let arguments = span(body, &top, "params")
+        .and_then(|params| span(params, &members(params)?, "arguments").map(<[u8]>::to_vec))
         .unwrap_or_else(|| b"{}".to_vec());
-    let meta = params
-        .as_ref()
-        .and_then(|(params, inner)| members(span(params, inner, "_meta")?));
-    let named_twice = params
-        .as_ref()
-        .and_then(|(_, inner)| twice(inner, "/params"))
-        .or_else(|| twice(meta.as_ref()?, "/params/_meta"));
     Request::ToolCall(ToolCall {
         id,
         name,
         arguments,
         key,
-        named_twice,
     })
 }
 
@@ -200,15 +203,19 @@ fn twice(members: &[(String, Range<usize>)], at: &str) -> Option<String> {
     Some(pointer(at, name))
 }
 
-/// The pointer (under `at`) of the first member `message`'s envelope (its
-/// top, `params`, `params._meta`) names twice: a batch's calls are read
-/// for a key as a lone call is.
-fn envelope_twice(message: &[u8], at: &str) -> Option<String> {
-    let top = members(message)?;
-    if let Some(twice) = twice(&top, at) {
+/// The pointer (under `at`) of the first member `message` (whose members
+/// are `top`) names twice at its top, or, for a tool call (`call`), in
+/// its `params` or `params._meta`.
+fn envelope_twice(
+    message: &[u8],
+    top: &[(String, Range<usize>)],
+    call: bool,
+    at: &str,
+) -> Option<String> {
+    if let Some(twice) = twice(top, at) {
         return Some(twice);
     }
-    let params = span(message, &top, "params")?;
+    let params = span(message, top, "params").filter(|_| call)?;
     let inner = members(params)?;
     twice(&inner, &format!("{at}/params")).or_else(|| {
         let meta = members(span(params, &inner, "_meta")?)?;
@@ -659,11 +666,15 @@ mod tests {
         );
         let other = r#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"charge","task":1,"Task":2}}"#;
         assert_eq!(
-            tool_call(other).named_twice.as_deref(),
-            Some("/params/Task")
+            request(other.as_bytes()),
+            Request::NamedTwice("/params/Task".into())
         );
         let plain = r#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"charge","arguments":{}}}"#;
-        assert_eq!(tool_call(plain).named_twice, None);
+        assert!(matches!(request(plain.as_bytes()), Request::ToolCall(_)));
+        // Another method's params are the server's business.
+        let list =
+            r#"{"jsonrpc":"2.0","id":7,"method":"tools/list","params":{"cursor":1,"Cursor":2}}"#;
+        assert_eq!(request(list.as_bytes()), Request::Other);
     }
 
     #[test]

@@ -45,7 +45,7 @@ pub(super) fn claim(source: &JwtSource, headers: &HeaderMap) -> Result<Option<Ve
     // Another source's issuer made it: that source verifies it.
     if !source.beside.is_empty() {
         if let Some(issuer) = issuer_named(bearer(raw)) {
-            if source.issuer.as_ref() != Some(&issuer) && source.beside.contains(&issuer) {
+            if source.issuer() != Some(&issuer) && source.beside.contains(&issuer) {
                 return Ok(None);
             }
         }
@@ -90,21 +90,20 @@ fn verified(source: &JwtSource, token: &str) -> Result<Value, Refusal> {
 /// The `iss` a token names, unverified: only which source's keys to
 /// verify it with, never who it is (that is the verified claim's).
 fn issuer_named(token: &str) -> Option<String> {
-    let payload = token.split('.').nth(1)?;
-    let bytes = URL_SAFE_NO_PAD.decode(payload).ok()?;
-    let claims: Value = serde_json::from_slice(&bytes).ok()?;
-    claims.get("iss")?.as_str().map(str::to_owned)
+    part(token, 1)?.get("iss")?.as_str().map(str::to_owned)
+}
+
+/// The JSON of a token's `n`th part (0: its header, 1: its claims), as
+/// written: unverified.
+fn part(token: &str, n: usize) -> Option<Value> {
+    let bytes = URL_SAFE_NO_PAD.decode(token.split('.').nth(n)?).ok()?;
+    serde_json::from_slice(&bytes).ok()
 }
 
 /// A header's `crit` lists extensions a verifier must understand or refuse
 /// the token (RFC 7515 §4.1.11); the gateway understands none.
 fn critical(token: &str) -> Result<(), Refusal> {
-    let head = token.split('.').next().unwrap_or_default();
-    let header: Value = URL_SAFE_NO_PAD
-        .decode(head)
-        .ok()
-        .and_then(|bytes: Vec<u8>| serde_json::from_slice::<Value>(&bytes).ok())
-        .ok_or_else(|| unverified("it is not a token"))?;
+    let header = part(token, 0).ok_or_else(|| unverified("it is not a token"))?;
     if header.get("crit").is_some() {
         return Err(unverified(
             "its header lists `crit` extensions, and the gateway understands none",

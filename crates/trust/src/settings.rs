@@ -49,8 +49,6 @@ pub struct JwtSource {
     /// Algorithms, expiry, not-before (within `leeway`), audience and
     /// issuer (required where configured).
     pub validation: Validation,
-    /// Its `issuer`, where configured.
-    pub issuer: Option<String>,
     /// The issuers of the other sources of its list that read the same
     /// claim from the same header (`docs/design.md` §15, "Several
     /// issuers"): a token one of them made is theirs to verify, not
@@ -60,6 +58,13 @@ pub struct JwtSource {
     /// but the first, whose owners stay as they were before it had
     /// siblings.
     pub owned_by_issuer: bool,
+}
+
+impl JwtSource {
+    /// Its `issuer`, where configured (the one its tokens must name).
+    pub fn issuer(&self) -> Option<&String> {
+        self.validation.iss.as_ref()?.iter().next()
+    }
 }
 
 impl std::fmt::Debug for JwtSource {
@@ -91,7 +96,7 @@ impl OwnerSource {
             OwnerSource::Cookie(name) => format!("cookie:{name}"),
             // As it always was, but for a later source beside others on
             // its header and claim: its issuer tells their owners apart.
-            OwnerSource::Jwt(jwt) => match (&jwt.issuer, jwt.owned_by_issuer) {
+            OwnerSource::Jwt(jwt) => match (jwt.issuer(), jwt.owned_by_issuer) {
                 (Some(issuer), true) => format!("jwt:{}:{}:{issuer}", jwt.from, jwt.claim),
                 _ => format!("jwt:{}:{}", jwt.from, jwt.claim),
             },

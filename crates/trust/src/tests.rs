@@ -52,7 +52,6 @@ fn jwt(claim: &str, audience: Option<&str>) -> OwnerSource {
         from: http::header::AUTHORIZATION,
         keys: vec![(None, DecodingKey::from_secret(SECRET))],
         validation,
-        issuer: None,
         beside: Vec::new(),
         owned_by_issuer: false,
     }))
@@ -73,7 +72,6 @@ fn issuer(issuer: &str, secret: &[u8], beside: &[&str], owned: bool) -> OwnerSou
         from: http::header::AUTHORIZATION,
         keys: vec![(None, DecodingKey::from_secret(secret))],
         validation,
-        issuer: Some(issuer.to_owned()),
         beside: beside.iter().map(|b| (*b).to_owned()).collect(),
         owned_by_issuer: owned,
     }))

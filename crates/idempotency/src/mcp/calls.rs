@@ -227,8 +227,8 @@ fn cancel_of(parts: &http::request::Parts, body: &[u8]) -> Option<(HeaderValue, 
     if !body.windows(CANCELLED.len()).any(|w| w == CANCELLED) {
         return None;
     }
-    // Read past a byte order mark, as the tool calls are (`jsonrpc::request`).
-    let body = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body);
+    // Past a byte order mark, as a tool call is read.
+    let body = idemgate_domain::jsonrpc::without_bom(body);
     let message = serde_json::from_slice::<serde_json::Value>(body).ok()?;
     let cancel = message.get("method").and_then(serde_json::Value::as_str)
         == Some("notifications/cancelled")

@@ -96,9 +96,6 @@ pub(crate) async fn prepare(
         error: error.into(),
         rpc_id: Some(call.id.clone()),
     };
-    if let Some(pointer) = call.named_twice.clone() {
-        return Err(refused(AmbiguousJson { pointer }.into()));
-    }
     // The body's key first; else the header's, refused here (as the call's
     // JSON-RPC error) only now that it is known to be a keyed tool call's.
     let key = match (call.key.clone(), key) {

@@ -462,7 +462,7 @@ where
 
 /// Reads the rest of an answer whose head arrived, at most `limit` bytes,
 /// counting every received frame on `progress`, and the head
-/// ([`head_size`]: it is stored and replayed too) and the buffer it fills
+/// (`head_size`: it is stored and replayed too) and the buffer it fills
 /// on
 /// `charge`, each byte `weight` times (itself and the copies its commit
 /// makes): an answer the memory budget has no room for is not read on
@@ -508,7 +508,7 @@ pub async fn read_body(
 
 /// The bytes of an answer's head as HTTP/1 spells it: each header's
 /// name, value, `: ` and line end, and a status line's worth.
-pub fn head_size(headers: &http::HeaderMap) -> usize {
+fn head_size(headers: &http::HeaderMap) -> usize {
     let lines = headers
         .iter()
         .map(|(name, value)| name.as_str().len() + value.len() + 4);
