@@ -158,6 +158,41 @@ pub(super) fn memory_budget(
     Ok(budget)
 }
 
+/// The largest answer recorded whole (`max_response_size`, 10 MiB by
+/// default). One that large must fit an owner's share of the budget as it
+/// is held while read, its head and body `ANSWER_WEIGHT` times over
+/// (`docs/design.md` §18), or every such answer would be paid for and
+/// never recorded. Written, one that cannot fit stops start-up; left out,
+/// the default is lowered to what fits.
+pub(super) fn max_response_size(
+    file: &FileConfig,
+    budget: &MemoryBudget,
+) -> Result<usize, ConfigError> {
+    use idemgate_idempotency::ANSWER_WEIGHT;
+    use idemgate_proxy::upstream::MAX_ANSWER_HEAD;
+    let fits = (budget.per_owner / ANSWER_WEIGHT).saturating_sub(MAX_ANSWER_HEAD);
+    let Some(written) = file.max_response_size else {
+        return Ok(fits.min(10 << 20));
+    };
+    let wanted = size("max_response_size", Some(written), 0)?;
+    if wanted > fits {
+        let needed = (wanted + MAX_ANSWER_HEAD) * ANSWER_WEIGHT;
+        let mib = |b: usize| bytesize::ByteSize(b as u64).to_string_as(true);
+        return Err(bad(
+            "max_response_size",
+            format!(
+                "an answer of {} is held {ANSWER_WEIGHT} times over while it is read and committed ({} with its head),                  more than one owner may hold of the memory budget ({} of {}): such answers would be paid for and never recorded;                  lower max_response_size to at most {}, or raise memory_budget (or memory_budget_owner_share)",
+                mib(wanted),
+                mib(needed),
+                mib(budget.per_owner),
+                mib(budget.bytes),
+                mib(fits),
+            ),
+        ));
+    }
+    Ok(wanted)
+}
+
 /// The memory limit of the container (the cgroup) this process runs in,
 /// if it has one: cgroup v2's `memory.max`, or v1's
 /// `memory.limit_in_bytes`, the smallest along the process's cgroup and its
@@ -246,6 +281,29 @@ mod tests {
         };
         let s = memory_budget(&file, &flags, &[], Some(1 << 30)).unwrap();
         assert_eq!(s.bytes, 300 << 20, "the flag wins over the container");
+    }
+
+    /// An answer of `max_response_size` must fit an owner's share of the
+    /// budget, four times over with its head: written, one that cannot
+    /// stops start-up naming the key and what fits; left out, the 10 MiB
+    /// default is lowered to what fits.
+    #[test]
+    fn an_answer_the_budget_could_never_hold_stops_start_up() {
+        let err = settings("memory_budget = \"64MiB\"\nmax_response_size = \"10MiB\"")
+            .err()
+            .unwrap();
+        assert_eq!(err.key, "max_response_size");
+        assert!(err.message.contains("at most 7.9 MiB"), "{}", err.message);
+        assert!(
+            err.message.contains("memory_budget_owner_share"),
+            "{}",
+            err.message
+        );
+        let whole = "memory_budget = \"64MiB\"\nmemory_budget_owner_share = 1.0\nmax_response_size = \"10MiB\"";
+        assert_eq!(settings(whole).unwrap().max_response_size, 10 << 20);
+        let lowered = settings("memory_budget = \"64MiB\"").unwrap();
+        assert_eq!(lowered.max_response_size, (8 << 20) - (64 << 10));
+        assert_eq!(settings("").unwrap().max_response_size, 10 << 20);
     }
 
     #[test]

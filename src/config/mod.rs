@@ -294,7 +294,7 @@ impl Settings {
                 "idempotency-attempt",
             )?,
             mismatch_status: mismatch_status(file.mismatch_status)?,
-            max_response_size: size("max_response_size", file.max_response_size, 10 << 20)?,
+            max_response_size: limits::max_response_size(&file, &memory_budget)?,
             // Zero is allowed: it turns the cache off.
             replay_cache_size: file
                 .replay_cache_size

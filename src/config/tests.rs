@@ -831,6 +831,31 @@ fn two_jwt_sources_on_one_header_each_name_their_issuer() {
     );
 }
 
+/// Two sources of one list whose labels are spelled alike would give their
+/// callers one owner: a claim with a `:` in it spells the label of another
+/// issuer's claim beside it, and a source written twice is its own twin.
+/// Both are refused at start-up, naming the later source.
+#[test]
+fn sources_whose_owners_would_be_spelled_alike_are_refused() {
+    let secret = "s".repeat(32);
+    let jwt = |claim: &str, issuer: &str| {
+        format!("{{ jwt = \"{claim}\", secret = {{ value = {secret:?} }}, algorithms = [\"HS256\"], issuer = \"{issuer}\" }}")
+    };
+    let start = |sources: Vec<String>| {
+        let text = format!("[owner]\nsources = [{}]\n", sources.join(", "));
+        Settings::from_sources(Settings::parse_file(&text).unwrap(), flags_with_upstream())
+    };
+    let spelled_alike = vec![jwt("sub", "a"), jwt("sub", "x:y"), jwt("sub:x:y", "b")];
+    let err = start(spelled_alike).unwrap_err();
+    assert_eq!(err.key, "owner.sources[2]");
+    assert!(err.message.contains("`owner.sources[1]`"), "{err}");
+    assert!(err.message.contains("jwt:authorization:sub:x:y"), "{err}");
+    let twice = vec!["{ header = \"x-user\" }".to_owned(); 2];
+    assert_eq!(start(twice).unwrap_err().key, "owner.sources[1]");
+    let apart = vec![jwt("sub", "a"), jwt("sub", "x:y"), jwt("sub:x", "b")];
+    assert!(start(apart).is_ok(), "a label of its own each");
+}
+
 /// An upstream's or a route's silence longer than `attempt_deadline` would
 /// be cut short at the deadline without a word: refused, naming its key
 /// and the deadline to raise. One as long as the deadline is taken.

@@ -165,7 +165,9 @@ pub(super) fn owner_rule(
                 .enumerate()
                 .map(|(i, s)| source(&format!("{key}.sources[{i}]"), s, base))
                 .collect::<Result<_, _>>()?;
-            side_by_side(&format!("{key}.sources"), sources)?
+            let sources = side_by_side(&format!("{key}.sources"), sources)?;
+            told_apart(&format!("{key}.sources"), &sources)?;
+            sources
         }
     };
     Ok(OwnerRule {
@@ -230,6 +232,25 @@ fn side_by_side(key: &str, mut sources: Vec<OwnerSource>) -> Result<Vec<OwnerSou
         *jwt = Arc::new(with);
     }
     Ok(sources)
+}
+
+/// Each source of one list names its owners apart from the others': an
+/// owner is its source's label and the values it read (`OwnerSource::label`),
+/// and a `:` or `+` in a claim name or an issuer can spell one source's
+/// label as another's (`jwt:authorization:sub:a:b` is the claim `sub` of
+/// the issuer `a:b` beside another, or the claim `sub:a:b`), which would
+/// give two callers one owner and each the other's answers.
+fn told_apart(key: &str, sources: &[OwnerSource]) -> Result<(), ConfigError> {
+    let labels: Vec<String> = sources.iter().map(OwnerSource::label).collect();
+    for (i, label) in labels.iter().enumerate() {
+        if let Some(j) = labels[..i].iter().position(|earlier| earlier == label) {
+            return Err(bad(
+                format!("{key}[{i}]"),
+                format!("it names its owners as `{key}[{j}]` does (`{label}`), so their callers would share keys and answers: drop one of them, or read a claim (or name an issuer) without `:` or `+` in it"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The default: the `Authorization` header (or `owner_header`), no

@@ -28,7 +28,7 @@ use idemgate_proxy::http::idle::{BodyTimedOut, ClientBodyFailed};
 use idemgate_proxy::http::without_gateway_headers;
 use idemgate_proxy::http::Body;
 use idemgate_proxy::shed::Admitted;
-use idemgate_proxy::upstream::UpstreamError;
+use idemgate_proxy::upstream::{Target, UpstreamError};
 
 /// Wraps an upstream service with the idempotency flow.
 #[derive(Clone)]
@@ -130,9 +130,11 @@ where
                 },
             };
         }
-        let answer = match opt_in::classify(&self.shared.config.routes, &self.shared.trust, req) {
+        let classified = opt_in::classify(&self.shared.config.routes, &self.shared.trust, req);
+        let answer = match classified {
             // An MCP session's end waits for its keyed calls at the server.
             Classified::PassThrough(req) if crate::mcp::ends_session(&req) => {
+                let req = passed_on_a_route(&self.shared, req);
                 let (shared, upstream) = (self.shared.clone(), self.inner.clone());
                 let upstream: UpstreamService = BoxCloneSyncService::new(upstream);
                 Answer::Guarded {
@@ -144,7 +146,7 @@ where
             // that does not need it.
             Classified::PassThrough(req) => match self.not_ready.take() {
                 None => Answer::Passing {
-                    answer: self.inner.call(req),
+                    answer: self.inner.call(passed_on_a_route(&self.shared, req)),
                 },
                 Some(e) => Answer::Ready {
                     response: Some(GatewayError::from(e).into_response()),
@@ -165,6 +167,21 @@ where
         };
         ResponseFuture { answer }
     }
+}
+
+/// A request passed through on one of the gateway's routes (it names the
+/// route's upstream: `Target`) carries no job id or attempt number of its
+/// client's. There those headers are the gateway's, in every spelling: an
+/// upstream that deduplicates by them (`reconcile = "resend"`, an API
+/// idempotent by itself) would otherwise replay another owner's job to a
+/// caller who names its id (`docs/design.md` §15, "Headers"). A path no
+/// route names is the upstream's own, and keeps them.
+fn passed_on_a_route(shared: &Shared, mut req: Request<Body>) -> Request<Body> {
+    if req.extensions().get::<Target>().is_some() {
+        let ours = shared.runner.forwarded_headers();
+        idemgate_proxy::http::spelling::remove_every_spelling(req.headers_mut(), &ours);
+    }
+    req
 }
 
 /// An MCP session's `DELETE`, sent on once no keyed call of the session is
@@ -326,12 +343,13 @@ fn answer(
     let request = match prepared {
         Ok(Prepared::Keyed(request)) => request,
         Ok(Prepared::Passing(req)) => {
+            let req = passed_on_a_route(&shared, req);
             return Either::Left(Box::pin(async move {
                 match upstream.oneshot(req).await {
                     Ok(response) => response,
                     Err(e) => passing_failed(e).into_response(),
                 }
-            }))
+            }));
         }
         Ok(Prepared::Answered(response)) => {
             return Either::Left(Box::pin(std::future::ready(response)))

@@ -42,7 +42,7 @@ mod resume;
 pub mod route;
 mod shared;
 
-pub use execute::{Config as AttemptConfig, UpstreamService};
+pub use execute::{Config as AttemptConfig, UpstreamService, ANSWER_WEIGHT};
 pub use hold::Config as HoldConfig;
 pub use layer::{Idempotency, IdempotencyLayer};
 pub use shared::{Config, Runtime, Shared};

@@ -57,6 +57,11 @@ struct Faults {
     /// (its reply still on its way back), and the telling.
     hold_hedge_replies: bool,
     hedge_replies: Notify,
+    /// Whether the next claim waits, before it is written, to be told to
+    /// go on; the signal that it waits, and the telling.
+    hold_a_claim: std::sync::atomic::AtomicBool,
+    claim_held: Notify,
+    claim_goes: Notify,
 }
 
 /// The in-memory store with faults injected.
@@ -183,6 +188,10 @@ impl Store for Faulty {
         if self.faults.fail_claims {
             return Err(down());
         }
+        if self.faults.hold_a_claim.swap(false, Ordering::SeqCst) {
+            self.faults.claim_held.notify_one();
+            self.faults.claim_goes.notified().await;
+        }
         self.inner.claim_attempt(job, version, attempt).await
     }
     async fn hedge_attempt(
@@ -243,12 +252,15 @@ impl Store for Faulty {
 }
 
 /// An upstream service whose answers wait until the test releases the
-/// upstream they went to; each answers `200 <upstream name>`, or 503 when
-/// told to.
+/// upstream they went to; each answers `200 <upstream name>`, or, once
+/// for each time it is told to, `503 <upstream name>`; or, told to
+/// stream, an event stream whose last event waits for the release of
+/// `<upstream name>-end`.
 #[derive(Clone, Default)]
 struct Scripted {
     gates: Arc<Mutex<HashMap<String, Arc<Notify>>>>,
     busy: Arc<Mutex<Vec<String>>>,
+    streams: Arc<Mutex<Vec<String>>>,
     calls: Arc<AtomicUsize>,
 }
 
@@ -270,6 +282,37 @@ impl Scripted {
         self.busy.lock().unwrap().push(upstream.to_owned());
     }
 
+    fn answer_streams(&self, upstream: &str) {
+        self.streams.lock().unwrap().push(upstream.to_owned());
+    }
+
+    /// `data: first`, then, once `<name>-end` is released, `data: last`.
+    fn stream(&self, name: &str) -> Response<Body> {
+        use http_body_util::BodyExt;
+        let end = self.gate(&format!("{name}-end"));
+        let frames = futures_util::stream::unfold(0, move |sent| {
+            let end = end.clone();
+            async move {
+                let event = match sent {
+                    0 => "data: first\n\n",
+                    1 => {
+                        end.notified().await;
+                        "data: last\n\n"
+                    }
+                    _ => return None,
+                };
+                let frame = http_body::Frame::data(Bytes::from_static(event.as_bytes()));
+                Some((Ok::<_, idemgate_proxy::http::BodyError>(frame), sent + 1))
+            }
+        });
+        let mut response = Response::new(http_body_util::StreamBody::new(frames).boxed());
+        let events = http::HeaderValue::from_static("text/event-stream");
+        response
+            .headers_mut()
+            .insert(http::header::CONTENT_TYPE, events);
+        response
+    }
+
     fn service(&self) -> UpstreamService {
         let script = self.clone();
         UpstreamService::new(tower::service_fn(move |req: Request<Body>| {
@@ -282,11 +325,15 @@ impl Scripted {
                     .map(|t| t.0.name().to_owned())
                     .unwrap_or_default();
                 script.gate(&name).notified().await;
-                let status = if script.busy.lock().unwrap().contains(&name) {
-                    503
-                } else {
-                    200
+                let busy = {
+                    let mut busy = script.busy.lock().unwrap();
+                    let at = busy.iter().position(|b| *b == name);
+                    at.map(|at| busy.remove(at)).is_some()
                 };
+                if !busy && script.streams.lock().unwrap().contains(&name) {
+                    return Ok(script.stream(&name));
+                }
+                let status = if busy { 503 } else { 200 };
                 let mut response = Response::new(idemgate_proxy::http::full(name));
                 *response.status_mut() = http::StatusCode::from_u16(status).unwrap();
                 Ok::<_, UpstreamError>(response)
@@ -414,6 +461,41 @@ async fn a_hedge_claimed_after_the_race_was_decided_is_never_sent() {
         1,
         "only the primary was called"
     );
+}
+
+/// A request whose first attempt failed is beaten to the job's next
+/// attempt by its own retry, whose answer then streams: the request joins
+/// that stream, the job's answer, rather than answering its own stale
+/// failure (before, it answered `503` beside the stream).
+#[tokio::test(start_paused = true)]
+async fn a_request_beaten_to_its_next_attempt_joins_the_winners_stream() {
+    let faults = Faults {
+        hold_a_claim: true.into(),
+        ..Faults::default()
+    };
+    let (mut service, faults, _, upstream) = gateway(failover(), faults);
+    upstream.answer_busy("primary");
+    upstream.answer_streams("primary");
+    let first = tokio::spawn(service.call(keyed("k")));
+    upstream.release("primary");
+    // Its failover's claim is about to be written when the retry comes…
+    faults.claim_held.notified().await;
+    let retry = tokio::spawn(service.call(keyed("k")));
+    upstream.release("primary");
+    let retry = retry.await.unwrap().unwrap();
+    assert_eq!(retry.status(), 200);
+    // …and claims first; the retry's answer streams.
+    faults.claim_goes.notify_one();
+    upstream.release("primary-end");
+    let (status, body) = read(first.await.unwrap().unwrap()).await;
+    assert_eq!(
+        (status, body.as_ref()),
+        (200, b"data: first\n\ndata: last\n\n".as_ref()),
+        "the stream, not its own 503: {body:?}"
+    );
+    let (_, streamed) = read(retry).await;
+    assert_eq!(streamed, body);
+    assert_eq!(upstream.calls.load(Ordering::SeqCst), 2, "no third call");
 }
 
 #[tokio::test(start_paused = true)]

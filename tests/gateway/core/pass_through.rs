@@ -40,6 +40,53 @@ async fn requests_that_do_not_opt_in_pass_through_untouched(store: TestStore) {
     assert_eq!(jobs, 0);
 }
 
+/// A request passed through on a route (an HTTP request without a key, an
+/// MCP message that is not a keyed call) carries no job id or attempt
+/// number of its client's, in any spelling: an upstream that deduplicates
+/// by them would replay another owner's job to whoever names its id. A
+/// request no route takes keeps them (above).
+async fn a_request_passed_through_on_a_route_names_no_job(store: TestStore) {
+    let upstream = FakeUpstream::echo().await;
+    let gateway = Gateway::builder(&store, &upstream.url())
+        .tables(
+            "[[routes]]\npath_prefix = \"/mcp\"\nprotocol = \"mcp\"\n\
+             [[routes]]\npath_prefix = \"/v1\"\n",
+        )
+        .start()
+        .await;
+    let theirs = send(
+        Method::POST,
+        &gateway.path("/v1/x"),
+        &[("idempotency-key", "theirs"), ("authorization", "Bearer a")],
+        "{}",
+    )
+    .await;
+    let job = theirs.job().expect("a keyed request names its job");
+    let named = [
+        ("authorization", "Bearer b"),
+        ("content-type", "application/json"),
+        ("idempotency_key", job.as_str()),
+        ("Idempotency-Attempt", "1"),
+        ("idempotency_attempt", "1"),
+    ];
+    let passed = send(Method::POST, &gateway.path("/v1/x"), &named, "{}").await;
+    assert_eq!((passed.status, passed.job()), (200, None));
+    let list = r#"{"jsonrpc":"2.0","id":1,"method":"tools/list"}"#;
+    let mut on_mcp = named.to_vec();
+    on_mcp.push(("idempotency-key", job.as_str()));
+    let message = send(Method::POST, &gateway.path("/mcp"), &on_mcp, list).await;
+    assert_eq!((message.status, message.job()), (200, None));
+    let seen = upstream.recorded();
+    assert_eq!(seen.len(), 3);
+    assert_eq!(seen[0].header("idempotency-key"), Some(job.as_str()));
+    for (at, passed) in seen[1..].iter().enumerate() {
+        for name in ["idempotency-key", "idempotency_key", "idempotency-attempt"] {
+            assert_eq!(passed.header(name), None, "{name} in pass-through {at}");
+        }
+        assert_eq!(passed.header("idempotency_attempt"), None);
+    }
+}
+
 async fn hop_by_hop_headers_are_not_forwarded_and_forwarding_headers_are_added(store: TestStore) {
     let upstream = FakeUpstream::echo().await;
     let gateway = Gateway::start(&store, &upstream.url()).await;
@@ -245,6 +292,7 @@ crate::on_each_deployment!(
     upstream_connections_are_reused_unless_the_upstream_forbids_it,
     pass_through_bodies_stream_past_the_opt_in_limit,
     requests_that_do_not_opt_in_pass_through_untouched,
+    a_request_passed_through_on_a_route_names_no_job,
     hop_by_hop_headers_are_not_forwarded_and_forwarding_headers_are_added,
     forwarded_identity_header_names_are_configurable,
     admin_api_needs_the_bearer_token_and_probes_do_not,

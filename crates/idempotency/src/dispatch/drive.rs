@@ -88,6 +88,13 @@ impl Driver {
             .await
     }
 
+    /// The stream of `job`'s running attempt, joined as a duplicate joins
+    /// it; `None` when there is none (any more).
+    async fn join(&self, job: &Job) -> Option<Response<Body>> {
+        let tag = Tag::of(&self.request.intent.owner, &self.request.intent.key);
+        Box::pin(self.shared.live.join(&tag, job)).await
+    }
+
     /// Begins the job and, when it is new, starts its first attempt, in a
     /// task of its own (see the module docs).
     pub(crate) fn begin(self: &Arc<Self>) -> JoinHandle<Result<Begun, StoreError>> {
@@ -228,6 +235,10 @@ impl Driver {
                             .of_job(&self.request, &current, Write::Always)
                             .await
                     }
+                    Step::Join(current) => match self.join(&current).await {
+                        Some(joined) => return Ok(joined),
+                        None => queued.push_back(Event::Held(self.hold(job).await)),
+                    },
                     Step::Answer(answer) => return self.answer(answer, &attempts, &dispatch),
                 }
             }

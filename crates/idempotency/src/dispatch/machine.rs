@@ -96,6 +96,9 @@ pub(crate) enum Step {
     Stream(Arc<Recording>),
     /// Answer with the job's committed response, as a replay.
     Replay(Job),
+    /// Join the stream of another request's attempt, as a duplicate does;
+    /// the job comes back as [`Event::Held`] if there is none to join.
+    Join(Job),
     /// Answer without a result.
     Answer(Result<http::Response<idemgate_proxy::http::Body>, GatewayError>),
 }
@@ -120,6 +123,8 @@ pub(crate) struct Dispatch {
     /// The attempt `unknown` is the outcome of.
     unknown_by: Option<AttemptId>,
     store_error: Option<StoreError>,
+    /// Whether a stream of another's attempt was to be joined once already.
+    joined: bool,
 }
 
 impl Dispatch {
@@ -144,6 +149,7 @@ impl Dispatch {
             unknown: None,
             unknown_by: None,
             store_error: None,
+            joined: false,
             route,
         }
     }
@@ -182,6 +188,14 @@ impl Dispatch {
                 retry_after: self.retry_after,
             }
             .into()))],
+            // Held after another request moved the job on, whose attempt now
+            // streams: its answer is the job's, and this request's own last
+            // failure is stale (docs/design.md §6). Joined once: a stream
+            // gone by then is committed or cut, which a hold tells.
+            Event::Held(Ok(job)) if job.state == JobState::Running && !self.joined => {
+                self.joined = true;
+                vec![Step::Join(job)]
+            }
             Event::Held(Ok(_)) => vec![Step::Answer(self.finish())],
             Event::Reread(Err(e)) | Event::Held(Err(e)) => vec![Step::Answer(Err(e))],
         }

@@ -56,6 +56,14 @@ mod verdict;
 pub(crate) use ends::zero;
 pub(crate) use runner::Runner;
 
+/// What an answer read whole costs the memory budget per byte while it is
+/// held: itself, and the two copies its commit makes on the way to the
+/// store (the client library's encoding of the statement, and its socket
+/// buffer; SQLite's private copy of a bound blob, and the record it
+/// builds). Counted before the buffer grows, so answers that do not fit
+/// are refused before they are read (`docs/design.md` §18).
+pub const ANSWER_WEIGHT: usize = 4;
+
 /// Asks the upstream for the answer uncompressed (`Accept-Encoding:
 /// identity`), in place of whatever the client accepts. A keyed request's
 /// answer is judged, checked against its contract, cut into events, resumed

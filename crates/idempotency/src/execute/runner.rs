@@ -10,7 +10,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use http::{HeaderValue, Request};
+use http::{HeaderName, HeaderValue, Request};
 use idemgate_domain::attempt::{Attempt, AttemptFailure, NewAttempt};
 use idemgate_domain::id::{AttemptId, JobId};
 use idemgate_domain::job::JobDetail;
@@ -309,6 +309,16 @@ impl Runner {
         left.unwrap_or_default().clamp(least, most)
     }
 
+    /// The headers an attempt tells its upstream the job id and the
+    /// attempt's number in: the gateway's own on its routes, in every
+    /// spelling (`docs/design.md` §15, "Headers").
+    pub(crate) fn forwarded_headers(&self) -> [HeaderName; 2] {
+        [
+            self.config.forward_key_header.clone(),
+            self.config.forward_attempt_header.clone(),
+        ]
+    }
+
     /// The request as `target` receives it: the client's, with the job id
     /// in place of the client's key and the attempt's number.
     fn upstream_request(
@@ -325,11 +335,10 @@ impl Runner {
         // client's in another spelling (`Idempotency_Key`, which a CGI-style
         // server folds into the same variable) goes nowhere
         // (docs/design.md §15, "Headers").
-        let forwarded = [
-            self.config.forward_key_header.clone(),
-            self.config.forward_attempt_header.clone(),
-        ];
-        idemgate_proxy::http::spelling::remove_every_spelling(&mut parts.headers, &forwarded);
+        idemgate_proxy::http::spelling::remove_every_spelling(
+            &mut parts.headers,
+            &self.forwarded_headers(),
+        );
         super::ask_uncompressed(&mut parts.headers);
         if let Ok(v) = HeaderValue::from_str(&attempt.job_id.to_string()) {
             parts

@@ -29,6 +29,7 @@ use super::ends::Ends;
 use super::reconcile::Reconciler;
 use super::reconnect::{self, Reconnect};
 use super::verdict::{classify_reporting, judge_stream, InBand, StreamOutcome, Verdict};
+use super::ANSWER_WEIGHT;
 use super::{Reply, Runner, UpstreamService, PATIENCE};
 use crate::error::GatewayError;
 use crate::keyed::Intent;
@@ -37,14 +38,6 @@ use crate::replay;
 use crate::replay::tiers::Write;
 use crate::route::{Route, Silences};
 use idemgate_store::retrying;
-
-/// What an answer read whole costs the memory budget per byte while it is
-/// held: itself, and the two copies its commit makes on the way to the
-/// store (the client library's encoding of the statement, and its socket
-/// buffer; SQLite's private copy of a bound blob, and the record it
-/// builds). Counted before the buffer grows, so answers that do not fit
-/// are refused before they are read (`docs/design.md` §18).
-const ANSWER_WEIGHT: usize = 4;
 
 pub(super) struct Task {
     pub(super) runner: Arc<Runner>,

@@ -29,6 +29,7 @@ use self::pool::Pool;
 use crate::budget::Charge;
 use crate::http::{hop, spelling, Body, ClientAddr, ProvenClient};
 use idemgate_domain::BoxError;
+pub use pool::MAX_ANSWER_HEAD;
 pub use settings::{UpstreamId, UpstreamSettings, DEFAULT_IDLE_TIMEOUT};
 pub use timing::{Stopwatch, Timings, Waited};
 

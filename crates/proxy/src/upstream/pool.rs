@@ -215,7 +215,7 @@ impl Pool {
 /// too big header" (`docs/design.md` §18, "An answer's head"). Without it
 /// hyper takes heads as long as its read buffer, 400 KiB and more, and a
 /// head is stored and replayed with its answer.
-const MAX_ANSWER_HEAD: usize = 64 << 10;
+pub const MAX_ANSWER_HEAD: usize = 64 << 10;
 
 /// What a request that may have reached the upstream failed with: an
 /// answer whose head outgrew [`MAX_ANSWER_HEAD`] is one too large to
