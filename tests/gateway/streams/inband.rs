@@ -284,6 +284,34 @@ async fn an_openai_error_chunk_is_retried(store: TestStore) {
     assert_eq!(upstream.hits(), 2);
 }
 
+/// A bulk call's stream that reports one item's error among the others
+/// and goes on to its end did act: it is committed and replayed, never run
+/// again (before, the error-shaped item made the attempt `failed` and
+/// every retry sent the mail again), on a route that names its end events
+/// and on one that does not.
+async fn an_error_the_stream_went_on_past_is_part_of_the_answer(store: TestStore) {
+    let item = |n: u32, error: &str| format!("data: {{\"recipient\":{n}{error}}}\n\n");
+    let bulk = vec![
+        item(1, ""),
+        item(2, ",\"error\":{\"code\":\"timeout\"}"),
+        item(3, ""),
+        "data: [DONE]\n\n".to_owned(),
+    ];
+    let upstream = ScriptedSse::start(vec![bulk.clone()], None).await;
+    let routes = format!("{CHAT_ROUTE}\n[[routes]]\npath_prefix = \"/bulk\"\n");
+    let gateway = gateway(&store, &upstream, &routes).await;
+    for (path, key) in [("/v1/bulk", "named"), ("/bulk", "unnamed")] {
+        let url = gateway.path(path);
+        let (first, finish) = read_all(&url, key).await;
+        assert_eq!((first.status, finish), (200, Finish::Complete));
+        let (again, finish) = read_all(&url, key).await;
+        assert_eq!((again.status, finish), (200, Finish::Complete));
+        assert_eq!(again.header("idempotent-replayed"), Some("true"), "{path}");
+        assert_eq!(text(&again), bulk.concat());
+    }
+    assert_eq!(upstream.hits(), 2, "each key ran once");
+}
+
 async fn a_live_joiner_of_a_stream_that_fails_in_band_gets_it_as_sent(store: TestStore) {
     let gate = Gate::new();
     let overloaded = anthropic("Hel", &[&error_event("overloaded_error")]);
@@ -587,6 +615,7 @@ async fn a_late_stream_is_judged_as_a_stream(store: TestStore) {
 
 crate::on_each_deployment!(
     [embedded, postgres]
+    an_error_the_stream_went_on_past_is_part_of_the_answer,
     a_late_stream_is_judged_as_a_stream,
     an_overloaded_stream_is_run_again_then_its_whole_answer_replayed,
     an_invalid_request_error_is_the_answer_and_is_replayed,

@@ -228,17 +228,44 @@ pub enum Said {
     Unended,
 }
 
+/// The events providers end a whole answer with (OpenAI's `[DONE]`,
+/// Anthropic's `message_stop`, the Responses API's three ends): after an
+/// in-band error, one of these does not say the stream went on, whether
+/// or not the route names its end events.
+const PROVIDER_ENDS: &[&str] = &[
+    "[DONE]",
+    "message_stop",
+    "response.completed",
+    "response.incomplete",
+    "response.failed",
+];
+
 /// What `body`, a whole event stream, says: the first in-band error it
-/// reports (when `errors` are looked for), else whether its last event is
-/// one of `ends` (when the route names any).
+/// reports (when `errors` are looked for) that ended it, else whether its
+/// last event is one of `ends` (when the route names any).
+///
+/// A provider's in-band error is its stream's last word: only end events,
+/// other errors (the Responses API's `error`, then `response.failed`) and
+/// Anthropic's `ping` may follow it. An error-shaped event the stream went
+/// on past (one item of a bulk call that failed, reported among the
+/// others) did not fail the call, which went on to act: it is part of the
+/// answer (`docs/design.md` §10, "In-band errors and whole streams").
 pub fn said(body: &[u8], errors: bool, ends: &[String]) -> Said {
     let events = events(body);
     if errors {
-        for (at, event) in events.iter().enumerate() {
-            if let Some(kind) = in_band_error(event) {
-                let after_a_tool = ran_a_tool(&events[..at]);
-                return Said::Error { kind, after_a_tool };
-            }
+        // Where the stream's last words begin: every event from there is
+        // an end, an error or a ping.
+        let last_words = events
+            .iter()
+            .rposition(|event| !closes(event, ends))
+            .map_or(0, |at| at + 1);
+        let first_error = events[last_words..]
+            .iter()
+            .enumerate()
+            .find_map(|(at, event)| Some((last_words + at, in_band_error(event)?)));
+        if let Some((at, kind)) = first_error {
+            let after_a_tool = ran_a_tool(&events[..at]);
+            return Said::Error { kind, after_a_tool };
         }
     }
     match events.last() {
@@ -246,6 +273,19 @@ pub fn said(body: &[u8], errors: bool, ends: &[String]) -> Said {
         Some(last) if is_end(last, ends) => Said::Whole,
         _ => Said::Unended,
     }
+}
+
+/// Whether `event` may follow a stream's in-band error without saying the
+/// stream went on: an end event (the route's or a provider's), another
+/// error, or a `ping`.
+fn closes(event: &Event, ends: &[String]) -> bool {
+    let provider_end = PROVIDER_ENDS
+        .iter()
+        .any(|end| event.name.as_deref() == Some(end) || event.data == *end);
+    provider_end
+        || is_end(event, ends)
+        || event.name.as_deref() == Some("ping")
+        || in_band_error(event).is_some()
 }
 
 #[cfg(test)]
@@ -258,6 +298,56 @@ mod tests {
             kind: kind.to_owned(),
             after_a_tool: false,
         }
+    }
+
+    /// An error-shaped event the stream went on past is not its failure:
+    /// one item of a bulk call that failed, among the others, leaves the
+    /// answer whole. One followed only by ends, other errors and pings
+    /// ended the stream, and counts (the first of them), with the route's
+    /// end events named or not.
+    #[test]
+    fn only_an_error_that_ended_the_stream_counts() {
+        let item = |n: u32, error: &str| format!("data: {{\"recipient\":{n}{error}}}\n\n");
+        let timeout = ",\"error\":{\"code\":\"timeout\"}";
+        let went_on = [
+            item(1, ""),
+            item(2, timeout),
+            item(3, ""),
+            "data: [DONE]\n\n".into(),
+        ];
+        let ends = ["[DONE]".to_owned()];
+        assert_eq!(said(went_on.concat().as_bytes(), true, &[]), Said::Whole);
+        assert_eq!(said(went_on.concat().as_bytes(), true, &ends), Said::Whole);
+        let overloaded = "event: error\ndata: {\"error\":{\"type\":\"overloaded_error\"}}\n\n";
+        let ping = "event: ping\ndata: {\"type\":\"ping\"}\n\n";
+        let last = [
+            item(1, ""),
+            item(2, timeout),
+            item(3, ""),
+            overloaded.into(),
+            ping.into(),
+        ];
+        for ends in [&[][..], &ends[..]] {
+            assert_eq!(
+                said(last.concat().as_bytes(), true, ends),
+                error_of("overloaded_error")
+            );
+        }
+        let done = [item(1, ""), item(2, timeout), "data: [DONE]\n\n".into()];
+        assert_eq!(
+            said(done.concat().as_bytes(), true, &[]),
+            error_of("timeout")
+        );
+        let failed =
+            "data: {\"type\":\"response.failed\",\"response\":{\"error\":{\"code\":\"x\"}}}\n\n";
+        let responses = [
+            "data: {\"type\":\"error\",\"code\":\"server_error\"}\n\n",
+            failed,
+        ];
+        assert_eq!(
+            said(responses.concat().as_bytes(), true, &[]),
+            error_of("server_error")
+        );
     }
 
     /// An error after a tool the provider ran is told apart: the call
@@ -319,9 +409,10 @@ mod tests {
         for not_run in not_run {
             assert_eq!(after(&not_run), error_of("server_error"), "{not_run}");
         }
-        // A tool run after the error is not before it.
+        // A tool run after the error: the stream went on past it, so the
+        // error did not end the call, which is whole (and never run again).
         let late = format!("{failed}event: response.mcp_call.completed\ndata: {{}}\n\n");
-        assert_eq!(said(late.as_bytes(), true, &[]), error_of("server_error"));
+        assert_eq!(said(late.as_bytes(), true, &[]), Said::Whole);
     }
 
     const ANTHROPIC_OVERLOADED: &str = "event: message_start\ndata: {\"type\":\"message_start\"}\n\n\
