@@ -111,6 +111,9 @@ pub fn multipart_boundary<'a>(content_types: impl IntoIterator<Item = &'a [u8]>)
     (!boundary.is_empty()).then(|| boundary.to_owned())
 }
 
+/// What marks a significant header's second line, and each after it.
+const EXTRA_LINE: u8 = 3;
+
 /// Computes the fingerprint of a request under a route's body rule; a body
 /// the rule canonicalises is refused when it is ambiguous JSON.
 pub fn fingerprint(
@@ -135,9 +138,11 @@ pub fn fingerprint(
         // `Content-Type`, which an upstream may read instead of the first)
         // is another request. Marked apart from what may follow a header
         // (the next name's length, whose first byte is 0, or the body's
-        // 0 or 1), so a header of one line hashes as it always did.
+        // 0, 1 or 2), so a header of one line hashes as it always did.
+        // (It was 2 once, a multipart body's mark too: an empty second
+        // line then hashed as an unopened multipart body of one piece.)
         for line in more {
-            h.update([2]);
+            h.update([EXTRA_LINE]);
             frame(&mut h, line);
         }
     }
@@ -473,6 +478,23 @@ mod tests {
             multipart_as("multipart/mixed", "other", false, "{}"),
             "the boundary itself is still framing"
         );
+    }
+
+    /// A significant header's second line is marked apart from a
+    /// multipart body: an empty second line beside a JSON body once hashed
+    /// as a multipart body that never opened, of the same bytes.
+    #[test]
+    fn a_second_line_is_no_multipart_body() {
+        let parts = |lines: Vec<&'static [u8]>, boundary: Option<&'static [u8]>| RequestParts {
+            method: "POST",
+            path_and_query: "/v1/charges",
+            headers: vec![("x-api-version", lines)],
+            body: br#"{"a":1}"#,
+            boundary,
+        };
+        let multipart = fingerprint(&parts(vec![b"v1"], Some(b"XYZ")), &CANONICAL).unwrap();
+        let json = fingerprint(&parts(vec![b"v1", b""], None), &CANONICAL).unwrap();
+        assert_ne!(multipart, json);
     }
 
     /// Jobs keep their fingerprint across releases: a retry after an

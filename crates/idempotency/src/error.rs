@@ -51,6 +51,16 @@ pub enum ClientError {
     /// The path could be read two ways by upstreams (`docs/design.md` §2).
     #[error("{0}")]
     AmbiguousPath(#[from] Ambiguity),
+    /// A header that tells the route's requests apart
+    /// (`significant_headers`) sent in another spelling, which an upstream
+    /// behind CGI reads as that header (`docs/design.md` §11).
+    #[error("the header `{sent}` is read as `{reads_as}` by upstreams that fold `_` into `-` (CGI, Rack, PHP-FPM), and `{reads_as}` tells this route's requests apart: send it as `{reads_as}`")]
+    AmbiguousHeader {
+        /// The name as sent.
+        sent: String,
+        /// The significant header it is read as.
+        reads_as: String,
+    },
     /// The route requires a key and there was none.
     #[error("this route requires an Idempotency-Key header")]
     MissingKey,
@@ -248,6 +258,11 @@ impl ClientError {
                 StatusCode::BAD_REQUEST,
                 "ambiguous-path",
                 "Path that upstreams could read two ways",
+            ),
+            ClientError::AmbiguousHeader { .. } => p(
+                StatusCode::BAD_REQUEST,
+                "ambiguous-header",
+                "Header that upstreams could read two ways",
             ),
             ClientError::MissingKey => p(
                 StatusCode::BAD_REQUEST,
@@ -565,7 +580,8 @@ impl GatewayError {
 /// (`idemgate_requests_refused_total{problem}`), each set at zero when the
 /// layer starts, so that a rate over a type reads 0 before its first
 /// (`docs/design.md` §12, "Metrics"). The test below keeps it whole.
-const PROBLEM_TYPES: [&str; 27] = [
+const PROBLEM_TYPES: [&str; 28] = [
+    "ambiguous-header",
     "ambiguous-json",
     "ambiguous-path",
     "attempt-outcome-unknown",

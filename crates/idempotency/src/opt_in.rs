@@ -21,7 +21,7 @@ use idemgate_domain::key::{IdempotencyKey, KeyError, Owner};
 use idemgate_domain::sse::ResumePoint;
 use idemgate_proxy::budget::Charge;
 use idemgate_proxy::http::{
-    collect_charged, detach_head, Body, CollectError, EVENTS_RECEIVED, IDEMPOTENCY_KEY,
+    collect_charged, detach_head, spelling, Body, CollectError, EVENTS_RECEIVED, IDEMPOTENCY_KEY,
     LAST_EVENT_ID, TAKEN_AHEAD,
 };
 use idemgate_proxy::upstream::Target;
@@ -183,7 +183,8 @@ pub(crate) fn classify(routes: &[Arc<Route>], trust: &Trust, mut req: Request<Bo
 /// limit, `413` past it; within the memory budget, `503` past it; `408`
 /// when its client pauses past the body-read timeout) and the fingerprint
 /// (`400` for a body the route canonicalises that names a JSON member
-/// twice). An MCP route's messages are prepared by `mcp::prepare` instead.
+/// twice, or a significant header sent in a spelling with `_`). An MCP
+/// route's messages are prepared by `mcp::prepare` instead.
 pub(crate) async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Prepared, Refused> {
     let OptedIn { route, key, req } = opted;
     let HeaderKey::Valid(key) = key else {
@@ -192,6 +193,16 @@ pub(crate) async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Prepared,
     let (parts, body) = req.into_parts();
     let owner = shared.trust.owner(&route.owner, &parts)?;
     let resume = resume_point(&parts)?;
+    // A significant header in a spelling only some upstreams read as it
+    // would hash as absent: the same fingerprint for two requests.
+    let significant = &route.significant_headers;
+    if let Some((sent, name)) = spelling::spelled_otherwise(&parts.headers, significant) {
+        return Err(ClientError::AmbiguousHeader {
+            sent: sent.to_string(),
+            reads_as: name.to_string(),
+        }
+        .into());
+    }
     let (body, charge) = read(shared, &route, Some(&owner), body).await?;
     let parsing = parse_charge(shared, &route.body, (Some(&owner), &charge), &body)?;
     // docs/design.md §11, "A multipart boundary is framing".

@@ -5,7 +5,9 @@
 //! numbers keep the text they were written with.
 
 use crate::support::deployment::Deployment;
-use crate::support::{post, FakeUpstream};
+use http::Method;
+
+use crate::support::{post, send, FakeUpstream};
 
 const CANONICAL_ROUTE: &str =
     "[[routes]]\nname = \"charges\"\npath_prefix = \"/v1/charges\"\ncanonical_json = true\n";
@@ -75,8 +77,66 @@ async fn numbers_are_the_text_the_client_wrote(env: Deployment) {
     assert_eq!(upstream.hits(), 3, "one execution per key");
 }
 
+/// An item `ignore_fields` names is left out in its place: a chat whose
+/// first message is ignored is still another request than one with no
+/// messages, or one whose last message differs (before, the item was
+/// taken out, `[x]` hashed as `[]`, and a second pointer into the array
+/// named the item after the one it was written for).
+async fn an_ignored_item_keeps_its_place(env: Deployment) {
+    let upstream = FakeUpstream::echo().await;
+    let route = "[[routes]]\npath_prefix = \"/v1/chat\"\nignore_fields = [\"/m/0\", \"/m/1\"]\n";
+    let gateway = env.gateway(&upstream.url()).tables(route).start().await;
+    let url = gateway.path("/v1/chat");
+    let chat = |t: u32, ask: &str| format!(r#"{{"m":["sys t={t}","terse","{ask}"]}}"#);
+    assert_eq!(
+        post(&url, "c", &chat(1, "refund order 1")).await.status,
+        200
+    );
+    let retry = post(&url, "c", &chat(2, "refund order 1")).await;
+    assert_eq!(
+        retry.header("idempotent-replayed"),
+        Some("true"),
+        "the ignored items changed"
+    );
+    let other = post(&url, "c", &chat(2, "refund order 2")).await;
+    assert_eq!(
+        other.problem(),
+        "idempotency-key-mismatch",
+        "the ask changed"
+    );
+    assert_eq!(post(&url, "one", r#"{"m":[5]}"#).await.status, 200);
+    let none = post(&url, "one", r#"{"m":[]}"#).await;
+    assert_eq!(none.problem(), "idempotency-key-mismatch");
+    assert_eq!(upstream.hits(), 2);
+}
+
+/// A header that tells a route's requests apart, sent spelled with `_`
+/// (which an upstream behind CGI reads as the header, and another does
+/// not), is refused before anything is read or stored: it would hash as
+/// absent, so two versions of a request would be one.
+async fn a_significant_header_spelled_another_way_is_refused(env: Deployment) {
+    let upstream = FakeUpstream::echo().await;
+    let route = "[[routes]]\npath_prefix = \"/v1\"\nsignificant_headers = [\"content-type\", \"x-api-version\"]\n";
+    let gateway = env.gateway(&upstream.url()).tables(route).start().await;
+    let url = gateway.path("/v1/charges");
+    let spelled = [("idempotency-key", "v"), ("X_Api_Version", "2024-06-01")];
+    let reply = send(Method::POST, &url, &spelled, "{}").await;
+    assert_eq!(
+        (reply.status, reply.problem()),
+        (400, "ambiguous-header".to_owned())
+    );
+    let detail = reply.json()["detail"].as_str().unwrap().to_owned();
+    assert!(detail.contains("send it as `x-api-version`"), "{detail}");
+    assert_eq!(upstream.hits(), 0);
+    assert_eq!(env.store.job_count().await, 0, "nothing stored");
+    let plain = [("idempotency-key", "v"), ("x-api-version", "2024-06-01")];
+    assert_eq!(send(Method::POST, &url, &plain, "{}").await.status, 200);
+}
+
 crate::on_each_deployment!(
     [embedded, postgres_redis]
+    an_ignored_item_keeps_its_place,
+    a_significant_header_spelled_another_way_is_refused,
     a_member_named_twice_is_refused_and_creates_nothing,
     numbers_are_the_text_the_client_wrote,
 );

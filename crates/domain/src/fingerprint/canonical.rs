@@ -210,8 +210,16 @@ pub(super) fn pointer(path: &[String]) -> String {
         .collect()
 }
 
-/// Leaves out the member or item a JSON pointer names, if there is one,
-/// with serde_json's `pointer_mut` rules for the way there.
+/// What an array item an `ignore_fields` pointer names is hashed as: no
+/// JSON value is written so, and the array keeps its length and the other
+/// items their places.
+const IGNORED_ITEM: &[u8] = b"?";
+
+/// Leaves out the member a JSON pointer names, if there is one, or blanks
+/// the item it names ([`IGNORED_ITEM`]), with serde_json's `pointer_mut`
+/// rules for the way there. An item is not taken out: `[5]` would then be
+/// `[]`, and each later pointer into the array would name the item after
+/// the one it was written for.
 pub(super) fn remove(root: &mut Node<'_>, pointer: &str) {
     let Some((parent, last)) = pointer.rsplit_once('/') else {
         return;
@@ -220,10 +228,8 @@ pub(super) fn remove(root: &mut Node<'_>, pointer: &str) {
     match find(root, parent) {
         Some(Node::Object(members)) => members.retain(|(name, _)| *name != last),
         Some(Node::Array(items)) => {
-            if let Ok(i) = last.parse::<usize>() {
-                if i < items.len() {
-                    items.remove(i);
-                }
+            if let Some(item) = index(&last).and_then(|i| items.get_mut(i)) {
+                *item = Node::Raw(IGNORED_ITEM);
             }
         }
         _ => {}
@@ -418,6 +424,41 @@ mod tests {
         }
         let mut out = Vec::new();
         write(&node, &mut out);
-        assert_eq!(out, br#"{"a":{"c":2},"l":[1,3]}"#);
+        assert_eq!(out, br#"{"a":{"c":2},"l":[1,?,3]}"#);
+    }
+
+    /// An item a pointer names is blanked, not taken out: `[5]` is not
+    /// `[]`, and pointers to items 0 and 1 blank those two, whatever their
+    /// order (before, the second named the item after it once the first
+    /// was gone, and two chats that differed in their last message were
+    /// one request). An index written `01` or `+1` names nothing.
+    #[test]
+    fn an_ignored_item_keeps_its_place() {
+        let blanked = |body: &[u8], pointers: &[&str]| {
+            let mut node = parse(body).unwrap();
+            for p in pointers {
+                remove(&mut node, p);
+            }
+            let mut out = Vec::new();
+            write(&node, &mut out);
+            String::from_utf8(out).unwrap()
+        };
+        assert_ne!(blanked(b"[5]", &["/0"]), blanked(b"[]", &["/0"]));
+        let chat = |n: u32| format!(r#"{{"m":["sys t={n}","terse","refund order {n}"]}}"#);
+        let both = ["/m/0", "/m/1"];
+        assert_eq!(
+            blanked(chat(1).as_bytes(), &both),
+            r#"{"m":[?,?,"refund order 1"]}"#
+        );
+        assert_ne!(
+            blanked(chat(1).as_bytes(), &both),
+            blanked(chat(2).as_bytes(), &both)
+        );
+        let reversed = ["/m/1", "/m/0"];
+        assert_eq!(
+            blanked(chat(1).as_bytes(), &both),
+            blanked(chat(1).as_bytes(), &reversed)
+        );
+        assert_eq!(blanked(b"[1,2]", &["/+1", "/01"]), "[1,2]");
     }
 }

@@ -51,6 +51,20 @@ pub fn remove_every_spelling(headers: &mut HeaderMap, names: &[HeaderName]) {
     }
 }
 
+/// A header of `headers` that is one of `names` spelled with `_` for some
+/// of its `-` (`X_Api_Version` for `x-api-version`): one an upstream
+/// behind CGI reads as that header, and another upstream as another. A
+/// request without `_` in its header names costs a scan of its names.
+pub fn spelled_otherwise<'h, 'n>(
+    headers: &'h HeaderMap,
+    names: &'n [HeaderName],
+) -> Option<(&'h HeaderName, &'n HeaderName)> {
+    headers
+        .keys()
+        .filter(|sent| sent.as_str().contains('_'))
+        .find_map(|sent| Some((sent, names.iter().find(|name| folds_to(sent, name))?)))
+}
+
 /// Whether `sent` is `name` with some of its `-` written `_`.
 fn folds_to(sent: &HeaderName, name: &HeaderName) -> bool {
     let (sent, name) = (sent.as_str().as_bytes(), name.as_str().as_bytes());
@@ -64,6 +78,21 @@ fn folds_to(sent: &HeaderName, name: &HeaderName) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_name_spelled_with_underscores_is_found() {
+        let names = [HeaderName::from_static("x-api-version")];
+        let mut h = HeaderMap::new();
+        h.insert("x-api-version", HeaderValue::from_static("1"));
+        h.insert("x_other", HeaderValue::from_static("1"));
+        assert_eq!(spelled_otherwise(&h, &names), None);
+        h.insert("x_api-version", HeaderValue::from_static("2"));
+        let (sent, name) = spelled_otherwise(&h, &names).unwrap();
+        assert_eq!(
+            (sent.as_str(), name.as_str()),
+            ("x_api-version", "x-api-version")
+        );
+    }
 
     #[test]
     fn values_lose_their_surrounding_whitespace_only() {
