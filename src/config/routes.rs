@@ -653,10 +653,25 @@ fn protocol(key: Key<'_>, r: &RouteFile) -> Result<Protocol, ConfigError> {
                 None => Ok(Protocol::Http),
             }
         }
-        Some("mcp") => Ok(Protocol::Mcp(Mcp {
-            keyed_tools: r.keyed_tools.clone(),
-            retryable_codes: r.retryable_rpc_codes.clone().unwrap_or_default(),
-        })),
+        Some("mcp") => {
+            // A tool call's intent is its tool and arguments, canonical
+            // (docs/design.md §19): these would be read by no one.
+            let http_only = [
+                ("significant_headers", r.significant_headers.is_some()),
+                ("ignore_fields", r.ignore_fields.is_some()),
+                ("canonical_json", r.canonical_json.is_some()),
+            ];
+            if let Some((name, _)) = http_only.iter().find(|(_, set)| *set) {
+                return Err(bad(
+                    key(name),
+                    "a tool call's fingerprint is its tool's name and its arguments as canonical JSON, whatever this says: remove this key from the route with protocol = \"mcp\"",
+                ));
+            }
+            Ok(Protocol::Mcp(Mcp {
+                keyed_tools: r.keyed_tools.clone(),
+                retryable_codes: r.retryable_rpc_codes.clone().unwrap_or_default(),
+            }))
+        }
         Some(other) => Err(bad(
             key("protocol"),
             format!("{other:?} is neither \"http\" nor \"mcp\" (JSON-RPC tool calls over Streamable HTTP)"),

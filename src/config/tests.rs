@@ -725,6 +725,18 @@ fn an_mcp_route_reads_its_protocol_and_the_worked_example_loads() {
     assert_eq!(err.key, "routes[0].reconcile");
     assert!(err.to_string().contains("resend"), "{err}");
     assert!(load("protocol = \"mcp\"\nreconcile = \"resend\"").is_ok());
+    // A tool call's fingerprint is its tool and arguments: the HTTP keys
+    // that shape a fingerprint would be read by no one.
+    for http_only in [
+        "significant_headers = [\"x-tenant\"]",
+        "ignore_fields = [\"/a\"]",
+        "canonical_json = true",
+    ] {
+        let err = load(&format!("protocol = \"mcp\"\n{http_only}")).unwrap_err();
+        let name = http_only.split(' ').next().unwrap();
+        assert_eq!(err.key, format!("routes[0].{name}"));
+        assert!(err.to_string().contains("remove this key"), "{err}");
+    }
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/mcp");
     let text = std::fs::read_to_string(dir.join("idemgate.toml")).unwrap();
     let example =

@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::{HeaderValue, Request};
+use http::{HeaderName, HeaderValue, Request};
 use tracing::Span;
 
 use crate::error::{ClientError, GatewayError};
@@ -177,6 +177,25 @@ pub(crate) fn classify(routes: &[Arc<Route>], trust: &Trust, mut req: Request<Bo
     })
 }
 
+/// The lines of each of a route's significant headers, in its order, and
+/// `Content-Encoding`'s after them when the request has one the route does
+/// not list: the same bytes gzipped and not are two requests to the
+/// upstream (`docs/design.md` §11). A request without one hashes as it did.
+fn significant_lines<'h>(
+    significant: &'h [HeaderName],
+    headers: &'h http::HeaderMap,
+) -> Vec<(&'h str, Vec<&'h [u8]>)> {
+    let encoding = &http::header::CONTENT_ENCODING;
+    let encoded = headers.contains_key(encoding) && !significant.contains(encoding);
+    let names = significant.iter().chain(encoded.then_some(encoding));
+    names
+        .map(|name| {
+            let lines = headers.get_all(name).iter();
+            (name.as_str(), lines.map(HeaderValue::as_bytes).collect())
+        })
+        .collect()
+}
+
 /// Reads what the decision needs: the owner (as the route's owner rule
 /// says, `401` when it cannot be established), the resume point (`400`
 /// when it cannot be read), the body (within the route's
@@ -212,14 +231,7 @@ pub(crate) async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Prepared,
         &RequestParts {
             method: parts.method.as_str(),
             path_and_query: parts.uri.path_and_query().map_or("/", |pq| pq.as_str()),
-            headers: route
-                .significant_headers
-                .iter()
-                .map(|name| {
-                    let lines = parts.headers.get_all(name).iter();
-                    (name.as_str(), lines.map(HeaderValue::as_bytes).collect())
-                })
-                .collect(),
+            headers: significant_lines(&route.significant_headers, &parts.headers),
             body: &body,
             boundary: boundary.as_deref().map(str::as_bytes),
         },

@@ -133,10 +133,27 @@ async fn a_significant_header_spelled_another_way_is_refused(env: Deployment) {
     assert_eq!(send(Method::POST, &url, &plain, "{}").await.status, 200);
 }
 
+/// The same bytes sent encoded and not are two requests to the upstream,
+/// and two here, though the route does not list `Content-Encoding`.
+async fn a_body_encoded_is_another_request(env: Deployment) {
+    let upstream = FakeUpstream::echo().await;
+    let gateway = env.gateway(&upstream.url()).start().await;
+    let url = gateway.path("/v1/charges");
+    let gzip = [("idempotency-key", "enc"), ("content-encoding", "gzip")];
+    let bytes = "\u{1f}\u{8b}";
+    assert_eq!(send(Method::POST, &url, &gzip, bytes).await.status, 200);
+    let again = send(Method::POST, &url, &gzip, bytes).await;
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    let plain = send(Method::POST, &url, &[("idempotency-key", "enc")], bytes).await;
+    assert_eq!(plain.problem(), "idempotency-key-mismatch");
+    assert_eq!(upstream.hits(), 1);
+}
+
 crate::on_each_deployment!(
     [embedded, postgres_redis]
     an_ignored_item_keeps_its_place,
     a_significant_header_spelled_another_way_is_refused,
+    a_body_encoded_is_another_request,
     a_member_named_twice_is_refused_and_creates_nothing,
     numbers_are_the_text_the_client_wrote,
 );
