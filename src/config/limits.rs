@@ -181,7 +181,7 @@ pub(super) fn max_response_size(
         return Err(bad(
             "max_response_size",
             format!(
-                "an answer of {} is held {ANSWER_WEIGHT} times over while it is read and committed ({} with its head),                  more than one owner may hold of the memory budget ({} of {}): such answers would be paid for and never recorded;                  lower max_response_size to at most {}, or raise memory_budget (or memory_budget_owner_share)",
+                "an answer of {} is held {ANSWER_WEIGHT} times over while it is read and committed ({} with its head), more than one owner may hold of the memory budget ({} of {}): such answers would be paid for and never recorded; lower max_response_size to at most {}, or raise memory_budget (or memory_budget_owner_share)",
                 mib(wanted),
                 mib(needed),
                 mib(budget.per_owner),

@@ -202,6 +202,26 @@ struct Timings {
 }
 
 /// Threads serving requests: by default one per CPU the process may use.
+/// The fewest characters an admin token may have: the token signs the
+/// console in and resolves jobs (commits answers), and sign-ins are
+/// throttled per address only, so a short one falls to a guesser with a
+/// few addresses.
+const MIN_ADMIN_TOKEN: usize = 16;
+
+/// The admin API's bearer token: none when unset or empty (the job API is
+/// then off); a shorter one than [`MIN_ADMIN_TOKEN`] is refused, never
+/// echoed in the message.
+fn admin_token(file: &FileConfig, flags: &Flags) -> Result<Option<String>, ConfigError> {
+    let token = flags.admin_token.clone().or(file.admin_token.clone());
+    match token.filter(|t| !t.is_empty()) {
+        Some(t) if t.trim().chars().count() < MIN_ADMIN_TOKEN => Err(bad(
+            "admin_token",
+            format!("a token of {} characters is soon guessed: use at least {MIN_ADMIN_TOKEN} (e.g. the output of `openssl rand -hex 16`), or leave it empty to turn the job API off", t.trim().chars().count()),
+        )),
+        token => Ok(token),
+    }
+}
+
 fn worker_threads(file: &FileConfig, flags: &Flags) -> Result<usize, ConfigError> {
     let cpus = || std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
     at_least_one(
@@ -247,11 +267,7 @@ impl Settings {
                 .admin_listen
                 .or(file.admin_listen)
                 .unwrap_or(loopback(9090)),
-            admin_token: flags
-                .admin_token
-                .clone()
-                .or(file.admin_token.clone())
-                .filter(|t| !t.is_empty()),
+            admin_token: admin_token(&file, &flags)?,
             console_secure_cookie: file.console_secure_cookie.unwrap_or(false),
             // Off unless asked for: a line per request is a volume of log to
             // choose (docs/design.md §12, "Access log").

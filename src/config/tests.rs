@@ -1004,3 +1004,26 @@ fn database_and_redis_keys_are_checked_without_their_url() {
         .expect("tuning keys for a store and a Redis not in use");
     assert!(s.redis.is_none());
 }
+
+/// An admin token short enough to guess stops start-up, naming the key and
+/// never the token; an empty one turns the job API off; one of 16
+/// characters or more is taken.
+#[test]
+fn a_short_admin_token_is_refused() {
+    let load = |token: &str| {
+        let text = format!("admin_token = {token:?}\n");
+        Settings::from_sources(Settings::parse_file(&text).unwrap(), flags_with_upstream())
+    };
+    for short in ["change-me", " ", "    short-token      "] {
+        let err = load(short).unwrap_err();
+        assert_eq!(err.key, "admin_token", "{short:?}");
+        assert!(err.message.contains("at least 16"), "{err}");
+        assert!(
+            !err.message.contains("-me") && !err.message.contains("short-"),
+            "{err}"
+        );
+    }
+    assert_eq!(load("").unwrap().admin_token, None);
+    let long = "0123456789abcdef";
+    assert_eq!(load(long).unwrap().admin_token.as_deref(), Some(long));
+}

@@ -224,7 +224,7 @@ async fn the_rendered_deployment_pod_runs_on_postgresql_and_redis_as_the_manifes
                     ("ports.admin", &admin),
                     ("redis.existingSecret", "idemgate-redis"),
                     // Inline: the chart writes the Secret itself.
-                    ("admin.value", "s3cret"),
+                    ("admin.value", "s3cret-of-the-admin"),
                     ("shutdownGraceSeconds", "3"),
                 ],
             )
@@ -266,7 +266,7 @@ async fn the_rendered_deployment_pod_runs_on_postgresql_and_redis_as_the_manifes
     let authorised = send(
         http::Method::GET,
         &admin_url,
-        &[("authorization", "Bearer s3cret")],
+        &[("authorization", "Bearer s3cret-of-the-admin")],
         "",
     )
     .await;

@@ -44,12 +44,16 @@ fn the_chart_makes_an_admin_token_unless_one_is_named() {
         .all("Secret")
         .iter()
         .all(|s| s["stringData"]["admin-token"].is_null()));
-    let inline = chart::render(&chart::chart(), &[], &[("admin.value", "trial")]).unwrap();
+    let trial = "a-trial-token-of-ours";
+    let inline = chart::render(&chart::chart(), &[], &[("admin.value", trial)]).unwrap();
     let r = env_ref(&inline, "IDEMGATE_ADMIN_TOKEN");
     assert_eq!(
         inline.secret(r["name"].as_str().unwrap(), "admin-token"),
-        Some("trial".into())
+        Some(trial.into())
     );
+    // A token the binary would refuse at start-up is refused at install.
+    let short = chart::render(&chart::chart(), &[], &[("admin.value", "trial")]);
+    assert!(short.is_err_and(|said| said.contains("schema")));
 
     // The NetworkPolicy: off by default; in the production example, the
     // proxy port open to all, the admin port to the named namespaces.

@@ -20,7 +20,7 @@ async fn with_unknown_jobs(store: &TestStore, silent: usize) -> (Gateway, FakeUp
     let gate = Gate::new();
     let upstream = FakeUpstream::gated_echo(&gate, move |r| r.hit <= silent).await;
     let gateway = Gateway::builder(store, &upstream.url())
-        .set("admin_token", "\"change-me\"")
+        .set("admin_token", "\"change-me-to-a-long-secret\"")
         .set("upstream_timeout", "\"300ms\"")
         .set("attempt_deadline", "\"60s\"")
         .start()
@@ -62,7 +62,7 @@ async fn run(script: &str, gateway: &Gateway) -> String {
 /// The unknown attempt of `job`.
 async fn unknown_attempt(gateway: &Gateway, job: &str) -> String {
     let url = format!("{}/admin/v1/jobs/{job}", gateway.admin_url);
-    let auth = [("authorization", "Bearer change-me")];
+    let auth = [("authorization", "Bearer change-me-to-a-long-secret")];
     let job = send(Method::GET, &url, &auth, "").await.json();
     assert_eq!(job["state"], "unknown", "{job}");
     let attempt = job["attempts"]
@@ -156,7 +156,7 @@ async fn the_runbooks_commands_for_unknown_jobs_run_as_written() {
                 ),
             )
             .env("IDEMGATE_ADMIN_URL", &gateway.admin_url)
-            .env("IDEMGATE_ADMIN_TOKEN", "change-me")
+            .env("IDEMGATE_ADMIN_TOKEN", "change-me-to-a-long-secret")
             .env_remove("IDEMGATE_ADMIN_TOKEN_FILE")
             .kill_on_drop(true);
         async move {
@@ -182,7 +182,7 @@ async fn the_runbooks_commands_for_unknown_jobs_run_as_written() {
     on_call(docs::block("runbook-resolve-succeeded").replace("<job>", &took)).await;
     on_call(docs::block("runbook-resolve-no-effect").replace("<job>", &none)).await;
     let url = format!("{}/admin/v1/jobs/{took}", gateway.admin_url);
-    let auth = [("authorization", "Bearer change-me")];
+    let auth = [("authorization", "Bearer change-me-to-a-long-secret")];
     let job = send(Method::GET, &url, &auth, "").await.json();
     let by = job["attempts"][0]["resolved_by"]["operator"]
         .as_str()
