@@ -61,6 +61,15 @@ pub enum ClientError {
         /// The significant header it is read as.
         reads_as: String,
     },
+    /// A request whose method-override header names another method than
+    /// its line, on a path a route takes for either (`docs/design.md` §2).
+    #[error("the request is sent as {sent} but names {named} in a method-override header (X-HTTP-Method-Override, X-HTTP-Method, X-Method-Override), which upstreams that honour it run instead: send it as {named}, without the header")]
+    AmbiguousMethod {
+        /// The line's method.
+        sent: String,
+        /// The one the header names.
+        named: http::Method,
+    },
     /// The route requires a key and there was none.
     #[error("this route requires an Idempotency-Key header")]
     MissingKey,
@@ -263,6 +272,11 @@ impl ClientError {
                 StatusCode::BAD_REQUEST,
                 "ambiguous-header",
                 "Header that upstreams could read two ways",
+            ),
+            ClientError::AmbiguousMethod { .. } => p(
+                StatusCode::BAD_REQUEST,
+                "ambiguous-method",
+                "Method that upstreams could read two ways",
             ),
             ClientError::MissingKey => p(
                 StatusCode::BAD_REQUEST,
@@ -580,9 +594,10 @@ impl GatewayError {
 /// (`idemgate_requests_refused_total{problem}`), each set at zero when the
 /// layer starts, so that a rate over a type reads 0 before its first
 /// (`docs/design.md` §12, "Metrics"). The test below keeps it whole.
-const PROBLEM_TYPES: [&str; 28] = [
+const PROBLEM_TYPES: [&str; 29] = [
     "ambiguous-header",
     "ambiguous-json",
+    "ambiguous-method",
     "ambiguous-path",
     "attempt-outcome-unknown",
     "client-unauthenticated",

@@ -121,7 +121,18 @@ pub(crate) struct SessionEnd {
 /// route that serves only proven clients, the client is proven first,
 /// keyed request or not (`docs/design.md` §15).
 pub(crate) fn classify(routes: &[Arc<Route>], trust: &Trust, mut req: Request<Body>) -> Classified {
-    let Some(route) = route::find(routes, req.method(), req.uri().path()) else {
+    let path = req.uri().path();
+    let found = route::find(routes, req.method(), path);
+    if let Some(named) = overriding(req.headers(), req.method()) {
+        // Routed by its line, run by its upstream as another method: a
+        // route's rules (its key, its owner) would not be the ones the
+        // upstream's method meets (docs/design.md §2).
+        if found.is_some() || route::find(routes, &named, path).is_some() {
+            let sent = req.method().to_string();
+            return Classified::Refused(ClientError::AmbiguousMethod { sent, named }.into());
+        }
+    }
+    let Some(route) = found else {
         return Classified::PassThrough(req);
     };
     if route.require_client {
@@ -194,6 +205,30 @@ fn significant_lines<'h>(
             (name.as_str(), lines.map(HeaderValue::as_bytes).collect())
         })
         .collect()
+}
+
+/// The headers Rails, Express, ASP.NET and others take a request's
+/// method from in place of its line's.
+const METHOD_OVERRIDES: [HeaderName; 3] = [
+    HeaderName::from_static("x-http-method-override"),
+    HeaderName::from_static("x-http-method"),
+    HeaderName::from_static("x-method-override"),
+];
+
+/// The method an override header names, in any spelling (`_` for `-`),
+/// when it is not `method`: upstreams that honour it upper-case it. A
+/// request without one costs three lookups and a scan of its names.
+fn overriding(headers: &http::HeaderMap, method: &http::Method) -> Option<http::Method> {
+    let named = METHOD_OVERRIDES
+        .iter()
+        .find_map(|name| headers.get(name))
+        .or_else(|| {
+            let (sent, _) = spelling::spelled_otherwise(headers, &METHOD_OVERRIDES)?;
+            headers.get(sent)
+        })?;
+    let upper = named.as_bytes().trim_ascii().to_ascii_uppercase();
+    let named = http::Method::from_bytes(&upper).ok()?;
+    (named != *method).then_some(named)
 }
 
 /// Reads what the decision needs: the owner (as the route's owner rule

@@ -7,7 +7,7 @@
 
 use super::paths::{gateway, raw, raw_bytes};
 use crate::support::deployment::Deployment;
-use crate::support::FakeUpstream;
+use crate::support::{send, FakeUpstream};
 
 /// `POST /v1/charges` requires a key; these spellings of its path are read
 /// as it by some upstreams (a trailing `.` dropped), so none goes through.
@@ -121,8 +121,50 @@ async fn a_malformed_chunked_body_passed_through_is_the_clients_400(
     assert_eq!(store.job_count().await, 0);
 }
 
+/// A method-override header (which Rails, Express and ASP.NET run in
+/// place of the line's method) naming another method, on a path a route
+/// takes for either, is refused: a `POST` with `X-HTTP-Method-Override:
+/// DELETE` to a route of `DELETE`s went through unrouted, without the key
+/// the route requires, and ran twice. One naming its own method, or on a
+/// path no route takes, passes as it came.
+async fn a_method_override_a_route_would_read_otherwise_is_refused(env: Deployment) {
+    let upstream = FakeUpstream::echo().await;
+    let route = "[[routes]]\npath_prefix = \"/v1/orders\"\nmethods = [\"PATCH\", \"DELETE\"]\nrequire_key = true\n";
+    let gateway = env.gateway(&upstream.url()).tables(route).start().await;
+    let url = gateway.path("/v1/orders/9");
+    for (name, value) in [
+        ("x-http-method-override", "DELETE"),
+        ("X_HTTP_Method_Override", "delete"),
+        ("x-http-method", " patch "),
+        ("x-method-override", "DELETE"),
+    ] {
+        for method in [http::Method::POST, http::Method::DELETE] {
+            let headers = [("idempotency-key", "o-1"), (name, value)];
+            let reply = send(method.clone(), &url, &headers, "{}").await;
+            if method.as_str().eq_ignore_ascii_case(value.trim()) {
+                assert_eq!(reply.status, 200, "{name}: {value} on {method}");
+                continue;
+            }
+            assert_eq!(reply.status, 400, "{name}: {value} on {method}");
+            assert_eq!(reply.problem(), "ambiguous-method");
+        }
+    }
+    let own = [("x-http-method-override", "POST")];
+    let other = gateway.path("/v1/other");
+    let elsewhere = [("x-http-method-override", "DELETE")];
+    assert_eq!(send(http::Method::POST, &url, &own, "{}").await.status, 200);
+    assert_eq!(
+        send(http::Method::POST, &other, &elsewhere, "{}")
+            .await
+            .status,
+        200
+    );
+    assert_eq!(upstream.hits(), 3, "the DELETE, and the two that pass");
+}
+
 crate::on_each_deployment!(
     [embedded, postgres, postgres_redis]
+    a_method_override_a_route_would_read_otherwise_is_refused,
     a_standard_method_in_another_case_is_refused,
     a_trailing_dot_never_reaches_the_routes_upstream_without_a_key,
     targets_that_are_not_paths_are_refused,
