@@ -95,7 +95,9 @@ impl Gateway {
             None => None,
             Some(fast) => {
                 let keys = match &settings.replay_keys {
-                    Some(keys) => replay_keys(keys, settings.encryption.as_ref())?,
+                    Some(keys) => {
+                        replay_keys(keys, settings.encryption.as_ref(), &fast.key_prefix)?
+                    }
                     None => return Err(StartError::ReplayKey("is not configured".into())),
                 };
                 Some(start_fastpath(fast, instance, keys, &doorbell, &tasks)?)

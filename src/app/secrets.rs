@@ -6,9 +6,12 @@
 use std::path::Path;
 
 use super::StartError;
-use crate::config::{EncryptionSettings, OwnerSaltSetting, ReplayKeySettings, ReplayKeySource};
+use crate::config::{
+    EncryptionSettings, OwnerSaltSetting, ReplayKeySettings, ReplayKeySource,
+    DEFAULT_REDIS_KEY_PREFIX,
+};
 use idemgate_domain::key::OwnerSalt;
-use idemgate_store::fastpath::keys::{derive_from_encryption_key, EntryKeys};
+use idemgate_store::fastpath::keys::{derive_from_encryption_key, scoped_to_prefix, EntryKeys};
 
 /// The owner salt: configured, or (embedded store) kept beside the database.
 pub(super) fn owner_salt(setting: &OwnerSaltSetting) -> Result<OwnerSalt, StartError> {
@@ -22,11 +25,12 @@ pub(super) fn owner_salt(setting: &OwnerSaltSetting) -> Result<OwnerSalt, StartE
     }
 }
 
-/// The keys Redis replay entries are written and verified with; sealed
-/// when `[encryption]` is on.
+/// The keys Redis replay entries are written and verified with, under the
+/// deployment's Redis key `prefix`; sealed when `[encryption]` is on.
 pub(super) fn replay_keys(
     setting: &ReplayKeySettings,
     encryption: Option<&EncryptionSettings>,
+    prefix: &str,
 ) -> Result<EntryKeys, StartError> {
     let mut previous = setting.previous.clone();
     let current = match &setting.current {
@@ -56,8 +60,16 @@ pub(super) fn replay_keys(
             ))?
         }
     };
+    // Scoped to the prefix, but for the default's, whose entries stay as
+    // they were written before keys were scoped: of two deployments on one
+    // Redis, at most one has it (docs/design.md §17).
+    let scoped = |key: &[u8]| match prefix == DEFAULT_REDIS_KEY_PREFIX {
+        true => key.to_vec(),
+        false => scoped_to_prefix(key, prefix).to_vec(),
+    };
+    let previous: Vec<Vec<u8>> = previous.iter().map(|key| scoped(key)).collect();
     let keys = EntryKeys::new(
-        &current,
+        &scoped(&current),
         previous.iter().map(Vec::as_slice),
         encryption.is_some(),
     );

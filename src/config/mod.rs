@@ -610,10 +610,13 @@ fn redis_settings(file: &FileConfig, flags: &Flags) -> Result<Option<RedisSettin
     }))
 }
 
+/// The Redis key prefix unless `redis_key_prefix` names another.
+pub const DEFAULT_REDIS_KEY_PREFIX: &str = "idemgate:";
+
 /// `redis_key_prefix`: `idemgate:` unless set; never braces, which would
 /// move a key's Redis Cluster slot away from its hash tag.
 fn key_prefix(configured: Option<&str>) -> Result<String, ConfigError> {
-    let prefix = configured.unwrap_or("idemgate:");
+    let prefix = configured.unwrap_or(DEFAULT_REDIS_KEY_PREFIX);
     if prefix.is_empty() || prefix.contains(['{', '}']) || prefix.chars().any(char::is_whitespace) {
         return Err(bad(
             "redis_key_prefix",

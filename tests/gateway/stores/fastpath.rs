@@ -451,4 +451,27 @@ async fn deployments_sharing_a_redis_keep_apart_under_their_own_prefixes() {
         assert_eq!(from_redis, 1.0, "{name} replayed from its own entry");
         assert_eq!(upstream.hits(), 1);
     }
+    // One's entry copied under the other's prefix (one replay key and
+    // owner salt for both, as when a Secret is shared) is not believed:
+    // each deployment's keys are scoped to its prefix.
+    let (a, b) = (&deployments[0], &deployments[1]);
+    assert_eq!(
+        post(&a.3.path("/v1/charges"), "only-a", "{}").await.status,
+        200
+    );
+    let at = |name: &str| redis_key("only-a").replacen("idemgate:", &format!("{name}:"), 1);
+    eventually(WAIT, "a's entry to reach Redis", || async {
+        redis.get(&at("tenant-a")).await.is_some()
+    })
+    .await;
+    let entry = redis.get(&at("tenant-a")).await.unwrap();
+    redis.set(&at("tenant-b"), &entry).await;
+    let copied = post(&b.3.path("/v1/charges"), "only-a", "{}").await;
+    assert_eq!(copied.json()["from"], "tenant-b", "b ran its own call");
+    assert_eq!(copied.header("idempotent-replayed"), None);
+    assert_eq!(b.2.hits(), 2);
+    let rejected =
+        b.3.metric_sum("idemgate_replay_entries_rejected_total")
+            .await;
+    assert!(rejected >= 1.0, "counted as rejected: {rejected}");
 }
