@@ -117,7 +117,7 @@ impl Gateway {
             instance,
             trust,
             dependencies,
-            budget: memory_budget(settings.memory_budget),
+            budget: memory_budget(settings.memory_budget, settings.max_response_size),
             doorbell,
             store,
             fastpath,
@@ -328,19 +328,24 @@ fn dependencies(store: &Arc<dyn Store>, fastpath: Option<&Arc<FastPath>>) -> Arc
     Arc::new(Dependencies::new(checks))
 }
 
-/// The memory budget, its size and where it came from said at start-up.
-fn memory_budget(budget: MemoryBudget) -> Arc<Budget> {
+/// The memory budget, its size and where it came from said at start-up,
+/// with the largest answer recorded whole, which a small budget lowers
+/// (`docs/design.md` §18).
+fn memory_budget(budget: MemoryBudget, max_response_size: usize) -> Arc<Budget> {
     let size = bytesize::ByteSize(budget.bytes as u64).to_string_as(true);
+    let answers = bytesize::ByteSize(max_response_size as u64).to_string_as(true);
     match budget.from {
-        BudgetSource::Configured => {
-            tracing::info!(memory_budget = %size, "memory budget as configured")
-        }
+        BudgetSource::Configured => tracing::info!(
+            memory_budget = %size, max_response_size = %answers,
+            "memory budget as configured"
+        ),
         BudgetSource::Container(limit) => tracing::info!(
-            memory_budget = %size, container_limit = %bytesize::ByteSize(limit).to_string_as(true),
+            memory_budget = %size, max_response_size = %answers,
+            container_limit = %bytesize::ByteSize(limit).to_string_as(true),
             "memory budget: half the container's memory limit"
         ),
         BudgetSource::Default => tracing::info!(
-            memory_budget = %size,
+            memory_budget = %size, max_response_size = %answers,
             "memory budget: the default (no container memory limit found; set memory_budget)"
         ),
     }

@@ -62,7 +62,7 @@ pub(super) fn replay_keys(
     };
     // Scoped to the prefix, but for the default's, whose entries stay as
     // they were written before keys were scoped: of two deployments on one
-    // Redis, at most one has it (docs/design.md §17).
+    // Redis, at most one has it (docs/design.md §13, "One Redis, several deployments").
     let scoped = |key: &[u8]| match prefix == DEFAULT_REDIS_KEY_PREFIX {
         true => key.to_vec(),
         false => scoped_to_prefix(key, prefix).to_vec(),

@@ -158,6 +158,9 @@ pub(super) fn memory_budget(
     Ok(budget)
 }
 
+/// The smallest `max_response_size` a budget may leave when it lowers it.
+const MIN_ANSWERS: usize = 64 << 10;
+
 /// The largest answer recorded whole (`max_response_size`, 10 MiB by
 /// default). One that large must fit an owner's share of the budget as it
 /// is held while read, its head and body `ANSWER_WEIGHT` times over
@@ -171,13 +174,24 @@ pub(super) fn max_response_size(
     use idemgate_idempotency::ANSWER_WEIGHT;
     use idemgate_proxy::upstream::MAX_ANSWER_HEAD;
     let fits = (budget.per_owner / ANSWER_WEIGHT).saturating_sub(MAX_ANSWER_HEAD);
+    let mib = |b: usize| bytesize::ByteSize(b as u64).to_string_as(true);
     let Some(written) = file.max_response_size else {
+        if fits < MIN_ANSWERS {
+            return Err(bad(
+                "memory_budget",
+                format!(
+                    "one owner's share of it ({} of {}) holds no answer of {} (its head and body, held {ANSWER_WEIGHT} times over), so keyed answers could never be recorded: raise memory_budget (or memory_budget_owner_share)",
+                    mib(budget.per_owner),
+                    mib(budget.bytes),
+                    mib(MIN_ANSWERS),
+                ),
+            ));
+        }
         return Ok(fits.min(10 << 20));
     };
     let wanted = size("max_response_size", Some(written), 0)?;
     if wanted > fits {
         let needed = (wanted + MAX_ANSWER_HEAD) * ANSWER_WEIGHT;
-        let mib = |b: usize| bytesize::ByteSize(b as u64).to_string_as(true);
         return Err(bad(
             "max_response_size",
             format!(
@@ -303,7 +317,23 @@ mod tests {
         assert_eq!(settings(whole).unwrap().max_response_size, 10 << 20);
         let lowered = settings("memory_budget = \"64MiB\"").unwrap();
         assert_eq!(lowered.max_response_size, (8 << 20) - (64 << 10));
-        assert_eq!(settings("").unwrap().max_response_size, 10 << 20);
+        // Not this machine's cgroup: a budget of the default size.
+        let budget = |bytes: usize, per_owner: usize| MemoryBudget {
+            bytes,
+            per_owner,
+            from: BudgetSource::Default,
+        };
+        let unwritten = FileConfig::default();
+        let default = max_response_size(&unwritten, &budget(DEFAULT_BUDGET, DEFAULT_BUDGET / 2));
+        assert_eq!(default.unwrap(), 10 << 20);
+        // A share that would leave no answer room is refused, not taken as 0.
+        let err = max_response_size(&unwritten, &budget(1 << 20, 256 << 10)).unwrap_err();
+        assert_eq!(err.key, "memory_budget");
+        assert!(
+            err.message.contains("raise memory_budget"),
+            "{}",
+            err.message
+        );
     }
 
     #[test]

@@ -201,27 +201,33 @@ struct Timings {
     key_ttl: Duration,
 }
 
-/// Threads serving requests: by default one per CPU the process may use.
 /// The fewest characters an admin token may have: the token signs the
 /// console in and resolves jobs (commits answers), and sign-ins are
 /// throttled per address only, so a short one falls to a guesser with a
 /// few addresses.
 const MIN_ADMIN_TOKEN: usize = 16;
 
-/// The admin API's bearer token: none when unset or empty (the job API is
-/// then off); a shorter one than [`MIN_ADMIN_TOKEN`] is refused, never
-/// echoed in the message.
+/// The admin API's bearer token, trimmed: none when unset or empty (the
+/// job API is then off); a shorter one than [`MIN_ADMIN_TOKEN`] is
+/// refused, never echoed in the message.
 fn admin_token(file: &FileConfig, flags: &Flags) -> Result<Option<String>, ConfigError> {
-    let token = flags.admin_token.clone().or(file.admin_token.clone());
-    match token.filter(|t| !t.is_empty()) {
-        Some(t) if t.trim().chars().count() < MIN_ADMIN_TOKEN => Err(bad(
+    // Trimmed as every header value is on its way in (a token read from a
+    // file ends in a newline): one with spaces around it could never match.
+    let token = flags.admin_token.as_ref().or(file.admin_token.as_ref());
+    let token = token.map(|t| t.trim().to_owned()).filter(|t| !t.is_empty());
+    let length = token
+        .as_deref()
+        .map_or(MIN_ADMIN_TOKEN, |t| t.chars().count());
+    if length < MIN_ADMIN_TOKEN {
+        return Err(bad(
             "admin_token",
-            format!("a token of {} characters is soon guessed: use at least {MIN_ADMIN_TOKEN} (e.g. the output of `openssl rand -hex 16`), or leave it empty to turn the job API off", t.trim().chars().count()),
-        )),
-        token => Ok(token),
+            format!("a token of {length} characters is soon guessed: use at least {MIN_ADMIN_TOKEN} (e.g. the output of `openssl rand -hex 16`), or leave it empty to turn the job API off"),
+        ));
     }
+    Ok(token)
 }
 
+/// Threads serving requests: by default one per CPU the process may use.
 fn worker_threads(file: &FileConfig, flags: &Flags) -> Result<usize, ConfigError> {
     let cpus = || std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
     at_least_one(

@@ -67,8 +67,8 @@ pub enum ClientError {
     AmbiguousMethod {
         /// The line's method.
         sent: String,
-        /// The one the header names.
-        named: http::Method,
+        /// What the header names.
+        named: String,
     },
     /// The route requires a key and there was none.
     #[error("this route requires an Idempotency-Key header")]

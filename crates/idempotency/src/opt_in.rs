@@ -9,6 +9,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
+use http::header::CONTENT_ENCODING;
 use http::{HeaderName, HeaderValue, Request};
 use tracing::Span;
 
@@ -123,14 +124,9 @@ pub(crate) struct SessionEnd {
 pub(crate) fn classify(routes: &[Arc<Route>], trust: &Trust, mut req: Request<Body>) -> Classified {
     let path = req.uri().path();
     let found = route::find(routes, req.method(), path);
-    if let Some(named) = overriding(req.headers(), req.method()) {
-        // Routed by its line, run by its upstream as another method: a
-        // route's rules (its key, its owner) would not be the ones the
-        // upstream's method meets (docs/design.md §2).
-        if found.is_some() || route::find(routes, &named, path).is_some() {
-            let sent = req.method().to_string();
-            return Classified::Refused(ClientError::AmbiguousMethod { sent, named }.into());
-        }
+    if let Some(named) = read_otherwise(routes, found, &req) {
+        let sent = req.method().to_string();
+        return Classified::Refused(ClientError::AmbiguousMethod { sent, named }.into());
     }
     let Some(route) = found else {
         return Classified::PassThrough(req);
@@ -191,13 +187,16 @@ pub(crate) fn classify(routes: &[Arc<Route>], trust: &Trust, mut req: Request<Bo
 /// The lines of each of a route's significant headers, in its order, and
 /// `Content-Encoding`'s after them when the request has one the route does
 /// not list: the same bytes gzipped and not are two requests to the
-/// upstream (`docs/design.md` §11). A request without one hashes as it did.
+/// upstream (`docs/design.md` §11). A request without one, or with only
+/// `identity` (no encoding), hashes as it did.
 fn significant_lines<'h>(
     significant: &'h [HeaderName],
     headers: &'h http::HeaderMap,
 ) -> Vec<(&'h str, Vec<&'h [u8]>)> {
     let encoding = &http::header::CONTENT_ENCODING;
-    let encoded = headers.contains_key(encoding) && !significant.contains(encoding);
+    let encoded = !significant.contains(encoding)
+        && (headers.get_all(encoding).iter())
+            .any(|v| !v.as_bytes().trim_ascii().eq_ignore_ascii_case(b"identity"));
     let names = significant.iter().chain(encoded.then_some(encoding));
     names
         .map(|name| {
@@ -215,20 +214,114 @@ const METHOD_OVERRIDES: [HeaderName; 3] = [
     HeaderName::from_static("x-method-override"),
 ];
 
-/// The method an override header names, in any spelling (`_` for `-`),
-/// when it is not `method`: upstreams that honour it upper-case it. A
-/// request without one costs three lookups and a scan of its names.
-fn overriding(headers: &http::HeaderMap, method: &http::Method) -> Option<http::Method> {
-    let named = METHOD_OVERRIDES
+/// What a request's method-overrides name besides its line's method.
+enum Overrides {
+    /// Nothing else.
+    None,
+    /// These methods, as upstreams read them (upper-cased).
+    Methods(Vec<http::Method>),
+    /// A value no upstream reads as one method (`DELETE,POST`: Express
+    /// takes the first).
+    Unreadable(String),
+}
+
+/// Every method `req` names in a method-override header (every line of
+/// each, in any spelling, `_` for `-`, each item of a list) or in a
+/// `_method` query parameter (Express's, Laravel's), other than its line's.
+/// A request with none costs three lookups and a look at its names and
+/// query.
+fn overrides(method: &http::Method, headers: &http::HeaderMap, uri: &http::Uri) -> Overrides {
+    let query = uri.query().unwrap_or("");
+    let possible = METHOD_OVERRIDES
         .iter()
-        .find_map(|name| headers.get(name))
-        .or_else(|| {
-            let (sent, _) = spelling::spelled_otherwise(headers, &METHOD_OVERRIDES)?;
-            headers.get(sent)
-        })?;
-    let upper = named.as_bytes().trim_ascii().to_ascii_uppercase();
-    let named = http::Method::from_bytes(&upper).ok()?;
-    (named != *method).then_some(named)
+        .any(|name| headers.contains_key(name))
+        || headers.keys().any(|name| name.as_str().contains('_'))
+        || query.contains('%')
+        || query
+            .as_bytes()
+            .windows(6)
+            .any(|w| w.eq_ignore_ascii_case(b"method"));
+    if !possible {
+        return Overrides::None;
+    }
+    let sent = headers
+        .iter()
+        .filter(|(name, _)| spelling::is_spelling_of(name, &METHOD_OVERRIDES))
+        .map(|(_, value)| value.as_bytes().to_vec());
+    let mut methods = Vec::new();
+    for value in sent.chain(query_method(query)) {
+        for item in value.split(|b| *b == b',') {
+            let upper = item.trim_ascii().to_ascii_uppercase();
+            let Ok(named) = http::Method::from_bytes(&upper) else {
+                return Overrides::Unreadable(String::from_utf8_lossy(&value).into_owned());
+            };
+            if named != *method && !methods.contains(&named) {
+                methods.push(named);
+            }
+        }
+    }
+    match methods.is_empty() {
+        true => Overrides::None,
+        false => Overrides::Methods(methods),
+    }
+}
+
+/// The values of a query's `_method` parameters, percent-decoded.
+fn query_method(query: &str) -> impl Iterator<Item = Vec<u8>> + '_ {
+    query.split('&').filter_map(|pair| {
+        let (name, value) = pair.split_once('=')?;
+        let name = spelling::percent_decoded(name.as_bytes());
+        name.eq_ignore_ascii_case(b"_method")
+            .then(|| spelling::percent_decoded(value.as_bytes()))
+    })
+}
+
+/// The method `req` names otherwise than its line, when that would step
+/// around a route's rules (`docs/design.md` §2): its upstream runs the
+/// named method, so the route that method takes must be the one its line
+/// took. A safe method (`GET`, `HEAD`, …) named on a line a route takes
+/// runs nothing; an MCP route reads the method itself (a `DELETE` ends a
+/// session), so any other is refused there; a value that names no one
+/// method is refused on a path any route takes.
+fn read_otherwise(
+    routes: &[Arc<Route>],
+    found: Option<&Arc<Route>>,
+    req: &Request<Body>,
+) -> Option<String> {
+    let path = req.uri().path();
+    let methods = match overrides(req.method(), req.headers(), req.uri()) {
+        Overrides::None => return None,
+        Overrides::Unreadable(value) => {
+            let routed = routes.iter().any(|route| route.matches_path(path));
+            return routed.then_some(value);
+        }
+        Overrides::Methods(methods) => methods,
+    };
+    let mcp = found.is_some_and(|route| matches!(route.protocol, Protocol::Mcp(_)));
+    methods
+        .into_iter()
+        .find(|named| {
+            let other = route::find(routes, named, path);
+            let same = match (found, other) {
+                (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                (a, b) => a.is_none() && b.is_none(),
+            };
+            mcp || !(same || (found.is_some() && named.is_safe()))
+        })
+        .map(|named| named.to_string())
+}
+
+/// The method a keyed request's fingerprint names: its line's, and any an
+/// override names beside it (on the same route: [`read_otherwise`]), so a
+/// `POST` that its upstream runs as a `PATCH` is not the `POST` it spells.
+fn fingerprinted_method(parts: &http::request::Parts) -> std::borrow::Cow<'_, str> {
+    match overrides(&parts.method, &parts.headers, &parts.uri) {
+        Overrides::Methods(methods) => {
+            let named: Vec<String> = methods.iter().map(ToString::to_string).collect();
+            format!("{} {}", parts.method, named.join(" ")).into()
+        }
+        _ => parts.method.as_str().into(),
+    }
 }
 
 /// Reads what the decision needs: the owner (as the route's owner rule
@@ -249,8 +342,10 @@ pub(crate) async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Prepared,
     let resume = resume_point(&parts)?;
     // A significant header in a spelling only some upstreams read as it
     // would hash as absent: the same fingerprint for two requests.
-    let significant = &route.significant_headers;
-    if let Some((sent, name)) = spelling::spelled_otherwise(&parts.headers, significant) {
+    // So would `Content-Encoding` (`significant_lines`).
+    let (significant, encoding) = (&route.significant_headers, &[CONTENT_ENCODING]);
+    let spelled = |names| spelling::spelled_otherwise(&parts.headers, names);
+    if let Some((sent, name)) = spelled(significant).or_else(|| spelled(encoding)) {
         return Err(ClientError::AmbiguousHeader {
             sent: sent.to_string(),
             reads_as: name.to_string(),
@@ -264,7 +359,7 @@ pub(crate) async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Prepared,
     let boundary = multipart_boundary(types.iter().map(HeaderValue::as_bytes));
     let fingerprint = fingerprint(
         &RequestParts {
-            method: parts.method.as_str(),
+            method: &fingerprinted_method(&parts),
             path_and_query: parts.uri.path_and_query().map_or("/", |pq| pq.as_str()),
             headers: significant_lines(&route.significant_headers, &parts.headers),
             body: &body,

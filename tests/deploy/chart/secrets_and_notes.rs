@@ -54,6 +54,13 @@ fn the_chart_makes_an_admin_token_unless_one_is_named() {
     // A token the binary would refuse at start-up is refused at install.
     let short = chart::render(&chart::chart(), &[], &[("admin.value", "trial")]);
     assert!(short.is_err_and(|said| said.contains("schema")));
+    let empty = chart::render(&chart::chart(), &[], &[("admin.value", "")]).unwrap();
+    let r = env_ref(&empty, "IDEMGATE_ADMIN_TOKEN");
+    let own = empty.secret(r["name"].as_str().unwrap(), "admin-token");
+    assert!(
+        own.is_some_and(|t| t.len() >= 32),
+        "empty is unset: the chart makes one"
+    );
 
     // The NetworkPolicy: off by default; in the production example, the
     // proxy port open to all, the admin port to the named namespaces.

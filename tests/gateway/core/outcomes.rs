@@ -578,8 +578,63 @@ async fn an_upstreams_101_typed_as_a_stream_is_no_answer(store: TestStore) {
     assert_eq!(committed, ["0"]);
 }
 
+/// An answer framed two ways (a `Transfer-Encoding` other than `chunked`
+/// alone, or one beside a `Content-Length`) is no answer to record: its
+/// bytes may be a cut (`identity` beside a length of 50, 4 bytes sent) or
+/// still encoded (`gzip, chunked`). Before, each was committed and
+/// replayed as whole; now the attempt is unknown, as any broken answer.
+async fn an_answer_framed_two_ways_is_never_committed(store: TestStore) {
+    use tokio::io::AsyncWriteExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = format!("http://{}", listener.local_addr().unwrap());
+    let hits = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = hits.clone();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            tokio::spawn(async move {
+                let Some(head) = crate::support::upstream::read_head(&mut socket).await else {
+                    return;
+                };
+                let head = String::from_utf8_lossy(&head);
+                let answer = if head.contains("/identity") {
+                    "HTTP/1.1 200 OK\r\ntransfer-encoding: identity\r\ncontent-length: 50\r\n\
+                     content-type: application/json\r\n\r\n{\"a\""
+                } else if head.contains("/both") {
+                    "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 3\r\n\
+                     content-type: application/json\r\n\r\n2\r\n{}\r\n0\r\n\r\n"
+                } else {
+                    "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\
+                     content-type: application/json\r\n\r\n2\r\n\x1f\x7f\r\n0\r\n\r\n"
+                };
+                let _ = socket.write_all(answer.as_bytes()).await;
+                let _ = socket.shutdown().await;
+            });
+        }
+    });
+    let gateway = Gateway::start(&store, &upstream).await;
+    for path in ["/v1/identity", "/v1/both", "/v1/gzip"] {
+        let url = gateway.path(path);
+        let first = post(&url, path, "{}").await;
+        assert_eq!(first.status, 502, "{path}: {first:?}");
+        let retry = post(&url, path, "{}").await;
+        assert_eq!(retry.status, 409, "{path}: {retry:?}");
+        assert_eq!(retry.problem(), "attempt-outcome-unknown");
+    }
+    assert_eq!(
+        hits.load(std::sync::atomic::Ordering::SeqCst),
+        3,
+        "each sent once"
+    );
+    let committed = store
+        .column("SELECT count(*) FROM jobs WHERE response_status IS NOT NULL")
+        .await;
+    assert_eq!(committed, ["0"]);
+}
+
 crate::on_each_deployment!(
     [embedded, postgres]
+    an_answer_framed_two_ways_is_never_committed,
     an_upstreams_101_typed_as_a_stream_is_no_answer,
     a_retry_while_the_late_call_is_out_is_held_for_its_answer,
     a_conflict_route_is_not_held_on_a_late_call,

@@ -96,9 +96,11 @@ fn field(line: &[u8]) -> (&[u8], &[u8]) {
 }
 
 /// An error the stream reports in band, and its type:
-/// - data that is a JSON object with a top-level `error` member (OpenAI's
-///   chat chunks, Anthropic's `error` event): `/error/type`, else
-///   `/error/code`;
+/// - data that is a JSON object with a top-level `error` member beside
+///   nothing but a provider's envelope ([`ENVELOPE`]: OpenAI's chat
+///   chunks, Anthropic's `error` event, OpenRouter's): `/error/type`, else
+///   `/error/code`. An item of the answer that reports its own failure
+///   (`{"recipient": 2, "error": …}`) is no error of the stream's;
 /// - the Responses API's `error` event, whose code is the data's own
 ///   (`{"type": "error", "code": "server_error", …}`): `/code`;
 /// - the Responses API's `response.failed`, a response that ended failed:
@@ -111,11 +113,14 @@ fn field(line: &[u8]) -> (&[u8], &[u8]) {
 pub fn in_band_error(event: &Event) -> Option<String> {
     let json: Option<Value> = serde_json::from_str(&event.data).ok();
     let object = json.as_ref().and_then(Value::as_object);
-    let said_type = object.and_then(|o| o.get("type")?.as_str());
-    // An event's name, else (unnamed) its data's `type`, says what it is.
-    let named = |name: &str| event.name.as_deref().or(said_type) == Some(name);
+    let named = |name: &str| named(event, json.as_ref()) == Some(name);
+    let enveloped = |o: &serde_json::Map<String, Value>| {
+        o.keys()
+            .all(|k| k == "error" || ENVELOPE.contains(&k.as_str()))
+    };
     let error = match object.and_then(|o| o.get("error")) {
-        Some(error) => Some(error),
+        Some(error) if named("error") || object.is_some_and(enveloped) => Some(error),
+        Some(_) => return None,
         None if named("response.failed") => {
             json.as_ref().and_then(|v| v.pointer("/response/error"))
         }
@@ -133,11 +138,39 @@ pub fn in_band_error(event: &Event) -> Option<String> {
     Some(kind.unwrap_or_else(|| "unknown".to_owned()))
 }
 
+/// The members a provider's streamed chunk carries beside an `error`
+/// (OpenAI's and OpenRouter's chat chunks, the Responses API's events).
+const ENVELOPE: &[&str] = &[
+    "id",
+    "object",
+    "created",
+    "model",
+    "provider",
+    "choices",
+    "usage",
+    "type",
+    "sequence_number",
+    "system_fingerprint",
+];
+
+/// What an event is: its `event` field, else (unnamed) its data's `type`,
+/// as the Responses API's and Anthropic's data name themselves.
+fn named<'e>(event: &'e Event, json: Option<&'e Value>) -> Option<&'e str> {
+    let said_type = || json?.get("type")?.as_str();
+    event.name.as_deref().or_else(said_type)
+}
+
 /// Whether `event` is one of a route's end events: its name, or its whole
 /// `data` (`[DONE]`), is one of `ends`.
-pub fn is_end(event: &Event, ends: &[String]) -> bool {
+pub fn is_end(event: &Event, ends: &[impl AsRef<str>]) -> bool {
+    if ends.is_empty() {
+        return false;
+    }
+    let json: Option<Value> = serde_json::from_str(&event.data).ok();
+    let name = named(event, json.as_ref());
     ends.iter()
-        .any(|end| event.name.as_deref() == Some(end.as_str()) || event.data == *end)
+        .map(AsRef::as_ref)
+        .any(|end| name == Some(end) || event.data == end)
 }
 
 /// The Responses API's events that say a tool it runs itself, inside the
@@ -277,16 +310,21 @@ pub fn said(body: &[u8], errors: bool, ends: &[String]) -> Said {
 
 /// Whether `event` may follow a stream's in-band error without saying the
 /// stream went on: an end event (the route's or a provider's), another
-/// error, or a `ping`.
+/// error, or an event that carries nothing (no data, or a heartbeat:
+/// [`HEARTBEATS`]), which no client reads as more of the answer.
 fn closes(event: &Event, ends: &[String]) -> bool {
-    let provider_end = PROVIDER_ENDS
-        .iter()
-        .any(|end| event.name.as_deref() == Some(end) || event.data == *end);
-    provider_end
+    let json: Option<Value> = serde_json::from_str(&event.data).ok();
+    let heartbeat = named(event, json.as_ref()).is_some_and(|n| HEARTBEATS.contains(&n));
+    !event.has_data
+        || event.data.trim().is_empty()
+        || heartbeat
+        || is_end(event, PROVIDER_ENDS)
         || is_end(event, ends)
-        || event.name.as_deref() == Some("ping")
         || in_band_error(event).is_some()
 }
+
+/// Events that only keep a connection open.
+const HEARTBEATS: &[&str] = &["ping", "heartbeat", "keepalive", "keep-alive"];
 
 #[cfg(test)]
 mod tests {
@@ -333,11 +371,35 @@ mod tests {
                 error_of("overloaded_error")
             );
         }
+        // An item's own failure, last or not, is no error of the stream's;
+        // a provider's chunk of the same error is.
         let done = [item(1, ""), item(2, timeout), "data: [DONE]\n\n".into()];
+        assert_eq!(said(done.concat().as_bytes(), true, &[]), Said::Whole);
+        let chunk = "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"provider\":\"p\",\
+            \"choices\":[],\"error\":{\"code\":\"timeout\"}}\n\n";
+        let cut = [item(1, ""), chunk.into(), "data: [DONE]\n\n".into()];
         assert_eq!(
-            said(done.concat().as_bytes(), true, &[]),
+            said(cut.concat().as_bytes(), true, &[]),
             error_of("timeout")
         );
+        // Nothing a client reads as more of the answer follows it: a block
+        // without data, an empty event, a heartbeat, an end named by its
+        // data's `type`.
+        for after in [
+            "retry: 3000\n\n",
+            "id: 9\n\n",
+            "data:\n\n",
+            "event: heartbeat\ndata: {}\n\n",
+            "data: {\"type\":\"keepalive\"}\n\n",
+            "data: {\"type\":\"message_stop\"}\n\n",
+        ] {
+            let body = format!("{}{overloaded}{after}", item(1, ""));
+            assert_eq!(
+                said(body.as_bytes(), true, &[]),
+                error_of("overloaded_error"),
+                "{after}"
+            );
+        }
         let failed =
             "data: {\"type\":\"response.failed\",\"response\":{\"error\":{\"code\":\"x\"}}}\n\n";
         let responses = [

@@ -80,7 +80,7 @@ impl Driver {
 
     /// Holds a duplicate until the job settles or its answer streams.
     pub(crate) async fn hold(&self, job: JobId) -> Result<Job, GatewayError> {
-        let tag = Tag::of(&self.request.intent.owner, &self.request.intent.key);
+        let tag = self.tag();
         let live = &self.shared.live;
         self.shared
             .holds
@@ -91,8 +91,12 @@ impl Driver {
     /// The stream of `job`'s running attempt, joined as a duplicate joins
     /// it; `None` when there is none (any more).
     async fn join(&self, job: &Job) -> Option<Response<Body>> {
-        let tag = Tag::of(&self.request.intent.owner, &self.request.intent.key);
-        Box::pin(self.shared.live.join(&tag, job)).await
+        Box::pin(self.shared.live.join(&self.tag(), job)).await
+    }
+
+    /// What the request's owner and key are told by in Redis.
+    fn tag(&self) -> Tag {
+        Tag::of(&self.request.intent.owner, &self.request.intent.key)
     }
 
     /// Begins the job and, when it is new, starts its first attempt, in a

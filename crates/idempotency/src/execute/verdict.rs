@@ -433,6 +433,21 @@ pub(super) enum Ended {
 /// §19, "What an answer means": only the call's response is its answer).
 pub(super) fn ended(route: &Route, stored: &StoredResponse, call: Option<&[u8]>) -> Ended {
     if !crate::recording::is_event_stream(&stored.headers) {
+        // An event stream its upstream encoded though it was asked for it
+        // uncompressed: where the route names its end events, none can be
+        // read, so its end is not known (docs/design.md §10).
+        let typed = stored
+            .headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case("content-type"));
+        let events = idemgate_domain::sse::is_event_stream(typed.map(|(_, v)| &v[..]), None);
+        if events && !route.stream_end_events.is_empty() {
+            return Ended::Unknown(
+                "the stream came encoded (Content-Encoding), though asked for uncompressed: the \
+                 route's end events (stream_end_events) cannot be read in it"
+                    .to_owned(),
+            );
+        }
         return Ended::Whole;
     }
     let errors = &route.stream_errors;

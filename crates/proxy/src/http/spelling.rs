@@ -62,7 +62,42 @@ pub fn spelled_otherwise<'h, 'n>(
     headers
         .keys()
         .filter(|sent| sent.as_str().contains('_'))
-        .find_map(|sent| Some((sent, names.iter().find(|name| folds_to(sent, name))?)))
+        .find_map(|sent| {
+            let other = |name: &&HeaderName| *name != sent && folds_to(sent, name);
+            Some((sent, names.iter().find(other)?))
+        })
+}
+
+/// Whether `sent` is one of `names`, or one of them with some of its `-`
+/// written `_`.
+pub fn is_spelling_of(sent: &HeaderName, names: &[HeaderName]) -> bool {
+    names
+        .iter()
+        .any(|name| sent == name || folds_to(sent, name))
+}
+
+/// `bytes` with each `%XX` decoded and `+` read as a space, as a query's
+/// parameters are read by the frameworks that read them (a malformed `%`
+/// is kept as it is).
+pub fn percent_decoded(bytes: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes
+            .get(i + 1..i + 3)
+            .and_then(|h| std::str::from_utf8(h).ok());
+        match (bytes[i], hex.and_then(|h| u8::from_str_radix(h, 16).ok())) {
+            (b'%', Some(byte)) => {
+                out.push(byte);
+                i += 3;
+                continue;
+            }
+            (b'+', _) => out.push(b' '),
+            (byte, _) => out.push(byte),
+        }
+        i += 1;
+    }
+    out
 }
 
 /// Whether `sent` is `name` with some of its `-` written `_`.
@@ -92,6 +127,26 @@ mod tests {
             (sent.as_str(), name.as_str()),
             ("x_api-version", "x-api-version")
         );
+        // A name configured with `_` is its own spelling.
+        let own = [HeaderName::from_static("x_tenant")];
+        let mut h = HeaderMap::new();
+        h.insert("x_tenant", HeaderValue::from_static("a"));
+        assert_eq!(spelled_otherwise(&h, &own), None);
+    }
+
+    #[test]
+    fn query_values_are_read_as_frameworks_read_them() {
+        assert_eq!(percent_decoded(b"_%6Dethod"), b"_method");
+        assert_eq!(percent_decoded(b"a+b%2"), b"a b%2", "a malformed % is kept");
+        let names = [HeaderName::from_static("x-http-method")];
+        assert!(is_spelling_of(
+            &HeaderName::from_static("x_http-method"),
+            &names
+        ));
+        assert!(!is_spelling_of(
+            &HeaderName::from_static("x-http-methods"),
+            &names
+        ));
     }
 
     #[test]

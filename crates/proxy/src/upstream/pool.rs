@@ -102,7 +102,7 @@ impl Pool {
     ) -> Result<Response<Body>, UpstreamError> {
         let mut sender = self.connect().await?;
         match sender.try_send_request(req).await {
-            Ok(response) => Ok(self.answered(sender, response)),
+            Ok(response) => self.answered(sender, response),
             Err(mut e) => Err(match e.take_message() {
                 Some(_) => UpstreamError::Refused(Box::new(e.into_error())),
                 None => sent_and_failed(e.into_error()),
@@ -111,12 +111,16 @@ impl Pool {
     }
 
     /// An answer whose head arrived on `sender`'s connection: its body
-    /// returns the connection to the pool once read to the end.
+    /// returns the connection to the pool once read to the end. One framed
+    /// two ways is refused, its connection closed ([`framed_two_ways`]).
     fn answered(
         self: &Arc<Self>,
         sender: SendRequest<Body>,
         response: Response<Incoming>,
-    ) -> Response<Body> {
+    ) -> Result<Response<Body>, UpstreamError> {
+        if let Some(why) = framed_two_ways(response.headers()) {
+            return Err(UpstreamError::Broken(why.into()));
+        }
         let (parts, body) = response.into_parts();
         let body = if body.is_end_stream() {
             self.put_back(sender);
@@ -130,7 +134,7 @@ impl Pool {
             .map_err(BodyError::new)
             .boxed()
         };
-        Response::from_parts(parts, body)
+        Ok(Response::from_parts(parts, body))
     }
 
     /// The most recently used idle connection that is still ready, closing
@@ -217,6 +221,33 @@ impl Pool {
 /// head is stored and replayed with its answer.
 pub const MAX_ANSWER_HEAD: usize = 64 << 10;
 
+/// Why an answer's head frames its body two ways, if it does: a
+/// `Transfer-Encoding` beside a `Content-Length` (RFC 9112 §6.3: an error,
+/// as nginx takes it), or one with a coding other than `chunked` alone
+/// (`identity`, `gzip, chunked`), whose body hyper reads otherwise than
+/// the length or the type says: the bytes could be a cut or a still
+/// encoded answer, recorded and replayed as whole (`docs/design.md` §10).
+fn framed_two_ways(headers: &http::HeaderMap) -> Option<String> {
+    let codings: Vec<&[u8]> = headers
+        .get_all(http::header::TRANSFER_ENCODING)
+        .iter()
+        .map(|v| v.as_bytes().trim_ascii())
+        .collect();
+    if codings.is_empty() {
+        return None;
+    }
+    let chunked_alone = matches!(codings[..], [c] if c.eq_ignore_ascii_case(b"chunked"));
+    let length = headers.contains_key(http::header::CONTENT_LENGTH);
+    (!chunked_alone || length).then(|| {
+        let codings: Vec<_> = codings.iter().map(|c| String::from_utf8_lossy(c)).collect();
+        format!(
+            "the upstream framed its answer two ways (Transfer-Encoding: {}{}): its body cannot be told whole",
+            codings.join(", "),
+            if length { ", beside a Content-Length" } else { "" }
+        )
+    })
+}
+
 /// What a request that may have reached the upstream failed with: an
 /// answer whose head outgrew [`MAX_ANSWER_HEAD`] is one too large to
 /// record, not a broken connection (its outcome is unknown either way).
@@ -278,7 +309,7 @@ impl Future for Sending {
                         return Poll::Pending;
                     }
                     Poll::Ready(Ok(response)) => {
-                        return Poll::Ready(Ok(this.pool.answered(sender, response)))
+                        return Poll::Ready(this.pool.answered(sender, response))
                     }
                     Poll::Ready(Err(mut e)) => match e.take_message() {
                         // The upstream closed the idle connection as we took

@@ -155,7 +155,7 @@ pub fn derive_from_encryption_key(key: &[u8; 32]) -> [u8; 32] {
 /// A replay key scoped to a deployment's Redis key prefix: deployments
 /// that share a Redis (each under its own prefix) and a replay key cannot
 /// believe each other's entries, which would replay one deployment's
-/// answers in another whose store never saw them (`docs/design.md` §17).
+/// answers in another whose store never saw them (`docs/design.md` §13, "One Redis, several deployments").
 pub fn scoped_to_prefix(key: &[u8], prefix: &str) -> [u8; 32] {
     let label = [
         b"idemgate replay key, scoped to the Redis key prefix ",

@@ -281,6 +281,28 @@ async fn a_failover_claim_someone_else_beat_waits_like_a_duplicate() {
     let target = three_upstreams().fallbacks[0].clone();
     let steps = d.on(Event::Claimed(how, target, Ok(None)), Instant::now(), &all);
     assert!(matches!(steps.as_slice(), [Step::Hold]));
+    // The hold ends on the winner's stream: join it, once. A job still
+    // running after that (the stream gone before it was joined) is
+    // answered with this request's own failure, not joined again.
+    let running = || Job {
+        id: first.job_id,
+        owner: idemgate_domain::key::Owner::anonymous(),
+        key: idemgate_domain::key::IdempotencyKey::new("k").unwrap(),
+        fingerprint: idemgate_domain::fingerprint::Fingerprint([0; 32]),
+        route: "route-0".into(),
+        state: JobState::Running,
+        version: 3,
+        attempt_count: 2,
+        completed_by: None,
+        response: None,
+        response_in_store: None,
+        created_at: SystemTime::now(),
+        expires_at: SystemTime::now(),
+    };
+    let steps = d.on(Event::Held(Ok(running())), Instant::now(), &all);
+    assert!(matches!(steps.as_slice(), [Step::Join(_)]), "{steps:?}");
+    let steps = d.on(Event::Held(Ok(running())), Instant::now(), &all);
+    assert_eq!(answer_status(steps), 502, "its own failure");
 }
 
 #[tokio::test(start_paused = true)]

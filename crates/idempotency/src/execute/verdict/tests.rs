@@ -316,3 +316,27 @@ fn an_error_after_a_tool_the_provider_ran_is_retried_only_without_effects() {
         })
     );
 }
+
+/// An event stream its upstream encoded (though asked for it uncompressed)
+/// cannot show its end events: on a route that names them its end is not
+/// known, and it is not committed as whole; on one that names none it is
+/// judged by its status, as before.
+#[test]
+fn an_encoded_stream_on_a_route_with_end_events_is_not_whole() {
+    let stored = StoredResponse {
+        status: 200,
+        headers: vec![
+            (
+                "content-type".into(),
+                Bytes::from_static(b"text/event-stream"),
+            ),
+            ("content-encoding".into(), Bytes::from_static(b"gzip")),
+        ],
+        body: Bytes::from_static(b"\x1f\x8b"),
+    };
+    let ends = testing::route(&["http://a:1"], |r| {
+        r.stream_end_events = vec!["[DONE]".into()];
+    });
+    assert!(matches!(ended(&ends, &stored, None), Ended::Unknown(why) if why.contains("encoded")));
+    assert_eq!(ended(&plain(), &stored, None), Ended::Whole);
+}
