@@ -21,10 +21,14 @@ pub struct ToolCall {
     /// The request's `id`, as written (a number or a string; `null` when
     /// it has none, or a null one: [`ToolCall::has_id`]).
     pub id: Vec<u8>,
-    /// The tool.
+    /// The tool (`""` when its name is not a string).
     pub name: String,
-    /// Its `arguments`, as written (`{}` when absent).
-    pub arguments: Vec<u8>,
+    /// What it asks, as one JSON object to fingerprint: `name` and
+    /// `arguments` as written (`null` and `{}` when absent), and every
+    /// other member of `params` but `_meta` (a `task`, which changes what
+    /// the answer is). A name that is not a string is not `""`, and a call
+    /// with more members is another call; one without hashes as it did.
+    pub asked: Vec<u8>,
     /// `params._meta.idempotencyKey`, which must be a string.
     pub key: Option<Result<String, KeyError>>,
 }
@@ -180,15 +184,35 @@ pub fn request(body: &[u8]) -> Request {
         .unwrap_or_default()
         .to_owned();
     let id = span(body, &top, "id").unwrap_or(b"null").to_vec();
-    let arguments = span(body, &top, "params")
-        .and_then(|params| span(params, &members(params)?, "arguments").map(<[u8]>::to_vec))
-        .unwrap_or_else(|| b"{}".to_vec());
+    let asked = asked(span(body, &top, "params").unwrap_or(b"{}"));
     Request::ToolCall(ToolCall {
         id,
         name,
-        arguments,
+        asked,
         key,
     })
+}
+
+/// A tool call's [`ToolCall::asked`], from its `params`.
+fn asked(params: &[u8]) -> Vec<u8> {
+    let all = members(params).unwrap_or_default();
+    let member = |name: &str| span(params, &all, name);
+    let mut asked = Vec::with_capacity(params.len() + 32);
+    asked.extend_from_slice(b"{\"name\":");
+    asked.extend_from_slice(member("name").unwrap_or(b"null"));
+    asked.extend_from_slice(b",\"arguments\":");
+    asked.extend_from_slice(member("arguments").unwrap_or(b"{}"));
+    for (name, at) in &all {
+        if matches!(name.as_str(), "name" | "arguments" | "_meta") {
+            continue;
+        }
+        asked.push(b',');
+        asked.extend_from_slice(&serde_json::to_vec(name).unwrap_or_default());
+        asked.push(b':');
+        asked.extend_from_slice(&params[at.clone()]);
+    }
+    asked.push(b'}');
+    asked
 }
 
 /// The pointer (under `at`) of the first member `members` names twice,
@@ -597,14 +621,24 @@ mod tests {
         let call = tool_call(body);
         assert_eq!(call.id, b"7");
         assert_eq!(call.name, "charge");
-        assert_eq!(call.arguments, br#"{"amount": 1.50, "to":"acct"}"#);
+        let asked = br#"{"name":"charge","arguments":{"amount": 1.50, "to":"acct"}}"#;
+        assert_eq!(call.asked, asked, "as written, without its _meta");
         assert_eq!(call.key, Some(Ok("k-1".to_owned())));
         let no_key = tool_call(
             r#"{"jsonrpc":"2.0","id":"a\"b","method":"tools/call","params":{"name":"x"}}"#,
         );
         assert_eq!(no_key.id, br#""a\"b""#);
-        assert_eq!(no_key.arguments, b"{}");
+        assert_eq!(no_key.asked, br#"{"name":"x","arguments":{}}"#);
         assert_eq!(no_key.key, None);
+        // A name that is not a string is not `""`, and another member of
+        // `params` is part of what the call asks.
+        let other = tool_call(
+            r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":5,"task":{"ttl":9}}}"#,
+        );
+        assert_eq!(
+            (other.name.as_str(), other.asked.as_slice()),
+            ("", &br#"{"name":5,"arguments":{},"task":{"ttl":9}}"#[..])
+        );
     }
 
     /// A name the envelope is read by, spelled another way but for case

@@ -142,6 +142,12 @@ async fn the_same_key_with_other_arguments_is_a_json_rpc_error(store: TestStore)
     let problem = error["error"]["data"]["type"].as_str().unwrap();
     assert!(problem.ends_with("/idempotency-key-mismatch"), "{error}");
     assert_eq!(server.runs("charge"), 1, "nothing ran for the mismatch");
+    // Another member of `params` (a task) is part of what the call asks.
+    let mut tasked = tool_call(json!(3), "charge", json!({"amount": 1}), Some("k"));
+    tasked["params"]["task"] = json!({"ttl": 60000});
+    let error = response(&post(&gateway, &tasked, "s").await);
+    assert_eq!(error["error"]["code"], -32000, "{error}");
+    assert_eq!(server.runs("charge"), 1);
 }
 
 /// Three calls with one key at once, each with its own id: the tool runs

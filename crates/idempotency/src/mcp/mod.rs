@@ -173,24 +173,19 @@ fn id_text(id: &[u8]) -> String {
 }
 
 /// A call's intent: its method, the endpoint, the tool and its arguments
-/// in canonical form. Never its `id`, its `_meta` (a progress token, the
+/// (and any other member of its `params`: `ToolCall::asked`) in canonical
+/// form. Never its `id`, its `_meta` (a progress token, the
 /// key itself) or its session: an agent that reconnected as a new session
 /// asks the same.
 fn intent_of(
     call: &ToolCall,
     path: &str,
 ) -> Result<Fingerprint, idemgate_domain::fingerprint::AmbiguousJson> {
-    let mut asked = Vec::with_capacity(call.arguments.len() + call.name.len() + 32);
-    asked.extend_from_slice(b"{\"name\":");
-    asked.extend_from_slice(&serde_json::to_vec(&call.name).unwrap_or_default());
-    asked.extend_from_slice(b",\"arguments\":");
-    asked.extend_from_slice(&call.arguments);
-    asked.push(b'}');
     let parts = RequestParts {
         method: "tools/call",
         path_and_query: path,
         headers: Vec::new(),
-        body: &asked,
+        body: &call.asked,
         boundary: None,
     };
     fingerprint(&parts, &CANONICAL)
