@@ -180,7 +180,7 @@ pub(super) fn max_response_size(
             return Err(bad(
                 "memory_budget",
                 format!(
-                    "one owner's share of it ({} of {}) holds no answer of {} (its head and body, held {ANSWER_WEIGHT} times over), so keyed answers could never be recorded: raise memory_budget (or memory_budget_owner_share)",
+                    "one owner's share of it ({} of {}) holds no answer of {} (its head and body, held {ANSWER_WEIGHT} times over), so hardly any keyed answer could be recorded: raise memory_budget, or memory_budget_owner_share",
                     mib(budget.per_owner),
                     mib(budget.bytes),
                     mib(MIN_ANSWERS),

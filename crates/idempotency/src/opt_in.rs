@@ -250,7 +250,12 @@ fn overrides(method: &http::Method, headers: &http::HeaderMap, uri: &http::Uri) 
         .map(|(_, value)| value.as_bytes().to_vec());
     let mut methods = Vec::new();
     for value in sent.chain(query_method(query)) {
-        for item in value.split(|b| *b == b',') {
+        // An empty item names nothing, as Express, ASP.NET and Symfony
+        // read it.
+        let items = value
+            .split(|b| *b == b',')
+            .filter(|i| !i.trim_ascii().is_empty());
+        for item in items {
             let upper = item.trim_ascii().to_ascii_uppercase();
             let Ok(named) = http::Method::from_bytes(&upper) else {
                 return Overrides::Unreadable(String::from_utf8_lossy(&value).into_owned());
@@ -266,11 +271,16 @@ fn overrides(method: &http::Method, headers: &http::HeaderMap, uri: &http::Uri) 
     }
 }
 
-/// The values of a query's `_method` parameters, percent-decoded.
+/// The values of a query's `_method` parameters, percent-decoded, the
+/// name read as PHP reads it for Laravel and Symfony (leading spaces
+/// dropped, `.` and ` ` as `_`: `?.method=` is `_method`).
 fn query_method(query: &str) -> impl Iterator<Item = Vec<u8>> + '_ {
     query.split('&').filter_map(|pair| {
         let (name, value) = pair.split_once('=')?;
         let name = spelling::percent_decoded(name.as_bytes());
+        let name: Vec<u8> = (name.trim_ascii_start().iter())
+            .map(|b| if matches!(b, b'.' | b' ') { b'_' } else { *b })
+            .collect();
         name.eq_ignore_ascii_case(b"_method")
             .then(|| spelling::percent_decoded(value.as_bytes()))
     })
@@ -279,8 +289,8 @@ fn query_method(query: &str) -> impl Iterator<Item = Vec<u8>> + '_ {
 /// The method `req` names otherwise than its line, when that would step
 /// around a route's rules (`docs/design.md` §2): its upstream runs the
 /// named method, so the route that method takes must be the one its line
-/// took. A safe method (`GET`, `HEAD`, …) named on a line a route takes
-/// runs nothing; an MCP route reads the method itself (a `DELETE` ends a
+/// took. A safe method (`GET`, `HEAD`, …) that no route takes, named on a
+/// line a route takes, runs nothing; an MCP route reads the method itself (a `DELETE` ends a
 /// session), so any other is refused there; a value that names no one
 /// method is refused on a path any route takes.
 fn read_otherwise(
@@ -306,7 +316,9 @@ fn read_otherwise(
                 (Some(a), Some(b)) => Arc::ptr_eq(a, b),
                 (a, b) => a.is_none() && b.is_none(),
             };
-            mcp || !(same || (found.is_some() && named.is_safe()))
+            // A safe method runs nothing, where no other route takes it.
+            let safe = named.is_safe() && found.is_some() && other.is_none();
+            mcp || !(same || safe)
         })
         .map(|named| named.to_string())
 }

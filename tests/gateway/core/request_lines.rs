@@ -132,7 +132,9 @@ async fn a_malformed_chunked_body_passed_through_is_the_clients_400(
 async fn a_method_override_a_route_would_read_otherwise_is_refused(env: Deployment) {
     let upstream = FakeUpstream::echo().await;
     let route = "[[routes]]\npath_prefix = \"/v1/orders\"\nmethods = [\"PATCH\", \"DELETE\"]\nrequire_key = true\n\
-                 [[routes]]\npath_prefix = \"/v1/charges\"\n";
+                 [[routes]]\npath_prefix = \"/v1/charges\"\n\
+                 [[routes]]\npath_prefix = \"/agents\"\nprotocol = \"mcp\"\n\
+                 [[routes]]\npath_prefix = \"/agents/charges\"\n";
     let gateway = env.gateway(&upstream.url()).tables(route).start().await;
     let url = gateway.path("/v1/orders/9");
     let key = ("idempotency-key", "o-1");
@@ -152,18 +154,28 @@ async fn a_method_override_a_route_would_read_otherwise_is_refused(env: Deployme
         assert_eq!(reply.status, 400, "{headers:?}");
         assert_eq!(reply.problem(), "ambiguous-method");
     }
-    let query = send(
-        http::Method::POST,
-        &format!("{url}?_%6Dethod=DELETE"),
-        &[key],
-        "{}",
-    )
-    .await;
-    assert_eq!(
-        (query.status, query.problem()),
-        (400, "ambiguous-method".to_owned())
-    );
+    // In the query, as Express reads it and as PHP does for Laravel.
+    for query in ["_%6Dethod=DELETE", "x=1&.method=delete"] {
+        let reply = send(http::Method::POST, &format!("{url}?{query}"), &[key], "{}").await;
+        assert_eq!(
+            (reply.status, reply.problem()),
+            (400, "ambiguous-method".to_owned())
+        );
+    }
+    // A safe method another route takes is that route's: the MCP route's
+    // rules (its GET is its event stream) are not stepped around by a
+    // POST of another route that names GET.
+    let reports = gateway.path("/agents/charges");
+    let tunnelled = [("x-http-method-override", "GET")];
+    let reply = send(http::Method::POST, &reports, &tunnelled, "{}").await;
+    assert_eq!(reply.status, 400, "{reply:?}");
     assert_eq!(upstream.hits(), 0);
+    // An empty override names nothing, as the frameworks read it.
+    let empty = [("x-http-method-override", "")];
+    assert_eq!(
+        send(http::Method::POST, &url, &empty, "{}").await.status,
+        200
+    );
     // The line's own route: passes, and its override is part of the
     // request (a PATCH its upstream runs as a DELETE is not the PATCH).
     let patch = send(http::Method::PATCH, &url, &[key], "{}").await;
@@ -190,8 +202,8 @@ async fn a_method_override_a_route_would_read_otherwise_is_refused(env: Deployme
     );
     assert_eq!(
         upstream.hits(),
-        3,
-        "the PATCH, the safe one and the one elsewhere"
+        4,
+        "the empty one, the PATCH, the safe one and the one elsewhere"
     );
 }
 

@@ -139,7 +139,8 @@ pub fn in_band_error(event: &Event) -> Option<String> {
 }
 
 /// The members a provider's streamed chunk carries beside an `error`
-/// (OpenAI's and OpenRouter's chat chunks, the Responses API's events).
+/// (OpenAI's, Azure's, Groq's and OpenRouter's chat chunks, the Responses
+/// API's events, text-generation-inference's `error_type`).
 const ENVELOPE: &[&str] = &[
     "id",
     "object",
@@ -151,6 +152,13 @@ const ENVELOPE: &[&str] = &[
     "type",
     "sequence_number",
     "system_fingerprint",
+    "service_tier",
+    "obfuscation",
+    "prompt_filter_results",
+    "x_groq",
+    "citations",
+    "request_id",
+    "error_type",
 ];
 
 /// What an event is: its `event` field, else (unnamed) its data's `type`,
@@ -382,6 +390,10 @@ mod tests {
             said(cut.concat().as_bytes(), true, &[]),
             error_of("timeout")
         );
+        // text-generation-inference's: a string beside its `error_type`.
+        let tgi = "data:{\"error\":\"CUDA out of memory\",\"error_type\":\"generation\"}\n\n";
+        let tgi = format!("{}{tgi}", item(1, ""));
+        assert_eq!(said(tgi.as_bytes(), true, &[]), error_of("unknown"));
         // Nothing a client reads as more of the answer follows it: a block
         // without data, an empty event, a heartbeat, an end named by its
         // data's `type`.
