@@ -540,30 +540,13 @@ async fn admin_rejects_malformed_resolutions(store: TestStore) {
 /// outcome is unknown. Before, the typed 101 went down the streaming path
 /// and was committed, and every replay switched its client's connection.
 async fn an_upstreams_101_typed_as_a_stream_is_no_answer(store: TestStore) {
-    use tokio::io::AsyncWriteExt;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let upstream = format!("http://{}", listener.local_addr().unwrap());
-    let hits = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let counted = hits.clone();
-    tokio::spawn(async move {
-        while let Ok((mut socket, _)) = listener.accept().await {
-            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            tokio::spawn(async move {
-                if crate::support::upstream::read_head(&mut socket)
-                    .await
-                    .is_none()
-                {
-                    return;
-                }
-                let answer = "HTTP/1.1 101 Switching Protocols\r\n\
-                              connection: upgrade\r\nupgrade: sse\r\n\
-                              content-type: text/event-stream\r\n\r\n\
-                              data: switched\n\n";
-                let _ = socket.write_all(answer.as_bytes()).await;
-                let _ = socket.shutdown().await;
-            });
-        }
-    });
+    let (upstream, hits) = raw_upstream(|_| {
+        "HTTP/1.1 101 Switching Protocols\r\n\
+         connection: upgrade\r\nupgrade: sse\r\n\
+         content-type: text/event-stream\r\n\r\n\
+         data: switched\n\n"
+    })
+    .await;
     let gateway = Gateway::start(&store, &upstream).await;
     let url = gateway.path("/v1/chat/completions");
     let first = post(&url, "switched", "{}").await;
@@ -584,34 +567,19 @@ async fn an_upstreams_101_typed_as_a_stream_is_no_answer(store: TestStore) {
 /// still encoded (`gzip, chunked`). Before, each was committed and
 /// replayed as whole; now the attempt is unknown, as any broken answer.
 async fn an_answer_framed_two_ways_is_never_committed(store: TestStore) {
-    use tokio::io::AsyncWriteExt;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let upstream = format!("http://{}", listener.local_addr().unwrap());
-    let hits = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let counted = hits.clone();
-    tokio::spawn(async move {
-        while let Ok((mut socket, _)) = listener.accept().await {
-            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            tokio::spawn(async move {
-                let Some(head) = crate::support::upstream::read_head(&mut socket).await else {
-                    return;
-                };
-                let head = String::from_utf8_lossy(&head);
-                let answer = if head.contains("/identity") {
-                    "HTTP/1.1 200 OK\r\ntransfer-encoding: identity\r\ncontent-length: 50\r\n\
-                     content-type: application/json\r\n\r\n{\"a\""
-                } else if head.contains("/both") {
-                    "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 3\r\n\
-                     content-type: application/json\r\n\r\n2\r\n{}\r\n0\r\n\r\n"
-                } else {
-                    "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\
-                     content-type: application/json\r\n\r\n2\r\n\x1f\x7f\r\n0\r\n\r\n"
-                };
-                let _ = socket.write_all(answer.as_bytes()).await;
-                let _ = socket.shutdown().await;
-            });
+    let (upstream, hits) = raw_upstream(|head| {
+        if head.contains("/identity") {
+            "HTTP/1.1 200 OK\r\ntransfer-encoding: identity\r\ncontent-length: 50\r\n\
+             content-type: application/json\r\n\r\n{\"a\""
+        } else if head.contains("/both") {
+            "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 3\r\n\
+             content-type: application/json\r\n\r\n2\r\n{}\r\n0\r\n\r\n"
+        } else {
+            "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\
+             content-type: application/json\r\n\r\n2\r\n\x1f\x7f\r\n0\r\n\r\n"
         }
-    });
+    })
+    .await;
     let gateway = Gateway::start(&store, &upstream).await;
     for path in ["/v1/identity", "/v1/both", "/v1/gzip"] {
         let url = gateway.path(path);
@@ -630,6 +598,33 @@ async fn an_answer_framed_two_ways_is_never_committed(store: TestStore) {
         .column("SELECT count(*) FROM jobs WHERE response_status IS NOT NULL")
         .await;
     assert_eq!(committed, ["0"]);
+}
+
+/// An upstream on a socket of its own that answers each request's head
+/// with `answer(head)`, written raw, then closes; and how many
+/// connections it took.
+async fn raw_upstream(
+    answer: fn(&str) -> &'static str,
+) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use tokio::io::AsyncWriteExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let hits = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = hits.clone();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            tokio::spawn(async move {
+                let Some(head) = crate::support::upstream::read_head(&mut socket).await else {
+                    return;
+                };
+                let reply = answer(&String::from_utf8_lossy(&head));
+                let _ = socket.write_all(reply.as_bytes()).await;
+                let _ = socket.shutdown().await;
+            });
+        }
+    });
+    (url, hits)
 }
 
 crate::on_each_deployment!(

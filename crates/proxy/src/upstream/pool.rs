@@ -118,7 +118,9 @@ impl Pool {
         sender: SendRequest<Body>,
         response: Response<Incoming>,
     ) -> Result<Response<Body>, UpstreamError> {
-        if let Some(why) = framed_two_ways(response.headers()) {
+        // A `204` or `304` has no body to misread, whatever its head says.
+        let bodiless = matches!(response.status().as_u16(), 204 | 304);
+        if let Some(why) = framed_two_ways(response.headers()).filter(|_| !bodiless) {
             return Err(UpstreamError::Broken(why.into()));
         }
         let (parts, body) = response.into_parts();
