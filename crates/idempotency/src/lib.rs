@@ -33,6 +33,7 @@ mod hold;
 mod keyed;
 mod layer;
 mod mcp;
+mod method_override;
 mod opt_in;
 mod poll;
 mod recording;

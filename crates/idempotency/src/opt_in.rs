@@ -14,6 +14,7 @@ use http::{HeaderName, HeaderValue, Request};
 use tracing::Span;
 
 use crate::error::{ClientError, GatewayError};
+use crate::method_override;
 use crate::route::{self, Protocol, Route};
 use idemgate_domain::fingerprint::{
     canonical_footprint, fingerprint, multipart_boundary, BodyRule, RequestParts,
@@ -47,6 +48,9 @@ pub(crate) struct OptedIn {
     pub(crate) route: Arc<Route>,
     pub(crate) key: HeaderKey,
     pub(crate) req: Request<Body>,
+    /// The methods a method-override names beside the line's, on the
+    /// line's own route: part of the fingerprint (`method_override`).
+    pub(crate) also: Vec<http::Method>,
 }
 
 /// What the `Idempotency-Key` header says. On an MCP route a key may be in
@@ -122,12 +126,14 @@ pub(crate) struct SessionEnd {
 /// route that serves only proven clients, the client is proven first,
 /// keyed request or not (`docs/design.md` §15).
 pub(crate) fn classify(routes: &[Arc<Route>], trust: &Trust, mut req: Request<Body>) -> Classified {
-    let path = req.uri().path();
-    let found = route::find(routes, req.method(), path);
-    if let Some(named) = read_otherwise(routes, found, &req) {
-        let sent = req.method().to_string();
-        return Classified::Refused(ClientError::AmbiguousMethod { sent, named }.into());
-    }
+    let found = route::find(routes, req.method(), req.uri().path());
+    let also = match method_override::read(routes, found, &req) {
+        Ok(also) => also,
+        Err(named) => {
+            let sent = req.method().to_string();
+            return Classified::Refused(ClientError::AmbiguousMethod { sent, named }.into());
+        }
+    };
     let Some(route) = found else {
         return Classified::PassThrough(req);
     };
@@ -165,6 +171,7 @@ pub(crate) fn classify(routes: &[Arc<Route>], trust: &Trust, mut req: Request<Bo
                 route: route.clone(),
                 key,
                 req,
+                also,
             });
         }
         None if route.require_key => return Classified::Refused(ClientError::MissingKey.into()),
@@ -181,6 +188,7 @@ pub(crate) fn classify(routes: &[Arc<Route>], trust: &Trust, mut req: Request<Bo
         route: route.clone(),
         key: HeaderKey::Valid(key),
         req,
+        also,
     })
 }
 
@@ -206,136 +214,6 @@ fn significant_lines<'h>(
         .collect()
 }
 
-/// The headers Rails, Express, ASP.NET and others take a request's
-/// method from in place of its line's.
-const METHOD_OVERRIDES: [HeaderName; 3] = [
-    HeaderName::from_static("x-http-method-override"),
-    HeaderName::from_static("x-http-method"),
-    HeaderName::from_static("x-method-override"),
-];
-
-/// What a request's method-overrides name besides its line's method.
-enum Overrides {
-    /// Nothing else.
-    None,
-    /// These methods, as upstreams read them (upper-cased).
-    Methods(Vec<http::Method>),
-    /// A value no upstream reads as one method (`DELETE,POST`: Express
-    /// takes the first).
-    Unreadable(String),
-}
-
-/// Every method `req` names in a method-override header (every line of
-/// each, in any spelling, `_` for `-`, each item of a list) or in a
-/// `_method` query parameter (Express's, Laravel's), other than its line's.
-/// A request with none costs three lookups and a look at its names and
-/// query.
-fn overrides(method: &http::Method, headers: &http::HeaderMap, uri: &http::Uri) -> Overrides {
-    let query = uri.query().unwrap_or("");
-    let possible = METHOD_OVERRIDES
-        .iter()
-        .any(|name| headers.contains_key(name))
-        || headers.keys().any(|name| name.as_str().contains('_'))
-        || query.contains('%')
-        || query
-            .as_bytes()
-            .windows(6)
-            .any(|w| w.eq_ignore_ascii_case(b"method"));
-    if !possible {
-        return Overrides::None;
-    }
-    let sent = headers
-        .iter()
-        .filter(|(name, _)| spelling::is_spelling_of(name, &METHOD_OVERRIDES))
-        .map(|(_, value)| value.as_bytes().to_vec());
-    let mut methods = Vec::new();
-    for value in sent.chain(query_method(query)) {
-        // An empty item names nothing, as Express, ASP.NET and Symfony
-        // read it.
-        let items = value
-            .split(|b| *b == b',')
-            .filter(|i| !i.trim_ascii().is_empty());
-        for item in items {
-            let upper = item.trim_ascii().to_ascii_uppercase();
-            let Ok(named) = http::Method::from_bytes(&upper) else {
-                return Overrides::Unreadable(String::from_utf8_lossy(&value).into_owned());
-            };
-            if named != *method && !methods.contains(&named) {
-                methods.push(named);
-            }
-        }
-    }
-    match methods.is_empty() {
-        true => Overrides::None,
-        false => Overrides::Methods(methods),
-    }
-}
-
-/// The values of a query's `_method` parameters, percent-decoded, the
-/// name read as PHP reads it for Laravel and Symfony (leading spaces
-/// dropped, `.` and ` ` as `_`: `?.method=` is `_method`).
-fn query_method(query: &str) -> impl Iterator<Item = Vec<u8>> + '_ {
-    query.split('&').filter_map(|pair| {
-        let (name, value) = pair.split_once('=')?;
-        let name = spelling::percent_decoded(name.as_bytes());
-        let name: Vec<u8> = (name.trim_ascii_start().iter())
-            .map(|b| if matches!(b, b'.' | b' ') { b'_' } else { *b })
-            .collect();
-        name.eq_ignore_ascii_case(b"_method")
-            .then(|| spelling::percent_decoded(value.as_bytes()))
-    })
-}
-
-/// The method `req` names otherwise than its line, when that would step
-/// around a route's rules (`docs/design.md` §2): its upstream runs the
-/// named method, so the route that method takes must be the one its line
-/// took. A safe method (`GET`, `HEAD`, …) that no route takes, named on a
-/// line a route takes, runs nothing; an MCP route reads the method itself (a `DELETE` ends a
-/// session), so any other is refused there; a value that names no one
-/// method is refused on a path any route takes.
-fn read_otherwise(
-    routes: &[Arc<Route>],
-    found: Option<&Arc<Route>>,
-    req: &Request<Body>,
-) -> Option<String> {
-    let path = req.uri().path();
-    let methods = match overrides(req.method(), req.headers(), req.uri()) {
-        Overrides::None => return None,
-        Overrides::Unreadable(value) => {
-            let routed = routes.iter().any(|route| route.matches_path(path));
-            return routed.then_some(value);
-        }
-        Overrides::Methods(methods) => methods,
-    };
-    let mcp = found.is_some_and(|route| matches!(route.protocol, Protocol::Mcp(_)));
-    methods
-        .into_iter()
-        .find(|named| {
-            let other = route::find(routes, named, path);
-            let same = match (found, other) {
-                (Some(a), Some(b)) => Arc::ptr_eq(a, b),
-                (a, b) => a.is_none() && b.is_none(),
-            };
-            // A safe method runs nothing, where no other route takes it.
-            let safe = named.is_safe() && found.is_some() && other.is_none();
-            mcp || !(same || safe)
-        })
-        .map(|named| named.to_string())
-}
-
-/// The method a keyed request's fingerprint names: its line's, and any an
-/// override names beside it (on the same route: [`read_otherwise`]), so a
-/// `POST` that its upstream runs as a `PATCH` is not the `POST` it spells.
-fn fingerprinted_method(parts: &http::request::Parts) -> std::borrow::Cow<'_, str> {
-    match overrides(&parts.method, &parts.headers, &parts.uri) {
-        Overrides::Methods(methods) => {
-            let named: Vec<String> = methods.iter().map(ToString::to_string).collect();
-            format!("{} {}", parts.method, named.join(" ")).into()
-        }
-        _ => parts.method.as_str().into(),
-    }
-}
-
 /// Reads what the decision needs: the owner (as the route's owner rule
 /// says, `401` when it cannot be established), the resume point (`400`
 /// when it cannot be read), the body (within the route's
@@ -345,7 +223,12 @@ fn fingerprinted_method(parts: &http::request::Parts) -> std::borrow::Cow<'_, st
 /// twice, or a significant header sent in a spelling with `_`). An MCP
 /// route's messages are prepared by `mcp::prepare` instead.
 pub(crate) async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Prepared, Refused> {
-    let OptedIn { route, key, req } = opted;
+    let OptedIn {
+        route,
+        key,
+        req,
+        also,
+    } = opted;
     let HeaderKey::Valid(key) = key else {
         return Err(ClientError::MissingKey.into());
     };
@@ -371,7 +254,7 @@ pub(crate) async fn prepare(shared: &Shared, opted: OptedIn) -> Result<Prepared,
     let boundary = multipart_boundary(types.iter().map(HeaderValue::as_bytes));
     let fingerprint = fingerprint(
         &RequestParts {
-            method: &fingerprinted_method(&parts),
+            method: &method_override::fingerprinted(&parts.method, &also),
             path_and_query: parts.uri.path_and_query().map_or("/", |pq| pq.as_str()),
             headers: significant_lines(&route.significant_headers, &parts.headers),
             body: &body,

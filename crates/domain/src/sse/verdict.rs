@@ -175,7 +175,11 @@ pub fn is_end(event: &Event, ends: &[impl AsRef<str>]) -> bool {
         return false;
     }
     let json: Option<Value> = serde_json::from_str(&event.data).ok();
-    let name = named(event, json.as_ref());
+    ends_as(event, named(event, json.as_ref()), ends)
+}
+
+/// [`is_end`], for an event already known to be `name`.
+fn ends_as(event: &Event, name: Option<&str>, ends: &[impl AsRef<str>]) -> bool {
     ends.iter()
         .map(AsRef::as_ref)
         .any(|end| name == Some(end) || event.data == end)
@@ -321,13 +325,14 @@ pub fn said(body: &[u8], errors: bool, ends: &[String]) -> Said {
 /// error, or an event that carries nothing (no data, or a heartbeat:
 /// [`HEARTBEATS`]), which no client reads as more of the answer.
 fn closes(event: &Event, ends: &[String]) -> bool {
+    if !event.has_data || event.data.trim().is_empty() {
+        return true;
+    }
     let json: Option<Value> = serde_json::from_str(&event.data).ok();
-    let heartbeat = named(event, json.as_ref()).is_some_and(|n| HEARTBEATS.contains(&n));
-    !event.has_data
-        || event.data.trim().is_empty()
-        || heartbeat
-        || is_end(event, PROVIDER_ENDS)
-        || is_end(event, ends)
+    let name = named(event, json.as_ref());
+    name.is_some_and(|n| HEARTBEATS.contains(&n))
+        || ends_as(event, name, PROVIDER_ENDS)
+        || ends_as(event, name, ends)
         || in_band_error(event).is_some()
 }
 

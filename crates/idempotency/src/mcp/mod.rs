@@ -41,7 +41,9 @@ pub(crate) async fn prepare(
     mcp: &Mcp,
     opted: OptedIn,
 ) -> Result<Prepared, Refused> {
-    let OptedIn { route, key, req } = opted;
+    let OptedIn {
+        route, key, req, ..
+    } = opted;
     let (parts, body) = req.into_parts();
     // Its owner, if its evidence holds, for its share of the budget; a tool
     // call without it is refused below, once it is known to be one.

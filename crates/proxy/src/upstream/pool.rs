@@ -230,21 +230,22 @@ pub const MAX_ANSWER_HEAD: usize = 64 << 10;
 /// the length or the type says: the bytes could be a cut or a still
 /// encoded answer, recorded and replayed as whole (`docs/design.md` §10).
 fn framed_two_ways(headers: &http::HeaderMap) -> Option<String> {
-    let codings: Vec<&[u8]> = headers
-        .get_all(http::header::TRANSFER_ENCODING)
-        .iter()
-        .map(|v| v.as_bytes().trim_ascii())
-        .collect();
-    if codings.is_empty() {
-        return None;
-    }
-    let chunked_alone = matches!(codings[..], [c] if c.eq_ignore_ascii_case(b"chunked"));
+    let codings = headers.get_all(http::header::TRANSFER_ENCODING);
+    let mut lines = codings.iter();
+    // Nearly every answer: no `Transfer-Encoding`, or `chunked` alone,
+    // told without allocating.
+    let first = lines.next()?;
+    let chunked_alone = lines.next().is_none()
+        && first
+            .as_bytes()
+            .trim_ascii()
+            .eq_ignore_ascii_case(b"chunked");
     let length = headers.contains_key(http::header::CONTENT_LENGTH);
     (!chunked_alone || length).then(|| {
-        let codings: Vec<_> = codings.iter().map(|c| String::from_utf8_lossy(c)).collect();
+        let said: Vec<_> = codings.iter().map(|c| String::from_utf8_lossy(c.as_bytes())).collect();
         format!(
             "the upstream framed its answer two ways (Transfer-Encoding: {}{}): its body cannot be told whole",
-            codings.join(", "),
+            said.join(", "),
             if length { ", beside a Content-Length" } else { "" }
         )
     })
