@@ -111,10 +111,15 @@ async fn serve(settings: &Settings, listen: SocketAddr, reuse_port: bool) {
         http2_idle_timeout: None,
         send_timeout: Duration::from_secs(60),
     };
-    server::serve(
+    let accept = server::Accept {
+        name: "proxy",
         listener,
+        elsewhere: Vec::new(),
+    };
+    server::serve(
+        accept,
         service,
-        std::future::pending(),
+        tokio_util::sync::CancellationToken::new(),
         Duration::ZERO,
         limits,
         Default::default(),

@@ -7,7 +7,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use idemgate::app::{self, Listeners};
-use idemgate::config::{Cli, Command, Settings};
+use idemgate::config::{Cli, Command, Settings, WorkerRuntime};
 use idemgate_operations::cli::{self, JobsCommand};
 
 use idemgate_store::postgres::Postgres;
@@ -32,16 +32,17 @@ fn main() -> ExitCode {
         Ok(job) => job,
         Err(e) => return fail(e),
     };
-    let runtime = match runtime(job.worker_threads()) {
-        Ok(runtime) => runtime,
+    let (threads, shape) = job.threads();
+    let Runtimes { main, workers } = match runtimes(threads, shape) {
+        Ok(runtimes) => runtimes,
         Err(e) => return fail(format!("cannot start the runtime: {e}")),
     };
-    runtime.block_on(async {
+    main.block_on(async {
         let (traces, logs) = match telemetry::init() {
             Ok(ends) => ends,
             Err(e) => return fail(e),
         };
-        let code = job.run().await;
+        let code = job.run(workers).await;
         if let Some(traces) = traces {
             // Blocks while the last spans go out through this runtime.
             let _ = tokio::task::spawn_blocking(move || traces.shutdown()).await;
@@ -53,20 +54,59 @@ fn main() -> ExitCode {
     })
 }
 
+/// The runtime the main thread runs, and the other workers' runtimes when
+/// each thread has its own.
+struct Runtimes {
+    main: tokio::runtime::Runtime,
+    workers: Vec<tokio::runtime::Handle>,
+}
+
 /// Tokio's current-thread runtime for one worker thread (nothing is handed
-/// between threads: docs/performance.md, item 15), its multi-thread
-/// runtime for more.
-fn runtime(worker_threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
-    if worker_threads == 1 {
+/// between threads: docs/performance.md, item 15); for more, its
+/// multi-thread runtime, or with `worker_runtime = "per_thread"` a
+/// current-thread runtime on each, the main thread's among them
+/// (docs/design.md §12, "Threads").
+fn runtimes(threads: usize, shape: WorkerRuntime) -> std::io::Result<Runtimes> {
+    let current = || {
         tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
-    } else {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(worker_threads)
-            .enable_all()
-            .build()
+    };
+    if threads == 1 || shape == WorkerRuntime::PerThread {
+        let workers = (1..threads)
+            .map(|index| worker(index, current()?))
+            .collect::<std::io::Result<_>>()?;
+        return Ok(Runtimes {
+            main: current()?,
+            workers,
+        });
     }
+    let main = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .enable_all()
+        .build()?;
+    Ok(Runtimes {
+        main,
+        workers: Vec::new(),
+    })
+}
+
+/// A thread that runs `runtime` as worker `index` for as long as the
+/// process lives; the runtime's handle, to spawn on it.
+fn worker(
+    index: usize,
+    runtime: tokio::runtime::Runtime,
+) -> std::io::Result<tokio::runtime::Handle> {
+    let handle = runtime.handle().clone();
+    std::thread::Builder::new()
+        .name(format!("idemgate-worker-{index}"))
+        .spawn(move || {
+            idemgate_store::worker::enter(index);
+            // A current-thread runtime runs what is spawned on it only
+            // while a thread blocks on it.
+            runtime.block_on(std::future::pending::<()>());
+        })?;
+    Ok(handle)
 }
 
 /// A command with its settings read.
@@ -95,17 +135,21 @@ impl Job {
         })
     }
 
-    fn worker_threads(&self) -> usize {
+    /// Its worker threads, and how they share the work.
+    fn threads(&self) -> (usize, WorkerRuntime) {
         match self {
-            Job::Serve(settings) | Job::VerifyProviders(settings, ..) => settings.worker_threads,
+            Job::Serve(settings) => (settings.worker_threads, settings.worker_runtime),
+            // Probes are few; one runtime takes them.
+            Job::VerifyProviders(settings, ..) => (settings.worker_threads, WorkerRuntime::Shared),
             // Migrations run one statement at a time; a check runs nothing.
-            Job::Migrate(_) | Job::Check(_) | Job::Jobs(_) => 1,
+            Job::Migrate(_) | Job::Check(_) | Job::Jobs(_) => (1, WorkerRuntime::Shared),
         }
     }
 
-    async fn run(self) -> ExitCode {
+    /// Runs the job; `workers` are the runtimes of the other worker threads.
+    async fn run(self, workers: Vec<tokio::runtime::Handle>) -> ExitCode {
         match self {
-            Job::Serve(settings) => serve(settings).await,
+            Job::Serve(settings) => serve(settings, workers).await,
             Job::Jobs(command) => match cli::run(command).await {
                 Ok(out) => {
                     print!("{out}");
@@ -155,7 +199,7 @@ async fn migrate(store: StoreSettings) -> Result<(), StoreError> {
     }
 }
 
-async fn serve(settings: Settings) -> ExitCode {
+async fn serve(settings: Settings, workers: Vec<tokio::runtime::Handle>) -> ExitCode {
     let proxy = match TcpListener::bind(settings.listen).await {
         Ok(l) => l,
         Err(e) => {
@@ -186,7 +230,18 @@ async fn serve(settings: Settings) -> ExitCode {
         telemetry::logs::flush();
         println!("idemgate listening on http://{proxy_addr} (admin on http://{admin_addr})");
     };
-    match app::run(settings, Listeners { proxy, admin }, shutdown, ready).await {
+    match app::run(
+        settings,
+        Listeners {
+            proxy,
+            admin,
+            workers,
+        },
+        shutdown,
+        ready,
+    )
+    .await
+    {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(Chain(&e)),
     }

@@ -11,7 +11,7 @@ use uuid::Uuid;
 
 use super::secrets::{owner_salt, replay_keys};
 use super::StartError;
-use crate::config::{BudgetSource, MemoryBudget, Settings};
+use crate::config::{BudgetSource, MemoryBudget, Settings, WorkerRuntime};
 use idemgate_domain::contract::Contract;
 use idemgate_idempotency::route::Route;
 use idemgate_idempotency::{AttemptConfig, HoldConfig, Runtime, Shared};
@@ -88,7 +88,8 @@ impl Gateway {
             %instance,
             upstreams = ?settings.upstreams.iter().map(|u| u.base.to_string()).collect::<Vec<_>>(),
             runtime = ?runtime.runtime_flavor(),
-            worker_threads = runtime.metrics().num_workers(),
+            worker_threads = settings.worker_threads,
+            worker_runtime = settings.worker_runtime.as_str(),
             "gateway starting"
         );
         let fastpath = match &settings.redis {
@@ -479,7 +480,12 @@ async fn open_store(
             ));
         }
     };
-    let backend = Postgres::new(pg, instance)?;
+    // A runtime per worker thread: a lane of the pool each (worker.rs).
+    let workers = match settings.worker_runtime {
+        WorkerRuntime::PerThread => settings.worker_threads,
+        WorkerRuntime::Shared => 1,
+    };
+    let backend = Postgres::for_workers(pg, instance, workers)?;
     match backend.migrate().await {
         Ok(()) => {}
         Err(e) if e.is_transient() => {

@@ -98,6 +98,29 @@ fn route_patience(route: &Route, upstream: &UpstreamSettings) -> Patience {
     }
 }
 
+/// The proxy `listener`, and a handle on its socket for each of `workers`
+/// to accept on (made a listener of that worker's runtime there).
+fn shared_with(
+    listener: TcpListener,
+    workers: Vec<tokio::runtime::Handle>,
+) -> std::io::Result<server::Accept> {
+    let mut accept = server::Accept {
+        name: "proxy",
+        listener,
+        elsewhere: Vec::new(),
+    };
+    if workers.is_empty() {
+        return Ok(accept);
+    }
+    let socket = accept.listener.into_std()?;
+    accept.elsewhere = workers
+        .into_iter()
+        .map(|worker| Ok((worker, socket.try_clone()?)))
+        .collect::<std::io::Result<_>>()?;
+    accept.listener = TcpListener::from_std(socket)?;
+    Ok(accept)
+}
+
 /// The two listeners a gateway serves on; bound by the caller, so tests can
 /// use OS-assigned ports.
 pub struct Listeners {
@@ -105,6 +128,9 @@ pub struct Listeners {
     pub proxy: TcpListener,
     /// The admin API, health and metrics.
     pub admin: TcpListener,
+    /// The other workers' runtimes, each accepting on the proxy listener
+    /// too (`worker_runtime = "per_thread"`); none with a shared runtime.
+    pub workers: Vec<tokio::runtime::Handle>,
 }
 
 /// Why the gateway could not start.
@@ -113,6 +139,9 @@ pub enum StartError {
     /// The store refused to start.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The proxy listener cannot be shared with the other workers.
+    #[error("listen: the listener cannot be shared with the worker threads: {0}")]
+    Listener(#[source] std::io::Error),
     /// The Redis client could not be set up.
     #[error("redis_url: the Redis client cannot be set up")]
     Redis(#[source] redis::RedisError),
@@ -140,6 +169,13 @@ pub async fn run(
     shutdown: CancellationToken,
     ready: impl FnOnce(),
 ) -> Result<(), StartError> {
+    let proxy_accept =
+        shared_with(listeners.proxy, listeners.workers).map_err(StartError::Listener)?;
+    let admin_accept = server::Accept {
+        name: "admin",
+        listener: listeners.admin,
+        elsewhere: Vec::new(),
+    };
     let gateway = Gateway::start(&settings).await?;
     let idempotency = gateway.idempotency(&settings);
     let proxy = stack::proxy(&settings, idempotency.clone(), gateway.upstreams.clone());
@@ -147,7 +183,6 @@ pub async fn run(
     let admin = tower::service_fn(move |req| admin.clone().handle(req));
     ready();
     let (grace, limits) = (settings.shutdown_grace, settings.limits);
-    let stopping = || shutdown.clone().cancelled_owned();
     let trusted = || settings.trusted_proxies.clone();
     let began = async {
         shutdown.cancelled().await;
@@ -155,8 +190,22 @@ pub async fn run(
         tokio::time::Instant::now()
     };
     let ((), (), began) = tokio::join!(
-        server::serve(listeners.proxy, proxy, stopping(), grace, limits, trusted()),
-        server::serve(listeners.admin, admin, stopping(), grace, limits, trusted()),
+        server::serve(
+            proxy_accept,
+            proxy,
+            shutdown.clone(),
+            grace,
+            limits,
+            trusted()
+        ),
+        server::serve(
+            admin_accept,
+            admin,
+            shutdown.clone(),
+            grace,
+            limits,
+            trusted()
+        ),
         began,
     );
     gateway

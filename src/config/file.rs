@@ -60,6 +60,7 @@ pub struct FileConfig {
     pub(super) max_connections: Option<usize>,
     pub(super) max_in_flight: Option<usize>,
     pub(super) worker_threads: Option<usize>,
+    pub(super) worker_runtime: Option<String>,
     #[serde(default, with = "humantime_serde")]
     pub(super) header_read_timeout: Option<Duration>,
     #[serde(default, with = "humantime_serde")]

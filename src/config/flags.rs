@@ -166,6 +166,11 @@ pub struct Flags {
     /// on one CPU). [default: one per CPU]
     #[arg(long, env = "IDEMGATE_WORKER_THREADS", value_name = "N")]
     pub worker_threads: Option<usize>,
+    /// How worker threads share requests: "shared" (one runtime, threads
+    /// take work from each other) or "per_thread" (a runtime each, serving
+    /// the connections it accepted). [default: shared]
+    #[arg(long, env = "IDEMGATE_WORKER_RUNTIME", value_name = "RUNTIME")]
+    pub worker_runtime: Option<String>,
     /// Bytes of request bodies, answers being recorded and replays being
     /// copied the gateway holds before it refuses new keyed requests (e.g.
     /// "256MiB"). [default: half the container's memory limit, else 256MiB]

@@ -144,6 +144,47 @@ pub struct Settings {
     /// current-thread runtime, with no scheduler between threads at all
     /// (docs/design.md §12).
     pub worker_threads: usize,
+    /// How more than one worker thread share the work (docs/design.md §12,
+    /// "Threads").
+    pub worker_runtime: WorkerRuntime,
+}
+
+/// `worker_runtime`: how worker threads share the requests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WorkerRuntime {
+    /// `"shared"`: one runtime, whose threads take work from each other.
+    Shared,
+    /// `"per_thread"`: each thread a runtime of its own, serving the
+    /// connections it accepted, with its own share of the database pool.
+    PerThread,
+}
+
+impl WorkerRuntime {
+    /// The value as it is written.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WorkerRuntime::Shared => "shared",
+            WorkerRuntime::PerThread => "per_thread",
+        }
+    }
+}
+
+/// `worker_runtime`, `"shared"` unless set.
+fn worker_runtime(file: &FileConfig, flags: &Flags) -> Result<WorkerRuntime, ConfigError> {
+    match flags
+        .worker_runtime
+        .as_deref()
+        .or(file.worker_runtime.as_deref())
+    {
+        None | Some("shared") => Ok(WorkerRuntime::Shared),
+        Some("per_thread") => Ok(WorkerRuntime::PerThread),
+        Some(other) => Err(bad(
+            "worker_runtime",
+            format!(
+                "{other:?} is not a worker runtime; use \"shared\" (the default) or \"per_thread\""
+            ),
+        )),
+    }
 }
 
 /// Keys sealing stored responses (`[encryption]`).
@@ -338,6 +379,7 @@ impl Settings {
             memory_budget,
             max_in_flight: at_least_one("max_in_flight", file.max_in_flight.unwrap_or(10_000))?,
             worker_threads: worker_threads(&file, &flags)?,
+            worker_runtime: worker_runtime(&file, &flags)?,
         })
     }
 

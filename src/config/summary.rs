@@ -78,7 +78,8 @@ fn timings(f: &mut Formatter<'_>, s: &Settings) -> fmt::Result {
         bytesize::ByteSize(s.memory_budget.bytes as u64).to_string_as(true),
         s.memory_budget.from
     )?;
-    writeln!(f, "worker_threads = {}", s.worker_threads)
+    writeln!(f, "worker_threads = {}", s.worker_threads)?;
+    writeln!(f, "worker_runtime = {:?}", s.worker_runtime.as_str())
 }
 
 fn human(d: Duration) -> humantime::FormattedDuration {

@@ -40,6 +40,7 @@ pub mod postgres;
 mod retry;
 pub mod seal;
 pub mod sqlite;
+pub mod worker;
 
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime};

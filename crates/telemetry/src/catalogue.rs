@@ -20,6 +20,7 @@ pub const SERIES: &[(&str, Kind, &str)] = &[
     ("idemgate_requests_total", Kind::Counter, "Requests answered, by outcome (replayed, executed, problem, passed_through) and status class."),
     ("idemgate_request_duration_seconds", Kind::Histogram, "Time from a request's arrival to its answer's head, by outcome (replayed, executed, problem, passed_through)."),
     ("idemgate_upstream_response_seconds", Kind::Histogram, "Time from sending a request upstream to its answer's head, by upstream and outcome: answered (the head came), error (the connection failed first), timeout (the gateway stopped waiting, at first_byte_timeout or the attempt deadline; a head that comes later is not timed again). Attempts and passed-through requests; lookups and resends are in idemgate_reconcile_seconds."),
+    ("idemgate_connections_accepted_total", Kind::Counter, "Connections accepted, by listener (proxy, admin) and worker: with worker_runtime = \"per_thread\" each worker thread accepts its own and serves them (worker 0 is the main thread); shared, all count as worker 0."),
     ("idemgate_requests_in_flight", Kind::Gauge, "Requests being served now (max_in_flight bounds it)."),
     ("idemgate_requests_shed_total", Kind::Counter, "Requests answered 503 overloaded at once because max_in_flight was reached."),
     ("idemgate_requests_refused_total", Kind::Counter, "Keyed requests answered with a problem, by problem type: clients' mistakes, overload, and unknown outcomes (attempt-outcome-unknown)."),

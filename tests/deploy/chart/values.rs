@@ -131,6 +131,16 @@ fn the_schema_accepts_the_config_values_the_binary_accepts_and_no_others() {
         ("max_connections: 0", "max_connections = 0", false),
         ("max_in_flight: 0", "max_in_flight = 0", false),
         ("worker_threads: 0", "worker_threads = 0", false),
+        (
+            "worker_runtime: per_thread",
+            "worker_runtime = \"per_thread\"",
+            true,
+        ),
+        (
+            "worker_runtime: pooled",
+            "worker_runtime = \"pooled\"",
+            false,
+        ),
         ("mismatch_status: 422", "mismatch_status = 422", true),
         ("mismatch_status: 400", "mismatch_status = 400", false),
         ("access_log: false", "access_log = false", true),

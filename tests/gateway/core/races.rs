@@ -143,6 +143,110 @@ async fn one_worker_thread_serves_the_race_on_the_current_thread_runtime() {
     assert!(!started.contains('\u{1b}'), "{started:?}");
 }
 
+/// `worker_runtime = "per_thread"`: each of two worker threads runs a
+/// runtime of its own, accepts its own connections on the one listener
+/// and sends their statements through its own lane of the pool. The race
+/// still comes out right when the owner and its duplicates sit on
+/// different threads (and on a replica with a shared runtime), both
+/// workers accept (`idemgate_connections_accepted_total` by worker), new
+/// keys commit from each lane, and SIGTERM drains a request in flight.
+/// Connections `gateway`'s proxy listener accepted on `worker`.
+async fn accepted(gateway: &Gateway, worker: usize) -> f64 {
+    let worker = format!("worker=\"{worker}\"");
+    gateway
+        .metric_labelled(
+            "idemgate_connections_accepted_total",
+            &["listener=\"proxy\"", &worker],
+        )
+        .await
+}
+
+#[tokio::test]
+async fn a_runtime_per_worker_thread_serves_the_race_from_both_threads() {
+    let store = TestStore::postgres().await;
+    let gate = Gate::new();
+    let upstream = FakeUpstream::gated_echo(&gate, |r| r.body.starts_with(b"{\"amount\"")).await;
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let mut per_thread = Gateway::builder(&store, &upstream.url())
+        .set("worker_threads", "2")
+        .set("worker_runtime", "\"per_thread\"")
+        // Split 2 + 1 between the lanes: the odd one must still work.
+        .set("database_pool_size", "3")
+        .env("RUST_LOG", "info")
+        .stderr_to(log.path())
+        .start()
+        .await;
+    let shared = Gateway::builder(&store, &upstream.url())
+        .set("worker_threads", "2")
+        .start()
+        .await;
+    let replies = double_click(40, &[&per_thread, &shared], &upstream, &gate).await;
+    assert_one_result(&replies, &upstream);
+
+    // New keys, each on a connection of its own, until both workers have
+    // accepted some (a handful is enough; 200 bounds it).
+    let mut sent = 0;
+    loop {
+        for n in 0..10 {
+            let reply = post(
+                &per_thread.path("/v1/new"),
+                &format!("new-{sent}-{n}"),
+                "{}",
+            )
+            .await;
+            assert_eq!(
+                reply.status,
+                200,
+                "{:?}",
+                String::from_utf8_lossy(&reply.body)
+            );
+            assert!(reply.header("idempotent-replayed").is_none());
+        }
+        sent += 10;
+        let both = accepted(&per_thread, 0).await > 0.0 && accepted(&per_thread, 1).await > 0.0;
+        if both || sent == 200 {
+            break;
+        }
+    }
+    let (zero, one) = (
+        accepted(&per_thread, 0).await,
+        accepted(&per_thread, 1).await,
+    );
+    assert!(
+        zero > 0.0 && one > 0.0,
+        "accepted by worker 0: {zero}, by worker 1: {one}"
+    );
+    // Each of those keys committed once: replayed, whichever worker asks.
+    for n in 0..10 {
+        let again = post(&per_thread.path("/v1/new"), &format!("new-0-{n}"), "{}").await;
+        assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    }
+    // A shared runtime counts every connection as worker 0's.
+    assert!(accepted(&shared, 0).await > 0.0);
+    assert_eq!(accepted(&shared, 1).await, 0.0);
+    let started = std::fs::read_to_string(log.path()).unwrap();
+    assert!(
+        started.contains("worker_threads=2") && started.contains("worker_runtime=\"per_thread\""),
+        "{started}"
+    );
+
+    // SIGTERM while a request is held upstream: it is answered, then the
+    // process exits cleanly.
+    let url = per_thread.path("/v1/charges");
+    let held = tokio::spawn(async move { post(&url, "in-flight", r#"{"amount": 7}"#).await });
+    // (The new keys' arrivals are queued before it.)
+    while !upstream
+        .arrival()
+        .await
+        .body
+        .starts_with(br#"{"amount": 7"#)
+    {}
+    per_thread.ask_to_stop().await;
+    gate.open(1);
+    assert_eq!(held.await.unwrap().status, 200);
+    assert!(per_thread.exited().await.success());
+}
+
 #[tokio::test]
 async fn simultaneous_first_requests_race_to_the_arbiter() {
     // No head start: all requests leave together and the database's unique

@@ -49,6 +49,7 @@ async fn bad_configuration_stops_start_up_naming_the_key() {
         ("upstream_timout", "\"1s\"", "upstream_timout"),
         ("lease_ttl", "\"10ms\"", "lease_ttl"),
         ("worker_threads", "0", "worker_threads"),
+        ("worker_runtime", "\"pooled\"", "worker_runtime"),
     ];
     for (key, value, named) in cases {
         let err = Gateway::builder(&store, "http://127.0.0.1:1")

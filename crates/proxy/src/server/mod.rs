@@ -34,6 +34,7 @@ use hyper::server::conn::{http1, http2};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::net::{TcpListener, TcpStream};
+use tokio::runtime::Handle;
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tower::{Service, ServiceExt};
@@ -51,13 +52,18 @@ pub use settings::{Limits, TrustedProxies};
 
 /// Serves `service` on every connection `listener` accepts (HTTP/1.1 and
 /// HTTP/2) within `limits`, tagging each request with the peer's address,
-/// until `shutdown` resolves; then stops accepting and lets open connections
-/// finish, for `grace` at most. A peer among `trusted` is a proxy whose
-/// forwarding headers are believed.
+/// until `shutdown` is cancelled; then stops accepting and lets open
+/// connections finish, for `grace` at most. A peer among `trusted` is a
+/// proxy whose forwarding headers are believed.
+///
+/// `accept.elsewhere` are other runtimes, each with its own handle on the
+/// same listening socket: each accepts too, and serves what it accepted on
+/// its own thread (`worker_runtime = "per_thread"`, `docs/design.md` §12,
+/// "Threads"). All of them share `limits.max_connections` and the drain.
 pub async fn serve<S, B>(
-    listener: TcpListener,
+    accept: Accept,
     service: S,
-    shutdown: impl Future<Output = ()>,
+    shutdown: CancellationToken,
     grace: Duration,
     limits: Limits,
     trusted: TrustedProxies,
@@ -76,34 +82,121 @@ pub async fn serve<S, B>(
     // receiver hears `None` once the last has ended.
     let drain = CancellationToken::new();
     let (open, mut all_closed) = mpsc::channel::<()>(1);
-    // Shared by the connections: each holds a reference count, not a copy
-    // of hyper's two builders (docs/performance.md, "Per held duplicate").
-    let protocols = Arc::new(Protocols::new(&limits, trusted));
-    let room = Arc::new(Semaphore::new(limits.max_connections));
-    tokio::pin!(shutdown);
-    loop {
-        let (stream, peer, permit) = tokio::select! {
-            () = &mut shutdown => break,
-            next = accept(&listener, &room) => next,
-        };
-        // The connection's future is made here, outside the task's: what
-        // it is made from is moved into it, not kept beside it for as long
-        // as the connection lasts.
-        let connection = protocols.serve(stream, peer, service.clone(), drain.clone());
-        let open = open.clone();
-        tokio::spawn(async move {
-            if let Err(e) = connection.await {
-                tracing::debug!(error = %e, %peer, "connection ended with an error");
-            }
-            drop((permit, open));
-        });
+    let accepting = Accepting {
+        // Shared by the connections: each holds a reference count, not a
+        // copy of hyper's two builders (docs/performance.md, "Per held
+        // duplicate").
+        protocols: Arc::new(Protocols::new(&limits, trusted)),
+        room: Arc::new(Semaphore::new(limits.max_connections)),
+        drain: drain.clone(),
+        open,
+        service,
+    };
+    let name = accept.name;
+    let others: Vec<_> = (1..)
+        .zip(accept.elsewhere)
+        .map(|(worker, (runtime, listener))| {
+            let (accepting, shutdown) = (accepting.clone(), shutdown.clone());
+            runtime.spawn(async move {
+                // Registered with the runtime that accepts on it.
+                match TcpListener::from_std(listener) {
+                    Ok(listener) => {
+                        accepting
+                            .until(listener, accepted(name, worker), shutdown)
+                            .await
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, worker, "a worker cannot accept connections")
+                    }
+                }
+            })
+        })
+        .collect();
+    accepting
+        .until(accept.listener, accepted(name, 0), shutdown)
+        .await;
+    for other in others {
+        let _ = other.await;
     }
-    drop(listener);
     drain.cancel();
-    drop(open);
     tokio::select! {
         _ = all_closed.recv() => {}
         () = tokio::time::sleep(grace) => tracing::warn!("connections still open after shutdown_grace; closing"),
+    }
+}
+
+/// A listening socket, and the other runtimes that accept on it.
+pub struct Accept {
+    /// Which listener it is, as `idemgate_connections_accepted_total`
+    /// names it: `proxy` or `admin`.
+    pub name: &'static str,
+    /// Accepted on by the runtime that serves it (worker 0).
+    pub listener: TcpListener,
+    /// Workers 1, 2, … (`worker_runtime = "per_thread"`): each runtime
+    /// with its own handle on the same socket, registered there.
+    pub elsewhere: Vec<(Handle, std::net::TcpListener)>,
+}
+
+/// `idemgate_connections_accepted_total` of one listener and worker.
+fn accepted(listener: &'static str, worker: usize) -> metrics::Counter {
+    metrics::counter!(
+        "idemgate_connections_accepted_total",
+        "listener" => listener,
+        "worker" => worker.to_string()
+    )
+}
+
+/// What every accepting runtime of one listener shares.
+#[derive(Clone)]
+struct Accepting<S> {
+    protocols: Arc<Protocols>,
+    /// `max_connections`, counted across the runtimes.
+    room: Arc<Semaphore>,
+    drain: CancellationToken,
+    /// Held by each connection, and by each accepting loop until it stops.
+    open: mpsc::Sender<()>,
+    service: S,
+}
+
+impl<S> Accepting<S> {
+    /// Accepts on `listener` until `shutdown`, serving each connection in a
+    /// task of the current runtime.
+    async fn until<B>(
+        self,
+        listener: TcpListener,
+        accepted: metrics::Counter,
+        shutdown: CancellationToken,
+    ) where
+        S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
+            + Clone
+            + Send
+            + Sync
+            + 'static,
+        S::Future: Send + 'static,
+        B: http_body::Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<BoxError>,
+    {
+        loop {
+            let (stream, peer, permit) = tokio::select! {
+                () = shutdown.cancelled() => break,
+                next = accept(&listener, &self.room) => next,
+            };
+            accepted.increment(1);
+            // The connection's future is made here, outside the task's:
+            // what it is made from is moved into it, not kept beside it
+            // for as long as the connection lasts.
+            let connection =
+                self.protocols
+                    .serve(stream, peer, self.service.clone(), self.drain.clone());
+            let open = self.open.clone();
+            tokio::spawn(async move {
+                if let Err(e) = connection.await {
+                    tracing::debug!(error = %e, %peer, "connection ended with an error");
+                }
+                drop((permit, open));
+            });
+        }
     }
 }
 

@@ -38,7 +38,7 @@ impl Backend for Postgres {
         let won = if response.body.len() <= BATCHED_BODY {
             self.commits().ask(request).await?
         } else {
-            commit_alone(&self.pool, &request).await?
+            commit_alone(self.pool(), &request).await?
         };
         if let Some(won) = won {
             return Ok(won);

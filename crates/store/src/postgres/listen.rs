@@ -75,7 +75,7 @@ impl Postgres {
         }
         match Budget::read(client).await {
             Ok(budget) => {
-                if let Some(risk) = budget.risk(self.pool.status().max_size) {
+                if let Some(risk) = budget.risk(self.pool_size) {
                     tracing::warn!("{risk}");
                 }
             }

@@ -57,24 +57,47 @@ pub use settings::{Check, ClientIdentity, PgSettings, PgTls, PgUrl, SslMode};
 /// The PostgreSQL [`Backend`](crate::Backend).
 #[derive(Clone)]
 pub struct Postgres {
-    pool: Pool,
+    /// Each worker's share of the pool and its batching queues
+    /// ([`crate::worker`]); one with a shared runtime.
+    lanes: std::sync::Arc<[Lane]>,
     /// The pool's connection settings (`database_url`).
     pooled: Session,
     /// For sessions of their own: LISTEN and migrations
     /// (`database_direct_url`, or the pool's).
     direct: Session,
     instance: Uuid,
-    /// Begins and commits go to the database in batches (`batch/`); each
-    /// queue is started on first use, on the runtime that uses it, and
-    /// shared by the clones.
-    queues: std::sync::Arc<Queues>,
+    /// `database_pool_size`: the lanes' pools together hold no more.
+    pool_size: usize,
 }
 
-/// The batching queues, one per kind of request.
-#[derive(Default)]
-struct Queues {
+/// What one worker uses: its share of the pool, and its batching queues.
+/// Begins and commits go to the database in batches (`batch/`); each queue
+/// is started on first use, on the runtime that uses it, which is the
+/// worker's own.
+struct Lane {
+    pool: Pool,
     begins: std::sync::OnceLock<batch::Queue<batch::BeginRequest>>,
     commits: std::sync::OnceLock<batch::Queue<batch::CommitRequest>>,
+}
+
+/// A pool of at most `size` connections opened as `pooled` says.
+fn pool(pooled: &Session, settings: &PgSettings, size: usize) -> Result<Pool, StoreError> {
+    let manager = Manager::from_config(
+        pooled.config.clone(),
+        pooled.tls.clone(),
+        ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        },
+    );
+    Pool::builder(manager)
+        .max_size(size)
+        .runtime(Runtime::Tokio1)
+        .wait_timeout(Some(settings.connect_timeout))
+        .create_timeout(Some(settings.connect_timeout))
+        .recycle_timeout(Some(settings.connect_timeout))
+        .pre_recycle(replication::fence())
+        .build()
+        .map_err(|e| StoreError::Internal(Box::new(e)))
 }
 
 /// A session's connection, which its owner drives.
@@ -132,33 +155,42 @@ impl Postgres {
     /// so a database that is down at start-up makes requests answer 503
     /// rather than the gateway refuse to start.
     pub fn new(settings: &PgSettings, instance: Uuid) -> Result<Self, StoreError> {
+        Postgres::for_workers(settings, instance, 1)
+    }
+
+    /// [`Postgres::new`] for `workers` worker threads that each run a
+    /// runtime of their own: each gets its share of `database_pool_size`
+    /// (at least one connection) and queues of its own ([`crate::worker`]).
+    pub fn for_workers(
+        settings: &PgSettings,
+        instance: Uuid,
+        workers: usize,
+    ) -> Result<Self, StoreError> {
         let pooled = Session::new(&settings.url, settings, instance)?;
         let direct = match &settings.direct_url {
             Some(url) => Session::new(url, settings, instance)?,
             None => pooled.clone(),
         };
-        let manager = Manager::from_config(
-            pooled.config.clone(),
-            pooled.tls.clone(),
-            ManagerConfig {
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
-        let pool = Pool::builder(manager)
-            .max_size(settings.pool_size)
-            .runtime(Runtime::Tokio1)
-            .wait_timeout(Some(settings.connect_timeout))
-            .create_timeout(Some(settings.connect_timeout))
-            .recycle_timeout(Some(settings.connect_timeout))
-            .pre_recycle(replication::fence())
-            .build()
-            .map_err(|e| StoreError::Internal(Box::new(e)))?;
+        let workers = workers.clamp(1, settings.pool_size.max(1));
+        let lanes = (0..workers)
+            .map(|n| {
+                // The remainder goes to the first lanes: the sizes add up
+                // to the pool size.
+                let share =
+                    settings.pool_size / workers + usize::from(n < settings.pool_size % workers);
+                Ok(Lane {
+                    pool: pool(&pooled, settings, share)?,
+                    begins: std::sync::OnceLock::new(),
+                    commits: std::sync::OnceLock::new(),
+                })
+            })
+            .collect::<Result<Vec<_>, StoreError>>()?;
         Ok(Postgres {
-            pool,
+            lanes: lanes.into(),
             pooled,
             direct,
             instance,
-            queues: Default::default(),
+            pool_size: settings.pool_size,
         })
     }
 
@@ -170,7 +202,7 @@ impl Postgres {
         if self.direct.key == self.pooled.key {
             return Ok(());
         }
-        match self.pool.get().await {
+        match self.lane().pool.get().await {
             Err(deadpool_postgres::PoolError::Backend(e)) => {
                 match at_start(self.pooled.key, self.pooled.mode, e) {
                     refused if !refused.is_transient() => Err(refused),
@@ -195,7 +227,8 @@ impl Postgres {
     /// Begins sent and not yet in a batch on its way: they wait for one of
     /// the [`BATCHES_IN_FLIGHT`] batches of begins to return.
     pub fn begins_waiting(&self) -> usize {
-        self.queues.begins.get().map_or(0, batch::Queue::waiting)
+        let waiting = |lane: &Lane| lane.begins.get().map_or(0, batch::Queue::waiting);
+        self.lanes.iter().map(waiting).sum()
     }
 
     /// Begins a read answered before the begin statement (batches read
@@ -207,21 +240,39 @@ impl Postgres {
 
     /// Commits sent and not yet in a batch on its way.
     pub fn commits_waiting(&self) -> usize {
-        self.queues.commits.get().map_or(0, batch::Queue::waiting)
+        let waiting = |lane: &Lane| lane.commits.get().map_or(0, batch::Queue::waiting);
+        self.lanes.iter().map(waiting).sum()
+    }
+
+    /// The connections each worker's lane of the pool holds now, worker 0
+    /// first (one lane with a shared runtime).
+    pub fn connections_by_worker(&self) -> Vec<usize> {
+        self.lanes
+            .iter()
+            .map(|lane| lane.pool.status().size)
+            .collect()
+    }
+
+    /// The calling thread's worker's lane.
+    fn lane(&self) -> &Lane {
+        &self.lanes[crate::worker::current() % self.lanes.len()]
+    }
+
+    /// The calling thread's worker's share of the pool.
+    fn pool(&self) -> &Pool {
+        &self.lane().pool
     }
 
     fn begins(&self) -> &batch::Queue<batch::BeginRequest> {
-        let pool = || self.pool.clone();
-        self.queues
-            .begins
-            .get_or_init(|| batch::Queue::start(pool()))
+        let lane = self.lane();
+        lane.begins
+            .get_or_init(|| batch::Queue::start(lane.pool.clone()))
     }
 
     fn commits(&self) -> &batch::Queue<batch::CommitRequest> {
-        let pool = || self.pool.clone();
-        self.queues
-            .commits
-            .get_or_init(|| batch::Queue::start(pool()))
+        let lane = self.lane();
+        lane.commits
+            .get_or_init(|| batch::Queue::start(lane.pool.clone()))
     }
 
     /// A pooled connection; an error says the store is unavailable.
@@ -232,7 +283,7 @@ impl Postgres {
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Client, StoreError> {
-        Postgres::pooled(&self.pool).await
+        Postgres::pooled(self.pool()).await
     }
 }
 

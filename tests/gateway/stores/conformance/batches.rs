@@ -1469,3 +1469,80 @@ async fn on_postgres_a_claim_racing_the_delete_of_its_expired_job_keeps_it() {
     let states: Vec<_> = detail.attempts.iter().map(|a| a.state).collect();
     assert_eq!(states, [AttemptState::Failed, AttemptState::Started]);
 }
+
+/// Two worker threads, each a runtime of its own with its own lane of the
+/// pool (`worker_runtime = "per_thread"`), begin the same twenty keys at
+/// the same instant: each key gets one job, created on one lane and found
+/// by the other, whatever their batches were. Each lane sent its begins
+/// through connections of its own, and a pool of three is split two and
+/// one.
+#[test]
+fn on_postgres_begins_from_two_workers_lanes_make_one_job_a_key() {
+    let setup = tokio::runtime::Runtime::new().unwrap();
+    let (store, probe, _db) = setup.block_on(async {
+        let db = crate::support::TestDb::new().await;
+        let backend = idemgate_store::postgres::Postgres::for_workers(
+            &idemgate_store::postgres::PgSettings {
+                pool_size: 3,
+                connect_timeout: Duration::from_secs(5),
+                ..idemgate::config::store::pg_settings(&db.url).unwrap()
+            },
+            uuid::Uuid::new_v4(),
+            2,
+        )
+        .unwrap();
+        backend.migrate().await.unwrap();
+        let probe = backend.clone();
+        (machine(backend).0, probe, db)
+    });
+    let keys: Vec<String> = (0..20).map(|n| format!("both-lanes-{n}")).collect();
+    let together = Arc::new(std::sync::Barrier::new(2));
+    let workers: Vec<_> = (0..2)
+        .map(|worker| {
+            let (store, probe, keys, together) =
+                (store.clone(), probe.clone(), keys.clone(), together.clone());
+            std::thread::spawn(move || {
+                idemgate_store::worker::enter(worker);
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                runtime.block_on(async {
+                    together.wait();
+                    let begins = keys
+                        .iter()
+                        .map(|key| store.begin_job(new_job(key), new_attempt()));
+                    let begun: Vec<Begin> = join_all(begins)
+                        .await
+                        .into_iter()
+                        .map(Result::unwrap)
+                        .collect();
+                    (begun, probe.connections_by_worker())
+                })
+            })
+        })
+        .collect();
+    let results: Vec<_> = workers.into_iter().map(|w| w.join().unwrap()).collect();
+    for (n, key) in keys.iter().enumerate() {
+        let (mut created, mut found) = (Vec::new(), Vec::new());
+        for (begun, _) in &results {
+            match &begun[n] {
+                Begin::Created(job, _) => created.push(job.id),
+                Begin::Existing(job) => found.push(job.id),
+            }
+        }
+        assert_eq!(
+            created.len(),
+            1,
+            "{key}: created {created:?}, found {found:?}"
+        );
+        assert_eq!(found, created, "{key}: found another job");
+    }
+    // Lane 0 (two connections) served worker 0, lane 1 (one) worker 1.
+    let (zero, one) = (&results[0].1, &results[1].1);
+    assert!(
+        zero[0] >= 1 && one[1] == 1,
+        "worker 0 saw {zero:?}, worker 1 {one:?}"
+    );
+    assert!(zero[0] <= 2, "{zero:?}");
+}
