@@ -112,7 +112,7 @@ async fn serve(settings: &Settings, listen: SocketAddr, reuse_port: bool) {
         send_timeout: Duration::from_secs(60),
     };
     let accept = server::Accept {
-        name: "proxy",
+        counted: false,
         listener,
         elsewhere: Vec::new(),
     };

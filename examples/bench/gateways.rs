@@ -17,6 +17,11 @@ pub struct Gateways {
     /// PostgreSQL alone on one worker thread: where the replay from the
     /// database is measured without the hand-offs between threads.
     pub postgres_one_thread: Gateway,
+    /// PostgreSQL alone, each worker thread a runtime of its own
+    /// (`worker_runtime = "per_thread"`).
+    pub postgres_per_thread: Gateway,
+    /// The deployed gateway (PostgreSQL + Redis), a runtime per thread.
+    pub per_thread: Gateway,
     pub embedded: Gateway,
     pub access_log: Gateway,
 }
@@ -25,9 +30,10 @@ impl Gateways {
     /// Starts them in front of `upstream`, on the database `db`, their files
     /// in `scratch`.
     pub async fn start(args: &Args, upstream: &str, db: &str, scratch: &Path) -> Gateways {
-        let [default, redis, postgres, postgres_one_thread, embedded] =
+        let [default, redis, postgres, postgres_one_thread, postgres_per_thread, embedded] =
             per_store(args, upstream, db, scratch).await;
-        let [one_thread, logging, access_log] = per_setting(args, upstream, db, scratch).await;
+        let [one_thread, per_thread, logging, access_log] =
+            per_setting(args, upstream, db, scratch).await;
         Gateways {
             default,
             one_thread,
@@ -35,6 +41,8 @@ impl Gateways {
             redis,
             postgres,
             postgres_one_thread,
+            postgres_per_thread,
+            per_thread,
             embedded,
             access_log,
         }
@@ -55,7 +63,7 @@ impl Gateways {
 }
 
 /// The gateway as deployed, then one per store with the replay cache off.
-async fn per_store(args: &Args, upstream: &str, db: &str, scratch: &Path) -> [Gateway; 5] {
+async fn per_store(args: &Args, upstream: &str, db: &str, scratch: &Path) -> [Gateway; 6] {
     // The gateway as deployed (PostgreSQL + Redis, the defaults), and one
     // per store with the replay cache off, so their replay rows measure
     // Redis, PostgreSQL and the embedded store themselves.
@@ -97,12 +105,28 @@ async fn per_store(args: &Args, upstream: &str, db: &str, scratch: &Path) -> [Ga
         &off,
     )
     .await;
-    [default, redis, postgres, postgres_one_thread, embedded]
+    let off_per_thread = [off[0], off[1], "--worker-runtime", "per_thread"];
+    let postgres_per_thread = Gateway::start(
+        &args.binary,
+        upstream,
+        Store::Postgres(db),
+        None,
+        &off_per_thread,
+    )
+    .await;
+    [
+        default,
+        redis,
+        postgres,
+        postgres_one_thread,
+        postgres_per_thread,
+        embedded,
+    ]
 }
 
 /// The deployed gateway on one worker thread, at the default log level, and
 /// with the access log on.
-async fn per_setting(args: &Args, upstream: &str, db: &str, scratch: &Path) -> [Gateway; 3] {
+async fn per_setting(args: &Args, upstream: &str, db: &str, scratch: &Path) -> [Gateway; 4] {
     // The default gateway on one thread (nginx's reference runs one worker
     // too), and at the default log level (`info`; the others run at `warn`).
     let one_thread = Gateway::start(
@@ -111,6 +135,15 @@ async fn per_setting(args: &Args, upstream: &str, db: &str, scratch: &Path) -> [
         Store::Postgres(db),
         Some(&args.redis),
         &["--worker-threads", "1"],
+    )
+    .await;
+    // The default gateway with a runtime per worker thread.
+    let per_thread = Gateway::start(
+        &args.binary,
+        upstream,
+        Store::Postgres(db),
+        Some(&args.redis),
+        &["--worker-runtime", "per_thread"],
     )
     .await;
     // The access log (off by default) writes a line per request at `info`:
@@ -136,7 +169,7 @@ async fn per_setting(args: &Args, upstream: &str, db: &str, scratch: &Path) -> [
         Some(&scratch.join("access.log")),
     )
     .await;
-    [one_thread, logging, access_log]
+    [one_thread, per_thread, logging, access_log]
 }
 
 /// The gateways of another build (`--baseline`): as deployed, with

@@ -179,6 +179,12 @@ pub fn replays(g: &Gateways) -> Vec<Row> {
             Versus::ReplayCeiling,
         ),
         served(
+            "idemgate replay, PostgreSQL alone (memory off), a runtime per thread",
+            &g.postgres_per_thread,
+            Load::Replay { keys: 200 },
+            Versus::ReplayCeiling,
+        ),
+        served(
             "idemgate replay, embedded store (memory off)",
             &g.embedded,
             Load::Replay { keys: 200 },
@@ -219,6 +225,16 @@ pub fn new_keys(g: &Gateways, baseline: Option<&Baseline>) -> Vec<Row> {
             &g.postgres_one_thread,
             None,
         ),
+        new_key(
+            "idemgate new key, PostgreSQL + Redis, a runtime per thread",
+            &g.per_thread,
+            None,
+        ),
+        new_key(
+            "idemgate new key, PostgreSQL alone, a runtime per thread",
+            &g.postgres_per_thread,
+            None,
+        ),
         new_key("idemgate new key, embedded store", &g.embedded, None),
         new_key(
             "idemgate new key, PostgreSQL + Redis, low load (8 connections)",
@@ -228,6 +244,11 @@ pub fn new_keys(g: &Gateways, baseline: Option<&Baseline>) -> Vec<Row> {
         new_key(
             "idemgate new key, PostgreSQL alone, low load (8 connections)",
             &g.postgres,
+            Some(8),
+        ),
+        new_key(
+            "idemgate new key, PostgreSQL + Redis, a runtime per thread, low load (8 connections)",
+            &g.per_thread,
             Some(8),
         ),
     ];

@@ -105,7 +105,7 @@ fn shared_with(
     workers: Vec<tokio::runtime::Handle>,
 ) -> std::io::Result<server::Accept> {
     let mut accept = server::Accept {
-        name: "proxy",
+        counted: true,
         listener,
         elsewhere: Vec::new(),
     };
@@ -172,7 +172,7 @@ pub async fn run(
     let proxy_accept =
         shared_with(listeners.proxy, listeners.workers).map_err(StartError::Listener)?;
     let admin_accept = server::Accept {
-        name: "admin",
+        counted: false,
         listener: listeners.admin,
         elsewhere: Vec::new(),
     };

@@ -79,7 +79,7 @@ fn timings(f: &mut Formatter<'_>, s: &Settings) -> fmt::Result {
         s.memory_budget.from
     )?;
     writeln!(f, "worker_threads = {}", s.worker_threads)?;
-    writeln!(f, "worker_runtime = {:?}", s.worker_runtime.as_str())
+    writeln!(f, "worker_runtime = {}", s.worker_runtime.as_str())
 }
 
 fn human(d: Duration) -> humantime::FormattedDuration {

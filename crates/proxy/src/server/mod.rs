@@ -92,7 +92,7 @@ pub async fn serve<S, B>(
         open,
         service,
     };
-    let name = accept.name;
+    let counted = accept.counted;
     let others: Vec<_> = (1..)
         .zip(accept.elsewhere)
         .map(|(worker, (runtime, listener))| {
@@ -102,7 +102,7 @@ pub async fn serve<S, B>(
                 match TcpListener::from_std(listener) {
                     Ok(listener) => {
                         accepting
-                            .until(listener, accepted(name, worker), shutdown)
+                            .until(listener, accepted(counted, worker), shutdown)
                             .await
                     }
                     Err(e) => {
@@ -113,7 +113,7 @@ pub async fn serve<S, B>(
         })
         .collect();
     accepting
-        .until(accept.listener, accepted(name, 0), shutdown)
+        .until(accept.listener, accepted(counted, 0), shutdown)
         .await;
     for other in others {
         let _ = other.await;
@@ -127,9 +127,9 @@ pub async fn serve<S, B>(
 
 /// A listening socket, and the other runtimes that accept on it.
 pub struct Accept {
-    /// Which listener it is, as `idemgate_connections_accepted_total`
-    /// names it: `proxy` or `admin`.
-    pub name: &'static str,
+    /// Whether its connections count in
+    /// `idemgate_connections_accepted_total` (the proxy's do).
+    pub counted: bool,
     /// Accepted on by the runtime that serves it (worker 0).
     pub listener: TcpListener,
     /// Workers 1, 2, … (`worker_runtime = "per_thread"`): each runtime
@@ -137,12 +137,10 @@ pub struct Accept {
     pub elsewhere: Vec<(Handle, std::net::TcpListener)>,
 }
 
-/// `idemgate_connections_accepted_total` of one listener and worker.
-fn accepted(listener: &'static str, worker: usize) -> metrics::Counter {
-    metrics::counter!(
-        "idemgate_connections_accepted_total",
-        "listener" => listener,
-        "worker" => worker.to_string()
+/// `idemgate_connections_accepted_total` of one worker, if counted.
+fn accepted(counted: bool, worker: usize) -> Option<metrics::Counter> {
+    counted.then(
+        || metrics::counter!("idemgate_connections_accepted_total", "worker" => worker.to_string()),
     )
 }
 
@@ -164,7 +162,7 @@ impl<S> Accepting<S> {
     async fn until<B>(
         self,
         listener: TcpListener,
-        accepted: metrics::Counter,
+        accepted: Option<metrics::Counter>,
         shutdown: CancellationToken,
     ) where
         S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
@@ -182,7 +180,9 @@ impl<S> Accepting<S> {
                 () = shutdown.cancelled() => break,
                 next = accept(&listener, &self.room) => next,
             };
-            accepted.increment(1);
+            if let Some(accepted) = &accepted {
+                accepted.increment(1);
+            }
             // The connection's future is made here, outside the task's:
             // what it is made from is moved into it, not kept beside it
             // for as long as the connection lasts.
