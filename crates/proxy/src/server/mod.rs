@@ -16,6 +16,7 @@
 //! §6.1).
 
 mod activity;
+mod balance;
 mod connection;
 mod keepalive;
 mod opening;
@@ -88,6 +89,7 @@ pub async fn serve<S, B>(
         // duplicate").
         protocols: Arc::new(Protocols::new(&limits, trusted)),
         room: Arc::new(Semaphore::new(limits.max_connections)),
+        balance: balance::Balance::new(1 + accept.elsewhere.len()),
         drain: drain.clone(),
         open,
         service,
@@ -102,7 +104,7 @@ pub async fn serve<S, B>(
                 match TcpListener::from_std(listener) {
                     Ok(listener) => {
                         accepting
-                            .until(listener, accepted(counted, worker), shutdown)
+                            .until(listener, worker, accepted(counted, worker), shutdown)
                             .await
                     }
                     Err(e) => {
@@ -113,7 +115,7 @@ pub async fn serve<S, B>(
         })
         .collect();
     accepting
-        .until(accept.listener, accepted(counted, 0), shutdown)
+        .until(accept.listener, 0, accepted(counted, 0), shutdown)
         .await;
     for other in others {
         let _ = other.await;
@@ -150,6 +152,8 @@ struct Accepting<S> {
     protocols: Arc<Protocols>,
     /// `max_connections`, counted across the runtimes.
     room: Arc<Semaphore>,
+    /// The connections each runtime holds, spread evenly.
+    balance: Arc<balance::Balance>,
     drain: CancellationToken,
     /// Held by each connection, and by each accepting loop until it stops.
     open: mpsc::Sender<()>,
@@ -162,6 +166,7 @@ impl<S> Accepting<S> {
     async fn until<B>(
         self,
         listener: TcpListener,
+        worker: usize,
         accepted: Option<metrics::Counter>,
         shutdown: CancellationToken,
     ) where
@@ -178,8 +183,12 @@ impl<S> Accepting<S> {
         loop {
             let (stream, peer, permit) = tokio::select! {
                 () = shutdown.cancelled() => break,
-                next = accept(&listener, &self.room) => next,
+                next = async {
+                    self.balance.turn(worker).await;
+                    accept(&listener, &self.room).await
+                } => next,
             };
+            let held = self.balance.hold(worker);
             if let Some(accepted) = &accepted {
                 accepted.increment(1);
             }
@@ -194,7 +203,7 @@ impl<S> Accepting<S> {
                 if let Err(e) = connection.await {
                     tracing::debug!(error = %e, %peer, "connection ended with an error");
                 }
-                drop((permit, open));
+                drop((permit, held, open));
             });
         }
     }
