@@ -37,7 +37,8 @@ fn main() -> ExitCode {
         Ok(runtimes) => runtimes,
         Err(e) => return fail(format!("cannot start the runtime: {e}")),
     };
-    main.block_on(async {
+    let per_thread = !workers.is_empty();
+    let code = main.block_on(async {
         let (traces, logs) = match telemetry::init() {
             Ok(ends) => ends,
             Err(e) => return fail(e),
@@ -51,7 +52,15 @@ fn main() -> ExitCode {
         // line is lost at a graceful exit (docs/design.md §12).
         drop(logs);
         code
-    })
+    });
+    if per_thread {
+        // The other workers' runtimes run until the process ends, and
+        // their idle tasks may hold timers of this one: dropped first, it
+        // would tell them it is shutting down, with a panic's message.
+        // Everything the gateway had to finish has finished (`app::run`).
+        std::mem::forget(main);
+    }
+    code
 }
 
 /// The runtime the main thread runs, and the other workers' runtimes when

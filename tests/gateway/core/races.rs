@@ -167,8 +167,8 @@ async fn a_runtime_per_worker_thread_serves_the_race_from_both_threads() {
     let mut per_thread = Gateway::builder(&store, &upstream.url())
         .set("worker_threads", "2")
         .set("worker_runtime", "\"per_thread\"")
-        // Split 2 + 1 between the lanes: the odd one must still work.
-        .set("database_pool_size", "3")
+        // Split 5 + 4 between the lanes: the odd one must still work.
+        .set("database_pool_size", "9")
         .env("RUST_LOG", "info")
         .stderr_to(log.path())
         .start()

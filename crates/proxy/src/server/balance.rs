@@ -6,8 +6,10 @@
 //! of 32 connections opened at once, and served them while the other
 //! thread idled. So a worker that holds more connections than another
 //! waits for its turn before it accepts, and the others take the next
-//! ones. It waits [`PATIENCE`] at most: a worker held up by one request's
-//! CPU work delays new connections by no more than that.
+//! ones. A worker already waiting in `accept` stops waiting when it falls
+//! ahead (a connection of another's closed). It waits [`PATIENCE`] at
+//! most: a worker held up by one request's CPU work delays new
+//! connections by no more than that.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -33,10 +35,10 @@ impl Balance {
     }
 
     /// Returns once `worker` holds no more connections than any other
-    /// worker, or after [`PATIENCE`].
-    pub(super) async fn turn(&self, worker: usize) {
+    /// worker (true), or after [`PATIENCE`] (false).
+    pub(super) async fn turn(&self, worker: usize) -> bool {
         if self.open.len() == 1 {
-            return;
+            return true;
         }
         let patience = tokio::time::sleep(PATIENCE);
         tokio::pin!(patience);
@@ -46,12 +48,30 @@ impl Balance {
             // Listening before looking: a change between the two is heard.
             changed.as_mut().enable();
             if !self.ahead(worker) {
-                return;
+                return true;
             }
             tokio::select! {
                 () = changed => {}
-                () = &mut patience => return,
+                () = &mut patience => return false,
             }
+        }
+    }
+
+    /// Returns once `worker` holds more connections than another (one of
+    /// another's closed): a worker waiting in `accept` then gives the
+    /// next connection to the others. Never, with one worker.
+    pub(super) async fn overtaken(&self, worker: usize) {
+        if self.open.len() == 1 {
+            return std::future::pending().await;
+        }
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if self.ahead(worker) {
+                return;
+            }
+            changed.await;
         }
     }
 
@@ -100,7 +120,7 @@ mod tests {
         let first = balance.hold(0);
         // Worker 1 is behind: no wait.
         let started = tokio::time::Instant::now();
-        balance.turn(1).await;
+        assert!(balance.turn(1).await);
         assert_eq!(started.elapsed(), Duration::ZERO);
 
         // Worker 0 is ahead: it waits, and goes once worker 1 has one too.
@@ -128,8 +148,20 @@ mod tests {
 
         // Ahead, with nothing changing: it goes after PATIENCE.
         let started = tokio::time::Instant::now();
-        balance.turn(1).await;
+        assert!(!balance.turn(1).await);
         assert_eq!(started.elapsed(), PATIENCE);
+
+        // Even again, worker 0 waiting in `accept` is told when it falls
+        // ahead: worker 1's connection closed.
+        let zero = balance.hold(0);
+        let overtaken = tokio::spawn({
+            let balance = balance.clone();
+            async move { balance.overtaken(0).await }
+        });
+        tokio::time::sleep(PATIENCE * 4).await;
+        assert!(!overtaken.is_finished());
         drop(second);
+        overtaken.await.unwrap();
+        drop(zero);
     }
 }

@@ -161,6 +161,24 @@ struct Accepting<S> {
 }
 
 impl<S> Accepting<S> {
+    /// The next connection `worker` takes: in its turn, unless it ran out
+    /// of patience (`balance.rs`).
+    async fn next(
+        &self,
+        listener: &TcpListener,
+        worker: usize,
+    ) -> (TcpStream, SocketAddr, OwnedSemaphorePermit) {
+        loop {
+            if !self.balance.turn(worker).await {
+                return accept(listener, &self.room).await;
+            }
+            tokio::select! {
+                next = accept(listener, &self.room) => return next,
+                () = self.balance.overtaken(worker) => {}
+            }
+        }
+    }
+
     /// Accepts on `listener` until `shutdown`, serving each connection in a
     /// task of the current runtime.
     async fn until<B>(
@@ -183,10 +201,7 @@ impl<S> Accepting<S> {
         loop {
             let (stream, peer, permit) = tokio::select! {
                 () = shutdown.cancelled() => break,
-                next = async {
-                    self.balance.turn(worker).await;
-                    accept(&listener, &self.room).await
-                } => next,
+                next = self.next(&listener, worker) => next,
             };
             let held = self.balance.hold(worker);
             if let Some(accepted) = &accepted {

@@ -80,6 +80,13 @@ struct Lane {
     commits: std::sync::OnceLock<batch::Queue<batch::CommitRequest>>,
 }
 
+/// The fewest connections a worker's lane holds: a batch of begins and
+/// one of commits on their way at once, and room beside them for a lone
+/// settle or a large answer's commit (`batch/`), so that one slow
+/// statement does not leave the worker's other requests waiting for the
+/// pool.
+const LANE_CONNECTIONS: usize = 4;
+
 /// A pool of at most `size` connections opened as `pooled` says.
 fn pool(pooled: &Session, settings: &PgSettings, size: usize) -> Result<Pool, StoreError> {
     let manager = Manager::from_config(
@@ -159,8 +166,10 @@ impl Postgres {
     }
 
     /// [`Postgres::new`] for `workers` worker threads that each run a
-    /// runtime of their own: each gets its share of `database_pool_size`
-    /// (at least one connection) and queues of its own ([`crate::worker`]).
+    /// runtime of their own: each gets a lane, its share of
+    /// `database_pool_size` and queues of its own ([`crate::worker`]). A
+    /// lane holds [`LANE_CONNECTIONS`] at least; with fewer connections
+    /// than that for each worker, workers share lanes (told at start-up).
     pub fn for_workers(
         settings: &PgSettings,
         instance: Uuid,
@@ -171,7 +180,17 @@ impl Postgres {
             Some(url) => Session::new(url, settings, instance)?,
             None => pooled.clone(),
         };
-        let workers = workers.clamp(1, settings.pool_size.max(1));
+        let lanes = workers.clamp(1, (settings.pool_size / LANE_CONNECTIONS).max(1));
+        if lanes < workers {
+            tracing::warn!(
+                workers,
+                lanes,
+                database_pool_size = settings.pool_size,
+                "worker_runtime per_thread: {workers} worker threads share {lanes} lanes of the database pool (one lane holds {LANE_CONNECTIONS} connections at least); raise database_pool_size to {} to give each its own",
+                workers * LANE_CONNECTIONS
+            );
+        }
+        let workers = lanes;
         let lanes = (0..workers)
             .map(|n| {
                 // The remainder goes to the first lanes: the sizes add up

@@ -1474,8 +1474,8 @@ async fn on_postgres_a_claim_racing_the_delete_of_its_expired_job_keeps_it() {
 /// pool (`worker_runtime = "per_thread"`), begin the same twenty keys at
 /// the same instant: each key gets one job, created on one lane and found
 /// by the other, whatever their batches were. Each lane sent its begins
-/// through connections of its own, and a pool of three is split two and
-/// one.
+/// through connections of its own, and a pool of nine is split five and
+/// four.
 #[test]
 fn on_postgres_begins_from_two_workers_lanes_make_one_job_a_key() {
     let setup = tokio::runtime::Runtime::new().unwrap();
@@ -1483,7 +1483,7 @@ fn on_postgres_begins_from_two_workers_lanes_make_one_job_a_key() {
         let db = crate::support::TestDb::new().await;
         let backend = idemgate_store::postgres::Postgres::for_workers(
             &idemgate_store::postgres::PgSettings {
-                pool_size: 3,
+                pool_size: 9,
                 connect_timeout: Duration::from_secs(5),
                 ..idemgate::config::store::pg_settings(&db.url).unwrap()
             },
@@ -1538,11 +1538,11 @@ fn on_postgres_begins_from_two_workers_lanes_make_one_job_a_key() {
         );
         assert_eq!(found, created, "{key}: found another job");
     }
-    // Lane 0 (two connections) served worker 0, lane 1 (one) worker 1.
+    // Lane 0 (five connections) served worker 0, lane 1 (four) worker 1.
     let (zero, one) = (&results[0].1, &results[1].1);
     assert!(
-        zero[0] >= 1 && one[1] == 1,
+        zero[0] >= 1 && one[1] >= 1,
         "worker 0 saw {zero:?}, worker 1 {one:?}"
     );
-    assert!(zero[0] <= 2, "{zero:?}");
+    assert!(zero[0] <= 5 && one[1] <= 4, "{zero:?} {one:?}");
 }
