@@ -99,7 +99,8 @@ fn route_patience(route: &Route, upstream: &UpstreamSettings) -> Patience {
 }
 
 /// The proxy `listener`, and a handle on its socket for each of `workers`
-/// to accept on (made a listener of that worker's runtime there).
+/// to accept on, registered with that worker's runtime: a socket that
+/// cannot be shared stops start-up rather than leave a worker idle.
 fn shared_with(
     listener: TcpListener,
     workers: Vec<tokio::runtime::Handle>,
@@ -115,7 +116,11 @@ fn shared_with(
     let socket = accept.listener.into_std()?;
     accept.elsewhere = workers
         .into_iter()
-        .map(|worker| Ok((worker, socket.try_clone()?)))
+        .map(|worker| {
+            let _inside = worker.enter();
+            let listener = TcpListener::from_std(socket.try_clone()?)?;
+            Ok((worker, listener))
+        })
         .collect::<std::io::Result<_>>()?;
     accept.listener = TcpListener::from_std(socket)?;
     Ok(accept)

@@ -100,17 +100,9 @@ pub async fn serve<S, B>(
         .map(|(worker, (runtime, listener))| {
             let (accepting, shutdown) = (accepting.clone(), shutdown.clone());
             runtime.spawn(async move {
-                // Registered with the runtime that accepts on it.
-                match TcpListener::from_std(listener) {
-                    Ok(listener) => {
-                        accepting
-                            .until(listener, worker, accepted(counted, worker), shutdown)
-                            .await
-                    }
-                    Err(e) => {
-                        tracing::error!(error = %e, worker, "a worker cannot accept connections")
-                    }
-                }
+                accepting
+                    .until(listener, worker, accepted(counted, worker), shutdown)
+                    .await
             })
         })
         .collect();
@@ -135,8 +127,9 @@ pub struct Accept {
     /// Accepted on by the runtime that serves it (worker 0).
     pub listener: TcpListener,
     /// Workers 1, 2, … (`worker_runtime = "per_thread"`): each runtime
-    /// with its own handle on the same socket, registered there.
-    pub elsewhere: Vec<(Handle, std::net::TcpListener)>,
+    /// with its own handle on the same socket, registered with that
+    /// runtime's reactor.
+    pub elsewhere: Vec<(Handle, TcpListener)>,
 }
 
 /// `idemgate_connections_accepted_total` of one worker, if counted.
