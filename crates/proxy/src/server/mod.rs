@@ -69,15 +69,8 @@ pub async fn serve<S, B>(
     limits: Limits,
     trusted: TrustedProxies,
 ) where
-    S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
-        + Clone
-        + Send
-        + Sync
-        + 'static,
-    S::Future: Send + 'static,
-    B: http_body::Body + Send + 'static,
-    B::Data: Send,
-    B::Error: Into<BoxError>,
+    S: Served<B>,
+    B: Answer,
 {
     // Cancelled to drain; every connection holds a sender of `open`, whose
     // receiver hears `None` once the last has ended.
@@ -117,6 +110,39 @@ pub async fn serve<S, B>(
         _ = all_closed.recv() => {}
         () = tokio::time::sleep(grace) => tracing::warn!("connections still open after shutdown_grace; closing"),
     }
+}
+
+/// What a listener serves: a Tower service of hyper's requests, cloned
+/// for each connection and run on whichever worker accepted it.
+pub trait Served<B>:
+    Service<Request<Incoming>, Response = Response<B>, Error = Infallible, Future: Send + 'static>
+    + Clone
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<S, B> Served<B> for S
+where
+    S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send + 'static,
+{
+}
+
+/// The body of what a listener's service answers.
+pub trait Answer: http_body::Body<Data: Send, Error: Into<BoxError>> + Send + 'static {}
+
+impl<B> Answer for B
+where
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
 }
 
 /// A listening socket, and the other runtimes that accept on it.
@@ -181,15 +207,8 @@ impl<S> Accepting<S> {
         accepted: Option<metrics::Counter>,
         shutdown: CancellationToken,
     ) where
-        S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
-            + Clone
-            + Send
-            + Sync
-            + 'static,
-        S::Future: Send + 'static,
-        B: http_body::Body + Send + 'static,
-        B::Data: Send,
-        B::Error: Into<BoxError>,
+        S: Served<B>,
+        B: Answer,
     {
         loop {
             let (stream, peer, permit) = tokio::select! {
@@ -313,15 +332,8 @@ impl Protocols {
         drain: CancellationToken,
     ) -> impl Future<Output = hyper::Result<()>> + Send + 'static
     where
-        S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
-            + Clone
-            + Send
-            + Sync
-            + 'static,
-        S::Future: Send + 'static,
-        B: http_body::Body + Send + 'static,
-        B::Data: Send,
-        B::Error: Into<BoxError>,
+        S: Served<B>,
+        B: Answer,
     {
         let client = ClientAddr::new(peer, self.trusted.contains(peer.ip()));
         let tagged = tower::service_fn(move |mut req: Request<Incoming>| {
