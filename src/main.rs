@@ -110,7 +110,7 @@ fn worker(
     std::thread::Builder::new()
         .name(format!("idemgate-worker-{index}"))
         .spawn(move || {
-            idemgate_store::worker::enter(index);
+            idemgate_domain::worker::enter(index);
             // A current-thread runtime runs what is spawned on it only
             // while a thread blocks on it.
             runtime.block_on(std::future::pending::<()>());

@@ -1,5 +1,6 @@
 //! The domain: what a job, an attempt, a key and a fingerprint are, and how
-//! they may change. Pure: no HTTP server, no database, no clock of its own.
+//! they may change. Pure: no HTTP server, no database, no clock of its own
+//! (which worker thread serves a request, `worker`, is its one state).
 
 #![warn(unreachable_pub, missing_docs)]
 
@@ -19,3 +20,4 @@ pub mod reconcile;
 pub mod response;
 pub mod sse;
 pub mod transition;
+pub mod worker;

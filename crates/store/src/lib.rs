@@ -40,7 +40,6 @@ pub mod postgres;
 mod retry;
 pub mod seal;
 pub mod sqlite;
-pub mod worker;
 
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime};

@@ -2,7 +2,9 @@
 //!
 //! A stack of idle HTTP/1.1 connections over hyper's connection-level
 //! client: the most recently used is taken first, so the busy ones stay
-//! warm and the rest age out past the upstream's `idle_timeout`. A
+//! warm and the rest age out past the upstream's `idle_timeout`; with a
+//! runtime per worker thread, the most recent of those the worker's own
+//! runtime drives ([`Pool::checkout`]). A
 //! connection comes back when its answer's body has been read to the end.
 //! hyper-util's pooled client did the same with more machinery per request
 //! (a checkout future, a keyed pool map, a `Host` and URI rewrite of its
@@ -37,6 +39,8 @@ use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use tower::ServiceExt;
 
+use idemgate_domain::worker;
+
 use super::UpstreamError;
 use crate::http::{Body, BodyError};
 
@@ -63,8 +67,15 @@ pub(super) struct Pool {
 }
 
 struct Idle {
-    sender: SendRequest<Body>,
+    conn: Conn,
     since: Instant,
+}
+
+/// A connection's sending half, and the worker whose runtime drives the
+/// connection (the one that opened it: its task was spawned there).
+struct Conn {
+    sender: SendRequest<Body>,
+    worker: usize,
 }
 
 impl Pool {
@@ -100,9 +111,9 @@ impl Pool {
         self: Arc<Self>,
         req: Request<Body>,
     ) -> Result<Response<Body>, UpstreamError> {
-        let mut sender = self.connect().await?;
-        match sender.try_send_request(req).await {
-            Ok(response) => self.answered(sender, response),
+        let mut conn = self.connect().await?;
+        match conn.sender.try_send_request(req).await {
+            Ok(response) => self.answered(conn, response),
             Err(mut e) => Err(match e.take_message() {
                 Some(_) => UpstreamError::Refused(Box::new(e.into_error())),
                 None => sent_and_failed(e.into_error()),
@@ -115,7 +126,7 @@ impl Pool {
     /// two ways is refused, its connection closed ([`framed_two_ways`]).
     fn answered(
         self: &Arc<Self>,
-        sender: SendRequest<Body>,
+        conn: Conn,
         response: Response<Incoming>,
     ) -> Result<Response<Body>, UpstreamError> {
         // A `204` or `304` has no body to misread, whatever its head says.
@@ -125,12 +136,12 @@ impl Pool {
         }
         let (parts, body) = response.into_parts();
         let body = if body.is_end_stream() {
-            self.put_back(sender);
+            self.put_back(conn);
             body.map_err(BodyError::new).boxed()
         } else {
             Returning {
                 body,
-                sender: Some(sender),
+                conn: Some(conn),
                 pool: Arc::downgrade(self),
             }
             .map_err(BodyError::new)
@@ -141,15 +152,21 @@ impl Pool {
 
     /// The most recently used idle connection that is still ready, closing
     /// the ones that are not (the upstream closed them) or have idled too
-    /// long.
-    fn checkout(&self) -> Option<SendRequest<Body>> {
+    /// long. One the calling worker's runtime drives comes first: with a
+    /// runtime per worker thread, a request on another's connection wakes
+    /// that thread to write it and to read the answer (`docs/design.md`
+    /// §12, "Threads"). With one runtime every connection is worker 0's.
+    fn checkout(&self) -> Option<Conn> {
+        let here = worker::current();
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        while let Some(Idle { sender, since }) = idle.pop() {
-            if sender.is_ready() && since.elapsed() < self.idle_timeout {
-                return Some(sender);
+        loop {
+            let last = idle.len().checked_sub(1)?;
+            let at = idle.iter().rposition(|i| i.conn.worker == here);
+            let Idle { conn, since } = idle.remove(at.unwrap_or(last));
+            if conn.sender.is_ready() && since.elapsed() < self.idle_timeout {
+                return Some(conn);
             }
         }
-        None
     }
 
     /// Returns a connection whose answer has been read to the end, for the
@@ -158,15 +175,15 @@ impl Pool {
     /// reader did); otherwise when it is (say, while the request's own body
     /// is still being sent after an early answer), in a task of its own so
     /// that no request ever waits on another's connection.
-    fn put_back(self: &Arc<Self>, mut sender: SendRequest<Body>) {
-        if sender.is_ready() {
-            self.keep(sender);
-        } else if !sender.is_closed() {
+    fn put_back(self: &Arc<Self>, mut conn: Conn) {
+        if conn.sender.is_ready() {
+            self.keep(conn);
+        } else if !conn.sender.is_closed() {
             let pool = Arc::downgrade(self);
             tokio::spawn(async move {
-                if sender.ready().await.is_ok() {
+                if conn.sender.ready().await.is_ok() {
                     if let Some(pool) = pool.upgrade() {
-                        pool.keep(sender);
+                        pool.keep(conn);
                     }
                 }
             });
@@ -176,7 +193,7 @@ impl Pool {
     /// Keeps a connection ready for another request, unless the pool holds
     /// as many as it may: then it is closed (dropping its last handle ends
     /// hyper's connection task, which closes the socket).
-    fn keep(&self, sender: SendRequest<Body>) {
+    fn keep(&self, conn: Conn) {
         if self.idle_timeout.is_zero() {
             return;
         }
@@ -189,13 +206,13 @@ impl Pool {
             .count();
         idle.drain(..stale);
         if idle.len() < self.max_idle {
-            idle.push(Idle { sender, since: now });
+            idle.push(Idle { conn, since: now });
         }
     }
 
     /// A new connection; failing to make one (refused, timed out, a failed
     /// TLS handshake) happens before anything is sent.
-    async fn connect(&self) -> Result<SendRequest<Body>, UpstreamError> {
+    async fn connect(&self) -> Result<Conn, UpstreamError> {
         let io = self
             .connector
             .clone()
@@ -212,7 +229,10 @@ impl Pool {
                 tracing::debug!(error = %e, "upstream connection ended with an error");
             }
         });
-        Ok(sender)
+        Ok(Conn {
+            sender,
+            worker: worker::current(),
+        })
     }
 }
 
@@ -282,10 +302,7 @@ enum State {
     /// Not yet handed to a connection.
     Unsent(Request<Body>),
     /// On a connection that was idle.
-    Reused {
-        sender: SendRequest<Body>,
-        answer: Answer,
-    },
+    Reused { conn: Conn, answer: Answer },
     /// On a connection of its own, opened first.
     Fresh(Pin<Box<dyn Future<Output = Result<Response<Body>, UpstreamError>> + Send>>),
     /// Answered, or failed.
@@ -300,19 +317,19 @@ impl Future for Sending {
         loop {
             this.state = match std::mem::replace(&mut this.state, State::Done) {
                 State::Unsent(req) => match this.pool.checkout() {
-                    Some(mut sender) => State::Reused {
-                        answer: Box::pin(sender.try_send_request(req)),
-                        sender,
+                    Some(mut conn) => State::Reused {
+                        answer: Box::pin(conn.sender.try_send_request(req)),
+                        conn,
                     },
                     None => State::Fresh(Box::pin(this.pool.clone().send_fresh(req))),
                 },
-                State::Reused { sender, mut answer } => match answer.as_mut().poll(cx) {
+                State::Reused { conn, mut answer } => match answer.as_mut().poll(cx) {
                     Poll::Pending => {
-                        this.state = State::Reused { sender, answer };
+                        this.state = State::Reused { conn, answer };
                         return Poll::Pending;
                     }
                     Poll::Ready(Ok(response)) => {
-                        return Poll::Ready(this.pool.answered(sender, response))
+                        return Poll::Ready(this.pool.answered(conn, response))
                     }
                     Poll::Ready(Err(mut e)) => match e.take_message() {
                         // The upstream closed the idle connection as we took
@@ -340,7 +357,7 @@ impl Future for Sending {
 /// cannot abandon an answer halfway and reuse the connection).
 struct Returning {
     body: Incoming,
-    sender: Option<SendRequest<Body>>,
+    conn: Option<Conn>,
     pool: Weak<Pool>,
 }
 
@@ -355,10 +372,10 @@ impl http_body::Body for Returning {
         let frame = ready!(Pin::new(&mut self.body).poll_frame(cx));
         match &frame {
             Some(Ok(_)) if !self.body.is_end_stream() => {}
-            Some(Err(_)) => self.sender = None,
+            Some(Err(_)) => self.conn = None,
             _ => {
-                if let (Some(sender), Some(pool)) = (self.sender.take(), self.pool.upgrade()) {
-                    pool.put_back(sender);
+                if let (Some(conn), Some(pool)) = (self.conn.take(), self.pool.upgrade()) {
+                    pool.put_back(conn);
                 }
             }
         }
@@ -496,6 +513,53 @@ mod tests {
         assert_eq!(upstream.connections.load(Ordering::SeqCst), 1);
     }
 
+    /// With a runtime per worker thread, a worker takes an idle connection
+    /// its own runtime drives before a more recently used one of
+    /// another's, and the most recent when it has none of its own.
+    #[tokio::test]
+    async fn a_worker_takes_a_connection_of_its_own_first() {
+        /// Worker 0 again when the test ends, however it ends.
+        struct Reset;
+        impl Drop for Reset {
+            fn drop(&mut self) {
+                worker::enter(0);
+            }
+        }
+        let _reset = Reset;
+        let upstream = upstream().await;
+        let pool = pool(&upstream.base);
+        worker::enter(1);
+        let first = pool.clone().send(request(&upstream.base)).await.unwrap();
+        worker::enter(0);
+        let second = pool.clone().send(request(&upstream.base)).await.unwrap();
+        text(second).await;
+        text(first).await;
+        assert_eq!(upstream.connections.load(Ordering::SeqCst), 2);
+        let idle = |pool: &Pool| -> Vec<usize> {
+            let idle = pool.idle.lock().unwrap();
+            idle.iter().map(|i| i.conn.worker).collect()
+        };
+        while idle(&pool).len() < 2 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(idle(&pool), [0, 1], "worker 1's connection came back last");
+
+        let own = pool.checkout().unwrap();
+        assert_eq!(own.worker, 0, "worker 0 passed over the most recent");
+        pool.keep(own);
+        worker::enter(1);
+        let own = pool.checkout().unwrap();
+        assert_eq!(own.worker, 1, "worker 1 passed over the most recent");
+        pool.keep(own);
+        worker::enter(2);
+        let any = pool.checkout().unwrap();
+        assert_eq!(
+            any.worker, 1,
+            "a worker with none of its own takes the most recent"
+        );
+        assert_eq!(idle(&pool), [0]);
+    }
+
     /// Five connections in use at once, then all returned to a pool that
     /// keeps three: three are kept, two closed; the next five requests take
     /// the three and open two more.
@@ -604,7 +668,7 @@ mod tests {
         let (mut sender, connection) = http1::handshake(TokioIo::new(io)).await.unwrap();
         let task = tokio::spawn(connection);
         sender.ready().await.unwrap();
-        pool.keep(sender);
+        pool.keep(Conn { sender, worker: 0 });
         // On this single-threaded runtime the connection's task is dropped
         // only when `send` first waits: after it has taken the connection
         // and handed it the request.

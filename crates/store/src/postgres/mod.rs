@@ -58,7 +58,7 @@ pub use settings::{Check, ClientIdentity, PgSettings, PgTls, PgUrl, SslMode};
 #[derive(Clone)]
 pub struct Postgres {
     /// Each worker's share of the pool and its batching queues
-    /// ([`crate::worker`]); one with a shared runtime.
+    /// ([`idemgate_domain::worker`]); one with a shared runtime.
     lanes: std::sync::Arc<[Lane]>,
     /// The pool's connection settings (`database_url`).
     pooled: Session,
@@ -167,7 +167,7 @@ impl Postgres {
 
     /// [`Postgres::new`] for `workers` worker threads that each run a
     /// runtime of their own: each gets a lane, its share of
-    /// `database_pool_size` and queues of its own ([`crate::worker`]). A
+    /// `database_pool_size` and queues of its own ([`idemgate_domain::worker`]). A
     /// lane holds [`LANE_CONNECTIONS`] at least; with fewer connections
     /// than that for each worker, workers share lanes (told at start-up).
     pub fn for_workers(
@@ -274,7 +274,7 @@ impl Postgres {
 
     /// The calling thread's worker's lane.
     fn lane(&self) -> &Lane {
-        &self.lanes[crate::worker::current() % self.lanes.len()]
+        &self.lanes[idemgate_domain::worker::current() % self.lanes.len()]
     }
 
     /// The calling thread's worker's share of the pool.

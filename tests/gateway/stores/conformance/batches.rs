@@ -1502,7 +1502,7 @@ fn on_postgres_begins_from_two_workers_lanes_make_one_job_a_key() {
             let (store, probe, keys, together) =
                 (store.clone(), probe.clone(), keys.clone(), together.clone());
             std::thread::spawn(move || {
-                idemgate_store::worker::enter(worker);
+                idemgate_domain::worker::enter(worker);
                 let runtime = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
                     .build()

@@ -1,9 +1,12 @@
 //! Which worker a thread serves, where each worker thread runs a runtime
 //! of its own (`worker_runtime = "per_thread"`, `docs/design.md` §12,
-//! "Threads"). A store keeps a share of its connections and its batching
-//! queues for each worker, so that a request's statement, its connection
-//! and the task that drives it all stay on the request's thread: nothing
-//! is handed to another thread and woken there.
+//! "Threads"). The PostgreSQL store keeps a share of its connections and
+//! its batching queues for each worker, and the upstream pool hands a
+//! worker the connections its own runtime drives, so that a request's
+//! statements, its upstream call and the tasks that drive their
+//! connections all stay on the request's thread: nothing is handed to
+//! another thread and woken there. The domain's one piece of state: set
+//! once by each worker thread, read by the layers above.
 //!
 //! Threads that never [`enter`] one (the main thread, tests, every thread
 //! of a shared runtime) are worker 0.
@@ -21,6 +24,6 @@ pub fn enter(index: usize) {
 }
 
 /// The worker the calling thread serves.
-pub(crate) fn current() -> usize {
+pub fn current() -> usize {
     WORKER.with(Cell::get)
 }
